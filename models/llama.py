@@ -1,0 +1,200 @@
+"""Llama family: Llama 2/3, Mistral (sliding window), Qwen2 (q/k/v bias), SmolLM2 (tied embeddings).
+
+One top-down file: rope -> norm -> attention -> MLP -> block -> model -> HF weight-name map.
+
+Design decisions
+- Module names equal Hugging Face parameter names, so a canonical (HF-named) state dict, sharded per rank
+  by `neuron_opt.parallel.sharding`, loads with `load_state_dict` and no renaming.
+- Every step (prefill or decode) is one call with fixed shapes per bucket:
+    input_ids [B, S], positions [B, S], slot_ids [B], last_index [B], and a static `kv_len`.
+  New K/V are written into the caches at (slot, position); attention then reads cache positions
+  [0, kv_len) of each row's slot, masked causally by position. Decode graphs attend over their bucket's
+  `kv_len` only, so bytes read scale with the bucket, not with the cache's max length.
+- KV caches are explicit inputs ([slots, n_kv_local, max_length, D] per layer), mutated in place; an AOT
+  compiler sees them as graph inputs rather than module buffers (see docs/design.md on pytorch#165444).
+- Only the hidden state at `last_index` goes through the LM head: prefill never computes [S, V] logits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from neuron_opt.config import ModelConfig
+from neuron_opt.parallel import (
+    SINGLE,
+    ColumnParallelLinear,
+    HeadLayout,
+    ParallelContext,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+
+def rope_tables(cfg: ModelConfig, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_length, D] in fp32, computed exactly as transformers does (same inv_freq)."""
+    rope = cfg.rope
+    rope_type = rope.get("rope_type", "default")
+    D = cfg.head_dim
+    scaling = 1.0
+    if rope_type == "default":
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+    else:
+        from transformers import LlamaConfig
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        hf = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+                         head_dim=D, max_position_embeddings=cfg.max_position_embeddings,
+                         rope_parameters=rope)
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+        inv_freq = inv_freq.float()
+    pos = torch.arange(max_length, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq)  # [max_length, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [max_length, D]
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, S, n, D]; cos/sin [B, S, 1, D]. Rotate-half convention (HF Llama)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, lay: HeadLayout, pctx: ParallelContext) -> None:
+        super().__init__()
+        H, D = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.D = lay.n_heads_local, lay.n_kv_local, D
+        self.window = cfg.sliding_window
+        self.q_proj = ColumnParallelLinear(H, self.n_heads * D, cfg.attention_bias, pctx)
+        self.k_proj = ColumnParallelLinear(H, self.n_kv * D, cfg.attention_bias, pctx)
+        self.v_proj = ColumnParallelLinear(H, self.n_kv * D, cfg.attention_bias, pctx)
+        self.o_proj = RowParallelLinear(self.n_heads * D, H, cfg.o_bias, pctx)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                slot_ids: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int) -> torch.Tensor:
+        B, S, _ = x.shape
+        q = self.q_proj(x).view(B, S, self.n_heads, self.D)  # [B, S, n_heads, D]
+        k = self.k_proj(x).view(B, S, self.n_kv, self.D)  # [B, S, n_kv, D]
+        v = self.v_proj(x).view(B, S, self.n_kv, self.D)  # [B, S, n_kv, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # write new K/V at (slot, position): advanced indices around a slice -> value is [B, S, n_kv, D]
+        k_cache[slot_ids[:, None], :, positions] = k.to(k_cache.dtype)
+        v_cache[slot_ids[:, None], :, positions] = v.to(v_cache.dtype)
+        keys = k_cache[slot_ids, :, :kv_len].to(q.dtype)  # [B, n_kv, kv_len, D]
+        values = v_cache[slot_ids, :, :kv_len].to(q.dtype)  # [B, n_kv, kv_len, D]
+        j = torch.arange(kv_len, device=x.device)
+        mask = j[None, None, :] <= positions[:, :, None]  # [B, S, kv_len]
+        if self.window is not None:
+            mask = mask & (j[None, None, :] > positions[:, :, None] - self.window)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=mask[:, None], scale=1.0 / math.sqrt(self.D),
+            enable_gqa=self.n_heads != self.n_kv,
+        )  # [B, n_heads, S, D]
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, self.n_heads * self.D))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, lay: HeadLayout, pctx: ParallelContext) -> None:
+        super().__init__()
+        H, I = cfg.hidden_size, lay.intermediate_local
+        self.gate_proj = ColumnParallelLinear(H, I, cfg.mlp_bias, pctx)
+        self.up_proj = ColumnParallelLinear(H, I, cfg.mlp_bias, pctx)
+        self.down_proj = RowParallelLinear(I, H, cfg.mlp_bias, pctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, lay: HeadLayout, pctx: ParallelContext) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, lay, pctx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, lay, pctx)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                slot_ids: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, slot_ids, k_cache, v_cache, kv_len)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """HF's `model.` prefix: embeddings, layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig, lay: HeadLayout, pctx: ParallelContext) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(lay.vocab_local, cfg.hidden_size, pctx)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, lay, pctx) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, lay: HeadLayout, max_length: int,
+                 pctx: ParallelContext = SINGLE) -> None:
+        super().__init__()
+        self.cfg, self.layout, self.pctx, self.max_length = cfg, lay, pctx, max_length
+        self.model = Backbone(cfg, lay, pctx)
+        self.lm_head = ColumnParallelLinear(cfg.hidden_size, lay.vocab_local, False, pctx)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        cos, sin = rope_tables(cfg, max_length)
+        self.register_buffer("rope_cos", cos, persistent=False)  # [max_length, D]
+        self.register_buffer("rope_sin", sin, persistent=False)  # [max_length, D]
+
+    def kv_shape(self, num_slots: int) -> tuple[int, int, int, int]:
+        return (num_slots, self.layout.n_kv_local, self.max_length, self.cfg.head_dim)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
+                last_index: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                kv_len: int) -> torch.Tensor:
+        """Run one step; returns this rank's fp32 logits [B, V/tp] at `last_index` of each row."""
+        x = self.model.embed_tokens(input_ids)  # [B, S, H]
+        cos = self.rope_cos[positions].to(x.dtype)[:, :, None, :]  # [B, S, 1, D]
+        sin = self.rope_sin[positions].to(x.dtype)[:, :, None, :]  # [B, S, 1, D]
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, positions, slot_ids, k_caches[i], v_caches[i], kv_len)
+        B = x.shape[0]
+        x = x[torch.arange(B, device=x.device), last_index]  # [B, H]
+        return self.lm_head(self.model.norm(x)).float()  # [B, V/tp]
+
+
+# HF weight-name map: our parameter names are the HF names. Checkpoints with tied embeddings may omit
+# `lm_head.weight`; GGUF names are mapped to these in neuron_opt/checkpoint.py.
+def expected_weight_names(cfg: ModelConfig) -> list[str]:
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        for proj in ("q", "k", "v"):
+            names.append(p + f"self_attn.{proj}_proj.weight")
+            if cfg.attention_bias:
+                names.append(p + f"self_attn.{proj}_proj.bias")
+        names.append(p + "self_attn.o_proj.weight")
+        if cfg.o_bias:
+            names.append(p + "self_attn.o_proj.bias")
+        for proj in ("gate", "up", "down"):
+            names.append(p + f"mlp.{proj}_proj.weight")
+            if cfg.mlp_bias:
+                names.append(p + f"mlp.{proj}_proj.bias")
+    return names

@@ -1,0 +1,32 @@
+"""Explicit registry: HF `architectures[0]` -> model family. Unknown names fail with the supported list."""
+
+from __future__ import annotations
+
+from neuron_opt.errors import UnsupportedModelError
+
+# SmolLM2 checkpoints declare LlamaForCausalLM.
+_FAMILIES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_FAMILIES)
+
+
+def family_for(architecture: str) -> str:
+    try:
+        return _FAMILIES[architecture]
+    except KeyError:
+        raise UnsupportedModelError(
+            f"architecture {architecture!r} is not supported; supported: {', '.join(supported_architectures())}"
+        ) from None
+
+
+def model_class(architecture: str) -> type:
+    family_for(architecture)
+    from models.llama import LlamaForCausalLM
+
+    return LlamaForCausalLM

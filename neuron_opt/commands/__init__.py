@@ -1,0 +1,1 @@
+"""One module per `neuron-opt` subcommand (see neuron_opt/cli.py)."""

@@ -1,0 +1,248 @@
+"""Frozen, typed configuration split by owner.
+
+- ModelConfig: what the checkpoint says (HF field names). Built with `ModelConfig.from_hf`.
+- ParallelConfig: how the model is split across ranks (tp degree, layouts).
+- CacheConfig: KV cache geometry (slots, max length, dtype).
+- BucketConfig: which graphs are compiled (prefill seq lengths, decode (batch, kv_len) pairs).
+- SchedulerConfig / ServerConfig: runtime knobs of the engine and the HTTP server.
+
+Every dataclass validates itself in `__post_init__` and raises `ConfigError` naming the field.
+Change a config with `dataclasses.replace`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from neuron_opt.errors import ConfigError
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _check(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{name}: {msg}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture hyper-parameters of a Llama-family checkpoint (HF names)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    rope_parameters: tuple[tuple[str, Any], ...] = (("rope_type", "default"), ("rope_theta", 10000.0))
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v (Qwen2: True)
+    o_bias: bool = False  # bias on o_proj (Llama's attention_bias covers o_proj too)
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "llama"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            _check(int(getattr(self, name)) > 0, name, f"must be a positive integer, got {getattr(self, name)!r}")
+        _check(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
+               f"{self.num_key_value_heads} does not divide num_attention_heads={self.num_attention_heads}")
+        _check(self.head_dim % 2 == 0, "head_dim", f"must be even for rotary embeddings, got {self.head_dim}")
+        _check(self.hidden_act == "silu", "hidden_act", f"only 'silu' is supported, got {self.hidden_act!r}")
+        _check(self.sliding_window is None or self.sliding_window > 0, "sliding_window",
+               f"must be positive or None, got {self.sliding_window}")
+        rope_type = self.rope.get("rope_type", "default")
+        _check(rope_type in ("default", "linear", "llama3", "yarn"), "rope_parameters.rope_type",
+               f"{rope_type!r} is not supported (supported: default, linear, llama3, yarn); 'dynamic' changes "
+               "the rotary table with sequence length, which fixed-shape compiled buckets cannot express")
+
+    @property
+    def rope(self) -> dict[str, Any]:
+        return dict(self.rope_parameters)
+
+    @property
+    def rope_theta(self) -> float:
+        return float(self.rope.get("rope_theta", 10000.0))
+
+    @property
+    def gqa_group(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def num_parameters(self) -> int:
+        """Exact parameter count (embeddings counted once when tied)."""
+        H, D, L, V, I = self.hidden_size, self.head_dim, self.num_hidden_layers, self.vocab_size, self.intermediate_size
+        nq, nkv = self.num_attention_heads, self.num_key_value_heads
+        attn = H * nq * D + 2 * H * nkv * D + nq * D * H
+        if self.attention_bias:
+            attn += nq * D + 2 * nkv * D
+        if self.o_bias:
+            attn += H
+        mlp = 3 * H * I + (2 * I + H if self.mlp_bias else 0)
+        per_layer = attn + mlp + 2 * H
+        head = 0 if self.tie_word_embeddings else V * H
+        return L * per_layer + V * H + H + head
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> ModelConfig:
+        """Build from a `transformers` config object, a config dict, or a path to config.json / its directory."""
+        if isinstance(hf, (str, Path)):
+            p = Path(hf)
+            p = p / "config.json" if p.is_dir() else p
+            if not p.exists():
+                raise ConfigError(f"config: {p} does not exist")
+            try:
+                hf = json.loads(p.read_text())
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"config: {p} is not valid JSON ({e})") from None
+        if isinstance(hf, dict):
+            from transformers import AutoConfig
+
+            d = dict(hf)
+            model_type = d.pop("model_type", None)
+            if model_type is None:
+                raise ConfigError("config: no 'model_type' field; is this a Hugging Face config.json?")
+            try:
+                hf = AutoConfig.for_model(model_type, **d)
+            except ValueError as e:
+                from models.registry import supported_architectures
+
+                raise ConfigError(f"config: unknown model_type {model_type!r} ({e}); supported architectures: "
+                                  f"{', '.join(supported_architectures())}") from None
+        from models.registry import family_for
+
+        archs = getattr(hf, "architectures", None) or []
+        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                                       "qwen2": "Qwen2ForCausalLM"}.get(hf.model_type, hf.model_type)
+        family_for(arch)  # raises UnsupportedModelError with the supported list
+        n_heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // n_heads
+        rope = dict(getattr(hf, "rope_parameters", None) or {})
+        rope.setdefault("rope_theta", float(getattr(hf, "rope_theta", 10000.0)))
+        rope.setdefault("rope_type", "default")
+        eos = hf.eos_token_id
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        is_qwen2 = hf.model_type == "qwen2"
+        attention_bias = True if is_qwen2 else bool(getattr(hf, "attention_bias", False))
+        sliding = getattr(hf, "sliding_window", None)
+        if is_qwen2 and not getattr(hf, "use_sliding_window", False):
+            sliding = None
+        return cls(
+            architecture=arch,
+            model_type=hf.model_type,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_hidden_layers=hf.num_hidden_layers,
+            num_attention_heads=n_heads,
+            num_key_value_heads=getattr(hf, "num_key_value_heads", None) or n_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(hf.rms_norm_eps),
+            max_position_embeddings=hf.max_position_embeddings,
+            rope_parameters=tuple(sorted((k, _freeze(v)) for k, v in rope.items())),
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            o_bias=bool(getattr(hf, "attention_bias", False)) and not is_qwen2,
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            sliding_window=sliding,
+            hidden_act=getattr(hf, "hidden_act", "silu"),
+            bos_token_id=getattr(hf, "bos_token_id", None),
+            eos_token_ids=eos_ids,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["rope_parameters"] = self.rope
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        d = dict(d)
+        d["rope_parameters"] = tuple(sorted((k, _freeze(v)) for k, v in d["rope_parameters"].items()))
+        d["eos_token_ids"] = tuple(d["eos_token_ids"])
+        return cls(**d)
+
+
+def _freeze(v: Any) -> Any:
+    return tuple(v) if isinstance(v, list) else v
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor-parallel degree and the collective-communication-aware layouts to use."""
+
+    tp: int = 1
+    sequence_parallel: bool = False
+    flash_decoding: bool = False
+    vocab_parallel_sampling: bool = True
+    gqa_strategy: str = "auto"  # auto | replicate-kv | mha
+    instance: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.tp, int) and self.tp >= 1, "tp", f"must be an integer >= 1, got {self.tp!r}")
+        _check(self.gqa_strategy in ("auto", "replicate-kv", "mha"), "gqa_strategy",
+               f"must be one of auto, replicate-kv, mha; got {self.gqa_strategy!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV cache geometry: one cache line (`slot`) per concurrent sequence, each `max_length` long."""
+
+    max_batch: int = 1
+    max_length: int = 2048
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        _check(self.max_batch >= 1, "max_batch", f"must be >= 1, got {self.max_batch}")
+        _check(self.max_length >= 1, "max_length", f"must be >= 1, got {self.max_length}")
+        _check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+
+    @property
+    def num_slots(self) -> int:
+        """Slots in the KV buffers: one per sequence plus one scratch slot that padded batch rows write to."""
+        return self.max_batch + 1
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.max_batch
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 8
+    max_waiting: int = 1024
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        _check(self.max_waiting >= 0, "max_waiting", f"must be >= 0, got {self.max_waiting}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything a compiled artifact is built from."""
+
+    model: ModelConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)

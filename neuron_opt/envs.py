@@ -1,0 +1,10 @@
+"""Every environment variable neuron_opt reads, in one place (prefix NEURON_OPT_), read once at import."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CACHE_DIR = Path(os.environ.get("NEURON_OPT_CACHE_DIR", Path.home() / ".cache" / "neuron_opt"))
+# Number of torch intra-op threads per process (default: torch's choice).
+NUM_THREADS = int(os.environ["NEURON_OPT_NUM_THREADS"]) if os.environ.get("NEURON_OPT_NUM_THREADS") else None

@@ -1,0 +1,38 @@
+"""Every exception that crosses a boundary (CLI, config, HTTP, artifact, kernel arguments).
+
+Each names what is wrong and, where there is one, the flag or file that fixes it.
+"""
+
+from __future__ import annotations
+
+
+class NeuronOptError(Exception):
+    """Base class of all neuron_opt errors."""
+
+
+class ConfigError(NeuronOptError, ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+class UnsupportedModelError(NeuronOptError):
+    """The checkpoint's architecture is not one we implement; the message lists the supported names."""
+
+
+class CheckpointError(NeuronOptError):
+    """A checkpoint file is missing, unreadable or inconsistent; the message names the file."""
+
+
+class BucketOverflowError(NeuronOptError, ValueError):
+    """A request does not fit the largest compiled bucket; the message names it and the flag that raises it."""
+
+
+class ArtifactError(NeuronOptError):
+    """An artifact is missing, tampered with, or does not match this install; the message says what differs."""
+
+
+class BackendUnavailableError(NeuronOptError):
+    """A backend's runtime (e.g. the Neuron SDK) is not installed here."""
+
+
+class ContextLengthError(NeuronOptError, ValueError):
+    """A prompt (plus the tokens asked for) is longer than the model or artifact allows."""
