@@ -1,0 +1,90 @@
+"""Python API: `LLM(model).generate(prompt)` / `.chat(messages)`.
+
+`model` is a compiled artifact directory (from `neuron-opt compile`), an HF checkpoint directory, a GGUF file, or
+"default" (the embedded SmolLM2-135M-Instruct). Checkpoints run on the eager reference backend in memory;
+artifacts run on the backend they were compiled for.
+
+    from neuron_opt import LLM, SamplingParams
+    llm = LLM("default")
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(max_tokens=32))
+    print(out.text)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from neuron_opt.backends.eager import EagerExecutor
+from neuron_opt.buckets import BucketConfig
+from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
+from neuron_opt.parallel import head_layout
+from neuron_opt.runtime.generate import GenerationOutput, generate_ids
+from neuron_opt.runtime.runner import ModelRunner
+from neuron_opt.runtime.sampling import SamplingParams
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], max_length: int,
+                dtype: torch.dtype) -> torch.nn.Module:
+    """A single-rank model with the given (canonical, HF-named) weights."""
+    from models.registry import model_class
+
+    model = model_class(cfg.architecture)(cfg, head_layout(cfg, ParallelConfig()), max_length)
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    assert not (set(missing) - tied) and not unexpected, (missing, unexpected)
+    return model.to(dtype).eval()
+
+
+def is_artifact(path: str | Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / "manifest.json").exists()
+
+
+class LLM:
+    def __init__(self, model: str | Path, *, dtype: str = "float32", max_length: int | None = None,
+                 batch_size: int = 1) -> None:
+        if is_artifact(model):
+            from neuron_opt.artifact import load_artifact
+
+            loaded = load_artifact(Path(model))
+            self.config, self.tokenizer, self.runner = loaded.model_config, loaded.tokenizer, loaded.runner
+        else:
+            from neuron_opt.checkpoint import open_checkpoint
+
+            ckpt = open_checkpoint(model)
+            self.config = ckpt.config
+            self.tokenizer = ckpt.tokenizer()
+            max_length = max_length or min(self.config.max_position_embeddings, 2048)
+            cache = CacheConfig(max_batch=batch_size, max_length=max_length, dtype=dtype)
+            torch_model = build_model(self.config, ckpt.state_dict(), max_length, TORCH_DTYPES[dtype])
+            buckets = BucketConfig.build(max_context=max_length, max_length=max_length, max_batch=batch_size)
+            self.runner = ModelRunner(EagerExecutor(torch_model, cache.num_slots), buckets, cache,
+                                      self.config.vocab_size)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.config.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = out["input_ids"] if hasattr(out, "keys") else out
+        return list(ids)
+
+    def generate_ids(self, prompt_ids: list[int], params: SamplingParams | None = None) -> GenerationOutput:
+        return generate_ids(self.runner, self.tokenizer, prompt_ids, params or SamplingParams(),
+                            self.eos_token_ids)
+
+    def generate(self, prompt: str, params: SamplingParams | None = None) -> GenerationOutput:
+        ids = self.tokenizer(prompt)["input_ids"]
+        return self.generate_ids(list(ids), params)
+
+    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None) -> GenerationOutput:
+        return self.generate_ids(self.encode_chat(messages), params)

@@ -1,0 +1,60 @@
+"""Reference backend: runs the torch model eagerly, no compilation. The oracle for the other backends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from neuron_opt.backends.base import ModelFactory, StepInputs, allocate_kv
+from neuron_opt.buckets import Bucket
+
+
+def model_state_for_save(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """State dict without tied duplicates (safetensors refuses shared storage) and without derived buffers."""
+    sd = model.state_dict()
+    if model.cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    return {k: v.contiguous() for k, v in sd.items()}
+
+
+def load_model_weights(model: torch.nn.Module, path: Path) -> None:
+    sd = load_file(str(path))
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    tied = {"lm_head.weight"} if model.cfg.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"{path}: weights do not match the model (missing {sorted(set(missing) - tied)[:5]}, "
+                         f"unexpected {sorted(unexpected)[:5]})")
+
+
+class EagerExecutor:
+    def __init__(self, model: torch.nn.Module, num_slots: int) -> None:
+        self.model = model.eval()
+        dtype = next(model.parameters()).dtype
+        self.k_caches, self.v_caches = allocate_kv(model, num_slots, dtype)
+
+    @torch.inference_mode()
+    def run(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
+        return self.model(inputs.input_ids, inputs.positions, inputs.slot_ids, inputs.last_index,
+                          self.k_caches, self.v_caches, bucket.kv_len)
+
+
+class EagerBackend:
+    name = "eager"
+
+    def __init__(self, dtype: torch.dtype = torch.float32, options: dict | None = None) -> None:
+        self.dtype = dtype
+        self.options = dict(options or {})
+
+    def compile_bucket(self, model: torch.nn.Module, bucket: Bucket, num_slots: int, out_dir: Path) -> list[Path]:
+        return []  # nothing to compile: the eager graph is the model itself
+
+    def save_weights(self, model: torch.nn.Module, path: Path) -> None:
+        save_file(model_state_for_save(model), str(path))
+
+    def load(self, graph_files: dict[Bucket, list[Path]], weights_path: Path, model_factory: ModelFactory,
+             num_slots: int) -> EagerExecutor:
+        model = model_factory()
+        load_model_weights(model, weights_path)
+        return EagerExecutor(model.to(self.dtype), num_slots)

@@ -1,0 +1,62 @@
+"""`neuron-opt generate`: one prompt, from an artifact directory or straight from a checkpoint (eager)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from neuron_opt.errors import ConfigError
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: greedy)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_params_from_args(args: argparse.Namespace):
+    from neuron_opt.runtime.sampling import SamplingParams
+
+    sampling = any(v is not None for v in (args.temperature, args.top_k, args.top_p, args.seed))
+    return SamplingParams(
+        max_tokens=args.max_new_tokens,
+        temperature=(args.temperature if args.temperature is not None else 1.0) if sampling else 0.0,
+        top_k=args.top_k or 0, top_p=args.top_p if args.top_p is not None else 1.0, seed=args.seed,
+        stop=tuple(args.stop))
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text for one prompt")
+    p.add_argument("artifact", nargs="?", help="artifact directory produced by `neuron-opt compile`")
+    p.add_argument("--model", help="instead of an artifact: HF directory, GGUF file, or 'default' (eager)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="with --model: eager compute dtype")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_sampling_flags(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if bool(args.artifact) == bool(args.model):
+        raise ConfigError("generate: give either an artifact directory or --model PATH|default (not both)")
+    from neuron_opt.api import LLM
+
+    params = sampling_params_from_args(args)
+    llm = LLM(args.artifact or args.model, dtype=args.dtype)
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)
+    else:
+        out = llm.generate(args.prompt, params)
+    if args.json:
+        json.dump({"prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids, "text": out.text,
+                   "finish_reason": out.finish_reason}, sys.stdout)
+        print()
+    else:
+        print(out.text)
+    return 0

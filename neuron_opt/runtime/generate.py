@@ -1,0 +1,44 @@
+"""Reference generation loop for one sequence: prefill, then decode until a stop condition.
+
+The serving engine batches many sequences; this loop is the simple path the CLI's `generate` and the tests use,
+built from the same runner, sampler and stop checker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from neuron_opt.runtime.runner import DecodeRow, ModelRunner
+from neuron_opt.runtime.sampling import SamplerState, SamplingParams, sample_one
+from neuron_opt.runtime.stopping import StopChecker
+
+
+@dataclass
+class GenerationOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[float] = field(default_factory=list)
+
+
+def generate_ids(runner: ModelRunner, tokenizer: object, prompt_ids: list[int], params: SamplingParams,
+                 eos_token_ids: tuple[int, ...], slot: int = 0) -> GenerationOutput:
+    runner.check_fits(len(prompt_ids), params.max_tokens)
+    state = SamplerState.create(params)
+    stop = StopChecker(tokenizer, params, eos_token_ids)
+    logits = runner.prefill(slot, prompt_ids)
+    logprobs: list[float] = []
+    position = len(prompt_ids)
+    while True:
+        banned = eos_token_ids if len(stop.token_ids) < params.min_tokens else ()
+        res = sample_one(logits, state, banned)
+        state.observe(res.token)
+        if res.logprob is not None:
+            logprobs.append(res.logprob)
+        stop.add(res.token)
+        if stop.finish_reason is not None:
+            break
+        logits = runner.decode([DecodeRow(slot, res.token, position)])[0]
+        position += 1
+    return GenerationOutput(list(prompt_ids), stop.token_ids, stop.text, stop.finish_reason, logprobs)

@@ -1,0 +1,75 @@
+"""Model runner: picks the bucket, pads inputs to its shape, runs the graph, returns logits.
+
+Prefill vs decode is decided here, once, by the bucket choice. Padding rules:
+- prefill: token ids padded with 0 up to the bucket's seq; pad positions continue past the prompt (they write
+  K/V beyond the prompt, which later decode steps overwrite before any read, and the causal mask hides them).
+- decode: missing batch rows use the scratch slot (CacheConfig.scratch_slot) at position 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from neuron_opt.backends.base import Executor, StepInputs
+from neuron_opt.buckets import Bucket, BucketConfig, pick_decode, pick_prefill
+from neuron_opt.config import CacheConfig
+from neuron_opt.errors import ContextLengthError
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    slot: int
+    token: int
+    position: int
+
+
+class ModelRunner:
+    def __init__(self, executor: Executor, buckets: BucketConfig, cache: CacheConfig, vocab_size: int) -> None:
+        self.executor, self.buckets, self.cache, self.vocab_size = executor, buckets, cache, vocab_size
+        self.last_bucket: Bucket | None = None
+
+    @property
+    def max_prompt_len(self) -> int:
+        return self.buckets.prefill_seqs[-1]
+
+    @property
+    def max_total_len(self) -> int:
+        """Most tokens (prompt + generated) one sequence can hold: the largest decode KV bucket."""
+        return min(self.buckets.decode_seqs[-1], self.cache.max_length)
+
+    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        if prompt_len > self.max_prompt_len:
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.max_prompt_len} tokens. However, your request has "
+                f"{prompt_len} input tokens. Please reduce the length of the input.")
+        if prompt_len + max_tokens > self.max_total_len:
+            raise ContextLengthError(
+                f"'max_tokens' is too large: {max_tokens}. This model's maximum context length is "
+                f"{self.max_total_len} tokens and your request has {prompt_len} input tokens "
+                f"({max_tokens} > {self.max_total_len} - {prompt_len}).")
+
+    def prefill(self, slot: int, token_ids: list[int]) -> torch.Tensor:
+        """Run a prompt into `slot`; returns fp32 logits [V] of its last token."""
+        n = len(token_ids)
+        bucket = pick_prefill(n, self.buckets)
+        ids = torch.zeros(1, bucket.seq, dtype=torch.long)
+        ids[0, :n] = torch.tensor(token_ids, dtype=torch.long)
+        inputs = StepInputs(ids, torch.arange(bucket.seq, dtype=torch.long)[None],
+                            torch.tensor([slot], dtype=torch.long), torch.tensor([n - 1], dtype=torch.long))
+        self.last_bucket = bucket
+        return self.executor.run(bucket, inputs)[0, : self.vocab_size]
+
+    def decode(self, rows: list[DecodeRow]) -> torch.Tensor:
+        """One token per row at its position; returns fp32 logits [len(rows), V]."""
+        bucket = pick_decode(len(rows), max(r.position for r in rows), self.buckets)
+        B = bucket.batch
+        ids = torch.zeros(B, 1, dtype=torch.long)
+        pos = torch.zeros(B, 1, dtype=torch.long)
+        slots = torch.full((B,), self.cache.scratch_slot, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, 0], pos[i, 0], slots[i] = r.token, r.position, r.slot
+        inputs = StepInputs(ids, pos, slots, torch.zeros(B, dtype=torch.long))
+        self.last_bucket = bucket
+        return self.executor.run(bucket, inputs)[: len(rows), : self.vocab_size]

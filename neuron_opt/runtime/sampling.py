@@ -1,0 +1,120 @@
+"""Per-request sampling: greedy, temperature, top-k, top-p, seed, presence/frequency penalties, logprobs.
+
+`temperature == 0` is greedy (argmax). A request with a seed draws from its own `torch.Generator`, so its
+output does not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from neuron_opt.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # number of top logprobs to return per token (0 = only the chosen token)
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ConfigError(f"max_tokens: must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature: must be non-negative, got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k: must be 0 (disabled) or positive, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p: must be in (0, 1], got {self.top_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ConfigError(f"{name}: must be in [-2, 2], got {getattr(self, name)}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ConfigError(f"logprobs: must be in [0, 20], got {self.logprobs}")
+        if self.min_tokens < 0:
+            raise ConfigError(f"min_tokens: must be >= 0, got {self.min_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class SamplerState:
+    """Per-request mutable sampling state: its generator and the token counts penalties need."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    counts: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, params: SamplingParams) -> SamplerState:
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator()
+            gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        return cls(params, gen)
+
+    def observe(self, token: int) -> None:
+        self.counts[token] = self.counts.get(token, 0) + 1
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    token: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+def _apply_penalties(logits: torch.Tensor, st: SamplerState) -> torch.Tensor:
+    p = st.params
+    if not st.counts or (p.presence_penalty == 0.0 and p.frequency_penalty == 0.0):
+        return logits
+    ids = torch.tensor(list(st.counts), dtype=torch.long)
+    cnt = torch.tensor(list(st.counts.values()), dtype=logits.dtype)
+    logits = logits.clone()
+    logits[ids] -= p.frequency_penalty * cnt + p.presence_penalty
+    return logits
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the smallest prefix whose mass reaches top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+def sample_one(logits: torch.Tensor, st: SamplerState, banned: tuple[int, ...] = ()) -> SampleResult:
+    """logits [V] fp32 -> one token. `banned` (e.g. EOS before min_tokens) gets -inf."""
+    p = st.params
+    logits = _apply_penalties(logits, st)
+    if banned:
+        logits = logits.clone()
+        logits[list(banned)] = float("-inf")
+    if p.greedy:
+        token = int(torch.argmax(logits).item())
+    else:
+        scaled = _filter_top_k_top_p(logits / p.temperature, p.top_k, p.top_p)
+        token = int(torch.multinomial(scaled.softmax(-1), 1, generator=st.generator).item())
+    if p.logprobs is None:
+        return SampleResult(token)
+    lp = logits.log_softmax(-1)
+    top = torch.topk(lp, p.logprobs) if p.logprobs else None
+    tops = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
+    return SampleResult(token, float(lp[token].item()), tops)

@@ -1,0 +1,49 @@
+"""Tiny random-weight HF checkpoints for the oracle tests (made with `save_pretrained`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# variant name -> (HF config class name, overrides). Small enough to run in milliseconds.
+BASE: dict[str, Any] = dict(vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                            max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=False)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-gqa2": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "llama-mha": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=4)),
+    "llama-gqa4": ("LlamaConfig", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16)),
+    "llama-mqa": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=1)),
+    "smollm-like-9-3": ("LlamaConfig", dict(num_attention_heads=9, num_key_value_heads=3, hidden_size=72,
+                                             tie_word_embeddings=True)),
+    "odd-heads-gqa3": ("LlamaConfig", dict(num_attention_heads=3, num_key_value_heads=1, hidden_size=48)),
+    "llama3-rope": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=256))),
+    "llama-linear-rope": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2,
+                                              rope_parameters=dict(rope_type="linear", rope_theta=10000.0,
+                                                                   factor=2.0))),
+    "llama-bias": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
+                                       mlp_bias=True)),
+    "qwen2": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "mistral-window": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8)),
+}
+
+
+def make_tiny(variant: str, out: Path, seed: int = 0) -> Path:
+    import transformers
+
+    cls_name, overrides = VARIANTS[variant]
+    cfg = getattr(transformers, cls_name)(**{**BASE, **overrides}, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    # HF initialises norms to ones and biases to zeros: randomise them so the oracle test sees them
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(1.0, 0.1)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(out)
+    return out
