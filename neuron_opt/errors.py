@@ -34,5 +34,9 @@ class BackendUnavailableError(NeuronOptError):
     """A backend's runtime (e.g. the Neuron SDK) is not installed here."""
 
 
+class KernelArgumentError(NeuronOptError, ValueError):
+    """An NKI kernel's host wrapper got shapes, dtypes or values the kernel does not support."""
+
+
 class ContextLengthError(NeuronOptError, ValueError):
     """A prompt (plus the tokens asked for) is longer than the model or artifact allows."""

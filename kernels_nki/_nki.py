@@ -1,0 +1,40 @@
+"""One import point for NKI: the real SDK (`neuronxcc.nki`) when it imports, else our simulator.
+
+Kernels do `from kernels_nki._nki import nki, nl, nisa` so that the same kernel file runs on a Neuron host
+(with the SDK's own `simulate_kernel`, or compiled for the device) and here on the numpy simulator
+`neuron_opt.nki_sim`. The PyPI placeholder packages named like the SDK raise a plain Exception ("WRONG
+PACKAGE") on import, hence the broad `except Exception`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+try:  # pragma: no cover - only on hosts with the Neuron SDK
+    import neuronxcc.nki as nki
+    import neuronxcc.nki.isa as nisa
+    import neuronxcc.nki.language as nl
+
+    HAVE_SDK = True
+except Exception:  # noqa: BLE001 - placeholders raise Exception, not ImportError
+    from neuron_opt import nki_sim as nki
+    from neuron_opt.nki_sim import isa as nisa
+    from neuron_opt.nki_sim import language as nl
+
+    HAVE_SDK = False
+
+__all__ = ["HAVE_SDK", "nisa", "nki", "nl", "simulate"]
+
+
+def simulate(kernel: Any, *arrays: Any, **kwargs: Any) -> Any:
+    """Runs `kernel` (a jitted kernel, grid already applied: `kernel[b, h]`) on numpy arrays.
+
+    Args:
+        kernel: The kernel, launched with its SPMD grid if it has one.
+        *arrays: Numpy inputs in the kernel's own layouts.
+        **kwargs: Compile-time keyword arguments of the kernel.
+
+    Returns:
+        What the kernel returns, as numpy arrays (a tuple when it returns several).
+    """
+    return nki.simulate_kernel(kernel, *arrays, **kwargs)

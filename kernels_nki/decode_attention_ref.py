@@ -1,0 +1,33 @@
+"""Reference for `decode_attention.py`: one query token per sequence against a KV cache, float64 numpy."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def decode_attention_ref(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.ndarray, *,
+                         softmax_scale: float | None = None) -> np.ndarray:
+    """Attention of each sequence's new token over the first `lengths[b]` cache positions.
+
+    Args:
+        q: `[B, n_heads, D]`.
+        k_cache: `[B, n_kv_heads, S_max, D]`.
+        v_cache: `[B, n_kv_heads, S_max, D]`.
+        lengths: `[B]` valid positions per sequence, 1 <= lengths[b] <= S_max.
+        softmax_scale: Defaults to `1 / sqrt(D)`.
+
+    Returns:
+        `[B, n_heads, D]` float64.
+    """
+    b, n_heads, d = q.shape
+    group = n_heads // k_cache.shape[1]
+    scale = 1.0 / np.sqrt(d) if softmax_scale is None else softmax_scale
+    out = np.empty((b, n_heads, d), dtype=np.float64)
+    for i in range(b):
+        n = int(lengths[i])
+        k = np.repeat(k_cache[i, :, :n].astype(np.float64), group, axis=0)  # [n_heads, n, D]
+        v = np.repeat(v_cache[i, :, :n].astype(np.float64), group, axis=0)  # [n_heads, n, D]
+        scores = scale * np.einsum("hd,hkd->hk", q[i].astype(np.float64), k)  # [n_heads, n]
+        p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        out[i] = np.einsum("hk,hkd->hd", p / p.sum(axis=-1, keepdims=True), v)
+    return out
