@@ -1,0 +1,133 @@
+"""Instance table: what each AWS Neuron instance offers one NeuronCore, with every number sourced.
+
+Design decisions:
+- Numbers are per NeuronCore as the runtime sees it (a "rank"): chip figures divided by cores per chip. On trn2
+  a rank is a logical core (LNC=2: two physical cores sharing one 24 GiB HBM bank), the SDK default.
+- Every value comes from the AWS Neuron architecture pages as summarised in docs/hardware.md (which cites each
+  one); derived values say how they are derived. No value here is fitted to benchmark results.
+- The allowed tp degrees are the runtime's (feature guide "Tensor-parallelism support"), capped by the instance's
+  core count: inf2.24xlarge has 12 cores, so tp 24 is not offered there.
+- `cpu` is a pseudo-instance for the CPU backend: capacity is this machine's RAM, shared by all ranks, and no
+  latency is modelled (CPU decode is dominated by framework overhead the table cannot predict).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from neuron_opt.errors import ConfigError
+
+GiB = 1 << 30
+GB = 10**9
+TFLOPS = 10**12
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One instance type, described per NeuronCore (rank)."""
+
+    name: str
+    family: str  # inf2 | trn1 | trn2 | cpu
+    chips: int
+    cores: int  # NeuronCores the runtime exposes (logical cores on trn2)
+    hbm_per_core: int  # bytes
+    hbm_bw_per_core: float  # bytes/s
+    bf16_flops_per_core: float  # dense FLOP/s
+    fp8_flops_per_core: float  # dense FLOP/s
+    link_bw_per_chip: float  # bytes/s between chips (NeuronLink); 0 on single-chip instances
+    dma_bw_per_chip: float  # bytes/s of the chip's DMA engines: the path between cores of one chip
+    host_ram: int  # bytes
+    tp_degrees: tuple[int, ...]
+    shared_memory: bool = False  # True for cpu: every rank draws on the same RAM
+
+    @property
+    def cores_per_chip(self) -> int:
+        return self.cores // self.chips
+
+
+# --- per-chip figures (docs/hardware.md gives the source of each) -----------------------------------------------
+_V2_HBM_CHIP = 32 * GiB  # Inferentia2 / Trainium1 chip
+_V2_BW_CHIP = 820 * GiB  # bytes/s
+_V2_BF16_CHIP = 190 * TFLOPS  # cFP8 runs at the same rate on NeuronCore-v2
+_V2_DMA_CHIP = 1000 * GB  # DMA bandwidth per chip: the collective path between the cores of one chip
+_INF2_LINK_CHIP = 192 * GiB  # NeuronLink-v2 on inf2.24xlarge / 48xlarge
+_TRN1_LINK_CHIP = 384 * GB  # trn1.32xlarge interconnect column (unit unlabelled in the source; GB/s assumed)
+_TRN1N_LINK_CHIP = 768 * GB  # trn1n.32xlarge
+_TRN2_HBM_CHIP = 96 * GiB
+_TRN2_BW_CHIP = 2.9e12
+_TRN2_BF16_CHIP = 667 * TFLOPS
+_TRN2_FP8_CHIP = 1299 * TFLOPS
+_TRN2_LINK_CHIP = 1024 * GB  # NeuronLink-v3 intra-instance
+_TRN2_DMA_CHIP = 3500 * GB
+_TRN2_LOGICAL_PER_CHIP = 4  # LNC=2: 8 physical cores -> 4 logical
+
+_INF2_TP = (1, 2, 4, 8, 24)
+_TRN1_TP = (1, 2, 8, 16, 32)
+_TRN2_TP = (1, 2, 4, 8, 16, 32, 64)
+
+
+def _v2(name: str, family: str, chips: int, link_chip: float, host_gib: int, degrees: tuple[int, ...]) -> Instance:
+    cores = 2 * chips
+    return Instance(name=name, family=family, chips=chips, cores=cores, hbm_per_core=_V2_HBM_CHIP // 2,
+                    hbm_bw_per_core=_V2_BW_CHIP / 2, bf16_flops_per_core=_V2_BF16_CHIP / 2,
+                    fp8_flops_per_core=_V2_BF16_CHIP / 2, link_bw_per_chip=link_chip,
+                    dma_bw_per_chip=_V2_DMA_CHIP, host_ram=host_gib * GiB,
+                    tp_degrees=tuple(d for d in degrees if d <= cores))
+
+
+INSTANCES: dict[str, Instance] = {
+    i.name: i
+    for i in (
+        _v2("inf2.xlarge", "inf2", 1, 0.0, 16, _INF2_TP),
+        _v2("inf2.8xlarge", "inf2", 1, 0.0, 128, _INF2_TP),
+        _v2("inf2.24xlarge", "inf2", 6, _INF2_LINK_CHIP, 384, _INF2_TP),
+        _v2("inf2.48xlarge", "inf2", 12, _INF2_LINK_CHIP, 768, _INF2_TP),
+        _v2("trn1.2xlarge", "trn1", 1, 0.0, 32, _TRN1_TP),
+        _v2("trn1.32xlarge", "trn1", 16, _TRN1_LINK_CHIP, 512, _TRN1_TP),
+        _v2("trn1n.32xlarge", "trn1", 16, _TRN1N_LINK_CHIP, 512, _TRN1_TP),
+        Instance(name="trn2.48xlarge", family="trn2", chips=16, cores=16 * _TRN2_LOGICAL_PER_CHIP,
+                 hbm_per_core=_TRN2_HBM_CHIP // _TRN2_LOGICAL_PER_CHIP,
+                 hbm_bw_per_core=_TRN2_BW_CHIP / _TRN2_LOGICAL_PER_CHIP,
+                 bf16_flops_per_core=_TRN2_BF16_CHIP / _TRN2_LOGICAL_PER_CHIP,
+                 fp8_flops_per_core=_TRN2_FP8_CHIP / _TRN2_LOGICAL_PER_CHIP,
+                 link_bw_per_chip=_TRN2_LINK_CHIP, dma_bw_per_chip=_TRN2_DMA_CHIP, host_ram=2048 * GiB,
+                 tp_degrees=_TRN2_TP),
+    )
+}
+
+
+def known_instances() -> list[str]:
+    return sorted(INSTANCES) + ["cpu"]
+
+
+def host_ram_bytes() -> int:
+    """Physical RAM of this machine (the `cpu` pseudo-instance's capacity)."""
+    return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+
+
+def cpu_instance() -> Instance:
+    ram = host_ram_bytes()
+    return Instance(name="cpu", family="cpu", chips=1, cores=os.cpu_count() or 1, hbm_per_core=ram,
+                    hbm_bw_per_core=0.0, bf16_flops_per_core=0.0, fp8_flops_per_core=0.0, link_bw_per_chip=0.0,
+                    dma_bw_per_chip=0.0, host_ram=ram, tp_degrees=tuple(2**k for k in range(7)), shared_memory=True)
+
+
+def get_instance(name: str) -> Instance:
+    """Look an instance up by name (`cpu` included); unknown names raise ConfigError listing the known ones."""
+    if name == "cpu":
+        return cpu_instance()
+    try:
+        return INSTANCES[name]
+    except KeyError:
+        raise ConfigError(f"instance: unknown instance {name!r}; known instances: "
+                          f"{', '.join(known_instances())}") from None
+
+
+def check_tp(instance: str | Instance, tp: int) -> Instance:
+    """Validate `--instance NAME --tp N`; return the instance or raise ConfigError listing the allowed degrees."""
+    inst = get_instance(instance) if isinstance(instance, str) else instance
+    if tp not in inst.tp_degrees:
+        raise ConfigError(f"tp: {tp} is not a tensor-parallel degree the Neuron runtime supports on {inst.name} "
+                          f"({inst.cores} NeuronCores); allowed: {', '.join(map(str, inst.tp_degrees))}")
+    return inst

@@ -1,0 +1,156 @@
+"""Memory per NeuronCore (rank): weights, KV cache, scratch, runtime reserve; host RAM to shard the checkpoint.
+
+Design decisions:
+- Weights are counted from the per-rank `HeadLayout` (neuron_opt.parallel.sharding), so head padding, KV-head
+  replication (replicate-kv / mha) and vocabulary padding cost exactly what the sharded checkpoint stores. At tp=1
+  with no padding the count equals `ModelConfig.num_parameters()` (tested).
+- Quantized weights (`int8`, `fp8`) are weight-only: the seven decoder linears are stored in 1 byte per element
+  plus one float32 scale per output channel; embeddings, LM head, norms and biases stay bfloat16.
+- Tied embeddings share one tensor on device: counted once.
+- The KV cache has `batch + 1` slots (CacheConfig.num_slots: one scratch slot takes padded rows' writes), each
+  `max_length` long, laid out [slots, n_kv_local, max_length, D] for K and V in every layer.
+- Scratch is the live activation set of the largest graph (one graph runs at a time and the compiler reuses
+  buffers layer to layer). Attention scores are counted as materialised in float32 because our graphs do not
+  use a flash-attention kernel; this is an upper bound when one is used.
+- RUNTIME_RESERVE is held back per core for what the model does not allocate: the Neuron runtime's own buffers,
+  instruction streams of every loaded graph, DMA descriptor rings and collective buffers. docs/planner.md
+  justifies 1 GiB.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from neuron_opt.buckets import BucketConfig
+from neuron_opt.config import ModelConfig
+from neuron_opt.errors import ConfigError
+from neuron_opt.parallel.sharding import HeadLayout
+from neuron_opt.planner.hardware import GiB, Instance
+
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1}
+WEIGHT_DTYPES = ("bfloat16", "float16", "float32", "fp8", "int8")
+KV_DTYPES = ("bfloat16", "float16", "float32", "fp8")
+QUANTIZED = ("fp8", "int8")
+RUNTIME_RESERVE = 1 * GiB  # per NeuronCore; see docs/planner.md "Runtime reserve"
+CPU_RESERVE = 2 * GiB  # operating system + Python + torch on the cpu pseudo-instance
+HOST_BASELINE = 2 * GiB  # Python + torch + tokenizer in the compile process
+
+
+def dtype_bytes(dtype: str, what: str = "dtype") -> int:
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ConfigError(f"{what}: unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_BYTES)}") from None
+
+
+@dataclass(frozen=True)
+class WeightCount:
+    """Elements held by one rank, split by how they are stored."""
+
+    linear: int  # the seven decoder projections (quantizable)
+    linear_out_channels: int  # output channels of those projections (one scale each when quantized)
+    other: int  # embeddings, LM head, norms, biases
+
+    @property
+    def total(self) -> int:
+        return self.linear + self.other
+
+
+def weight_count(cfg: ModelConfig, lay: HeadLayout) -> WeightCount:
+    """Parameters one rank stores under `lay` (padding and replication included)."""
+    H, D, L = cfg.hidden_size, lay.head_dim, cfg.num_hidden_layers
+    q, kv, inter = lay.n_heads_local * D, lay.n_kv_local * D, lay.intermediate_local
+    linear = H * q + 2 * H * kv + q * H + 3 * H * inter  # q, k, v, o, gate, up, down
+    out_ch = q + 2 * kv + H + 2 * inter + H
+    other = 2 * H  # input and post-attention RMSNorm
+    if cfg.attention_bias:
+        other += q + 2 * kv  # column-parallel biases are split
+    if cfg.o_bias:
+        other += H  # row-parallel bias is replicated
+    if cfg.mlp_bias:
+        other += 2 * inter + H
+    embed = lay.vocab_local * H  # vocab-parallel, padded vocabulary
+    head = 0 if cfg.tie_word_embeddings else lay.vocab_local * H
+    return WeightCount(linear=L * linear, linear_out_channels=L * out_ch, other=L * other + embed + head + H)
+
+
+def weight_bytes(cfg: ModelConfig, lay: HeadLayout, dtype: str) -> int:
+    """Bytes of one rank's weights in `dtype` (quantized: 1 B/element + float32 scale per output channel)."""
+    n = weight_count(cfg, lay)
+    b = dtype_bytes(dtype, "dtype")
+    if dtype in QUANTIZED:
+        return n.linear + 4 * n.linear_out_channels + 2 * n.other
+    return b * n.total
+
+
+def kv_bytes(cfg: ModelConfig, lay: HeadLayout, slots: int, length: int, kv_dtype: str) -> int:
+    """One rank's KV cache: K and V, every layer, [slots, n_kv_local, length, D]."""
+    return 2 * cfg.num_hidden_layers * slots * lay.n_kv_local * length * lay.head_dim * dtype_bytes(kv_dtype, "kv_dtype")
+
+
+def graph_scratch_bytes(cfg: ModelConfig, lay: HeadLayout, batch: int, q_len: int, kv_len: int, act_bytes: int) -> int:
+    """Live activations of one graph at its peak layer stage, per rank.
+
+    Residual stream and its normed copy are live throughout; the attention stage (q/k/v, float32 scores
+    [batch, n_heads_local, q_len, kv_len], attention output) and the MLP stage (gate, up, product) do not
+    overlap; float32 logits are produced for the last position of each row only.
+    """
+    T, D = batch * q_len, lay.head_dim
+    residual = 2 * T * cfg.hidden_size * act_bytes
+    attn = (T * (lay.n_heads_local + 2 * lay.n_kv_local) * D * act_bytes
+            + batch * lay.n_heads_local * q_len * kv_len * 4 + T * lay.n_heads_local * D * act_bytes)
+    mlp = 3 * T * lay.intermediate_local * act_bytes
+    logits = batch * lay.vocab_local * 4
+    return residual + max(attn, mlp) + logits
+
+
+def scratch_bytes(cfg: ModelConfig, lay: HeadLayout, buckets: BucketConfig, act_bytes: int) -> int:
+    """The largest graph's scratch: all graphs share one scratchpad and run one at a time."""
+    pre = [graph_scratch_bytes(cfg, lay, buckets.prefill_batch, s, s, act_bytes) for s in buckets.prefill_seqs]
+    dec = [graph_scratch_bytes(cfg, lay, b, 1, s, act_bytes)
+           for b in buckets.decode_batches for s in buckets.decode_seqs]
+    return max(pre + dec)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per rank, the capacity they must fit in, and host RAM needed to shard the checkpoint."""
+
+    weights: int
+    kv_cache: int
+    scratch: int
+    reserve: int
+    capacity: int  # per rank
+    host_needed: int
+    host_capacity: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.scratch + self.reserve
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_needed <= self.host_capacity
+
+
+def plan_memory(cfg: ModelConfig, lay: HeadLayout, inst: Instance, buckets: BucketConfig, *, batch: int,
+                max_length: int, dtype: str, kv_dtype: str) -> MemoryPlan:
+    """Memory plan of one rank for a deployment (batch = KV slots in use, max_length = KV cache length)."""
+    w = weight_bytes(cfg, lay, dtype)
+    act = 4 if dtype == "float32" else 2  # activations run in bfloat16 unless the whole model is float32
+    kv = kv_bytes(cfg, lay, batch + 1, max_length, kv_dtype)
+    scratch = scratch_bytes(cfg, lay, buckets, act)
+    if inst.shared_memory:
+        capacity, reserve = inst.hbm_per_core // lay.tp, CPU_RESERVE // lay.tp
+    else:
+        capacity, reserve = inst.hbm_per_core, RUNTIME_RESERVE
+    # compile loads the full checkpoint (bfloat16 on disk for every model we plan) and writes one rank at a time
+    checkpoint = 2 * cfg.num_parameters()
+    host = checkpoint + w + HOST_BASELINE
+    return MemoryPlan(weights=w, kv_cache=kv, scratch=scratch, reserve=reserve, capacity=capacity,
+                      host_needed=host, host_capacity=inst.host_ram)
+
