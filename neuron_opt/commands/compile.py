@@ -1,0 +1,71 @@
+"""`neuron-opt compile`: checkpoint -> artifact directory (one graph per bucket, weights once per rank)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from neuron_opt.backends import BACKENDS
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(sorted({int(v) for v in text.replace(",", " ").split()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a list of integers like '128,256,512', got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compile", help="compile a checkpoint into an artifact (one graph per shape bucket)")
+    p.add_argument("--model", required=True, help="HF checkpoint directory, GGUF file, or 'default'")
+    p.add_argument("--out", required=True, type=Path, help="artifact directory to write (atomically)")
+    p.add_argument("--backend", default="cpu", choices=BACKENDS)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="compute dtype (default: bfloat16 on CPUs with native bf16 and on Neuron, else float32)")
+    p.add_argument("--batch-size", type=int, default=1, help="KV slots = most sequences decoded together")
+    p.add_argument("--max-context", type=int, default=None, help="longest prompt (largest prefill bucket)")
+    p.add_argument("--max-length", type=int, default=None, help="KV cache length: prompt + generated tokens")
+    p.add_argument("--prefill-buckets", type=_int_list, default=None, help="e.g. 128,256,512")
+    p.add_argument("--decode-buckets", type=_int_list, default=None, help="KV lengths, e.g. 256,1024,2048")
+    p.add_argument("--decode-batches", type=_int_list, default=None, help="batch sizes, e.g. 1,4,8")
+    p.add_argument("--no-cache", action="store_true", help="do not use the compile cache")
+    _add_parallel(p)
+    p.set_defaults(func=run)
+
+
+def _add_parallel(p: argparse.ArgumentParser) -> None:
+    try:
+        from neuron_opt.parallel.cli import add_parallel_flags
+    except ImportError:
+        p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+        return
+    add_parallel_flags(p)
+
+
+def _parallel_config(args: argparse.Namespace):
+    try:
+        from neuron_opt.parallel.cli import parallel_config_from_args
+    except ImportError:
+        from neuron_opt.config import ParallelConfig
+
+        return ParallelConfig(tp=args.tp)
+    return parallel_config_from_args(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    from neuron_opt.compiler import CompileRequest, compile_artifact
+
+    req = CompileRequest(
+        model=args.model, out=args.out, backend=args.backend, dtype=args.dtype, batch_size=args.batch_size,
+        max_context=args.max_context, max_length=args.max_length, prefill_buckets=args.prefill_buckets,
+        decode_buckets=args.decode_buckets, decode_batches=args.decode_batches, parallel=_parallel_config(args),
+        use_cache=not args.no_cache)
+    report = compile_artifact(req)
+    print(f"compile cache: {len(report.hits)} hit(s), {len(report.misses)} miss(es)")
+    for label, why in report.misses.items():
+        print(f"  miss {label}: {why}")
+    print(f"artifact written to {args.out} in {report.seconds:.1f} s")
+    return 0

@@ -1,0 +1,39 @@
+"""`neuron-opt inspect DIR`: print an artifact's manifest readably (and verify it)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("inspect", help="show and verify an artifact's manifest")
+    p.add_argument("artifact", type=Path)
+    p.add_argument("--json", action="store_true", help="print the raw manifest")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from neuron_opt.artifact import MANIFEST, read_manifest
+
+    m = read_manifest(args.artifact)
+    raw = json.loads((args.artifact / MANIFEST).read_text())
+    if args.json:
+        print(json.dumps(raw, indent=2, sort_keys=True))
+        return 0
+    size = sum((args.artifact / f).stat().st_size for f in m.files)
+    c = m.model
+    print(f"artifact: {args.artifact}  (verified: {len(m.files)} files, {size / 2**20:.1f} MiB)")
+    print(f"  versions: " + ", ".join(f"{k} {v}" for k, v in sorted(m.versions.items())))
+    print(f"  model: {c.architecture}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, heads "
+          f"{c.num_attention_heads}/{c.num_key_value_heads} (q/kv), vocab {c.vocab_size}, "
+          f"{c.num_parameters() / 1e6:.1f}M params")
+    print(f"  source: {m.source.get('model')} ({m.source.get('format')})")
+    print(f"  backend: {m.backend}, dtype: {m.dtype}, tp: {m.parallel.tp}")
+    print(f"  cache: {m.cache.max_batch} sequence slot(s) (+1 scratch), max_length {m.cache.max_length}")
+    print(f"  KV geometry: {raw['kv_geometry']}")
+    print(f"  prefill buckets: {list(m.buckets.prefill_seqs)}")
+    print(f"  decode buckets: batch {list(m.buckets.decode_batches)} x kv {list(m.buckets.decode_seqs)}")
+    print(f"  graphs: {len(m.graphs)}")
+    return 0

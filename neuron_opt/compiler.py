@@ -1,0 +1,197 @@
+"""`compile`: checkpoint -> plan -> per-rank sharded model -> one graph per bucket (cached) -> artifact.
+
+Steps
+1. Open and validate the checkpoint (config, weight names, tokenizer) before any long work.
+2. Build the bucket set and print the plan table (buckets, graph count, memory, estimated compile time).
+3. For each rank: shard the canonical weights, build the rank's model, then for each bucket look the graph up
+   in the content-addressed compile cache; compile only the misses (a progress bar per bucket).
+4. Save each rank's weights once, the tokenizer, and the manifest; rename the directory into place.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from neuron_opt import envs
+from neuron_opt.artifact import ArtifactWriter, Manifest, versions
+from neuron_opt.buckets import Bucket, BucketConfig
+from neuron_opt.compile_cache import CacheKey, CompileCache
+from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
+from neuron_opt.errors import ConfigError
+
+# Measured on a 2-core AVX-512 machine for the SmolLM2-135M default (see docs/cpu_backend.md); used only for the
+# plan table's estimate, scaled by parameter count.
+EST_SECONDS_PER_GRAPH = {"eager": 0.0, "cpu": 35.0, "neuron": 300.0}
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
+
+
+def default_dtype(backend: str) -> str:
+    if backend == "cpu":
+        return "bfloat16" if cpu_has_native_bf16() else "float32"
+    return "bfloat16" if backend == "neuron" else "float32"
+
+
+@dataclass(frozen=True)
+class CompileRequest:
+    model: str
+    out: Path
+    backend: str = "cpu"
+    dtype: str | None = None
+    batch_size: int = 1
+    max_context: int | None = None
+    max_length: int | None = None
+    prefill_buckets: tuple[int, ...] | None = None
+    decode_buckets: tuple[int, ...] | None = None
+    decode_batches: tuple[int, ...] | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    backend_options: dict[str, Any] = field(default_factory=dict)
+    cache_dir: Path | None = None  # None: envs.CACHE_DIR / "compile"; use_cache=False disables it
+    use_cache: bool = True
+
+
+@dataclass
+class CompileReport:
+    manifest: Manifest
+    hits: list[str]
+    misses: dict[str, str]  # bucket key -> why it missed
+    seconds: float
+
+
+def rank_model_factory(cfg: ModelConfig, par: ParallelConfig, cache: CacheConfig, rank: int,
+                       dtype: torch.dtype, pctx: Any = None) -> Callable[[], torch.nn.Module]:
+    """A zero-argument factory for rank `rank`'s model skeleton (weights are loaded by the backend)."""
+    from models.registry import model_class
+    from neuron_opt.parallel import ParallelContext, head_layout
+
+    def make() -> torch.nn.Module:
+        ctx = pctx if pctx is not None else ParallelContext(par.tp, rank)
+        model = model_class(cfg.architecture)(cfg, head_layout(cfg, par), cache.max_length, ctx)
+        return model.to(dtype).eval()
+
+    return make
+
+
+def plan_buckets(cfg: ModelConfig, req: CompileRequest) -> tuple[CacheConfig, BucketConfig]:
+    max_length = req.max_length or min(cfg.max_position_embeddings, 2048)
+    max_context = req.max_context or max_length
+    if max_length > cfg.max_position_embeddings:
+        raise ConfigError(f"max_length: {max_length} exceeds the model's max_position_embeddings="
+                          f"{cfg.max_position_embeddings}")
+    cache = CacheConfig(max_batch=req.batch_size, max_length=max_length, dtype=req.dtype or "float32")
+    buckets = BucketConfig.build(max_context=max_context, max_length=max_length, max_batch=req.batch_size,
+                                 prefill_seqs=req.prefill_buckets, decode_seqs=req.decode_buckets,
+                                 decode_batches=req.decode_batches)
+    return cache, buckets
+
+
+def format_plan(cfg: ModelConfig, par: ParallelConfig, cache: CacheConfig, buckets: BucketConfig,
+                backend: str, dtype: str) -> str:
+    from neuron_opt.parallel import head_layout
+
+    lay = head_layout(cfg, par)
+    esz = torch.finfo(getattr(torch, dtype)).bits // 8
+    weights = cfg.num_parameters() * esz
+    kv = 2 * cfg.num_hidden_layers * cache.num_slots * lay.n_kv_local * cache.max_length * cfg.head_dim * esz
+    graphs = buckets.buckets()
+    est = EST_SECONDS_PER_GRAPH.get(backend, 60.0) * max(1.0, cfg.num_parameters() / 135e6) * len(graphs) * par.tp
+    lines = [
+        f"plan: {cfg.architecture} ({cfg.num_parameters() / 1e6:.1f}M params), backend={backend}, dtype={dtype}, "
+        f"tp={par.tp} (heads: {lay.strategy}, {lay.n_heads_local} q / {lay.n_kv_local} kv per rank)",
+        f"  {'phase':<8}{'batch':>6}{'seq/kv':>8}",
+        *[f"  {b.phase:<8}{b.batch:>6}{b.seq:>8}" for b in graphs],
+        f"  graphs: {len(graphs)} per rank x {par.tp} rank(s)",
+        f"  memory per rank: weights {weights / par.tp / 2**20:.1f} MiB + KV cache {kv / 2**20:.1f} MiB "
+        f"({cache.num_slots} slots x {cache.max_length} positions)",
+        f"  estimated compile time (cold cache): {est / 60:.1f} min",
+    ]
+    return "\n".join(lines)
+
+
+def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, progress: bool = True) -> CompileReport:
+    from tqdm import tqdm
+
+    from neuron_opt.api import TORCH_DTYPES
+    from neuron_opt.backends import get_backend
+    from neuron_opt.checkpoint import open_checkpoint
+    from neuron_opt.parallel import head_layout
+    from neuron_opt.parallel.sharding import shard_state_dict
+
+    t0 = time.perf_counter()
+    ckpt = open_checkpoint(req.model)
+    cfg = ckpt.config
+    dtype_name = req.dtype or default_dtype(req.backend)
+    req = CompileRequest(**{**asdict(req), "dtype": dtype_name, "parallel": req.parallel})
+    cache_cfg, buckets = plan_buckets(cfg, req)
+    par = req.parallel
+    log(format_plan(cfg, par, cache_cfg, buckets, req.backend, dtype_name))
+    dtype = TORCH_DTYPES[dtype_name]
+    backend = get_backend(req.backend, dtype, req.backend_options)
+    cache = CompileCache(req.cache_dir or envs.CACHE_DIR / "compile") if req.use_cache else None
+    fingerprint = ckpt.weights_fingerprint()
+    tokenizer = ckpt.tokenizer()
+    full_sd = ckpt.state_dict(torch.float32)
+    lay = head_layout(cfg, par)
+    writer = ArtifactWriter(req.out)
+    hits: list[str] = []
+    misses: dict[str, str] = {}
+    graphs: dict[str, list[str]] = {}
+    try:
+        for rank in range(par.tp):
+            model = rank_model_factory(cfg, par, cache_cfg, rank, torch.float32)()
+            model.load_state_dict(shard_state_dict(full_sd, cfg, lay, rank), strict=False)
+            model = model.to(dtype)
+            bar = tqdm(buckets.buckets(), desc=f"compile rank {rank}", unit="graph", disable=not progress)
+            for bucket in bar:
+                bar.set_postfix_str(bucket.key)
+                rel_dir = f"graphs/{bucket.key}/rank{rank}"
+                key = CacheKey({
+                    "weights": fingerprint, "model": cfg.to_dict(), "parallel": asdict(par),
+                    "cache": asdict(cache_cfg), "bucket": bucket.key, "rank": rank, "backend": req.backend,
+                    "backend_options": req.backend_options, "dtype": dtype_name, "versions": versions(),
+                })
+                files = _compile_one(backend, model, bucket, cache_cfg, key, cache, writer.path(rel_dir),
+                                     hits, misses)
+                graphs.setdefault(bucket.key, []).extend(f"{rel_dir}/{f}" for f in files)
+            backend.save_weights(model, writer.path(f"weights/rank{rank}.safetensors"))
+            del model
+        tokenizer.save_pretrained(writer.path("tokenizer"))
+        manifest = writer.commit(dict(
+            model=cfg, parallel=par, cache=cache_cfg, buckets=buckets, backend=req.backend, dtype=dtype_name,
+            backend_options=req.backend_options, graphs=graphs,
+            source={"model": str(ckpt.source), "format": ckpt.format, "weights_sha256": fingerprint}))
+    except BaseException:
+        writer.abort()
+        raise
+    return CompileReport(manifest, hits, misses, time.perf_counter() - t0)
+
+
+def _compile_one(backend: Any, model: torch.nn.Module, bucket: Bucket, cache_cfg: CacheConfig, key: CacheKey,
+                 cache: CompileCache | None, out_dir: Path, hits: list[str], misses: dict[str, str]) -> list[str]:
+    label = f"{bucket.key}/rank{key.fields['rank']}"
+    cached = cache.lookup(key) if cache is not None else None
+    if cached is not None:
+        src = cache.files_dir(key)
+        for f in cached:
+            (out_dir / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src / f, out_dir / f)
+        hits.append(label)
+        return [str(f) for f in cached]
+    misses[label] = cache.explain_miss(key) if cache is not None else "cache disabled"
+    files = [Path(f) for f in backend.compile_bucket(model, bucket, cache_cfg.num_slots, out_dir)]
+    if cache is not None and files:
+        cache.store(key, out_dir, files)
+    return [str(f) for f in files]
