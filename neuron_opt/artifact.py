@@ -111,8 +111,10 @@ class ArtifactWriter:
     def commit(self, manifest_fields: dict[str, Any]) -> Manifest:
         files = {str(p.relative_to(self.tmp)): sha256_file(p) for p in sorted(self.tmp.rglob("*")) if p.is_file()}
         manifest = Manifest(files=files, versions=versions(), **manifest_fields)
+        raw = manifest.to_json()
+        raw["digest"] = manifest_digest(raw)
         with open(self.tmp / MANIFEST, "w") as f:
-            json.dump(manifest.to_json(), f, indent=2, sort_keys=True)
+            json.dump(raw, f, indent=2, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
         old = None
@@ -123,6 +125,12 @@ class ArtifactWriter:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         return manifest
+
+
+def manifest_digest(raw: dict[str, Any]) -> str:
+    """sha256 over the manifest's own content (all fields but the digest): an edited manifest is refused."""
+    body = {k: v for k, v in raw.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def read_manifest(root: Path, verify_hashes: bool = True) -> Manifest:
@@ -152,6 +160,9 @@ def read_manifest(root: Path, verify_hashes: bool = True) -> Manifest:
                 if raw.get("kv_geometry", {}).get(k) != v}
         raise ArtifactError(f"{mpath}: KV geometry does not match the model/parallel/cache config "
                             f"(field: (manifest, expected)): {diff}")
+    if raw.get("digest") != manifest_digest(raw):
+        raise ArtifactError(f"{mpath}: manifest was edited after compile (its digest does not match its content); "
+                            "recompile instead of editing configs by hand")
     on_disk = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != MANIFEST}
     if missing := sorted(set(m.files) - on_disk):
         raise ArtifactError(f"{root}: missing file(s) listed in the manifest: {', '.join(missing[:5])}")

@@ -28,13 +28,21 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
                                        mlp_bias=True)),
     "qwen2": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
     "mistral-window": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8)),
+    # the default model's vocabulary, so its real tokenizer (saved next to it by the serving tests) fits
+    "llama-vocab49152": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, vocab_size=49152)),
+}
+# Variants with the default model's vocabulary: make_tiny saves its real tokenizer (and chat template) beside them,
+# so CLI / API / server tests run end to end on a model that is fast.
+WITH_TOKENIZER: dict[str, tuple[str, dict[str, Any]]] = {
+    "smollm-tok": ("LlamaConfig", dict(vocab_size=49152, num_attention_heads=9, num_key_value_heads=3,
+                                       hidden_size=72, tie_word_embeddings=True)),
 }
 
 
 def make_tiny(variant: str, out: Path, seed: int = 0) -> Path:
     import transformers
 
-    cls_name, overrides = VARIANTS[variant]
+    cls_name, overrides = {**VARIANTS, **WITH_TOKENIZER}[variant]
     cfg = getattr(transformers, cls_name)(**{**BASE, **overrides}, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -46,4 +54,12 @@ def make_tiny(variant: str, out: Path, seed: int = 0) -> Path:
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.05)
     model.save_pretrained(out)
+    if variant in WITH_TOKENIZER:
+        from neuron_opt.checkpoint import open_checkpoint
+
+        tok = open_checkpoint("default").tokenizer()
+        cfg.bos_token_id, cfg.eos_token_id = tok.bos_token_id, tok.eos_token_id
+        model.config.bos_token_id, model.config.eos_token_id = tok.bos_token_id, tok.eos_token_id
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
     return out

@@ -1,0 +1,112 @@
+"""Artifacts: compile -> load -> generate round trip, atomic write, and tampering refused with clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import eager_runner
+
+from neuron_opt.api import LLM
+from neuron_opt.artifact import MANIFEST, manifest_digest, read_manifest
+from neuron_opt.compiler import CompileRequest, compile_artifact
+from neuron_opt.errors import ArtifactError
+from neuron_opt.runtime.generate import generate_ids
+from neuron_opt.runtime.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("art") / "tiny"
+    req = CompileRequest(model=str(tiny_dir("smollm-tok")), out=out, backend="eager", max_length=128,
+                         batch_size=2, prefill_buckets=(16, 64), decode_buckets=(32, 128), use_cache=False)
+    compile_artifact(req, log=lambda s: None, progress=False)
+    return out
+
+
+def _copy(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_artifact_generates_like_the_eager_checkpoint(artifact, tiny_dir):
+    llm = LLM(artifact)
+    ref_runner = eager_runner(tiny_dir("smollm-tok"), max_length=128)
+    prompt = llm.tokenizer("Hello there, how are you?")["input_ids"]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    ref = generate_ids(ref_runner, llm.tokenizer, prompt, params, ())
+    assert llm.generate_ids(prompt, params).token_ids == ref.token_ids
+
+
+def test_manifest_lists_every_file_with_sha256(artifact):
+    raw = json.loads((artifact / MANIFEST).read_text())
+    assert "weights/rank0.safetensors" in raw["files"]
+    assert raw["kv_geometry"]["slots"] == 3 and raw["kv_geometry"]["max_length"] == 128
+    assert {"neuron_opt", "torch", "transformers"} <= set(raw["versions"])
+    assert not list(artifact.parent.glob(".tiny.tmp-*")), "temporary directory left behind"
+
+
+def test_flipped_byte_in_weights_is_refused(artifact, tmp_path):
+    art = _copy(artifact, tmp_path / "a")
+    w = art / "weights" / "rank0.safetensors"
+    data = bytearray(w.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    w.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=r"rank0.safetensors: sha256 does not match"):
+        read_manifest(art)
+
+
+def test_edited_config_is_refused(artifact, tmp_path):
+    art = _copy(artifact, tmp_path / "a")
+    raw = json.loads((art / MANIFEST).read_text())
+    raw["model"]["rms_norm_eps"] = 0.5
+    (art / MANIFEST).write_text(json.dumps(raw))
+    with pytest.raises(ArtifactError, match="manifest was edited"):
+        read_manifest(art)
+
+
+def test_different_kv_geometry_is_refused(artifact, tmp_path):
+    art = _copy(artifact, tmp_path / "a")
+    raw = json.loads((art / MANIFEST).read_text())
+    raw["kv_geometry"]["max_length"] = 4096
+    raw["digest"] = manifest_digest(raw)
+    (art / MANIFEST).write_text(json.dumps(raw))
+    with pytest.raises(ArtifactError, match=r"KV geometry.*max_length.*\(4096, 128\)"):
+        read_manifest(art)
+
+
+def test_other_torch_version_is_refused(artifact, tmp_path):
+    art = _copy(artifact, tmp_path / "a")
+    raw = json.loads((art / MANIFEST).read_text())
+    raw["versions"]["torch"] = "2.0.0"
+    raw["digest"] = manifest_digest(raw)
+    (art / MANIFEST).write_text(json.dumps(raw))
+    with pytest.raises(ArtifactError, match=r"compiled with torch 2.0.0.*recompile"):
+        read_manifest(art)
+
+
+def test_missing_and_extra_files_are_refused(artifact, tmp_path):
+    art = _copy(artifact, tmp_path / "a")
+    (art / "weights" / "rank0.safetensors").unlink()
+    with pytest.raises(ArtifactError, match="missing file"):
+        read_manifest(art)
+    art2 = _copy(artifact, tmp_path / "b")
+    (art2 / "weights" / "evil.bin").write_bytes(b"x")
+    with pytest.raises(ArtifactError, match="not listed"):
+        read_manifest(art2)
+
+
+def test_not_an_artifact(tmp_path):
+    with pytest.raises(ArtifactError, match="not an artifact"):
+        read_manifest(tmp_path)
+
+
+def test_failed_compile_leaves_no_partial_artifact(tiny_dir, tmp_path):
+    out = tmp_path / "never"
+    req = CompileRequest(model=str(tiny_dir("smollm-tok")), out=out, backend="eager", max_length=128,
+                         prefill_buckets=(16, 256), use_cache=False)
+    with pytest.raises(Exception, match="prefill_buckets"):
+        compile_artifact(req, log=lambda s: None, progress=False)
+    assert not out.exists() and not list(tmp_path.glob(".never*"))
