@@ -1,0 +1,166 @@
+"""Decode attention (one new token per sequence) against a KV cache, flash-decoding split, legacy NKI API.
+
+Dimensions:
+    B batch, n_heads query heads, n_kv_heads KV heads, G = n_heads // n_kv_heads query heads per KV head,
+    S_max cache capacity, D head dim <= 128, lengths[b] in [1, S_max] valid positions of sequence b.
+
+Kernel layouts (HBM):
+    q_t      `[B, n_kv_heads, D, G]`      the G query heads of one KV group, transposed (D on partitions)
+    k_t      `[B, n_kv_heads, D, S_max]`  K cache stored transposed, so score tiles need no transpose
+    v        `[B, n_kv_heads, S_max, D]`  V cache, natural
+    lengths  `[B, 1]` int32
+    out      `[B, n_kv_heads, G, D]`
+    `run(...)` takes `[B, n_heads, D]` queries and `[B, n_kv_heads, S_max, D]` caches and converts.
+
+Launch: SPMD grid `[B, n_kv_heads]`. All G query heads of a KV group are processed together: they are the
+free dim of the stationary operand (`[D, G]`), so each K/V tile is read from HBM once per group.
+
+Flash-decoding: the cache is cut into splits of `split_size` positions. Each split computes, independently
+of the others, its partial row max m_s, partial sum l_s = sum exp(scale*(x - m_s)) and unnormalised output
+o_s = sum exp(scale*(x - m_s)) v; the splits are merged at the end:
+    M = max_s m_s,  w_s = exp(scale*(m_s - M)),  out = sum_s w_s o_s / sum_s w_s l_s.
+Independent splits carry no loop dependency (unlike a running online softmax), so the compiler may overlap
+them; the same partials are what a sequence-sharded (multi-core) decode would exchange.
+
+Length mask: positions >= lengths[b] get -1e30 added to their scores. The additive row is built on one
+partition (GpSimd iota, VectorE compare) and broadcast to the G score rows by a second matmul accumulating
+into the same PSUM tile (ones[1, G]^T @ bias[1, w]), the TensorE partition-broadcast idiom. A split entirely
+past the length gets m_s ~ -1e30 and merge weight exactly 0.
+
+Pseudocode (per program = (b, kv head)):
+    for split s: for tile [k0, k0 + w) (w <= 512):
+            sc[:, tile] = q^T K^T[:, tile] + ones^T (NEG * (k0 + iota >= len))    # PSUM [G, w]
+        m_s = rowmax(sc);  p = exp(scale*sc - scale*m_s) (rowsum -> l_s)
+        for 128-position chunk: o_s += transpose(p[:, chunk])^T @ V[chunk]          # PSUM [G, D]
+    merge as above; store [G, D].
+
+Constraints: D <= 128, G <= 128, split_size a multiple of 128 and, above 512, of 512; q and caches share
+float32 or bfloat16; lengths[b] >= 1. All splits up to S_max are computed (lengths are runtime data).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kernels_nki._nki import nisa, nki, nl, simulate
+from neuron_opt.errors import KernelArgumentError
+
+P_CHUNK = 128  # positions per P@V matmul (contraction on partitions)
+K_TILE = 512  # positions per score matmul (one PSUM bank of fp32)
+NEG = -1.0e30  # added to scores of positions past the length
+
+
+@nki.jit
+def decode_attention_kernel(q_t, k_t, v, lengths, softmax_scale=1.0, split_size=1024):
+    """Launch as `decode_attention_kernel[B, n_kv_heads](q_t, k_t, v, lengths, softmax_scale=..., ...)`."""
+    n_b, n_kv, d, g = q_t.shape
+    s_max = k_t.shape[3]
+    out = nl.ndarray((n_b, n_kv, g, d), dtype=q_t.dtype, buffer=nl.shared_hbm)
+    b = nl.program_id(0)
+    kvh = nl.program_id(1)
+    mm_dtype = q_t.dtype
+    tile = min(K_TILE, split_size)
+    n_splits = (s_max + split_size - 1) // split_size
+
+    q_sb = nl.load(q_t[b, kvh])  # [D, G] stationary
+    len_f = nisa.tensor_copy(nl.load(lengths[nl.ds(b, 1), :]), dtype=nl.float32)  # [1, 1]
+    ones_row = nl.ones((1, g), dtype=mm_dtype, buffer=nl.sbuf)
+
+    m_all = nl.ndarray((g, n_splits), dtype=nl.float32, buffer=nl.sbuf)
+    l_all = nl.ndarray((g, n_splits), dtype=nl.float32, buffer=nl.sbuf)
+    o_all = nl.ndarray((g, n_splits * d), dtype=nl.float32, buffer=nl.sbuf)
+    for sp in nl.static_range(n_splits):
+        s0 = sp * split_size
+        sw = min(split_size, s_max - s0)
+        sc = nl.ndarray((g, split_size), dtype=nl.float32, buffer=nl.sbuf)
+        for t in nl.static_range((sw + tile - 1) // tile):
+            k0 = s0 + t * tile
+            w = min(tile, s_max - k0)
+            k_sb = nl.load(k_t[b, kvh, :, k0:k0 + w])  # [D, w]
+            i_f = nl.arange(w)[None, :]
+            pos = nisa.iota(k0 + i_f, dtype=nl.float32)  # [1, w]
+            bias = nisa.tensor_scalar(pos, op0=nl.greater_equal, operand0=len_f, op1=nl.multiply,
+                                      operand1=NEG, dtype=mm_dtype)  # [1, w]: NEG past the length, else 0
+            s_ps = nl.zeros((g, tile), dtype=nl.float32, buffer=nl.psum)
+            s_ps[:, 0:w] += nisa.nc_matmul(q_sb, k_sb)  # [G, w]
+            s_ps[:, 0:w] += nisa.nc_matmul(ones_row, bias)  # broadcast the mask row to the G rows
+            sc[:, t * tile:t * tile + w] = nl.copy(s_ps[:, 0:w])
+        m_all[:, sp:sp + 1] = nisa.tensor_reduce(nl.maximum, sc[:, 0:sw], axis=(1,), keepdims=True)
+        nbias = nl.multiply(m_all[:, sp:sp + 1], -softmax_scale)
+        p = nisa.activation_reduce(nl.exp, sc[:, 0:sw], reduce_op=nl.add, reduce_res=l_all[:, sp:sp + 1],
+                                   bias=nbias, scale=softmax_scale, dtype=mm_dtype)  # [G, sw]
+        o_ps = nl.zeros((g, d), dtype=nl.float32, buffer=nl.psum)
+        for j in nl.static_range((sw + P_CHUNK - 1) // P_CHUNK):
+            c0 = j * P_CHUNK
+            cw = min(P_CHUNK, sw - c0)
+            pt = nl.copy(nisa.nc_transpose(p[:, c0:c0 + cw]), dtype=mm_dtype)  # [cw, G]
+            v_sb = nl.load(v[b, kvh, s0 + c0:s0 + c0 + cw, :])  # [cw, D]
+            o_ps[...] += nisa.nc_matmul(pt, v_sb)  # [G, D]
+        o_all[:, sp * d:(sp + 1) * d] = nl.copy(o_ps)
+
+    # Merge the splits' partial softmax results.
+    m_glob = nisa.tensor_reduce(nl.maximum, m_all, axis=(1,), keepdims=True)  # [G, 1]
+    wts = nisa.activation(nl.exp, m_all, bias=nl.multiply(m_glob, -softmax_scale), scale=softmax_scale)
+    l_glob = nisa.tensor_reduce(nl.add, nl.multiply(wts, l_all), axis=(1,), keepdims=True)  # [G, 1]
+    acc = nl.ndarray((g, d), dtype=nl.float32, buffer=nl.sbuf)
+    acc[...] = nl.multiply(o_all[:, 0:d], wts[:, 0:1])
+    for sp in nl.static_range(1, n_splits):
+        acc[...] = nisa.scalar_tensor_tensor(data=o_all[:, sp * d:(sp + 1) * d], op0=nl.multiply,
+                                             operand0=wts[:, sp:sp + 1], op1=nl.add, operand1=acc)
+    res = nl.multiply(acc, nisa.reciprocal(l_glob), dtype=out.dtype)
+    nl.store(out[b, kvh], value=res)
+    return out
+
+
+def _check(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.ndarray, split_size: int) -> None:
+    if q.ndim != 3 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+        raise KernelArgumentError(f"decode_attention: want q [B, n_heads, D], caches [B, n_kv_heads, S_max, D]; "
+                                  f"got q {q.shape}, k {k_cache.shape}, v {v_cache.shape}")
+    b, n_heads, d = q.shape
+    if k_cache.shape[0] != b or k_cache.shape[3] != d or n_heads % k_cache.shape[1]:
+        raise KernelArgumentError(f"decode_attention: caches {k_cache.shape} do not match q {q.shape}")
+    if d > 128 or n_heads // k_cache.shape[1] > 128:
+        raise KernelArgumentError(f"decode_attention: need D <= 128 and <= 128 query heads per KV head; "
+                                  f"got D={d}, G={n_heads // k_cache.shape[1]}")
+    if not q.dtype == k_cache.dtype == v_cache.dtype or q.dtype.name not in ("float32", "bfloat16"):
+        raise KernelArgumentError(f"decode_attention: q and caches must share float32 or bfloat16; got "
+                                  f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if lengths.shape != (b,) or lengths.min() < 1 or lengths.max() > k_cache.shape[2]:
+        raise KernelArgumentError(f"decode_attention: lengths must be [B]={b} values in [1, S_max="
+                                  f"{k_cache.shape[2]}]; got {lengths.tolist()}")
+    if split_size % P_CHUNK or (split_size > K_TILE and split_size % K_TILE):
+        raise KernelArgumentError(f"decode_attention: split_size {split_size} must be a multiple of 128 "
+                                  f"(and of 512 above 512)")
+
+
+def run(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.ndarray, *,
+        softmax_scale: float | None = None, split_size: int = 1024) -> np.ndarray:
+    """Runs the kernel on logical layouts (simulator here, the SDK's NKI where installed).
+
+    Args:
+        q: `[B, n_heads, D]`, float32 or bfloat16.
+        k_cache: `[B, n_kv_heads, S_max, D]`, same dtype.
+        v_cache: `[B, n_kv_heads, S_max, D]`, same dtype.
+        lengths: `[B]` integers in [1, S_max].
+        softmax_scale: Defaults to `1 / sqrt(D)`.
+        split_size: Cache positions per flash-decoding split.
+
+    Returns:
+        `[B, n_heads, D]` in q's dtype.
+
+    Raises:
+        KernelArgumentError: Shapes, dtypes or lengths the kernel does not support.
+    """
+    lengths = np.asarray(lengths)
+    _check(q, k_cache, v_cache, lengths, split_size)
+    b, n_heads, d = q.shape
+    n_kv = k_cache.shape[1]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    q_t = np.ascontiguousarray(q.reshape(b, n_kv, n_heads // n_kv, d).transpose(0, 1, 3, 2))  # [B, n_kv, D, G]
+    k_t = np.ascontiguousarray(k_cache.transpose(0, 1, 3, 2))  # [B, n_kv_heads, D, S_max]
+    lens = lengths.astype(np.int32).reshape(b, 1)  # [B, 1]
+    out = simulate(decode_attention_kernel[b, n_kv], q_t, k_t, np.ascontiguousarray(v_cache), lens,
+                   softmax_scale=scale, split_size=split_size)
+    return np.asarray(out).reshape(b, n_heads, d)  # [B, n_kv, G, D] -> [B, n_heads, D]

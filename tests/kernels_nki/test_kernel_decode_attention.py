@@ -1,0 +1,95 @@
+"""decode_attention kernel (NKI simulator) vs the float64 numpy reference over a table of shapes.
+
+Tolerances per dtype: float32 matmuls are fp32 (1e-4); bfloat16 rounds the probabilities before P @ V
+and the output to bf16 (2e-2 on outputs of magnitude <= ~1).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kernels_nki import decode_attention
+from kernels_nki.decode_attention_ref import decode_attention_ref
+from neuron_opt.errors import KernelArgumentError
+
+TOL = {"float32": 1e-4, "bfloat16": 2e-2}
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+
+# (B, n_heads, n_kv_heads, S_max, D, split_size, dtype); lengths are drawn per case (first = S_max,
+# last = 1 when B > 1), so some splits are entirely past a sequence's length.
+CASES = [
+    (1, 1, 1, 1, 32, 128, "float32"),
+    (1, 1, 1, 100, 64, 128, "float32"),
+    (2, 2, 1, 130, 64, 128, "bfloat16"),
+    (2, 3, 1, 200, 32, 128, "float32"),
+    (3, 4, 1, 257, 128, 256, "float32"),
+    (2, 8, 1, 300, 64, 128, "bfloat16"),
+    (4, 8, 2, 64, 128, 128, "float32"),
+    (2, 6, 3, 129, 96, 256, "bfloat16"),
+    (1, 4, 4, 511, 64, 512, "float32"),
+    (2, 2, 2, 33, 48, 128, "bfloat16"),
+    (3, 12, 4, 150, 32, 128, "float32"),
+    (2, 16, 2, 99, 64, 256, "float32"),
+    (1, 32, 4, 128, 128, 128, "bfloat16"),
+    (2, 4, 2, 1100, 64, 1024, "float32"),
+    (2, 4, 1, 1030, 32, 1024, "bfloat16"),
+    (5, 2, 1, 17, 16, 128, "float32"),
+    (2, 1, 1, 384, 80, 128, "float32"),
+    (2, 8, 8, 60, 32, 128, "bfloat16"),
+    (1, 24, 8, 90, 64, 128, "float32"),
+    (2, 9, 3, 250, 128, 256, "float32"),
+    (3, 5, 1, 45, 40, 128, "bfloat16"),
+    (2, 64, 8, 70, 64, 128, "float32"),
+    (1, 2, 1, 640, 128, 512, "bfloat16"),
+    (4, 4, 4, 31, 64, 128, "float32"),
+    (2, 3, 3, 513, 32, 512, "float32"),
+    (2, 8, 2, 2, 64, 128, "bfloat16"),
+    (3, 16, 16, 20, 32, 128, "float32"),
+    (2, 4, 1, 777, 64, 256, "float32"),
+    (2, 2, 1, 129, 128, 128, "bfloat16"),
+    (1, 8, 1, 1024, 128, 1024, "float32"),
+    (2, 12, 3, 160, 96, 128, "bfloat16"),
+    (6, 4, 2, 50, 64, 128, "float32"),
+]
+
+
+@pytest.mark.parametrize("b,n_heads,n_kv,s_max,d,split,dtype", CASES)
+def test_matches_reference(b, n_heads, n_kv, s_max, d, split, dtype):
+    rng = np.random.default_rng(s_max * 7 + d + b)
+    dt = DTYPES[dtype]
+    q = rng.standard_normal((b, n_heads, d)).astype(dt)
+    k = rng.standard_normal((b, n_kv, s_max, d)).astype(dt)
+    v = rng.standard_normal((b, n_kv, s_max, d)).astype(dt)
+    lengths = rng.integers(1, s_max + 1, size=b)
+    lengths[0] = s_max
+    if b > 1:
+        lengths[-1] = 1
+    out = decode_attention.run(q, k, v, lengths, split_size=split)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    ref = decode_attention_ref(q, k, v, lengths)
+    np.testing.assert_allclose(out.astype(np.float64), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_garbage_past_length_is_ignored():
+    # Positions past the length hold huge values: they must not leak into the result.
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 4, 32)).astype(np.float32)
+    k = rng.standard_normal((2, 2, 300, 32)).astype(np.float32)
+    v = rng.standard_normal((2, 2, 300, 32)).astype(np.float32)
+    lengths = np.array([70, 260])
+    for i, n in enumerate(lengths):
+        k[i, :, n:] = 1e4
+        v[i, :, n:] = 1e6
+    out = decode_attention.run(q, k, v, lengths, split_size=128)
+    np.testing.assert_allclose(out, decode_attention_ref(q, k, v, lengths), atol=1e-4, rtol=1e-4)
+
+
+def test_rejects_bad_lengths():
+    q = np.zeros((2, 2, 16), np.float32)
+    kv = np.zeros((2, 1, 8, 16), np.float32)
+    with pytest.raises(KernelArgumentError):
+        decode_attention.run(q, kv, kv, np.array([0, 3]))
+    with pytest.raises(KernelArgumentError):
+        decode_attention.run(q, kv, kv, np.array([9, 3]))

@@ -1,0 +1,89 @@
+"""flash_attention kernel (NKI simulator) vs the float64 numpy reference over a table of shapes.
+
+Tolerances per dtype: float32 runs every matmul in fp32, so only summation order differs (1e-4);
+bfloat16 rounds the probabilities to bf16 before P @ V and the output to bf16 (~2^-8 relative each),
+on outputs of magnitude <= ~1 (2e-2).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kernels_nki import flash_attention
+from kernels_nki.flash_attention_ref import flash_attention_ref
+from neuron_opt.errors import KernelArgumentError
+
+TOL = {"float32": 1e-4, "bfloat16": 2e-2}
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+
+# (B, n_heads, n_kv_heads, S, D, causal, dtype): odd S, S % 128 != 0, GQA ratios 1/2/3/4/8, batch > 1.
+CASES = [
+    (1, 1, 1, 1, 32, True, "float32"),
+    (1, 1, 1, 7, 32, False, "float32"),
+    (1, 1, 1, 128, 64, True, "float32"),
+    (1, 1, 1, 129, 64, True, "bfloat16"),
+    (1, 2, 2, 200, 48, True, "float32"),
+    (1, 2, 1, 130, 64, True, "bfloat16"),
+    (2, 2, 1, 77, 32, False, "float32"),
+    (1, 3, 1, 150, 96, True, "float32"),
+    (1, 3, 1, 255, 128, True, "bfloat16"),
+    (1, 4, 1, 64, 128, True, "float32"),
+    (2, 4, 2, 100, 64, True, "bfloat16"),
+    (1, 8, 1, 33, 32, True, "float32"),
+    (1, 8, 1, 40, 64, False, "bfloat16"),
+    (1, 16, 2, 17, 32, True, "float32"),
+    (2, 1, 1, 300, 128, True, "float32"),
+    (1, 1, 1, 300, 128, False, "bfloat16"),
+    (1, 1, 1, 257, 80, False, "float32"),
+    (1, 2, 2, 511, 64, True, "bfloat16"),
+    (1, 1, 1, 513, 32, True, "float32"),
+    (1, 1, 1, 513, 32, False, "float32"),
+    (3, 2, 2, 50, 40, True, "bfloat16"),
+    (2, 6, 3, 90, 64, True, "float32"),
+    (1, 6, 2, 140, 32, False, "bfloat16"),
+    (1, 4, 4, 128, 128, False, "float32"),
+    (1, 1, 1, 384, 128, True, "bfloat16"),
+    (1, 2, 1, 256, 100, True, "float32"),
+    (2, 3, 3, 31, 128, False, "float32"),
+    (1, 8, 8, 20, 64, True, "bfloat16"),
+    (1, 12, 4, 45, 32, True, "float32"),
+    (1, 1, 1, 1, 128, False, "bfloat16"),
+    (1, 2, 1, 2, 16, True, "float32"),
+    (1, 1, 1, 640, 64, True, "bfloat16"),
+]
+
+
+def _inputs(b, n_heads, n_kv, s, d, dtype, seed):
+    rng = np.random.default_rng(seed)
+    dt = DTYPES[dtype]
+    q = rng.standard_normal((b, n_heads, s, d)).astype(dt)
+    k = rng.standard_normal((b, n_kv, s, d)).astype(dt)
+    v = rng.standard_normal((b, n_kv, s, d)).astype(dt)
+    return q, k, v
+
+
+@pytest.mark.parametrize("b,n_heads,n_kv,s,d,causal,dtype", CASES)
+def test_matches_reference(b, n_heads, n_kv, s, d, causal, dtype):
+    q, k, v = _inputs(b, n_heads, n_kv, s, d, dtype, seed=s * 31 + d)
+    out = flash_attention.run(q, k, v, causal=causal)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    ref = flash_attention_ref(q, k, v, causal=causal)
+    np.testing.assert_allclose(out.astype(np.float64), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_custom_scale_and_large_logits():
+    # A large scale makes the softmax nearly one-hot: exercises the max subtraction and the rescaling.
+    q, k, v = _inputs(1, 2, 1, 140, 64, "float32", seed=3)
+    out = flash_attention.run(q, k, v, causal=True, softmax_scale=2.0)
+    np.testing.assert_allclose(out, flash_attention_ref(q, k, v, causal=True, softmax_scale=2.0), atol=1e-4)
+
+
+def test_rejects_unsupported_arguments():
+    q, k, v = _inputs(1, 3, 2, 8, 16, "float32", seed=0)
+    with pytest.raises(KernelArgumentError):
+        flash_attention.run(q, k, v)  # 3 heads over 2 KV heads
+    q, k, v = _inputs(1, 1, 1, 8, 160, "float32", seed=0)
+    with pytest.raises(KernelArgumentError):
+        flash_attention.run(q, k, v)  # D > 128
