@@ -1,0 +1,197 @@
+"""Evaluate one deployment (tp, batch, lengths, dtypes) and rank the alternatives for a traffic shape.
+
+Design decisions:
+- A deployment is evaluated exactly as the runtime would run it: our own head layout (an impossible tp raises
+  ConfigError from neuron_opt.parallel.sharding), the default bucket set (neuron_opt.buckets), TTFT from the
+  prefill bucket the prompt lands in, TPOT at the median output token's decode bucket (p50 of per-token latency).
+- Ranking: plans that fit come first; bfloat16 weights are preferred and a quantized dtype is only proposed when
+  no bfloat16 plan fits (we never quantize silently). Among the rest, the recommendation is the plan with the
+  fewest NeuronCores whose end-to-end latency (TTFT + output_len * TPOT) is within RECOMMEND_SLACK of the
+  fastest: beyond that, more cores buy little latency and could serve another replica instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from neuron_opt.buckets import Bucket, BucketConfig, pick_decode, pick_prefill
+from neuron_opt.config import ModelConfig, ParallelConfig
+from neuron_opt.errors import ConfigError
+from neuron_opt.parallel.sharding import HeadLayout, head_layout
+from neuron_opt.planner.hardware import Instance, check_tp
+from neuron_opt.planner.latency import StepTime, decode_time, prefill_time
+from neuron_opt.planner.memory import KV_DTYPES, QUANTIZED, WEIGHT_DTYPES, MemoryPlan, plan_memory
+
+RECOMMEND_SLACK = 0.10
+MAX_BATCH_SEARCH = 4096
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What gets compiled: tp degree, KV slots, lengths and dtypes."""
+
+    tp: int
+    batch: int  # KV cache slots = largest decode batch
+    max_context: int  # largest prefill bucket
+    max_length: int  # KV cache length
+    dtype: str = "bfloat16"
+    kv_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "batch", "max_context", "max_length"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_context > self.max_length:
+            raise ConfigError(f"max_context: {self.max_context} exceeds max_length={self.max_length}")
+        if self.dtype not in WEIGHT_DTYPES:
+            raise ConfigError(f"dtype: {self.dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"kv_dtype: {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+
+    def buckets(self) -> BucketConfig:
+        return BucketConfig.build(max_context=self.max_context, max_length=self.max_length, max_batch=self.batch)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """The load the deployment is sized for."""
+
+    input_len: int
+    output_len: int
+    concurrency: int = 1
+
+    def __post_init__(self) -> None:
+        if self.input_len < 1 or self.output_len < 1 or self.concurrency < 1:
+            raise ConfigError(f"traffic: input_len, output_len and concurrency must be >= 1, got {self}")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One evaluated deployment."""
+
+    instance: Instance
+    deployment: Deployment
+    layout: HeadLayout
+    buckets: BucketConfig
+    memory: MemoryPlan
+    largest_batch: int  # at this max_length
+    largest_length: int  # at this batch
+    prefill_bucket: Bucket | None = None
+    decode_bucket: Bucket | None = None
+    ttft: StepTime | None = None  # None on cpu or without a traffic shape
+    tpot: StepTime | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.fits
+
+    def e2e_s(self, output_len: int) -> float | None:
+        if self.ttft is None or self.tpot is None:
+            return None
+        return self.ttft.total + output_len * self.tpot.total
+
+
+def _largest(pred: Callable[[int], bool], lo: int, hi: int) -> int:
+    """Largest n in [lo, hi] with pred(n), for pred true-then-false; lo - 1 when pred(lo) is false."""
+    if not pred(lo):
+        return lo - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if pred(mid) else (lo, mid - 1)
+    return lo
+
+
+def _memory(cfg: ModelConfig, lay: HeadLayout, inst: Instance, dep: Deployment,
+            buckets: BucketConfig | None) -> MemoryPlan:
+    return plan_memory(cfg, lay, inst, buckets or dep.buckets(), batch=dep.batch, max_length=dep.max_length, dtype=dep.dtype,
+                       kv_dtype=dep.kv_dtype)
+
+
+def evaluate(cfg: ModelConfig, inst: Instance, dep: Deployment, traffic: Traffic | None = None,
+             par: ParallelConfig | None = None, buckets: BucketConfig | None = None) -> Plan:
+    """Memory (and, with a traffic shape on a Neuron instance, latency) of one deployment.
+
+    Args:
+        cfg: the model.
+        inst: where it runs.
+        dep: tp, batch, lengths, dtypes.
+        traffic: prompt/output lengths and concurrency; without it no latency is estimated.
+        par: the parallel config (GQA strategy) when the caller has one; tp must equal dep.tp.
+        buckets: the exact buckets to compile; default: the standard set for dep's limits.
+    """
+    if inst.family != "cpu":
+        check_tp(inst, dep.tp)
+    lay = head_layout(cfg, par or ParallelConfig(tp=dep.tp, instance=inst.name))
+    fixed = buckets
+    buckets = buckets or dep.buckets()
+    mem = _memory(cfg, lay, inst, dep, fixed)
+
+    def fits_batch(b: int) -> bool:
+        return _memory(cfg, lay, inst, Deployment(dep.tp, b, dep.max_context, dep.max_length, dep.dtype,
+                                                  dep.kv_dtype), fixed).fits
+
+    def fits_length(n: int) -> bool:
+        d = Deployment(dep.tp, dep.batch, min(dep.max_context, n), n, dep.dtype, dep.kv_dtype)
+        return _memory(cfg, lay, inst, d, fixed).fits
+
+    plan = Plan(instance=inst, deployment=dep, layout=lay, buckets=buckets, memory=mem,
+                largest_batch=_largest(fits_batch, 1, MAX_BATCH_SEARCH),
+                largest_length=_largest(fits_length, 1, cfg.max_position_embeddings))
+    if traffic is None:
+        return plan
+    if traffic.input_len + traffic.output_len > dep.max_length:
+        raise ConfigError(f"max_length: input_len + output_len = {traffic.input_len + traffic.output_len} "
+                          f"exceeds --max-length {dep.max_length}")
+    pre = pick_prefill(traffic.input_len, buckets)
+    dec = pick_decode(min(traffic.concurrency, dep.batch), traffic.input_len + traffic.output_len // 2, buckets)
+    if inst.family == "cpu":
+        return _replace(plan, prefill_bucket=pre, decode_bucket=dec)
+    ttft = prefill_time(cfg, lay, inst, batch=pre.batch, seq=pre.seq, dtype=dep.dtype)
+    tpot = decode_time(cfg, lay, inst, batch=dec.batch, kv_len=dec.seq, dtype=dep.dtype, kv_dtype=dep.kv_dtype)
+    return _replace(plan, prefill_bucket=pre, decode_bucket=dec, ttft=ttft, tpot=tpot)
+
+
+def _replace(plan: Plan, **kw: object) -> Plan:
+    from dataclasses import replace
+
+    return replace(plan, **kw)  # type: ignore[arg-type]
+
+
+def candidates(cfg: ModelConfig, inst: Instance, traffic: Traffic, *, batch: int, max_context: int,
+               max_length: int, tp: int | None = None, dtype: str | None = None,
+               kv_dtype: str = "bfloat16") -> list[Plan]:
+    """Every shardable (tp, dtype) on the instance, evaluated; tp degrees our sharding rejects are skipped."""
+    if tp is not None:
+        check_tp(inst, tp)
+    degrees = (tp,) if tp is not None else inst.tp_degrees
+    quant = "fp8" if inst.family == "trn2" else "int8"
+    dtypes = [dtype] if dtype else ["bfloat16", quant]
+    out = []
+    for d in dtypes:
+        for t in degrees:
+            dep = Deployment(t, batch, max_context, max_length, d, kv_dtype)
+            try:
+                out.append(evaluate(cfg, inst, dep, traffic))
+            except ConfigError:
+                if tp is not None:
+                    raise
+    if dtype is None and any(p.fits and p.deployment.dtype not in QUANTIZED for p in out):
+        out = [p for p in out if p.deployment.dtype not in QUANTIZED]
+    return out
+
+
+def rank(plans: list[Plan], traffic: Traffic) -> list[Plan]:
+    """Best first: fitting, unquantized, then fewest cores within RECOMMEND_SLACK of the fastest."""
+    def e2e(p: Plan) -> float:
+        v = p.e2e_s(traffic.output_len)
+        return float("inf") if v is None else v
+
+    ordered = sorted(plans, key=lambda p: (not p.fits, p.deployment.dtype in QUANTIZED, e2e(p)))
+    if not ordered or not ordered[0].fits:
+        return ordered
+    best = ordered[0]
+    peers = [p for p in ordered if p.fits and p.deployment.dtype == best.deployment.dtype
+             and e2e(p) <= e2e(best) * (1 + RECOMMEND_SLACK)]
+    pick = min(peers, key=lambda p: (p.deployment.tp, e2e(p)))
+    return [pick] + [p for p in ordered if p is not pick]
