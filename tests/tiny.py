@@ -28,8 +28,6 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
                                        mlp_bias=True)),
     "qwen2": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
     "mistral-window": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8)),
-    # the default model's vocabulary, so its real tokenizer (saved next to it by the serving tests) fits
-    "llama-vocab49152": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, vocab_size=49152)),
 }
 # Variants with the default model's vocabulary: make_tiny saves its real tokenizer (and chat template) beside them,
 # so CLI / API / server tests run end to end on a model that is fast.
