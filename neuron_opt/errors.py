@@ -40,3 +40,11 @@ class KernelArgumentError(NeuronOptError, ValueError):
 
 class ContextLengthError(NeuronOptError, ValueError):
     """A prompt (plus the tokens asked for) is longer than the model or artifact allows."""
+
+
+class QueueFullError(NeuronOptError):
+    """The serving engine's waiting queue is full; the client should retry later (HTTP 503)."""
+
+
+class RankFailedError(NeuronOptError):
+    """A tensor-parallel rank process died, raised, or stopped answering; the others were shut down."""

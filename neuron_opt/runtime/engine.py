@@ -1,0 +1,279 @@
+"""Serving engine: step = schedule -> execute -> update, run in one background thread.
+
+Threading model
+- All torch work, the scheduler and per-request sampling/stop state live on the engine thread; nothing else
+  touches them. Other threads (the HTTP event loop) talk to it only through `add_request` / `abort`, which put
+  commands on a thread-safe inbox that the engine drains at the start of every step.
+- Results go out through a per-request callback `on_output(RequestOutput)`, called on the engine thread. It must
+  be cheap and thread-safe; the server passes `loop.call_soon_threadsafe(queue.put_nowait, ...)`.
+- Validation that can fail for user input (context length, queue full) runs synchronously in `add_request`, in
+  the caller's thread, so the HTTP layer can answer 400/503 before anything is queued.
+
+Within a step the decodes run first (one `runner.decode` for all running sequences) and their tokens are emitted
+before the step's prefills run, so streams that are already running are not delayed by new prompts more than the
+scheduler's prefill budget allows. An abort frees its slot at the start of the next step (at most one step later).
+A failing runner call fails only the requests in it (finish_reason "error"); the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from neuron_opt.errors import QueueFullError
+from neuron_opt.runtime.request import Request
+from neuron_opt.runtime.runner import DecodeRow, ModelRunner
+from neuron_opt.runtime.sampling import SamplerState, SamplingParams, sample_one
+from neuron_opt.runtime.scheduler import Scheduler
+from neuron_opt.runtime.stopping import StopChecker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One engine step's news for one request (one new token, or the end)."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    text_delta: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    logprobs: tuple[TokenLogprob, ...] = ()
+    error: str | None = None
+    time: float = 0.0  # time.monotonic() when the token was produced
+
+
+@dataclass
+class _Sequence:
+    request: Request
+    params: SamplingParams
+    state: SamplerState
+    stop: StopChecker
+    on_output: Callable[[RequestOutput], None]
+
+
+@dataclass
+class _Command:
+    kind: str  # "add" | "abort"
+    request_id: str
+    seq: _Sequence | None = None
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    decode_rows: int = 0
+    prefills: int = 0
+    step_times: list[float] = field(default_factory=list)
+
+
+class Engine:
+    """Continuous-batching engine over a ModelRunner.
+
+    Args:
+        runner: the model runner (eager or compiled backend).
+        tokenizer: used for incremental detokenization and stop strings.
+        eos_token_ids: tokens that end a sequence unless `ignore_eos`.
+        max_num_seqs: most sequences running at once (capped by the runner's KV slots).
+        max_waiting: most queued requests before `add_request` raises QueueFullError.
+        max_prefill_tokens: prompt tokens prefilled per step (see scheduler.py).
+    """
+
+    def __init__(self, runner: ModelRunner, tokenizer: object, eos_token_ids: tuple[int, ...], *,
+                 max_num_seqs: int | None = None, max_waiting: int = 1024, max_prefill_tokens: int = 2048) -> None:
+        self.runner, self.tokenizer, self.eos_token_ids = runner, tokenizer, tuple(eos_token_ids)
+        slots = runner.cache.max_batch if max_num_seqs is None else min(max_num_seqs, runner.cache.max_batch)
+        self.scheduler = Scheduler(slots, max_waiting=max_waiting, max_prefill_tokens=max_prefill_tokens,
+                                   check_fits=runner.check_fits)
+        self.max_waiting = max_waiting
+        self.stats = EngineStats()
+        self._inbox: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
+        self._seqs: dict[str, _Sequence] = {}  # engine thread only
+        self._pending = 0  # requests added but not yet finished (any thread; guarded by _lock)
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.error: BaseException | None = None  # set if the loop itself died (a bug)
+
+    # ---- public, thread-safe -------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def num_slots(self) -> int:
+        return self.scheduler.num_slots
+
+    @property
+    def num_unfinished(self) -> int:
+        return self._pending
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    on_output: Callable[[RequestOutput], None], arrival_time: float | None = None) -> None:
+        """Queue a request. Raises ContextLengthError / ConfigError / QueueFullError synchronously."""
+        self.scheduler.validate(len(prompt_token_ids), params.max_tokens)
+        with self._lock:
+            if self._pending >= self.scheduler.num_slots + self.max_waiting:
+                raise QueueFullError(f"server busy: {self._pending} requests in flight "
+                                     f"({self.scheduler.num_slots} slots + {self.max_waiting} waiting); retry later")
+            self._pending += 1
+        req = Request(request_id, list(prompt_token_ids), params.max_tokens,
+                      arrival_time if arrival_time is not None else time.monotonic())
+        seq = _Sequence(req, params, SamplerState.create(params), StopChecker(self.tokenizer, params,
+                                                                             self.eos_token_ids), on_output)
+        self._inbox.put(_Command("add", request_id, seq))
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (e.g. its client went away); its slot is freed at the start of the next step."""
+        self._inbox.put(_Command("abort", request_id))
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="neuron-opt-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Stop the loop after the current step. Unfinished requests are aborted (callers drain first)."""
+        self._stop.set()
+        self._inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- engine thread -------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self.scheduler.has_work():
+                    cmd = self._inbox.get()  # idle: block until a request arrives
+                    if cmd is None:
+                        break
+                    self._apply(cmd)
+                self.step()
+        except BaseException as e:  # a bug in the engine itself: fail every request, report unhealthy
+            self.error = e
+            log.error("engine loop died:\n%s", traceback.format_exc())
+            for rid in list(self._seqs):
+                self._fail(rid, f"engine failure: {e}")
+        finally:
+            for rid in list(self._seqs):
+                self._finish(rid, "abort", "", ())
+
+    def _apply(self, cmd: _Command) -> None:
+        if cmd.kind == "add":
+            assert cmd.seq is not None
+            try:
+                self.scheduler.add(cmd.seq.request)
+            except Exception as e:  # raced past validation (queue filled meanwhile): tell the client
+                with self._lock:
+                    self._pending -= 1
+                self._emit(cmd.seq, RequestOutput(cmd.request_id, (), "", cmd.seq.request.num_prompt_tokens, 0,
+                                                  True, "error", error=str(e), time=time.monotonic()))
+                return
+            self._seqs[cmd.request_id] = cmd.seq
+        elif cmd.request_id in self._seqs:
+            self._finish(cmd.request_id, "abort", "", ())
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if cmd is None:
+                self._stop.set()
+                return
+            self._apply(cmd)
+
+    def step(self) -> bool:
+        """One engine iteration. Returns False when there was nothing to do."""
+        self._drain_inbox()
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return False
+        t0 = time.perf_counter()
+        if out.decodes:
+            rows = [DecodeRow(d.slot, d.token, d.position) for d in out.decodes]
+            try:
+                logits = self.runner.decode(rows)
+            except Exception as e:
+                log.error("decode failed:\n%s", traceback.format_exc())
+                for d in out.decodes:
+                    self._fail(d.request_id, f"decode failed: {e}")
+            else:
+                for i, d in enumerate(out.decodes):
+                    self._update(d.request_id, logits[i])
+        for p in out.prefills:
+            try:
+                logits = self.runner.prefill(p.slot, list(p.token_ids))
+            except Exception as e:
+                log.error("prefill failed:\n%s", traceback.format_exc())
+                self._fail(p.request_id, f"prefill failed: {e}")
+                continue
+            self._update(p.request_id, logits)
+        st = self.stats
+        st.steps, st.decode_rows, st.prefills = st.steps + 1, st.decode_rows + len(out.decodes), st.prefills + len(out.prefills)
+        if len(st.step_times) < 100_000:
+            st.step_times.append(time.perf_counter() - t0)
+        return True
+
+    def _update(self, request_id: str, logits: torch.Tensor) -> None:
+        seq = self._seqs[request_id]
+        params = seq.params
+        banned = self.eos_token_ids if len(seq.stop.token_ids) < params.min_tokens else ()
+        res = sample_one(logits, seq.state, banned)
+        seq.state.observe(res.token)
+        delta = seq.stop.add(res.token)
+        self.scheduler.update(request_id, res.token)
+        lp = (TokenLogprob(res.token, res.logprob, res.top_logprobs),) if res.logprob is not None else ()
+        if seq.stop.finish_reason is not None:
+            self._finish(request_id, seq.stop.finish_reason, delta, (res.token,), lp)
+        else:
+            self._emit(seq, RequestOutput(request_id, (res.token,), delta, seq.request.num_prompt_tokens,
+                                          len(seq.request.output_token_ids), logprobs=lp, time=time.monotonic()))
+
+    def _finish(self, request_id: str, reason: str, delta: str, tokens: tuple[int, ...],
+                logprobs: tuple[TokenLogprob, ...] = (), error: str | None = None) -> None:
+        seq = self._seqs.pop(request_id)
+        self.scheduler.finish(request_id)
+        with self._lock:
+            self._pending -= 1
+        out = RequestOutput(request_id, tokens, delta, seq.request.num_prompt_tokens,
+                            len(seq.request.output_token_ids), True, reason, logprobs, error, time.monotonic())
+        self._emit(seq, out)
+
+    @staticmethod
+    def _emit(seq: _Sequence, out: RequestOutput) -> None:
+        try:
+            seq.on_output(out)
+        except Exception:  # a broken callback (e.g. a closed event loop) must not take the engine down
+            log.warning("output callback failed for %s:\n%s", out.request_id, traceback.format_exc())
+
+    def _fail(self, request_id: str, message: str) -> None:
+        if request_id in self._seqs:
+            self._finish(request_id, "error", "", (), error=message)

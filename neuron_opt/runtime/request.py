@@ -1,0 +1,44 @@
+"""What the scheduler knows about a request: token counts and a KV slot, nothing else.
+
+A request's tokens are its prompt followed by the tokens generated so far (`num_tokens` of them in all).
+`num_computed_tokens` of those already have their K/V in the request's slot. The runner's next call for it is:
+- a prefill of the whole prompt when `num_computed_tokens == 0`;
+- otherwise a decode of the last token at position `num_computed_tokens` (exactly one token is pending then).
+Sampling state, detokenization and callbacks stay in the engine, so the scheduler is testable with this
+plain dataclass alone.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued: no slot yet
+    RUNNING = "running"  # holds a slot
+    FINISHED = "finished"  # slot released (stopped, length, aborted or failed)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_time: float = 0.0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    slot: int | None = None
+    status: RequestStatus = RequestStatus.WAITING
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
