@@ -29,7 +29,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -278,12 +278,15 @@ def _gguf_meta_cached(path: Path, cache_dir: Path) -> tuple[ModelConfig, set[str
         pass  # absent or damaged: rebuild
     reader = _gguf_reader(path)
     cfg = _gguf_config(reader, path)
-    names = {gguf_to_hf_name(t.name) for t in reader.tensors}
+    try:
+        names = {gguf_to_hf_name(t.name) for t in reader.tensors}
+    except CheckpointError as e:
+        raise CheckpointError(f"checkpoint: {path}: {e}") from None
     _atomic_write(cached, lambda tmp: tmp.write_text(json.dumps({"config": cfg.to_dict(), "names": sorted(names)})))
     return cfg, names
 
 
-def _atomic_write(dest: Path, write: Any) -> None:
+def _atomic_write(dest: Path, write: Callable[[Path], object]) -> None:
     """Write `dest` through a temp file in the same directory + os.replace, so readers never see a partial
     file. Failures (read-only or full disk) are ignored: a cache only buys speed."""
     try:
@@ -294,6 +297,7 @@ def _atomic_write(dest: Path, write: Any) -> None:
         return
     try:
         write(Path(tmp))
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; cache entries are plain readable files
         os.replace(tmp, dest)
     except OSError:
         Path(tmp).unlink(missing_ok=True)
@@ -330,11 +334,12 @@ def _gguf_config(reader: Any, path: Path) -> ModelConfig:
     if "rope_freqs.weight" in tensors:
         raise CheckpointError(f"checkpoint: {path} carries a rope_freqs tensor (Llama-3 style rope scaling), "
                               "which we do not map back to rope_parameters; use the HF safetensors checkpoint")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    vocab = int(key("vocab_size", len(tokens) if tokens is not None else 0))
     embd = tensors.get("token_embd.weight")
     if embd is None:
         raise CheckpointError(f"checkpoint: {path} has no token_embd.weight")
+    # vocab: the explicit key, else the token list, else (no tokenizer in the file) the embedding rows
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    vocab = int(key("vocab_size", len(tokens) if tokens is not None else int(embd.shape[-1])))
     if vocab != int(embd.shape[-1]):
         raise CheckpointError(f"checkpoint: {path} says vocab {vocab} but token_embd.weight has "
                               f"{int(embd.shape[-1])} rows")

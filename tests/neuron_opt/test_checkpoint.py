@@ -347,3 +347,30 @@ def test_default_tokenizer_has_chat_template(real_cache):
     again = open_checkpoint("default").tokenizer()
     assert again.chat_template == tok.chat_template and again("Hello world").input_ids == tok(
         "Hello world").input_ids
+
+
+def test_hf_tokenizer_keeps_chat_template_and_missing_one_is_an_error(tiny_dir, tmp_path, monkeypatch):
+    d = _copy(tiny_dir("smollm-like-9-3"), tmp_path / "with_tok")
+    with pytest.raises(CheckpointError, match="with_tok"):
+        open_checkpoint(d).tokenizer()
+    monkeypatch.setattr(envs, "CACHE_DIR", REAL_CACHE_DIR)
+    src = open_checkpoint("default").tokenizer()
+    src.save_pretrained(str(d))
+    tok = open_checkpoint(d).tokenizer()
+    assert tok.chat_template == src.chat_template and tok("Hello world").input_ids == src("Hello world").input_ids
+
+
+def test_gguf_with_unknown_tensor_names_the_file(tiny_dir, tmp_path):
+    path = tmp_path / "odd.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for k, v in (("embedding_length", 8), ("block_count", 1), ("feed_forward_length", 16)):
+        getattr(w, f"add_{k}")(v)
+    w.add_head_count(2)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.add_tensor("blk.0.attn_qkv.weight", np.zeros((24, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match=r"odd\.gguf.*attn_qkv"):
+        open_checkpoint(path)
