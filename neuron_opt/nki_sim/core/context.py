@@ -1,0 +1,81 @@
+"""The state of one simulated kernel run: target, mode, allocator, cost recorder, SPMD ids, loop scopes.
+
+It is carried in a ContextVar so that API functions (which, in NKI, take no context argument) find the run
+they belong to; nothing else in the simulator is global.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from neuron_opt.nki_sim.core.cost import CostRecorder
+from neuron_opt.nki_sim.core.errors import SimulatorError
+from neuron_opt.nki_sim.core.memory import OnChipAllocator, Storage
+from neuron_opt.nki_sim.core.targets import Target
+
+
+@dataclass
+class SimContext:
+    """Everything one kernel run needs besides the tensors themselves."""
+
+    target: Target
+    count_only: bool
+    program_ids: tuple[int, ...] = ()
+    grid: tuple[int, ...] = ()
+    allocator: OnChipAllocator = field(init=False)
+    cost: CostRecorder = field(init=False)
+    scopes: list[list[weakref.ref[Storage]]] = field(default_factory=list)
+    # shared_hbm tensors are shared by all SPMD programs: the i-th allocation of every program is the same tensor.
+    shared_hbm: list[object] = field(default_factory=list)
+    shared_index: int = 0
+
+    def __post_init__(self) -> None:
+        self.allocator = OnChipAllocator(self.target)
+        self.cost = CostRecorder(self.target)
+
+    def register(self, storage: Storage) -> None:
+        """Account an on-chip allocation and tie its lifetime to the innermost loop scope."""
+        self.allocator.allocate(storage)
+        if self.scopes:
+            self.scopes[-1].append(weakref.ref(storage))
+
+    @contextmanager
+    def scope(self) -> Iterator[None]:
+        """One loop iteration: tiles allocated inside die when it ends."""
+        self.scopes.append([])
+        try:
+            yield
+        finally:
+            for ref in self.scopes.pop():
+                st = ref()
+                if st is not None and st.alive:
+                    st.freed_by_scope = True
+                    st.release()
+
+
+_CURRENT: contextvars.ContextVar[SimContext | None] = contextvars.ContextVar("nki_sim_context", default=None)
+
+
+def current() -> SimContext:
+    """The running kernel's context; NKI API calls outside a kernel are an error."""
+    ctx = _CURRENT.get()
+    if ctx is None:
+        raise SimulatorError("NKI API called outside a kernel: run the kernel through simulate_kernel or @jit")
+    return ctx
+
+
+def maybe_current() -> SimContext | None:
+    return _CURRENT.get()
+
+
+@contextmanager
+def activate(ctx: SimContext) -> Iterator[SimContext]:
+    token = _CURRENT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CURRENT.reset(token)

@@ -1,0 +1,171 @@
+"""Cost model: per-instruction engine cycles, DMA time, and the per-run Report.
+
+Model (documented in docs/nki_simulator.md):
+- Each instruction costs the documented "estimated instruction cost" of its engine (nki.md 4.2, legacy NKI
+  ISA docstrings), in cycles of that engine, converted to time with the engine clock of the target.
+- A DMA costs bytes / sustained DMA bandwidth plus its fixed cost (1.3 us) spread over the 16 DMA queues
+  that run concurrently.
+- Engines run concurrently (the compiler schedules independent instructions on different engines), so the
+  estimated latency is max over engines (and DMA) of busy time, plus the fixed cost of one DMA at the start
+  (the first load must land before compute starts) and one at the end (the last store drains), which no
+  overlap hides. Dependencies inside one engine's stream and cross-engine stalls are not modelled.
+No efficiency factor is applied.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from neuron_opt.nki_sim.core.targets import Target
+
+MIN_II = 64  # minimum initiation interval of Vector/Scalar/GpSimd instructions, cycles (nki.md 4.2)
+MM_INIT = 64  # TensorE matmul turnaround, cycles
+GPSIMD_START = 150  # GpSimd iota/affine_select start cost, cycles
+RED_RES_READOUT = 64  # extra ScalarE instruction reading the reduce registers out
+
+ENGINES = ("tensor", "vector", "scalar", "gpsimd")
+
+
+def matmul_cycles(stationary_free: int, moving_free: int, fp32: bool) -> float:
+    """`nc_matmul`: max(min(64, N_stationary), N_moving), 4x for fp32 operands."""
+    cyc = max(min(MM_INIT, stationary_free), moving_free)
+    return float(cyc * (4 if fp32 else 1))
+
+
+def pe_transpose_cycles(partitions: int, free: int) -> float:
+    """TensorE `nc_transpose`: max(P, min(64, F))."""
+    return float(max(partitions, min(MM_INIT, free)))
+
+
+def streaming_cycles(n: float, per_elem: float = 1.0, extra: float = 0.0) -> float:
+    """Vector/Scalar streaming instruction: max(MIN_II, per_elem*N) + extra."""
+    return float(max(MIN_II, per_elem * n) + extra)
+
+
+def gpsimd_cycles(n: float) -> float:
+    return float(GPSIMD_START + n)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Work of one engine in one kernel run."""
+
+    instructions: int
+    cycles: float
+    busy_us: float
+
+
+@dataclass(frozen=True)
+class Report:
+    """What one simulated kernel run cost, as estimated from the documented per-instruction formulas.
+
+    Attributes:
+        target: target name.
+        engines: per engine (`tensor`, `vector`, `scalar`, `gpsimd`) instruction count, cycles, busy time.
+        ops: instruction counts by `engine.op`.
+        dma_transfers / dma_bytes / dma_busy_us: DMA instructions, bytes moved, queue-time.
+        exposed_fixed_us: DMA fixed costs no overlap hides (first load, last store).
+        latency_us: estimated kernel latency = max busy time over engines and DMA + exposed fixed costs.
+        matmul_flops: 2*K*M*N summed over matmuls (transposes excluded).
+        tensor_utilization: matmul_flops / (latency * peak bf16 FLOP/s of the target).
+        bound_by: the engine (or `dma`) with the largest busy time.
+        sbuf_peak_bytes_per_partition / psum_peak_banks: allocator high-water marks.
+    """
+
+    target: str
+    engines: dict[str, EngineStats]
+    ops: dict[str, int]
+    dma_transfers: int
+    dma_bytes: int
+    dma_busy_us: float
+    exposed_fixed_us: float
+    latency_us: float
+    matmul_flops: int
+    tensor_utilization: float
+    bound_by: str
+    sbuf_peak_bytes_per_partition: int
+    psum_peak_banks: int
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["engines"] = {k: dict(v.__dict__) for k, v in self.engines.items()}
+        d["ops"] = dict(self.ops)
+        return d
+
+    def __str__(self) -> str:
+        lines = [
+            f"NKI simulator report ({self.target}): latency {self.latency_us:.2f} us, bound by {self.bound_by}",
+            f"  TensorE utilisation {self.tensor_utilization * 100:.1f}% "
+            f"({self.matmul_flops / 1e9:.3f} GFLOP of matmul)",
+        ]
+        for name, st in self.engines.items():
+            lines.append(f"  {name:<7} {st.instructions:>9} instr {st.cycles:>14.0f} cycles {st.busy_us:>12.2f} us")
+        lines.append(
+            f"  dma     {self.dma_transfers:>9} xfers {self.dma_bytes / 2**20:>12.2f} MiB  {self.dma_busy_us:>12.2f} us"
+        )
+        lines.append(
+            f"  exposed fixed {self.exposed_fixed_us:.2f} us; SBUF peak {self.sbuf_peak_bytes_per_partition} "
+            f"B/partition; PSUM peak {self.psum_peak_banks} banks"
+        )
+        return "\n".join(lines)
+
+
+@dataclass
+class CostRecorder:
+    """Accumulates instruction and DMA costs during one kernel run."""
+
+    target: Target
+    counts: Counter[str] = field(default_factory=Counter)
+    cycles: dict[str, float] = field(default_factory=lambda: {e: 0.0 for e in ENGINES})
+    ops: Counter[str] = field(default_factory=Counter)
+    dma_transfers: int = 0
+    dma_bytes: int = 0
+    dma_loads: int = 0
+    dma_stores: int = 0
+    matmul_flops: int = 0
+
+    def instr(self, engine: str, op: str, cycles: float) -> None:
+        self.counts[engine] += 1
+        self.cycles[engine] += cycles
+        self.ops[f"{engine}.{op}"] += 1
+
+    def dma(self, nbytes: int, to_hbm: bool) -> None:
+        self.dma_transfers += 1
+        self.dma_bytes += int(nbytes)
+        if to_hbm:
+            self.dma_stores += 1
+        else:
+            self.dma_loads += 1
+        self.ops["dma.store" if to_hbm else "dma.load"] += 1
+
+    def report(self, sbuf_peak: int, psum_peak: int) -> Report:
+        t = self.target
+        engines = {
+            e: EngineStats(self.counts[e], self.cycles[e], self.cycles[e] / (t.clock_ghz(e) * 1e3)) for e in ENGINES
+        }
+        dma_us = (self.dma_bytes / t.dma_gbps + self.dma_transfers * t.dma_fixed_ns / t.dma_engines) / 1e3
+        exposed = ((self.dma_loads > 0) + (self.dma_stores > 0)) * t.dma_fixed_ns / 1e3
+        busy = {e: s.busy_us for e, s in engines.items()}
+        busy["dma"] = dma_us
+        bound = max(busy, key=lambda k: busy[k])
+        latency = busy[bound] + exposed
+        peak_flops_per_us = t.peak_bf16_tflops * 1e6
+        util = self.matmul_flops / (latency * peak_flops_per_us) if latency > 0 else 0.0
+        return Report(
+            target=t.name,
+            engines=engines,
+            ops=dict(sorted(self.ops.items())),
+            dma_transfers=self.dma_transfers,
+            dma_bytes=self.dma_bytes,
+            dma_busy_us=dma_us,
+            exposed_fixed_us=exposed,
+            latency_us=latency,
+            matmul_flops=self.matmul_flops,
+            tensor_utilization=util if math.isfinite(util) else 0.0,
+            bound_by=bound,
+            sbuf_peak_bytes_per_partition=sbuf_peak,
+            psum_peak_banks=psum_peak,
+        )

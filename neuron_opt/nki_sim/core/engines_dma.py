@@ -1,0 +1,124 @@
+"""DMA: HBM <-> SBUF moves (load, store, dma_copy), and HBM tensor plumbing (kernel arguments, reshape).
+
+Rules: load reads HBM only and writes SBUF; store writes HBM only, from SBUF (a PSUM value is first copied to
+SBUF by VectorE, as the legacy compiler does); dma_copy cannot touch PSUM. Cost: bytes moved (masked elements
+only) plus a fixed cost per transfer (see cost.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from neuron_opt.nki_sim.core import cost, dtypes
+from neuron_opt.nki_sim.core.context import current
+from neuron_opt.nki_sim.core.engines_vector import finish
+from neuron_opt.nki_sim.core.errors import MemoryPlacementError, ShapeError, SimulatorError
+from neuron_opt.nki_sim.core.instr import operand, values
+from neuron_opt.nki_sim.core.memory import PMAX, Buffer, Storage, check_partition_size
+from neuron_opt.nki_sim.core.tile import Tile
+
+
+def load(src: Tile, *, mask: Any = None, dtype: Any = None) -> Tile:
+    """nl.load: HBM view -> new SBUF tile of the same shape (dim 0 becomes the partition dim)."""
+    ctx = current()
+    operand(src, "src", "load", ("hbm",))
+    if not src.shape:
+        raise ShapeError("nl.load needs at least a 1-D access")
+    check_partition_size(src.shape[0], f"nl.load of {src.name}{list(src.shape)}")
+    m = src.check_mask(mask)
+    src.check_bounds(m)
+    ctx.cost.dma(src.masked_count(m) * dtypes.itemsize(src.dtype), to_hbm=False)
+    v = None if ctx.count_only else src.read(m)
+    out_dt = dtypes.normalize(dtype) if dtype is not None else src.dtype
+    return finish(ctx, src.shape, out_dt, None if v is None else _exactish(v), m)
+
+
+def _exactish(v: np.ndarray) -> np.ndarray:
+    return dtypes.to_f32(v) if dtypes.is_float(v.dtype) else v
+
+
+def load_transpose2d(src: Tile, *, mask: Any = None, dtype: Any = None) -> Tile:
+    """nl.load_transpose2d: HBM [F, P] -> SBUF [P, F] (slower DMA; counted as one transfer)."""
+    ctx = current()
+    operand(src, "src", "load_transpose2d", ("hbm",))
+    if src.ndim != 2:
+        raise ShapeError(f"load_transpose2d needs a 2-D access, got {list(src.shape)}")
+    check_partition_size(src.shape[1], f"load_transpose2d of {src.name}{list(src.shape)}")
+    m = src.check_mask(mask)
+    src.check_bounds(m)
+    ctx.cost.dma(src.masked_count(m) * dtypes.itemsize(src.dtype), to_hbm=False)
+    v = None if ctx.count_only else _exactish(src.read(m)).T
+    out_dt = dtypes.normalize(dtype) if dtype is not None else src.dtype
+    return finish(ctx, (src.shape[1], src.shape[0]), out_dt, v, None if m is None else m.T)
+
+
+def store(dst: Tile, value: Any, *, mask: Any = None) -> None:
+    """nl.store: on-chip tile -> HBM view, rounding into the HBM dtype."""
+    ctx = current()
+    operand(dst, "dst", "store", ("hbm",))
+    if not isinstance(value, Tile):
+        raise SimulatorError(f"nl.store value must be a tile, got {type(value).__name__}")
+    operand(value, "value", "store")
+    if value.size != dst.size:
+        raise ShapeError(f"nl.store: value of shape {list(value.shape)} does not match destination {list(dst.shape)}")
+    m = dst.check_mask(mask)
+    dst.check_bounds(m)
+    if value.buffer is Buffer.PSUM:
+        ctx.cost.instr("vector", "tensor_copy", cost.streaming_cycles(value.free_size))
+    ctx.cost.dma(dst.masked_count(m) * dtypes.itemsize(dst.dtype), to_hbm=True)
+    v = values(ctx, value)
+    value.fresh = False
+    if v is not None:
+        dst.write(np.asarray(v).reshape(dst.shape), m)
+
+
+def dma_copy(dst: Tile, src: Tile, *, mask: Any = None) -> None:
+    """nisa.dma_copy: HBM/SBUF to HBM/SBUF with equal element counts; PSUM is not a DMA endpoint."""
+    ctx = current()
+    operand(src, "src", "dma_copy", ("hbm", "sbuf"))
+    operand(dst, "dst", "dma_copy", ("hbm", "sbuf"))
+    if src.size != dst.size:
+        raise ShapeError(f"dma_copy: src{list(src.shape)} and dst{list(dst.shape)} have different element counts")
+    if not dst.buffer.is_hbm:
+        check_partition_size(dst.partitions, "dma_copy destination")
+    m = dst.check_mask(mask)
+    dst.check_bounds(m)
+    ctx.cost.dma(dst.masked_count(m) * dtypes.itemsize(dst.dtype), to_hbm=dst.buffer.is_hbm)
+    if not ctx.count_only:
+        dst.write(_exactish(src.read()).reshape(dst.shape), m)
+
+
+def wrap_input(value: Any, name: str) -> Any:
+    """A kernel argument: numpy arrays (and shape/dtype specs in count-only mode) become HBM tensors in place."""
+    ctx = current()
+    if isinstance(value, np.ndarray):
+        st = Storage(tuple(value.shape), dtypes.normalize(value.dtype), Buffer.HBM, None,
+                     None if ctx.count_only else value, name)
+        return Tile(st)
+    if hasattr(value, "shape") and hasattr(value, "dtype") and not isinstance(value, Tile):
+        if not ctx.count_only:
+            raise SimulatorError(f"argument '{name}' has no data ({type(value).__name__}); only count_only runs "
+                                 "accept shape/dtype specs")
+        return Tile(Storage(tuple(value.shape), dtypes.normalize(value.dtype), Buffer.HBM, None, None, name))
+    return value
+
+
+def reshape(t: Tile, shape: tuple[int, ...]) -> Tile:
+    """Reshape a whole HBM tensor (same memory, new shape)."""
+    if not t.buffer.is_hbm:
+        raise SimulatorError("reshape is only supported on HBM tensors")
+    st = t.storage
+    if t.advanced or t.shape != st.shape:
+        raise SimulatorError("reshape needs the whole, unsliced HBM tensor")
+    if math.prod(shape) != math.prod(st.shape):
+        raise ShapeError(f"cannot reshape {list(st.shape)} into {list(shape)}: element count differs")
+    data = None if st.data is None else st.data.reshape(shape)
+    new = Storage(tuple(shape), st.dtype, st.buffer, None, data, st.name)
+    return Tile(new)
+
+
+def partition_limit() -> int:
+    return PMAX
