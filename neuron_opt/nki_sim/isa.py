@@ -30,6 +30,14 @@ class engine:  # noqa: N801 - NKI spelling
     sync = "sync"
 
 
+# Legacy spellings of the engine selectors.
+unknown_engine = engine.unknown
+tensor_engine = engine.tensor
+vector_engine = engine.vector
+scalar_engine = engine.scalar
+gpsimd_engine = engine.gpsimd
+
+
 class reduce_cmd:  # noqa: N801
     """Control of the ScalarE reduction registers (accepted; each activation reduces its own result)."""
 
@@ -121,6 +129,12 @@ def tensor_copy(src: Tile, *, mask: Any = None, dtype: Any = None, engine: str =
                 **_: Any) -> Tile:
     """Copy a tile (SBUF or PSUM source) into a new SBUF tile."""
     return _ve.tensor_copy(src, dtype=dtype, mask=mask, engine=engine)
+
+
+def scalar_tensor_tensor(*, data: Tile, op0: Any, operand0: Any, op1: Any, operand1: Tile, dtype: Any = None,
+                         mask: Any = None, engine: str = engine.unknown, **_: Any) -> Tile:
+    """(data op0 operand0) op1 operand1 on VectorE: operand0 scalar or [P, 1], operand1 a tile like data."""
+    return _ve.scalar_tensor_tensor(data, op0, operand0, op1, operand1, dtype=dtype, mask=mask, engine=engine)
 
 
 def reciprocal(data: Tile, *, dtype: Any = None, mask: Any = None, **_: Any) -> Tile:

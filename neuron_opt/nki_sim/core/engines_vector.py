@@ -428,3 +428,31 @@ def reciprocal(data: Tile, *, dtype: Any = None, mask: Any = None) -> Tile:
 def require_partition_first(x: Tile, op: str) -> None:
     if x.par_pos not in (0, None):
         raise PartitionError(f"'{op}': the partition dimension must be the leading dimension of the tile {list(x.shape)}")
+
+
+def scalar_tensor_tensor(data: Tile, op0: Any, operand0: Any, op1: Any, operand1: Tile, *, dtype: Any = None,
+                         mask: Any = None, engine: str = "vector") -> Tile:
+    """(data op0 operand0) op1 operand1: operand0 a scalar or [P, 1] vector, operand1 a tile like data.
+
+    Cost N for bf16 subtract-then-multiply with even N, else 2N (nki.md 4.2).
+    """
+    ctx = current()
+    operand(data, "data", "scalar_tensor_tensor")
+    operand(operand1, "operand1", "scalar_tensor_tensor")
+    check_same_partitions("scalar_tensor_tensor", data, operand1, "data", "operand1")
+    if data.free_size != operand1.free_size:
+        raise ShapeError(f"scalar_tensor_tensor: data{list(data.shape)} and operand1{list(operand1.shape)} differ in "
+                         "elements per partition")
+    if data.buffer is Buffer.PSUM and operand1.buffer is Buffer.PSUM:
+        raise MemoryPlacementError("scalar_tensor_tensor: data and operand1 cannot both be in PSUM")
+    _check_gpsimd(engine, "scalar_tensor_tensor", data, operand1)
+    n0, f0 = ops.resolve_alu(op0)
+    n1, f1 = ops.resolve_alu(op1)
+    n = data.free_size
+    fast = data.dtype == dtypes.bfloat16 and (n0, n1) == ("subtract", "multiply") and n % 2 == 0
+    ctx.cost.instr(engine if engine not in ("unknown", None) else "vector", "scalar_tensor_tensor",
+                   float(n if fast else 2 * n))
+    s0 = _scalar_operand(ctx, data, operand0, "operand0")
+    v, v1 = values(ctx, data), values(ctx, operand1)
+    out = None if v is None else f1(f0(v, s0), v1.reshape(v.shape))  # type: ignore[union-attr]
+    return finish(ctx, data.shape, _out_dtype(dtype, data.dtype, operand1.dtype), out, _mask(data, mask))

@@ -293,6 +293,18 @@ class Tile:
 
         return engines_dma.reshape(self, tuple(shape))
 
+    def broadcast_to(self, shape: tuple[int, ...] | list[int]) -> Tile:
+        """Legacy tile method (SDK RMSNorm tutorial: `g_tile.broadcast_to((128, H))`); same as nl.broadcast_to."""
+        from neuron_opt.nki_sim import language
+
+        return language.broadcast_to(self, shape)
+
+    def broadcast_to(self, shape: tuple[int, ...] | list[int]) -> Tile:
+        """Same as nl.broadcast_to(self, shape)."""
+        from neuron_opt.nki_sim import language
+
+        return language.broadcast_to(self, tuple(shape))
+
     # Python operators map to the same instructions as nl.add & co.
     def _bin(self, other: Any, op: str, reverse: bool = False) -> Tile:
         from neuron_opt.nki_sim.core import engines_vector
