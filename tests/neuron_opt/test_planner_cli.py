@@ -1,0 +1,86 @@
+"""`neuron-opt plan` through the real CLI entry point."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from neuron_opt.cli import main
+
+LLAMA3_8B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+             "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
+             "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+
+
+@pytest.fixture
+def config_path(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    return tmp_path / "config.json"
+
+
+def test_json_with_tp(config_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["plan", "--model", str(config_path), "--instance", "inf2.48xlarge", "--tp", "8", "--batch-size",
+               "4", "--input-len", "1024", "--output-len", "1024", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["fits"] is True and out["tp"] == 8 and out["batch_size"] == 4
+    mem = out["memory_bytes"]
+    norms = (2 * 32 + 1) * 4096  # RMSNorm weights are replicated; everything else splits exactly 8 ways
+    assert mem["weights"] == 2 * (8_030_261_248 - norms) // 8 + 2 * norms
+    assert mem["kv_cache"] == 5 * 2048 * 16 * 1024  # 4+1 slots x 2048 x 16 KiB per token per rank
+    assert out["per_core_memory_gb"] == pytest.approx(mem["total"] / 1e9, abs=1e-3)
+    assert out["per_core_capacity_gb"] == pytest.approx(16 * 2**30 / 1e9, abs=1e-3)
+    assert 0 < out["tpot_ms"] < out["ttft_ms"]
+    assert out["buckets"]["prefill_seqs"][-1] == 1024 and out["buckets"]["decode_seqs"][-1] == 2048
+
+
+def test_directory_and_recommendation(config_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["plan", "--model", str(config_path.parent), "--instance", "inf2.xlarge", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    # 8B bf16 needs 16 GB: only tp 2 fits on inf2.xlarge's two 16 GiB cores
+    assert rc == 0 and out["tp"] == 2 and out["fits"]
+    assert [a["tp"] for a in out["alternatives"]] == [1] and not out["alternatives"][0]["fits"]
+
+
+def test_does_not_fit_exits_1(config_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--model", str(config_path), "--instance", "trn1.2xlarge", "--tp", "1", "--max-length", "8192",
+            "--json"]
+    rc = main(args + ["--dtype", "bfloat16"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 1 and out["fits"] is False and out["per_core_memory_gb"] > out["per_core_capacity_gb"]
+    # without --dtype, a quantized dtype is proposed only because bfloat16 fits nowhere
+    rc = main(args)
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["fits"] and out["dtype"] == "int8"
+
+
+def test_bad_instance_and_tp_are_clear_errors(config_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", str(config_path), "--instance", "p5.48xlarge"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown instance 'p5.48xlarge'" in err and "trn2.48xlarge" in err and "inf2.xlarge" in err
+    assert main(["plan", "--model", str(config_path), "--instance", "inf2.48xlarge", "--tp", "16"]) == 2
+    assert "allowed: 1, 2, 4, 8, 24" in capsys.readouterr().err
+
+
+def test_text_output_lists_alternatives(config_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", str(config_path), "--instance", "trn1.32xlarge", "--concurrency", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "fits" in out and "alternatives" in out and "TPOT" in out
+
+
+def test_format_plan_table_for_compile() -> None:
+    from neuron_opt.buckets import BucketConfig
+    from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
+    from neuron_opt.planner import format_plan_table
+
+    cfg = ModelConfig.from_hf(LLAMA3_8B)
+    cache = CacheConfig(max_batch=2, max_length=512, dtype="bfloat16")
+    buckets = BucketConfig.build(max_context=256, max_length=512, max_batch=2)
+    text = format_plan_table(cfg, ParallelConfig(tp=8), cache, buckets, "inf2.48xlarge")
+    assert "tp 8" in text and "fits" in text
+    assert f"({len(buckets.buckets())} graphs)" in text
+    cpu = format_plan_table(cfg, ParallelConfig(tp=1), cache, buckets, "cpu", dtype="float32")
+    assert "per rank (host RAM shared by all ranks)" in cpu and "not modelled on cpu" in cpu
+    assert f"{4 * 8_030_261_248 / 2**30:8.2f}" in cpu  # float32 weights, unsharded
