@@ -294,12 +294,6 @@ class Tile:
         return engines_dma.reshape(self, tuple(shape))
 
     def broadcast_to(self, shape: tuple[int, ...] | list[int]) -> Tile:
-        """Legacy tile method (SDK RMSNorm tutorial: `g_tile.broadcast_to((128, H))`); same as nl.broadcast_to."""
-        from neuron_opt.nki_sim import language
-
-        return language.broadcast_to(self, shape)
-
-    def broadcast_to(self, shape: tuple[int, ...] | list[int]) -> Tile:
         """Same as nl.broadcast_to(self, shape)."""
         from neuron_opt.nki_sim import language
 
