@@ -1,0 +1,143 @@
+"""FastAPI routes and OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`.
+
+Design decisions
+- Bodies are parsed by us (`model_validate_json` on the raw bytes), not by FastAPI's injection, so malformed
+  JSON and wrong types are 400 BadRequestError with the field named — never FastAPI's 422 or a 500.
+- User input never causes a 500: invalid parameters and over-long prompts are 400, an unknown model is 404, a
+  full queue is 503. A 500 means a bug or a failing backend, and the server stays up.
+- The engine starts with the app (lifespan) and stops after uvicorn has drained in-flight requests (SIGTERM:
+  uvicorn stops accepting, waits for open responses to finish, then runs the lifespan shutdown).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from neuron_opt.errors import NeuronOptError, QueueFullError
+from neuron_opt.runtime.engine import Engine
+from neuron_opt.server.metrics import ServerMetrics
+from neuron_opt.server.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
+from neuron_opt.server.serving import EngineError, NotFoundError, OpenAIServing
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}}, status)
+
+
+def bad_request(message: str, param: str | None = None) -> JSONResponse:
+    return error_response(400, message, "BadRequestError", param)
+
+
+def _validation_message(e: ValidationError) -> tuple[str, str | None]:
+    errs = e.errors(include_url=False)
+    if errs and errs[0]["type"] == "json_invalid":
+        return f"Invalid JSON body: {errs[0].get('ctx', {}).get('error', errs[0]['msg'])}", None
+    parts = []
+    for err in errs[:5]:
+        loc = ".".join(str(x) for x in err["loc"]) or "body"
+        msg = "unsupported parameter (not part of the API this server implements)" \
+            if err["type"] == "extra_forbidden" else err["msg"]
+        parts.append(f"{loc}: {msg}")
+    param = ".".join(str(x) for x in errs[0]["loc"]) if errs and errs[0]["loc"] else None
+    return "; ".join(parts), param
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> Any:
+    return model.model_validate_json(await request.body() or b"null")
+
+
+def create_app(engine: Engine, tokenizer: Any, encode_chat: Callable[[list[dict[str, str]]], list[int]],
+               model_name: str, max_model_len: int) -> FastAPI:
+    metrics = ServerMetrics(model_name, lambda: engine.num_running, lambda: engine.num_waiting,
+                            lambda: engine.num_running / engine.num_slots)
+    serving = OpenAIServing(engine, tokenizer, encode_chat, model_name, metrics, max_model_len)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        engine.stop()
+
+    app = FastAPI(title="neuron-opt", lifespan=lifespan)
+    app.state.engine, app.state.serving = engine, serving
+
+    @app.exception_handler(ValidationError)
+    async def _pydantic(_: Request, e: ValidationError) -> JSONResponse:
+        return bad_request(*_validation_message(e))
+
+    @app.exception_handler(RequestValidationError)
+    async def _fastapi_validation(_: Request, e: RequestValidationError) -> JSONResponse:
+        return bad_request("; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()[:5]))
+
+    @app.exception_handler(ProtocolError)
+    async def _protocol(_: Request, e: ProtocolError) -> JSONResponse:
+        return bad_request(str(e), e.param)
+
+    @app.exception_handler(NotFoundError)
+    async def _not_found(_: Request, e: NotFoundError) -> JSONResponse:
+        return error_response(404, str(e), "NotFoundError", "model")
+
+    @app.exception_handler(NeuronOptError)
+    async def _ours(_: Request, e: NeuronOptError) -> JSONResponse:
+        if isinstance(e, QueueFullError):
+            return error_response(503, str(e), "ServiceUnavailableError")
+        if isinstance(e, ValueError):  # ConfigError (parameter ranges), ContextLengthError
+            param = "max_tokens" if "max_tokens" in str(e) else None
+            return bad_request(str(e), param)
+        return error_response(500, str(e), "InternalServerError")
+
+    @app.exception_handler(EngineError)
+    async def _engine(_: Request, e: EngineError) -> JSONResponse:
+        return error_response(500, str(e), "InternalServerError")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        type_ = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(e.status_code, "BadRequestError")
+        return error_response(e.status_code, str(e.detail), type_)
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, e: Exception) -> JSONResponse:
+        return error_response(500, f"internal error: {type(e).__name__}: {e}", "InternalServerError")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.is_alive() else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "neuron-opt",
+                "root": model_name, "parent": None, "max_model_len": max_model_len, "permission": []}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def respond(result: dict[str, Any] | AsyncIterator[str]) -> Response:
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        arrival = time.monotonic()
+        req = await _parse(request, CompletionRequest)
+        return respond(await serving.completions(req, arrival, request.is_disconnected))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        arrival = time.monotonic()
+        req = await _parse(request, ChatCompletionRequest)
+        return respond(await serving.chat(req, arrival, request.is_disconnected))
+
+    return app
