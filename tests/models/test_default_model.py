@@ -1,0 +1,64 @@
+"""The real default model (SmolLM2-135M-Instruct, Q4_1 GGUF) against HF transformers loading the same file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from neuron_opt.api import LLM
+from neuron_opt.checkpoint import default_model_path
+from neuron_opt.cli import main
+from neuron_opt.runtime.runner import DecodeRow
+from neuron_opt.runtime.sampling import SamplingParams
+
+N_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    path = default_model_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                             dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("default", max_length=512)
+
+
+def test_greedy_64_tokens_match_hf(hf_model, llm):
+    """Exact greedy tokens; if a near-tie ever flips, teacher forcing below still bounds the disagreement."""
+    prompt = llm.encode_chat([{"role": "user", "content": "Write a short poem about the sea."}])
+    with torch.no_grad():
+        ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=N_TOKENS, do_sample=False,
+                                min_new_tokens=N_TOKENS, pad_token_id=0)[0, len(prompt):].tolist()
+    out = llm.generate_ids(prompt, SamplingParams(max_tokens=N_TOKENS, min_tokens=N_TOKENS))
+    assert out.token_ids == ref
+
+
+def test_teacher_forced_logits_match_hf(hf_model, llm):
+    prompt = llm.encode_chat([{"role": "user", "content": "Explain what a compiler does."}])
+    text = prompt + llm.tokenizer(" A compiler translates source code into machine code.")["input_ids"]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([text])).logits[0]
+    runner = llm.runner
+    got = [runner.prefill(0, text[: len(prompt)])]
+    for t in range(len(prompt), len(text)):
+        got.append(runner.decode([DecodeRow(0, text[t], t)])[0])
+    got_t = torch.stack(got)
+    ref_t = ref[len(prompt) - 1:]
+    assert (got_t.argmax(-1) == ref_t.argmax(-1)).float().mean().item() == 1.0
+    torch.testing.assert_close(got_t, ref_t, atol=2e-3, rtol=0)  # fp32, 30 layers: summation-order noise only
+
+
+def test_cli_chat_answers_paris(capsys):
+    rc = main(["generate", "--model", "default", "--chat", "--prompt", "What is the capital of France?",
+               "--max-new-tokens", "24", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "Paris" in out["text"]
+    assert out["finish_reason"] in ("stop", "length")
+    assert out["prompt_token_ids"] and out["token_ids"]
