@@ -1,0 +1,106 @@
+"""Sampling and stop conditions against direct torch computations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from neuron_opt.errors import ConfigError
+from neuron_opt.runtime.sampling import SamplerState, SamplingParams, sample_one
+from neuron_opt.runtime.stopping import StopChecker, held_back
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    assert sample_one(logits, SamplerState.create(SamplingParams())).token == int(logits.argmax())
+
+
+def test_seed_reproducible_and_independent_of_other_requests():
+    logits = torch.randn(500, generator=torch.Generator().manual_seed(1))
+    p = SamplingParams(temperature=0.8, seed=42)
+    a = [sample_one(logits, SamplerState.create(p)).token for _ in range(3)]
+    st = SamplerState.create(p)
+    b = [sample_one(logits, st).token for _ in range(20)]
+    assert a == [b[0]] * 3  # same seed, same first draw
+    assert len(set(b)) > 1  # and the stream moves on
+
+
+def test_top_k_only_draws_from_top_k():
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(2))
+    allowed = set(torch.topk(logits, 5).indices.tolist())
+    st = SamplerState.create(SamplingParams(temperature=2.0, top_k=5, seed=0))
+    assert {sample_one(logits, st).token for _ in range(200)} <= allowed
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    st = SamplerState.create(SamplingParams(temperature=1.0, top_p=0.7, seed=0))
+    assert {sample_one(logits, st).token for _ in range(300)} == {0, 1}
+
+
+def test_sampling_distribution_matches_softmax():
+    logits = torch.tensor([1.0, 2.0, 0.5, -1.0])
+    st = SamplerState.create(SamplingParams(temperature=0.7, seed=3))
+    n = 20000
+    counts = torch.bincount(torch.tensor([sample_one(logits, st).token for _ in range(n)]), minlength=4)
+    torch.testing.assert_close(counts.float() / n, (logits / 0.7).softmax(-1), atol=0.015, rtol=0)
+
+
+def test_penalties_follow_openai_formula():
+    logits = torch.zeros(10)
+    logits[3] = 1.0
+    st = SamplerState.create(SamplingParams(frequency_penalty=0.4, presence_penalty=0.5))
+    st.observe(3), st.observe(3)
+    # 1.0 - 2 * 0.4 - 0.5 = -0.3 < 0: token 3 is no longer the argmax
+    assert sample_one(logits, st).token == 0
+
+
+def test_logprobs_reported():
+    logits = torch.tensor([0.0, 1.0, 2.0])
+    r = sample_one(logits, SamplerState.create(SamplingParams(logprobs=2)))
+    assert r.token == 2
+    assert r.logprob == pytest.approx(float(logits.log_softmax(-1)[2]))
+    assert [t for t, _ in r.top_logprobs] == [2, 1]
+
+
+@pytest.mark.parametrize("kw,field", [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"),
+                                      ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"),
+                                      ({"presence_penalty": 3}, "presence_penalty"), ({"logprobs": 50}, "logprobs")])
+def test_invalid_params_name_the_field(kw, field):
+    with pytest.raises(ConfigError, match=field):
+        SamplingParams(**kw)
+
+
+class CharTok:
+    """Each token id is one character (ord); decode joins them."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids if i != 0)
+
+
+def test_stop_string_is_cut_and_never_streamed():
+    sc = StopChecker(CharTok(), SamplingParams(max_tokens=50, stop=("END",)), eos_token_ids=(0,))
+    streamed = "".join(sc.add(ord(c)) for c in "hello EN")
+    assert streamed == "hello " and sc.finish_reason is None  # "EN" held back
+    streamed += sc.add(ord("D"))
+    assert sc.finish_reason == "stop" and sc.text == "hello " and streamed == "hello "
+
+
+def test_held_back_prefix_released_when_it_does_not_match():
+    sc = StopChecker(CharTok(), SamplingParams(max_tokens=50, stop=("END",)), eos_token_ids=(0,))
+    out = "".join(sc.add(ord(c)) for c in "ENx")
+    assert out == "ENx" and sc.finish_reason is None
+    assert held_back("abcE", SamplingParams(stop=("END",))) == 1
+
+
+def test_eos_and_length():
+    sc = StopChecker(CharTok(), SamplingParams(max_tokens=3), eos_token_ids=(0,))
+    sc.add(ord("a"))
+    sc.add(0)
+    assert sc.finish_reason == "stop" and sc.text == "a"
+    sc2 = StopChecker(CharTok(), SamplingParams(max_tokens=2), eos_token_ids=(0,))
+    sc2.add(ord("a")), sc2.add(ord("b"))
+    assert sc2.finish_reason == "length" and sc2.text == "ab"
+    sc3 = StopChecker(CharTok(), SamplingParams(max_tokens=5, ignore_eos=True), eos_token_ids=(0,))
+    sc3.add(0)
+    assert sc3.finish_reason is None
