@@ -17,7 +17,7 @@ from neuron_opt.nki_sim.core.errors import CapacityError, MemoryPlacementError, 
 from neuron_opt.nki_sim.core.memory import PMAX, Buffer, Storage, check_partition_size, new_data
 from neuron_opt.nki_sim.core.tile import Tile
 
-ONCHIP = ("sbuf", "psum")
+ONCHIP = ("psum", "sbuf")
 
 
 def new_tile(
