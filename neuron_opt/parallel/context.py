@@ -1,7 +1,8 @@
 """The per-rank parallel context that TP-aware layers receive.
 
-`ParallelContext` carries the rank, the degree and the collectives. With tp=1 every collective is the
-identity, so the same model code runs single-rank with no communication in the graph.
+`ParallelContext` carries the rank, the degree, the layout switches chosen at build time and the collectives.
+With tp=1 every collective is the identity, so the same model code runs single-rank with no communication.
+The real collectives (torch.distributed, counted) are in `neuron_opt.parallel.collectives`.
 """
 
 from __future__ import annotations
@@ -13,9 +14,13 @@ import torch
 
 
 class Collectives(Protocol):
+    """What the model may call. Every op is over the tp group except `group_all_gather` (the KV group of
+    flash decoding). `all_gather`/`reduce_scatter` concatenate / split along `dim` in rank order."""
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor: ...
     def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor: ...
+    def group_all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor: ...
 
 
 class NoCollectives:
@@ -30,15 +35,33 @@ class NoCollectives:
     def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         return x
 
+    def group_all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return x
+
 
 @dataclass(frozen=True)
 class ParallelContext:
+    """One rank's view of the tensor-parallel group.
+
+    Attributes:
+        tp: tensor-parallel degree.
+        rank: this rank, 0 <= rank < tp.
+        comm: the collectives (identity when tp=1).
+        sequence_parallel: prefill activations are sharded along the sequence between layers
+            (all-gather before column layers, reduce-scatter after row layers). Decode (S=1) is unaffected.
+    """
+
     tp: int = 1
     rank: int = 0
     comm: Collectives = field(default_factory=NoCollectives)
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         assert 0 <= self.rank < self.tp, (self.rank, self.tp)
+
+    def seq_sharded(self, seq: int) -> bool:
+        """Whether a step of `seq` tokens per row runs sequence-parallel (chosen per bucket, i.e. per graph)."""
+        return self.sequence_parallel and self.tp > 1 and seq > 1
 
 
 SINGLE = ParallelContext()

@@ -1,10 +1,15 @@
 """TP-aware layers (Megatron layout). Each holds only its rank's shard of the weight.
 
 - ColumnParallelLinear: weight [out/tp, in]; output stays sharded along features (no collective).
-- RowParallelLinear: weight [out, in/tp]; partial sums are all-reduced (bias added once, after).
-- VocabParallelEmbedding: rows [V/tp, H]; out-of-shard ids contribute zeros, then all-reduce.
-- The LM head is a ColumnParallelLinear over the (padded) vocabulary; logits are gathered by the runner.
+- RowParallelLinear: weight [out, in/tp]; partial sums are all-reduced (bias added once, after), or, under
+  sequence parallelism, reduce-scattered along the sequence.
+- VocabParallelEmbedding: rows [V/tp, H]; out-of-shard ids contribute zeros, then all-reduce (or
+  reduce-scatter along the sequence).
+- The LM head is a ColumnParallelLinear over the (padded) vocabulary; the executor gathers logits or top-k
+  candidates (neuron_opt.parallel.worker).
 
+Sequence-parallel activations are [B, S_pad/tp, H] where S_pad rounds S up to a multiple of tp: the padding
+is on activations only (zero rows), never on tokens, so no extra positions are written to the KV cache.
 Shard shapes come from `neuron_opt.parallel.sharding`; these classes do not compute them.
 """
 
@@ -15,6 +20,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from neuron_opt.parallel.context import ParallelContext
+
+
+def seq_scatter(x: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
+    """Partial sums [B, S, H] -> this rank's summed sequence chunk [B, S_pad/tp, H] (one reduce-scatter)."""
+    pad = -x.shape[1] % pctx.tp
+    if pad:
+        x = F.pad(x, (0, 0, 0, pad))  # [B, S_pad, H]
+    return pctx.comm.reduce_scatter(x, dim=1)
+
+
+def seq_gather(x: torch.Tensor, pctx: ParallelContext, seq: int) -> torch.Tensor:
+    """Sequence chunks [B, S_pad/tp, H] -> full activations [B, seq, H] (one all-gather)."""
+    return pctx.comm.all_gather(x, dim=1)[:, :seq]
 
 
 class ColumnParallelLinear(nn.Module):
@@ -34,8 +52,9 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_local), requires_grad=False)  # [out, in/tp]
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.pctx.comm.all_reduce(F.linear(x, self.weight))
+    def forward(self, x: torch.Tensor, scatter_seq: bool = False) -> torch.Tensor:
+        partial = F.linear(x, self.weight)
+        y = seq_scatter(partial, self.pctx) if scatter_seq else self.pctx.comm.all_reduce(partial)
         return y if self.bias is None else y + self.bias
 
 
@@ -46,7 +65,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_local = vocab_local
         self.weight = nn.Parameter(torch.empty(vocab_local, hidden), requires_grad=False)  # [V/tp, H]
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, scatter_seq: bool = False) -> torch.Tensor:
         if self.pctx.tp == 1:
             return F.embedding(ids, self.weight)
         start = self.pctx.rank * self.vocab_local
@@ -54,4 +73,4 @@ class VocabParallelEmbedding(nn.Module):
         inside = (local >= 0) & (local < self.vocab_local)
         out = F.embedding(local.clamp(0, self.vocab_local - 1), self.weight)  # [B, S, H]
         out = out * inside.unsqueeze(-1).to(out.dtype)
-        return self.pctx.comm.all_reduce(out)
+        return seq_scatter(out, self.pctx) if scatter_seq else self.pctx.comm.all_reduce(out)

@@ -1,12 +1,28 @@
 """Sharding rules as data, and the per-rank head layout.
 
 A rule per weight name (Megatron layout):
-  column  : split dim 0 (q/k/v, gate/up, LM head)  -- output features
-  row     : split dim 1 (o, down)                   -- input features; all-reduce after
-  vocab   : split dim 0 of the embedding table
+  column   : split dim 0 (q/k/v, gate/up, LM head)  -- output features; no collective
+  row      : split dim 1 (o, down)                   -- input features; one all-reduce after
+  vocab    : split dim 0 of the embedding table      -- out-of-shard ids give zeros; one all-reduce after
   replicate: norms, row-parallel biases
 
-`head_layout` decides how attention heads are spread over `tp` ranks. tp=1 is the identity layout.
+Attention weights are not chunked blindly: `head_sources` says, per rank, which source head each local head
+is (or None for a zero padding head), and q/k/v rows and o columns are gathered head by head. That one
+mechanism expresses every GQA strategy:
+
+  shard        n_heads % tp == 0 and n_kv_heads % tp == 0: contiguous heads per rank, nothing duplicated.
+  replicate-kv tp % n_kv_heads == 0 and n_heads % tp == 0: each rank keeps the one KV head its query heads
+               use; a KV head is stored tp / n_kv_heads times (weights and cache).
+  mha          otherwise (e.g. SmolLM2's 9 q / 3 kv heads at tp=2 or 4): query heads padded with zero heads
+               to a multiple of tp, and every query head gets its own copy of its KV head. Always possible,
+               costs the most KV memory.
+  kv-seq-shard flash decoding (`--flash-decoding`, needs n_kv_heads < tp and tp % n_kv_heads == 0): the
+               g = tp / n_kv_heads ranks of a KV group each keep every query head of the group and 1/g of the
+               group's KV cache along the sequence (round-robin: position p lives on group rank p % g).
+               KV memory per rank drops by g against replicate-kv; q/o weights are duplicated g times.
+
+`head_layout` picks the strategy (overridable with ParallelConfig.gqa_strategy); `layout_cost` describes it
+with its memory cost for the compile plan. tp=1 is the identity layout.
 """
 
 from __future__ import annotations
@@ -21,6 +37,7 @@ from neuron_opt.config import ModelConfig, ParallelConfig
 from neuron_opt.errors import ConfigError
 
 COLUMN, ROW, VOCAB, REPLICATE = "column", "row", "vocab", "replicate"
+SHARD, REPLICATE_KV, MHA, KV_SEQ_SHARD = "shard", "replicate-kv", "mha", "kv-seq-shard"
 
 RULES: tuple[tuple[str, str], ...] = (
     (r"model\.embed_tokens\.weight", VOCAB),
@@ -45,83 +62,147 @@ class HeadLayout:
     """How heads, features and vocabulary are laid out per rank (identical on every rank)."""
 
     tp: int
-    n_heads: int  # query heads after padding to a multiple of tp
-    n_kv_heads: int  # KV heads after replication (replicate-kv) or expansion (mha)
+    n_heads: int  # query heads after padding (global)
+    n_kv_heads: int  # KV heads after replication (replicate-kv) or expansion (mha) (global)
     head_dim: int
-    strategy: str  # shard | replicate-kv | mha
+    strategy: str  # shard | replicate-kv | mha | kv-seq-shard
     intermediate_local: int
     vocab_padded: int
+    kv_seq_shards: int = 1  # g: ranks sharing one KV head along the sequence (kv-seq-shard only)
 
     @property
     def n_heads_local(self) -> int:
-        return self.n_heads // self.tp
+        return self.n_heads * self.kv_seq_shards // self.tp
 
     @property
     def n_kv_local(self) -> int:
-        return self.n_kv_heads // self.tp
+        return self.n_kv_heads * self.kv_seq_shards // self.tp
 
     @property
     def vocab_local(self) -> int:
         return self.vocab_padded // self.tp
 
+    def cache_length(self, max_length: int) -> int:
+        """Positions per rank in the KV cache. kv-seq-shard keeps ceil(L/g) plus one scratch position that
+        the other group ranks' tokens are written to (never read), so writes stay fixed-shape."""
+        if self.kv_seq_shards == 1:
+            return max_length
+        return math.ceil(max_length / self.kv_seq_shards) + 1
+
 
 def head_layout(cfg: ModelConfig, par: ParallelConfig) -> HeadLayout:
+    """Choose the head layout for `par.tp` ranks (see the module docstring for the strategies)."""
     tp = par.tp
     if cfg.intermediate_size % tp:
         raise ConfigError(f"tp: {tp} does not divide intermediate_size={cfg.intermediate_size}")
     nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    vocab_padded = math.ceil(cfg.vocab_size / tp) * tp
     common = dict(tp=tp, head_dim=cfg.head_dim, intermediate_local=cfg.intermediate_size // tp,
-                  vocab_padded=vocab_padded)
+                  vocab_padded=math.ceil(cfg.vocab_size / tp) * tp)
     if tp == 1:
-        return HeadLayout(n_heads=nq, n_kv_heads=nkv, strategy="shard", **common)
-    if nq % tp == 0 and nkv % tp == 0 and par.gqa_strategy != "mha":
-        return HeadLayout(n_heads=nq, n_kv_heads=nkv, strategy="shard", **common)
-    if nq % tp == 0 and tp % nkv == 0 and par.gqa_strategy != "mha":
-        return HeadLayout(n_heads=nq, n_kv_heads=tp, strategy="replicate-kv", **common)
+        return HeadLayout(n_heads=nq, n_kv_heads=nkv, strategy=SHARD, **common)
+    if par.flash_decoding and nkv < tp:
+        if tp % nkv:
+            raise ConfigError(f"flash_decoding: tp={tp} is not a multiple of num_key_value_heads={nkv}, so KV "
+                              f"groups of equal size cannot be formed; use tp in "
+                              f"{[nkv * k for k in range(2, 5)]} or drop --flash-decoding")
+        return HeadLayout(n_heads=nq, n_kv_heads=nkv, strategy=KV_SEQ_SHARD, kv_seq_shards=tp // nkv, **common)
+    can_shard = nq % tp == 0 and nkv % tp == 0
+    can_replicate = nq % tp == 0 and tp % nkv == 0
+    want = par.gqa_strategy
+    if want == REPLICATE_KV and not (can_shard or can_replicate):
+        raise ConfigError(f"gqa_strategy: replicate-kv needs num_attention_heads ({nq}) divisible by tp ({tp}) "
+                          f"and tp divisible by num_key_value_heads ({nkv}); use --gqa-strategy mha or auto")
+    if want != MHA and can_shard:
+        return HeadLayout(n_heads=nq, n_kv_heads=nkv, strategy=SHARD, **common)
+    if want != MHA and can_replicate:
+        return HeadLayout(n_heads=nq, n_kv_heads=tp, strategy=REPLICATE_KV, **common)
     nq_pad = math.ceil(nq / tp) * tp
-    return HeadLayout(n_heads=nq_pad, n_kv_heads=nq_pad, strategy="mha", **common)
+    return HeadLayout(n_heads=nq_pad, n_kv_heads=nq_pad, strategy=MHA, **common)
 
 
-def _expand_heads(w: torch.Tensor, src_of: list[int | None], D: int) -> torch.Tensor:
-    """Rebuild a head-major weight [n*D, ...] so head i is source head src_of[i] (None = zero padding)."""
+def head_sources(cfg: ModelConfig, lay: HeadLayout, rank: int) -> tuple[list[int | None], list[int | None]]:
+    """(query, kv) source head of each of `rank`'s local heads; None is a zero padding head."""
+    nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    group = nq // nkv
+    nql, nkvl = lay.n_heads_local, lay.n_kv_local
+    if lay.strategy == KV_SEQ_SHARD:
+        k = rank // lay.kv_seq_shards  # this rank's KV group
+        return list(range(k * group, (k + 1) * group)), [k]
+    q: list[int | None] = [h if h < nq else None for h in range(rank * nql, (rank + 1) * nql)]
+    if lay.strategy == SHARD:
+        kv: list[int | None] = list(range(rank * nkvl, (rank + 1) * nkvl))
+    elif lay.strategy == REPLICATE_KV:
+        kv = [q[0] // group]  # type: ignore[operator]  # all of this rank's query heads share one KV head
+    else:  # mha: one KV head per (padded) query head
+        kv = [(h // group) if h is not None else None for h in q]
+    return q, kv
+
+
+def _pick_heads(w: torch.Tensor, src: list[int | None], D: int) -> torch.Tensor:
+    """Rows of a head-major weight [n*D, ...] for the heads `src` (None -> zeros): [len(src)*D, ...]."""
     heads = w.reshape(-1, D, *w.shape[1:])  # [n_src, D, ...]
-    out = torch.zeros((len(src_of), D, *w.shape[1:]), dtype=w.dtype)
-    for i, s in enumerate(src_of):
+    out = torch.zeros((len(src), D, *w.shape[1:]), dtype=w.dtype)
+    for i, s in enumerate(src):
         if s is not None:
             out[i] = heads[s]
-    return out.reshape(len(src_of) * D, *w.shape[1:])
+    return out.reshape(len(src) * D, *w.shape[1:])  # [len(src)*D, ...]
 
 
 def shard_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, lay: HeadLayout,
                      rank: int) -> dict[str, torch.Tensor]:
     """Canonical (HF-named) full state dict -> this rank's shard, with head padding/replication applied."""
-    D, nq, nkv, tp = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, lay.tp
-    group = nq // nkv
-    q_src: list[int | None] = [h if h < nq else None for h in range(lay.n_heads)]
-    if lay.strategy == "shard":
-        kv_src: list[int | None] = list(range(nkv))
-    elif lay.strategy == "replicate-kv":
-        # rank r holds q heads [r*nq/tp, (r+1)*nq/tp); they all share KV head (r*nq/tp) // group
-        kv_src = [(r * (nq // tp)) // group for r in range(tp)]
-    else:  # mha: one KV head per (padded) query head
-        kv_src = [(h // group) if h < nq else None for h in range(lay.n_heads)]
+    D, tp = cfg.head_dim, lay.tp
+    q_src, kv_src = head_sources(cfg, lay, rank)
     out: dict[str, torch.Tensor] = {}
     for name, w in sd.items():
-        if name == "lm_head.weight" or name == "model.embed_tokens.weight":
-            if lay.vocab_padded != w.shape[0]:
-                w = torch.cat([w, w.new_zeros(lay.vocab_padded - w.shape[0], *w.shape[1:])])
-        elif re.fullmatch(r".*\.q_proj\.(weight|bias)", name):
-            w = _expand_heads(w, q_src, D)
-        elif re.fullmatch(r".*\.[kv]_proj\.(weight|bias)", name):
-            w = _expand_heads(w, kv_src, D)
-        elif name.endswith("o_proj.weight"):
-            wt = _expand_heads(w.t().contiguous(), q_src, D)  # [n_heads*D, H]
-            w = wt.t()
         rule = rule_for(name)
-        if tp > 1 and rule in (COLUMN, VOCAB):
-            w = w.chunk(tp, dim=0)[rank]
-        elif tp > 1 and rule == ROW:
-            w = w.chunk(tp, dim=1)[rank]
+        if re.fullmatch(r".*\.q_proj\.(weight|bias)", name):
+            w = _pick_heads(w, q_src, D)
+        elif re.fullmatch(r".*\.[kv]_proj\.(weight|bias)", name):
+            w = _pick_heads(w, kv_src, D)
+        elif name.endswith("o_proj.weight"):
+            w = _pick_heads(w.t().contiguous(), q_src, D).t()  # columns of this rank's heads: [H, nql*D]
+        elif rule in (COLUMN, VOCAB):
+            if name in ("lm_head.weight", "model.embed_tokens.weight") and lay.vocab_padded != w.shape[0]:
+                w = torch.cat([w, w.new_zeros(lay.vocab_padded - w.shape[0], *w.shape[1:])])
+            w = w.chunk(tp, dim=0)[rank] if tp > 1 else w
+        elif rule == ROW:
+            w = w.chunk(tp, dim=1)[rank] if tp > 1 else w
         out[name] = w.contiguous()
     return out
+
+
+@dataclass(frozen=True)
+class LayoutCost:
+    """What a head layout costs, for the compile plan."""
+
+    description: str
+    weight_bytes_per_rank: int
+    kv_bytes_per_rank: int
+    kv_bytes_unsharded_per_rank: int  # KV bytes per rank if the cache split perfectly tp ways (the ideal)
+
+    def line(self) -> str:
+        extra = self.kv_bytes_per_rank / max(1, self.kv_bytes_unsharded_per_rank)
+        return (f"heads: {self.description}; per rank: weights {self.weight_bytes_per_rank / 2**20:.1f} MiB, "
+                f"KV {self.kv_bytes_per_rank / 2**20:.1f} MiB ({extra:.2f}x the ideal 1/tp split)")
+
+
+def layout_cost(cfg: ModelConfig, lay: HeadLayout, num_slots: int, max_length: int, dtype_bytes: int) -> LayoutCost:
+    """A one-line description of the layout and its weight/KV bytes per rank (counted from the shard shapes)."""
+    nq, nkv, D, H, L = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size,
+                        cfg.num_hidden_layers)
+    what = {
+        SHARD: f"{nq} q / {nkv} kv heads split evenly",
+        REPLICATE_KV: f"kv heads replicated to {lay.n_kv_heads} (each of {nkv} stored {lay.tp // nkv}x)",
+        MHA: f"converted to MHA: {nq} q heads padded to {lay.n_heads}, one kv head per q head",
+        KV_SEQ_SHARD: (f"flash decoding: {nkv} kv group(s) of {lay.kv_seq_shards} ranks, KV cache split along "
+                       f"the sequence, q/o weights of a group duplicated {lay.kv_seq_shards}x"),
+    }[lay.strategy]
+    what = f"{what} ({lay.n_heads_local} q / {lay.n_kv_local} kv per rank)"
+    attn = (2 * lay.n_heads_local + 2 * lay.n_kv_local) * D * H
+    mlp = 3 * lay.intermediate_local * H
+    vocab = lay.vocab_local * H * (1 if cfg.tie_word_embeddings else 2)
+    weights = (L * (attn + mlp + 2 * H) + vocab + H) * dtype_bytes
+    kv = 2 * L * num_slots * lay.n_kv_local * lay.cache_length(max_length) * D * dtype_bytes
+    ideal = 2 * L * num_slots * nkv * max_length * D * dtype_bytes // lay.tp
+    return LayoutCost(what, weights, kv, ideal)

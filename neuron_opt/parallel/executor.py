@@ -1,0 +1,174 @@
+"""The TP executor: the runner's `Executor`, driving `tp` rank processes.
+
+Design decisions
+- Driver + tp workers over pipes (see launcher.py for why the driver is not rank 0). Each step the driver
+  sends the same StepInputs (four small int64 arrays) to every rank; the ranks run the same eager graph with
+  gloo collectives between ops; rank 0 replies with the finished logits, the others with an acknowledgement,
+  so every step is lock-stepped and a failure anywhere surfaces on the step that hit it.
+- Watchdog: while waiting, the driver polls the pipes with a short timeout and checks every process's
+  liveness. A dead rank (or one that reports an exception, e.g. a collective timing out after its peer
+  died) shuts all ranks down and raises RankFailedError naming the rank and its exit code. Never a hang.
+- Graphs: ranks run the model eagerly. torch.export keeps `_c10d_functional` collectives as graph nodes,
+  but AOTInductor's CPU codegen has no gloo lowering for them (docs/tensor_parallel.md gives the details),
+  so a compiled CPU TP graph would have to be cut at every collective. Eager is the honest CPU path; on
+  Neuron the collectives are inside the traced graph.
+- KV caches live in the rank processes; `k_caches`/`v_caches` are empty on the driver.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.connection as mpc
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from neuron_opt.backends.base import StepInputs
+from neuron_opt.buckets import Bucket
+from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
+from neuron_opt.errors import RankFailedError
+from neuron_opt.parallel.collectives import CollectiveCall
+from neuron_opt.parallel.launcher import RankSpec, default_threads, free_port, write_rank_weights
+from neuron_opt.parallel.vocab import scatter_candidates
+from neuron_opt.parallel.worker import rank_main, step_arrays
+
+
+class TPExecutor:
+    """Runs each bucket's graph on `spec.parallel.tp` rank processes.
+
+    Args:
+        spec: what every rank builds (model, parallel and cache configs, weights directory).
+        start_timeout_s: how long rank start-up (imports, rendezvous, weight loading) may take.
+        step_timeout_s: how long one step may take before the ranks are declared hung.
+    """
+
+    k_caches: list[torch.Tensor] = []
+    v_caches: list[torch.Tensor] = []
+
+    def __init__(self, spec: RankSpec, start_timeout_s: float = 180.0, step_timeout_s: float = 300.0) -> None:
+        self.spec, self.tp, self.step_timeout_s = spec, spec.parallel.tp, step_timeout_s
+        self.layout = spec.layout
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self.procs: list[Any] = []
+        self.conns: list[mpc.Connection] = []
+        for rank in range(self.tp):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=rank_main, args=(rank, port, spec, child), daemon=True,
+                            name=f"neuron-opt-rank{rank}")
+            p.start()
+            child.close()
+            self.procs.append(p)
+            self.conns.append(parent)
+        self._collect(start_timeout_s, "start-up")
+
+    def run(self, bucket: Bucket, inputs: StepInputs, candidates: int | None = None) -> torch.Tensor:
+        """fp32 logits [B, V] of the rows' `last_index` tokens.
+
+        Args:
+            candidates: None gathers the full logits. K gathers only each rank's top-K and returns -inf
+                everywhere else (exact for greedy and top-k <= K sampling; see neuron_opt.parallel.vocab).
+        """
+        msg = ("run", bucket, step_arrays(inputs), candidates)
+        out = self._call(msg, f"step {bucket.key}")
+        if candidates is None:
+            return torch.from_numpy(out)
+        vals, ids = out
+        return scatter_candidates(torch.from_numpy(vals), torch.from_numpy(ids), self.layout.vocab_padded,
+                                  self.spec.model.vocab_size)
+
+    def collective_calls(self) -> list[CollectiveCall]:
+        """Collective calls rank 0 made since the last reset (every rank makes the same ones)."""
+        return self._call(("calls",), "collective count")
+
+    def reset_collective_calls(self) -> None:
+        self._call(("reset",), "collective reset")
+
+    def close(self) -> None:
+        """Stop every rank (politely, then by force); idempotent."""
+        for c in self.conns:
+            try:
+                c.send(("stop",))
+            except (OSError, BrokenPipeError):
+                pass
+        deadline = time.monotonic() + 5.0
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(5.0)
+        for c in self.conns:
+            c.close()
+        self.procs, self.conns = [], []
+
+    def __enter__(self) -> TPExecutor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, msg: tuple[Any, ...], what: str) -> Any:
+        if not self.procs:
+            raise RankFailedError(f"{what}: the TP executor is closed")
+        for r, c in enumerate(self.conns):
+            try:
+                c.send(msg)
+            except (OSError, BrokenPipeError):
+                self._fail(f"{what}: rank {r} is gone (exit code {self.procs[r].exitcode})")
+        return self._collect(self.step_timeout_s, what)
+
+    def _collect(self, timeout_s: float, what: str) -> Any:
+        """One reply from every rank; rank 0's payload is returned. Watches liveness while waiting."""
+        replies: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(replies) < self.tp:
+            pending = [c for r, c in enumerate(self.conns) if r not in replies]
+            for c in mpc.wait(pending, timeout=0.2):
+                r = self.conns.index(c)  # type: ignore[arg-type]
+                try:
+                    status, payload = c.recv()
+                except EOFError:
+                    self._fail(f"{what}: rank {r} exited (code {self.procs[r].exitcode}) without replying")
+                if status == "error":
+                    self._fail(f"{what}: {payload.strip().splitlines()[-1]}\n{payload}")
+                replies[r] = payload
+            for r, p in enumerate(self.procs):
+                if r not in replies and not p.is_alive():
+                    self._fail(f"{what}: rank {r} died (exit code {p.exitcode}); stopped the other ranks")
+            if time.monotonic() > deadline:
+                self._fail(f"{what}: no reply within {timeout_s:.0f} s from ranks "
+                           f"{sorted(set(range(self.tp)) - set(replies))}; stopped all ranks")
+        return replies[0]
+
+    def _fail(self, message: str) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(5.0)
+        for c in self.conns:
+            c.close()
+        self.procs, self.conns = [], []
+        raise RankFailedError(message)
+
+
+def tp_executor_from_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor], par: ParallelConfig,
+                                cache: CacheConfig, weights_dir: Path | None = None, dtype: str = "float32",
+                                collective_timeout_s: float = 60.0) -> TPExecutor:
+    """Shard a canonical state dict to weights_dir/rank{r}.safetensors (a temp dir if None) and start ranks."""
+    if weights_dir is None:
+        weights_dir = Path(tempfile.mkdtemp(prefix="neuron-opt-tp-"))
+    write_rank_weights(sd, cfg, par, weights_dir)
+    spec = RankSpec(cfg, par, cache, str(weights_dir), dtype, collective_timeout_s, default_threads(par.tp))
+    return TPExecutor(spec)
+
+
+def launch_tp_executor(root: Path, manifest: Any) -> TPExecutor:
+    """Start the ranks of a compiled artifact (`root/weights/rank{r}.safetensors`, written at compile time)."""
+    m = manifest
+    spec = RankSpec(m.model, m.parallel, m.cache, str(Path(root) / "weights"), m.dtype,
+                    threads_per_rank=default_threads(m.parallel.tp))
+    return TPExecutor(spec)

@@ -1,0 +1,114 @@
+"""The body of one rank process: join the gloo group, load this rank's weights, serve steps from the driver.
+
+Protocol over the rank's pipe (driver -> rank, then one reply rank -> driver):
+  ("run", bucket, arrays, candidates)  -> ("ok", result)   rank 0's result is the finished logits, others None
+  ("calls",)                           -> ("ok", [CollectiveCall, ...]) counted since the last reset
+  ("reset",)                           -> ("ok", None)
+  ("stop",)                            -> ("ok", None), then the rank leaves the group and exits
+Any exception -> ("error", traceback text), and the rank exits with code 1. A closed pipe (driver gone) ends
+the loop. Collectives time out after `collective_timeout_s`, so a peer that dies mid-step cannot hang a rank.
+"""
+
+from __future__ import annotations
+
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from neuron_opt.backends.base import StepInputs
+from neuron_opt.parallel.collectives import TorchCollectives
+from neuron_opt.parallel.context import ParallelContext
+from neuron_opt.parallel.launcher import RankSpec
+from neuron_opt.parallel.vocab import gather_candidates, gather_full, mask_padded_vocab
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _join_group(rank: int, tp: int, port: int, spec: RankSpec) -> TorchCollectives:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp,
+                            timeout=timedelta(seconds=spec.collective_timeout_s))
+    g = spec.layout.kv_seq_shards
+    mine, size = None, 1
+    if g > 1:
+        for first in range(0, tp, g):  # every rank creates every subgroup, in the same order
+            grp = dist.new_group(list(range(first, first + g)))
+            if first <= rank < first + g:
+                mine, size = grp, g
+    return TorchCollectives(tp, mine, size)
+
+
+def _build(rank: int, spec: RankSpec, comm: TorchCollectives) -> torch.nn.Module:
+    from models.registry import model_class
+    from neuron_opt.backends.eager import load_model_weights
+
+    par = spec.parallel
+    pctx = ParallelContext(par.tp, rank, comm, sequence_parallel=par.sequence_parallel)
+    model = model_class(spec.model.architecture)(spec.model, spec.layout, spec.cache.max_length, pctx)
+    load_model_weights(model, Path(spec.weights_dir) / f"rank{rank}.safetensors")
+    return model.to(DTYPES[spec.dtype]).eval()
+
+
+def _finish(local: torch.Tensor, rank: int, spec: RankSpec, comm: TorchCollectives,
+            candidates: int | None) -> Any:
+    local = mask_padded_vocab(local, rank, spec.model.vocab_size)
+    if candidates is None:
+        full = gather_full(local, comm)
+        return full[:, : spec.model.vocab_size].numpy() if rank == 0 else None
+    vals, ids = gather_candidates(local, rank, candidates, comm)
+    return (vals.numpy(), ids.numpy()) if rank == 0 else None
+
+
+def rank_main(rank: int, port: int, spec: RankSpec, conn: Connection) -> None:
+    """Entry point of a spawned rank process."""
+    torch.set_num_threads(spec.threads_per_rank)
+    try:
+        comm = _join_group(rank, spec.parallel.tp, port, spec)
+        model = _build(rank, spec, comm)
+        dtype = DTYPES[spec.dtype]
+        shape = model.kv_shape(spec.cache.num_slots)
+        L = spec.model.num_hidden_layers
+        k_caches = [torch.zeros(shape, dtype=dtype) for _ in range(L)]
+        v_caches = [torch.zeros(shape, dtype=dtype) for _ in range(L)]
+        conn.send(("ok", "ready"))
+        while True:
+            try:
+                msg = conn.recv()
+            except EOFError:  # the driver is gone
+                break
+            if msg[0] == "run":
+                _, bucket, arrays, candidates = msg
+                inputs = StepInputs(*(torch.from_numpy(a) for a in arrays))
+                with torch.inference_mode():
+                    local = model(inputs.input_ids, inputs.positions, inputs.slot_ids, inputs.last_index,
+                                  k_caches, v_caches, bucket.kv_len)
+                    conn.send(("ok", _finish(local.float(), rank, spec, comm, candidates)))
+            elif msg[0] == "calls":
+                conn.send(("ok", list(comm.counter.calls)))
+            elif msg[0] == "reset":
+                comm.counter.calls.clear()
+                conn.send(("ok", None))
+            elif msg[0] == "stop":
+                conn.send(("ok", None))
+                break
+            else:
+                raise ValueError(f"rank {rank}: unknown message {msg[0]!r}")
+    except Exception:
+        try:
+            conn.send(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+        finally:
+            raise SystemExit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def step_arrays(inputs: StepInputs) -> tuple[np.ndarray, ...]:
+    """StepInputs -> numpy arrays for the pipe (plain arrays pickle without torch's shared-memory handles)."""
+    return tuple(t.contiguous().numpy() for t in (inputs.input_ids, inputs.positions, inputs.slot_ids,
+                                                   inputs.last_index))
