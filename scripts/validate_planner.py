@@ -8,10 +8,11 @@ constants (`neuron_opt.planner.latency.DEFAULT_EFFICIENCY`); nothing here is tun
   python scripts/validate_planner.py --json     # machine-readable rows
   python scripts/validate_planner.py --fit      # re-derive the calibrated constants from the inf2 rows only
 
-Layouts: the published runs used transformers-neuronx / NxDI / optimum-neuron, which pad the MLP's intermediate
-dimension to a multiple of tp (14336 / 24 is not an integer) and pad query heads (32 -> 48 at tp 24, with one KV
-head per query head when tp is not a multiple of the KV heads). `published_layout` reproduces that; our own
-sharding (neuron_opt.parallel.sharding) rejects such tp degrees instead, so `neuron-opt plan` does not offer them.
+Layouts: the published runs used transformers-neuronx / NxDI / optimum-neuron, which pad the MLP's
+intermediate dimension to a multiple of tp (14336 / 24 is not an integer) and pad query heads (32 -> 48 at
+tp 24, with one KV head per query head when tp is not a multiple of the KV heads). `published_layout`
+reproduces that; our own sharding (neuron_opt.parallel.sharding) rejects such tp degrees instead, so
+`neuron-opt plan` does not offer them.
 """
 
 from __future__ import annotations
@@ -31,12 +32,32 @@ from neuron_opt.planner.hardware import get_instance
 from neuron_opt.planner.latency import DEFAULT_EFFICIENCY, Efficiency, decode_time, prefill_time
 
 
-def _llama(h: int, i: int, layers: int, heads: int, kv: int, vocab: int = 128256, max_pos: int = 8192,
-           theta: float = 500000.0) -> ModelConfig:
-    return ModelConfig.from_hf({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": h,
-                                "intermediate_size": i, "num_hidden_layers": layers, "num_attention_heads": heads,
-                                "num_key_value_heads": kv, "vocab_size": vocab, "max_position_embeddings": max_pos,
-                                "rope_theta": theta, "rms_norm_eps": 1e-5, "tie_word_embeddings": False})
+def _llama(
+    h: int,
+    i: int,
+    layers: int,
+    heads: int,
+    kv: int,
+    vocab: int = 128256,
+    max_pos: int = 8192,
+    theta: float = 500000.0,
+) -> ModelConfig:
+    return ModelConfig.from_hf(
+        {
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": h,
+            "intermediate_size": i,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv,
+            "vocab_size": vocab,
+            "max_position_embeddings": max_pos,
+            "rope_theta": theta,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False,
+        }
+    )
 
 
 # public config.json values (meta-llama/*)
@@ -98,11 +119,26 @@ ROWS = [
     Row("Llama-3.3-70B", "trn2.48xlarge", 64, 1, 12800, 10000, 1500, 814.2, 19.6, "bfloat16", NXDI_TRN2, 1),
     Row("Llama-3.1-405B", "trn2.48xlarge", 64, 1, 12800, 10000, 1500, 2442.0, 37.9, "bfloat16", NXDI_TRN2, 1),
     Row("Llama-3.1-8B", "trn2.48xlarge", 4, 32, 4096, 1500, 250, 197.2, 22.14, "bfloat16", ON_TRN2, 1, False),
-    Row("Llama-3.1-8B", "inf2.48xlarge", 8, 32, 4096, 1500, 250, None, 24.5, "bfloat16",
-        "optimum-neuron chunked-prefill study, standard prefill + on-device sampling, sync", 1, False),
+    Row(
+        "Llama-3.1-8B",
+        "inf2.48xlarge",
+        8,
+        32,
+        4096,
+        1500,
+        250,
+        None,
+        24.5,
+        "bfloat16",
+        "optimum-neuron chunked-prefill study, standard prefill + on-device sampling, sync",
+        1,
+        False,
+    ),
     Row("Llama-3.1-8B", "trn2.48xlarge", 8, 2, 1024, 512, 128, 51.07, 10.52, "bfloat16", VN_TRN2, 1),
 ]
-CALIBRATION = "inf2.48xlarge"  # rows on this instance from TNX_INF2 fit the constants; all others are held out
+CALIBRATION = (
+    "inf2.48xlarge"  # rows on this instance from TNX_INF2 fit the constants; all others are held out
+)
 
 
 def published_layout(cfg: ModelConfig, tp: int) -> HeadLayout:
@@ -113,10 +149,15 @@ def published_layout(cfg: ModelConfig, tp: int) -> HeadLayout:
         pass
     nq_pad = math.ceil(cfg.num_attention_heads / tp) * tp
     mha = tp % cfg.num_key_value_heads != 0 or nq_pad != cfg.num_attention_heads
-    return HeadLayout(tp=tp, n_heads=nq_pad, n_kv_heads=nq_pad if mha else tp, head_dim=cfg.head_dim,
-                      strategy="mha" if mha else "replicate-kv",
-                      intermediate_local=math.ceil(cfg.intermediate_size / tp),
-                      vocab_padded=math.ceil(cfg.vocab_size / tp) * tp)
+    return HeadLayout(
+        tp=tp,
+        n_heads=nq_pad,
+        n_kv_heads=nq_pad if mha else tp,
+        head_dim=cfg.head_dim,
+        strategy="mha" if mha else "replicate-kv",
+        intermediate_local=math.ceil(cfg.intermediate_size / tp),
+        vocab_padded=math.ceil(cfg.vocab_size / tp) * tp,
+    )
 
 
 def predict(row: Row, eff: Efficiency = DEFAULT_EFFICIENCY) -> tuple[float, float]:
@@ -130,8 +171,9 @@ def predict(row: Row, eff: Efficiency = DEFAULT_EFFICIENCY) -> tuple[float, floa
         prefill_seq = kv_len = row.seq
     assert prefill_seq is not None and kv_len is not None
     ttft = prefill_time(cfg, lay, inst, batch=row.prefill_batch, seq=prefill_seq, dtype=row.dtype, eff=eff)
-    tpot = decode_time(cfg, lay, inst, batch=row.batch, kv_len=kv_len, dtype=row.dtype, kv_dtype="bfloat16",
-                       eff=eff)
+    tpot = decode_time(
+        cfg, lay, inst, batch=row.batch, kv_len=kv_len, dtype=row.dtype, kv_dtype="bfloat16", eff=eff
+    )
     return 1e3 * ttft.total, 1e3 * tpot.total
 
 
@@ -140,7 +182,8 @@ def _err(pred: float, meas: float) -> float:
 
 
 def fit(rows: list[Row]) -> Efficiency:
-    """Grid search of the three calibrated constants minimising the summed absolute log error of TTFT and TPOT.
+    """Grid search of the three calibrated constants minimising the summed absolute log error of TTFT and
+    TPOT.
 
     Absolute (not squared) error so that the few rows no setting explains (short-prompt TTFT on inf2, see
     docs/planner.md) do not drag every other row off.
@@ -164,24 +207,38 @@ def table() -> list[dict]:
     out = []
     for r in ROWS:
         ttft, tpot = predict(r)
-        out.append({**dataclasses.asdict(r), "pred_ttft_ms": round(ttft, 2), "pred_tpot_ms": round(tpot, 2),
-                    "ttft_err_pct": None if r.ttft_ms is None else round(_err(ttft, r.ttft_ms), 1),
-                    "tpot_err_pct": round(_err(tpot, r.tpot_ms), 1),
-                    "held_out": not (r.instance == CALIBRATION and r.source == TNX_INF2)})
+        out.append(
+            {
+                **dataclasses.asdict(r),
+                "pred_ttft_ms": round(ttft, 2),
+                "pred_tpot_ms": round(tpot, 2),
+                "ttft_err_pct": None if r.ttft_ms is None else round(_err(ttft, r.ttft_ms), 1),
+                "tpot_err_pct": round(_err(tpot, r.tpot_ms), 1),
+                "held_out": not (r.instance == CALIBRATION and r.source == TNX_INF2),
+            }
+        )
     return out
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| Model | Instance | tp | BS | Seq | In/Out | Weights | TTFT pub | TTFT pred | err | TPOT pub | "
-             "TPOT pred | err | Set | Source |", "|" + "---|" * 15]
+    lines = [
+        "| Model | Instance | tp | BS | Seq | In/Out | Weights | TTFT pub | TTFT pred | err | TPOT pub | "
+        "TPOT pred | err | Set | Source |",
+        "|" + "---|" * 15,
+    ]
     for d in rows:
         ttft_pub = "—" if d["ttft_ms"] is None else f"{d['ttft_ms']:.1f}"
         ttft_err = "—" if d["ttft_err_pct"] is None else f"{d['ttft_err_pct']:+.0f}%"
-        lines.append(f"| {d['model']} | {d['instance']} | {d['tp']} | {d['batch']} | {d['seq']} | "
-                     f"{d['input_len']}/{d['output_len']} | {d['dtype']} | {ttft_pub} | {d['pred_ttft_ms']:.1f} | "
-                     f"{ttft_err} | {d['tpot_ms']:.2f} | {d['pred_tpot_ms']:.2f} | {d['tpot_err_pct']:+.0f}% | "
-                     f"{'held out' if d['held_out'] else 'fit'} | {d['source']} |")
-    for label, keep in (("fit rows", lambda d: not d["held_out"]), ("held-out rows", lambda d: d["held_out"])):
+        lines.append(
+            f"| {d['model']} | {d['instance']} | {d['tp']} | {d['batch']} | {d['seq']} | "
+            f"{d['input_len']}/{d['output_len']} | {d['dtype']} | {ttft_pub} | {d['pred_ttft_ms']:.1f} | "
+            f"{ttft_err} | {d['tpot_ms']:.2f} | {d['pred_tpot_ms']:.2f} | {d['tpot_err_pct']:+.0f}% | "
+            f"{'held out' if d['held_out'] else 'fit'} | {d['source']} |"
+        )
+    for label, keep in (
+        ("fit rows", lambda d: not d["held_out"]),
+        ("held-out rows", lambda d: d["held_out"]),
+    ):
         sel = [d for d in rows if keep(d)]
         tp_ok = sum(abs(d["tpot_err_pct"]) <= 25 for d in sel)
         tt = [d for d in sel if d["ttft_err_pct"] is not None]

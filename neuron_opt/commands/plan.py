@@ -1,8 +1,8 @@
 """`neuron-opt plan`: will the model fit on an instance, how fast will it be, which tp, batch and buckets.
 
-Without --tp, every tp degree the instance supports (and our sharding can express) is evaluated and the best is
-recommended (neuron_opt.planner.recommend explains the rule); with --tp, that one deployment is planned.
-Exit code: 0 when the chosen plan fits, 1 when it does not, 2 on a usage error.
+Without --tp, every tp degree the instance supports (and our sharding can express) is evaluated and the
+best is recommended (neuron_opt.planner.recommend explains the rule); with --tp, that one deployment is
+planned. Exit code: 0 when the chosen plan fits, 1 when it does not, 2 on a usage error.
 """
 
 from __future__ import annotations
@@ -19,30 +19,46 @@ from neuron_opt.planner.report import alternatives_table, plan_json, plan_lines
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("plan", help="memory fit, latency and tp/batch/bucket recommendation",
-                              description=__doc__)
-    p.add_argument("--model", required=True,
-                   help="HF config.json, a directory holding one (no weights needed), a .gguf file, or 'default'")
+    p = subparsers.add_parser(
+        "plan", help="memory fit, latency and tp/batch/bucket recommendation", description=__doc__
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help="HF config.json, a directory holding one (no weights needed), a .gguf file, or 'default'",
+    )
     p.add_argument("--instance", required=True, help=f"one of: {', '.join(known_instances())}")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: recommend one)")
-    p.add_argument("--batch-size", type=int, default=None, help="KV slots / decode batch (default: --concurrency)")
+    p.add_argument(
+        "--batch-size", type=int, default=None, help="KV slots / decode batch (default: --concurrency)"
+    )
     p.add_argument("--concurrency", type=int, default=1, help="concurrent requests the traffic shape assumes")
     p.add_argument("--input-len", type=int, default=512, help="prompt tokens of a typical request")
     p.add_argument("--output-len", type=int, default=512, help="generated tokens of a typical request")
-    p.add_argument("--max-context", type=int, default=None, help="largest prefill bucket (default: --input-len)")
-    p.add_argument("--max-length", type=int, default=None,
-                   help="KV cache length (default: --input-len + --output-len)")
-    p.add_argument("--dtype", choices=WEIGHT_DTYPES, default=None,
-                   help="weight dtype (default: bfloat16; a quantized dtype is proposed only if bfloat16 fits nowhere)")
+    p.add_argument(
+        "--max-context", type=int, default=None, help="largest prefill bucket (default: --input-len)"
+    )
+    p.add_argument(
+        "--max-length", type=int, default=None, help="KV cache length (default: --input-len + --output-len)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=WEIGHT_DTYPES,
+        default=None,
+        help="weight dtype (default: bfloat16; a quantized dtype is proposed only if bfloat16 fits nowhere)",
+    )
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bfloat16")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
 
 
 def load_model_config(model: str) -> ModelConfig:
-    """config.json, or a directory with one, needs no weights; 'default' and .gguf go through the checkpoint."""
+    """config.json, or a directory with one, needs no weights; 'default' and .gguf go through the
+    checkpoint."""
     path = Path(model)
-    if model != "default" and (path.suffix == ".json" or (path.is_dir() and (path / "config.json").is_file())):
+    if model != "default" and (
+        path.suffix == ".json" or (path.is_dir() and (path / "config.json").is_file())
+    ):
         return ModelConfig.from_hf(path)
     from neuron_opt.checkpoint import open_checkpoint
 
@@ -56,21 +72,37 @@ def run(args: argparse.Namespace) -> int:
     batch = args.batch_size or args.concurrency
     max_length = args.max_length or args.input_len + args.output_len
     max_context = args.max_context or min(args.input_len, max_length)
-    plans = rank(candidates(cfg, inst, traffic, batch=batch, max_context=max_context, max_length=max_length,
-                            tp=args.tp, dtype=args.dtype, kv_dtype=args.kv_dtype), traffic)
+    plans = rank(
+        candidates(
+            cfg,
+            inst,
+            traffic,
+            batch=batch,
+            max_context=max_context,
+            max_length=max_length,
+            tp=args.tp,
+            dtype=args.dtype,
+            kv_dtype=args.kv_dtype,
+        ),
+        traffic,
+    )
     if not plans:
         from neuron_opt.errors import ConfigError
 
-        raise ConfigError(f"tp: no tp degree supported on {inst.name} ({', '.join(map(str, inst.tp_degrees))}) "
-                          f"can shard this model (heads {cfg.num_attention_heads}, intermediate_size "
-                          f"{cfg.intermediate_size})")
+        raise ConfigError(
+            f"tp: no tp degree supported on {inst.name} ({', '.join(map(str, inst.tp_degrees))}) "
+            f"can shard this model (heads {cfg.num_attention_heads}, intermediate_size "
+            f"{cfg.intermediate_size})"
+        )
     best = plans[0]
     if args.json:
         print(json.dumps(plan_json(cfg, best, plans[1:]), indent=2))
     else:
         print("\n".join(plan_lines(cfg, best)))
         if len(plans) > 1:
-            print(f"\nalternatives ({traffic.input_len} in / {traffic.output_len} out, "
-                  f"concurrency {traffic.concurrency}), recommended first:")
+            print(
+                f"\nalternatives ({traffic.input_len} in / {traffic.output_len} out, "
+                f"concurrency {traffic.concurrency}), recommended first:"
+            )
             print("\n".join(alternatives_table(plans, traffic)))
     return 0 if best.fits else 1

@@ -13,5 +13,18 @@ from neuron_opt.planner.hardware import INSTANCES, Instance, check_tp, get_insta
 from neuron_opt.planner.recommend import Deployment, Plan, Traffic, candidates, evaluate, rank
 from neuron_opt.planner.report import format_plan_table, plan_json
 
-__all__ = ["INSTANCES", "Deployment", "Instance", "Plan", "Traffic", "candidates", "check_tp", "evaluate",
-           "format_plan_table", "get_instance", "known_instances", "plan_json", "rank"]
+__all__ = [
+    "INSTANCES",
+    "Deployment",
+    "Instance",
+    "Plan",
+    "Traffic",
+    "candidates",
+    "check_tp",
+    "evaluate",
+    "format_plan_table",
+    "get_instance",
+    "known_instances",
+    "plan_json",
+    "rank",
+]

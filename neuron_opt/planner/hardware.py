@@ -1,12 +1,12 @@
 """Instance table: what each AWS Neuron instance offers one NeuronCore, with every number sourced.
 
 Design decisions:
-- Numbers are per NeuronCore as the runtime sees it (a "rank"): chip figures divided by cores per chip. On trn2
-  a rank is a logical core (LNC=2: two physical cores sharing one 24 GiB HBM bank), the SDK default.
+- Numbers are per NeuronCore as the runtime sees it (a "rank"): chip figures divided by cores per chip. On
+  trn2 a rank is a logical core (LNC=2: two physical cores sharing one 24 GiB HBM bank), the SDK default.
 - Every value comes from the AWS Neuron architecture pages as summarised in docs/hardware.md (which cites each
   one); derived values say how they are derived. No value here is fitted to benchmark results.
-- The allowed tp degrees are the runtime's (feature guide "Tensor-parallelism support"), capped by the instance's
-  core count: inf2.24xlarge has 12 cores, so tp 24 is not offered there.
+- The allowed tp degrees are the runtime's (feature guide "Tensor-parallelism support"), capped by the
+  instance's core count: inf2.24xlarge has 12 cores, so tp 24 is not offered there.
 - `cpu` is a pseudo-instance for the CPU backend: capacity is this machine's RAM, shared by all ranks, and no
   latency is modelled (CPU decode is dominated by framework overhead the table cannot predict).
 """
@@ -46,7 +46,8 @@ class Instance:
         return self.cores // self.chips
 
 
-# --- per-chip figures (docs/hardware.md gives the source of each) -----------------------------------------------
+# --- per-chip figures (docs/hardware.md gives the source of each)
+# -----------------------------------------------
 _V2_HBM_CHIP = 32 * GiB  # Inferentia2 / Trainium1 chip
 _V2_BW_CHIP = 820 * GiB  # bytes/s
 _V2_BF16_CHIP = 190 * TFLOPS  # cFP8 runs at the same rate on NeuronCore-v2
@@ -67,13 +68,24 @@ _TRN1_TP = (1, 2, 8, 16, 32)
 _TRN2_TP = (1, 2, 4, 8, 16, 32, 64)
 
 
-def _v2(name: str, family: str, chips: int, link_chip: float, host_gib: int, degrees: tuple[int, ...]) -> Instance:
+def _v2(
+    name: str, family: str, chips: int, link_chip: float, host_gib: int, degrees: tuple[int, ...]
+) -> Instance:
     cores = 2 * chips
-    return Instance(name=name, family=family, chips=chips, cores=cores, hbm_per_core=_V2_HBM_CHIP // 2,
-                    hbm_bw_per_core=_V2_BW_CHIP / 2, bf16_flops_per_core=_V2_BF16_CHIP / 2,
-                    fp8_flops_per_core=_V2_BF16_CHIP / 2, link_bw_per_chip=link_chip,
-                    dma_bw_per_chip=_V2_DMA_CHIP, host_ram=host_gib * GiB,
-                    tp_degrees=tuple(d for d in degrees if d <= cores))
+    return Instance(
+        name=name,
+        family=family,
+        chips=chips,
+        cores=cores,
+        hbm_per_core=_V2_HBM_CHIP // 2,
+        hbm_bw_per_core=_V2_BW_CHIP / 2,
+        bf16_flops_per_core=_V2_BF16_CHIP / 2,
+        fp8_flops_per_core=_V2_BF16_CHIP / 2,
+        link_bw_per_chip=link_chip,
+        dma_bw_per_chip=_V2_DMA_CHIP,
+        host_ram=host_gib * GiB,
+        tp_degrees=tuple(d for d in degrees if d <= cores),
+    )
 
 
 INSTANCES: dict[str, Instance] = {
@@ -86,13 +98,20 @@ INSTANCES: dict[str, Instance] = {
         _v2("trn1.2xlarge", "trn1", 1, 0.0, 32, _TRN1_TP),
         _v2("trn1.32xlarge", "trn1", 16, _TRN1_LINK_CHIP, 512, _TRN1_TP),
         _v2("trn1n.32xlarge", "trn1", 16, _TRN1N_LINK_CHIP, 512, _TRN1_TP),
-        Instance(name="trn2.48xlarge", family="trn2", chips=16, cores=16 * _TRN2_LOGICAL_PER_CHIP,
-                 hbm_per_core=_TRN2_HBM_CHIP // _TRN2_LOGICAL_PER_CHIP,
-                 hbm_bw_per_core=_TRN2_BW_CHIP / _TRN2_LOGICAL_PER_CHIP,
-                 bf16_flops_per_core=_TRN2_BF16_CHIP / _TRN2_LOGICAL_PER_CHIP,
-                 fp8_flops_per_core=_TRN2_FP8_CHIP / _TRN2_LOGICAL_PER_CHIP,
-                 link_bw_per_chip=_TRN2_LINK_CHIP, dma_bw_per_chip=_TRN2_DMA_CHIP, host_ram=2048 * GiB,
-                 tp_degrees=_TRN2_TP),
+        Instance(
+            name="trn2.48xlarge",
+            family="trn2",
+            chips=16,
+            cores=16 * _TRN2_LOGICAL_PER_CHIP,
+            hbm_per_core=_TRN2_HBM_CHIP // _TRN2_LOGICAL_PER_CHIP,
+            hbm_bw_per_core=_TRN2_BW_CHIP / _TRN2_LOGICAL_PER_CHIP,
+            bf16_flops_per_core=_TRN2_BF16_CHIP / _TRN2_LOGICAL_PER_CHIP,
+            fp8_flops_per_core=_TRN2_FP8_CHIP / _TRN2_LOGICAL_PER_CHIP,
+            link_bw_per_chip=_TRN2_LINK_CHIP,
+            dma_bw_per_chip=_TRN2_DMA_CHIP,
+            host_ram=2048 * GiB,
+            tp_degrees=_TRN2_TP,
+        ),
     )
 }
 
@@ -108,26 +127,43 @@ def host_ram_bytes() -> int:
 
 def cpu_instance() -> Instance:
     ram = host_ram_bytes()
-    return Instance(name="cpu", family="cpu", chips=1, cores=os.cpu_count() or 1, hbm_per_core=ram,
-                    hbm_bw_per_core=0.0, bf16_flops_per_core=0.0, fp8_flops_per_core=0.0, link_bw_per_chip=0.0,
-                    dma_bw_per_chip=0.0, host_ram=ram, tp_degrees=tuple(2**k for k in range(7)), shared_memory=True)
+    return Instance(
+        name="cpu",
+        family="cpu",
+        chips=1,
+        cores=os.cpu_count() or 1,
+        hbm_per_core=ram,
+        hbm_bw_per_core=0.0,
+        bf16_flops_per_core=0.0,
+        fp8_flops_per_core=0.0,
+        link_bw_per_chip=0.0,
+        dma_bw_per_chip=0.0,
+        host_ram=ram,
+        tp_degrees=tuple(2**k for k in range(7)),
+        shared_memory=True,
+    )
 
 
 def get_instance(name: str) -> Instance:
-    """Look an instance up by name (`cpu` included); unknown names raise ConfigError listing the known ones."""
+    """Look an instance up by name (`cpu` included); unknown names raise ConfigError listing the known
+    ones."""
     if name == "cpu":
         return cpu_instance()
     try:
         return INSTANCES[name]
     except KeyError:
-        raise ConfigError(f"instance: unknown instance {name!r}; known instances: "
-                          f"{', '.join(known_instances())}") from None
+        raise ConfigError(
+            f"instance: unknown instance {name!r}; known instances: {', '.join(known_instances())}"
+        ) from None
 
 
 def check_tp(instance: str | Instance, tp: int) -> Instance:
-    """Validate `--instance NAME --tp N`; return the instance or raise ConfigError listing the allowed degrees."""
+    """Validate `--instance NAME --tp N`; return the instance or raise ConfigError listing the allowed
+    degrees."""
     inst = get_instance(instance) if isinstance(instance, str) else instance
     if tp not in inst.tp_degrees:
-        raise ConfigError(f"tp: {tp} is not a tensor-parallel degree the Neuron runtime supports on {inst.name} "
-                          f"({inst.cores} NeuronCores); allowed: {', '.join(map(str, inst.tp_degrees))}")
+        raise ConfigError(
+            f"tp: {tp} is not a tensor-parallel degree the Neuron runtime supports on {inst.name} "
+            f"({inst.cores} NeuronCores); allowed: {', '.join(map(str, inst.tp_degrees))}"
+        )
     return inst

@@ -6,18 +6,19 @@ A step (one graph execution, prefill or decode) costs
     + n_collectives * (eff.collective_latency_s + ring bytes / link bandwidth)
     + eff.step_overhead_s
 
-per rank (every rank does the same work under Megatron TP). Compute and HBM traffic overlap (engines and DMA run
-concurrently); collectives are on the critical path between layers (the next layer needs the reduced sum).
+per rank (every rank does the same work under Megatron TP). Compute and HBM traffic overlap (engines and
+DMA run concurrently); collectives are on the critical path between layers (the next layer needs the
+reduced sum).
 
 - FLOPs: 2 per weight element per token for the linears (padded heads included: padding is real work), plus
   attention 4 * q_len * kv_len * D per local head (QK^T and PV), computed over the whole masked square because
   our graphs mask rather than skip; the LM head runs on the last position of each row only.
-- Bytes: every weight is read once per step; decode also reads the K and V of its bucket's kv_len positions for
-  every row of the batch (not the cache's max length: that is what decode length buckets buy).
-- Collectives: Megatron TP does two all-reduces per layer (after o_proj and down_proj) of [tokens, H] activations
-  in bfloat16, plus one gather of sampling candidates after the vocab-parallel LM head (latency only). The
-  all-reduce is modelled hierarchically: cores of a chip reduce through the chip's DMA engines, then a ring over
-  the c chips sends 2 (c - 1) / c of the message through each chip's NeuronLink.
+- Bytes: every weight is read once per step; decode also reads the K and V of its bucket's kv_len positions
+  for every row of the batch (not the cache's max length: that is what decode length buckets buy).
+- Collectives: Megatron TP does two all-reduces per layer (after o_proj and down_proj) of [tokens, H]
+  activations in bfloat16, plus one gather of sampling candidates after the vocab-parallel LM head (latency
+  only). The all-reduce is modelled hierarchically: cores of a chip reduce through the chip's DMA engines,
+  then a ring over the c chips sends 2 (c - 1) / c of the message through each chip's NeuronLink.
 - Weight-only quantization (int8/fp8) halves weight bytes but not FLOPs: weights are dequantized to bfloat16
   before TensorE, so the bfloat16 peak applies.
 
@@ -35,7 +36,6 @@ from neuron_opt.config import ModelConfig
 from neuron_opt.parallel.sharding import HeadLayout
 from neuron_opt.planner.hardware import Instance
 from neuron_opt.planner.memory import dtype_bytes, weight_bytes, weight_count
-
 
 
 @dataclass(frozen=True)
@@ -76,8 +76,12 @@ class StepTime:
 
     @property
     def bound(self) -> str:
-        parts = {"compute": self.compute, "memory": self.memory, "collective": self.collective,
-                 "overhead": self.overhead}
+        parts = {
+            "compute": self.compute,
+            "memory": self.memory,
+            "collective": self.collective,
+            "overhead": self.overhead,
+        }
         return max(parts, key=lambda k: parts[k])
 
 
@@ -99,24 +103,53 @@ def _attention_flops(cfg: ModelConfig, lay: HeadLayout, batch: int, q_len: int, 
     return 4.0 * batch * cfg.num_hidden_layers * lay.n_heads_local * q_len * kv_len * lay.head_dim
 
 
-def prefill_time(cfg: ModelConfig, lay: HeadLayout, inst: Instance, *, batch: int, seq: int,
-                 dtype: str, eff: Efficiency = DEFAULT_EFFICIENCY) -> StepTime:
+def prefill_time(
+    cfg: ModelConfig,
+    lay: HeadLayout,
+    inst: Instance,
+    *,
+    batch: int,
+    seq: int,
+    dtype: str,
+    eff: Efficiency = DEFAULT_EFFICIENCY,
+) -> StepTime:
     """One prefill graph of `batch` rows padded to `seq` tokens (the bucket, not the prompt length)."""
     n = weight_count(cfg, lay)
     tokens = batch * seq
-    flops = (2.0 * tokens * n.linear + _attention_flops(cfg, lay, batch, seq, seq)
-             + 2.0 * batch * cfg.hidden_size * lay.vocab_local)
-    return StepTime(compute=flops / (inst.bf16_flops_per_core * eff.tensor),
-                    memory=weight_bytes(cfg, lay, dtype) / (inst.hbm_bw_per_core * eff.hbm),
-                    collective=_collectives(cfg, lay, inst, tokens, eff), overhead=eff.step_overhead_s)
+    flops = (
+        2.0 * tokens * n.linear
+        + _attention_flops(cfg, lay, batch, seq, seq)
+        + 2.0 * batch * cfg.hidden_size * lay.vocab_local
+    )
+    return StepTime(
+        compute=flops / (inst.bf16_flops_per_core * eff.tensor),
+        memory=weight_bytes(cfg, lay, dtype) / (inst.hbm_bw_per_core * eff.hbm),
+        collective=_collectives(cfg, lay, inst, tokens, eff),
+        overhead=eff.step_overhead_s,
+    )
 
 
-def decode_time(cfg: ModelConfig, lay: HeadLayout, inst: Instance, *, batch: int, kv_len: int, dtype: str,
-                kv_dtype: str, eff: Efficiency = DEFAULT_EFFICIENCY) -> StepTime:
-    """One decode graph: `batch` rows (the batch bucket) each attending over `kv_len` positions (the length bucket)."""
+def decode_time(
+    cfg: ModelConfig,
+    lay: HeadLayout,
+    inst: Instance,
+    *,
+    batch: int,
+    kv_len: int,
+    dtype: str,
+    kv_dtype: str,
+    eff: Efficiency = DEFAULT_EFFICIENCY,
+) -> StepTime:
+    """One decode graph: `batch` rows (the batch bucket) each attending over `kv_len` positions (the length
+    bucket)."""
     n = weight_count(cfg, lay)
-    flops = 2.0 * batch * (n.linear + cfg.hidden_size * lay.vocab_local) + _attention_flops(cfg, lay, batch, 1, kv_len)
+    flops = 2.0 * batch * (n.linear + cfg.hidden_size * lay.vocab_local) + _attention_flops(
+        cfg, lay, batch, 1, kv_len
+    )
     kv = 2 * cfg.num_hidden_layers * batch * lay.n_kv_local * kv_len * lay.head_dim * dtype_bytes(kv_dtype)
-    return StepTime(compute=flops / (inst.bf16_flops_per_core * eff.tensor),
-                    memory=(weight_bytes(cfg, lay, dtype) + kv) / (inst.hbm_bw_per_core * eff.hbm),
-                    collective=_collectives(cfg, lay, inst, batch, eff), overhead=eff.step_overhead_s)
+    return StepTime(
+        compute=flops / (inst.bf16_flops_per_core * eff.tensor),
+        memory=(weight_bytes(cfg, lay, dtype) + kv) / (inst.hbm_bw_per_core * eff.hbm),
+        collective=_collectives(cfg, lay, inst, batch, eff),
+        overhead=eff.step_overhead_s,
+    )

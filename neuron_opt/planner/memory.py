@@ -1,20 +1,21 @@
-"""Memory per NeuronCore (rank): weights, KV cache, scratch, runtime reserve; host RAM to shard the checkpoint.
+"""Memory per NeuronCore (rank): weights, KV cache, scratch, runtime reserve; host RAM to shard the
+checkpoint.
 
 Design decisions:
 - Weights are counted from the per-rank `HeadLayout` (neuron_opt.parallel.sharding), so head padding, KV-head
-  replication (replicate-kv / mha) and vocabulary padding cost exactly what the sharded checkpoint stores. At tp=1
-  with no padding the count equals `ModelConfig.num_parameters()` (tested).
-- Quantized weights (`int8`, `fp8`) are weight-only: the seven decoder linears are stored in 1 byte per element
-  plus one float32 scale per output channel; embeddings, LM head, norms and biases stay bfloat16.
+  replication (replicate-kv / mha) and vocabulary padding cost exactly what the sharded checkpoint stores.
+  At tp=1 with no padding the count equals `ModelConfig.num_parameters()` (tested).
+- Quantized weights (`int8`, `fp8`) are weight-only: the seven decoder linears are stored in 1 byte per
+  element plus one float32 scale per output channel; embeddings, LM head, norms and biases stay bfloat16.
 - Tied embeddings share one tensor on device: counted once.
 - The KV cache has `batch + 1` slots (CacheConfig.num_slots: one scratch slot takes padded rows' writes), each
   `max_length` long, laid out [slots, n_kv_local, max_length, D] for K and V in every layer.
 - Scratch is the live activation set of the largest graph (one graph runs at a time and the compiler reuses
   buffers layer to layer). Attention scores are counted as materialised in float32 because our graphs do not
   use a flash-attention kernel; this is an upper bound when one is used.
-- RUNTIME_RESERVE is held back per core for what the model does not allocate: the Neuron runtime's own buffers,
-  instruction streams of every loaded graph, DMA descriptor rings and collective buffers. docs/planner.md
-  justifies 1 GiB.
+- RUNTIME_RESERVE is held back per core for what the model does not allocate: the Neuron runtime's own
+  buffers, instruction streams of every loaded graph, DMA descriptor rings and collective buffers.
+  docs/planner.md justifies 1 GiB.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ def dtype_bytes(dtype: str, what: str = "dtype") -> int:
     try:
         return DTYPE_BYTES[dtype]
     except KeyError:
-        raise ConfigError(f"{what}: unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_BYTES)}") from None
+        raise ConfigError(
+            f"{what}: unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_BYTES)}"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -85,10 +88,20 @@ def weight_bytes(cfg: ModelConfig, lay: HeadLayout, dtype: str) -> int:
 
 def kv_bytes(cfg: ModelConfig, lay: HeadLayout, slots: int, length: int, kv_dtype: str) -> int:
     """One rank's KV cache: K and V, every layer, [slots, n_kv_local, length, D]."""
-    return 2 * cfg.num_hidden_layers * slots * lay.n_kv_local * length * lay.head_dim * dtype_bytes(kv_dtype, "kv_dtype")
+    return (
+        2
+        * cfg.num_hidden_layers
+        * slots
+        * lay.n_kv_local
+        * length
+        * lay.head_dim
+        * dtype_bytes(kv_dtype, "kv_dtype")
+    )
 
 
-def graph_scratch_bytes(cfg: ModelConfig, lay: HeadLayout, batch: int, q_len: int, kv_len: int, act_bytes: int) -> int:
+def graph_scratch_bytes(
+    cfg: ModelConfig, lay: HeadLayout, batch: int, q_len: int, kv_len: int, act_bytes: int
+) -> int:
     """Live activations of one graph at its peak layer stage, per rank.
 
     Residual stream and its normed copy are live throughout; the attention stage (q/k/v, float32 scores
@@ -97,8 +110,11 @@ def graph_scratch_bytes(cfg: ModelConfig, lay: HeadLayout, batch: int, q_len: in
     """
     T, D = batch * q_len, lay.head_dim
     residual = 2 * T * cfg.hidden_size * act_bytes
-    attn = (T * (lay.n_heads_local + 2 * lay.n_kv_local) * D * act_bytes
-            + batch * lay.n_heads_local * q_len * kv_len * 4 + T * lay.n_heads_local * D * act_bytes)
+    attn = (
+        T * (lay.n_heads_local + 2 * lay.n_kv_local) * D * act_bytes
+        + batch * lay.n_heads_local * q_len * kv_len * 4
+        + T * lay.n_heads_local * D * act_bytes
+    )
     mlp = 3 * T * lay.intermediate_local * act_bytes
     logits = batch * lay.vocab_local * 4
     return residual + max(attn, mlp) + logits
@@ -106,9 +122,14 @@ def graph_scratch_bytes(cfg: ModelConfig, lay: HeadLayout, batch: int, q_len: in
 
 def scratch_bytes(cfg: ModelConfig, lay: HeadLayout, buckets: BucketConfig, act_bytes: int) -> int:
     """The largest graph's scratch: all graphs share one scratchpad and run one at a time."""
-    pre = [graph_scratch_bytes(cfg, lay, buckets.prefill_batch, s, s, act_bytes) for s in buckets.prefill_seqs]
-    dec = [graph_scratch_bytes(cfg, lay, b, 1, s, act_bytes)
-           for b in buckets.decode_batches for s in buckets.decode_seqs]
+    pre = [
+        graph_scratch_bytes(cfg, lay, buckets.prefill_batch, s, s, act_bytes) for s in buckets.prefill_seqs
+    ]
+    dec = [
+        graph_scratch_bytes(cfg, lay, b, 1, s, act_bytes)
+        for b in buckets.decode_batches
+        for s in buckets.decode_seqs
+    ]
     return max(pre + dec)
 
 
@@ -137,8 +158,17 @@ class MemoryPlan:
         return self.host_needed <= self.host_capacity
 
 
-def plan_memory(cfg: ModelConfig, lay: HeadLayout, inst: Instance, buckets: BucketConfig, *, batch: int,
-                max_length: int, dtype: str, kv_dtype: str) -> MemoryPlan:
+def plan_memory(
+    cfg: ModelConfig,
+    lay: HeadLayout,
+    inst: Instance,
+    buckets: BucketConfig,
+    *,
+    batch: int,
+    max_length: int,
+    dtype: str,
+    kv_dtype: str,
+) -> MemoryPlan:
     """Memory plan of one rank for a deployment (batch = KV slots in use, max_length = KV cache length)."""
     w = weight_bytes(cfg, lay, dtype)
     act = 4 if dtype == "float32" else 2  # activations run in bfloat16 unless the whole model is float32
@@ -148,9 +178,16 @@ def plan_memory(cfg: ModelConfig, lay: HeadLayout, inst: Instance, buckets: Buck
         capacity, reserve = inst.hbm_per_core // lay.tp, CPU_RESERVE // lay.tp
     else:
         capacity, reserve = inst.hbm_per_core, RUNTIME_RESERVE
-    # compile loads the full checkpoint (bfloat16 on disk for every model we plan) and writes one rank at a time
+    # compile loads the full checkpoint (bfloat16 on disk for every model we plan) and writes one rank at a
+    # time
     checkpoint = 2 * cfg.num_parameters()
     host = checkpoint + w + HOST_BASELINE
-    return MemoryPlan(weights=w, kv_cache=kv, scratch=scratch, reserve=reserve, capacity=capacity,
-                      host_needed=host, host_capacity=inst.host_ram)
-
+    return MemoryPlan(
+        weights=w,
+        kv_cache=kv,
+        scratch=scratch,
+        reserve=reserve,
+        capacity=capacity,
+        host_needed=host,
+        host_capacity=inst.host_ram,
+    )

@@ -3,11 +3,12 @@
 Design decisions:
 - A deployment is evaluated exactly as the runtime would run it: our own head layout (an impossible tp raises
   ConfigError from neuron_opt.parallel.sharding), the default bucket set (neuron_opt.buckets), TTFT from the
-  prefill bucket the prompt lands in, TPOT at the median output token's decode bucket (p50 of per-token latency).
-- Ranking: plans that fit come first; bfloat16 weights are preferred and a quantized dtype is only proposed when
-  no bfloat16 plan fits (we never quantize silently). Among the rest, the recommendation is the plan with the
-  fewest NeuronCores whose end-to-end latency (TTFT + output_len * TPOT) is within RECOMMEND_SLACK of the
-  fastest: beyond that, more cores buy little latency and could serve another replica instead.
+  prefill bucket the prompt lands in, TPOT at the median output token's decode bucket (p50 of per-token
+  latency).
+- Ranking: plans that fit come first; bfloat16 weights are preferred and a quantized dtype is only proposed
+  when no bfloat16 plan fits (we never quantize silently). Among the rest, the recommendation is the plan
+  with the fewest NeuronCores whose end-to-end latency (TTFT + output_len * TPOT) is within RECOMMEND_SLACK
+  of the fastest: beyond that, more cores buy little latency and could serve another replica instead.
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ class Deployment:
             raise ConfigError(f"kv_dtype: {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
 
     def buckets(self) -> BucketConfig:
-        return BucketConfig.build(max_context=self.max_context, max_length=self.max_length, max_batch=self.batch)
+        return BucketConfig.build(
+            max_context=self.max_context, max_length=self.max_length, max_batch=self.batch
+        )
 
 
 @dataclass(frozen=True)
@@ -102,14 +105,29 @@ def _largest(pred: Callable[[int], bool], lo: int, hi: int) -> int:
     return lo
 
 
-def _memory(cfg: ModelConfig, lay: HeadLayout, inst: Instance, dep: Deployment,
-            buckets: BucketConfig | None) -> MemoryPlan:
-    return plan_memory(cfg, lay, inst, buckets or dep.buckets(), batch=dep.batch, max_length=dep.max_length, dtype=dep.dtype,
-                       kv_dtype=dep.kv_dtype)
+def _memory(
+    cfg: ModelConfig, lay: HeadLayout, inst: Instance, dep: Deployment, buckets: BucketConfig | None
+) -> MemoryPlan:
+    return plan_memory(
+        cfg,
+        lay,
+        inst,
+        buckets or dep.buckets(),
+        batch=dep.batch,
+        max_length=dep.max_length,
+        dtype=dep.dtype,
+        kv_dtype=dep.kv_dtype,
+    )
 
 
-def evaluate(cfg: ModelConfig, inst: Instance, dep: Deployment, traffic: Traffic | None = None,
-             par: ParallelConfig | None = None, buckets: BucketConfig | None = None) -> Plan:
+def evaluate(
+    cfg: ModelConfig,
+    inst: Instance,
+    dep: Deployment,
+    traffic: Traffic | None = None,
+    par: ParallelConfig | None = None,
+    buckets: BucketConfig | None = None,
+) -> Plan:
     """Memory (and, with a traffic shape on a Neuron instance, latency) of one deployment.
 
     Args:
@@ -128,27 +146,44 @@ def evaluate(cfg: ModelConfig, inst: Instance, dep: Deployment, traffic: Traffic
     mem = _memory(cfg, lay, inst, dep, fixed)
 
     def fits_batch(b: int) -> bool:
-        return _memory(cfg, lay, inst, Deployment(dep.tp, b, dep.max_context, dep.max_length, dep.dtype,
-                                                  dep.kv_dtype), fixed).fits
+        return _memory(
+            cfg,
+            lay,
+            inst,
+            Deployment(dep.tp, b, dep.max_context, dep.max_length, dep.dtype, dep.kv_dtype),
+            fixed,
+        ).fits
 
     def fits_length(n: int) -> bool:
         d = Deployment(dep.tp, dep.batch, min(dep.max_context, n), n, dep.dtype, dep.kv_dtype)
         return _memory(cfg, lay, inst, d, fixed).fits
 
-    plan = Plan(instance=inst, deployment=dep, layout=lay, buckets=buckets, memory=mem,
-                largest_batch=_largest(fits_batch, 1, MAX_BATCH_SEARCH),
-                largest_length=_largest(fits_length, 1, cfg.max_position_embeddings))
+    plan = Plan(
+        instance=inst,
+        deployment=dep,
+        layout=lay,
+        buckets=buckets,
+        memory=mem,
+        largest_batch=_largest(fits_batch, 1, MAX_BATCH_SEARCH),
+        largest_length=_largest(fits_length, 1, cfg.max_position_embeddings),
+    )
     if traffic is None:
         return plan
     if traffic.input_len + traffic.output_len > dep.max_length:
-        raise ConfigError(f"max_length: input_len + output_len = {traffic.input_len + traffic.output_len} "
-                          f"exceeds --max-length {dep.max_length}")
+        raise ConfigError(
+            f"max_length: input_len + output_len = {traffic.input_len + traffic.output_len} "
+            f"exceeds --max-length {dep.max_length}"
+        )
     pre = pick_prefill(traffic.input_len, buckets)
-    dec = pick_decode(min(traffic.concurrency, dep.batch), traffic.input_len + traffic.output_len // 2, buckets)
+    dec = pick_decode(
+        min(traffic.concurrency, dep.batch), traffic.input_len + traffic.output_len // 2, buckets
+    )
     if inst.family == "cpu":
         return _replace(plan, prefill_bucket=pre, decode_bucket=dec)
     ttft = prefill_time(cfg, lay, inst, batch=pre.batch, seq=pre.seq, dtype=dep.dtype)
-    tpot = decode_time(cfg, lay, inst, batch=dec.batch, kv_len=dec.seq, dtype=dep.dtype, kv_dtype=dep.kv_dtype)
+    tpot = decode_time(
+        cfg, lay, inst, batch=dec.batch, kv_len=dec.seq, dtype=dep.dtype, kv_dtype=dep.kv_dtype
+    )
     return _replace(plan, prefill_bucket=pre, decode_bucket=dec, ttft=ttft, tpot=tpot)
 
 
@@ -158,9 +193,18 @@ def _replace(plan: Plan, **kw: object) -> Plan:
     return replace(plan, **kw)  # type: ignore[arg-type]
 
 
-def candidates(cfg: ModelConfig, inst: Instance, traffic: Traffic, *, batch: int, max_context: int,
-               max_length: int, tp: int | None = None, dtype: str | None = None,
-               kv_dtype: str = "bfloat16") -> list[Plan]:
+def candidates(
+    cfg: ModelConfig,
+    inst: Instance,
+    traffic: Traffic,
+    *,
+    batch: int,
+    max_context: int,
+    max_length: int,
+    tp: int | None = None,
+    dtype: str | None = None,
+    kv_dtype: str = "bfloat16",
+) -> list[Plan]:
     """Every shardable (tp, dtype) on the instance, evaluated; tp degrees our sharding rejects are skipped."""
     if tp is not None:
         check_tp(inst, tp)
@@ -183,6 +227,7 @@ def candidates(cfg: ModelConfig, inst: Instance, traffic: Traffic, *, batch: int
 
 def rank(plans: list[Plan], traffic: Traffic) -> list[Plan]:
     """Best first: fitting, unquantized, then fewest cores within RECOMMEND_SLACK of the fastest."""
+
     def e2e(p: Plan) -> float:
         v = p.e2e_s(traffic.output_len)
         return float("inf") if v is None else v
@@ -191,7 +236,12 @@ def rank(plans: list[Plan], traffic: Traffic) -> list[Plan]:
     if not ordered or not ordered[0].fits:
         return ordered
     best = ordered[0]
-    peers = [p for p in ordered if p.fits and p.deployment.dtype == best.deployment.dtype
-             and e2e(p) <= e2e(best) * (1 + RECOMMEND_SLACK)]
+    peers = [
+        p
+        for p in ordered
+        if p.fits
+        and p.deployment.dtype == best.deployment.dtype
+        and e2e(p) <= e2e(best) * (1 + RECOMMEND_SLACK)
+    ]
     pick = min(peers, key=lambda p: (p.deployment.tp, e2e(p)))
     return [pick] + [p for p in ordered if p is not pick]

@@ -24,7 +24,8 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
     where = "per rank (host RAM shared by all ranks)" if inst.shared_memory else "per NeuronCore"
     lines = [
         f"plan: {cfg.architecture} ({cfg.num_parameters() / 1e9:.2f} B params) on {inst.name}, tp {d.tp} "
-        f"(heads {cfg.num_attention_heads}->{lay.n_heads}, kv heads {cfg.num_key_value_heads}->{lay.n_kv_heads}: "
+        f"(heads {cfg.num_attention_heads}->{lay.n_heads}, "
+        f"kv heads {cfg.num_key_value_heads}->{lay.n_kv_heads}: "
         f"{lay.strategy}), weights {d.dtype}, KV {d.kv_dtype}",
         f"  {'memory ' + where:<40}{'GiB':>8}",
         f"    {'weights':<38}{_gib(m.weights)}",
@@ -33,17 +34,20 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
         f"    {'runtime reserve':<38}{_gib(m.reserve)}",
         f"    {'total / capacity':<38}{_gib(m.total)} / {m.capacity / GiB:.2f}  -> "
         + ("fits" if m.fits else "DOES NOT FIT"),
-        f"  host RAM to shard the checkpoint: {m.host_needed / GiB:.1f} GiB of {m.host_capacity / GiB:.0f} GiB"
-        + ("" if m.host_fits else "  -> NOT ENOUGH HOST RAM"),
+        f"  host RAM to shard the checkpoint: {m.host_needed / GiB:.1f} GiB "
+        f"of {m.host_capacity / GiB:.0f} GiB" + ("" if m.host_fits else "  -> NOT ENOUGH HOST RAM"),
         f"  largest batch at max_length {d.max_length}: {plan.largest_batch}; "
         f"largest max_length at batch {d.batch}: {plan.largest_length}",
-        f"  buckets: prefill {list(plan.buckets.prefill_seqs)}; decode batches {list(plan.buckets.decode_batches)}"
+        f"  buckets: prefill {list(plan.buckets.prefill_seqs)}; "
+        f"decode batches {list(plan.buckets.decode_batches)}"
         f" x lengths {list(plan.buckets.decode_seqs)} ({len(plan.buckets.buckets())} graphs)",
     ]
     if plan.ttft is not None and plan.tpot is not None and plan.prefill_bucket and plan.decode_bucket:
-        lines.append(f"  TTFT {1e3 * plan.ttft.total:.1f} ms (prefill bucket {plan.prefill_bucket.seq}, "
-                     f"{plan.ttft.bound}-bound); TPOT {1e3 * plan.tpot.total:.2f} ms (decode bucket "
-                     f"{plan.decode_bucket.batch}x{plan.decode_bucket.seq}, {plan.tpot.bound}-bound)")
+        lines.append(
+            f"  TTFT {1e3 * plan.ttft.total:.1f} ms (prefill bucket {plan.prefill_bucket.seq}, "
+            f"{plan.ttft.bound}-bound); TPOT {1e3 * plan.tpot.total:.2f} ms (decode bucket "
+            f"{plan.decode_bucket.batch}x{plan.decode_bucket.seq}, {plan.tpot.bound}-bound)"
+        )
     elif inst.family == "cpu":
         lines.append("  latency: not modelled on cpu (measure with `neuron-opt bench`)")
     return lines
@@ -55,34 +59,60 @@ def alternatives_table(plans: list[Plan], traffic: Traffic, limit: int = 8) -> l
         e2e = p.e2e_s(traffic.output_len)
         tpot = p.tpot.total if p.tpot else None
         per_core = (p.decode_bucket.batch / tpot / p.deployment.tp) if (tpot and p.decode_bucket) else None
-        rows.append(f"  {p.deployment.tp:>2}  {p.deployment.dtype:<9} {'yes' if p.fits else 'no ':<5}"
-                    f"{p.memory.total / GiB:8.2f}  {p.largest_batch:>9}  "
-                    f"{'-' if p.ttft is None else f'{1e3 * p.ttft.total:7.1f}':>7}  "
-                    f"{'-' if tpot is None else f'{1e3 * tpot:7.2f}':>7}  "
-                    f"{'-' if e2e is None else f'{e2e:6.2f}':>6}  {'-' if per_core is None else f'{per_core:8.1f}':>8}")
+        rows.append(
+            f"  {p.deployment.tp:>2}  {p.deployment.dtype:<9} {'yes' if p.fits else 'no ':<5}"
+            f"{p.memory.total / GiB:8.2f}  {p.largest_batch:>9}  "
+            f"{'-' if p.ttft is None else f'{1e3 * p.ttft.total:7.1f}':>7}  "
+            f"{'-' if tpot is None else f'{1e3 * tpot:7.2f}':>7}  "
+            f"{'-' if e2e is None else f'{e2e:6.2f}':>6}  "
+            f"{'-' if per_core is None else f'{per_core:8.1f}':>8}"
+        )
     return rows
 
 
 def plan_json(cfg: ModelConfig, plan: Plan, alternatives: list[Plan] | None = None) -> dict[str, Any]:
     d, m = plan.deployment, plan.memory
     out: dict[str, Any] = {
-        "fits": m.fits, "per_core_memory_gb": round(m.total / GB, 3), "per_core_capacity_gb": round(m.capacity / GB, 3),
-        "ttft_ms": _ms(plan.ttft.total if plan.ttft else None), "tpot_ms": _ms(plan.tpot.total if plan.tpot else None),
-        "tp": d.tp, "batch_size": d.batch, "instance": plan.instance.name, "dtype": d.dtype, "kv_dtype": d.kv_dtype,
-        "max_context": d.max_context, "max_length": d.max_length, "gqa_strategy": plan.layout.strategy,
-        "memory_bytes": {"weights": m.weights, "kv_cache": m.kv_cache, "scratch": m.scratch, "reserve": m.reserve,
-                         "total": m.total, "capacity": m.capacity},
+        "fits": m.fits,
+        "per_core_memory_gb": round(m.total / GB, 3),
+        "per_core_capacity_gb": round(m.capacity / GB, 3),
+        "ttft_ms": _ms(plan.ttft.total if plan.ttft else None),
+        "tpot_ms": _ms(plan.tpot.total if plan.tpot else None),
+        "tp": d.tp,
+        "batch_size": d.batch,
+        "instance": plan.instance.name,
+        "dtype": d.dtype,
+        "kv_dtype": d.kv_dtype,
+        "max_context": d.max_context,
+        "max_length": d.max_length,
+        "gqa_strategy": plan.layout.strategy,
+        "memory_bytes": {
+            "weights": m.weights,
+            "kv_cache": m.kv_cache,
+            "scratch": m.scratch,
+            "reserve": m.reserve,
+            "total": m.total,
+            "capacity": m.capacity,
+        },
         "host_memory_bytes": {"needed": m.host_needed, "capacity": m.host_capacity, "fits": m.host_fits},
-        "largest_batch": plan.largest_batch, "largest_max_length": plan.largest_length,
-        "buckets": plan.buckets.to_dict(), "num_parameters": cfg.num_parameters(),
+        "largest_batch": plan.largest_batch,
+        "largest_max_length": plan.largest_length,
+        "buckets": plan.buckets.to_dict(),
+        "num_parameters": cfg.num_parameters(),
     }
     if alternatives is not None:
         out["alternatives"] = [plan_json(cfg, p) for p in alternatives]
     return out
 
 
-def format_plan_table(cfg: ModelConfig, par: ParallelConfig, cache: CacheConfig, buckets: BucketConfig,
-                      instance: str = "cpu", dtype: str | None = None) -> str:
+def format_plan_table(
+    cfg: ModelConfig,
+    par: ParallelConfig,
+    cache: CacheConfig,
+    buckets: BucketConfig,
+    instance: str = "cpu",
+    dtype: str | None = None,
+) -> str:
     """The plan `compile` prints before compiling: memory per rank, fit, buckets (and latency on Neuron).
 
     Args:
@@ -94,6 +124,7 @@ def format_plan_table(cfg: ModelConfig, par: ParallelConfig, cache: CacheConfig,
         dtype: weight dtype; defaults to the cache dtype.
     """
     inst = get_instance(instance)
-    dep = Deployment(par.tp, cache.max_batch, buckets.prefill_seqs[-1], cache.max_length, dtype or cache.dtype,
-                     cache.dtype)
+    dep = Deployment(
+        par.tp, cache.max_batch, buckets.prefill_seqs[-1], cache.max_length, dtype or cache.dtype, cache.dtype
+    )
     return "\n".join(plan_lines(cfg, evaluate(cfg, inst, dep, par=par, buckets=buckets)))

@@ -9,10 +9,20 @@ import pytest
 
 from neuron_opt.cli import main
 
-LLAMA3_8B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
-             "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-             "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
-             "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+LLAMA3_8B = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
 
 
 @pytest.fixture
@@ -22,8 +32,24 @@ def config_path(tmp_path: Path) -> Path:
 
 
 def test_json_with_tp(config_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["plan", "--model", str(config_path), "--instance", "inf2.48xlarge", "--tp", "8", "--batch-size",
-               "4", "--input-len", "1024", "--output-len", "1024", "--json"])
+    rc = main(
+        [
+            "plan",
+            "--model",
+            str(config_path),
+            "--instance",
+            "inf2.48xlarge",
+            "--tp",
+            "8",
+            "--batch-size",
+            "4",
+            "--input-len",
+            "1024",
+            "--output-len",
+            "1024",
+            "--json",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["fits"] is True and out["tp"] == 8 and out["batch_size"] == 4
     mem = out["memory_bytes"]
@@ -45,8 +71,18 @@ def test_directory_and_recommendation(config_path: Path, capsys: pytest.CaptureF
 
 
 def test_does_not_fit_exits_1(config_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["plan", "--model", str(config_path), "--instance", "trn1.2xlarge", "--tp", "1", "--max-length", "8192",
-            "--json"]
+    args = [
+        "plan",
+        "--model",
+        str(config_path),
+        "--instance",
+        "trn1.2xlarge",
+        "--tp",
+        "1",
+        "--max-length",
+        "8192",
+        "--json",
+    ]
     rc = main(args + ["--dtype", "bfloat16"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 1 and out["fits"] is False and out["per_core_memory_gb"] > out["per_core_capacity_gb"]
@@ -65,7 +101,9 @@ def test_bad_instance_and_tp_are_clear_errors(config_path: Path, capsys: pytest.
 
 
 def test_text_output_lists_alternatives(config_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "--model", str(config_path), "--instance", "trn1.32xlarge", "--concurrency", "8"]) == 0
+    assert (
+        main(["plan", "--model", str(config_path), "--instance", "trn1.32xlarge", "--concurrency", "8"]) == 0
+    )
     out = capsys.readouterr().out
     assert "fits" in out and "alternatives" in out and "TPOT" in out
 

@@ -15,9 +15,16 @@ from neuron_opt.planner import INSTANCES, check_tp, get_instance
 from neuron_opt.planner.hardware import GiB
 from neuron_opt.planner.latency import DEFAULT_EFFICIENCY, decode_time, prefill_time
 
-ALLOWED = {"inf2.xlarge": (1, 2), "inf2.8xlarge": (1, 2), "inf2.24xlarge": (1, 2, 4, 8),
-           "inf2.48xlarge": (1, 2, 4, 8, 24), "trn1.2xlarge": (1, 2), "trn1.32xlarge": (1, 2, 8, 16, 32),
-           "trn1n.32xlarge": (1, 2, 8, 16, 32), "trn2.48xlarge": (1, 2, 4, 8, 16, 32, 64)}
+ALLOWED = {
+    "inf2.xlarge": (1, 2),
+    "inf2.8xlarge": (1, 2),
+    "inf2.24xlarge": (1, 2, 4, 8),
+    "inf2.48xlarge": (1, 2, 4, 8, 24),
+    "trn1.2xlarge": (1, 2),
+    "trn1.32xlarge": (1, 2, 8, 16, 32),
+    "trn1n.32xlarge": (1, 2, 8, 16, 32),
+    "trn2.48xlarge": (1, 2, 4, 8, 16, 32, 64),
+}
 
 
 def test_table_covers_the_instances_with_allowed_degrees() -> None:
@@ -36,8 +43,16 @@ def test_per_core_numbers_from_chip_figures() -> None:
     assert trn2.cores == 64 and trn2.hbm_per_core == 24 * GiB and trn2.hbm_bw_per_core == 725e9
 
 
-@pytest.mark.parametrize("name,tp", [("inf2.48xlarge", 16), ("inf2.24xlarge", 24), ("trn1.32xlarge", 4),
-                                     ("inf2.xlarge", 4), ("trn2.48xlarge", 128)])
+@pytest.mark.parametrize(
+    "name,tp",
+    [
+        ("inf2.48xlarge", 16),
+        ("inf2.24xlarge", 24),
+        ("trn1.32xlarge", 4),
+        ("inf2.xlarge", 4),
+        ("trn2.48xlarge", 128),
+    ],
+)
 def test_disallowed_tp_lists_allowed_degrees(name: str, tp: int) -> None:
     with pytest.raises(ConfigError) as e:
         check_tp(name, tp)
@@ -53,10 +68,21 @@ def test_unknown_instance_lists_known_names() -> None:
 
 
 def test_decode_single_core_is_weight_bandwidth_bound() -> None:
-    # tp=1 batch 1: no collectives; time = every weight byte + KV of the bucket over derated HBM + step overhead
-    cfg = ModelConfig.from_hf({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 576,
-                               "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-                               "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True})
+    # tp=1 batch 1: no collectives; time = every weight byte + KV of the bucket over derated HBM + step
+    # overhead
+    cfg = ModelConfig.from_hf(
+        {
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 576,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 30,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+            "vocab_size": 49152,
+            "tie_word_embeddings": True,
+        }
+    )
     inst, lay = get_instance("trn1.2xlarge"), head_layout(cfg, ParallelConfig(tp=1))
     t = decode_time(cfg, lay, inst, batch=1, kv_len=1024, dtype="bfloat16", kv_dtype="bfloat16")
     kv = 30 * 2 * 3 * 64 * 1024 * 2
@@ -79,7 +105,8 @@ def _validation_module():  # scripts/ is not a package: load the reproducible va
 
 
 def test_tpot_within_25_percent_of_aws_published_rows() -> None:
-    """Every transformers-neuronx row (inf2 fit + trn1 held out) and the vLLM-plugin trn2 row: TPOT within 25%."""
+    """Every transformers-neuronx row (inf2 fit + trn1 held out) and the vLLM-plugin trn2 row: TPOT within
+    25%."""
     v = _validation_module()
     rows = [r for r in v.ROWS if r.source in (v.TNX_INF2, v.TNX_TRN1, v.VN_TRN2)]
     assert len(rows) == 20

@@ -11,37 +11,100 @@ from neuron_opt.parallel.sharding import head_layout, shard_state_dict
 from neuron_opt.planner import Deployment, evaluate, get_instance
 from neuron_opt.planner.memory import RUNTIME_RESERVE, kv_bytes, weight_bytes, weight_count
 
-_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5,
-          "tie_word_embeddings": False, "hidden_act": "silu"}
+_LLAMA = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+}
 # values from each model's public config.json
-LLAMA3_8B = {**_LLAMA, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-             "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
-             "max_position_embeddings": 8192, "rope_theta": 500000.0}
-LLAMA31_70B = {**_LLAMA, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
-               "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
-               "max_position_embeddings": 131072, "rope_theta": 500000.0,
-               "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
-MISTRAL_7B = {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "hidden_size": 4096,
-              "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-              "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 32768,
-              "sliding_window": 4096, "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
-QWEN2_7B = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 3584,
-            "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
-            "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 131072,
-            "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-            "use_sliding_window": False, "sliding_window": 131072}
-SMOLLM2_135M = {**_LLAMA, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-                "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
-                "max_position_embeddings": 8192, "rope_theta": 100000.0, "tie_word_embeddings": True}
+LLAMA3_8B = {
+    **_LLAMA,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
+}
+LLAMA31_70B = {
+    **_LLAMA,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+}
+MISTRAL_7B = {
+    "model_type": "mistral",
+    "architectures": ["MistralForCausalLM"],
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 32000,
+    "max_position_embeddings": 32768,
+    "sliding_window": 4096,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
+QWEN2_7B = {
+    "model_type": "qwen2",
+    "architectures": ["Qwen2ForCausalLM"],
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "max_position_embeddings": 131072,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
+    "sliding_window": 131072,
+}
+SMOLLM2_135M = {
+    **_LLAMA,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+}
 
 # parameter counts published on each model card / safetensors index (total_size / 2 for bf16)
-PUBLISHED_PARAMS = [(LLAMA3_8B, 8_030_261_248), (LLAMA31_70B, 70_553_706_496), (MISTRAL_7B, 7_241_732_096),
-                    (QWEN2_7B, 7_615_616_512), (SMOLLM2_135M, 134_515_008)]
+PUBLISHED_PARAMS = [
+    (LLAMA3_8B, 8_030_261_248),
+    (LLAMA31_70B, 70_553_706_496),
+    (MISTRAL_7B, 7_241_732_096),
+    (QWEN2_7B, 7_615_616_512),
+    (SMOLLM2_135M, 134_515_008),
+]
 
 
-@pytest.mark.parametrize("hf,count", PUBLISHED_PARAMS, ids=["llama3-8b", "llama3.1-70b", "mistral-7b",
-                                                            "qwen2-7b", "smollm2-135m"])
+@pytest.mark.parametrize(
+    "hf,count", PUBLISHED_PARAMS, ids=["llama3-8b", "llama3.1-70b", "mistral-7b", "qwen2-7b", "smollm2-135m"]
+)
 def test_weights_exact_bytes_on_published_configs(hf: dict, count: int) -> None:
     cfg = ModelConfig.from_hf(hf)
     lay = head_layout(cfg, ParallelConfig(tp=1))
@@ -54,9 +117,19 @@ def _tiny(model_type: str, heads: int, kv: int, tied: bool) -> tuple[ModelConfig
     from transformers import AutoConfig, AutoModelForCausalLM
 
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[model_type]
-    hf = AutoConfig.for_model(model_type, architectures=[arch], hidden_size=48, intermediate_size=96,
-                              num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv,
-                              head_dim=8, vocab_size=101, tie_word_embeddings=tied, max_position_embeddings=64)
+    hf = AutoConfig.for_model(
+        model_type,
+        architectures=[arch],
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=8,
+        vocab_size=101,
+        tie_word_embeddings=tied,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     return ModelConfig.from_hf(hf), AutoModelForCausalLM.from_config(hf)
 
@@ -70,11 +143,14 @@ def test_num_parameters_matches_real_hf_model(model_type: str, tied: bool) -> No
     assert weight_count(cfg, lay).total == real
 
 
-@pytest.mark.parametrize("heads,kv,tp,strategy", [(6, 2, 2, "shard"), (8, 2, 4, "replicate-kv"),
-                                                  (6, 2, 4, "mha"), (6, 3, 2, "mha")])
+@pytest.mark.parametrize(
+    "heads,kv,tp,strategy",
+    [(6, 2, 2, "shard"), (8, 2, 4, "replicate-kv"), (6, 2, 4, "mha"), (6, 3, 2, "mha")],
+)
 @pytest.mark.parametrize("model_type,tied", [("llama", False), ("qwen2", True)])
-def test_sharded_weights_match_real_shards(heads: int, kv: int, tp: int, strategy: str, model_type: str,
-                                           tied: bool) -> None:
+def test_sharded_weights_match_real_shards(
+    heads: int, kv: int, tp: int, strategy: str, model_type: str, tied: bool
+) -> None:
     cfg, model = _tiny(model_type, heads, kv, tied)
     lay = head_layout(cfg, ParallelConfig(tp=tp))
     assert lay.strategy == strategy
@@ -95,7 +171,8 @@ def test_kv_cache_bytes_llama3_8b() -> None:
 
 
 def test_fit_matches_aws_sizing_examples() -> None:
-    # AWS feature guide: Llama-3.1-70B (~148 GB bf16) needs 16 cores of trn1.32xlarge; 8B bf16 fits trn1.2xlarge
+    # AWS feature guide: Llama-3.1-70B (~148 GB bf16) needs 16 cores of trn1.32xlarge; 8B bf16 fits
+    # trn1.2xlarge
     trn1 = get_instance("trn1.32xlarge")
     big = ModelConfig.from_hf(LLAMA31_70B)
     assert evaluate(big, trn1, Deployment(16, 1, 1024, 2048)).fits
