@@ -26,14 +26,17 @@ Pseudocode (per program, per query tile [q0, q0 + qr)):
     kend = min(S, q0 + qr) if causal else S
     for block [k0, k0 + 2048) within [0, kend):
         for sub-tile c:  s[c] = q_tile^T @ K^T[:, keys]              # TensorE -> PSUM [qr, <=512]
-                         if the sub-tile crosses the diagonal: s[c] = where(q >= k, s[c], -1e30)  # GpSimd
+                         if the sub-tile crosses the diagonal: s[c] += I^T @ mask (0 or -1e30)  # TensorE
                          mx[c] = rowmax(s[c])                         # VectorE, reads PSUM
         m_new = max(m, max_c mx[c]);  alpha = exp(scale * (m - m_new))
-        for sub-tile c:  p = exp(scale * s[c] - scale * m_new)  (bf16/fp32), rowsum -> rs[c]   # ScalarE
+        for sub-tile c:  p = exp(scale * s[c] - scale * m_new)  (bf16/fp32)                  # ScalarE
                          for 128-key chunk: pT = transpose(p[:, chunk])  # TensorE -> PSUM, copy to SBUF
-                                            pv += pT^T @ V[chunk]        # TensorE, PSUM accumulation
-        l = alpha * l + sum_c rs[c];  o = alpha * o + pv
-    out[q0:q0 + qr] = o / l
+                                            pv += pT^T @ [V | 1][chunk]  # TensorE, PSUM accumulation
+        o = alpha * o + pv                       # o[:, D] is the running row sum l
+    out[q0:q0 + qr] = o[:, :D] / o[:, D]
+
+    The ones column makes TensorE produce the row sums (moving free D + 1 instead of D, +1%), which is
+    cheaper than ScalarE's reduce read-out and keeps the sum consistent with the bf16 P actually multiplied.
 
 Constraints: D <= 128; q, k, v share one dtype (float32 or bfloat16; matmuls run in that dtype, softmax
 statistics in float32); K^T and V resident in SBUF: S * D * itemsize / 64 bytes per partition (S <= 32768
@@ -67,73 +70,91 @@ def flash_attention_kernel(q_t, k_t, v, causal=True, softmax_scale=1.0):
     h = kvh * group + nl.program_id(2)
     mm_dtype = q_t.dtype
     n_chunks = (s + Q_TILE - 1) // Q_TILE
+    dv = d + 1  # V with a ones column: P @ [V | 1] yields the output and the row sums in one matmul
 
-    # Resident operands: all queries and keys transposed [D, S], values as 128-row chunks side by side.
+    # Resident operands: all queries and keys transposed [D, S]; values as 128-row chunks side by side, each
+    # chunk [128, D + 1] with its last column 1.0 (memset once, then V loaded over the first D columns).
     q_sb = nl.load(q_t[b, h])  # [D, S]
     k_sb = nl.load(k_t[b, kvh])  # [D, S]
-    v_sb = nl.ndarray((Q_TILE, n_chunks * d), dtype=mm_dtype, buffer=nl.sbuf)  # chunk t: keys t*128 + p
+    v_sb = nl.ones((Q_TILE, n_chunks * dv), dtype=mm_dtype, buffer=nl.sbuf)  # chunk t: keys t*128 + p
     for t in nl.static_range(n_chunks):
         rows = min(Q_TILE, s - t * Q_TILE)
-        v_sb[0:rows, t * d:(t + 1) * d] = nl.load(v[b, kvh, t * Q_TILE:t * Q_TILE + rows, :])
+        v_sb[0:rows, t * dv:t * dv + d] = nl.load(v[b, kvh, t * Q_TILE:t * Q_TILE + rows, :])
 
+    masks = _causal_masks(mm_dtype) if causal else None
+    evictions = [0]  # running count of P^T evictions, to spread them over VectorE and ScalarE
     for qi in nl.static_range(n_chunks):
         q0 = qi * Q_TILE
         qr = min(Q_TILE, s - q0)
         kend = min(s, q0 + qr) if causal else s
         q_tile = q_sb[:, q0:q0 + qr]  # [D, qr] stationary
-        # Online-softmax state of this query tile, updated in place block after block.
-        m = nl.ndarray((qr, 1), dtype=nl.float32, buffer=nl.sbuf)
-        l_sum = nl.ndarray((qr, 1), dtype=nl.float32, buffer=nl.sbuf)
-        o = nl.ndarray((qr, d), dtype=nl.float32, buffer=nl.sbuf)
+        # Online-softmax state of this query tile: running max (two buffers, old and new, swapped every
+        # block) and the unnormalised output whose last column is the running row sum.
+        m_bufs = [nl.ndarray((qr, 1), dtype=nl.float32, buffer=nl.sbuf) for _ in range(2)]
+        o = nl.ndarray((qr, dv), dtype=nl.float32, buffer=nl.sbuf)
         for blk in nl.static_range((kend + K_BLOCK - 1) // K_BLOCK):
             kb = blk * K_BLOCK
             widths = [min(K_TILE, kend - k0) for k0 in range(kb, min(kend, kb + K_BLOCK), K_TILE)]
-            _block(q_tile, k_sb, v_sb, m, l_sum, o, q0, qr, kb, widths, d, causal, softmax_scale, mm_dtype,
-                   first=blk == 0)
-        inv_l = nisa.reciprocal(l_sum)
-        o_out = nl.multiply(o, inv_l, dtype=out.dtype)
+            _block(q_tile, k_sb, v_sb, m_bufs[blk % 2], m_bufs[(blk + 1) % 2], o, q0, qr, kb, widths, d,
+                   masks, softmax_scale, mm_dtype, blk == 0, evictions)
+        inv_l = nisa.reciprocal(o[:, d:dv])
+        o_out = nl.multiply(o[:, 0:d], inv_l, dtype=out.dtype)
         nl.store(out[b, h, q0:q0 + qr, :], value=o_out)
     return out
 
 
-def _block(q_tile, k_sb, v_sb, m, l_sum, o, q0, qr, kb, widths, d, causal, scale, mm_dtype, first):
-    """One online-softmax step of a query tile over the keys [kb, kb + sum(widths)); updates m, l_sum, o."""
+def _causal_masks(mm_dtype):
+    """Identity [128, 128] and the additive causal masks of a diagonal sub-tile, one per query offset.
+
+    A diagonal sub-tile starts at key k0 (a multiple of 512) for a query tile starting at q0 (a multiple of
+    128), so r = q0 - k0 is one of 0, 128, 256, 384: mask_r[p, f] = 0 where f <= p + r, else NEG. Adding
+    `I^T @ mask_r` into the score PSUM tile masks it on TensorE (which has slack), so VectorE and ScalarE read
+    the masked scores straight from PSUM with no extra copy. Built once per program on GpSimd.
+    """
+    i_p = nl.arange(Q_TILE)[:, None]
+    i_f = nl.arange(K_TILE)[None, :]
+    i_q = nl.arange(Q_TILE)[None, :]
+    ones = nl.ones((Q_TILE, Q_TILE), dtype=mm_dtype, buffer=nl.sbuf)
+    ident = nisa.affine_select(i_p >= i_q, nisa.affine_select(i_p <= i_q, ones, 0.0), 0.0)
+    zeros = nl.zeros((Q_TILE, K_TILE), dtype=mm_dtype, buffer=nl.sbuf)
+    masks = [nisa.affine_select(i_p + r >= i_f, zeros, NEG) for r in range(0, K_TILE, Q_TILE)]
+    return ident, masks
+
+
+def _block(q_tile, k_sb, v_sb, m_old, m_new, o, q0, qr, kb, widths, d, masks, scale, mm_dtype, first,
+           evictions):
+    """One online-softmax step of a query tile over the keys [kb, kb + sum(widths)).
+
+    Reads the running max from `m_old` (unless `first`), writes the new one to `m_new`, updates `o` in place.
+    `masks` is `_causal_masks(...)` for causal attention, else None.
+    """
     n_sub = len(widths)
-    # A sub-tile needs the causal mask when its last key is after the tile's first query.
-    masked = [causal and kb + c * K_TILE + widths[c] - 1 > q0 for c in range(n_sub)]
+    dv = d + 1
     s_ps = nl.ndarray((n_sub, nl.par_dim(qr), K_TILE), dtype=nl.float32, buffer=nl.psum)
-    if any(masked):
-        s_sb = nl.ndarray((n_sub, nl.par_dim(qr), K_TILE), dtype=nl.float32, buffer=nl.sbuf)
-    scores = []  # per sub-tile: the PSUM tile, or its masked SBUF copy on the diagonal
+    scores = []
     mx = nl.ndarray((qr, n_sub), dtype=nl.float32, buffer=nl.sbuf)
     for c in nl.static_range(n_sub):
         k0, w = kb + c * K_TILE, widths[c]
         s_ps[c, :, 0:w] = nisa.nc_matmul(q_tile, k_sb[:, k0:k0 + w])  # [qr, w] = q^T k
-        sc = s_ps[c, :, 0:w]
-        if masked[c]:
-            i_p = nl.arange(qr)[:, None]
-            i_f = nl.arange(w)[None, :]
-            s_sb[c, :, 0:w] = nl.copy(sc)  # GpSimd cannot read PSUM
-            s_sb[c, :, 0:w] = nisa.affine_select(q0 + i_p >= k0 + i_f, s_sb[c, :, 0:w], NEG)
-            sc = s_sb[c, :, 0:w]
-        scores.append(sc)
-        mx[:, c:c + 1] = nisa.tensor_reduce(nl.maximum, sc, axis=(1,), keepdims=True)
+        if masks is not None and k0 + w - 1 > q0:  # some key of this sub-tile is after some query
+            ident, mask = masks[0], masks[1][(q0 - k0) // Q_TILE]
+            s_ps[c, :, 0:w] += nisa.nc_matmul(ident[0:qr, 0:qr], mask[0:qr, 0:w])  # += mask (0 or NEG)
+        scores.append(s_ps[c, :, 0:w])
+        mx[:, c:c + 1] = nisa.tensor_reduce(nl.maximum, scores[c], axis=(1,), keepdims=True)
     m_blk = nisa.tensor_reduce(nl.maximum, mx, axis=(1,), keepdims=True) if n_sub > 1 else mx
-    alpha = nl.ndarray((qr, 1), dtype=nl.float32, buffer=nl.sbuf)
     if first:
-        m[...] = nl.copy(m_blk)
+        m_new[...] = nl.copy(m_blk)
     else:
-        m_new = nl.maximum(m, m_blk)
-        alpha[...] = nisa.activation(nl.exp, m, bias=nl.multiply(m_new, -scale), scale=scale)
-        m[...] = nl.copy(m_new)
-    nbias = nl.multiply(m, -scale)  # exp(scale * s - scale * m)
+        m_new[...] = nl.maximum(m_old, m_blk)
+    nbias = nisa.activation(nl.copy, m_new, scale=-scale)  # -scale * m: exp(scale * s - scale * m)
+    if not first:
+        alpha = nisa.activation(nl.exp, m_old, bias=nbias, scale=scale)  # exp(scale * (m_old - m_new))
 
-    rs = nl.ndarray((qr, n_sub), dtype=nl.float32, buffer=nl.sbuf)
-    pv_ps = nl.zeros((qr, d), dtype=nl.float32, buffer=nl.psum)
+    pv_ps = nl.ndarray((qr, dv), dtype=nl.float32, buffer=nl.psum)
+    n_mm = 0
     for c in nl.static_range(n_sub):
         w = widths[c]
-        p = nisa.activation_reduce(nl.exp, scores[c], reduce_op=nl.add, reduce_res=rs[:, c:c + 1],
-                                   bias=nbias, scale=scale, dtype=mm_dtype)  # [qr, w]
+        p = nisa.activation(nl.exp, scores[c], bias=nbias, scale=scale, dtype=mm_dtype)  # [qr, w]
         pt_ps = nl.ndarray((nl.par_dim(Q_TILE), K_TILE), dtype=nl.float32, buffer=nl.psum)
         for j in nl.static_range((w + Q_TILE - 1) // Q_TILE):
             cw = min(Q_TILE, w - j * Q_TILE)
@@ -142,19 +163,23 @@ def _block(q_tile, k_sb, v_sb, m, l_sum, o, q0, qr, kb, widths, d, causal, scale
             cw = min(Q_TILE, w - j * Q_TILE)
             kt = (kb + c * K_TILE) // Q_TILE + j
             src = pt_ps[0:cw, j * Q_TILE:j * Q_TILE + qr]  # [cw keys, qr]
-            if (c * 4 + j) % 8 in (0, 3, 6):  # 3/8 of the evictions on VectorE, 5/8 on ScalarE: balance
+            # PSUM -> SBUF copies, 9 of every 32 on VectorE and the rest on ScalarE: VectorE already does the
+            # row max, ScalarE the exp; this split evens out their busy time (see docs/kernels.md).
+            if evictions[0] * 9 % 32 < 9:
                 pt = nisa.tensor_copy(src, dtype=mm_dtype, engine=nisa.vector_engine)
             else:
                 pt = nisa.activation(nl.copy, src, dtype=mm_dtype)
-            pv_ps[...] += nisa.nc_matmul(pt, v_sb[0:cw, kt * d:(kt + 1) * d])  # [qr, D]
+            evictions[0] += 1
+            mm = nisa.nc_matmul(pt, v_sb[0:cw, kt * dv:(kt + 1) * dv])  # [qr, D + 1]
+            if n_mm == 0:
+                pv_ps[...] = mm
+            else:
+                pv_ps[...] += mm
+            n_mm += 1
 
-    rs_sum = nisa.tensor_reduce(nl.add, rs, axis=(1,), keepdims=True) if n_sub > 1 else rs
     if first:
-        l_sum[...] = nl.copy(rs_sum)
         o[...] = nl.copy(pv_ps)
     else:
-        l_sum[...] = nisa.scalar_tensor_tensor(data=l_sum, op0=nl.multiply, operand0=alpha, op1=nl.add,
-                                               operand1=rs_sum)
         o[...] = nisa.scalar_tensor_tensor(data=o, op0=nl.multiply, operand0=alpha, op1=nl.add, operand1=pv_ps)
 
 
