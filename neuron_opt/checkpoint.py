@@ -27,9 +27,10 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -218,7 +219,7 @@ _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.nor
 
 
 def gguf_to_hf_name(name: str) -> str:
-    """Map a GGUF tensor name (`blk.3.attn_q.weight`) to its HF name (`model.layers.3.self_attn.q_proj.weight`)."""
+    """GGUF tensor name -> HF name, e.g. `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
     if m and m.group(2) in _GGUF_LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
@@ -282,7 +283,8 @@ def _gguf_meta_cached(path: Path, cache_dir: Path) -> tuple[ModelConfig, set[str
         names = {gguf_to_hf_name(t.name) for t in reader.tensors}
     except CheckpointError as e:
         raise CheckpointError(f"checkpoint: {path}: {e}") from None
-    _atomic_write(cached, lambda tmp: tmp.write_text(json.dumps({"config": cfg.to_dict(), "names": sorted(names)})))
+    fresh = {"config": cfg.to_dict(), "names": sorted(names)}
+    _atomic_write(cached, lambda tmp: tmp.write_text(json.dumps(fresh)))
     return cfg, names
 
 
@@ -333,7 +335,7 @@ def _gguf_config(reader: Any, path: Path) -> ModelConfig:
         raise CheckpointError(f"checkpoint: {path} uses partial rotary ({rope_dim} of {head_dim} dims)")
     if "rope_freqs.weight" in tensors:
         raise CheckpointError(f"checkpoint: {path} carries a rope_freqs tensor (Llama-3 style rope scaling), "
-                              "which we do not map back to rope_parameters; use the HF safetensors checkpoint")
+                              "which we do not map back to rope_parameters; use the HF safetensors directory")
     embd = tensors.get("token_embd.weight")
     if embd is None:
         raise CheckpointError(f"checkpoint: {path} has no token_embd.weight")
@@ -381,7 +383,8 @@ def _gguf_rope(key: Any) -> tuple[tuple[str, Any], ...]:
             if kind == "yarn" and key(f"rope.scaling.{gguf_name}") is not None:
                 rope[hf_name] = _f32(key(f"rope.scaling.{gguf_name}"))
     else:
-        raise CheckpointError(f"GGUF rope scaling type {kind!r} is not supported (supported: none, linear, yarn)")
+        raise CheckpointError(f"GGUF rope scaling type {kind!r} is not supported (supported: none, linear, "
+                              "yarn)")
     return tuple(sorted(rope.items()))
 
 

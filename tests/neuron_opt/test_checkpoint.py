@@ -243,7 +243,8 @@ def test_directory_errors(tiny_dir, tmp_path):
 def test_unknown_architecture_lists_supported(tiny_dir, tmp_path):
     d = _copy(tiny_dir("llama-gqa2"), tmp_path / "gpt2")
     c = json.loads((d / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps({**c, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    c.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    (d / "config.json").write_text(json.dumps(c))
     with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM"):
         open_checkpoint(d)
     w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma")
@@ -357,7 +358,8 @@ def test_hf_tokenizer_keeps_chat_template_and_missing_one_is_an_error(tiny_dir, 
     src = open_checkpoint("default").tokenizer()
     src.save_pretrained(str(d))
     tok = open_checkpoint(d).tokenizer()
-    assert tok.chat_template == src.chat_template and tok("Hello world").input_ids == src("Hello world").input_ids
+    assert tok.chat_template == src.chat_template
+    assert tok("Hello world").input_ids == src("Hello world").input_ids
 
 
 def test_gguf_with_unknown_tensor_names_the_file(tiny_dir, tmp_path):
