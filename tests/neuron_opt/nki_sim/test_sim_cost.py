@@ -1,0 +1,108 @@
+"""Cost model: per-instruction formulas (nki.md 4.2), DMA accounting, overlap model, targets, report format."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from neuron_opt import nki_sim as nki
+from neuron_opt.nki_sim import isa as nisa
+from neuron_opt.nki_sim import language as nl
+
+BF16 = ml_dtypes.bfloat16
+
+
+def _matmul_once(st_shape: tuple[int, int], mv_shape: tuple[int, int], dtype: Any) -> Any:
+    @nki.jit
+    def k(a: Any) -> Any:
+        st = nl.zeros(st_shape, dtype=dtype)
+        mv = nl.zeros(mv_shape, dtype=dtype)
+        nisa.nc_matmul(st, mv)
+        return a
+
+    _, rep = nki.simulate_kernel(k, np.zeros((1, 1), np.float32), report=True)
+    return rep
+
+
+@pytest.mark.parametrize(
+    "st,mv,dtype,cycles",
+    [
+        ((128, 128), (128, 512), nl.bfloat16, 512),  # moving-bound: N_moving
+        ((128, 128), (128, 32), nl.bfloat16, 64),  # short moving: 64-cycle turnaround
+        ((128, 16), (128, 32), nl.bfloat16, 32),  # min(64, N_stationary) = 16 < 32
+        ((128, 128), (128, 512), nl.float32, 2048),  # fp32 is 4x
+    ],
+)
+def test_matmul_cycles_follow_documented_formula(st: tuple[int, int], mv: tuple[int, int], dtype: Any,
+                                                 cycles: int) -> None:
+    rep = _matmul_once(st, mv, dtype)
+    assert rep.engines["tensor"].instructions == 1
+    assert rep.engines["tensor"].cycles == cycles
+    assert rep.matmul_flops == 2 * st[0] * st[1] * mv[1]
+
+
+def test_streaming_instructions_and_dma() -> None:
+    @nki.jit
+    def k(x: Any) -> Any:
+        out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        t = nl.load(x)  # 128 x 1000 fp32
+        e = nl.exp(t)  # ScalarE: N = 1000 cycles
+        s = nisa.tensor_reduce(nl.add, e, axis=1)  # VectorE: N = 1000
+        nl.store(out[:, 0:1], value=s)  # 512 bytes stored
+        small = nl.exp(t[:, 0:10])  # ScalarE: max(64, 10)
+        nl.store(out[:, 1:11], value=small)
+        return out
+
+    x = np.ones((128, 1000), np.float32)
+    _, rep = nki.simulate_kernel(k, x, report=True, target="trn1")
+    assert rep.engines["scalar"].cycles == 1000 + 64
+    assert rep.engines["vector"].cycles == 1000
+    assert rep.dma_bytes == 128 * 1000 * 4 + 128 * 4 + 128 * 10 * 4
+    t = nki.get_target("trn1")
+    dma_us = (rep.dma_bytes / t.dma_gbps + 3 * t.dma_fixed_ns / t.dma_engines) / 1e3
+    assert rep.dma_busy_us == pytest.approx(dma_us)
+    busiest = max([s.busy_us for s in rep.engines.values()] + [rep.dma_busy_us])
+    assert rep.latency_us == pytest.approx(busiest + 2 * t.dma_fixed_ns / 1e3)
+    assert rep.engines["scalar"].busy_us == pytest.approx(1064 / 1.4e3)
+
+
+def test_targets_change_clocks() -> None:
+    trn1 = _matmul_once((128, 128), (128, 512), nl.bfloat16)
+
+    @nki.jit
+    def k(a: Any) -> Any:
+        nisa.nc_matmul(nl.zeros((128, 128), dtype=nl.bfloat16), nl.zeros((128, 512), dtype=nl.bfloat16))
+        return a
+
+    with nki.use_target("trn2"):
+        _, trn2 = nki.simulate_kernel(k, np.zeros((1, 1), np.float32), report=True)
+    assert trn2.target == "trn2" and trn1.target == "trn1"
+    assert trn2.engines["tensor"].busy_us == pytest.approx(trn1.engines["tensor"].busy_us * 2.8 / 2.4)
+
+
+def test_report_is_readable_and_serialisable() -> None:
+    rep = _matmul_once((128, 128), (128, 512), nl.bfloat16)
+    text = str(rep)
+    for word in ("tensor", "vector", "scalar", "gpsimd", "dma", "latency", "utilisation"):
+        assert word in text
+    d = rep.to_dict()
+    assert d["engines"]["tensor"]["cycles"] == 512 and d["ops"]["tensor.matmul"] == 1
+    assert nki.last_report() is rep
+
+
+def test_psum_accumulation_is_free_but_sbuf_accumulation_costs_vector_time() -> None:
+    @nki.jit
+    def k(a: Any) -> Any:
+        ps = nl.zeros((128, 512), dtype=nl.float32, buffer=nl.psum)
+        acc = nl.zeros((128, 512), dtype=nl.float32, buffer=nl.sbuf)
+        for _ in nl.affine_range(4):
+            ps += nisa.nc_matmul(nl.zeros((128, 128), dtype=nl.bfloat16), nl.zeros((128, 512), dtype=nl.bfloat16))
+        acc[...] += ps
+        return a
+
+    _, rep = nki.simulate_kernel(k, np.zeros((1, 1), np.float32), report=True)
+    assert rep.ops["tensor.matmul"] == 4
+    assert rep.ops["vector.tensor_tensor"] == 1  # only the SBUF += PSUM, not the PSUM accumulation
