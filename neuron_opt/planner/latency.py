@@ -96,6 +96,8 @@ def _collectives(cfg: ModelConfig, lay: HeadLayout, inst: Instance, tokens: int,
     else:  # hierarchical: reduce inside each chip, ring over chips (each chip sends 2 (c-1)/c of the message)
         wire = 2 * (chips - 1) / chips * message / inst.link_bw_per_chip
     n = 2 * cfg.num_hidden_layers
+    if lay.kv_seq_shards > 1:  # flash decoding merges partial softmax results in the KV group once per layer
+        n += cfg.num_hidden_layers
     return n * (eff.collective_latency_s + wire) + eff.collective_latency_s
 
 
@@ -143,10 +145,11 @@ def decode_time(
     """One decode graph: `batch` rows (the batch bucket) each attending over `kv_len` positions (the length
     bucket)."""
     n = weight_count(cfg, lay)
+    local = lay.cache_length(kv_len)  # positions this rank attends over (split under kv-seq-shard)
     flops = 2.0 * batch * (n.linear + cfg.hidden_size * lay.vocab_local) + _attention_flops(
-        cfg, lay, batch, 1, kv_len
+        cfg, lay, batch, 1, local
     )
-    kv = 2 * cfg.num_hidden_layers * batch * lay.n_kv_local * kv_len * lay.head_dim * dtype_bytes(kv_dtype)
+    kv = 2 * cfg.num_hidden_layers * batch * lay.n_kv_local * local * lay.head_dim * dtype_bytes(kv_dtype)
     return StepTime(
         compute=flops / (inst.bf16_flops_per_core * eff.tensor),
         memory=(weight_bytes(cfg, lay, dtype) + kv) / (inst.hbm_bw_per_core * eff.hbm),

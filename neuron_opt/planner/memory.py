@@ -87,13 +87,17 @@ def weight_bytes(cfg: ModelConfig, lay: HeadLayout, dtype: str) -> int:
 
 
 def kv_bytes(cfg: ModelConfig, lay: HeadLayout, slots: int, length: int, kv_dtype: str) -> int:
-    """One rank's KV cache: K and V, every layer, [slots, n_kv_local, length, D]."""
+    """One rank's KV cache: K and V, every layer, [slots, n_kv_local, positions, D].
+
+    positions = `lay.cache_length(length)`: the full length, or ceil(length / g) + 1 under kv-seq-shard flash
+    decoding (the KV of a head split along the sequence over g ranks).
+    """
     return (
         2
         * cfg.num_hidden_layers
         * slots
         * lay.n_kv_local
-        * length
+        * lay.cache_length(length)
         * lay.head_dim
         * dtype_bytes(kv_dtype, "kv_dtype")
     )

@@ -145,14 +145,20 @@ def test_num_parameters_matches_real_hf_model(model_type: str, tied: bool) -> No
 
 @pytest.mark.parametrize(
     "heads,kv,tp,strategy",
-    [(6, 2, 2, "shard"), (8, 2, 4, "replicate-kv"), (6, 2, 4, "mha"), (6, 3, 2, "mha")],
+    [
+        (6, 2, 2, "shard"),
+        (8, 2, 4, "replicate-kv"),
+        (6, 2, 4, "mha"),
+        (6, 3, 2, "mha"),
+        (8, 2, 4, "kv-seq-shard"),
+    ],
 )
 @pytest.mark.parametrize("model_type,tied", [("llama", False), ("qwen2", True)])
 def test_sharded_weights_match_real_shards(
     heads: int, kv: int, tp: int, strategy: str, model_type: str, tied: bool
 ) -> None:
     cfg, model = _tiny(model_type, heads, kv, tied)
-    lay = head_layout(cfg, ParallelConfig(tp=tp))
+    lay = head_layout(cfg, ParallelConfig(tp=tp, flash_decoding=strategy == "kv-seq-shard"))
     assert lay.strategy == strategy
     sd = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     want = weight_count(cfg, lay).total
@@ -168,6 +174,9 @@ def test_kv_cache_bytes_llama3_8b() -> None:
     assert kv_bytes(cfg, head_layout(cfg, ParallelConfig(tp=8)), 3, 4096, "bfloat16") == 3 * 4096 * 16 * 1024
     # tp 16 > 8 KV heads: each rank keeps one replicated KV head, so per-rank KV stops shrinking
     assert kv_bytes(cfg, head_layout(cfg, ParallelConfig(tp=16)), 1, 1, "fp8") == 8 * 1024
+    # flash decoding at tp 32: each KV head split along the sequence over 4 ranks, plus one scratch position
+    fd = head_layout(cfg, ParallelConfig(tp=32, flash_decoding=True))
+    assert kv_bytes(cfg, fd, 2, 4096, "bfloat16") == 2 * (4096 // 4 + 1) * 16 * 1024
 
 
 def test_fit_matches_aws_sizing_examples() -> None:
