@@ -1,0 +1,75 @@
+"""Model ops backed by our NKI kernels, run through numpy (the simulator here, the SDK's NKI where installed).
+
+`NkiSimOps` has the contract of `models.llama.TorchOps` and is passed once, at build time:
+`LlamaForCausalLM(cfg, layout, max_length, ops=NkiSimOps())`. It runs eagerly on CPU (tensors go to numpy and
+back), so it is a correctness path for the kernels inside a whole model, not a traceable graph: on a Neuron
+device the same kernels are called from inside the traced graph instead (docs/neuron_backend.md).
+
+Which kernel runs is decided by the step's shape, as the runner builds steps:
+- decode (S == 1): `decode_attention.run` with lengths = position + 1 (keys [0, position] of the row's slot);
+- prefill from position 0 (S == kv_len, positions 0..S-1 on every row): causal `flash_attention.run`.
+Anything else (a sliding window, a prompt continuing from a cached prefix) is refused with
+`KernelArgumentError`: the mask must be exactly the one the kernel applies, which is checked on every call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from neuron_opt.errors import KernelArgumentError
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.detach().contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.detach().contiguous().numpy()
+
+
+def _torch(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    a = np.asarray(a)
+    if like.dtype == torch.bfloat16:
+        return torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a)).to(like.dtype)
+
+
+class NkiSimOps:
+    """Attention and RMSNorm through `kernels_nki` (see the module docstring for when each kernel runs)."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        from kernels_nki import rmsnorm
+
+        H = x.shape[-1]
+        w = weight.to(x.dtype)
+        out = rmsnorm.run(_np(x.reshape(-1, H)), _np(w), eps)  # [N, H]
+        return _torch(out, x).reshape(x.shape)
+
+    def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                  mask: torch.Tensor, scale: float) -> torch.Tensor:
+        B, _, S, _ = q.shape
+        kv_len = keys.shape[2]
+        j = torch.arange(kv_len)
+        if S == 1:
+            lengths = positions[:, 0] + 1  # [B]
+            self._check_mask(mask, j[None, None, :] < lengths[:, None, None], "decode")
+            from kernels_nki import decode_attention
+
+            out = decode_attention.run(_np(q[:, :, 0]), _np(keys), _np(values), lengths.numpy(),
+                                       softmax_scale=scale)  # [B, n_heads, D]
+            return _torch(out, q)[:, :, None]  # [B, n_heads, 1, D]
+        if S == kv_len and bool((positions == torch.arange(S)[None]).all()):
+            self._check_mask(mask, (j[None, :] <= j[:, None])[None].expand(B, S, S), "prefill")
+            from kernels_nki import flash_attention
+
+            out = flash_attention.run(_np(q), _np(keys), _np(values), causal=True, softmax_scale=scale)
+            return _torch(out, q)  # [B, n_heads, S, D]
+        raise KernelArgumentError(f"NkiSimOps.attention: no kernel for a step of {S} tokens over {kv_len} KV "
+                                  "positions that is not a prefill from position 0; use the torch ops")
+
+    @staticmethod
+    def _check_mask(mask: torch.Tensor, kernel_mask: torch.Tensor, what: str) -> None:
+        if not torch.equal(mask, kernel_mask):
+            raise KernelArgumentError(f"NkiSimOps.attention: the model's {what} mask is not the plain causal one "
+                                      "the kernel applies (sliding window?); use the torch ops for this model")

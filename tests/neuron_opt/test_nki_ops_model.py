@@ -1,0 +1,59 @@
+"""A tiny model whose attention and RMSNorm run our NKI kernels (on the simulator) matches the torch model.
+
+The ops object is chosen at build time (`LlamaForCausalLM(..., ops=NkiSimOps())`); the oracle is the same
+model built with the default torch ops, fed the same steps. Slow: every kernel call runs the numpy simulator.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from models.llama import LlamaForCausalLM
+from neuron_opt.backends.eager import EagerExecutor
+from neuron_opt.buckets import BucketConfig
+from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
+from neuron_opt.errors import KernelArgumentError
+from neuron_opt.parallel import head_layout
+from neuron_opt.runtime.runner import DecodeRow, ModelRunner
+
+
+def runner_for(d, ops=None, max_length=32):
+    cfg = ModelConfig.from_hf(d)
+    kw = {} if ops is None else {"ops": ops}
+    model = LlamaForCausalLM(cfg, head_layout(cfg, ParallelConfig()), max_length, **kw)
+    model.load_state_dict(load_file(str(d / "model.safetensors")), strict=False)
+    cache = CacheConfig(max_batch=2, max_length=max_length)
+    buckets = BucketConfig.build(max_context=16, max_length=max_length, max_batch=2, prefill_seqs=[16],
+                                 decode_seqs=[32], decode_batches=[2])
+    return ModelRunner(EagerExecutor(model.eval(), cache.num_slots), buckets, cache, cfg.vocab_size)
+
+
+@pytest.mark.slow
+def test_tiny_model_through_simulated_kernels_matches_torch_ops(tiny_dir):
+    from neuron_opt.backends.nki_ops import NkiSimOps
+
+    d = tiny_dir("llama-gqa2")
+    ref, nki = runner_for(d), runner_for(d, NkiSimOps())
+    prompts = {0: [1, 17, 42, 99, 5, 123, 7], 1: [9, 8, 250, 3, 77, 31, 64, 12, 100, 4, 5]}
+    for slot, p in prompts.items():
+        torch.testing.assert_close(nki.prefill(slot, p), ref.prefill(slot, p), atol=1e-4, rtol=0)
+    for step in range(3):
+        rows = [DecodeRow(s, 10 + step + s, len(p) + step) for s, p in prompts.items()]
+        torch.testing.assert_close(nki.decode(rows), ref.decode(rows), atol=1e-4, rtol=0)
+
+
+def test_nki_ops_refuse_a_mask_their_kernels_do_not_apply(tiny_dir):
+    from neuron_opt.backends.nki_ops import NkiSimOps
+
+    ops = NkiSimOps()
+    q = torch.randn(1, 4, 1, 16)
+    kv = torch.randn(1, 2, 8, 16)
+    pos = torch.tensor([[5]])
+    window = (torch.arange(8) <= 5) & (torch.arange(8) > 5 - 3)  # sliding window of 3
+    with pytest.raises(KernelArgumentError, match="mask"):
+        ops.attention(q, kv, kv, pos, window[None, None], 0.25)
+    with pytest.raises(KernelArgumentError, match="prefill from position 0"):
+        ops.attention(torch.randn(1, 4, 2, 16), kv, kv, torch.tensor([[3, 4]]), torch.ones(1, 2, 8, dtype=torch.bool),
+                      0.25)
