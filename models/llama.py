@@ -10,7 +10,8 @@ Design decisions
   New K/V are written into the caches at (slot, position); attention then reads cache positions
   [0, kv_len) of each row's slot, masked causally by position. Decode graphs attend over their bucket's
   `kv_len` only, so bytes read scale with the bucket, not with the cache's max length.
-- KV caches are explicit inputs ([slots, n_kv_local, max_length, D] per layer), mutated in place; an AOT
+- KV caches are explicit inputs ([slots, n_kv_local, cache_length, D] per layer; cache_length = max_length
+  except under flash decoding, see Attention), mutated in place; an AOT
   compiler sees them as graph inputs rather than module buffers (see docs/design.md on pytorch#165444).
 - Only the hidden state at `last_index` goes through the LM head: prefill never computes [S, V] logits.
 """
@@ -32,6 +33,7 @@ from neuron_opt.parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from neuron_opt.parallel.layers import seq_gather
 
 
 def rope_tables(cfg: ModelConfig, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,6 +103,17 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    """Self-attention over this rank's heads.
+
+    Two variants, chosen at build time from the head layout:
+    - heads split over ranks (shard / replicate-kv / mha): SDPA over the rank's full KV cache rows.
+    - kv-seq-shard (flash decoding): the rank keeps every query head of its KV group but only the group's
+      positions p with p % g == j (its rank j within the group of g). It computes an unnormalised partial
+      softmax (max m, sum s, output o) over its positions; the group exchanges (m, s) with one small
+      all-gather, each rank rescales its o by exp(m - M) / sum_c(s_c exp(m_c - M)), and the o_proj
+      all-reduce that row-parallel attention needs anyway adds the group's partial outputs together.
+    """
+
     def __init__(self, cfg: ModelConfig, lay: HeadLayout, pctx: ParallelContext,
                  ops: TorchOps = TORCH_OPS) -> None:
         super().__init__()
@@ -108,42 +121,88 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.D = lay.n_heads_local, lay.n_kv_local, D
         self.ops = ops
         self.window = cfg.sliding_window
+        self.pctx = pctx
+        self.kv_groups = lay.kv_seq_shards  # g: 1 unless kv-seq-shard
+        self.group_rank = pctx.rank % lay.kv_seq_shards
         self.q_proj = ColumnParallelLinear(H, self.n_heads * D, cfg.attention_bias, pctx)
         self.k_proj = ColumnParallelLinear(H, self.n_kv * D, cfg.attention_bias, pctx)
         self.v_proj = ColumnParallelLinear(H, self.n_kv * D, cfg.attention_bias, pctx)
         self.o_proj = RowParallelLinear(self.n_heads * D, H, cfg.o_bias, pctx)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                slot_ids: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int) -> torch.Tensor:
-        B, S, _ = x.shape
+                slot_ids: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int,
+                seq_sharded: bool = False) -> torch.Tensor:
+        B, S = positions.shape
+        if seq_sharded:
+            x = seq_gather(x, self.pctx, S)  # [B, S, H] from [B, S_pad/tp, H]
         q = self.q_proj(x).view(B, S, self.n_heads, self.D)  # [B, S, n_heads, D]
         k = self.k_proj(x).view(B, S, self.n_kv, self.D)  # [B, S, n_kv, D]
         v = self.v_proj(x).view(B, S, self.n_kv, self.D)  # [B, S, n_kv, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.kv_groups > 1:
+            out = self._seq_shard_attention(q, k, v, positions, slot_ids, k_cache, v_cache, kv_len)
+        else:
+            out = self._attention(q, k, v, positions, slot_ids, k_cache, v_cache, kv_len)
+        out = out.transpose(1, 2).reshape(B, S, self.n_heads * self.D)  # [B, S, n_heads*D]
+        return self.o_proj(out, scatter_seq=seq_sharded)
+
+    def _mask(self, key_pos: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, S, kv]
+        if self.window is not None:
+            mask = mask & (key_pos[None, None, :] > positions[:, :, None] - self.window)
+        return mask
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                   slot_ids: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int) -> torch.Tensor:
         # write new K/V at (slot, position): advanced indices around a slice -> value is [B, S, n_kv, D]
         k_cache[slot_ids[:, None], :, positions] = k.to(k_cache.dtype)
         v_cache[slot_ids[:, None], :, positions] = v.to(v_cache.dtype)
         keys = k_cache[slot_ids, :, :kv_len].to(q.dtype)  # [B, n_kv, kv_len, D]
         values = v_cache[slot_ids, :, :kv_len].to(q.dtype)  # [B, n_kv, kv_len, D]
-        j = torch.arange(kv_len, device=x.device)
-        mask = j[None, None, :] <= positions[:, :, None]  # [B, S, kv_len]
-        if self.window is not None:
-            mask = mask & (j[None, None, :] > positions[:, :, None] - self.window)
-        out = self.ops.attention(q.transpose(1, 2), keys, values, positions, mask,
-                                 1.0 / math.sqrt(self.D))  # [B, n_heads, S, D]
-        return self.o_proj(out.transpose(1, 2).reshape(B, S, self.n_heads * self.D))
+        mask = self._mask(torch.arange(kv_len, device=q.device), positions)  # [B, S, kv_len]
+        return self.ops.attention(q.transpose(1, 2), keys, values, positions, mask,
+                                  1.0 / math.sqrt(self.D))  # [B, n_heads, S, D]
+
+    def _seq_shard_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                             slot_ids: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             kv_len: int) -> torch.Tensor:
+        g, j = self.kv_groups, self.group_rank
+        scratch = k_cache.shape[2] - 1  # tokens owned by the other group ranks are written here, never read
+        local_pos = torch.where(positions % g == j, positions // g, scratch)  # [B, S]
+        k_cache[slot_ids[:, None], :, local_pos] = k.to(k_cache.dtype)
+        v_cache[slot_ids[:, None], :, local_pos] = v.to(v_cache.dtype)
+        kv_local = -(-kv_len // g)
+        keys = k_cache[slot_ids, :, :kv_local].to(q.dtype)  # [B, 1, kv_local, D]
+        values = v_cache[slot_ids, :, :kv_local].to(q.dtype)  # [B, 1, kv_local, D]
+        key_pos = torch.arange(kv_local, device=q.device) * g + j  # global position of each local entry
+        mask = self._mask(key_pos, positions)  # [B, S, kv_local]
+        scores = q.transpose(1, 2) @ keys.transpose(-1, -2) / math.sqrt(self.D)  # [B, n_heads, S, kv_local]
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))
+        m = scores.amax(-1)  # [B, n_heads, S]; -inf where none of this rank's positions is visible
+        m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        p = torch.exp(scores - m_safe[..., None])  # [B, n_heads, S, kv_local]
+        o = p @ values  # [B, n_heads, S, D], unnormalised
+        ms = torch.stack([m, p.sum(-1)], dim=-1)  # [B, n_heads, S, 2]
+        every = self.pctx.comm.group_all_gather(ms[None], dim=0)  # [g, B, n_heads, S, 2]
+        big_m = every[..., 0].amax(0)  # [B, n_heads, S]; finite: each query sees its own position
+        total = (every[..., 1] * torch.exp(every[..., 0] - big_m)).sum(0)  # [B, n_heads, S]
+        return o * (torch.exp(m - big_m) / total)[..., None]  # [B, n_heads, S, D]
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, lay: HeadLayout, pctx: ParallelContext) -> None:
         super().__init__()
         H, I = cfg.hidden_size, lay.intermediate_local
+        self.pctx = pctx
         self.gate_proj = ColumnParallelLinear(H, I, cfg.mlp_bias, pctx)
         self.up_proj = ColumnParallelLinear(H, I, cfg.mlp_bias, pctx)
         self.down_proj = RowParallelLinear(I, H, cfg.mlp_bias, pctx)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, seq_sharded: bool = False) -> torch.Tensor:
+        if seq_sharded:
+            # padded rows ride along: they are reduce-scattered back into the padding and never read
+            x = self.pctx.comm.all_gather(x, dim=1)  # [B, S_pad, H] from [B, S_pad/tp, H]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x), scatter_seq=seq_sharded)
 
 
 class DecoderLayer(nn.Module):
@@ -156,9 +215,12 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, lay, pctx)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                slot_ids: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, slot_ids, k_cache, v_cache, kv_len)
-        return x + self.mlp(self.post_attention_layernorm(x))
+                slot_ids: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int,
+                seq_sharded: bool = False) -> torch.Tensor:
+        # under sequence parallelism x is this rank's [B, S_pad/tp, H] chunk: norms and residuals run on it
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, slot_ids, k_cache, v_cache, kv_len,
+                               seq_sharded)
+        return x + self.mlp(self.post_attention_layernorm(x), seq_sharded)
 
 
 class Backbone(nn.Module):
@@ -186,20 +248,34 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)  # [max_length, D]
 
     def kv_shape(self, num_slots: int) -> tuple[int, int, int, int]:
-        return (num_slots, self.layout.n_kv_local, self.max_length, self.cfg.head_dim)
+        return (num_slots, self.layout.n_kv_local, self.layout.cache_length(self.max_length), self.cfg.head_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
                 last_index: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                 kv_len: int) -> torch.Tensor:
         """Run one step; returns this rank's fp32 logits [B, V/tp] at `last_index` of each row."""
-        x = self.model.embed_tokens(input_ids)  # [B, S, H]
+        B, S = input_ids.shape
+        sp = self.pctx.seq_sharded(S)  # static per bucket: a prefill graph is sequence-parallel or not
+        x = self.model.embed_tokens(input_ids, scatter_seq=sp)  # [B, S, H] ([B, S_pad/tp, H] if sp)
         cos = self.rope_cos[positions].to(x.dtype)[:, :, None, :]  # [B, S, 1, D]
         sin = self.rope_sin[positions].to(x.dtype)[:, :, None, :]  # [B, S, 1, D]
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, positions, slot_ids, k_caches[i], v_caches[i], kv_len)
-        B = x.shape[0]
-        x = x[torch.arange(B, device=x.device), last_index]  # [B, H]
+            x = layer(x, cos, sin, positions, slot_ids, k_caches[i], v_caches[i], kv_len, sp)
+        x = self._last_rows(x, last_index, sp)  # [B, H]
         return self.lm_head(self.model.norm(x)).float()  # [B, V/tp]
+
+
+    def _last_rows(self, x: torch.Tensor, last_index: torch.Tensor, sp: bool) -> torch.Tensor:
+        """Hidden state at `last_index` of each row: [B, H]. Sequence-parallel: the rank whose chunk holds it
+        contributes the row, the others zeros, and one [B, H] all-reduce (exact: x + 0) gives it to all."""
+        rows = torch.arange(x.shape[0], device=x.device)
+        if not sp:
+            return x[rows, last_index]
+        chunk = x.shape[1]
+        local = last_index - self.pctx.rank * chunk
+        inside = (local >= 0) & (local < chunk)
+        picked = x[rows, local.clamp(0, chunk - 1)] * inside[:, None].to(x.dtype)  # [B, H]
+        return self.pctx.comm.all_reduce(picked)
 
 
 # HF weight-name map: our parameter names are the HF names. Checkpoints with tied embeddings may omit
