@@ -60,22 +60,25 @@ def matmul_kernel(lhsT, rhs, tiles_m=16, tiles_n=2, tiles_k=8):
 
     for n in nl.affine_range(n_blocks_n):
         # The whole result column block stays in SBUF across the K loop: no partial sums go back to HBM.
-        acc = nl.zeros((n_blocks_m, tiles_m, tiles_n, nl.par_dim(TILE_M), TILE_N), dtype=lhsT.dtype,
-                       buffer=nl.sbuf)
+        acc = nl.zeros(
+            (n_blocks_m, tiles_m, tiles_n, nl.par_dim(TILE_M), TILE_N), dtype=lhsT.dtype, buffer=nl.sbuf
+        )
         for k in nl.sequential_range(n_blocks_k):
             # One DMA per [128, BLOCK_N] row of rhs tiles: large transfers keep DMA efficient.
             i_rhs = nl.mgrid[0:TILE_K, 0:BLOCK_N]
             rhs_blk = nl.ndarray((tiles_k, nl.par_dim(TILE_K), BLOCK_N), dtype=rhs.dtype, buffer=nl.sbuf)
             for bk in nl.affine_range(tiles_k):
                 rhs_blk[bk, i_rhs.p, i_rhs.x] = nl.load(
-                    rhs[(tiles_k * k + bk) * TILE_K + i_rhs.p, BLOCK_N * n + i_rhs.x])
+                    rhs[(tiles_k * k + bk) * TILE_K + i_rhs.p, BLOCK_N * n + i_rhs.x]
+                )
 
             for m in nl.affine_range(n_blocks_m):
                 i_lhs = nl.mgrid[0:TILE_K, 0:BLOCK_M]
                 lhs_blk = nl.ndarray((tiles_k, nl.par_dim(TILE_K), BLOCK_M), dtype=lhsT.dtype, buffer=nl.sbuf)
                 for bk in nl.affine_range(tiles_k):
                     lhs_blk[bk, i_lhs.p, i_lhs.x] = nl.load(
-                        lhsT[(tiles_k * k + bk) * TILE_K + i_lhs.p, BLOCK_M * m + i_lhs.x])
+                        lhsT[(tiles_k * k + bk) * TILE_K + i_lhs.p, BLOCK_M * m + i_lhs.x]
+                    )
 
                 i_st = nl.mgrid[0:TILE_K, 0:TILE_M]
                 i_mv = nl.mgrid[0:TILE_K, 0:TILE_N]
@@ -85,8 +88,10 @@ def matmul_kernel(lhsT, rhs, tiles_m=16, tiles_n=2, tiles_k=8):
                         ps = nl.zeros((TILE_M, TILE_N), dtype=nl.float32, buffer=nl.psum)
                         for bk in nl.affine_range(tiles_k):
                             # stationary [128 K, 128 M], moving [128 K, 512 N] -> PSUM [128 M, 512 N], fp32
-                            ps[...] += nisa.nc_matmul(lhs_blk[bk, i_st.p, bm * TILE_M + i_st.x],
-                                                      rhs_blk[bk, i_mv.p, bn * TILE_N + i_mv.x])
+                            ps[...] += nisa.nc_matmul(
+                                lhs_blk[bk, i_st.p, bm * TILE_M + i_st.x],
+                                rhs_blk[bk, i_mv.p, bn * TILE_N + i_mv.x],
+                            )
                         acc[m, bm, bn, i_out.p, i_out.x] += ps[i_out.p, i_out.x]
 
         for m in nl.affine_range(n_blocks_m):
@@ -96,8 +101,10 @@ def matmul_kernel(lhsT, rhs, tiles_m=16, tiles_n=2, tiles_k=8):
                 row = nl.ndarray((TILE_M, BLOCK_N), dtype=acc.dtype, buffer=nl.sbuf)
                 for bn in nl.affine_range(tiles_n):
                     row[i_t.p, bn * TILE_N + i_t.x] = nl.copy(acc[m, bm, bn, i_t.p, i_t.x])
-                nl.store(result[(tiles_m * m + bm) * TILE_M + i_row.p, BLOCK_N * n + i_row.x],
-                         value=row[i_row.p, i_row.x])
+                nl.store(
+                    result[(tiles_m * m + bm) * TILE_M + i_row.p, BLOCK_N * n + i_row.x],
+                    value=row[i_row.p, i_row.x],
+                )
     return result
 
 
@@ -114,7 +121,9 @@ def _round_up(x: int, mult: int) -> int:
     return -(-x // mult) * mult
 
 
-def run(a: np.ndarray, b: np.ndarray, *, target: str = "trn1", tiles: tuple[int, int, int] | None = None) -> np.ndarray:
+def run(
+    a: np.ndarray, b: np.ndarray, *, target: str = "trn1", tiles: tuple[int, int, int] | None = None
+) -> np.ndarray:
     """Host wrapper: `a[M, K] @ b[K, N]` with logical numpy operands (bf16 unless given fp16/fp32).
 
     Pads to block multiples (zeros do not change the product), passes `a` transposed (lhsT), runs the kernel
@@ -135,18 +144,35 @@ def run(a: np.ndarray, b: np.ndarray, *, target: str = "trn1", tiles: tuple[int,
     if HAVE_SDK:  # pragma: no cover - device path
         out = matmul_kernel(lhs_t, rhs, tiles_m=tm, tiles_n=tn, tiles_k=tk)
     else:
-        out = nki.simulate_kernel(matmul_kernel, lhs_t, rhs, target=target, tiles_m=tm, tiles_n=tn, tiles_k=tk)
+        out = nki.simulate_kernel(
+            matmul_kernel, lhs_t, rhs, target=target, tiles_m=tm, tiles_n=tn, tiles_k=tk
+        )
     return np.asarray(out)[:m, :n]
 
 
-def estimate(m: int, k: int, n: int, *, target: str = "trn1", tiles: tuple[int, int, int] = DEFAULT_TILES,
-             dtype: Any = None) -> Any:
+def estimate(
+    m: int,
+    k: int,
+    n: int,
+    *,
+    target: str = "trn1",
+    tiles: tuple[int, int, int] = DEFAULT_TILES,
+    dtype: Any = None,
+) -> Any:
     """Count-only cost report of the kernel for `[m, k] @ [k, n]` (shapes must be block multiples)."""
     from neuron_opt import nki_sim
 
     dt = nl.bfloat16 if dtype is None else dtype
     tm, tn, tk = tiles
-    _, rep = nki_sim.simulate_kernel(matmul_kernel, nki_sim.ShapeDtype((k, m), dt), nki_sim.ShapeDtype((k, n), dt),
-                                     target=target, count_only=True, report=True, tiles_m=tm, tiles_n=tn,
-                                     tiles_k=tk)
+    _, rep = nki_sim.simulate_kernel(
+        matmul_kernel,
+        nki_sim.ShapeDtype((k, m), dt),
+        nki_sim.ShapeDtype((k, n), dt),
+        target=target,
+        count_only=True,
+        report=True,
+        tiles_m=tm,
+        tiles_n=tn,
+        tiles_k=tk,
+    )
     return rep

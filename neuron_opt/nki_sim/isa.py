@@ -70,16 +70,31 @@ def get_nc_version() -> int:
     return _current().target.nc_version
 
 
-def nc_matmul(stationary: Tile, moving: Tile, *, is_stationary_onezero: bool = False,
-              is_moving_onezero: bool = False, is_transpose: bool = False, tile_position: Any = (),
-              tile_size: Any = (), mask: Any = None, **_: Any) -> Tile:
-    """stationary[K, M].T @ moving[K, N] -> fp32 PSUM [M, N]; accumulate with `psum_tile += nc_matmul(...)`."""
-    return _pe.nc_matmul(stationary, moving, is_stationary_onezero=is_stationary_onezero,
-                         is_moving_onezero=is_moving_onezero, mask=mask)
+def nc_matmul(
+    stationary: Tile,
+    moving: Tile,
+    *,
+    is_stationary_onezero: bool = False,
+    is_moving_onezero: bool = False,
+    is_transpose: bool = False,
+    tile_position: Any = (),
+    tile_size: Any = (),
+    mask: Any = None,
+    **_: Any,
+) -> Tile:
+    """stationary[K, M].T @ moving[K, N] -> fp32 PSUM [M, N]; accumulate: `psum += nc_matmul(...)`."""
+    return _pe.nc_matmul(
+        stationary,
+        moving,
+        is_stationary_onezero=is_stationary_onezero,
+        is_moving_onezero=is_moving_onezero,
+        mask=mask,
+    )
 
 
-def nc_transpose(data: Tile, *, mask: Any = None, dtype: Any = None, engine: str = engine.unknown,
-                 **_: Any) -> Tile:
+def nc_transpose(
+    data: Tile, *, mask: Any = None, dtype: Any = None, engine: str = engine.unknown, **_: Any
+) -> Tile:
     """Swap partition and free dims: TensorE (<= 128x128, SBUF in, PSUM out) or VectorE (<= 32x32)."""
     _operand(data, "data", "nc_transpose")
     eng = engine
@@ -90,49 +105,127 @@ def nc_transpose(data: Tile, *, mask: Any = None, dtype: Any = None, engine: str
     return _pe.pe_transpose(data, dtype=dtype)
 
 
-def activation(op: Any, data: Tile, *, bias: Any = None, scale: Any = 1.0, reduce_op: Any = None,
-               reduce_res: Tile | None = None, reduce_cmd: Any = reduce_cmd.idle, mask: Any = None,
-               dtype: Any = None, **_: Any) -> Tile:
+def activation(
+    op: Any,
+    data: Tile,
+    *,
+    bias: Any = None,
+    scale: Any = 1.0,
+    reduce_op: Any = None,
+    reduce_res: Tile | None = None,
+    reduce_cmd: Any = reduce_cmd.idle,
+    mask: Any = None,
+    dtype: Any = None,
+    **_: Any,
+) -> Tile:
     """op(data * scale + bias) on ScalarE; with reduce_op=nl.add and reduce_res, also the free-dim sum."""
-    return _ve.activation(op, data, bias=bias, scale=scale, reduce_op=reduce_op, reduce_res=reduce_res,
-                          reduce_cmd=reduce_cmd, mask=mask, dtype=dtype)
+    return _ve.activation(
+        op,
+        data,
+        bias=bias,
+        scale=scale,
+        reduce_op=reduce_op,
+        reduce_res=reduce_res,
+        reduce_cmd=reduce_cmd,
+        mask=mask,
+        dtype=dtype,
+    )
 
 
-def activation_reduce(op: Any, data: Tile, *, reduce_op: Any, reduce_res: Tile, bias: Any = None,
-                      scale: Any = 1.0, mask: Any = None, dtype: Any = None, **_: Any) -> Tile:
+def activation_reduce(
+    op: Any,
+    data: Tile,
+    *,
+    reduce_op: Any,
+    reduce_res: Tile,
+    bias: Any = None,
+    scale: Any = 1.0,
+    mask: Any = None,
+    dtype: Any = None,
+    **_: Any,
+) -> Tile:
     """activation plus the reduction of its result along all free dims into reduce_res ([P, 1])."""
-    return _ve.activation(op, data, bias=bias, scale=scale, reduce_op=reduce_op, reduce_res=reduce_res,
-                          mask=mask, dtype=dtype, reduce_always=True)
+    return _ve.activation(
+        op,
+        data,
+        bias=bias,
+        scale=scale,
+        reduce_op=reduce_op,
+        reduce_res=reduce_res,
+        mask=mask,
+        dtype=dtype,
+        reduce_always=True,
+    )
 
 
-def tensor_reduce(op: Any, data: Tile, axis: Any, *, mask: Any = None, dtype: Any = None, negate: bool = False,
-                  keepdims: bool = False, **_: Any) -> Tile:
+def tensor_reduce(
+    op: Any,
+    data: Tile,
+    axis: Any,
+    *,
+    mask: Any = None,
+    dtype: Any = None,
+    negate: bool = False,
+    keepdims: bool = False,
+    **_: Any,
+) -> Tile:
     """Reduce along the trailing free axes on VectorE."""
     return _ve.tensor_reduce(op, data, axis, dtype=dtype, mask=mask, negate=negate, keepdims=keepdims)
 
 
-def tensor_scalar(data: Tile, op0: Any, operand0: Any, reverse0: bool = False, op1: Any = None,
-                  operand1: Any = None, reverse1: bool = False, *, dtype: Any = None, mask: Any = None,
-                  engine: str = engine.unknown, **_: Any) -> Tile:
+def tensor_scalar(
+    data: Tile,
+    op0: Any,
+    operand0: Any,
+    reverse0: bool = False,
+    op1: Any = None,
+    operand1: Any = None,
+    reverse1: bool = False,
+    *,
+    dtype: Any = None,
+    mask: Any = None,
+    engine: str = engine.unknown,
+    **_: Any,
+) -> Tile:
     """(data op0 operand0) op1 operand1 with scalar or [P, 1] operands."""
-    return _ve.tensor_scalar(data, op0, operand0, reverse0, op1, operand1, reverse1, dtype=dtype, mask=mask,
-                             engine=engine)
+    return _ve.tensor_scalar(
+        data, op0, operand0, reverse0, op1, operand1, reverse1, dtype=dtype, mask=mask, engine=engine
+    )
 
 
-def tensor_tensor(data1: Tile, data2: Tile, op: Any, *, dtype: Any = None, mask: Any = None,
-                  engine: str = engine.unknown, **_: Any) -> Tile:
+def tensor_tensor(
+    data1: Tile,
+    data2: Tile,
+    op: Any,
+    *,
+    dtype: Any = None,
+    mask: Any = None,
+    engine: str = engine.unknown,
+    **_: Any,
+) -> Tile:
     """Elementwise op of two tiles with the same partitions and elements per partition."""
     return _ve.tensor_tensor(data1, data2, op, dtype=dtype, mask=mask, engine=engine)
 
 
-def tensor_copy(src: Tile, *, mask: Any = None, dtype: Any = None, engine: str = engine.unknown,
-                **_: Any) -> Tile:
+def tensor_copy(
+    src: Tile, *, mask: Any = None, dtype: Any = None, engine: str = engine.unknown, **_: Any
+) -> Tile:
     """Copy a tile (SBUF or PSUM source) into a new SBUF tile."""
     return _ve.tensor_copy(src, dtype=dtype, mask=mask, engine=engine)
 
 
-def scalar_tensor_tensor(*, data: Tile, op0: Any, operand0: Any, op1: Any, operand1: Tile, dtype: Any = None,
-                         mask: Any = None, engine: str = engine.unknown, **_: Any) -> Tile:
+def scalar_tensor_tensor(
+    *,
+    data: Tile,
+    op0: Any,
+    operand0: Any,
+    op1: Any,
+    operand1: Tile,
+    dtype: Any = None,
+    mask: Any = None,
+    engine: str = engine.unknown,
+    **_: Any,
+) -> Tile:
     """(data op0 operand0) op1 operand1 on VectorE: operand0 scalar or [P, 1], operand1 a tile like data."""
     return _ve.scalar_tensor_tensor(data, op0, operand0, op1, operand1, dtype=dtype, mask=mask, engine=engine)
 
@@ -142,8 +235,9 @@ def reciprocal(data: Tile, *, dtype: Any = None, mask: Any = None, **_: Any) -> 
     return _ve.reciprocal(data, dtype=dtype, mask=mask)
 
 
-def memset(shape: Any, value: Any, dtype: Any, *, mask: Any = None, engine: str = engine.unknown,
-           **_: Any) -> Tile:
+def memset(
+    shape: Any, value: Any, dtype: Any, *, mask: Any = None, engine: str = engine.unknown, **_: Any
+) -> Tile:
     """A new SBUF tile filled with value."""
     return _ve.memset(tuple(shape), value, dtype, mask=mask, engine=engine)
 
@@ -153,13 +247,16 @@ def iota(expr: Any, dtype: Any, *, mask: Any = None, **_: Any) -> Tile:
     return _ve.iota(expr, dtype, mask=mask)
 
 
-def affine_select(pred: Any, on_true_tile: Tile, on_false_value: Any, *, mask: Any = None, dtype: Any = None,
-                  **_: Any) -> Tile:
+def affine_select(
+    pred: Any, on_true_tile: Tile, on_false_value: Any, *, mask: Any = None, dtype: Any = None, **_: Any
+) -> Tile:
     """pred ? on_true_tile : on_false_value, pred an affine comparison of nl.arange/mgrid indices (GpSimd)."""
     ctx = _current()
     p = np.asarray(pred)
     if p.dtype != np.bool_:
-        raise IndexingError("affine_select predicate must be a comparison of nl.arange / nl.mgrid expressions")
+        raise IndexingError(
+            "affine_select predicate must be a comparison of nl.arange / nl.mgrid expressions"
+        )
     if not isinstance(on_true_tile, Tile):
         raise SimulatorError("affine_select on_true_tile must be a tile")
     # Legacy kernels (flash_fwd) pass a PSUM tile here: accepted, as the legacy compiler did.
@@ -169,10 +266,13 @@ def affine_select(pred: Any, on_true_tile: Tile, on_false_value: Any, *, mask: A
     try:
         np.broadcast_shapes(p.shape, on_true_tile.shape)
     except ValueError:
-        raise ShapeError(f"affine_select predicate {p.shape} does not match tile {list(on_true_tile.shape)}") from None
+        raise ShapeError(
+            f"affine_select predicate {p.shape} does not match tile {list(on_true_tile.shape)}"
+        ) from None
     out_dt = _dt.normalize(dtype) if dtype is not None else on_true_tile.dtype
-    return _ve.select(ctx, p, on_true_tile, on_false_value, out_dt, mask, "gpsimd", "affine_select",
-                      on_true_tile.shape)
+    return _ve.select(
+        ctx, p, on_true_tile, on_false_value, out_dt, mask, "gpsimd", "affine_select", on_true_tile.shape
+    )
 
 
 def dma_copy(*, dst: Tile, src: Tile, mask: Any = None, dst_rmw_op: Any = None, **_: Any) -> None:
@@ -190,7 +290,11 @@ def tensor_copy_predicated(*, src: Tile, dst: Tile, predicate: Tile, mask: Any =
     if src.partitions != dst.partitions or predicate.partitions != dst.partitions:
         raise PartitionError("tensor_copy_predicated operands must have the same number of partitions")
     both_sbuf = src.buffer.value == predicate.buffer.value == "sbuf"
-    ctx.cost.instr("vector", "tensor_copy_predicated", _ve.cost.streaming_cycles(dst.free_size, 2.0 if both_sbuf else 1.0))
+    ctx.cost.instr(
+        "vector",
+        "tensor_copy_predicated",
+        _ve.cost.streaming_cycles(dst.free_size, 2.0 if both_sbuf else 1.0),
+    )
     if ctx.count_only:
         return
     pv = _ve.values(ctx, predicate).reshape(dst.shape) != 0  # type: ignore[union-attr]

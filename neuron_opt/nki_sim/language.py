@@ -95,7 +95,9 @@ def _par_axis(shape: Sequence[int]) -> tuple[tuple[int, ...], int]:
     return tuple(int(s) for s in shape), (marks[0] if marks else 0)
 
 
-def ndarray(shape: Sequence[int], dtype: Any, *, buffer: Buffer | None = None, name: str = "", **_: Any) -> Tile:
+def ndarray(
+    shape: Sequence[int], dtype: Any, *, buffer: Buffer | None = None, name: str = "", **_: Any
+) -> Tile:
     """Allocate an uninitialised tensor (NaN-filled in the simulator so stray reads show)."""
     return _alloc(shape, dtype, buffer, None, name)
 
@@ -128,7 +130,9 @@ def _shared(shape: tuple[int, ...], dtype: Any, fill: Any, name: str) -> Tile:
     return t
 
 
-def zeros(shape: Sequence[int], dtype: Any, *, buffer: Buffer | None = None, name: str = "", **_: Any) -> Tile:
+def zeros(
+    shape: Sequence[int], dtype: Any, *, buffer: Buffer | None = None, name: str = "", **_: Any
+) -> Tile:
     return _alloc(shape, dtype, buffer, 0, name)
 
 
@@ -136,8 +140,15 @@ def ones(shape: Sequence[int], dtype: Any, *, buffer: Buffer | None = None, name
     return _alloc(shape, dtype, buffer, 1, name)
 
 
-def full(shape: Sequence[int], fill_value: Any, dtype: Any, *, buffer: Buffer | None = None, name: str = "",
-         **_: Any) -> Tile:
+def full(
+    shape: Sequence[int],
+    fill_value: Any,
+    dtype: Any,
+    *,
+    buffer: Buffer | None = None,
+    name: str = "",
+    **_: Any,
+) -> Tile:
     return _alloc(shape, dtype, buffer, fill_value, name)
 
 
@@ -160,8 +171,9 @@ def ones_like(x: Tile, dtype: Any = None, *, buffer: Buffer | None = None, name:
     return _alloc(s, d, b, 1, name)
 
 
-def full_like(x: Tile, fill_value: Any, dtype: Any = None, *, buffer: Buffer | None = None, name: str = "",
-              **_: Any) -> Tile:
+def full_like(
+    x: Tile, fill_value: Any, dtype: Any = None, *, buffer: Buffer | None = None, name: str = "", **_: Any
+) -> Tile:
     s, d, b = _like(x, dtype, buffer)
     return _alloc(s, d, b, fill_value, name)
 
@@ -278,7 +290,9 @@ def transpose(x: Tile, *, dtype: Any = None, mask: Any = None) -> Tile:
     if x.partitions <= 32 and x.free_size <= 32:
         return _pe.vector_transpose(x, dtype=dtype)
     if x.partitions > 128 or x.free_size > 128:
-        raise ShapeError(f"size of dimension of the transposed tile {list(x.shape)} exceed architecture limitation of 128")
+        raise ShapeError(
+            f"size of dimension of the transposed tile {list(x.shape)} exceed architecture limitation of 128"
+        )
     return _pe.pe_transpose(x, dtype=dtype, to_sbuf=True)
 
 
@@ -372,7 +386,9 @@ abs_min = _binary("abs_min")
 
 # ---- reductions -------------------------------------------------------------------------------------------
 def _reduction(name: str, op: str) -> Any:
-    def fn(x: Tile, axis: Any, *, dtype: Any = None, mask: Any = None, keepdims: bool = False, **_: Any) -> Tile:
+    def fn(
+        x: Tile, axis: Any, *, dtype: Any = None, mask: Any = None, keepdims: bool = False, **_: Any
+    ) -> Tile:
         return _ve.tensor_reduce(op, x, axis, dtype=dtype, mask=mask, keepdims=keepdims)
 
     fn.__name__ = name
@@ -387,7 +403,9 @@ prod = _reduction("prod", "multiply")
 all = _reduction("all", "logical_and")  # noqa: A001
 
 
-def mean(x: Tile, axis: Any, *, dtype: Any = None, mask: Any = None, keepdims: bool = False, **_: Any) -> Tile:
+def mean(
+    x: Tile, axis: Any, *, dtype: Any = None, mask: Any = None, keepdims: bool = False, **_: Any
+) -> Tile:
     """Sum along free axes, then scale by 1/count (tensor_reduce + tensor_scalar)."""
     s = _ve.tensor_reduce("add", x, axis, dtype=_dt.float32, mask=mask, keepdims=keepdims)
     axes = (axis,) if isinstance(axis, int) else tuple(axis)
@@ -426,12 +444,16 @@ def broadcast_to(src: Tile, shape: Sequence[int], **_: Any) -> Tile:
     """Broadcast dims of size 1 (same rank); a partition broadcast runs on TensorE."""
     _operand(src, "src", "broadcast_to")
     shape = tuple(int(s) for s in shape)
-    if len(shape) != src.ndim or any(a not in (1, b) for a, b in zip(src.shape, shape)):
-        raise ShapeError(f"broadcast_to: cannot broadcast {list(src.shape)} to {list(shape)} (same rank, dims 1 or equal)")
+    if len(shape) != src.ndim or any(a not in (1, b) for a, b in zip(src.shape, shape, strict=True)):
+        raise ShapeError(
+            f"broadcast_to: cannot broadcast {list(src.shape)} to {list(shape)} (same rank, dims 1 or equal)"
+        )
     if src.shape[0] == 1 and shape[0] > 1:
         return _pe.partition_broadcast(src, shape)
     ctx = _current()
-    ctx.cost.instr("vector", "tensor_copy", _ve.cost.streaming_cycles(int(np.prod(shape[1:])) if len(shape) > 1 else 1))
+    ctx.cost.instr(
+        "vector", "tensor_copy", _ve.cost.streaming_cycles(int(np.prod(shape[1:])) if len(shape) > 1 else 1)
+    )
     v = _ve.values(ctx, src)
     return _ve.finish(ctx, shape, src.dtype, None if v is None else np.broadcast_to(v, shape))
 

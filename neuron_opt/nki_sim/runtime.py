@@ -88,8 +88,14 @@ def jit(func: Callable[..., Any] | None = None, mode: str = "auto", **kwargs: An
     return Kernel(func)
 
 
-def simulate_kernel(kernel: Any, *args: Any, target: str | None = None, count_only: bool = False,
-                    report: bool = False, **kwargs: Any) -> Any:
+def simulate_kernel(
+    kernel: Any,
+    *args: Any,
+    target: str | None = None,
+    count_only: bool = False,
+    report: bool = False,
+    **kwargs: Any,
+) -> Any:
     """Run a kernel on numpy inputs and return its outputs as numpy arrays.
 
     Args:
@@ -109,7 +115,7 @@ def simulate_kernel(kernel: Any, *args: Any, target: str | None = None, count_on
     ctx = SimContext(tgt, count_only)
     with activate(ctx):
         names = _param_names(k.func, len(args))
-        wrapped = [wrap_input(a, n) for a, n in zip(args, names)]
+        wrapped = [wrap_input(a, n) for a, n in zip(args, names, strict=True)]
         wkw = {n: wrap_input(v, n) for n, v in kwargs.items()}
         out: Any = None
         grid = k.grid or ()

@@ -29,7 +29,7 @@ class SimContext:
     allocator: OnChipAllocator = field(init=False)
     cost: CostRecorder = field(init=False)
     scopes: list[list[weakref.ref[Storage]]] = field(default_factory=list)
-    # shared_hbm tensors are shared by all SPMD programs: the i-th allocation of every program is the same tensor.
+    # shared_hbm tensors are shared by all SPMD programs: the i-th allocation of each program is one tensor.
     shared_hbm: list[object] = field(default_factory=list)
     shared_index: int = 0
 
@@ -64,7 +64,9 @@ def current() -> SimContext:
     """The running kernel's context; NKI API calls outside a kernel are an error."""
     ctx = _CURRENT.get()
     if ctx is None:
-        raise SimulatorError("NKI API called outside a kernel: run the kernel through simulate_kernel or @jit")
+        raise SimulatorError(
+            "NKI API called outside a kernel: run the kernel through simulate_kernel or @jit"
+        )
     return ctx
 
 

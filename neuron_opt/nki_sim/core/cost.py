@@ -97,14 +97,18 @@ class Report:
 
     def __str__(self) -> str:
         lines = [
-            f"NKI simulator report ({self.target}): latency {self.latency_us:.2f} us, bound by {self.bound_by}",
+            f"NKI simulator report ({self.target}): latency {self.latency_us:.2f} us, "
+            f"bound by {self.bound_by}",
             f"  TensorE utilisation {self.tensor_utilization * 100:.1f}% "
             f"({self.matmul_flops / 1e9:.3f} GFLOP of matmul)",
         ]
         for name, st in self.engines.items():
-            lines.append(f"  {name:<7} {st.instructions:>9} instr {st.cycles:>14.0f} cycles {st.busy_us:>12.2f} us")
+            lines.append(
+                f"  {name:<7} {st.instructions:>9} instr {st.cycles:>14.0f} cycles {st.busy_us:>12.2f} us"
+            )
         lines.append(
-            f"  dma     {self.dma_transfers:>9} xfers {self.dma_bytes / 2**20:>12.2f} MiB  {self.dma_busy_us:>12.2f} us"
+            f"  dma     {self.dma_transfers:>9} xfers {self.dma_bytes / 2**20:>12.2f} MiB  "
+            f"{self.dma_busy_us:>12.2f} us"
         )
         lines.append(
             f"  exposed fixed {self.exposed_fixed_us:.2f} us; SBUF peak {self.sbuf_peak_bytes_per_partition} "
@@ -144,7 +148,8 @@ class CostRecorder:
     def report(self, sbuf_peak: int, psum_peak: int) -> Report:
         t = self.target
         engines = {
-            e: EngineStats(self.counts[e], self.cycles[e], self.cycles[e] / (t.clock_ghz(e) * 1e3)) for e in ENGINES
+            e: EngineStats(self.counts[e], self.cycles[e], self.cycles[e] / (t.clock_ghz(e) * 1e3))
+            for e in ENGINES
         }
         dma_us = (self.dma_bytes / t.dma_gbps + self.dma_transfers * t.dma_fixed_ns / t.dma_engines) / 1e3
         exposed = ((self.dma_loads > 0) + (self.dma_stores > 0)) * t.dma_fixed_ns / 1e3

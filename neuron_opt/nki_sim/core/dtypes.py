@@ -68,7 +68,7 @@ def sentinel(dtype: np.dtype) -> Any:
 
 
 def cast(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """Round/convert `values` into `dtype` the way a write-back does (RNE for floats, fp32->tf32 truncation)."""
+    """Round/convert `values` into `dtype` the way a write-back does (RNE; fp32->tf32 truncates)."""
     if dtype == tfloat32:
         bits = np.asarray(values, dtype=np.float32).view(np.uint32) & np.uint32(0xFFFFE000)
         return bits.view(np.float32)

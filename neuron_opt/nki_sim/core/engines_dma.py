@@ -15,7 +15,7 @@ import numpy as np
 from neuron_opt.nki_sim.core import cost, dtypes
 from neuron_opt.nki_sim.core.context import current
 from neuron_opt.nki_sim.core.engines_vector import finish
-from neuron_opt.nki_sim.core.errors import MemoryPlacementError, ShapeError, SimulatorError
+from neuron_opt.nki_sim.core.errors import ShapeError, SimulatorError
 from neuron_opt.nki_sim.core.instr import operand, values
 from neuron_opt.nki_sim.core.memory import PMAX, Buffer, Storage, check_partition_size
 from neuron_opt.nki_sim.core.tile import Tile
@@ -63,7 +63,9 @@ def store(dst: Tile, value: Any, *, mask: Any = None) -> None:
         raise SimulatorError(f"nl.store value must be a tile, got {type(value).__name__}")
     operand(value, "value", "store")
     if value.size != dst.size:
-        raise ShapeError(f"nl.store: value of shape {list(value.shape)} does not match destination {list(dst.shape)}")
+        raise ShapeError(
+            f"nl.store: value of shape {list(value.shape)} does not match destination {list(dst.shape)}"
+        )
     m = dst.check_mask(mask)
     dst.check_bounds(m)
     if value.buffer is Buffer.PSUM:
@@ -81,7 +83,9 @@ def dma_copy(dst: Tile, src: Tile, *, mask: Any = None) -> None:
     operand(src, "src", "dma_copy", ("hbm", "sbuf"))
     operand(dst, "dst", "dma_copy", ("hbm", "sbuf"))
     if src.size != dst.size:
-        raise ShapeError(f"dma_copy: src{list(src.shape)} and dst{list(dst.shape)} have different element counts")
+        raise ShapeError(
+            f"dma_copy: src{list(src.shape)} and dst{list(dst.shape)} have different element counts"
+        )
     if not dst.buffer.is_hbm:
         check_partition_size(dst.partitions, "dma_copy destination")
     m = dst.check_mask(mask)
@@ -92,16 +96,24 @@ def dma_copy(dst: Tile, src: Tile, *, mask: Any = None) -> None:
 
 
 def wrap_input(value: Any, name: str) -> Any:
-    """A kernel argument: numpy arrays (and shape/dtype specs in count-only mode) become HBM tensors in place."""
+    """A kernel argument: numpy arrays (or count-only shape specs) become HBM tensors, in place."""
     ctx = current()
     if isinstance(value, np.ndarray):
-        st = Storage(tuple(value.shape), dtypes.normalize(value.dtype), Buffer.HBM, None,
-                     None if ctx.count_only else value, name)
+        st = Storage(
+            tuple(value.shape),
+            dtypes.normalize(value.dtype),
+            Buffer.HBM,
+            None,
+            None if ctx.count_only else value,
+            name,
+        )
         return Tile(st)
     if hasattr(value, "shape") and hasattr(value, "dtype") and not isinstance(value, Tile):
         if not ctx.count_only:
-            raise SimulatorError(f"argument '{name}' has no data ({type(value).__name__}); only count_only runs "
-                                 "accept shape/dtype specs")
+            raise SimulatorError(
+                f"argument '{name}' has no data ({type(value).__name__}); only count_only runs "
+                "accept shape/dtype specs"
+            )
         return Tile(Storage(tuple(value.shape), dtypes.normalize(value.dtype), Buffer.HBM, None, None, name))
     return value
 

@@ -29,8 +29,15 @@ def _as_2d(x: Tile, name: str) -> tuple[int, int]:
     return x.partitions, x.free_size
 
 
-def nc_matmul(stationary: Tile, moving: Tile, *, is_stationary_onezero: bool = False, is_moving_onezero: bool = False,
-              mask: Any = None, op: str = "nc_matmul") -> Tile:
+def nc_matmul(
+    stationary: Tile,
+    moving: Tile,
+    *,
+    is_stationary_onezero: bool = False,
+    is_moving_onezero: bool = False,
+    mask: Any = None,
+    op: str = "nc_matmul",
+) -> Tile:
     """result[M, N] (PSUM, fp32) = stationary[K, M].T @ moving[K, N]."""
     ctx = current()
     operand(stationary, "stationary", op, ("sbuf",))
@@ -39,22 +46,27 @@ def nc_matmul(stationary: Tile, moving: Tile, *, is_stationary_onezero: bool = F
     k2, n = _as_2d(moving, "moving")
     if k1 != k2:
         raise PartitionError(
-            f"'{op}': contraction (partition) dimension mismatch: stationary{list(stationary.shape)} has {k1} "
-            f"partitions, moving{list(moving.shape)} has {k2}; the contraction axis must be the partition axis of both"
+            f"'{op}': contraction (partition) dimension mismatch: stationary{list(stationary.shape)} "
+            f"has {k1} partitions, moving{list(moving.shape)} has {k2}; the contraction axis must be the "
+            "partition axis of both"
         )
     if k1 > PMAX:
         raise PartitionError(f"Size of partition dimension {k1} exceeds architecture limitation of {PMAX}")
     if m > STATIONARY_FMAX:
         raise ShapeError(f"'{op}': stationary free size {m} exceeds gemm_stationary_fmax ({STATIONARY_FMAX})")
     if n > MOVING_FMAX:
-        raise ShapeError(f"'{op}': moving free size {n} exceeds gemm_moving_fmax ({MOVING_FMAX}); the result must "
-                         "fit one PSUM bank")
+        raise ShapeError(
+            f"'{op}': moving free size {n} exceeds gemm_moving_fmax ({MOVING_FMAX}); the result must "
+            "fit one PSUM bank"
+        )
     for t, nm in ((stationary, "stationary"), (moving, "moving")):
         if t.dtype not in dtypes.MATMUL_DTYPES:
             raise DtypeError(f"'{op}': {nm} dtype {t.dtype} not supported (fp8/bf16/fp16/tf32/fp32)")
     fp32 = stationary.dtype in _FP32_LIKE or moving.dtype in _FP32_LIKE
     if fp32 and not (stationary.dtype in _FP32_LIKE and moving.dtype in _FP32_LIKE):
-        raise DtypeError(f"'{op}': if one input is fp32/tf32 both must be (got {stationary.dtype} and {moving.dtype})")
+        raise DtypeError(
+            f"'{op}': if one input is fp32/tf32 both must be (got {stationary.dtype} and {moving.dtype})"
+        )
     cyc = cost.matmul_cycles(m, n, fp32)
     if fp32 and (is_stationary_onezero or is_moving_onezero):
         cyc /= 2
@@ -70,7 +82,7 @@ def nc_matmul(stationary: Tile, moving: Tile, *, is_stationary_onezero: bool = F
 
 
 def matmul(x: Tile, y: Tile, *, transpose_x: bool = False, mask: Any = None) -> Tile:
-    """nl.matmul: x.T @ y if transpose_x (x is [K, M]) else x @ y (x is [M, K], transposed on TensorE first)."""
+    """nl.matmul: x.T @ y if transpose_x (x is [K, M]) else x @ y (x [M, K] transposed on TensorE)."""
     if transpose_x:
         return nc_matmul(x, y, mask=mask, op="matmul")
     operand(x, "x", "matmul", ("sbuf",))
@@ -85,7 +97,9 @@ def pe_transpose(x: Tile, *, dtype: Any = None, to_sbuf: bool = False) -> Tile:
     require_partition_first(x, "nc_transpose")
     p, f = x.partitions, x.free_size
     if f > PMAX:
-        raise ShapeError(f"size of dimension 1 ({f}) of the transposed tile exceed architecture limitation of {PMAX}")
+        raise ShapeError(
+            f"size of dimension 1 ({f}) of the transposed tile exceed architecture limitation of {PMAX}"
+        )
     ctx.cost.instr("tensor", "transpose", cost.pe_transpose_cycles(p, f))
     v = values(ctx, x)
     out = None if v is None else v.reshape(p, f).T

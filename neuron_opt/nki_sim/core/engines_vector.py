@@ -64,7 +64,7 @@ def _out_dtype(dtype: Any, *ins: np.dtype | None) -> np.dtype:
 
 # ---- assignment -------------------------------------------------------------------------------------------
 def assign(dst: Tile, value: Any) -> None:
-    """`dst[...] = value`: a fresh result is written in place by its instruction; a named tile costs a copy."""
+    """`dst[...] = value`: a fresh result is written by its own instruction; a named tile costs a copy."""
     ctx = current()
     if dst.buffer.is_hbm:
         raise MemoryPlacementError(
@@ -84,7 +84,9 @@ def assign(dst: Tile, value: Any) -> None:
             f"cannot assign HBM tensor {value.name} into on-chip tile {dst.name}; use nl.load (DMA)"
         )
     if value.size != dst.size and np.broadcast_shapes(value.shape, dst.shape) != dst.shape:
-        raise ShapeError(f"cannot assign a tile of shape {list(value.shape)} into a view of shape {list(dst.shape)}")
+        raise ShapeError(
+            f"cannot assign a tile of shape {list(value.shape)} into a view of shape {list(dst.shape)}"
+        )
     mask = getattr(value, "result_mask", None) if value.fresh else None
     if value.fresh:
         vals = value.exact if value.exact is not None else (None if ctx.count_only else value.storage.data)
@@ -103,7 +105,7 @@ def assign(dst: Tile, value: Any) -> None:
 
 # ---- elementwise ------------------------------------------------------------------------------------------
 def binary(a: Any, b: Any, op: Any, *, dtype: Any = None, mask: Any = None) -> Tile:
-    """`nl.add` & co (and tile operators): tile-tile on VectorE (numpy broadcasting), tile-scalar as tensor_scalar."""
+    """`nl.add` & co (and tile operators): tile-tile on VectorE, tile-scalar as tensor_scalar."""
     ctx = current()
     name, fn = ops.resolve_alu(op)
     ta, tb = isinstance(a, Tile), isinstance(b, Tile)
@@ -121,7 +123,9 @@ def binary(a: Any, b: Any, op: Any, *, dtype: Any = None, mask: Any = None) -> T
         try:
             shape = np.broadcast_shapes(a.shape, b.shape)
         except ValueError:
-            raise ShapeError(f"operands of '{name}' with shapes {list(a.shape)} and {list(b.shape)} do not broadcast") from None
+            raise ShapeError(
+                f"operands of '{name}' with shapes {list(a.shape)} and {list(b.shape)} do not broadcast"
+            ) from None
         out_dt = _out_dtype(dtype, a.dtype, b.dtype)
         m = _mask_for(shape, mask)
         n = int(np.prod(shape)) // max(1, shape[0] if shape else 1)
@@ -154,8 +158,12 @@ def unary_vector(x: Tile, op: str, *, dtype: Any = None, mask: Any = None) -> Ti
     m = _mask(x, mask)
     ctx.cost.instr("vector", "tensor_scalar", cost.streaming_cycles(x.free_size))
     v = values(ctx, x)
-    fns = {"negative": np.negative, "abs": np.abs, "logical_not": lambda y: (y == 0).astype(np.float32),
-           "invert": lambda y: np.invert(y.astype(np.int64))}
+    fns = {
+        "negative": np.negative,
+        "abs": np.abs,
+        "logical_not": lambda y: (y == 0).astype(np.float32),
+        "invert": lambda y: np.invert(y.astype(np.int64)),
+    }
     return finish(ctx, x.shape, _out_dtype(dtype, x.dtype), None if v is None else fns[op](v), m)
 
 
@@ -171,7 +179,9 @@ def inplace(dst: Tile, other: Any, op: str) -> None:
         if dst.dtype != dtypes.float32:
             raise DtypeError(f"PSUM accumulation is fp32; accumulation target {dst.name} is {dst.dtype}")
         if other.shape != dst.shape:
-            raise ShapeError(f"matmul result {list(other.shape)} does not match accumulator view {list(dst.shape)}")
+            raise ShapeError(
+                f"matmul result {list(other.shape)} does not match accumulator view {list(dst.shape)}"
+            )
         other.fresh = False
         if ctx.count_only:
             dst.check_bounds()
@@ -180,15 +190,18 @@ def inplace(dst: Tile, other: Any, op: str) -> None:
         dst.write(dtypes.to_f32(dst.read()) + other.exact)
         return
     if dst.buffer.is_hbm:
-        raise MemoryPlacementError(f"Expected operand 'x' of '{op}' to be in address space 'psum|sbuf', but got a tile in 'hbm'")
+        raise MemoryPlacementError(
+            f"Expected operand 'x' of '{op}' to be in address space 'psum|sbuf', but got a tile in 'hbm'"
+        )
     res = binary(dst, other, op, dtype=dst.dtype)
     if res.shape != dst.shape:
         raise ShapeError(f"in-place '{op}' would change shape {list(dst.shape)} to {list(res.shape)}")
     assign(dst, res)
 
 
-def tensor_tensor(data1: Tile, data2: Tile, op: Any, *, dtype: Any = None, mask: Any = None,
-                  engine: str = "vector") -> Tile:
+def tensor_tensor(
+    data1: Tile, data2: Tile, op: Any, *, dtype: Any = None, mask: Any = None, engine: str = "vector"
+) -> Tile:
     """nisa.tensor_tensor: same partitions and elements per partition, no broadcast, not both in PSUM."""
     ctx = current()
     name, fn = ops.resolve_alu(op)
@@ -197,7 +210,8 @@ def tensor_tensor(data1: Tile, data2: Tile, op: Any, *, dtype: Any = None, mask:
     check_same_partitions("tensor_tensor", data1, data2)
     if data1.free_size != data2.free_size:
         raise ShapeError(
-            f"tensor_tensor operands must have the same number of elements per partition: data1{list(data1.shape)}, "
+            "tensor_tensor operands must have the same number of elements per partition: "
+            f"data1{list(data1.shape)}, "
             f"data2{list(data2.shape)}"
         )
     if data1.buffer is Buffer.PSUM and data2.buffer is Buffer.PSUM:
@@ -205,8 +219,11 @@ def tensor_tensor(data1: Tile, data2: Tile, op: Any, *, dtype: Any = None, mask:
     _check_gpsimd(engine, "tensor_tensor", data1, data2)
     out_dt = _out_dtype(dtype, data1.dtype, data2.dtype)
     m = _mask(data1, mask)
-    ctx.cost.instr(engine if engine != "unknown" else "vector", "tensor_tensor",
-                   _tt_cycles(data1, data2, name, data1.free_size, out_dt))
+    ctx.cost.instr(
+        engine if engine != "unknown" else "vector",
+        "tensor_tensor",
+        _tt_cycles(data1, data2, name, data1.free_size, out_dt),
+    )
     v1, v2 = values(ctx, data1), values(ctx, data2)
     vals = None if v1 is None else fn(v1, v2.reshape(v1.shape))  # type: ignore[union-attr]
     return finish(ctx, data1.shape, out_dt, vals, m)
@@ -223,23 +240,36 @@ def _scalar_operand(ctx: SimContext, x: Tile, opnd: Any, what: str) -> np.ndarra
         operand(opnd, what, "tensor_scalar")
         if opnd.partitions != x.partitions or opnd.free_size != 1:
             raise ShapeError(
-                f"{what} must be a scalar or a [{x.partitions}, 1] vector, got a tile of shape {list(opnd.shape)}"
+                f"{what} must be a scalar or a [{x.partitions}, 1] vector, "
+                f"got a tile of shape {list(opnd.shape)}"
             )
         v = values(ctx, opnd)
         return None if v is None else v.reshape((x.partitions,) + (1,) * (x.ndim - 1))
     return np.float32(opnd) if isinstance(opnd, (float, np.floating)) else opnd
 
 
-def tensor_scalar(data: Tile, op0: Any, operand0: Any, reverse0: bool = False, op1: Any = None,
-                  operand1: Any = None, reverse1: bool = False, *, dtype: Any = None, mask: Any = None,
-                  engine: str = "vector") -> Tile:
+def tensor_scalar(
+    data: Tile,
+    op0: Any,
+    operand0: Any,
+    reverse0: bool = False,
+    op1: Any = None,
+    operand1: Any = None,
+    reverse1: bool = False,
+    *,
+    dtype: Any = None,
+    mask: Any = None,
+    engine: str = "vector",
+) -> Tile:
     """nisa.tensor_scalar: (data op0 operand0) op1 operand1; one or two ops cost the same."""
     ctx = current()
     operand(data, "data", "tensor_scalar")
     _check_gpsimd(engine, "tensor_scalar", data)
     _, f0 = ops.resolve_alu(op0)
     m = _mask(data, mask)
-    ctx.cost.instr(engine if engine != "unknown" else "vector", "tensor_scalar", cost.streaming_cycles(data.free_size))
+    ctx.cost.instr(
+        engine if engine != "unknown" else "vector", "tensor_scalar", cost.streaming_cycles(data.free_size)
+    )
     s0 = _scalar_operand(ctx, data, operand0, "operand0")
     s1 = None
     if op1 is not None:
@@ -259,17 +289,30 @@ def _normalize_axes(x: Tile, axis: Any, op: str) -> tuple[int, ...]:
     par = x.par_pos if x.par_pos is not None else 0
     if par in axes:
         raise ShapeError(
-            f"'{op}' cannot reduce along the partition dimension (axis {par}); transpose first or multiply by a "
+            f"'{op}' cannot reduce along the partition dimension (axis {par}); transpose first or "
+            "multiply by a "
             "ones vector on TensorE"
         )
     expected = tuple(range(x.ndim - len(axes), x.ndim))
     if axes != expected:
-        raise ShapeError(f"'{op}' reduce axes must be the last contiguous free axes of the tile, e.g. {expected}; got {axes}")
+        raise ShapeError(
+            f"'{op}' reduce axes must be the last contiguous free axes of the tile, "
+            f"e.g. {expected}; got {axes}"
+        )
     return axes
 
 
-def tensor_reduce(op: Any, data: Tile, axis: Any, *, dtype: Any = None, mask: Any = None, negate: bool = False,
-                  keepdims: bool = False, engine: str = "vector") -> Tile:
+def tensor_reduce(
+    op: Any,
+    data: Tile,
+    axis: Any,
+    *,
+    dtype: Any = None,
+    mask: Any = None,
+    negate: bool = False,
+    keepdims: bool = False,
+    engine: str = "vector",
+) -> Tile:
     """nisa.tensor_reduce along trailing free axes; cost N (N/2 for bf16 add/max)."""
     ctx = current()
     name, red = ops.resolve_reducer(op)
@@ -279,8 +322,11 @@ def tensor_reduce(op: Any, data: Tile, axis: Any, *, dtype: Any = None, mask: An
     half = data.dtype == out_dt == dtypes.bfloat16 and name in ("add", "maximum")
     ctx.cost.instr("vector", "tensor_reduce", float(data.free_size) / (2.0 if half else 1.0))
     m = _mask(data, mask)
-    shape = tuple(1 if i in axes else s for i, s in enumerate(data.shape)) if keepdims else \
-        tuple(s for i, s in enumerate(data.shape) if i not in axes)
+    shape = (
+        tuple(1 if i in axes else s for i, s in enumerate(data.shape))
+        if keepdims
+        else tuple(s for i, s in enumerate(data.shape) if i not in axes)
+    )
     if len(shape) < 2 and not keepdims:
         shape = shape + (1,) * (2 - len(shape))  # reduced tiles keep a [P, 1] layout
     v = values(ctx, data)
@@ -295,10 +341,20 @@ def tensor_reduce(op: Any, data: Tile, axis: Any, *, dtype: Any = None, mask: An
     return finish(ctx, shape, out_dt, out)
 
 
-def activation(op: Any, data: Tile, *, bias: Tile | None = None, scale: Any = 1.0, reduce_op: Any = None,
-               reduce_res: Tile | None = None, reduce_cmd: Any = None, mask: Any = None, dtype: Any = None,
-               reduce_always: bool = False) -> Tile:
-    """nisa.activation on ScalarE: op(data * scale + bias), optional add-reduction of the result into reduce_res."""
+def activation(
+    op: Any,
+    data: Tile,
+    *,
+    bias: Tile | None = None,
+    scale: Any = 1.0,
+    reduce_op: Any = None,
+    reduce_res: Tile | None = None,
+    reduce_cmd: Any = None,
+    mask: Any = None,
+    dtype: Any = None,
+    reduce_always: bool = False,
+) -> Tile:
+    """nisa.activation on ScalarE: op(data * scale + bias), optional add-reduction into reduce_res."""
     ctx = current()
     name, fn = ops.resolve_activation(op)
     operand(data, "data", "activation")
@@ -313,14 +369,20 @@ def activation(op: Any, data: Tile, *, bias: Tile | None = None, scale: Any = 1.
             if bias.dtype not in (dtypes.float32, dtypes.float16, dtypes.bfloat16):
                 raise DtypeError(f"activation bias must be fp32, fp16 or bf16, got {bias.dtype}")
             if bias.partitions != data.partitions or bias.free_size != 1:
-                raise ShapeError(f"activation bias must be a [{data.partitions}, 1] vector, got {list(bias.shape)}")
+                raise ShapeError(
+                    f"activation bias must be a [{data.partitions}, 1] vector, got {list(bias.shape)}"
+                )
     if isinstance(scale, Tile):
         operand(scale, "scale", "activation")
         if scale.dtype != dtypes.float32 or scale.partitions != data.partitions or scale.free_size != 1:
-            raise DtypeError(f"activation scale must be an fp32 scalar or [{data.partitions}, 1] fp32 vector, got "
-                             f"{scale.dtype}{list(scale.shape)}")
+            raise DtypeError(
+                f"activation scale must be an fp32 scalar or [{data.partitions}, 1] fp32 vector, got "
+                f"{scale.dtype}{list(scale.shape)}"
+            )
     elif not isinstance(scale, (int, float, np.integer, np.floating)):
-        raise DtypeError(f"activation scale must be a scalar or an fp32 [P, 1] tile, got {type(scale).__name__}")
+        raise DtypeError(
+            f"activation scale must be a scalar or an fp32 [P, 1] tile, got {type(scale).__name__}"
+        )
     do_reduce = reduce_always or (reduce_op is not None and reduce_res is not None)
     if do_reduce:
         rname = ops.op_name(reduce_op) if reduce_op is not None else "add"
@@ -329,10 +391,15 @@ def activation(op: Any, data: Tile, *, bias: Tile | None = None, scale: Any = 1.
         if reduce_res is not None:
             operand(reduce_res, "reduce_res", "activation")
             if reduce_res.partitions != data.partitions or reduce_res.free_size != 1:
-                raise ShapeError(f"reduce_res must be a [{data.partitions}, 1] tile, got {list(reduce_res.shape)}")
+                raise ShapeError(
+                    f"reduce_res must be a [{data.partitions}, 1] tile, got {list(reduce_res.shape)}"
+                )
     m = _mask(data, mask)
-    ctx.cost.instr("scalar", "activation_reduce" if do_reduce else "activation",
-                   cost.streaming_cycles(data.free_size, extra=cost.RED_RES_READOUT if do_reduce else 0.0))
+    ctx.cost.instr(
+        "scalar",
+        "activation_reduce" if do_reduce else "activation",
+        cost.streaming_cycles(data.free_size, extra=cost.RED_RES_READOUT if do_reduce else 0.0),
+    )
     v = values(ctx, data)
     out = None
     if v is not None:
@@ -366,14 +433,25 @@ def tensor_copy(src: Tile, *, dtype: Any = None, mask: Any = None, engine: str =
     return finish(ctx, src.shape, _out_dtype(dtype, src.dtype), values(ctx, src), m)
 
 
-def memset(shape: Sequence[int], value: Any, dtype: Any, *, mask: Any = None, engine: str = "unknown",
-           buffer: Buffer = Buffer.SBUF, name: str = "", par_axis: int = 0) -> Tile:
-    """Allocate and fill (nl.zeros/ones/full, nisa.memset); PSUM memsets run on VectorE, SBUF ones on GpSimd."""
+def memset(
+    shape: Sequence[int],
+    value: Any,
+    dtype: Any,
+    *,
+    mask: Any = None,
+    engine: str = "unknown",
+    buffer: Buffer = Buffer.SBUF,
+    name: str = "",
+    par_axis: int = 0,
+) -> Tile:
+    """Allocate and fill (nl.zeros/ones/full, nisa.memset); PSUM memsets on VectorE, SBUF on GpSimd."""
     from neuron_opt.nki_sim.core.instr import new_tile
 
     ctx = current()
     dt = dtypes.normalize(dtype)
-    t = new_tile(tuple(shape), dt, buffer, fill=None if ctx.count_only else value, name=name, par_axis=par_axis)
+    t = new_tile(
+        tuple(shape), dt, buffer, fill=None if ctx.count_only else value, name=name, par_axis=par_axis
+    )
     if engine == "gpsimd" and buffer is Buffer.PSUM:
         raise MemoryPlacementError("memset on GpSimd engine cannot access PSUM")
     eng = "vector" if buffer is Buffer.PSUM or engine == "vector" else "gpsimd"
@@ -392,17 +470,33 @@ def iota(expr: Any, dtype: Any, *, mask: Any = None) -> Tile:
     if e.dtype.kind not in "iu":
         raise DtypeError(f"iota expression must be an integer index expression, got {e.dtype}")
     if e.ndim < 2:
-        raise SimulatorError("iota needs a 2-D index expression, e.g. nl.arange(64)[:, None] (1-D arange not supported)")
+        raise SimulatorError(
+            "iota needs a 2-D index expression, e.g. nl.arange(64)[:, None] (1-D arange not supported)"
+        )
     shape = tuple(e.shape)
     if shape[0] > 128:
         raise PartitionError(f"Size of partition dimension {shape[0]} exceeds architecture limitation of 128")
     ctx.cost.instr("gpsimd", "iota", cost.gpsimd_cycles(int(np.prod(shape[1:]))))
-    return finish(ctx, shape, dtypes.normalize(dtype), None if ctx.count_only else e.astype(np.float64),
-                  _mask_for(shape, mask))
+    return finish(
+        ctx,
+        shape,
+        dtypes.normalize(dtype),
+        None if ctx.count_only else e.astype(np.float64),
+        _mask_for(shape, mask),
+    )
 
 
-def select(ctx: SimContext, pred: np.ndarray | None, on_true: Tile, on_false: Any, out_dt: np.dtype,
-           mask: Any, engine: str, op: str, shape: tuple[int, ...]) -> Tile:
+def select(
+    ctx: SimContext,
+    pred: np.ndarray | None,
+    on_true: Tile,
+    on_false: Any,
+    out_dt: np.dtype,
+    mask: Any,
+    engine: str,
+    op: str,
+    shape: tuple[int, ...],
+) -> Tile:
     """Common part of affine_select / where: pred ? on_true : on_false."""
     n = on_true.free_size
     ctx.cost.instr(engine, op, cost.gpsimd_cycles(n) if engine == "gpsimd" else cost.streaming_cycles(n, 2.0))
@@ -427,11 +521,22 @@ def reciprocal(data: Tile, *, dtype: Any = None, mask: Any = None) -> Tile:
 
 def require_partition_first(x: Tile, op: str) -> None:
     if x.par_pos not in (0, None):
-        raise PartitionError(f"'{op}': the partition dimension must be the leading dimension of the tile {list(x.shape)}")
+        raise PartitionError(
+            f"'{op}': the partition dimension must be the leading dimension of the tile {list(x.shape)}"
+        )
 
 
-def scalar_tensor_tensor(data: Tile, op0: Any, operand0: Any, op1: Any, operand1: Tile, *, dtype: Any = None,
-                         mask: Any = None, engine: str = "vector") -> Tile:
+def scalar_tensor_tensor(
+    data: Tile,
+    op0: Any,
+    operand0: Any,
+    op1: Any,
+    operand1: Tile,
+    *,
+    dtype: Any = None,
+    mask: Any = None,
+    engine: str = "vector",
+) -> Tile:
     """(data op0 operand0) op1 operand1: operand0 a scalar or [P, 1] vector, operand1 a tile like data.
 
     Cost N for bf16 subtract-then-multiply with even N, else 2N (nki.md 4.2).
@@ -441,8 +546,10 @@ def scalar_tensor_tensor(data: Tile, op0: Any, operand0: Any, op1: Any, operand1
     operand(operand1, "operand1", "scalar_tensor_tensor")
     check_same_partitions("scalar_tensor_tensor", data, operand1, "data", "operand1")
     if data.free_size != operand1.free_size:
-        raise ShapeError(f"scalar_tensor_tensor: data{list(data.shape)} and operand1{list(operand1.shape)} differ in "
-                         "elements per partition")
+        raise ShapeError(
+            f"scalar_tensor_tensor: data{list(data.shape)} and operand1{list(operand1.shape)} differ in "
+            "elements per partition"
+        )
     if data.buffer is Buffer.PSUM and operand1.buffer is Buffer.PSUM:
         raise MemoryPlacementError("scalar_tensor_tensor: data and operand1 cannot both be in PSUM")
     _check_gpsimd(engine, "scalar_tensor_tensor", data, operand1)
@@ -450,8 +557,11 @@ def scalar_tensor_tensor(data: Tile, op0: Any, operand0: Any, op1: Any, operand1
     n1, f1 = ops.resolve_alu(op1)
     n = data.free_size
     fast = data.dtype == dtypes.bfloat16 and (n0, n1) == ("subtract", "multiply") and n % 2 == 0
-    ctx.cost.instr(engine if engine not in ("unknown", None) else "vector", "scalar_tensor_tensor",
-                   float(n if fast else 2 * n))
+    ctx.cost.instr(
+        engine if engine not in ("unknown", None) else "vector",
+        "scalar_tensor_tensor",
+        float(n if fast else 2 * n),
+    )
     s0 = _scalar_operand(ctx, data, operand0, "operand0")
     v, v1 = values(ctx, data), values(ctx, operand1)
     out = None if v is None else f1(f0(v, s0), v1.reshape(v.shape))  # type: ignore[union-attr]

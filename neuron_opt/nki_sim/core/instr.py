@@ -60,7 +60,9 @@ def new_tile(
     return tile
 
 
-def result(ctx: SimContext, shape: tuple[int, ...], dtype: Any, buffer: Buffer, values: np.ndarray | None) -> Tile:
+def result(
+    ctx: SimContext, shape: tuple[int, ...], dtype: Any, buffer: Buffer, values: np.ndarray | None
+) -> Tile:
     """A fresh instruction result holding `values` (fp32, before rounding)."""
     t = new_tile(shape, dtype, buffer, temporary=True)
     t.fresh = True
@@ -79,7 +81,8 @@ def operand(x: Any, arg: str, op: str, spaces: Iterable[str] = ONCHIP) -> Tile:
     spaces = tuple(spaces)
     if x.buffer.space not in spaces:
         raise MemoryPlacementError(
-            f"Expected operand '{arg}' of '{op}' to be in address space '{'|'.join(spaces)}', but got a tile in "
+            f"Expected operand '{arg}' of '{op}' to be in address space '{'|'.join(spaces)}', "
+            "but got a tile in "
             f"'{x.buffer.space}' instead."
         )
     if not x.buffer.is_hbm and x.partitions > PMAX:

@@ -103,7 +103,9 @@ class Storage:
         return f"{self.name}{list(self.shape)}:{self.dtype}@{self.buffer.value}"
 
 
-def new_data(shape: tuple[int, ...], dtype: np.dtype, count_only: bool, fill: Any = None) -> np.ndarray | None:
+def new_data(
+    shape: tuple[int, ...], dtype: np.dtype, count_only: bool, fill: Any = None
+) -> np.ndarray | None:
     """Allocate backing numpy memory, filled with the uninitialised-memory sentinel unless `fill` is given."""
     if count_only:
         return None

@@ -71,7 +71,7 @@ ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "trunc": np.trunc,
 }
 
-_BOOL = lambda f: (lambda a, b: f(a, b).astype(np.float32))  # noqa: E731 - comparisons give 1.0 / 0.0
+_BOOL = lambda f: lambda a, b: f(a, b).astype(np.float32)  # noqa: E731 - comparisons give 1.0 / 0.0
 
 ALU: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "add": np.add,
@@ -110,17 +110,51 @@ REDUCERS: dict[str, Callable[..., np.ndarray]] = {
 }
 
 _NUMPY_NAMES: dict[Any, str] = {
-    np.exp: "exp", np.log: "log", np.tanh: "tanh", np.square: "square", np.sqrt: "sqrt",
-    np.reciprocal: "reciprocal", np.negative: "negative", np.abs: "abs", np.absolute: "abs", np.copy: "copy",
-    np.sin: "sin", np.cos: "cos", np.tan: "tan", np.arctan: "arctan", np.sign: "sign", np.floor: "floor",
-    np.ceil: "ceil", np.trunc: "trunc",
-    np.add: "add", np.subtract: "subtract", np.multiply: "multiply", np.divide: "divide",
-    np.maximum: "maximum", np.minimum: "minimum", np.power: "power", np.max: "maximum", np.amax: "maximum",
-    np.min: "minimum", np.amin: "minimum", np.sum: "add", np.prod: "multiply",
-    np.equal: "equal", np.not_equal: "not_equal", np.greater: "greater", np.greater_equal: "greater_equal",
-    np.less: "less", np.less_equal: "less_equal", np.logical_and: "logical_and", np.logical_or: "logical_or",
-    np.logical_xor: "logical_xor", np.bitwise_and: "bitwise_and", np.bitwise_or: "bitwise_or",
-    np.bitwise_xor: "bitwise_xor", np.left_shift: "left_shift", np.right_shift: "right_shift",
+    np.exp: "exp",
+    np.log: "log",
+    np.tanh: "tanh",
+    np.square: "square",
+    np.sqrt: "sqrt",
+    np.reciprocal: "reciprocal",
+    np.negative: "negative",
+    np.abs: "abs",
+    np.absolute: "abs",
+    np.copy: "copy",
+    np.sin: "sin",
+    np.cos: "cos",
+    np.tan: "tan",
+    np.arctan: "arctan",
+    np.sign: "sign",
+    np.floor: "floor",
+    np.ceil: "ceil",
+    np.trunc: "trunc",
+    np.add: "add",
+    np.subtract: "subtract",
+    np.multiply: "multiply",
+    np.divide: "divide",
+    np.maximum: "maximum",
+    np.minimum: "minimum",
+    np.power: "power",
+    np.max: "maximum",
+    np.amax: "maximum",
+    np.min: "minimum",
+    np.amin: "minimum",
+    np.sum: "add",
+    np.prod: "multiply",
+    np.equal: "equal",
+    np.not_equal: "not_equal",
+    np.greater: "greater",
+    np.greater_equal: "greater_equal",
+    np.less: "less",
+    np.less_equal: "less_equal",
+    np.logical_and: "logical_and",
+    np.logical_or: "logical_or",
+    np.logical_xor: "logical_xor",
+    np.bitwise_and: "bitwise_and",
+    np.bitwise_or: "bitwise_or",
+    np.bitwise_xor: "bitwise_xor",
+    np.left_shift: "left_shift",
+    np.right_shift: "right_shift",
 }
 
 
@@ -142,7 +176,9 @@ def op_name(op: Any) -> str:
 def resolve_activation(op: Any) -> tuple[str, Callable[[np.ndarray], np.ndarray]]:
     name = op_name(op)
     if name not in ACTIVATIONS:
-        raise SimulatorError(f"'{name}' is not a supported activation function; supported: {sorted(ACTIVATIONS)}")
+        raise SimulatorError(
+            f"'{name}' is not a supported activation function; supported: {sorted(ACTIVATIONS)}"
+        )
     fn = ACTIVATIONS[name]
     return name, lambda x: _quiet(fn, x)
 

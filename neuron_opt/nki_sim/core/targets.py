@@ -21,7 +21,7 @@ class Target:
         nc_version: NeuronCore version (2 for trn1/inf2, 3 for trn2).
         tensor_ghz / vector_ghz / scalar_ghz / gpsimd_ghz: engine clocks.
         sbuf_bytes_per_partition: physical SBUF bytes per partition (capacity rule).
-        sbuf_usable_bytes_per_partition: what the compiler lets kernels allocate (`total_available_sbuf_size`).
+        sbuf_usable_bytes_per_partition: usable by kernels (`total_available_sbuf_size`).
         psum_banks / psum_bank_bytes: PSUM banks per partition and bytes per bank.
         dma_engines: DMA queues per NeuronCore.
         dma_engine_gbps: bytes/ns (= GB/s) per DMA engine.

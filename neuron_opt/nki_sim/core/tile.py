@@ -94,7 +94,10 @@ class Tile:
         return self.storage.name
 
     def __repr__(self) -> str:
-        return f"Tile({self.storage.name}, shape={list(self.shape)}, dtype={self.dtype}, buffer={self.buffer.value})"
+        return (
+            f"Tile({self.storage.name}, shape={list(self.shape)}, dtype={self.dtype}, "
+            f"buffer={self.buffer.value})"
+        )
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -148,10 +151,14 @@ class Tile:
                 new[d] = slice(pos, pos + 1, 1) if (onchip_par and not has_array) else pos
             elif isinstance(u, slice):
                 start, stop, step = _checked_slice(u, length, st.name, j)
-                new[d] = slice(base.start + start * base.step, base.start + stop * base.step, base.step * step)
+                new[d] = slice(
+                    base.start + start * base.step, base.start + stop * base.step, base.step * step
+                )
             elif isinstance(u, np.ndarray):
                 if u.dtype.kind not in "iu":
-                    raise IndexingError(f"index arrays must be integer (nl.arange expressions), got {u.dtype}")
+                    raise IndexingError(
+                        f"index arrays must be integer (nl.arange expressions), got {u.dtype}"
+                    )
                 new[d] = base.start + u * base.step
             else:
                 raise IndexingError(f"unsupported index {u!r} of type {type(u).__name__}")
@@ -160,7 +167,9 @@ class Tile:
             bshape = np.broadcast_shapes(*(a.shape for a in arrays))
             trailing = [_slice_len(e) for e in new if isinstance(e, slice)]
             # Trailing slices must come after every array (guaranteed by the mixing rule).
-            return Tile(st, tuple(new), tuple(bshape) + tuple(trailing), 0 if st.par_axis is not None else None, True)
+            return Tile(
+                st, tuple(new), tuple(bshape) + tuple(trailing), 0 if st.par_axis is not None else None, True
+            )
         shape = tuple(_slice_len(e) for e in new if isinstance(e, slice))
         par_pos = None
         if st.par_axis is not None:
@@ -179,7 +188,7 @@ class Tile:
         return Tile(self.storage, new, shape, par, True)
 
     def full_index_arrays(self) -> list[np.ndarray]:
-        """One int array per storage dim, each of the view's shape: the storage coordinate of every element."""
+        """One int array per storage dim, each of the view's shape: storage coordinates."""
         out: list[np.ndarray] = []
         if not self.advanced:
             view_dim = 0
@@ -242,7 +251,9 @@ class Tile:
             if np.broadcast_shapes(m.shape, self.shape) != self.shape:
                 raise ValueError
         except ValueError:
-            raise IndexingError(f"mask of shape {m.shape} does not broadcast to the access shape {self.shape}") from None
+            raise IndexingError(
+                f"mask of shape {m.shape} does not broadcast to the access shape {self.shape}"
+            ) from None
         return np.broadcast_to(m, self.shape)
 
     def masked_count(self, mask: np.ndarray | None) -> int:
@@ -258,7 +269,7 @@ class Tile:
         if mask is None:
             return data[self.index]
         full = self.full_index_arrays()
-        clipped = tuple(np.clip(f, 0, n - 1) for f, n in zip(full, self.storage.shape))
+        clipped = tuple(np.clip(f, 0, n - 1) for f, n in zip(full, self.storage.shape, strict=True))
         return data[clipped]
 
     def write(self, values: np.ndarray | float, mask: np.ndarray | None = None) -> None:
@@ -305,30 +316,64 @@ class Tile:
 
         return engines_vector.binary(other, self, op) if reverse else engines_vector.binary(self, other, op)
 
-    def __add__(self, o: Any) -> Tile: return self._bin(o, "add")
-    def __radd__(self, o: Any) -> Tile: return self._bin(o, "add", True)
-    def __sub__(self, o: Any) -> Tile: return self._bin(o, "subtract")
-    def __rsub__(self, o: Any) -> Tile: return self._bin(o, "subtract", True)
-    def __mul__(self, o: Any) -> Tile: return self._bin(o, "multiply")
-    def __rmul__(self, o: Any) -> Tile: return self._bin(o, "multiply", True)
-    def __truediv__(self, o: Any) -> Tile: return self._bin(o, "divide")
-    def __rtruediv__(self, o: Any) -> Tile: return self._bin(o, "divide", True)
-    def __pow__(self, o: Any) -> Tile: return self._bin(o, "power")
-    def __lt__(self, o: Any) -> Tile: return self._bin(o, "less")
-    def __le__(self, o: Any) -> Tile: return self._bin(o, "less_equal")
-    def __gt__(self, o: Any) -> Tile: return self._bin(o, "greater")
-    def __ge__(self, o: Any) -> Tile: return self._bin(o, "greater_equal")
-    def __and__(self, o: Any) -> Tile: return self._bin(o, "logical_and")
-    def __or__(self, o: Any) -> Tile: return self._bin(o, "logical_or")
+    def __add__(self, o: Any) -> Tile:
+        return self._bin(o, "add")
+
+    def __radd__(self, o: Any) -> Tile:
+        return self._bin(o, "add", True)
+
+    def __sub__(self, o: Any) -> Tile:
+        return self._bin(o, "subtract")
+
+    def __rsub__(self, o: Any) -> Tile:
+        return self._bin(o, "subtract", True)
+
+    def __mul__(self, o: Any) -> Tile:
+        return self._bin(o, "multiply")
+
+    def __rmul__(self, o: Any) -> Tile:
+        return self._bin(o, "multiply", True)
+
+    def __truediv__(self, o: Any) -> Tile:
+        return self._bin(o, "divide")
+
+    def __rtruediv__(self, o: Any) -> Tile:
+        return self._bin(o, "divide", True)
+
+    def __pow__(self, o: Any) -> Tile:
+        return self._bin(o, "power")
+
+    def __lt__(self, o: Any) -> Tile:
+        return self._bin(o, "less")
+
+    def __le__(self, o: Any) -> Tile:
+        return self._bin(o, "less_equal")
+
+    def __gt__(self, o: Any) -> Tile:
+        return self._bin(o, "greater")
+
+    def __ge__(self, o: Any) -> Tile:
+        return self._bin(o, "greater_equal")
+
+    def __and__(self, o: Any) -> Tile:
+        return self._bin(o, "logical_and")
+
+    def __or__(self, o: Any) -> Tile:
+        return self._bin(o, "logical_or")
 
     def __neg__(self) -> Tile:
         from neuron_opt.nki_sim.core import engines_vector
 
         return engines_vector.unary_vector(self, "negative")
 
-    def __iadd__(self, other: Any) -> Tile: return self._inplace(other, "add")
-    def __isub__(self, other: Any) -> Tile: return self._inplace(other, "subtract")
-    def __imul__(self, other: Any) -> Tile: return self._inplace(other, "multiply")
+    def __iadd__(self, other: Any) -> Tile:
+        return self._inplace(other, "add")
+
+    def __isub__(self, other: Any) -> Tile:
+        return self._inplace(other, "subtract")
+
+    def __imul__(self, other: Any) -> Tile:
+        return self._inplace(other, "multiply")
 
     def _inplace(self, other: Any, op: str) -> Tile:
         from neuron_opt.nki_sim.core import engines_vector

@@ -1,4 +1,4 @@
-"""Cost model: per-instruction formulas (nki.md 4.2), DMA accounting, overlap model, targets, report format."""
+"""Cost model: per-instruction formulas (nki.md 4.2), DMA accounting, overlap, targets, report."""
 
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ def _matmul_once(st_shape: tuple[int, int], mv_shape: tuple[int, int], dtype: An
         ((128, 128), (128, 512), nl.float32, 2048),  # fp32 is 4x
     ],
 )
-def test_matmul_cycles_follow_documented_formula(st: tuple[int, int], mv: tuple[int, int], dtype: Any,
-                                                 cycles: int) -> None:
+def test_matmul_cycles_follow_documented_formula(
+    st: tuple[int, int], mv: tuple[int, int], dtype: Any, cycles: int
+) -> None:
     rep = _matmul_once(st, mv, dtype)
     assert rep.engines["tensor"].instructions == 1
     assert rep.engines["tensor"].cycles == cycles
@@ -99,7 +100,9 @@ def test_psum_accumulation_is_free_but_sbuf_accumulation_costs_vector_time() -> 
         ps = nl.zeros((128, 512), dtype=nl.float32, buffer=nl.psum)
         acc = nl.zeros((128, 512), dtype=nl.float32, buffer=nl.sbuf)
         for _ in nl.affine_range(4):
-            ps += nisa.nc_matmul(nl.zeros((128, 128), dtype=nl.bfloat16), nl.zeros((128, 512), dtype=nl.bfloat16))
+            ps += nisa.nc_matmul(
+                nl.zeros((128, 128), dtype=nl.bfloat16), nl.zeros((128, 512), dtype=nl.bfloat16)
+            )
         acc[...] += ps
         return a
 

@@ -1,4 +1,4 @@
-"""kernels_nki/matmul.py: correctness against the numpy reference, and the trn1 calibration of the cost model."""
+"""kernels_nki/matmul.py: correctness vs the numpy reference; trn1 calibration of the cost model."""
 
 from __future__ import annotations
 

@@ -65,7 +65,9 @@ def test_psum_accumulates_in_fp32_and_bf16_operands_are_exact() -> None:
         out = nl.ndarray((m, rhs.shape[1]), dtype=nl.float32, buffer=nl.shared_hbm)
         acc = nl.zeros((m, rhs.shape[1]), dtype=nl.float32, buffer=nl.psum)
         for i in nl.affine_range(kk // 128):
-            acc += nisa.nc_matmul(nl.load(lhs_t[i * 128:(i + 1) * 128, :]), nl.load(rhs[i * 128:(i + 1) * 128, :]))
+            acc += nisa.nc_matmul(
+                nl.load(lhs_t[i * 128 : (i + 1) * 128, :]), nl.load(rhs[i * 128 : (i + 1) * 128, :])
+            )
         nl.store(out, value=acc)
         return out
 
@@ -102,7 +104,9 @@ def test_activation_scale_bias_and_reduce() -> None:
         out = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.shared_hbm)
         sums = nl.ndarray((x.shape[0], 1), dtype=nl.float32, buffer=nl.shared_hbm)
         red = nl.ndarray((x.shape[0], 1), dtype=nl.float32, buffer=nl.sbuf)
-        y = nisa.activation_reduce(nl.exp, nl.load(x), bias=nl.load(b), scale=-0.5, reduce_op=nl.add, reduce_res=red)
+        y = nisa.activation_reduce(
+            nl.exp, nl.load(x), bias=nl.load(b), scale=-0.5, reduce_op=nl.add, reduce_res=red
+        )
         nl.store(out, value=y)
         nl.store(sums, value=red)
         return out, sums
@@ -230,13 +234,16 @@ def test_count_only_matches_full_run_cost_and_returns_no_values() -> None:
         out = nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.shared_hbm)
         ps = nl.zeros((128, 512), dtype=nl.float32, buffer=nl.psum)
         for i in nl.affine_range(2):
-            ps += nisa.nc_matmul(nl.load(a[i * 128:(i + 1) * 128, :]), nl.load(b[i * 128:(i + 1) * 128, :]))
+            ps += nisa.nc_matmul(
+                nl.load(a[i * 128 : (i + 1) * 128, :]), nl.load(b[i * 128 : (i + 1) * 128, :])
+            )
         nl.store(out, value=nl.exp(ps))
         return out
 
     a, b = RNG.standard_normal((256, 128)).astype(BF16), RNG.standard_normal((256, 512)).astype(BF16)
     _, full = nki.simulate_kernel(k, a, b, report=True)
-    out, counted = nki.simulate_kernel(k, nki.ShapeDtype(a.shape, BF16), nki.ShapeDtype(b.shape, BF16),
-                                       count_only=True, report=True)
+    out, counted = nki.simulate_kernel(
+        k, nki.ShapeDtype(a.shape, BF16), nki.ShapeDtype(b.shape, BF16), count_only=True, report=True
+    )
     assert out is None
     assert counted.to_dict() == full.to_dict()

@@ -37,15 +37,20 @@ def sbuf_partition(bad: bool) -> Callable[..., Any]:
 def load_partition(bad: bool) -> Callable[..., Any]:
     def k(a: Any) -> Any:
         out = _out()
-        t = nl.load(a[0:256 if bad else 128, :])
+        t = nl.load(a[0 : 256 if bad else 128, :])
         nl.store(out, value=t[0:128, :])
         return out
 
     return k
 
 
-def _mm(st_shape: tuple[int, int], mv_shape: tuple[int, int], st_buf: Any = nl.sbuf, st_dt: Any = nl.bfloat16,
-        mv_dt: Any = nl.bfloat16) -> Callable[..., Any]:
+def _mm(
+    st_shape: tuple[int, int],
+    mv_shape: tuple[int, int],
+    st_buf: Any = nl.sbuf,
+    st_dt: Any = nl.bfloat16,
+    mv_dt: Any = nl.bfloat16,
+) -> Callable[..., Any]:
     def k(a: Any) -> Any:
         st = nl.zeros(st_shape, dtype=st_dt, buffer=st_buf)
         mv = nl.zeros(mv_shape, dtype=mv_dt, buffer=nl.sbuf)
@@ -70,8 +75,7 @@ def mm_moving_free(bad: bool) -> Callable[..., Any]:
 
 
 def mm_operand_psum(bad: bool) -> Callable[..., Any]:
-    return _mm((128, 128), (128, 512), st_buf=nl.psum if bad else nl.sbuf, st_dt=nl.float32,
-               mv_dt=nl.float32)
+    return _mm((128, 128), (128, 512), st_buf=nl.psum if bad else nl.sbuf, st_dt=nl.float32, mv_dt=nl.float32)
 
 
 def mm_mixed_fp32(bad: bool) -> Callable[..., Any]:
@@ -214,7 +218,7 @@ def activation_bias(bad: bool) -> Callable[..., Any]:
     def k(a: Any) -> Any:
         out = _out()
         x = nl.load(a[0:128, :])
-        bias = nl.load(a[128:256, 0:4 if bad else 1])
+        bias = nl.load(a[128:256, 0 : 4 if bad else 1])
         nl.store(out, value=nisa.activation(nl.exp, x, bias=bias))
         return out
 
@@ -223,7 +227,7 @@ def activation_bias(bad: bool) -> Callable[..., Any]:
 
 def transpose_size(bad: bool) -> Callable[..., Any]:
     def k(a: Any) -> Any:  # a is [128, 256]
-        x = nl.load(a[:, 0:256 if bad else 128])
+        x = nl.load(a[:, 0 : 256 if bad else 128])
         t = nisa.nc_transpose(x, engine=nisa.tensor_engine)
         out = nl.ndarray(t.shape, dtype=nl.float32, buffer=nl.shared_hbm)
         nl.store(out, value=t)
@@ -237,7 +241,7 @@ def out_of_scope(bad: bool) -> Callable[..., Any]:
         out = _out()
         keep = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
         for i in nl.affine_range(2):
-            t = nl.load(a[i * 128:(i + 1) * 128, :])
+            t = nl.load(a[i * 128 : (i + 1) * 128, :])
             keep[...] = nl.add(keep, t) if i else nl.copy(t)
         nl.store(out, value=t if bad else keep)
         return out
@@ -292,8 +296,20 @@ def store_slice_oob(bad: bool) -> Callable[..., Any]:
 
 
 CASES: list[tuple[str, Callable[[bool], Callable[..., Any]], tuple[int, int], type[Exception], str]] = [
-    ("sbuf_partition_over_128", sbuf_partition, (256, 64), nki.PartitionError, "exceeds architecture limitation"),
-    ("load_partition_over_128", load_partition, (256, 64), nki.PartitionError, "exceeds architecture limitation"),
+    (
+        "sbuf_partition_over_128",
+        sbuf_partition,
+        (256, 64),
+        nki.PartitionError,
+        "exceeds architecture limitation",
+    ),
+    (
+        "load_partition_over_128",
+        load_partition,
+        (256, 64),
+        nki.PartitionError,
+        "exceeds architecture limitation",
+    ),
     ("matmul_contraction_mismatch", mm_contraction, (128, 64), nki.PartitionError, "contraction"),
     ("matmul_stationary_free", mm_stationary_free, (128, 64), nki.ShapeError, "gemm_stationary_fmax"),
     ("matmul_moving_free", mm_moving_free, (128, 64), nki.ShapeError, "gemm_moving_fmax"),
@@ -303,8 +319,20 @@ CASES: list[tuple[str, Callable[[bool], Callable[..., Any]], tuple[int, int], ty
     ("psum_more_than_8_banks", psum_banks, (128, 64), nki.CapacityError, "PSUM exhausted"),
     ("sbuf_capacity", sbuf_capacity, (128, 64), nki.CapacityError, "SBUF capacity exceeded"),
     ("compute_engine_reads_hbm", compute_on_hbm, (128, 64), nki.MemoryPlacementError, "'psum|sbuf'"),
-    ("load_from_sbuf", load_from_sbuf, (128, 64), nki.MemoryPlacementError, "'load' to be in address space 'hbm'"),
-    ("store_to_sbuf", store_to_sbuf, (128, 64), nki.MemoryPlacementError, "'store' to be in address space 'hbm'"),
+    (
+        "load_from_sbuf",
+        load_from_sbuf,
+        (128, 64),
+        nki.MemoryPlacementError,
+        "'load' to be in address space 'hbm'",
+    ),
+    (
+        "store_to_sbuf",
+        store_to_sbuf,
+        (128, 64),
+        nki.MemoryPlacementError,
+        "'store' to be in address space 'hbm'",
+    ),
     ("dma_copy_from_psum", dma_from_psum, (128, 64), nki.MemoryPlacementError, "dma_copy"),
     ("hbm_out_of_bounds_unmasked", hbm_oob, (200, 64), nki.OutOfBoundsError, "Out-of-bound access"),
     ("tensor_tensor_partition_mismatch", tt_partitions, (256, 64), nki.PartitionError, "mismatch"),
@@ -326,21 +354,31 @@ def _input(shape: tuple[int, int]) -> np.ndarray:
 
 
 @pytest.mark.parametrize("name,build,shape,exc,msg", CASES, ids=[c[0] for c in CASES])
-def test_illegal_kernel_raises(name: str, build: Callable[[bool], Callable[..., Any]], shape: tuple[int, int],
-                               exc: type[Exception], msg: str) -> None:
+def test_illegal_kernel_raises(
+    name: str,
+    build: Callable[[bool], Callable[..., Any]],
+    shape: tuple[int, int],
+    exc: type[Exception],
+    msg: str,
+) -> None:
     with pytest.raises(exc, match=re.escape(msg)) as info:
         nki.simulate_kernel(nki.jit(build(True)), _input(shape))
     assert isinstance(info.value, nki.SimulatorError)
 
 
 @pytest.mark.parametrize("name,build,shape,exc,msg", CASES, ids=[c[0] for c in CASES])
-def test_legal_twin_runs(name: str, build: Callable[[bool], Callable[..., Any]], shape: tuple[int, int],
-                         exc: type[Exception], msg: str) -> None:
+def test_legal_twin_runs(
+    name: str,
+    build: Callable[[bool], Callable[..., Any]],
+    shape: tuple[int, int],
+    exc: type[Exception],
+    msg: str,
+) -> None:
     nki.simulate_kernel(nki.jit(build(False)), _input(shape))
 
 
 def test_every_rule_also_fires_in_count_only_mode() -> None:
     """Rules are checked from shapes alone, so count-only runs reject the same kernels."""
-    for name, build, shape, exc, _ in CASES:
+    for _name, build, shape, exc, _msg in CASES:
         with pytest.raises(exc):
             nki.simulate_kernel(nki.jit(build(True)), nki.ShapeDtype(shape, np.float32), count_only=True)
