@@ -22,14 +22,16 @@ o_s = sum exp(scale*(x - m_s)) v; the splits are merged at the end:
 Independent splits carry no loop dependency (unlike a running online softmax), so the compiler may overlap
 them; the same partials are what a sequence-sharded (multi-core) decode would exchange.
 
-Length mask: positions >= lengths[b] get -1e30 added to their scores. The additive row is built on one
-partition (GpSimd iota, VectorE compare) and broadcast to the G score rows by a second matmul accumulating
-into the same PSUM tile (ones[1, G]^T @ bias[1, w]), the TensorE partition-broadcast idiom. A split entirely
-past the length gets m_s ~ -1e30 and merge weight exactly 0.
+Length mask: positions >= lengths[b] get at most -1e30 added to their scores. On one partition,
+past = relu(pos - len + 1) (GpSimd iota, one ScalarE activation) is 0 for valid positions and >= 1 past the
+length; a second matmul accumulating into the score PSUM tile adds NEG * past to each of the G rows
+(stationary = a [1, G] row of NEG), the TensorE partition-broadcast idiom. Scores stay in PSUM: VectorE
+takes the row max and ScalarE the exp straight from there. A split entirely past the length gets
+m_s <= -1e30 and merge weight exactly 0.
 
 Pseudocode (per program = (b, kv head)):
     for split s: for tile [k0, k0 + w) (w <= 512):
-            sc[:, tile] = q^T K^T[:, tile] + ones^T (NEG * (k0 + iota >= len))    # PSUM [G, w]
+            sc[:, tile] = q^T K^T[:, tile] + NEG^T relu(k0 + iota - len + 1)  # PSUM [G, w]
         m_s = rowmax(sc);  p = exp(scale*sc - scale*m_s) (rowsum -> l_s)
         for 128-position chunk: o_s += transpose(p[:, chunk])^T @ V[chunk]          # PSUM [G, D]
     merge as above; store [G, D].
@@ -41,6 +43,7 @@ float32 or bfloat16; lengths[b] >= 1. All splits up to S_max are computed (lengt
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -53,7 +56,7 @@ NEG = -1.0e30  # added to scores of positions past the length
 
 
 @nki.jit
-def decode_attention_kernel(q_t, k_t, v, lengths, softmax_scale=1.0, split_size=1024):
+def decode_attention_kernel(q_t, k_t, v, lengths, softmax_scale=1.0, split_size=512):
     """Launch as `decode_attention_kernel[B, n_kv_heads](q_t, k_t, v, lengths, softmax_scale=..., ...)`."""
     n_b, n_kv, d, g = q_t.shape
     s_max = k_t.shape[3]
@@ -66,7 +69,8 @@ def decode_attention_kernel(q_t, k_t, v, lengths, softmax_scale=1.0, split_size=
 
     q_sb = nl.load(q_t[b, kvh])  # [D, G] stationary
     len_f = nisa.tensor_copy(nl.load(lengths[nl.ds(b, 1), :]), dtype=nl.float32)  # [1, 1]
-    ones_row = nl.ones((1, g), dtype=mm_dtype, buffer=nl.sbuf)
+    one_minus_len = nl.multiply(nl.add(len_f, -1.0), -1.0)  # [1, 1]: 1 - len
+    neg_row = nl.full((1, g), NEG, dtype=mm_dtype, buffer=nl.sbuf)
 
     m_all = nl.ndarray((g, n_splits), dtype=nl.float32, buffer=nl.sbuf)
     l_all = nl.ndarray((g, n_splits), dtype=nl.float32, buffer=nl.sbuf)
@@ -74,30 +78,39 @@ def decode_attention_kernel(q_t, k_t, v, lengths, softmax_scale=1.0, split_size=
     for sp in nl.static_range(n_splits):
         s0 = sp * split_size
         sw = min(split_size, s_max - s0)
-        sc = nl.ndarray((g, split_size), dtype=nl.float32, buffer=nl.sbuf)
-        for t in nl.static_range((sw + tile - 1) // tile):
+        n_t = (sw + tile - 1) // tile
+        s_ps = nl.ndarray((n_t, nl.par_dim(g), tile), dtype=nl.float32, buffer=nl.psum)  # scores stay in PSUM
+        mx = nl.ndarray((g, n_t), dtype=nl.float32, buffer=nl.sbuf)
+        for t in nl.static_range(n_t):
             k0 = s0 + t * tile
             w = min(tile, s_max - k0)
             k_sb = nl.load(k_t[b, kvh, :, k0:k0 + w])  # [D, w]
-            i_f = nl.arange(w)[None, :]
-            pos = nisa.iota(k0 + i_f, dtype=nl.float32)  # [1, w]
-            bias = nisa.tensor_scalar(pos, op0=nl.greater_equal, operand0=len_f, op1=nl.multiply,
-                                      operand1=NEG, dtype=mm_dtype)  # [1, w]: NEG past the length, else 0
-            s_ps = nl.zeros((g, tile), dtype=nl.float32, buffer=nl.psum)
-            s_ps[:, 0:w] += nisa.nc_matmul(q_sb, k_sb)  # [G, w]
-            s_ps[:, 0:w] += nisa.nc_matmul(ones_row, bias)  # broadcast the mask row to the G rows
-            sc[:, t * tile:t * tile + w] = nl.copy(s_ps[:, 0:w])
-        m_all[:, sp:sp + 1] = nisa.tensor_reduce(nl.maximum, sc[:, 0:sw], axis=(1,), keepdims=True)
-        nbias = nl.multiply(m_all[:, sp:sp + 1], -softmax_scale)
-        p = nisa.activation_reduce(nl.exp, sc[:, 0:sw], reduce_op=nl.add, reduce_res=l_all[:, sp:sp + 1],
-                                   bias=nbias, scale=softmax_scale, dtype=mm_dtype)  # [G, sw]
-        o_ps = nl.zeros((g, d), dtype=nl.float32, buffer=nl.psum)
-        for j in nl.static_range((sw + P_CHUNK - 1) // P_CHUNK):
-            c0 = j * P_CHUNK
-            cw = min(P_CHUNK, sw - c0)
-            pt = nl.copy(nisa.nc_transpose(p[:, c0:c0 + cw]), dtype=mm_dtype)  # [cw, G]
-            v_sb = nl.load(v[b, kvh, s0 + c0:s0 + c0 + cw, :])  # [cw, D]
-            o_ps[...] += nisa.nc_matmul(pt, v_sb)  # [G, D]
+            pos = nisa.iota(k0 + nl.arange(w)[None, :], dtype=nl.float32)  # [1, w] positions
+            # relu(pos - len + 1): 0 where pos < len, >= 1 past it (ScalarE); times the NEG row below.
+            past = nisa.activation(nl.relu, pos, bias=one_minus_len, scale=1.0, dtype=mm_dtype)
+            s_ps[t, :, 0:w] = nisa.nc_matmul(q_sb, k_sb)  # [G, w]
+            s_ps[t, :, 0:w] += nisa.nc_matmul(neg_row, past)  # + NEG * past, broadcast to the G rows
+            mx[:, t:t + 1] = nisa.tensor_reduce(nl.maximum, s_ps[t, :, 0:w], axis=(1,), keepdims=True)
+        m_s = m_all[:, sp:sp + 1]
+        m_s[...] = nisa.tensor_reduce(nl.maximum, mx, axis=(1,), keepdims=True) if n_t > 1 else mx
+        nbias = nisa.activation(nl.copy, m_s, scale=-softmax_scale)  # -scale * m_s
+        ls = nl.ndarray((g, n_t), dtype=nl.float32, buffer=nl.sbuf)
+        o_ps = nl.ndarray((g, d), dtype=nl.float32, buffer=nl.psum)
+        for t in nl.static_range(n_t):
+            w = min(tile, s_max - s0 - t * tile)
+            p = nisa.activation_reduce(nl.exp, s_ps[t, :, 0:w], reduce_op=nl.add, reduce_res=ls[:, t:t + 1],
+                                       bias=nbias, scale=softmax_scale, dtype=mm_dtype)  # [G, w]
+            for j in nl.static_range((w + P_CHUNK - 1) // P_CHUNK):
+                c0 = j * P_CHUNK
+                cw = min(P_CHUNK, w - c0)
+                pt = nl.copy(nisa.nc_transpose(p[:, c0:c0 + cw]), dtype=mm_dtype)  # [cw, G]
+                pos0 = s0 + t * tile + c0
+                v_sb = nl.load(v[b, kvh, pos0:pos0 + cw, :])  # [cw, D]
+                if t == 0 and j == 0:
+                    o_ps[...] = nisa.nc_matmul(pt, v_sb)  # [G, D]
+                else:
+                    o_ps[...] += nisa.nc_matmul(pt, v_sb)
+        l_all[:, sp:sp + 1] = nisa.tensor_reduce(nl.add, ls, axis=(1,), keepdims=True) if n_t > 1 else ls
         o_all[:, sp * d:(sp + 1) * d] = nl.copy(o_ps)
 
     # Merge the splits' partial softmax results.
@@ -136,7 +149,7 @@ def _check(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.
 
 
 def run(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.ndarray, *,
-        softmax_scale: float | None = None, split_size: int = 1024) -> np.ndarray:
+        softmax_scale: float | None = None, split_size: int = 512) -> np.ndarray:
     """Runs the kernel on logical layouts (simulator here, the SDK's NKI where installed).
 
     Args:
@@ -164,3 +177,19 @@ def run(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.nda
     out = simulate(decode_attention_kernel[b, n_kv], q_t, k_t, np.ascontiguousarray(v_cache), lens,
                    softmax_scale=scale, split_size=split_size)
     return np.asarray(out).reshape(b, n_heads, d)  # [B, n_kv, G, D] -> [B, n_heads, D]
+
+
+def estimate(b: int, n_heads: int, n_kv_heads: int, s_max: int, d: int, *, split_size: int = 512,
+             target: str = "trn1", dtype: Any = None) -> Any:
+    """Count-only cost Report of the simulator for one decode step (no values computed)."""
+    from neuron_opt import nki_sim
+
+    dt = nl.bfloat16 if dtype is None else dtype
+    g = n_heads // n_kv_heads
+    _, rep = nki_sim.simulate_kernel(decode_attention_kernel[b, n_kv_heads],
+                                     nki_sim.ShapeDtype((b, n_kv_heads, d, g), dt),
+                                     nki_sim.ShapeDtype((b, n_kv_heads, d, s_max), dt),
+                                     nki_sim.ShapeDtype((b, n_kv_heads, s_max, d), dt),
+                                     nki_sim.ShapeDtype((b, 1), nl.int32), target=target, count_only=True,
+                                     report=True, softmax_scale=1.0 / math.sqrt(d), split_size=split_size)
+    return rep

@@ -46,6 +46,7 @@ for bf16 D = 128).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -228,3 +229,33 @@ def run(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool = True,
     out = simulate(flash_attention_kernel[b, n_kv, n_heads // n_kv], q_t, k_t, np.ascontiguousarray(v),
                    causal=causal, softmax_scale=scale)
     return np.asarray(out)
+
+
+def estimate(b: int, n_heads: int, n_kv_heads: int, s: int, d: int, *, causal: bool = True,
+             target: str = "trn1", dtype: Any = None) -> Any:
+    """Count-only cost Report of the simulator for one launch (no values computed).
+
+    Args:
+        b, n_heads, n_kv_heads, s, d: Problem shape, as in `run`.
+        causal: Causal masking (skipped tiles are not issued, so this halves the work).
+        target: `trn1`, `inf2` or `trn2`.
+        dtype: Input dtype, default bfloat16.
+
+    Returns:
+        The simulator's `Report` (latency, per-engine busy time, TensorE utilisation).
+    """
+    from neuron_opt import nki_sim
+
+    dt = nl.bfloat16 if dtype is None else dtype
+    grid = flash_attention_kernel[b, n_kv_heads, n_heads // n_kv_heads]
+    _, rep = nki_sim.simulate_kernel(grid, nki_sim.ShapeDtype((b, n_heads, d, s), dt),
+                                     nki_sim.ShapeDtype((b, n_kv_heads, d, s), dt),
+                                     nki_sim.ShapeDtype((b, n_kv_heads, s, d), dt), target=target, count_only=True,
+                                     report=True, causal=causal, softmax_scale=1.0 / math.sqrt(d))
+    return rep
+
+
+def useful_flops(b: int, n_heads: int, s: int, d: int, *, causal: bool = True) -> int:
+    """Matmul FLOPs attention needs (QK^T and PV over the keys each query attends to)."""
+    pairs = s * (s + 1) // 2 if causal else s * s
+    return 4 * b * n_heads * d * pairs

@@ -24,6 +24,8 @@ per partition, so H <= 8192.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from kernels_nki._nki import nisa, nki, nl, simulate
@@ -95,3 +97,15 @@ def run(x: np.ndarray, weight: np.ndarray, eps: float,
     normed, h = simulate(rmsnorm_kernel, np.ascontiguousarray(x), w_row, np.ascontiguousarray(residual),
                          eps=float(eps))
     return np.asarray(normed), np.asarray(h)
+
+
+def estimate(n: int, h: int, *, residual: bool = False, target: str = "trn1", dtype: Any = None) -> Any:
+    """Count-only cost Report of the simulator (no values computed)."""
+    from neuron_opt import nki_sim
+
+    dt = nl.bfloat16 if dtype is None else dtype
+    args = [nki_sim.ShapeDtype((n, h), dt), nki_sim.ShapeDtype((1, h), dt)]
+    if residual:
+        args.append(nki_sim.ShapeDtype((n, h), dt))
+    _, rep = nki_sim.simulate_kernel(rmsnorm_kernel, *args, target=target, count_only=True, report=True, eps=1e-6)
+    return rep
