@@ -1,0 +1,148 @@
+"""Engine tests on a tiny random model with the real tokenizer: batched continuous decoding must give every request
+exactly what the single-sequence reference loop (`LLM.generate_ids`) gives it, greedy and seeded sampling alike.
+
+The engine is stepped synchronously here (`engine.step()`, no thread), so the tests are deterministic.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from neuron_opt.api import LLM
+from neuron_opt.errors import ContextLengthError, QueueFullError
+from neuron_opt.runtime.engine import Engine, RequestOutput
+from neuron_opt.runtime.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llms(tiny_dir):
+    # one intra-op thread: for a model this small, thread barriers cost more than they save (a lot more when
+    # the machine's cores are busy)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    path = tiny_dir("smollm-tok")
+    yield LLM(path, batch_size=4, max_length=128), LLM(path, batch_size=1, max_length=128)
+    torch.set_num_threads(threads)
+
+
+def run_all(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]], max_steps: int = 500,
+            on_step=None) -> dict[str, list[RequestOutput]]:
+    outs: dict[str, list[RequestOutput]] = {rid: [] for rid in requests}
+    for rid, (ids, params) in requests.items():
+        engine.add_request(rid, ids, params, outs[rid].append)
+    for i in range(max_steps):
+        if on_step is not None:
+            on_step(i, outs)
+        if not engine.step() and engine.num_unfinished == 0:
+            break
+    return outs
+
+
+def test_batched_outputs_match_single_sequence_reference(llms):
+    llm, ref = llms
+    prompts = [f"Request number {i} says" + " hello" * i for i in range(7)]
+    params = [SamplingParams(max_tokens=5 + 3 * i, temperature=0.0) if i % 2 == 0 else
+              SamplingParams(max_tokens=12, temperature=0.8, top_k=50, top_p=0.9, seed=100 + i) for i in range(7)]
+    params[3] = SamplingParams(max_tokens=10, temperature=0.0, presence_penalty=1.0, frequency_penalty=0.5)
+    engine = Engine(llm.runner, llm.tokenizer, llm.eos_token_ids, max_prefill_tokens=16)
+    ids = [list(llm.tokenizer(p)["input_ids"]) for p in prompts]
+    outs = run_all(engine, {str(i): (ids[i], params[i]) for i in range(7)})
+    assert engine.stats.prefills == 7 and engine.num_unfinished == 0 and engine.scheduler.num_free_slots == 4
+    for i in range(7):
+        want = ref.generate_ids(ids[i], params[i])
+        got = outs[str(i)]
+        assert [t for o in got for t in o.new_token_ids] == want.token_ids, i
+        assert "".join(o.text_delta for o in got) == want.text
+        assert got[-1].finished and got[-1].finish_reason == want.finish_reason
+        assert all(not o.finished for o in got[:-1])
+        assert [o.num_output_tokens for o in got] == list(range(1, len(want.token_ids) + 1))
+
+
+def test_stop_strings_and_logprobs_match_reference(llms):
+    llm, ref = llms
+    ids = list(llm.tokenizer("The list goes on and on")["input_ids"])
+    full = ref.generate_ids(ids, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)).text
+    stop = full[len(full) // 2: len(full) // 2 + 3]  # a string the greedy continuation is known to contain
+    params = SamplingParams(max_tokens=12, temperature=0.0, stop=(stop,), logprobs=3)
+    want = ref.generate_ids(ids, params)
+    engine = Engine(llm.runner, llm.tokenizer, llm.eos_token_ids)
+    got = run_all(engine, {"a": (ids, params)})["a"]
+    assert "".join(o.text_delta for o in got) == want.text and got[-1].finish_reason == "stop" == want.finish_reason
+    lps = [lp for o in got for lp in o.logprobs]
+    assert [lp.logprob for lp in lps] == pytest.approx(want.logprobs, abs=1e-5)
+    assert all(len(lp.top) == 3 and lp.top[0][1] >= lp.logprob - 1e-6 for lp in lps)
+
+
+def test_abort_frees_slot_for_the_next_request(llms):
+    llm, ref = llms
+    engine = Engine(llm.runner, llm.tokenizer, llm.eos_token_ids, max_num_seqs=1)
+    long = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=4, temperature=0.0)
+    ids = list(llm.tokenizer("one two three")["input_ids"])
+
+    def cancel_a(step, outs):
+        if step == 3:
+            engine.abort("a")
+
+    outs = run_all(engine, {"a": (ids, long), "b": (ids, short)}, on_step=cancel_a)
+    assert outs["a"][-1].finish_reason == "abort" and len(outs["a"]) < 10
+    assert [t for o in outs["b"] for t in o.new_token_ids] == ref.generate_ids(ids, short).token_ids
+    assert engine.scheduler.num_free_slots == 1 and engine.num_unfinished == 0
+
+
+def test_rejections_are_synchronous(llms):
+    llm, _ = llms
+    engine = Engine(llm.runner, llm.tokenizer, llm.eos_token_ids, max_num_seqs=1, max_waiting=1)
+    with pytest.raises(ContextLengthError, match="maximum context length is 128 tokens"):
+        engine.add_request("big", [5] * 100, SamplingParams(max_tokens=50), lambda o: None)
+    engine.add_request("a", [5, 6], SamplingParams(max_tokens=2), lambda o: None)
+    engine.add_request("b", [5, 6], SamplingParams(max_tokens=2), lambda o: None)
+    with pytest.raises(QueueFullError, match="retry later"):
+        engine.add_request("c", [5, 6], SamplingParams(max_tokens=2), lambda o: None)
+
+
+class FailingRunner:
+    """Delegates to a real runner; prefill of a prompt starting with token 13 raises (a backend failure)."""
+
+    def __init__(self, runner):
+        self._runner = runner
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+    def prefill(self, slot, token_ids):
+        if token_ids[0] == 13:
+            raise RuntimeError("simulated backend failure")
+        return self._runner.prefill(slot, token_ids)
+
+
+def test_runner_failure_fails_only_that_request(llms):
+    llm, ref = llms
+    engine = Engine(FailingRunner(llm.runner), llm.tokenizer, llm.eos_token_ids)
+    p = SamplingParams(max_tokens=6, temperature=0.0)
+    outs = run_all(engine, {"bad": ([13, 14, 15], p), "good": ([20, 21, 22], p)})
+    assert outs["bad"][-1].finish_reason == "error" and "simulated backend failure" in outs["bad"][-1].error
+    assert [t for o in outs["good"] for t in o.new_token_ids] == ref.generate_ids([20, 21, 22], p).token_ids
+    assert engine.scheduler.num_free_slots == 4
+
+
+def test_background_thread_serves_and_stops(llms):
+    import threading
+
+    llm, ref = llms
+    engine = Engine(llm.runner, llm.tokenizer, llm.eos_token_ids)
+    engine.start()
+    done, outs = threading.Event(), []
+
+    def on_output(o):
+        outs.append(o)
+        if o.finished:
+            done.set()
+
+    p = SamplingParams(max_tokens=8, temperature=0.0)
+    engine.add_request("x", [30, 31], p, on_output)
+    assert done.wait(30)
+    engine.stop()
+    assert not engine.is_alive()
+    assert [t for o in outs for t in o.new_token_ids] == ref.generate_ids([30, 31], p).token_ids
