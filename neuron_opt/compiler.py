@@ -100,25 +100,17 @@ def plan_buckets(cfg: ModelConfig, req: CompileRequest) -> tuple[CacheConfig, Bu
 
 def format_plan(cfg: ModelConfig, par: ParallelConfig, cache: CacheConfig, buckets: BucketConfig,
                 backend: str, dtype: str) -> str:
-    from neuron_opt.parallel import head_layout
+    """The planner's table (memory per rank, fit, buckets) plus the graph count and compile-time estimate."""
+    from neuron_opt.planner import format_plan_table
 
-    lay = head_layout(cfg, par)
-    esz = torch.finfo(getattr(torch, dtype)).bits // 8
-    weights = cfg.num_parameters() * esz
-    kv = 2 * cfg.num_hidden_layers * cache.num_slots * lay.n_kv_local * cache.max_length * cfg.head_dim * esz
+    instance = par.instance if (backend == "neuron" and par.instance) else "cpu"
     graphs = buckets.buckets()
     est = EST_SECONDS_PER_GRAPH.get(backend, 60.0) * max(1.0, cfg.num_parameters() / 135e6) * len(graphs) * par.tp
-    lines = [
-        f"plan: {cfg.architecture} ({cfg.num_parameters() / 1e6:.1f}M params), backend={backend}, dtype={dtype}, "
-        f"tp={par.tp} (heads: {lay.strategy}, {lay.n_heads_local} q / {lay.n_kv_local} kv per rank)",
-        f"  {'phase':<8}{'batch':>6}{'seq/kv':>8}",
-        *[f"  {b.phase:<8}{b.batch:>6}{b.seq:>8}" for b in graphs],
-        f"  graphs: {len(graphs)} per rank x {par.tp} rank(s)",
-        f"  memory per rank: weights {weights / par.tp / 2**20:.1f} MiB + KV cache {kv / 2**20:.1f} MiB "
-        f"({cache.num_slots} slots x {cache.max_length} positions)",
-        f"  estimated compile time (cold cache): {est / 60:.1f} min",
-    ]
-    return "\n".join(lines)
+    return "\n".join([
+        format_plan_table(cfg, par, cache, buckets, instance=instance, dtype=dtype),
+        f"  backend {backend}: {len(graphs)} graph(s) per rank x {par.tp} rank(s); estimated compile time with a "
+        f"cold cache: {est / 60:.1f} min",
+    ])
 
 
 def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, progress: bool = True) -> CompileReport:
