@@ -19,9 +19,9 @@ Design decisions
   plain `torch_neuronx.trace` aliases only a module's own state, which separately traced bucket graphs
   cannot share, hence the windows. See docs/neuron_backend.md for the trade-off and the ModelBuilder route.
 - Compiler flags are backend options (part of the compile-cache key): `compiler_args` (default: the
-  ModelBuilderV2 defaults `--enable-saturate-infinity --auto-cast=none --model-type=transformer -O1`), `target`
-  (`inf2` / `trn1` / `trn2`: trace on a CPU host with `cpu_backend=True` and `--target`), `compiler_workdir`
-  (keep neuronx-cc's intermediate files for debugging).
+  ModelBuilderV2 defaults `--enable-saturate-infinity --auto-cast=none --model-type=transformer -O1`),
+  `target` (`inf2` / `trn1` / `trn2`: trace on a CPU host with `cpu_backend=True` and `--target`),
+  `compiler_workdir` (keep neuronx-cc's intermediate files for debugging).
 """
 
 from __future__ import annotations
@@ -59,14 +59,18 @@ def import_sdk() -> ModuleType:
 def unavailable_message(exc: BaseException) -> str:
     text = str(exc)
     if "WRONG PACKAGE" in text:
-        why = ("the installed 'torch-neuronx'/'neuronx-cc' are the PyPI placeholder packages ('WRONG PACKAGE'); "
-               "the real ones are published only in the Neuron pip repository")
+        why = (
+            "the installed 'torch-neuronx'/'neuronx-cc' are the PyPI placeholder packages ('WRONG PACKAGE'); "
+            "the real ones are published only in the Neuron pip repository"
+        )
     else:
         why = f"importing torch_neuronx failed: {type(exc).__name__}: {text}"
-    return (f"the neuron backend needs the AWS Neuron SDK (torch-neuronx with the neuronx-cc compiler): {why}. "
-            f"On a Neuron instance (inf2/trn1/trn2, e.g. a Neuron DLAMI) install it with "
-            f"`pip install torch-neuronx neuronx-cc --extra-index-url={NEURON_PIP_REPO}`. "
-            f"On this machine use `--backend cpu` (compiled CPU graphs) or `--backend eager` instead.")
+    return (
+        f"the neuron backend needs the AWS Neuron SDK (torch-neuronx with the neuronx-cc compiler): {why}. "
+        f"On a Neuron instance (inf2/trn1/trn2, e.g. a Neuron DLAMI) install it with "
+        f"`pip install torch-neuronx neuronx-cc --extra-index-url={NEURON_PIP_REPO}`. "
+        f"On this machine use `--backend cpu` (compiled CPU graphs) or `--backend eager` instead."
+    )
 
 
 @dataclass(frozen=True)
@@ -79,15 +83,19 @@ class NeuronOptions:
 
     def __post_init__(self) -> None:
         if self.target is not None and self.target not in TARGETS:
-            raise ConfigError(f"backend_options.target: must be one of {', '.join(TARGETS)}, got {self.target!r}")
+            raise ConfigError(
+                f"backend_options.target: must be one of {', '.join(TARGETS)}, got {self.target!r}"
+            )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> NeuronOptions:
         d = dict(d or {})
         unknown = sorted(set(d) - {"compiler_args", "target", "compiler_workdir"})
         if unknown:
-            raise ConfigError(f"backend_options: unknown neuron option(s) {unknown}; "
-                              "known: compiler_args, target, compiler_workdir")
+            raise ConfigError(
+                f"backend_options: unknown neuron option(s) {unknown}; "
+                "known: compiler_args, target, compiler_workdir"
+            )
         args = d.get("compiler_args", DEFAULT_COMPILER_ARGS)
         args = tuple(shlex.split(args)) if isinstance(args, str) else tuple(str(a) for a in args)
         return cls(args, d.get("target"), d.get("compiler_workdir"))
@@ -108,14 +116,21 @@ class BucketGraph(torch.nn.Module):
         super().__init__()
         self.model, self.kv_len = model, kv_len
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, last_index: torch.Tensor,
-                *windows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        last_index: torch.Tensor,
+        *windows: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
         L = len(windows) // 2
         # the model writes new K/V into its caches in place; give it copies so the graph's inputs stay
         # read-only and the updated windows are plain outputs
         k = [w.clone() for w in windows[:L]]
         v = [w.clone() for w in windows[L:]]
-        rows = torch.arange(input_ids.shape[0], dtype=positions.dtype, device=input_ids.device)  # row b = slot b
+        rows = torch.arange(
+            input_ids.shape[0], dtype=positions.dtype, device=input_ids.device
+        )  # row b = slot b
         logits = self.model(input_ids, positions, rows, last_index, k, v, self.kv_len)
         return (logits, *k, *v)
 
@@ -135,8 +150,9 @@ def example_inputs(model: torch.nn.Module, bucket: Bucket, dtype: torch.dtype) -
 class NeuronExecutor:
     """Runs bucket graphs; owns the host KV caches and moves each step's KV windows in and out."""
 
-    def __init__(self, graphs: dict[Bucket, Any], model: torch.nn.Module, num_slots: int,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self, graphs: dict[Bucket, Any], model: torch.nn.Module, num_slots: int, dtype: torch.dtype
+    ) -> None:
         self.graphs = graphs
         self.k_caches, self.v_caches = allocate_kv(model, num_slots, dtype)
 
@@ -144,13 +160,20 @@ class NeuronExecutor:
     def run(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
         graph = self.graphs.get(bucket)
         if graph is None:
-            raise ArtifactError(f"no compiled graph for bucket {bucket.key}; the artifact has "
-                                f"{sorted(b.key for b in self.graphs)}")
+            raise ArtifactError(
+                f"no compiled graph for bucket {bucket.key}; the artifact has "
+                f"{sorted(b.key for b in self.graphs)}"
+            )
         slots, kv = inputs.slot_ids, bucket.kv_len
         k_in = [c[slots, :, :kv] for c in self.k_caches]  # [B, n_kv, kv_len, D] each
         v_in = [c[slots, :, :kv] for c in self.v_caches]  # [B, n_kv, kv_len, D] each
-        out = graph(inputs.input_ids.to(torch.int32), inputs.positions.to(torch.int32),
-                    inputs.last_index.to(torch.int32), *k_in, *v_in)
+        out = graph(
+            inputs.input_ids.to(torch.int32),
+            inputs.positions.to(torch.int32),
+            inputs.last_index.to(torch.int32),
+            *k_in,
+            *v_in,
+        )
         L = len(self.k_caches)
         for i in range(L):
             # padded decode rows all point at the scratch slot; whichever write lands there is never read
@@ -168,7 +191,9 @@ class NeuronBackend:
         self.dtype = dtype
         self.options = dict(options or {})
 
-    def compile_bucket(self, model: torch.nn.Module, bucket: Bucket, num_slots: int, out_dir: Path) -> list[Path]:
+    def compile_bucket(
+        self, model: torch.nn.Module, bucket: Bucket, num_slots: int, out_dir: Path
+    ) -> list[Path]:
         """Traces and compiles `bucket`'s graph into `out_dir/graph.pt`; returns its name relative to out_dir.
 
         `num_slots` does not shape the graph (it sees KV windows), so one graph serves any cache size.
@@ -178,10 +203,14 @@ class NeuronBackend:
         wrapper = BucketGraph(model.eval(), bucket.kv_len)
         ex = example_inputs(model, bucket, next(model.parameters()).dtype)
         with tempfile.TemporaryDirectory(prefix=f"neuronx-cc-{bucket.key}-") as tmp:
-            workdir = Path(self.opts.compiler_workdir) / bucket.key if self.opts.compiler_workdir else Path(tmp)
-            kwargs: dict[str, Any] = dict(compiler_workdir=str(workdir),
-                                          compiler_args=self.opts.trace_compiler_args(),
-                                          inline_weights_to_neff=False)
+            workdir = (
+                Path(self.opts.compiler_workdir) / bucket.key if self.opts.compiler_workdir else Path(tmp)
+            )
+            kwargs: dict[str, Any] = dict(
+                compiler_workdir=str(workdir),
+                compiler_args=self.opts.trace_compiler_args(),
+                inline_weights_to_neff=False,
+            )
             if self.opts.target:
                 kwargs["cpu_backend"] = True  # cross-compile on a host without NeuronCores
             with torch.no_grad():
@@ -192,8 +221,13 @@ class NeuronBackend:
     def save_weights(self, model: torch.nn.Module, path: Path) -> None:
         save_file(model_state_for_save(model), str(path))
 
-    def load(self, graph_files: dict[Bucket, list[Path]], weights_path: Path, model_factory: ModelFactory,
-             num_slots: int) -> NeuronExecutor:
+    def load(
+        self,
+        graph_files: dict[Bucket, list[Path]],
+        weights_path: Path,
+        model_factory: ModelFactory,
+        num_slots: int,
+    ) -> NeuronExecutor:
         model = model_factory()
         load_model_weights(model, Path(weights_path))
         model = model.to(self.dtype).eval()

@@ -46,8 +46,15 @@ class NkiSimOps:
         out = rmsnorm.run(_np(x.reshape(-1, H)), _np(w), eps)  # [N, H]
         return _torch(out, x).reshape(x.shape)
 
-    def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                  mask: torch.Tensor, scale: float) -> torch.Tensor:
+    def attention(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         B, _, S, _ = q.shape
         kv_len = keys.shape[2]
         j = torch.arange(kv_len)
@@ -56,8 +63,9 @@ class NkiSimOps:
             self._check_mask(mask, j[None, None, :] < lengths[:, None, None], "decode")
             from kernels_nki import decode_attention
 
-            out = decode_attention.run(_np(q[:, :, 0]), _np(keys), _np(values), lengths.numpy(),
-                                       softmax_scale=scale)  # [B, n_heads, D]
+            out = decode_attention.run(
+                _np(q[:, :, 0]), _np(keys), _np(values), lengths.numpy(), softmax_scale=scale
+            )  # [B, n_heads, D]
             return _torch(out, q)[:, :, None]  # [B, n_heads, 1, D]
         if S == kv_len and bool((positions == torch.arange(S)[None]).all()):
             self._check_mask(mask, (j[None, :] <= j[:, None])[None].expand(B, S, S), "prefill")
@@ -65,11 +73,15 @@ class NkiSimOps:
 
             out = flash_attention.run(_np(q), _np(keys), _np(values), causal=True, softmax_scale=scale)
             return _torch(out, q)  # [B, n_heads, S, D]
-        raise KernelArgumentError(f"NkiSimOps.attention: no kernel for a step of {S} tokens over {kv_len} KV "
-                                  "positions that is not a prefill from position 0; use the torch ops")
+        raise KernelArgumentError(
+            f"NkiSimOps.attention: no kernel for a step of {S} tokens over {kv_len} KV "
+            "positions that is not a prefill from position 0; use the torch ops"
+        )
 
     @staticmethod
     def _check_mask(mask: torch.Tensor, kernel_mask: torch.Tensor, what: str) -> None:
         if not torch.equal(mask, kernel_mask):
-            raise KernelArgumentError(f"NkiSimOps.attention: the model's {what} mask is not the plain causal one "
-                                      "the kernel applies (sliding window?); use the torch ops for this model")
+            raise KernelArgumentError(
+                f"NkiSimOps.attention: the model's {what} mask is not the plain causal one "
+                "the kernel applies (sliding window?); use the torch ops for this model"
+            )

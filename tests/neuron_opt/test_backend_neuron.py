@@ -1,8 +1,8 @@
-"""Neuron backend adapter, exercised against a test double of the documented torch_neuronx API (tests/sdk_double).
+"""Neuron backend adapter, run against a test double of the documented torch_neuronx API (tests/sdk_double).
 
-The double traces with TorchScript on CPU and records every SDK call, so these tests check how the adapter uses
-the SDK (one trace per bucket, shapes, dtypes, separated weights, one weight file) and that the bucket graphs,
-KV windows and weight replacement reproduce the eager backend's logits. They do not test neuronx-cc or a
+The double traces with TorchScript on CPU and records every SDK call, so these tests check how the adapter
+uses the SDK (one trace per bucket, shapes, dtypes, separated weights, one weight file) and that the bucket
+graphs, KV windows and weight replacement reproduce the eager logits. They do not test neuronx-cc or a
 NeuronCore. Without the SDK, the backend must fail with an actionable BackendUnavailableError.
 """
 
@@ -59,7 +59,13 @@ def test_without_sdk_a_clear_error_names_the_fix(monkeypatch):
     with pytest.raises(BackendUnavailableError) as e:
         get_backend("neuron", torch.bfloat16)
     msg = str(e.value)
-    for needle in ("Neuron SDK", "torch-neuronx", "neuronx-cc", "pip.repos.neuron.amazonaws.com", "--backend cpu"):
+    for needle in (
+        "Neuron SDK",
+        "torch-neuronx",
+        "neuronx-cc",
+        "pip.repos.neuron.amazonaws.com",
+        "--backend cpu",
+    ):
         assert needle in msg, needle
 
 
@@ -85,7 +91,7 @@ def test_compile_traces_each_bucket_once_with_its_shapes_and_separate_weights(sd
     buckets = runner.buckets.buckets()
     assert len(traces) == len(buckets) == 6
     n_kv, D, L = 2, 16, 2  # llama-gqa2: 4 heads, 2 kv heads, hidden 64, 2 layers
-    for b, call in zip(buckets, traces):
+    for b, call in zip(buckets, traces, strict=True):
         S = b.seq if b.phase == "prefill" else 1
         want = [((b.batch, S), torch.int32), ((b.batch, S), torch.int32), ((b.batch,), torch.int32)]
         want += [((b.batch, n_kv, b.kv_len, D), torch.float32)] * (2 * L)
@@ -94,7 +100,9 @@ def test_compile_traces_each_bucket_once_with_its_shapes_and_separate_weights(sd
         assert call["compiler_args"] == list(DEFAULT_COMPILER_ARGS)
         assert call["cpu_backend"] is False
         assert [p.name for p in files[b]] == ["graph.pt"] and files[b][0].is_file()
-    assert len({c["compiler_workdir"] for c in traces}) == len(buckets)  # no bucket clobbers another's workdir
+    assert len({c["compiler_workdir"] for c in traces}) == len(
+        buckets
+    )  # no bucket clobbers another's workdir
 
 
 def test_one_weight_file_holds_every_weight_once(sdk, tiny_dir, tmp_path):
@@ -119,8 +127,12 @@ def test_loaded_graphs_match_eager_logits_with_the_weight_file_as_source(variant
     files = compile_all(backend, a.executor.model, a, tmp_path / "graphs")
     backend.save_weights(b.executor.model, tmp_path / "rank0.safetensors")
     m = b.executor.model
-    executor = backend.load(files, tmp_path / "rank0.safetensors",
-                            lambda: type(m)(m.cfg, m.layout, m.max_length), b.cache.num_slots)
+    executor = backend.load(
+        files,
+        tmp_path / "rank0.safetensors",
+        lambda: type(m)(m.cfg, m.layout, m.max_length),
+        b.cache.num_slots,
+    )
     assert {c["fn"] for c in sdk.CALLS} == {"trace", "replace_weights", "move_trace_to_device"}
     assert sum(c["fn"] == "replace_weights" for c in sdk.CALLS) == len(files)
     neuron = ModelRunner(executor, b.buckets, b.cache, b.vocab_size)
@@ -131,10 +143,14 @@ def test_loaded_graphs_match_eager_logits_with_the_weight_file_as_source(variant
     for slot, prompt in ((0, p0), (1, p1)):
         torch.testing.assert_close(neuron.prefill(slot, prompt), b.prefill(slot, prompt), atol=1e-5, rtol=0)
     for step in range(4):  # two rows, then one row (batch bucket 1), crossing decode kv buckets 16 -> 64
-        rows = [DecodeRow(0, 5 + step, len(p0) + step), DecodeRow(1, 9 + step, len(p1) + step)][: 2 - step // 2]
+        rows = [DecodeRow(0, 5 + step, len(p0) + step), DecodeRow(1, 9 + step, len(p1) + step)][
+            : 2 - step // 2
+        ]
         torch.testing.assert_close(neuron.decode(rows), b.decode(rows), atol=1e-5, rtol=0)
-    for got, want in zip(executor.k_caches, b.executor.k_caches):
-        torch.testing.assert_close(got[:2], want[:2], atol=1e-5, rtol=0)  # real slots; scratch slot may differ
+    for got, want in zip(executor.k_caches, b.executor.k_caches, strict=True):
+        torch.testing.assert_close(
+            got[:2], want[:2], atol=1e-5, rtol=0
+        )  # real slots; scratch slot may differ
 
 
 def test_options_are_validated_and_reach_trace(sdk, tiny_dir, tmp_path):
@@ -145,8 +161,14 @@ def test_options_are_validated_and_reach_trace(sdk, tiny_dir, tmp_path):
     with pytest.raises(ConfigError, match="target"):
         NeuronBackend(torch.bfloat16, {"target": "inf1"})
     runner = eager_runner(tiny_dir("llama-gqa2"), max_length=16, prefill_seqs=[16], decode_seqs=[16])
-    backend = NeuronBackend(torch.float32, {"compiler_args": "--auto-cast=matmult -O2 --lnc=2", "target": "trn2",
-                                            "compiler_workdir": str(tmp_path / "work")})
+    backend = NeuronBackend(
+        torch.float32,
+        {
+            "compiler_args": "--auto-cast=matmult -O2 --lnc=2",
+            "target": "trn2",
+            "compiler_workdir": str(tmp_path / "work"),
+        },
+    )
     backend.compile_bucket(runner.executor.model, Bucket("decode", 1, 16), 2, tmp_path / "g")
     call = sdk.CALLS[-1]
     assert call["compiler_args"] == ["--auto-cast=matmult", "-O2", "--lnc=2", "--target", "trn2"]
@@ -163,7 +185,9 @@ def test_a_bucket_without_a_graph_is_an_artifact_error(sdk, tiny_dir, tmp_path):
     backend.save_weights(m, tmp_path / "w.safetensors")
     factory = lambda: type(m)(m.cfg, m.layout, m.max_length)  # noqa: E731
     with pytest.raises(ArtifactError, match="graph.pt"):
-        backend.load({Bucket("prefill", 1, 16): [tmp_path / "other.bin"]}, tmp_path / "w.safetensors", factory, 2)
+        backend.load(
+            {Bucket("prefill", 1, 16): [tmp_path / "other.bin"]}, tmp_path / "w.safetensors", factory, 2
+        )
     executor = backend.load({}, tmp_path / "w.safetensors", factory, 2)
     with pytest.raises(ArtifactError, match="decode_b1_s16"):
         runner2 = ModelRunner(executor, runner.buckets, runner.cache, runner.vocab_size)

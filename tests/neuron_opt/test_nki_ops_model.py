@@ -25,8 +25,14 @@ def runner_for(d, ops=None, max_length=32):
     model = LlamaForCausalLM(cfg, head_layout(cfg, ParallelConfig()), max_length, **kw)
     model.load_state_dict(load_file(str(d / "model.safetensors")), strict=False)
     cache = CacheConfig(max_batch=2, max_length=max_length)
-    buckets = BucketConfig.build(max_context=16, max_length=max_length, max_batch=2, prefill_seqs=[16],
-                                 decode_seqs=[32], decode_batches=[2])
+    buckets = BucketConfig.build(
+        max_context=16,
+        max_length=max_length,
+        max_batch=2,
+        prefill_seqs=[16],
+        decode_seqs=[32],
+        decode_batches=[2],
+    )
     return ModelRunner(EagerExecutor(model.eval(), cache.num_slots), buckets, cache, cfg.vocab_size)
 
 
@@ -55,5 +61,11 @@ def test_nki_ops_refuse_a_mask_their_kernels_do_not_apply(tiny_dir):
     with pytest.raises(KernelArgumentError, match="mask"):
         ops.attention(q, kv, kv, pos, window[None, None], 0.25)
     with pytest.raises(KernelArgumentError, match="prefill from position 0"):
-        ops.attention(torch.randn(1, 4, 2, 16), kv, kv, torch.tensor([[3, 4]]), torch.ones(1, 2, 8, dtype=torch.bool),
-                      0.25)
+        ops.attention(
+            torch.randn(1, 4, 2, 16),
+            kv,
+            kv,
+            torch.tensor([[3, 4]]),
+            torch.ones(1, 2, 8, dtype=torch.bool),
+            0.25,
+        )

@@ -33,25 +33,41 @@ def _describe(t: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
     return tuple(t.shape), t.dtype
 
 
-def trace(func: Any, example_inputs: Any, *_: Any, input_output_aliases: dict | None = None,
-          compiler_workdir: str | None = None, compiler_args: str | list[str] | None = None,
-          partitioner_config: Any = None, inline_weights_to_neff: bool = True,
-          cpu_backend: bool = False) -> torch.jit.ScriptModule:
+def trace(
+    func: Any,
+    example_inputs: Any,
+    *_: Any,
+    input_output_aliases: dict | None = None,
+    compiler_workdir: str | None = None,
+    compiler_args: str | list[str] | None = None,
+    partitioner_config: Any = None,
+    inline_weights_to_neff: bool = True,
+    cpu_backend: bool = False,
+) -> torch.jit.ScriptModule:
     if _:
         # the SDK (>= 2.15) warns and guesses; the double refuses so that positional misuse fails the tests
         raise TypeError("torch_neuronx.trace: pass keyword arguments as keywords")
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    CALLS.append(dict(fn="trace", inputs=[_describe(t) for t in inputs],
-                      input_output_aliases=dict(input_output_aliases or {}), compiler_workdir=compiler_workdir,
-                      compiler_args=compiler_args, inline_weights_to_neff=inline_weights_to_neff,
-                      cpu_backend=cpu_backend))
+    CALLS.append(
+        dict(
+            fn="trace",
+            inputs=[_describe(t) for t in inputs],
+            input_output_aliases=dict(input_output_aliases or {}),
+            compiler_workdir=compiler_workdir,
+            compiler_args=compiler_args,
+            inline_weights_to_neff=inline_weights_to_neff,
+            cpu_backend=cpu_backend,
+        )
+    )
     traced = torch.jit.trace(func, inputs, check_trace=False)
     if inline_weights_to_neff:
         _INLINE_TRACED.add(id(traced))
     return traced
 
 
-def replace_weights(neuron_model: torch.jit.ScriptModule, weights: torch.nn.Module | dict[str, torch.Tensor]) -> None:
+def replace_weights(
+    neuron_model: torch.jit.ScriptModule, weights: torch.nn.Module | dict[str, torch.Tensor]
+) -> None:
     if id(neuron_model) in _INLINE_TRACED:
         warnings.warn("replace_weights: this model has no separated weights", stacklevel=2)
     sd = weights.state_dict() if isinstance(weights, torch.nn.Module) else dict(weights)
@@ -61,8 +77,10 @@ def replace_weights(neuron_model: torch.jit.ScriptModule, weights: torch.nn.Modu
     for name, value in sd.items():
         if name in own:
             if own[name].shape != value.shape:
-                raise ValueError(f"replace_weights: {name} has shape {tuple(value.shape)}, "
-                                 f"the traced model expects {tuple(own[name].shape)}")
+                raise ValueError(
+                    f"replace_weights: {name} has shape {tuple(value.shape)}, "
+                    f"the traced model expects {tuple(own[name].shape)}"
+                )
             with torch.no_grad():
                 own[name].copy_(value)
             replaced.append(name)
