@@ -87,3 +87,19 @@ def test_rejects_unsupported_arguments():
     q, k, v = _inputs(1, 1, 1, 8, 160, "float32", seed=0)
     with pytest.raises(KernelArgumentError):
         flash_attention.run(q, k, v)  # D > 128
+
+
+def test_cost_model_counts_exact_flops_and_skips_future_tiles():
+    # Count-only run (no values): non-causal issues exactly QK^T (2*S*S*D) and P@[V|1] (2*S*S*(D+1)) FLOPs.
+    # Causal issues, per 128-query tile, only the keys up to its last query, plus one mask matmul
+    # (I[128,128] @ mask[128, w]) on the diagonal sub-tile: future tiles are skipped, not masked.
+    s, d = 1024, 128
+    full = flash_attention.estimate(1, 1, 1, s, d, causal=False)
+    assert full.matmul_flops == 2 * s * s * d + 2 * s * s * (d + 1)
+    expected = 0
+    for q0 in range(0, s, 128):
+        kend = q0 + 128
+        expected += 2 * 128 * kend * (2 * d + 1) + 2 * 128 * 128 * (kend - (kend - 1) // 512 * 512)
+    causal = flash_attention.estimate(1, 1, 1, s, d, causal=True)
+    assert causal.matmul_flops == expected
+    assert causal.latency_us < 0.75 * full.latency_us
