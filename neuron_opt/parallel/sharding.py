@@ -198,7 +198,7 @@ def layout_cost(cfg: ModelConfig, lay: HeadLayout, num_slots: int, max_length: i
         KV_SEQ_SHARD: (f"flash decoding: {nkv} kv group(s) of {lay.kv_seq_shards} ranks, KV cache split along "
                        f"the sequence, q/o weights of a group duplicated {lay.kv_seq_shards}x"),
     }[lay.strategy]
-    what = f"{what} ({lay.n_heads_local} q / {lay.n_kv_local} kv per rank)"
+    what = f"{lay.strategy}: {what} ({lay.n_heads_local} q / {lay.n_kv_local} kv per rank)"
     attn = (2 * lay.n_heads_local + 2 * lay.n_kv_local) * D * H
     mlp = 3 * lay.intermediate_local * H
     vocab = lay.vocab_local * H * (1 if cfg.tie_word_embeddings else 2)

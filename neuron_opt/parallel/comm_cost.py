@@ -1,0 +1,77 @@
+"""Collective bytes per step and per token, from a formula (checked against the counted calls in tests).
+
+`expected_calls` lists, in issue order, the collectives one rank makes for one step of a bucket, using the
+same payload convention as `neuron_opt.parallel.collectives` (all_reduce: the tensor; all_gather: the gathered
+output; reduce_scatter: the full input). With e = activation bytes, T = B x S tokens of the step,
+S_pad = S rounded up to a multiple of tp, L layers, H hidden:
+
+  plain TP          embed all_reduce T*H*e; per layer 2 x all_reduce T*H*e
+  sequence parallel embed reduce_scatter B*S_pad*H*e; per layer 2 x (all_gather + reduce_scatter) of
+                    B*S_pad*H*e; then one all_reduce B*H*e for the last rows (prefill only; decode is plain)
+  flash decoding    + per layer one group all_gather of (max, sum): g*B*S*(n_heads_local)*2*e
+  LM head           full: all_gather B*V_pad*4; candidates K: all_gather tp*B*K*4 (values) + tp*B*K*8 (ids)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from neuron_opt.buckets import PREFILL, Bucket
+from neuron_opt.config import ModelConfig, ParallelConfig
+from neuron_opt.parallel.collectives import CollectiveCall
+from neuron_opt.parallel.sharding import head_layout
+
+
+def expected_calls(cfg: ModelConfig, par: ParallelConfig, bucket: Bucket, act_bytes: int,
+                   candidates: int | None) -> list[CollectiveCall]:
+    """The collectives one rank issues for one step of `bucket` (empty for tp=1)."""
+    tp = par.tp
+    if tp == 1:
+        return []
+    lay = head_layout(cfg, par)
+    B, H = bucket.batch, cfg.hidden_size
+    S = bucket.seq if bucket.phase == PREFILL else 1
+    sp = par.sequence_parallel and S > 1
+    full = B * S * H * act_bytes
+    padded = B * (-(-S // tp) * tp) * H * act_bytes
+    calls = [CollectiveCall("reduce_scatter", padded, tp) if sp else CollectiveCall("all_reduce", full, tp)]
+    g = lay.kv_seq_shards
+    for _ in range(cfg.num_hidden_layers):
+        if sp:
+            calls.append(CollectiveCall("all_gather", padded, tp))
+        if g > 1:
+            calls.append(CollectiveCall("group_all_gather", g * B * lay.n_heads_local * S * 2 * act_bytes, g))
+        calls.append(CollectiveCall("reduce_scatter", padded, tp) if sp else CollectiveCall("all_reduce", full, tp))
+        if sp:
+            calls.append(CollectiveCall("all_gather", padded, tp))
+        calls.append(CollectiveCall("reduce_scatter", padded, tp) if sp else CollectiveCall("all_reduce", full, tp))
+    if sp:
+        calls.append(CollectiveCall("all_reduce", B * H * act_bytes, tp))
+    if candidates is None:
+        calls.append(CollectiveCall("all_gather", B * lay.vocab_padded * 4, tp))
+    else:
+        k = min(candidates, lay.vocab_local)
+        calls += [CollectiveCall("all_gather", tp * B * k * 4, tp), CollectiveCall("all_gather", tp * B * k * 8, tp)]
+    return calls
+
+
+@dataclass(frozen=True)
+class CommSummary:
+    calls: int
+    payload_bytes: int
+    wire_bytes: float  # per rank, ring model
+    tokens: int
+
+    @property
+    def payload_per_token(self) -> float:
+        return self.payload_bytes / self.tokens
+
+    @property
+    def wire_per_token(self) -> float:
+        return self.wire_bytes / self.tokens
+
+
+def summarize(calls: list[CollectiveCall], bucket: Bucket) -> CommSummary:
+    """Totals of one step's calls, and per token of the step (B x S for prefill, B for decode)."""
+    return CommSummary(len(calls), sum(c.nbytes for c in calls), sum(c.wire_bytes for c in calls),
+                       bucket.num_tokens)
