@@ -127,9 +127,11 @@ def decode_attention_kernel(q_t, k_t, v, lengths, softmax_scale=1.0, split_size=
     return out
 
 
-def _check(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.ndarray, split_size: int) -> None:
+def _check(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.ndarray,
+           split_size: int) -> None:
     if q.ndim != 3 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
-        raise KernelArgumentError(f"decode_attention: want q [B, n_heads, D], caches [B, n_kv_heads, S_max, D]; "
+        raise KernelArgumentError(f"decode_attention: want q [B, n_heads, D], caches "
+                                  f"[B, n_kv_heads, S_max, D]; "
                                   f"got q {q.shape}, k {k_cache.shape}, v {v_cache.shape}")
     b, n_heads, d = q.shape
     if k_cache.shape[0] != b or k_cache.shape[3] != d or n_heads % k_cache.shape[1]:
@@ -171,7 +173,8 @@ def run(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.nda
     b, n_heads, d = q.shape
     n_kv = k_cache.shape[1]
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    q_t = np.ascontiguousarray(q.reshape(b, n_kv, n_heads // n_kv, d).transpose(0, 1, 3, 2))  # [B, n_kv, D, G]
+    q_g = q.reshape(b, n_kv, n_heads // n_kv, d)  # [B, n_kv_heads, G, D]
+    q_t = np.ascontiguousarray(q_g.transpose(0, 1, 3, 2))  # [B, n_kv_heads, D, G]
     k_t = np.ascontiguousarray(k_cache.transpose(0, 1, 3, 2))  # [B, n_kv_heads, D, S_max]
     lens = lengths.astype(np.int32).reshape(b, 1)  # [B, 1]
     out = simulate(decode_attention_kernel[b, n_kv], q_t, k_t, np.ascontiguousarray(v_cache), lens,

@@ -181,12 +181,14 @@ def _block(q_tile, k_sb, v_sb, m_old, m_new, o, q0, qr, kb, widths, d, masks, sc
     if first:
         o[...] = nl.copy(pv_ps)
     else:
-        o[...] = nisa.scalar_tensor_tensor(data=o, op0=nl.multiply, operand0=alpha, op1=nl.add, operand1=pv_ps)
+        o[...] = nisa.scalar_tensor_tensor(data=o, op0=nl.multiply, operand0=alpha, op1=nl.add,
+                                           operand1=pv_ps)
 
 
 def _check(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
-        raise KernelArgumentError(f"flash_attention: want q [B, n_heads, S, D] and k, v [B, n_kv_heads, S, D]; "
+        raise KernelArgumentError(f"flash_attention: want q [B, n_heads, S, D] and k, v "
+                                  f"[B, n_kv_heads, S, D]; "
                                   f"got q {q.shape}, k {k.shape}, v {v.shape}")
     b, n_heads, s, d = q.shape
     if k.shape[0] != b or k.shape[2:] != (s, d) or n_heads % k.shape[1]:
@@ -250,8 +252,9 @@ def estimate(b: int, n_heads: int, n_kv_heads: int, s: int, d: int, *, causal: b
     grid = flash_attention_kernel[b, n_kv_heads, n_heads // n_kv_heads]
     _, rep = nki_sim.simulate_kernel(grid, nki_sim.ShapeDtype((b, n_heads, d, s), dt),
                                      nki_sim.ShapeDtype((b, n_kv_heads, d, s), dt),
-                                     nki_sim.ShapeDtype((b, n_kv_heads, s, d), dt), target=target, count_only=True,
-                                     report=True, causal=causal, softmax_scale=1.0 / math.sqrt(d))
+                                     nki_sim.ShapeDtype((b, n_kv_heads, s, d), dt), target=target,
+                                     count_only=True, report=True, causal=causal,
+                                     softmax_scale=1.0 / math.sqrt(d))
     return rep
 
 

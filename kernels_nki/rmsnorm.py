@@ -6,7 +6,8 @@ Kernel layouts (HBM):
     x         `[N, H]`
     weight    `[1, H]`
     residual  `[N, H]` or None
-    out       `[N, H]` normalised; with a residual also `h_out [N, H]` = x + residual (the new residual stream)
+    out       `[N, H]` normalised; with a residual also `h_out [N, H]` = x + residual (the new residual
+              stream)
 
 Layout on chip: tokens on partitions (128 rows per tile), hidden on the free dim, so the mean square is a
 free-dim reduction (ScalarE `activation_reduce(square)`, no cross-partition traffic). The weight row is
@@ -107,5 +108,6 @@ def estimate(n: int, h: int, *, residual: bool = False, target: str = "trn1", dt
     args = [nki_sim.ShapeDtype((n, h), dt), nki_sim.ShapeDtype((1, h), dt)]
     if residual:
         args.append(nki_sim.ShapeDtype((n, h), dt))
-    _, rep = nki_sim.simulate_kernel(rmsnorm_kernel, *args, target=target, count_only=True, report=True, eps=1e-6)
+    _, rep = nki_sim.simulate_kernel(rmsnorm_kernel, *args, target=target, count_only=True, report=True,
+                                     eps=1e-6)
     return rep

@@ -63,7 +63,8 @@ def main() -> None:
     for r in results:
         util = r.get("useful_tensor_utilization", r["tensor_utilization"])
         print(f"{r['kernel']:<17} {json.dumps(r['shape'])}")
-        print(f"  latency {r['latency_us']:10.2f} us  bound by {r['bound_by']:<7} TensorE util {util * 100:5.1f}%  "
+        print(f"  latency {r['latency_us']:10.2f} us  bound by {r['bound_by']:<7} "
+              f"TensorE util {util * 100:5.1f}%  "
               f"DMA {r['dma_bytes'] / 2**20:8.2f} MiB")
         busy = "  ".join(f"{e} {st['busy_us']:.1f}" for e, st in r["engines"].items())
         print(f"  busy us: {busy}  dma {r['dma_busy_us']:.1f}")
