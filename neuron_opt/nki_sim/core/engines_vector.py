@@ -158,7 +158,7 @@ def unary_vector(x: Tile, op: str, *, dtype: Any = None, mask: Any = None) -> Ti
     m = _mask(x, mask)
     ctx.cost.instr("vector", "tensor_scalar", cost.streaming_cycles(x.free_size))
     v = values(ctx, x)
-    fns = {
+    fns: dict[str, Any] = {
         "negative": np.negative,
         "abs": np.abs,
         "logical_not": lambda y: (y == 0).astype(np.float32),
@@ -234,7 +234,7 @@ def _check_gpsimd(engine: str, op: str, *tiles: Tile | None) -> None:
         raise MemoryPlacementError(f"'{op}' on GpSimd engine cannot access PSUM (GpSimdE has no PSUM port)")
 
 
-def _scalar_operand(ctx: SimContext, x: Tile, opnd: Any, what: str) -> np.ndarray | float | None:
+def _scalar_operand(ctx: SimContext, x: Tile, opnd: Any, what: str) -> Any:
     """A scalar or a [P, 1] per-partition vector broadcast along the free dims."""
     if isinstance(opnd, Tile):
         operand(opnd, what, "tensor_scalar")
@@ -284,7 +284,9 @@ def tensor_scalar(
 
 
 def _normalize_axes(x: Tile, axis: Any, op: str) -> tuple[int, ...]:
-    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(int(a) for a in axis)
+    axes: tuple[int, ...] = (
+        (int(axis),) if isinstance(axis, (int, np.integer)) else tuple(int(a) for a in axis)
+    )
     axes = tuple(sorted(a % x.ndim for a in axes))
     par = x.par_pos if x.par_pos is not None else 0
     if par in axes:

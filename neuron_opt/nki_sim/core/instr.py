@@ -90,7 +90,7 @@ def operand(x: Any, arg: str, op: str, spaces: Iterable[str] = ONCHIP) -> Tile:
     return x
 
 
-def values(ctx: SimContext, x: Tile, mask: np.ndarray | None = None) -> np.ndarray | None:
+def values(ctx: SimContext, x: Tile, mask: np.ndarray | None = None) -> Any:
     """Operand values as engines see them (fp32; int64 for integer tiles); None in count-only mode."""
     x.check_bounds(mask)
     if ctx.count_only:

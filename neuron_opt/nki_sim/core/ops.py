@@ -40,7 +40,7 @@ def _softplus(x: np.ndarray) -> np.ndarray:
 
 _ERRSTATE = dict(divide="ignore", invalid="ignore", over="ignore")
 
-ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+ACTIVATIONS: dict[str, Callable[..., Any]] = {
     "copy": lambda x: x,
     "identity": lambda x: x,
     "exp": np.exp,
@@ -73,7 +73,7 @@ ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 
 _BOOL = lambda f: lambda a, b: f(a, b).astype(np.float32)  # noqa: E731 - comparisons give 1.0 / 0.0
 
-ALU: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
+ALU: dict[str, Callable[..., Any]] = {
     "add": np.add,
     "subtract": np.subtract,
     "multiply": np.multiply,
@@ -100,7 +100,7 @@ ALU: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
 }
 
 # Reduction ops and their numpy reducers (legal reduction ops of the ALU table, nki.md 3.6).
-REDUCERS: dict[str, Callable[..., np.ndarray]] = {
+REDUCERS: dict[str, Callable[..., Any]] = {
     "add": np.sum,
     "multiply": np.prod,
     "maximum": np.max,
@@ -173,7 +173,7 @@ def op_name(op: Any) -> str:
     raise SimulatorError(f"unsupported operator {op!r}")
 
 
-def resolve_activation(op: Any) -> tuple[str, Callable[[np.ndarray], np.ndarray]]:
+def resolve_activation(op: Any) -> tuple[str, Callable[..., Any]]:
     name = op_name(op)
     if name not in ACTIVATIONS:
         raise SimulatorError(
@@ -183,7 +183,7 @@ def resolve_activation(op: Any) -> tuple[str, Callable[[np.ndarray], np.ndarray]
     return name, lambda x: _quiet(fn, x)
 
 
-def resolve_alu(op: Any) -> tuple[str, Callable[[np.ndarray, np.ndarray], np.ndarray]]:
+def resolve_alu(op: Any) -> tuple[str, Callable[..., Any]]:
     name = op_name(op)
     if name not in ALU:
         raise SimulatorError(f"'{name}' is not a supported ALU operator; supported: {sorted(ALU)}")
@@ -191,13 +191,13 @@ def resolve_alu(op: Any) -> tuple[str, Callable[[np.ndarray, np.ndarray], np.nda
     return name, lambda a, b: _quiet(fn, a, b)
 
 
-def resolve_reducer(op: Any) -> tuple[str, Callable[..., np.ndarray]]:
+def resolve_reducer(op: Any) -> tuple[str, Callable[..., Any]]:
     name = op_name(op)
     if name not in REDUCERS:
         raise SimulatorError(f"'{name}' is not a legal reduction operator; legal: {sorted(REDUCERS)}")
     return name, REDUCERS[name]
 
 
-def _quiet(fn: Callable[..., np.ndarray], *args: np.ndarray) -> np.ndarray:
+def _quiet(fn: Callable[..., Any], *args: Any) -> Any:
     with np.errstate(**_ERRSTATE):  # type: ignore[arg-type]
         return np.asarray(fn(*args))

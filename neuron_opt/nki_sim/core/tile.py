@@ -272,7 +272,7 @@ class Tile:
         clipped = tuple(np.clip(f, 0, n - 1) for f, n in zip(full, self.storage.shape, strict=True))
         return data[clipped]
 
-    def write(self, values: np.ndarray | float, mask: np.ndarray | None = None) -> None:
+    def write(self, values: Any, mask: np.ndarray | None = None) -> None:
         """Store values (any dtype) into the view, rounding into the storage dtype."""
         self.check_alive()
         self.check_bounds(mask)
