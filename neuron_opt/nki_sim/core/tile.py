@@ -124,12 +124,9 @@ class Tile:
                 "Mixing basic tensor indexing and advanced tensor indexing is not supported: use nl.arange / "
                 "nl.mgrid for every dimension, or slices for every dimension"
             )
-        if self.advanced or (has_array and not self._all_basic()):
+        if self.advanced:  # re-indexing an advanced view: go through explicit coordinates
             return self._view_from_arrays(key)
         return self._compose_basic(key, has_array)
-
-    def _all_basic(self) -> bool:
-        return not self.advanced
 
     def _compose_basic(self, key: tuple[Any, ...], has_array: bool) -> Tile:
         st = self.storage
