@@ -47,7 +47,7 @@ def is_artifact(path: str | Path) -> bool:
 
 class LLM:
     def __init__(self, model: str | Path, *, dtype: str = "float32", max_length: int | None = None,
-                 batch_size: int = 1) -> None:
+                 batch_size: int = 1, parallel: ParallelConfig | None = None) -> None:
         if is_artifact(model):
             from neuron_opt.artifact import load_artifact
 
@@ -61,10 +61,16 @@ class LLM:
             self.tokenizer = ckpt.tokenizer()
             max_length = max_length or min(self.config.max_position_embeddings, 2048)
             cache = CacheConfig(max_batch=batch_size, max_length=max_length, dtype=dtype)
-            torch_model = build_model(self.config, ckpt.state_dict(), max_length, TORCH_DTYPES[dtype])
             buckets = BucketConfig.build(max_context=max_length, max_length=max_length, max_batch=batch_size)
-            self.runner = ModelRunner(EagerExecutor(torch_model, cache.num_slots), buckets, cache,
-                                      self.config.vocab_size)
+            if parallel is not None and parallel.tp > 1:  # tp eager rank processes (neuron_opt.parallel)
+                from neuron_opt.parallel.executor import tp_executor_from_state_dict
+
+                executor: Any = tp_executor_from_state_dict(self.config, ckpt.state_dict(), parallel, cache,
+                                                            dtype=dtype)
+            else:
+                torch_model = build_model(self.config, ckpt.state_dict(), max_length, TORCH_DTYPES[dtype])
+                executor = EagerExecutor(torch_model, cache.num_slots)
+            self.runner = ModelRunner(executor, buckets, cache, self.config.vocab_size)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

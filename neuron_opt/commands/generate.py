@@ -39,6 +39,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --model: eager compute dtype")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_sampling_flags(p)
+    from neuron_opt.parallel.cli import add_parallel_flags
+
+    add_parallel_flags(p)  # with --model: tp rank processes; an artifact's tp is fixed when it is compiled
     p.set_defaults(func=run)
 
 
@@ -48,7 +51,12 @@ def run(args: argparse.Namespace) -> int:
     from neuron_opt.api import LLM
 
     params = sampling_params_from_args(args)
-    llm = LLM(args.artifact or args.model, dtype=args.dtype)
+    from neuron_opt.parallel.cli import parallel_config_from_args
+
+    parallel = parallel_config_from_args(args)
+    if args.artifact and parallel.tp != 1:
+        raise ConfigError("generate: --tp applies to --model; an artifact runs at the tp it was compiled with")
+    llm = LLM(args.artifact or args.model, dtype=args.dtype, parallel=parallel)
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)
     else:

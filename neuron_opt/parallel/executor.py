@@ -158,12 +158,16 @@ class TPExecutor:
 def tp_executor_from_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor], par: ParallelConfig,
                                 cache: CacheConfig, weights_dir: Path | None = None, dtype: str = "float32",
                                 collective_timeout_s: float = 60.0) -> TPExecutor:
-    """Shard a canonical state dict to weights_dir/rank{r}.safetensors (a temp dir if None) and start ranks."""
-    if weights_dir is None:
-        weights_dir = Path(tempfile.mkdtemp(prefix="neuron-opt-tp-"))
-    write_rank_weights(sd, cfg, par, weights_dir)
-    spec = RankSpec(cfg, par, cache, str(weights_dir), dtype, collective_timeout_s, default_threads(par.tp))
-    return TPExecutor(spec)
+    """Shard a canonical state dict to weights_dir/rank{r}.safetensors and start the ranks.
+
+    With weights_dir None the shards go to a temporary directory that is removed once every rank has loaded
+    its shard (ranks read weights only at start-up)."""
+    if weights_dir is not None:
+        write_rank_weights(sd, cfg, par, weights_dir)
+        spec = RankSpec(cfg, par, cache, str(weights_dir), dtype, collective_timeout_s, default_threads(par.tp))
+        return TPExecutor(spec)
+    with tempfile.TemporaryDirectory(prefix="neuron-opt-tp-") as tmp:
+        return tp_executor_from_state_dict(cfg, sd, par, cache, Path(tmp), dtype, collective_timeout_s)
 
 
 def launch_tp_executor(root: Path, manifest: Any) -> TPExecutor:
