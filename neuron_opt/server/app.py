@@ -41,6 +41,8 @@ def _validation_message(e: ValidationError) -> tuple[str, str | None]:
     errs = e.errors(include_url=False)
     if errs and errs[0]["type"] == "json_invalid":
         return f"Invalid JSON body: {errs[0].get('ctx', {}).get('error', errs[0]['msg'])}", None
+    if errs and not errs[0]["loc"]:
+        return "the request body must be a JSON object", None
     parts = []
     for err in errs[:5]:
         loc = ".".join(str(x) for x in err["loc"]) or "body"

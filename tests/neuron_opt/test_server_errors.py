@@ -1,0 +1,156 @@
+"""Bad requests get the right 4xx with an OpenAI-shaped error naming the problem, and the server stays healthy.
+Also: `neuron-opt serve` as a subprocess prints its curl line, and SIGTERM drains an in-flight stream before exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from test_server_openai import MODEL, live_server
+
+from neuron_opt.api import LLM
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hi"}]
+LONG = "word " * 400  # > 256 tokens: the context of the test model
+
+# (path, body: dict or raw bytes, status, substring of the message)
+CASES = [
+    (C, b'{"prompt": "x",', 400, "Invalid JSON"),
+    (C, b"[1, 2]", 400, "body must be a JSON object"),
+    (C, b"", 400, "body must be a JSON object"),
+    (C, {"max_tokens": 5}, 400, "prompt: Field required"),
+    (C, {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    (C, {"prompt": "x", "max_tokens": True}, 400, "max_tokens"),
+    (C, {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    (C, {"prompt": 5}, 400, "prompt"),
+    (C, {"prompt": "x", "max_tokens": -1}, 400, "max_tokens: must be at least 1, got -1"),
+    (C, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens: must be at least 1, got 0"),
+    (C, {"prompt": "x", "max_tokens": 100000}, 400, "'max_tokens' is too large: 100000"),
+    (C, {"prompt": LONG, "max_tokens": 5}, 400, "maximum context length is 256 tokens"),
+    (CHAT, {"messages": [{"role": "user", "content": LONG}]}, 400, "maximum context length is 256 tokens"),
+    (C, {"prompt": "x", "temperature": -0.5}, 400, "temperature: must be non-negative"),
+    (C, {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    (C, {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    (C, {"prompt": "x", "top_k": -3}, 400, "top_k"),
+    (C, {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+    (C, {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    (C, {"prompt": "x", "model": "gpt-4"}, 404, "The model `gpt-4` does not exist."),
+    (CHAT, {"messages": MSG, "model": "nope"}, 404, "does not exist"),
+    (C, {"prompt": ""}, 400, "prompt must not be empty"),
+    (C, {"prompt": ["a", "b"]}, 400, "list of 2 prompts is not supported"),
+    (C, {"prompt": [1, 10**9]}, 400, "token ids"),
+    (C, {"prompt": "x", "foo_bar": 1}, 400, "foo_bar: unsupported parameter"),
+    (C, {"prompt": "x", "n": 2}, 400, "n=2 is not supported"),
+    (C, {"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias is not supported"),
+    (C, {"prompt": "x", "echo": True}, 400, "echo is not supported"),
+    (C, {"prompt": "x", "suffix": "end"}, 400, "suffix is not supported"),
+    (C, {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "only be defined when `stream=True`"),
+    (C, {"prompt": "x", "stop": [""]}, 400, "stop strings must not be empty"),
+    (CHAT, {"messages": []}, 400, "messages must not be empty"),
+    (CHAT, {"prompt": "x"}, 400, "messages: Field required"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "image_url"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools are not supported"),
+    (CHAT, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs requires logprobs"),
+    (CHAT, {"messages": MSG, "max_completion_tokens": -4}, 400, "max_tokens: must be at least 1, got -4"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    (CHAT, {"messages": MSG, "functions": []}, 400, "functions: unsupported parameter"),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with live_server(LLM(tiny_dir("smollm-tok"), batch_size=2, max_length=256), max_num_seqs=2) as (url, _):
+        yield url
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("path,body,status,message", CASES, ids=[f"{i}-{c[3][:30]}" for i, c in enumerate(CASES)])
+def test_bad_request(server, path, body, status, message):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server + path, content=content, headers={"Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert message in err["message"], err
+    assert err["code"] == status and err["type"] == ("NotFoundError" if status == 404 else "BadRequestError")
+
+
+def test_wrong_route_and_method_are_openai_shaped(server):
+    r = httpx.get(server + "/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == 405
+    r = httpx.post(server + "/v1/embeddings", json={})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
+
+
+def test_still_healthy_after_bad_requests(server):
+    for path, body, *_ in CASES:  # again, back to back, then a normal request must still work
+        httpx.post(server + path, content=body if isinstance(body, bytes) else json.dumps(body).encode())
+    assert httpx.get(server + "/health").status_code == 200
+    r = httpx.post(server + C, json={"model": MODEL, "prompt": "hello", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_cli_prints_curl_and_sigterm_drains(tiny_dir):
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "neuron_opt.cli", "serve", "--model", str(tiny_dir("smollm-tok")),
+                             "--port", str(port), "--max-num-seqs", "2", "--max-model-len", "1024"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        banner = proc.stdout.readline() + proc.stdout.readline()
+        assert f"curl {url}/v1/chat/completions" in banner, banner
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "server did not come up"
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        events: list[tuple[float, str]] = []
+        body = {"prompt": "drain me", "max_tokens": 1000, "temperature": 0, "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}
+
+        def consume() -> None:
+            with httpx.stream("POST", url + C, json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line:
+                        events.append((time.monotonic(), line))
+
+        t = threading.Thread(target=consume)
+        t.start()
+        while len(events) < 5:
+            assert t.is_alive() and proc.poll() is None
+            time.sleep(0.005)
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        t.join(120)
+        # uvicorn re-raises the signal once it has shut down gracefully, so the exit status is -SIGTERM
+        assert proc.wait(60) in (0, -signal.SIGTERM)
+        assert events[-1][1] == "data: [DONE]"
+        usage = json.loads(events[-2][1][len("data: "):])["usage"]
+        assert usage["completion_tokens"] == 1000  # the in-flight request ran to completion
+        assert sum(ts > signalled for ts, _ in events) > 10  # ... and was still streaming after the signal
+    finally:
+        if proc.poll() is None:
+            proc.kill()
