@@ -58,6 +58,7 @@ K_TILE = 512  # keys per score matmul: one PSUM bank of fp32
 K_BLOCK = 2048  # keys per online-softmax step (4 PSUM banks of scores)
 NEG = -1.0e30  # masked score; exp(scale * NEG - m) underflows to exactly 0
 SBUF_KV_BUDGET = 128 * 1024  # bytes per partition we allow for resident K^T and V
+EVICT_VECTOR = (23, 64)  # share of P^T evictions on VectorE (the rest on ScalarE), see docs/kernels.md
 
 
 @nki.jit
@@ -89,71 +90,82 @@ def flash_attention_kernel(q_t, k_t, v, causal=True, softmax_scale=1.0):
         qr = min(Q_TILE, s - q0)
         kend = min(s, q0 + qr) if causal else s
         q_tile = q_sb[:, q0:q0 + qr]  # [D, qr] stationary
-        # Online-softmax state of this query tile: running max (two buffers, old and new, swapped every
-        # block) and the unnormalised output whose last column is the running row sum.
-        m_bufs = [nl.ndarray((qr, 1), dtype=nl.float32, buffer=nl.sbuf) for _ in range(2)]
+        # Online-softmax state of this query tile: two statistics buffers swapped every block (column 0: the
+        # running max before the block, columns 1..: the block's sub-tile maxes) and the unnormalised output,
+        # whose last column is the running row sum.
+        stats = [nl.ndarray((qr, 1 + K_BLOCK // K_TILE), dtype=nl.float32, buffer=nl.sbuf) for _ in range(2)]
         o = nl.ndarray((qr, dv), dtype=nl.float32, buffer=nl.sbuf)
         for blk in nl.static_range((kend + K_BLOCK - 1) // K_BLOCK):
             kb = blk * K_BLOCK
             widths = [min(K_TILE, kend - k0) for k0 in range(kb, min(kend, kb + K_BLOCK), K_TILE)]
-            _block(q_tile, k_sb, v_sb, m_bufs[blk % 2], m_bufs[(blk + 1) % 2], o, q0, qr, kb, widths, d,
+            _block(q_tile, k_sb, v_sb, stats[blk % 2], stats[(blk + 1) % 2], o, q0, qr, kb, widths, d,
                    masks, softmax_scale, mm_dtype, blk == 0, evictions)
+        # Epilogue on GpSimd (SBUF only, otherwise idle): out = o[:, :D] / l.
         inv_l = nisa.reciprocal(o[:, d:dv])
-        o_out = nl.multiply(o[:, 0:d], inv_l, dtype=out.dtype)
+        o_out = nisa.tensor_scalar(o[:, 0:d], nl.multiply, inv_l, dtype=out.dtype, engine=nisa.gpsimd_engine)
         nl.store(out[b, h, q0:q0 + qr, :], value=o_out)
     return out
 
 
 def _causal_masks(mm_dtype):
-    """Identity [128, 128] and the additive causal masks of a diagonal sub-tile, one per query offset.
+    """Identity [128, 128] and the additive causal mask of the diagonal [128, 128] block, built once on GpSimd.
 
-    A diagonal sub-tile starts at key k0 (a multiple of 512) for a query tile starting at q0 (a multiple of
-    128), so r = q0 - k0 is one of 0, 128, 256, 384: mask_r[p, f] = 0 where f <= p + r, else NEG. Adding
-    `I^T @ mask_r` into the score PSUM tile masks it on TensorE (which has slack), so VectorE and ScalarE read
-    the masked scores straight from PSUM with no extra copy. Built once per program on GpSimd.
+    Only the last key sub-tile of a query tile [q0, q0 + qr) reaches past q0 (the sub-tiles start at
+    multiples of 512 <= q0 and end at q0 + qr), and in it only the keys [q0, q0 + qr) need masking:
+    mask[p, f] = 0 where f <= p, else NEG. Adding `I^T @ mask` into those qr columns of the score PSUM tile
+    masks them on TensorE (qr cycles), so VectorE and ScalarE read the masked scores straight from PSUM.
     """
     i_p = nl.arange(Q_TILE)[:, None]
-    i_f = nl.arange(K_TILE)[None, :]
     i_q = nl.arange(Q_TILE)[None, :]
     ones = nl.ones((Q_TILE, Q_TILE), dtype=mm_dtype, buffer=nl.sbuf)
     ident = nisa.affine_select(i_p >= i_q, nisa.affine_select(i_p <= i_q, ones, 0.0), 0.0)
-    zeros = nl.zeros((Q_TILE, K_TILE), dtype=mm_dtype, buffer=nl.sbuf)
-    masks = [nisa.affine_select(i_p + r >= i_f, zeros, NEG) for r in range(0, K_TILE, Q_TILE)]
-    return ident, masks
+    zeros = nl.zeros((Q_TILE, Q_TILE), dtype=mm_dtype, buffer=nl.sbuf)
+    tri = nisa.affine_select(i_p >= i_q, zeros, NEG)
+    return ident, tri
 
 
-def _block(q_tile, k_sb, v_sb, m_old, m_new, o, q0, qr, kb, widths, d, masks, scale, mm_dtype, first,
+def _block(q_tile, k_sb, v_sb, st_old, st_new, o, q0, qr, kb, widths, d, masks, scale, mm_dtype, first,
            evictions):
     """One online-softmax step of a query tile over the keys [kb, kb + sum(widths)).
 
-    Reads the running max from `m_old` (unless `first`), writes the new one to `m_new`, updates `o` in place.
-    `masks` is `_causal_masks(...)` for causal attention, else None.
+    `st_old[:, 0]` holds the running max before this block (unless `first`); the block's sub-tile maxes go to
+    `st_old[:, 1:]` and the new running max to `st_new[:, 0]`. Updates `o` in place. `masks` is
+    `_causal_masks(...)` for causal attention, else None.
     """
     n_sub = len(widths)
-    dv = d + 1
     s_ps = nl.ndarray((n_sub, nl.par_dim(qr), K_TILE), dtype=nl.float32, buffer=nl.psum)
     scores = []
-    mx = nl.ndarray((qr, n_sub), dtype=nl.float32, buffer=nl.sbuf)
     for c in nl.static_range(n_sub):
         k0, w = kb + c * K_TILE, widths[c]
         s_ps[c, :, 0:w] = nisa.nc_matmul(q_tile, k_sb[:, k0:k0 + w])  # [qr, w] = q^T k
-        if masks is not None and k0 + w - 1 > q0:  # some key of this sub-tile is after some query
-            ident, mask = masks[0], masks[1][(q0 - k0) // Q_TILE]
-            s_ps[c, :, 0:w] += nisa.nc_matmul(ident[0:qr, 0:qr], mask[0:qr, 0:w])  # += mask (0 or NEG)
+        if masks is not None and k0 + w - 1 > q0:  # the diagonal block: keys [q0, q0 + qr) = columns r..
+            r = q0 - k0
+            s_ps[c, :, r:r + qr] += nisa.nc_matmul(masks[0][0:qr, 0:qr], masks[1][0:qr, 0:qr])  # += mask
         scores.append(s_ps[c, :, 0:w])
-        mx[:, c:c + 1] = nisa.tensor_reduce(nl.maximum, scores[c], axis=(1,), keepdims=True)
-    m_blk = nisa.tensor_reduce(nl.maximum, mx, axis=(1,), keepdims=True) if n_sub > 1 else mx
+        st_old[:, 1 + c:2 + c] = nisa.tensor_reduce(nl.maximum, scores[c], axis=(1,), keepdims=True)
+    # New running max = max over [old max | sub-tile maxes] in one small reduce (no separate max merge).
+    lo = 1 if first else 0
+    st_new[:, 0:1] = nisa.tensor_reduce(nl.maximum, st_old[:, lo:1 + n_sub], axis=(1,), keepdims=True)
+    m_new = st_new[:, 0:1]
+    nbias = nisa.tensor_scalar(m_new, nl.multiply, -scale, engine=nisa.gpsimd_engine)  # exp(sc*s - sc*m)
+    pv_ps = _exp_pv(scores, nbias, v_sb, kb, widths, d, scale, mm_dtype, evictions)
     if first:
-        m_new[...] = nl.copy(m_blk)
-    else:
-        m_new[...] = nl.maximum(m_old, m_blk)
-    nbias = nisa.activation(nl.copy, m_new, scale=-scale)  # -scale * m: exp(scale * s - scale * m)
-    if not first:
-        alpha = nisa.activation(nl.exp, m_old, bias=nbias, scale=scale)  # exp(scale * (m_old - m_new))
+        o[...] = nisa.activation(nl.copy, pv_ps, dtype=nl.float32)
+        return
+    alpha = nisa.activation(nl.exp, st_old[:, 0:1], bias=nbias, scale=scale)  # exp(sc * (m_old - m_new))
+    # o = alpha * o + pv: ScalarE moves pv out of PSUM (the only PSUM read), GpSimd does the arithmetic.
+    pv_sb = nisa.activation(nl.copy, pv_ps, dtype=nl.float32)
+    o_scaled = nisa.tensor_scalar(o, nl.multiply, alpha, engine=nisa.gpsimd_engine)
+    o[...] = nisa.tensor_tensor(o_scaled, pv_sb, nl.add, engine=nisa.gpsimd_engine)
 
+
+def _exp_pv(scores, nbias, v_sb, kb, widths, d, scale, mm_dtype, evictions):
+    """P = exp(scale * s - scale * m) per sub-tile, P^T by TensorE, and P @ [V | 1] accumulated in PSUM."""
+    qr = scores[0].shape[0]
+    dv = d + 1
     pv_ps = nl.ndarray((qr, dv), dtype=nl.float32, buffer=nl.psum)
     n_mm = 0
-    for c in nl.static_range(n_sub):
+    for c in nl.static_range(len(widths)):
         w = widths[c]
         p = nisa.activation(nl.exp, scores[c], bias=nbias, scale=scale, dtype=mm_dtype)  # [qr, w]
         pt_ps = nl.ndarray((nl.par_dim(Q_TILE), K_TILE), dtype=nl.float32, buffer=nl.psum)
@@ -164,9 +176,10 @@ def _block(q_tile, k_sb, v_sb, m_old, m_new, o, q0, qr, kb, widths, d, masks, sc
             cw = min(Q_TILE, w - j * Q_TILE)
             kt = (kb + c * K_TILE) // Q_TILE + j
             src = pt_ps[0:cw, j * Q_TILE:j * Q_TILE + qr]  # [cw keys, qr]
-            # PSUM -> SBUF copies, 9 of every 32 on VectorE and the rest on ScalarE: VectorE already does the
-            # row max, ScalarE the exp; this split evens out their busy time (see docs/kernels.md).
-            if evictions[0] * 9 % 32 < 9:
+            # PSUM -> SBUF copies of P^T, EVICT_VECTOR[0] of every EVICT_VECTOR[1] on VectorE and the rest on
+            # ScalarE: VectorE already does the row max, ScalarE the exp (see docs/kernels.md).
+            num, den = EVICT_VECTOR
+            if evictions[0] * num % den < num:
                 pt = nisa.tensor_copy(src, dtype=mm_dtype, engine=nisa.vector_engine)
             else:
                 pt = nisa.activation(nl.copy, src, dtype=mm_dtype)
@@ -177,12 +190,7 @@ def _block(q_tile, k_sb, v_sb, m_old, m_new, o, q0, qr, kb, widths, d, masks, sc
             else:
                 pv_ps[...] += mm
             n_mm += 1
-
-    if first:
-        o[...] = nl.copy(pv_ps)
-    else:
-        o[...] = nisa.scalar_tensor_tensor(data=o, op0=nl.multiply, operand0=alpha, op1=nl.add,
-                                           operand1=pv_ps)
+    return pv_ps
 
 
 def _check(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:

@@ -80,6 +80,19 @@ def test_custom_scale_and_large_logits():
     np.testing.assert_allclose(out, flash_attention_ref(q, k, v, causal=True, softmax_scale=2.0), atol=1e-4)
 
 
+@pytest.mark.parametrize("k_block,s,causal,dtype", [(512, 700, True, "float32"), (512, 600, False, "bfloat16"),
+                                                     (1024, 1100, True, "bfloat16"), (1024, 1030, False, "float32")])
+def test_online_softmax_across_key_blocks(monkeypatch, k_block, s, causal, dtype):
+    # The rescaling between key blocks (running max, alpha, o = alpha * o + pv) only runs when a query tile
+    # sees more than K_BLOCK keys; shrink K_BLOCK so that short sequences cross several blocks. A large
+    # scale makes later blocks raise the running max often.
+    monkeypatch.setattr(flash_attention, "K_BLOCK", k_block)
+    q, k, v = _inputs(1, 1, 1, s, 64, dtype, seed=s)
+    out = flash_attention.run(q, k, v, causal=causal, softmax_scale=0.5)
+    ref = flash_attention_ref(q, k, v, causal=causal, softmax_scale=0.5)
+    np.testing.assert_allclose(out.astype(np.float64), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
 def test_rejects_unsupported_arguments():
     q, k, v = _inputs(1, 3, 2, 8, 16, "float32", seed=0)
     with pytest.raises(KernelArgumentError):
@@ -92,14 +105,14 @@ def test_rejects_unsupported_arguments():
 def test_cost_model_counts_exact_flops_and_skips_future_tiles():
     # Count-only run (no values): non-causal issues exactly QK^T (2*S*S*D) and P@[V|1] (2*S*S*(D+1)) FLOPs.
     # Causal issues, per 128-query tile, only the keys up to its last query, plus one mask matmul
-    # (I[128,128] @ mask[128, w]) on the diagonal sub-tile: future tiles are skipped, not masked.
+    # (I[128,128] @ mask[128,128]) on the diagonal block: future tiles are skipped, not masked.
     s, d = 1024, 128
     full = flash_attention.estimate(1, 1, 1, s, d, causal=False)
     assert full.matmul_flops == 2 * s * s * d + 2 * s * s * (d + 1)
     expected = 0
     for q0 in range(0, s, 128):
         kend = q0 + 128
-        expected += 2 * 128 * kend * (2 * d + 1) + 2 * 128 * 128 * (kend - (kend - 1) // 512 * 512)
+        expected += 2 * 128 * kend * (2 * d + 1) + 2 * 128 * 128 * 128
     causal = flash_attention.estimate(1, 1, 1, s, d, causal=True)
     assert causal.matmul_flops == expected
     assert causal.latency_us < 0.75 * full.latency_us
