@@ -26,17 +26,21 @@ Pseudocode (per program, per query tile [q0, q0 + qr)):
     kend = min(S, q0 + qr) if causal else S
     for block [k0, k0 + 2048) within [0, kend):
         for sub-tile c:  s[c] = q_tile^T @ K^T[:, keys]              # TensorE -> PSUM [qr, <=512]
-                         if the sub-tile crosses the diagonal: s[c] += I^T @ mask (0 or -1e30)  # TensorE
+                         if it holds keys [q0, q0 + qr): s[c][:, those] += I^T @ tri (0 or -1e30)  # TensorE
                          mx[c] = rowmax(s[c])                         # VectorE, reads PSUM
-        m_new = max(m, max_c mx[c]);  alpha = exp(scale * (m - m_new))
-        for sub-tile c:  p = exp(scale * s[c] - scale * m_new)  (bf16/fp32)                  # ScalarE
-                         for 128-key chunk: pT = transpose(p[:, chunk])  # TensorE -> PSUM, copy to SBUF
+        m_new = max(m, mx[0], ..., mx[n-1])       # one small VectorE reduce over [m | mx]
+        nbias = -scale * m_new                    # GpSimd
+        for sub-tile c:  p = exp(scale * s[c] + nbias)  (bf16/fp32)                          # ScalarE
+                         for 128-key chunk: pT = transpose(p[:, chunk])  # TensorE -> PSUM; copy to SBUF on
+                                                                         # VectorE (23/64) or ScalarE
                                             pv += pT^T @ [V | 1][chunk]  # TensorE, PSUM accumulation
-        o = alpha * o + pv                       # o[:, D] is the running row sum l
-    out[q0:q0 + qr] = o[:, :D] / o[:, D]
+        o = pv (first block)  |  o = exp(scale * (m - m_new)) * o + copy(pv)   # ScalarE copy, GpSimd math
+    out[q0:q0 + qr] = o[:, :D] * (1 / o[:, D])   # o[:, D] is the running row sum l; multiply on GpSimd
 
     The ones column makes TensorE produce the row sums (moving free D + 1 instead of D, +1%), which is
     cheaper than ScalarE's reduce read-out and keeps the sum consistent with the bf16 P actually multiplied.
+    Per 128x512 score tile the cost model's floor is ~610 ns (three passes over the scores shared by
+    VectorE and ScalarE), TensorE needs 550 ns of which 366 are useful: ~60% at best (docs/kernels.md).
 
 Constraints: D <= 128; q, k, v share one dtype (float32 or bfloat16; matmuls run in that dtype, softmax
 statistics in float32); K^T and V resident in SBUF: S * D * itemsize / 64 bytes per partition (S <= 32768
@@ -108,7 +112,7 @@ def flash_attention_kernel(q_t, k_t, v, causal=True, softmax_scale=1.0):
 
 
 def _causal_masks(mm_dtype):
-    """Identity [128, 128] and the additive causal mask of the diagonal [128, 128] block, built once on GpSimd.
+    """Identity [128, 128] and the additive causal mask of a diagonal [128, 128] block (GpSimd, once).
 
     Only the last key sub-tile of a query tile [q0, q0 + qr) reaches past q0 (the sub-tiles start at
     multiples of 512 <= q0 and end at q0 + qr), and in it only the keys [q0, q0 + qr) need masking:

@@ -80,8 +80,10 @@ def test_custom_scale_and_large_logits():
     np.testing.assert_allclose(out, flash_attention_ref(q, k, v, causal=True, softmax_scale=2.0), atol=1e-4)
 
 
-@pytest.mark.parametrize("k_block,s,causal,dtype", [(512, 700, True, "float32"), (512, 600, False, "bfloat16"),
-                                                     (1024, 1100, True, "bfloat16"), (1024, 1030, False, "float32")])
+@pytest.mark.parametrize("k_block,s,causal,dtype", [
+    (512, 700, True, "float32"), (512, 600, False, "bfloat16"),
+    (1024, 1100, True, "bfloat16"), (1024, 1030, False, "float32"),
+])
 def test_online_softmax_across_key_blocks(monkeypatch, k_block, s, causal, dtype):
     # The rescaling between key blocks (running max, alpha, o = alpha * o + pv) only runs when a query tile
     # sees more than K_BLOCK keys; shrink K_BLOCK so that short sequences cross several blocks. A large
