@@ -72,7 +72,7 @@ class OpenAIServing:
     async def _outputs(self, rid: str, q: asyncio.Queue, arrival: float,
                        is_disconnected: Callable[[], Any] | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the engine's outputs for `rid`; aborts the request if the consumer stops early."""
-        finished, last = False, arrival
+        finished, last, checked = False, arrival, time.monotonic()
         try:
             while True:
                 if is_disconnected is None:
@@ -81,8 +81,12 @@ class OpenAIServing:
                     try:
                         out = await asyncio.wait_for(q.get(), timeout=1.0)
                     except asyncio.TimeoutError:
+                        out = None
+                    if time.monotonic() - checked >= 1.0:
                         if await is_disconnected():
                             return
+                        checked = time.monotonic()
+                    if out is None:
                         continue
                 now = time.monotonic()
                 if out.new_token_ids:

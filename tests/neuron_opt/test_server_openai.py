@@ -196,4 +196,10 @@ def test_client_disconnect_frees_slot(llms):
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
             assert time.monotonic() - t0 < 3.0  # it got the only slot long before the first one would finish
             assert http.get(url + "/health").status_code == 200
+        # non-streaming: the client gives up (timeout closes the connection); the server notices within ~1 s
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=0.5)
+        t0 = time.monotonic()
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "next", "max_tokens": 3}, timeout=10)
+        assert r.status_code == 200 and time.monotonic() - t0 < 3.0
         assert engine.num_unfinished == 0 and engine.scheduler.num_free_slots == 1
