@@ -4,15 +4,16 @@
 2. Sends `--num-prompts` random prompts (token ids drawn uniformly from the non-special vocabulary, exactly
    `--input-len` long) to /v1/completions, streaming, greedy, `ignore_eos` so every output has `--output-len`
    tokens; at most `--concurrency` in flight, arrivals at `--request-rate` (Poisson; inf = all at once).
-3. Correctness under load (`--check-streams`, default 64): that many concurrent streams, each must arrive exactly
-   once, complete, with the asked token count, and equal to the same prompt served alone (sequentially, same
-   server): nothing lost, duplicated or mixed.
-4. Baseline: HF transformers `generate` (greedy, same prompts, EOS disabled, fp32) serving the requests one after
-   another in this process, from the same checkpoint (the default GGUF is loaded by transformers' GGUF loader).
+3. Correctness under load (`--check-streams`, default 64): that many concurrent streams, each must arrive
+   exactly once, complete, with the asked token count, and equal to the same prompt served alone
+   (sequentially, same server): nothing lost, duplicated or mixed.
+4. Baseline: HF transformers `generate` (greedy, same prompts, EOS disabled, fp32) serving the requests one
+   after another in this process, from the same checkpoint (the default GGUF goes through transformers'
+   GGUF loader).
 
-Metric definitions follow vLLM (vllm/benchmarks/serve.py): TTFT = first token chunk - send; TPOT = (latency -
-TTFT) / (output tokens - 1) per request; ITL = every gap between consecutive chunks; output throughput = output
-tokens / wall time of the run; request throughput = completed requests / wall time.
+Metric definitions follow vLLM (vllm/benchmarks/serve.py): TTFT = first token chunk - send;
+TPOT = (latency - TTFT) / (output tokens - 1) per request; ITL = every gap between consecutive chunks;
+output throughput = output tokens / wall time of the run; request throughput = completed requests / wall time.
 
     python scripts/bench_serve.py --model default --num-prompts 32 --concurrency 16 --json
 """
@@ -61,16 +62,21 @@ def summarize(results: list[RequestResult], duration: float, input_len: int) -> 
     out_tokens = sum(r.output_tokens for r in ok)
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     return {
-        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
         "total_output_tokens": out_tokens,
-        "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": out_tokens / duration,
         "total_token_throughput": (out_tokens + input_len * len(ok)) / duration,
-        "ttft_ms": percentiles([r.ttft for r in ok]), "tpot_ms": percentiles(tpot),
-        "itl_ms": percentiles([g for r in ok for g in r.itl]), "e2el_ms": percentiles([r.latency for r in ok]),
+        "ttft_ms": percentiles([r.ttft for r in ok]),
+        "tpot_ms": percentiles(tpot),
+        "itl_ms": percentiles([g for r in ok for g in r.itl]),
+        "e2el_ms": percentiles([r.latency for r in ok]),
     }
 
 
-# ---- the server under test ----------------------------------------------------------------------------------
+# ---- the server under test -----------------------------------------------------------------------
 
 
 def free_port() -> int:
@@ -81,10 +87,26 @@ def free_port() -> int:
 
 def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
     is_artifact = (Path(args.model) / "manifest.json").exists()
-    src = [args.model] if is_artifact else ["--model", args.model,
-                                            "--max-model-len", str(max(256, args.input_len + args.output_len))]
-    cmd = [sys.executable, "-m", "neuron_opt.cli", "serve", *src, "--port", str(port), "--served-model-name",
-           "bench", "--max-num-seqs", str(args.max_num_seqs), "--max-prefill-tokens", str(args.max_prefill_tokens)]
+    src = (
+        [args.model]
+        if is_artifact
+        else ["--model", args.model, "--max-model-len", str(max(256, args.input_len + args.output_len))]
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "neuron_opt.cli",
+        "serve",
+        *src,
+        "--port",
+        str(port),
+        "--served-model-name",
+        "bench",
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-prefill-tokens",
+        str(args.max_prefill_tokens),
+    ]
     print("+", " ".join(cmd), file=sys.stderr)
     return subprocess.Popen(cmd, cwd=ROOT, stdout=sys.stderr, stderr=sys.stderr)
 
@@ -106,8 +128,15 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> No
 
 
 async def one_request(client, url: str, index: int, prompt: list[int], output_len: int) -> RequestResult:
-    body = {"model": "bench", "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "bench",
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     r = RequestResult(index)
     t0 = last = time.perf_counter()
     try:
@@ -118,7 +147,7 @@ async def one_request(client, url: str, index: int, prompt: list[int], output_le
             async for line in resp.aiter_lines():
                 if not line.startswith("data: "):
                     continue
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 if data == "[DONE]":
                     r.done_markers += 1
                     continue
@@ -146,14 +175,16 @@ async def one_request(client, url: str, index: int, prompt: list[int], output_le
     return r
 
 
-async def run_load(url: str, prompts: list[list[int]], output_len: int, concurrency: int,
-                   request_rate: float, seed: int) -> tuple[list[RequestResult], float]:
+async def run_load(
+    url: str, prompts: list[list[int]], output_len: int, concurrency: int, request_rate: float, seed: int
+) -> tuple[list[RequestResult], float]:
     import httpx
 
     rng = np.random.default_rng(seed)
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+
         async def limited(i: int, p: list[int]) -> RequestResult:
             async with sem:
                 return await one_request(client, url, i, p, output_len)
@@ -168,7 +199,7 @@ async def run_load(url: str, prompts: list[list[int]], output_len: int, concurre
         return list(results), time.perf_counter() - t0
 
 
-# ---- HF transformers baseline -------------------------------------------------------------------------------
+# ---- HF transformers baseline --------------------------------------------------------------------
 
 
 def hf_baseline(model: str, prompts: list[list[int]], output_len: int) -> tuple[list[RequestResult], float]:
@@ -200,8 +231,9 @@ def hf_baseline(model: str, prompts: list[list[int]], output_len: int) -> tuple[
     def gen(ids: list[int], n: int, streamer: Times | None = None) -> torch.Tensor:
         x = torch.tensor([ids])
         with torch.inference_mode():
-            return hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
-                               do_sample=False, streamer=streamer)
+            return hf.generate(
+                x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, streamer=streamer
+            )
 
     gen(prompts[0], 2)  # warm-up
     results = []
@@ -217,7 +249,7 @@ def hf_baseline(model: str, prompts: list[list[int]], output_len: int) -> tuple[
     return results, time.perf_counter() - t_start
 
 
-# ---- main ---------------------------------------------------------------------------------------------------
+# ---- main ----------------------------------------------------------------------------------------
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -225,17 +257,27 @@ def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [rng.integers(100, vocab, size=length).tolist() for _ in range(n)]  # ids < 100: special tokens
 
 
-def check_streams(url: str, n: int, input_len: int, output_len: int, vocab: int, seed: int) -> dict[str, object]:
+def check_streams(
+    url: str, n: int, input_len: int, output_len: int, vocab: int, seed: int
+) -> dict[str, object]:
     """n concurrent streams vs the same prompts served alone: lost / duplicated / mixed counts."""
     prompts = make_prompts(n, input_len, vocab, seed + 1)
     alone = [asyncio.run(run_load(url, [p], output_len, 1, float("inf"), seed))[0][0] for p in prompts]
     together, dur = asyncio.run(run_load(url, prompts, output_len, n, float("inf"), seed))
     lost = sum(not r.ok for r in together)
     dup = sum(r.done_markers > 1 for r in together)
-    mismatched = [r.index for r, a in zip(together, alone) if r.ok and r.text != a.text]
-    return {"streams": n, "input_len": input_len, "output_len": output_len, "lost_or_incomplete": lost,
-            "duplicated": dup, "mismatched_vs_alone": len(mismatched), "mismatched_indices": mismatched,
-            "duration_s": dur, "errors": [r.error for r in together if r.error][:5]}
+    mismatched = [r.index for r, a in zip(together, alone, strict=True) if r.ok and r.text != a.text]
+    return {
+        "streams": n,
+        "input_len": input_len,
+        "output_len": output_len,
+        "lost_or_incomplete": lost,
+        "duplicated": dup,
+        "mismatched_vs_alone": len(mismatched),
+        "mismatched_indices": mismatched,
+        "duration_s": dur,
+        "errors": [r.error for r in together if r.error][:5],
+    }
 
 
 def plot(report: dict, path: Path) -> None:
@@ -245,9 +287,15 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = report["engine"]
-    names = [f"neuron-opt\nc={r['concurrency']}" for r in runs] + (["HF generate\nsequential"] if report.get("hf") else [])
-    thr = [r["output_throughput"] for r in runs] + ([report["hf"]["output_throughput"]] if report.get("hf") else [])
-    tpot = [r["tpot_ms"]["p50"] for r in runs] + ([report["hf"]["tpot_ms"]["p50"]] if report.get("hf") else [])
+    names = [f"neuron-opt\nc={r['concurrency']}" for r in runs] + (
+        ["HF generate\nsequential"] if report.get("hf") else []
+    )
+    thr = [r["output_throughput"] for r in runs] + (
+        [report["hf"]["output_throughput"]] if report.get("hf") else []
+    )
+    tpot = [r["tpot_ms"]["p50"] for r in runs] + (
+        [report["hf"]["tpot_ms"]["p50"]] if report.get("hf") else []
+    )
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     a.bar(names, thr, color=["tab:blue"] * len(runs) + ["tab:gray"] * (len(names) - len(runs)))
     a.set_ylabel("output tokens / s")
@@ -256,36 +304,54 @@ def plot(report: dict, path: Path) -> None:
     b.set_ylabel("ms")
     b.set_title("TPOT p50 (per request)")
     cfg = report["config"]
-    fig.suptitle(f"{cfg['model']}: {cfg['num_prompts']} prompts, in {cfg['input_len']} / out {cfg['output_len']} "
-                 f"tokens ({report['provisional_note']})" if report.get("provisional_note") else
-                 f"{cfg['model']}: {cfg['num_prompts']} prompts, in {cfg['input_len']} / out {cfg['output_len']}",
-                 fontsize=9)
+    fig.suptitle(
+        f"{cfg['model']}: {cfg['num_prompts']} prompts, in {cfg['input_len']} / out {cfg['output_len']} "
+        f"tokens ({report['provisional_note']})"
+        if report.get("provisional_note")
+        else f"{cfg['model']}: {cfg['num_prompts']} prompts, in {cfg['input_len']} / out {cfg['output_len']}",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="default", help="artifact directory, HF checkpoint dir, GGUF, or 'default'")
-    p.add_argument("--hf-model", default=None, help="checkpoint for the HF baseline (default: --model, or "
-                                                    "'default' when --model is an artifact)")
+    p.add_argument(
+        "--model", default="default", help="artifact directory, HF checkpoint dir, GGUF, or 'default'"
+    )
+    p.add_argument(
+        "--hf-model",
+        default=None,
+        help="checkpoint for the HF baseline (default: --model, or 'default' when --model is an artifact)",
+    )
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--concurrency", default="16", help="comma-separated levels, e.g. 1,4,16")
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = burst")
+    p.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = burst"
+    )
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-prefill-tokens", type=int, default=2048)
-    p.add_argument("--check-streams", type=int, default=64, help="concurrent streams for the correctness check (0: skip)")
+    p.add_argument(
+        "--check-streams", type=int, default=64, help="concurrent streams for the correctness check (0: skip)"
+    )
     p.add_argument("--check-input-len", type=int, default=32)
     p.add_argument("--check-output-len", type=int, default=16)
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
-    p.add_argument("--hf-num-prompts", type=int, default=None, help="baseline on the first N prompts only "
-                                                                    "(sequential throughput does not depend on N)")
+    p.add_argument(
+        "--hf-num-prompts",
+        type=int,
+        default=None,
+        help="baseline on the first N prompts only (sequential throughput does not depend on N)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(ROOT / "docs" / "bench_serve.json"))
     p.add_argument("--plot", default=str(ROOT / "docs" / "bench_serve.png"))
-    p.add_argument("--note", default="", help="free text stored in the report (e.g. 'provisional: shared machine')")
+    p.add_argument(
+        "--note", default="", help="free text stored in the report (e.g. 'provisional: shared machine')"
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     args = p.parse_args(argv)
 
@@ -300,21 +366,32 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://127.0.0.1:{port}"
     proc = start_server(args, port)
     config = vars(args) | {"hf_model": hf_model, "request_rate": str(args.request_rate)}
-    report: dict[str, object] = {"config": config, "provisional_note": args.note,
-                                 "engine": [], "threads": os.environ.get("NEURON_OPT_NUM_THREADS", "torch default")}
+    report: dict[str, object] = {
+        "config": config,
+        "provisional_note": args.note,
+        "engine": [],
+        "threads": os.environ.get("NEURON_OPT_NUM_THREADS", "torch default"),
+    }
     try:
         wait_healthy(url, proc)
         asyncio.run(run_load(url, prompts[:1], 4, 1, float("inf"), args.seed))  # warm-up
         for c in levels:
-            results, dur = asyncio.run(run_load(url, prompts, args.output_len, c, args.request_rate, args.seed))
+            results, dur = asyncio.run(
+                run_load(url, prompts, args.output_len, c, args.request_rate, args.seed)
+            )
             s = summarize(results, dur, args.input_len) | {"concurrency": c}
             s["errors"] = [r.error for r in results if r.error][:5]
             report["engine"].append(s)
-            print(f"engine c={c}: {s['output_throughput']:.1f} out tok/s, TPOT p50 {s['tpot_ms']['p50']:.1f} ms, "
-                  f"TTFT p50 {s['ttft_ms']['p50']:.0f} ms, {s['completed']}/{len(results)} ok", file=sys.stderr)
+            print(
+                f"engine c={c}: {s['output_throughput']:.1f} out tok/s, "
+                f"TPOT p50 {s['tpot_ms']['p50']:.1f} ms, TTFT p50 {s['ttft_ms']['p50']:.0f} ms, "
+                f"{s['completed']}/{len(results)} ok",
+                file=sys.stderr,
+            )
         if args.check_streams:
-            report["check"] = check_streams(url, args.check_streams, args.check_input_len, args.check_output_len,
-                                            vocab, args.seed)
+            report["check"] = check_streams(
+                url, args.check_streams, args.check_input_len, args.check_output_len, vocab, args.seed
+            )
             print(f"check: {report['check']}", file=sys.stderr)
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -329,8 +406,10 @@ def main(argv: list[str] | None = None) -> int:
         hf_thr = report["hf"]["output_throughput"]
         for s in report["engine"]:
             s["speedup_vs_hf"] = s["output_throughput"] / hf_thr
-        print(f"HF sequential: {hf_thr:.1f} out tok/s, TPOT p50 {report['hf']['tpot_ms']['p50']:.1f} ms",
-              file=sys.stderr)
+        print(
+            f"HF sequential: {hf_thr:.1f} out tok/s, TPOT p50 {report['hf']['tpot_ms']['p50']:.1f} ms",
+            file=sys.stderr,
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     if args.plot:

@@ -1,4 +1,4 @@
-"""`neuron-opt serve`: an OpenAI-compatible HTTP server (continuous batching) over an artifact or a checkpoint."""
+"""`neuron-opt serve`: OpenAI-compatible HTTP server (continuous batching) over an artifact or checkpoint."""
 
 from __future__ import annotations
 
@@ -11,25 +11,46 @@ from neuron_opt.errors import ConfigError
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics. Give a "
-                    "compiled artifact directory, or --model PATH|default to serve a checkpoint eagerly "
-                    "without compiling (slower, but starts at once).")
+        "compiled artifact directory, or --model PATH|default to serve a checkpoint eagerly "
+        "without compiling (slower, but starts at once).",
+    )
     p.add_argument("artifact", nargs="?", help="artifact directory produced by `neuron-opt compile`")
-    p.add_argument("--model", help="instead of an artifact: HF directory, GGUF file, or 'default' (eager, no compile)")
+    p.add_argument(
+        "--model", help="instead of an artifact: HF directory, GGUF file, or 'default' (eager, no compile)"
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None,
-                   help="model id clients must send (default: 'default', or the artifact/checkpoint name)")
-    p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="most sequences decoded together (default: the artifact's batch size; 16 with --model)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="with --model: KV length per sequence (default: min(model limit, 2048))")
-    p.add_argument("--max-prefill-tokens", type=int, default=2048,
-                   help="prompt tokens prefilled per engine step; lower bounds inter-token latency of running "
-                        "streams while new prompts arrive")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id clients must send (default: 'default', or the artifact/checkpoint name)",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="most sequences decoded together (default: the artifact's batch size; 16 with --model)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="with --model: KV length per sequence (default: min(model limit, 2048))",
+    )
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=2048,
+        help="prompt tokens prefilled per engine step; lower bounds inter-token latency of running "
+        "streams while new prompts arrive",
+    )
     p.add_argument("--max-waiting", type=int, default=1024, help="queued requests before answering 503")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="with --model: compute dtype")
+    p.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="with --model: compute dtype"
+    )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
 
@@ -58,19 +79,33 @@ def run(args: argparse.Namespace) -> int:
     if args.artifact:
         llm = LLM(args.artifact)
     else:
-        llm = LLM(args.model, dtype=args.dtype, batch_size=args.max_num_seqs or 16, max_length=args.max_model_len)
+        llm = LLM(
+            args.model, dtype=args.dtype, batch_size=args.max_num_seqs or 16, max_length=args.max_model_len
+        )
     slots = llm.runner.cache.max_batch
     if args.max_num_seqs and args.max_num_seqs > slots:
-        print(f"neuron-opt serve: --max-num-seqs {args.max_num_seqs} exceeds the artifact's batch size {slots}; "
-              f"using {slots}", file=sys.stderr)
-    engine = Engine(llm.runner, llm.tokenizer, llm.eos_token_ids, max_num_seqs=args.max_num_seqs,
-                    max_waiting=args.max_waiting, max_prefill_tokens=args.max_prefill_tokens)
+        print(
+            f"neuron-opt serve: --max-num-seqs {args.max_num_seqs} exceeds the batch size {slots}; "
+            f"using {slots}",
+            file=sys.stderr,
+        )
+    engine = Engine(
+        llm.runner,
+        llm.tokenizer,
+        llm.eos_token_ids,
+        max_num_seqs=args.max_num_seqs,
+        max_waiting=args.max_waiting,
+        max_prefill_tokens=args.max_prefill_tokens,
+    )
     name = served_name(args)
     app = create_app(engine, llm.tokenizer, llm.encode_chat, name, llm.runner.max_total_len)
     url = f"http://{args.host}:{args.port}"
-    print(f"Serving {name!r} on {url} ({engine.num_slots} sequences at once). Try:\n"
-          f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
-          f"'{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": "
-          f"\"What is the capital of France?\"}}], \"max_tokens\": 32}}'", flush=True)
+    print(
+        f"Serving {name!r} on {url} ({engine.num_slots} sequences at once). Try:\n"
+        f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
+        f'\'{{"model": "{name}", "messages": [{{"role": "user", "content": '
+        f'"What is the capital of France?"}}], "max_tokens": 32}}\'',
+        flush=True,
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=120)
     return 0

@@ -4,15 +4,16 @@ Threading model
 - All torch work, the scheduler and per-request sampling/stop state live on the engine thread; nothing else
   touches them. Other threads (the HTTP event loop) talk to it only through `add_request` / `abort`, which put
   commands on a thread-safe inbox that the engine drains at the start of every step.
-- Results go out through a per-request callback `on_output(RequestOutput)`, called on the engine thread. It must
-  be cheap and thread-safe; the server passes `loop.call_soon_threadsafe(queue.put_nowait, ...)`.
-- Validation that can fail for user input (context length, queue full) runs synchronously in `add_request`, in
-  the caller's thread, so the HTTP layer can answer 400/503 before anything is queued.
+- Results go out through a per-request callback `on_output(RequestOutput)`, called on the engine thread.
+  It must be cheap and thread-safe; the server passes `loop.call_soon_threadsafe(queue.put_nowait, ...)`.
+- Validation that can fail for user input (context length, queue full) runs synchronously in `add_request`,
+  in the caller's thread, so the HTTP layer can answer 400/503 before anything is queued.
 
-Within a step the decodes run first (one `runner.decode` for all running sequences) and their tokens are emitted
-before the step's prefills run, so streams that are already running are not delayed by new prompts more than the
-scheduler's prefill budget allows. An abort frees its slot at the start of the next step (at most one step later).
-A failing runner call fails only the requests in it (finish_reason "error"); the engine keeps serving.
+Within a step the decodes run first (one `runner.decode` for all running sequences) and their tokens are
+emitted before the step's prefills run, so streams that are already running are not delayed by new prompts
+more than the scheduler's prefill budget allows. An abort frees its slot at the start of the next step (at
+most one step later). A failing runner call fails only the requests in it (finish_reason "error"); the
+engine keeps serving.
 """
 
 from __future__ import annotations
@@ -96,12 +97,24 @@ class Engine:
         max_prefill_tokens: prompt tokens prefilled per step (see scheduler.py).
     """
 
-    def __init__(self, runner: ModelRunner, tokenizer: object, eos_token_ids: tuple[int, ...], *,
-                 max_num_seqs: int | None = None, max_waiting: int = 1024, max_prefill_tokens: int = 2048) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: object,
+        eos_token_ids: tuple[int, ...],
+        *,
+        max_num_seqs: int | None = None,
+        max_waiting: int = 1024,
+        max_prefill_tokens: int = 2048,
+    ) -> None:
         self.runner, self.tokenizer, self.eos_token_ids = runner, tokenizer, tuple(eos_token_ids)
         slots = runner.cache.max_batch if max_num_seqs is None else min(max_num_seqs, runner.cache.max_batch)
-        self.scheduler = Scheduler(slots, max_waiting=max_waiting, max_prefill_tokens=max_prefill_tokens,
-                                   check_fits=runner.check_fits)
+        self.scheduler = Scheduler(
+            slots,
+            max_waiting=max_waiting,
+            max_prefill_tokens=max_prefill_tokens,
+            check_fits=runner.check_fits,
+        )
         self.max_waiting = max_waiting
         self.stats = EngineStats()
         self._inbox: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
@@ -133,19 +146,36 @@ class Engine:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    on_output: Callable[[RequestOutput], None], arrival_time: float | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        on_output: Callable[[RequestOutput], None],
+        arrival_time: float | None = None,
+    ) -> None:
         """Queue a request. Raises ContextLengthError / ConfigError / QueueFullError synchronously."""
         self.scheduler.validate(len(prompt_token_ids), params.max_tokens)
         with self._lock:
             if self._pending >= self.scheduler.num_slots + self.max_waiting:
-                raise QueueFullError(f"server busy: {self._pending} requests in flight "
-                                     f"({self.scheduler.num_slots} slots + {self.max_waiting} waiting); retry later")
+                raise QueueFullError(
+                    f"server busy: {self._pending} requests in flight "
+                    f"({self.scheduler.num_slots} slots + {self.max_waiting} waiting); retry later"
+                )
             self._pending += 1
-        req = Request(request_id, list(prompt_token_ids), params.max_tokens,
-                      arrival_time if arrival_time is not None else time.monotonic())
-        seq = _Sequence(req, params, SamplerState.create(params), StopChecker(self.tokenizer, params,
-                                                                             self.eos_token_ids), on_output)
+        req = Request(
+            request_id,
+            list(prompt_token_ids),
+            params.max_tokens,
+            arrival_time if arrival_time is not None else time.monotonic(),
+        )
+        seq = _Sequence(
+            req,
+            params,
+            SamplerState.create(params),
+            StopChecker(self.tokenizer, params, self.eos_token_ids),
+            on_output,
+        )
         self._inbox.put(_Command("add", request_id, seq))
 
     def abort(self, request_id: str) -> None:
@@ -192,8 +222,20 @@ class Engine:
             except Exception as e:  # raced past validation (queue filled meanwhile): tell the client
                 with self._lock:
                     self._pending -= 1
-                self._emit(cmd.seq, RequestOutput(cmd.request_id, (), "", cmd.seq.request.num_prompt_tokens, 0,
-                                                  True, "error", error=str(e), time=time.monotonic()))
+                self._emit(
+                    cmd.seq,
+                    RequestOutput(
+                        cmd.request_id,
+                        (),
+                        "",
+                        cmd.seq.request.num_prompt_tokens,
+                        0,
+                        True,
+                        "error",
+                        error=str(e),
+                        time=time.monotonic(),
+                    ),
+                )
                 return
             self._seqs[cmd.request_id] = cmd.seq
         elif cmd.request_id in self._seqs:
@@ -237,7 +279,11 @@ class Engine:
                 continue
             self._update(p.request_id, logits)
         st = self.stats
-        st.steps, st.decode_rows, st.prefills = st.steps + 1, st.decode_rows + len(out.decodes), st.prefills + len(out.prefills)
+        st.steps, st.decode_rows, st.prefills = (
+            st.steps + 1,
+            st.decode_rows + len(out.decodes),
+            st.prefills + len(out.prefills),
+        )
         if len(st.step_times) < 100_000:
             st.step_times.append(time.perf_counter() - t0)
         return True
@@ -254,17 +300,44 @@ class Engine:
         if seq.stop.finish_reason is not None:
             self._finish(request_id, seq.stop.finish_reason, delta, (res.token,), lp)
         else:
-            self._emit(seq, RequestOutput(request_id, (res.token,), delta, seq.request.num_prompt_tokens,
-                                          len(seq.request.output_token_ids), logprobs=lp, time=time.monotonic()))
+            self._emit(
+                seq,
+                RequestOutput(
+                    request_id,
+                    (res.token,),
+                    delta,
+                    seq.request.num_prompt_tokens,
+                    len(seq.request.output_token_ids),
+                    logprobs=lp,
+                    time=time.monotonic(),
+                ),
+            )
 
-    def _finish(self, request_id: str, reason: str, delta: str, tokens: tuple[int, ...],
-                logprobs: tuple[TokenLogprob, ...] = (), error: str | None = None) -> None:
+    def _finish(
+        self,
+        request_id: str,
+        reason: str,
+        delta: str,
+        tokens: tuple[int, ...],
+        logprobs: tuple[TokenLogprob, ...] = (),
+        error: str | None = None,
+    ) -> None:
         seq = self._seqs.pop(request_id)
         self.scheduler.finish(request_id)
         with self._lock:
             self._pending -= 1
-        out = RequestOutput(request_id, tokens, delta, seq.request.num_prompt_tokens,
-                            len(seq.request.output_token_ids), True, reason, logprobs, error, time.monotonic())
+        out = RequestOutput(
+            request_id,
+            tokens,
+            delta,
+            seq.request.num_prompt_tokens,
+            len(seq.request.output_token_ids),
+            True,
+            reason,
+            logprobs,
+            error,
+            time.monotonic(),
+        )
         self._emit(seq, out)
 
     @staticmethod

@@ -1,9 +1,9 @@
 """Continuous-batching scheduler: which requests run in the next engine step. Device-free.
 
 Design decisions
-- One KV slot per running sequence (the cache is `max_batch` contiguous lines, not paged blocks), so admission is
-  "a slot is free", and a finished or aborted request returns its slot to the free list at once; the next
-  `schedule()` can hand it to a waiting request.
+- One KV slot per running sequence (the cache is `max_batch` contiguous lines, not paged blocks), so
+  admission is "a slot is free", and a finished or aborted request returns its slot to the free list at
+  once; the next `schedule()` can hand it to a waiting request.
 - Every step, all running sequences that have a pending token decode together in one `runner.decode` call (the
   runner picks the smallest decode bucket, batch x KV length, that fits them).
 - Prefills: one prompt per `runner.prefill` call. New requests are admitted FCFS while slots are free and the
@@ -64,8 +64,14 @@ class Scheduler:
             run (the runner's `check_fits`).
     """
 
-    def __init__(self, num_slots: int, *, max_waiting: int = 1024, max_prefill_tokens: int = 2048,
-                 check_fits: Callable[[int, int], None] | None = None) -> None:
+    def __init__(
+        self,
+        num_slots: int,
+        *,
+        max_waiting: int = 1024,
+        max_prefill_tokens: int = 2048,
+        check_fits: Callable[[int, int], None] | None = None,
+    ) -> None:
         if num_slots < 1:
             raise ConfigError(f"num_slots: must be >= 1, got {num_slots}")
         if max_prefill_tokens < 1:
@@ -107,19 +113,25 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.validate(req.num_prompt_tokens, req.max_tokens)
         if len(self.waiting) >= self.max_waiting:
-            raise QueueFullError(f"server busy: {len(self.waiting)} requests already waiting "
-                                 f"(max_waiting={self.max_waiting}); retry later")
+            raise QueueFullError(
+                f"server busy: {len(self.waiting)} requests already waiting "
+                f"(max_waiting={self.max_waiting}); retry later"
+            )
         if req.request_id in self.running or any(r.request_id == req.request_id for r in self.waiting):
             raise ConfigError(f"request_id: {req.request_id!r} is already in use")
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
 
     def schedule(self) -> SchedulerOutput:
-        """Decode every running sequence with a pending token; admit and prefill waiting ones into free slots."""
+        """Decode every running sequence with a pending token; admit and prefill waiting ones."""
         decodes = []
         for req in self.running.values():
             pending = req.num_tokens - req.num_computed_tokens
-            assert req.num_computed_tokens > 0 and pending == 1, (req.request_id, req.num_computed_tokens, pending)
+            assert req.num_computed_tokens > 0 and pending == 1, (
+                req.request_id,
+                req.num_computed_tokens,
+                pending,
+            )
             decodes.append(DecodeWork(req.request_id, req.slot, req.last_token, req.num_computed_tokens))
         prefills: list[PrefillWork] = []
         budget = self.max_prefill_tokens

@@ -30,7 +30,9 @@ from neuron_opt.server.serving import EngineError, NotFoundError, OpenAIServing
 
 
 def error_response(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}}, status)
+    return JSONResponse(
+        {"error": {"message": message, "type": type_, "param": param, "code": status}}, status
+    )
 
 
 def bad_request(message: str, param: str | None = None) -> JSONResponse:
@@ -46,8 +48,11 @@ def _validation_message(e: ValidationError) -> tuple[str, str | None]:
     parts = []
     for err in errs[:5]:
         loc = ".".join(str(x) for x in err["loc"]) or "body"
-        msg = "unsupported parameter (not part of the API this server implements)" \
-            if err["type"] == "extra_forbidden" else err["msg"]
+        msg = (
+            "unsupported parameter (not part of the API this server implements)"
+            if err["type"] == "extra_forbidden"
+            else err["msg"]
+        )
         parts.append(f"{loc}: {msg}")
     param = ".".join(str(x) for x in errs[0]["loc"]) if errs and errs[0]["loc"] else None
     return "; ".join(parts), param
@@ -57,10 +62,19 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
     return model.model_validate_json(await request.body() or b"null")
 
 
-def create_app(engine: Engine, tokenizer: Any, encode_chat: Callable[[list[dict[str, str]]], list[int]],
-               model_name: str, max_model_len: int) -> FastAPI:
-    metrics = ServerMetrics(model_name, lambda: engine.num_running, lambda: engine.num_waiting,
-                            lambda: engine.num_running / engine.num_slots)
+def create_app(
+    engine: Engine,
+    tokenizer: Any,
+    encode_chat: Callable[[list[dict[str, str]]], list[int]],
+    model_name: str,
+    max_model_len: int,
+) -> FastAPI:
+    metrics = ServerMetrics(
+        model_name,
+        lambda: engine.num_running,
+        lambda: engine.num_waiting,
+        lambda: engine.num_running / engine.num_slots,
+    )
     serving = OpenAIServing(engine, tokenizer, encode_chat, model_name, metrics, max_model_len)
 
     @asynccontextmanager
@@ -116,8 +130,16 @@ def create_app(engine: Engine, tokenizer: Any, encode_chat: Callable[[list[dict[
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "neuron-opt",
-                "root": model_name, "parent": None, "max_model_len": max_model_len, "permission": []}
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "neuron-opt",
+            "root": model_name,
+            "parent": None,
+            "max_model_len": max_model_len,
+            "permission": [],
+        }
         return {"object": "list", "data": [card]}
 
     @app.get("/metrics")
@@ -127,8 +149,9 @@ def create_app(engine: Engine, tokenizer: Any, encode_chat: Callable[[list[dict[
     def respond(result: dict[str, Any] | AsyncIterator[str]) -> Response:
         if isinstance(result, dict):
             return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(
+            result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

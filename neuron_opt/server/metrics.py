@@ -1,8 +1,8 @@
 """Prometheus metrics, named like vLLM's (`vllm:` -> `neuron_opt:`), labelled with `model_name`.
 
 Latencies are measured in the server process with one monotonic clock: TTFT from the moment the HTTP request
-was received to the first generated token, inter-token latency between consecutive tokens of a request, e2e from
-receipt to the last token. Running/waiting gauges read the engine at scrape time. Each app gets its own
+was received to the first generated token, inter-token latency between consecutive tokens of a request, e2e
+from receipt to the last token. Running/waiting gauges read the engine at scrape time. Each app gets its own
 registry, so several servers (tests) can live in one process.
 """
 
@@ -13,39 +13,130 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # vLLM's bucket edges (seconds), trimmed at the top
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 PREFIX = "neuron_opt:"
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, num_running: Callable[[], int], num_waiting: Callable[[], int],
-                 kv_usage: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        num_running: Callable[[], int],
+        num_waiting: Callable[[], int],
+        kv_usage: Callable[[], float],
+    ) -> None:
         self.registry = CollectorRegistry()
         r, lab = self.registry, ["model_name"]
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.", lab,
-                              buckets=TTFT_BUCKETS, registry=r).labels(model_name)
-        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between consecutive output tokens.",
-                             lab, buckets=ITL_BUCKETS, registry=r).labels(model_name)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end request latency.", lab,
-                             buckets=E2E_BUCKETS, registry=r).labels(model_name)
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prefill tokens processed.", lab,
-                                     registry=r).labels(model_name)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", lab,
-                                         registry=r).labels(model_name)
-        self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
-                                ["model_name", "finished_reason"], registry=r)
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time to first token.",
+            lab,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between consecutive output tokens.",
+            lab,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            lab,
+            buckets=E2E_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prefill tokens processed.", lab, registry=r
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Generated tokens.", lab, registry=r
+        ).labels(model_name)
+        self._success = Counter(
+            PREFIX + "request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
         self.model_name = model_name
-        Gauge(PREFIX + "num_requests_running", "Requests holding a KV slot.", lab,
-              registry=r).labels(model_name).set_function(num_running)
-        Gauge(PREFIX + "num_requests_waiting", "Requests queued for a KV slot.", lab,
-              registry=r).labels(model_name).set_function(num_waiting)
-        Gauge(PREFIX + "kv_cache_usage_perc", "Fraction of KV slots in use (0-1).", lab,
-              registry=r).labels(model_name).set_function(kv_usage)
+        Gauge(PREFIX + "num_requests_running", "Requests holding a KV slot.", lab, registry=r).labels(
+            model_name
+        ).set_function(num_running)
+        Gauge(PREFIX + "num_requests_waiting", "Requests queued for a KV slot.", lab, registry=r).labels(
+            model_name
+        ).set_function(num_waiting)
+        Gauge(PREFIX + "kv_cache_usage_perc", "Fraction of KV slots in use (0-1).", lab, registry=r).labels(
+            model_name
+        ).set_function(kv_usage)
 
     def request_finished(self, reason: str, prompt_tokens: int, generation_tokens: int, e2e_s: float) -> None:
         self._success.labels(self.model_name, reason).inc()

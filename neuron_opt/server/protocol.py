@@ -1,13 +1,15 @@
 """OpenAI request types (pydantic) and their translation to SamplingParams.
 
 Design decisions
-- `extra="forbid"`: a field we do not know is a 400 naming it, never silently ignored. Fields the OpenAI client
-  may send that we cannot honour (`logit_bias`, `tools`, `suffix`, `echo`, `n > 1`, ...) are declared so that
-  their harmless values (null, empty, default) pass and anything else is a 400 saying it is unsupported.
+- `extra="forbid"`: a field we do not know is a 400 naming it, never silently ignored. Fields the OpenAI
+  client may send that we cannot honour (`logit_bias`, `tools`, `suffix`, `echo`, `n > 1`, ...) are
+  declared so that their harmless values (null, empty, default) pass and anything else is a 400 saying it
+  is unsupported.
 - Strict types (no "0.5" -> 0.5 coercion, no true -> 1): wrong types are 400s with the field's name.
 - vLLM's extra sampling fields (top_k, min_tokens, ignore_eos, stop_token_ids) are accepted; with the `openai`
   client they go in `extra_body`.
-- Defaults follow OpenAI: temperature 1.0, completions max_tokens 16, chat max_tokens = what the context has left.
+- Defaults follow OpenAI: temperature 1.0, completions max_tokens 16; chat max_tokens = what the context
+  has left.
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ class ChatMessage(_Strict):
             return self.content or ""
         for part in self.content:
             if part.type != "text" or part.text is None:
-                raise ProtocolError(f"message content of type {part.type!r} is not supported (text only)",
-                                    "messages")
+                raise ProtocolError(
+                    f"message content of type {part.type!r} is not supported (text only)", "messages"
+                )
         return "".join(p.text or "" for p in self.content)
 
 
@@ -96,10 +99,15 @@ class _Sampling(_Strict):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_k=0 if self.top_k in (None, -1) else self.top_k,  # -1 = disabled, as in vLLM
             top_p=1.0 if self.top_p is None else self.top_p,
-            seed=seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()),
+            seed=seed,
+            stop=stop,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=bool(self.ignore_eos),
-            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-            logprobs=logprobs, min_tokens=self.min_tokens or 0)
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            logprobs=logprobs,
+            min_tokens=self.min_tokens or 0,
+        )
 
     @property
     def include_usage(self) -> bool:
@@ -119,8 +127,9 @@ class CompletionRequest(_Sampling):
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:
-                raise ProtocolError(f"a list of {len(p)} prompts is not supported; send one request per prompt",
-                                    "prompt")
+                raise ProtocolError(
+                    f"a list of {len(p)} prompts is not supported; send one request per prompt", "prompt"
+                )
             p = p[0]
         if not p:
             raise ProtocolError("prompt must not be empty", "prompt")
@@ -162,7 +171,9 @@ class ChatCompletionRequest(_Sampling):
         if self.tool_choice not in (None, "none"):
             raise ProtocolError("tool_choice is not supported", "tool_choice")
         if self.response_format not in (None, {"type": "text"}):
-            raise ProtocolError("response_format other than {'type': 'text'} is not supported", "response_format")
+            raise ProtocolError(
+                "response_format other than {'type': 'text'} is not supported", "response_format"
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise ProtocolError("top_logprobs requires logprobs=true", "top_logprobs")
         mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

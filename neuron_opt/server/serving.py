@@ -1,8 +1,8 @@
 """Request -> engine -> response: tokenization, validation, streaming (SSE), usage, logprobs, metrics.
 
-Each request gets an asyncio.Queue; the engine thread feeds it with `loop.call_soon_threadsafe`. When the client
-goes away the response task is cancelled (streaming) or a watcher notices (non-streaming), and the request is
-aborted so that its KV slot is freed for the next request.
+Each request gets an asyncio.Queue; the engine thread feeds it with `loop.call_soon_threadsafe`. When the
+client goes away the response task is cancelled (streaming) or a watcher notices (non-streaming), and the
+request is aborted so that its KV slot is freed for the next request.
 """
 
 from __future__ import annotations
@@ -42,8 +42,15 @@ def sse(obj: Any) -> str:
 
 
 class OpenAIServing:
-    def __init__(self, engine: Engine, tokenizer: Any, encode_chat: Callable[[list[dict[str, str]]], list[int]],
-                 model_name: str, metrics: ServerMetrics, max_model_len: int) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Any,
+        encode_chat: Callable[[list[dict[str, str]]], list[int]],
+        model_name: str,
+        metrics: ServerMetrics,
+        max_model_len: int,
+    ) -> None:
         self.engine, self.tokenizer, self.encode_chat = engine, tokenizer, encode_chat
         self.model_name, self.metrics, self.max_model_len = model_name, metrics, max_model_len
 
@@ -54,23 +61,32 @@ class OpenAIServing:
             raise NotFoundError(f"The model `{name}` does not exist.")
 
     def _usage(self, r: _Result) -> dict[str, int]:
-        return {"prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.token_ids),
-                "total_tokens": r.prompt_tokens + len(r.token_ids)}
+        return {
+            "prompt_tokens": r.prompt_tokens,
+            "completion_tokens": len(r.token_ids),
+            "total_tokens": r.prompt_tokens + len(r.token_ids),
+        }
 
     def _token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
     def _submit(self, prompt_ids: list[int], params: Any, arrival: float) -> tuple[str, asyncio.Queue]:
-        """Queue a request on the engine. Raises ContextLengthError / ConfigError / QueueFullError (-> 4xx/503)."""
+        """Queue a request on the engine. Raises ContextLengthError / ConfigError / QueueFullError."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         rid = uuid.uuid4().hex
-        self.engine.add_request(rid, prompt_ids, params, lambda o: loop.call_soon_threadsafe(q.put_nowait, o),
-                                arrival_time=arrival)
+        self.engine.add_request(
+            rid,
+            prompt_ids,
+            params,
+            lambda o: loop.call_soon_threadsafe(q.put_nowait, o),
+            arrival_time=arrival,
+        )
         return rid, q
 
-    async def _outputs(self, rid: str, q: asyncio.Queue, arrival: float,
-                       is_disconnected: Callable[[], Any] | None = None) -> AsyncIterator[RequestOutput]:
+    async def _outputs(
+        self, rid: str, q: asyncio.Queue, arrival: float, is_disconnected: Callable[[], Any] | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Yield the engine's outputs for `rid`; aborts the request if the consumer stops early."""
         finished, last, checked = False, arrival, time.monotonic()
         try:
@@ -90,14 +106,20 @@ class OpenAIServing:
                         continue
                 now = time.monotonic()
                 if out.new_token_ids:
-                    (self.metrics.ttft if out.num_output_tokens == 1 else self.metrics.itl).observe(now - last)
+                    (self.metrics.ttft if out.num_output_tokens == 1 else self.metrics.itl).observe(
+                        now - last
+                    )
                     last = now
                 if out.finished:
                     finished = True
                     if out.finish_reason == "error":
                         raise EngineError(out.error or "engine error")
-                    self.metrics.request_finished(out.finish_reason or "stop", out.num_prompt_tokens,
-                                                  out.num_output_tokens, now - arrival)
+                    self.metrics.request_finished(
+                        out.finish_reason or "stop",
+                        out.num_prompt_tokens,
+                        out.num_output_tokens,
+                        now - arrival,
+                    )
                 yield out
                 if finished:
                     return
@@ -105,8 +127,9 @@ class OpenAIServing:
             if not finished:
                 self.engine.abort(rid)
 
-    async def _collect(self, prompt_ids: list[int], params: Any, arrival: float,
-                       is_disconnected: Callable[[], Any]) -> _Result:
+    async def _collect(
+        self, prompt_ids: list[int], params: Any, arrival: float, is_disconnected: Callable[[], Any]
+    ) -> _Result:
         r = _Result(prompt_tokens=len(prompt_ids))
         rid, q = self._submit(prompt_ids, params, arrival)
         async for out in self._outputs(rid, q, arrival, is_disconnected):
@@ -124,42 +147,84 @@ class OpenAIServing:
         for t in tokens:
             offsets.append(offset)
             offset += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{self._token_str(t): v for t, v in lp.top} for lp in lps], "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{self._token_str(t): v for t, v in lp.top} for lp in lps],
+            "text_offset": offsets,
+        }
 
-    async def completions(self, req: CompletionRequest, arrival: float,
-                          is_disconnected: Callable[[], Any]) -> dict[str, Any] | AsyncIterator[str]:
+    async def completions(
+        self, req: CompletionRequest, arrival: float, is_disconnected: Callable[[], Any]
+    ) -> dict[str, Any] | AsyncIterator[str]:
         self.check_model(req.model)
         prompt = req.prompt_input()
         ids = list(self.tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else list(prompt)
         if any(not 0 <= t < len(self.tokenizer) for t in ids):
             raise ProtocolError("prompt token ids must be in [0, vocab size)", "prompt")
         params = req.sampling_params(len(ids), self.max_model_len)
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name}
+        head = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+        }
         if req.stream:
             rid, q = self._submit(ids, params, arrival)
             return self._stream_completion(self._outputs(rid, q, arrival), head, req, len(ids))
         r = await self._collect(ids, params, arrival, is_disconnected)
         lp = self._completion_logprobs(r.logprobs, 0) if req.logprobs is not None else None
-        return {**head, "choices": [{"index": 0, "text": r.text, "logprobs": lp, "finish_reason": r.finish_reason,
-                                     "stop_reason": None}], "usage": self._usage(r)}
+        return {
+            **head,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": r.text,
+                    "logprobs": lp,
+                    "finish_reason": r.finish_reason,
+                    "stop_reason": None,
+                }
+            ],
+            "usage": self._usage(r),
+        }
 
-    async def _stream_completion(self, outputs: AsyncIterator[RequestOutput], head: dict[str, Any],
-                                 req: CompletionRequest, n_prompt: int) -> AsyncIterator[str]:
+    async def _stream_completion(
+        self,
+        outputs: AsyncIterator[RequestOutput],
+        head: dict[str, Any],
+        req: CompletionRequest,
+        n_prompt: int,
+    ) -> AsyncIterator[str]:
         r = _Result(prompt_tokens=n_prompt)
         try:
             async for out in outputs:
                 r.token_ids += out.new_token_ids
                 r.logprobs += out.logprobs  # tokens whose text is held back ride along with the next chunk
                 if out.text_delta or out.finished:
-                    lp = self._completion_logprobs(r.logprobs, len(r.text)) if req.logprobs is not None else None
+                    lp = (
+                        self._completion_logprobs(r.logprobs, len(r.text))
+                        if req.logprobs is not None
+                        else None
+                    )
                     r.logprobs = []
                     r.text += out.text_delta
-                    yield sse({**head, "choices": [{"index": 0, "text": out.text_delta, "logprobs": lp,
-                                                    "finish_reason": out.finish_reason}]})
+                    yield sse(
+                        {
+                            **head,
+                            "choices": [
+                                {
+                                    "index": 0,
+                                    "text": out.text_delta,
+                                    "logprobs": lp,
+                                    "finish_reason": out.finish_reason,
+                                }
+                            ],
+                        }
+                    )
         except EngineError as e:
-            yield sse({"error": {"message": str(e), "type": "InternalServerError", "param": None, "code": 500}})
+            yield sse(
+                {"error": {"message": str(e), "type": "InternalServerError", "param": None, "code": 500}}
+            )
         else:
             if req.include_usage:
                 yield sse({**head, "choices": [], "usage": self._usage(r)})
@@ -172,11 +237,16 @@ class OpenAIServing:
             s = self._token_str(t)
             return {"token": s, "logprob": v, "bytes": list(s.encode())}
 
-        return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
-                            for lp in lps]}
+        return {
+            "content": [
+                {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                for lp in lps
+            ]
+        }
 
-    async def chat(self, req: ChatCompletionRequest, arrival: float,
-                   is_disconnected: Callable[[], Any]) -> dict[str, Any] | AsyncIterator[str]:
+    async def chat(
+        self, req: ChatCompletionRequest, arrival: float, is_disconnected: Callable[[], Any]
+    ) -> dict[str, Any] | AsyncIterator[str]:
         self.check_model(req.model)
         messages = req.message_dicts()
         try:
@@ -184,24 +254,55 @@ class OpenAIServing:
         except Exception as e:  # jinja TemplateError and friends: the messages do not fit the template
             raise ProtocolError(f"cannot apply the chat template: {e}", "messages") from None
         params = req.sampling_params(len(ids), self.max_model_len)
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.model_name}
+        head = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+        }
         if req.stream:
             rid, q = self._submit(ids, params, arrival)
-            return self._stream_chat(self._outputs(rid, q, arrival), {**head, "object": "chat.completion.chunk"},
-                                     req, len(ids))
+            return self._stream_chat(
+                self._outputs(rid, q, arrival), {**head, "object": "chat.completion.chunk"}, req, len(ids)
+            )
         r = await self._collect(ids, params, arrival, is_disconnected)
         lp = self._chat_logprobs(r.logprobs) if req.logprobs else None
-        return {**head, "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text},
-                                     "logprobs": lp, "finish_reason": r.finish_reason, "stop_reason": None}],
-                "usage": self._usage(r)}
+        return {
+            **head,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": r.text},
+                    "logprobs": lp,
+                    "finish_reason": r.finish_reason,
+                    "stop_reason": None,
+                }
+            ],
+            "usage": self._usage(r),
+        }
 
-    async def _stream_chat(self, outputs: AsyncIterator[RequestOutput], head: dict[str, Any],
-                           req: ChatCompletionRequest, n_prompt: int) -> AsyncIterator[str]:
+    async def _stream_chat(
+        self,
+        outputs: AsyncIterator[RequestOutput],
+        head: dict[str, Any],
+        req: ChatCompletionRequest,
+        n_prompt: int,
+    ) -> AsyncIterator[str]:
         r = _Result(prompt_tokens=n_prompt)
         try:
-            yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}]})
+            yield sse(
+                {
+                    **head,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
+            )
             async for out in outputs:
                 r.token_ids += out.new_token_ids
                 r.logprobs += out.logprobs
@@ -209,10 +310,23 @@ class OpenAIServing:
                     lp = self._chat_logprobs(r.logprobs) if req.logprobs else None
                     r.logprobs = []
                     delta = {"content": out.text_delta} if out.text_delta else {}
-                    yield sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": lp,
-                                                    "finish_reason": out.finish_reason}]})
+                    yield sse(
+                        {
+                            **head,
+                            "choices": [
+                                {
+                                    "index": 0,
+                                    "delta": delta,
+                                    "logprobs": lp,
+                                    "finish_reason": out.finish_reason,
+                                }
+                            ],
+                        }
+                    )
         except EngineError as e:
-            yield sse({"error": {"message": str(e), "type": "InternalServerError", "param": None, "code": 500}})
+            yield sse(
+                {"error": {"message": str(e), "type": "InternalServerError", "param": None, "code": 500}}
+            )
         else:
             if req.include_usage:
                 yield sse({**head, "choices": [], "usage": self._usage(r)})

@@ -1,5 +1,6 @@
-"""Engine tests on a tiny random model with the real tokenizer: batched continuous decoding must give every request
-exactly what the single-sequence reference loop (`LLM.generate_ids`) gives it, greedy and seeded sampling alike.
+"""Engine tests on a tiny random model with the real tokenizer: batched continuous decoding must give every
+request exactly what the single-sequence reference loop (`LLM.generate_ids`) gives it, greedy and seeded
+sampling alike.
 
 The engine is stepped synchronously here (`engine.step()`, no thread), so the tests are deterministic.
 """
@@ -26,8 +27,9 @@ def llms(tiny_dir):
     torch.set_num_threads(threads)
 
 
-def run_all(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]], max_steps: int = 500,
-            on_step=None) -> dict[str, list[RequestOutput]]:
+def run_all(
+    engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]], max_steps: int = 500, on_step=None
+) -> dict[str, list[RequestOutput]]:
     outs: dict[str, list[RequestOutput]] = {rid: [] for rid in requests}
     for rid, (ids, params) in requests.items():
         engine.add_request(rid, ids, params, outs[rid].append)
@@ -42,8 +44,12 @@ def run_all(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]
 def test_batched_outputs_match_single_sequence_reference(llms):
     llm, ref = llms
     prompts = [f"Request number {i} says" + " hello" * i for i in range(7)]
-    params = [SamplingParams(max_tokens=5 + 3 * i, temperature=0.0) if i % 2 == 0 else
-              SamplingParams(max_tokens=12, temperature=0.8, top_k=50, top_p=0.9, seed=100 + i) for i in range(7)]
+    params = [
+        SamplingParams(max_tokens=5 + 3 * i, temperature=0.0)
+        if i % 2 == 0
+        else SamplingParams(max_tokens=12, temperature=0.8, top_k=50, top_p=0.9, seed=100 + i)
+        for i in range(7)
+    ]
     params[3] = SamplingParams(max_tokens=10, temperature=0.0, presence_penalty=1.0, frequency_penalty=0.5)
     engine = Engine(llm.runner, llm.tokenizer, llm.eos_token_ids, max_prefill_tokens=16)
     ids = [list(llm.tokenizer(p)["input_ids"]) for p in prompts]
@@ -63,12 +69,15 @@ def test_stop_strings_and_logprobs_match_reference(llms):
     llm, ref = llms
     ids = list(llm.tokenizer("The list goes on and on")["input_ids"])
     full = ref.generate_ids(ids, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)).text
-    stop = full[len(full) // 2: len(full) // 2 + 3]  # a string the greedy continuation is known to contain
+    stop = full[len(full) // 2 : len(full) // 2 + 3]  # a string the greedy continuation is known to contain
     params = SamplingParams(max_tokens=12, temperature=0.0, stop=(stop,), logprobs=3)
     want = ref.generate_ids(ids, params)
     engine = Engine(llm.runner, llm.tokenizer, llm.eos_token_ids)
     got = run_all(engine, {"a": (ids, params)})["a"]
-    assert "".join(o.text_delta for o in got) == want.text and got[-1].finish_reason == "stop" == want.finish_reason
+    assert (
+        "".join(o.text_delta for o in got) == want.text
+        and got[-1].finish_reason == "stop" == want.finish_reason
+    )
     lps = [lp for o in got for lp in o.logprobs]
     assert [lp.logprob for lp in lps] == pytest.approx(want.logprobs, abs=1e-5)
     assert all(len(lp.top) == 3 and lp.top[0][1] >= lp.logprob - 1e-6 for lp in lps)

@@ -18,7 +18,9 @@ def req(rid: str, n_prompt: int = 4, max_tokens: int = 3) -> Request:
 
 
 def run_step(s: Scheduler, token: int = 7) -> tuple[list[str], list[str]]:
-    """Schedule, 'execute' (every item yields `token`), finish requests at max_tokens. Returns (decoded, prefilled) ids."""
+    """Schedule, 'execute' (every item yields `token`), finish requests at max_tokens.
+
+    Returns the (decoded, prefilled) request ids."""
     out = s.schedule()
     for w in (*out.decodes, *out.prefills):
         r = s.update(w.request_id, token)

@@ -1,5 +1,6 @@
-"""Bad requests get the right 4xx with an OpenAI-shaped error naming the problem, and the server stays healthy.
-Also: `neuron-opt serve` as a subprocess prints its curl line, and SIGTERM drains an in-flight stream before exit.
+"""Bad requests get the right 4xx with an OpenAI-shaped error naming the problem; the server stays healthy.
+Also: `neuron-opt serve` as a subprocess prints its curl line, and SIGTERM drains an in-flight stream before
+it exits.
 """
 
 from __future__ import annotations
@@ -55,7 +56,12 @@ CASES = [
     (C, {"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias is not supported"),
     (C, {"prompt": "x", "echo": True}, 400, "echo is not supported"),
     (C, {"prompt": "x", "suffix": "end"}, 400, "suffix is not supported"),
-    (C, {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "only be defined when `stream=True`"),
+    (
+        C,
+        {"prompt": "x", "stream_options": {"include_usage": True}},
+        400,
+        "only be defined when `stream=True`",
+    ),
     (C, {"prompt": "x", "stop": [""]}, 400, "stop strings must not be empty"),
     (CHAT, {"messages": []}, 400, "messages must not be empty"),
     (CHAT, {"prompt": "x"}, 400, "messages: Field required"),
@@ -78,7 +84,9 @@ def server(tiny_dir):
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("path,body,status,message", CASES, ids=[f"{i}-{c[3][:30]}" for i, c in enumerate(CASES)])
+@pytest.mark.parametrize(
+    "path,body,status,message", CASES, ids=[f"{i}-{c[3][:30]}" for i, c in enumerate(CASES)]
+)
 def test_bad_request(server, path, body, status, message):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     r = httpx.post(server + path, content=content, headers={"Content-Type": "application/json"})
@@ -112,9 +120,26 @@ def _free_port() -> int:
 def test_serve_cli_prints_curl_and_sigterm_drains(tiny_dir):
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "neuron_opt.cli", "serve", "--model", str(tiny_dir("smollm-tok")),
-                             "--port", str(port), "--max-num-seqs", "2", "--max-model-len", "1024"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "neuron_opt.cli",
+            "serve",
+            "--model",
+            str(tiny_dir("smollm-tok")),
+            "--port",
+            str(port),
+            "--max-num-seqs",
+            "2",
+            "--max-model-len",
+            "1024",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         banner = proc.stdout.readline() + proc.stdout.readline()
@@ -128,8 +153,14 @@ def test_serve_cli_prints_curl_and_sigterm_drains(tiny_dir):
             except httpx.TransportError:
                 time.sleep(0.2)
         events: list[tuple[float, str]] = []
-        body = {"prompt": "drain me", "max_tokens": 1000, "temperature": 0, "stream": True, "ignore_eos": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "prompt": "drain me",
+            "max_tokens": 1000,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
 
         def consume() -> None:
             with httpx.stream("POST", url + C, json=body, timeout=120) as r:
@@ -148,7 +179,7 @@ def test_serve_cli_prints_curl_and_sigterm_drains(tiny_dir):
         # uvicorn re-raises the signal once it has shut down gracefully, so the exit status is -SIGTERM
         assert proc.wait(60) in (0, -signal.SIGTERM)
         assert events[-1][1] == "data: [DONE]"
-        usage = json.loads(events[-2][1][len("data: "):])["usage"]
+        usage = json.loads(events[-2][1][len("data: ") :])["usage"]
         assert usage["completion_tokens"] == 1000  # the in-flight request ran to completion
         assert sum(ts > signalled for ts, _ in events) > 10  # ... and was still streaming after the signal
     finally:

@@ -1,6 +1,6 @@
-"""The official `openai` client against a live server (uvicorn in a thread, loopback, free port) on a tiny random
-model with the real tokenizer. The oracle is the single-sequence reference path (`LLM.generate` / `LLM.chat`)
-on a separate batch-1 model: greedy (and seeded) outputs through the server must be identical to it.
+"""The official `openai` client against a live server (uvicorn in a thread, loopback, free port) on a tiny
+random model with the real tokenizer. The oracle is the single-sequence reference path (`LLM.generate` /
+`LLM.chat`) on a separate batch-1 model: greedy (and seeded) outputs through the server must be identical.
 """
 
 from __future__ import annotations
@@ -28,8 +28,13 @@ MODEL = "tiny"
 @contextlib.contextmanager
 def live_server(llm: LLM, max_num_seqs: int, runner=None):
     """Serve `llm` on a free loopback port in a background thread; yields (base_url, engine)."""
-    engine = Engine(runner or llm.runner, llm.tokenizer, llm.eos_token_ids, max_num_seqs=max_num_seqs,
-                    max_prefill_tokens=64)
+    engine = Engine(
+        runner or llm.runner,
+        llm.tokenizer,
+        llm.eos_token_ids,
+        max_num_seqs=max_num_seqs,
+        max_prefill_tokens=64,
+    )
     app = create_app(engine, llm.tokenizer, llm.encode_chat, MODEL, llm.runner.max_total_len)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -72,10 +77,15 @@ def test_models_health_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(server[0] + "/health").status_code == 200
     text = httpx.get(server[0] + "/metrics").text
-    for name in ("neuron_opt:time_to_first_token_seconds_bucket", "neuron_opt:inter_token_latency_seconds_bucket",
-                 "neuron_opt:e2e_request_latency_seconds_bucket", "neuron_opt:num_requests_running",
-                 "neuron_opt:num_requests_waiting", "neuron_opt:prompt_tokens_total",
-                 "neuron_opt:generation_tokens_total"):
+    for name in (
+        "neuron_opt:time_to_first_token_seconds_bucket",
+        "neuron_opt:inter_token_latency_seconds_bucket",
+        "neuron_opt:e2e_request_latency_seconds_bucket",
+        "neuron_opt:num_requests_running",
+        "neuron_opt:num_requests_waiting",
+        "neuron_opt:prompt_tokens_total",
+        "neuron_opt:generation_tokens_total",
+    ):
         assert name in text
 
 
@@ -83,10 +93,21 @@ def test_completion_greedy_matches_reference(llms, client):
     ref = llms[1].generate("The quick brown fox", SamplingParams(max_tokens=12, temperature=0.0))
     r = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=12, temperature=0)
     assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason
-    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref.prompt_token_ids), len(ref.token_ids))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (
+        len(ref.prompt_token_ids),
+        len(ref.token_ids),
+    )
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
-    chunks = list(client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=12,
-                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="The quick brown fox",
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
     # token ids as the prompt give the same result
@@ -99,9 +120,18 @@ def test_chat_greedy_matches_reference(llms, client):
     ref = llms[1].chat(msgs, SamplingParams(max_tokens=10, temperature=0.0))
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=10, temperature=0)
     assert r.choices[0].message.content == ref.text and r.choices[0].message.role == "assistant"
-    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref.prompt_token_ids), len(ref.token_ids))
-    stream = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (
+        len(ref.prompt_token_ids),
+        len(ref.token_ids),
+    )
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=msgs,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
@@ -112,19 +142,26 @@ def test_chat_greedy_matches_reference(llms, client):
 def test_stop_max_tokens_and_seed(llms, client):
     prompt = "Once upon a time"
     full = llms[1].generate(prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)).text
-    stop = full[len(full) // 2: len(full) // 2 + 3]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
     ref = llms[1].generate(prompt, SamplingParams(max_tokens=16, temperature=0.0, stop=(stop,)))
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stop=[stop])
     assert r.choices[0].text == ref.text and stop not in r.choices[0].text
     assert r.choices[0].finish_reason == "stop"
-    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
     # seeded sampling: reproducible, and the same draw as the reference path with that seed
     seeded = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=1234)
     ref = llms[1].generate(prompt, seeded)
-    outs = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0.9, top_p=0.95,
-                                      seed=1234).choices[0].text for _ in range(2)]
+    outs = [
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=10, temperature=0.9, top_p=0.95, seed=1234
+        )
+        .choices[0]
+        .text
+        for _ in range(2)
+    ]
     assert outs == [ref.text, ref.text]
 
 
@@ -134,8 +171,14 @@ def test_logprobs(llms, client):
     lp = r.choices[0].logprobs
     assert lp.token_logprobs == pytest.approx(ref.logprobs, abs=1e-4)
     assert len(lp.top_logprobs) == len(ref.token_ids) and all(len(t) <= 2 for t in lp.top_logprobs)
-    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                       temperature=0, logprobs=True, top_logprobs=3)
+    c = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     content = c.choices[0].logprobs.content
     assert len(content) == c.usage.completion_tokens
     assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in content)
@@ -144,11 +187,18 @@ def test_logprobs(llms, client):
 def test_32_concurrent_streams_each_get_their_own_continuation(llms, server):
     prompts = [f"Client {i}: " + "word " * (i % 7) + f"number {i * 37}" for i in range(32)]
     lengths = [4 + (i * 5) % 13 for i in range(32)]
-    refs = [llms[1].generate(p, SamplingParams(max_tokens=n, temperature=0.0)) for p, n in zip(prompts, lengths)]
+    greedy = [SamplingParams(max_tokens=n, temperature=0.0) for n in lengths]
+    refs = [llms[1].generate(p, g) for p, g in zip(prompts, greedy, strict=True)]
 
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, int]:
-        stream = await client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=lengths[i],
-                                                 temperature=0, stream=True, stream_options={"include_usage": True})
+        stream = await client.completions.create(
+            model=MODEL,
+            prompt=prompts[i],
+            max_tokens=lengths[i],
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         text, usage = "", None
         async for c in stream:
             text += "".join(ch.text for ch in c.choices)
@@ -166,8 +216,8 @@ def test_32_concurrent_streams_each_get_their_own_continuation(llms, server):
 
 
 class SlowRunner:
-    """A real runner whose decode steps take at least 20 ms, so a long request is still running when its client
-    leaves."""
+    """A real runner whose decode steps take at least 20 ms, so a long request is still running when its
+    client leaves."""
 
     def __init__(self, runner):
         self._runner = runner
@@ -183,16 +233,24 @@ class SlowRunner:
 def test_client_disconnect_frees_slot(llms):
     llm = llms[0]
     with live_server(llm, max_num_seqs=1, runner=SlowRunner(llm.runner)) as (url, engine):
-        body = {"model": MODEL, "prompt": "Tell me a long story", "max_tokens": 240, "temperature": 0,
-                "stream": True, "ignore_eos": True}  # ~5 s of decoding if nobody cancels it
+        body = {
+            "model": MODEL,
+            "prompt": "Tell me a long story",
+            "max_tokens": 240,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        }  # ~5 s of decoding if nobody cancels it
         with httpx.Client(timeout=10) as http:
             with http.stream("POST", url + "/v1/completions", json=body) as resp:
                 lines = resp.iter_lines()
                 got = [next(lines) for _ in range(6)]
                 assert sum(line.startswith("data: {") for line in got) >= 3
             t0 = time.monotonic()  # the connection is closed here, mid-stream
-            r = http.post(url + "/v1/completions", json={"model": MODEL, "prompt": "next", "max_tokens": 3,
-                                                         "temperature": 0})
+            r = http.post(
+                url + "/v1/completions",
+                json={"model": MODEL, "prompt": "next", "max_tokens": 3, "temperature": 0},
+            )
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
             assert time.monotonic() - t0 < 3.0  # it got the only slot long before the first one would finish
             assert http.get(url + "/health").status_code == 200
@@ -200,6 +258,8 @@ def test_client_disconnect_frees_slot(llms):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=0.5)
         t0 = time.monotonic()
-        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "next", "max_tokens": 3}, timeout=10)
+        r = httpx.post(
+            url + "/v1/completions", json={"model": MODEL, "prompt": "next", "max_tokens": 3}, timeout=10
+        )
         assert r.status_code == 200 and time.monotonic() - t0 < 3.0
         assert engine.num_unfinished == 0 and engine.scheduler.num_free_slots == 1
