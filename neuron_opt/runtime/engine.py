@@ -67,7 +67,7 @@ class _Sequence:
     params: SamplingParams
     state: SamplerState
     stop: StopChecker
-    on_output: Callable[[RequestOutput], None]
+    on_output: Callable[[RequestOutput], object]
 
 
 @dataclass
@@ -151,7 +151,7 @@ class Engine:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        on_output: Callable[[RequestOutput], None],
+        on_output: Callable[[RequestOutput], object],
         arrival_time: float | None = None,
     ) -> None:
         """Queue a request. Raises ContextLengthError / ConfigError / QueueFullError synchronously."""

@@ -127,11 +127,7 @@ class Scheduler:
         decodes = []
         for req in self.running.values():
             pending = req.num_tokens - req.num_computed_tokens
-            assert req.num_computed_tokens > 0 and pending == 1, (
-                req.request_id,
-                req.num_computed_tokens,
-                pending,
-            )
+            assert req.slot is not None and req.num_computed_tokens > 0 and pending == 1, req.request_id
             decodes.append(DecodeWork(req.request_id, req.slot, req.last_token, req.num_computed_tokens))
         prefills: list[PrefillWork] = []
         budget = self.max_prefill_tokens
@@ -158,6 +154,7 @@ class Scheduler:
         cancel a request that has just finished)."""
         req = self.running.pop(request_id, None)
         if req is not None:
+            assert req.slot is not None
             self._free_slots.append(req.slot)
             req.slot = None
         else:

@@ -14,7 +14,7 @@ Design decisions
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -133,7 +133,7 @@ class CompletionRequest(_Sampling):
             p = p[0]
         if not p:
             raise ProtocolError("prompt must not be empty", "prompt")
-        return p
+        return cast("str | list[int]", p)
 
     def sampling_params(self, prompt_len: int, max_total_len: int) -> SamplingParams:
         self._check_common()
