@@ -87,6 +87,8 @@ class _Sampling(_Strict):
             raise ProtocolError("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise ProtocolError("Stream options can only be defined when `stream=True`.", "stream_options")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise ProtocolError("stream_options.continuous_usage_stats is not supported", "stream_options")
 
     def _params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -157,12 +159,17 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
-    add_generation_prompt: bool | None = True
 
     def message_dicts(self) -> list[dict[str, str]]:
         if not self.messages:
             raise ProtocolError("messages must not be empty", "messages")
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        out = []
+        for m in self.messages:
+            d = {"role": m.role, "content": m.text()}
+            if m.name is not None:  # passed on to the chat template, which may use it
+                d["name"] = m.name
+            out.append(d)
+        return out
 
     def sampling_params(self, prompt_len: int, max_total_len: int) -> SamplingParams:
         self._check_common()

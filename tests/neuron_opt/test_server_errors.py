@@ -63,6 +63,8 @@ CASES = [
         "only be defined when `stream=True`",
     ),
     (C, {"prompt": "x", "stop": [""]}, 400, "stop strings must not be empty"),
+    (C, {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400, "usage_st"),
+    (CHAT, {"messages": MSG, "add_generation_prompt": False}, 400, "add_generation_prompt: unsupported"),
     (CHAT, {"messages": []}, 400, "messages must not be empty"),
     (CHAT, {"prompt": "x"}, 400, "messages: Field required"),
     (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),

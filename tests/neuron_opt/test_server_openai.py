@@ -263,3 +263,66 @@ def test_client_disconnect_frees_slot(llms):
         )
         assert r.status_code == 200 and time.monotonic() - t0 < 3.0
         assert engine.num_unfinished == 0 and engine.scheduler.num_free_slots == 1
+
+
+@pytest.mark.slow
+def test_default_model_through_server_matches_generate_cli():
+    """The real default model: greedy chat through the server (alone and with 3 other streams at once) equals
+    `neuron-opt generate` and LLM.chat on a batch-1 model."""
+    import json
+    import subprocess
+    import sys
+
+    prompts = [
+        "What is the capital of France?",
+        "Name three colours.",
+        "Count to five.",
+        "Say hello in Spanish.",
+    ]
+    ref = LLM("default", batch_size=1, max_length=512)
+    want = [
+        ref.chat([{"role": "user", "content": p}], SamplingParams(max_tokens=24, temperature=0.0))
+        for p in prompts
+    ]
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "neuron_opt.cli",
+            "generate",
+            "--model",
+            "default",
+            "--chat",
+            "--json",
+            "--prompt",
+            prompts[0],
+            "--max-new-tokens",
+            "24",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert json.loads(cli.stdout.strip().splitlines()[-1])["text"] == want[0].text
+    with live_server(LLM("default", batch_size=4, max_length=512), max_num_seqs=4) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        msgs = [{"role": "user", "content": prompts[0]}]
+        r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0)
+        assert r.choices[0].message.content == want[0].text
+
+        async def together() -> list[str]:
+            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as ac:
+                rs = await asyncio.gather(
+                    *(
+                        ac.chat.completions.create(
+                            model=MODEL,
+                            messages=[{"role": "user", "content": p}],
+                            max_tokens=24,
+                            temperature=0,
+                        )
+                        for p in prompts
+                    )
+                )
+            return [x.choices[0].message.content for x in rs]
+
+        assert asyncio.run(together()) == [w.text for w in want]
