@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from neuron_opt.errors import QueueFullError
+from neuron_opt.errors import NeuronOptError, QueueFullError
 from neuron_opt.runtime.request import Request
 from neuron_opt.runtime.runner import DecodeRow, ModelRunner
 from neuron_opt.runtime.sampling import SamplerState, SamplingParams, sample_one
@@ -36,6 +36,10 @@ from neuron_opt.runtime.scheduler import Scheduler
 from neuron_opt.runtime.stopping import StopChecker
 
 log = logging.getLogger(__name__)
+
+
+class EngineDeadError(NeuronOptError):
+    """The engine loop died (a bug); new requests are refused (HTTP 500) and /health reports 503."""
 
 
 @dataclass(frozen=True)
@@ -155,6 +159,8 @@ class Engine:
         arrival_time: float | None = None,
     ) -> None:
         """Queue a request. Raises ContextLengthError / ConfigError / QueueFullError synchronously."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine stopped after an internal error: {self.error!r}")
         self.scheduler.validate(len(prompt_token_ids), params.max_tokens)
         with self._lock:
             if self._pending >= self.scheduler.num_slots + self.max_waiting:
