@@ -1,0 +1,209 @@
+"""CPU backend: AOTInductor graphs with the C++ GEMM template, weights stored and held once.
+
+How it fits together (measurements and rejected alternatives: docs/cpu_backend.md)
+- compile: per bucket, one decoder-layer graph (shared by every bucket of the same phase and batch: the KV
+  length is dynamic) and one LM-head graph per batch, each a weight-free .so plus a JSON recipe saying how to
+  build every graph constant from the checkpoint (cpu_constants.py). Graphs shared between buckets are
+  compiled once per backend instance and listed under each bucket that uses them.
+- load: read the weights once, pack each GEMM weight once into the C++ template's blocked layout, and bind the
+  same tensors into every graph (30 containers per layer graph, one per layer). The eager model is dropped
+  afterwards, so the process holds the packed weights, norms and the embedding table, once.
+- run: embedding lookup and rope gather in eager torch (a few small ops), then the 30 layer containers, then
+  the head. The executor owns the KV caches; every graph writes them in place (tested step by step against
+  eager, cf. pytorch#165444).
+Reference path: the eager backend (same model code); tests compare the two.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from neuron_opt.backends.base import ModelFactory, StepInputs
+from neuron_opt.backends.cpu_constants import ConstantRecipe, build_constant
+from neuron_opt.backends.cpu_graphs import HeadGraph, LayerGraph, compile_graph, graph_keys, layer_example, padded_kv
+from neuron_opt.backends.eager import load_model_weights, model_state_for_save
+from neuron_opt.buckets import Bucket
+from neuron_opt.errors import ArtifactError, ConfigError
+
+FORMAT = 1
+GEMM_CHOICES = ("cpp", "aten")
+SUBDIR = "cpu"
+
+
+def _parse_options(options: dict[str, Any] | None) -> dict[str, Any]:
+    opts = {"gemm": "cpp"}
+    for k, v in (options or {}).items():
+        if k != "gemm":
+            raise ConfigError(f"backend options: unknown cpu option {k!r}; known: gemm")
+        if v not in GEMM_CHOICES:
+            raise ConfigError(f"backend options: gemm must be one of {GEMM_CHOICES}, got {v!r}")
+        opts[k] = v
+    return opts
+
+
+class CpuBackend:
+    name = "cpu"
+
+    def __init__(self, dtype: torch.dtype, options: dict[str, Any] | None = None) -> None:
+        self.dtype = dtype
+        self.options = _parse_options(options)
+        self._done: dict[tuple[int, Path, str], list[Path]] = {}  # graphs compiled by this instance
+
+    def compile_bucket(self, model: torch.nn.Module, bucket: Bucket, num_slots: int, out_dir: Path) -> list[Path]:
+        """Write (or reuse) the bucket's layer graph and head graph; returns their paths relative to out_dir."""
+        if model.pctx.tp != 1:
+            raise ConfigError("backend: the cpu backend compiles tp=1 only; use --backend eager for tp > 1")
+        layer_key, head_key = graph_keys(bucket)
+        files = self._graph(model, out_dir, layer_key, lambda so: self._compile_layer(model, bucket, num_slots, so))
+        files += self._graph(model, out_dir, head_key, lambda so: self._compile_head(model, bucket, so))
+        return files
+
+    def _graph(self, model: torch.nn.Module, out_dir: Path, key: str, compile_fn: Any) -> list[Path]:
+        memo = (id(model), Path(out_dir), key)
+        if memo not in self._done:
+            rel_so, rel_json = Path(SUBDIR) / f"{key}.so", Path(SUBDIR) / f"{key}.json"
+            meta = compile_fn(Path(out_dir) / rel_so)
+            meta.update(format=FORMAT, key=key, so=rel_so.name, dtype=str(self.dtype).removeprefix("torch."),
+                        torch=torch.__version__, options=self.options, max_length=model.max_length)
+            (Path(out_dir) / rel_json).write_text(json.dumps(meta, indent=1, sort_keys=True))
+            self._done[memo] = [rel_so, rel_json]
+        return list(self._done[memo])
+
+    def _compile_layer(self, model: torch.nn.Module, bucket: Bucket, num_slots: int, so: Path) -> dict[str, Any]:
+        args, dyn = layer_example(model, bucket, num_slots, self.dtype)
+        layer = LayerGraph(model.model.layers[0]).to(self.dtype)
+        recipes = compile_graph(layer, args, dyn, self.options["gemm"], so, f"cpu layer graph for {bucket.key}")
+        return {"kind": "layer", "phase": bucket.phase, "batch": bucket.batch, "num_slots": num_slots,
+                "dynamic_kv": dyn is not None, "constants": {k: r.to_dict() for k, r in recipes.items()}}
+
+    def _compile_head(self, model: torch.nn.Module, bucket: Bucket, so: Path) -> dict[str, Any]:
+        head = HeadGraph(model.model.norm, model.lm_head).to(self.dtype)
+        x = torch.randn(bucket.batch, model.cfg.hidden_size).to(self.dtype)
+        recipes = compile_graph(head, (x,), None, self.options["gemm"], so, f"cpu head graph for batch {bucket.batch}")
+        return {"kind": "head", "batch": bucket.batch, "constants": {k: r.to_dict() for k, r in recipes.items()}}
+
+    def save_weights(self, model: torch.nn.Module, path: Path) -> None:
+        save_file({k: v.to(self.dtype) if v.is_floating_point() else v for k, v in model_state_for_save(model).items()},
+                  str(path))
+
+    def load(self, graph_files: dict[Bucket, list[Path]], weights_path: Path, model_factory: ModelFactory,
+             num_slots: int) -> CpuExecutor:
+        """graph_files: absolute paths (or paths relative to the working directory) of each bucket's files."""
+        model = model_factory()
+        load_model_weights(model, weights_path)
+        return CpuExecutor(model.to(self.dtype).eval(), graph_files, num_slots, self.dtype)
+
+
+class _WeightStore:
+    """Each (tensor, packing) built once and shared by every graph that needs it."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.built: dict[tuple[str, ConstantRecipe], torch.Tensor] = {}
+
+    def get(self, fqn: str, r: ConstantRecipe) -> torch.Tensor:
+        key = (fqn, ConstantRecipe("", r.op, r.block_n, r.vnni))
+        if key not in self.built:
+            if fqn not in self.tensors:
+                raise ArtifactError(f"cpu graph needs weight {fqn!r}, which the model does not have")
+            self.built[key] = build_constant(self.tensors[fqn], r).contiguous()
+        return self.built[key]
+
+
+def _runner(so: Path, constants: dict[str, torch.Tensor]) -> Any:
+    r = torch._C._aoti.AOTIModelContainerRunnerCpu(str(so), 1)
+    # use_inactive=False, validate_full_update=True, user_managed=True: keep our tensors, no copy
+    r.update_constant_buffer(constants, False, True, True)
+    return r
+
+
+class CpuExecutor:
+    """Runs a bucket: eager embedding -> layer containers -> head container. Owns the KV caches."""
+
+    def __init__(self, model: torch.nn.Module, graph_files: dict[Bucket, list[Path]], num_slots: int,
+                 dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        n_layers = len(model.model.layers)
+        tensors = {**dict(model.state_dict()), **dict(model.named_buffers())}
+        store = _WeightStore(tensors)
+        metas = self._read_metas(graph_files, num_slots, dtype, model.max_length)
+        runners: dict[str, list[Any]] = {}
+        for path, meta in metas.items():
+            so = path.with_name(meta["so"])
+            recipes = {c: ConstantRecipe.from_dict(d) for c, d in meta["constants"].items()}
+            if meta["kind"] == "layer":
+                runners[meta["key"]] = [
+                    _runner(so, {c: store.get(f"model.layers.{i}.{r.source.removeprefix('layer.')}", r)
+                                 for c, r in recipes.items()}) for i in range(n_layers)]
+            else:
+                runners[meta["key"]] = [_runner(so, {c: store.get(("model." if r.source.startswith("norm.") else "")
+                                                                  + r.source, r) for c, r in recipes.items()})]
+        self._routes = {b: (runners[graph_keys(b)[0]], runners[graph_keys(b)[1]][0]) for b in graph_files}
+        self._embed = self._embedding(model, store)
+        self.rope_cos, self.rope_sin = model.rope_cos, model.rope_sin
+        self.k_caches = [padded_kv(model.kv_shape(num_slots), dtype) for _ in range(n_layers)]
+        self.v_caches = [padded_kv(model.kv_shape(num_slots), dtype) for _ in range(n_layers)]
+        self._views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        # user_managed constants: the containers keep raw pointers, so we must keep the tensors alive. The model
+        # and its unpacked GEMM weights are not referenced past this point and are freed with it.
+        self.constants = store.built
+
+    @staticmethod
+    def _read_metas(graph_files: dict[Bucket, list[Path]], num_slots: int, dtype: torch.dtype,
+                    max_length: int) -> dict[Path, dict[str, Any]]:
+        metas: dict[Path, dict[str, Any]] = {}
+        for bucket, files in graph_files.items():
+            keys = {Path(f).stem for f in files if str(f).endswith(".json")}
+            if set(graph_keys(bucket)) - keys:
+                raise ArtifactError(f"cpu graphs for {bucket.key}: expected {graph_keys(bucket)}, found {sorted(keys)}")
+            for f in files:
+                f = Path(f)
+                if f.suffix != ".json" or f in metas:
+                    continue
+                meta = json.loads(f.read_text())
+                want = {"format": FORMAT, "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."),
+                        "max_length": max_length}
+                if meta["kind"] == "layer":
+                    want["num_slots"] = num_slots
+                bad = {k: (meta.get(k), v) for k, v in want.items() if meta.get(k) != v}
+                if bad:
+                    raise ArtifactError(f"{f}: compiled for a different setup (artifact, here): {bad}; recompile")
+                if not f.with_name(meta["so"]).is_file():
+                    raise ArtifactError(f"{f}: its graph {meta['so']} is missing")
+                metas[f] = meta
+        return metas
+
+    def _embedding(self, model: torch.nn.Module, store: _WeightStore) -> Any:
+        """Tied embeddings: read rows straight from the head's packed weight (no second copy of the table)."""
+        w = model.model.embed_tokens.weight
+        packed = [(k, t) for k, t in store.built.items() if k[0] == "lm_head.weight" and k[1].op == "pack"
+                  and k[1].vnni == 0]
+        if model.cfg.tie_word_embeddings and packed:
+            (_, r), table = packed[0]
+            bn = r.block_n
+            return lambda ids: table[ids // bn, :, ids % bn]  # [nb, H, bn] -> [B, S, H]
+        return lambda ids: torch.nn.functional.embedding(ids, w)
+
+    def _kv(self, kv_len: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        if kv_len not in self._views:
+            self._views[kv_len] = ([k[:, :, :kv_len] for k in self.k_caches],
+                                   [v[:, :, :kv_len] for v in self.v_caches])
+        return self._views[kv_len]
+
+    @torch.no_grad()
+    def run(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
+        layers, head = self._routes[bucket]
+        pos, slots = inputs.positions, inputs.slot_ids
+        x = self._embed(inputs.input_ids)  # [B, S, H]
+        cos = self.rope_cos[pos].to(self.dtype)[:, :, None, :]  # [B, S, 1, D]
+        sin = self.rope_sin[pos].to(self.dtype)[:, :, None, :]  # [B, S, 1, D]
+        ks, vs = self._kv(bucket.kv_len)
+        for i, layer in enumerate(layers):
+            x = layer.run([x, cos, sin, pos, slots, ks[i], vs[i]])[0]
+        x = x[torch.arange(x.shape[0]), inputs.last_index]  # [B, H]
+        return head.run([x])[0]

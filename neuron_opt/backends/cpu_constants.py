@@ -1,0 +1,149 @@
+"""Weights of an AOTInductor graph, bound at load time from ONE shared set of tensors.
+
+Why this module exists
+- With `freezing` + `max_autotune`, Inductor's C++ GEMM template (the fast CPU path: 2-3x aten's gemv at batch 1)
+  treats every weight as a constant and re-lays it out at compile time ("prepacking": [N, K] -> blocked
+  [ceil(N/bn), K, bn], plus VNNI interleaving for some bf16 kernels). Packaged as is, each bucket's graph would
+  carry its own copy of all weights.
+- We compile with `aot_inductor.package_constants_in_so=False`, so the .so holds code only, and record for every
+  graph constant a *recipe*: which model tensor it is, and which packing turns that tensor into the constant.
+  At load time the executor packs each weight once and hands the same tensor to every graph
+  (`update_constant_buffer(..., user_managed=True)` keeps our pointer, no copy).
+- Recipes are found by value, not by reading Inductor internals: we compile a copy of the module whose
+  parameters are distinct random numbers (so no two tensors are equal and no weight is uniform: Inductor folds a
+  uniform-valued constant into the code, which would silently ignore the real weight later, cf. pytorch#165444),
+  capture the graph's constants and match each one against the identity or a packing of one parameter.
+  A constant that matches nothing is an error, never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from neuron_opt.errors import BackendCompileError
+
+PACK_OPS = ("identity", "pack")
+
+
+@dataclass(frozen=True)
+class ConstantRecipe:
+    """How to build one graph constant from a model tensor.
+
+    Args:
+        source: the tensor's name relative to the compiled module (e.g. "layer.mlp.up_proj.weight").
+        op: "identity" (the tensor itself) or "pack" (blocked GEMM layout, see `pack_weight`).
+        block_n: packing block along N (output features); 0 for identity.
+        vnni: VNNI interleave along K (0 = none, 2 or 4); 0 for identity.
+    """
+
+    source: str
+    op: str
+    block_n: int = 0
+    vnni: int = 0
+
+    def __post_init__(self) -> None:
+        assert self.op in PACK_OPS, self.op
+
+    def to_dict(self) -> dict[str, str | int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ConstantRecipe:
+        return cls(str(d["source"]), str(d["op"]), int(d.get("block_n", 0)), int(d.get("vnni", 0)))
+
+
+def pack_weight(w: torch.Tensor, block_n: int, vnni: int) -> torch.Tensor:
+    """Inductor's CPP GEMM weight layout of a linear weight `w` [N, K] (y = x @ w.T).
+
+    Pads N up to a multiple of block_n, then blocks: [N_pad/block_n, K, block_n]; with VNNI-v, each group of
+    v consecutive K rows is interleaved inside a block: [nb, K/v, v, bn] -> [nb, K/v, bn, v].
+    Mirrors `CppGemmTemplate.block_weight` / `pack_vnni_weight` (torch 2.13) for tensors.
+    """
+    n, k = w.shape
+    n_pad = -(-n // block_n) * block_n
+    wt = torch.nn.functional.pad(w.t(), (0, n_pad - n))  # [K, N_pad]
+    b = wt.reshape(k, n_pad // block_n, block_n).transpose(0, 1).contiguous()  # [nb, K, bn]
+    if vnni:
+        b = b.view(n_pad // block_n, k // vnni, vnni, block_n)  # [nb, K/v, v, bn]
+        b = b.transpose(-1, -2).reshape(n_pad // block_n, k, block_n).contiguous()  # [nb, K, bn] interleaved
+    return b
+
+
+def build_constant(t: torch.Tensor, r: ConstantRecipe) -> torch.Tensor:
+    return t if r.op == "identity" else pack_weight(t, r.block_n, r.vnni)
+
+
+def placeholder_copy(module: nn.Module, seed: int) -> nn.Module:
+    """A deep copy whose parameters are distinct random values (buffers, e.g. rope tables, are kept)."""
+    mod = copy.deepcopy(module)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.copy_(torch.randn(p.shape, generator=g).to(p.dtype))
+    return mod
+
+
+@contextlib.contextmanager
+def capture_constants() -> Iterator[dict[str, torch.Tensor]]:
+    """Record the constants (by the name the .so uses) of every AOTInductor graph compiled inside the block.
+
+    Wraps `AotCodeCompiler.compile`, which receives the lowered graph right before writing the C++ wrapper;
+    `graph.constants` minus folded ones is exactly the set `update_constant_buffer` expects.
+    """
+    from torch._inductor import codecache
+
+    out: dict[str, torch.Tensor] = {}
+    original = codecache.AotCodeCompiler.compile.__func__  # type: ignore[attr-defined]
+
+    def patched(cls, graph, *args, **kwargs):  # type: ignore[no-untyped-def]
+        for name in graph.constants:
+            if name not in graph.folded_constants:
+                out[name] = graph.get_original_value_of_constant(name)
+        return original(cls, graph, *args, **kwargs)
+
+    codecache.AotCodeCompiler.compile = classmethod(patched)  # type: ignore[method-assign,assignment]
+    try:
+        yield out
+    finally:
+        codecache.AotCodeCompiler.compile = classmethod(original)  # type: ignore[method-assign,assignment]
+
+
+def _find(c: torch.Tensor, named: dict[str, torch.Tensor]) -> ConstantRecipe | None:
+    if c.is_mkldnn:  # an opaque oneDNN-packed weight: we cannot rebuild it (only happens with ATEN GEMMs)
+        return None
+    for name, t in named.items():
+        if t.shape == c.shape and t.dtype == c.dtype and torch.equal(t, c):
+            return ConstantRecipe(name, "identity")
+    if c.dim() != 3:
+        return None
+    nb, k, bn = c.shape
+    for name, t in named.items():
+        if t.dim() != 2 or t.dtype != c.dtype or t.shape[1] != k or -(-t.shape[0] // bn) != nb:
+            continue
+        for vnni in (0, 2, 4):
+            if (vnni == 0 or k % vnni == 0) and torch.equal(pack_weight(t, bn, vnni), c):
+                return ConstantRecipe(name, "pack", bn, vnni)
+    return None
+
+
+def match_constants(consts: dict[str, torch.Tensor], named: dict[str, torch.Tensor],
+                    what: str) -> dict[str, ConstantRecipe]:
+    """Recipe for every captured constant; raises BackendCompileError naming the ones that match nothing."""
+    recipes: dict[str, ConstantRecipe] = {}
+    missing = []
+    for cname, c in consts.items():
+        r = _find(c, named)
+        if r is None:
+            missing.append(f"{cname} {tuple(c.shape)} {c.dtype}")
+        else:
+            recipes[cname] = r
+    if missing:
+        raise BackendCompileError(f"{what}: graph constants not derived from any model tensor: {missing[:5]}; "
+                                  "the cpu backend cannot share weights for this graph")
+    return recipes

@@ -1,0 +1,119 @@
+"""What the cpu backend compiles: one decoder layer per (phase, batch), and the LM head per batch.
+
+Design decisions (measured; see docs/cpu_backend.md)
+- Regional compilation. A bucket's whole 30-layer model takes ~90 s to compile on 2 busy cores; one layer
+  takes ~20 s and the same .so serves every layer (each layer gets its own AOTI container holding that
+  layer's weights). Decode speed is the same or better: 30 calls into a container cost ~0.3 ms per token.
+- KV length is a dynamic dimension. Within a phase and batch, buckets differ only in the attention's KV
+  length, so one graph serves them all: the default 25-bucket set needs 5 layer graphs + 4 heads, not 25 models.
+  The caches are passed as views `cache[:, :, :kv_len]` of a buffer one position longer than max_length:
+  with a contiguous cache, export would guard on `kv_len != max_length` (the view becomes contiguous there)
+  and refuse the range; the padded row keeps every view non-contiguous with the same strides.
+- The LM head graph takes the already-gathered last hidden states [B, H], so it depends only on B.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.export import Dim
+
+from neuron_opt.backends.cpu_constants import (
+    ConstantRecipe,
+    capture_constants,
+    match_constants,
+    placeholder_copy,
+)
+from neuron_opt.buckets import PREFILL, Bucket
+from neuron_opt.errors import BackendCompileError
+
+
+class LayerGraph(nn.Module):
+    """One decoder layer; the KV length is the cache views' dim 2 (dynamic when compiled with it)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                slot_ids: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        return self.layer(x, cos, sin, positions, slot_ids, k_cache, v_cache, k_cache.shape[2])
+
+
+class HeadGraph(nn.Module):
+    """Final norm + LM head on the rows' last hidden states [B, H] -> fp32 logits [B, V]."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(x)).float()
+
+
+def padded_kv(shape: tuple[int, int, int, int], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed cache [slots, n_kv, max_length, D] stored with one spare position (see module docstring)."""
+    slots, n_kv, length, d = shape
+    return torch.zeros(slots, n_kv, length + 1, d, dtype=dtype)[:, :, :length]
+
+
+def graph_keys(bucket: Bucket) -> tuple[str, str]:
+    """(layer graph key, head graph key) for a bucket. Seq 1 (no dynamic dim possible) gets a static graph."""
+    layer = f"layer_{bucket.phase}_b{bucket.batch}" + ("_dyn" if bucket.seq >= 2 else f"_s{bucket.seq}")
+    return layer, f"head_b{bucket.batch}"
+
+
+def layer_example(model: nn.Module, bucket: Bucket, num_slots: int, dtype: torch.dtype
+                  ) -> tuple[tuple[torch.Tensor, ...], Any]:
+    """Example inputs of the layer graph for `bucket`, and the dynamic_shapes spec (None when static)."""
+    B, S = bucket.batch, (bucket.seq if bucket.phase == PREFILL else 1)
+    H, D = model.cfg.hidden_size, model.cfg.head_dim
+    kv_len = bucket.kv_len
+    k = padded_kv(model.kv_shape(num_slots), dtype)[:, :, :kv_len]
+    v = padded_kv(model.kv_shape(num_slots), dtype)[:, :, :kv_len]
+    positions = torch.arange(S).expand(B, S).contiguous() if S > 1 else torch.full((B, 1), kv_len - 1)
+    args = (torch.randn(B, S, H).to(dtype), torch.randn(B, S, 1, D).to(dtype), torch.randn(B, S, 1, D).to(dtype),
+            positions, torch.arange(B) % num_slots, k, v)
+    if bucket.seq < 2:
+        return args, None
+    kv = Dim("kv_len", min=2, max=model.max_length)
+    if bucket.phase == PREFILL:  # S == kv_len for prefill buckets
+        return args, ({1: kv}, {1: kv}, {1: kv}, {1: kv}, None, {2: kv}, {2: kv})
+    return args, (None, None, None, None, None, {2: kv}, {2: kv})
+
+
+def inductor_options(gemm: str) -> dict[str, Any]:
+    """gemm="cpp": freezing + max_autotune restricted to the C++ GEMM template (deterministic: no timing-based
+    choice; every weight becomes a packed constant we can rebuild). gemm="aten": plain AOTI, weights stay in
+    their HF layout and GEMMs call aten/oneDNN."""
+    opts: dict[str, Any] = {"aot_inductor.package": True, "aot_inductor.package_constants_in_so": False}
+    if gemm == "cpp":
+        opts.update({"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"})
+    return opts
+
+
+def compile_graph(module: nn.Module, args: tuple[torch.Tensor, ...], dynamic_shapes: Any, gemm: str,
+                  so_path: Path, what: str) -> dict[str, ConstantRecipe]:
+    """AOT-compile `module` (on a placeholder-weight copy) into `so_path`; return its constant recipes."""
+    ph = placeholder_copy(module, seed=0)
+    named = dict(ph.state_dict())
+    named.update(dict(ph.named_buffers()))
+    try:
+        with torch.no_grad():
+            ep = torch.export.export(ph, args, dynamic_shapes=dynamic_shapes, strict=False)
+            with capture_constants() as consts:
+                files = torch._inductor.aot_compile(ep.module(), args, options=inductor_options(gemm))
+    except Exception as e:  # export/inductor raise many types; name the graph and keep the cause
+        raise BackendCompileError(f"{what}: AOTInductor compile failed: {type(e).__name__}: {e}") from e
+    sos = [f for f in files if isinstance(f, str) and f.endswith(".so")]
+    if len(sos) != 1:
+        raise BackendCompileError(f"{what}: expected one .so from AOTInductor, got {files}")
+    recipes = match_constants(consts, named, what)
+    so_path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(sos[0], so_path)
+    return recipes
