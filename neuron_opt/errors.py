@@ -34,6 +34,10 @@ class BackendUnavailableError(NeuronOptError):
     """A backend's runtime (e.g. the Neuron SDK) is not installed here."""
 
 
+class BackendCompileError(NeuronOptError):
+    """A backend could not compile a bucket's graph; the message names the graph and what failed."""
+
+
 class KernelArgumentError(NeuronOptError, ValueError):
     """An NKI kernel's host wrapper got shapes, dtypes or values the kernel does not support."""
 
