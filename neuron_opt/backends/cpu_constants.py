@@ -28,7 +28,7 @@ from torch import nn
 
 from neuron_opt.errors import BackendCompileError
 
-PACK_OPS = ("identity", "pack")
+PACK_OPS = ("identity", "pack", "onednn")
 
 
 @dataclass(frozen=True)
@@ -37,15 +37,18 @@ class ConstantRecipe:
 
     Args:
         source: the tensor's name relative to the compiled module (e.g. "layer.mlp.up_proj.weight").
-        op: "identity" (the tensor itself) or "pack" (blocked GEMM layout, see `pack_weight`).
-        block_n: packing block along N (output features); 0 for identity.
-        vnni: VNNI interleave along K (0 = none, 2 or 4); 0 for identity.
+        op: "identity" (the tensor itself), "pack" (the C++ GEMM template's blocked layout, see `pack_weight`)
+            or "onednn" (an opaque oneDNN weight from `torch.ops.mkldnn._reorder_linear_weight`).
+        block_n: "pack": block along N (output features).
+        vnni: "pack": VNNI interleave along K (0 = none, 2 or 4).
+        batch: "onednn": the batch (M) hint oneDNN chose its layout for.
     """
 
     source: str
     op: str
     block_n: int = 0
     vnni: int = 0
+    batch: int = 0
 
     def __post_init__(self) -> None:
         assert self.op in PACK_OPS, self.op
@@ -55,7 +58,8 @@ class ConstantRecipe:
 
     @classmethod
     def from_dict(cls, d: dict) -> ConstantRecipe:
-        return cls(str(d["source"]), str(d["op"]), int(d.get("block_n", 0)), int(d.get("vnni", 0)))
+        return cls(str(d["source"]), str(d["op"]), int(d.get("block_n", 0)), int(d.get("vnni", 0)),
+                   int(d.get("batch", 0)))
 
 
 def pack_weight(w: torch.Tensor, block_n: int, vnni: int) -> torch.Tensor:
@@ -76,7 +80,9 @@ def pack_weight(w: torch.Tensor, block_n: int, vnni: int) -> torch.Tensor:
 
 
 def build_constant(t: torch.Tensor, r: ConstantRecipe) -> torch.Tensor:
-    return t if r.op == "identity" else pack_weight(t, r.block_n, r.vnni)
+    if r.op == "onednn":
+        return torch.ops.mkldnn._reorder_linear_weight(t, r.batch)
+    return t.contiguous() if r.op == "identity" else pack_weight(t, r.block_n, r.vnni)
 
 
 def placeholder_copy(module: nn.Module, seed: int) -> nn.Module:
@@ -114,8 +120,12 @@ def capture_constants() -> Iterator[dict[str, torch.Tensor]]:
         codecache.AotCodeCompiler.compile = classmethod(original)  # type: ignore[method-assign,assignment]
 
 
-def _find(c: torch.Tensor, named: dict[str, torch.Tensor]) -> ConstantRecipe | None:
-    if c.is_mkldnn:  # an opaque oneDNN-packed weight: we cannot rebuild it (only happens with ATEN GEMMs)
+def _find(c: torch.Tensor, named: dict[str, torch.Tensor], onednn_batch: int) -> ConstantRecipe | None:
+    if c.is_mkldnn:  # an opaque oneDNN weight: its logical value names the source, the batch hint its layout
+        d = c.to_dense()
+        for name, t in named.items():
+            if t.shape == d.shape and t.dtype == d.dtype and torch.equal(t, d):
+                return ConstantRecipe(name, "onednn", batch=onednn_batch)
         return None
     for name, t in named.items():
         if t.shape == c.shape and t.dtype == c.dtype and torch.equal(t, c):
@@ -132,13 +142,17 @@ def _find(c: torch.Tensor, named: dict[str, torch.Tensor]) -> ConstantRecipe | N
     return None
 
 
-def match_constants(consts: dict[str, torch.Tensor], named: dict[str, torch.Tensor],
-                    what: str) -> dict[str, ConstantRecipe]:
-    """Recipe for every captured constant; raises BackendCompileError naming the ones that match nothing."""
+def match_constants(consts: dict[str, torch.Tensor], named: dict[str, torch.Tensor], what: str,
+                    onednn_batch: int = 0) -> dict[str, ConstantRecipe]:
+    """Recipe for every captured constant; raises BackendCompileError naming the ones that match nothing.
+
+    `onednn_batch` is the M the graph's GEMMs were specialised for (Inductor's freezing pass packs oneDNN
+    weights for the example's row count).
+    """
     recipes: dict[str, ConstantRecipe] = {}
     missing = []
     for cname, c in consts.items():
-        r = _find(c, named)
+        r = _find(c, named, onednn_batch)
         if r is None:
             missing.append(f"{cname} {tuple(c.shape)} {c.dtype}")
         else:
