@@ -162,3 +162,26 @@ def test_load_rejects_mismatched_setup(compiled: tuple[Path, dict[Bucket, list[P
         backend.load(files, out / "rank0.safetensors", lambda: make_model(1), SLOTS + 1)
     with pytest.raises(ConfigError, match="unknown cpu option"):
         CpuBackend(torch.float32, {"fast": True})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gemm", ["onednn", "cpp"])
+def test_bf16_decode_matches_eager(tmp_path: Path, gemm: str) -> None:
+    """bf16 graphs (oneDNN-reordered or template-packed weights) vs the bf16 eager model: teacher-forced decode,
+    logits within bf16 rounding and the KV caches advancing."""
+    backend = CpuBackend(torch.bfloat16, {"gemm": gemm})
+    bucket = Bucket(DECODE, 1, 32)
+    files = {bucket: [tmp_path / f for f in backend.compile_bucket(make_model(0, torch.bfloat16), bucket, SLOTS,
+                                                                     tmp_path)]}
+    backend.save_weights(make_model(7, torch.bfloat16), tmp_path / "w.safetensors")
+    ex = backend.load(files, tmp_path / "w.safetensors", lambda: make_model(1, torch.bfloat16), SLOTS)
+    model = make_model(7, torch.bfloat16)
+    k, v = allocate_kv(model, SLOTS, torch.bfloat16)
+    for pos in range(6):
+        inp = decode_inputs([11 + pos], [pos], [1])
+        got = ex.run(bucket, inp)
+        with torch.no_grad():
+            want = model(inp.input_ids, inp.positions, inp.slot_ids, inp.last_index, k, v, bucket.kv_len)
+        torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
+        torch.testing.assert_close(ex.k_caches[0].float(), k[0].float(), rtol=0.05, atol=0.05)
+        assert ex.k_caches[0][1, :, pos].abs().sum() > 0
