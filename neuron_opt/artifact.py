@@ -3,7 +3,8 @@
     DIR/
       manifest.json             format version; neuron_opt/torch/transformers versions; model, parallel, bucket and
                                 cache config; KV geometry; dtype; backend; sha256 of every other file
-      graphs/<bucket.key>/...   one compiled graph per bucket (backend-specific files; none for eager)
+      graphs/rank{r}/...        each rank's compiled graphs (backend-specific files; none for eager); the manifest
+                                maps each bucket to its files (buckets may share files, e.g. a dynamic-KV graph)
       weights/rank{r}.safetensors  each rank's weight shard, stored once (never once per bucket)
       tokenizer/                tokenizer files (+ chat template)
 
@@ -198,7 +199,8 @@ def load_artifact(root: Path, verify_hashes: bool = True) -> LoadedArtifact:
     dtype = TORCH_DTYPES[m.dtype]
     if m.parallel.tp == 1:
         backend = get_backend(m.backend, dtype, m.backend_options)
-        files = {b: [f for f in fs if "/rank0/" in f.as_posix()] for b, fs in m.bucket_files(root).items()}
+        files = {b: [f for f in fs if f.relative_to(root).parts[:2] == ("graphs", "rank0")]
+                 for b, fs in m.bucket_files(root).items()}
         executor = backend.load(files, root / "weights" / "rank0.safetensors",
                                 rank_model_factory(m.model, m.parallel, m.cache, 0, dtype), m.cache.num_slots)
     else:

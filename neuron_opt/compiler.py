@@ -26,9 +26,18 @@ from neuron_opt.compile_cache import CacheKey, CompileCache
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
 from neuron_opt.errors import ConfigError
 
-# Measured on a 2-core AVX-512 machine for the SmolLM2-135M default (see docs/cpu_backend.md); used only for the
-# plan table's estimate, scaled by parameter count.
-EST_SECONDS_PER_GRAPH = {"eager": 0.0, "cpu": 35.0, "neuron": 300.0}
+# Seconds per distinct compiled graph, measured on a 2-core AVX-512 machine for the SmolLM2-135M default (see
+# docs/cpu_backend.md); used only for the plan table's estimate, scaled by layer count for other models.
+EST_SECONDS_PER_GRAPH = {"eager": 0.0, "cpu": 15.0, "neuron": 300.0}
+
+
+def distinct_graphs(buckets: BucketConfig, backend: str) -> int:
+    """Graphs a backend actually compiles: the cpu backend shares one dynamic-KV layer graph per (phase, batch)
+    and one LM-head graph per batch; other backends compile one graph per bucket."""
+    bs = buckets.buckets()
+    if backend == "cpu":
+        return len({(b.phase, b.batch) for b in bs}) + len({b.batch for b in bs})
+    return len(bs)
 
 
 def cpu_has_native_bf16() -> bool:
@@ -105,11 +114,12 @@ def format_plan(cfg: ModelConfig, par: ParallelConfig, cache: CacheConfig, bucke
 
     instance = par.instance if (backend == "neuron" and par.instance) else "cpu"
     graphs = buckets.buckets()
-    est = EST_SECONDS_PER_GRAPH.get(backend, 60.0) * max(1.0, cfg.num_parameters() / 135e6) * len(graphs) * par.tp
+    n = distinct_graphs(buckets, backend)
+    est = EST_SECONDS_PER_GRAPH.get(backend, 60.0) * n * par.tp * max(0.3, cfg.num_hidden_layers / 30)
     return "\n".join([
         format_plan_table(cfg, par, cache, buckets, instance=instance, dtype=dtype),
-        f"  backend {backend}: {len(graphs)} graph(s) per rank x {par.tp} rank(s); estimated compile time with a "
-        f"cold cache: {est / 60:.1f} min",
+        f"  backend {backend}: {len(graphs)} bucket(s), {n} distinct graph(s) per rank x {par.tp} rank(s); "
+        f"estimated compile time with a cold cache: {est / 60:.1f} min",
     ])
 
 
@@ -147,9 +157,9 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
             model.load_state_dict(shard_state_dict(full_sd, cfg, lay, rank), strict=False)
             model = model.to(dtype)
             bar = tqdm(buckets.buckets(), desc=f"compile rank {rank}", unit="graph", disable=not progress)
+            rel_dir = f"graphs/rank{rank}"  # graphs of one rank share a directory: buckets may share files
             for bucket in bar:
                 bar.set_postfix_str(bucket.key)
-                rel_dir = f"graphs/{bucket.key}/rank{rank}"
                 key = CacheKey({
                     "weights": fingerprint, "model": cfg.to_dict(), "parallel": asdict(par),
                     "cache": asdict(cache_cfg), "bucket": bucket.key, "rank": rank, "backend": req.backend,
@@ -178,8 +188,9 @@ def _compile_one(backend: Any, model: torch.nn.Module, bucket: Bucket, cache_cfg
     if cached is not None:
         src = cache.files_dir(key)
         for f in cached:
-            (out_dir / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src / f, out_dir / f)
+            if not (out_dir / f).exists():  # another bucket of this rank may share the file
+                (out_dir / f).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src / f, out_dir / f)
         hits.append(label)
         return [str(f) for f in cached]
     misses[label] = cache.explain_miss(key) if cache is not None else "cache disabled"
