@@ -45,7 +45,7 @@ class CollectiveCounter:
 
 
 class TorchCollectives:
-    """The `Collectives` of one rank of an initialised gloo process group.
+    """The eager `Collectives` of one rank of an initialised gloo process group.
 
     Args:
         tp: world size of the tensor-parallel group (the default process group).
@@ -89,3 +89,44 @@ def _gather(x: torch.Tensor, n: int, group: object | None) -> list[torch.Tensor]
     out = [torch.empty_like(x) for _ in range(n)]
     dist.all_gather(out, x, group=group)
     return out
+
+
+class FunctionalCollectives:
+    """Traceable collectives (torch.distributed._functional_collectives) for compiled rank graphs.
+
+    torch.export records them as `_c10d_functional` nodes (with `wait_tensor`), and AOTInductor's CPU code
+    calls the process group (gloo) from inside the compiled graph. Counting happens while tracing: a bucket's
+    graph issues the same calls on every run, so the executor replays the traced list per step.
+    """
+
+    def __init__(self, tp: int, kv_group: object | None = None, kv_group_size: int = 1) -> None:
+        self.tp, self.kv_group, self.kv_group_size = tp, kv_group, kv_group_size
+        self.counter = CollectiveCounter()
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed._functional_collectives as fc
+
+        self.counter.record("all_reduce", x, self.tp)
+        return fc.all_reduce(x, "sum", dist.group.WORLD)
+
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        import torch.distributed._functional_collectives as fc
+
+        y = fc.all_gather_tensor(x.contiguous(), dim, dist.group.WORLD)
+        self.counter.record("all_gather", y, self.tp)
+        return y
+
+    def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        import torch.distributed._functional_collectives as fc
+
+        self.counter.record("reduce_scatter", x, self.tp)
+        return fc.reduce_scatter_tensor(x.contiguous(), "sum", dim, dist.group.WORLD)
+
+    def group_all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        import torch.distributed._functional_collectives as fc
+
+        if self.kv_group_size == 1:
+            return x
+        y = fc.all_gather_tensor(x.contiguous(), dim, self.kv_group)
+        self.counter.record("group_all_gather", y, self.kv_group_size)
+        return y

@@ -2,6 +2,7 @@
 
 Protocol over the rank's pipe (driver -> rank, then one reply rank -> driver):
   ("run", bucket, arrays, candidates)  -> ("ok", result)   rank 0's result is the finished logits, others None
+  ("compile", [bucket, ...])           -> ("ok", [package path, ...])   graphs='aoti' only
   ("calls",)                           -> ("ok", [CollectiveCall, ...]) counted since the last reset
   ("reset",)                           -> ("ok", None)
   ("stop",)                            -> ("ok", None), then the rank leaves the group and exits
@@ -11,6 +12,7 @@ the loop. Collectives time out after `collective_timeout_s`, so a peer that dies
 
 from __future__ import annotations
 
+import tempfile
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -22,15 +24,17 @@ import torch
 import torch.distributed as dist
 
 from neuron_opt.backends.base import StepInputs
-from neuron_opt.parallel.collectives import TorchCollectives
-from neuron_opt.parallel.context import ParallelContext
+from neuron_opt.parallel.collectives import FunctionalCollectives, TorchCollectives
+from neuron_opt.parallel.context import Collectives, ParallelContext
 from neuron_opt.parallel.launcher import RankSpec
+from neuron_opt.parallel.rank_graphs import RankGraphs
 from neuron_opt.parallel.vocab import gather_candidates, gather_full, mask_padded_vocab
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _join_group(rank: int, tp: int, port: int, spec: RankSpec) -> TorchCollectives:
+def _join_group(rank: int, tp: int, port: int, spec: RankSpec) -> tuple[TorchCollectives, FunctionalCollectives]:
+    """Join the tp group (and the flash-decoding KV subgroup); eager and traceable collectives share a counter."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp,
                             timeout=timedelta(seconds=spec.collective_timeout_s))
     g = spec.layout.kv_seq_shards
@@ -40,10 +44,12 @@ def _join_group(rank: int, tp: int, port: int, spec: RankSpec) -> TorchCollectiv
             grp = dist.new_group(list(range(first, first + g)))
             if first <= rank < first + g:
                 mine, size = grp, g
-    return TorchCollectives(tp, mine, size)
+    eager, traced = TorchCollectives(tp, mine, size), FunctionalCollectives(tp, mine, size)
+    traced.counter = eager.counter
+    return eager, traced
 
 
-def _build(rank: int, spec: RankSpec, comm: TorchCollectives) -> torch.nn.Module:
+def _build(rank: int, spec: RankSpec, comm: Collectives) -> torch.nn.Module:
     from models.registry import model_class
     from neuron_opt.backends.eager import load_model_weights
 
@@ -68,13 +74,17 @@ def rank_main(rank: int, port: int, spec: RankSpec, conn: Connection) -> None:
     """Entry point of a spawned rank process."""
     torch.set_num_threads(spec.threads_per_rank)
     try:
-        comm = _join_group(rank, spec.parallel.tp, port, spec)
-        model = _build(rank, spec, comm)
+        comm, traced = _join_group(rank, spec.parallel.tp, port, spec)
+        model = _build(rank, spec, traced if spec.graphs == "aoti" else comm)
         dtype = DTYPES[spec.dtype]
         shape = model.kv_shape(spec.cache.num_slots)
         L = spec.model.num_hidden_layers
         k_caches = [torch.zeros(shape, dtype=dtype) for _ in range(L)]
         v_caches = [torch.zeros(shape, dtype=dtype) for _ in range(L)]
+        graphs = None
+        if spec.graphs == "aoti":
+            graph_dir = Path(spec.graph_dir) if spec.graph_dir else Path(tempfile.mkdtemp(prefix="neuron-opt-g"))
+            graphs = RankGraphs(model, rank, comm.counter, graph_dir)
         conn.send(("ok", "ready"))
         while True:
             try:
@@ -84,10 +94,21 @@ def rank_main(rank: int, port: int, spec: RankSpec, conn: Connection) -> None:
             if msg[0] == "run":
                 _, bucket, arrays, candidates = msg
                 inputs = StepInputs(*(torch.from_numpy(a) for a in arrays))
+                if graphs is not None:
+                    graphs.ensure(bucket, k_caches, v_caches)  # traced outside inference mode
                 with torch.inference_mode():
-                    local = model(inputs.input_ids, inputs.positions, inputs.slot_ids, inputs.last_index,
-                                  k_caches, v_caches, bucket.kv_len)
+                    if graphs is not None:
+                        local = graphs.run(bucket, inputs, k_caches, v_caches)
+                    else:
+                        local = model(inputs.input_ids, inputs.positions, inputs.slot_ids, inputs.last_index,
+                                      k_caches, v_caches, bucket.kv_len)
                     conn.send(("ok", _finish(local.float(), rank, spec, comm, candidates)))
+            elif msg[0] == "compile":
+                if graphs is None:
+                    raise ValueError(f"rank {rank}: 'compile' needs graphs='aoti'")
+                for bucket in msg[1]:
+                    graphs.ensure(bucket, k_caches, v_caches)
+                conn.send(("ok", [str(graphs.package_path(b)) for b in msg[1]]))
             elif msg[0] == "calls":
                 conn.send(("ok", list(comm.counter.calls)))
             elif msg[0] == "reset":
