@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": config,
         "provisional_note": args.note,
         "engine": [],
-        "threads": os.environ.get("NEURON_OPT_NUM_THREADS", "torch default"),
+        "threads": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "NEURON_OPT_NUM_THREADS")},
     }
     try:
         wait_healthy(url, proc)
