@@ -33,6 +33,7 @@ from neuron_opt.checkpoint import open_checkpoint
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
 from neuron_opt.parallel.comm_cost import expected_calls, summarize
 from neuron_opt.parallel.executor import tp_executor_from_state_dict
+from neuron_opt.parallel.launcher import default_threads
 from neuron_opt.parallel.sharding import head_layout, layout_cost
 from neuron_opt.runtime.runner import DecodeRow, ModelRunner
 
@@ -61,20 +62,34 @@ def timed(fn: Any, repeats: int) -> float:
     return best
 
 
-def bench_one(name: str, cfg: ModelConfig, sd: dict[str, torch.Tensor], par: ParallelConfig,
-              args: argparse.Namespace) -> dict[str, Any]:
+def bench_one(
+    name: str,
+    cfg: ModelConfig,
+    sd: dict[str, torch.Tensor],
+    par: ParallelConfig,
+    args: argparse.Namespace,
+    threads_tp1: int = 1,
+) -> dict[str, Any]:
     L = args.max_length
     cache = CacheConfig(max_batch=1, max_length=L)
     buckets = BucketConfig.build(max_context=L, max_length=L, max_batch=1, min_prefill=16, min_decode=L)
     t0 = time.perf_counter()
+    threads = threads_tp1 if par.tp == 1 else default_threads(par.tp)
     if par.tp == 1:
+        torch.set_num_threads(threads_tp1)
         ex: Any = EagerExecutor(build_model(cfg, sd, L, torch.float32), cache.num_slots)
     else:
         ex = tp_executor_from_state_dict(cfg, sd, par, cache)
     start_s = time.perf_counter() - t0
     prompt = [(i * 7919) % (cfg.vocab_size - 3) + 3 for i in range(args.prompt_len)]
-    row: dict[str, Any] = {"config": name, "tp": par.tp, "sequence_parallel": par.sequence_parallel,
-                           "flash_decoding": par.flash_decoding, "start_s": round(start_s, 1)}
+    row: dict[str, Any] = {
+        "config": name,
+        "tp": par.tp,
+        "sequence_parallel": par.sequence_parallel,
+        "flash_decoding": par.flash_decoding,
+        "start_s": round(start_s, 1),
+        "threads_per_rank": threads,
+    }
     lay = head_layout(cfg, par)
     row["layout"] = layout_cost(cfg, lay, cache.num_slots, L, 4).line()
     try:
@@ -86,9 +101,10 @@ def bench_one(name: str, cfg: ModelConfig, sd: dict[str, torch.Tensor], par: Par
             runner = ModelRunner(WithCandidates(ex, k) if par.tp > 1 else ex, buckets, cache, cfg.vocab_size)
             runner.prefill(0, prompt)
 
-            def decode_steps() -> None:
+            def decode_steps(runner: ModelRunner = runner) -> None:
                 for t in range(args.decode_steps):
                     runner.decode([DecodeRow(0, 5 + t, args.prompt_len + t)])
+
             row[f"decode_tok_s_{mode}"] = round(args.decode_steps / timed(decode_steps, 1), 2)
         if par.tp > 1:
             row.update(count_bytes(cfg, par, ex, buckets, cache, prompt))
@@ -98,8 +114,14 @@ def bench_one(name: str, cfg: ModelConfig, sd: dict[str, torch.Tensor], par: Par
     return row
 
 
-def count_bytes(cfg: ModelConfig, par: ParallelConfig, ex: Any, buckets: BucketConfig, cache: CacheConfig,
-                prompt: list[int]) -> dict[str, Any]:
+def count_bytes(
+    cfg: ModelConfig,
+    par: ParallelConfig,
+    ex: Any,
+    buckets: BucketConfig,
+    cache: CacheConfig,
+    prompt: list[int],
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     n = len(prompt)
     for phase, k in (("prefill", None), ("decode_full", None), ("decode_top1", 1)):
@@ -144,19 +166,27 @@ def main() -> int:
         ("default", cfg, sd, ParallelConfig(tp=3, sequence_parallel=True)),
     ]
     mcfg, msd = mqa_variant(cfg, sd)
-    configs += [("mqa", mcfg, msd, ParallelConfig(tp=1)), ("mqa", mcfg, msd, ParallelConfig(tp=2)),
-                ("mqa", mcfg, msd, ParallelConfig(tp=2, flash_decoding=True))]
+    configs += [
+        ("mqa", mcfg, msd, ParallelConfig(tp=1)),
+        ("mqa", mcfg, msd, ParallelConfig(tp=2)),
+        ("mqa", mcfg, msd, ParallelConfig(tp=2, flash_decoding=True)),
+    ]
     if args.quick:
         configs = configs[:2] + configs[-1:]
     rows = []
     for name, c, s, par in configs:
-        row = bench_one(name, c, s, par, args)
-        rows.append(row)
-        if not args.json:
-            print(json.dumps(row), flush=True)
+        # tp=1 twice: one thread (like each rank) and two (the whole machine, where oversubscription bites)
+        for threads in (1, 2) if par.tp == 1 else (1,):
+            row = bench_one(name, c, s, par, args, threads)
+            rows.append(row)
+            if not args.json:
+                print(json.dumps(row), flush=True)
     if args.json:
-        json.dump({"prompt_len": args.prompt_len, "decode_steps": args.decode_steps, "rows": rows}, sys.stdout,
-                  indent=1)
+        json.dump(
+            {"prompt_len": args.prompt_len, "decode_steps": args.decode_steps, "rows": rows},
+            sys.stdout,
+            indent=1,
+        )
         print()
     return 0
 

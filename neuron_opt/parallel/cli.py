@@ -1,5 +1,7 @@
-"""`--tp`, `--instance`, `--sequence-parallel`, `--flash-decoding`, `--gqa-strategy`, `--no-vocab-parallel-sampling`
-for `compile` and `generate`, and the ParallelConfig they build (validated, with the instance's allowed degrees).
+"""Tensor-parallel flags for `compile` and `generate`, and the ParallelConfig they build.
+
+Flags: `--tp`, `--instance`, `--sequence-parallel`, `--flash-decoding`, `--gqa-strategy`,
+`--no-vocab-parallel-sampling`. The config is validated, including the instance's allowed degrees.
 """
 
 from __future__ import annotations
@@ -13,25 +15,47 @@ from neuron_opt.errors import ConfigError
 def add_parallel_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("tensor parallelism")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (rank processes / NeuronCores)")
-    g.add_argument("--instance", default=None,
-                   help="target instance (e.g. inf2.48xlarge, trn1.32xlarge, trn2.48xlarge, cpu): --tp must be "
-                        "one of its allowed degrees")
-    g.add_argument("--sequence-parallel", action="store_true",
-                   help="prefill activations sharded along the sequence between layers")
-    g.add_argument("--flash-decoding", action="store_true",
-                   help="when n_kv_heads < tp: shard each KV head's cache along the sequence within its group")
-    g.add_argument("--gqa-strategy", default="auto", choices=["auto", "replicate-kv", "mha"],
-                   help="how KV heads are laid out when tp does not divide them (auto: replicate-kv when "
-                        "possible, else MHA)")
-    g.add_argument("--no-vocab-parallel-sampling", dest="vocab_parallel_sampling", action="store_false",
-                   help="always gather full [B, V] logits instead of per-rank top-k candidates")
+    g.add_argument(
+        "--instance",
+        default=None,
+        help="target instance (e.g. inf2.48xlarge, trn1.32xlarge, trn2.48xlarge, cpu): --tp must be "
+        "one of its allowed degrees",
+    )
+    g.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="prefill activations sharded along the sequence between layers",
+    )
+    g.add_argument(
+        "--flash-decoding",
+        action="store_true",
+        help="when n_kv_heads < tp: shard each KV head's cache along the sequence within its group",
+    )
+    g.add_argument(
+        "--gqa-strategy",
+        default="auto",
+        choices=["auto", "replicate-kv", "mha"],
+        help="how KV heads are laid out when tp does not divide them (auto: replicate-kv when "
+        "possible, else MHA)",
+    )
+    g.add_argument(
+        "--no-vocab-parallel-sampling",
+        dest="vocab_parallel_sampling",
+        action="store_false",
+        help="always gather full [B, V] logits instead of per-rank top-k candidates",
+    )
 
 
 def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
     """Build and validate the ParallelConfig (instance degree check included)."""
-    par = ParallelConfig(tp=args.tp, sequence_parallel=args.sequence_parallel, flash_decoding=args.flash_decoding,
-                         vocab_parallel_sampling=args.vocab_parallel_sampling, gqa_strategy=args.gqa_strategy,
-                         instance=args.instance)
+    par = ParallelConfig(
+        tp=args.tp,
+        sequence_parallel=args.sequence_parallel,
+        flash_decoding=args.flash_decoding,
+        vocab_parallel_sampling=args.vocab_parallel_sampling,
+        gqa_strategy=args.gqa_strategy,
+        instance=args.instance,
+    )
     check_instance(par)
     return par
 

@@ -18,6 +18,7 @@ inside the compiled graph instead of between eager ops.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,7 +53,7 @@ class TorchCollectives:
         kv_group: the flash-decoding KV subgroup of this rank and its size, or (None, 1).
     """
 
-    def __init__(self, tp: int, kv_group: object | None = None, kv_group_size: int = 1) -> None:
+    def __init__(self, tp: int, kv_group: Any = None, kv_group_size: int = 1) -> None:
         self.tp, self.kv_group, self.kv_group_size = tp, kv_group, kv_group_size
         self.counter = CollectiveCounter()
 
@@ -84,7 +85,7 @@ class TorchCollectives:
         return y
 
 
-def _gather(x: torch.Tensor, n: int, group: object | None) -> list[torch.Tensor]:
+def _gather(x: torch.Tensor, n: int, group: Any) -> list[torch.Tensor]:
     x = x.contiguous()
     out = [torch.empty_like(x) for _ in range(n)]
     dist.all_gather(out, x, group=group)
@@ -99,7 +100,7 @@ class FunctionalCollectives:
     graph issues the same calls on every run, so the executor replays the traced list per step.
     """
 
-    def __init__(self, tp: int, kv_group: object | None = None, kv_group_size: int = 1) -> None:
+    def __init__(self, tp: int, kv_group: Any = None, kv_group_size: int = 1) -> None:
         self.tp, self.kv_group, self.kv_group_size = tp, kv_group, kv_group_size
         self.counter = CollectiveCounter()
 
@@ -107,12 +108,12 @@ class FunctionalCollectives:
         import torch.distributed._functional_collectives as fc
 
         self.counter.record("all_reduce", x, self.tp)
-        return fc.all_reduce(x, "sum", dist.group.WORLD)
+        return fc.all_reduce(x, "sum", _world())
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         import torch.distributed._functional_collectives as fc
 
-        y = fc.all_gather_tensor(x.contiguous(), dim, dist.group.WORLD)
+        y = fc.all_gather_tensor(x.contiguous(), dim, _world())
         self.counter.record("all_gather", y, self.tp)
         return y
 
@@ -120,7 +121,7 @@ class FunctionalCollectives:
         import torch.distributed._functional_collectives as fc
 
         self.counter.record("reduce_scatter", x, self.tp)
-        return fc.reduce_scatter_tensor(x.contiguous(), "sum", dim, dist.group.WORLD)
+        return fc.reduce_scatter_tensor(x.contiguous(), "sum", dim, _world())
 
     def group_all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         import torch.distributed._functional_collectives as fc
@@ -130,3 +131,8 @@ class FunctionalCollectives:
         y = fc.all_gather_tensor(x.contiguous(), dim, self.kv_group)
         self.counter.record("group_all_gather", y, self.kv_group_size)
         return y
+
+
+def _world() -> Any:
+    """The default (tp) group, as the functional collectives want it."""
+    return dist.group.WORLD

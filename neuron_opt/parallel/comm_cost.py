@@ -22,8 +22,9 @@ from neuron_opt.parallel.collectives import CollectiveCall
 from neuron_opt.parallel.sharding import head_layout
 
 
-def expected_calls(cfg: ModelConfig, par: ParallelConfig, bucket: Bucket, act_bytes: int,
-                   candidates: int | None) -> list[CollectiveCall]:
+def expected_calls(
+    cfg: ModelConfig, par: ParallelConfig, bucket: Bucket, act_bytes: int, candidates: int | None
+) -> list[CollectiveCall]:
     """The collectives one rank issues for one step of `bucket` (empty for tp=1)."""
     tp = par.tp
     if tp == 1:
@@ -41,17 +42,24 @@ def expected_calls(cfg: ModelConfig, par: ParallelConfig, bucket: Bucket, act_by
             calls.append(CollectiveCall("all_gather", padded, tp))
         if g > 1:
             calls.append(CollectiveCall("group_all_gather", g * B * lay.n_heads_local * S * 2 * act_bytes, g))
-        calls.append(CollectiveCall("reduce_scatter", padded, tp) if sp else CollectiveCall("all_reduce", full, tp))
+        calls.append(
+            CollectiveCall("reduce_scatter", padded, tp) if sp else CollectiveCall("all_reduce", full, tp)
+        )
         if sp:
             calls.append(CollectiveCall("all_gather", padded, tp))
-        calls.append(CollectiveCall("reduce_scatter", padded, tp) if sp else CollectiveCall("all_reduce", full, tp))
+        calls.append(
+            CollectiveCall("reduce_scatter", padded, tp) if sp else CollectiveCall("all_reduce", full, tp)
+        )
     if sp:
         calls.append(CollectiveCall("all_reduce", B * H * act_bytes, tp))
     if candidates is None:
         calls.append(CollectiveCall("all_gather", B * lay.vocab_padded * 4, tp))
     else:
         k = min(candidates, lay.vocab_local)
-        calls += [CollectiveCall("all_gather", tp * B * k * 4, tp), CollectiveCall("all_gather", tp * B * k * 8, tp)]
+        calls += [
+            CollectiveCall("all_gather", tp * B * k * 4, tp),
+            CollectiveCall("all_gather", tp * B * k * 8, tp),
+        ]
     return calls
 
 
@@ -73,5 +81,6 @@ class CommSummary:
 
 def summarize(calls: list[CollectiveCall], bucket: Bucket) -> CommSummary:
     """Totals of one step's calls, and per token of the step (B x S for prefill, B for decode)."""
-    return CommSummary(len(calls), sum(c.nbytes for c in calls), sum(c.wire_bytes for c in calls),
-                       bucket.num_tokens)
+    return CommSummary(
+        len(calls), sum(c.nbytes for c in calls), sum(c.wire_bytes for c in calls), bucket.num_tokens
+    )

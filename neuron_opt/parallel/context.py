@@ -60,7 +60,7 @@ class ParallelContext:
         assert 0 <= self.rank < self.tp, (self.rank, self.tp)
 
     def seq_sharded(self, seq: int) -> bool:
-        """Whether a step of `seq` tokens per row runs sequence-parallel (chosen per bucket, i.e. per graph)."""
+        """Whether a step of `seq` tokens per row runs sequence-parallel (chosen per bucket = per graph)."""
         return self.sequence_parallel and self.tp > 1 and seq > 1
 
 

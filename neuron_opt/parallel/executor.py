@@ -20,7 +20,7 @@ import multiprocessing.connection as mpc
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn, cast
 
 import torch
 import torch.multiprocessing as mp
@@ -56,8 +56,9 @@ class TPExecutor:
         self.conns: list[mpc.Connection] = []
         for rank in range(self.tp):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=rank_main, args=(rank, port, spec, child), daemon=True,
-                            name=f"neuron-opt-rank{rank}")
+            p = ctx.Process(
+                target=rank_main, args=(rank, port, spec, child), daemon=True, name=f"neuron-opt-rank{rank}"
+            )
             p.start()
             child.close()
             self.procs.append(p)
@@ -76,11 +77,15 @@ class TPExecutor:
         if candidates is None:
             return torch.from_numpy(out)
         vals, ids = out
-        return scatter_candidates(torch.from_numpy(vals), torch.from_numpy(ids), self.layout.vocab_padded,
-                                  self.spec.model.vocab_size)
+        return scatter_candidates(
+            torch.from_numpy(vals),
+            torch.from_numpy(ids),
+            self.layout.vocab_padded,
+            self.spec.model.vocab_size,
+        )
 
     def precompile(self, buckets: list[Bucket]) -> list[str]:
-        """graphs='aoti': trace and compile (or load) every bucket's graph on every rank now; rank 0's paths."""
+        """graphs='aoti': compile (or load) every bucket's graph on every rank now; rank 0's paths."""
         return self._call(("compile", list(buckets)), "compile")
 
     def collective_calls(self) -> list[CollectiveCall]:
@@ -129,8 +134,9 @@ class TPExecutor:
         deadline = time.monotonic() + timeout_s
         while len(replies) < self.tp:
             pending = [c for r, c in enumerate(self.conns) if r not in replies]
-            for c in mpc.wait(pending, timeout=0.2):
-                r = self.conns.index(c)  # type: ignore[arg-type]
+            for ready in mpc.wait(pending, timeout=0.2):
+                c = cast(mpc.Connection, ready)
+                r = self.conns.index(c)
                 try:
                     status, payload = c.recv()
                 except EOFError:
@@ -142,11 +148,13 @@ class TPExecutor:
                 if r not in replies and not p.is_alive():
                     self._fail(f"{what}: rank {r} died (exit code {p.exitcode}); stopped the other ranks")
             if time.monotonic() > deadline:
-                self._fail(f"{what}: no reply within {timeout_s:.0f} s from ranks "
-                           f"{sorted(set(range(self.tp)) - set(replies))}; stopped all ranks")
+                self._fail(
+                    f"{what}: no reply within {timeout_s:.0f} s from ranks "
+                    f"{sorted(set(range(self.tp)) - set(replies))}; stopped all ranks"
+                )
         return replies[0]
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str) -> NoReturn:
         for p in self.procs:
             if p.is_alive():
                 p.kill()
@@ -158,10 +166,17 @@ class TPExecutor:
         raise RankFailedError(message)
 
 
-def tp_executor_from_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor], par: ParallelConfig,
-                                cache: CacheConfig, weights_dir: Path | None = None, dtype: str = "float32",
-                                collective_timeout_s: float = 60.0, graphs: str = "eager",
-                                graph_dir: Path | None = None) -> TPExecutor:
+def tp_executor_from_state_dict(
+    cfg: ModelConfig,
+    sd: dict[str, torch.Tensor],
+    par: ParallelConfig,
+    cache: CacheConfig,
+    weights_dir: Path | None = None,
+    dtype: str = "float32",
+    collective_timeout_s: float = 60.0,
+    graphs: str = "eager",
+    graph_dir: Path | None = None,
+) -> TPExecutor:
     """Shard a canonical state dict to weights_dir/rank{r}.safetensors and start the ranks.
 
     With weights_dir None the shards go to a temporary directory that is removed once every rank has loaded
@@ -169,12 +184,22 @@ def tp_executor_from_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor], p
     loads it from graph_dir)."""
     if weights_dir is not None:
         write_rank_weights(sd, cfg, par, weights_dir)
-        spec = RankSpec(cfg, par, cache, str(weights_dir), dtype, collective_timeout_s, default_threads(par.tp),
-                        graphs, None if graph_dir is None else str(graph_dir))
+        spec = RankSpec(
+            cfg,
+            par,
+            cache,
+            str(weights_dir),
+            dtype,
+            collective_timeout_s,
+            default_threads(par.tp),
+            graphs,
+            None if graph_dir is None else str(graph_dir),
+        )
         return TPExecutor(spec)
     with tempfile.TemporaryDirectory(prefix="neuron-opt-tp-") as tmp:
-        return tp_executor_from_state_dict(cfg, sd, par, cache, Path(tmp), dtype, collective_timeout_s, graphs,
-                                           graph_dir)
+        return tp_executor_from_state_dict(
+            cfg, sd, par, cache, Path(tmp), dtype, collective_timeout_s, graphs, graph_dir
+        )
 
 
 def compile_tp_graphs(spec: RankSpec, buckets: list[Bucket]) -> list[str]:
@@ -194,7 +219,14 @@ def launch_tp_executor(root: Path, manifest: Any) -> TPExecutor:
     m = manifest
     graph_dir = Path(root) / "graphs"
     compiled = any(graph_dir.glob("*/rank0/tp_model.pt2"))
-    spec = RankSpec(m.model, m.parallel, m.cache, str(Path(root) / "weights"), m.dtype,
-                    threads_per_rank=default_threads(m.parallel.tp), graphs="aoti" if compiled else "eager",
-                    graph_dir=str(graph_dir) if compiled else None)
+    spec = RankSpec(
+        m.model,
+        m.parallel,
+        m.cache,
+        str(Path(root) / "weights"),
+        m.dtype,
+        threads_per_rank=default_threads(m.parallel.tp),
+        graphs="aoti" if compiled else "eager",
+        graph_dir=str(graph_dir) if compiled else None,
+    )
     return TPExecutor(spec)

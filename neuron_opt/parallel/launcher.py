@@ -60,8 +60,13 @@ def default_threads(tp: int) -> int:
     return max(1, (os.cpu_count() or 1) // tp)
 
 
-def write_rank_weights(sd: dict[str, torch.Tensor], cfg: ModelConfig, par: ParallelConfig, out_dir: Path,
-                       dtype: torch.dtype = torch.float32) -> list[Path]:
+def write_rank_weights(
+    sd: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    par: ParallelConfig,
+    out_dir: Path,
+    dtype: torch.dtype = torch.float32,
+) -> list[Path]:
     """Shard a canonical (HF-named) state dict and write weights/rank{r}.safetensors for every rank."""
     lay = head_layout(cfg, par)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -18,8 +18,9 @@ group created in the same order gets the same names and can load them.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,20 +38,31 @@ class _Step(nn.Module):
         super().__init__()
         self.model, self.kv_len = model, kv_len
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
-                last_index: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_ids: torch.Tensor,
+        last_index: torch.Tensor,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
         return self.model(input_ids, positions, slot_ids, last_index, k_caches, v_caches, self.kv_len)
 
 
 def example_inputs(bucket: Bucket) -> StepInputs:
     """Inputs of the bucket's shape (values do not matter for tracing)."""
     B, S = bucket.batch, (bucket.seq if bucket.phase == PREFILL else 1)
-    return StepInputs(torch.zeros(B, S, dtype=torch.long), torch.arange(S).expand(B, S).contiguous(),
-                      torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long))
+    return StepInputs(
+        torch.zeros(B, S, dtype=torch.long),
+        torch.arange(S).expand(B, S).contiguous(),
+        torch.zeros(B, dtype=torch.long),
+        torch.zeros(B, dtype=torch.long),
+    )
 
 
 class RankGraphs:
-    """This rank's compiled graph per bucket: loaded from `graph_dir` when present, else traced and compiled."""
+    """This rank's compiled graph per bucket: loaded from `graph_dir` if there, else traced and compiled."""
 
     def __init__(self, model: nn.Module, rank: int, counter: CollectiveCounter, graph_dir: Path) -> None:
         self.model, self.rank, self.counter, self.graph_dir = model, rank, counter, graph_dir
@@ -70,8 +82,10 @@ class RankGraphs:
             pkg.parent.mkdir(parents=True, exist_ok=True)
             start = len(self.counter.calls)
             x = example_inputs(bucket)
-            ep = torch.export.export(_Step(self.model, bucket.kv_len),
-                                     (x.input_ids, x.positions, x.slot_ids, x.last_index, k_caches, v_caches))
+            ep = torch.export.export(
+                _Step(self.model, bucket.kv_len),
+                (x.input_ids, x.positions, x.slot_ids, x.last_index, k_caches, v_caches),
+            )
             traced = self.counter.calls[start:]
             del self.counter.calls[start:]
             aoti_compile_and_package(ep, package_path=str(pkg))
@@ -79,8 +93,9 @@ class RankGraphs:
         calls = [CollectiveCall(op, n, g) for op, n, g in json.loads(calls_file.read_text())]
         self.fns[bucket] = (aoti_load_package(str(pkg)), calls)
 
-    def run(self, bucket: Bucket, x: StepInputs, k_caches: list[torch.Tensor],
-            v_caches: list[torch.Tensor]) -> torch.Tensor:
+    def run(
+        self, bucket: Bucket, x: StepInputs, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
+    ) -> torch.Tensor:
         self.ensure(bucket, k_caches, v_caches)
         fn, calls = self.fns[bucket]
         out = fn(x.input_ids, x.positions, x.slot_ids, x.last_index, k_caches, v_caches)

@@ -96,22 +96,32 @@ def head_layout(cfg: ModelConfig, par: ParallelConfig) -> HeadLayout:
     if cfg.intermediate_size % tp:
         raise ConfigError(f"tp: {tp} does not divide intermediate_size={cfg.intermediate_size}")
     nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    common = dict(tp=tp, head_dim=cfg.head_dim, intermediate_local=cfg.intermediate_size // tp,
-                  vocab_padded=math.ceil(cfg.vocab_size / tp) * tp)
+    common = dict(
+        tp=tp,
+        head_dim=cfg.head_dim,
+        intermediate_local=cfg.intermediate_size // tp,
+        vocab_padded=math.ceil(cfg.vocab_size / tp) * tp,
+    )
     if tp == 1:
         return HeadLayout(n_heads=nq, n_kv_heads=nkv, strategy=SHARD, **common)
     if par.flash_decoding and nkv < tp:
         if tp % nkv:
-            raise ConfigError(f"flash_decoding: tp={tp} is not a multiple of num_key_value_heads={nkv}, so KV "
-                              f"groups of equal size cannot be formed; use tp in "
-                              f"{[nkv * k for k in range(2, 5)]} or drop --flash-decoding")
-        return HeadLayout(n_heads=nq, n_kv_heads=nkv, strategy=KV_SEQ_SHARD, kv_seq_shards=tp // nkv, **common)
+            raise ConfigError(
+                f"flash_decoding: tp={tp} is not a multiple of num_key_value_heads={nkv}, so KV "
+                f"groups of equal size cannot be formed; use tp in "
+                f"{[nkv * k for k in range(2, 5)]} or drop --flash-decoding"
+            )
+        return HeadLayout(
+            n_heads=nq, n_kv_heads=nkv, strategy=KV_SEQ_SHARD, kv_seq_shards=tp // nkv, **common
+        )
     can_shard = nq % tp == 0 and nkv % tp == 0
     can_replicate = nq % tp == 0 and tp % nkv == 0
     want = par.gqa_strategy
     if want == REPLICATE_KV and not (can_shard or can_replicate):
-        raise ConfigError(f"gqa_strategy: replicate-kv needs num_attention_heads ({nq}) divisible by tp ({tp}) "
-                          f"and tp divisible by num_key_value_heads ({nkv}); use --gqa-strategy mha or auto")
+        raise ConfigError(
+            f"gqa_strategy: replicate-kv needs num_attention_heads ({nq}) divisible by tp ({tp}) "
+            f"and tp divisible by num_key_value_heads ({nkv}); use --gqa-strategy mha or auto"
+        )
     if want != MHA and can_shard:
         return HeadLayout(n_heads=nq, n_kv_heads=nkv, strategy=SHARD, **common)
     if want != MHA and can_replicate:
@@ -148,8 +158,9 @@ def _pick_heads(w: torch.Tensor, src: list[int | None], D: int) -> torch.Tensor:
     return out.reshape(len(src) * D, *w.shape[1:])  # [len(src)*D, ...]
 
 
-def shard_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, lay: HeadLayout,
-                     rank: int) -> dict[str, torch.Tensor]:
+def shard_state_dict(
+    sd: dict[str, torch.Tensor], cfg: ModelConfig, lay: HeadLayout, rank: int
+) -> dict[str, torch.Tensor]:
     """Canonical (HF-named) full state dict -> this rank's shard, with head padding/replication applied."""
     D, tp = cfg.head_dim, lay.tp
     q_src, kv_src = head_sources(cfg, lay, rank)
@@ -183,20 +194,31 @@ class LayoutCost:
 
     def line(self) -> str:
         extra = self.kv_bytes_per_rank / max(1, self.kv_bytes_unsharded_per_rank)
-        return (f"heads: {self.description}; per rank: weights {self.weight_bytes_per_rank / 2**20:.1f} MiB, "
-                f"KV {self.kv_bytes_per_rank / 2**20:.1f} MiB ({extra:.2f}x the ideal 1/tp split)")
+        return (
+            f"heads: {self.description}; per rank: weights {self.weight_bytes_per_rank / 2**20:.1f} MiB, "
+            f"KV {self.kv_bytes_per_rank / 2**20:.1f} MiB ({extra:.2f}x the ideal 1/tp split)"
+        )
 
 
-def layout_cost(cfg: ModelConfig, lay: HeadLayout, num_slots: int, max_length: int, dtype_bytes: int) -> LayoutCost:
-    """A one-line description of the layout and its weight/KV bytes per rank (counted from the shard shapes)."""
-    nq, nkv, D, H, L = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size,
-                        cfg.num_hidden_layers)
+def layout_cost(
+    cfg: ModelConfig, lay: HeadLayout, num_slots: int, max_length: int, dtype_bytes: int
+) -> LayoutCost:
+    """A one-line description of the layout and its weight/KV bytes per rank (from the shard shapes)."""
+    nq, nkv, D, H, L = (
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.hidden_size,
+        cfg.num_hidden_layers,
+    )
     what = {
         SHARD: f"{nq} q / {nkv} kv heads split evenly",
         REPLICATE_KV: f"kv heads replicated to {lay.n_kv_heads} (each of {nkv} stored {lay.tp // nkv}x)",
         MHA: f"converted to MHA: {nq} q heads padded to {lay.n_heads}, one kv head per q head",
-        KV_SEQ_SHARD: (f"flash decoding: {nkv} kv group(s) of {lay.kv_seq_shards} ranks, KV cache split along "
-                       f"the sequence, q/o weights of a group duplicated {lay.kv_seq_shards}x"),
+        KV_SEQ_SHARD: (
+            f"flash decoding: {nkv} kv group(s) of {lay.kv_seq_shards} ranks, KV cache split along "
+            f"the sequence, q/o weights of a group duplicated {lay.kv_seq_shards}x"
+        ),
     }[lay.strategy]
     what = f"{lay.strategy}: {what} ({lay.n_heads_local} q / {lay.n_kv_local} kv per rank)"
     attn = (2 * lay.n_heads_local + 2 * lay.n_kv_local) * D * H

@@ -32,7 +32,9 @@ def gather_full(local: torch.Tensor, comm: Collectives) -> torch.Tensor:
     return comm.all_gather(local, dim=1)
 
 
-def gather_candidates(local: torch.Tensor, rank: int, k: int, comm: Collectives) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_candidates(
+    local: torch.Tensor, rank: int, k: int, comm: Collectives
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, V/tp] -> (values [B, tp*K] fp32, global ids [B, tp*K] int64) on every rank (two all-gathers)."""
     k = min(k, local.shape[-1])
     vals, idx = torch.topk(local, k, dim=-1)  # [B, K]
@@ -40,15 +42,18 @@ def gather_candidates(local: torch.Tensor, rank: int, k: int, comm: Collectives)
     return comm.all_gather(vals.contiguous(), dim=1), comm.all_gather(gid.contiguous(), dim=1)
 
 
-def scatter_candidates(values: torch.Tensor, ids: torch.Tensor, vocab_padded: int, vocab_size: int) -> torch.Tensor:
+def scatter_candidates(
+    values: torch.Tensor, ids: torch.Tensor, vocab_padded: int, vocab_size: int
+) -> torch.Tensor:
     """Candidates -> fp32 logits [B, V] that are -inf outside the candidates."""
     out = torch.full((values.shape[0], vocab_padded), float("-inf"), dtype=torch.float32)
     out.scatter_(1, ids, values.float())
     return out[:, :vocab_size]
 
 
-def candidates_needed(greedy: bool, top_k: int, top_p: float, penalties: bool, logprobs: bool,
-                      n_banned: int) -> int | None:
+def candidates_needed(
+    greedy: bool, top_k: int, top_p: float, penalties: bool, logprobs: bool, n_banned: int
+) -> int | None:
     """How many candidates per rank one request needs, or None if it needs the full logits.
 
     Args:

@@ -33,10 +33,17 @@ from neuron_opt.parallel.vocab import gather_candidates, gather_full, mask_padde
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _join_group(rank: int, tp: int, port: int, spec: RankSpec) -> tuple[TorchCollectives, FunctionalCollectives]:
-    """Join the tp group (and the flash-decoding KV subgroup); eager and traceable collectives share a counter."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp,
-                            timeout=timedelta(seconds=spec.collective_timeout_s))
+def _join_group(
+    rank: int, tp: int, port: int, spec: RankSpec
+) -> tuple[TorchCollectives, FunctionalCollectives]:
+    """Join the tp group (and flash decoding's KV subgroup); eager and traced collectives share a counter."""
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=tp,
+        timeout=timedelta(seconds=spec.collective_timeout_s),
+    )
     g = spec.layout.kv_seq_shards
     mine, size = None, 1
     if g > 1:
@@ -49,7 +56,7 @@ def _join_group(rank: int, tp: int, port: int, spec: RankSpec) -> tuple[TorchCol
     return eager, traced
 
 
-def _build(rank: int, spec: RankSpec, comm: Collectives) -> torch.nn.Module:
+def _build(rank: int, spec: RankSpec, comm: Collectives) -> Any:
     from models.registry import model_class
     from neuron_opt.backends.eager import load_model_weights
 
@@ -60,8 +67,9 @@ def _build(rank: int, spec: RankSpec, comm: Collectives) -> torch.nn.Module:
     return model.to(DTYPES[spec.dtype]).eval()
 
 
-def _finish(local: torch.Tensor, rank: int, spec: RankSpec, comm: TorchCollectives,
-            candidates: int | None) -> Any:
+def _finish(
+    local: torch.Tensor, rank: int, spec: RankSpec, comm: TorchCollectives, candidates: int | None
+) -> Any:
     local = mask_padded_vocab(local, rank, spec.model.vocab_size)
     if candidates is None:
         full = gather_full(local, comm)
@@ -83,7 +91,9 @@ def rank_main(rank: int, port: int, spec: RankSpec, conn: Connection) -> None:
         v_caches = [torch.zeros(shape, dtype=dtype) for _ in range(L)]
         graphs = None
         if spec.graphs == "aoti":
-            graph_dir = Path(spec.graph_dir) if spec.graph_dir else Path(tempfile.mkdtemp(prefix="neuron-opt-g"))
+            graph_dir = (
+                Path(spec.graph_dir) if spec.graph_dir else Path(tempfile.mkdtemp(prefix="neuron-opt-g"))
+            )
             graphs = RankGraphs(model, rank, comm.counter, graph_dir)
         conn.send(("ok", "ready"))
         while True:
@@ -100,8 +110,15 @@ def rank_main(rank: int, port: int, spec: RankSpec, conn: Connection) -> None:
                     if graphs is not None:
                         local = graphs.run(bucket, inputs, k_caches, v_caches)
                     else:
-                        local = model(inputs.input_ids, inputs.positions, inputs.slot_ids, inputs.last_index,
-                                      k_caches, v_caches, bucket.kv_len)
+                        local = model(
+                            inputs.input_ids,
+                            inputs.positions,
+                            inputs.slot_ids,
+                            inputs.last_index,
+                            k_caches,
+                            v_caches,
+                            bucket.kv_len,
+                        )
                     conn.send(("ok", _finish(local.float(), rank, spec, comm, candidates)))
             elif msg[0] == "compile":
                 if graphs is None:
@@ -131,5 +148,7 @@ def rank_main(rank: int, port: int, spec: RankSpec, conn: Connection) -> None:
 
 def step_arrays(inputs: StepInputs) -> tuple[np.ndarray, ...]:
     """StepInputs -> numpy arrays for the pipe (plain arrays pickle without torch's shared-memory handles)."""
-    return tuple(t.contiguous().numpy() for t in (inputs.input_ids, inputs.positions, inputs.slot_ids,
-                                                   inputs.last_index))
+    return tuple(
+        t.contiguous().numpy()
+        for t in (inputs.input_ids, inputs.positions, inputs.slot_ids, inputs.last_index)
+    )

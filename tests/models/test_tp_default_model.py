@@ -28,17 +28,24 @@ def single():
 @pytest.fixture(scope="module")
 def hf_tokens(single):
     path = default_model_path()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                           dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
     prompt = single.encode_chat([{"role": "user", "content": "Name three rivers in Europe."}])
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=N_TOKENS, do_sample=False,
-                          min_new_tokens=N_TOKENS, pad_token_id=0)[0, len(prompt):].tolist()
+        ref = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=N_TOKENS,
+            do_sample=False,
+            min_new_tokens=N_TOKENS,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
     return prompt, ref
 
 
-@pytest.mark.parametrize("par", [ParallelConfig(tp=2), ParallelConfig(tp=3, sequence_parallel=True)],
-                         ids=["tp2-mha", "tp3-sp"])
+@pytest.mark.parametrize(
+    "par", [ParallelConfig(tp=2), ParallelConfig(tp=3, sequence_parallel=True)], ids=["tp2-mha", "tp3-sp"]
+)
 def test_tp_matches_tp1_and_hf(par, single, hf_tokens):
     prompt, ref = hf_tokens
     llm = LLM("default", max_length=256, parallel=par)

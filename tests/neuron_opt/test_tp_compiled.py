@@ -27,14 +27,17 @@ def test_aoti_rank_graphs_match_hf_and_reload(tiny_dir, tmp_path):
     sd.pop("lm_head.weight", None)
     par = ParallelConfig(tp=2, sequence_parallel=True)  # MHA padding + all_gather/reduce_scatter in the graph
     cache = CacheConfig(max_batch=1, max_length=64)
-    buckets = BucketConfig.build(max_context=64, max_length=64, max_batch=1, prefill_seqs=(16,), decode_seqs=(16,))
+    buckets = BucketConfig.build(
+        max_context=64, max_length=64, max_batch=1, prefill_seqs=(16,), decode_seqs=(16,)
+    )
     hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     ids = [1, 17, 42, 99, 5, 123, 7, 8, 9, 10, 11, 12, 13, 14]
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     for attempt in ("compile", "load"):
-        ex = tp_executor_from_state_dict(cfg, sd, par, cache, tmp_path / attempt, graphs="aoti",
-                                         graph_dir=tmp_path / "graphs")
+        ex = tp_executor_from_state_dict(
+            cfg, sd, par, cache, tmp_path / attempt, graphs="aoti", graph_dir=tmp_path / "graphs"
+        )
         try:
             paths = ex.precompile(buckets.buckets())
             assert all((tmp_path / "graphs").exists() and p.endswith("tp_model.pt2") for p in paths)

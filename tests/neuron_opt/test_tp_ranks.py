@@ -66,8 +66,9 @@ def case(request, tiny_dir, tmp_path_factory):
     cfg = ModelConfig.from_hf(d)
     cache = CacheConfig(max_batch=2, max_length=MAX_LEN)
     ex = tp_executor_from_state_dict(cfg, _state_dict(d, cfg), par, cache, tmp_path_factory.mktemp("w"))
-    buckets = BucketConfig.build(max_context=MAX_LEN, max_length=MAX_LEN, max_batch=2, min_prefill=16,
-                                 min_decode=16)
+    buckets = BucketConfig.build(
+        max_context=MAX_LEN, max_length=MAX_LEN, max_batch=2, min_prefill=16, min_decode=16
+    )
     hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     yield cfg, par, ex, buckets, cache, hf
     ex.close()
@@ -82,10 +83,11 @@ def test_batched_logits_match_hf(case):
     prompts = (11, 5)
     with torch.no_grad():
         refs = [hf(torch.tensor([s])).logits[0] for s in seqs]  # [S, V]
-    for slot, (s, n) in enumerate(zip(seqs, prompts)):
+    for slot, (s, n) in enumerate(zip(seqs, prompts, strict=True)):
         torch.testing.assert_close(runner.prefill(slot, s[:n]), refs[slot][n - 1], atol=1e-4, rtol=0)
     for step in range(6):
-        rows = [DecodeRow(slot, s[n + step], n + step) for slot, (s, n) in enumerate(zip(seqs, prompts))]
+        pairs = enumerate(zip(seqs, prompts, strict=True))
+        rows = [DecodeRow(slot, s[n + step], n + step) for slot, (s, n) in pairs]
         got = runner.decode(rows)  # [2, V]
         for slot, n in enumerate(prompts):
             torch.testing.assert_close(got[slot], refs[slot][n + step], atol=1e-4, rtol=0)
@@ -96,8 +98,9 @@ def test_greedy_tokens_match_hf_with_full_logits_and_with_candidates(case):
     prompt = [1, 17, 42, 99, 5, 123, 7]
     n = 24
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
-                          pad_token_id=0)[0, len(prompt):].tolist()
+        ref = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n, pad_token_id=0
+        )[0, len(prompt) :].tolist()
     params = SamplingParams(max_tokens=n, min_tokens=n)
     for executor in (ex, WithCandidates(ex, 1 + 1)):  # greedy + EOS banned before min_tokens
         runner = ModelRunner(executor, buckets, cache, cfg.vocab_size)

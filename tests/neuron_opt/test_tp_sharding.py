@@ -1,4 +1,4 @@
-"""TP layout as data, without processes: strategy choice, shard shapes and costs, vocab candidates, CLI flags."""
+"""TP layout as data, no processes: strategy choice, shard shapes and costs, vocab candidates, CLI flags."""
 
 from __future__ import annotations
 
@@ -48,8 +48,15 @@ def test_forced_replicate_kv_that_cannot_work_names_the_fix(tiny_dir):
         head_layout(cfg, ParallelConfig(tp=4, flash_decoding=True))
 
 
-@pytest.mark.parametrize("variant,tp,flags", [("smollm-like-9-3", 2, {}), ("smollm-like-9-3", 4, {}),
-                                               ("llama-gqa4", 4, {}), ("odd-heads-gqa3", 2, {"flash_decoding": True})])
+@pytest.mark.parametrize(
+    "variant,tp,flags",
+    [
+        ("smollm-like-9-3", 2, {}),
+        ("smollm-like-9-3", 4, {}),
+        ("llama-gqa4", 4, {}),
+        ("odd-heads-gqa3", 2, {"flash_decoding": True}),
+    ],
+)
 def test_head_sources_cover_every_query_head_with_its_own_kv_head(variant, tp, flags, tiny_dir):
     cfg = ModelConfig.from_hf(tiny_dir(variant))
     lay = head_layout(cfg, ParallelConfig(tp=tp, **flags))
@@ -66,8 +73,15 @@ def test_head_sources_cover_every_query_head_with_its_own_kv_head(variant, tp, f
     assert sorted(seen) == sorted(list(range(cfg.num_attention_heads)) * multiplicity)
 
 
-@pytest.mark.parametrize("variant,tp,flags", [("smollm-like-9-3", 2, {}), ("smollm-like-9-3", 3, {}),
-                                               ("llama-mqa", 2, {"flash_decoding": True}), ("llama-gqa4", 4, {})])
+@pytest.mark.parametrize(
+    "variant,tp,flags",
+    [
+        ("smollm-like-9-3", 2, {}),
+        ("smollm-like-9-3", 3, {}),
+        ("llama-mqa", 2, {"flash_decoding": True}),
+        ("llama-gqa4", 4, {}),
+    ],
+)
 def test_layout_cost_counts_the_real_shards(variant, tp, flags, tiny_dir):
     d = tiny_dir(variant)
     cfg = ModelConfig.from_hf(d)
@@ -127,15 +141,27 @@ def _parse(argv):
 
 
 def test_cli_flags_build_the_parallel_config():
-    par = _parse(["--tp", "4", "--sequence-parallel", "--flash-decoding", "--gqa-strategy", "mha",
-                  "--instance", "inf2.48xlarge"])
-    assert par == ParallelConfig(tp=4, sequence_parallel=True, flash_decoding=True, gqa_strategy="mha",
-                                 instance="inf2.48xlarge")
+    par = _parse(
+        [
+            "--tp",
+            "4",
+            "--sequence-parallel",
+            "--flash-decoding",
+            "--gqa-strategy",
+            "mha",
+            "--instance",
+            "inf2.48xlarge",
+        ]
+    )
+    assert par == ParallelConfig(
+        tp=4, sequence_parallel=True, flash_decoding=True, gqa_strategy="mha", instance="inf2.48xlarge"
+    )
     assert not _parse(["--no-vocab-parallel-sampling"]).vocab_parallel_sampling
 
 
-@pytest.mark.parametrize("instance,tp,allowed", [("inf2.48xlarge", 3, "1, 2, 4, 8, 24"),
-                                                 ("trn1.32xlarge", 4, "1, 2, 8, 16, 32")])
+@pytest.mark.parametrize(
+    "instance,tp,allowed", [("inf2.48xlarge", 3, "1, 2, 4, 8, 24"), ("trn1.32xlarge", 4, "1, 2, 8, 16, 32")]
+)
 def test_instance_rejects_degrees_it_does_not_offer(instance, tp, allowed):
     with pytest.raises(ConfigError, match=f"allowed: {allowed}"):
         _parse(["--tp", str(tp), "--instance", instance])
