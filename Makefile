@@ -5,19 +5,27 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARTIFACT ?= artifacts/smollm2
+# The demo's artifact: 8 KV slots so the server batches up to 8 streams; graphs come from the compile cache
+# (~/.cache/neuron_opt) after the first run.
+DEMO_FLAGS ?= --backend cpu --batch-size 8 --max-length 2048
+PORT ?= 8000
 
 .PHONY: demo test test-slow bench lint setup
 
 demo: $(STAMP)
-	$(BIN)/neuron-opt compile --model default --out $(ARTIFACT)
+	$(BIN)/neuron-opt compile --model default --out $(ARTIFACT) $(DEMO_FLAGS)
 	$(BIN)/neuron-opt generate $(ARTIFACT) --chat --prompt "What is the capital of France?"
-	$(BIN)/neuron-opt serve $(ARTIFACT) --host 127.0.0.1 --port 8000
+	$(BIN)/neuron-opt serve $(ARTIFACT) --host 127.0.0.1 --port $(PORT)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
+
+bench: $(STAMP)
+	$(BIN)/python scripts/bench_decode.py --out docs/bench/decode.json
+	$(BIN)/python scripts/bench_serve.py --json > docs/bench/serve.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -47,6 +47,11 @@ class TPExecutor:
     k_caches: list[torch.Tensor] = []
     v_caches: list[torch.Tensor] = []
 
+    @property
+    def gathers_candidates(self) -> bool:
+        """The runner passes `candidates=K` when the layout samples on the ranks (vocab-parallel LM head)."""
+        return self.spec.parallel.vocab_parallel_sampling
+
     def __init__(self, spec: RankSpec, start_timeout_s: float = 180.0, step_timeout_s: float = 300.0) -> None:
         self.spec, self.tp, self.step_timeout_s = spec, spec.parallel.tp, step_timeout_s
         self.layout = spec.layout

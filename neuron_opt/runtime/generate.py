@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from neuron_opt.runtime.runner import DecodeRow, ModelRunner
-from neuron_opt.runtime.sampling import SamplerState, SamplingParams, sample_one
+from neuron_opt.runtime.sampling import SamplerState, SamplingParams, candidates_needed, sample_one
 from neuron_opt.runtime.stopping import StopChecker
 
 
@@ -27,7 +27,8 @@ def generate_ids(runner: ModelRunner, tokenizer: object, prompt_ids: list[int], 
     runner.check_fits(len(prompt_ids), params.max_tokens)
     state = SamplerState.create(params)
     stop = StopChecker(tokenizer, params, eos_token_ids)
-    logits = runner.prefill(slot, prompt_ids)
+    k = candidates_needed(params, len(eos_token_ids) if params.min_tokens else 0)
+    logits = runner.prefill(slot, prompt_ids, candidates=k)
     logprobs: list[float] = []
     position = len(prompt_ids)
     while True:
@@ -39,6 +40,6 @@ def generate_ids(runner: ModelRunner, tokenizer: object, prompt_ids: list[int], 
         stop.add(res.token)
         if stop.finish_reason is not None:
             break
-        logits = runner.decode([DecodeRow(slot, res.token, position)])[0]
+        logits = runner.decode([DecodeRow(slot, res.token, position)], candidates=k)[0]
         position += 1
     return GenerationOutput(list(prompt_ids), stop.token_ids, stop.text, stop.finish_reason, logprobs)

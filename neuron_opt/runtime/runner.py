@@ -50,18 +50,27 @@ class ModelRunner:
                 f"{self.max_total_len} tokens and your request has {prompt_len} input tokens "
                 f"({max_tokens} > {self.max_total_len} - {prompt_len}).")
 
-    def prefill(self, slot: int, token_ids: list[int]) -> torch.Tensor:
-        """Run a prompt into `slot`; returns fp32 logits [V] of its last token."""
+    def _run(self, bucket: Bucket, inputs: StepInputs, candidates: int | None) -> torch.Tensor:
+        self.last_bucket = bucket
+        if candidates is not None and getattr(self.executor, "gathers_candidates", False):
+            # vocab-parallel TP: ranks send only their top-`candidates` logits (see neuron_opt.parallel.vocab)
+            return self.executor.run(bucket, inputs, candidates=candidates)
+        return self.executor.run(bucket, inputs)
+
+    def prefill(self, slot: int, token_ids: list[int], candidates: int | None = None) -> torch.Tensor:
+        """Run a prompt into `slot`; returns fp32 logits [V] of its last token.
+
+        `candidates`: how many top logits per rank the sampler needs (None = the full distribution); executors
+        that gather candidates return -inf for the rest, which is exact for greedy and top-k sampling."""
         n = len(token_ids)
         bucket = pick_prefill(n, self.buckets)
         ids = torch.zeros(1, bucket.seq, dtype=torch.long)
         ids[0, :n] = torch.tensor(token_ids, dtype=torch.long)
         inputs = StepInputs(ids, torch.arange(bucket.seq, dtype=torch.long)[None],
                             torch.tensor([slot], dtype=torch.long), torch.tensor([n - 1], dtype=torch.long))
-        self.last_bucket = bucket
-        return self.executor.run(bucket, inputs)[0, : self.vocab_size]
+        return self._run(bucket, inputs, candidates)[0, : self.vocab_size]
 
-    def decode(self, rows: list[DecodeRow]) -> torch.Tensor:
+    def decode(self, rows: list[DecodeRow], candidates: int | None = None) -> torch.Tensor:
         """One token per row at its position; returns fp32 logits [len(rows), V]."""
         bucket = pick_decode(len(rows), max(r.position for r in rows), self.buckets)
         B = bucket.batch
@@ -71,5 +80,4 @@ class ModelRunner:
         for i, r in enumerate(rows):
             ids[i, 0], pos[i, 0], slots[i] = r.token, r.position, r.slot
         inputs = StepInputs(ids, pos, slots, torch.zeros(B, dtype=torch.long))
-        self.last_bucket = bucket
-        return self.executor.run(bucket, inputs)[: len(rows), : self.vocab_size]
+        return self._run(bucket, inputs, candidates)[: len(rows), : self.vocab_size]

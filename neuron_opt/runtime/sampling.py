@@ -118,3 +118,12 @@ def sample_one(logits: torch.Tensor, st: SamplerState, banned: tuple[int, ...] =
     top = torch.topk(lp, p.logprobs) if p.logprobs else None
     tops = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
     return SampleResult(token, float(lp[token].item()), tops)
+
+
+def candidates_needed(params: SamplingParams, n_banned: int = 0) -> int | None:
+    """Top logits per rank this request's sampling needs (None: the full distribution), for vocab-parallel TP."""
+    from neuron_opt.parallel.vocab import candidates_needed as needed
+
+    return needed(params.greedy, params.top_k, params.top_p,
+                  params.presence_penalty != 0.0 or params.frequency_penalty != 0.0, params.logprobs is not None,
+                  n_banned)
