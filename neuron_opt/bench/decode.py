@@ -33,6 +33,7 @@ class Result:
     bytes_per_step: float
     ratio_vs_hf: float | None = None
     mbu: float | None = None
+    agreement_vs_hf_fp32: float | None = None  # teacher-forced greedy agreement over --agreement-tokens
 
 
 def measure_read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
@@ -92,6 +93,32 @@ def bench_hf(model, batch: int, steps: int, vocab: int, static_compile: bool = F
     return batch * steps / (time.perf_counter() - t0)
 
 
+AGREEMENT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def hf_reference(hf, tokenizer, n_tokens: int) -> tuple[list[int], list[int]]:
+    """HF fp32 greedy continuation of a chat prompt: (prompt ids, generated ids)."""
+    out = tokenizer.apply_chat_template([{"role": "user", "content": AGREEMENT_PROMPT}], add_generation_prompt=True,
+                                        tokenize=True)
+    prompt = list(out["input_ids"] if hasattr(out, "keys") else out)
+    with torch.inference_mode():
+        gen = hf.generate(torch.tensor([prompt]), max_new_tokens=n_tokens, min_new_tokens=n_tokens,
+                          do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+    return prompt, gen
+
+
+def teacher_forced_agreement(runner, prompt: list[int], ref: list[int]) -> float:
+    """Fraction of positions where the runner's greedy next token equals the reference's, when fed the reference
+    sequence (teacher forcing: one early near-tie flip does not derail the rest of the comparison)."""
+    from neuron_opt.runtime.runner import DecodeRow
+
+    agree = int(int(runner.prefill(0, prompt).argmax()) == ref[0])
+    for i in range(len(ref) - 1):
+        logits = runner.decode([DecodeRow(0, ref[i], len(prompt) + i)])[0]
+        agree += int(int(logits.argmax()) == ref[i + 1])
+    return agree / len(ref)
+
+
 def step_bytes(cfg, dtype: torch.dtype, batch: int, kv_len: int) -> float:
     esz = torch.finfo(dtype).bits // 8
     kv = 2 * cfg.num_hidden_layers * batch * cfg.num_key_value_heads * kv_len * cfg.head_dim * esz
@@ -103,7 +130,7 @@ def compiled_runner(model: str, backend: str, dtype: str, batch: int, out: Path,
     from neuron_opt.compiler import CompileRequest, compile_artifact
 
     compile_artifact(CompileRequest(model=model, out=out, backend=backend, dtype=dtype, batch_size=batch,
-                                    max_length=max_length, prefill_buckets=(PROMPT_LEN,),
+                                    max_length=max_length, prefill_buckets=(PROMPT_LEN, 128),
                                     decode_buckets=(max_length,), decode_batches=(batch,)), progress=True)
     return LLM(out).runner
 
@@ -115,8 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--systems", default="hf,hf-compile,eager,cpu-fp32,cpu-bf16",
                     help="comma list of: hf, hf-compile, eager, cpu-fp32, cpu-bf16")
-    ap.add_argument("--max-length", type=int, default=256)
+    ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--agreement-tokens", type=int, default=256,
+                    help="teacher-forced greedy agreement with HF fp32 over this many tokens (batch-1 rows; 0: skip)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
@@ -134,6 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     bw = measure_read_bandwidth()
     results: list[Result] = []
     kv_len = PROMPT_LEN + args.steps
+    reference: tuple[list[int], list[int]] | None = None
+
+    def agreement(runner, batch: int) -> float | None:
+        if batch != 1 or reference is None:
+            return None
+        return teacher_forced_agreement(runner, *reference)
+
     log = (lambda s: print(s, flush=True)) if not args.json else (lambda s: None)
     for batch in batches:
         if "hf" in systems or "hf-compile" in systems:
@@ -141,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
             kw = {"gguf_file": src.name} if ckpt.format == "gguf" else {}
             hf = transformers.AutoModelForCausalLM.from_pretrained(src.parent if kw else src, dtype=torch.float32,
                                                                    **kw).eval()
+            if batch == 1 and args.agreement_tokens and reference is None:
+                reference = hf_reference(hf, ckpt.tokenizer(), args.agreement_tokens)
             for name in ("hf", "hf-compile"):
                 if name in systems:
                     tps = bench_hf(hf, batch, args.steps, cfg.vocab_size, static_compile=name == "hf-compile")
@@ -153,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
             llm = LLM(args.model, max_length=args.max_length, batch_size=batch)
             tps = bench_runner(llm.runner, batch, args.steps, cfg.vocab_size)
             results.append(Result("neuron_opt-eager", "float32", batch, tps, args.steps,
-                                  step_bytes(cfg, torch.float32, batch, kv_len)))
+                                  step_bytes(cfg, torch.float32, batch, kv_len),
+                                  agreement_vs_hf_fp32=agreement(llm.runner, batch)))
             log(f"{results[-1].system:32s} b={batch} {tps:7.1f} tok/s")
             del llm
         for name, dtype in (("cpu-fp32", "float32"), ("cpu-bf16", "bfloat16")):
@@ -161,9 +200,11 @@ def main(argv: list[str] | None = None) -> int:
                 with tempfile.TemporaryDirectory() as d:
                     runner = compiled_runner(args.model, "cpu", dtype, batch, Path(d) / "a", args.max_length)
                     tps = bench_runner(runner, batch, args.steps, cfg.vocab_size)
+                    agree = agreement(runner, batch)
                     del runner
                 results.append(Result("neuron_opt-cpu-compiled", dtype, batch, tps, args.steps,
-                                      step_bytes(cfg, getattr(torch, dtype), batch, kv_len)))
+                                      step_bytes(cfg, getattr(torch, dtype), batch, kv_len),
+                                      agreement_vs_hf_fp32=agree))
                 log(f"{results[-1].system + ' ' + dtype:32s} b={batch} {tps:7.1f} tok/s")
     for r in results:
         base = next((x.tok_s for x in results if x.system == "transformers-eager" and x.batch == r.batch), None)
@@ -178,8 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(doc, indent=2))
     else:
         print(f"\nmemory read bandwidth: {bw:.1f} GB/s")
-        print(f"{'system':30s} {'dtype':9s} {'batch':>5s} {'tok/s':>8s} {'vs HF':>6s} {'MBU':>6s}")
+        print(f"{'system':30s} {'dtype':9s} {'batch':>5s} {'tok/s':>8s} {'vs HF':>6s} {'MBU':>6s} {'agree':>6s}")
         for r in results:
             ratio = f"{r.ratio_vs_hf:.2f}x" if r.ratio_vs_hf else "-"
-            print(f"{r.system:30s} {r.dtype:9s} {r.batch:5d} {r.tok_s:8.1f} {ratio:>6s} {r.mbu:6.1%}")
+            agree = f"{r.agreement_vs_hf_fp32:.3f}" if r.agreement_vs_hf_fp32 is not None else "-"
+            print(f"{r.system:30s} {r.dtype:9s} {r.batch:5d} {r.tok_s:8.1f} {ratio:>6s} {r.mbu:6.1%} {agree:>6s}")
     return 0
