@@ -31,7 +31,7 @@ import torch
 from neuron_opt.errors import NeuronOptError, QueueFullError
 from neuron_opt.runtime.request import Request
 from neuron_opt.runtime.runner import DecodeRow, ModelRunner
-from neuron_opt.runtime.sampling import SamplerState, SamplingParams, sample_one
+from neuron_opt.runtime.sampling import SamplerState, SamplingParams, candidates_needed, sample_one
 from neuron_opt.runtime.scheduler import Scheduler
 from neuron_opt.runtime.stopping import StopChecker
 
@@ -268,7 +268,7 @@ class Engine:
         if out.decodes:
             rows = [DecodeRow(d.slot, d.token, d.position) for d in out.decodes]
             try:
-                logits = self.runner.decode(rows)
+                logits = self.runner.decode(rows, candidates=self._candidates([d.request_id for d in out.decodes]))
             except Exception as e:
                 log.error("decode failed:\n%s", traceback.format_exc())
                 for d in out.decodes:
@@ -278,7 +278,8 @@ class Engine:
                     self._update(d.request_id, logits[i])
         for p in out.prefills:
             try:
-                logits = self.runner.prefill(p.slot, list(p.token_ids))
+                logits = self.runner.prefill(p.slot, list(p.token_ids),
+                                             candidates=self._candidates([p.request_id]))
             except Exception as e:
                 log.error("prefill failed:\n%s", traceback.format_exc())
                 self._fail(p.request_id, f"prefill failed: {e}")
@@ -293,6 +294,18 @@ class Engine:
         if len(st.step_times) < 100_000:
             st.step_times.append(time.perf_counter() - t0)
         return True
+
+    def _candidates(self, request_ids: list[str]) -> int | None:
+        """Top logits per rank the batch's sampling needs (vocab-parallel TP); None when any row needs them all."""
+        ks = []
+        for rid in request_ids:
+            seq = self._seqs[rid]
+            n_banned = len(self.eos_token_ids) if len(seq.stop.token_ids) < seq.params.min_tokens else 0
+            k = candidates_needed(seq.params, n_banned)
+            if k is None:
+                return None
+            ks.append(k)
+        return max(ks)
 
     def _update(self, request_id: str, logits: torch.Tensor) -> None:
         seq = self._seqs[request_id]

@@ -120,10 +120,10 @@ class FailingRunner:
     def __getattr__(self, name):
         return getattr(self._runner, name)
 
-    def prefill(self, slot, token_ids):
+    def prefill(self, slot, token_ids, candidates=None):
         if token_ids[0] == 13:
             raise RuntimeError("simulated backend failure")
-        return self._runner.prefill(slot, token_ids)
+        return self._runner.prefill(slot, token_ids, candidates)
 
 
 def test_runner_failure_fails_only_that_request(llms):

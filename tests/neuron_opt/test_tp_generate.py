@@ -24,3 +24,29 @@ def test_tp2_generation_equals_tp1(tiny_dir, vocab_parallel):
                 ref.generate("The quick brown fox", params).token_ids
     finally:
         tp.runner.executor.close()
+
+
+def test_engine_on_tp_ranks_equals_single_sequence_tp1(tiny_dir):
+    """Continuous batching over TP rank processes: greedy rows gather only top candidates, the top-p row the full
+    logits; every request still gets exactly the tp=1 single-sequence result."""
+    from neuron_opt.runtime.engine import Engine
+
+    d = tiny_dir("smollm-tok")
+    ref = LLM(d, max_length=128)
+    tp = LLM(d, max_length=128, batch_size=4, parallel=ParallelConfig(tp=2))
+    params = [SamplingParams(max_tokens=10, ignore_eos=True), SamplingParams(max_tokens=14, ignore_eos=True),
+              SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.7, top_p=0.8, seed=3)]
+    prompts = [list(tp.tokenizer(f"Prompt {i} is about" + " cats" * i)["input_ids"]) for i in range(3)]
+    try:
+        engine = Engine(tp.runner, tp.tokenizer, tp.eos_token_ids)
+        outs: dict[str, list] = {str(i): [] for i in range(3)}
+        for i in range(3):
+            engine.add_request(str(i), prompts[i], params[i], outs[str(i)].append)
+        for _ in range(100):
+            if not engine.step() and engine.num_unfinished == 0:
+                break
+        for i in range(3):
+            got = [t for o in outs[str(i)] for t in o.new_token_ids]
+            assert got == ref.generate_ids(prompts[i], params[i]).token_ids
+    finally:
+        tp.runner.executor.close()
