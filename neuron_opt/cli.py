@@ -17,7 +17,8 @@ COMMANDS = ("compile", "generate", "serve", "plan", "bench", "inspect")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="neuron-opt", description="Compile and serve Llama-family LLMs on AWS Neuron (and fast on CPU).")
+    parser = argparse.ArgumentParser(
+        prog="neuron-opt", description="Compile and serve Llama-family LLMs on AWS Neuron (and fast on CPU).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
     for name in COMMANDS:
         try:
@@ -32,6 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from neuron_opt import envs
+
+    if envs.NUM_THREADS:
+        import torch
+
+        torch.set_num_threads(envs.NUM_THREADS)
     try:
         return int(args.func(args) or 0)
     except NeuronOptError as e:

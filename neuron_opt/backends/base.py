@@ -7,9 +7,10 @@ reads and writes the same cache buffers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -52,7 +53,8 @@ class Backend(Protocol):
         ...
 
 
-def allocate_kv(model: torch.nn.Module, num_slots: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def allocate_kv(model: torch.nn.Module, num_slots: int,
+                dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-layer K and V buffers [num_slots, n_kv_local, max_length, D], zero-filled."""
     shape = model.kv_shape(num_slots)
     L = len(model.model.layers)

@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     size = sum((args.artifact / f).stat().st_size for f in m.files)
     c = m.model
     print(f"artifact: {args.artifact}  (verified: {len(m.files)} files, {size / 2**20:.1f} MiB)")
-    print(f"  versions: " + ", ".join(f"{k} {v}" for k, v in sorted(m.versions.items())))
+    print("  versions: " + ", ".join(f"{k} {v}" for k, v in sorted(m.versions.items())))
     print(f"  model: {c.architecture}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, heads "
           f"{c.num_attention_heads}/{c.num_key_value_heads} (q/kv), vocab {c.vocab_size}, "
           f"{c.num_parameters() / 1e6:.1f}M params")

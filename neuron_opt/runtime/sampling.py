@@ -116,7 +116,7 @@ def sample_one(logits: torch.Tensor, st: SamplerState, banned: tuple[int, ...] =
         return SampleResult(token)
     lp = logits.log_softmax(-1)
     top = torch.topk(lp, p.logprobs) if p.logprobs else None
-    tops = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
+    tops = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else ()
     return SampleResult(token, float(lp[token].item()), tops)
 
 
