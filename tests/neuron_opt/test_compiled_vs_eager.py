@@ -1,0 +1,73 @@
+"""Compiled (cpu backend, fp32) vs eager through the whole artifact path: identical greedy tokens for prompt lengths
+at, one below and one above every prefill bucket, decode crossing every KV bucket and positions past 512."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import eager_runner
+
+from neuron_opt.api import LLM
+from neuron_opt.compiler import CompileRequest, compile_artifact
+from neuron_opt.errors import BucketOverflowError, ContextLengthError
+from neuron_opt.runtime.generate import generate_ids
+from neuron_opt.runtime.sampling import SamplingParams
+
+PREFILL = (16, 32, 64)
+DECODE = (32, 128, 512, 1024)
+MAX_LEN = 1024
+
+
+@pytest.fixture(scope="module")
+def runners(tiny_dir, tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny graphs: thread barriers cost more than they save
+    ck = tiny_dir("smollm-tok")
+    out = tmp_path_factory.mktemp("cmp") / "art"
+    req = CompileRequest(model=str(ck), out=out, backend="cpu", dtype="float32", max_length=MAX_LEN,
+                         prefill_buckets=PREFILL, decode_buckets=DECODE, cache_dir=out.parent / "cache")
+    compile_artifact(req, log=lambda s: None, progress=False)
+    llm = LLM(out)
+    yield llm, eager_runner(ck, max_length=MAX_LEN, prefill_seqs=PREFILL, decode_seqs=DECODE), req
+    torch.set_num_threads(threads)
+
+
+def _prompt(n: int) -> list[int]:
+    return torch.randint(5, 49000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+
+
+@pytest.mark.parametrize("n", sorted({s + d for s in PREFILL for d in (-1, 0, 1)} - {PREFILL[-1] + 1}))
+def test_prompt_lengths_around_every_prefill_bucket(runners, n):
+    llm, ref, _ = runners
+    params = SamplingParams(max_tokens=40, ignore_eos=True)  # 40 tokens: crosses the 32 and 128 KV buckets
+    got = llm.generate_ids(_prompt(n), params).token_ids
+    assert got == generate_ids(ref, llm.tokenizer, _prompt(n), params, ()).token_ids
+
+
+def test_positions_past_512_cross_every_decode_bucket(runners):
+    llm, ref, _ = runners
+    params = SamplingParams(max_tokens=560, ignore_eos=True)
+    got = llm.generate_ids(_prompt(60), params)
+    want = generate_ids(ref, llm.tokenizer, _prompt(60), params, ())
+    assert got.token_ids == want.token_ids and len(got.token_ids) == 560
+    assert llm.runner.last_bucket.seq == 1024  # the last step attended over the 1024 bucket
+
+
+def test_one_above_the_largest_bucket_is_refused(runners):
+    llm, _, _ = runners
+    with pytest.raises(ContextLengthError, match="maximum context length is 64 tokens"):
+        llm.generate_ids(_prompt(65), SamplingParams(max_tokens=4))
+    with pytest.raises(BucketOverflowError, match="--max-context"):
+        llm.runner.prefill(0, _prompt(65))
+
+
+def test_recompile_with_one_bucket_added_compiles_only_that_bucket(runners, tmp_path):
+    import dataclasses
+
+    _, _, req = runners
+    req2 = dataclasses.replace(req, out=tmp_path / "art2", decode_buckets=(*DECODE[:-1], 768, DECODE[-1]))
+    report = compile_artifact(req2, log=lambda s: None, progress=False)
+    assert report.misses == {"decode_b1_s768/rank0": "new bucket (never compiled with any settings)"}
+    assert len(report.hits) == len(PREFILL) + len(DECODE)
+    again = compile_artifact(dataclasses.replace(req2, out=tmp_path / "art3"), log=lambda s: None, progress=False)
+    assert not again.misses and len(again.hits) == len(PREFILL) + len(DECODE) + 1
