@@ -243,9 +243,12 @@ def test_client_disconnect_frees_slot(llms):
         }  # ~5 s of decoding if nobody cancels it
         with httpx.Client(timeout=10) as http:
             with http.stream("POST", url + "/v1/completions", json=body) as resp:
-                lines = resp.iter_lines()
-                got = [next(lines) for _ in range(6)]
-                assert sum(line.startswith("data: {") for line in got) >= 3
+                data_lines = 0
+                for line in resp.iter_lines():  # SSE: events separated by blank lines; read 3 events
+                    data_lines += line.startswith("data: {")
+                    assert line != "data: [DONE]", "the stream ended before the client hung up"
+                    if data_lines == 3:
+                        break
             t0 = time.monotonic()  # the connection is closed here, mid-stream
             r = http.post(
                 url + "/v1/completions",
