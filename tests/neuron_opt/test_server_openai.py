@@ -225,9 +225,9 @@ class SlowRunner:
     def __getattr__(self, name):
         return getattr(self._runner, name)
 
-    def decode(self, rows):
+    def decode(self, rows, candidates=None):
         time.sleep(0.02)
-        return self._runner.decode(rows)
+        return self._runner.decode(rows, candidates)
 
 
 def test_client_disconnect_frees_slot(llms):
