@@ -182,7 +182,7 @@ def _err(pred: float, meas: float) -> float:
 
 
 def fit(rows: list[Row]) -> Efficiency:
-    """Grid search of the three calibrated constants minimising the summed absolute log error of TTFT and
+    """Grid search of the four calibrated constants minimising the summed absolute log error of TTFT and
     TPOT.
 
     Absolute (not squared) error so that the few rows no setting explains (short-prompt TTFT on inf2, see
@@ -192,8 +192,11 @@ def fit(rows: list[Row]) -> Efficiency:
     tensors = [0.05 * k for k in range(2, 13)]
     latencies = [5e-6 * k for k in range(0, 31)]
     overheads = [0.25e-3 * k for k in range(0, 17)]
-    for t, a, o in itertools.product(tensors, latencies, overheads):
-        eff = dataclasses.replace(DEFAULT_EFFICIENCY, tensor=t, collective_latency_s=a, step_overhead_s=o)
+    hops = [2e-6 * k for k in range(0, 16)]
+    for t, a, o, h in itertools.product(tensors, latencies, overheads, hops):
+        eff = dataclasses.replace(
+            DEFAULT_EFFICIENCY, tensor=t, collective_latency_s=a, step_overhead_s=o, prefill_hop_latency_s=h
+        )
         loss = 0.0
         for r in rows:
             ttft, tpot = predict(r, eff)

@@ -40,6 +40,22 @@ class Instance:
     host_ram: int  # bytes
     tp_degrees: tuple[int, ...]
     shared_memory: bool = False  # True for cpu: every rank draws on the same RAM
+    chip_grid: tuple[int, ...] = ()  # NeuronLink arrangement of the chips: (n,) ring, (a, b) 2D torus
+
+    def ring_steps(self, chips: int) -> int:
+        """Sequential hops of a ring all-reduce over `chips` chips: reduce-scatter then all-gather, (d - 1)
+        steps each along every torus dimension in use (a 1D ring of c chips: 2 (c - 1)); 0 on one chip.
+
+        The chips in use fill the first grid dimension first (rank order), e.g. 4 chips of a 4x4 torus form
+        one ring of 4, 8 chips a 4x2 torus.
+        """
+        dims, left = [], chips
+        for d in self.chip_grid:
+            dims.append(min(d, left))
+            left = -(-left // d)
+        if left > 1 or not self.chip_grid:  # no grid known (single-chip instances): a plain ring
+            dims = [chips]
+        return 2 * sum(d - 1 for d in dims)
 
     @property
     def cores_per_chip(self) -> int:
@@ -62,6 +78,9 @@ _TRN2_FP8_CHIP = 1299 * TFLOPS
 _TRN2_LINK_CHIP = 1024 * GB  # NeuronLink-v3 intra-instance
 _TRN2_DMA_CHIP = 3500 * GB
 _TRN2_LOGICAL_PER_CHIP = 4  # LNC=2: 8 physical cores -> 4 logical
+# Chip topology: trn1.32xlarge and trn2.48xlarge are a 4x4 2D torus (instance pages); the inf2 pages show the
+# chips of inf2.24xlarge / 48xlarge on one NeuronLink ring (inf2-arch topology figure, not stated in text).
+_TORUS_4X4 = (4, 4)
 
 _INF2_TP = (1, 2, 4, 8, 24)
 _TRN1_TP = (1, 2, 8, 16, 32)
@@ -69,7 +88,13 @@ _TRN2_TP = (1, 2, 4, 8, 16, 32, 64)
 
 
 def _v2(
-    name: str, family: str, chips: int, link_chip: float, host_gib: int, degrees: tuple[int, ...]
+    name: str,
+    family: str,
+    chips: int,
+    link_chip: float,
+    host_gib: int,
+    degrees: tuple[int, ...],
+    grid: tuple[int, ...] = (),
 ) -> Instance:
     cores = 2 * chips
     return Instance(
@@ -85,6 +110,7 @@ def _v2(
         dma_bw_per_chip=_V2_DMA_CHIP,
         host_ram=host_gib * GiB,
         tp_degrees=tuple(d for d in degrees if d <= cores),
+        chip_grid=grid,
     )
 
 
@@ -93,11 +119,11 @@ INSTANCES: dict[str, Instance] = {
     for i in (
         _v2("inf2.xlarge", "inf2", 1, 0.0, 16, _INF2_TP),
         _v2("inf2.8xlarge", "inf2", 1, 0.0, 128, _INF2_TP),
-        _v2("inf2.24xlarge", "inf2", 6, _INF2_LINK_CHIP, 384, _INF2_TP),
-        _v2("inf2.48xlarge", "inf2", 12, _INF2_LINK_CHIP, 768, _INF2_TP),
+        _v2("inf2.24xlarge", "inf2", 6, _INF2_LINK_CHIP, 384, _INF2_TP, (6,)),
+        _v2("inf2.48xlarge", "inf2", 12, _INF2_LINK_CHIP, 768, _INF2_TP, (12,)),
         _v2("trn1.2xlarge", "trn1", 1, 0.0, 32, _TRN1_TP),
-        _v2("trn1.32xlarge", "trn1", 16, _TRN1_LINK_CHIP, 512, _TRN1_TP),
-        _v2("trn1n.32xlarge", "trn1", 16, _TRN1N_LINK_CHIP, 512, _TRN1_TP),
+        _v2("trn1.32xlarge", "trn1", 16, _TRN1_LINK_CHIP, 512, _TRN1_TP, _TORUS_4X4),
+        _v2("trn1n.32xlarge", "trn1", 16, _TRN1N_LINK_CHIP, 512, _TRN1_TP, _TORUS_4X4),
         Instance(
             name="trn2.48xlarge",
             family="trn2",
@@ -111,6 +137,7 @@ INSTANCES: dict[str, Instance] = {
             dma_bw_per_chip=_TRN2_DMA_CHIP,
             host_ram=2048 * GiB,
             tp_degrees=_TRN2_TP,
+            chip_grid=_TORUS_4X4,
         ),
     )
 }

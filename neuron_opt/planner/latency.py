@@ -49,12 +49,16 @@ class Efficiency:
         collective_latency_s: fixed cost of one all-reduce on the critical path between layers (calibrated).
         step_overhead_s: fixed cost per graph execution: launch, input copy, sampling, host round trip
             (calibrated).
+        prefill_hop_latency_s: extra cost per chip-to-chip ring step of a prefill all-reduce, whose
+            megabyte messages travel every hop of the ring in turn (calibrated; decode's kilobyte messages
+            are covered by collective_latency_s).
     """
 
     hbm: float = 0.6
-    tensor: float = 0.15
-    collective_latency_s: float = 15e-6
-    step_overhead_s: float = 3.75e-3
+    tensor: float = 0.20
+    collective_latency_s: float = 10e-6
+    step_overhead_s: float = 4.0e-3
+    prefill_hop_latency_s: float = 12e-6
 
 
 DEFAULT_EFFICIENCY = Efficiency()
@@ -85,8 +89,11 @@ class StepTime:
         return max(parts, key=lambda k: parts[k])
 
 
-def _collectives(cfg: ModelConfig, lay: HeadLayout, inst: Instance, tokens: int, eff: Efficiency) -> float:
-    """All-reduces of one step: 2 per layer + 1 small gather for sampling; zero at tp=1."""
+def _collectives(
+    cfg: ModelConfig, lay: HeadLayout, inst: Instance, tokens: int, eff: Efficiency, hop_latency: float = 0.0
+) -> float:
+    """All-reduces of one step: 2 per layer + 1 small gather for sampling; zero at tp=1. `hop_latency` is
+    paid per ring step over the chips by every per-layer all-reduce (prefill only)."""
     if lay.tp == 1:
         return 0.0
     message = tokens * cfg.hidden_size * ACT_BYTES
@@ -98,7 +105,8 @@ def _collectives(cfg: ModelConfig, lay: HeadLayout, inst: Instance, tokens: int,
     n = 2 * cfg.num_hidden_layers
     if lay.kv_seq_shards > 1:  # flash decoding merges partial softmax results in the KV group once per layer
         n += cfg.num_hidden_layers
-    return n * (eff.collective_latency_s + wire) + eff.collective_latency_s
+    hops = inst.ring_steps(chips) * hop_latency
+    return n * (eff.collective_latency_s + wire + hops) + eff.collective_latency_s
 
 
 def _attention_flops(cfg: ModelConfig, lay: HeadLayout, batch: int, q_len: int, kv_len: int) -> float:
@@ -126,7 +134,7 @@ def prefill_time(
     return StepTime(
         compute=flops / (inst.bf16_flops_per_core * eff.tensor),
         memory=weight_bytes(cfg, lay, dtype) / (inst.hbm_bw_per_core * eff.hbm),
-        collective=_collectives(cfg, lay, inst, tokens, eff),
+        collective=_collectives(cfg, lay, inst, tokens, eff, eff.prefill_hop_latency_s),
         overhead=eff.step_overhead_s,
     )
 
