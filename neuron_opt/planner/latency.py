@@ -4,6 +4,7 @@ A step (one graph execution, prefill or decode) costs
 
     max(FLOPs / (peak * eff.tensor), bytes / (HBM bandwidth * eff.hbm))
     + n_collectives * (eff.collective_latency_s + ring bytes / link bandwidth)
+    + [prefill] 2 * layers * ring_steps(chips) * eff.prefill_hop_latency_s
     + eff.step_overhead_s
 
 per rank (every rank does the same work under Megatron TP). Compute and HBM traffic overlap (engines and
@@ -22,8 +23,8 @@ reduced sum).
 - Weight-only quantization (int8/fp8) halves weight bytes but not FLOPs: weights are dequantized to bfloat16
   before TensorE, so the bfloat16 peak applies.
 
-The four constants (`Efficiency`) are named and justified in docs/planner.md. `hbm` is taken from AWS's
-NKI performance guide; the other three are calibrated once, jointly, on the inf2.48xlarge rows of AWS's
+The five constants (`Efficiency`) are named and justified in docs/planner.md. `hbm` is taken from AWS's
+NKI performance guide; the other four are calibrated once, jointly, on the inf2.48xlarge rows of AWS's
 published table and then held fixed for every other instance (scripts/validate_planner.py --fit reproduces
 the fit; the trn1 and trn2 rows are out-of-sample checks).
 """
