@@ -32,17 +32,23 @@ from neuron_opt.errors import ArtifactError, ConfigError
 
 FORMAT = 1
 GEMM_CHOICES = ("cpp", "onednn", "aten")
+ATTENTION_CHOICES = ("fp32", "dtype")
 SUBDIR = "cpu"
 
 
 def _parse_options(options: dict[str, Any] | None, dtype: torch.dtype) -> dict[str, Any]:
-    """Known option: gemm (see cpu_graphs.inductor_options). Default: the fastest measured for the dtype."""
-    opts = {"gemm": "onednn" if dtype == torch.bfloat16 else "cpp"}
+    """Known options, defaults: the fastest measured for the dtype.
+
+    gemm: see cpu_graphs.inductor_options. attention: "fp32" (upcast q/k/v, cpu_graphs.Fp32Attention) or
+    "dtype" (the model's dtype, the reference); only matters for dtypes below fp32.
+    """
+    opts = {"gemm": "onednn" if dtype == torch.bfloat16 else "cpp", "attention": "fp32"}
+    choices = {"gemm": GEMM_CHOICES, "attention": ATTENTION_CHOICES}
     for k, v in (options or {}).items():
-        if k != "gemm":
-            raise ConfigError(f"backend options: unknown cpu option {k!r}; known: gemm")
-        if v not in GEMM_CHOICES:
-            raise ConfigError(f"backend options: gemm must be one of {GEMM_CHOICES}, got {v!r}")
+        if k not in choices:
+            raise ConfigError(f"backend options: unknown cpu option {k!r}; known: {sorted(choices)}")
+        if v not in choices[k]:
+            raise ConfigError(f"backend options: {k} must be one of {choices[k]}, got {v!r}")
         opts[k] = v
     return opts
 
@@ -77,7 +83,8 @@ class CpuBackend:
 
     def _compile_layer(self, model: torch.nn.Module, bucket: Bucket, num_slots: int, so: Path) -> dict[str, Any]:
         args, dyn = layer_example(model, bucket, num_slots, self.dtype)
-        layer = LayerGraph(model.model.layers[0]).to(self.dtype)
+        fp32_attention = self.options["attention"] == "fp32" and self.dtype != torch.float32
+        layer = LayerGraph(model.model.layers[0], self.dtype, fp32_attention)
         recipes = compile_graph(layer, args, dyn, self.options["gemm"], so, f"cpu layer graph for {bucket.key}")
         return {"kind": "layer", "phase": bucket.phase, "batch": bucket.batch, "num_slots": num_slots,
                 "dynamic_kv": dyn is not None, "constants": {k: r.to_dict() for k, r in recipes.items()}}

@@ -185,3 +185,25 @@ def test_bf16_decode_matches_eager(tmp_path: Path, gemm: str) -> None:
         torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
         torch.testing.assert_close(ex.k_caches[0].float(), k[0].float(), rtol=0.05, atol=0.05)
         assert ex.k_caches[0][1, :, pos].abs().sum() > 0
+
+
+def test_fp32_attention_ops_match_an_fp64_reference() -> None:
+    """cpu_graphs.Fp32Attention (used by bf16 layer graphs): bf16 in, bf16 out, fp32 math. Oracle: fp64 softmax
+    attention written out by hand on the same bf16 inputs; the only error left is the final bf16 rounding."""
+    from models.llama import TORCH_OPS
+    from neuron_opt.backends.cpu_graphs import Fp32Attention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 3, 16, generator=g).bfloat16()  # [B, n_heads, S, D]
+    k = torch.randn(2, 2, 40, 16, generator=g).bfloat16()  # [B, n_kv, kv_len, D]
+    v = torch.randn(2, 2, 40, 16, generator=g).bfloat16()
+    positions = torch.tensor([[20, 21, 22], [37, 38, 39]])
+    mask = torch.arange(40)[None, None, :] <= positions[:, :, None]  # [B, S, kv_len]
+    got = Fp32Attention(TORCH_OPS).attention(q, k, v, positions, mask, 0.25)
+    assert got.dtype == torch.bfloat16
+    kd, vd = (t.double().repeat_interleave(2, dim=1) for t in (k, v))  # [B, n_heads, kv_len, D]
+    scores = (q.double() @ kd.transpose(-1, -2) * 0.25).masked_fill(~mask[:, None], float("-inf"))
+    want = scores.softmax(-1) @ vd  # [B, n_heads, S, D]
+    torch.testing.assert_close(got.double(), want, rtol=2**-7, atol=1e-6)
+    with pytest.raises(ConfigError, match="attention must be one of"):
+        CpuBackend(torch.bfloat16, {"attention": "fp16"})
