@@ -32,7 +32,7 @@ from neuron_opt.errors import ArtifactError, ConfigError
 
 FORMAT = 1
 GEMM_CHOICES = ("cpp", "onednn", "aten")
-ATTENTION_CHOICES = ("fp32", "dtype")
+PRECISION_CHOICES = ("fp32", "dtype")
 SUBDIR = "cpu"
 
 
@@ -40,10 +40,11 @@ def _parse_options(options: dict[str, Any] | None, dtype: torch.dtype) -> dict[s
     """Known options, defaults: the fastest measured for the dtype.
 
     gemm: see cpu_graphs.inductor_options. attention: "fp32" (upcast q/k/v, cpu_graphs.Fp32Attention) or
-    "dtype" (the model's dtype, the reference); only matters for dtypes below fp32.
+    "dtype" (the model's dtype, the reference). residual: "fp32" (the residual stream between layers and the
+    norms on it, see cpu_graphs.LayerGraph) or "dtype". Both only matter for dtypes below fp32.
     """
-    opts = {"gemm": "onednn" if dtype == torch.bfloat16 else "cpp", "attention": "fp32"}
-    choices = {"gemm": GEMM_CHOICES, "attention": ATTENTION_CHOICES}
+    opts = {"gemm": "onednn" if dtype == torch.bfloat16 else "cpp", "attention": "fp32", "residual": "fp32"}
+    choices = {"gemm": GEMM_CHOICES, "attention": PRECISION_CHOICES, "residual": PRECISION_CHOICES}
     for k, v in (options or {}).items():
         if k not in choices:
             raise ConfigError(f"backend options: unknown cpu option {k!r}; known: {sorted(choices)}")
@@ -60,6 +61,7 @@ class CpuBackend:
         self.dtype = dtype
         self.options = _parse_options(options, dtype)
         self._done: dict[tuple[int, Path, str], list[Path]] = {}  # graphs compiled by this instance
+        self.residual_dtype = torch.float32 if self.options["residual"] == "fp32" else dtype
 
     def compile_bucket(self, model: torch.nn.Module, bucket: Bucket, num_slots: int, out_dir: Path) -> list[Path]:
         """Write (or reuse) the bucket's layer graph and head graph; returns their paths relative to out_dir."""
@@ -82,16 +84,16 @@ class CpuBackend:
         return list(self._done[memo])
 
     def _compile_layer(self, model: torch.nn.Module, bucket: Bucket, num_slots: int, so: Path) -> dict[str, Any]:
-        args, dyn = layer_example(model, bucket, num_slots, self.dtype)
+        args, dyn = layer_example(model, bucket, num_slots, self.dtype, self.residual_dtype)
         fp32_attention = self.options["attention"] == "fp32" and self.dtype != torch.float32
-        layer = LayerGraph(model.model.layers[0], self.dtype, fp32_attention)
+        layer = LayerGraph(model.model.layers[0], self.dtype, fp32_attention, self.residual_dtype != self.dtype)
         recipes = compile_graph(layer, args, dyn, self.options["gemm"], so, f"cpu layer graph for {bucket.key}")
         return {"kind": "layer", "phase": bucket.phase, "batch": bucket.batch, "num_slots": num_slots,
                 "dynamic_kv": dyn is not None, "constants": {k: r.to_dict() for k, r in recipes.items()}}
 
     def _compile_head(self, model: torch.nn.Module, bucket: Bucket, so: Path) -> dict[str, Any]:
         head = HeadGraph(model.model.norm, model.lm_head).to(self.dtype)
-        x = torch.randn(bucket.batch, model.cfg.hidden_size).to(self.dtype)
+        x = torch.randn(bucket.batch, model.cfg.hidden_size).to(self.residual_dtype)
         recipes = compile_graph(head, (x,), None, self.options["gemm"], so, f"cpu head graph for batch {bucket.batch}")
         return {"kind": "head", "batch": bucket.batch, "constants": {k: r.to_dict() for k, r in recipes.items()}}
 
@@ -104,7 +106,7 @@ class CpuBackend:
         """graph_files: absolute paths (or paths relative to the working directory) of each bucket's files."""
         model = model_factory()
         load_model_weights(model, weights_path)
-        return CpuExecutor(model.to(self.dtype).eval(), graph_files, num_slots, self.dtype)
+        return CpuExecutor(model.to(self.dtype).eval(), graph_files, num_slots, self.dtype, self.residual_dtype)
 
 
 class _WeightStore:
@@ -134,8 +136,8 @@ class CpuExecutor:
     """Runs a bucket: eager embedding -> layer containers -> head container. Owns the KV caches."""
 
     def __init__(self, model: torch.nn.Module, graph_files: dict[Bucket, list[Path]], num_slots: int,
-                 dtype: torch.dtype) -> None:
-        self.dtype = dtype
+                 dtype: torch.dtype, residual_dtype: torch.dtype) -> None:
+        self.dtype, self.residual_dtype = dtype, residual_dtype
         n_layers = len(model.model.layers)
         tensors = {**dict(model.state_dict()), **dict(model.named_buffers())}
         store = _WeightStore(tensors)
@@ -207,7 +209,7 @@ class CpuExecutor:
     def run(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
         layers, head = self._routes[bucket]
         pos, slots = inputs.positions, inputs.slot_ids
-        x = self._embed(inputs.input_ids)  # [B, S, H]
+        x = self._embed(inputs.input_ids).to(self.residual_dtype)  # [B, S, H]
         cos = self.rope_cos[pos].to(self.dtype)[:, :, None, :]  # [B, S, 1, D]
         sin = self.rope_sin[pos].to(self.dtype)[:, :, None, :]  # [B, S, 1, D]
         ks, vs = self._kv(bucket.kv_len)
