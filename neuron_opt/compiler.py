@@ -40,6 +40,26 @@ def distinct_graphs(buckets: BucketConfig, backend: str) -> int:
     return len(bs)
 
 
+def code_fingerprint() -> str:
+    """sha256 over the source of everything that shapes a compiled graph (model code, backends, parallel layers).
+
+    Part of every compile-cache key, so editing the model or a backend never reuses a graph compiled from the old
+    code (the package version alone does not change between commits)."""
+    import hashlib
+
+    import models
+    import neuron_opt
+
+    roots = [Path(models.__file__).parent, Path(neuron_opt.__file__).parent / "backends",
+             Path(neuron_opt.__file__).parent / "parallel"]
+    h = hashlib.sha256()
+    for root in roots:
+        for f in sorted(root.rglob("*.py")):
+            h.update(str(f.relative_to(root.parent)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def cpu_has_native_bf16() -> bool:
     try:
         flags = Path("/proc/cpuinfo").read_text()
@@ -144,6 +164,7 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
     backend = get_backend(req.backend, dtype, req.backend_options)
     cache = CompileCache(req.cache_dir or envs.CACHE_DIR / "compile") if req.use_cache else None
     fingerprint = ckpt.weights_fingerprint()
+    code = code_fingerprint()
     tokenizer = ckpt.tokenizer()
     full_sd = ckpt.state_dict(torch.float32)
     lay = head_layout(cfg, par)
@@ -164,6 +185,7 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
                     "weights": fingerprint, "model": cfg.to_dict(), "parallel": asdict(par),
                     "cache": asdict(cache_cfg), "bucket": bucket.key, "rank": rank, "backend": req.backend,
                     "backend_options": req.backend_options, "dtype": dtype_name, "versions": versions(),
+                    "code": code,
                 })
                 files = _compile_one(backend, model, bucket, cache_cfg, key, cache, writer.path(rel_dir),
                                      hits, misses)
