@@ -6,9 +6,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARTIFACT ?= artifacts/smollm2
 # The demo's artifact: 8 KV slots so the server batches up to 8 streams; graphs come from the compile cache
-# (~/.cache/neuron_opt) after the first run. fp32, not the bf16 CPU default: SmolLM2-135M's first answer token to
-# the demo question is a near-tie (0.08 logits apart in fp32) that bf16 rounding flips (docs/cpu_backend.md).
-DEMO_FLAGS ?= --backend cpu --dtype float32 --batch-size 8 --max-length 2048
+# (~/.cache/neuron_opt) after the first run. dtype: the CPU default (bf16 with avx512_bf16/AMX, else fp32).
+DEMO_FLAGS ?= --backend cpu --batch-size 8 --max-length 2048
 PORT ?= 8000
 
 .PHONY: demo test test-slow bench lint setup
