@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         f"Serving {name!r} on {url} ({engine.num_slots} sequences at once). Try:\n"
         f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
         f'\'{{"model": "{name}", "messages": [{{"role": "user", "content": '
-        f'"What is the capital of France?"}}], "max_tokens": 32}}\'',
+        f'"What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}\'',
         flush=True,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=120)
