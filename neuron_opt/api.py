@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from neuron_opt.backends.eager import EagerExecutor
+from neuron_opt.backends.eager import EagerExecutor, load_weights
 from neuron_opt.buckets import BucketConfig
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
 from neuron_opt.parallel import head_layout
@@ -35,9 +35,7 @@ def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], max_lengt
     from models.registry import model_class
 
     model = model_class(cfg.architecture)(cfg, head_layout(cfg, ParallelConfig()), max_length)
-    missing, unexpected = model.load_state_dict(state_dict, strict=False)
-    tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-    assert not (set(missing) - tied) and not unexpected, (missing, unexpected)
+    load_weights(model, state_dict, "checkpoint")
     return model.to(dtype).eval()
 
 

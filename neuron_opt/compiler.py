@@ -47,11 +47,10 @@ def code_fingerprint() -> str:
     code (the package version alone does not change between commits)."""
     import hashlib
 
-    import models
-    import neuron_opt
+    import models.llama
 
-    roots = [Path(models.__file__).parent, Path(neuron_opt.__file__).parent / "backends",
-             Path(neuron_opt.__file__).parent / "parallel"]
+    here = Path(__file__).parent  # neuron_opt/
+    roots = [Path(models.llama.__file__).parent, here / "backends", here / "parallel"]
     h = hashlib.sha256()
     for root in roots:
         for f in sorted(root.rglob("*.py")):
@@ -148,6 +147,7 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
 
     from neuron_opt.api import TORCH_DTYPES
     from neuron_opt.backends import get_backend
+    from neuron_opt.backends.eager import load_weights
     from neuron_opt.checkpoint import open_checkpoint
     from neuron_opt.parallel import head_layout
     from neuron_opt.parallel.sharding import shard_state_dict
@@ -175,7 +175,7 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
     try:
         for rank in range(par.tp):
             model = rank_model_factory(cfg, par, cache_cfg, rank, torch.float32)()
-            model.load_state_dict(shard_state_dict(full_sd, cfg, lay, rank), strict=False)
+            load_weights(model, shard_state_dict(full_sd, cfg, lay, rank), f"{ckpt.source} (rank {rank} shard)")
             model = model.to(dtype)
             bar = tqdm(buckets.buckets(), desc=f"compile rank {rank}", unit="graph", disable=not progress)
             rel_dir = f"graphs/rank{rank}"  # graphs of one rank share a directory: buckets may share files

@@ -19,13 +19,17 @@ def model_state_for_save(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in sd.items()}
 
 
-def load_model_weights(model: torch.nn.Module, path: Path) -> None:
-    sd = load_file(str(path))
+def load_weights(model: torch.nn.Module, sd: dict[str, torch.Tensor], source: object) -> None:
+    """Load a canonical (HF-named) state dict; the only name allowed to be absent is a tied LM head."""
     missing, unexpected = model.load_state_dict(sd, strict=False)
     tied = {"lm_head.weight"} if model.cfg.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
-        raise ValueError(f"{path}: weights do not match the model (missing {sorted(set(missing) - tied)[:5]}, "
+        raise ValueError(f"{source}: weights do not match the model (missing {sorted(set(missing) - tied)[:5]}, "
                          f"unexpected {sorted(unexpected)[:5]})")
+
+
+def load_model_weights(model: torch.nn.Module, path: Path) -> None:
+    load_weights(model, load_file(str(path)), path)
 
 
 class EagerExecutor:
