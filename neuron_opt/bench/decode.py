@@ -1,6 +1,7 @@
 """Decode throughput, side by side in one run: HF transformers (the peer) vs neuron_opt eager and compiled.
 
-Every system decodes the same prompts greedily for the same number of steps; only decode steps are timed
+Every system runs in its own fresh process and decodes the same prompts greedily for the same number of steps;
+only decode steps are timed
 (prefill excluded). Reported: tokens/s, ratio to HF eager fp32, and model-bandwidth utilisation (MBU): bytes a
 decode step must read (weights + the KV positions it attends over) x steps/s, over the memory-read bandwidth
 measured in the same run.
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 PROMPT_LEN = 32
+SYSTEMS = ("hf", "hf-compile", "eager", "cpu-fp32", "cpu-bf16")
 
 
 @dataclass
@@ -129,10 +131,66 @@ def compiled_runner(model: str, backend: str, dtype: str, batch: int, out: Path,
     from neuron_opt.api import LLM
     from neuron_opt.compiler import CompileRequest, compile_artifact
 
+    # decode buckets: the default set (KV lengths 128, 256, ... max_length), as `neuron-opt compile` builds it, so
+    # each step attends over the smallest bucket that holds its context, like HF attends over the real length
     compile_artifact(CompileRequest(model=model, out=out, backend=backend, dtype=dtype, batch_size=batch,
                                     max_length=max_length, prefill_buckets=(PROMPT_LEN, 128),
-                                    decode_buckets=(max_length,), decode_batches=(batch,)), progress=True)
+                                    decode_batches=(batch,)), progress=True)
     return LLM(out).runner
+
+
+def _measure(system: str, batch: int, opts: dict, reference: tuple[list[int], list[int]] | None) -> dict:
+    """One (system, batch) measurement; runs in a fresh process (see main). Returns the Result as a dict, plus
+    the HF fp32 reference continuation when this job computed it."""
+    import transformers
+
+    from neuron_opt.api import LLM
+    from neuron_opt.checkpoint import open_checkpoint
+
+    if opts["threads"]:
+        torch.set_num_threads(opts["threads"])
+    ckpt = open_checkpoint(opts["model"])
+    cfg, steps = ckpt.config, opts["steps"]
+    kv_len = PROMPT_LEN + steps
+    out: dict = {}
+    if system in ("hf", "hf-compile", "reference"):
+        src = ckpt.source
+        kw = {"gguf_file": src.name} if ckpt.format == "gguf" else {}
+        hf = transformers.AutoModelForCausalLM.from_pretrained(src.parent if kw else src, dtype=torch.float32,
+                                                               **kw).eval()
+        if system == "reference":
+            return {"reference": hf_reference(hf, ckpt.tokenizer(), opts["agreement_tokens"])}
+        tps = bench_hf(hf, batch, steps, cfg.vocab_size, static_compile=system == "hf-compile")
+        name = f"transformers-{'static-compile' if system == 'hf-compile' else 'eager'}"
+        out["result"] = Result(name, "float32", batch, tps, steps, step_bytes(cfg, torch.float32, batch, kv_len))
+        return {"result": asdict(out["result"])}
+
+    def agreement(runner) -> float | None:
+        return teacher_forced_agreement(runner, *reference) if batch == 1 and reference else None
+
+    if system == "eager":
+        llm = LLM(opts["model"], max_length=opts["max_length"], batch_size=batch)
+        tps = bench_runner(llm.runner, batch, steps, cfg.vocab_size)
+        r = Result("neuron_opt-eager", "float32", batch, tps, steps, step_bytes(cfg, torch.float32, batch, kv_len),
+                   agreement_vs_hf_fp32=agreement(llm.runner))
+        return {"result": asdict(r)}
+    dtype = {"cpu-fp32": "float32", "cpu-bf16": "bfloat16"}[system]
+    with tempfile.TemporaryDirectory() as d:
+        runner = compiled_runner(opts["model"], "cpu", dtype, batch, Path(d) / "a", opts["max_length"])
+        tps = bench_runner(runner, batch, steps, cfg.vocab_size)
+        r = Result("neuron_opt-cpu-compiled", dtype, batch, tps, steps,
+                   step_bytes(cfg, getattr(torch, dtype), batch, kv_len), agreement_vs_hf_fp32=agreement(runner))
+    return {"result": asdict(r)}
+
+
+def _in_fresh_process(fn, *args):  # noqa: ANN001, ANN202
+    """Run fn(*args) in a new process: each system starts from a clean heap and thread pool (measured: a
+    system run after HF in the same process lost up to 20% to the allocator state HF left behind)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--systems", default="hf,hf-compile,eager,cpu-fp32,cpu-bf16",
-                    help="comma list of: hf, hf-compile, eager, cpu-fp32, cpu-bf16")
+                    help="comma list of: " + ", ".join(SYSTEMS))
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--agreement-tokens", type=int, default=256,
@@ -149,68 +207,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
+    systems = args.systems.split(",")
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        ap.error(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    import transformers
-
-    from neuron_opt.api import LLM
-    from neuron_opt.checkpoint import open_checkpoint
-
-    ckpt = open_checkpoint(args.model)
-    cfg = ckpt.config
-    systems = args.systems.split(",")
     batches = [int(b) for b in args.batches.split(",")]
+    opts = {"model": args.model, "steps": args.steps, "max_length": args.max_length, "threads": args.threads,
+            "agreement_tokens": args.agreement_tokens}
     bw = measure_read_bandwidth()
-    results: list[Result] = []
-    kv_len = PROMPT_LEN + args.steps
-    reference: tuple[list[int], list[int]] | None = None
-
-    def agreement(runner, batch: int) -> float | None:
-        if batch != 1 or reference is None:
-            return None
-        return teacher_forced_agreement(runner, *reference)
-
     log = (lambda s: print(s, flush=True)) if not args.json else (lambda s: None)
+    reference = None
+    if args.agreement_tokens and 1 in batches and set(systems) - {"hf", "hf-compile"}:
+        reference = _in_fresh_process(_measure, "reference", 1, opts, None)["reference"]
+    results: list[Result] = []
     for batch in batches:
-        if "hf" in systems or "hf-compile" in systems:
-            src = ckpt.source
-            kw = {"gguf_file": src.name} if ckpt.format == "gguf" else {}
-            hf = transformers.AutoModelForCausalLM.from_pretrained(src.parent if kw else src, dtype=torch.float32,
-                                                                   **kw).eval()
-            if batch == 1 and args.agreement_tokens and reference is None:
-                reference = hf_reference(hf, ckpt.tokenizer(), args.agreement_tokens)
-            for name in ("hf", "hf-compile"):
-                if name in systems:
-                    tps = bench_hf(hf, batch, args.steps, cfg.vocab_size, static_compile=name == "hf-compile")
-                    results.append(Result(f"transformers-{'static-compile' if name == 'hf-compile' else 'eager'}",
-                                          "float32", batch, tps, args.steps,
-                                          step_bytes(cfg, torch.float32, batch, kv_len)))
-                    log(f"{results[-1].system:32s} b={batch} {tps:7.1f} tok/s")
-            del hf
-        if "eager" in systems:
-            llm = LLM(args.model, max_length=args.max_length, batch_size=batch)
-            tps = bench_runner(llm.runner, batch, args.steps, cfg.vocab_size)
-            results.append(Result("neuron_opt-eager", "float32", batch, tps, args.steps,
-                                  step_bytes(cfg, torch.float32, batch, kv_len),
-                                  agreement_vs_hf_fp32=agreement(llm.runner, batch)))
-            log(f"{results[-1].system:32s} b={batch} {tps:7.1f} tok/s")
-            del llm
-        for name, dtype in (("cpu-fp32", "float32"), ("cpu-bf16", "bfloat16")):
-            if name in systems:
-                with tempfile.TemporaryDirectory() as d:
-                    runner = compiled_runner(args.model, "cpu", dtype, batch, Path(d) / "a", args.max_length)
-                    tps = bench_runner(runner, batch, args.steps, cfg.vocab_size)
-                    agree = agreement(runner, batch)
-                    del runner
-                results.append(Result("neuron_opt-cpu-compiled", dtype, batch, tps, args.steps,
-                                      step_bytes(cfg, getattr(torch, dtype), batch, kv_len),
-                                      agreement_vs_hf_fp32=agree))
-                log(f"{results[-1].system + ' ' + dtype:32s} b={batch} {tps:7.1f} tok/s")
+        for system in SYSTEMS:
+            if system in systems:
+                r = Result(**_in_fresh_process(_measure, system, batch, opts, reference)["result"])
+                results.append(r)
+                log(f"{r.system + ' ' + r.dtype:40s} b={batch} {r.tok_s:7.1f} tok/s")
     for r in results:
         base = next((x.tok_s for x in results if x.system == "transformers-eager" and x.batch == r.batch), None)
         r.ratio_vs_hf = r.tok_s / base if base else None
         r.mbu = r.bytes_per_step * (r.tok_s / r.batch) / (bw * 1e9)
-    doc = {"mem_bw_gbs": bw, "model": str(args.model), "threads": torch.get_num_threads(),
+    doc = {"mem_bw_gbs": bw, "model": str(args.model), "threads": args.threads or torch.get_num_threads(),
            "cpu": platform.processor() or platform.machine(), "torch": torch.__version__, "prompt_len": PROMPT_LEN,
            "steps": args.steps, "results": [asdict(r) for r in results]}
     if args.out:
