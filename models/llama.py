@@ -143,7 +143,9 @@ class Attention(nn.Module):
             out = self._seq_shard_attention(q, k, v, positions, slot_ids, k_cache, v_cache, kv_len)
         else:
             out = self._attention(q, k, v, positions, slot_ids, k_cache, v_cache, kv_len)
-        out = out.transpose(1, 2).reshape(B, S, self.n_heads * self.D)  # [B, S, n_heads*D]
+        # rope tables wider than x (fp32 tables under bf16 weights) make rope and attention run wide; o_proj
+        # takes x's dtype again
+        out = out.to(x.dtype).transpose(1, 2).reshape(B, S, self.n_heads * self.D)  # [B, S, n_heads*D]
         return self.o_proj(out, scatter_seq=seq_sharded)
 
     def _mask(self, key_pos: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -217,10 +219,14 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                 slot_ids: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int,
                 seq_sharded: bool = False) -> torch.Tensor:
-        # under sequence parallelism x is this rank's [B, S_pad/tp, H] chunk: norms and residuals run on it
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, slot_ids, k_cache, v_cache, kv_len,
-                               seq_sharded)
-        return x + self.mlp(self.post_attention_layernorm(x), seq_sharded)
+        # under sequence parallelism x is this rank's [B, S_pad/tp, H] chunk: norms and residuals run on it.
+        # x may be a wider residual stream than the layer's weights (fp32 under bf16 weights: the compiled cpu
+        # graphs do this for accuracy, see neuron_opt/backends/cpu_graphs.py): norms run on it, each branch's
+        # input takes the weights' dtype and its output comes back to x's. Same dtype: the casts are no-ops.
+        dt = self.input_layernorm.weight.dtype
+        x = x + self.self_attn(self.input_layernorm(x).to(dt), cos, sin, positions, slot_ids, k_cache, v_cache,
+                               kv_len, seq_sharded).to(x.dtype)
+        return x + self.mlp(self.post_attention_layernorm(x).to(dt), seq_sharded).to(x.dtype)
 
 
 class Backbone(nn.Module):

@@ -23,28 +23,34 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from models.llama import rope_tables
 from neuron_opt.backends.base import ModelFactory, StepInputs
 from neuron_opt.backends.cpu_constants import ConstantRecipe, build_constant
 from neuron_opt.backends.cpu_graphs import HeadGraph, LayerGraph, compile_graph, graph_keys, layer_example, padded_kv
 from neuron_opt.backends.eager import load_model_weights, model_state_for_save
-from neuron_opt.buckets import Bucket
+from neuron_opt.buckets import DECODE, Bucket
 from neuron_opt.errors import ArtifactError, ConfigError
 
 FORMAT = 1
 GEMM_CHOICES = ("cpp", "onednn", "aten")
 PRECISION_CHOICES = ("fp32", "dtype")
+DECODE_ATTENTION_CHOICES = ("fused", "sdpa")
 SUBDIR = "cpu"
 
 
 def _parse_options(options: dict[str, Any] | None, dtype: torch.dtype) -> dict[str, Any]:
     """Known options, defaults: the fastest measured for the dtype.
 
-    gemm: see cpu_graphs.inductor_options. attention: "fp32" (upcast q/k/v, cpu_graphs.Fp32Attention) or
-    "dtype" (the model's dtype, the reference). residual: "fp32" (the residual stream between layers and the
-    norms on it, see cpu_graphs.LayerGraph) or "dtype". Both only matter for dtypes below fp32.
+    gemm: see cpu_graphs.inductor_options. attention: "fp32" (fp32 rope tables: rope and attention in fp32)
+    or "dtype" (the model's dtype, the reference). residual: "fp32" (the residual stream between layers and the
+    norms on it) or "dtype". logits: "fp32" (batch-1 heads compute fp32 logits from the weights in `dtype`,
+    cpu_graphs.HeadGraph) or "dtype" (the GEMM's output). These three only matter for dtypes below fp32.
+    decode_attention: "fused" (cpu_graphs.DecodeAttention) or "sdpa" (aten's flash attention, as prefill).
     """
-    opts = {"gemm": "onednn" if dtype == torch.bfloat16 else "cpp", "attention": "fp32", "residual": "fp32"}
-    choices = {"gemm": GEMM_CHOICES, "attention": PRECISION_CHOICES, "residual": PRECISION_CHOICES}
+    opts = {"gemm": "onednn" if dtype == torch.bfloat16 else "cpp", "attention": "fp32", "residual": "fp32",
+            "decode_attention": "fused", "logits": "fp32"}
+    choices = {"gemm": GEMM_CHOICES, "attention": PRECISION_CHOICES, "residual": PRECISION_CHOICES,
+               "decode_attention": DECODE_ATTENTION_CHOICES, "logits": PRECISION_CHOICES}
     for k, v in (options or {}).items():
         if k not in choices:
             raise ConfigError(f"backend options: unknown cpu option {k!r}; known: {sorted(choices)}")
@@ -62,6 +68,7 @@ class CpuBackend:
         self.options = _parse_options(options, dtype)
         self._done: dict[tuple[int, Path, str], list[Path]] = {}  # graphs compiled by this instance
         self.residual_dtype = torch.float32 if self.options["residual"] == "fp32" else dtype
+        self.rope_dtype = torch.float32 if self.options["attention"] == "fp32" else dtype
 
     def compile_bucket(self, model: torch.nn.Module, bucket: Bucket, num_slots: int, out_dir: Path) -> list[Path]:
         """Write (or reuse) the bucket's layer graph and head graph; returns their paths relative to out_dir."""
@@ -84,18 +91,22 @@ class CpuBackend:
         return list(self._done[memo])
 
     def _compile_layer(self, model: torch.nn.Module, bucket: Bucket, num_slots: int, so: Path) -> dict[str, Any]:
-        args, dyn = layer_example(model, bucket, num_slots, self.dtype, self.residual_dtype)
-        fp32_attention = self.options["attention"] == "fp32" and self.dtype != torch.float32
-        layer = LayerGraph(model.model.layers[0], self.dtype, fp32_attention, self.residual_dtype != self.dtype)
+        args, dyn = layer_example(model, bucket, num_slots, self.dtype, self.residual_dtype, self.rope_dtype)
+        decode_attention = bucket.phase == DECODE and self.options["decode_attention"] == "fused"
+        layer = LayerGraph(model.model.layers[0], self.dtype, decode_attention)
         recipes = compile_graph(layer, args, dyn, self.options["gemm"], so, f"cpu layer graph for {bucket.key}")
         return {"kind": "layer", "phase": bucket.phase, "batch": bucket.batch, "num_slots": num_slots,
                 "dynamic_kv": dyn is not None, "constants": {k: r.to_dict() for k, r in recipes.items()}}
 
     def _compile_head(self, model: torch.nn.Module, bucket: Bucket, so: Path) -> dict[str, Any]:
-        head = HeadGraph(model.model.norm, model.lm_head).to(self.dtype)
-        x = torch.randn(bucket.batch, model.cfg.hidden_size).to(self.residual_dtype)
-        recipes = compile_graph(head, (x,), None, self.options["gemm"], so, f"cpu head graph for batch {bucket.batch}")
-        return {"kind": "head", "batch": bucket.batch, "constants": {k: r.to_dict() for k, r in recipes.items()}}
+        weight_input = self.options["logits"] == "fp32" and self.dtype != torch.float32 and bucket.batch == 1
+        head = HeadGraph(model.model.norm, model.lm_head, weight_input).to(self.dtype)
+        args: tuple[torch.Tensor, ...] = (torch.randn(bucket.batch, model.cfg.hidden_size).to(self.residual_dtype),)
+        if weight_input:
+            args += (torch.randn(model.lm_head.weight.shape).to(self.dtype),)
+        recipes = compile_graph(head, args, None, self.options["gemm"], so, f"cpu head graph for batch {bucket.batch}")
+        return {"kind": "head", "batch": bucket.batch, "weight_input": weight_input,
+                "constants": {k: r.to_dict() for k, r in recipes.items()}}
 
     def save_weights(self, model: torch.nn.Module, path: Path) -> None:
         save_file({k: v.to(self.dtype) if v.is_floating_point() else v for k, v in model_state_for_save(model).items()},
@@ -106,7 +117,8 @@ class CpuBackend:
         """graph_files: absolute paths (or paths relative to the working directory) of each bucket's files."""
         model = model_factory()
         load_model_weights(model, weights_path)
-        return CpuExecutor(model.to(self.dtype).eval(), graph_files, num_slots, self.dtype, self.residual_dtype)
+        return CpuExecutor(model.to(self.dtype).eval(), graph_files, num_slots, self.dtype, self.residual_dtype,
+                           self.rope_dtype)
 
 
 class _WeightStore:
@@ -116,12 +128,13 @@ class _WeightStore:
         self.tensors = tensors
         self.built: dict[tuple[str, ConstantRecipe], torch.Tensor] = {}
 
-    def get(self, fqn: str, r: ConstantRecipe) -> torch.Tensor:
-        key = (fqn, ConstantRecipe("", r.op, r.block_n, r.vnni, r.batch))
+    def get(self, fqns: tuple[str, ...], r: ConstantRecipe) -> torch.Tensor:
+        key = (fqns, ConstantRecipe((), r.op, r.block_n, r.vnni, r.batch))
         if key not in self.built:
-            if fqn not in self.tensors:
-                raise ArtifactError(f"cpu graph needs weight {fqn!r}, which the model does not have")
-            self.built[key] = build_constant(self.tensors[fqn], r)
+            missing = [f for f in fqns if f not in self.tensors]
+            if missing:
+                raise ArtifactError(f"cpu graph needs weights {missing}, which the model does not have")
+            self.built[key] = build_constant([self.tensors[f] for f in fqns], r)
         return self.built[key]
 
 
@@ -132,30 +145,45 @@ def _runner(so: Path, constants: dict[str, torch.Tensor]) -> Any:
     return r
 
 
+class _HeadCall:
+    """A head container, called with the head weight as a second input when its graph takes it as one."""
+
+    def __init__(self, runner: Any, weight: torch.Tensor | None) -> None:
+        self.runner, self.weight = runner, weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.runner.run([x] if self.weight is None else [x, self.weight])[0]
+
+
 class CpuExecutor:
     """Runs a bucket: eager embedding -> layer containers -> head container. Owns the KV caches."""
 
     def __init__(self, model: torch.nn.Module, graph_files: dict[Bucket, list[Path]], num_slots: int,
-                 dtype: torch.dtype, residual_dtype: torch.dtype) -> None:
-        self.dtype, self.residual_dtype = dtype, residual_dtype
+                 dtype: torch.dtype, residual_dtype: torch.dtype, rope_dtype: torch.dtype) -> None:
+        self.dtype, self.residual_dtype, self.rope_dtype = dtype, residual_dtype, rope_dtype
         n_layers = len(model.model.layers)
         tensors = {**dict(model.state_dict()), **dict(model.named_buffers())}
         store = _WeightStore(tensors)
         metas = self._read_metas(graph_files, num_slots, dtype, model.max_length)
         runners: dict[str, list[Any]] = {}
+        # heads that take their weight as an input: kept alive here (when tied, the embedding table too)
+        self.head_weight = (model.lm_head.weight.detach() if any(m.get("weight_input") for m in metas.values())
+                            else None)
         for path, meta in metas.items():
             so = path.with_name(meta["so"])
             recipes = {c: ConstantRecipe.from_dict(d) for c, d in meta["constants"].items()}
             if meta["kind"] == "layer":
                 runners[meta["key"]] = [
-                    _runner(so, {c: store.get(f"model.layers.{i}.{r.source.removeprefix('layer.')}", r)
-                                 for c, r in recipes.items()}) for i in range(n_layers)]
+                    _runner(so, {c: store.get(tuple(f"model.layers.{i}.{s.removeprefix('layer.')}" for s in r.sources),
+                                              r) for c, r in recipes.items()}) for i in range(n_layers)]
             else:
-                runners[meta["key"]] = [_runner(so, {c: store.get(("model." if r.source.startswith("norm.") else "")
-                                                                  + r.source, r) for c, r in recipes.items()})]
+                head = _runner(so, {c: store.get(tuple(("model." if s.startswith("norm.") else "") + s
+                                                       for s in r.sources), r) for c, r in recipes.items()})
+                runners[meta["key"]] = [_HeadCall(head, self.head_weight if meta.get("weight_input") else None)]
         self._routes = {b: (runners[graph_keys(b)[0]], runners[graph_keys(b)[1]][0]) for b in graph_files}
         self._embed = self._embedding(model, store)
-        self.rope_cos, self.rope_sin = model.rope_cos, model.rope_sin
+        # from the config, in fp32: the model's buffers went to `dtype` with it
+        self.rope_cos, self.rope_sin = rope_tables(model.cfg, model.max_length)  # [max_length, D] each
         self.k_caches = [padded_kv(model.kv_shape(num_slots), dtype) for _ in range(n_layers)]
         self.v_caches = [padded_kv(model.kv_shape(num_slots), dtype) for _ in range(n_layers)]
         self._views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
@@ -191,7 +219,7 @@ class CpuExecutor:
     def _embedding(self, model: torch.nn.Module, store: _WeightStore) -> Any:
         """Tied embeddings: read rows straight from the head's packed weight (no second copy of the table)."""
         w = model.model.embed_tokens.weight
-        packed = [(k, t) for k, t in store.built.items() if k[0] == "lm_head.weight" and k[1].op == "pack"
+        packed = [(k, t) for k, t in store.built.items() if k[0] == ("lm_head.weight",) and k[1].op == "pack"
                   and k[1].vnni == 0]
         if model.cfg.tie_word_embeddings and packed:
             (_, r), table = packed[0]
@@ -210,10 +238,10 @@ class CpuExecutor:
         layers, head = self._routes[bucket]
         pos, slots = inputs.positions, inputs.slot_ids
         x = self._embed(inputs.input_ids).to(self.residual_dtype)  # [B, S, H]
-        cos = self.rope_cos[pos].to(self.dtype)[:, :, None, :]  # [B, S, 1, D]
-        sin = self.rope_sin[pos].to(self.dtype)[:, :, None, :]  # [B, S, 1, D]
+        cos = self.rope_cos[pos].to(self.rope_dtype)[:, :, None, :]  # [B, S, 1, D]
+        sin = self.rope_sin[pos].to(self.rope_dtype)[:, :, None, :]  # [B, S, 1, D]
         ks, vs = self._kv(bucket.kv_len)
         for i, layer in enumerate(layers):
             x = layer.run([x, cos, sin, pos, slots, ks[i], vs[i]])[0]
         x = x[torch.arange(x.shape[0]), inputs.last_index]  # [B, H]
-        return head.run([x])[0]
+        return head(x)

@@ -36,7 +36,9 @@ class ConstantRecipe:
     """How to build one graph constant from a model tensor.
 
     Args:
-        source: the tensor's name relative to the compiled module (e.g. "layer.mlp.up_proj.weight").
+        sources: the tensor's name relative to the compiled module (e.g. ("layer.mlp.up_proj.weight",)); several
+            names: the rows (dim 0) of those tensors concatenated, in order (Inductor's concat-linear pass fuses
+            q/k/v and gate/up projections that read the same input into one GEMM).
         op: "identity" (the tensor itself), "pack" (the C++ GEMM template's blocked layout, see `pack_weight`)
             or "onednn" (an opaque oneDNN weight from `torch.ops.mkldnn._reorder_linear_weight`).
         block_n: "pack": block along N (output features).
@@ -44,7 +46,7 @@ class ConstantRecipe:
         batch: "onednn": the batch (M) hint oneDNN chose its layout for.
     """
 
-    source: str
+    sources: tuple[str, ...]
     op: str
     block_n: int = 0
     vnni: int = 0
@@ -53,13 +55,13 @@ class ConstantRecipe:
     def __post_init__(self) -> None:
         assert self.op in PACK_OPS, self.op
 
-    def to_dict(self) -> dict[str, str | int]:
-        return asdict(self)
+    def to_dict(self) -> dict[str, list[str] | str | int]:
+        return {**asdict(self), "sources": list(self.sources)}
 
     @classmethod
     def from_dict(cls, d: dict) -> ConstantRecipe:
-        return cls(str(d["source"]), str(d["op"]), int(d.get("block_n", 0)), int(d.get("vnni", 0)),
-                   int(d.get("batch", 0)))
+        return cls(tuple(str(s) for s in d["sources"]), str(d["op"]), int(d.get("block_n", 0)),
+                   int(d.get("vnni", 0)), int(d.get("batch", 0)))
 
 
 def pack_weight(w: torch.Tensor, block_n: int, vnni: int) -> torch.Tensor:
@@ -79,7 +81,9 @@ def pack_weight(w: torch.Tensor, block_n: int, vnni: int) -> torch.Tensor:
     return b
 
 
-def build_constant(t: torch.Tensor, r: ConstantRecipe) -> torch.Tensor:
+def build_constant(parts: list[torch.Tensor], r: ConstantRecipe) -> torch.Tensor:
+    """The constant `r` describes, from its source tensors (in `r.sources` order)."""
+    t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     if r.op == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(t, r.batch)
     return t.contiguous() if r.op == "identity" else pack_weight(t, r.block_n, r.vnni)
@@ -120,25 +124,54 @@ def capture_constants() -> Iterator[dict[str, torch.Tensor]]:
         codecache.AotCodeCompiler.compile = classmethod(original)  # type: ignore[method-assign,assignment]
 
 
+def _rows_of(d: torch.Tensor, named: dict[str, torch.Tensor], pad_to: int = 1) -> tuple[str, ...] | None:
+    """Names whose tensors, concatenated along dim 0 in that order, equal `d` (one name: `d` itself), allowing
+    up to `pad_to - 1` trailing zero rows (the C++ GEMM template pads N to its block size).
+
+    Greedy prefix match: parameters are distinct random values, so at most one tensor matches each row block.
+    """
+    out: list[str] = []
+    row = 0
+    while row < d.shape[0]:
+        if out and d.shape[0] - row < pad_to and not d[row:].any():
+            break
+        hit = next((name for name, t in named.items() if t.dtype == d.dtype and t.dim() == d.dim()
+                    and t.shape[1:] == d.shape[1:] and 0 < t.shape[0] <= d.shape[0] - row
+                    and torch.equal(t, d[row:row + t.shape[0]])), None)
+        if hit is None:
+            return None
+        out.append(hit)
+        row += named[hit].shape[0]
+    return tuple(out) if out else None
+
+
+def unpack_weight(b: torch.Tensor, vnni: int) -> torch.Tensor:
+    """Inverse of `pack_weight` up to padding: blocked [nb, K, bn] -> [N_pad, K]."""
+    nb, k, bn = b.shape
+    if vnni:
+        b = b.view(nb, k // vnni, bn, vnni).transpose(-1, -2).reshape(nb, k, bn)
+    return b.transpose(0, 1).reshape(k, nb * bn).t()
+
+
 def _find(c: torch.Tensor, named: dict[str, torch.Tensor], onednn_batch: int) -> ConstantRecipe | None:
-    if c.is_mkldnn:  # an opaque oneDNN weight: its logical value names the source, the batch hint its layout
-        d = c.to_dense()
-        for name, t in named.items():
-            if t.shape == d.shape and t.dtype == d.dtype and torch.equal(t, d):
-                return ConstantRecipe(name, "onednn", batch=onednn_batch)
-        return None
+    if c.is_mkldnn:  # an opaque oneDNN weight: its logical value names the source(s), the batch hint its layout
+        sources = _rows_of(c.to_dense(), named)
+        return ConstantRecipe(sources, "onednn", batch=onednn_batch) if sources else None
     for name, t in named.items():
         if t.shape == c.shape and t.dtype == c.dtype and torch.equal(t, c):
-            return ConstantRecipe(name, "identity")
+            return ConstantRecipe((name,), "identity")
+    if c.dim() == 1:  # concatenated biases
+        sources = _rows_of(c, named)
+        return ConstantRecipe(sources, "identity") if sources else None
     if c.dim() != 3:
         return None
     nb, k, bn = c.shape
-    for name, t in named.items():
-        if t.dim() != 2 or t.dtype != c.dtype or t.shape[1] != k or -(-t.shape[0] // bn) != nb:
+    for vnni in (0, 2, 4):
+        if vnni and k % vnni:
             continue
-        for vnni in (0, 2, 4):
-            if (vnni == 0 or k % vnni == 0) and torch.equal(pack_weight(t, bn, vnni), c):
-                return ConstantRecipe(name, "pack", bn, vnni)
+        sources = _rows_of(unpack_weight(c, vnni), named, pad_to=bn)
+        if sources and torch.equal(pack_weight(torch.cat([named[n] for n in sources]), bn, vnni), c):
+            return ConstantRecipe(sources, "pack", bn, vnni)
     return None
 
 

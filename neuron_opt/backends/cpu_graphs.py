@@ -14,10 +14,10 @@ Design decisions (measured; see docs/cpu_backend.md)
   eager): all-bf16 0.973, fp32 residual 0.980, bf16 weights with all activations fp32 0.996: the loss
   comes from activation rounding, mostly the residual stream, not from the weights.
 - The LM head graph takes the already-gathered last hidden states [B, H], so it depends only on B.
-- Attention runs in fp32 when the model runs in bf16 (`Fp32Attention`). The graph calls aten's CPU flash
-  attention, whose bf16 path does its q.k and p.v products with MKL's bf16 gemv: 0.39 ms per layer at one
-  query (kv 512, 1 thread) against 0.07 ms for upcast + fp32 kernel + downcast, i.e. ~10 ms of a 26 ms decode
-  step over 30 layers. Prefill is no slower in fp32 (S=128: 0.50 vs 0.55 ms). The KV cache stays bf16.
+- Rope and attention run in fp32 when the model runs in bf16: the executor passes fp32 rope tables, so q and k
+  come out of rope in fp32 (one bf16 rounding fewer for q; K/V are rounded once, into the bf16 cache). Also
+  faster: aten's CPU flash attention does its bf16 q.k and p.v products with MKL's bf16 gemv, 0.39 ms per layer
+  at one query (kv 512, 1 thread) against 0.07 ms for fp32. Decode graphs use `DecodeAttention` instead.
 """
 
 from __future__ import annotations
@@ -41,10 +41,13 @@ from neuron_opt.buckets import PREFILL, Bucket
 from neuron_opt.errors import BackendCompileError
 
 
-class Fp32Attention:
-    """Model ops that delegate to `inner`, but run attention on fp32 copies of q/k/v and cast the result back.
+class DecodeAttention:
+    """Model ops for decode graphs (one query per row): attention written as broadcast products and sums that
+    Inductor fuses into one loop nest reading the KV cache once (the GQA group's query heads share each K/V
+    row), in the dtype of q. Norms delegate to `inner`; queries longer than 1 use `inner.attention` (SDPA).
 
-    Norms are untouched. Why: see the module docstring (aten's bf16 CPU attention is 5x slower at decode).
+    Why: aten's CPU flash attention does one gemv per head (MKL), after a gathered copy of K/V per layer; at
+    KV 512 the fused loop made bf16 decode 15% faster (docs/cpu_backend.md).
     """
 
     def __init__(self, inner: Any) -> None:
@@ -55,47 +58,58 @@ class Fp32Attention:
 
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                   mask: torch.Tensor, scale: float) -> torch.Tensor:
-        out = self.inner.attention(q.float(), keys.float(), values.float(), positions, mask, scale)
-        return out.to(q.dtype)  # [B, n_heads, S, D]
+        B, n_heads, S, D = q.shape
+        if S != 1:
+            return self.inner.attention(q, keys, values, positions, mask, scale)
+        n_kv = keys.shape[1]
+        qg = q.view(B, n_kv, n_heads // n_kv, 1, D)  # [B, n_kv, g, 1, D]
+        scores = (qg * keys[:, :, None].to(q.dtype)).sum(-1) * scale  # [B, n_kv, g, kv_len]
+        p = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1)  # mask [B, 1, kv_len]
+        out = (p[..., None] * values[:, :, None].to(q.dtype)).sum(-2)  # [B, n_kv, g, D]
+        return out.view(B, n_heads, 1, D)
 
 
 class LayerGraph(nn.Module):
-    """One decoder layer; the KV length is the cache views' dim 2 (dynamic when compiled with it).
+    """One decoder layer in `dtype`; the KV length is the cache views' dim 2 (dynamic when compiled with it).
 
-    Holds a copy of `layer` in `dtype` (the caller's model is left as it is); with `fp32_attention` the copy's
-    attention runs through `Fp32Attention`.
+    The residual stream x and the rope tables come in the dtypes the executor chooses (fp32 for accuracy under
+    bf16 weights: models.llama.DecoderLayer and Attention handle the mix). Decode graphs attend with
+    `DecodeAttention`. Holds a copy of `layer`; the caller's model is left as it is.
     """
 
-    def __init__(self, layer: nn.Module, dtype: torch.dtype, fp32_attention: bool, fp32_residual: bool) -> None:
+    def __init__(self, layer: nn.Module, dtype: torch.dtype, decode_attention: bool) -> None:
         super().__init__()
         self.layer = copy.deepcopy(layer).to(dtype)
-        self.dtype, self.fp32_residual = dtype, fp32_residual
-        if fp32_attention:
+        if decode_attention:
             attn = self.layer.self_attn
-            attn.ops = Fp32Attention(attn.ops)
+            attn.ops = DecodeAttention(attn.ops)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                 slot_ids: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        if not self.fp32_residual:
-            return self.layer(x, cos, sin, positions, slot_ids, k_cache, v_cache, k_cache.shape[2])
-        # x is the fp32 residual stream; norms run on it in fp32, GEMM inputs and weights are in self.dtype.
-        # Mirrors models.llama.DecoderLayer.forward (tp=1: no sequence sharding).
-        ly = self.layer
-        h = ly.input_layernorm(x).to(self.dtype)  # [B, S, H]
-        x = x + ly.self_attn(h, cos, sin, positions, slot_ids, k_cache, v_cache, k_cache.shape[2]).float()
-        return x + ly.mlp(ly.post_attention_layernorm(x).to(self.dtype)).float()
+        return self.layer(x, cos, sin, positions, slot_ids, k_cache, v_cache, k_cache.shape[2])
 
 
 class HeadGraph(nn.Module):
-    """Final norm + LM head on the rows' last hidden states [B, H] -> fp32 logits [B, V]."""
+    """Final norm + LM head on the rows' last hidden states [B, H] -> fp32 logits [B, V].
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+    `weight_input`: the head weight [V, H] is a graph input (not a constant) and the logits are a fused
+    multiply-and-sum in fp32 over the fp32 normed state. Used for bf16 at batch 1: a bf16 GEMM rounds its
+    output, and logits of magnitude 16-32 rounded to bf16 (steps of 0.125) create argmax ties; teacher-forced
+    agreement with HF fp32 lost 4 of 256 tokens to it. As a graph input the weight cannot be constant-folded
+    to fp32 (that would double the bytes read); the loop streams it once at GEMM speed for one row, but
+    re-reads it per row, so batches above 1 keep the GEMM (docs/cpu_backend.md).
+    """
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, weight_input: bool) -> None:
         super().__init__()
         self.norm = norm
-        self.lm_head = lm_head
+        self.lm_head = None if weight_input else lm_head
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(x).to(self.lm_head.weight.dtype)).float()  # x may be an fp32 residual
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.norm(x)  # x may be an fp32 residual: then h is fp32
+        if self.lm_head is None:
+            return (h.float()[None] * weight[:, None].float()).sum(-1).t()  # [V, B, H] -> [B, V]
+        return self.lm_head(h.to(self.lm_head.weight.dtype)).float()
 
 
 def padded_kv(shape: tuple[int, int, int, int], dtype: torch.dtype) -> torch.Tensor:
@@ -110,8 +124,8 @@ def graph_keys(bucket: Bucket) -> tuple[str, str]:
     return layer, f"head_b{bucket.batch}"
 
 
-def layer_example(model: nn.Module, bucket: Bucket, num_slots: int, dtype: torch.dtype,
-                  residual_dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], Any]:
+def layer_example(model: nn.Module, bucket: Bucket, num_slots: int, dtype: torch.dtype, residual_dtype: torch.dtype,
+                  rope_dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], Any]:
     """Example inputs of the layer graph for `bucket`, and the dynamic_shapes spec (None when static)."""
     B, S = bucket.batch, (bucket.seq if bucket.phase == PREFILL else 1)
     H, D = model.cfg.hidden_size, model.cfg.head_dim
@@ -119,8 +133,8 @@ def layer_example(model: nn.Module, bucket: Bucket, num_slots: int, dtype: torch
     k = padded_kv(model.kv_shape(num_slots), dtype)[:, :, :kv_len]
     v = padded_kv(model.kv_shape(num_slots), dtype)[:, :, :kv_len]
     positions = torch.arange(S).expand(B, S).contiguous() if S > 1 else torch.full((B, 1), kv_len - 1)
-    args = (torch.randn(B, S, H).to(residual_dtype), torch.randn(B, S, 1, D).to(dtype), torch.randn(B, S, 1, D).to(dtype),
-            positions, torch.arange(B) % num_slots, k, v)
+    args = (torch.randn(B, S, H).to(residual_dtype), torch.randn(B, S, 1, D).to(rope_dtype),
+            torch.randn(B, S, 1, D).to(rope_dtype), positions, torch.arange(B) % num_slots, k, v)
     if bucket.seq < 2:
         return args, None
     kv = Dim("kv_len", min=2, max=model.max_length)
@@ -137,8 +151,13 @@ def inductor_options(gemm: str) -> dict[str, Any]:
     - "onednn": freezing without autotune; weights become oneDNN-packed constants and GEMMs call oneDNN
       (fastest bf16 here: oneDNN uses avx512_bf16 dot products, the template converts bf16 to fp32 without AMX).
     - "aten": plain AOTI; weights stay in their HF layout, GEMMs call aten.
+
+    Every choice also fuses GEMMs that read the same input (q/k/v, gate/up: `cpp.enable_concat_linear`): fewer,
+    larger GEMM calls; bf16 decode +12% at batch 1 (docs/cpu_backend.md). The fused weight is a row concatenation
+    of the projections (a `ConstantRecipe` with several sources), still built once at load.
     """
-    opts: dict[str, Any] = {"aot_inductor.package": True, "aot_inductor.package_constants_in_so": False}
+    opts: dict[str, Any] = {"aot_inductor.package": True, "aot_inductor.package_constants_in_so": False,
+                            "cpp.enable_concat_linear": True}
     if gemm == "cpp":
         opts.update({"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"})
     elif gemm == "onednn":

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from models.llama import LlamaForCausalLM
 from neuron_opt.backends.base import StepInputs, allocate_kv
@@ -17,7 +19,7 @@ from neuron_opt.backends.cpu import CpuBackend, CpuExecutor
 from neuron_opt.backends.cpu_constants import pack_weight
 from neuron_opt.buckets import DECODE, PREFILL, Bucket
 from neuron_opt.config import ModelConfig, ParallelConfig
-from neuron_opt.errors import ArtifactError, ConfigError
+from neuron_opt.errors import ArtifactError, BackendCompileError, ConfigError
 from neuron_opt.parallel import head_layout
 
 CFG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=261, hidden_size=64, intermediate_size=96,
@@ -138,8 +140,13 @@ def test_weights_are_bound_at_load_and_held_once(compiled: tuple[Path, dict[Buck
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in executor.constants.values()}
     param_bytes = sum(p.numel() * 4 for p in make_model(0).parameters())
     assert sum(storages.values()) <= 1.1 * param_bytes
-    n_linear = 7 * CFG.num_hidden_layers + 1
-    assert sum(1 for k in executor.constants if k[1].op == "pack") == n_linear
+    # each linear weight in exactly one packed constant; q/k/v and gate/up fused (concat-linear): 4 GEMMs a layer
+    packed = [k[0] for k in executor.constants if k[1].op == "pack"]
+    linear = [n for n, p in make_model(0).named_parameters() if p.dim() == 2 and "embed" not in n]
+    assert sorted(n for srcs in packed for n in srcs) == sorted([*linear, "lm_head.weight"])  # the tied head
+    assert len(packed) == 4 * CFG.num_hidden_layers + 1
+    assert any(len(srcs) == 3 and srcs[0].endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))
+               for srcs in packed)
 
 
 def test_pack_weight_layout() -> None:
@@ -154,6 +161,33 @@ def test_pack_weight_layout() -> None:
     for n in range(5):
         for k in range(4):
             assert v.view(3, 2, 2, 2)[n // 2, k // 2, n % 2, k % 2] == w[n, k]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=3), st.sampled_from([1, 2, 4, 8]), st.sampled_from([0, 2, 4]),
+       st.integers(0, 2**16))
+def test_constants_matched_to_concatenated_and_packed_sources(rows: list[int], block_n: int, vnni: int,
+                                                              seed: int) -> None:
+    """A graph constant built as the C++ template's packing of several projections concatenated (Inductor's
+    concat-linear) is traced back to those sources in order, and rebuilt identically at load."""
+    from neuron_opt.backends.cpu_constants import build_constant, match_constants, unpack_weight
+
+    g = torch.Generator().manual_seed(seed)
+    named = {f"p{i}.weight": torch.randn(n, 8, generator=g) for i, n in enumerate(rows)}
+    named["other.weight"] = torch.randn(4, 8, generator=g)
+    named["p.bias"] = torch.randn(sum(rows), generator=g)
+    order = list(reversed(named))[2:]  # the sources in a different order than the module's
+    fused = torch.cat([named[n] for n in order])
+    packed = pack_weight(fused, block_n, vnni)
+    assert torch.equal(unpack_weight(packed, vnni)[:sum(rows)], fused)
+    consts = {"c0": packed, "c1": torch.cat([named["p.bias"]]), "c2": named["other.weight"].clone()}
+    recipes = match_constants(consts, named, "test")
+    assert recipes["c0"].sources == tuple(order) and (recipes["c0"].op, recipes["c0"].block_n) == ("pack", block_n)
+    assert recipes["c1"].sources == ("p.bias",) and recipes["c2"].sources == ("other.weight",)
+    for c, r in recipes.items():
+        assert torch.equal(build_constant([named[n] for n in r.sources], r), consts[c])
+    with pytest.raises(BackendCompileError, match="not derived from any model tensor"):
+        match_constants({"bad": packed + 1}, named, "test")
 
 
 def test_load_rejects_mismatched_setup(compiled: tuple[Path, dict[Bucket, list[Path]], CpuBackend]) -> None:
@@ -183,27 +217,60 @@ def test_bf16_decode_matches_eager(tmp_path: Path, gemm: str) -> None:
         with torch.no_grad():
             want = model(inp.input_ids, inp.positions, inp.slot_ids, inp.last_index, k, v, bucket.kv_len)
         torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
+        assert (got != got.bfloat16().float()).any()  # batch-1 logits keep fp32 resolution (HeadGraph)
         torch.testing.assert_close(ex.k_caches[0].float(), k[0].float(), rtol=0.05, atol=0.05)
         assert ex.k_caches[0][1, :, pos].abs().sum() > 0
 
 
-def test_fp32_attention_ops_match_an_fp64_reference() -> None:
-    """cpu_graphs.Fp32Attention (used by bf16 layer graphs): bf16 in, bf16 out, fp32 math. Oracle: fp64 softmax
-    attention written out by hand on the same bf16 inputs; the only error left is the final bf16 rounding."""
+@pytest.mark.parametrize("n_heads,n_kv,window", [(4, 2, None), (6, 2, 5), (3, 3, None), (4, 1, 7)])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32])
+def test_decode_attention_ops_match_an_fp64_reference(n_heads: int, n_kv: int, window: int | None,
+                                                      kv_dtype: torch.dtype) -> None:
+    """cpu_graphs.DecodeAttention (decode layer graphs): fp32 queries (out of fp32 rope) over a bf16 or fp32 KV
+    cache (upcast, as the model does), GQA/MHA, causal and sliding-window masks. Oracle: fp64 softmax attention written out by hand on the
+    same inputs. Queries longer than 1 go to the inner ops (SDPA), checked against the same oracle."""
     from models.llama import TORCH_OPS
-    from neuron_opt.backends.cpu_graphs import Fp32Attention
+    from neuron_opt.backends.cpu_graphs import DecodeAttention
 
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 4, 3, 16, generator=g).bfloat16()  # [B, n_heads, S, D]
-    k = torch.randn(2, 2, 40, 16, generator=g).bfloat16()  # [B, n_kv, kv_len, D]
-    v = torch.randn(2, 2, 40, 16, generator=g).bfloat16()
-    positions = torch.tensor([[20, 21, 22], [37, 38, 39]])
-    mask = torch.arange(40)[None, None, :] <= positions[:, :, None]  # [B, S, kv_len]
-    got = Fp32Attention(TORCH_OPS).attention(q, k, v, positions, mask, 0.25)
-    assert got.dtype == torch.bfloat16
-    kd, vd = (t.double().repeat_interleave(2, dim=1) for t in (k, v))  # [B, n_heads, kv_len, D]
-    scores = (q.double() @ kd.transpose(-1, -2) * 0.25).masked_fill(~mask[:, None], float("-inf"))
-    want = scores.softmax(-1) @ vd  # [B, n_heads, S, D]
-    torch.testing.assert_close(got.double(), want, rtol=2**-7, atol=1e-6)
+    g = torch.Generator().manual_seed(n_heads * 10 + n_kv)
+    kv_len = 40
+    k = torch.randn(2, n_kv, kv_len, 16, generator=g).to(kv_dtype)  # [B, n_kv, kv_len, D]
+    v = torch.randn(2, n_kv, kv_len, 16, generator=g).to(kv_dtype)
+    for positions in (torch.tensor([[20], [39]]), torch.tensor([[20, 21, 22], [37, 38, 39]])):
+        q = torch.randn(2, n_heads, positions.shape[1], 16, generator=g)  # [B, n_heads, S, D]
+        key_pos = torch.arange(kv_len)[None, None, :]
+        mask = key_pos <= positions[:, :, None]  # [B, S, kv_len]
+        if window is not None:
+            mask &= key_pos > positions[:, :, None] - window
+        # as models.llama.Attention passes them: cache rows in q's dtype
+        got = DecodeAttention(TORCH_OPS).attention(q, k.float(), v.float(), positions, mask, 0.25)
+        kd, vd = (t.double().repeat_interleave(n_heads // n_kv, dim=1) for t in (k, v))  # [B, n_heads, kv, D]
+        scores = (q.double() @ kd.transpose(-1, -2) * 0.25).masked_fill(~mask[:, None], float("-inf"))
+        want = scores.softmax(-1) @ vd  # [B, n_heads, S, D]
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ConfigError, match="attention must be one of"):
         CpuBackend(torch.bfloat16, {"attention": "fp16"})
+    with pytest.raises(ConfigError, match="decode_attention must be one of"):
+        CpuBackend(torch.bfloat16, {"decode_attention": "flash"})
+
+
+@pytest.mark.parametrize("weight_input", [True, False])
+def test_head_graph_logits_against_fp64(weight_input: bool) -> None:
+    """HeadGraph in bf16 on an fp32 residual: with the weight as an input, fp32 logits of the fp32 normed state
+    and the bf16 weights (oracle: fp64 of the same values); the GEMM variant rounds them to bf16."""
+    from neuron_opt.backends.cpu_graphs import HeadGraph
+
+    m = make_model(3, torch.bfloat16)
+    head = HeadGraph(m.model.norm, m.lm_head, weight_input)
+    x = torch.randn(1, CFG.hidden_size) * 3
+    got = head(x, m.lm_head.weight) if weight_input else head(x)
+    xd = x.double()
+    normed = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + CFG.rms_norm_eps) * m.model.norm.weight.double()
+    want = normed @ m.lm_head.weight.double().t()  # [1, V]
+    assert got.dtype == torch.float32 and got.shape == (1, CFG.vocab_size)
+    if weight_input:
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(got.double(), want, rtol=2**-6, atol=2**-6)
+        assert torch.equal(got, got.bfloat16().float())
