@@ -46,11 +46,13 @@ def _parse_options(options: dict[str, Any] | None, dtype: torch.dtype) -> dict[s
     norms on it) or "dtype". logits: "fp32" (batch-1 heads compute fp32 logits from the weights in `dtype`,
     cpu_graphs.HeadGraph) or "dtype" (the GEMM's output). These three only matter for dtypes below fp32.
     decode_attention: "fused" (cpu_graphs.DecodeAttention) or "sdpa" (aten's flash attention, as prefill).
+    fuse_projections: "on" (q/k/v and gate/up as one GEMM each, see cpu_graphs.inductor_options) or "off".
     """
     opts = {"gemm": "onednn" if dtype == torch.bfloat16 else "cpp", "attention": "fp32", "residual": "fp32",
-            "decode_attention": "fused", "logits": "fp32"}
+            "decode_attention": "fused", "logits": "fp32", "fuse_projections": "on"}
     choices = {"gemm": GEMM_CHOICES, "attention": PRECISION_CHOICES, "residual": PRECISION_CHOICES,
-               "decode_attention": DECODE_ATTENTION_CHOICES, "logits": PRECISION_CHOICES}
+               "decode_attention": DECODE_ATTENTION_CHOICES, "logits": PRECISION_CHOICES,
+               "fuse_projections": ("on", "off")}
     for k, v in (options or {}).items():
         if k not in choices:
             raise ConfigError(f"backend options: unknown cpu option {k!r}; known: {sorted(choices)}")
@@ -94,7 +96,8 @@ class CpuBackend:
         args, dyn = layer_example(model, bucket, num_slots, self.dtype, self.residual_dtype, self.rope_dtype)
         decode_attention = bucket.phase == DECODE and self.options["decode_attention"] == "fused"
         layer = LayerGraph(model.model.layers[0], self.dtype, decode_attention)
-        recipes = compile_graph(layer, args, dyn, self.options["gemm"], so, f"cpu layer graph for {bucket.key}")
+        recipes = compile_graph(layer, args, dyn, self.options["gemm"], so, f"cpu layer graph for {bucket.key}",
+                                self.options["fuse_projections"] == "on")
         return {"kind": "layer", "phase": bucket.phase, "batch": bucket.batch, "num_slots": num_slots,
                 "dynamic_kv": dyn is not None, "constants": {k: r.to_dict() for k, r in recipes.items()}}
 

@@ -143,7 +143,7 @@ def layer_example(model: nn.Module, bucket: Bucket, num_slots: int, dtype: torch
     return args, (None, None, None, None, None, {2: kv}, {2: kv})
 
 
-def inductor_options(gemm: str) -> dict[str, Any]:
+def inductor_options(gemm: str, fuse_projections: bool = True) -> dict[str, Any]:
     """How GEMMs are compiled (all three are deterministic: no timing-based choice).
 
     - "cpp": freezing + max_autotune restricted to the C++ GEMM template; weights become blocked constants
@@ -157,7 +157,7 @@ def inductor_options(gemm: str) -> dict[str, Any]:
     of the projections (a `ConstantRecipe` with several sources), still built once at load.
     """
     opts: dict[str, Any] = {"aot_inductor.package": True, "aot_inductor.package_constants_in_so": False,
-                            "cpp.enable_concat_linear": True}
+                            "cpp.enable_concat_linear": fuse_projections}
     if gemm == "cpp":
         opts.update({"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"})
     elif gemm == "onednn":
@@ -166,10 +166,10 @@ def inductor_options(gemm: str) -> dict[str, Any]:
 
 
 def compile_graph(module: nn.Module, args: tuple[torch.Tensor, ...], dynamic_shapes: Any, gemm: str,
-                  so_path: Path, what: str) -> dict[str, ConstantRecipe]:
+                  so_path: Path, what: str, fuse_projections: bool = True) -> dict[str, ConstantRecipe]:
+    """AOT-compile `module` (on a placeholder-weight copy) into `so_path`; return its constant recipes."""
     # the GEMMs' row count M in the example (Inductor specialises oneDNN weight layouts to it)
     rows = args[0].shape[0] * (args[0].shape[1] if args[0].dim() == 3 else 1)
-    """AOT-compile `module` (on a placeholder-weight copy) into `so_path`; return its constant recipes."""
     ph = placeholder_copy(module, seed=0)
     named = dict(ph.state_dict())
     named.update(dict(ph.named_buffers()))
@@ -177,7 +177,7 @@ def compile_graph(module: nn.Module, args: tuple[torch.Tensor, ...], dynamic_sha
         with torch.no_grad():
             ep = torch.export.export(ph, args, dynamic_shapes=dynamic_shapes, strict=False)
             with capture_constants() as consts:
-                files = torch._inductor.aot_compile(ep.module(), args, options=inductor_options(gemm))
+                files = torch._inductor.aot_compile(ep.module(), args, options=inductor_options(gemm, fuse_projections))
     except Exception as e:  # export/inductor raise many types; name the graph and keep the cause
         raise BackendCompileError(f"{what}: AOTInductor compile failed: {type(e).__name__}: {e}") from e
     sos = [f for f in files if isinstance(f, str) and f.endswith(".so")]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -36,6 +37,7 @@ class Result:
     ratio_vs_hf: float | None = None
     mbu: float | None = None
     agreement_vs_hf_fp32: float | None = None  # teacher-forced greedy agreement over --agreement-tokens
+    runs_tok_s: list[float] | None = None  # every round's tok/s (--repeats); tok_s is their median
 
 
 def measure_read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
@@ -204,9 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--agreement-tokens", type=int, default=256,
                     help="teacher-forced greedy agreement with HF fp32 over this many tokens (batch-1 rows; 0: skip)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds of every system (fresh processes, interleaved); tok/s is the median of the rounds")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
     systems = args.systems.split(",")
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
@@ -223,16 +229,26 @@ def main(argv: list[str] | None = None) -> int:
         reference = _in_fresh_process(_measure, "reference", 1, opts, None)["reference"]
     results: list[Result] = []
     for batch in batches:
-        for system in SYSTEMS:
-            if system in systems:
-                r = Result(**_in_fresh_process(_measure, system, batch, opts, reference)["result"])
-                results.append(r)
-                log(f"{r.system + ' ' + r.dtype:40s} b={batch} {r.tok_s:7.1f} tok/s")
+        runs: dict[str, list[Result]] = {}
+        for rep in range(args.repeats):  # rounds: every system once per round, so all see the same drift
+            for system in SYSTEMS:
+                if system in systems:
+                    r = Result(**_in_fresh_process(_measure, system, batch, opts, reference if rep == 0 else None)
+                               ["result"])
+                    runs.setdefault(system, []).append(r)
+                    log(f"{r.system + ' ' + r.dtype:40s} b={batch} {r.tok_s:7.1f} tok/s")
+        for rs in runs.values():
+            r = rs[0]
+            r.runs_tok_s = [x.tok_s for x in rs]
+            r.tok_s = statistics.median(r.runs_tok_s)
+            results.append(r)
+    bw = max(bw, measure_read_bandwidth())  # before and after: MBU against the better of the two
     for r in results:
         base = next((x.tok_s for x in results if x.system == "transformers-eager" and x.batch == r.batch), None)
         r.ratio_vs_hf = r.tok_s / base if base else None
         r.mbu = r.bytes_per_step * (r.tok_s / r.batch) / (bw * 1e9)
     doc = {"mem_bw_gbs": bw, "model": str(args.model), "threads": args.threads or torch.get_num_threads(),
+           "repeats": args.repeats,
            "cpu": platform.processor() or platform.machine(), "torch": torch.__version__, "prompt_len": PROMPT_LEN,
            "steps": args.steps, "results": [asdict(r) for r in results]}
     if args.out:

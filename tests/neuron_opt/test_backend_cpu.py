@@ -72,7 +72,8 @@ class Eager:
 def prefill_inputs(prompt: list[int], bucket: Bucket, slot: int) -> StepInputs:
     ids = torch.zeros(1, bucket.seq, dtype=torch.int64)
     ids[0, :len(prompt)] = torch.tensor(prompt)
-    return StepInputs(ids, torch.arange(bucket.seq)[None].clone(), torch.tensor([slot]), torch.tensor([len(prompt) - 1]))
+    return StepInputs(ids, torch.arange(bucket.seq)[None].clone(), torch.tensor([slot]),
+                      torch.tensor([len(prompt) - 1]))
 
 
 def decode_inputs(tokens: list[int], positions: list[int], slots: list[int]) -> StepInputs:
@@ -86,7 +87,7 @@ def reset(ex: CpuExecutor) -> None:
 
 
 def assert_kv_equal(ex: CpuExecutor, ref: Eager) -> None:
-    for a, b in zip(ex.k_caches + ex.v_caches, ref.k + ref.v):
+    for a, b in zip(ex.k_caches + ex.v_caches, ref.k + ref.v, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
@@ -96,7 +97,8 @@ def test_prefill_then_decode_matches_eager_step_by_step(executor: CpuExecutor, n
     ref = Eager(make_model(7))
     prompt = torch.randint(3, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
     bucket = Bucket(PREFILL, 1, 16 if n <= 16 else 32)
-    got, want = executor.run(bucket, prefill_inputs(prompt, bucket, 1)), ref.run(bucket, prefill_inputs(prompt, bucket, 1))
+    inp = prefill_inputs(prompt, bucket, 1)
+    got, want = executor.run(bucket, inp), ref.run(bucket, inp)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert_kv_equal(executor, ref)
     tok_c, tok_e = [int(got.argmax())], [int(want.argmax())]
@@ -227,8 +229,9 @@ def test_bf16_decode_matches_eager(tmp_path: Path, gemm: str) -> None:
 def test_decode_attention_ops_match_an_fp64_reference(n_heads: int, n_kv: int, window: int | None,
                                                       kv_dtype: torch.dtype) -> None:
     """cpu_graphs.DecodeAttention (decode layer graphs): fp32 queries (out of fp32 rope) over a bf16 or fp32 KV
-    cache (upcast, as the model does), GQA/MHA, causal and sliding-window masks. Oracle: fp64 softmax attention written out by hand on the
-    same inputs. Queries longer than 1 go to the inner ops (SDPA), checked against the same oracle."""
+    cache (upcast, as the model does), GQA/MHA, causal and sliding-window masks. Oracle: fp64 softmax attention
+    written out by hand on the same inputs. Queries longer than 1 go to the inner ops (SDPA), checked against the
+    same oracle."""
     from models.llama import TORCH_OPS
     from neuron_opt.backends.cpu_graphs import DecodeAttention
 
