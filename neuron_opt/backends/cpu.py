@@ -35,6 +35,7 @@ FORMAT = 1
 GEMM_CHOICES = ("cpp", "onednn", "aten")
 PRECISION_CHOICES = ("fp32", "dtype")
 DECODE_ATTENTION_CHOICES = ("fused", "sdpa")
+ONEDNN_SHARED_BATCH = 1  # the M hint of every oneDNN-packed weight (see _WeightStore)
 SUBDIR = "cpu"
 
 
@@ -125,13 +126,21 @@ class CpuBackend:
 
 
 class _WeightStore:
-    """Each (tensor, packing) built once and shared by every graph that needs it."""
+    """Each (tensor, packing) built once and shared by every graph that needs it.
+
+    oneDNN weights are packed once, for M = 1, whatever M hint the graph was compiled with: oneDNN chooses a
+    layout per M, so prefill, decode and each batch size would each hold a copy, yet the M=1 layout runs every
+    M as fast as the graph's own (bf16, SmolLM2 shapes, M 1..512: within noise, docs/cpu_backend.md) and a
+    layout oneDNN did not expect would only cost a reorder, never a wrong result.
+    """
 
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self.tensors = tensors
-        self.built: dict[tuple[str, ConstantRecipe], torch.Tensor] = {}
+        self.built: dict[tuple[tuple[str, ...], ConstantRecipe], torch.Tensor] = {}
 
     def get(self, fqns: tuple[str, ...], r: ConstantRecipe) -> torch.Tensor:
+        if r.op == "onednn":
+            r = ConstantRecipe(r.sources, r.op, batch=ONEDNN_SHARED_BATCH)
         key = (fqns, ConstantRecipe((), r.op, r.block_n, r.vnni, r.batch))
         if key not in self.built:
             missing = [f for f in fqns if f not in self.tensors]

@@ -200,6 +200,19 @@ def test_load_rejects_mismatched_setup(compiled: tuple[Path, dict[Bucket, list[P
         CpuBackend(torch.float32, {"fast": True})
 
 
+def test_onednn_weights_packed_once_for_every_m_hint() -> None:
+    from neuron_opt.backends.cpu import _WeightStore
+    from neuron_opt.backends.cpu_constants import ConstantRecipe
+
+    w = torch.randn(48, 32).bfloat16()
+    store = _WeightStore({"w": w})
+    a = store.get(("w",), ConstantRecipe(("x.w",), "onednn", batch=16))
+    b = store.get(("w",), ConstantRecipe(("x.w",), "onednn", batch=1))
+    assert a is b and len(store.built) == 1
+    x = torch.randn(16, 32).bfloat16()
+    torch.testing.assert_close(torch.ops.mkldnn._linear_pointwise(x, a, None, "none", [], ""), x @ w.t())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("gemm", ["onednn", "cpp"])
 def test_bf16_decode_matches_eager(tmp_path: Path, gemm: str) -> None:
@@ -207,10 +220,13 @@ def test_bf16_decode_matches_eager(tmp_path: Path, gemm: str) -> None:
     logits within bf16 rounding and the KV caches advancing."""
     backend = CpuBackend(torch.bfloat16, {"gemm": gemm})
     bucket = Bucket(DECODE, 1, 32)
-    files = {bucket: [tmp_path / f for f in backend.compile_bucket(make_model(0, torch.bfloat16), bucket, SLOTS,
-                                                                     tmp_path)]}
+    # prefill and batch-2 graphs loaded too: oneDNN packs for each graph's M, the executor holds one packing
+    files = {b: [tmp_path / f for f in backend.compile_bucket(make_model(0, torch.bfloat16), b, SLOTS, tmp_path)]
+             for b in (bucket, Bucket(PREFILL, 1, 16), Bucket(DECODE, 2, 32))}
     backend.save_weights(make_model(7, torch.bfloat16), tmp_path / "w.safetensors")
     ex = backend.load(files, tmp_path / "w.safetensors", lambda: make_model(1, torch.bfloat16), SLOTS)
+    gemm_constants = [k for k in ex.constants if k[1].op in ("onednn", "pack")]
+    assert len(gemm_constants) == 4 * CFG.num_hidden_layers + 1  # fused projections + the batch-2 GEMM head
     model = make_model(7, torch.bfloat16)
     k, v = allocate_kv(model, SLOTS, torch.bfloat16)
     for pos in range(6):
