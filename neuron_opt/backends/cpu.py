@@ -31,7 +31,7 @@ from neuron_opt.backends.eager import load_model_weights, model_state_for_save
 from neuron_opt.buckets import DECODE, Bucket
 from neuron_opt.errors import ArtifactError, ConfigError
 
-FORMAT = 1
+FORMAT = 2  # 2: recipes name several sources (fused projections); heads may take their weight as an input
 GEMM_CHOICES = ("cpp", "onednn", "aten")
 PRECISION_CHOICES = ("fp32", "dtype")
 DECODE_ATTENTION_CHOICES = ("fused", "sdpa")

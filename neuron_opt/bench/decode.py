@@ -4,7 +4,7 @@ Every system runs in its own fresh process and decodes the same prompts greedily
 only decode steps are timed
 (prefill excluded). Reported: tokens/s, ratio to HF eager fp32, and model-bandwidth utilisation (MBU): bytes a
 decode step must read (weights + the KV positions it attends over) x steps/s, over the memory-read bandwidth
-measured in the same run.
+probed in the same process right after the timed steps.
 
 JSON: {"mem_bw_gbs": x, "results": [{"system", "dtype", "batch", "tok_s", "ratio_vs_hf", "mbu"}, ...], ...}
 """
@@ -38,6 +38,7 @@ class Result:
     mbu: float | None = None
     agreement_vs_hf_fp32: float | None = None  # teacher-forced greedy agreement over --agreement-tokens
     runs_tok_s: list[float] | None = None  # every round's tok/s (--repeats); tok_s is their median
+    mem_bw_gbs: float | None = None  # read bandwidth probed in the same process right after the timed steps
 
 
 def measure_read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
@@ -142,6 +143,15 @@ def compiled_runner(model: str, backend: str, dtype: str, batch: int, out: Path,
 
 
 def _measure(system: str, batch: int, opts: dict, reference: tuple[list[int], list[int]] | None) -> dict:
+    """`_measure_one`, then the memory bandwidth probed in the same process (this VM's bandwidth drifts by tens of
+    percent within minutes, so each result's MBU is taken against the bandwidth of its own moment)."""
+    out = _measure_one(system, batch, opts, reference)
+    if "result" in out:
+        out["result"]["mem_bw_gbs"] = measure_read_bandwidth()
+    return out
+
+
+def _measure_one(system: str, batch: int, opts: dict, reference: tuple[list[int], list[int]] | None) -> dict:
     """One (system, batch) measurement; runs in a fresh process (see main). Returns the Result as a dict, plus
     the HF fp32 reference continuation when this job computed it."""
     import transformers
@@ -241,12 +251,13 @@ def main(argv: list[str] | None = None) -> int:
             r = rs[0]
             r.runs_tok_s = [x.tok_s for x in rs]
             r.tok_s = statistics.median(r.runs_tok_s)
+            r.mbu = statistics.median(x.bytes_per_step * (x.tok_s / x.batch) / (x.mem_bw_gbs * 1e9) for x in rs)
+            r.mem_bw_gbs = statistics.median(x.mem_bw_gbs for x in rs)
             results.append(r)
-    bw = max(bw, measure_read_bandwidth())  # before and after: MBU against the better of the two
+    bw = max([bw, measure_read_bandwidth()] + [r.mem_bw_gbs for r in results])
     for r in results:
         base = next((x.tok_s for x in results if x.system == "transformers-eager" and x.batch == r.batch), None)
         r.ratio_vs_hf = r.tok_s / base if base else None
-        r.mbu = r.bytes_per_step * (r.tok_s / r.batch) / (bw * 1e9)
     doc = {"mem_bw_gbs": bw, "model": str(args.model), "threads": args.threads or torch.get_num_threads(),
            "repeats": args.repeats,
            "cpu": platform.processor() or platform.machine(), "torch": torch.__version__, "prompt_len": PROMPT_LEN,
@@ -256,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
-        print(f"\nmemory read bandwidth: {bw:.1f} GB/s")
+        print(f"\nmemory read bandwidth: up to {bw:.1f} GB/s; MBU is against the probe run beside each result")
         print(f"{'system':30s} {'dtype':9s} {'batch':>5s} {'tok/s':>8s} {'vs HF':>6s} {'MBU':>6s} {'agree':>6s}")
         for r in results:
             ratio = f"{r.ratio_vs_hf:.2f}x" if r.ratio_vs_hf else "-"

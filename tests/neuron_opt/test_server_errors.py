@@ -121,7 +121,7 @@ def _free_port() -> int:
 
 def test_serve_cli_prints_curl_and_sigterm_drains(tiny_dir):
     port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in os.environ.items() if k != "NEURON_OPT_NUM_THREADS"}
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -146,6 +146,8 @@ def test_serve_cli_prints_curl_and_sigterm_drains(tiny_dir):
         url = f"http://127.0.0.1:{port}"
         banner = proc.stdout.readline() + proc.stdout.readline()
         assert f"curl {url}/v1/chat/completions" in banner, banner
+        # NEURON_OPT_NUM_THREADS unset: one core is left to the event loop
+        assert f"{max(1, len(os.sched_getaffinity(0)) - 1)} torch thread(s)" in banner, banner
         deadline = time.monotonic() + 120
         while True:
             assert proc.poll() is None and time.monotonic() < deadline, "server did not come up"
