@@ -6,6 +6,8 @@ Oracle: the same LlamaForCausalLM run eagerly on its own KV caches. One module-s
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -196,6 +198,15 @@ def test_load_rejects_mismatched_setup(compiled: tuple[Path, dict[Bucket, list[P
     out, files, backend = compiled
     with pytest.raises(ArtifactError, match="num_slots"):
         backend.load(files, out / "rank0.safetensors", lambda: make_model(1), SLOTS + 1)
+    # a graph written by an older cpu backend (format 1: one source per constant) is refused, not misread
+    old = out.parent / (out.name + "_old")
+    shutil.copytree(out, old)
+    meta_path = old / "cpu" / "head_b1.json"
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({**meta, "format": 1}))
+    old_files = {b: [old / f.relative_to(out) for f in fs] for b, fs in files.items()}
+    with pytest.raises(ArtifactError, match="format"):
+        backend.load(old_files, old / "rank0.safetensors", lambda: make_model(1), SLOTS)
     with pytest.raises(ConfigError, match="unknown cpu option"):
         CpuBackend(torch.float32, {"fast": True})
 
