@@ -171,7 +171,12 @@ class OpenAIServing:
         }
         if req.stream:
             rid, q = self._submit(ids, params, arrival)
-            return self._stream_completion(self._outputs(rid, q, arrival), head, req, len(ids))
+
+            def choice(out: RequestOutput, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
+                lp = self._completion_logprobs(lps, offset) if req.logprobs is not None else None
+                return {"index": 0, "text": out.text_delta, "logprobs": lp, "finish_reason": out.finish_reason}
+
+            return self._stream(self._outputs(rid, q, arrival), head, len(ids), req.include_usage, choice)
         r = await self._collect(ids, params, arrival, is_disconnected)
         lp = self._completion_logprobs(r.logprobs, 0) if req.logprobs is not None else None
         return {
@@ -187,48 +192,6 @@ class OpenAIServing:
             ],
             "usage": self._usage(r),
         }
-
-    async def _stream_completion(
-        self,
-        outputs: AsyncIterator[RequestOutput],
-        head: dict[str, Any],
-        req: CompletionRequest,
-        n_prompt: int,
-    ) -> AsyncIterator[str]:
-        r = _Result(prompt_tokens=n_prompt)
-        try:
-            async for out in outputs:
-                r.token_ids += out.new_token_ids
-                r.logprobs += out.logprobs  # tokens whose text is held back ride along with the next chunk
-                if out.text_delta or out.finished:
-                    lp = (
-                        self._completion_logprobs(r.logprobs, len(r.text))
-                        if req.logprobs is not None
-                        else None
-                    )
-                    r.logprobs = []
-                    r.text += out.text_delta
-                    yield sse(
-                        {
-                            **head,
-                            "choices": [
-                                {
-                                    "index": 0,
-                                    "text": out.text_delta,
-                                    "logprobs": lp,
-                                    "finish_reason": out.finish_reason,
-                                }
-                            ],
-                        }
-                    )
-        except EngineError as e:
-            yield sse(
-                {"error": {"message": str(e), "type": "InternalServerError", "param": None, "code": 500}}
-            )
-        else:
-            if req.include_usage:
-                yield sse({**head, "choices": [], "usage": self._usage(r)})
-        yield "data: [DONE]\n\n"
 
     # ---- /v1/chat/completions ------------------------------------------------------------------------
 
@@ -262,9 +225,18 @@ class OpenAIServing:
         }
         if req.stream:
             rid, q = self._submit(ids, params, arrival)
-            return self._stream_chat(
-                self._outputs(rid, q, arrival), {**head, "object": "chat.completion.chunk"}, req, len(ids)
-            )
+
+            def choice(out: RequestOutput, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
+                return {
+                    "index": 0,
+                    "delta": {"content": out.text_delta} if out.text_delta else {},
+                    "logprobs": self._chat_logprobs(lps) if req.logprobs else None,
+                    "finish_reason": out.finish_reason,
+                }
+
+            first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            return self._stream(self._outputs(rid, q, arrival), {**head, "object": "chat.completion.chunk"},
+                                len(ids), req.include_usage, choice, first)
         r = await self._collect(ids, params, arrival, is_disconnected)
         lp = self._chat_logprobs(r.logprobs) if req.logprobs else None
         return {
@@ -281,53 +253,34 @@ class OpenAIServing:
             "usage": self._usage(r),
         }
 
-    async def _stream_chat(
+    async def _stream(
         self,
         outputs: AsyncIterator[RequestOutput],
         head: dict[str, Any],
-        req: ChatCompletionRequest,
         n_prompt: int,
+        include_usage: bool,
+        choice: Callable[[RequestOutput, list[TokenLogprob], int], dict[str, Any]],
+        first: dict[str, Any] | None = None,
     ) -> AsyncIterator[str]:
+        """The SSE stream of completions and chat: `first` (chat's role chunk), one chunk per text delta built
+        by `choice(output, logprobs since the last chunk, text offset)`, usage if asked, then [DONE]."""
         r = _Result(prompt_tokens=n_prompt)
         try:
-            yield sse(
-                {
-                    **head,
-                    "choices": [
-                        {
-                            "index": 0,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
-                }
-            )
+            if first is not None:
+                yield sse({**head, "choices": [first]})
             async for out in outputs:
                 r.token_ids += out.new_token_ids
-                r.logprobs += out.logprobs
+                r.logprobs += out.logprobs  # tokens whose text is held back ride along with the next chunk
                 if out.text_delta or out.finished:
-                    lp = self._chat_logprobs(r.logprobs) if req.logprobs else None
+                    c = choice(out, r.logprobs, len(r.text))
                     r.logprobs = []
-                    delta = {"content": out.text_delta} if out.text_delta else {}
-                    yield sse(
-                        {
-                            **head,
-                            "choices": [
-                                {
-                                    "index": 0,
-                                    "delta": delta,
-                                    "logprobs": lp,
-                                    "finish_reason": out.finish_reason,
-                                }
-                            ],
-                        }
-                    )
+                    r.text += out.text_delta
+                    yield sse({**head, "choices": [c]})
         except EngineError as e:
             yield sse(
                 {"error": {"message": str(e), "type": "InternalServerError", "param": None, "code": 500}}
             )
         else:
-            if req.include_usage:
+            if include_usage:
                 yield sse({**head, "choices": [], "usage": self._usage(r)})
         yield "data: [DONE]\n\n"

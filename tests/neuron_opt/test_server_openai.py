@@ -184,6 +184,23 @@ def test_logprobs(llms, client):
     assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in content)
 
 
+def test_streamed_logprobs_equal_the_non_streamed_ones(client):
+    """Streaming splits the same logprobs over chunks: completions keep text offsets into the whole text, chat
+    keeps one content entry per token."""
+    kw = dict(model=MODEL, prompt="Hello there", max_tokens=8, temperature=0, logprobs=2)
+    whole = client.completions.create(**kw).choices[0].logprobs
+    chunks = [c.choices[0].logprobs for c in client.completions.create(**kw, stream=True) if c.choices]
+    assert [t for c in chunks if c for t in c.tokens] == whole.tokens
+    assert [o for c in chunks if c for o in c.text_offset] == whole.text_offset
+    assert [v for c in chunks if c for v in c.token_logprobs] == pytest.approx(whole.token_logprobs, abs=1e-5)
+    ckw = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0, logprobs=True,
+               top_logprobs=2)
+    whole_chat = client.chat.completions.create(**ckw).choices[0].logprobs.content
+    streamed = [e for c in client.chat.completions.create(**ckw, stream=True)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in whole_chat]
+
+
 def test_32_concurrent_streams_each_get_their_own_continuation(llms, server):
     prompts = [f"Client {i}: " + "word " * (i % 7) + f"number {i * 37}" for i in range(32)]
     lengths = [4 + (i * 5) % 13 for i in range(32)]
