@@ -9,6 +9,7 @@ registry, so several servers (tests) can live in one process.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -93,50 +94,23 @@ class ServerMetrics:
         kv_usage: Callable[[], float],
     ) -> None:
         self.registry = CollectorRegistry()
-        r, lab = self.registry, ["model_name"]
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds",
-            "Time to first token.",
-            lab,
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self.itl = Histogram(
-            PREFIX + "inter_token_latency_seconds",
-            "Time between consecutive output tokens.",
-            lab,
-            buckets=ITL_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
-            "End-to-end request latency.",
-            lab,
-            buckets=E2E_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self.prompt_tokens = Counter(
-            PREFIX + "prompt_tokens", "Prefill tokens processed.", lab, registry=r
-        ).labels(model_name)
-        self.generation_tokens = Counter(
-            PREFIX + "generation_tokens", "Generated tokens.", lab, registry=r
-        ).labels(model_name)
-        self._success = Counter(
-            PREFIX + "request_success",
-            "Finished requests by finish reason.",
-            ["model_name", "finished_reason"],
-            registry=r,
-        )
         self.model_name = model_name
-        Gauge(PREFIX + "num_requests_running", "Requests holding a KV slot.", lab, registry=r).labels(
-            model_name
-        ).set_function(num_running)
-        Gauge(PREFIX + "num_requests_waiting", "Requests queued for a KV slot.", lab, registry=r).labels(
-            model_name
-        ).set_function(num_waiting)
-        Gauge(PREFIX + "kv_cache_usage_perc", "Fraction of KV slots in use (0-1).", lab, registry=r).labels(
-            model_name
-        ).set_function(kv_usage)
+
+        def labelled(kind: type, name: str, doc: str, **kw: Any) -> Any:  # one metric, this model's label
+            return kind(PREFIX + name, doc, ["model_name"], registry=self.registry, **kw).labels(model_name)
+
+        self.ttft = labelled(Histogram, "time_to_first_token_seconds", "Time to first token.", buckets=TTFT_BUCKETS)
+        self.itl = labelled(Histogram, "inter_token_latency_seconds", "Time between consecutive output tokens.",
+                            buckets=ITL_BUCKETS)
+        self.e2e = labelled(Histogram, "e2e_request_latency_seconds", "End-to-end request latency.",
+                            buckets=E2E_BUCKETS)
+        self.prompt_tokens = labelled(Counter, "prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = labelled(Counter, "generation_tokens", "Generated tokens.")
+        self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)
+        labelled(Gauge, "num_requests_running", "Requests holding a KV slot.").set_function(num_running)
+        labelled(Gauge, "num_requests_waiting", "Requests queued for a KV slot.").set_function(num_waiting)
+        labelled(Gauge, "kv_cache_usage_perc", "Fraction of KV slots in use (0-1).").set_function(kv_usage)
 
     def request_finished(self, reason: str, prompt_tokens: int, generation_tokens: int, e2e_s: float) -> None:
         self._success.labels(self.model_name, reason).inc()
