@@ -164,7 +164,6 @@ def _measure_one(system: str, batch: int, opts: dict, reference: tuple[list[int]
     ckpt = open_checkpoint(opts["model"])
     cfg, steps = ckpt.config, opts["steps"]
     kv_len = PROMPT_LEN + steps
-    out: dict = {}
     if system in ("hf", "hf-compile", "reference"):
         src = ckpt.source
         kw = {"gguf_file": src.name} if ckpt.format == "gguf" else {}
@@ -174,8 +173,8 @@ def _measure_one(system: str, batch: int, opts: dict, reference: tuple[list[int]
             return {"reference": hf_reference(hf, ckpt.tokenizer(), opts["agreement_tokens"])}
         tps = bench_hf(hf, batch, steps, cfg.vocab_size, static_compile=system == "hf-compile")
         name = f"transformers-{'static-compile' if system == 'hf-compile' else 'eager'}"
-        out["result"] = Result(name, "float32", batch, tps, steps, step_bytes(cfg, torch.float32, batch, kv_len))
-        return {"result": asdict(out["result"])}
+        return {"result": asdict(Result(name, "float32", batch, tps, steps,
+                                        step_bytes(cfg, torch.float32, batch, kv_len)))}
 
     def agreement(runner) -> float | None:
         return teacher_forced_agreement(runner, *reference) if batch == 1 and reference else None
