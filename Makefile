@@ -23,9 +23,16 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
+# The runs of record in docs/benchmarks.md (about 25 minutes on 2 cores).
 bench: $(STAMP)
-	$(BIN)/python scripts/bench_decode.py --out docs/bench/decode.json
-	$(BIN)/python scripts/bench_serve.py --json > docs/bench/serve.json
+	$(BIN)/python scripts/bench_decode.py --systems hf,eager,cpu-fp32,cpu-bf16 --batches 1,8 --steps 64 --threads 2 \
+		--repeats 3 --out docs/bench/decode.json
+	$(BIN)/python scripts/plot_bench.py docs/bench/decode.json --out docs/bench/decode.png
+	$(BIN)/neuron-opt compile --model default --out artifacts/bench16 --backend cpu --dtype bfloat16 --batch-size 16 \
+		--max-length 512
+	$(BIN)/python scripts/bench_serve.py --model artifacts/bench16 --num-prompts 32 --input-len 128 --output-len 64 \
+		--concurrency 1,16 --max-num-seqs 16 --hf-num-prompts 6 --hf-attn eager,sdpa --check-streams 64 \
+		--out docs/bench_serve.json --plot docs/bench_serve.png
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
