@@ -1,0 +1,49 @@
+"""The cpu backend on architecture variants the main compiled-vs-eager test (tied SmolLM2 shape) does not cover:
+Qwen2 q/k/v biases (fused with their projections: a concatenated bias constant), an untied LM head, a Mistral
+sliding window shorter than the decoded context (the fused decode attention's mask). Oracle: the eager runner
+on the same checkpoint, logits step by step, prefill then decode past the window."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import eager_runner
+
+from neuron_opt.backends.cpu import CpuBackend
+from neuron_opt.runtime.runner import DecodeRow, ModelRunner
+
+VARIANTS = ["qwen2", "llama-gqa2", "mistral-window"]  # biases; untied head; sliding window 8
+
+
+def _compare(tiny_dir, tmp_path, variant: str, dtype: str, rtol: float, atol: float) -> None:
+    ck = tiny_dir(variant)
+    ref = eager_runner(ck, max_length=64, prefill_seqs=(16,), decode_seqs=(32, 64))
+    model = ref.executor.model  # fp32, the checkpoint's weights
+    backend = CpuBackend(getattr(torch, dtype))
+    slots = ref.cache.num_slots
+    files = {b: [tmp_path / f for f in backend.compile_bucket(model, b, slots, tmp_path)]
+             for b in ref.buckets.buckets()}
+    backend.save_weights(model, tmp_path / "w.safetensors")
+    factory = lambda: type(model)(model.cfg, model.layout, model.max_length)  # noqa: E731 (weights come from the file)
+    got = ModelRunner(backend.load(files, tmp_path / "w.safetensors", factory, slots), ref.buckets, ref.cache,
+                      model.cfg.vocab_size)
+    prompt = torch.randint(3, 200, (11,), generator=torch.Generator().manual_seed(1)).tolist()
+    a, b = got.prefill(0, prompt), ref.prefill(0, prompt)
+    torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+    tok = int(b.argmax())
+    for pos in range(len(prompt), len(prompt) + 30):  # past the window (8) and across the 32 -> 64 KV bucket
+        a, b = got.decode([DecodeRow(0, tok, pos)])[0], ref.decode([DecodeRow(0, tok, pos)])[0]
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+        tok = int(b.argmax())  # teacher-forced by the reference
+    assert got.last_bucket.seq == 64
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cpu_fp32_variants_match_eager(tiny_dir, tmp_path, variant: str) -> None:
+    _compare(tiny_dir, tmp_path, variant, "float32", rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cpu_bf16_variants_match_eager_within_bf16(tiny_dir, tmp_path, variant: str) -> None:
+    _compare(tiny_dir, tmp_path, variant, "bfloat16", rtol=0.05, atol=0.05)
