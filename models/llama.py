@@ -274,11 +274,11 @@ class LlamaForCausalLM(nn.Module):
     def _last_rows(self, x: torch.Tensor, last_index: torch.Tensor, sp: bool) -> torch.Tensor:
         """Hidden state at `last_index` of each row: [B, H]. Sequence-parallel: the rank whose chunk holds it
         contributes the row, the others zeros, and one [B, H] all-reduce (exact: x + 0) gives it to all."""
-        rows = torch.arange(x.shape[0], device=x.device)
+        rows = torch.arange(x.shape[0], device=x.device, dtype=last_index.dtype)  # one index dtype (XLA)
         if not sp:
             return x[rows, last_index]
         chunk = x.shape[1]
-        local = last_index - self.pctx.rank * chunk
+        local = last_index - self.pctx.rank_value() * chunk
         inside = (local >= 0) & (local < chunk)
         picked = x[rows, local.clamp(0, chunk - 1)] * inside[:, None].to(x.dtype)  # [B, H]
         return self.pctx.comm.all_reduce(picked)

@@ -195,6 +195,10 @@ def load_artifact(root: Path, verify_hashes: bool = True) -> LoadedArtifact:
 
     root = Path(root)
     m = read_manifest(root, verify_hashes=verify_hashes)
+    if m.backend == "neuron":  # SPMD devices before anything (transformers included) imports torch_xla
+        from neuron_opt.backends.neuron import import_xla
+
+        import_xla(devices=m.parallel.tp)
     tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
     dtype = TORCH_DTYPES[m.dtype]
     if m.parallel.tp == 1:
@@ -203,6 +207,18 @@ def load_artifact(root: Path, verify_hashes: bool = True) -> LoadedArtifact:
                  for b, fs in m.bucket_files(root).items()}
         executor = backend.load(files, root / "weights" / "rank0.safetensors",
                                 rank_model_factory(m.model, m.parallel, m.cache, 0, dtype), m.cache.num_slots)
+    elif m.backend == "neuron":  # every rank in one SPMD program, collectives inside the graph
+        from neuron_opt.parallel import ParallelContext
+
+        backend = get_backend(m.backend, dtype, m.backend_options, tp=m.parallel.tp)
+        files = {b: [f for f in fs if f.relative_to(root).parts[:2] == ("graphs", "spmd")]
+                 for b, fs in m.bucket_files(root).items()}
+        comm = backend.rank_collectives(m.parallel.tp, 1)
+        factories = [rank_model_factory(m.model, m.parallel, m.cache, r, dtype,
+                                        ParallelContext(m.parallel.tp, r, comm, m.parallel.sequence_parallel))
+                     for r in range(m.parallel.tp)]
+        executor = backend.load(files, [root / "weights" / f"rank{r}.safetensors" for r in range(m.parallel.tp)],
+                                factories, m.cache.num_slots)
     else:
         from neuron_opt.parallel.executor import launch_tp_executor
 

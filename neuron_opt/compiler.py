@@ -106,7 +106,7 @@ def rank_model_factory(cfg: ModelConfig, par: ParallelConfig, cache: CacheConfig
     from neuron_opt.parallel import ParallelContext, head_layout
 
     def make() -> torch.nn.Module:
-        ctx = pctx if pctx is not None else ParallelContext(par.tp, rank)
+        ctx = pctx if pctx is not None else ParallelContext(par.tp, rank, sequence_parallel=par.sequence_parallel)
         model = model_class(cfg.architecture)(cfg, head_layout(cfg, par), cache.max_length, ctx)
         return model.to(dtype).eval()
 
@@ -149,10 +149,16 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
     from neuron_opt.backends import get_backend
     from neuron_opt.backends.eager import load_weights
     from neuron_opt.checkpoint import open_checkpoint
-    from neuron_opt.parallel import head_layout
+    from neuron_opt.parallel import ParallelContext, head_layout
     from neuron_opt.parallel.sharding import shard_state_dict
 
     t0 = time.perf_counter()
+    if req.backend == "neuron":  # XLA's HLO dump and SPMD devices must be set up before anything (transformers
+        from neuron_opt.backends.neuron import check_spmd_layout, import_xla  # included) imports torch_xla
+
+        if req.parallel.tp > 1:
+            check_spmd_layout(req.parallel, 1)  # flash decoding is checked once the head layout is known
+        import_xla(dump=True, devices=req.parallel.tp)
     ckpt = open_checkpoint(req.model)
     cfg = ckpt.config
     dtype_name = req.dtype or default_dtype(req.backend)
@@ -161,37 +167,67 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
     par = req.parallel
     log(format_plan(cfg, par, cache_cfg, buckets, req.backend, dtype_name))
     dtype = TORCH_DTYPES[dtype_name]
-    backend = get_backend(req.backend, dtype, req.backend_options)
+    lay = head_layout(cfg, par)
+    if req.backend == "neuron" and par.tp > 1:  # before the runtime starts: a layout error is a config error
+        from neuron_opt.backends.neuron import check_spmd_layout
+
+        check_spmd_layout(par, lay.kv_seq_shards)
+    backend = get_backend(req.backend, dtype, req.backend_options, for_compile=True, tp=par.tp)
     cache = CompileCache(req.cache_dir or envs.CACHE_DIR / "compile") if req.use_cache else None
     fingerprint = ckpt.weights_fingerprint()
     code = code_fingerprint()
     tokenizer = ckpt.tokenizer()
     full_sd = ckpt.state_dict(torch.float32)
-    lay = head_layout(cfg, par)
     writer = ArtifactWriter(req.out)
     hits: list[str] = []
     misses: dict[str, str] = {}
     graphs: dict[str, list[str]] = {}
+
+    def key_for(bucket: Bucket, rank: int | str) -> CacheKey:
+        return CacheKey({
+            "weights": fingerprint, "model": cfg.to_dict(), "parallel": asdict(par),
+            "cache": asdict(cache_cfg), "bucket": bucket.key, "rank": rank, "backend": req.backend,
+            "backend_options": req.backend_options, "dtype": dtype_name, "versions": versions(),
+            "code": code,
+        })
+
+    def build_rank(rank: int, comm: Any) -> torch.nn.Module:
+        pctx = None if comm is None else ParallelContext(par.tp, rank, comm, par.sequence_parallel)
+        model = rank_model_factory(cfg, par, cache_cfg, rank, torch.float32, pctx)()
+        load_weights(model, shard_state_dict(full_sd, cfg, lay, rank), f"{ckpt.source} (rank {rank} shard)")
+        return model.to(dtype)
+
+    # a backend whose graphs hold the collectives builds every rank into one SPMD program (neuron: XLA ops)
+    spmd = par.tp > 1 and hasattr(backend, "rank_collectives")
     try:
-        for rank in range(par.tp):
-            model = rank_model_factory(cfg, par, cache_cfg, rank, torch.float32)()
-            load_weights(model, shard_state_dict(full_sd, cfg, lay, rank), f"{ckpt.source} (rank {rank} shard)")
-            model = model.to(dtype)
+        if spmd:
+            comm = backend.rank_collectives(par.tp, lay.kv_seq_shards)
+            models = [build_rank(rank, comm) for rank in range(par.tp)]
+            bar = tqdm(buckets.buckets(), desc=f"compile tp={par.tp} (SPMD)", unit="graph", disable=not progress)
+            rel_dir = "graphs/spmd"  # one program for every rank
+            for bucket in bar:
+                bar.set_postfix_str(bucket.key)
+                files = _compile_one(backend, models, bucket, cache_cfg, key_for(bucket, "spmd"), cache,
+                                     writer.path(rel_dir), hits, misses)
+                graphs.setdefault(bucket.key, []).extend(f"{rel_dir}/{f}" for f in files)
+            # the device program took the weights: save the shards from the host copy made for the manifest
+            for rank in range(par.tp):
+                shard = build_rank(rank, comm)
+                backend.save_weights(shard, writer.path(f"weights/rank{rank}.safetensors"))
+            del models
+        for rank in range(0 if not spmd else par.tp, par.tp):
+            model = build_rank(rank, None)
             bar = tqdm(buckets.buckets(), desc=f"compile rank {rank}", unit="graph", disable=not progress)
             rel_dir = f"graphs/rank{rank}"  # graphs of one rank share a directory: buckets may share files
             for bucket in bar:
                 bar.set_postfix_str(bucket.key)
-                key = CacheKey({
-                    "weights": fingerprint, "model": cfg.to_dict(), "parallel": asdict(par),
-                    "cache": asdict(cache_cfg), "bucket": bucket.key, "rank": rank, "backend": req.backend,
-                    "backend_options": req.backend_options, "dtype": dtype_name, "versions": versions(),
-                    "code": code,
-                })
-                files = _compile_one(backend, model, bucket, cache_cfg, key, cache, writer.path(rel_dir),
-                                     hits, misses)
+                files = _compile_one(backend, model, bucket, cache_cfg, key_for(bucket, rank), cache,
+                                     writer.path(rel_dir), hits, misses)
                 graphs.setdefault(bucket.key, []).extend(f"{rel_dir}/{f}" for f in files)
             backend.save_weights(model, writer.path(f"weights/rank{rank}.safetensors"))
             del model
+        if hasattr(backend, "finish_compile"):
+            backend.finish_compile()
         tokenizer.save_pretrained(writer.path("tokenizer"))
         manifest = writer.commit(dict(
             model=cfg, parallel=par, cache=cache_cfg, buckets=buckets, backend=req.backend, dtype=dtype_name,
@@ -203,9 +239,10 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
     return CompileReport(manifest, hits, misses, time.perf_counter() - t0)
 
 
-def _compile_one(backend: Any, model: torch.nn.Module, bucket: Bucket, cache_cfg: CacheConfig, key: CacheKey,
-                 cache: CompileCache | None, out_dir: Path, hits: list[str], misses: dict[str, str]) -> list[str]:
-    label = f"{bucket.key}/rank{key.fields['rank']}"
+def _compile_one(backend: Any, model: torch.nn.Module | list[torch.nn.Module], bucket: Bucket,
+                 cache_cfg: CacheConfig, key: CacheKey, cache: CompileCache | None, out_dir: Path,
+                 hits: list[str], misses: dict[str, str]) -> list[str]:
+    label = f"{bucket.key}/rank{key.fields['rank']}" if key.fields["rank"] != "spmd" else f"{bucket.key}/spmd"
     cached = cache.lookup(key) if cache is not None else None
     if cached is not None:
         src = cache.files_dir(key)

@@ -37,7 +37,9 @@ WITH_TOKENIZER: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def make_tiny(variant: str, out: Path, seed: int = 0) -> Path:
+def make_tiny(variant: str, out: Path, seed: int = 0, tokenizer: bool = False) -> Path:
+    """`tokenizer=True` also saves the default model's tokenizer beside any variant, so `compile` accepts it
+    (token ids beyond the variant's vocabulary are simply never used)."""
     import transformers
 
     cls_name, overrides = {**VARIANTS, **WITH_TOKENIZER}[variant]
@@ -60,4 +62,8 @@ def make_tiny(variant: str, out: Path, seed: int = 0) -> Path:
         model.config.bos_token_id, model.config.eos_token_id = tok.bos_token_id, tok.eos_token_id
         model.save_pretrained(out)
         tok.save_pretrained(out)
+    elif tokenizer:
+        from neuron_opt.checkpoint import open_checkpoint
+
+        open_checkpoint("default").tokenizer().save_pretrained(out)
     return out

@@ -1,32 +1,39 @@
-"""Neuron backend: one `torch_neuronx.trace` graph per bucket, weights kept out of the NEFF.
+"""Neuron backend: the device path, written once against torch-xla 2.9 (the framework layer of torch-neuronx 2.9).
 
-Design decisions
-- Lazy SDK import. Importing this module never touches the Neuron SDK; constructing `NeuronBackend` does, and
-  without it raises `BackendUnavailableError` saying what to install and that `--backend cpu` works here. The
-  PyPI packages named `torch-neuronx` / `neuronx-cc` are placeholders that raise
-  `ImportError("WRONG PACKAGE ...")`; we recognise them and say so.
-- One weight layout for every bucket. Each bucket is traced with `inline_weights_to_neff=False`, so its NEFF
-  holds no weights; at load time `torch_neuronx.replace_weights` fills every bucket graph from the same
-  `weights/rank{r}.safetensors`, which is therefore the single source of truth (swap weights, keep graphs).
-- A bucket graph is a tensors-only module (`BucketGraph`): `kv_len` and the batch/seq shape are baked in by
-  tracing, ids are int32 (what the Neuron compiler handles best; NxDI casts the same way).
-- KV caches. The executor owns full caches on the host, `[num_slots, n_kv, max_length, D]` per layer. A graph
-  takes only its bucket's KV *window* of the rows' slots, `[B, n_kv, kv_len, D]` per layer, as inputs and
-  returns the updated windows as outputs, which the executor writes back. So the graph never depends on
-  `num_slots` or `max_length`, and the bytes moved per step scale with the bucket, like the attention reads.
-  NxDI instead keeps the caches on the device as module state aliased input->output
-  (`input_output_aliases={past_key_values[i]: 1 + i}`, shared by all bucket submodels of one NxD model);
-  plain `torch_neuronx.trace` aliases only a module's own state, which separately traced bucket graphs
-  cannot share, hence the windows. See docs/neuron_backend.md for the trade-off and the ModelBuilder route.
-- Compiler flags are backend options (part of the compile-cache key): `compiler_args` (default: the
-  ModelBuilderV2 defaults `--enable-saturate-infinity --auto-cast=none --model-type=transformer -O1`),
-  `target` (`inf2` / `trn1` / `trn2`: trace on a CPU host with `cpu_backend=True` and `--target`),
-  `compiler_workdir` (keep neuronx-cc's intermediate files for debugging).
+The same code builds and runs the graphs on a NeuronCore (PJRT device NEURON, registered by torch-neuronx) and on
+torch-xla's CPU device (PJRT_DEVICE=CPU), which is how CI runs it; only the PJRT plugin differs.
+
+Design decisions (docs/neuron_backend.md has the sources and the alternatives weighed)
+- Route: torch-xla lazy graphs, one per bucket, over one device-resident model per rank. Not
+  `torch_neuronx.trace` (its graphs can alias only their own state, so buckets traced apart cannot share one
+  KV cache) and not neuronx-distributed's ModelBuilder (not installable off a Neuron host, so nothing here
+  could run it). What ModelBuilder gets right is kept: one model per rank holding every bucket, weights placed
+  once, KV caches as device state updated in place and donated input -> output in every bucket's HLO.
+- Weights: `model.to(device)` once per rank at load; every bucket graph takes the same device buffers as
+  parameters. `weights/rank{r}.safetensors` is the only copy on disk; HLO files hold no weights.
+- KV caches: `[slots, n_kv, max_length, D]` per layer, allocated on the device once and shared by all buckets.
+  The model writes new K/V with an in-place index_put (a scatter in the HLO); torch-xla donates the cache
+  buffers of every step (`buffer_donor` in the HLO module, InputOutputAliasCount in its metrics), so a decode
+  step moves only ids/positions/slots in and [B, V] logits out.
+- Artifact: every bucket's HLO (text and HloModuleProto, exactly what XLA compiled, as XLA's dump writes it
+  "before optimizations"), per rank. That is the input neuronx-cc compiles. On a NeuronCore the Neuron compile
+  cache (NEFFs keyed by HLO hash) is pointed into the artifact at compile and at load, so `serve` does not run
+  neuronx-cc. The XLA CPU client cannot deserialize executables ("Deserializing serialized executable not
+  supported"), so on CPU each bucket compiles once at load, before the first request.
+- TP: collectives are XLA ops in each rank's HLO (`xm.all_reduce` / `all_gather` / `reduce_scatter` with the tp
+  ranks as replica groups: neuronx-distributed's form). torch-xla's CPU client does not execute cross-replica
+  collectives in one process (see docs), so tp > 1 artifacts are built and checked by their HLO here and
+  refused at load with that reason.
+- Bucket graphs are named by their graph hash, so a graph compiled earlier in the process (under any caller)
+  is found in the dump by name.
 """
 
 from __future__ import annotations
 
-import shlex
+import atexit
+import os
+import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,210 +43,459 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from neuron_opt.backends.base import ModelFactory, StepInputs, allocate_kv
+from neuron_opt.backends.base import ModelFactory, StepInputs
 from neuron_opt.backends.eager import load_model_weights, model_state_for_save
 from neuron_opt.buckets import Bucket
-from neuron_opt.errors import ArtifactError, BackendUnavailableError, ConfigError
+from neuron_opt.errors import ArtifactError, BackendCompileError, BackendUnavailableError, ConfigError
 
-GRAPH_FILE = "graph.pt"  # one TorchScript file per bucket (and rank)
-DEFAULT_COMPILER_ARGS = ("--enable-saturate-infinity", "--auto-cast=none", "--model-type=transformer", "-O1")
-TARGETS = ("inf2", "trn1", "trn2")
+HLO_TEXT = "{key}.hlo.txt"  # per bucket, in graphs/rank{r}/
+HLO_PROTO = "{key}.hlo.pb"
+NEURON_CACHE = "neuron_cache"  # graphs/rank{r}/neuron_cache/: the Neuron compile cache (NEFFs), NeuronCore only
+DEVICE_TYPES = ("CPU", "NEURON")
+OPS = ("torch",)
 NEURON_PIP_REPO = "https://pip.repos.neuron.amazonaws.com"
-
-
-def import_sdk() -> ModuleType:
-    """Imports `torch_neuronx`, or raises `BackendUnavailableError` with what to do about it."""
-    try:
-        import torch_neuronx
-    except Exception as e:  # noqa: BLE001 - placeholders and half-installed SDKs raise more than ImportError
-        raise BackendUnavailableError(unavailable_message(e)) from e
-    return torch_neuronx
+DEFAULT_GRAPH_NAME = "SyncTensorsGraph"  # torch-xla's name for a graph nobody named
+_DUMP: dict[str, Path] = {}  # "dir": this process's XLA dump directory, when compile turned the dump on
 
 
 def unavailable_message(exc: BaseException) -> str:
-    text = str(exc)
-    if "WRONG PACKAGE" in text:
-        why = (
-            "the installed 'torch-neuronx'/'neuronx-cc' are the PyPI placeholder packages ('WRONG PACKAGE'); "
-            "the real ones are published only in the Neuron pip repository"
-        )
-    else:
-        why = f"importing torch_neuronx failed: {type(exc).__name__}: {text}"
     return (
-        f"the neuron backend needs the AWS Neuron SDK (torch-neuronx with the neuronx-cc compiler): {why}. "
-        f"On a Neuron instance (inf2/trn1/trn2, e.g. a Neuron DLAMI) install it with "
-        f"`pip install torch-neuronx neuronx-cc --extra-index-url={NEURON_PIP_REPO}`. "
-        f"On this machine use `--backend cpu` (compiled CPU graphs) or `--backend eager` instead."
+        f"the neuron backend runs on torch-xla 2.9 (the framework layer of torch-neuronx 2.9), which is not "
+        f"importable here ({type(exc).__name__}: {exc}). On a Neuron instance install torch-neuronx 2.9 from "
+        f"the Neuron repository (`pip install torch-neuronx neuronx-cc --extra-index-url={NEURON_PIP_REPO}`; "
+        f"the PyPI packages of those names are 'WRONG PACKAGE' placeholders). On any other machine `make "
+        f"setup-xla` creates .venv-xla (torch 2.9 + torch-xla 2.9) whose XLA CPU device (PJRT_DEVICE=CPU) "
+        f"runs the same graphs: run `.venv-xla/bin/neuron-opt ...`. Or use `--backend cpu` (compiled CPU "
+        f"graphs) or `--backend eager` instead."
     )
+
+
+def import_xla(dump: bool = False, devices: int = 1) -> ModuleType:
+    """Imports torch_xla (after torch_neuronx where installed: it registers the NEURON PJRT device).
+
+    `dump=True` (compile) makes XLA write every compiled module's HLO to a process-wide temporary directory;
+    XLA reads its flags once, so this must happen before anything else initialises torch_xla.
+    `devices` > 1 (tp): SPMD mode over that many devices (CPU_NUM_DEVICES on the XLA CPU device).
+    """
+    fresh = "torch_xla" not in sys.modules
+    if fresh and devices > 1 and os.environ.get("PJRT_DEVICE", "CPU") == "CPU":
+        os.environ.setdefault("CPU_NUM_DEVICES", str(devices))
+    if dump and "torch_xla" not in sys.modules and "dir" not in _DUMP:
+        d = Path(tempfile.mkdtemp(prefix="neuron-opt-hlo-"))
+        atexit.register(shutil.rmtree, d, True)
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = (f"{flags} --xla_dump_to={d} --xla_dump_hlo_as_text --xla_dump_hlo_as_proto "
+                                   "--xla_dump_hlo_module_re=^neuron_opt_").strip()
+        _DUMP["dir"] = d
+    try:
+        import torch_neuronx  # noqa: F401  - Neuron hosts only; sets PJRT_DEVICE=NEURON
+    except Exception:  # noqa: BLE001 - absent, or the PyPI placeholder ('WRONG PACKAGE'): XLA CPU then
+        pass
+    try:
+        import torch_xla
+        import torch_xla.core.xla_model  # noqa: F401
+        import torch_xla.debug.metrics  # noqa: F401
+        import torch_xla.runtime
+    except Exception as e:  # noqa: BLE001
+        raise BackendUnavailableError(unavailable_message(e)) from e
+    if dump and "dir" not in _DUMP:
+        raise ConfigError(
+            "neuron backend: compiling needs XLA's HLO dump, which must be turned on before torch_xla is first "
+            "imported; call neuron_opt.backends.neuron.import_xla(dump=True) before importing torch_xla "
+            "(the CLI does this)")
+    if devices > 1:
+        have = torch_xla.runtime.global_runtime_device_count()
+        if have != devices:
+            raise ConfigError(
+                f"neuron backend: tp={devices} runs as one SPMD program over {devices} XLA devices, but torch_xla "
+                f"started in this process with {have} device(s); run it in a fresh process (the CLI does), or "
+                f"call neuron_opt.backends.neuron.import_xla(devices={devices}) before anything imports torch_xla")
+        if not torch_xla.runtime.is_spmd():
+            try:
+                torch_xla.runtime.use_spmd()
+            except Exception as e:  # noqa: BLE001 - XLA refuses once a device tensor exists
+                raise ConfigError(f"neuron backend: tp={devices} needs SPMD mode, which must be enabled before "
+                                  f"the process puts anything on an XLA device ({e})") from e
+    kind = torch_xla.runtime.device_type()
+    if kind not in DEVICE_TYPES:
+        raise ConfigError(f"neuron backend: PJRT device {kind!r} is not supported; set PJRT_DEVICE to one of "
+                          f"{', '.join(DEVICE_TYPES)} (CPU runs the device path on torch-xla's CPU client)")
+    return torch_xla
 
 
 @dataclass(frozen=True)
 class NeuronOptions:
-    """Backend options as stored in the artifact manifest (and hashed into the compile-cache key)."""
+    """Backend options as stored in the artifact manifest (and hashed into the compile-cache key).
 
-    compiler_args: tuple[str, ...] = DEFAULT_COMPILER_ARGS
-    target: str | None = None
-    compiler_workdir: str | None = None
+    compiler_args: neuronx-cc flags (NEURON_CC_FLAGS on a NeuronCore; the CPU client has no such compiler).
+    ops: attention/norm implementation inside the graphs; "torch" (the reference ops).
+    """
 
-    def __post_init__(self) -> None:
-        if self.target is not None and self.target not in TARGETS:
-            raise ConfigError(
-                f"backend_options.target: must be one of {', '.join(TARGETS)}, got {self.target!r}"
-            )
+    compiler_args: tuple[str, ...] = ("--model-type=transformer", "--auto-cast=none", "-O1")
+    ops: str = "torch"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> NeuronOptions:
+        import shlex
+
         d = dict(d or {})
-        unknown = sorted(set(d) - {"compiler_args", "target", "compiler_workdir"})
-        if unknown:
+        if "target" in d:
             raise ConfigError(
-                f"backend_options: unknown neuron option(s) {unknown}; "
-                "known: compiler_args, target, compiler_workdir"
-            )
-        args = d.get("compiler_args", DEFAULT_COMPILER_ARGS)
+                "backend_options.target: cross-compiling NEFFs on a host without NeuronCores is not supported; "
+                "compile on the Neuron instance (its NEFFs go into the artifact's Neuron compile cache)")
+        unknown = sorted(set(d) - {"compiler_args", "ops"})
+        if unknown:
+            raise ConfigError(f"backend_options: unknown neuron option(s) {unknown}; known: compiler_args, ops")
+        args = d.get("compiler_args", cls.compiler_args)
         args = tuple(shlex.split(args)) if isinstance(args, str) else tuple(str(a) for a in args)
-        return cls(args, d.get("target"), d.get("compiler_workdir"))
+        ops = d.get("ops", "torch")
+        if ops not in OPS:
+            raise ConfigError(f"backend_options.ops: must be one of {', '.join(OPS)}, got {ops!r}")
+        return cls(args, ops)
 
-    def trace_compiler_args(self) -> list[str]:
-        return [*self.compiler_args, *(["--target", self.target] if self.target else [])]
 
+class SpmdCollectives:
+    """Collectives of the one SPMD program that every rank runs (tp > 1): explicit cross-device XLA ops.
 
-class BucketGraph(torch.nn.Module):
-    """One bucket's step as a tensors-only module: the function `torch_neuronx.trace` records.
-
-    Inputs (int32 ids): input_ids [B, S], positions [B, S], last_index [B], then L key windows and L value
-    windows [B, n_kv, kv_len, D] (row b's slot, positions [0, kv_len)). Returns (logits [B, V_local] fp32,
-    *new key windows, *new value windows).
+    The rank graph runs inside a manual-sharding region over a `tp`-device mesh, so each device executes the
+    per-rank program and the collectives are HLO `all-reduce`s over replica group {0..tp-1} (channel_id,
+    use_global_device_ids): neuronx-distributed's form, where one HLO is loaded on every NeuronCore. The rank
+    is a device tensor (`rank_tensor`, this device's shard of arange(tp), as NxD's SPMDRank), set per step.
+    Counted while tracing, like FunctionalCollectives. torch-xla 2.9 has SPMD all-reduce and reduce-scatter
+    but no SPMD all-gather, so the layouts that need an all-gather (sequence-parallel prefill, flash decoding)
+    are refused for this backend at build time (`check_spmd_layout`).
     """
 
-    def __init__(self, model: torch.nn.Module, kv_len: int) -> None:
-        super().__init__()
-        self.model, self.kv_len = model, kv_len
+    def __init__(self, tp: int) -> None:
+        from neuron_opt.parallel.collectives import CollectiveCounter
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        last_index: torch.Tensor,
-        *windows: torch.Tensor,
-    ) -> tuple[torch.Tensor, ...]:
-        L = len(windows) // 2
-        # the model writes new K/V into its caches in place; give it copies so the graph's inputs stay
-        # read-only and the updated windows are plain outputs
-        k = [w.clone() for w in windows[:L]]
-        v = [w.clone() for w in windows[L:]]
-        rows = torch.arange(
-            input_ids.shape[0], dtype=positions.dtype, device=input_ids.device
-        )  # row b = slot b
-        logits = self.model(input_ids, positions, rows, last_index, k, v, self.kv_len)
-        return (logits, *k, *v)
+        self.tp = tp
+        self.groups = [list(range(tp))]
+        self.counter = CollectiveCounter()
+        self.rank_tensor: torch.Tensor | None = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+
+        self.counter.record("all_reduce", x, self.tp)
+        return torch_xla._XLAC._xla_spmd_all_reduce(xm.REDUCE_SUM, x, 1.0, self.groups)
+
+    def _refuse(self, op: str) -> None:
+        raise ConfigError(f"neuron backend: {op} inside an SPMD rank graph is not available in torch-xla 2.9; "
+                          "build without sequence_parallel / flash_decoding")
+
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        self._refuse("all_gather")
+        return x
+
+    def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        self._refuse("reduce_scatter")
+        return x
+
+    def group_all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        self._refuse("group_all_gather")
+        return x
 
 
-def example_inputs(model: torch.nn.Module, bucket: Bucket, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """Zero tensors with exactly the bucket graph's input shapes and dtypes."""
+def check_spmd_layout(par: Any, kv_seq_shards: int) -> None:
+    """The tp > 1 layouts the neuron backend builds: Megatron TP with a vocab-parallel LM head."""
+    if par.sequence_parallel or kv_seq_shards > 1:
+        raise ConfigError(
+            "neuron backend: tp > 1 with sequence_parallel or flash decoding (kv-seq-shard) needs an SPMD "
+            "all-gather, which torch-xla 2.9 lacks; use plain tensor parallelism (drop --sequence-parallel / "
+            "--flash-decoding, or pick --gqa-strategy replicate-kv) or --backend cpu")
+
+
+class SpmdRanks:
+    """tp > 1: every rank's model as one SPMD program over `tp` XLA devices (one process).
+
+    Each weight is stored stacked over ranks, [tp, *shard], sharded on dim 0, so device r holds rank r's shard
+    once; the KV caches likewise ([tp, slots, n_kv_local, max_length, D], device-resident, donated every step).
+    A step enters a manual-sharding region, runs the rank model (rank 0's module, called with each device's
+    shards through torch.func.functional_call) and leaves it with the logits [tp, B, V/tp].
+    """
+
+    def __init__(self, models: list[torch.nn.Module], num_slots: int, xla: ModuleType,
+                 comm: SpmdCollectives) -> None:
+        import numpy as np
+        import torch_xla.distributed.spmd as xs
+
+        tp = len(models)
+        have = xla.runtime.global_runtime_device_count()
+        if have != tp:
+            raise ConfigError(f"neuron backend: tp={tp} needs {tp} XLA devices in this process, found {have} "
+                              "(on the XLA CPU device set CPU_NUM_DEVICES before torch_xla starts; the CLI does)")
+        self.xla, self.xs, self.comm, self.tp = xla, xs, comm, tp
+        self.mesh = xs.Mesh(np.arange(tp), (tp,), ("tp",))
+        self.device = xla.device()
+        self.skeleton = models[0].eval()
+        per_rank = [dict(m.named_parameters()) for m in models]  # named_parameters drops tied duplicates
+        self.params = {n: self._shard(torch.stack([pr[n].detach() for pr in per_rank]).to(self.device))
+                       for n in per_rank[0]}
+        self.buffers = {n: b.to(self.device) for n, b in self.skeleton.named_buffers()}  # replicated
+        self.rank_ids = self._shard(torch.arange(tp, dtype=torch.int32).to(self.device))
+        dtype = next(models[0].parameters()).dtype
+        shape = (tp, *models[0].kv_shape(num_slots))
+        L = len(self.skeleton.model.layers)
+        self.k_caches = [self._shard(torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(L)]
+        self.v_caches = [self._shard(torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(L)]
+        for m in models:  # the host copies of the weights are no longer needed
+            for p in m.parameters():
+                p.data = torch.empty(0, dtype=p.dtype)
+        xla.sync()
+
+    def _spec(self, t: torch.Tensor, sharded: bool = True) -> tuple[str | None, ...]:
+        return (("tp",) if sharded else (None,)) + (None,) * (t.dim() - 1)
+
+    def _shard(self, t: torch.Tensor) -> torch.Tensor:
+        self.xs.mark_sharding(t, self.mesh, self._spec(t))
+        return t
+
+    def _enter(self, t: torch.Tensor, sharded: bool = True) -> torch.Tensor:
+        return self.xs.enable_manual_sharding(t, self._spec(t, sharded), mesh=self.mesh).global_tensor
+
+    def trace(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
+        """Records one step; returns the device logits [tp, B, V/tp] fp32 (rank r's vocabulary shard at r)."""
+        dev = self.device
+        step = [t.to(torch.int32).to(dev) for t in (inputs.input_ids, inputs.positions, inputs.slot_ids,
+                                                     inputs.last_index)]
+        ids, pos, slots, last = (self._enter(t, sharded=False) for t in step)  # replicated into the region
+        params = {n: self._enter(p)[0] for n, p in self.params.items()}
+        bufs = {n: self._enter(b, sharded=False) for n, b in self.buffers.items()}
+        ks = [self._enter(c) for c in self.k_caches]  # [1, slots, n_kv, max_length, D]: this device's cache
+        vs = [self._enter(c) for c in self.v_caches]
+        self.comm.rank_tensor = self._enter(self.rank_ids)  # [1] int32: this device's rank
+        try:
+            with torch.no_grad():
+                logits = torch.func.functional_call(
+                    self.skeleton, {**params, **bufs},
+                    (ids, pos, slots, last, [k[0] for k in ks], [v[0] for v in vs], bucket.kv_len))
+        finally:
+            self.comm.rank_tensor = None
+        for full, local in zip([*self.k_caches, *self.v_caches], [*ks, *vs], strict=True):
+            out = self.xs.disable_manual_sharding(local, self._spec(full), full.shape, mesh=self.mesh)
+            full.copy_(out.global_tensor)  # in place: the cache buffer is donated to this step
+        out = self.xs.disable_manual_sharding(logits[None], ("tp", None, None), (self.tp, *logits.shape),
+                                              mesh=self.mesh)
+        return out.global_tensor
+
+    def run(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
+        """fp32 logits [B, V_padded]: the ranks' vocabulary shards side by side."""
+        logits = self.trace(bucket, inputs)
+        _sync(self.xla, [logits, *self.k_caches, *self.v_caches])
+        host = logits.cpu()  # [tp, B, V/tp]
+        return host.permute(1, 0, 2).reshape(host.shape[1], -1)
+
+    def warm_up(self, bucket: Bucket, scratch_slot: int) -> None:
+        self.run(bucket, warm_up_inputs(bucket, scratch_slot))
+
+
+def _graph_name(xla: ModuleType, outputs: list[torch.Tensor]) -> str:
+    return "neuron_opt_" + bytes(xla._XLAC._get_graph_hash(outputs)).hex()[:24]
+
+
+def _sync(xla: ModuleType, outputs: list[torch.Tensor]) -> str:
+    """Executes the pending graph under a name derived from its hash (how compile finds its HLO in XLA's dump),
+    then restores torch-xla's default name so no other graph of the process is dumped under ours."""
+    name = _graph_name(xla, outputs)
+    xla._XLAC._set_current_graph_name(name)
+    try:
+        xla.sync()
+    finally:
+        xla._XLAC._set_current_graph_name(DEFAULT_GRAPH_NAME)
+    return name
+
+
+class DeviceRank:
+    """tp=1: the model on the XLA device, weights placed once, KV caches device-resident for every bucket."""
+
+    def __init__(self, model: torch.nn.Module, num_slots: int, xla: ModuleType) -> None:
+        self.xla = xla
+        self.device = xla.device()
+        dtype = next(model.parameters()).dtype
+        self.model = model.eval().to(self.device)  # the one host -> device copy of the weights
+        shape = model.kv_shape(num_slots)
+        L = len(model.model.layers)
+        self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(L)]
+        self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(L)]
+        xla.sync()  # materialise weights and caches now, not inside the first step's graph
+
+    def trace(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
+        """Records one step into the pending lazy graph; returns the device logits [B, V] fp32."""
+        dev = self.device
+        # int32 ids: what neuronx-cc handles best (NxDI converts int64 inputs the same way)
+        ids, pos, slots, last = (t.to(torch.int32).to(dev) for t in (inputs.input_ids, inputs.positions,
+                                                                      inputs.slot_ids, inputs.last_index))
+        with torch.no_grad():
+            return self.model(ids, pos, slots, last, self.k_caches, self.v_caches, bucket.kv_len)
+
+    def run(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
+        logits = self.trace(bucket, inputs)
+        _sync(self.xla, [logits, *self.k_caches, *self.v_caches])
+        return logits.cpu()
+
+    def warm_up(self, bucket: Bucket, scratch_slot: int) -> None:
+        """Compiles (or on a NeuronCore loads) `bucket`'s graph by running it on the scratch slot only."""
+        self.run(bucket, warm_up_inputs(bucket, scratch_slot))
+
+
+def warm_up_inputs(bucket: Bucket, scratch_slot: int) -> StepInputs:
+    """A step shaped like `bucket` whose every row writes only the scratch slot (never read by a request)."""
     B, S = bucket.batch, (bucket.seq if bucket.phase == "prefill" else 1)
-    _, n_kv, _, D = model.kv_shape(1)
-    L = len(model.model.layers)
-    ids = torch.zeros(B, S, dtype=torch.int32)
-    pos = torch.arange(S, dtype=torch.int32).expand(B, S).contiguous()  # [B, S]
-    last = torch.zeros(B, dtype=torch.int32)
-    windows = tuple(torch.zeros(B, n_kv, bucket.kv_len, D, dtype=dtype) for _ in range(2 * L))
-    return (ids, pos, last, *windows)
+    start = 0 if bucket.phase == "prefill" else bucket.kv_len - 1
+    pos = torch.arange(start, start + S, dtype=torch.long).expand(B, S).contiguous()
+    return StepInputs(torch.zeros(B, S, dtype=torch.long), pos, torch.full((B,), scratch_slot, dtype=torch.long),
+                      torch.full((B,), S - 1, dtype=torch.long))
+
+
+# HLO ops that would move data between host and device inside a step, or call back into the host
+HOST_OPS = ("infeed", "outfeed", "send", "recv", "send-done", "recv-done")
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def hlo_summary(text: str) -> dict[str, Any]:
+    """Facts of one bucket's HLO module (the artifact's `*.hlo.txt`) that the device design promises.
+
+    donated: entry parameters XLA may alias to outputs (the KV caches); parameters: entry parameter count;
+    collectives: count per kind; custom_calls: targets; host_ops: any op that talks to the host mid-graph;
+    dynamic_shapes: bounded-dynamic dimensions (`<=N`), which the Neuron compiler needs none of.
+    """
+    import re
+
+    header = text.split("\n", 1)[0]
+    donor = re.search(r"buffer_donor=\{(.*?)\}, entry_computation_layout", header)
+    layout = re.search(r"entry_computation_layout=\{\((.*)\)->", header)
+    params = re.findall(r"\w+\[[\d,<=]*\]\{?", layout.group(1)) if layout else []
+    ops = re.findall(r"= \S+ ([a-z][\w-]*)\(", text)  # the op of every instruction: `%x = f32[..] op(`
+    return {
+        "donated": len(re.findall(r"\(\d+, \{\}\)", donor.group(1))) if donor else 0,
+        "parameters": len(params),
+        "collectives": {c: ops.count(c) for c in COLLECTIVES if ops.count(c)},
+        "custom_calls": sorted(set(re.findall(r'custom_call_target="([^"]+)"', text))),
+        "host_ops": sorted({o for o in ops if o in HOST_OPS}),
+        "dynamic_shapes": "<=" in text,
+    }
+
+
+def hlo_files(out_dir: Path, key: str) -> tuple[Path, Path]:
+    return out_dir / HLO_TEXT.format(key=key), out_dir / HLO_PROTO.format(key=key)
 
 
 class NeuronExecutor:
-    """Runs bucket graphs; owns the host KV caches and moves each step's KV windows in and out."""
+    """Runs every bucket's graph on the device model (DeviceRank, or SpmdRanks for tp > 1).
 
-    def __init__(
-        self, graphs: dict[Bucket, Any], model: torch.nn.Module, num_slots: int, dtype: torch.dtype
-    ) -> None:
-        self.graphs = graphs
-        self.k_caches, self.v_caches = allocate_kv(model, num_slots, dtype)
+    A step moves the step inputs in and the logits out; weights and KV caches stay on the device.
+    """
 
-    @torch.inference_mode()
+    def __init__(self, ranks: DeviceRank | SpmdRanks) -> None:
+        self.ranks = ranks
+        self.k_caches, self.v_caches = ranks.k_caches, ranks.v_caches
+        self.buckets: set[Bucket] = set()
+
     def run(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
-        graph = self.graphs.get(bucket)
-        if graph is None:
-            raise ArtifactError(
-                f"no compiled graph for bucket {bucket.key}; the artifact has "
-                f"{sorted(b.key for b in self.graphs)}"
-            )
-        slots, kv = inputs.slot_ids, bucket.kv_len
-        k_in = [c[slots, :, :kv] for c in self.k_caches]  # [B, n_kv, kv_len, D] each
-        v_in = [c[slots, :, :kv] for c in self.v_caches]  # [B, n_kv, kv_len, D] each
-        out = graph(
-            inputs.input_ids.to(torch.int32),
-            inputs.positions.to(torch.int32),
-            inputs.last_index.to(torch.int32),
-            *k_in,
-            *v_in,
-        )
-        L = len(self.k_caches)
-        for i in range(L):
-            # padded decode rows all point at the scratch slot; whichever write lands there is never read
-            self.k_caches[i][slots, :, :kv] = out[1 + i]
-            self.v_caches[i][slots, :, :kv] = out[1 + L + i]
-        return out[0].float()
+        if bucket not in self.buckets:
+            raise ArtifactError(f"no compiled graph for bucket {bucket.key}; the artifact has "
+                                f"{sorted(b.key for b in self.buckets)}")
+        return self.ranks.run(bucket, inputs).float()
 
 
 class NeuronBackend:
+    """The device path. `tp` > 1 builds every rank into one SPMD program over `tp` XLA devices."""
+
     name = "neuron"
 
-    def __init__(self, dtype: torch.dtype = torch.bfloat16, options: dict[str, Any] | None = None) -> None:
-        self.opts = NeuronOptions.from_dict(options)  # validate before the SDK check: config errors first
-        self.sdk = import_sdk()
+    def __init__(self, dtype: torch.dtype = torch.bfloat16, options: dict[str, Any] | None = None,
+                 dump: bool = False, tp: int = 1) -> None:
+        self.opts = NeuronOptions.from_dict(options)  # config errors before the runtime check
+        self.tp = tp
+        self.xla = import_xla(dump=dump, devices=tp)
+        self.device_type = self.xla.runtime.device_type()
         self.dtype = dtype
         self.options = dict(options or {})
+        self.comm = SpmdCollectives(tp) if tp > 1 else None
+        self._ranks: dict[int, DeviceRank | SpmdRanks] = {}  # the device model being compiled
 
-    def compile_bucket(
-        self, model: torch.nn.Module, bucket: Bucket, num_slots: int, out_dir: Path
-    ) -> list[Path]:
-        """Traces and compiles `bucket`'s graph into `out_dir/graph.pt`; returns its name relative to out_dir.
+    def rank_collectives(self, tp: int, kv_group_size: int) -> SpmdCollectives | None:
+        """The collectives every rank model is built with (None for tp=1: nothing to communicate)."""
+        if tp != self.tp:
+            raise ConfigError(f"neuron backend: built for tp={self.tp}, asked for tp={tp}")
+        return self.comm
 
-        `num_slots` does not shape the graph (it sees KV windows), so one graph serves any cache size.
+    def _set_compiler_env(self, cache_dir: Path) -> None:
+        if self.device_type == "NEURON":  # neuronx-cc's flags and its NEFF cache, read per compile
+            os.environ["NEURON_CC_FLAGS"] = " ".join([*self.opts.compiler_args, f"--cache_dir={cache_dir}"])
+            os.environ["NEURON_COMPILE_CACHE_URL"] = str(cache_dir)
+
+    def _device_model(self, model: torch.nn.Module | list[torch.nn.Module], num_slots: int) -> DeviceRank | SpmdRanks:
+        models = model if isinstance(model, list) else [model]
+        if len(models) != self.tp:
+            raise ConfigError(f"neuron backend: built for tp={self.tp}, got {len(models)} rank model(s)")
+        if self.tp == 1:
+            return DeviceRank(models[0], num_slots, self.xla)
+        check_spmd_layout(models[0].pctx, models[0].layout.kv_seq_shards)
+        return SpmdRanks(models, num_slots, self.xla, self.comm)
+
+    def compile_bucket(self, model: torch.nn.Module | list[torch.nn.Module], bucket: Bucket, num_slots: int,
+                       out_dir: Path) -> list[Path]:
+        """Compiles `bucket`'s step on the device model and writes the HLO XLA compiled for it.
+
+        `model`: the rank model (tp=1) or every rank's model, in rank order (tp > 1: one SPMD program). The
+        graph runs once on the scratch slot, so errors surface here and, on a NeuronCore, its NEFF lands in
+        the artifact's Neuron compile cache.
         """
+        if "dir" not in _DUMP:
+            raise ConfigError("neuron backend: construct it with dump=True to compile (XLA's HLO dump)")
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        wrapper = BucketGraph(model.eval(), bucket.kv_len)
-        ex = example_inputs(model, bucket, next(model.parameters()).dtype)
-        with tempfile.TemporaryDirectory(prefix=f"neuronx-cc-{bucket.key}-") as tmp:
-            workdir = (
-                Path(self.opts.compiler_workdir) / bucket.key if self.opts.compiler_workdir else Path(tmp)
-            )
-            kwargs: dict[str, Any] = dict(
-                compiler_workdir=str(workdir),
-                compiler_args=self.opts.trace_compiler_args(),
-                inline_weights_to_neff=False,
-            )
-            if self.opts.target:
-                kwargs["cpu_backend"] = True  # cross-compile on a host without NeuronCores
-            with torch.no_grad():
-                traced = self.sdk.trace(wrapper, ex, **kwargs)
-        torch.jit.save(traced, str(out_dir / GRAPH_FILE))
-        return [Path(GRAPH_FILE)]
+        key = id(model[0] if isinstance(model, list) else model)
+        if key not in self._ranks:
+            self._ranks = {key: self._device_model(model, num_slots)}  # one device model at a time
+        ranks = self._ranks[key]
+        self._set_compiler_env(out_dir / NEURON_CACHE)
+        logits = ranks.trace(bucket, warm_up_inputs(bucket, num_slots - 1))
+        name = _sync(self.xla, [logits, *ranks.k_caches, *ranks.v_caches])
+        d = _DUMP["dir"]
+        texts = sorted(d.glob(f"module_*.{name}.*before_optimizations.txt"))
+        protos = sorted(d.glob(f"module_*.{name}.*before_optimizations.hlo.pb"))
+        if not texts or not protos:
+            raise BackendCompileError(f"bucket {bucket.key}: XLA wrote no HLO for graph {name} under {d}")
+        dst_text, dst_proto = hlo_files(out_dir, bucket.key)
+        shutil.copyfile(texts[-1], dst_text)
+        shutil.copyfile(protos[-1], dst_proto)
+        files = [dst_text.relative_to(out_dir), dst_proto.relative_to(out_dir)]
+        cache = out_dir / NEURON_CACHE
+        if cache.is_dir():
+            files += [p.relative_to(out_dir) for p in sorted(cache.rglob("*")) if p.is_file()]
+        return files
 
     def save_weights(self, model: torch.nn.Module, path: Path) -> None:
-        save_file(model_state_for_save(model), str(path))
+        save_file({k: v.cpu() for k, v in model_state_for_save(model).items()}, str(path))
 
-    def load(
-        self,
-        graph_files: dict[Bucket, list[Path]],
-        weights_path: Path,
-        model_factory: ModelFactory,
-        num_slots: int,
-    ) -> NeuronExecutor:
-        model = model_factory()
-        load_model_weights(model, Path(weights_path))
-        model = model.to(self.dtype).eval()
-        graphs: dict[Bucket, Any] = {}
+    def finish_compile(self) -> None:
+        self._ranks.clear()
+
+    def load(self, graph_files: dict[Bucket, list[Path]], weights_path: Path | list[Path],
+             model_factory: ModelFactory | list[ModelFactory], num_slots: int) -> NeuronExecutor:
+        """Places the weights on the device once and compiles (NeuronCore: loads) every bucket's graph now.
+
+        tp > 1: `weights_path` and `model_factory` are lists in rank order; every rank's model must be built
+        with `rank_collectives()`."""
+        paths = weights_path if isinstance(weights_path, list) else [weights_path]
+        factories = model_factory if isinstance(model_factory, list) else [model_factory]
+        models = []
+        for path, factory in zip(paths, factories, strict=True):
+            m = factory()
+            load_model_weights(m, Path(path))
+            models.append(m.to(self.dtype).eval())
         for bucket, files in graph_files.items():
-            path = next((Path(f) for f in files if Path(f).name == GRAPH_FILE), None)
-            if path is None:
-                raise ArtifactError(f"bucket {bucket.key}: no {GRAPH_FILE} among {[str(f) for f in files]}")
-            traced = torch.jit.load(str(path))
-            # the graph was traced without its weights in the NEFF: give it this rank's weights, then put
-            # them on the NeuronCore once (otherwise every call copies them from the host)
-            self.sdk.replace_weights(traced, BucketGraph(model, bucket.kv_len).state_dict())
-            self.sdk.move_trace_to_device(traced, 0)
-            graphs[bucket] = traced
-        return NeuronExecutor(graphs, model, num_slots, self.dtype)
+            if not any(Path(f).name == HLO_TEXT.format(key=bucket.key) for f in files):
+                raise ArtifactError(f"bucket {bucket.key}: no HLO among {[str(f) for f in files]}")
+        if graph_files:
+            self._set_compiler_env(Path(next(iter(graph_files.values()))[0]).parent / NEURON_CACHE)
+        ranks = self._device_model(models if self.tp > 1 else models[0], num_slots)
+        executor = NeuronExecutor(ranks)
+        for bucket in sorted(graph_files, key=lambda b: b.key):  # every graph ready before the first request
+            ranks.warm_up(bucket, num_slots - 1)
+            executor.buckets.add(bucket)
+        return executor

@@ -36,4 +36,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"  prefill buckets: {list(m.buckets.prefill_seqs)}")
     print(f"  decode buckets: batch {list(m.buckets.decode_batches)} x kv {list(m.buckets.decode_seqs)}")
     print(f"  graphs: {len(m.graphs)}")
+    if m.backend == "neuron":  # what each bucket's HLO promises: donated KV, collectives, nothing host-bound
+        from neuron_opt.backends.neuron import hlo_summary
+
+        for key, files in sorted(m.graphs.items()):
+            for f in (f for f in files if f.endswith(".hlo.txt")):
+                h = hlo_summary((args.artifact / f).read_text())
+                coll = ", ".join(f"{n} {k}" for k, n in h["collectives"].items()) or "none"
+                print(f"    {key}: {f}: {h['parameters']} parameters, {h['donated']} donated (KV), "
+                      f"collectives: {coll}, host ops: {h['host_ops'] or 'none'}, "
+                      f"static shapes: {'no' if h['dynamic_shapes'] else 'yes'}")
     return 0

@@ -59,6 +59,15 @@ class ParallelContext:
     def __post_init__(self) -> None:
         assert 0 <= self.rank < self.tp, (self.rank, self.tp)
 
+    def rank_value(self) -> int | torch.Tensor:
+        """This rank's id for rank-dependent arithmetic (vocab offsets, sequence chunks).
+
+        An int, except in a single SPMD program that runs on every rank (the neuron backend's tp > 1 graphs):
+        there the collectives carry the rank as a device tensor, each rank's shard of arange(tp) (NxD's
+        SPMDRank), so that one HLO serves every rank."""
+        r = getattr(self.comm, "rank_tensor", None)
+        return self.rank if r is None else r
+
     def seq_sharded(self, seq: int) -> bool:
         """Whether a step of `seq` tokens per row runs sequence-parallel (chosen per bucket = per graph)."""
         return self.sequence_parallel and self.tp > 1 and seq > 1

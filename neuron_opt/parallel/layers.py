@@ -68,7 +68,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor, scatter_seq: bool = False) -> torch.Tensor:
         if self.pctx.tp == 1:
             return F.embedding(ids, self.weight)
-        start = self.pctx.rank * self.vocab_local
+        start = self.pctx.rank_value() * self.vocab_local
         local = ids - start
         inside = (local >= 0) & (local < self.vocab_local)
         out = F.embedding(local.clamp(0, self.vocab_local - 1), self.weight)  # [B, S, H]

@@ -1,0 +1,53 @@
+"""Run as a script (a fresh process per tp: SPMD mode is per process). Compiles a tiny checkpoint with
+`--backend neuron` at the given tp, then prints one JSON object: per step the largest |logit difference| against
+the eager fp32 reference (teacher forced), the bucket each step ran, and the HLO facts of every bucket.
+
+    python device_parity.py CKPT OUT TP
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT)]  # the package before tests/ (whose neuron_opt/ folder would shadow it)
+sys.path.append(str(ROOT / "tests"))  # tests/helpers.py
+
+
+def main(ckpt: Path, out: Path, tp: int) -> dict:
+    from neuron_opt.backends.neuron import import_xla
+
+    import_xla(dump=True, devices=tp)
+    from helpers import eager_runner
+
+    from neuron_opt.artifact import load_artifact
+    from neuron_opt.compiler import CompileRequest, compile_artifact
+    from neuron_opt.config import ParallelConfig
+    from neuron_opt.runtime.runner import DecodeRow
+
+    compile_artifact(CompileRequest(model=str(ckpt), out=out, backend="neuron", dtype="float32", max_length=64,
+                                    prefill_buckets=(16, 32), decode_buckets=(16, 32),
+                                    parallel=ParallelConfig(tp=tp), use_cache=False),
+                     log=lambda s: None, progress=False)
+    runner = load_artifact(out).runner
+    ref = eager_runner(ckpt, max_length=64, prefill_seqs=[16, 32], decode_seqs=[16, 32])
+    prompt = [(7 * i + 3) % 200 + 3 for i in range(12)]
+    diffs, buckets = [], []
+    a, b = runner.prefill(0, prompt), ref.prefill(0, prompt)
+    diffs.append((a - b).abs().max().item())
+    buckets.append(runner.last_bucket.key)
+    tok, pos = int(b.argmax()), len(prompt)
+    for _ in range(16):  # positions 12..27: crosses the decode bucket edge at 16
+        a, b = runner.decode([DecodeRow(0, tok, pos)]), ref.decode([DecodeRow(0, tok, pos)])
+        diffs.append((a - b).abs().max().item())
+        buckets.append(runner.last_bucket.key)
+        tok, pos = int(b[0].argmax()), pos + 1
+    return {"diffs": diffs, "buckets": buckets}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]))))
