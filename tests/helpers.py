@@ -1,7 +1,8 @@
-"""The one small helper the tests share: build our runner for a checkpoint directory."""
+"""Helpers the tests share: our eager runner for a checkpoint directory, a live server on loopback."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -24,3 +25,40 @@ def eager_runner(ckpt_dir: Path, max_length: int = 256, max_batch: int = 1, **bu
     buckets = BucketConfig.build(max_context=max_length, max_length=max_length, max_batch=max_batch,
                                  min_prefill=16, min_decode=16, **bucket_kw)
     return ModelRunner(EagerExecutor(model, cache.num_slots), buckets, cache, cfg.vocab_size)
+
+
+@contextlib.contextmanager
+def live_server(llm, max_num_seqs: int, runner=None, model: str = "tiny"):
+    """Serve `llm` on a free loopback port in a background thread; yields (base_url, engine)."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from neuron_opt.runtime.engine import Engine
+    from neuron_opt.server.app import create_app
+
+    engine = Engine(
+        runner or llm.runner,
+        llm.tokenizer,
+        llm.eos_token_ids,
+        max_num_seqs=max_num_seqs,
+        max_prefill_tokens=64,
+    )
+    app = create_app(engine, llm.tokenizer, llm.encode_chat, model, llm.runner.max_total_len)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", engine
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()

@@ -6,51 +6,18 @@ random model with the real tokenizer. The oracle is the single-sequence referenc
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
 import torch
-import uvicorn
+from helpers import live_server
 
 from neuron_opt.api import LLM
-from neuron_opt.runtime.engine import Engine
 from neuron_opt.runtime.sampling import SamplingParams
-from neuron_opt.server.app import create_app
 
 MODEL = "tiny"
-
-
-@contextlib.contextmanager
-def live_server(llm: LLM, max_num_seqs: int, runner=None):
-    """Serve `llm` on a free loopback port in a background thread; yields (base_url, engine)."""
-    engine = Engine(
-        runner or llm.runner,
-        llm.tokenizer,
-        llm.eos_token_ids,
-        max_num_seqs=max_num_seqs,
-        max_prefill_tokens=64,
-    )
-    app = create_app(engine, llm.tokenizer, llm.encode_chat, MODEL, llm.runner.max_total_len)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", engine
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
 
 
 @pytest.fixture(scope="module")

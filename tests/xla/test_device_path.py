@@ -199,3 +199,63 @@ def test_torch_and_device_logits_agree_through_the_api(ckpt, tmp_path):
     want = ref_llm.generate_ids(ids, SamplingParams(max_tokens=20, min_tokens=20)).token_ids
     assert got == want
     assert torch.is_tensor(torch.tensor(got))
+
+
+def test_default_model_compiles_and_answers_paris_with_hf_greedy_tokens(tmp_path, capsys):
+    """SmolLM2-135M (the embedded GGUF) through `neuron-opt compile --backend neuron` and `generate` on the XLA
+    CPU device; the greedy tokens equal HF transformers loading the same file (fp32)."""
+    import transformers
+
+    from neuron_opt.checkpoint import default_model_path
+    from neuron_opt.cli import main
+
+    art = tmp_path / "art"
+    assert main(["compile", "--model", "default", "--out", str(art), "--backend", "neuron", "--dtype", "float32",
+                 "--max-length", "256", "--prefill-buckets", "64,128", "--decode-buckets", "128,256"]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(art), "--chat", "--prompt", "What is the capital of France?",
+                 "--max-new-tokens", "24", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "Paris" in out["text"]
+    path = default_model_path()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([out["prompt_token_ids"]]), max_new_tokens=24, do_sample=False,
+                          pad_token_id=0)[0, len(out["prompt_token_ids"]):].tolist()
+    assert out["token_ids"] == ref
+
+
+def test_server_on_a_neuron_artifact_batches_streams_like_the_reference(tmp_path):
+    """The official openai client, 6 concurrent greedy chats through `serve`'s engine over a batch-4 device
+    artifact (decode buckets b1/b2/b4, padded rows on the scratch slot): each equals the eager batch-1 answer."""
+    import asyncio
+
+    import openai
+    from helpers import live_server
+
+    from neuron_opt.api import LLM
+    from neuron_opt.runtime.sampling import SamplingParams
+
+    tiny = make_tiny("smollm-tok", tmp_path / "ckpt")
+    art = compile_tiny(tiny, tmp_path / "art", batch_size=4, max_length=128, prefill_buckets=(32, 64),
+                       decode_buckets=(64, 128))
+    ref = LLM(tiny, max_length=128)
+    questions = [f"Question {i}: what is {i} plus {i}?" for i in range(6)]
+    want = [ref.chat([{"role": "user", "content": q}], SamplingParams(max_tokens=12, min_tokens=12)).text
+            for q in questions]
+
+    with live_server(LLM(art), max_num_seqs=4) as (url, _):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+        async def one(q: str) -> str:
+            r = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": q}],
+                                                     max_tokens=12, temperature=0,
+                                                     extra_body={"min_tokens": 12})
+            return r.choices[0].message.content
+
+        async def together() -> list[str]:
+            return list(await asyncio.gather(*(one(q) for q in questions)))
+
+        got = asyncio.run(together())
+    assert got == want
