@@ -247,11 +247,16 @@ class LlamaForCausalLM(nn.Module):
         self.cfg, self.layout, self.pctx, self.max_length = cfg, lay, pctx, max_length
         self.model = Backbone(cfg, lay, pctx, ops)
         self.lm_head = ColumnParallelLinear(cfg.hidden_size, lay.vocab_local, False, pctx)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.tie_weights()
         cos, sin = rope_tables(cfg, max_length)
         self.register_buffer("rope_cos", cos, persistent=False)  # [max_length, D]
         self.register_buffer("rope_sin", sin, persistent=False)  # [max_length, D]
+
+    def tie_weights(self) -> None:
+        """Tied embeddings: the LM head is the embedding tensor. Call again after moving the model to a device
+        whose tensors cannot share storage with the host's (`.to(xla)` makes a new Parameter per module)."""
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def kv_shape(self, num_slots: int) -> tuple[int, int, int, int]:
         return (num_slots, self.layout.n_kv_local, self.layout.cache_length(self.max_length), self.cfg.head_dim)

@@ -203,6 +203,8 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
         if spmd:
             comm = backend.rank_collectives(par.tp, lay.kv_seq_shards)
             models = [build_rank(rank, comm) for rank in range(par.tp)]
+            for rank, model in enumerate(models):  # saved first: the device program takes the host weights
+                backend.save_weights(model, writer.path(f"weights/rank{rank}.safetensors"))
             bar = tqdm(buckets.buckets(), desc=f"compile tp={par.tp} (SPMD)", unit="graph", disable=not progress)
             rel_dir = "graphs/spmd"  # one program for every rank
             for bucket in bar:
@@ -210,10 +212,6 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
                 files = _compile_one(backend, models, bucket, cache_cfg, key_for(bucket, "spmd"), cache,
                                      writer.path(rel_dir), hits, misses)
                 graphs.setdefault(bucket.key, []).extend(f"{rel_dir}/{f}" for f in files)
-            # the device program took the weights: save the shards from the host copy made for the manifest
-            for rank in range(par.tp):
-                shard = build_rank(rank, comm)
-                backend.save_weights(shard, writer.path(f"weights/rank{rank}.safetensors"))
             del models
         for rank in range(0 if not spmd else par.tp, par.tp):
             model = build_rank(rank, None)

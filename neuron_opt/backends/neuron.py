@@ -314,7 +314,10 @@ class DeviceRank:
         self.xla = xla
         self.device = xla.device()
         dtype = next(model.parameters()).dtype
+        if model.cfg.tie_word_embeddings:  # .to(xla) unties: the LM head would be moved as a second copy
+            model.lm_head.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
         self.model = model.eval().to(self.device)  # the one host -> device copy of the weights
+        self.model.tie_weights()
         shape = model.kv_shape(num_slots)
         L = len(model.model.layers)
         self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(L)]

@@ -33,7 +33,12 @@ def main(ckpt: Path, out: Path, tp: int) -> dict:
                                     prefill_buckets=(16, 32), decode_buckets=(16, 32),
                                     parallel=ParallelConfig(tp=tp), use_cache=False),
                      log=lambda s: None, progress=False)
-    runner = load_artifact(out).runner
+    loaded = load_artifact(out)
+    runner = loaded.runner
+    ranks = runner.executor.ranks  # what the device holds: every rank's weights and KV caches
+    params = getattr(ranks, "params", None) or dict(ranks.model.named_parameters())
+    device_bytes = {"weights": sum(t.numel() * t.element_size() for t in params.values()) // tp,
+                    "kv": sum(c.numel() * c.element_size() for c in [*ranks.k_caches, *ranks.v_caches]) // tp}
     ref = eager_runner(ckpt, max_length=64, prefill_seqs=[16, 32], decode_seqs=[16, 32])
     prompt = [(7 * i + 3) % 200 + 3 for i in range(12)]
     diffs, buckets = [], []
@@ -46,7 +51,7 @@ def main(ckpt: Path, out: Path, tp: int) -> dict:
         diffs.append((a - b).abs().max().item())
         buckets.append(runner.last_bucket.key)
         tok, pos = int(b[0].argmax()), pos + 1
-    return {"diffs": diffs, "buckets": buckets}
+    return {"diffs": diffs, "buckets": buckets, "device_bytes": device_bytes}
 
 
 if __name__ == "__main__":
