@@ -18,6 +18,19 @@ def _int_list(text: str) -> tuple[int, ...]:
     return vals
 
 
+def _option(text: str) -> tuple[str, object]:
+    """KEY=VALUE; VALUE is read as JSON where it parses (true, 3, ["-O2"]), else kept as a string."""
+    import json
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compile", help="compile a checkpoint into an artifact (one graph per shape bucket)")
     p.add_argument("--model", required=True, help="HF checkpoint directory, GGUF file, or 'default'")
@@ -31,6 +44,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-buckets", type=_int_list, default=None, help="e.g. 128,256,512")
     p.add_argument("--decode-buckets", type=_int_list, default=None, help="KV lengths, e.g. 256,1024,2048")
     p.add_argument("--decode-batches", type=_int_list, default=None, help="batch sizes, e.g. 1,4,8")
+    p.add_argument("--backend-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
+                   help="a backend option (repeatable; see docs/cpu_backend.md and docs/neuron_backend.md), "
+                        "e.g. replay=false or compiler_args='-O2'")
     p.add_argument("--no-cache", action="store_true", help="do not use the compile cache")
     _add_parallel(p)
     p.set_defaults(func=run)
@@ -62,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model, out=args.out, backend=args.backend, dtype=args.dtype, batch_size=args.batch_size,
         max_context=args.max_context, max_length=args.max_length, prefill_buckets=args.prefill_buckets,
         decode_buckets=args.decode_buckets, decode_batches=args.decode_batches, parallel=_parallel_config(args),
-        use_cache=not args.no_cache)
+        backend_options=dict(args.backend_option), use_cache=not args.no_cache)
     report = compile_artifact(req)
     print(f"compile cache: {len(report.hits)} hit(s), {len(report.misses)} miss(es)")
     for label, why in report.misses.items():

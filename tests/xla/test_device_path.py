@@ -136,9 +136,10 @@ def _traffic() -> tuple[float, float]:
     return (out[1] if out else 0.0), (inn[1] if inn else 0.0)
 
 
-def test_a_decode_step_moves_only_ids_in_and_logits_out_at_any_kv_length(ckpt, tmp_path):
+@pytest.mark.parametrize("replay", [True, False])
+def test_a_decode_step_moves_only_ids_in_and_logits_out_at_any_kv_length(replay, ckpt, tmp_path):
     art = compile_tiny(ckpt("llama-gqa2"), tmp_path / "art", max_length=256, prefill_buckets=(16,),
-                       decode_buckets=(16, 256))
+                       decode_buckets=(16, 256), backend_options={"replay": replay})
     runner = load_artifact(art).runner
     V = runner.vocab_size
     runner.prefill(0, list(range(3, 15)))
@@ -157,9 +158,10 @@ def test_a_decode_step_moves_only_ids_in_and_logits_out_at_any_kv_length(ckpt, t
     assert in16 + out16 < kv_bytes / 10
 
 
-def test_no_recompilation_after_warm_up_over_a_64_token_generation(ckpt, tmp_path):
+@pytest.mark.parametrize("replay", [True, False])
+def test_no_recompilation_after_warm_up_over_a_64_token_generation(replay, ckpt, tmp_path):
     art = compile_tiny(ckpt("llama-gqa2"), tmp_path / "art", max_length=128, prefill_buckets=(16,),
-                       decode_buckets=(32, 64, 128))
+                       decode_buckets=(32, 64, 128), backend_options={"replay": replay})
     runner = load_artifact(art).runner  # load compiles (on a NeuronCore: loads) every bucket's graph
     compiles = met.metric_data("CompileTime")[0]
     uncached = met.counter_value("UncachedCompile")
@@ -186,6 +188,36 @@ def test_weights_are_placed_on_the_device_once_and_the_planner_counts_what_is_he
     assert len(loaded.manifest.graphs) == 6
     assert weights <= o1 - o0 < 1.1 * weights, (o1 - o0, weights)  # once, not once per bucket
     assert {"weights": weights, "kv": kv} == planned_bytes(loaded.manifest)
+
+
+@pytest.mark.parametrize("variant", ["mistral-window", "smollm-like-9-3"])
+def test_replayed_steps_equal_traced_steps_bit_for_bit(variant, ckpt, tmp_path):
+    """The fast path (each bucket's executable replayed by hash, caches donated) against the reference (the model's
+    ops recorded every step), on the same compiled shapes: identical logits, prefill and 16 decode steps."""
+    runners = [load_artifact(compile_tiny(ckpt(variant), tmp_path / f"art-{r}", backend_options={"replay": r})).runner
+               for r in (True, False)]
+    assert isinstance(runners[0].executor.buckets[runners[0].buckets.buckets()[0]], object)
+    assert all(v is not None for v in runners[0].executor.buckets.values())  # replayed
+    assert all(v is None for v in runners[1].executor.buckets.values())  # traced
+    prompt = [(3 * i + 1) % 200 + 3 for i in range(10)]
+    a, b = (r.prefill(0, prompt) for r in runners)
+    assert torch.equal(a, b)
+    tok, pos = int(b.argmax()), len(prompt)
+    for _ in range(16):
+        a, b = (r.decode([DecodeRow(0, tok, pos)]) for r in runners)
+        assert torch.equal(a, b), pos
+        tok, pos = int(b[0].argmax()), pos + 1
+
+
+def test_replay_at_tp2_is_refused_with_the_reason(ckpt, tmp_path):
+    from neuron_opt.backends.neuron import NeuronOptions
+
+    assert NeuronOptions.from_dict({}).replay is None  # auto: replay at tp=1, trace at tp > 1
+    out = subprocess.run([sys.executable, "-m", "neuron_opt.cli", "compile", "--model", str(ckpt("llama-gqa2")),
+                          "--out", str(tmp_path / "art"), "--backend", "neuron", "--tp", "2",
+                          "--backend-option", "replay=true"], capture_output=True, text=True, timeout=600)
+    assert out.returncode != 0 and "replay is available at tp=1 only" in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "art").exists()
 
 
 def test_sequence_parallel_at_tp2_is_refused_before_anything_runs(ckpt, tmp_path):
