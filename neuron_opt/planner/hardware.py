@@ -1,10 +1,20 @@
 """Instance table: what each AWS Neuron instance offers one NeuronCore, with every number sourced.
 
+Units (one convention for every figure here and in `Instance`):
+- Bandwidth in decimal bytes per second (GB/s = 1e9 B/s, TB/s = 1e12 B/s) and compute in decimal FLOP/s
+  (TFLOPS = 1e12), as AWS's chip pages and NKI guides publish them.
+- Capacities (HBM, host RAM) in binary bytes (GiB = 2**30), as the hardware has them and AWS labels them.
+- Where AWS labels a bandwidth "GiB/sec" (the Inferentia2 / Trainium chip pages and the inf2-arch / trn1-arch
+  instance tables), the figure is read as decimal: the same "820" of HBM bandwidth is "820 GB/s" in the NKI
+  architecture guide and "0.8 TB/sec" in the Trainium2 comparison table, which also gives trn1's NeuronLink
+  "384" in "GB/sec/device"; and two HBM2e stacks at 3.2 Gb/s per pin give 819.2e9 B/s, not 880e9. The page
+  that publishes each figure is quoted above it.
+
 Design decisions:
 - Numbers are per NeuronCore as the runtime sees it (a "rank"): chip figures divided by cores per chip. On
   trn2 a rank is a logical core (LNC=2: two physical cores sharing one 24 GiB HBM bank), the SDK default.
-- Every value comes from the AWS Neuron architecture pages as summarised in docs/hardware.md (which cites each
-  one); derived values say how they are derived. No value here is fitted to benchmark results.
+- Every value comes from the AWS Neuron documentation (URLs beside each figure; docs/hardware.md tabulates
+  them); derived values say how they are derived. No value here is fitted to benchmark results.
 - The allowed tp degrees are the runtime's (feature guide "Tensor-parallelism support"), capped by the
   instance's core count: inf2.24xlarge has 12 cores, so tp 24 is not offered there.
 - `cpu` is a pseudo-instance for the CPU backend: capacity is this machine's RAM, shared by all ranks, and no
@@ -18,8 +28,8 @@ from dataclasses import dataclass
 
 from neuron_opt.errors import ConfigError
 
-GiB = 1 << 30
-GB = 10**9
+GiB = 1 << 30  # capacities
+GB = 10**9  # bandwidths
 TFLOPS = 10**12
 
 
@@ -31,8 +41,8 @@ class Instance:
     family: str  # inf2 | trn1 | trn2 | cpu
     chips: int
     cores: int  # NeuronCores the runtime exposes (logical cores on trn2)
-    hbm_per_core: int  # bytes
-    hbm_bw_per_core: float  # bytes/s
+    hbm_per_core: int  # bytes (GiB-sized)
+    hbm_bw_per_core: float  # bytes/s, decimal
     bf16_flops_per_core: float  # dense FLOP/s
     fp8_flops_per_core: float  # dense FLOP/s
     link_bw_per_chip: float  # bytes/s between chips (NeuronLink); 0 on single-chip instances
@@ -62,24 +72,43 @@ class Instance:
         return self.cores // self.chips
 
 
-# --- per-chip figures (docs/hardware.md gives the source of each)
-# -----------------------------------------------
+# --- per-chip figures, each under the page(s) that publish it ---------------------------------------------------
+# https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/guides/architecture/trainium_inferentia2_arch.html
+#   "2 HBM stacks with a total device memory capacity of 32GiB and bandwidth of 820 GB/s"
+# https://awsdocs-neuron.readthedocs-hosted.com/en/latest/about-neuron/arch/neuron-hardware/inferentia2.html
+# https://awsdocs-neuron.readthedocs-hosted.com/en/latest/about-neuron/arch/neuron-hardware/trainium.html
+#   the same 32 GiB and 820 (labelled "GiB/sec", read as GB/s: module docstring), "190 FP16/BF16/cFP8/TF32
+#   TFLOPS", "1 TB/sec of DMA bandwidth"
 _V2_HBM_CHIP = 32 * GiB  # Inferentia2 / Trainium1 chip
-_V2_BW_CHIP = 820 * GiB  # bytes/s
+_V2_BW_CHIP = 820 * GB
 _V2_BF16_CHIP = 190 * TFLOPS  # cFP8 runs at the same rate on NeuronCore-v2
-_V2_DMA_CHIP = 1000 * GB  # DMA bandwidth per chip: the collective path between the cores of one chip
-_INF2_LINK_CHIP = 192 * GiB  # NeuronLink-v2 on inf2.24xlarge / 48xlarge
-_TRN1_LINK_CHIP = 384 * GB  # trn1.32xlarge interconnect column (unit unlabelled in the source; GB/s assumed)
-_TRN1N_LINK_CHIP = 768 * GB  # trn1n.32xlarge
+_V2_DMA_CHIP = 1000 * GB  # the collective path between the cores of one chip
+# https://awsdocs-neuron.readthedocs-hosted.com/en/latest/about-neuron/arch/neuron-hardware/inf2-arch.html
+#   "NeuronLink-v2 device-to-device (GiB/sec/device)": 192 on inf2.24xlarge / 48xlarge. Read as GB/s like
+#   trn1's 384 below: Inferentia2 has 2 NeuronLink-v2 ports, Trainium 4 (NKI guide above), 96 GB/s each.
+_INF2_LINK_CHIP = 192 * GB
+# https://awsdocs-neuron.readthedocs-hosted.com/en/latest/about-neuron/arch/neuron-hardware/trn1-arch.html
+#   same column: 384 (trn1.32xlarge), 768 (trn1n.32xlarge), labelled GiB/sec/device
+# https://awsdocs-neuron.readthedocs-hosted.com/en/latest/about-neuron/arch/neuron-hardware/trainium2.html
+#   comparison table: Trainium "Inter-chip Interconnect (GB/sec/device)" 384
+_TRN1_LINK_CHIP = 384 * GB
+_TRN1N_LINK_CHIP = 768 * GB
+# https://awsdocs-neuron.readthedocs-hosted.com/en/latest/about-neuron/arch/neuron-hardware/trainium2.html
+#   "96 GiB of device memory with 2.9 TB/sec of bandwidth", "667 BF16/FP16/TF32 TFLOPS", "1,299 FP8 TFLOPS",
+#   "3.5 TB/sec of DMA bandwidth"
 _TRN2_HBM_CHIP = 96 * GiB
-_TRN2_BW_CHIP = 2.9e12
+_TRN2_BW_CHIP = 2900 * GB
 _TRN2_BF16_CHIP = 667 * TFLOPS
 _TRN2_FP8_CHIP = 1299 * TFLOPS
-_TRN2_LINK_CHIP = 1024 * GB  # NeuronLink-v3 intra-instance
 _TRN2_DMA_CHIP = 3500 * GB
-_TRN2_LOGICAL_PER_CHIP = 4  # LNC=2: 8 physical cores -> 4 logical
-# Chip topology: trn1.32xlarge and trn2.48xlarge are a 4x4 2D torus (instance pages); the inf2 pages show the
-# chips of inf2.24xlarge / 48xlarge on one NeuronLink ring (inf2-arch topology figure, not stated in text).
+# https://awsdocs-neuron.readthedocs-hosted.com/en/latest/about-neuron/arch/neuron-hardware/trn2-arch.html
+#   "Intra-instance NeuronLink-v3 bandwidth (GB/sec/device)" 1,024
+_TRN2_LINK_CHIP = 1024 * GB
+# https://awsdocs-neuron.readthedocs-hosted.com/en/latest/about-neuron/arch/neuron-features/logical-neuroncore-config.html
+#   LNC=2 (the default) pairs the 8 physical cores into 4 logical ones, each with a 24 GiB HBM bank
+_TRN2_LOGICAL_PER_CHIP = 4
+# Chip topology: trn1.32xlarge and trn2.48xlarge are a 4x4 2D torus (trn1-arch, trn2-arch); the inf2 pages show
+# the chips of inf2.24xlarge / 48xlarge on one NeuronLink ring (inf2-arch topology figure, not stated in text).
 _TORUS_4X4 = (4, 4)
 
 _INF2_TP = (1, 2, 4, 8, 24)
@@ -108,7 +137,7 @@ def _v2(
         fp8_flops_per_core=_V2_BF16_CHIP / 2,
         link_bw_per_chip=link_chip,
         dma_bw_per_chip=_V2_DMA_CHIP,
-        host_ram=host_gib * GiB,
+        host_ram=host_gib * GiB,  # inf2-arch / trn1-arch "Host Memory (GiB)"
         tp_degrees=tuple(d for d in degrees if d <= cores),
         chip_grid=grid,
     )
@@ -135,7 +164,7 @@ INSTANCES: dict[str, Instance] = {
             fp8_flops_per_core=_TRN2_FP8_CHIP / _TRN2_LOGICAL_PER_CHIP,
             link_bw_per_chip=_TRN2_LINK_CHIP,
             dma_bw_per_chip=_TRN2_DMA_CHIP,
-            host_ram=2048 * GiB,
+            host_ram=2048 * GiB,  # trn2-arch "Host Memory (GiB)"
             tp_degrees=_TRN2_TP,
             chip_grid=_TORUS_4X4,
         ),

@@ -57,8 +57,8 @@ class Efficiency:
 
     hbm: float = 0.6
     tensor: float = 0.20
-    collective_latency_s: float = 10e-6
-    step_overhead_s: float = 4.0e-3
+    collective_latency_s: float = 5e-6
+    step_overhead_s: float = 3.75e-3
     prefill_hop_latency_s: float = 12e-6
 
 
