@@ -7,7 +7,16 @@ from __future__ import annotations
 
 
 class NeuronOptError(Exception):
-    """Base class of all neuron_opt errors."""
+    """Base class of all neuron_opt errors.
+
+    Args:
+        param: the request parameter at fault, when there is one (e.g. "max_tokens"), set where the error is
+            raised; the HTTP server reports it as the OpenAI error's `param` (never inferred from the message).
+    """
+
+    def __init__(self, *args: object, param: str | None = None) -> None:
+        super().__init__(*args)
+        self.param = param
 
 
 class ConfigError(NeuronOptError, ValueError):

@@ -48,7 +48,7 @@ class ModelRunner:
             raise ContextLengthError(
                 f"'max_tokens' is too large: {max_tokens}. This model's maximum context length is "
                 f"{self.max_total_len} tokens and your request has {prompt_len} input tokens "
-                f"({max_tokens} > {self.max_total_len} - {prompt_len}).")
+                f"({max_tokens} > {self.max_total_len} - {prompt_len}).", param="max_tokens")
 
     def _run(self, bucket: Bucket, inputs: StepInputs, candidates: int | None) -> torch.Tensor:
         self.last_bucket = bucket

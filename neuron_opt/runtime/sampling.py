@@ -29,21 +29,27 @@ class SamplingParams:
     min_tokens: int = 0
 
     def __post_init__(self) -> None:
+        # each error carries the field at fault (`param`): the HTTP server names it, whatever the message says
+        def bad(name: str, rule: str) -> ConfigError:
+            return ConfigError(f"{name}: {rule}, got {getattr(self, name)}", param=name)
+
         if self.max_tokens < 1:
-            raise ConfigError(f"max_tokens: must be at least 1, got {self.max_tokens}")
+            raise bad("max_tokens", "must be at least 1")
         if self.temperature < 0:
-            raise ConfigError(f"temperature: must be non-negative, got {self.temperature}")
+            raise bad("temperature", "must be non-negative")
         if self.top_k < 0:
-            raise ConfigError(f"top_k: must be 0 (disabled) or positive, got {self.top_k}")
+            raise bad("top_k", "must be 0 (disabled) or positive")
         if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"top_p: must be in (0, 1], got {self.top_p}")
+            raise bad("top_p", "must be in (0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ConfigError(f"{name}: must be in [-2, 2], got {getattr(self, name)}")
+                raise bad(name, "must be in [-2, 2]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ConfigError(f"logprobs: must be in [0, 20], got {self.logprobs}")
+            raise bad("logprobs", "must be in [0, 20]")
         if self.min_tokens < 0:
-            raise ConfigError(f"min_tokens: must be >= 0, got {self.min_tokens}")
+            raise bad("min_tokens", "must be >= 0")
+        if self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be at most max_tokens ({self.max_tokens})")
 
     @property
     def greedy(self) -> bool:

@@ -104,7 +104,7 @@ class Scheduler:
         if prompt_len < 1:
             raise ConfigError("prompt: must contain at least one token")
         if max_tokens < 1:
-            raise ConfigError(f"max_tokens: must be at least 1, got {max_tokens}")
+            raise ConfigError(f"max_tokens: must be at least 1, got {max_tokens}", param="max_tokens")
         if self._check_fits is not None:
             self._check_fits(prompt_len, max_tokens)
 

@@ -107,8 +107,7 @@ def create_app(
         if isinstance(e, QueueFullError):
             return error_response(503, str(e), "ServiceUnavailableError")
         if isinstance(e, ValueError):  # ConfigError (parameter ranges), ContextLengthError
-            param = "max_tokens" if "max_tokens" in str(e) else None
-            return bad_request(str(e), param)
+            return bad_request(str(e), e.param)  # set where it was raised, never read off the message
         return error_response(500, str(e), "InternalServerError")
 
     @app.exception_handler(EngineError)

@@ -6,8 +6,11 @@ Design decisions
   declared so that their harmless values (null, empty, default) pass and anything else is a 400 saying it
   is unsupported.
 - Strict types (no "0.5" -> 0.5 coercion, no true -> 1): wrong types are 400s with the field's name.
-- vLLM's extra sampling fields (top_k, min_tokens, ignore_eos, stop_token_ids) are accepted; with the `openai`
-  client they go in `extra_body`.
+- vLLM's extra sampling fields (top_k, min_tokens, ignore_eos, stop_token_ids) and
+  `stream_options.continuous_usage_stats` are honoured, so vLLM-compatible clients (guidellm, vLLM's benchmarks)
+  work unchanged; with the `openai` client they go in `extra_body`.
+- Errors name the request's own field (`param`): SamplingParams raises with its field names, and
+  `request_field` maps them back (chat's `max_completion_tokens`, `top_logprobs`).
 - Defaults follow OpenAI: temperature 1.0, completions max_tokens 16; chat max_tokens = what the context
   has left.
 """
@@ -87,8 +90,6 @@ class _Sampling(_Strict):
             raise ProtocolError("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise ProtocolError("Stream options can only be defined when `stream=True`.", "stream_options")
-        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
-            raise ProtocolError("stream_options.continuous_usage_stats is not supported", "stream_options")
 
     def _params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -111,9 +112,20 @@ class _Sampling(_Strict):
             min_tokens=self.min_tokens or 0,
         )
 
+    def request_field(self, param: str) -> str:
+        """The field of this request that SamplingParams' field `param` came from."""
+        return param
+
     @property
     def include_usage(self) -> bool:
+        """A last chunk (no choices) with the usage."""
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's `continuous_usage_stats`: every chunk carries the usage so far. vLLM heeds it only together
+        with include_usage; we honour it on its own too, rather than silently ignore it."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_Sampling):
@@ -170,6 +182,11 @@ class ChatCompletionRequest(_Sampling):
                 d["name"] = m.name
             out.append(d)
         return out
+
+    def request_field(self, param: str) -> str:
+        if param == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return "top_logprobs" if param == "logprobs" else param
 
     def sampling_params(self, prompt_len: int, max_total_len: int) -> SamplingParams:
         self._check_common()

@@ -8,13 +8,15 @@ request is aborted so that its KV slot is freed for the next request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from neuron_opt.errors import NeuronOptError
 from neuron_opt.runtime.engine import Engine, RequestOutput, TokenLogprob
 from neuron_opt.server.metrics import ServerMetrics
 from neuron_opt.server.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
@@ -70,8 +72,16 @@ class OpenAIServing:
     def _token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def _submit(self, prompt_ids: list[int], params: Any, arrival: float) -> tuple[str, asyncio.Queue]:
-        """Queue a request on the engine. Raises ContextLengthError / ConfigError / QueueFullError."""
+    def _submit(
+        self, req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int], arrival: float
+    ) -> tuple[str, asyncio.Queue]:
+        """Validate and queue a request on the engine. Raises ContextLengthError / ConfigError (their `param`
+        naming the request's field) / QueueFullError."""
+        with _request_fields(req):
+            params = req.sampling_params(len(prompt_ids), self.max_model_len)
+            return self._enqueue(prompt_ids, params, arrival)
+
+    def _enqueue(self, prompt_ids: list[int], params: Any, arrival: float) -> tuple[str, asyncio.Queue]:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         rid = uuid.uuid4().hex
@@ -128,10 +138,9 @@ class OpenAIServing:
                 self.engine.abort(rid)
 
     async def _collect(
-        self, prompt_ids: list[int], params: Any, arrival: float, is_disconnected: Callable[[], Any]
+        self, rid: str, q: asyncio.Queue, n_prompt: int, arrival: float, is_disconnected: Callable[[], Any]
     ) -> _Result:
-        r = _Result(prompt_tokens=len(prompt_ids))
-        rid, q = self._submit(prompt_ids, params, arrival)
+        r = _Result(prompt_tokens=n_prompt)
         async for out in self._outputs(rid, q, arrival, is_disconnected):
             r.text += out.text_delta
             r.token_ids += out.new_token_ids
@@ -162,7 +171,7 @@ class OpenAIServing:
         ids = list(self.tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else list(prompt)
         if any(not 0 <= t < len(self.tokenizer) for t in ids):
             raise ProtocolError("prompt token ids must be in [0, vocab size)", "prompt")
-        params = req.sampling_params(len(ids), self.max_model_len)
+        rid, q = self._submit(req, ids, arrival)
         head = {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
@@ -170,14 +179,12 @@ class OpenAIServing:
             "model": self.model_name,
         }
         if req.stream:
-            rid, q = self._submit(ids, params, arrival)
-
             def choice(out: RequestOutput, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
                 lp = self._completion_logprobs(lps, offset) if req.logprobs is not None else None
                 return {"index": 0, "text": out.text_delta, "logprobs": lp, "finish_reason": out.finish_reason}
 
-            return self._stream(self._outputs(rid, q, arrival), head, len(ids), req.include_usage, choice)
-        r = await self._collect(ids, params, arrival, is_disconnected)
+            return self._stream(self._outputs(rid, q, arrival), head, len(ids), req, choice)
+        r = await self._collect(rid, q, len(ids), arrival, is_disconnected)
         lp = self._completion_logprobs(r.logprobs, 0) if req.logprobs is not None else None
         return {
             **head,
@@ -216,7 +223,7 @@ class OpenAIServing:
             ids = self.encode_chat(messages)
         except Exception as e:  # jinja TemplateError and friends: the messages do not fit the template
             raise ProtocolError(f"cannot apply the chat template: {e}", "messages") from None
-        params = req.sampling_params(len(ids), self.max_model_len)
+        rid, q = self._submit(req, ids, arrival)
         head = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
@@ -224,8 +231,6 @@ class OpenAIServing:
             "model": self.model_name,
         }
         if req.stream:
-            rid, q = self._submit(ids, params, arrival)
-
             def choice(out: RequestOutput, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
                 return {
                     "index": 0,
@@ -236,8 +241,8 @@ class OpenAIServing:
 
             first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             return self._stream(self._outputs(rid, q, arrival), {**head, "object": "chat.completion.chunk"},
-                                len(ids), req.include_usage, choice, first)
-        r = await self._collect(ids, params, arrival, is_disconnected)
+                                len(ids), req, choice, first)
+        r = await self._collect(rid, q, len(ids), arrival, is_disconnected)
         lp = self._chat_logprobs(r.logprobs) if req.logprobs else None
         return {
             **head,
@@ -258,16 +263,22 @@ class OpenAIServing:
         outputs: AsyncIterator[RequestOutput],
         head: dict[str, Any],
         n_prompt: int,
-        include_usage: bool,
+        req: CompletionRequest | ChatCompletionRequest,
         choice: Callable[[RequestOutput, list[TokenLogprob], int], dict[str, Any]],
         first: dict[str, Any] | None = None,
     ) -> AsyncIterator[str]:
         """The SSE stream of completions and chat: `first` (chat's role chunk), one chunk per text delta built
-        by `choice(output, logprobs since the last chunk, text offset)`, usage if asked, then [DONE]."""
+        by `choice(output, logprobs since the last chunk, text offset)`, a usage chunk if asked, then [DONE].
+        With continuous usage every chunk also carries the usage so far."""
         r = _Result(prompt_tokens=n_prompt)
+
+        def chunk(c: dict[str, Any]) -> str:
+            return sse({**head, "choices": [c], "usage": self._usage(r)} if req.continuous_usage
+                       else {**head, "choices": [c]})
+
         try:
             if first is not None:
-                yield sse({**head, "choices": [first]})
+                yield chunk(first)
             async for out in outputs:
                 r.token_ids += out.new_token_ids
                 r.logprobs += out.logprobs  # tokens whose text is held back ride along with the next chunk
@@ -275,12 +286,23 @@ class OpenAIServing:
                     c = choice(out, r.logprobs, len(r.text))
                     r.logprobs = []
                     r.text += out.text_delta
-                    yield sse({**head, "choices": [c]})
+                    yield chunk(c)
         except EngineError as e:
             yield sse(
                 {"error": {"message": str(e), "type": "InternalServerError", "param": None, "code": 500}}
             )
         else:
-            if include_usage:
+            if req.include_usage:
                 yield sse({**head, "choices": [], "usage": self._usage(r)})
         yield "data: [DONE]\n\n"
+
+
+@contextlib.contextmanager
+def _request_fields(req: CompletionRequest | ChatCompletionRequest) -> Iterator[None]:
+    """Errors raised with a SamplingParams field as their `param` name the request's field instead."""
+    try:
+        yield
+    except NeuronOptError as e:
+        if e.param is not None:
+            e.param = req.request_field(e.param)
+        raise

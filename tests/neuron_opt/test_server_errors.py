@@ -63,7 +63,9 @@ CASES = [
         "only be defined when `stream=True`",
     ),
     (C, {"prompt": "x", "stop": [""]}, 400, "stop strings must not be empty"),
-    (C, {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400, "usage_st"),
+    (C, {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens: must be at most max_tokens (4)"),
+    (C, {"prompt": "x", "stream": True, "stream_options": {"foo": 1}}, 400, "stream_options.foo: unsupported"),
+    (CHAT, {"messages": [{"role": "tool", "content": "42", "tool_call_id": "a"}]}, 400, "messages.0.role"),
     (CHAT, {"messages": MSG, "add_generation_prompt": False}, 400, "add_generation_prompt: unsupported"),
     (CHAT, {"messages": []}, 400, "messages must not be empty"),
     (CHAT, {"prompt": "x"}, 400, "messages: Field required"),
@@ -96,6 +98,63 @@ def test_bad_request(server, path, body, status, message):
     err = r.json()["error"]
     assert message in err["message"], err
     assert err["code"] == status and err["type"] == ("NotFoundError" if status == 404 else "BadRequestError")
+
+
+# (path, body, the `param` the error must name). Messages may mention other parameters (min_tokens vs max_tokens);
+# the param comes from the error itself, never from its wording.
+PARAMS = [
+    (C, {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    (C, {"prompt": "x", "max_tokens": 100000}, "max_tokens"),
+    (C, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    (C, {"prompt": LONG, "max_tokens": 5}, None),
+    (C, {"prompt": "x", "temperature": -0.5}, "temperature"),
+    (C, {"prompt": "x", "top_p": 0}, "top_p"),
+    (C, {"prompt": "x", "top_k": -3}, "top_k"),
+    (C, {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+    (C, {"prompt": "x", "logprobs": 50}, "logprobs"),
+    (CHAT, {"messages": MSG, "max_completion_tokens": -4}, "max_completion_tokens"),
+    (CHAT, {"messages": MSG, "max_completion_tokens": 100000}, "max_completion_tokens"),
+    (CHAT, {"messages": MSG, "max_tokens": 100000}, "max_tokens"),
+    (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+    (CHAT, {"messages": MSG, "min_tokens": -1}, "min_tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", PARAMS, ids=[f"{i}-{c[2]}" for i, c in enumerate(PARAMS)])
+def test_error_names_the_param_at_fault(server, path, body, param):
+    r = httpx.post(server + path, json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_param_comes_from_the_error_not_its_message():
+    """An error about one parameter whose message names another reports the one it was raised for."""
+    from fastapi.testclient import TestClient
+
+    from neuron_opt.errors import ConfigError
+    from neuron_opt.server.app import create_app
+
+    class Engine:  # raises, as SamplingParams would for a bad top_k whose message mentions max_tokens
+        num_running = num_waiting = 0
+        num_slots = 1
+
+        def add_request(self, *a, **k):
+            raise ConfigError("top_k: must not exceed max_tokens here", param="top_k")
+
+        def start(self): ...
+        def stop(self): ...
+
+    class Tok:
+        def __call__(self, text):
+            return {"input_ids": [1, 2]}
+
+        def __len__(self):
+            return 10
+
+    app = create_app(Engine(), Tok(), lambda m: [1], "tiny", 64)
+    with TestClient(app) as http:
+        r = http.post(C, json={"prompt": "x", "max_tokens": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_k", r.json()
 
 
 def test_wrong_route_and_method_are_openai_shaped(server):

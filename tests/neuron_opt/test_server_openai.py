@@ -199,6 +199,79 @@ def test_32_concurrent_streams_each_get_their_own_continuation(llms, server):
     assert server[1].num_unfinished == 0 and server[1].scheduler.num_free_slots == 16
 
 
+def _sse(url: str, body: dict) -> list[dict]:
+    """POST a streaming request; returns its `data:` events as JSON, checking the stream ends with [DONE]."""
+    import json
+
+    with httpx.stream("POST", url, json=body, timeout=30) as r:
+        assert r.status_code == 200, r.read()
+        lines = [ln[len("data: "):] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x) for x in lines[:-1]]
+
+
+# What guidellm 0.8 sends (guidellm/backends/openai/request_handlers.py, after it drops None values) for
+# synthetic data with a fixed output length; vLLM benchmarking clients send the same vLLM extensions.
+GUIDELLM_CHAT = {
+    "model": MODEL,
+    "stream": True,
+    "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    "max_completion_tokens": 8,
+    "ignore_eos": True,
+    "messages": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": [{"type": "text", "text": "Once upon"}, {"type": "text", "text": " a time"}]},
+    ],
+}
+GUIDELLM_COMPLETION = {
+    "model": MODEL,
+    "stream": True,
+    "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    "max_tokens": 8,
+    "ignore_eos": True,
+    "prompt": "Once upon a time",
+}
+
+
+@pytest.mark.parametrize("path,body", [("/v1/chat/completions", GUIDELLM_CHAT),
+                                       ("/v1/completions", GUIDELLM_COMPLETION)], ids=["chat", "completions"])
+def test_continuous_usage_stats_put_usage_in_every_chunk(server, path, body):
+    """vLLM's `stream_options.continuous_usage_stats`: every chunk carries the usage so far; with include_usage
+    the last chunk (no choices) has the total as well."""
+    events = _sse(server[0] + path, body)
+    assert all("usage" in e for e in events), events
+    prompt = events[0]["usage"]["prompt_tokens"]
+    done = [e["usage"]["completion_tokens"] for e in events]
+    assert done == sorted(done) and done[-1] == 8  # ignore_eos: exactly max_(completion_)tokens
+    assert all(e["usage"]["total_tokens"] == prompt + e["usage"]["completion_tokens"] for e in events)
+    assert events[-1]["choices"] == [] and events[-2]["choices"][0]["finish_reason"] == "length"
+    # without include_usage: usage in the chunks, but no usage-only last chunk
+    opts = {"continuous_usage_stats": True}
+    events = _sse(server[0] + path, {**body, "stream_options": opts})
+    assert all(e["choices"] and "usage" in e for e in events)
+    # without continuous_usage_stats: only the last chunk has usage (as before)
+    events = _sse(server[0] + path, {**body, "stream_options": {"include_usage": True}})
+    assert [("usage" in e) for e in events] == [False] * (len(events) - 1) + [True]
+
+
+def test_vllm_extensions_are_honoured(llms, server):
+    """`stop: null`, `min_tokens`, `ignore_eos`, `max_completion_tokens` and text-part message content, as
+    vLLM-compatible clients send them, give the reference output."""
+    url = server[0]
+    ref = llms[1].chat([{"role": "user", "content": "Hi there"}],
+                       SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, min_tokens=3))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                                                     {"type": "text", "text": " there"}]}],
+            "max_completion_tokens": 6, "temperature": 0, "stop": None, "ignore_eos": True, "min_tokens": 3}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == ref.text
+    assert r.json()["usage"]["completion_tokens"] == 6
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 5, "stop": None,
+                                                  "ignore_eos": True, "min_tokens": 5}, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5, r.text
+
+
 class SlowRunner:
     """A real runner whose decode steps take at least 20 ms, so a long request is still running when its
     client leaves."""
