@@ -63,10 +63,27 @@ def _parse_options(options: dict[str, Any] | None, dtype: torch.dtype) -> dict[s
     return opts
 
 
+def onednn_bf16_supported() -> bool:
+    """Whether oneDNN runs bf16 GEMMs on this CPU (avx512bw/vl/dq, or avx_ne_convert): torch's own check, the one
+    Inductor uses to pick its bf16 lowering. Without it the bf16 weights cannot be packed for oneDNN at all
+    ('mkldnn_reorder_linear_weight: bf16 path needs ...') and Inductor folds them into per-graph constants."""
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def check_dtype_supported(dtype: torch.dtype) -> None:
+    """The cpu backend's bf16 graphs need oneDNN bf16; refuse them clearly on CPUs without it (AVX2-only)."""
+    if dtype == torch.bfloat16 and not onednn_bf16_supported():
+        raise ConfigError(
+            "dtype: bfloat16 on the cpu backend needs a CPU on which oneDNN runs bf16 (AVX-512 BW/VL/DQ or "
+            "AVX-NE-CONVERT); this CPU has neither, so its bf16 graphs could not share packed weights. Use "
+            "--dtype float32 (the default on this CPU), or --backend eager for bf16 without compiled graphs")
+
+
 class CpuBackend:
     name = "cpu"
 
     def __init__(self, dtype: torch.dtype, options: dict[str, Any] | None = None) -> None:
+        check_dtype_supported(dtype)
         self.dtype = dtype
         self.options = _parse_options(options, dtype)
         self._done: dict[tuple[int, Path, str], list[Path]] = {}  # graphs compiled by this instance

@@ -235,6 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     reference = None
     if args.agreement_tokens and 1 in batches and set(systems) - {"hf", "hf-compile"}:
         reference = _in_fresh_process(_measure, "reference", 1, opts, None)["reference"]
+    if "cpu-bf16" in systems:
+        from neuron_opt.backends.cpu import onednn_bf16_supported
+
+        if not onednn_bf16_supported():  # refused by the cpu backend on this CPU: say so, measure the rest
+            log("cpu-bf16: skipped, oneDNN has no bf16 GEMMs on this CPU (no AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
+            systems = [s for s in systems if s != "cpu-bf16"]
     results: list[Result] = []
     for batch in batches:
         runs: dict[str, list[Result]] = {}

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from models.llama import LlamaForCausalLM
 from neuron_opt.backends.base import StepInputs, allocate_kv
-from neuron_opt.backends.cpu import CpuBackend, CpuExecutor
+from neuron_opt.backends.cpu import CpuBackend, CpuExecutor, onednn_bf16_supported
 from neuron_opt.backends.cpu_constants import pack_weight
 from neuron_opt.buckets import DECODE, PREFILL, Bucket
 from neuron_opt.config import ModelConfig, ParallelConfig
@@ -211,6 +211,32 @@ def test_load_rejects_mismatched_setup(compiled: tuple[Path, dict[Bucket, list[P
         CpuBackend(torch.float32, {"fast": True})
 
 
+NEEDS_ONEDNN_BF16 = pytest.mark.skipif(
+    not onednn_bf16_supported(),
+    reason="this CPU has no oneDNN bf16 (needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT); the cpu backend refuses bf16 here",
+)
+
+
+def test_bf16_is_refused_clearly_where_onednn_has_no_bf16(monkeypatch, tmp_path: Path) -> None:
+    """An AVX2-only CPU (simulated: torch's own check answers no) gets a ConfigError naming the fix, at
+    construction and from `compile` before anything is written; fp32 is unaffected."""
+    import neuron_opt.backends.cpu as cpu
+    from neuron_opt.compiler import CompileRequest, compile_artifact
+
+    monkeypatch.setattr(cpu, "onednn_bf16_supported", lambda: False)
+    with pytest.raises(ConfigError, match="--dtype float32"):
+        CpuBackend(torch.bfloat16)
+    CpuBackend(torch.float32)
+    from tiny import make_tiny
+
+    ckpt = make_tiny("llama-gqa2", tmp_path / "ckpt", tokenizer=True)
+    with pytest.raises(ConfigError, match="AVX-512"):
+        compile_artifact(CompileRequest(model=str(ckpt), out=tmp_path / "art", backend="cpu", dtype="bfloat16",
+                                        max_length=64, use_cache=False), log=lambda s: None, progress=False)
+    assert not (tmp_path / "art").exists()
+
+
+@NEEDS_ONEDNN_BF16
 def test_onednn_weights_packed_once_for_every_m_hint() -> None:
     from neuron_opt.backends.cpu import _WeightStore
     from neuron_opt.backends.cpu_constants import ConstantRecipe
@@ -224,8 +250,8 @@ def test_onednn_weights_packed_once_for_every_m_hint() -> None:
     torch.testing.assert_close(torch.ops.mkldnn._linear_pointwise(x, a, None, "none", [], ""), x @ w.t())
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("gemm", ["onednn", "cpp"])
+@NEEDS_ONEDNN_BF16
+@pytest.mark.parametrize("gemm", ["onednn", pytest.param("cpp", marks=pytest.mark.slow)])  # onednn: the default
 def test_bf16_decode_matches_eager(tmp_path: Path, gemm: str) -> None:
     """bf16 graphs (oneDNN-reordered or template-packed weights) vs the bf16 eager model: teacher-forced decode,
     logits within bf16 rounding and the KV caches advancing."""
