@@ -4,11 +4,17 @@ Kernels do `from kernels_nki._nki import nki, nl, nisa` so that the same kernel 
 (with the SDK's own `simulate_kernel`, or compiled for the device) and here on the numpy simulator
 `neuron_opt.nki_sim`. The PyPI placeholder packages named like the SDK raise a plain Exception ("WRONG
 PACKAGE") on import, hence the broad `except Exception`.
+
+Host wrappers check SBUF needs against the simulator's memory model (`sbuf_capacity`), the same figure its
+allocator enforces, so an input too large for a kernel is a `KernelArgumentError` before anything runs.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from neuron_opt.nki_sim import get_target
+from neuron_opt.nki_sim.runtime import DEFAULT_TARGET
 
 try:  # pragma: no cover - only on hosts with the Neuron SDK
     import neuronxcc.nki as nki
@@ -23,7 +29,7 @@ except Exception:  # noqa: BLE001 - placeholders raise Exception, not ImportErro
 
     HAVE_SDK = False
 
-__all__ = ["HAVE_SDK", "nisa", "nki", "nl", "simulate"]
+__all__ = ["DEFAULT_TARGET", "HAVE_SDK", "nisa", "nki", "nl", "sbuf_capacity", "simulate"]
 
 
 def simulate(kernel: Any, *arrays: Any, **kwargs: Any) -> Any:
@@ -38,3 +44,11 @@ def simulate(kernel: Any, *arrays: Any, **kwargs: Any) -> Any:
         What the kernel returns, as numpy arrays (a tuple when it returns several).
     """
     return nki.simulate_kernel(kernel, *arrays, **kwargs)
+
+
+def sbuf_capacity(target: str = DEFAULT_TARGET) -> int:
+    """SBUF bytes per partition a kernel may use on `target` (`nl.tile_size.total_available_sbuf_size`).
+
+    Host wrappers check against the simulator's default target (trn1; inf2 has the same figure, trn2 more).
+    """
+    return get_target(target).sbuf_usable_bytes_per_partition

@@ -36,8 +36,12 @@ Pseudocode (per program = (b, kv head)):
         for 128-position chunk: o_s += transpose(p[:, chunk])^T @ V[chunk]          # PSUM [G, D]
     merge as above; store [G, D].
 
-Constraints: D <= 128, G <= 128, split_size a multiple of 128 and, above 512, of 512; q and caches share
-float32 or bfloat16; lengths[b] >= 1. All splits up to S_max are computed (lengths are runtime data).
+Constraints: D <= 128, G <= 128, split_size a multiple of 128 and, above 512, of 512, at most 3584 (a split's
+scores take split_size / 512 PSUM banks, the P @ V accumulator one more, of 8); q and caches share float32 or
+bfloat16; lengths[b] >= 1. All splits up to S_max are computed (lengths are runtime data). Every split's fp32
+partial output and statistics stay in SBUF until the merge: about n_splits * (D + 4) * 4 bytes per partition
+plus the working set (`sbuf_bytes`), so S_max <= 41600 for D = 128 and split_size = 128 on trn1
+(`max_cache_len`).
 """
 
 from __future__ import annotations
@@ -47,12 +51,16 @@ from typing import Any
 
 import numpy as np
 
-from kernels_nki._nki import nisa, nki, nl, simulate
+from kernels_nki._nki import DEFAULT_TARGET, nisa, nki, nl, sbuf_capacity, simulate
 from neuron_opt.errors import KernelArgumentError
+from neuron_opt.nki_sim import get_target
 
 P_CHUNK = 128  # positions per P@V matmul (contraction on partitions)
 K_TILE = 512  # positions per score matmul (one PSUM bank of fp32)
 NEG = -1.0e30  # added to scores of positions past the length
+# SBUF bytes per partition for the tiles of one split (K tile, positions, P, P^T, V tile, row maxes and sums,
+# the [D, G] queries); the simulator counts at most 7208 (fp32, G = 128), the rest is margin.
+SBUF_WORKING_SET = 8 * 1024
 
 
 @nki.jit
@@ -145,9 +153,37 @@ def _check(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.
     if lengths.shape != (b,) or lengths.min() < 1 or lengths.max() > k_cache.shape[2]:
         raise KernelArgumentError(f"decode_attention: lengths must be [B]={b} values in [1, S_max="
                                   f"{k_cache.shape[2]}]; got {lengths.tolist()}")
-    if split_size % P_CHUNK or (split_size > K_TILE and split_size % K_TILE):
+    max_split = (get_target(DEFAULT_TARGET).psum_banks - 1) * K_TILE
+    if split_size % P_CHUNK or (split_size > K_TILE and split_size % K_TILE) or split_size > max_split:
         raise KernelArgumentError(f"decode_attention: split_size {split_size} must be a multiple of 128 "
-                                  f"(and of 512 above 512)")
+                                  f"(and of 512 above 512), at most {max_split} (its scores stay in PSUM)")
+    _check_sbuf(k_cache.shape[2], d, split_size, DEFAULT_TARGET)
+
+
+def sbuf_bytes(s_max: int, d: int, split_size: int) -> int:
+    """SBUF bytes per partition one program holds at its peak, counted as the simulator's allocator does.
+
+    The allocator charges a tile the bytes of its free dims in every partition: the per-split maxes and sums
+    `[G, n_splits]` and outputs `[G, n_splits * D]`, all fp32, plus the merge's weights and weighted sums (two
+    more `[G, n_splits]`) cost n_splits * (D + 4) * 4; then `SBUF_WORKING_SET`.
+    """
+    n_splits = (s_max + split_size - 1) // split_size
+    return n_splits * (d + 4) * 4 + SBUF_WORKING_SET
+
+
+def max_cache_len(d: int, split_size: int, target: str = DEFAULT_TARGET) -> int:
+    """Longest S_max whose `sbuf_bytes` fit the SBUF a kernel may use on `target`."""
+    return (sbuf_capacity(target) - SBUF_WORKING_SET) // ((d + 4) * 4) * split_size
+
+
+def _check_sbuf(s_max: int, d: int, split_size: int, target: str) -> None:
+    need, cap = sbuf_bytes(s_max, d, split_size), sbuf_capacity(target)
+    if need > cap:
+        raise KernelArgumentError(f"decode_attention: S_max={s_max} with split_size={split_size} and D={d} needs "
+                                  f"{need} SBUF bytes per partition (each split's fp32 output and statistics "
+                                  f"stay resident until the merge), more than the {cap} a kernel may use on "
+                                  f"{target}; S_max <= {max_cache_len(d, split_size, target)} fits, or raise "
+                                  f"split_size")
 
 
 def run(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.ndarray, *,
@@ -166,7 +202,8 @@ def run(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.nda
         `[B, n_heads, D]` in q's dtype.
 
     Raises:
-        KernelArgumentError: Shapes, dtypes or lengths the kernel does not support.
+        KernelArgumentError: Shapes, dtypes or lengths the kernel does not support, or a cache too long for
+            SBUF at this split_size on the simulator's default target (`max_cache_len`).
     """
     lengths = np.asarray(lengths)
     _check(q, k_cache, v_cache, lengths, split_size)
@@ -184,10 +221,15 @@ def run(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.nda
 
 def estimate(b: int, n_heads: int, n_kv_heads: int, s_max: int, d: int, *, split_size: int = 512,
              target: str = "trn1", dtype: Any = None) -> Any:
-    """Count-only cost Report of the simulator for one decode step (no values computed)."""
+    """Count-only cost Report of the simulator for one decode step (no values computed).
+
+    Raises:
+        KernelArgumentError: A cache too long for SBUF at this split_size on `target` (`max_cache_len`).
+    """
     from neuron_opt import nki_sim
 
     dt = nl.bfloat16 if dtype is None else dtype
+    _check_sbuf(s_max, d, split_size, target)
     g = n_heads // n_kv_heads
     _, rep = nki_sim.simulate_kernel(decode_attention_kernel[b, n_kv_heads],
                                      nki_sim.ShapeDtype((b, n_kv_heads, d, g), dt),

@@ -43,8 +43,10 @@ Pseudocode (per program, per query tile [q0, q0 + qr)):
     VectorE and ScalarE), TensorE needs 550 ns of which 366 are useful: ~60% at best (docs/kernels.md).
 
 Constraints: D <= 128; q, k, v share one dtype (float32 or bfloat16; matmuls run in that dtype, softmax
-statistics in float32); K^T and V resident in SBUF: S * D * itemsize / 64 bytes per partition (S <= 32768
-for bf16 D = 128).
+statistics in float32). Q^T, K^T and V stay resident in SBUF: a `[D, S]` tile costs S * itemsize bytes in
+each partition whatever D is, V `ceil(S / 128) * (D + 1) * itemsize`, plus the per-tile working set
+(`sbuf_bytes`); against the 180224 bytes per partition a trn1 kernel may use, S <= 28560 for bf16 and D = 128
+(`max_seq_len`).
 """
 
 from __future__ import annotations
@@ -54,14 +56,16 @@ from typing import Any
 
 import numpy as np
 
-from kernels_nki._nki import nisa, nki, nl, simulate
+from kernels_nki._nki import DEFAULT_TARGET, nisa, nki, nl, sbuf_capacity, simulate
 from neuron_opt.errors import KernelArgumentError
 
 Q_TILE = 128  # query rows per tile: the partition count of the score tile
 K_TILE = 512  # keys per score matmul: one PSUM bank of fp32
 K_BLOCK = 2048  # keys per online-softmax step (4 PSUM banks of scores)
 NEG = -1.0e30  # masked score; exp(scale * NEG - m) underflows to exactly 0
-SBUF_KV_BUDGET = 128 * 1024  # bytes per partition we allow for resident K^T and V
+# SBUF bytes per partition for the tiles of one query tile (statistics, output accumulator, P, P^T, the causal
+# masks, temporaries awaiting release); the simulator counts at most 4144 (fp32, D = 128), the rest is margin.
+SBUF_WORKING_SET = 8 * 1024
 EVICT_VECTOR = (23, 64)  # share of P^T evictions on VectorE (the rest on ScalarE), see docs/kernels.md
 
 
@@ -211,10 +215,36 @@ def _check(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
     if not q.dtype == k.dtype == v.dtype or q.dtype.name not in ("float32", "bfloat16"):
         raise KernelArgumentError(f"flash_attention: q, k, v must share dtype float32 or bfloat16; "
                                   f"got {q.dtype}, {k.dtype}, {v.dtype}")
-    resident = 2 * s * d * q.dtype.itemsize // 128
-    if resident > SBUF_KV_BUDGET:
-        raise KernelArgumentError(f"flash_attention: K and V of S={s}, D={d} need {resident} SBUF bytes per "
-                                  f"partition (limit {SBUF_KV_BUDGET}); shorten S")
+    _check_sbuf(s, d, q.dtype, DEFAULT_TARGET)
+
+
+def sbuf_bytes(s: int, d: int, dtype: Any) -> int:
+    """SBUF bytes per partition one program holds at its peak, counted as the simulator's allocator does.
+
+    The allocator charges a tile the bytes of its free dims in every partition: Q^T and K^T `[D, S]` cost
+    S * itemsize each, V `[128, n_chunks * (D + 1)]` n_chunks * (D + 1) * itemsize; then `SBUF_WORKING_SET`.
+    """
+    itemsize = np.dtype(dtype).itemsize
+    n_chunks = (s + Q_TILE - 1) // Q_TILE
+    return 2 * s * itemsize + n_chunks * (d + 1) * itemsize + SBUF_WORKING_SET
+
+
+def max_seq_len(d: int, dtype: Any, target: str = DEFAULT_TARGET) -> int:
+    """Longest S whose `sbuf_bytes` fit the SBUF a kernel may use on `target`."""
+    cap = sbuf_capacity(target)
+    lo, hi = 0, cap  # sbuf_bytes grows with S and exceeds cap at S = cap
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if sbuf_bytes(mid, d, dtype) <= cap else (lo, mid)
+    return lo
+
+
+def _check_sbuf(s: int, d: int, dtype: Any, target: str) -> None:
+    need, cap = sbuf_bytes(s, d, dtype), sbuf_capacity(target)
+    if need > cap:
+        raise KernelArgumentError(f"flash_attention: S={s}, D={d}, {np.dtype(dtype).name} needs {need} SBUF bytes "
+                                  f"per partition (Q^T, K^T and V resident plus the working set), more than the "
+                                  f"{cap} a kernel may use on {target}; S <= {max_seq_len(d, dtype, target)} fits")
 
 
 def run(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool = True,
@@ -232,7 +262,8 @@ def run(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool = True,
         `[B, n_heads, S, D]` in q's dtype.
 
     Raises:
-        KernelArgumentError: Shapes or dtypes the kernel does not support.
+        KernelArgumentError: Shapes or dtypes the kernel does not support, or S too long for SBUF on the
+            simulator's default target (`max_seq_len`).
     """
     _check(q, k, v)
     b, n_heads, _, d = q.shape
@@ -257,10 +288,14 @@ def estimate(b: int, n_heads: int, n_kv_heads: int, s: int, d: int, *, causal: b
 
     Returns:
         The simulator's `Report` (latency, per-engine busy time, TensorE utilisation).
+
+    Raises:
+        KernelArgumentError: S too long for SBUF on `target` (`max_seq_len`).
     """
     from neuron_opt import nki_sim
 
     dt = nl.bfloat16 if dtype is None else dtype
+    _check_sbuf(s, d, dt, target)
     grid = flash_attention_kernel[b, n_kv_heads, n_heads // n_kv_heads]
     _, rep = nki_sim.simulate_kernel(grid, nki_sim.ShapeDtype((b, n_heads, d, s), dt),
                                      nki_sim.ShapeDtype((b, n_kv_heads, d, s), dt),

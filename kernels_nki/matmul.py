@@ -12,7 +12,8 @@ Kernel layouts (HBM):
 Constraints: M % BLOCK_M == 0, K % BLOCK_K == 0, N % BLOCK_N == 0 (the host wrapper `run` pads);
 lhsT and rhs share a dtype that TensorE accepts (bf16 by default). SBUF per partition holds the result
 block row ((M / 128) * tiles_n * 512 elements), one K-block of rhs (tiles_k * BLOCK_N) and of lhsT
-(tiles_k * BLOCK_M); the defaults (16, 2, 8) use about 114 KiB of 192 KiB for M = 4096.
+(tiles_k * BLOCK_M), and transient tiles (`sbuf_bytes`); the defaults (16, 2, 8) use about 117 KiB of the
+176 KiB a trn1 kernel may use for M = 4096, so M <= 6144 in bf16 with them.
 
 Pseudocode:
     for n_block in range(N / BLOCK_N):                  # result columns resident in SBUF
@@ -37,7 +38,7 @@ from typing import Any
 import numpy as np
 
 # `_nki` picks the real SDK when it imports, else neuron_opt.nki_sim (same names).
-from kernels_nki._nki import HAVE_SDK, nisa, nki, nl
+from kernels_nki._nki import HAVE_SDK, nisa, nki, nl, sbuf_capacity
 from neuron_opt.errors import KernelArgumentError
 
 DEFAULT_TILES = (16, 2, 8)  # (tiles_m, tiles_n, tiles_k): the nki-samples configuration measured on trn1
@@ -121,6 +122,28 @@ def _round_up(x: int, mult: int) -> int:
     return -(-x // mult) * mult
 
 
+def sbuf_bytes(m: int, tiles: tuple[int, int, int], dtype: Any) -> int:
+    """SBUF bytes per partition of the kernel at its peak, counted as the simulator's allocator does.
+
+    The allocator charges a tile the bytes of its free dims in every partition: the result block row
+    (M / 128 * tiles_n tiles of 512), one K-block of rhs (tiles_k * BLOCK_N) and of lhsT (tiles_k * BLOCK_M),
+    one loaded row of tiles on its way into a block (max(BLOCK_M, BLOCK_N)) and one [128, 512] partial sum.
+    M is the padded row count.
+    """
+    tm, tn, tk = tiles
+    block_m, block_n = 128 * tm, 512 * tn
+    elems = m // 128 * tn * 512 + tk * (block_m + block_n) + max(block_m, block_n) + 512
+    return elems * np.dtype(dtype).itemsize
+
+
+def _check_sbuf(m: int, tiles: tuple[int, int, int], dtype: Any, target: str) -> None:
+    need, cap = sbuf_bytes(m, tiles, dtype), sbuf_capacity(target)
+    if need > cap:
+        raise KernelArgumentError(f"matmul: M={m} with tiles={tiles}, {np.dtype(dtype).name} needs {need} SBUF bytes "
+                                  f"per partition (the [M, BLOCK_N] result block stays resident), more than the "
+                                  f"{cap} a kernel may use on {target}; use a smaller tiles_n or split M")
+
+
 def run(
     a: np.ndarray, b: np.ndarray, *, target: str = "trn1", tiles: tuple[int, int, int] | None = None
 ) -> np.ndarray:
@@ -128,6 +151,7 @@ def run(
 
     Pads to block multiples (zeros do not change the product), passes `a` transposed (lhsT), runs the kernel
     on the simulator (or the SDK when present) and returns the unpadded `[M, N]` result in the input dtype.
+    Raises KernelArgumentError when the padded problem's `sbuf_bytes` exceed the SBUF of `target`.
     """
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
         raise KernelArgumentError(f"matmul: need a[M, K] and b[K, N], got {a.shape} and {b.shape}")
@@ -137,6 +161,7 @@ def run(
     n = b.shape[1]
     tm, tn, tk = tiles or pick_tiles(m, k, n)
     mp, kp, np_ = _round_up(m, 128 * tm), _round_up(k, 128 * tk), _round_up(n, 512 * tn)
+    _check_sbuf(mp, (tm, tn, tk), a.dtype, target)
     lhs_t = np.zeros((kp, mp), dtype=a.dtype)
     lhs_t[:k, :m] = a.T  # [K, M]: contraction on partitions
     rhs = np.zeros((kp, np_), dtype=b.dtype)
@@ -163,6 +188,7 @@ def estimate(
     from neuron_opt import nki_sim
 
     dt = nl.bfloat16 if dtype is None else dtype
+    _check_sbuf(m, tiles, dt, target)
     tm, tn, tk = tiles
     _, rep = nki_sim.simulate_kernel(
         matmul_kernel,

@@ -19,8 +19,9 @@ Pseudocode (per tile of rows [r0, r0 + rows)):
     rstd = 1 / sqrt(ss / H + eps)                             # ScalarE rsqrt, [rows, 1]
     out[rows] = (h * rstd) * weight                           # one VectorE scalar_tensor_tensor pass
 
-Constraints: x, weight (and residual) share float32 or bfloat16; the working set is about 5 * H * 4 bytes
-per partition, so H <= 8192.
+Constraints: x, weight (and residual) share float32 or bfloat16; H <= 8192. The working set is three [rows, H]
+tiles in x's dtype (four with a residual): about 128 KiB per partition at H = 8192 in float32, within the
+176 KiB a trn1 kernel may use, so the H limit alone keeps every accepted input inside SBUF.
 """
 
 from __future__ import annotations

@@ -80,29 +80,38 @@ def nc_matmul(
     tile_position: Any = (),
     tile_size: Any = (),
     mask: Any = None,
-    **_: Any,
 ) -> Tile:
-    """stationary[K, M].T @ moving[K, N] -> fp32 PSUM [M, N]; accumulate: `psum += nc_matmul(...)`."""
+    """stationary[K, M].T @ moving[K, N] -> fp32 PSUM [M, N]; accumulate: `psum += nc_matmul(...)`.
+
+    `is_transpose` requires `moving` to be the identity; `tile_position`/`tile_size` are checked PE tiling;
+    `mask` is refused (see core/engines_tensor.py).
+    """
     return _pe.nc_matmul(
         stationary,
         moving,
         is_stationary_onezero=is_stationary_onezero,
         is_moving_onezero=is_moving_onezero,
+        is_transpose=is_transpose,
+        tile_position=tuple(tile_position),
+        tile_size=tuple(tile_size),
         mask=mask,
     )
 
 
 def nc_transpose(
-    data: Tile, *, mask: Any = None, dtype: Any = None, engine: str = engine.unknown, **_: Any
+    data: Tile, *, mask: Any = None, dtype: Any = None, engine: str = engine.unknown
 ) -> Tile:
-    """Swap partition and free dims: TensorE (<= 128x128, SBUF in, PSUM out) or VectorE (<= 32x32)."""
+    """Swap partition and free dims: TensorE (<= 128x128, SBUF in, PSUM out) or VectorE (<= 32x32).
+
+    `mask` is a predicate on the indices of `data`; masked-out elements are neither read nor written.
+    """
     _operand(data, "data", "nc_transpose")
     eng = engine
     if eng == "unknown":
         eng = "vector" if data.partitions <= 32 and data.free_size <= 32 else "tensor"
     if eng == "vector":
-        return _pe.vector_transpose(data, dtype=dtype)
-    return _pe.pe_transpose(data, dtype=dtype)
+        return _pe.vector_transpose(data, dtype=dtype, mask=mask)
+    return _pe.pe_transpose(data, dtype=dtype, mask=mask)
 
 
 def activation(
@@ -116,7 +125,6 @@ def activation(
     reduce_cmd: Any = reduce_cmd.idle,
     mask: Any = None,
     dtype: Any = None,
-    **_: Any,
 ) -> Tile:
     """op(data * scale + bias) on ScalarE; with reduce_op=nl.add and reduce_res, also the free-dim sum."""
     return _ve.activation(
@@ -142,7 +150,6 @@ def activation_reduce(
     scale: Any = 1.0,
     mask: Any = None,
     dtype: Any = None,
-    **_: Any,
 ) -> Tile:
     """activation plus the reduction of its result along all free dims into reduce_res ([P, 1])."""
     return _ve.activation(
@@ -167,7 +174,6 @@ def tensor_reduce(
     dtype: Any = None,
     negate: bool = False,
     keepdims: bool = False,
-    **_: Any,
 ) -> Tile:
     """Reduce along the trailing free axes on VectorE."""
     return _ve.tensor_reduce(op, data, axis, dtype=dtype, mask=mask, negate=negate, keepdims=keepdims)
@@ -185,7 +191,6 @@ def tensor_scalar(
     dtype: Any = None,
     mask: Any = None,
     engine: str = engine.unknown,
-    **_: Any,
 ) -> Tile:
     """(data op0 operand0) op1 operand1 with scalar or [P, 1] operands."""
     return _ve.tensor_scalar(
@@ -201,14 +206,13 @@ def tensor_tensor(
     dtype: Any = None,
     mask: Any = None,
     engine: str = engine.unknown,
-    **_: Any,
 ) -> Tile:
     """Elementwise op of two tiles with the same partitions and elements per partition."""
     return _ve.tensor_tensor(data1, data2, op, dtype=dtype, mask=mask, engine=engine)
 
 
 def tensor_copy(
-    src: Tile, *, mask: Any = None, dtype: Any = None, engine: str = engine.unknown, **_: Any
+    src: Tile, *, mask: Any = None, dtype: Any = None, engine: str = engine.unknown
 ) -> Tile:
     """Copy a tile (SBUF or PSUM source) into a new SBUF tile."""
     return _ve.tensor_copy(src, dtype=dtype, mask=mask, engine=engine)
@@ -224,31 +228,30 @@ def scalar_tensor_tensor(
     dtype: Any = None,
     mask: Any = None,
     engine: str = engine.unknown,
-    **_: Any,
 ) -> Tile:
     """(data op0 operand0) op1 operand1 on VectorE: operand0 scalar or [P, 1], operand1 a tile like data."""
     return _ve.scalar_tensor_tensor(data, op0, operand0, op1, operand1, dtype=dtype, mask=mask, engine=engine)
 
 
-def reciprocal(data: Tile, *, dtype: Any = None, mask: Any = None, **_: Any) -> Tile:
+def reciprocal(data: Tile, *, dtype: Any = None, mask: Any = None) -> Tile:
     """1 / data on VectorE (8 cycles per element)."""
     return _ve.reciprocal(data, dtype=dtype, mask=mask)
 
 
 def memset(
-    shape: Any, value: Any, dtype: Any, *, mask: Any = None, engine: str = engine.unknown, **_: Any
+    shape: Any, value: Any, dtype: Any, *, mask: Any = None, engine: str = engine.unknown
 ) -> Tile:
     """A new SBUF tile filled with value."""
     return _ve.memset(tuple(shape), value, dtype, mask=mask, engine=engine)
 
 
-def iota(expr: Any, dtype: Any, *, mask: Any = None, **_: Any) -> Tile:
+def iota(expr: Any, dtype: Any, *, mask: Any = None) -> Tile:
     """Materialise an affine index expression (e.g. `i_p * 512 + i_f`) as a tile, on GpSimd."""
     return _ve.iota(expr, dtype, mask=mask)
 
 
 def affine_select(
-    pred: Any, on_true_tile: Tile, on_false_value: Any, *, mask: Any = None, dtype: Any = None, **_: Any
+    pred: Any, on_true_tile: Tile, on_false_value: Any, *, mask: Any = None, dtype: Any = None
 ) -> Tile:
     """pred ? on_true_tile : on_false_value, pred an affine comparison of nl.arange/mgrid indices (GpSimd)."""
     ctx = _current()
@@ -275,14 +278,33 @@ def affine_select(
     )
 
 
-def dma_copy(*, dst: Tile, src: Tile, mask: Any = None, dst_rmw_op: Any = None, **_: Any) -> None:
-    """DMA between HBM and SBUF tensors of equal element count (PSUM is not a DMA endpoint)."""
+def dma_copy(
+    *,
+    dst: Tile,
+    src: Tile,
+    mask: Any = None,
+    dst_rmw_op: Any = None,
+    oob_mode: str = oob_mode.error,
+    dge_mode: str = dge_mode.unknown,
+) -> None:
+    """DMA between HBM and SBUF tensors of equal element count (PSUM is not a DMA endpoint).
+
+    `dge_mode` only picks who generates descriptors (same data moved), so it is accepted, except hardware DGE
+    before NeuronCore-v3. `oob_mode.skip` concerns indirect (gather/scatter) access, which is not simulated.
+    """
     if dst_rmw_op is not None:
         raise SimulatorError("dma_copy dst_rmw_op is not supported by the simulator")
+    if oob_mode != "error":
+        raise SimulatorError(f"dma_copy oob_mode={oob_mode!r} is not supported by the simulator (only 'error')")
+    modes = ("unknown", "swdge", "hwdge", "none")
+    if dge_mode not in modes:
+        raise SimulatorError(f"dma_copy dge_mode must be one of nisa.dge_mode {modes}, got {dge_mode!r}")
+    if dge_mode == "hwdge" and get_nc_version() < 3:
+        raise SimulatorError("dma_copy dge_mode=hwdge needs NeuronCore-v3 (trn2); trn1/inf2 have no hardware DGE")
     _dma.dma_copy(dst, src, mask=mask)
 
 
-def tensor_copy_predicated(*, src: Tile, dst: Tile, predicate: Tile, mask: Any = None, **_: Any) -> None:
+def tensor_copy_predicated(*, src: Tile, dst: Tile, predicate: Tile, mask: Any = None) -> None:
     """Copy src into dst where predicate != 0 (VectorE); dst untouched elsewhere."""
     ctx = _current()
     for t, n in ((src, "src"), (dst, "dst"), (predicate, "predicate")):

@@ -2,7 +2,9 @@
 
 Swap `import neuronxcc.nki.language as nl` for `import neuron_opt.nki_sim.language as nl`. Signatures follow
 the legacy stubs (nki.md 3): compute ops take keyword `dtype=` and `mask=`; index expressions are
-`nl.arange` / `nl.mgrid` (broadcastable int arrays) and masks are predicates on them.
+`nl.arange` / `nl.mgrid` (broadcastable int arrays) and masks are predicates on them. The stubs end in
+`**kwargs`; here signatures list the documented keywords only, so a misspelled keyword raises TypeError
+(naming the function and the keyword) instead of being ignored.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ def _par_axis(shape: Sequence[int]) -> tuple[tuple[int, ...], int]:
 
 
 def ndarray(
-    shape: Sequence[int], dtype: Any, *, buffer: Buffer | None = None, name: str = "", **_: Any
+    shape: Sequence[int], dtype: Any, *, buffer: Buffer | None = None, name: str = ""
 ) -> Tile:
     """Allocate an uninitialised tensor (NaN-filled in the simulator so stray reads show)."""
     return _alloc(shape, dtype, buffer, None, name)
@@ -131,12 +133,12 @@ def _shared(shape: tuple[int, ...], dtype: Any, fill: Any, name: str) -> Tile:
 
 
 def zeros(
-    shape: Sequence[int], dtype: Any, *, buffer: Buffer | None = None, name: str = "", **_: Any
+    shape: Sequence[int], dtype: Any, *, buffer: Buffer | None = None, name: str = ""
 ) -> Tile:
     return _alloc(shape, dtype, buffer, 0, name)
 
 
-def ones(shape: Sequence[int], dtype: Any, *, buffer: Buffer | None = None, name: str = "", **_: Any) -> Tile:
+def ones(shape: Sequence[int], dtype: Any, *, buffer: Buffer | None = None, name: str = "") -> Tile:
     return _alloc(shape, dtype, buffer, 1, name)
 
 
@@ -147,7 +149,6 @@ def full(
     *,
     buffer: Buffer | None = None,
     name: str = "",
-    **_: Any,
 ) -> Tile:
     return _alloc(shape, dtype, buffer, fill_value, name)
 
@@ -156,23 +157,23 @@ def _like(x: Tile, dtype: Any, buffer: Buffer | None) -> tuple[tuple[int, ...], 
     return x.shape, (x.dtype if dtype is None else dtype), (x.buffer if buffer is None else buffer)
 
 
-def empty_like(x: Tile, dtype: Any = None, *, buffer: Buffer | None = None, name: str = "", **_: Any) -> Tile:
+def empty_like(x: Tile, dtype: Any = None, *, buffer: Buffer | None = None, name: str = "") -> Tile:
     s, d, b = _like(x, dtype, buffer)
     return _alloc(s, d, b, None, name)
 
 
-def zeros_like(x: Tile, dtype: Any = None, *, buffer: Buffer | None = None, name: str = "", **_: Any) -> Tile:
+def zeros_like(x: Tile, dtype: Any = None, *, buffer: Buffer | None = None, name: str = "") -> Tile:
     s, d, b = _like(x, dtype, buffer)
     return _alloc(s, d, b, 0, name)
 
 
-def ones_like(x: Tile, dtype: Any = None, *, buffer: Buffer | None = None, name: str = "", **_: Any) -> Tile:
+def ones_like(x: Tile, dtype: Any = None, *, buffer: Buffer | None = None, name: str = "") -> Tile:
     s, d, b = _like(x, dtype, buffer)
     return _alloc(s, d, b, 1, name)
 
 
 def full_like(
-    x: Tile, fill_value: Any, dtype: Any = None, *, buffer: Buffer | None = None, name: str = "", **_: Any
+    x: Tile, fill_value: Any, dtype: Any = None, *, buffer: Buffer | None = None, name: str = ""
 ) -> Tile:
     s, d, b = _like(x, dtype, buffer)
     return _alloc(s, d, b, fill_value, name)
@@ -225,16 +226,16 @@ def _loop(args: tuple[int, ...]) -> Iterator[int]:
             yield i
 
 
-def affine_range(*args: int, **_: Any) -> Iterator[int]:
+def affine_range(*args: int) -> Iterator[int]:
     """Parallel loop (no carried dependency except accumulation); executed sequentially here."""
     return _loop(args)
 
 
-def sequential_range(*args: int, **_: Any) -> Iterator[int]:
+def sequential_range(*args: int) -> Iterator[int]:
     return _loop(args)
 
 
-def static_range(*args: int, **_: Any) -> Iterator[int]:
+def static_range(*args: int) -> Iterator[int]:
     return _loop(args)
 
 
@@ -259,11 +260,11 @@ def program_ndim() -> int:
 
 
 # ---- memory ops -------------------------------------------------------------------------------------------
-def load(src: Tile, *, mask: Any = None, dtype: Any = None, **_: Any) -> Tile:
+def load(src: Tile, *, mask: Any = None, dtype: Any = None) -> Tile:
     return _dma.load(src, mask=mask, dtype=dtype)
 
 
-def store(dst: Tile, value: Tile, *, mask: Any = None, **_: Any) -> None:
+def store(dst: Tile, value: Tile, *, mask: Any = None) -> None:
     _dma.store(dst, value, mask=mask)
 
 
@@ -285,23 +286,23 @@ def matmul(x: Tile, y: Tile, *, transpose_x: bool = False, mask: Any = None) -> 
 
 
 def transpose(x: Tile, *, dtype: Any = None, mask: Any = None) -> Tile:
-    """Swap partition and free dims of a 2-D tile (both <= 128); result in SBUF."""
+    """Swap partition and free dims of a 2-D tile (both <= 128); result in SBUF; `mask` on x's indices."""
     _operand(x, "x", "transpose")
     if x.partitions <= 32 and x.free_size <= 32:
-        return _pe.vector_transpose(x, dtype=dtype)
+        return _pe.vector_transpose(x, dtype=dtype, mask=mask)
     if x.partitions > 128 or x.free_size > 128:
         raise ShapeError(
             f"size of dimension of the transposed tile {list(x.shape)} exceed architecture limitation of 128"
         )
-    return _pe.pe_transpose(x, dtype=dtype, to_sbuf=True)
+    return _pe.pe_transpose(x, dtype=dtype, mask=mask, to_sbuf=True)
 
 
 # ---- elementwise math -------------------------------------------------------------------------------------
 def _unary_act(name: str) -> Any:
-    def fn(x: Tile, *, dtype: Any = None, mask: Any = None, **_: Any) -> Tile:
+    def fn(x: Tile, *, dtype: Any = None, mask: Any = None) -> Tile:
         return _ve.activation(name, x, dtype=dtype, mask=mask)
 
-    fn.__name__ = name
+    fn.__name__ = fn.__qualname__ = name  # TypeErrors name the NKI function
     fn.__doc__ = f"Elementwise {name} on ScalarE (nisa.activation)."
     fn._nki_op = name  # type: ignore[attr-defined]
     return fn
@@ -335,10 +336,10 @@ identity = _unary_act("identity")
 
 
 def _unary_vec(name: str) -> Any:
-    def fn(x: Tile, *, dtype: Any = None, mask: Any = None, **_: Any) -> Tile:
+    def fn(x: Tile, *, dtype: Any = None, mask: Any = None) -> Tile:
         return _ve.unary_vector(x, name, dtype=dtype, mask=mask)
 
-    fn.__name__ = name
+    fn.__name__ = fn.__qualname__ = name  # TypeErrors name the NKI function
     fn._nki_op = name  # type: ignore[attr-defined]
     return fn
 
@@ -350,10 +351,10 @@ invert = _unary_vec("invert")
 
 
 def _binary(name: str) -> Any:
-    def fn(x: Any, y: Any, *, dtype: Any = None, mask: Any = None, **_: Any) -> Tile:
+    def fn(x: Any, y: Any, *, dtype: Any = None, mask: Any = None) -> Tile:
         return _ve.binary(x, y, name, dtype=dtype, mask=mask)
 
-    fn.__name__ = name
+    fn.__name__ = fn.__qualname__ = name  # TypeErrors name the NKI function
     fn.__doc__ = f"Elementwise {name} on VectorE (tile-tile or tile-scalar)."
     fn._nki_op = name  # type: ignore[attr-defined]
     return fn
@@ -387,11 +388,11 @@ abs_min = _binary("abs_min")
 # ---- reductions -------------------------------------------------------------------------------------------
 def _reduction(name: str, op: str) -> Any:
     def fn(
-        x: Tile, axis: Any, *, dtype: Any = None, mask: Any = None, keepdims: bool = False, **_: Any
+        x: Tile, axis: Any, *, dtype: Any = None, mask: Any = None, keepdims: bool = False
     ) -> Tile:
         return _ve.tensor_reduce(op, x, axis, dtype=dtype, mask=mask, keepdims=keepdims)
 
-    fn.__name__ = name
+    fn.__name__ = fn.__qualname__ = name  # TypeErrors name the NKI function
     fn._nki_op = op  # type: ignore[attr-defined]  # nl.max can be passed as a reduce op
     return fn
 
@@ -404,7 +405,7 @@ all = _reduction("all", "logical_and")  # noqa: A001
 
 
 def mean(
-    x: Tile, axis: Any, *, dtype: Any = None, mask: Any = None, keepdims: bool = False, **_: Any
+    x: Tile, axis: Any, *, dtype: Any = None, mask: Any = None, keepdims: bool = False
 ) -> Tile:
     """Sum along free axes, then scale by 1/count (tensor_reduce + tensor_scalar)."""
     s = _ve.tensor_reduce("add", x, axis, dtype=_dt.float32, mask=mask, keepdims=keepdims)
@@ -413,7 +414,7 @@ def mean(
     return _ve.tensor_scalar(s, "multiply", 1.0 / count, dtype=dtype or x.dtype)
 
 
-def softmax(x: Tile, axis: Any = -1, *, dtype: Any = None, mask: Any = None, **_: Any) -> Tile:
+def softmax(x: Tile, axis: Any = -1, *, dtype: Any = None, mask: Any = None) -> Tile:
     """exp(x - max) / sum along the (last) free axis, built from the primitive instructions."""
     m = _ve.tensor_reduce("maximum", x, axis, dtype=_dt.float32, keepdims=True)
     e = _ve.activation("exp", x, bias=_ve.unary_vector(m, "negative"), dtype=_dt.float32)
@@ -423,7 +424,7 @@ def softmax(x: Tile, axis: Any = -1, *, dtype: Any = None, mask: Any = None, **_
 
 
 # ---- selection and shape ops ------------------------------------------------------------------------------
-def where(condition: Tile, x: Any, y: Any, *, dtype: Any = None, mask: Any = None, **_: Any) -> Tile:
+def where(condition: Tile, x: Any, y: Any, *, dtype: Any = None, mask: Any = None) -> Tile:
     """condition ? x : y elementwise (condition a 1.0/0.0 tile) on VectorE."""
     ctx = _current()
     _operand(condition, "condition", "where")
@@ -440,7 +441,7 @@ def where(condition: Tile, x: Any, y: Any, *, dtype: Any = None, mask: Any = Non
     return _ve.select(ctx, None if pred is None else ~pred, y, x, out_dt, mask, "vector", "select", y.shape)
 
 
-def broadcast_to(src: Tile, shape: Sequence[int], **_: Any) -> Tile:
+def broadcast_to(src: Tile, shape: Sequence[int]) -> Tile:
     """Broadcast dims of size 1 (same rank); a partition broadcast runs on TensorE."""
     _operand(src, "src", "broadcast_to")
     shape = tuple(int(s) for s in shape)

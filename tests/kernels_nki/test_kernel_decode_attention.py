@@ -93,3 +93,35 @@ def test_rejects_bad_lengths():
         decode_attention.run(q, kv, kv, np.array([0, 3]))
     with pytest.raises(KernelArgumentError):
         decode_attention.run(q, kv, kv, np.array([9, 3]))
+
+
+USABLE_SBUF = 180224  # bytes per partition the compiler lets a trn1 kernel use (docs/nki_simulator.md)
+
+
+@pytest.mark.parametrize("d,split", [(128, 128), (32, 512)])
+def test_sbuf_boundary_largest_cache_runs_next_is_refused(d, split):
+    # Every split keeps its partial output [G, D] and statistics in SBUF until the merge (fp32).
+    s_max = decode_attention.max_cache_len(d, split)
+    rep = decode_attention.estimate(1, 4, 1, s_max, d, split_size=split)  # count-only: SBUF rules still apply
+    assert rep.sbuf_peak_bytes_per_partition <= USABLE_SBUF
+    q = np.zeros((1, 1, d), np.float32)
+    kv = np.zeros((1, 1, s_max + 1, d), np.float32)
+    with pytest.raises(KernelArgumentError) as info:
+        decode_attention.run(q, kv, kv, np.array([1]), split_size=split)
+    for part in (f"S_max={s_max + 1}", f"split_size={split}", f"D={d}", str(USABLE_SBUF)):
+        assert part in str(info.value), str(info.value)
+
+
+def test_cache_past_sbuf_is_an_argument_error():
+    q = np.zeros((1, 1, 128), np.float32)
+    kv = np.zeros((1, 1, 128 * 400, 128), np.float32)  # 400 splits x (128 + 4) x 4 B > 176 KiB
+    with pytest.raises(KernelArgumentError, match="S_max=51200"):
+        decode_attention.run(q, kv, kv, np.array([7]), split_size=128)
+
+
+def test_split_whose_scores_overflow_psum_is_an_argument_error():
+    # 4096 positions of fp32 scores take 8 PSUM banks; the P @ V accumulator needs a ninth.
+    q = np.zeros((1, 1, 32), np.float32)
+    kv = np.zeros((1, 1, 4096, 32), np.float32)
+    with pytest.raises(KernelArgumentError, match="split_size 4096"):
+        decode_attention.run(q, kv, kv, np.array([5]), split_size=4096)

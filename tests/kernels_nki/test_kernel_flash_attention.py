@@ -118,3 +118,29 @@ def test_cost_model_counts_exact_flops_and_skips_future_tiles():
     causal = flash_attention.estimate(1, 1, 1, s, d, causal=True)
     assert causal.matmul_flops == expected
     assert causal.latency_us < 0.75 * full.latency_us
+
+
+USABLE_SBUF = 180224  # bytes per partition the compiler lets a trn1 kernel use (docs/nki_simulator.md)
+
+
+def _too_long(s, d, dtype):
+    q = np.zeros((1, 1, s, d), DTYPES[dtype])
+    with pytest.raises(KernelArgumentError) as info:
+        flash_attention.run(q, q, q)
+    msg = str(info.value)
+    for part in (f"S={s}", f"D={d}", dtype, str(USABLE_SBUF)):
+        assert part in msg, msg
+
+
+@pytest.mark.parametrize("s,d", [(32768, 128), (50000, 32)])
+def test_sequence_past_sbuf_is_an_argument_error(s, d):
+    # Q^T and K^T cost S * itemsize bytes per partition whatever D is, V about S * (D + 1) / 128 * itemsize.
+    _too_long(s, d, "bfloat16")
+
+
+@pytest.mark.parametrize("d,dtype", [(128, "bfloat16"), (32, "float32")])
+def test_sbuf_boundary_largest_sequence_runs_next_is_refused(d, dtype):
+    s = flash_attention.max_seq_len(d, DTYPES[dtype])
+    rep = flash_attention.estimate(1, 1, 1, s, d, dtype=DTYPES[dtype])  # count-only: SBUF rules still apply
+    assert rep.sbuf_peak_bytes_per_partition <= USABLE_SBUF
+    _too_long(s + 1, d, dtype)

@@ -117,7 +117,9 @@ class OnChipAllocator:
     """Tracks SBUF bytes per partition and PSUM bank occupancy of the live tiles of one kernel run.
 
     SBUF: every tile occupies the same byte range in each of its partitions, so usage is the sum of
-    `bytes_per_partition` over live tiles, checked against the target's physical partition size.
+    `bytes_per_partition` over live tiles, checked against what the compiler lets a kernel use
+    (`nl.tile_size.total_available_sbuf_size`, 180224 of the physical 196608 bytes on trn1), not the physical
+    partition size: a kernel that fits only the physical size fails to compile.
     PSUM: 8 banks of 2 KiB per partition; a tile block may not straddle banks (an accumulation group lives in
     one bank), small blocks share a bank first-fit.
     """
@@ -137,11 +139,11 @@ class OnChipAllocator:
 
     def _alloc_sbuf(self, storage: Storage) -> None:
         need = storage.bytes_per_partition
-        cap = self.target.sbuf_bytes_per_partition
+        cap = self.target.sbuf_usable_bytes_per_partition
         if self.sbuf_used + need > cap:
             raise CapacityError(
                 f"SBUF capacity exceeded: allocating {storage!r} needs {need} bytes per partition, "
-                f"{self.sbuf_used} of {cap} bytes per partition are live on {self.target.name}"
+                f"{self.sbuf_used} of {cap} usable bytes per partition are live on {self.target.name}"
             )
         self.sbuf_used += need
         self.sbuf_peak = max(self.sbuf_peak, self.sbuf_used)

@@ -1,6 +1,8 @@
 """Per-target hardware constants (one frozen record per chip generation), all from nki.md.
 
-Sources: engine clocks and widths nki.md 4.1 (NKI architecture guides); SBUF/PSUM sizes nki.md 2.1;
+Sources: engine clocks and widths nki.md 4.1 (NKI architecture guides); SBUF/PSUM sizes nki.md 2.1; usable SBUF
+per partition (`total_available_sbuf_size`) from the NKI front end's per-architecture constants,
+https://github.com/leanprover/KLR/blob/7ccd18c174b2f4bd896bb6025eae7ded1386fa7d/KLR/Trace.lean#L52-L54;
 DMA engines and per-engine bandwidth nki.md 4.1 "DMA" (nki-dma-bandwidth-guide); HBM per NeuronCore is chip
 bandwidth divided by cores per chip (nki.md 4.1, marked ANALYSIS there).
 """
@@ -20,8 +22,9 @@ class Target:
         name: target name (`trn1`, `inf2`, `trn2`).
         nc_version: NeuronCore version (2 for trn1/inf2, 3 for trn2).
         tensor_ghz / vector_ghz / scalar_ghz / gpsimd_ghz: engine clocks.
-        sbuf_bytes_per_partition: physical SBUF bytes per partition (capacity rule).
-        sbuf_usable_bytes_per_partition: usable by kernels (`total_available_sbuf_size`).
+        sbuf_bytes_per_partition: physical SBUF bytes per partition.
+        sbuf_usable_bytes_per_partition: what the compiler lets a kernel use (`total_available_sbuf_size`);
+            the SBUF capacity rule checks this one.
         psum_banks / psum_bank_bytes: PSUM banks per partition and bytes per bank.
         dma_engines: DMA queues per NeuronCore.
         dma_engine_gbps: bytes/ns (= GB/s) per DMA engine.

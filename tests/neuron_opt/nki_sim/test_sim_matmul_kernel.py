@@ -8,6 +8,7 @@ import pytest
 
 from kernels_nki import matmul
 from kernels_nki.matmul_ref import matmul_ref
+from neuron_opt.errors import KernelArgumentError
 
 BF16 = ml_dtypes.bfloat16
 
@@ -44,3 +45,13 @@ def test_calibration_trn1_blocked_matmul_within_30_percent() -> None:
     assert rep.matmul_flops == 2 * 4096 * 8192 * 8192
     assert rep.bound_by == "tensor"
     assert 0.7 * 6970.0 <= rep.latency_us <= 1.3 * 6970.0, str(rep)
+
+
+def test_result_block_row_past_sbuf_is_an_argument_error() -> None:
+    # The whole [M, BLOCK_N] result column block stays in SBUF: 16 bytes per row of M with the default tiles.
+    a = np.zeros((16384, 8), BF16)
+    b = np.zeros((8, 8), BF16)
+    with pytest.raises(KernelArgumentError) as info:
+        matmul.run(a, b, tiles=(16, 2, 8))
+    for part in ("M=16384", "tiles=(16, 2, 8)", "bfloat16", "180224"):
+        assert part in str(info.value), str(info.value)

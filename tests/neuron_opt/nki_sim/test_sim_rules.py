@@ -109,6 +109,18 @@ def sbuf_capacity(bad: bool) -> Callable[..., Any]:
     return k
 
 
+def sbuf_usable_capacity(bad: bool) -> Callable[..., Any]:
+    """Past the 180224 bytes per partition the compiler lets a kernel use on trn1, short of the physical 192 KiB."""
+
+    def k(a: Any) -> Any:
+        big = nl.ndarray((128, 40000), dtype=nl.float32, buffer=nl.sbuf)  # 160000 B per partition
+        more = nl.ndarray((128, 5057 if bad else 5056), dtype=nl.float32, buffer=nl.sbuf)  # 180228 / 180224
+        assert big.shape[0] == more.shape[0]
+        return a
+
+    return k
+
+
 def compute_on_hbm(bad: bool) -> Callable[..., Any]:
     def k(a: Any) -> Any:
         out = _out()
@@ -318,6 +330,7 @@ CASES: list[tuple[str, Callable[[bool], Callable[..., Any]], tuple[int, int], ty
     ("psum_tile_over_one_bank", psum_tile_bank, (128, 64), nki.CapacityError, "one bank"),
     ("psum_more_than_8_banks", psum_banks, (128, 64), nki.CapacityError, "PSUM exhausted"),
     ("sbuf_capacity", sbuf_capacity, (128, 64), nki.CapacityError, "SBUF capacity exceeded"),
+    ("sbuf_usable_capacity", sbuf_usable_capacity, (128, 64), nki.CapacityError, "of 180224 usable bytes"),
     ("compute_engine_reads_hbm", compute_on_hbm, (128, 64), nki.MemoryPlacementError, "'psum|sbuf'"),
     (
         "load_from_sbuf",
