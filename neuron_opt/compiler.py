@@ -26,9 +26,50 @@ from neuron_opt.compile_cache import CacheKey, CompileCache
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
 from neuron_opt.errors import ConfigError
 
-# Seconds per distinct compiled graph, measured on a 2-core AVX-512 machine for the SmolLM2-135M default (see
-# docs/cpu_backend.md); used only for the plan table's estimate, scaled by layer count for other models.
+# Seconds per distinct compiled graph of a 30-layer model, before this machine has measured its own: the cpu
+# figure was measured on a 2-core AVX-512 machine (SmolLM2-135M, docs/cpu_backend.md), the neuron one is
+# neuronx-cc's order of magnitude. Every cold compile records this machine's figure (`record_compile_speed`);
+# the plan table uses it from then on and says which it used.
 EST_SECONDS_PER_GRAPH = {"eager": 0.0, "cpu": 15.0, "neuron": 300.0}
+TIMINGS = "compile_seconds.json"  # in the compile cache directory: seconds per graph per 30 layers, by target
+
+
+def compile_target(backend: str) -> str:
+    """What compile speed depends on besides the model: the backend, and for neuron the PJRT device."""
+    import sys
+
+    if backend == "neuron" and "torch_xla" in sys.modules:
+        return f"neuron/{sys.modules['torch_xla'].runtime.device_type()}"
+    return backend
+
+
+def _graph_units(cfg: ModelConfig, buckets: BucketConfig, backend: str, tp: int) -> float:
+    """Distinct graphs x ranks x model size (in 30-layer units): what compile time scales with."""
+    return distinct_graphs(buckets, backend) * tp * max(0.3, cfg.num_hidden_layers / 30)
+
+
+def measured_seconds_per_graph(timings_dir: Path, target: str) -> float | None:
+    import json
+
+    try:
+        return float(json.loads((Path(timings_dir) / TIMINGS).read_text())[target])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def record_compile_speed(timings_dir: Path, target: str, seconds_per_unit: float) -> None:
+    import json
+
+    path = Path(timings_dir) / TIMINGS
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    table[target] = round(seconds_per_unit, 3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+    tmp.replace(path)
 
 
 def distinct_graphs(buckets: BucketConfig, backend: str) -> int:
@@ -127,18 +168,23 @@ def plan_buckets(cfg: ModelConfig, req: CompileRequest) -> tuple[CacheConfig, Bu
 
 
 def format_plan(cfg: ModelConfig, par: ParallelConfig, cache: CacheConfig, buckets: BucketConfig,
-                backend: str, dtype: str) -> str:
+                backend: str, dtype: str, timings_dir: Path | None = None) -> str:
     """The planner's table (memory per rank, fit, buckets) plus the graph count and compile-time estimate."""
     from neuron_opt.planner import format_plan_table
 
     instance = par.instance if (backend == "neuron" and par.instance) else "cpu"
     graphs = buckets.buckets()
     n = distinct_graphs(buckets, backend)
-    est = EST_SECONDS_PER_GRAPH.get(backend, 60.0) * n * par.tp * max(0.3, cfg.num_hidden_layers / 30)
+    target = compile_target(backend)
+    measured = measured_seconds_per_graph(timings_dir, target) if timings_dir is not None else None
+    per_unit = measured if measured is not None else EST_SECONDS_PER_GRAPH.get(backend, 60.0)
+    est = per_unit * _graph_units(cfg, buckets, backend, par.tp)
+    source = (f"measured on this machine: {per_unit:.1f} s per 30-layer graph" if measured is not None else
+              "not yet measured on this machine (the first cold compile measures it)")
     return "\n".join([
         format_plan_table(cfg, par, cache, buckets, instance=instance, dtype=dtype),
         f"  backend {backend}: {len(graphs)} bucket(s), {n} distinct graph(s) per rank x {par.tp} rank(s); "
-        f"estimated compile time with a cold cache: {est / 60:.1f} min",
+        f"estimated compile time with a cold cache: {est / 60:.1f} min ({source})",
     ])
 
 
@@ -165,7 +211,8 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
     req = CompileRequest(**{**asdict(req), "dtype": dtype_name, "parallel": req.parallel})
     cache_cfg, buckets = plan_buckets(cfg, req)
     par = req.parallel
-    log(format_plan(cfg, par, cache_cfg, buckets, req.backend, dtype_name))
+    timings_dir = req.cache_dir or envs.CACHE_DIR / "compile"
+    log(format_plan(cfg, par, cache_cfg, buckets, req.backend, dtype_name, timings_dir))
     dtype = TORCH_DTYPES[dtype_name]
     lay = head_layout(cfg, par)
     if req.backend == "neuron" and par.tp > 1:  # before the runtime starts: a layout error is a config error
@@ -182,6 +229,7 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
     hits: list[str] = []
     misses: dict[str, str] = {}
     graphs: dict[str, list[str]] = {}
+    compile_seconds: list[float] = []
 
     def key_for(bucket: Bucket, rank: int | str) -> CacheKey:
         return CacheKey({
@@ -210,7 +258,7 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
             for bucket in bar:
                 bar.set_postfix_str(bucket.key)
                 files = _compile_one(backend, models, bucket, cache_cfg, key_for(bucket, "spmd"), cache,
-                                     writer.path(rel_dir), hits, misses)
+                                     writer.path(rel_dir), hits, misses, compile_seconds)
                 graphs.setdefault(bucket.key, []).extend(f"{rel_dir}/{f}" for f in files)
             del models
         for rank in range(0 if not spmd else par.tp, par.tp):
@@ -220,12 +268,16 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
             for bucket in bar:
                 bar.set_postfix_str(bucket.key)
                 files = _compile_one(backend, model, bucket, cache_cfg, key_for(bucket, rank), cache,
-                                     writer.path(rel_dir), hits, misses)
+                                     writer.path(rel_dir), hits, misses, compile_seconds)
                 graphs.setdefault(bucket.key, []).extend(f"{rel_dir}/{f}" for f in files)
             backend.save_weights(model, writer.path(f"weights/rank{rank}.safetensors"))
             del model
         if hasattr(backend, "finish_compile"):
             backend.finish_compile()
+        if not hits and misses and req.backend != "eager":  # a cold compile: this machine's speed, for the plan
+            units = _graph_units(cfg, buckets, req.backend, par.tp)
+            record_compile_speed(timings_dir, compile_target(req.backend),
+                                 sum(compile_seconds) / units)
         tokenizer.save_pretrained(writer.path("tokenizer"))
         manifest = writer.commit(dict(
             model=cfg, parallel=par, cache=cache_cfg, buckets=buckets, backend=req.backend, dtype=dtype_name,
@@ -239,7 +291,7 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
 
 def _compile_one(backend: Any, model: torch.nn.Module | list[torch.nn.Module], bucket: Bucket,
                  cache_cfg: CacheConfig, key: CacheKey, cache: CompileCache | None, out_dir: Path,
-                 hits: list[str], misses: dict[str, str]) -> list[str]:
+                 hits: list[str], misses: dict[str, str], seconds: list[float]) -> list[str]:
     label = f"{bucket.key}/rank{key.fields['rank']}" if key.fields["rank"] != "spmd" else f"{bucket.key}/spmd"
     cached = cache.lookup(key) if cache is not None else None
     if cached is not None:
@@ -251,7 +303,9 @@ def _compile_one(backend: Any, model: torch.nn.Module | list[torch.nn.Module], b
         hits.append(label)
         return [str(f) for f in cached]
     misses[label] = cache.explain_miss(key) if cache is not None else "cache disabled"
+    t0 = time.perf_counter()
     files = [Path(f) for f in backend.compile_bucket(model, bucket, cache_cfg.num_slots, out_dir)]
+    seconds.append(time.perf_counter() - t0)
     if cache is not None and files:
         cache.store(key, out_dir, files)
     return [str(f) for f in files]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from neuron_opt.compile_cache import CacheKey, CompileCache
 
 BASE = {"weights": "abc", "bucket": "decode_b1_s128", "dtype": "float32", "backend_options": {}, "rank": 0}
@@ -46,3 +48,33 @@ def test_entry_with_a_missing_file_is_a_miss(tmp_path):
     _store(cache, BASE, tmp_path)
     (cache.files_dir(CacheKey(BASE)) / "g.so").unlink()
     assert cache.lookup(CacheKey(BASE)) is None
+
+
+def test_compile_time_estimate_comes_from_this_machines_last_cold_compile(tiny_dir, tmp_path):
+    """Before any compile the plan says it has no measurement; a cold compile records this machine's seconds per
+    graph; the next plan's estimate is that figure times the graph count, and says so."""
+    import json
+    import re
+
+    from neuron_opt.compiler import TIMINGS, CompileRequest, compile_artifact
+
+    logs: list[str] = []
+
+    def req(out: str) -> CompileRequest:
+        return CompileRequest(model=str(tiny_dir("smollm-tok")), out=tmp_path / out, backend="cpu",
+                              dtype="float32", max_length=64, prefill_buckets=(16,), decode_buckets=(32,),
+                              cache_dir=tmp_path / "cache")
+
+    compile_artifact(req("a"), log=logs.append, progress=False)
+    assert "not yet measured on this machine" in logs[0]
+    seconds = json.loads((tmp_path / "cache" / TIMINGS).read_text())["cpu"]
+    assert seconds > 0
+    logs.clear()
+    report = compile_artifact(req("b"), log=logs.append, progress=False)  # all hits: nothing new recorded
+    assert not report.misses
+    assert json.loads((tmp_path / "cache" / TIMINGS).read_text())["cpu"] == seconds
+    shown = re.search(r"estimated compile time with a cold cache: ([\d.]+) min \(measured on this machine: "
+                      r"([\d.]+) s per 30-layer graph\)", logs[0])
+    assert shown and float(shown.group(2)) == pytest.approx(seconds, abs=0.05)
+    units = 3 * max(0.3, 2 / 30)  # prefill + decode layer graphs + one head graph, 1 rank, 2 layers
+    assert float(shown.group(1)) == pytest.approx(seconds * units / 60, abs=0.051)
