@@ -24,9 +24,3 @@ def family_for(architecture: str) -> str:
             f"architecture {architecture!r} is not supported; supported: {', '.join(supported_architectures())}"
         ) from None
 
-
-def model_class(architecture: str) -> type:
-    family_for(architecture)
-    from models.llama import LlamaForCausalLM
-
-    return LlamaForCausalLM

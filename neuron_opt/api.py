@@ -18,22 +18,19 @@ from typing import Any
 
 import torch
 
+from models.build import model_class
 from neuron_opt.backends.eager import EagerExecutor, load_weights
 from neuron_opt.buckets import BucketConfig
-from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
+from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, torch_dtype
 from neuron_opt.parallel import head_layout
 from neuron_opt.runtime.generate import GenerationOutput, generate_ids
 from neuron_opt.runtime.runner import ModelRunner
 from neuron_opt.runtime.sampling import SamplingParams
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], max_length: int,
                 dtype: torch.dtype) -> torch.nn.Module:
     """A single-rank model with the given (canonical, HF-named) weights."""
-    from models.registry import model_class
-
     model = model_class(cfg.architecture)(cfg, head_layout(cfg, ParallelConfig()), max_length)
     load_weights(model, state_dict, "checkpoint")
     return model.to(dtype).eval()
@@ -66,7 +63,7 @@ class LLM:
                 executor: Any = tp_executor_from_state_dict(self.config, ckpt.state_dict(), parallel, cache,
                                                             dtype=dtype)
             else:
-                torch_model = build_model(self.config, ckpt.state_dict(), max_length, TORCH_DTYPES[dtype])
+                torch_model = build_model(self.config, ckpt.state_dict(), max_length, torch_dtype(dtype))
                 executor = EagerExecutor(torch_model, cache.num_slots)
             self.runner = ModelRunner(executor, buckets, cache, self.config.vocab_size)
 

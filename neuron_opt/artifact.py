@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from neuron_opt.buckets import Bucket, BucketConfig
-from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
+from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, torch_dtype
 from neuron_opt.errors import ArtifactError
 
 FORMAT_VERSION = 1
@@ -188,9 +188,8 @@ def load_artifact(root: Path, verify_hashes: bool = True) -> LoadedArtifact:
     """Validate an artifact and build a runner for it (rank processes are started for tp > 1)."""
     from transformers import AutoTokenizer
 
-    from neuron_opt.api import TORCH_DTYPES
+    from models.build import rank_model_factory
     from neuron_opt.backends import get_backend
-    from neuron_opt.compiler import rank_model_factory
     from neuron_opt.runtime.runner import ModelRunner
 
     root = Path(root)
@@ -200,7 +199,7 @@ def load_artifact(root: Path, verify_hashes: bool = True) -> LoadedArtifact:
 
         import_xla(devices=m.parallel.tp)
     tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
-    dtype = TORCH_DTYPES[m.dtype]
+    dtype = torch_dtype(m.dtype)
     if m.parallel.tp == 1:
         backend = get_backend(m.backend, dtype, m.backend_options)
         files = {b: [f for f in fs if f.relative_to(root).parts[:2] == ("graphs", "rank0")]

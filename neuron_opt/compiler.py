@@ -19,11 +19,12 @@ from typing import Any
 
 import torch
 
+from models.build import rank_model_factory
 from neuron_opt import envs
 from neuron_opt.artifact import ArtifactWriter, Manifest, versions
 from neuron_opt.buckets import Bucket, BucketConfig
 from neuron_opt.compile_cache import CacheKey, CompileCache
-from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
+from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, torch_dtype
 from neuron_opt.errors import ConfigError
 
 # Seconds per distinct compiled graph of a 30-layer model, before this machine has measured its own: the cpu
@@ -140,20 +141,6 @@ class CompileReport:
     seconds: float
 
 
-def rank_model_factory(cfg: ModelConfig, par: ParallelConfig, cache: CacheConfig, rank: int,
-                       dtype: torch.dtype, pctx: Any = None) -> Callable[[], torch.nn.Module]:
-    """A zero-argument factory for rank `rank`'s model skeleton (weights are loaded by the backend)."""
-    from models.registry import model_class
-    from neuron_opt.parallel import ParallelContext, head_layout
-
-    def make() -> torch.nn.Module:
-        ctx = pctx if pctx is not None else ParallelContext(par.tp, rank, sequence_parallel=par.sequence_parallel)
-        model = model_class(cfg.architecture)(cfg, head_layout(cfg, par), cache.max_length, ctx)
-        return model.to(dtype).eval()
-
-    return make
-
-
 def plan_buckets(cfg: ModelConfig, req: CompileRequest) -> tuple[CacheConfig, BucketConfig]:
     max_length = req.max_length or min(cfg.max_position_embeddings, 2048)
     max_context = req.max_context or max_length
@@ -191,7 +178,6 @@ def format_plan(cfg: ModelConfig, par: ParallelConfig, cache: CacheConfig, bucke
 def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, progress: bool = True) -> CompileReport:
     from tqdm import tqdm
 
-    from neuron_opt.api import TORCH_DTYPES
     from neuron_opt.backends import get_backend
     from neuron_opt.backends.eager import load_weights
     from neuron_opt.checkpoint import open_checkpoint
@@ -213,7 +199,7 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
     par = req.parallel
     timings_dir = req.cache_dir or envs.CACHE_DIR / "compile"
     log(format_plan(cfg, par, cache_cfg, buckets, req.backend, dtype_name, timings_dir))
-    dtype = TORCH_DTYPES[dtype_name]
+    dtype = torch_dtype(dtype_name)
     lay = head_layout(cfg, par)
     if req.backend == "neuron" and par.tp > 1:  # before the runtime starts: a layout error is a config error
         from neuron_opt.backends.neuron import check_spmd_layout

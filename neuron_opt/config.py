@@ -23,6 +23,15 @@ from neuron_opt.errors import ConfigError
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def torch_dtype(name: str) -> Any:
+    """The torch dtype named `name` (one of DTYPES); torch is imported here, not when config is."""
+    import torch
+
+    if name not in DTYPES:
+        raise ConfigError(f"dtype: must be one of {', '.join(DTYPES)}; got {name!r}")
+    return getattr(torch, name)
+
+
 def _check(cond: bool, name: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"{name}: {msg}")

@@ -9,6 +9,7 @@ the legacy stubs (nki.md 3): compute ops take keyword `dtype=` and `mask=`; inde
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from neuron_opt.nki_sim.core import engines_dma as _dma
 from neuron_opt.nki_sim.core import engines_tensor as _pe
 from neuron_opt.nki_sim.core import engines_vector as _ve
 from neuron_opt.nki_sim.core import ops as _ops
+from neuron_opt.nki_sim.core import tile as _tile
 from neuron_opt.nki_sim.core.context import current as _current
 from neuron_opt.nki_sim.core.context import maybe_current as _maybe_current
 from neuron_opt.nki_sim.core.errors import PartitionError, ShapeError, SimulatorError
@@ -481,3 +483,6 @@ def device_print(prefix: str, x: Tile) -> None:
 
 def _activation_names() -> list[str]:
     return sorted(_ops.ACTIVATIONS)
+
+
+_tile.implements("language", sys.modules[__name__])  # Tile's operators call into this module (see core/tile.py)

@@ -57,7 +57,7 @@ def _join_group(
 
 
 def _build(rank: int, spec: RankSpec, comm: Collectives) -> Any:
-    from models.registry import model_class
+    from models.build import model_class
     from neuron_opt.backends.eager import load_model_weights
 
     par = spec.parallel

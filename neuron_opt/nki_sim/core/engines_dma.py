@@ -8,11 +8,13 @@ only) plus a fixed cost per transfer (see cost.py).
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import numpy as np
 
 from neuron_opt.nki_sim.core import cost, dtypes
+from neuron_opt.nki_sim.core import tile as _tile
 from neuron_opt.nki_sim.core.context import current
 from neuron_opt.nki_sim.core.engines_vector import finish
 from neuron_opt.nki_sim.core.errors import ShapeError, SimulatorError
@@ -134,3 +136,6 @@ def reshape(t: Tile, shape: tuple[int, ...]) -> Tile:
 
 def partition_limit() -> int:
     return PMAX
+
+
+_tile.implements("engines_dma", sys.modules[__name__])  # Tile's operators call into this module (see core/tile.py)

@@ -6,12 +6,14 @@ unless the run is count-only - computes in fp32 and returns a fresh result tile 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from neuron_opt.nki_sim.core import cost, dtypes, ops
+from neuron_opt.nki_sim.core import tile as _tile
 from neuron_opt.nki_sim.core.context import SimContext, current
 from neuron_opt.nki_sim.core.errors import (
     DtypeError,
@@ -568,3 +570,6 @@ def scalar_tensor_tensor(
     v, v1 = values(ctx, data), values(ctx, operand1)
     out = None if v is None else f1(f0(v, s0), v1.reshape(v.shape))  # type: ignore[union-attr]
     return finish(ctx, data.shape, _out_dtype(dtype, data.dtype, operand1.dtype), out, _mask(data, mask))
+
+
+_tile.implements("engines_vector", sys.modules[__name__])  # Tile's operators call into this module (see core/tile.py)

@@ -19,6 +19,24 @@ from neuron_opt.nki_sim.core import dtypes
 from neuron_opt.nki_sim.core.errors import IndexingError, OutOfBoundsError, ScopeError
 from neuron_opt.nki_sim.core.memory import Buffer, Storage
 
+# Tile's operators (`a + b`, `t[i] = x`, `t.reshape`) are instructions of the engines, and the engines import
+# Tile. So that the import graph stays a DAG, each of those modules registers itself here when imported
+# (neuron_opt.nki_sim imports them all) instead of Tile importing them back.
+_IMPL: dict[str, Any] = {}
+
+
+def implements(name: str, module: Any) -> None:
+    """Called by engines_vector, engines_dma and nki_sim.language at import."""
+    _IMPL[name] = module
+
+
+def _impl(name: str) -> Any:
+    try:
+        return _IMPL[name]
+    except KeyError:
+        raise ImportError(f"Tile operators need neuron_opt.nki_sim ({name} not loaded); import neuron_opt.nki_sim "
+                          "or its neuronxcc.nki front end first") from None
+
 Entry = Any  # int | slice | np.ndarray
 
 
@@ -288,8 +306,7 @@ class Tile:
         return self.view(key)
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        from neuron_opt.nki_sim.core import engines_vector
-
+        engines_vector = _impl("engines_vector")
         if isinstance(value, Tile) and value._inplace_done and value.storage is self.storage:
             value._inplace_done = False  # `t[...] += x` already wrote through the view
             return
@@ -297,20 +314,17 @@ class Tile:
 
     def reshape(self, shape: tuple[int, ...] | list[int]) -> Tile:
         """Reshape a whole, contiguous HBM tensor (a new view of the same memory)."""
-        from neuron_opt.nki_sim.core import engines_dma
-
+        engines_dma = _impl("engines_dma")
         return engines_dma.reshape(self, tuple(shape))
 
     def broadcast_to(self, shape: tuple[int, ...] | list[int]) -> Tile:
         """Same as nl.broadcast_to(self, shape)."""
-        from neuron_opt.nki_sim import language
-
+        language = _impl("language")
         return language.broadcast_to(self, tuple(shape))
 
     # Python operators map to the same instructions as nl.add & co.
     def _bin(self, other: Any, op: str, reverse: bool = False) -> Tile:
-        from neuron_opt.nki_sim.core import engines_vector
-
+        engines_vector = _impl("engines_vector")
         return engines_vector.binary(other, self, op) if reverse else engines_vector.binary(self, other, op)
 
     def __add__(self, o: Any) -> Tile:
@@ -359,8 +373,7 @@ class Tile:
         return self._bin(o, "logical_or")
 
     def __neg__(self) -> Tile:
-        from neuron_opt.nki_sim.core import engines_vector
-
+        engines_vector = _impl("engines_vector")
         return engines_vector.unary_vector(self, "negative")
 
     def __iadd__(self, other: Any) -> Tile:
@@ -373,8 +386,7 @@ class Tile:
         return self._inplace(other, "multiply")
 
     def _inplace(self, other: Any, op: str) -> Tile:
-        from neuron_opt.nki_sim.core import engines_vector
-
+        engines_vector = _impl("engines_vector")
         engines_vector.inplace(self, other, op)
         self._inplace_done = True
         return self
