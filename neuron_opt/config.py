@@ -4,7 +4,6 @@
 - ParallelConfig: how the model is split across ranks (tp degree, layouts).
 - CacheConfig: KV cache geometry (slots, max length, dtype).
 - BucketConfig: which graphs are compiled (prefill seq lengths, decode (batch, kv_len) pairs).
-- SchedulerConfig / ServerConfig: runtime knobs of the engine and the HTTP server.
 
 Every dataclass validates itself in `__post_init__` and raises `ConfigError` naming the field.
 Change a config with `dataclasses.replace`.
@@ -14,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -226,32 +225,3 @@ class CacheConfig:
     @property
     def scratch_slot(self) -> int:
         return self.max_batch
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 8
-    max_waiting: int = 1024
-
-    def __post_init__(self) -> None:
-        _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
-        _check(self.max_waiting >= 0, "max_waiting", f"must be >= 0, got {self.max_waiting}")
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str | None = None
-
-    def __post_init__(self) -> None:
-        _check(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
-
-
-@dataclass(frozen=True)
-class Config:
-    """Everything a compiled artifact is built from."""
-
-    model: ModelConfig
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)

@@ -169,9 +169,9 @@ class SpmdCollectives:
     per-rank program and the collectives are HLO `all-reduce`s over replica group {0..tp-1} (channel_id,
     use_global_device_ids): neuronx-distributed's form, where one HLO is loaded on every NeuronCore. The rank
     is a device tensor (`rank_tensor`, this device's shard of arange(tp), as NxD's SPMDRank), set per step.
-    Counted while tracing, like FunctionalCollectives. torch-xla 2.9 has SPMD all-reduce and reduce-scatter
-    but no SPMD all-gather, so the layouts that need an all-gather (sequence-parallel prefill, flash decoding)
-    are refused for this backend at build time (`check_spmd_layout`).
+    Counted while tracing (a bucket's graph makes the same calls every step). torch-xla 2.9 has SPMD all-reduce
+    and reduce-scatter but no SPMD all-gather, so the layouts that need an all-gather (sequence-parallel
+    prefill, flash decoding) are refused for this backend at build time (`check_spmd_layout`).
     """
 
     def __init__(self, tp: int) -> None:

@@ -8,9 +8,8 @@ Design decisions
 - Watchdog: while waiting, the driver polls the pipes with a short timeout and checks every process's
   liveness. A dead rank (or one that reports an exception, e.g. a collective timing out after its peer
   died) shuts all ranks down and raises RankFailedError naming the rank and its exit code. Never a hang.
-- Graphs: `graphs='eager'` runs the model eagerly with gloo collectives between ops (the reference);
-  `graphs='aoti'` runs one AOTInductor package per bucket per rank with the collectives inside the graph
-  (neuron_opt.parallel.rank_graphs). Only the LM head's finishing gather is outside the graph.
+- Graphs: the ranks run the model eagerly with gloo collectives between ops. Collectives inside compiled
+  graphs are the neuron backend's (one SPMD program, neuron_opt/backends/neuron.py).
 - KV caches live in the rank processes; `k_caches`/`v_caches` are empty on the driver.
 """
 
@@ -88,10 +87,6 @@ class TPExecutor:
             self.layout.vocab_padded,
             self.spec.model.vocab_size,
         )
-
-    def precompile(self, buckets: list[Bucket]) -> list[str]:
-        """graphs='aoti': compile (or load) every bucket's graph on every rank now; rank 0's paths."""
-        return self._call(("compile", list(buckets)), "compile")
 
     def collective_calls(self) -> list[CollectiveCall]:
         """Collective calls rank 0 made since the last reset (every rank makes the same ones)."""
@@ -179,59 +174,23 @@ def tp_executor_from_state_dict(
     weights_dir: Path | None = None,
     dtype: str = "float32",
     collective_timeout_s: float = 60.0,
-    graphs: str = "eager",
-    graph_dir: Path | None = None,
 ) -> TPExecutor:
     """Shard a canonical state dict to weights_dir/rank{r}.safetensors and start the ranks.
 
     With weights_dir None the shards go to a temporary directory that is removed once every rank has loaded
-    its shard (ranks read weights only at start-up). graphs='aoti' compiles each bucket on first use (or
-    loads it from graph_dir)."""
+    its shard (ranks read weights only at start-up)."""
     if weights_dir is not None:
         write_rank_weights(sd, cfg, par, weights_dir)
-        spec = RankSpec(
-            cfg,
-            par,
-            cache,
-            str(weights_dir),
-            dtype,
-            collective_timeout_s,
-            default_threads(par.tp),
-            graphs,
-            None if graph_dir is None else str(graph_dir),
-        )
+        spec = RankSpec(cfg, par, cache, str(weights_dir), dtype, collective_timeout_s, default_threads(par.tp))
         return TPExecutor(spec)
     with tempfile.TemporaryDirectory(prefix="neuron-opt-tp-") as tmp:
-        return tp_executor_from_state_dict(
-            cfg, sd, par, cache, Path(tmp), dtype, collective_timeout_s, graphs, graph_dir
-        )
-
-
-def compile_tp_graphs(spec: RankSpec, buckets: list[Bucket]) -> list[str]:
-    """Start the ranks with graphs='aoti', compile every bucket into spec.graph_dir, stop them.
-
-    For `compile --backend cpu --tp N`: the graphs must be traced inside the process group (see
-    rank_graphs.py), so the compile step runs the ranks too. Returns rank 0's package paths."""
-    with TPExecutor(spec) as ex:
-        return ex.precompile(buckets)
+        return tp_executor_from_state_dict(cfg, sd, par, cache, Path(tmp), dtype, collective_timeout_s)
 
 
 def launch_tp_executor(root: Path, manifest: Any) -> TPExecutor:
-    """Start the ranks of a compiled artifact (`root/weights/rank{r}.safetensors`, written at compile time).
-
-    If the artifact holds TP graphs (`graphs/<bucket>/rank<r>/tp_model.pt2`, from `compile_tp_graphs`) the
-    ranks run them; otherwise they run the model eagerly."""
+    """Start the ranks of an artifact (`root/weights/rank{r}.safetensors`, written at compile time); they run
+    the model eagerly with gloo collectives."""
     m = manifest
-    graph_dir = Path(root) / "graphs"
-    compiled = any(graph_dir.glob("*/rank0/tp_model.pt2"))
-    spec = RankSpec(
-        m.model,
-        m.parallel,
-        m.cache,
-        str(Path(root) / "weights"),
-        m.dtype,
-        threads_per_rank=default_threads(m.parallel.tp),
-        graphs="aoti" if compiled else "eager",
-        graph_dir=str(graph_dir) if compiled else None,
-    )
+    spec = RankSpec(m.model, m.parallel, m.cache, str(Path(root) / "weights"), m.dtype,
+                    threads_per_rank=default_threads(m.parallel.tp))
     return TPExecutor(spec)

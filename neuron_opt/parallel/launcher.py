@@ -22,7 +22,6 @@ import torch
 from safetensors.torch import save_file
 
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
-from neuron_opt.errors import ConfigError
 from neuron_opt.parallel.sharding import HeadLayout, head_layout, shard_state_dict
 
 
@@ -37,12 +36,6 @@ class RankSpec:
     dtype: str = "float32"
     collective_timeout_s: float = 60.0
     threads_per_rank: int = 1
-    graphs: str = "eager"  # eager | aoti (AOTInductor per bucket, collectives inside; see rank_graphs.py)
-    graph_dir: str | None = None  # aoti: where packages are loaded from / written to (None: a temp dir)
-
-    def __post_init__(self) -> None:
-        if self.graphs not in ("eager", "aoti"):
-            raise ConfigError(f"graphs: must be 'eager' or 'aoti', got {self.graphs!r}")
 
     @property
     def layout(self) -> HeadLayout:

@@ -2,7 +2,6 @@
 
 Protocol over the rank's pipe (driver -> rank, then one reply rank -> driver):
   ("run", bucket, arrays, candidates)  -> ("ok", result)   rank 0's result is the finished logits, others None
-  ("compile", [bucket, ...])           -> ("ok", [package path, ...])   graphs='aoti' only
   ("calls",)                           -> ("ok", [CollectiveCall, ...]) counted since the last reset
   ("reset",)                           -> ("ok", None)
   ("stop",)                            -> ("ok", None), then the rank leaves the group and exits
@@ -12,7 +11,6 @@ the loop. Collectives time out after `collective_timeout_s`, so a peer that dies
 
 from __future__ import annotations
 
-import tempfile
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -24,19 +22,16 @@ import torch
 import torch.distributed as dist
 
 from neuron_opt.backends.base import StepInputs
-from neuron_opt.parallel.collectives import FunctionalCollectives, TorchCollectives
+from neuron_opt.parallel.collectives import TorchCollectives
 from neuron_opt.parallel.context import Collectives, ParallelContext
 from neuron_opt.parallel.launcher import RankSpec
-from neuron_opt.parallel.rank_graphs import RankGraphs
 from neuron_opt.parallel.vocab import gather_candidates, gather_full, mask_padded_vocab
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _join_group(
-    rank: int, tp: int, port: int, spec: RankSpec
-) -> tuple[TorchCollectives, FunctionalCollectives]:
-    """Join the tp group (and flash decoding's KV subgroup); eager and traced collectives share a counter."""
+def _join_group(rank: int, tp: int, port: int, spec: RankSpec) -> TorchCollectives:
+    """Join the tp group (and flash decoding's KV subgroup)."""
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -51,9 +46,7 @@ def _join_group(
             grp = dist.new_group(list(range(first, first + g)))
             if first <= rank < first + g:
                 mine, size = grp, g
-    eager, traced = TorchCollectives(tp, mine, size), FunctionalCollectives(tp, mine, size)
-    traced.counter = eager.counter
-    return eager, traced
+    return TorchCollectives(tp, mine, size)
 
 
 def _build(rank: int, spec: RankSpec, comm: Collectives) -> Any:
@@ -82,19 +75,13 @@ def rank_main(rank: int, port: int, spec: RankSpec, conn: Connection) -> None:
     """Entry point of a spawned rank process."""
     torch.set_num_threads(spec.threads_per_rank)
     try:
-        comm, traced = _join_group(rank, spec.parallel.tp, port, spec)
-        model = _build(rank, spec, traced if spec.graphs == "aoti" else comm)
+        comm = _join_group(rank, spec.parallel.tp, port, spec)
+        model = _build(rank, spec, comm)
         dtype = DTYPES[spec.dtype]
         shape = model.kv_shape(spec.cache.num_slots)
         L = spec.model.num_hidden_layers
         k_caches = [torch.zeros(shape, dtype=dtype) for _ in range(L)]
         v_caches = [torch.zeros(shape, dtype=dtype) for _ in range(L)]
-        graphs = None
-        if spec.graphs == "aoti":
-            graph_dir = (
-                Path(spec.graph_dir) if spec.graph_dir else Path(tempfile.mkdtemp(prefix="neuron-opt-g"))
-            )
-            graphs = RankGraphs(model, rank, comm.counter, graph_dir)
         conn.send(("ok", "ready"))
         while True:
             try:
@@ -104,28 +91,10 @@ def rank_main(rank: int, port: int, spec: RankSpec, conn: Connection) -> None:
             if msg[0] == "run":
                 _, bucket, arrays, candidates = msg
                 inputs = StepInputs(*(torch.from_numpy(a) for a in arrays))
-                if graphs is not None:
-                    graphs.ensure(bucket, k_caches, v_caches)  # traced outside inference mode
                 with torch.inference_mode():
-                    if graphs is not None:
-                        local = graphs.run(bucket, inputs, k_caches, v_caches)
-                    else:
-                        local = model(
-                            inputs.input_ids,
-                            inputs.positions,
-                            inputs.slot_ids,
-                            inputs.last_index,
-                            k_caches,
-                            v_caches,
-                            bucket.kv_len,
-                        )
+                    local = model(inputs.input_ids, inputs.positions, inputs.slot_ids, inputs.last_index,
+                                  k_caches, v_caches, bucket.kv_len)
                     conn.send(("ok", _finish(local.float(), rank, spec, comm, candidates)))
-            elif msg[0] == "compile":
-                if graphs is None:
-                    raise ValueError(f"rank {rank}: 'compile' needs graphs='aoti'")
-                for bucket in msg[1]:
-                    graphs.ensure(bucket, k_caches, v_caches)
-                conn.send(("ok", [str(graphs.package_path(b)) for b in msg[1]]))
             elif msg[0] == "calls":
                 conn.send(("ok", list(comm.counter.calls)))
             elif msg[0] == "reset":
