@@ -219,7 +219,10 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
 
     def key_for(bucket: Bucket, rank: int | str) -> CacheKey:
         return CacheKey({
-            "weights": fingerprint, "model": cfg.to_dict(), "parallel": asdict(par),
+            # no weights: no backend's graphs hold them (cpu binds them at load, neuron passes them as
+            # parameters), so a fine-tuned checkpoint of the same architecture reuses every graph. The weights'
+            # hash is in the manifest (`source.weights_sha256`).
+            "model": cfg.to_dict(), "parallel": asdict(par),
             "cache": asdict(cache_cfg), "bucket": bucket.key, "rank": rank, "backend": req.backend,
             "backend_options": req.backend_options, "dtype": dtype_name, "versions": versions(),
             "code": code,

@@ -78,3 +78,30 @@ def test_compile_time_estimate_comes_from_this_machines_last_cold_compile(tiny_d
     assert shown and float(shown.group(2)) == pytest.approx(seconds, abs=0.05)
     units = 3 * max(0.3, 2 / 30)  # prefill + decode layer graphs + one head graph, 1 rank, 2 layers
     assert float(shown.group(1)) == pytest.approx(seconds * units / 60, abs=0.051)
+
+
+def test_other_weights_of_the_same_architecture_reuse_every_graph(tmp_path):
+    """A fine-tuned checkpoint (same config, other weights) hits the cache for every graph, and its artifact
+    computes with its own weights: logits equal the eager model of that checkpoint."""
+    import torch
+    from helpers import eager_runner
+    from tiny import make_tiny
+
+    from neuron_opt.artifact import load_artifact
+    from neuron_opt.compiler import CompileRequest, compile_artifact
+
+    def compile_seed(seed: int):
+        ckpt = make_tiny("llama-gqa2", tmp_path / f"ckpt{seed}", seed=seed, tokenizer=True)
+        req = CompileRequest(model=str(ckpt), out=tmp_path / f"art{seed}", backend="cpu", dtype="float32",
+                             max_length=64, prefill_buckets=(16,), decode_buckets=(32,), cache_dir=tmp_path / "c")
+        return ckpt, compile_artifact(req, log=lambda s: None, progress=False)
+
+    compile_seed(0)
+    ckpt, report = compile_seed(1)
+    assert report.hits and not report.misses
+    assert report.manifest.source["weights_sha256"] != load_artifact(tmp_path / "art0").manifest.source[
+        "weights_sha256"]
+    prompt = list(range(3, 15))
+    got = load_artifact(tmp_path / "art1").runner.prefill(0, prompt)
+    want = eager_runner(ckpt, max_length=64, prefill_seqs=[16], decode_seqs=[32]).prefill(0, prompt)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
