@@ -22,6 +22,7 @@ from models.build import model_class
 from neuron_opt.backends.eager import EagerExecutor, load_weights
 from neuron_opt.buckets import BucketConfig
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, torch_dtype
+from neuron_opt.errors import ConfigError
 from neuron_opt.parallel import head_layout
 from neuron_opt.runtime.generate import GenerationOutput, generate_ids
 from neuron_opt.runtime.runner import ModelRunner
@@ -40,18 +41,39 @@ def is_artifact(path: str | Path) -> bool:
     return Path(path).is_dir() and (Path(path) / "manifest.json").exists()
 
 
-class LLM:
-    def __init__(self, model: str | Path, *, dtype: str = "float32", max_length: int | None = None,
-                 batch_size: int = 1, parallel: ParallelConfig | None = None) -> None:
-        if is_artifact(model):
-            from neuron_opt.artifact import load_artifact
+def check_artifact_settings(manifest: Any, *, dtype: str | None, max_length: int | None, batch_size: int | None,
+                            parallel: ParallelConfig | None) -> None:
+    """An artifact fixes its dtype, KV length, batch size and parallel layout when it is compiled: a value asked
+    for here must be the artifact's, else a ConfigError says which and how to get it (never ignored)."""
+    m = manifest
+    fixed = {"dtype": (dtype, m.dtype, "--dtype"), "max_length": (max_length, m.cache.max_length, "--max-length"),
+             "batch_size": (batch_size, m.cache.max_batch, "--batch-size"),
+             "parallel": (parallel, m.parallel, "--tp and the layout flags")}
+    for name, (asked, has, flag) in fixed.items():
+        if asked is not None and asked != has:
+            raise ConfigError(f"{name}: this artifact was compiled with {name}={has!r}, not {asked!r}; an artifact's "
+                              f"{name} is fixed at compile time: recompile with `neuron-opt compile ... {flag}`, "
+                              f"or leave {name} unset to use the artifact's", param=name)
 
+
+class LLM:
+    """`dtype`, `max_length`, `batch_size`, `parallel`: for a checkpoint, how to run it (defaults float32, the
+    model's limit up to 2048, 1, tp=1); for an artifact, left unset (it fixes them) or equal to its own."""
+
+    def __init__(self, model: str | Path, *, dtype: str | None = None, max_length: int | None = None,
+                 batch_size: int | None = None, parallel: ParallelConfig | None = None) -> None:
+        if is_artifact(model):
+            from neuron_opt.artifact import load_artifact, read_manifest
+
+            check_artifact_settings(read_manifest(Path(model), verify_hashes=False), dtype=dtype,
+                                    max_length=max_length, batch_size=batch_size, parallel=parallel)
             loaded = load_artifact(Path(model))
             self.config, self.tokenizer, self.runner = loaded.model_config, loaded.tokenizer, loaded.runner
         else:
             from neuron_opt.checkpoint import open_checkpoint
 
             ckpt = open_checkpoint(model)
+            dtype, batch_size = dtype or "float32", batch_size or 1
             self.config = ckpt.config
             self.tokenizer = ckpt.tokenizer()
             max_length = max_length or min(self.config.max_position_embeddings, 2048)

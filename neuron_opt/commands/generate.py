@@ -35,8 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="instead of an artifact: HF directory, GGUF file, or 'default' (eager)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="with --model: eager compute dtype")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="with --model: eager compute dtype (default float32); an artifact's is fixed at compile")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_sampling_flags(p)
     from neuron_opt.parallel.cli import add_parallel_flags
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     parallel = parallel_config_from_args(args)
     if args.artifact and parallel.tp != 1:
         raise ConfigError("generate: --tp applies to --model; an artifact runs at the tp it was compiled with")
-    llm = LLM(args.artifact or args.model, dtype=args.dtype, parallel=parallel)
+    llm = LLM(args.artifact or args.model, dtype=args.dtype, parallel=None if args.artifact else parallel)
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)
     else:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 
 from neuron_opt.errors import ConfigError
 
@@ -39,7 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--max-model-len",
         type=int,
         default=None,
-        help="with --model: KV length per sequence (default: min(model limit, 2048))",
+        help="with --model: KV length per sequence (default: min(model limit, 2048)); an artifact's is fixed at "
+        "compile time (given, it must equal the artifact's)",
     )
     p.add_argument(
         "--max-prefill-tokens",
@@ -50,7 +50,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-waiting", type=int, default=1024, help="queued requests before answering 503")
     p.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16"], help="with --model: compute dtype"
+        "--dtype", default=None, choices=["float32", "bfloat16"],
+        help="with --model: compute dtype (default float32); an artifact's is fixed (given, it must match)"
     )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
@@ -90,17 +91,18 @@ def run(args: argparse.Namespace) -> int:
     if envs.NUM_THREADS is None:
         torch.set_num_threads(serving_threads())
     if args.artifact:
-        llm = LLM(args.artifact)
+        from pathlib import Path
+
+        from neuron_opt.artifact import read_manifest
+
+        slots = read_manifest(Path(args.artifact), verify_hashes=False).cache.max_batch
+        if args.max_num_seqs and args.max_num_seqs > slots:  # before the (long) load
+            raise ConfigError(f"--max-num-seqs: {args.max_num_seqs} exceeds the artifact's {slots} KV slot(s); "
+                              f"compile it with --batch-size {args.max_num_seqs}", param="max_num_seqs")
+        llm = LLM(args.artifact, dtype=args.dtype, max_length=args.max_model_len)
     else:
         llm = LLM(
             args.model, dtype=args.dtype, batch_size=args.max_num_seqs or 16, max_length=args.max_model_len
-        )
-    slots = llm.runner.cache.max_batch
-    if args.max_num_seqs and args.max_num_seqs > slots:
-        print(
-            f"neuron-opt serve: --max-num-seqs {args.max_num_seqs} exceeds the batch size {slots}; "
-            f"using {slots}",
-            file=sys.stderr,
         )
     engine = Engine(
         llm.runner,

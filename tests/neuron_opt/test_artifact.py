@@ -10,7 +10,8 @@ from helpers import eager_runner
 from neuron_opt.api import LLM
 from neuron_opt.artifact import MANIFEST, manifest_digest, read_manifest
 from neuron_opt.compiler import CompileRequest, compile_artifact
-from neuron_opt.errors import ArtifactError
+from neuron_opt.config import ParallelConfig
+from neuron_opt.errors import ArtifactError, ConfigError
 from neuron_opt.runtime.generate import generate_ids
 from neuron_opt.runtime.sampling import SamplingParams
 
@@ -110,3 +111,30 @@ def test_failed_compile_leaves_no_partial_artifact(tiny_dir, tmp_path):
     with pytest.raises(Exception, match="prefill_buckets"):
         compile_artifact(req, log=lambda s: None, progress=False)
     assert not out.exists() and not list(tmp_path.glob(".never*"))
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(dtype="bfloat16"), "dtype"), (dict(max_length=256), "max_length"), (dict(batch_size=4), "batch_size"),
+    (dict(parallel=ParallelConfig(tp=2)), "parallel"),
+])
+def test_llm_refuses_settings_an_artifact_fixed_otherwise(artifact, kwargs, field):
+    with pytest.raises(ConfigError, match=f"{field}: this artifact was compiled with") as e:
+        LLM(artifact, **kwargs)
+    assert e.value.param == field and "recompile" in str(e.value)
+
+
+def test_llm_accepts_an_artifacts_own_settings(artifact):
+    llm = LLM(artifact, dtype="float32", max_length=128, batch_size=2, parallel=ParallelConfig())
+    assert llm.runner.cache.max_batch == 2
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--dtype", "bfloat16"], "dtype: this artifact was compiled with"),
+    (["--max-model-len", "64"], "max_length: this artifact was compiled with"),
+    (["--max-num-seqs", "8"], "--max-num-seqs: 8 exceeds the artifact's 2 KV slot(s)"),
+])
+def test_serve_refuses_flags_an_artifact_fixed_otherwise(artifact, flags, needle, capsys):
+    from neuron_opt.cli import main
+
+    assert main(["serve", str(artifact), "--port", "0", *flags]) == 2
+    assert needle in capsys.readouterr().err
