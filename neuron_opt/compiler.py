@@ -178,13 +178,14 @@ def format_plan(cfg: ModelConfig, par: ParallelConfig, cache: CacheConfig, bucke
 def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, progress: bool = True) -> CompileReport:
     from tqdm import tqdm
 
-    from neuron_opt.backends import get_backend
+    from neuron_opt.backends import check_backend_tp, get_backend
     from neuron_opt.backends.eager import load_weights
     from neuron_opt.checkpoint import open_checkpoint
     from neuron_opt.parallel import ParallelContext, head_layout
     from neuron_opt.parallel.sharding import shard_state_dict
 
     t0 = time.perf_counter()
+    check_backend_tp(req.backend, req.parallel.tp)  # before any long work
     if req.backend == "neuron":  # XLA's HLO dump and SPMD devices must be set up before anything (transformers
         from neuron_opt.backends.neuron import check_spmd_layout, import_xla  # included) imports torch_xla
 

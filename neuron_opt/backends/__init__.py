@@ -11,6 +11,13 @@ from neuron_opt.errors import ConfigError
 BACKENDS = ("eager", "cpu", "neuron")
 
 
+def check_backend_tp(name: str, tp: int) -> None:
+    """The tp degrees a backend compiles: cpu graphs are single-rank (tp > 1 runs as gloo ranks: eager)."""
+    if name == "cpu" and tp != 1:
+        raise ConfigError(f"backend: the cpu backend compiles tp=1 only, got --tp {tp}; use --backend eager (gloo "
+                          "rank processes) or --backend neuron (one SPMD program) for tp > 1")
+
+
 def get_backend(name: str, dtype: torch.dtype, options: dict[str, Any] | None = None, for_compile: bool = False,
                 tp: int = 1):
     """The backend `name`. For the neuron backend, `for_compile` turns on XLA's HLO dump (the artifact's HLO is

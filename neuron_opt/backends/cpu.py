@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from models.llama import rope_tables
+from neuron_opt.backends import check_backend_tp
 from neuron_opt.backends.base import ModelFactory, StepInputs
 from neuron_opt.backends.cpu_constants import ConstantRecipe, build_constant
 from neuron_opt.backends.cpu_graphs import HeadGraph, LayerGraph, compile_graph, graph_keys, layer_example, padded_kv
@@ -92,8 +93,7 @@ class CpuBackend:
 
     def compile_bucket(self, model: torch.nn.Module, bucket: Bucket, num_slots: int, out_dir: Path) -> list[Path]:
         """Write (or reuse) the bucket's layer graph and head graph; returns their paths relative to out_dir."""
-        if model.pctx.tp != 1:
-            raise ConfigError("backend: the cpu backend compiles tp=1 only; use --backend eager for tp > 1")
+        check_backend_tp(self.name, model.pctx.tp)
         layer_key, head_key = graph_keys(bucket)
         files = self._graph(model, out_dir, layer_key, lambda so: self._compile_layer(model, bucket, num_slots, so))
         files += self._graph(model, out_dir, head_key, lambda so: self._compile_head(model, bucket, so))

@@ -212,7 +212,7 @@ def check_spmd_layout(par: Any, kv_seq_shards: int) -> None:
         raise ConfigError(
             "neuron backend: tp > 1 with sequence_parallel or flash decoding (kv-seq-shard) needs an SPMD "
             "all-gather, which torch-xla 2.9 lacks; use plain tensor parallelism (drop --sequence-parallel / "
-            "--flash-decoding, or pick --gqa-strategy replicate-kv) or --backend cpu")
+            "--flash-decoding, or pick --gqa-strategy replicate-kv) or --backend eager (gloo ranks keep every layout)")
 
 
 @dataclass

@@ -330,3 +330,11 @@ def test_head_graph_logits_against_fp64(weight_input: bool) -> None:
     else:
         torch.testing.assert_close(got.double(), want, rtol=2**-6, atol=2**-6)
         assert torch.equal(got, got.bfloat16().float())
+
+
+def test_cpu_tp2_compile_is_refused_before_the_checkpoint_is_read(tmp_path: Path) -> None:
+    from neuron_opt.compiler import CompileRequest, compile_artifact
+
+    with pytest.raises(ConfigError, match="cpu backend compiles tp=1 only, got --tp 2; use --backend eager"):
+        compile_artifact(CompileRequest(model=str(tmp_path / "no-such-checkpoint"), out=tmp_path / "art",
+                                        backend="cpu", parallel=ParallelConfig(tp=2)), log=lambda s: None)
