@@ -25,13 +25,29 @@ def model_class(architecture: str) -> type:
 
 def rank_model_factory(cfg: ModelConfig, par: ParallelConfig, cache: CacheConfig, rank: int,
                        dtype: torch.dtype, pctx: Any = None) -> Callable[[], torch.nn.Module]:
-    """A zero-argument factory for rank `rank`'s model skeleton in `dtype`.
+    """A zero-argument factory for rank `rank`'s model skeleton in `dtype`, its parameters allocated once in
+    `dtype` and left uninitialised: the caller loads the weights (building in fp32 and casting would hold the
+    rank's weights 3x over for a moment, which is what compile's host RAM is planned on).
 
     `pctx`: the rank's ParallelContext (its collectives); default: no collectives, the layouts of `par`."""
 
     def make() -> torch.nn.Module:
         ctx = pctx if pctx is not None else ParallelContext(par.tp, rank, sequence_parallel=par.sequence_parallel)
-        model = model_class(cfg.architecture)(cfg, head_layout(cfg, par), cache.max_length, ctx)
-        return model.to(dtype).eval()
+        with torch.device("meta"):  # parameters take no memory yet; the rope tables are built on the CPU
+            model = model_class(cfg.architecture)(cfg, head_layout(cfg, par), cache.max_length, ctx)
+        model = model.to(dtype)  # meta parameters change dtype for free; buffers are cast as before
+        materialize_parameters(model)
+        return model.eval()
 
     return make
+
+
+def materialize_parameters(model: torch.nn.Module) -> None:
+    """Meta parameters -> uninitialised CPU parameters of the same shape and dtype; ties stay ties."""
+    made: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.is_meta:
+                if id(p) not in made:
+                    made[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
+                module._parameters[name] = made[id(p)]

@@ -248,7 +248,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = Backbone(cfg, lay, pctx, ops)
         self.lm_head = ColumnParallelLinear(cfg.hidden_size, lay.vocab_local, False, pctx)
         self.tie_weights()
-        cos, sin = rope_tables(cfg, max_length)
+        with torch.device("cpu"):  # real tables even when the module is built on the meta device (models/build.py)
+            cos, sin = rope_tables(cfg, max_length)
         self.register_buffer("rope_cos", cos, persistent=False)  # [max_length, D]
         self.register_buffer("rope_sin", sin, persistent=False)  # [max_length, D]
 

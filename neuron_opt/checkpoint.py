@@ -27,7 +27,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -64,6 +64,29 @@ class Checkpoint:
 
             sd = _gguf_state_dict_cached(self.source, self.config, envs.CACHE_DIR)
         return {k: v.to(dtype) for k, v in sd.items()}
+
+    def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+        """The canonical weights one at a time, each cast to `dtype` (what `state_dict` holds all at once).
+
+        `compile` streams these into each rank's model, so its host RAM holds the rank's weights plus one
+        tensor in flight, never the whole checkpoint. safetensors files are read tensor by tensor (memory-mapped);
+        a GGUF file is read from its dequantized fp32 cache, built on first use (that first build holds the
+        whole fp32 model once).
+        """
+        from safetensors import safe_open
+
+        if self.format == "hf":
+            files = _weight_files(self.source)
+        else:
+            from neuron_opt import envs
+
+            files = [_gguf_cache_file(self.source, self.config, envs.CACHE_DIR)]
+        wanted = set(expected_names(self.config))
+        for f in files:
+            with safe_open(str(f), framework="pt") as sf:
+                for name in sf.keys():
+                    if name in wanted:
+                        yield name, sf.get_tensor(name).to(dtype)
 
     def tokenizer(self) -> PreTrainedTokenizerBase:
         """The checkpoint's tokenizer, with its chat template when the source has one."""
@@ -417,17 +440,27 @@ def gguf_state_dict(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
 
 def _gguf_state_dict_cached(path: Path, cfg: ModelConfig, cache_dir: Path) -> dict[str, torch.Tensor]:
     """`gguf_state_dict`, memoised on disk as fp32 safetensors keyed by the file's sha256."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
+
+    return load_file(str(_gguf_cache_file(path, cfg, cache_dir)))
+
+
+def _gguf_cache_file(path: Path, cfg: ModelConfig, cache_dir: Path) -> Path:
+    """The fp32 safetensors file holding `gguf_state_dict(path)`, built if absent or damaged."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
 
     cached = cache_dir / "gguf" / f"{_fingerprint((path,))[:40]}-{_CACHE_VERSION}.safetensors"
     if cached.is_file():
         try:
-            return load_file(str(cached))
+            with safe_open(str(cached), framework="pt") as sf:
+                sf.keys()
+            return cached
         except Exception:  # a damaged cache entry is rebuilt, never trusted
             cached.unlink(missing_ok=True)
     sd = gguf_state_dict(path, cfg)
     _atomic_write(cached, lambda tmp: save_file(sd, str(tmp)))
-    return sd
+    return cached
 
 
 def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:

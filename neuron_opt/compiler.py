@@ -169,7 +169,8 @@ def format_plan(cfg: ModelConfig, par: ParallelConfig, cache: CacheConfig, bucke
     source = (f"measured on this machine: {per_unit:.1f} s per 30-layer graph" if measured is not None else
               "not yet measured on this machine (the first cold compile measures it)")
     return "\n".join([
-        format_plan_table(cfg, par, cache, buckets, instance=instance, dtype=dtype),
+        format_plan_table(cfg, par, cache, buckets, instance=instance, dtype=dtype,
+                          compile_ranks_held=par.tp if backend == "neuron" else 1),
         f"  backend {backend}: {len(graphs)} bucket(s), {n} distinct graph(s) per rank x {par.tp} rank(s); "
         f"estimated compile time with a cold cache: {est / 60:.1f} min ({source})",
     ])
@@ -179,10 +180,10 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
     from tqdm import tqdm
 
     from neuron_opt.backends import check_backend_tp, get_backend
-    from neuron_opt.backends.eager import load_weights
+    from neuron_opt.backends.eager import load_weights_streamed
     from neuron_opt.checkpoint import open_checkpoint
     from neuron_opt.parallel import ParallelContext, head_layout
-    from neuron_opt.parallel.sharding import shard_state_dict
+    from neuron_opt.parallel.sharding import shard_tensor
 
     t0 = time.perf_counter()
     check_backend_tp(req.backend, req.parallel.tp)  # before any long work
@@ -211,7 +212,6 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
     fingerprint = ckpt.weights_fingerprint()
     code = code_fingerprint()
     tokenizer = ckpt.tokenizer()
-    full_sd = ckpt.state_dict(torch.float32)
     writer = ArtifactWriter(req.out)
     hits: list[str] = []
     misses: dict[str, str] = {}
@@ -230,10 +230,13 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
         })
 
     def build_rank(rank: int, comm: Any) -> torch.nn.Module:
+        """The rank's model in `dtype`, its weights streamed from the checkpoint one tensor at a time (host RAM:
+        this rank's weights plus one tensor in flight, never the checkpoint; planner.memory.plan_memory)."""
         pctx = None if comm is None else ParallelContext(par.tp, rank, comm, par.sequence_parallel)
-        model = rank_model_factory(cfg, par, cache_cfg, rank, torch.float32, pctx)()
-        load_weights(model, shard_state_dict(full_sd, cfg, lay, rank), f"{ckpt.source} (rank {rank} shard)")
-        return model.to(dtype)
+        model = rank_model_factory(cfg, par, cache_cfg, rank, dtype, pctx)()
+        load_weights_streamed(model, ((n, shard_tensor(n, w, cfg, lay, rank)) for n, w in ckpt.tensors(dtype)),
+                              f"{ckpt.source} (rank {rank} shard)")
+        return model
 
     # a backend whose graphs hold the collectives builds every rank into one SPMD program (neuron: XLA ops)
     spmd = par.tp > 1 and hasattr(backend, "rank_collectives")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -26,6 +27,31 @@ def load_weights(model: torch.nn.Module, sd: dict[str, torch.Tensor], source: ob
     if set(missing) - tied or unexpected:
         raise ValueError(f"{source}: weights do not match the model (missing {sorted(set(missing) - tied)[:5]}, "
                          f"unexpected {sorted(unexpected)[:5]})")
+
+
+def load_weights_streamed(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
+                          source: object) -> None:
+    """`load_weights` for a stream of (canonical name, tensor): each is copied into its parameter and dropped, so
+    only one tensor is in flight. The same checks: every parameter loaded (a tied LM head may be absent), no
+    unknown name, shapes equal."""
+    params = dict(model.named_parameters(remove_duplicate=False))  # a tied LM head appears under both names
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    with torch.no_grad():
+        for name, w in tensors:
+            p = params.get(name)
+            if p is None:
+                unexpected.append(name)
+                continue
+            if p.shape != w.shape:
+                raise ValueError(f"{source}: {name} has shape {tuple(w.shape)}, the model expects {tuple(p.shape)}")
+            p.copy_(w)
+            seen.add(name)
+    tied = {"lm_head.weight"} if model.cfg.tie_word_embeddings else set()
+    missing = sorted(set(params) - seen - tied)
+    if missing or unexpected:
+        raise ValueError(f"{source}: weights do not match the model (missing {missing[:5]}, unexpected "
+                         f"{sorted(unexpected)[:5]})")
 
 
 def load_model_weights(model: torch.nn.Module, path: Path) -> None:

@@ -162,25 +162,27 @@ def shard_state_dict(
     sd: dict[str, torch.Tensor], cfg: ModelConfig, lay: HeadLayout, rank: int
 ) -> dict[str, torch.Tensor]:
     """Canonical (HF-named) full state dict -> this rank's shard, with head padding/replication applied."""
+    return {name: shard_tensor(name, w, cfg, lay, rank) for name, w in sd.items()}
+
+
+def shard_tensor(name: str, w: torch.Tensor, cfg: ModelConfig, lay: HeadLayout, rank: int) -> torch.Tensor:
+    """One canonical tensor -> this rank's shard of it (what `shard_state_dict` does per entry; compile streams
+    a checkpoint through it one tensor at a time)."""
     D, tp = cfg.head_dim, lay.tp
-    q_src, kv_src = head_sources(cfg, lay, rank)
-    out: dict[str, torch.Tensor] = {}
-    for name, w in sd.items():
-        rule = rule_for(name)
-        if re.fullmatch(r".*\.q_proj\.(weight|bias)", name):
-            w = _pick_heads(w, q_src, D)
-        elif re.fullmatch(r".*\.[kv]_proj\.(weight|bias)", name):
-            w = _pick_heads(w, kv_src, D)
-        elif name.endswith("o_proj.weight"):
-            w = _pick_heads(w.t().contiguous(), q_src, D).t()  # columns of this rank's heads: [H, nql*D]
-        elif rule in (COLUMN, VOCAB):
-            if name in ("lm_head.weight", "model.embed_tokens.weight") and lay.vocab_padded != w.shape[0]:
-                w = torch.cat([w, w.new_zeros(lay.vocab_padded - w.shape[0], *w.shape[1:])])
-            w = w.chunk(tp, dim=0)[rank] if tp > 1 else w
-        elif rule == ROW:
-            w = w.chunk(tp, dim=1)[rank] if tp > 1 else w
-        out[name] = w.contiguous()
-    return out
+    rule = rule_for(name)
+    if re.fullmatch(r".*\.q_proj\.(weight|bias)", name):
+        w = _pick_heads(w, head_sources(cfg, lay, rank)[0], D)
+    elif re.fullmatch(r".*\.[kv]_proj\.(weight|bias)", name):
+        w = _pick_heads(w, head_sources(cfg, lay, rank)[1], D)
+    elif name.endswith("o_proj.weight"):  # columns of this rank's heads: [H, nql*D]
+        w = _pick_heads(w.t().contiguous(), head_sources(cfg, lay, rank)[0], D).t()
+    elif rule in (COLUMN, VOCAB):
+        if name in ("lm_head.weight", "model.embed_tokens.weight") and lay.vocab_padded != w.shape[0]:
+            w = torch.cat([w, w.new_zeros(lay.vocab_padded - w.shape[0], *w.shape[1:])])
+        w = w.chunk(tp, dim=0)[rank] if tp > 1 else w
+    elif rule == ROW:
+        w = w.chunk(tp, dim=1)[rank] if tp > 1 else w
+    return w.contiguous()
 
 
 @dataclass(frozen=True)

@@ -172,8 +172,12 @@ def plan_memory(
     max_length: int,
     dtype: str,
     kv_dtype: str,
+    compile_ranks_held: int = 1,
 ) -> MemoryPlan:
-    """Memory plan of one rank for a deployment (batch = KV slots in use, max_length = KV cache length)."""
+    """Memory plan of one rank for a deployment (batch = KV slots in use, max_length = KV cache length).
+
+    `compile_ranks_held`: rank models the compile process holds at once (1: rank by rank, the cpu/eager
+    backends; tp: the neuron backend's one SPMD program)."""
     w = weight_bytes(cfg, lay, dtype)
     act = 4 if dtype == "float32" else 2  # activations run in bfloat16 unless the whole model is float32
     kv = kv_bytes(cfg, lay, batch + 1, max_length, kv_dtype)
@@ -182,10 +186,12 @@ def plan_memory(
         capacity, reserve = inst.hbm_per_core // lay.tp, CPU_RESERVE // lay.tp
     else:
         capacity, reserve = inst.hbm_per_core, RUNTIME_RESERVE
-    # compile loads the full checkpoint (bfloat16 on disk for every model we plan) and writes one rank at a
-    # time
-    checkpoint = 2 * cfg.num_parameters()
-    host = checkpoint + w + HOST_BASELINE
+    # compile streams the checkpoint into each rank's model one tensor at a time (compiler.build_rank): it holds
+    # the rank models in the weight dtype plus one tensor in flight: read (fp32 at worst: a GGUF's dequantized
+    # cache), cast and sliced, at most 3 fp32 copies of the largest tensor (the embedding or LM head). Measured
+    # against this bound in tests/neuron_opt/test_compile_memory.py.
+    largest = max(cfg.vocab_size, cfg.intermediate_size) * cfg.hidden_size
+    host = compile_ranks_held * w + 3 * 4 * largest + HOST_BASELINE
     return MemoryPlan(
         weights=w,
         kv_cache=kv,

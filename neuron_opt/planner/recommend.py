@@ -38,6 +38,7 @@ class Deployment:
     max_length: int  # KV cache length
     dtype: str = "bfloat16"
     kv_dtype: str = "bfloat16"
+    compile_ranks_held: int | None = None  # rank models one compile process holds; None: tp (neuron: SPMD)
 
     def __post_init__(self) -> None:
         for name in ("tp", "batch", "max_context", "max_length"):
@@ -117,6 +118,7 @@ def _memory(
         max_length=dep.max_length,
         dtype=dep.dtype,
         kv_dtype=dep.kv_dtype,
+        compile_ranks_held=dep.tp if dep.compile_ranks_held is None else dep.compile_ranks_held,
     )
 
 

@@ -34,7 +34,7 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
         f"    {'runtime reserve':<38}{_gib(m.reserve)}",
         f"    {'total / capacity':<38}{_gib(m.total)} / {m.capacity / GiB:.2f}  -> "
         + ("fits" if m.fits else "DOES NOT FIT"),
-        f"  host RAM to shard the checkpoint: {m.host_needed / GiB:.1f} GiB "
+        f"  host RAM to compile (rank weights + one tensor in flight): {m.host_needed / GiB:.1f} GiB "
         f"of {m.host_capacity / GiB:.0f} GiB" + ("" if m.host_fits else "  -> NOT ENOUGH HOST RAM"),
         f"  largest batch at max_length {d.max_length}: {plan.largest_batch}; "
         f"largest max_length at batch {d.batch}: {plan.largest_length}",
@@ -112,6 +112,7 @@ def format_plan_table(
     buckets: BucketConfig,
     instance: str = "cpu",
     dtype: str | None = None,
+    compile_ranks_held: int | None = None,
 ) -> str:
     """The plan `compile` prints before compiling: memory per rank, fit, buckets (and latency on Neuron).
 
@@ -122,9 +123,11 @@ def format_plan_table(
         buckets: the buckets about to be compiled.
         instance: an instance name from the table, or "cpu" (capacity = this machine's RAM).
         dtype: weight dtype; defaults to the cache dtype.
+        compile_ranks_held: rank models the compile process holds at once (None: tp, the neuron backend).
     """
     inst = get_instance(instance)
     dep = Deployment(
-        par.tp, cache.max_batch, buckets.prefill_seqs[-1], cache.max_length, dtype or cache.dtype, cache.dtype
+        par.tp, cache.max_batch, buckets.prefill_seqs[-1], cache.max_length, dtype or cache.dtype, cache.dtype,
+        compile_ranks_held,
     )
     return "\n".join(plan_lines(cfg, evaluate(cfg, inst, dep, par=par, buckets=buckets)))
