@@ -442,11 +442,17 @@ def _gguf_state_dict_cached(path: Path, cfg: ModelConfig, cache_dir: Path) -> di
     """`gguf_state_dict`, memoised on disk as fp32 safetensors keyed by the file's sha256."""
     from safetensors.torch import load_file
 
-    return load_file(str(_gguf_cache_file(path, cfg, cache_dir)))
+    cached, sd = _gguf_cache(path, cfg, cache_dir)
+    return sd if sd is not None else load_file(str(cached))
 
 
 def _gguf_cache_file(path: Path, cfg: ModelConfig, cache_dir: Path) -> Path:
     """The fp32 safetensors file holding `gguf_state_dict(path)`, built if absent or damaged."""
+    return _gguf_cache(path, cfg, cache_dir)[0]
+
+
+def _gguf_cache(path: Path, cfg: ModelConfig, cache_dir: Path) -> tuple[Path, dict[str, torch.Tensor] | None]:
+    """(cache file, the state dict if it had to be built now: None when the file was already there and valid)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -455,12 +461,12 @@ def _gguf_cache_file(path: Path, cfg: ModelConfig, cache_dir: Path) -> Path:
         try:
             with safe_open(str(cached), framework="pt") as sf:
                 sf.keys()
-            return cached
+            return cached, None
         except Exception:  # a damaged cache entry is rebuilt, never trusted
             cached.unlink(missing_ok=True)
     sd = gguf_state_dict(path, cfg)
     _atomic_write(cached, lambda tmp: save_file(sd, str(tmp)))
-    return cached
+    return cached, sd
 
 
 def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
