@@ -545,8 +545,9 @@ class NeuronBackend:
         """Compiles `bucket`'s step on the device model and writes the HLO XLA compiled for it.
 
         `model`: the rank model (tp=1) or every rank's model, in rank order (tp > 1: one SPMD program). The
-        graph runs once on the scratch slot, so errors surface here and, on a NeuronCore, its NEFF lands in
-        the artifact's Neuron compile cache.
+        graph is compiled exactly as `load` will compile it (for replay, or run once on the scratch slot when
+        traced), so errors surface here and, on a NeuronCore, its NEFF lands in the artifact's Neuron compile
+        cache.
         """
         if "dir" not in _DUMP:
             raise ConfigError("neuron backend: construct it with dump=True to compile (XLA's HLO dump)")
