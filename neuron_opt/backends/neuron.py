@@ -52,7 +52,8 @@ HLO_TEXT = "{key}.hlo.txt"  # per bucket, in graphs/rank{r}/
 HLO_PROTO = "{key}.hlo.pb"
 NEURON_CACHE = "neuron_cache"  # graphs/rank{r}/neuron_cache/: the Neuron compile cache (NEFFs), NeuronCore only
 DEVICE_TYPES = ("CPU", "NEURON")
-OPS = ("torch",)
+OPS = ("torch", "nki")
+KERNELS = "{key}.kernels.json"  # ops=nki: what each call site of the bucket's graph runs (nki_device.KernelChoice)
 NEURON_PIP_REPO = "https://pip.repos.neuron.amazonaws.com"
 DEFAULT_GRAPH_NAME = "SyncTensorsGraph"  # torch-xla's name for a graph nobody named
 _DUMP: dict[str, Path] = {}  # "dir": this process's XLA dump directory, when compile turned the dump on
@@ -128,7 +129,8 @@ class NeuronOptions:
     """Backend options as stored in the artifact manifest (and hashed into the compile-cache key).
 
     compiler_args: neuronx-cc flags (NEURON_CC_FLAGS on a NeuronCore; the CPU client has no such compiler).
-    ops: attention/norm implementation inside the graphs; "torch" (the reference ops).
+    ops: attention/norm implementation inside the graphs: "torch" (the reference ops) or "nki" (our NKI kernels
+        where a call fits one on a NeuronCore, else the torch op, with the reason; nki_device.py).
     replay: run each step by replaying its bucket's compiled graph (DeviceProgram.replay); false records the
         model's ops every step (the reference path, slower on the host). Default: true at tp=1, false at tp > 1
         (replaying an SPMD graph crashes torch-xla 2.9: reading a sharded tensor's device data segfaults).
@@ -519,6 +521,7 @@ class NeuronBackend:
                               "segfaults reading a sharded tensor's device data, which replaying an SPMD graph needs")
         self.replay = tp == 1 if self.opts.replay is None else self.opts.replay
         self._ranks: dict[int, DeviceRank | SpmdRanks] = {}  # the device model being compiled
+        self.kernel_ops: Any = None  # ops=nki: the DeviceKernelOps of the device model
 
     def rank_collectives(self, tp: int, kv_group_size: int) -> SpmdCollectives | None:
         """The collectives every rank model is built with (None for tp=1: nothing to communicate)."""
@@ -533,6 +536,12 @@ class NeuronBackend:
 
     def _device_model(self, model: torch.nn.Module | list[torch.nn.Module], num_slots: int) -> DeviceRank | SpmdRanks:
         models = model if isinstance(model, list) else [model]
+        if self.opts.ops == "nki":
+            from neuron_opt.backends.nki_device import DeviceKernelOps, set_ops
+
+            self.kernel_ops = DeviceKernelOps(self.device_type, models[0].cfg.sliding_window)
+            for m in models:
+                set_ops(m, self.kernel_ops)
         if len(models) != self.tp:
             raise ConfigError(f"neuron backend: built for tp={self.tp}, got {len(models)} rank model(s)")
         if self.tp == 1:
@@ -572,6 +581,12 @@ class NeuronBackend:
         shutil.copyfile(texts[-1], dst_text)
         shutil.copyfile(protos[-1], dst_proto)
         files = [dst_text.relative_to(out_dir), dst_proto.relative_to(out_dir)]
+        if self.kernel_ops is not None:  # what each attention / norm call site of this graph runs, and why
+            import json
+
+            (out_dir / KERNELS.format(key=bucket.key)).write_text(
+                json.dumps(self.kernel_ops.take_choices(), indent=1))
+            files.append(Path(KERNELS.format(key=bucket.key)))
         cache = out_dir / NEURON_CACHE
         if cache.is_dir():
             files += [p.relative_to(out_dir) for p in sorted(cache.rglob("*")) if p.is_file()]

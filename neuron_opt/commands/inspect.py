@@ -46,4 +46,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"    {key}: {f}: {h['parameters']} parameters, {h['donated']} donated (KV), "
                       f"collectives: {coll}, host ops: {h['host_ops'] or 'none'}, "
                       f"static shapes: {'no' if h['dynamic_shapes'] else 'yes'}")
+            for f in (f for f in files if f.endswith(".kernels.json")):  # ops=nki
+                for c in json.loads((args.artifact / f).read_text()):
+                    print(f"      {c['op']} {c['shape']}: {c['kernel'] or 'torch'} ({c['reason']})")
     return 0

@@ -49,7 +49,7 @@ def test_compile_without_torch_xla_fails_before_writing_anything(tiny_dir, tmp_p
 
 @pytest.mark.parametrize("options, needle", [
     ({"target": "inf2"}, "cross-compiling"),
-    ({"ops": "nki"}, "backend_options.ops"),
+    ({"ops": "triton"}, "backend_options.ops"),
     ({"compiler_workdir": "/tmp/x"}, "unknown neuron option"),
 ])
 def test_bad_options_are_refused_before_the_runtime_is_looked_for(options, needle, monkeypatch):

@@ -308,3 +308,24 @@ def test_server_on_a_neuron_artifact_batches_streams_like_the_reference(tmp_path
 
         got = asyncio.run(together())
     assert got == want
+
+
+def test_ops_nki_on_the_xla_cpu_device_uses_the_torch_op_at_every_call_site_and_records_why(ckpt, tmp_path, capsys):
+    """The same call sites as on a NeuronCore; here every one is the torch op (no NKI runtime), recorded per
+    bucket in the artifact and printed by inspect; the logits are those of ops=torch."""
+    from neuron_opt.cli import main
+
+    arts = {o: compile_tiny(ckpt("llama-gqa2"), tmp_path / o, backend_options={"ops": o}) for o in ("nki", "torch")}
+    m = read_manifest(arts["nki"])
+    for files in m.graphs.values():
+        (kf,) = [f for f in files if f.endswith(".kernels.json")]
+        choices = json.loads((arts["nki"] / kf).read_text())
+        assert {c["op"] for c in choices} == {"attention", "rms_norm"}
+        assert all(c["kernel"] is None and c["reason"] == "the CPU device has no NKI runtime" for c in choices)
+    assert not any(f.endswith(".kernels.json") for fs in read_manifest(arts["torch"]).graphs.values() for f in fs)
+    runners = [load_artifact(arts[o]).runner for o in ("nki", "torch")]
+    prompt = list(range(3, 15))
+    assert torch.equal(runners[0].prefill(0, prompt), runners[1].prefill(0, prompt))
+    assert main(["inspect", str(arts["nki"])]) == 0
+    assert "attention q [1, 4, 16, 16], kv [1, 2, 16, 16], float32: torch (the CPU device has no NKI runtime)" \
+        in capsys.readouterr().out

@@ -1,0 +1,186 @@
+"""NKI kernels inside the neuron backend's device graphs (`--backend-option ops=nki`).
+
+`DeviceKernelOps` has the contract of `models.llama.TorchOps` and replaces it in every attention and RMSNorm call
+site of the rank model. While a bucket's step is traced, each call site picks its implementation once, from
+facts that are static per graph (shapes, dtype, the model's sliding window, the device):
+- On a NeuronCore, a call that fits a kernel's argument contract calls the kernel on the XLA tensors. The SDK's
+  `nki.jit` (what `kernels_nki._nki` imports there) turns that call into a custom call in the graph:
+  - `flash_attention` for a prefill from position 0 (a prompt always starts at 0: no prefix reuse yet);
+  - `decode_attention` for a decode step;
+  - `rmsnorm` for the norms.
+- Everywhere else the call uses the torch op, each time with a reason recorded:
+  - the XLA CPU device, which has no NKI runtime;
+  - a sliding window (the kernels apply a plain causal mask);
+  - a call outside a kernel's contract (the kernel's own `_check` says which limit).
+
+The contract check reuses each kernel's `_check`. It runs on zero-memory arrays (`np.broadcast_to`) of the
+exact shapes and dtype the call would pass, so there is one source of truth per kernel. The layouts handed to a
+kernel come from `attention_kernel_call` / `rms_norm_kernel_call`. Tests run those same layout functions
+through the kernels on our simulator and compare the result with TorchOps. What only a NeuronCore can show
+(neuronx-cc accepting the custom calls, their speed) is listed in docs/neuron_backend.md, not claimed.
+
+The choices of a bucket's graph are written beside its HLO (`<bucket>.kernels.json`) and shown by `inspect`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from models.llama import TorchOps
+from neuron_opt.errors import KernelArgumentError
+
+KERNEL_DEVICE = "NEURON"  # the PJRT device with an NKI runtime
+DECODE_SPLIT = 512  # decode_attention's split_size (its default)
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """What one call site of a graph runs: `kernel` (a kernels_nki module name) or None for the torch op."""
+
+    op: str  # "attention" | "rms_norm"
+    shape: str  # the call's shapes, e.g. "q [1, 9, 128, 64], kv [1, 3, 128, 64]"
+    kernel: str | None
+    reason: str
+
+
+def _np_dtype(dtype: torch.dtype) -> Any:
+    if dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(str(dtype).removeprefix("torch."))
+
+
+def _shaped(shape: tuple[int, ...], dtype: torch.dtype) -> np.ndarray:
+    """An array with this shape and dtype and no memory: what a kernel's `_check` inspects."""
+    return np.broadcast_to(np.zeros((), _np_dtype(dtype)), shape)
+
+
+def choose_attention(B: int, n_heads: int, n_kv: int, S: int, kv_len: int, D: int, dtype: torch.dtype,
+                     window: int | None, device_type: str) -> KernelChoice:
+    """The implementation of one attention call site: q [B, n_heads, S, D] over kv_len cache positions."""
+    shape = f"q [{B}, {n_heads}, {S}, {D}], kv [{B}, {n_kv}, {kv_len}, {D}], {str(dtype).removeprefix('torch.')}"
+
+    def torch_op(reason: str) -> KernelChoice:
+        return KernelChoice("attention", shape, None, reason)
+
+    if device_type != KERNEL_DEVICE:
+        return torch_op(f"the {device_type} device has no NKI runtime")
+    if window is not None:
+        return torch_op(f"sliding window {window}: the kernels apply a plain causal mask")
+    try:
+        if S == 1:
+            from kernels_nki import decode_attention
+
+            decode_attention._check(_shaped((B, n_heads, D), dtype), _shaped((B, n_kv, kv_len, D), dtype),
+                                    _shaped((B, n_kv, kv_len, D), dtype), np.full(B, kv_len), DECODE_SPLIT)
+            return KernelChoice("attention", shape, "decode_attention", "decode step")
+        if S == kv_len:
+            from kernels_nki import flash_attention
+
+            flash_attention._check(_shaped((B, n_heads, S, D), dtype), _shaped((B, n_kv, S, D), dtype),
+                                   _shaped((B, n_kv, S, D), dtype))
+            return KernelChoice("attention", shape, "flash_attention", "prefill from position 0, causal")
+    except KernelArgumentError as e:
+        return torch_op(f"outside the kernel's contract: {e}")
+    return torch_op(f"{S} queries over {kv_len} positions continue a prefix: no kernel")
+
+
+def choose_rms_norm(N: int, H: int, dtype: torch.dtype, device_type: str) -> KernelChoice:
+    shape = f"x [{N}, {H}], {str(dtype).removeprefix('torch.')}"
+    if device_type != KERNEL_DEVICE:
+        return KernelChoice("rms_norm", shape, None, f"the {device_type} device has no NKI runtime")
+    from kernels_nki import rmsnorm
+
+    try:
+        rmsnorm._check(_shaped((N, H), dtype), _shaped((H,), dtype), None)
+    except KernelArgumentError as e:
+        return KernelChoice("rms_norm", shape, None, f"outside the kernel's contract: {e}")
+    return KernelChoice("rms_norm", shape, "rmsnorm", "fits")
+
+
+def attention_kernel_call(kernel: str, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                          positions: torch.Tensor, scale: float) -> tuple[tuple[int, ...], tuple[Any, ...],
+                                                                           dict[str, Any]]:
+    """(grid, inputs, compile-time kwargs) of the kernel call for q [B, n_heads, S, D], keys/values
+    [B, n_kv, kv_len, D] in the kernels' own layouts (as their `run` wrappers lay numpy arrays out)."""
+    B, n_heads, S, D = q.shape
+    n_kv = keys.shape[1]
+    if kernel == "flash_attention":
+        q_t = q.transpose(2, 3).contiguous()  # [B, n_heads, D, S]
+        k_t = keys.transpose(2, 3).contiguous()  # [B, n_kv, D, S]
+        return (B, n_kv, n_heads // n_kv), (q_t, k_t, values.contiguous()), dict(causal=True,
+                                                                                  softmax_scale=scale)
+    if kernel == "decode_attention":
+        G = n_heads // n_kv
+        q_t = q[:, :, 0].reshape(B, n_kv, G, D).transpose(2, 3).contiguous()  # [B, n_kv, D, G]
+        k_t = keys.transpose(2, 3).contiguous()  # [B, n_kv, D, kv_len]
+        lengths = (positions[:, :1] + 1).to(torch.int32)  # [B, 1]: keys [0, position] of each row
+        return (B, n_kv), (q_t, k_t, values.contiguous(), lengths), dict(softmax_scale=scale,
+                                                                          split_size=DECODE_SPLIT)
+    raise ValueError(f"no attention kernel {kernel!r}")
+
+
+def attention_from_kernel(kernel: str, out: Any, q_shape: tuple[int, ...]) -> Any:
+    """The kernel's output back in the model's layout [B, n_heads, S, D]."""
+    B, n_heads, S, D = q_shape
+    return out.reshape(B, n_heads, 1, D) if kernel == "decode_attention" else out
+
+
+def rms_norm_kernel_call(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[tuple[Any, ...],
+                                                                                     dict[str, Any]]:
+    """(inputs, kwargs) of the rmsnorm kernel for x [..., H]: x as [N, H], the weight as one row [1, H]."""
+    H = x.shape[-1]
+    return (x.reshape(-1, H).contiguous(), weight.to(x.dtype).reshape(1, H).contiguous()), dict(eps=float(eps))
+
+
+def _kernel(name: str) -> Any:
+    import importlib
+
+    return getattr(importlib.import_module(f"kernels_nki.{name}"), f"{name}_kernel")
+
+
+class DeviceKernelOps(TorchOps):
+    """TorchOps whose call sites run NKI kernels where `choose_*` says so (see the module docstring)."""
+
+    def __init__(self, device_type: str, window: int | None) -> None:
+        self.device_type, self.window = device_type, window
+        self.choices: list[KernelChoice] = []  # every call traced since the last `take_choices`
+
+    def take_choices(self) -> list[dict[str, Any]]:
+        """The distinct choices of the graph traced since the last call, in first-call order."""
+        seen: dict[KernelChoice, None] = dict.fromkeys(self.choices)
+        self.choices = []
+        return [asdict(c) for c in seen]
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        c = choose_rms_norm(math.prod(x.shape[:-1]), x.shape[-1], x.dtype, self.device_type)
+        self.choices.append(c)
+        if c.kernel is None:
+            return super().rms_norm(x, weight, eps)
+        args, kwargs = rms_norm_kernel_call(x, weight, eps)
+        return _kernel("rmsnorm")(*args, **kwargs).reshape(x.shape)
+
+    def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                  mask: torch.Tensor, scale: float) -> torch.Tensor:
+        B, n_heads, S, D = q.shape
+        c = choose_attention(B, n_heads, keys.shape[1], S, keys.shape[2], D, q.dtype, self.window,
+                             self.device_type)
+        self.choices.append(c)
+        if c.kernel is None:
+            return super().attention(q, keys, values, positions, mask, scale)
+        grid, args, kwargs = attention_kernel_call(c.kernel, q, keys.to(q.dtype), values.to(q.dtype), positions,
+                                                   scale)
+        return attention_from_kernel(c.kernel, _kernel(c.kernel)[grid](*args, **kwargs), q.shape)
+
+
+def set_ops(model: torch.nn.Module, ops: TorchOps) -> None:
+    """Makes every attention and norm call site of `model` use `ops` (chosen once per model build)."""
+    for m in model.modules():
+        if hasattr(m, "ops"):
+            m.ops = ops

@@ -1,0 +1,84 @@
+"""`ops=nki` for the neuron backend: which call sites run a kernel (pure selection), and the exact layouts the
+device call hands each kernel, run through the kernel on our NKI simulator against TorchOps."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from kernels_nki._nki import simulate
+from models.llama import TorchOps
+from neuron_opt.backends.nki_device import (
+    DeviceKernelOps,
+    _kernel,
+    attention_from_kernel,
+    attention_kernel_call,
+    choose_attention,
+    choose_rms_norm,
+    rms_norm_kernel_call,
+)
+
+F32 = torch.float32
+
+
+@pytest.mark.parametrize("args, kernel, reason", [
+    ((1, 9, 3, 128, 128, 64, F32, None, "NEURON"), "flash_attention", "prefill from position 0"),
+    ((4, 8, 2, 1, 512, 128, torch.bfloat16, None, "NEURON"), "decode_attention", "decode step"),
+    ((1, 4, 2, 128, 128, 64, F32, 8, "NEURON"), None, "sliding window 8"),
+    ((1, 4, 2, 16, 32, 64, F32, None, "NEURON"), None, "continue a prefix"),
+    ((1, 4, 2, 128, 128, 256, F32, None, "NEURON"), None, "D=256 > 128"),
+    ((1, 4, 2, 32768, 32768, 128, torch.bfloat16, None, "NEURON"), None, "SBUF bytes per partition"),
+    ((1, 9, 3, 128, 128, 64, F32, None, "CPU"), None, "the CPU device has no NKI runtime"),
+])
+def test_attention_call_sites_pick_a_kernel_only_within_its_contract(args, kernel, reason):
+    c = choose_attention(*args)
+    assert c.kernel == kernel and reason in c.reason, c
+
+
+def test_rms_norm_call_sites_pick_the_kernel_within_its_contract():
+    assert choose_rms_norm(128, 576, F32, "NEURON").kernel == "rmsnorm"
+    too_wide = choose_rms_norm(1, 16384, F32, "NEURON")
+    assert too_wide.kernel is None and "outside the kernel's contract" in too_wide.reason
+    assert choose_rms_norm(128, 576, F32, "CPU").kernel is None
+
+
+def _causal(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+    return torch.arange(kv_len)[None, None, :] <= positions[:, :, None]  # [B, S, kv_len]
+
+
+@pytest.mark.parametrize("B, n_heads, n_kv, S, kv_len, D", [(1, 4, 2, 128, 128, 32), (2, 6, 3, 1, 256, 32)])
+def test_the_device_call_layouts_through_the_kernels_equal_torch_ops(B, n_heads, n_kv, S, kv_len, D):
+    """The tensors DeviceKernelOps would hand each kernel on a NeuronCore, run through that kernel on the
+    simulator, then put back in the model's layout: equal to the reference attention."""
+    torch.manual_seed(0)
+    q = torch.randn(B, n_heads, S, D)
+    keys, values = torch.randn(B, n_kv, kv_len, D), torch.randn(B, n_kv, kv_len, D)
+    positions = (torch.arange(S)[None].expand(B, S) if S > 1 else torch.tensor([[100], [kv_len - 1]])[:B])
+    scale = 1 / math.sqrt(D)
+    c = choose_attention(B, n_heads, n_kv, S, kv_len, D, F32, None, "NEURON")
+    grid, args, kwargs = attention_kernel_call(c.kernel, q, keys, values, positions, scale)
+    out = simulate(_kernel(c.kernel)[grid], *(a.numpy() for a in args), **kwargs)
+    got = attention_from_kernel(c.kernel, torch.from_numpy(np.asarray(out)), q.shape)
+    want = TorchOps().attention(q, keys, values, positions, _causal(positions, kv_len), scale)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_the_device_call_layout_through_the_rmsnorm_kernel_equals_torch_ops():
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 5, 96), torch.randn(96)
+    args, kwargs = rms_norm_kernel_call(x, w, 1e-5)
+    got = torch.from_numpy(np.asarray(simulate(_kernel("rmsnorm"), *(a.numpy() for a in args), **kwargs)))
+    torch.testing.assert_close(got.reshape(x.shape), TorchOps().rms_norm(x, w, 1e-5), atol=1e-5, rtol=1e-5)
+
+
+def test_on_a_device_without_nki_every_call_site_is_the_torch_op_and_says_why():
+    ops = DeviceKernelOps("CPU", window=None)
+    x, w = torch.randn(1, 3, 64), torch.randn(64)
+    assert torch.equal(ops.rms_norm(x, w, 1e-6), TorchOps().rms_norm(x, w, 1e-6))
+    ops.rms_norm(x, w, 1e-6)  # the same call site again: one distinct choice
+    (choice,) = ops.take_choices()
+    assert choice["kernel"] is None and "no NKI runtime" in choice["reason"]
+    assert ops.take_choices() == []
