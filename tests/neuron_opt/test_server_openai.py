@@ -212,25 +212,21 @@ def _sse(url: str, body: dict) -> list[dict]:
 
 # What guidellm 0.8 sends (guidellm/backends/openai/request_handlers.py, after it drops None values) for
 # synthetic data with a fixed output length; vLLM benchmarking clients send the same vLLM extensions.
-GUIDELLM_CHAT = {
+GUIDELLM_COMMON = {
     "model": MODEL,
     "stream": True,
     "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-    "max_completion_tokens": 8,
     "ignore_eos": True,
+}
+GUIDELLM_CHAT = {
+    **GUIDELLM_COMMON,
+    "max_completion_tokens": 8,
     "messages": [
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": [{"type": "text", "text": "Once upon"}, {"type": "text", "text": " a time"}]},
     ],
 }
-GUIDELLM_COMPLETION = {
-    "model": MODEL,
-    "stream": True,
-    "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-    "max_tokens": 8,
-    "ignore_eos": True,
-    "prompt": "Once upon a time",
-}
+GUIDELLM_COMPLETION = {**GUIDELLM_COMMON, "max_tokens": 8, "prompt": "Once upon a time"}
 
 
 @pytest.mark.parametrize("path,body", [("/v1/chat/completions", GUIDELLM_CHAT),
