@@ -1,12 +1,16 @@
-"""Backends behind one narrow interface (see base.py): eager (reference), cpu (AOT-compiled), neuron (SDK)."""
+"""Backends behind one narrow interface (base.Backend): eager (reference), cpu (AOT-compiled), neuron (torch-xla:
+NeuronCores, or torch-xla's CPU device)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from neuron_opt.errors import ConfigError
+
+if TYPE_CHECKING:
+    from neuron_opt.backends.base import Backend
 
 BACKENDS = ("eager", "cpu", "neuron")
 
@@ -19,7 +23,7 @@ def check_backend_tp(name: str, tp: int) -> None:
 
 
 def get_backend(name: str, dtype: torch.dtype, options: dict[str, Any] | None = None, for_compile: bool = False,
-                tp: int = 1):
+                tp: int = 1) -> Backend:
     """The backend `name`. For the neuron backend, `for_compile` turns on XLA's HLO dump (the artifact's HLO is
     written from it) and `tp` sets up the SPMD devices; both must happen before torch_xla is first imported."""
     if name == "eager":

@@ -19,7 +19,6 @@ from neuron_opt.nki_sim.core import dtypes as _dt
 from neuron_opt.nki_sim.core import engines_dma as _dma
 from neuron_opt.nki_sim.core import engines_tensor as _pe
 from neuron_opt.nki_sim.core import engines_vector as _ve
-from neuron_opt.nki_sim.core import ops as _ops
 from neuron_opt.nki_sim.core import tile as _tile
 from neuron_opt.nki_sim.core.context import current as _current
 from neuron_opt.nki_sim.core.context import maybe_current as _maybe_current
@@ -479,10 +478,6 @@ def device_print(prefix: str, x: Tile) -> None:
         print(prefix, f"<{list(x.shape)} {x.dtype} (count-only)>")
         return
     print(prefix, x.read() if x.buffer.is_hbm else _ve.values(ctx, x))
-
-
-def _activation_names() -> list[str]:
-    return sorted(_ops.ACTIVATIONS)
 
 
 _tile.implements("language", sys.modules[__name__])  # Tile's operators call into this module (see core/tile.py)

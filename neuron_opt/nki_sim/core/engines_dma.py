@@ -19,7 +19,7 @@ from neuron_opt.nki_sim.core.context import current
 from neuron_opt.nki_sim.core.engines_vector import finish
 from neuron_opt.nki_sim.core.errors import ShapeError, SimulatorError
 from neuron_opt.nki_sim.core.instr import operand, values
-from neuron_opt.nki_sim.core.memory import PMAX, Buffer, Storage, check_partition_size
+from neuron_opt.nki_sim.core.memory import Buffer, Storage, check_partition_size
 from neuron_opt.nki_sim.core.tile import Tile
 
 
@@ -132,10 +132,6 @@ def reshape(t: Tile, shape: tuple[int, ...]) -> Tile:
     data = None if st.data is None else st.data.reshape(shape)
     new = Storage(tuple(shape), st.dtype, st.buffer, None, data, st.name)
     return Tile(new)
-
-
-def partition_limit() -> int:
-    return PMAX
 
 
 _tile.implements("engines_dma", sys.modules[__name__])  # Tile's operators call into this module (see core/tile.py)
