@@ -55,4 +55,4 @@ def test_compile_host_ram_stays_within_the_planned_bound(checkpoint, tmp_path, d
                        dtype=dtype, kv_dtype=dtype, compile_ranks_held=1)
     bound = plan.host_needed - HOST_BASELINE
     assert grown <= bound, (grown / 2**20, bound / 2**20)
-    assert grown >= 0.3 * bound, (grown / 2**20, bound / 2**20)  # a bound, not a wild overestimate
+    assert grown >= 0.2 * bound, (grown / 2**20, bound / 2**20)  # a bound, not a wild overestimate (0.33 seen)
