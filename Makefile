@@ -10,7 +10,7 @@ XLA_STAMP := $(XLA_VENV)/.installed
 ARTIFACT ?= artifacts/smollm2
 # The demo's artifact: 8 KV slots so the server batches up to 8 streams; graphs come from the compile cache
 # (~/.cache/neuron_opt) after the first run. dtype: the CPU default (bf16 with avx512_bf16/AMX, else fp32).
-DEMO_FLAGS ?= --backend cpu --batch-size 8 --max-length 2048
+DEMO_FLAGS ?= --backend cpu --batch-size 8 --max-model-len 2048
 PORT ?= 8000
 
 .PHONY: demo test test-slow test-xla bench lint setup setup-xla
@@ -32,7 +32,7 @@ bench: $(STAMP)
 		--repeats 3 --out docs/bench/decode.json
 	$(BIN)/python scripts/plot_bench.py docs/bench/decode.json --out docs/bench/decode.png
 	$(BIN)/neuron-opt compile --model default --out artifacts/bench16 --backend cpu --dtype bfloat16 --batch-size 16 \
-		--max-length 512
+		--max-model-len 512
 	$(BIN)/python scripts/bench_serve.py --model artifacts/bench16 --num-prompts 32 --input-len 128 --output-len 64 \
 		--concurrency 1,16 --max-num-seqs 16 --hf-num-prompts 6 --hf-attn eager,sdpa --check-streams 64 \
 		--out docs/bench_serve.json --plot docs/bench_serve.png

@@ -34,7 +34,7 @@ def rank_model_factory(cfg: ModelConfig, par: ParallelConfig, cache: CacheConfig
     def make() -> torch.nn.Module:
         ctx = pctx if pctx is not None else ParallelContext(par.tp, rank, sequence_parallel=par.sequence_parallel)
         with torch.device("meta"):  # parameters take no memory yet; the rope tables are built on the CPU
-            model = model_class(cfg.architecture)(cfg, head_layout(cfg, par), cache.max_length, ctx)
+            model = model_class(cfg.architecture)(cfg, head_layout(cfg, par), cache.max_model_len, ctx)
         model = model.to(dtype)  # meta parameters change dtype for free; buffers are cast as before
         materialize_parameters(model)
         return model.eval()

@@ -10,7 +10,7 @@ Design decisions
   New K/V are written into the caches at (slot, position); attention then reads cache positions
   [0, kv_len) of each row's slot, masked causally by position. Decode graphs attend over their bucket's
   `kv_len` only, so bytes read scale with the bucket, not with the cache's max length.
-- KV caches are explicit inputs ([slots, n_kv_local, cache_length, D] per layer; cache_length = max_length
+- KV caches are explicit inputs ([slots, n_kv_local, cache_length, D] per layer; cache_length = max_model_len
   except under flash decoding, see Attention), mutated in place; an AOT
   compiler sees them as graph inputs rather than module buffers (see docs/design.md on pytorch#165444).
 - Only the hidden state at `last_index` goes through the LM head: prefill never computes [S, V] logits.
@@ -36,8 +36,8 @@ from neuron_opt.parallel import (
 from neuron_opt.parallel.layers import seq_gather
 
 
-def rope_tables(cfg: ModelConfig, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_length, D] in fp32, computed exactly as transformers does (same inv_freq)."""
+def rope_tables(cfg: ModelConfig, max_model_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_model_len, D] in fp32, computed exactly as transformers does (same inv_freq)."""
     rope = cfg.rope
     rope_type = rope.get("rope_type", "default")
     D = cfg.head_dim
@@ -53,9 +53,9 @@ def rope_tables(cfg: ModelConfig, max_length: int) -> tuple[torch.Tensor, torch.
                          rope_parameters=rope)
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
         inv_freq = inv_freq.float()
-    pos = torch.arange(max_length, dtype=torch.float32)
-    freqs = torch.outer(pos, inv_freq)  # [max_length, D/2]
-    emb = torch.cat([freqs, freqs], dim=-1)  # [max_length, D]
+    pos = torch.arange(max_model_len, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq)  # [max_model_len, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [max_model_len, D]
     return emb.cos() * scaling, emb.sin() * scaling
 
 
@@ -241,17 +241,17 @@ class Backbone(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, lay: HeadLayout, max_length: int,
+    def __init__(self, cfg: ModelConfig, lay: HeadLayout, max_model_len: int,
                  pctx: ParallelContext = SINGLE, ops: TorchOps = TORCH_OPS) -> None:
         super().__init__()
-        self.cfg, self.layout, self.pctx, self.max_length = cfg, lay, pctx, max_length
+        self.cfg, self.layout, self.pctx, self.max_model_len = cfg, lay, pctx, max_model_len
         self.model = Backbone(cfg, lay, pctx, ops)
         self.lm_head = ColumnParallelLinear(cfg.hidden_size, lay.vocab_local, False, pctx)
         self.tie_weights()
         with torch.device("cpu"):  # real tables even when the module is built on the meta device (models/build.py)
-            cos, sin = rope_tables(cfg, max_length)
-        self.register_buffer("rope_cos", cos, persistent=False)  # [max_length, D]
-        self.register_buffer("rope_sin", sin, persistent=False)  # [max_length, D]
+            cos, sin = rope_tables(cfg, max_model_len)
+        self.register_buffer("rope_cos", cos, persistent=False)  # [max_model_len, D]
+        self.register_buffer("rope_sin", sin, persistent=False)  # [max_model_len, D]
 
     def tie_weights(self) -> None:
         """Tied embeddings: the LM head is the embedding tensor. Call again after moving the model to a device
@@ -260,7 +260,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def kv_shape(self, num_slots: int) -> tuple[int, int, int, int]:
-        return (num_slots, self.layout.n_kv_local, self.layout.cache_length(self.max_length), self.cfg.head_dim)
+        return (num_slots, self.layout.n_kv_local, self.layout.cache_length(self.max_model_len), self.cfg.head_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
                 last_index: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],

@@ -29,10 +29,10 @@ from neuron_opt.runtime.runner import ModelRunner
 from neuron_opt.runtime.sampling import SamplingParams
 
 
-def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], max_length: int,
+def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], max_model_len: int,
                 dtype: torch.dtype) -> torch.nn.Module:
     """A single-rank model with the given (canonical, HF-named) weights."""
-    model = model_class(cfg.architecture)(cfg, head_layout(cfg, ParallelConfig()), max_length)
+    model = model_class(cfg.architecture)(cfg, head_layout(cfg, ParallelConfig()), max_model_len)
     load_weights(model, state_dict, "checkpoint")
     return model.to(dtype).eval()
 
@@ -41,12 +41,13 @@ def is_artifact(path: str | Path) -> bool:
     return Path(path).is_dir() and (Path(path) / "manifest.json").exists()
 
 
-def check_artifact_settings(manifest: Any, *, dtype: str | None, max_length: int | None, batch_size: int | None,
+def check_artifact_settings(manifest: Any, *, dtype: str | None, max_model_len: int | None, batch_size: int | None,
                             parallel: ParallelConfig | None) -> None:
     """An artifact fixes its dtype, KV length, batch size and parallel layout when it is compiled: a value asked
     for here must be the artifact's, else a ConfigError says which and how to get it (never ignored)."""
     m = manifest
-    fixed = {"dtype": (dtype, m.dtype, "--dtype"), "max_length": (max_length, m.cache.max_length, "--max-length"),
+    fixed = {"dtype": (dtype, m.dtype, "--dtype"),
+             "max_model_len": (max_model_len, m.cache.max_model_len, "--max-model-len"),
              "batch_size": (batch_size, m.cache.max_batch, "--batch-size"),
              "parallel": (parallel, m.parallel, "--tp and the layout flags")}
     for name, (asked, has, flag) in fixed.items():
@@ -57,16 +58,16 @@ def check_artifact_settings(manifest: Any, *, dtype: str | None, max_length: int
 
 
 class LLM:
-    """`dtype`, `max_length`, `batch_size`, `parallel`: for a checkpoint, how to run it (defaults float32, the
+    """`dtype`, `max_model_len`, `batch_size`, `parallel`: for a checkpoint, how to run it (defaults float32, the
     model's limit up to 2048, 1, tp=1); for an artifact, left unset (it fixes them) or equal to its own."""
 
-    def __init__(self, model: str | Path, *, dtype: str | None = None, max_length: int | None = None,
+    def __init__(self, model: str | Path, *, dtype: str | None = None, max_model_len: int | None = None,
                  batch_size: int | None = None, parallel: ParallelConfig | None = None) -> None:
         if is_artifact(model):
             from neuron_opt.artifact import load_artifact, read_manifest
 
             check_artifact_settings(read_manifest(Path(model), verify_hashes=False), dtype=dtype,
-                                    max_length=max_length, batch_size=batch_size, parallel=parallel)
+                                    max_model_len=max_model_len, batch_size=batch_size, parallel=parallel)
             loaded = load_artifact(Path(model))
             self.config, self.tokenizer, self.runner = loaded.model_config, loaded.tokenizer, loaded.runner
         else:
@@ -76,16 +77,17 @@ class LLM:
             dtype, batch_size = dtype or "float32", batch_size or 1
             self.config = ckpt.config
             self.tokenizer = ckpt.tokenizer()
-            max_length = max_length or min(self.config.max_position_embeddings, 2048)
-            cache = CacheConfig(max_batch=batch_size, max_length=max_length, dtype=dtype)
-            buckets = BucketConfig.build(max_context=max_length, max_length=max_length, max_batch=batch_size)
+            max_model_len = max_model_len or min(self.config.max_position_embeddings, 2048)
+            cache = CacheConfig(max_batch=batch_size, max_model_len=max_model_len, dtype=dtype)
+            buckets = BucketConfig.build(max_prompt_len=max_model_len, max_model_len=max_model_len,
+                                         max_batch=batch_size)
             if parallel is not None and parallel.tp > 1:  # tp eager rank processes (neuron_opt.parallel)
                 from neuron_opt.parallel.executor import tp_executor_from_state_dict
 
                 executor: Any = tp_executor_from_state_dict(self.config, ckpt.state_dict(), parallel, cache,
                                                             dtype=dtype)
             else:
-                torch_model = build_model(self.config, ckpt.state_dict(), max_length, torch_dtype(dtype))
+                torch_model = build_model(self.config, ckpt.state_dict(), max_model_len, torch_dtype(dtype))
                 executor = EagerExecutor(torch_model, cache.num_slots)
             self.runner = ModelRunner(executor, buckets, cache, self.config.vocab_size)
 

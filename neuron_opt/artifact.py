@@ -30,7 +30,7 @@ from neuron_opt.buckets import Bucket, BucketConfig
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, torch_dtype
 from neuron_opt.errors import ArtifactError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: names of issue #17 item 13 (max_model_len, max_prompt_len, prefill_lens, decode_kv_lens)
 MANIFEST = "manifest.json"
 
 
@@ -55,8 +55,8 @@ def kv_geometry(model_cfg: ModelConfig, par: ParallelConfig, cache: CacheConfig)
 
     lay = head_layout(model_cfg, par)
     return {"layers": model_cfg.num_hidden_layers, "slots": cache.num_slots, "n_kv_heads_per_rank": lay.n_kv_local,
-            "max_length": cache.max_length, "head_dim": model_cfg.head_dim, "dtype": cache.dtype,
-            "layout": "[slots, n_kv_heads_per_rank, max_length, head_dim]"}
+            "max_model_len": cache.max_model_len, "head_dim": model_cfg.head_dim, "dtype": cache.dtype,
+            "layout": "[slots, n_kv_heads_per_rank, max_model_len, head_dim]"}
 
 
 @dataclass(frozen=True)

@@ -20,30 +20,35 @@ PREFILL, DECODE = "prefill", "decode"
 
 @dataclass(frozen=True, order=True)
 class Bucket:
-    """A compiled graph's static shape. prefill: [batch, seq] tokens, kv_len = seq. decode: [batch, 1], kv_len = seq."""
+    """A compiled graph's static shape: `batch` rows attending over `kv_len` cache positions.
+
+    prefill: [batch, kv_len] tokens (a prompt starts at position 0, so its length is the KV length it attends
+    over). decode: [batch, 1] tokens over kv_len positions. `tokens` is the per-row token count of either.
+    """
 
     phase: str
     batch: int
-    seq: int
+    kv_len: int
 
     def __post_init__(self) -> None:
         if self.phase not in (PREFILL, DECODE):
             raise ConfigError(f"bucket.phase: must be {PREFILL!r} or {DECODE!r}, got {self.phase!r}")
-        if self.batch < 1 or self.seq < 1:
-            raise ConfigError(f"bucket: batch and seq must be >= 1, got {self.batch}x{self.seq}")
+        if self.batch < 1 or self.kv_len < 1:
+            raise ConfigError(f"bucket: batch and kv_len must be >= 1, got {self.batch}x{self.kv_len}")
 
     @property
-    def kv_len(self) -> int:
-        return self.seq
+    def tokens(self) -> int:
+        """Tokens per row: the prompt length for prefill, 1 for decode."""
+        return self.kv_len if self.phase == PREFILL else 1
 
     @property
     def num_tokens(self) -> int:
-        return self.batch * (self.seq if self.phase == PREFILL else 1)
+        return self.batch * self.tokens
 
     @property
     def key(self) -> str:
-        """Stable name used for graph files and cache entries, e.g. 'decode_b4_s512'."""
-        return f"{self.phase}_b{self.batch}_s{self.seq}"
+        """Stable name used for graph files and cache entries, e.g. 'decode_b4_s512' (s: the KV length)."""
+        return f"{self.phase}_b{self.batch}_s{self.kv_len}"
 
     @classmethod
     def from_key(cls, key: str) -> Bucket:
@@ -69,13 +74,13 @@ def powers_of_two(lo: int, hi: int) -> list[int]:
 class BucketConfig:
     """The set of graphs to compile."""
 
-    prefill_seqs: tuple[int, ...]
+    prefill_lens: tuple[int, ...]
     decode_batches: tuple[int, ...]
-    decode_seqs: tuple[int, ...]
+    decode_kv_lens: tuple[int, ...]
     prefill_batch: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("prefill_seqs", "decode_batches", "decode_seqs"):
+        for name in ("prefill_lens", "decode_batches", "decode_kv_lens"):
             vals = getattr(self, name)
             if not vals or any(int(v) < 1 for v in vals):
                 raise ConfigError(f"{name}: must be a non-empty list of positive integers, got {list(vals)}")
@@ -83,35 +88,46 @@ class BucketConfig:
                 raise ConfigError(f"{name}: must be sorted and unique, got {list(vals)}")
 
     @classmethod
-    def build(cls, *, max_context: int, max_length: int, max_batch: int, min_prefill: int = 128,
-              min_decode: int = 128, prefill_seqs: Sequence[int] | None = None,
-              decode_seqs: Sequence[int] | None = None, decode_batches: Sequence[int] | None = None) -> BucketConfig:
-        """Default bucket set, or explicit lists (validated against the limits)."""
-        if max_context > max_length:
-            raise ConfigError(f"max_context: {max_context} exceeds max_length={max_length} (the KV cache length)")
-        pf = sorted(set(prefill_seqs)) if prefill_seqs else powers_of_two(min(min_prefill, max_context), max_context)
-        dc = sorted(set(decode_seqs)) if decode_seqs else powers_of_two(min(min_decode, max_length), max_length)
+    def build(cls, *, max_prompt_len: int, max_model_len: int, max_batch: int, min_prefill: int = 128,
+              min_decode: int = 128, prefill_lens: Sequence[int] | None = None,
+              decode_kv_lens: Sequence[int] | None = None, decode_batches: Sequence[int] | None = None) -> BucketConfig:
+        """Default bucket set, or explicit lists (validated against the limits).
+
+        max_prompt_len: the longest prompt (the largest prefill bucket by default). max_model_len: the most tokens
+        one sequence holds, prompt + generated: the KV cache length per sequence, and the largest decode bucket
+        (explicit decode buckets must reach it, so that the two are one number)."""
+        if max_prompt_len > max_model_len:
+            raise ConfigError(f"max_prompt_len: {max_prompt_len} exceeds max_model_len={max_model_len} (the KV "
+                              "cache length)")
+        pf = (sorted(set(prefill_lens)) if prefill_lens
+              else powers_of_two(min(min_prefill, max_prompt_len), max_prompt_len))
+        dc = (sorted(set(decode_kv_lens)) if decode_kv_lens
+              else powers_of_two(min(min_decode, max_model_len), max_model_len))
         bb = sorted(set(decode_batches)) if decode_batches else powers_of_two(1, max_batch)
-        if pf[-1] > max_length:
-            raise ConfigError(f"prefill_buckets: {pf[-1]} exceeds max_length={max_length}")
-        if dc[-1] > max_length:
-            raise ConfigError(f"decode_buckets: {dc[-1]} exceeds max_length={max_length}")
+        if pf[-1] > max_model_len:
+            raise ConfigError(f"prefill_buckets: {pf[-1]} exceeds max_model_len={max_model_len}")
+        if dc[-1] > max_model_len:
+            raise ConfigError(f"decode_buckets: {dc[-1]} exceeds max_model_len={max_model_len}")
+        if dc[-1] < max_model_len:
+            raise ConfigError(f"decode_buckets: the largest ({dc[-1]}) must be max_model_len ({max_model_len}): a "
+                              f"sequence holds at most its largest decode bucket; add {max_model_len} to the decode "
+                              f"buckets or set max_model_len to {dc[-1]}")
         if bb[-1] > max_batch:
             raise ConfigError(f"decode batch buckets: {bb[-1]} exceeds batch size {max_batch}")
         return cls(tuple(pf), tuple(bb), tuple(dc))
 
     def buckets(self) -> list[Bucket]:
-        pre = [Bucket(PREFILL, self.prefill_batch, s) for s in self.prefill_seqs]
-        dec = [Bucket(DECODE, b, s) for b in self.decode_batches for s in self.decode_seqs]
+        pre = [Bucket(PREFILL, self.prefill_batch, s) for s in self.prefill_lens]
+        dec = [Bucket(DECODE, b, s) for b in self.decode_batches for s in self.decode_kv_lens]
         return pre + dec
 
     def to_dict(self) -> dict[str, list[int] | int]:
-        return {"prefill_seqs": list(self.prefill_seqs), "decode_batches": list(self.decode_batches),
-                "decode_seqs": list(self.decode_seqs), "prefill_batch": self.prefill_batch}
+        return {"prefill_lens": list(self.prefill_lens), "decode_batches": list(self.decode_batches),
+                "decode_kv_lens": list(self.decode_kv_lens), "prefill_batch": self.prefill_batch}
 
     @classmethod
     def from_dict(cls, d: dict) -> BucketConfig:
-        return cls(tuple(d["prefill_seqs"]), tuple(d["decode_batches"]), tuple(d["decode_seqs"]),
+        return cls(tuple(d["prefill_lens"]), tuple(d["decode_batches"]), tuple(d["decode_kv_lens"]),
                    int(d.get("prefill_batch", 1)))
 
 
@@ -124,11 +140,11 @@ def smallest_fitting(n: int, sizes: Iterable[int]) -> int | None:
 def pick_prefill(num_tokens: int, cfg: BucketConfig) -> Bucket:
     if num_tokens < 1:
         raise ValueError("a prompt needs at least one token")
-    s = smallest_fitting(num_tokens, cfg.prefill_seqs)
+    s = smallest_fitting(num_tokens, cfg.prefill_lens)
     if s is None:
         raise BucketOverflowError(
-            f"prompt of {num_tokens} tokens exceeds the largest prefill bucket ({cfg.prefill_seqs[-1]}); "
-            "recompile with a larger --max-context or --prefill-buckets")
+            f"prompt of {num_tokens} tokens exceeds the largest prefill bucket ({cfg.prefill_lens[-1]}); "
+            "recompile with a larger --max-prompt-len or --prefill-buckets")
     return Bucket(PREFILL, cfg.prefill_batch, s)
 
 
@@ -139,9 +155,9 @@ def pick_decode(batch: int, max_position: int, cfg: BucketConfig) -> Bucket:
         raise BucketOverflowError(
             f"decode batch of {batch} exceeds the largest decode batch bucket ({cfg.decode_batches[-1]}); "
             "recompile with a larger --batch-size")
-    s = smallest_fitting(max_position + 1, cfg.decode_seqs)
+    s = smallest_fitting(max_position + 1, cfg.decode_kv_lens)
     if s is None:
         raise BucketOverflowError(
             f"position {max_position} needs a KV length of {max_position + 1}, beyond the largest decode bucket "
-            f"({cfg.decode_seqs[-1]}); recompile with a larger --max-length or --decode-buckets")
+            f"({cfg.decode_kv_lens[-1]}); recompile with a larger --max-model-len or --decode-buckets")
     return Bucket(DECODE, b, s)

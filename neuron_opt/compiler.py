@@ -122,8 +122,8 @@ class CompileRequest:
     backend: str = "cpu"
     dtype: str | None = None
     batch_size: int = 1
-    max_context: int | None = None
-    max_length: int | None = None
+    max_prompt_len: int | None = None
+    max_model_len: int | None = None
     prefill_buckets: tuple[int, ...] | None = None
     decode_buckets: tuple[int, ...] | None = None
     decode_batches: tuple[int, ...] | None = None
@@ -142,15 +142,17 @@ class CompileReport:
 
 
 def plan_buckets(cfg: ModelConfig, req: CompileRequest) -> tuple[CacheConfig, BucketConfig]:
-    max_length = req.max_length or min(cfg.max_position_embeddings, 2048)
-    max_context = req.max_context or max_length
-    if max_length > cfg.max_position_embeddings:
-        raise ConfigError(f"max_length: {max_length} exceeds the model's max_position_embeddings="
+    # the largest decode bucket is the sequence length when only the buckets are given
+    max_model_len = req.max_model_len or (max(req.decode_buckets) if req.decode_buckets
+                                          else min(cfg.max_position_embeddings, 2048))
+    max_prompt_len = req.max_prompt_len or max_model_len
+    if max_model_len > cfg.max_position_embeddings:
+        raise ConfigError(f"max_model_len: {max_model_len} exceeds the model's max_position_embeddings="
                           f"{cfg.max_position_embeddings}")
-    cache = CacheConfig(max_batch=req.batch_size, max_length=max_length, dtype=req.dtype or "float32")
-    buckets = BucketConfig.build(max_context=max_context, max_length=max_length, max_batch=req.batch_size,
-                                 prefill_seqs=req.prefill_buckets, decode_seqs=req.decode_buckets,
-                                 decode_batches=req.decode_batches)
+    cache = CacheConfig(max_batch=req.batch_size, max_model_len=max_model_len, dtype=req.dtype or "float32")
+    buckets = BucketConfig.build(max_prompt_len=max_prompt_len, max_model_len=max_model_len,
+                                 max_batch=req.batch_size, prefill_lens=req.prefill_buckets,
+                                 decode_kv_lens=req.decode_buckets, decode_batches=req.decode_batches)
     return cache, buckets
 
 

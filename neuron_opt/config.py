@@ -206,15 +206,15 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """KV cache geometry: one cache line (`slot`) per concurrent sequence, each `max_length` long."""
+    """KV cache geometry: one cache line (`slot`) per concurrent sequence, each `max_model_len` long."""
 
     max_batch: int = 1
-    max_length: int = 2048
+    max_model_len: int = 2048
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
         _check(self.max_batch >= 1, "max_batch", f"must be >= 1, got {self.max_batch}")
-        _check(self.max_length >= 1, "max_length", f"must be >= 1, got {self.max_length}")
+        _check(self.max_model_len >= 1, "max_model_len", f"must be >= 1, got {self.max_model_len}")
         _check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
 
     @property

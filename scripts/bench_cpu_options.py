@@ -52,11 +52,11 @@ def main() -> int:
 
     ckpt = open_checkpoint(args.model)
     state = ckpt.state_dict()
-    max_length = max(args.kv, 128)
+    max_model_len = max(args.kv, 128)
     slots = args.batch + 1
 
     def factory() -> torch.nn.Module:
-        return build_model(ckpt.config, state, max_length, torch.float32)
+        return build_model(ckpt.config, state, max_model_len, torch.float32)
 
     bucket = Bucket(DECODE, args.batch, args.kv)
     model = factory()

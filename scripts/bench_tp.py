@@ -70,9 +70,9 @@ def bench_one(
     args: argparse.Namespace,
     threads_tp1: int = 1,
 ) -> dict[str, Any]:
-    L = args.max_length
-    cache = CacheConfig(max_batch=1, max_length=L)
-    buckets = BucketConfig.build(max_context=L, max_length=L, max_batch=1, min_prefill=16, min_decode=L)
+    L = args.max_model_len
+    cache = CacheConfig(max_batch=1, max_model_len=L)
+    buckets = BucketConfig.build(max_prompt_len=L, max_model_len=L, max_batch=1, min_prefill=16, min_decode=L)
     t0 = time.perf_counter()
     threads = threads_tp1 if par.tp == 1 else default_threads(par.tp)
     if par.tp == 1:
@@ -150,7 +150,7 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--max-length", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=256)
     args = p.parse_args()
     if args.quick:
         args.decode_steps, args.repeats = 8, 1

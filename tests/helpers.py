@@ -15,14 +15,14 @@ from neuron_opt.config import CacheConfig, ModelConfig
 from neuron_opt.runtime.runner import ModelRunner
 
 
-def eager_runner(ckpt_dir: Path, max_length: int = 256, max_batch: int = 1, **bucket_kw) -> ModelRunner:
+def eager_runner(ckpt_dir: Path, max_model_len: int = 256, max_batch: int = 1, **bucket_kw) -> ModelRunner:
     cfg = ModelConfig.from_hf(ckpt_dir)
     sd = load_file(str(ckpt_dir / "model.safetensors"))
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
-    model = build_model(cfg, sd, max_length, torch.float32)
-    cache = CacheConfig(max_batch=max_batch, max_length=max_length)
-    buckets = BucketConfig.build(max_context=max_length, max_length=max_length, max_batch=max_batch,
+    model = build_model(cfg, sd, max_model_len, torch.float32)
+    cache = CacheConfig(max_batch=max_batch, max_model_len=max_model_len)
+    buckets = BucketConfig.build(max_prompt_len=max_model_len, max_model_len=max_model_len, max_batch=max_batch,
                                  min_prefill=16, min_decode=16, **bucket_kw)
     return ModelRunner(EagerExecutor(model, cache.num_slots), buckets, cache, cfg.vocab_size)
 
@@ -46,7 +46,7 @@ def live_server(llm, max_num_seqs: int, runner=None, model: str = "tiny"):
         max_num_seqs=max_num_seqs,
         max_prefill_tokens=64,
     )
-    app = create_app(engine, llm.tokenizer, llm.encode_chat, model, llm.runner.max_total_len)
+    app = create_app(engine, llm.tokenizer, llm.encode_chat, model, llm.runner.max_model_len)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))

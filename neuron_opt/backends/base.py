@@ -55,7 +55,7 @@ class Backend(Protocol):
 
 def allocate_kv(model: torch.nn.Module, num_slots: int,
                 dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-layer K and V buffers [num_slots, n_kv_local, max_length, D], zero-filled."""
+    """Per-layer K and V buffers [num_slots, n_kv_local, max_model_len, D], zero-filled."""
     shape = model.kv_shape(num_slots)
     L = len(model.model.layers)
     return [torch.zeros(shape, dtype=dtype) for _ in range(L)], [torch.zeros(shape, dtype=dtype) for _ in range(L)]

@@ -32,7 +32,8 @@ from neuron_opt.backends.eager import load_model_weights, model_state_for_save
 from neuron_opt.buckets import DECODE, Bucket
 from neuron_opt.errors import ArtifactError, ConfigError
 
-FORMAT = 2  # 2: recipes name several sources (fused projections); heads may take their weight as an input
+# 2: recipes name several sources (fused projections), heads may take their weight as an input; 3: max_model_len
+FORMAT = 3
 GEMM_CHOICES = ("cpp", "onednn", "aten")
 PRECISION_CHOICES = ("fp32", "dtype")
 DECODE_ATTENTION_CHOICES = ("fused", "sdpa")
@@ -105,7 +106,7 @@ class CpuBackend:
             rel_so, rel_json = Path(SUBDIR) / f"{key}.so", Path(SUBDIR) / f"{key}.json"
             meta = compile_fn(Path(out_dir) / rel_so)
             meta.update(format=FORMAT, key=key, so=rel_so.name, dtype=str(self.dtype).removeprefix("torch."),
-                        torch=torch.__version__, options=self.options, max_length=model.max_length)
+                        torch=torch.__version__, options=self.options, max_model_len=model.max_model_len)
             (Path(out_dir) / rel_json).write_text(json.dumps(meta, indent=1, sort_keys=True))
             self._done[memo] = [rel_so, rel_json]
         return list(self._done[memo])
@@ -193,7 +194,7 @@ class CpuExecutor:
         n_layers = len(model.model.layers)
         tensors = {**dict(model.state_dict()), **dict(model.named_buffers())}
         store = _WeightStore(tensors)
-        metas = self._read_metas(graph_files, num_slots, dtype, model.max_length)
+        metas = self._read_metas(graph_files, num_slots, dtype, model.max_model_len)
         runners: dict[str, list[Any]] = {}
         # heads that take their weight as an input: kept alive here (when tied, the embedding table too)
         self.head_weight = (model.lm_head.weight.detach() if any(m.get("weight_input") for m in metas.values())
@@ -212,7 +213,7 @@ class CpuExecutor:
         self._routes = {b: (runners[graph_keys(b)[0]], runners[graph_keys(b)[1]][0]) for b in graph_files}
         self._embed = self._embedding(model, store)
         # from the config, in fp32: the model's buffers went to `dtype` with it
-        self.rope_cos, self.rope_sin = rope_tables(model.cfg, model.max_length)  # [max_length, D] each
+        self.rope_cos, self.rope_sin = rope_tables(model.cfg, model.max_model_len)  # [max_model_len, D] each
         self.k_caches = [padded_kv(model.kv_shape(num_slots), dtype) for _ in range(n_layers)]
         self.v_caches = [padded_kv(model.kv_shape(num_slots), dtype) for _ in range(n_layers)]
         self._views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
@@ -222,7 +223,7 @@ class CpuExecutor:
 
     @staticmethod
     def _read_metas(graph_files: dict[Bucket, list[Path]], num_slots: int, dtype: torch.dtype,
-                    max_length: int) -> dict[Path, dict[str, Any]]:
+                    max_model_len: int) -> dict[Path, dict[str, Any]]:
         metas: dict[Path, dict[str, Any]] = {}
         for bucket, files in graph_files.items():
             keys = {Path(f).stem for f in files if str(f).endswith(".json")}
@@ -234,7 +235,7 @@ class CpuExecutor:
                     continue
                 meta = json.loads(f.read_text())
                 want = {"format": FORMAT, "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."),
-                        "max_length": max_length}
+                        "max_model_len": max_model_len}
                 if meta["kind"] == "layer":
                     want["num_slots"] = num_slots
                 bad = {k: (meta.get(k), v) for k, v in want.items() if meta.get(k) != v}

@@ -6,8 +6,8 @@ Design decisions (measured; see docs/cpu_backend.md)
   layer's weights). Decode speed is the same or better: 30 calls into a container cost ~0.3 ms per token.
 - KV length is a dynamic dimension. Within a phase and batch, buckets differ only in the attention's KV
   length, so one graph serves them all: the default 25-bucket set needs 5 layer graphs + 4 heads, not 25 models.
-  The caches are passed as views `cache[:, :, :kv_len]` of a buffer one position longer than max_length:
-  with a contiguous cache, export would guard on `kv_len != max_length` (the view becomes contiguous there)
+  The caches are passed as views `cache[:, :, :kv_len]` of a buffer one position longer than max_model_len:
+  with a contiguous cache, export would guard on `kv_len != max_model_len` (the view becomes contiguous there)
   and refuse the range; the padded row keeps every view non-contiguous with the same strides.
 - bf16: the residual stream between layers (and the norms reading it) stays fp32; only GEMM inputs/weights
   and the KV cache are bf16. Teacher-forced greedy agreement with HF fp32 (SmolLM2-135M, 256 tokens, HF
@@ -114,21 +114,21 @@ class HeadGraph(nn.Module):
 
 
 def padded_kv(shape: tuple[int, int, int, int], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed cache [slots, n_kv, max_length, D] stored with one spare position (see module docstring)."""
+    """A zeroed cache [slots, n_kv, max_model_len, D] stored with one spare position (see module docstring)."""
     slots, n_kv, length, d = shape
     return torch.zeros(slots, n_kv, length + 1, d, dtype=dtype)[:, :, :length]
 
 
 def graph_keys(bucket: Bucket) -> tuple[str, str]:
     """(layer graph key, head graph key) for a bucket. Seq 1 (no dynamic dim possible) gets a static graph."""
-    layer = f"layer_{bucket.phase}_b{bucket.batch}" + ("_dyn" if bucket.seq >= 2 else f"_s{bucket.seq}")
+    layer = f"layer_{bucket.phase}_b{bucket.batch}" + ("_dyn" if bucket.kv_len >= 2 else f"_s{bucket.kv_len}")
     return layer, f"head_b{bucket.batch}"
 
 
 def layer_example(model: nn.Module, bucket: Bucket, num_slots: int, dtype: torch.dtype, residual_dtype: torch.dtype,
                   rope_dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], Any]:
     """Example inputs of the layer graph for `bucket`, and the dynamic_shapes spec (None when static)."""
-    B, S = bucket.batch, (bucket.seq if bucket.phase == PREFILL else 1)
+    B, S = bucket.batch, bucket.tokens
     H, D = model.cfg.hidden_size, model.cfg.head_dim
     kv_len = bucket.kv_len
     k = padded_kv(model.kv_shape(num_slots), dtype)[:, :, :kv_len]
@@ -136,9 +136,9 @@ def layer_example(model: nn.Module, bucket: Bucket, num_slots: int, dtype: torch
     positions = torch.arange(S).expand(B, S).contiguous() if S > 1 else torch.full((B, 1), kv_len - 1)
     args = (torch.randn(B, S, H).to(residual_dtype), torch.randn(B, S, 1, D).to(rope_dtype),
             torch.randn(B, S, 1, D).to(rope_dtype), positions, torch.arange(B) % num_slots, k, v)
-    if bucket.seq < 2:
+    if bucket.kv_len < 2:
         return args, None
-    kv = Dim("kv_len", min=2, max=model.max_length)
+    kv = Dim("kv_len", min=2, max=model.max_model_len)
     if bucket.phase == PREFILL:  # S == kv_len for prefill buckets
         return args, ({1: kv}, {1: kv}, {1: kv}, {1: kv}, None, {2: kv}, {2: kv})
     return args, (None, None, None, None, None, {2: kv}, {2: kv})

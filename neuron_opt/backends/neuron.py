@@ -11,7 +11,7 @@ Design decisions (docs/neuron_backend.md has the sources and the alternatives we
   once, KV caches as device state updated in place and donated input -> output in every bucket's HLO.
 - Weights: `model.to(device)` once per rank at load; every bucket graph takes the same device buffers as
   parameters. `weights/rank{r}.safetensors` is the only copy on disk; HLO files hold no weights.
-- KV caches: `[slots, n_kv, max_length, D]` per layer, allocated on the device once and shared by all buckets.
+- KV caches: `[slots, n_kv, max_model_len, D]` per layer, allocated on the device once and shared by all buckets.
   The model writes new K/V with an in-place index_put (a scatter in the HLO); torch-xla donates the cache
   buffers of every step (`buffer_donor` in the HLO module, InputOutputAliasCount in its metrics), so a decode
   step moves only ids/positions/slots in and [B, V] logits out.
@@ -322,7 +322,7 @@ class SpmdRanks(DeviceProgram):
     """tp > 1: every rank's model as one SPMD program over `tp` XLA devices (one process).
 
     Each weight is stored stacked over ranks, [tp, *shard], sharded on dim 0, so device r holds rank r's shard
-    once; the KV caches likewise ([tp, slots, n_kv_local, max_length, D], device-resident, donated every step).
+    once; the KV caches likewise ([tp, slots, n_kv_local, max_model_len, D], device-resident, donated every step).
     A step enters a manual-sharding region, runs the rank model (rank 0's module, called with each device's
     shards through torch.func.functional_call) and leaves it with the logits [tp, B, V/tp].
     """
@@ -371,7 +371,7 @@ class SpmdRanks(DeviceProgram):
         ids, pos, slots, last = (self._enter(t, sharded=False) for t in step)  # replicated into the region
         params = {n: self._enter(p)[0] for n, p in self.params.items()}
         bufs = {n: self._enter(b, sharded=False) for n, b in self.buffers.items()}
-        ks = [self._enter(c) for c in self.k_caches]  # [1, slots, n_kv, max_length, D]: this device's cache
+        ks = [self._enter(c) for c in self.k_caches]  # [1, slots, n_kv, max_model_len, D]: this device's cache
         vs = [self._enter(c) for c in self.v_caches]
         self.comm.rank_tensor = self._enter(self.rank_ids)  # [1] int32: this device's rank
         try:
@@ -435,7 +435,7 @@ class DeviceRank(DeviceProgram):
 
 def warm_up_inputs(bucket: Bucket, scratch_slot: int) -> StepInputs:
     """A step shaped like `bucket` whose every row writes only the scratch slot (never read by a request)."""
-    B, S = bucket.batch, (bucket.seq if bucket.phase == "prefill" else 1)
+    B, S = bucket.batch, bucket.tokens
     start = 0 if bucket.phase == "prefill" else bucket.kv_len - 1
     pos = torch.arange(start, start + S, dtype=torch.long).expand(B, S).contiguous()
     return StepInputs(torch.zeros(B, S, dtype=torch.long), pos, torch.full((B,), scratch_slot, dtype=torch.long),

@@ -1,7 +1,7 @@
 """Model ops backed by our NKI kernels, run through numpy (the simulator here, the SDK's NKI where installed).
 
 `NkiSimOps` has the contract of `models.llama.TorchOps` and is passed once, at build time:
-`LlamaForCausalLM(cfg, layout, max_length, ops=NkiSimOps())`. It runs eagerly on CPU (tensors go to numpy and
+`LlamaForCausalLM(cfg, layout, max_model_len, ops=NkiSimOps())`. It runs eagerly on CPU (tensors go to numpy and
 back), so it is a correctness path for the kernels inside a whole model, not a traceable graph: on a Neuron
 device the same kernels are called from inside the traced graph instead (docs/neuron_backend.md).
 

@@ -130,14 +130,14 @@ def step_bytes(cfg, dtype: torch.dtype, batch: int, kv_len: int) -> float:
     return cfg.num_parameters() * esz + kv
 
 
-def compiled_runner(model: str, backend: str, dtype: str, batch: int, out: Path, max_length: int):
+def compiled_runner(model: str, backend: str, dtype: str, batch: int, out: Path, max_model_len: int):
     from neuron_opt.api import LLM
     from neuron_opt.compiler import CompileRequest, compile_artifact
 
-    # decode buckets: the default set (KV lengths 128, 256, ... max_length), as `neuron-opt compile` builds it, so
+    # decode buckets: the default set (KV lengths 128, 256, ... max_model_len), as `neuron-opt compile` builds it, so
     # each step attends over the smallest bucket that holds its context, like HF attends over the real length
     compile_artifact(CompileRequest(model=model, out=out, backend=backend, dtype=dtype, batch_size=batch,
-                                    max_length=max_length, prefill_buckets=(PROMPT_LEN, 128),
+                                    max_model_len=max_model_len, prefill_buckets=(PROMPT_LEN, 128),
                                     decode_batches=(batch,)), progress=True)
     return LLM(out).runner
 
@@ -180,14 +180,14 @@ def _measure_one(system: str, batch: int, opts: dict, reference: tuple[list[int]
         return teacher_forced_agreement(runner, *reference) if batch == 1 and reference else None
 
     if system == "eager":
-        llm = LLM(opts["model"], max_length=opts["max_length"], batch_size=batch)
+        llm = LLM(opts["model"], max_model_len=opts["max_model_len"], batch_size=batch)
         tps = bench_runner(llm.runner, batch, steps, cfg.vocab_size)
         r = Result("neuron_opt-eager", "float32", batch, tps, steps, step_bytes(cfg, torch.float32, batch, kv_len),
                    agreement_vs_hf_fp32=agreement(llm.runner))
         return {"result": asdict(r)}
     dtype = {"cpu-fp32": "float32", "cpu-bf16": "bfloat16"}[system]
     with tempfile.TemporaryDirectory() as d:
-        runner = compiled_runner(opts["model"], "cpu", dtype, batch, Path(d) / "a", opts["max_length"])
+        runner = compiled_runner(opts["model"], "cpu", dtype, batch, Path(d) / "a", opts["max_model_len"])
         tps = bench_runner(runner, batch, steps, cfg.vocab_size)
         r = Result("neuron_opt-cpu-compiled", dtype, batch, tps, steps,
                    step_bytes(cfg, getattr(torch, dtype), batch, kv_len), agreement_vs_hf_fp32=agreement(runner))
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--systems", default="hf,hf-compile,eager,cpu-fp32,cpu-bf16",
                     help="comma list of: " + ", ".join(SYSTEMS))
-    ap.add_argument("--max-length", type=int, default=512)
+    ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--agreement-tokens", type=int, default=256,
                     help="teacher-forced greedy agreement with HF fp32 over this many tokens (batch-1 rows; 0: skip)")
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
-    opts = {"model": args.model, "steps": args.steps, "max_length": args.max_length, "threads": args.threads,
+    opts = {"model": args.model, "steps": args.steps, "max_model_len": args.max_model_len, "threads": args.threads,
             "agreement_tokens": args.agreement_tokens}
     log = (lambda s: print(s, flush=True)) if not args.json else (lambda s: None)
     reference = None

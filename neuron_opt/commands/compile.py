@@ -39,8 +39,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="compute dtype (default: bfloat16 on CPUs with native bf16 and on Neuron, else float32)")
     p.add_argument("--batch-size", type=int, default=1, help="KV slots = most sequences decoded together")
-    p.add_argument("--max-context", type=int, default=None, help="longest prompt (largest prefill bucket)")
-    p.add_argument("--max-length", type=int, default=None, help="KV cache length: prompt + generated tokens")
+    p.add_argument("--max-prompt-len", "--max-context", type=int, default=None,
+                   help="longest prompt: the largest prefill bucket (--max-context: old spelling)")
+    p.add_argument("--max-model-len", "--max-length", type=int, default=None,
+                   help="most tokens one sequence holds, prompt + generated: the KV cache length per sequence and "
+                        "the largest decode bucket (vLLM's name; --max-length: old spelling)")
     p.add_argument("--prefill-buckets", type=_int_list, default=None, help="e.g. 128,256,512")
     p.add_argument("--decode-buckets", type=_int_list, default=None, help="KV lengths, e.g. 256,1024,2048")
     p.add_argument("--decode-batches", type=_int_list, default=None, help="batch sizes, e.g. 1,4,8")
@@ -76,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
 
     req = CompileRequest(
         model=args.model, out=args.out, backend=args.backend, dtype=args.dtype, batch_size=args.batch_size,
-        max_context=args.max_context, max_length=args.max_length, prefill_buckets=args.prefill_buckets,
+        max_prompt_len=args.max_prompt_len, max_model_len=args.max_model_len, prefill_buckets=args.prefill_buckets,
         decode_buckets=args.decode_buckets, decode_batches=args.decode_batches, parallel=_parallel_config(args),
         backend_options=dict(args.backend_option), use_cache=not args.no_cache)
     report = compile_artifact(req)

@@ -31,10 +31,10 @@ def run(args: argparse.Namespace) -> int:
           f"{c.num_parameters() / 1e6:.1f}M params")
     print(f"  source: {m.source.get('model')} ({m.source.get('format')})")
     print(f"  backend: {m.backend}, dtype: {m.dtype}, tp: {m.parallel.tp}")
-    print(f"  cache: {m.cache.max_batch} sequence slot(s) (+1 scratch), max_length {m.cache.max_length}")
+    print(f"  cache: {m.cache.max_batch} sequence slot(s) (+1 scratch), max_model_len {m.cache.max_model_len}")
     print(f"  KV geometry: {raw['kv_geometry']}")
-    print(f"  prefill buckets: {list(m.buckets.prefill_seqs)}")
-    print(f"  decode buckets: batch {list(m.buckets.decode_batches)} x kv {list(m.buckets.decode_seqs)}")
+    print(f"  prefill buckets: {list(m.buckets.prefill_lens)}")
+    print(f"  decode buckets: batch {list(m.buckets.decode_batches)} x kv {list(m.buckets.decode_kv_lens)}")
     print(f"  graphs: {len(m.graphs)}")
     if m.backend == "neuron":  # what each bucket's HLO promises: donated KV, collectives, nothing host-bound
         from neuron_opt.backends.neuron import hlo_summary

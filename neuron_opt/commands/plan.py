@@ -36,10 +36,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--input-len", type=int, default=512, help="prompt tokens of a typical request")
     p.add_argument("--output-len", type=int, default=512, help="generated tokens of a typical request")
     p.add_argument(
-        "--max-context", type=int, default=None, help="largest prefill bucket (default: --input-len)"
+        "--max-prompt-len", "--max-context", type=int, default=None,
+        help="longest prompt: the largest prefill bucket (default: --input-len)"
     )
     p.add_argument(
-        "--max-length", type=int, default=None, help="KV cache length (default: --input-len + --output-len)"
+        "--max-model-len", "--max-length", type=int, default=None,
+        help="most tokens one sequence holds: the KV cache length (default: --input-len + --output-len)"
     )
     p.add_argument(
         "--dtype",
@@ -70,16 +72,16 @@ def run(args: argparse.Namespace) -> int:
     inst = get_instance(args.instance)
     traffic = Traffic(args.input_len, args.output_len, args.concurrency)
     batch = args.batch_size or args.concurrency
-    max_length = args.max_length or args.input_len + args.output_len
-    max_context = args.max_context or min(args.input_len, max_length)
+    max_model_len = args.max_model_len or args.input_len + args.output_len
+    max_prompt_len = args.max_prompt_len or min(args.input_len, max_model_len)
     plans = rank(
         candidates(
             cfg,
             inst,
             traffic,
             batch=batch,
-            max_context=max_context,
-            max_length=max_length,
+            max_prompt_len=max_prompt_len,
+            max_model_len=max_model_len,
             tp=args.tp,
             dtype=args.dtype,
             kv_dtype=args.kv_dtype,

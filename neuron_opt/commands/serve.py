@@ -99,10 +99,10 @@ def run(args: argparse.Namespace) -> int:
         if args.max_num_seqs and args.max_num_seqs > slots:  # before the (long) load
             raise ConfigError(f"--max-num-seqs: {args.max_num_seqs} exceeds the artifact's {slots} KV slot(s); "
                               f"compile it with --batch-size {args.max_num_seqs}", param="max_num_seqs")
-        llm = LLM(args.artifact, dtype=args.dtype, max_length=args.max_model_len)
+        llm = LLM(args.artifact, dtype=args.dtype, max_model_len=args.max_model_len)
     else:
         llm = LLM(
-            args.model, dtype=args.dtype, batch_size=args.max_num_seqs or 16, max_length=args.max_model_len
+            args.model, dtype=args.dtype, batch_size=args.max_num_seqs or 16, max_model_len=args.max_model_len
         )
     engine = Engine(
         llm.runner,
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         max_prefill_tokens=args.max_prefill_tokens,
     )
     name = served_name(args)
-    app = create_app(engine, llm.tokenizer, llm.encode_chat, name, llm.runner.max_total_len)
+    app = create_app(engine, llm.tokenizer, llm.encode_chat, name, llm.runner.max_model_len)
     url = f"http://{args.host}:{args.port}"
     print(
         f"Serving {name!r} on {url} ({engine.num_slots} sequences at once, {torch.get_num_threads()} torch "

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from neuron_opt.buckets import PREFILL, Bucket
+from neuron_opt.buckets import Bucket
 from neuron_opt.config import ModelConfig, ParallelConfig
 from neuron_opt.parallel.collectives import CollectiveCall
 from neuron_opt.parallel.sharding import head_layout
@@ -31,7 +31,7 @@ def expected_calls(
         return []
     lay = head_layout(cfg, par)
     B, H = bucket.batch, cfg.hidden_size
-    S = bucket.seq if bucket.phase == PREFILL else 1
+    S = bucket.tokens
     sp = par.sequence_parallel and S > 1
     full = B * S * H * act_bytes
     padded = B * (-(-S // tp) * tp) * H * act_bytes

@@ -82,12 +82,12 @@ class HeadLayout:
     def vocab_local(self) -> int:
         return self.vocab_padded // self.tp
 
-    def cache_length(self, max_length: int) -> int:
+    def cache_length(self, max_model_len: int) -> int:
         """Positions per rank in the KV cache. kv-seq-shard keeps ceil(L/g) plus one scratch position that
         the other group ranks' tokens are written to (never read), so writes stay fixed-shape."""
         if self.kv_seq_shards == 1:
-            return max_length
-        return math.ceil(max_length / self.kv_seq_shards) + 1
+            return max_model_len
+        return math.ceil(max_model_len / self.kv_seq_shards) + 1
 
 
 def head_layout(cfg: ModelConfig, par: ParallelConfig) -> HeadLayout:
@@ -203,7 +203,7 @@ class LayoutCost:
 
 
 def layout_cost(
-    cfg: ModelConfig, lay: HeadLayout, num_slots: int, max_length: int, dtype_bytes: int
+    cfg: ModelConfig, lay: HeadLayout, num_slots: int, max_model_len: int, dtype_bytes: int
 ) -> LayoutCost:
     """A one-line description of the layout and its weight/KV bytes per rank (from the shard shapes)."""
     nq, nkv, D, H, L = (
@@ -227,6 +227,6 @@ def layout_cost(
     mlp = 3 * lay.intermediate_local * H
     vocab = lay.vocab_local * H * (1 if cfg.tie_word_embeddings else 2)
     weights = (L * (attn + mlp + 2 * H) + vocab + H) * dtype_bytes
-    kv = 2 * L * num_slots * lay.n_kv_local * lay.cache_length(max_length) * D * dtype_bytes
-    ideal = 2 * L * num_slots * nkv * max_length * D * dtype_bytes // lay.tp
+    kv = 2 * L * num_slots * lay.n_kv_local * lay.cache_length(max_model_len) * D * dtype_bytes
+    ideal = 2 * L * num_slots * nkv * max_model_len * D * dtype_bytes // lay.tp
     return LayoutCost(what, weights, kv, ideal)

@@ -55,7 +55,7 @@ def _build(rank: int, spec: RankSpec, comm: Collectives) -> Any:
 
     par = spec.parallel
     pctx = ParallelContext(par.tp, rank, comm, sequence_parallel=par.sequence_parallel)
-    model = model_class(spec.model.architecture)(spec.model, spec.layout, spec.cache.max_length, pctx)
+    model = model_class(spec.model.architecture)(spec.model, spec.layout, spec.cache.max_model_len, pctx)
     load_model_weights(model, Path(spec.weights_dir) / f"rank{rank}.safetensors")
     return model.to(DTYPES[spec.dtype]).eval()
 

@@ -9,7 +9,7 @@ Design decisions:
   element plus one float32 scale per output channel; embeddings, LM head, norms and biases stay bfloat16.
 - Tied embeddings share one tensor on device: counted once.
 - The KV cache has `batch + 1` slots (CacheConfig.num_slots: one scratch slot takes padded rows' writes), each
-  `max_length` long, laid out [slots, n_kv_local, max_length, D] for K and V in every layer.
+  `max_model_len` long, laid out [slots, n_kv_local, max_model_len, D] for K and V in every layer.
 - Scratch is the live activation set of the largest graph (one graph runs at a time and the compiler reuses
   buffers layer to layer). Attention scores are counted as materialised in float32 because our graphs do not
   use a flash-attention kernel; this is an upper bound when one is used.
@@ -127,12 +127,12 @@ def graph_scratch_bytes(
 def scratch_bytes(cfg: ModelConfig, lay: HeadLayout, buckets: BucketConfig, act_bytes: int) -> int:
     """The largest graph's scratch: all graphs share one scratchpad and run one at a time."""
     pre = [
-        graph_scratch_bytes(cfg, lay, buckets.prefill_batch, s, s, act_bytes) for s in buckets.prefill_seqs
+        graph_scratch_bytes(cfg, lay, buckets.prefill_batch, s, s, act_bytes) for s in buckets.prefill_lens
     ]
     dec = [
         graph_scratch_bytes(cfg, lay, b, 1, s, act_bytes)
         for b in buckets.decode_batches
-        for s in buckets.decode_seqs
+        for s in buckets.decode_kv_lens
     ]
     return max(pre + dec)
 
@@ -169,18 +169,18 @@ def plan_memory(
     buckets: BucketConfig,
     *,
     batch: int,
-    max_length: int,
+    max_model_len: int,
     dtype: str,
     kv_dtype: str,
     compile_ranks_held: int = 1,
 ) -> MemoryPlan:
-    """Memory plan of one rank for a deployment (batch = KV slots in use, max_length = KV cache length).
+    """Memory plan of one rank for a deployment (batch = KV slots in use, max_model_len = KV cache length).
 
     `compile_ranks_held`: rank models the compile process holds at once (1: rank by rank, the cpu/eager
     backends; tp: the neuron backend's one SPMD program)."""
     w = weight_bytes(cfg, lay, dtype)
     act = 4 if dtype == "float32" else 2  # activations run in bfloat16 unless the whole model is float32
-    kv = kv_bytes(cfg, lay, batch + 1, max_length, kv_dtype)
+    kv = kv_bytes(cfg, lay, batch + 1, max_model_len, kv_dtype)
     scratch = scratch_bytes(cfg, lay, buckets, act)
     if inst.shared_memory:
         capacity, reserve = inst.hbm_per_core // lay.tp, CPU_RESERVE // lay.tp

@@ -34,18 +34,18 @@ class Deployment:
 
     tp: int
     batch: int  # KV cache slots = largest decode batch
-    max_context: int  # largest prefill bucket
-    max_length: int  # KV cache length
+    max_prompt_len: int  # largest prefill bucket
+    max_model_len: int  # KV cache length
     dtype: str = "bfloat16"
     kv_dtype: str = "bfloat16"
     compile_ranks_held: int | None = None  # rank models one compile process holds; None: tp (neuron: SPMD)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "batch", "max_context", "max_length"):
+        for name in ("tp", "batch", "max_prompt_len", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if self.max_context > self.max_length:
-            raise ConfigError(f"max_context: {self.max_context} exceeds max_length={self.max_length}")
+        if self.max_prompt_len > self.max_model_len:
+            raise ConfigError(f"max_prompt_len: {self.max_prompt_len} exceeds max_model_len={self.max_model_len}")
         if self.dtype not in WEIGHT_DTYPES:
             raise ConfigError(f"dtype: {self.dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}")
         if self.kv_dtype not in KV_DTYPES:
@@ -53,7 +53,7 @@ class Deployment:
 
     def buckets(self) -> BucketConfig:
         return BucketConfig.build(
-            max_context=self.max_context, max_length=self.max_length, max_batch=self.batch
+            max_prompt_len=self.max_prompt_len, max_model_len=self.max_model_len, max_batch=self.batch
         )
 
 
@@ -79,7 +79,7 @@ class Plan:
     layout: HeadLayout
     buckets: BucketConfig
     memory: MemoryPlan
-    largest_batch: int  # at this max_length
+    largest_batch: int  # at this max_model_len
     largest_length: int  # at this batch
     prefill_bucket: Bucket | None = None
     decode_bucket: Bucket | None = None
@@ -115,7 +115,7 @@ def _memory(
         inst,
         buckets or dep.buckets(),
         batch=dep.batch,
-        max_length=dep.max_length,
+        max_model_len=dep.max_model_len,
         dtype=dep.dtype,
         kv_dtype=dep.kv_dtype,
         compile_ranks_held=dep.tp if dep.compile_ranks_held is None else dep.compile_ranks_held,
@@ -152,12 +152,12 @@ def evaluate(
             cfg,
             lay,
             inst,
-            Deployment(dep.tp, b, dep.max_context, dep.max_length, dep.dtype, dep.kv_dtype),
+            Deployment(dep.tp, b, dep.max_prompt_len, dep.max_model_len, dep.dtype, dep.kv_dtype),
             fixed,
         ).fits
 
     def fits_length(n: int) -> bool:
-        d = Deployment(dep.tp, dep.batch, min(dep.max_context, n), n, dep.dtype, dep.kv_dtype)
+        d = Deployment(dep.tp, dep.batch, min(dep.max_prompt_len, n), n, dep.dtype, dep.kv_dtype)
         return _memory(cfg, lay, inst, d, fixed).fits
 
     plan = Plan(
@@ -171,10 +171,10 @@ def evaluate(
     )
     if traffic is None:
         return plan
-    if traffic.input_len + traffic.output_len > dep.max_length:
+    if traffic.input_len + traffic.output_len > dep.max_model_len:
         raise ConfigError(
-            f"max_length: input_len + output_len = {traffic.input_len + traffic.output_len} "
-            f"exceeds --max-length {dep.max_length}"
+            f"max_model_len: input_len + output_len = {traffic.input_len + traffic.output_len} "
+            f"exceeds --max-model-len {dep.max_model_len}"
         )
     pre = pick_prefill(traffic.input_len, buckets)
     dec = pick_decode(
@@ -182,9 +182,9 @@ def evaluate(
     )
     if inst.family == "cpu":
         return _replace(plan, prefill_bucket=pre, decode_bucket=dec)
-    ttft = prefill_time(cfg, lay, inst, batch=pre.batch, seq=pre.seq, dtype=dep.dtype)
+    ttft = prefill_time(cfg, lay, inst, batch=pre.batch, seq=pre.kv_len, dtype=dep.dtype)
     tpot = decode_time(
-        cfg, lay, inst, batch=dec.batch, kv_len=dec.seq, dtype=dep.dtype, kv_dtype=dep.kv_dtype
+        cfg, lay, inst, batch=dec.batch, kv_len=dec.kv_len, dtype=dep.dtype, kv_dtype=dep.kv_dtype
     )
     return _replace(plan, prefill_bucket=pre, decode_bucket=dec, ttft=ttft, tpot=tpot)
 
@@ -201,8 +201,8 @@ def candidates(
     traffic: Traffic,
     *,
     batch: int,
-    max_context: int,
-    max_length: int,
+    max_prompt_len: int,
+    max_model_len: int,
     tp: int | None = None,
     dtype: str | None = None,
     kv_dtype: str = "bfloat16",
@@ -216,7 +216,7 @@ def candidates(
     out = []
     for d in dtypes:
         for t in degrees:
-            dep = Deployment(t, batch, max_context, max_length, d, kv_dtype)
+            dep = Deployment(t, batch, max_prompt_len, max_model_len, d, kv_dtype)
             try:
                 out.append(evaluate(cfg, inst, dep, traffic))
             except ConfigError:

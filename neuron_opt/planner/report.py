@@ -29,24 +29,24 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
         f"{lay.strategy}), weights {d.dtype}, KV {d.kv_dtype}",
         f"  {'memory ' + where:<40}{'GiB':>8}",
         f"    {'weights':<38}{_gib(m.weights)}",
-        f"    {f'KV cache ({d.batch}+1 slots x {d.max_length})':<38}{_gib(m.kv_cache)}",
+        f"    {f'KV cache ({d.batch}+1 slots x {d.max_model_len})':<38}{_gib(m.kv_cache)}",
         f"    {'scratch (largest graph)':<38}{_gib(m.scratch)}",
         f"    {'runtime reserve':<38}{_gib(m.reserve)}",
         f"    {'total / capacity':<38}{_gib(m.total)} / {m.capacity / GiB:.2f}  -> "
         + ("fits" if m.fits else "DOES NOT FIT"),
         f"  host RAM to compile (rank weights + one tensor in flight): {m.host_needed / GiB:.1f} GiB "
         f"of {m.host_capacity / GiB:.0f} GiB" + ("" if m.host_fits else "  -> NOT ENOUGH HOST RAM"),
-        f"  largest batch at max_length {d.max_length}: {plan.largest_batch}; "
-        f"largest max_length at batch {d.batch}: {plan.largest_length}",
-        f"  buckets: prefill {list(plan.buckets.prefill_seqs)}; "
+        f"  largest batch at max_model_len {d.max_model_len}: {plan.largest_batch}; "
+        f"largest max_model_len at batch {d.batch}: {plan.largest_length}",
+        f"  buckets: prefill {list(plan.buckets.prefill_lens)}; "
         f"decode batches {list(plan.buckets.decode_batches)}"
-        f" x lengths {list(plan.buckets.decode_seqs)} ({len(plan.buckets.buckets())} graphs)",
+        f" x lengths {list(plan.buckets.decode_kv_lens)} ({len(plan.buckets.buckets())} graphs)",
     ]
     if plan.ttft is not None and plan.tpot is not None and plan.prefill_bucket and plan.decode_bucket:
         lines.append(
-            f"  TTFT {1e3 * plan.ttft.total:.1f} ms (prefill bucket {plan.prefill_bucket.seq}, "
+            f"  TTFT {1e3 * plan.ttft.total:.1f} ms (prefill bucket {plan.prefill_bucket.kv_len}, "
             f"{plan.ttft.bound}-bound); TPOT {1e3 * plan.tpot.total:.2f} ms (decode bucket "
-            f"{plan.decode_bucket.batch}x{plan.decode_bucket.seq}, {plan.tpot.bound}-bound)"
+            f"{plan.decode_bucket.batch}x{plan.decode_bucket.kv_len}, {plan.tpot.bound}-bound)"
         )
     elif inst.family == "cpu":
         lines.append("  latency: not modelled on cpu (measure with `neuron-opt bench`)")
@@ -83,8 +83,8 @@ def plan_json(cfg: ModelConfig, plan: Plan, alternatives: list[Plan] | None = No
         "instance": plan.instance.name,
         "dtype": d.dtype,
         "kv_dtype": d.kv_dtype,
-        "max_context": d.max_context,
-        "max_length": d.max_length,
+        "max_prompt_len": d.max_prompt_len,
+        "max_model_len": d.max_model_len,
         "gqa_strategy": plan.layout.strategy,
         "memory_bytes": {
             "weights": m.weights,
@@ -127,7 +127,7 @@ def format_plan_table(
     """
     inst = get_instance(instance)
     dep = Deployment(
-        par.tp, cache.max_batch, buckets.prefill_seqs[-1], cache.max_length, dtype or cache.dtype, cache.dtype,
+        par.tp, cache.max_batch, buckets.prefill_lens[-1], cache.max_model_len, dtype or cache.dtype, cache.dtype,
         compile_ranks_held,
     )
     return "\n".join(plan_lines(cfg, evaluate(cfg, inst, dep, par=par, buckets=buckets)))

@@ -32,23 +32,24 @@ class ModelRunner:
 
     @property
     def max_prompt_len(self) -> int:
-        return self.buckets.prefill_seqs[-1]
+        return self.buckets.prefill_lens[-1]
 
     @property
-    def max_total_len(self) -> int:
-        """Most tokens (prompt + generated) one sequence can hold: the largest decode KV bucket."""
-        return min(self.buckets.decode_seqs[-1], self.cache.max_length)
+    def max_model_len(self) -> int:
+        """Most tokens (prompt + generated) one sequence can hold: the KV cache length, which is also the largest
+        decode bucket (BucketConfig.build keeps them one number)."""
+        return self.cache.max_model_len
 
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
         if prompt_len > self.max_prompt_len:
             raise ContextLengthError(
                 f"This model's maximum context length is {self.max_prompt_len} tokens. However, your request has "
                 f"{prompt_len} input tokens. Please reduce the length of the input.")
-        if prompt_len + max_tokens > self.max_total_len:
+        if prompt_len + max_tokens > self.max_model_len:
             raise ContextLengthError(
                 f"'max_tokens' is too large: {max_tokens}. This model's maximum context length is "
-                f"{self.max_total_len} tokens and your request has {prompt_len} input tokens "
-                f"({max_tokens} > {self.max_total_len} - {prompt_len}).", param="max_tokens")
+                f"{self.max_model_len} tokens and your request has {prompt_len} input tokens "
+                f"({max_tokens} > {self.max_model_len} - {prompt_len}).", param="max_tokens")
 
     def _run(self, bucket: Bucket, inputs: StepInputs, candidates: int | None) -> torch.Tensor:
         self.last_bucket = bucket
@@ -64,9 +65,9 @@ class ModelRunner:
         that gather candidates return -inf for the rest, which is exact for greedy and top-k sampling."""
         n = len(token_ids)
         bucket = pick_prefill(n, self.buckets)
-        ids = torch.zeros(1, bucket.seq, dtype=torch.long)
+        ids = torch.zeros(1, bucket.tokens, dtype=torch.long)
         ids[0, :n] = torch.tensor(token_ids, dtype=torch.long)
-        inputs = StepInputs(ids, torch.arange(bucket.seq, dtype=torch.long)[None],
+        inputs = StepInputs(ids, torch.arange(bucket.tokens, dtype=torch.long)[None],
                             torch.tensor([slot], dtype=torch.long), torch.tensor([n - 1], dtype=torch.long))
         return self._run(bucket, inputs, candidates)[0, : self.vocab_size]
 

@@ -14,7 +14,7 @@ Design decisions
 - A request that can never fit (prompt + max_tokens beyond the model's limit) is rejected by `validate`
   before it is queued; the check is pure, so the engine calls it in the caller's thread and the HTTP layer
   gets the error synchronously.
-- No preemption: a slot always holds a sequence's whole context (max_total_len), so a running request can
+- No preemption: a slot always holds a sequence's whole context (max_model_len), so a running request can
   always finish.
 """
 

@@ -149,7 +149,7 @@ class CompletionRequest(_Sampling):
             raise ProtocolError("prompt must not be empty", "prompt")
         return cast("str | list[int]", p)
 
-    def sampling_params(self, prompt_len: int, max_total_len: int) -> SamplingParams:
+    def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
         self._check_common()
         if self.echo:
             raise ProtocolError("echo is not supported", "echo")
@@ -157,7 +157,7 @@ class CompletionRequest(_Sampling):
             raise ProtocolError("suffix is not supported", "suffix")
         if self.best_of not in (None, 1):
             raise ProtocolError("best_of > 1 is not supported", "best_of")
-        max_tokens = max(1, max_total_len - prompt_len) if self.max_tokens is None else self.max_tokens
+        max_tokens = max(1, max_model_len - prompt_len) if self.max_tokens is None else self.max_tokens
         return self._params(max_tokens, self.logprobs)
 
 
@@ -188,7 +188,7 @@ class ChatCompletionRequest(_Sampling):
             return "max_completion_tokens"
         return "top_logprobs" if param == "logprobs" else param
 
-    def sampling_params(self, prompt_len: int, max_total_len: int) -> SamplingParams:
+    def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
         self._check_common()
         if self.tools:
             raise ProtocolError("tools are not supported", "tools")
@@ -201,6 +201,6 @@ class ChatCompletionRequest(_Sampling):
         if self.top_logprobs is not None and not self.logprobs:
             raise ProtocolError("top_logprobs requires logprobs=true", "top_logprobs")
         mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        max_tokens = max(1, max_total_len - prompt_len) if mt is None else mt
+        max_tokens = max(1, max_model_len - prompt_len) if mt is None else mt
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._params(max_tokens, logprobs)

@@ -26,7 +26,7 @@ def hf_model():
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("default", max_length=512)
+    return LLM("default", max_model_len=512)
 
 
 def test_greedy_64_tokens_match_hf(hf_model, llm):

@@ -22,7 +22,7 @@ N_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def single():
-    return LLM("default", max_length=256)
+    return LLM("default", max_model_len=256)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def hf_tokens(single):
 )
 def test_tp_matches_tp1_and_hf(par, single, hf_tokens):
     prompt, ref = hf_tokens
-    llm = LLM("default", max_length=256, parallel=par)
+    llm = LLM("default", max_model_len=256, parallel=par)
     try:
         params = SamplingParams(max_tokens=N_TOKENS, min_tokens=N_TOKENS)
         assert llm.generate_ids(prompt, params).token_ids == ref

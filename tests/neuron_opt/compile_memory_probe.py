@@ -44,7 +44,7 @@ def main(ckpt: str, out: str, dtype: str, tp: int) -> dict:
     t = threading.Thread(target=poll)
     t.start()
     try:
-        compile_artifact(CompileRequest(model=ckpt, out=Path(out), backend="eager", dtype=dtype, max_length=64,
+        compile_artifact(CompileRequest(model=ckpt, out=Path(out), backend="eager", dtype=dtype, max_model_len=32,
                                         prefill_buckets=(16,), decode_buckets=(32,), parallel=ParallelConfig(tp=tp),
                                         use_cache=False), log=lambda s: None, progress=False)
     finally:

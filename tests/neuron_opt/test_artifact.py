@@ -19,7 +19,7 @@ from neuron_opt.runtime.sampling import SamplingParams
 @pytest.fixture(scope="module")
 def artifact(tiny_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("art") / "tiny"
-    req = CompileRequest(model=str(tiny_dir("smollm-tok")), out=out, backend="eager", max_length=128,
+    req = CompileRequest(model=str(tiny_dir("smollm-tok")), out=out, backend="eager", max_model_len=128,
                          batch_size=2, prefill_buckets=(16, 64), decode_buckets=(32, 128), use_cache=False)
     compile_artifact(req, log=lambda s: None, progress=False)
     return out
@@ -34,7 +34,7 @@ def _copy(src, dst):
 
 def test_artifact_generates_like_the_eager_checkpoint(artifact, tiny_dir):
     llm = LLM(artifact)
-    ref_runner = eager_runner(tiny_dir("smollm-tok"), max_length=128)
+    ref_runner = eager_runner(tiny_dir("smollm-tok"), max_model_len=128)
     prompt = llm.tokenizer("Hello there, how are you?")["input_ids"]
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     ref = generate_ids(ref_runner, llm.tokenizer, prompt, params, ())
@@ -44,7 +44,7 @@ def test_artifact_generates_like_the_eager_checkpoint(artifact, tiny_dir):
 def test_manifest_lists_every_file_with_sha256(artifact):
     raw = json.loads((artifact / MANIFEST).read_text())
     assert "weights/rank0.safetensors" in raw["files"]
-    assert raw["kv_geometry"]["slots"] == 3 and raw["kv_geometry"]["max_length"] == 128
+    assert raw["kv_geometry"]["slots"] == 3 and raw["kv_geometry"]["max_model_len"] == 128
     assert {"neuron_opt", "torch", "transformers"} <= set(raw["versions"])
     assert not list(artifact.parent.glob(".tiny.tmp-*")), "temporary directory left behind"
 
@@ -71,10 +71,10 @@ def test_edited_config_is_refused(artifact, tmp_path):
 def test_different_kv_geometry_is_refused(artifact, tmp_path):
     art = _copy(artifact, tmp_path / "a")
     raw = json.loads((art / MANIFEST).read_text())
-    raw["kv_geometry"]["max_length"] = 4096
+    raw["kv_geometry"]["max_model_len"] = 4096
     raw["digest"] = manifest_digest(raw)
     (art / MANIFEST).write_text(json.dumps(raw))
-    with pytest.raises(ArtifactError, match=r"KV geometry.*max_length.*\(4096, 128\)"):
+    with pytest.raises(ArtifactError, match=r"KV geometry.*max_model_len.*\(4096, 128\)"):
         read_manifest(art)
 
 
@@ -106,7 +106,7 @@ def test_not_an_artifact(tmp_path):
 
 def test_failed_compile_leaves_no_partial_artifact(tiny_dir, tmp_path):
     out = tmp_path / "never"
-    req = CompileRequest(model=str(tiny_dir("smollm-tok")), out=out, backend="eager", max_length=128,
+    req = CompileRequest(model=str(tiny_dir("smollm-tok")), out=out, backend="eager", max_model_len=128,
                          prefill_buckets=(16, 256), use_cache=False)
     with pytest.raises(Exception, match="prefill_buckets"):
         compile_artifact(req, log=lambda s: None, progress=False)
@@ -114,7 +114,7 @@ def test_failed_compile_leaves_no_partial_artifact(tiny_dir, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    (dict(dtype="bfloat16"), "dtype"), (dict(max_length=256), "max_length"), (dict(batch_size=4), "batch_size"),
+    (dict(dtype="bfloat16"), "dtype"), (dict(max_model_len=256), "max_model_len"), (dict(batch_size=4), "batch_size"),
     (dict(parallel=ParallelConfig(tp=2)), "parallel"),
 ])
 def test_llm_refuses_settings_an_artifact_fixed_otherwise(artifact, kwargs, field):
@@ -124,13 +124,13 @@ def test_llm_refuses_settings_an_artifact_fixed_otherwise(artifact, kwargs, fiel
 
 
 def test_llm_accepts_an_artifacts_own_settings(artifact):
-    llm = LLM(artifact, dtype="float32", max_length=128, batch_size=2, parallel=ParallelConfig())
+    llm = LLM(artifact, dtype="float32", max_model_len=128, batch_size=2, parallel=ParallelConfig())
     assert llm.runner.cache.max_batch == 2
 
 
 @pytest.mark.parametrize("flags, needle", [
     (["--dtype", "bfloat16"], "dtype: this artifact was compiled with"),
-    (["--max-model-len", "64"], "max_length: this artifact was compiled with"),
+    (["--max-model-len", "64"], "max_model_len: this artifact was compiled with"),
     (["--max-num-seqs", "8"], "--max-num-seqs: 8 exceeds the artifact's 2 KV slot(s)"),
 ])
 def test_serve_refuses_flags_an_artifact_fixed_otherwise(artifact, flags, needle, capsys):

@@ -35,7 +35,7 @@ BUCKETS = [Bucket(PREFILL, 1, 16), Bucket(PREFILL, 1, 32), Bucket(DECODE, 1, 32)
 
 def make_model(seed: int, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    m = LlamaForCausalLM(CFG, head_layout(CFG, ParallelConfig()), max_length=MAX_LEN)
+    m = LlamaForCausalLM(CFG, head_layout(CFG, ParallelConfig()), max_model_len=MAX_LEN)
     with torch.no_grad():
         for name, p in m.named_parameters():
             p.normal_(1.0, 0.1) if name.endswith("norm.weight") else p.normal_(0.0, 0.1)
@@ -72,9 +72,9 @@ class Eager:
 
 
 def prefill_inputs(prompt: list[int], bucket: Bucket, slot: int) -> StepInputs:
-    ids = torch.zeros(1, bucket.seq, dtype=torch.int64)
+    ids = torch.zeros(1, bucket.tokens, dtype=torch.int64)
     ids[0, :len(prompt)] = torch.tensor(prompt)
-    return StepInputs(ids, torch.arange(bucket.seq)[None].clone(), torch.tensor([slot]),
+    return StepInputs(ids, torch.arange(bucket.tokens)[None].clone(), torch.tensor([slot]),
                       torch.tensor([len(prompt) - 1]))
 
 
@@ -232,7 +232,7 @@ def test_bf16_is_refused_clearly_where_onednn_has_no_bf16(monkeypatch, tmp_path:
     ckpt = make_tiny("llama-gqa2", tmp_path / "ckpt", tokenizer=True)
     with pytest.raises(ConfigError, match="AVX-512"):
         compile_artifact(CompileRequest(model=str(ckpt), out=tmp_path / "art", backend="cpu", dtype="bfloat16",
-                                        max_length=64, use_cache=False), log=lambda s: None, progress=False)
+                                        max_model_len=64, use_cache=False), log=lambda s: None, progress=False)
     assert not (tmp_path / "art").exists()
 
 

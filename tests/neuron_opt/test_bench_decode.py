@@ -17,7 +17,7 @@ def test_bench_decode_json_on_a_tiny_model(tiny_dir, tmp_path: Path, monkeypatch
     monkeypatch.setenv("NEURON_OPT_CACHE_DIR", str(tmp_path / "cache"))  # children inherit it
     out = tmp_path / "decode.json"
     rc = main(["--model", str(tiny_dir("smollm-tok")), "--systems", "hf,eager,cpu-fp32", "--batches", "1",
-               "--steps", "4", "--agreement-tokens", "8", "--repeats", "2", "--max-length", "128", "--json",
+               "--steps", "4", "--agreement-tokens", "8", "--repeats", "2", "--max-model-len", "128", "--json",
                "--out", str(out)])
     assert rc == 0
     doc = json.loads(out.read_text())

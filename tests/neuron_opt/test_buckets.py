@@ -19,14 +19,14 @@ from neuron_opt.errors import BucketOverflowError, ConfigError
 
 
 def test_default_prefill_buckets_are_powers_of_two_plus_max():
-    cfg = BucketConfig.build(max_context=3000, max_length=4096, max_batch=8)
-    assert cfg.prefill_seqs == (128, 256, 512, 1024, 2048, 3000)
-    assert cfg.decode_seqs == (128, 256, 512, 1024, 2048, 4096)
+    cfg = BucketConfig.build(max_prompt_len=3000, max_model_len=4096, max_batch=8)
+    assert cfg.prefill_lens == (128, 256, 512, 1024, 2048, 3000)
+    assert cfg.decode_kv_lens == (128, 256, 512, 1024, 2048, 4096)
     assert cfg.decode_batches == (1, 2, 4, 8)
 
 
 def test_exact_fit_uses_that_bucket_not_the_next():
-    cfg = BucketConfig.build(max_context=2048, max_length=2048, max_batch=1)
+    cfg = BucketConfig.build(max_prompt_len=2048, max_model_len=2048, max_batch=1)
     assert pick_prefill(256, cfg) == Bucket(PREFILL, 1, 256)  # NxDI would pad to 512
     assert pick_prefill(257, cfg) == Bucket(PREFILL, 1, 512)
     assert pick_prefill(255, cfg) == Bucket(PREFILL, 1, 256)
@@ -34,33 +34,33 @@ def test_exact_fit_uses_that_bucket_not_the_next():
 
 
 def test_decode_needs_kv_len_past_the_new_position():
-    cfg = BucketConfig.build(max_context=512, max_length=512, max_batch=4)
+    cfg = BucketConfig.build(max_prompt_len=512, max_model_len=512, max_batch=4)
     assert pick_decode(1, 127, cfg) == Bucket(DECODE, 1, 128)  # writes position 127, reads 0..127
     assert pick_decode(1, 128, cfg) == Bucket(DECODE, 1, 256)
     assert pick_decode(3, 0, cfg) == Bucket(DECODE, 4, 128)
 
 
 def test_overflow_errors_name_largest_bucket_and_flag():
-    cfg = BucketConfig.build(max_context=512, max_length=1024, max_batch=2)
-    with pytest.raises(BucketOverflowError, match=r"largest prefill bucket \(512\).*--max-context"):
+    cfg = BucketConfig.build(max_prompt_len=512, max_model_len=1024, max_batch=2)
+    with pytest.raises(BucketOverflowError, match=r"largest prefill bucket \(512\).*--max-prompt-len"):
         pick_prefill(513, cfg)
-    with pytest.raises(BucketOverflowError, match=r"largest decode bucket \(1024\).*--max-length"):
+    with pytest.raises(BucketOverflowError, match=r"largest decode bucket \(1024\).*--max-model-len"):
         pick_decode(1, 1024, cfg)
     with pytest.raises(BucketOverflowError, match=r"--batch-size"):
         pick_decode(3, 5, cfg)
 
 
 def test_invalid_configs_are_refused():
-    with pytest.raises(ConfigError, match="max_context"):
-        BucketConfig.build(max_context=4096, max_length=2048, max_batch=1)
+    with pytest.raises(ConfigError, match="max_prompt_len"):
+        BucketConfig.build(max_prompt_len=4096, max_model_len=2048, max_batch=1)
     with pytest.raises(ConfigError, match="prefill_buckets"):
-        BucketConfig.build(max_context=512, max_length=512, max_batch=1, prefill_seqs=[128, 1024])
+        BucketConfig.build(max_prompt_len=512, max_model_len=512, max_batch=1, prefill_lens=[128, 1024])
     with pytest.raises(ConfigError, match="bucket.phase"):
         Bucket("warmup", 1, 1)
 
 
 def test_bucket_key_round_trip():
-    for b in BucketConfig.build(max_context=300, max_length=700, max_batch=3).buckets():
+    for b in BucketConfig.build(max_prompt_len=300, max_model_len=700, max_batch=3).buckets():
         assert Bucket.from_key(b.key) == b
 
 
@@ -81,7 +81,7 @@ def test_pick_prefill_is_smallest_fitting(seqs, n):
             pick_prefill(n, cfg)
     else:
         b = pick_prefill(n, cfg)
-        assert b.seq >= n and all(s < n for s in seqs if s < b.seq)
+        assert b.kv_len >= n and all(s < n for s in seqs if s < b.kv_len)
 
 
 @given(st.lists(st.integers(1, 64), min_size=1, max_size=6, unique=True),
@@ -93,6 +93,6 @@ def test_pick_decode_is_smallest_fitting(batches, seqs, batch, pos):
             pick_decode(batch, pos, cfg)
         return
     b = pick_decode(batch, pos, cfg)
-    assert b.batch >= batch and b.seq > pos
+    assert b.batch >= batch and b.kv_len > pos
     assert not [x for x in batches if batch <= x < b.batch]
-    assert not [s for s in seqs if pos < s < b.seq]
+    assert not [s for s in seqs if pos < s < b.kv_len]

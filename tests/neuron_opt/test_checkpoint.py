@@ -108,7 +108,7 @@ def write_gguf(hf_dir: Path, out: Path, arch: str = "llama", qtype: gguf.GGMLQua
 def our_logits(cfg: ModelConfig, sd: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
     """Prefill `ids` [1, S] with models/llama.py; returns logits at the last position [V]."""
     S = ids.shape[1]
-    model = LlamaForCausalLM(cfg, head_layout(cfg, ParallelConfig()), max_length=32)
+    model = LlamaForCausalLM(cfg, head_layout(cfg, ParallelConfig()), max_model_len=32)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     assert not unexpected and set(missing) <= ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
     shape = model.kv_shape(1)

@@ -62,7 +62,7 @@ def test_compile_time_estimate_comes_from_this_machines_last_cold_compile(tiny_d
 
     def req(out: str) -> CompileRequest:
         return CompileRequest(model=str(tiny_dir("smollm-tok")), out=tmp_path / out, backend="cpu",
-                              dtype="float32", max_length=64, prefill_buckets=(16,), decode_buckets=(32,),
+                              dtype="float32", max_model_len=32, prefill_buckets=(16,), decode_buckets=(32,),
                               cache_dir=tmp_path / "cache")
 
     compile_artifact(req("a"), log=logs.append, progress=False)
@@ -93,7 +93,7 @@ def test_other_weights_of_the_same_architecture_reuse_every_graph(tmp_path):
     def compile_seed(seed: int):
         ckpt = make_tiny("llama-gqa2", tmp_path / f"ckpt{seed}", seed=seed, tokenizer=True)
         req = CompileRequest(model=str(ckpt), out=tmp_path / f"art{seed}", backend="cpu", dtype="float32",
-                             max_length=64, prefill_buckets=(16,), decode_buckets=(32,), cache_dir=tmp_path / "c")
+                             max_model_len=32, prefill_buckets=(16,), decode_buckets=(32,), cache_dir=tmp_path / "c")
         return ckpt, compile_artifact(req, log=lambda s: None, progress=False)
 
     compile_seed(0)
@@ -103,5 +103,5 @@ def test_other_weights_of_the_same_architecture_reuse_every_graph(tmp_path):
         "weights_sha256"]
     prompt = list(range(3, 15))
     got = load_artifact(tmp_path / "art1").runner.prefill(0, prompt)
-    want = eager_runner(ckpt, max_length=64, prefill_seqs=[16], decode_seqs=[32]).prefill(0, prompt)
+    want = eager_runner(ckpt, max_model_len=32, prefill_lens=[16], decode_kv_lens=[32]).prefill(0, prompt)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

@@ -50,8 +50,9 @@ def test_compile_host_ram_stays_within_the_planned_bound(checkpoint, tmp_path, d
     grown = json.loads(out.stdout.strip().splitlines()[-1])["growth_bytes"]
     cfg = open_checkpoint(str(checkpoint)).config
     par = ParallelConfig(tp=tp)
-    buckets = BucketConfig.build(max_context=16, max_length=64, max_batch=1, prefill_seqs=[16], decode_seqs=[32])
-    plan = plan_memory(cfg, head_layout(cfg, par), INSTANCES["inf2.xlarge"], buckets, batch=1, max_length=64,
+    buckets = BucketConfig.build(max_prompt_len=16, max_model_len=64, max_batch=1, prefill_lens=[16],
+                                 decode_kv_lens=[64])
+    plan = plan_memory(cfg, head_layout(cfg, par), INSTANCES["inf2.xlarge"], buckets, batch=1, max_model_len=64,
                        dtype=dtype, kv_dtype=dtype, compile_ranks_held=1)
     bound = plan.host_needed - HOST_BASELINE
     assert grown <= bound, (grown / 2**20, bound / 2**20)

@@ -24,11 +24,11 @@ def runners(tiny_dir, tmp_path_factory):
     torch.set_num_threads(1)  # tiny graphs: thread barriers cost more than they save
     ck = tiny_dir("smollm-tok")
     out = tmp_path_factory.mktemp("cmp") / "art"
-    req = CompileRequest(model=str(ck), out=out, backend="cpu", dtype="float32", max_length=MAX_LEN,
+    req = CompileRequest(model=str(ck), out=out, backend="cpu", dtype="float32", max_model_len=MAX_LEN,
                          prefill_buckets=PREFILL, decode_buckets=DECODE, cache_dir=out.parent / "cache")
     compile_artifact(req, log=lambda s: None, progress=False)
     llm = LLM(out)
-    yield llm, eager_runner(ck, max_length=MAX_LEN, prefill_seqs=PREFILL, decode_seqs=DECODE), req
+    yield llm, eager_runner(ck, max_model_len=MAX_LEN, prefill_lens=PREFILL, decode_kv_lens=DECODE), req
     torch.set_num_threads(threads)
 
 
@@ -50,14 +50,14 @@ def test_positions_past_512_cross_every_decode_bucket(runners):
     got = llm.generate_ids(_prompt(60), params)
     want = generate_ids(ref, llm.tokenizer, _prompt(60), params, ())
     assert got.token_ids == want.token_ids and len(got.token_ids) == 560
-    assert llm.runner.last_bucket.seq == 1024  # the last step attended over the 1024 bucket
+    assert llm.runner.last_bucket.kv_len == 1024  # the last step attended over the 1024 bucket
 
 
 def test_one_above_the_largest_bucket_is_refused(runners):
     llm, _, _ = runners
     with pytest.raises(ContextLengthError, match="maximum context length is 64 tokens"):
         llm.generate_ids(_prompt(65), SamplingParams(max_tokens=4))
-    with pytest.raises(BucketOverflowError, match="--max-context"):
+    with pytest.raises(BucketOverflowError, match="--max-prompt-len"):
         llm.runner.prefill(0, _prompt(65))
 
 

@@ -17,14 +17,14 @@ VARIANTS = ["qwen2", "llama-gqa2", "mistral-window"]  # biases; untied head; sli
 
 def _compare(tiny_dir, tmp_path, variant: str, dtype: str, rtol: float, atol: float) -> None:
     ck = tiny_dir(variant)
-    ref = eager_runner(ck, max_length=64, prefill_seqs=(16,), decode_seqs=(32, 64))
+    ref = eager_runner(ck, max_model_len=64, prefill_lens=(16,), decode_kv_lens=(32, 64))
     model = ref.executor.model  # fp32, the checkpoint's weights
     backend = CpuBackend(getattr(torch, dtype))
     slots = ref.cache.num_slots
     files = {b: [tmp_path / f for f in backend.compile_bucket(model, b, slots, tmp_path)]
              for b in ref.buckets.buckets()}
     backend.save_weights(model, tmp_path / "w.safetensors")
-    factory = lambda: type(model)(model.cfg, model.layout, model.max_length)  # noqa: E731 (weights come from the file)
+    factory = lambda: type(model)(model.cfg, model.layout, model.max_model_len)  # noqa: E731 (weights come from the file)
     got = ModelRunner(backend.load(files, tmp_path / "w.safetensors", factory, slots), ref.buckets, ref.cache,
                       model.cfg.vocab_size)
     prompt = torch.randint(3, 200, (11,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -35,7 +35,7 @@ def _compare(tiny_dir, tmp_path, variant: str, dtype: str, rtol: float, atol: fl
         a, b = got.decode([DecodeRow(0, tok, pos)])[0], ref.decode([DecodeRow(0, tok, pos)])[0]
         torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
         tok = int(b.argmax())  # teacher-forced by the reference
-    assert got.last_bucket.seq == 64
+    assert got.last_bucket.kv_len == 64
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -23,7 +23,7 @@ def llms(tiny_dir):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     path = tiny_dir("smollm-tok")
-    yield LLM(path, batch_size=4, max_length=128), LLM(path, batch_size=1, max_length=128)
+    yield LLM(path, batch_size=4, max_model_len=128), LLM(path, batch_size=1, max_model_len=128)
     torch.set_num_threads(threads)
 
 

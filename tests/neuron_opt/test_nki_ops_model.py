@@ -19,18 +19,18 @@ from neuron_opt.parallel import head_layout
 from neuron_opt.runtime.runner import DecodeRow, ModelRunner
 
 
-def runner_for(d, ops=None, max_length=32):
+def runner_for(d, ops=None, max_model_len=32):
     cfg = ModelConfig.from_hf(d)
     kw = {} if ops is None else {"ops": ops}
-    model = LlamaForCausalLM(cfg, head_layout(cfg, ParallelConfig()), max_length, **kw)
+    model = LlamaForCausalLM(cfg, head_layout(cfg, ParallelConfig()), max_model_len, **kw)
     model.load_state_dict(load_file(str(d / "model.safetensors")), strict=False)
-    cache = CacheConfig(max_batch=2, max_length=max_length)
+    cache = CacheConfig(max_batch=2, max_model_len=max_model_len)
     buckets = BucketConfig.build(
-        max_context=16,
-        max_length=max_length,
+        max_prompt_len=16,
+        max_model_len=max_model_len,
         max_batch=2,
-        prefill_seqs=[16],
-        decode_seqs=[32],
+        prefill_lens=[16],
+        decode_kv_lens=[32],
         decode_batches=[2],
     )
     return ModelRunner(EagerExecutor(model.eval(), cache.num_slots), buckets, cache, cfg.vocab_size)

@@ -59,7 +59,7 @@ def test_json_with_tp(config_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert out["per_core_memory_gb"] == pytest.approx(mem["total"] / 1e9, abs=1e-3)
     assert out["per_core_capacity_gb"] == pytest.approx(16 * 2**30 / 1e9, abs=1e-3)
     assert 0 < out["tpot_ms"] < out["ttft_ms"]
-    assert out["buckets"]["prefill_seqs"][-1] == 1024 and out["buckets"]["decode_seqs"][-1] == 2048
+    assert out["buckets"]["prefill_lens"][-1] == 1024 and out["buckets"]["decode_kv_lens"][-1] == 2048
 
 
 def test_directory_and_recommendation(config_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -79,7 +79,7 @@ def test_does_not_fit_exits_1(config_path: Path, capsys: pytest.CaptureFixture[s
         "trn1.2xlarge",
         "--tp",
         "1",
-        "--max-length",
+        "--max-model-len",
         "8192",
         "--json",
     ]
@@ -114,8 +114,8 @@ def test_format_plan_table_for_compile() -> None:
     from neuron_opt.planner import format_plan_table
 
     cfg = ModelConfig.from_hf(LLAMA3_8B)
-    cache = CacheConfig(max_batch=2, max_length=512, dtype="bfloat16")
-    buckets = BucketConfig.build(max_context=256, max_length=512, max_batch=2)
+    cache = CacheConfig(max_batch=2, max_model_len=512, dtype="bfloat16")
+    buckets = BucketConfig.build(max_prompt_len=256, max_model_len=512, max_batch=2)
     text = format_plan_table(cfg, ParallelConfig(tp=8), cache, buckets, "inf2.48xlarge")
     assert "tp 8" in text and "fits" in text
     assert f"({len(buckets.buckets())} graphs)" in text

@@ -32,7 +32,7 @@ def served(tiny_dir):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     path = tiny_dir("smollm-tok")
-    with live_server(LLM(path, batch_size=2, max_length=256), max_num_seqs=2) as (url, _):
+    with live_server(LLM(path, batch_size=2, max_model_len=256), max_num_seqs=2) as (url, _):
         yield url, path
     torch.set_num_threads(threads)
 

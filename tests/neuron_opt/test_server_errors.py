@@ -83,7 +83,7 @@ CASES = [
 def server(tiny_dir):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    with live_server(LLM(tiny_dir("smollm-tok"), batch_size=2, max_length=256), max_num_seqs=2) as (url, _):
+    with live_server(LLM(tiny_dir("smollm-tok"), batch_size=2, max_model_len=256), max_num_seqs=2) as (url, _):
         yield url
     torch.set_num_threads(threads)
 

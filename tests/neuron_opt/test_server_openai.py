@@ -25,7 +25,7 @@ def llms(tiny_dir):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny model: thread barriers cost more than they save
     path = tiny_dir("smollm-tok")
-    yield LLM(path, batch_size=16, max_length=256), LLM(path, batch_size=1, max_length=256)
+    yield LLM(path, batch_size=16, max_model_len=256), LLM(path, batch_size=1, max_model_len=256)
     torch.set_num_threads(threads)
 
 
@@ -335,7 +335,7 @@ def test_default_model_through_server_matches_generate_cli():
         "Count to five.",
         "Say hello in Spanish.",
     ]
-    ref = LLM("default", batch_size=1, max_length=512)
+    ref = LLM("default", batch_size=1, max_model_len=512)
     want = [
         ref.chat([{"role": "user", "content": p}], SamplingParams(max_tokens=24, temperature=0.0))
         for p in prompts
@@ -360,7 +360,7 @@ def test_default_model_through_server_matches_generate_cli():
         check=True,
     )
     assert json.loads(cli.stdout.strip().splitlines()[-1])["text"] == want[0].text
-    with live_server(LLM("default", batch_size=4, max_length=512), max_num_seqs=4) as (url, _):
+    with live_server(LLM("default", batch_size=4, max_model_len=512), max_num_seqs=4) as (url, _):
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         msgs = [{"role": "user", "content": prompts[0]}]
         r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0)

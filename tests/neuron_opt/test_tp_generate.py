@@ -15,8 +15,8 @@ PARAMS = [SamplingParams(max_tokens=24, ignore_eos=True),
 @pytest.mark.parametrize("vocab_parallel", [True, False])
 def test_tp2_generation_equals_tp1(tiny_dir, vocab_parallel):
     d = tiny_dir("smollm-tok")
-    ref = LLM(d, max_length=128)
-    tp = LLM(d, max_length=128, parallel=ParallelConfig(tp=2, vocab_parallel_sampling=vocab_parallel))
+    ref = LLM(d, max_model_len=128)
+    tp = LLM(d, max_model_len=128, parallel=ParallelConfig(tp=2, vocab_parallel_sampling=vocab_parallel))
     assert tp.runner.executor.gathers_candidates is vocab_parallel
     try:
         for params in PARAMS:
@@ -32,8 +32,8 @@ def test_engine_on_tp_ranks_equals_single_sequence_tp1(tiny_dir):
     from neuron_opt.runtime.engine import Engine
 
     d = tiny_dir("smollm-tok")
-    ref = LLM(d, max_length=128)
-    tp = LLM(d, max_length=128, batch_size=4, parallel=ParallelConfig(tp=2))
+    ref = LLM(d, max_model_len=128)
+    tp = LLM(d, max_model_len=128, batch_size=4, parallel=ParallelConfig(tp=2))
     params = [SamplingParams(max_tokens=10, ignore_eos=True), SamplingParams(max_tokens=14, ignore_eos=True),
               SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.7, top_p=0.8, seed=3)]
     prompts = [list(tp.tokenizer(f"Prompt {i} is about" + " cats" * i)["input_ids"]) for i in range(3)]

@@ -67,10 +67,10 @@ def case(request, tiny_dir, tmp_path_factory):
     variant, par = CASES[request.param]
     d = tiny_dir(variant)
     cfg = ModelConfig.from_hf(d)
-    cache = CacheConfig(max_batch=2, max_length=MAX_LEN)
+    cache = CacheConfig(max_batch=2, max_model_len=MAX_LEN)
     ex = tp_executor_from_state_dict(cfg, _state_dict(d, cfg), par, cache, tmp_path_factory.mktemp("w"))
     buckets = BucketConfig.build(
-        max_context=MAX_LEN, max_length=MAX_LEN, max_batch=2, min_prefill=16, min_decode=16
+        max_prompt_len=MAX_LEN, max_model_len=MAX_LEN, max_batch=2, min_prefill=16, min_decode=16
     )
     hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     yield cfg, par, ex, buckets, cache, hf
@@ -138,9 +138,9 @@ def test_counted_collective_bytes_equal_the_formula(case, candidates):
 def test_a_dead_rank_fails_fast_with_a_clear_error(tiny_dir, tmp_path):
     d = tiny_dir("llama-gqa2")
     cfg = ModelConfig.from_hf(d)
-    cache = CacheConfig(max_batch=1, max_length=64)
+    cache = CacheConfig(max_batch=1, max_model_len=64)
     ex = tp_executor_from_state_dict(cfg, _state_dict(d, cfg), ParallelConfig(tp=2), cache, tmp_path)
-    buckets = BucketConfig.build(max_context=64, max_length=64, max_batch=1, min_prefill=16, min_decode=16)
+    buckets = BucketConfig.build(max_prompt_len=64, max_model_len=64, max_batch=1, min_prefill=16, min_decode=16)
     runner = ModelRunner(ex, buckets, cache, cfg.vocab_size)
     runner.prefill(0, [1, 2, 3])
     victim = ex.procs[1]

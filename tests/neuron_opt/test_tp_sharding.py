@@ -89,7 +89,7 @@ def test_layout_cost_counts_the_real_shards(variant, tp, flags, tiny_dir):
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     lay = head_layout(cfg, ParallelConfig(tp=tp, **flags))
-    cost = layout_cost(cfg, lay, num_slots=3, max_length=64, dtype_bytes=4)
+    cost = layout_cost(cfg, lay, num_slots=3, max_model_len=64, dtype_bytes=4)
     for rank in range(tp):
         shard = shard_state_dict(sd, cfg, lay, rank)
         assert sum(t.numel() * 4 for t in shard.values()) == cost.weight_bytes_per_rank

@@ -29,7 +29,7 @@ def main(ckpt: Path, out: Path, tp: int) -> dict:
     from neuron_opt.config import ParallelConfig
     from neuron_opt.runtime.runner import DecodeRow
 
-    compile_artifact(CompileRequest(model=str(ckpt), out=out, backend="neuron", dtype="float32", max_length=64,
+    compile_artifact(CompileRequest(model=str(ckpt), out=out, backend="neuron", dtype="float32", max_model_len=32,
                                     prefill_buckets=(16, 32), decode_buckets=(16, 32),
                                     parallel=ParallelConfig(tp=tp), use_cache=False),
                      log=lambda s: None, progress=False)
@@ -39,7 +39,7 @@ def main(ckpt: Path, out: Path, tp: int) -> dict:
     params = getattr(ranks, "params", None) or dict(ranks.model.named_parameters())
     device_bytes = {"weights": sum(t.numel() * t.element_size() for t in params.values()) // tp,
                     "kv": sum(c.numel() * c.element_size() for c in [*ranks.k_caches, *ranks.v_caches]) // tp}
-    ref = eager_runner(ckpt, max_length=64, prefill_seqs=[16, 32], decode_seqs=[16, 32])
+    ref = eager_runner(ckpt, max_model_len=32, prefill_lens=[16, 32], decode_kv_lens=[16, 32])
     prompt = [(7 * i + 3) % 200 + 3 for i in range(12)]
     diffs, buckets = [], []
     a, b = runner.prefill(0, prompt), ref.prefill(0, prompt)

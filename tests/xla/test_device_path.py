@@ -28,7 +28,7 @@ from neuron_opt.runtime.runner import DecodeRow
 pytestmark = pytest.mark.xla
 HERE = Path(__file__).parent
 VARIANTS = ["llama-gqa2", "llama-mha", "mistral-window", "qwen2"]  # GQA, MHA, sliding window, q/k/v biases
-SMALL = dict(max_length=64, prefill_buckets=(16, 32), decode_buckets=(16, 32))
+SMALL = dict(max_model_len=32, prefill_buckets=(16, 32), decode_buckets=(16, 32))
 
 
 def compile_tiny(ckpt: Path, out: Path, **kw) -> Path:
@@ -57,7 +57,7 @@ def planned_bytes(m) -> dict[str, int]:
 
     lay = head_layout(m.model, m.parallel)
     plan = plan_memory(m.model, lay, INSTANCES["inf2.xlarge"], m.buckets, batch=m.cache.max_batch,
-                       max_length=m.cache.max_length, dtype=m.dtype, kv_dtype=m.cache.dtype)
+                       max_model_len=m.cache.max_model_len, dtype=m.dtype, kv_dtype=m.cache.dtype)
     return {"weights": plan.weights, "kv": plan.kv_cache}
 
 
@@ -78,8 +78,8 @@ def teacher_forced(runner, ref, steps: int = 16) -> tuple[list[float], list[str]
 def test_tp1_logits_equal_eager_through_prefill_and_16_decode_steps(variant, ckpt, tmp_path):
     art = compile_tiny(ckpt(variant), tmp_path / "art")
     runner = load_artifact(art).runner
-    diffs, buckets = teacher_forced(runner, eager_runner(ckpt(variant), max_length=64, prefill_seqs=[16, 32],
-                                                         decode_seqs=[16, 32]))
+    diffs, buckets = teacher_forced(runner, eager_runner(ckpt(variant), max_model_len=32, prefill_lens=[16, 32],
+                                                         decode_kv_lens=[16, 32]))
     assert buckets[0] == "prefill_b1_s16" and "decode_b1_s16" in buckets and buckets[-1] == "decode_b1_s32"
     assert max(diffs) < 1e-4, diffs
 
@@ -119,7 +119,7 @@ def test_every_bucket_hlo_is_static_donates_every_kv_buffer_and_never_calls_the_
         assert header.startswith("HloModule neuron_opt_"), header[:80]
         donors = re.findall(r"\((\d+), \{\}\)", re.search(r"buffer_donor=\{(.*?)\}, entry", header).group(1))
         assert len(donors) == 2 * L  # every K and V cache buffer
-        kv = f"f32[{m.cache.num_slots},2,{m.cache.max_length},16]"  # [slots, n_kv, max_length, D]
+        kv = f"f32[{m.cache.num_slots},2,{m.cache.max_model_len},16]"  # [slots, n_kv, max_model_len, D]
         layout = re.search(r"entry_computation_layout=\{\((.*)\)->\((.*)\)\}", header)
         params = re.findall(r"[a-z0-9]+\[[^\]]*\]", layout.group(1))
         assert [i for i, p in enumerate(params) if p == kv] == sorted(int(d) for d in donors)
@@ -138,7 +138,7 @@ def _traffic() -> tuple[float, float]:
 
 @pytest.mark.parametrize("replay", [True, False])
 def test_a_decode_step_moves_only_ids_in_and_logits_out_at_any_kv_length(replay, ckpt, tmp_path):
-    art = compile_tiny(ckpt("llama-gqa2"), tmp_path / "art", max_length=256, prefill_buckets=(16,),
+    art = compile_tiny(ckpt("llama-gqa2"), tmp_path / "art", max_model_len=256, prefill_buckets=(16,),
                        decode_buckets=(16, 256), backend_options={"replay": replay})
     runner = load_artifact(art).runner
     V = runner.vocab_size
@@ -160,7 +160,7 @@ def test_a_decode_step_moves_only_ids_in_and_logits_out_at_any_kv_length(replay,
 
 @pytest.mark.parametrize("replay", [True, False])
 def test_no_recompilation_after_warm_up_over_a_64_token_generation(replay, ckpt, tmp_path):
-    art = compile_tiny(ckpt("llama-gqa2"), tmp_path / "art", max_length=128, prefill_buckets=(16,),
+    art = compile_tiny(ckpt("llama-gqa2"), tmp_path / "art", max_model_len=128, prefill_buckets=(16,),
                        decode_buckets=(32, 64, 128), backend_options={"replay": replay})
     runner = load_artifact(art).runner  # load compiles (on a NeuronCore: loads) every bucket's graph
     compiles = met.metric_data("CompileTime")[0]
@@ -229,7 +229,7 @@ def test_sequence_parallel_at_tp2_is_refused_before_anything_runs(ckpt, tmp_path
 def test_a_tp2_artifact_cannot_load_into_a_one_device_process(ckpt, tmp_path):
     out = subprocess.run([sys.executable, "-m", "neuron_opt.cli", "compile", "--model", str(ckpt("llama-gqa2")),
                           "--out", str(tmp_path / "art"), "--backend", "neuron", "--dtype", "float32", "--tp", "2",
-                          "--max-length", "64", "--prefill-buckets", "16", "--decode-buckets", "16,32"],
+                          "--max-model-len", "32", "--prefill-buckets", "16", "--decode-buckets", "16,32"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     with pytest.raises(ConfigError, match="one SPMD program over 2 XLA devices.*fresh process"):
@@ -244,7 +244,7 @@ def test_torch_and_device_logits_agree_through_the_api(ckpt, tmp_path):
     art = compile_tiny(ckpt("qwen2"), tmp_path / "art")
     ids = [(5 * i + 4) % 200 + 3 for i in range(10)]
     got = LLM(art).generate_ids(ids, SamplingParams(max_tokens=20, min_tokens=20)).token_ids
-    ref_llm = LLM(str(ckpt("qwen2")), max_length=64)
+    ref_llm = LLM(str(ckpt("qwen2")), max_model_len=64)
     want = ref_llm.generate_ids(ids, SamplingParams(max_tokens=20, min_tokens=20)).token_ids
     assert got == want
     assert torch.is_tensor(torch.tensor(got))
@@ -260,7 +260,7 @@ def test_default_model_compiles_and_answers_paris_with_hf_greedy_tokens(tmp_path
 
     art = tmp_path / "art"
     assert main(["compile", "--model", "default", "--out", str(art), "--backend", "neuron", "--dtype", "float32",
-                 "--max-length", "256", "--prefill-buckets", "64,128", "--decode-buckets", "128,256"]) == 0
+                 "--max-model-len", "256", "--prefill-buckets", "64,128", "--decode-buckets", "128,256"]) == 0
     capsys.readouterr()
     assert main(["generate", str(art), "--chat", "--prompt", "What is the capital of France?",
                  "--max-new-tokens", "24", "--json"]) == 0
@@ -287,9 +287,9 @@ def test_server_on_a_neuron_artifact_batches_streams_like_the_reference(tmp_path
     from neuron_opt.runtime.sampling import SamplingParams
 
     tiny = make_tiny("smollm-tok", tmp_path / "ckpt")
-    art = compile_tiny(tiny, tmp_path / "art", batch_size=4, max_length=128, prefill_buckets=(32, 64),
+    art = compile_tiny(tiny, tmp_path / "art", batch_size=4, max_model_len=128, prefill_buckets=(32, 64),
                        decode_buckets=(64, 128))
-    ref = LLM(tiny, max_length=128)
+    ref = LLM(tiny, max_model_len=128)
     questions = [f"Question {i}: what is {i} plus {i}?" for i in range(6)]
     want = [ref.chat([{"role": "user", "content": q}], SamplingParams(max_tokens=12, min_tokens=12)).text
             for q in questions]
