@@ -96,3 +96,26 @@ def test_pick_decode_is_smallest_fitting(batches, seqs, batch, pos):
     assert b.batch >= batch and b.kv_len > pos
     assert not [x for x in batches if batch <= x < b.batch]
     assert not [s for s in seqs if pos < s < b.kv_len]
+
+
+def test_max_model_len_is_the_largest_decode_bucket():
+    """One number for 'most tokens a sequence holds': explicit decode buckets must reach max_model_len."""
+    with pytest.raises(ConfigError, match=r"the largest \(32\) must be max_model_len \(64\)"):
+        BucketConfig.build(max_prompt_len=16, max_model_len=64, max_batch=1, decode_kv_lens=[16, 32])
+    assert BucketConfig.build(max_prompt_len=16, max_model_len=32, max_batch=1,
+                              decode_kv_lens=[16, 32]).decode_kv_lens[-1] == 32
+
+
+def test_retired_names_do_not_come_back():
+    """The names issue #17 item 13 replaced (docs/structure.md, "Names") appear nowhere in the code, except as the
+    CLI's accepted old spellings."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    retired = re.compile(r"\b(max_length|max_total_len|max_context|prefill_seqs|decode_seqs)\b|bucket\.seq\b")
+    hits = [f"{p.relative_to(root)}:{i}: {line.strip()}"
+            for pkg in ("neuron_opt", "models", "kernels_nki", "scripts")
+            for p in sorted((root / pkg).rglob("*.py"))
+            for i, line in enumerate(p.read_text().splitlines(), 1) if retired.search(line)]
+    assert hits == []
