@@ -16,14 +16,18 @@ Design decisions (docs/neuron_backend.md has the sources and the alternatives we
   buffers of every step (`buffer_donor` in the HLO module, InputOutputAliasCount in its metrics), so a decode
   step moves only ids/positions/slots in and [B, V] logits out.
 - Artifact: every bucket's HLO (text and HloModuleProto, exactly what XLA compiled, as XLA's dump writes it
-  "before optimizations"), per rank. That is the input neuronx-cc compiles. On a NeuronCore the Neuron compile
+  "before optimizations"): graphs/rank0/ at tp=1, one SPMD module per bucket in graphs/spmd/ at tp > 1. That
+  is the input neuronx-cc compiles. On a NeuronCore the Neuron compile
   cache (NEFFs keyed by HLO hash) is pointed into the artifact at compile and at load, so `serve` does not run
   neuronx-cc. The XLA CPU client cannot deserialize executables ("Deserializing serialized executable not
   supported"), so on CPU each bucket compiles once at load, before the first request.
-- TP: collectives are XLA ops in each rank's HLO (`xm.all_reduce` / `all_gather` / `reduce_scatter` with the tp
-  ranks as replica groups: neuronx-distributed's form). torch-xla's CPU client does not execute cross-replica
-  collectives in one process (see docs), so tp > 1 artifacts are built and checked by their HLO here and
-  refused at load with that reason.
+- TP: one SPMD program for every rank (neuronx-distributed's form: one HLO on every NeuronCore, the rank a
+  sharded tensor), run in a manual-sharding region over `tp` devices, with the row-parallel all-reduces as HLO
+  `all-reduce` ops over replica group {0..tp-1} (SpmdRanks, SpmdCollectives). On the XLA CPU device the tp
+  devices are CPU_NUM_DEVICES, so tp=2 runs here. Explicit `xm.all_reduce` across processes or threads does
+  not run on the CPU client (docs/neuron_backend.md).
+- Steps replay each bucket's compiled graph by hash (tp=1, DeviceProgram), so the host does not re-record the
+  model's ops every step; the traced path is the reference.
 - Bucket graphs are named by their graph hash, so a graph compiled earlier in the process (under any caller)
   is found in the dump by name.
 """
