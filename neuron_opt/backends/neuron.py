@@ -238,9 +238,9 @@ class DeviceProgram:
 
     Two ways to run a step, with equal results (tested bit for bit):
     - traced (`run_traced`, the reference): torch-xla records the model's ops into IR, hashes the graph, finds
-      the compiled executable and runs it. Recording costs host time every step (about 28 ms for the 30-layer
-      default model on this machine, as much as executing it on the XLA CPU device).
-    - replayed (`run`, after `prepare`): the graph is traced once per bucket and compiled with the KV caches as
+      the compiled executable and runs it. Recording costs host time every step (about 35 ms for the 30-layer
+      default model on this machine, more than executing it on the XLA CPU device: docs/neuron_backend.md).
+    - replayed (`replay`, after `prepare`): the graph is traced once per bucket and compiled with the KV caches as
       buffer donors; each step passes the new step inputs and the current caches to the cached executable by
       hash (`_run_cached_graph`, what torch-xla's dynamo bridge does), and the donated caches come back as
       outputs. No ops are recorded per step.
@@ -269,6 +269,16 @@ class DeviceProgram:
         logits = self.trace(bucket, inputs)
         _sync(self.xla, [logits, *self.k_caches, *self.v_caches])
         return self.host_logits(logits)
+
+    def compile_for(self, bucket: Bucket, scratch_slot: int, replay: bool) -> tuple[str, Replay | None]:
+        """Compiles (on a NeuronCore: loads) `bucket`'s graph the way its steps will run: for replay (`prepare`,
+        nothing runs) or traced (run once on the scratch slot). Returns the graph's name, under which XLA's dump
+        holds its HLO, and the replay handle (None when traced)."""
+        if replay:
+            r = self.prepare(bucket, scratch_slot)
+            return r.name, r
+        logits = self.trace(bucket, warm_up_inputs(bucket, scratch_slot))
+        return _sync(self.xla, [logits, *self.k_caches, *self.v_caches]), None
 
     def prepare(self, bucket: Bucket, scratch_slot: int) -> Replay:
         """Traces `bucket` once (on scratch-slot inputs) and compiles it for replay; runs nothing.
@@ -518,7 +528,6 @@ class NeuronBackend:
         self.xla = import_xla(dump=dump, devices=tp)
         self.device_type = self.xla.runtime.device_type()
         self.dtype = dtype
-        self.options = dict(options or {})
         self.comm = SpmdCollectives(tp) if tp > 1 else None
         if self.opts.replay and tp > 1:
             raise ConfigError("backend_options.replay: graph replay is available at tp=1 only; torch-xla 2.9 "
@@ -571,11 +580,8 @@ class NeuronBackend:
             self._ranks = {key: self._device_model(model, num_slots)}  # one device model at a time
         ranks = self._ranks[key]
         self._set_compiler_env(out_dir / NEURON_CACHE)
-        if self.replay:  # the same compile `load` makes, so a NeuronCore's NEFF cache entry is the one used
-            name = ranks.prepare(bucket, num_slots - 1).name
-        else:
-            logits = ranks.trace(bucket, warm_up_inputs(bucket, num_slots - 1))
-            name = _sync(self.xla, [logits, *ranks.k_caches, *ranks.v_caches])
+        # the same compile `load` makes, so a NeuronCore's NEFF cache entry is the one used
+        name, _ = ranks.compile_for(bucket, num_slots - 1, self.replay)
         d = _DUMP["dir"]
         texts = sorted(d.glob(f"module_*.{name}.*before_optimizations.txt"))
         protos = sorted(d.glob(f"module_*.{name}.*before_optimizations.hlo.pb"))
@@ -623,9 +629,5 @@ class NeuronBackend:
         ranks = self._device_model(models if self.tp > 1 else models[0], num_slots)
         executor = NeuronExecutor(ranks)
         for bucket in sorted(graph_files, key=lambda b: b.key):  # every graph ready before the first request
-            if self.replay:
-                executor.buckets[bucket] = ranks.prepare(bucket, num_slots - 1)
-            else:  # compile by running it once on the scratch slot
-                ranks.run_traced(bucket, warm_up_inputs(bucket, num_slots - 1))
-                executor.buckets[bucket] = None
+            _, executor.buckets[bucket] = ranks.compile_for(bucket, num_slots - 1, self.replay)
         return executor

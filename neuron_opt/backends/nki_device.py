@@ -150,17 +150,18 @@ class DeviceKernelOps(TorchOps):
 
     def __init__(self, device_type: str, window: int | None) -> None:
         self.device_type, self.window = device_type, window
-        self.choices: list[KernelChoice] = []  # every call traced since the last `take_choices`
+        # distinct choices since the last `take_choices`, in first-call order (a dict: a traced step per token
+        # must not grow it)
+        self.choices: dict[KernelChoice, None] = {}
 
     def take_choices(self) -> list[dict[str, Any]]:
         """The distinct choices of the graph traced since the last call, in first-call order."""
-        seen: dict[KernelChoice, None] = dict.fromkeys(self.choices)
-        self.choices = []
-        return [asdict(c) for c in seen]
+        taken, self.choices = list(self.choices), {}
+        return [asdict(c) for c in taken]
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         c = choose_rms_norm(math.prod(x.shape[:-1]), x.shape[-1], x.dtype, self.device_type)
-        self.choices.append(c)
+        self.choices[c] = None
         if c.kernel is None:
             return super().rms_norm(x, weight, eps)
         args, kwargs = rms_norm_kernel_call(x, weight, eps)
@@ -171,7 +172,7 @@ class DeviceKernelOps(TorchOps):
         B, n_heads, S, D = q.shape
         c = choose_attention(B, n_heads, keys.shape[1], S, keys.shape[2], D, q.dtype, self.window,
                              self.device_type)
-        self.choices.append(c)
+        self.choices[c] = None
         if c.kernel is None:
             return super().attention(q, keys, values, positions, mask, scale)
         grid, args, kwargs = attention_kernel_call(c.kernel, q, keys.to(q.dtype), values.to(q.dtype), positions,
