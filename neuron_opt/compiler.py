@@ -240,33 +240,26 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
                               f"{ckpt.source} (rank {rank} shard)")
         return model
 
-    # a backend whose graphs hold the collectives builds every rank into one SPMD program (neuron: XLA ops)
+    # a backend whose graphs hold the collectives builds every rank into one SPMD program (neuron: XLA ops);
+    # the others compile rank by rank. A unit: (its cache-key rank, the ranks it holds, its graph directory)
     spmd = par.tp > 1 and hasattr(backend, "rank_collectives")
+    comm = backend.rank_collectives(par.tp, lay.kv_seq_shards) if spmd else None
+    units = ([("spmd", list(range(par.tp)), "graphs/spmd")] if spmd else
+             [(r, [r], f"graphs/rank{r}") for r in range(par.tp)])  # one rank's graphs may share files
     try:
-        if spmd:
-            comm = backend.rank_collectives(par.tp, lay.kv_seq_shards)
-            models = [build_rank(rank, comm) for rank in range(par.tp)]
-            for rank, model in enumerate(models):  # saved first: the device program takes the host weights
-                backend.save_weights(model, writer.path(f"weights/rank{rank}.safetensors"))
-            bar = tqdm(buckets.buckets(), desc=f"compile tp={par.tp} (SPMD)", unit="graph", disable=not progress)
-            rel_dir = "graphs/spmd"  # one program for every rank
+        for unit, ranks, rel_dir in units:
+            models = [build_rank(r, comm) for r in ranks]
+            for r, model in zip(ranks, models, strict=True):  # saved first: a device program takes host weights
+                backend.save_weights(model, writer.path(f"weights/rank{r}.safetensors"))
+            target = models if spmd else models[0]
+            desc = f"compile tp={par.tp} (SPMD)" if spmd else f"compile rank {unit}"
+            bar = tqdm(buckets.buckets(), desc=desc, unit="graph", disable=not progress)
             for bucket in bar:
                 bar.set_postfix_str(bucket.key)
-                files = _compile_one(backend, models, bucket, cache_cfg, key_for(bucket, "spmd"), cache,
+                files = _compile_one(backend, target, bucket, cache_cfg, key_for(bucket, unit), cache,
                                      writer.path(rel_dir), hits, misses, compile_seconds)
                 graphs.setdefault(bucket.key, []).extend(f"{rel_dir}/{f}" for f in files)
-            del models
-        for rank in range(0 if not spmd else par.tp, par.tp):
-            model = build_rank(rank, None)
-            bar = tqdm(buckets.buckets(), desc=f"compile rank {rank}", unit="graph", disable=not progress)
-            rel_dir = f"graphs/rank{rank}"  # graphs of one rank share a directory: buckets may share files
-            for bucket in bar:
-                bar.set_postfix_str(bucket.key)
-                files = _compile_one(backend, model, bucket, cache_cfg, key_for(bucket, rank), cache,
-                                     writer.path(rel_dir), hits, misses, compile_seconds)
-                graphs.setdefault(bucket.key, []).extend(f"{rel_dir}/{f}" for f in files)
-            backend.save_weights(model, writer.path(f"weights/rank{rank}.safetensors"))
-            del model
+            del models, target, model  # before the next unit builds its models
         if hasattr(backend, "finish_compile"):
             backend.finish_compile()
         if not hits and misses and req.backend != "eager":  # a cold compile: this machine's speed, for the plan
