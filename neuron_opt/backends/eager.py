@@ -22,11 +22,7 @@ def model_state_for_save(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def load_weights(model: torch.nn.Module, sd: dict[str, torch.Tensor], source: object) -> None:
     """Load a canonical (HF-named) state dict; the only name allowed to be absent is a tied LM head."""
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    tied = {"lm_head.weight"} if model.cfg.tie_word_embeddings else set()
-    if set(missing) - tied or unexpected:
-        raise ValueError(f"{source}: weights do not match the model (missing {sorted(set(missing) - tied)[:5]}, "
-                         f"unexpected {sorted(unexpected)[:5]})")
+    load_weights_streamed(model, sd.items(), source)
 
 
 def load_weights_streamed(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
