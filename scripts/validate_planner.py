@@ -10,9 +10,8 @@ constants (`neuron_opt.planner.latency.DEFAULT_EFFICIENCY`); nothing here is tun
 
 Layouts: the published runs used transformers-neuronx / NxDI / optimum-neuron, which pad the MLP's
 intermediate dimension to a multiple of tp (14336 / 24 is not an integer) and pad query heads (32 -> 48 at
-tp 24, with one KV head per query head when tp is not a multiple of the KV heads). `published_layout`
-reproduces that; our own sharding (neuron_opt.parallel.sharding) rejects such tp degrees instead, so
-`neuron-opt plan` does not offer them.
+tp 24). Our own sharding pads the same way (neuron_opt.parallel.sharding), so every row is predicted with the
+layout `neuron-opt plan` and `compile` use.
 """
 
 from __future__ import annotations
@@ -27,8 +26,7 @@ from dataclasses import dataclass
 
 from neuron_opt.buckets import powers_of_two, smallest_fitting
 from neuron_opt.config import ModelConfig, ParallelConfig
-from neuron_opt.errors import ConfigError
-from neuron_opt.parallel.sharding import HeadLayout, head_layout
+from neuron_opt.parallel.sharding import head_layout
 from neuron_opt.planner.hardware import get_instance
 from neuron_opt.planner.latency import DEFAULT_EFFICIENCY, Efficiency, decode_time, prefill_time
 
@@ -149,29 +147,10 @@ FIT_ROWS = [r for r in ROWS if is_fit_row(r)]
 HELD_OUT_ROWS = [r for r in ROWS if not is_fit_row(r)]
 
 
-def published_layout(cfg: ModelConfig, tp: int) -> HeadLayout:
-    """The layout the published runs used: ours when tp divides the model, else padded as TNX/NxDI pad."""
-    try:
-        return head_layout(cfg, ParallelConfig(tp=tp))
-    except ConfigError:
-        pass
-    nq_pad = math.ceil(cfg.num_attention_heads / tp) * tp
-    mha = tp % cfg.num_key_value_heads != 0 or nq_pad != cfg.num_attention_heads
-    return HeadLayout(
-        tp=tp,
-        n_heads=nq_pad,
-        n_kv_heads=nq_pad if mha else tp,
-        head_dim=cfg.head_dim,
-        strategy="mha" if mha else "replicate-kv",
-        intermediate_local=math.ceil(cfg.intermediate_size / tp),
-        vocab_padded=math.ceil(cfg.vocab_size / tp) * tp,
-    )
-
-
 def predict(row: Row, eff: Efficiency = DEFAULT_EFFICIENCY) -> tuple[float, float]:
     """(TTFT ms, TPOT ms) for a row. TPOT is taken at the median output token (p50 of per-token latency)."""
     cfg, inst = MODELS[row.model], get_instance(row.instance)
-    lay = published_layout(cfg, row.tp)
+    lay = head_layout(cfg, ParallelConfig(tp=row.tp))
     if row.bucketed:
         prefill_seq = smallest_fitting(row.input_len, powers_of_two(128, row.seq))
         kv_len = smallest_fitting(row.input_len + row.output_len // 2 + 1, powers_of_two(128, row.seq))

@@ -26,6 +26,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
                                                                    factor=2.0))),
     "llama-bias": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
                                        mlp_bias=True)),
+    # an MLP width no tp > 1 divides (101 is prime): the intermediate dimension is zero-padded per rank
+    "llama-odd-mlp": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=101)),
     "qwen2": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
     "mistral-window": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8)),
 }

@@ -88,14 +88,6 @@ def run(args: argparse.Namespace) -> int:
         ),
         traffic,
     )
-    if not plans:
-        from neuron_opt.errors import ConfigError
-
-        raise ConfigError(
-            f"tp: no tp degree supported on {inst.name} ({', '.join(map(str, inst.tp_degrees))}) "
-            f"can shard this model (heads {cfg.num_attention_heads}, intermediate_size "
-            f"{cfg.intermediate_size})"
-        )
     best = plans[0]
     if args.json:
         print(json.dumps(plan_json(cfg, best, plans[1:]), indent=2))

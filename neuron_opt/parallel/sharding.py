@@ -21,6 +21,13 @@ mechanism expresses every GQA strategy:
                group's KV cache along the sequence (round-robin: position p lives on group rank p % g).
                KV memory per rank drops by g against replicate-kv; q/o weights are duplicated g times.
 
+Widths tp does not divide are padded with zeros, never refused, so any tp shards any Llama-family model (as
+transformers-neuronx ran Llama-3-8B, Mistral-7B and Llama-3-70B at tp 24 on inf2.48xlarge): the MLP's
+`intermediate_size` to ceil(I / tp) features per rank (zero gate/up rows and down columns: silu(0) * 0 = 0, so
+the result is unchanged), the vocabulary to ceil(V / tp) rows per rank (padded logits are masked to -inf before
+sampling), and query heads as under `mha` above. The plan prints what was padded and what it costs
+(neuron_opt.planner.memory.layout_overhead).
+
 `head_layout` picks the strategy (overridable with ParallelConfig.gqa_strategy); `layout_cost` describes it
 with its memory cost for the compile plan. tp=1 is the identity layout.
 """
@@ -66,7 +73,7 @@ class HeadLayout:
     n_kv_heads: int  # KV heads after replication (replicate-kv) or expansion (mha) (global)
     head_dim: int
     strategy: str  # shard | replicate-kv | mha | kv-seq-shard
-    intermediate_local: int
+    intermediate_local: int  # MLP features per rank: ceil(intermediate_size / tp) (zero-padded)
     vocab_padded: int
     kv_seq_shards: int = 1  # g: ranks sharing one KV head along the sequence (kv-seq-shard only)
 
@@ -82,6 +89,10 @@ class HeadLayout:
     def vocab_local(self) -> int:
         return self.vocab_padded // self.tp
 
+    @property
+    def intermediate_padded(self) -> int:
+        return self.intermediate_local * self.tp
+
     def cache_length(self, max_model_len: int) -> int:
         """Positions per rank in the KV cache. kv-seq-shard keeps ceil(L/g) plus one scratch position that
         the other group ranks' tokens are written to (never read), so writes stay fixed-shape."""
@@ -93,13 +104,11 @@ class HeadLayout:
 def head_layout(cfg: ModelConfig, par: ParallelConfig) -> HeadLayout:
     """Choose the head layout for `par.tp` ranks (see the module docstring for the strategies)."""
     tp = par.tp
-    if cfg.intermediate_size % tp:
-        raise ConfigError(f"tp: {tp} does not divide intermediate_size={cfg.intermediate_size}")
     nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     common = dict(
         tp=tp,
         head_dim=cfg.head_dim,
-        intermediate_local=cfg.intermediate_size // tp,
+        intermediate_local=math.ceil(cfg.intermediate_size / tp),
         vocab_padded=math.ceil(cfg.vocab_size / tp) * tp,
     )
     if tp == 1:
@@ -158,6 +167,16 @@ def _pick_heads(w: torch.Tensor, src: list[int | None], D: int) -> torch.Tensor:
     return out.reshape(len(src) * D, *w.shape[1:])  # [len(src)*D, ...]
 
 
+def _pad_dim(w: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """`w` with zeros appended along `dim` up to `size` (padded vocabulary rows, MLP features)."""
+    missing = size - w.shape[dim]
+    if missing == 0:
+        return w
+    shape = list(w.shape)
+    shape[dim] = missing
+    return torch.cat([w, w.new_zeros(shape)], dim=dim)
+
+
 def shard_state_dict(
     sd: dict[str, torch.Tensor], cfg: ModelConfig, lay: HeadLayout, rank: int
 ) -> dict[str, torch.Tensor]:
@@ -177,10 +196,14 @@ def shard_tensor(name: str, w: torch.Tensor, cfg: ModelConfig, lay: HeadLayout, 
     elif name.endswith("o_proj.weight"):  # columns of this rank's heads: [H, nql*D]
         w = _pick_heads(w.t().contiguous(), head_sources(cfg, lay, rank)[0], D).t()
     elif rule in (COLUMN, VOCAB):
-        if name in ("lm_head.weight", "model.embed_tokens.weight") and lay.vocab_padded != w.shape[0]:
-            w = torch.cat([w, w.new_zeros(lay.vocab_padded - w.shape[0], *w.shape[1:])])
+        if name in ("lm_head.weight", "model.embed_tokens.weight"):
+            w = _pad_dim(w, 0, lay.vocab_padded)
+        elif re.fullmatch(r".*\.mlp\.(gate|up)_proj\.(weight|bias)", name):
+            w = _pad_dim(w, 0, lay.intermediate_padded)
         w = w.chunk(tp, dim=0)[rank] if tp > 1 else w
     elif rule == ROW:
+        if name.endswith("mlp.down_proj.weight"):
+            w = _pad_dim(w, 1, lay.intermediate_padded)
         w = w.chunk(tp, dim=1)[rank] if tp > 1 else w
     return w.contiguous()
 

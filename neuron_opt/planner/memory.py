@@ -86,6 +86,41 @@ def weight_bytes(cfg: ModelConfig, lay: HeadLayout, dtype: str) -> int:
     return b * n.total
 
 
+@dataclass(frozen=True)
+class LayoutOverhead:
+    """What a tp layout costs one rank beyond an even 1/tp split of the unpadded model."""
+
+    padded: tuple[str, ...]  # e.g. "MLP 14336 -> 14352", one entry per padded or replicated width
+    extra_weight_bytes: int  # per rank, in the weight dtype
+    extra_linear_flops: float  # fraction: this rank's linear FLOPs per token / (the unpadded model's / tp) - 1
+
+    def line(self) -> str:
+        return (
+            f"padding for tp: {', '.join(self.padded)}: weights +{self.extra_weight_bytes / GiB:.2f} GiB per "
+            f"core, linear FLOPs +{100 * self.extra_linear_flops:.1f}% (zero rows/columns: exact, but computed)"
+        )
+
+
+def layout_overhead(cfg: ModelConfig, lay: HeadLayout, dtype: str) -> LayoutOverhead:
+    """Padding (MLP features, query heads, vocabulary) and KV-head replication of `lay`, with their cost."""
+    from neuron_opt.config import ParallelConfig
+    from neuron_opt.parallel.sharding import head_layout
+
+    even = head_layout(cfg, ParallelConfig(tp=1))
+    padded = []
+    if lay.intermediate_padded != cfg.intermediate_size:
+        padded.append(f"MLP {cfg.intermediate_size} -> {lay.intermediate_padded}")
+    if lay.n_heads * lay.kv_seq_shards != cfg.num_attention_heads:
+        padded.append(f"q heads {cfg.num_attention_heads} -> {lay.n_heads * lay.kv_seq_shards}")
+    if lay.n_kv_heads * lay.kv_seq_shards != cfg.num_key_value_heads and lay.kv_seq_shards == 1:
+        padded.append(f"kv heads {cfg.num_key_value_heads} -> {lay.n_kv_heads} (replicated)")
+    if lay.vocab_padded != cfg.vocab_size:
+        padded.append(f"vocab {cfg.vocab_size} -> {lay.vocab_padded}")
+    extra = weight_bytes(cfg, lay, dtype) - weight_bytes(cfg, even, dtype) / lay.tp
+    linear = weight_count(cfg, lay).linear / (weight_count(cfg, even).linear / lay.tp) - 1
+    return LayoutOverhead(tuple(padded), max(0, round(extra)), max(0.0, linear))
+
+
 def kv_bytes(cfg: ModelConfig, lay: HeadLayout, slots: int, length: int, kv_dtype: str) -> int:
     """One rank's KV cache: K and V, every layer, [slots, n_kv_local, positions, D].
 

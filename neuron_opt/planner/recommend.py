@@ -1,10 +1,9 @@
 """Evaluate one deployment (tp, batch, lengths, dtypes) and rank the alternatives for a traffic shape.
 
 Design decisions:
-- A deployment is evaluated exactly as the runtime would run it: our own head layout (an impossible tp raises
-  ConfigError from neuron_opt.parallel.sharding), the default bucket set (neuron_opt.buckets), TTFT from the
-  prefill bucket the prompt lands in, TPOT at the median output token's decode bucket (p50 of per-token
-  latency).
+- A deployment is evaluated exactly as the runtime would run it: our own head layout (padding included), the
+  default bucket set (neuron_opt.buckets), TTFT from the prefill bucket the prompt lands in, TPOT at the median
+  output token's decode bucket (p50 of per-token latency).
 - Ranking: plans that fit come first; bfloat16 weights are preferred and a quantized dtype is only proposed
   when no bfloat16 plan fits (we never quantize silently). Among the rest, the recommendation is the plan
   with the fewest NeuronCores whose end-to-end latency (TTFT + output_len * TPOT) is within RECOMMEND_SLACK
@@ -207,7 +206,8 @@ def candidates(
     dtype: str | None = None,
     kv_dtype: str = "bfloat16",
 ) -> list[Plan]:
-    """Every shardable (tp, dtype) on the instance, evaluated; tp degrees our sharding rejects are skipped."""
+    """Every (tp, dtype) on the instance, evaluated (any tp shards any model: widths tp does not divide are
+    zero-padded, neuron_opt.parallel.sharding)."""
     if tp is not None:
         check_tp(inst, tp)
     degrees = (tp,) if tp is not None else inst.tp_degrees
@@ -216,12 +216,7 @@ def candidates(
     out = []
     for d in dtypes:
         for t in degrees:
-            dep = Deployment(t, batch, max_prompt_len, max_model_len, d, kv_dtype)
-            try:
-                out.append(evaluate(cfg, inst, dep, traffic))
-            except ConfigError:
-                if tp is not None:
-                    raise
+            out.append(evaluate(cfg, inst, Deployment(t, batch, max_prompt_len, max_model_len, d, kv_dtype), traffic))
     if dtype is None and any(p.fits and p.deployment.dtype not in QUANTIZED for p in out):
         out = [p for p in out if p.deployment.dtype not in QUANTIZED]
     return out

@@ -7,6 +7,7 @@ from typing import Any
 from neuron_opt.buckets import BucketConfig
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
 from neuron_opt.planner.hardware import GB, GiB, get_instance
+from neuron_opt.planner.memory import layout_overhead
 from neuron_opt.planner.recommend import Deployment, Plan, Traffic, evaluate
 
 
@@ -42,6 +43,9 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
         f"decode batches {list(plan.buckets.decode_batches)}"
         f" x lengths {list(plan.buckets.decode_kv_lens)} ({len(plan.buckets.buckets())} graphs)",
     ]
+    over = layout_overhead(cfg, lay, d.dtype)
+    if over.padded:
+        lines.insert(1, f"  {over.line()}")
     if plan.ttft is not None and plan.tpot is not None and plan.prefill_bucket and plan.decode_bucket:
         lines.append(
             f"  TTFT {1e3 * plan.ttft.total:.1f} ms (prefill bucket {plan.prefill_bucket.kv_len}, "
@@ -70,6 +74,15 @@ def alternatives_table(plans: list[Plan], traffic: Traffic, limit: int = 8) -> l
     return rows
 
 
+def _overhead_json(cfg: ModelConfig, plan: Plan) -> dict[str, Any]:
+    over = layout_overhead(cfg, plan.layout, plan.deployment.dtype)
+    return {
+        "padded": list(over.padded),
+        "extra_weight_bytes_per_core": over.extra_weight_bytes,
+        "extra_linear_flops_fraction": round(over.extra_linear_flops, 4),
+    }
+
+
 def plan_json(cfg: ModelConfig, plan: Plan, alternatives: list[Plan] | None = None) -> dict[str, Any]:
     d, m = plan.deployment, plan.memory
     out: dict[str, Any] = {
@@ -86,6 +99,7 @@ def plan_json(cfg: ModelConfig, plan: Plan, alternatives: list[Plan] | None = No
         "max_prompt_len": d.max_prompt_len,
         "max_model_len": d.max_model_len,
         "gqa_strategy": plan.layout.strategy,
+        "padding": _overhead_json(cfg, plan),
         "memory_bytes": {
             "weights": m.weights,
             "kv_cache": m.kv_cache,

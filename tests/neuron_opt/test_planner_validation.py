@@ -15,6 +15,8 @@ from types import ModuleType
 
 import pytest
 
+from neuron_opt.config import ParallelConfig
+from neuron_opt.parallel.sharding import head_layout
 from neuron_opt.planner import get_instance
 from neuron_opt.planner.latency import DEFAULT_EFFICIENCY, decode_time, prefill_time
 
@@ -96,7 +98,7 @@ def test_docs_validation_table_is_the_scripts_output(v: ModuleType) -> None:
 
 def test_prefill_hop_latency_is_paid_per_layer_all_reduce_per_ring_step(v: ModuleType) -> None:
     cfg, inst = v.MODELS["Llama-3-8B"], get_instance("inf2.48xlarge")
-    lay = v.published_layout(cfg, 24)
+    lay = head_layout(cfg, ParallelConfig(tp=24))
     no_hops = dataclasses.replace(DEFAULT_EFFICIENCY, prefill_hop_latency_s=0.0)
     with_hops = prefill_time(cfg, lay, inst, batch=1, seq=128, dtype="int8").collective
     without = prefill_time(cfg, lay, inst, batch=1, seq=128, dtype="int8", eff=no_hops).collective
