@@ -3,6 +3,7 @@
 A step (one graph execution, prefill or decode) costs
 
     max(FLOPs / (peak * eff.tensor), bytes / (HBM bandwidth * eff.hbm))
+    + [prefill, scores materialised] score elements * eff.attention_score_s
     + n_collectives * (eff.collective_latency_s + ring bytes / link bandwidth)
     + [prefill] 2 * layers * ring_steps(chips) * eff.prefill_hop_latency_s
     + eff.step_overhead_s
@@ -13,7 +14,10 @@ reduced sum).
 
 - FLOPs: 2 per weight element per token for the linears (padded heads included: padding is real work), plus
   attention 4 * q_len * kv_len * D per local head (QK^T and PV), computed over the whole masked square because
-  our graphs mask rather than skip; the LM head runs on the last position of each row only.
+  our graphs mask rather than skip (a flash-attention kernel skips the causal upper triangle: half); the LM head
+  runs on the last position of each row only.
+- Score elements: batch * layers * local heads * S^2 of the materialised score matrix, whose elementwise passes
+  run on the vector/scalar engines (no such term under a flash-attention kernel).
 - Bytes: every weight is read once per step; decode also reads the K and V of its bucket's kv_len positions
   for every row of the batch (not the cache's max length: that is what decode length buckets buy).
 - Collectives: Megatron TP does two all-reduces per layer (after o_proj and down_proj) of [tokens, H]
@@ -23,10 +27,10 @@ reduced sum).
 - Weight-only quantization (int8/fp8) halves weight bytes but not FLOPs: weights are dequantized to bfloat16
   before TensorE, so the bfloat16 peak applies.
 
-The five constants (`Efficiency`) are named and justified in docs/planner.md. `hbm` is taken from AWS's
-NKI performance guide; the other four are calibrated once, jointly, on the inf2.48xlarge rows of AWS's
-published table and then held fixed for every other instance (scripts/validate_planner.py --fit reproduces
-the fit; the trn1 and trn2 rows are out-of-sample checks).
+The six constants (`Efficiency`) are named and justified in docs/planner.md. `hbm` is taken from AWS's
+NKI performance guide; the other five are calibrated once, jointly, on the Llama-3 inf2.48xlarge rows of AWS's
+published tables and then held fixed for every other model, instance and stack (neuron_opt.planner.validation:
+the fit, the held-out rows and their errors).
 """
 
 from __future__ import annotations
@@ -56,10 +60,11 @@ class Efficiency:
     """
 
     hbm: float = 0.6
-    tensor: float = 0.20
+    tensor: float = 0.30
     collective_latency_s: float = 5e-6
     step_overhead_s: float = 3.75e-3
     prefill_hop_latency_s: float = 12e-6
+    attention_score_s: float = 9e-11
 
 
 DEFAULT_EFFICIENCY = Efficiency()
@@ -114,6 +119,12 @@ def _attention_flops(cfg: ModelConfig, lay: HeadLayout, batch: int, q_len: int, 
     return 4.0 * batch * cfg.num_hidden_layers * lay.n_heads_local * q_len * kv_len * lay.head_dim
 
 
+def _score_time(cfg: ModelConfig, lay: HeadLayout, batch: int, q_len: int, kv_len: int, eff: Efficiency) -> float:
+    """Elementwise work on the materialised attention scores (scale, mask, max, exp, sum, normalise, casts) on
+    the vector/scalar engines, with the score matrix's HBM round trips: per score element per rank."""
+    return eff.attention_score_s * batch * cfg.num_hidden_layers * lay.n_heads_local * q_len * kv_len
+
+
 def prefill_time(
     cfg: ModelConfig,
     lay: HeadLayout,
@@ -123,17 +134,20 @@ def prefill_time(
     seq: int,
     dtype: str,
     eff: Efficiency = DEFAULT_EFFICIENCY,
+    flash: bool = False,
 ) -> StepTime:
-    """One prefill graph of `batch` rows padded to `seq` tokens (the bucket, not the prompt length)."""
+    """One prefill graph of `batch` rows padded to `seq` tokens (the bucket, not the prompt length).
+
+    `flash`: attention runs as a flash-attention kernel (NxDI's, or transformers-neuronx's beyond 8k tokens):
+    causal tiles above the diagonal are skipped (half the attention FLOPs) and no score matrix is materialised
+    (no score term). Our own graphs run with flash=False (the `torch` ops) unless built with `ops=nki`."""
     n = weight_count(cfg, lay)
     tokens = batch * seq
-    flops = (
-        2.0 * tokens * n.linear
-        + _attention_flops(cfg, lay, batch, seq, seq)
-        + 2.0 * batch * cfg.hidden_size * lay.vocab_local
-    )
+    attention = _attention_flops(cfg, lay, batch, seq, seq) * (0.5 if flash else 1.0)
+    flops = 2.0 * tokens * n.linear + attention + 2.0 * batch * cfg.hidden_size * lay.vocab_local
+    scores = 0.0 if flash else _score_time(cfg, lay, batch, seq, seq, eff)
     return StepTime(
-        compute=flops / (inst.bf16_flops_per_core * eff.tensor),
+        compute=flops / (inst.bf16_flops_per_core * eff.tensor) + scores,
         memory=weight_bytes(cfg, lay, dtype) / (inst.hbm_bw_per_core * eff.hbm),
         collective=_collectives(cfg, lay, inst, tokens, eff, eff.prefill_hop_latency_s),
         overhead=eff.step_overhead_s,

@@ -9,6 +9,7 @@ from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
 from neuron_opt.planner.hardware import GB, GiB, get_instance
 from neuron_opt.planner.memory import layout_overhead
 from neuron_opt.planner.recommend import Deployment, Plan, Traffic, evaluate
+from neuron_opt.planner.validation import error_band
 
 
 def _gib(n: int) -> str:
@@ -47,11 +48,16 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
     if over.padded:
         lines.insert(1, f"  {over.line()}")
     if plan.ttft is not None and plan.tpot is not None and plan.prefill_bucket and plan.decode_bucket:
+        band = error_band(inst.family)
+        ttft_pm = "" if band is None else f" +-{band.ttft_pct:.0f}%"
+        tpot_pm = "" if band is None else f" +-{band.tpot_pct:.0f}%"
         lines.append(
-            f"  TTFT {1e3 * plan.ttft.total:.1f} ms (prefill bucket {plan.prefill_bucket.kv_len}, "
-            f"{plan.ttft.bound}-bound); TPOT {1e3 * plan.tpot.total:.2f} ms (decode bucket "
+            f"  TTFT {1e3 * plan.ttft.total:.1f} ms{ttft_pm} (prefill bucket {plan.prefill_bucket.kv_len}, "
+            f"{plan.ttft.bound}-bound); TPOT {1e3 * plan.tpot.total:.2f} ms{tpot_pm} (decode bucket "
             f"{plan.decode_bucket.batch}x{plan.decode_bucket.kv_len}, {plan.tpot.bound}-bound)"
         )
+        if band is not None:
+            lines.append(f"  {band.line()}")
     elif inst.family == "cpu":
         lines.append("  latency: not modelled on cpu (measure with `neuron-opt bench`)")
     return lines
@@ -74,6 +80,20 @@ def alternatives_table(plans: list[Plan], traffic: Traffic, limit: int = 8) -> l
     return rows
 
 
+def _band_json(plan: Plan) -> dict[str, Any] | None:
+    """The held-out error of the latency model on this instance family (None: no latency, or no rows)."""
+    band = error_band(plan.instance.family) if plan.ttft is not None else None
+    if band is None:
+        return None
+    return {
+        "family": band.family,
+        "held_out_rows": band.rows,
+        "coverage": band.coverage,
+        "ttft_pct": round(band.ttft_pct, 1),
+        "tpot_pct": round(band.tpot_pct, 1),
+    }
+
+
 def _overhead_json(cfg: ModelConfig, plan: Plan) -> dict[str, Any]:
     over = layout_overhead(cfg, plan.layout, plan.deployment.dtype)
     return {
@@ -91,6 +111,7 @@ def plan_json(cfg: ModelConfig, plan: Plan, alternatives: list[Plan] | None = No
         "per_core_capacity_gb": round(m.capacity / GB, 3),
         "ttft_ms": _ms(plan.ttft.total if plan.ttft else None),
         "tpot_ms": _ms(plan.tpot.total if plan.tpot else None),
+        "error_band": _band_json(plan),
         "tp": d.tp,
         "batch_size": d.batch,
         "instance": plan.instance.name,

@@ -1,5 +1,5 @@
 """The latency model against published TTFT/TPOT, with the rows its constants were fitted on kept apart from
-the held-out rows (scripts/validate_planner.py holds both; docs/planner.md prints its table).
+the held-out rows (neuron_opt.planner.validation holds both; docs/planner.md prints its table).
 
 The thresholds below are what the model achieves, stated per set (docs/planner.md, "Validation"): a change
 that loses a row fails here, and one that gains a row should tighten the figure and regenerate the doc.
@@ -8,95 +8,116 @@ that loses a row fails here, and one that gains a row should tighten the figure 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from neuron_opt.config import ParallelConfig
 from neuron_opt.parallel.sharding import head_layout
 from neuron_opt.planner import get_instance
+from neuron_opt.planner import validation as v
 from neuron_opt.planner.latency import DEFAULT_EFFICIENCY, decode_time, prefill_time
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def v() -> ModuleType:
-    """scripts/ is not a package: load the reproducible validation table by path."""
-    spec = importlib.util.spec_from_file_location("validate_planner", ROOT / "scripts" / "validate_planner.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _errors(v: ModuleType, rows: list) -> tuple[list[float], list[float]]:
+def _errors(rows: list) -> tuple[list[float], list[float]]:
     """Relative |error| of TTFT (rows that publish one) and TPOT."""
-    ttft, tpot = [], []
-    for r in rows:
-        pred_ttft, pred_tpot = v.predict(r)
-        tpot.append(abs(pred_tpot - r.tpot_ms) / r.tpot_ms)
-        if r.ttft_ms is not None:
-            ttft.append(abs(pred_ttft - r.ttft_ms) / r.ttft_ms)
-    return ttft, tpot
+    ttft, tpot = v._errors(rows)
+    return [abs(e) / 100 for e in ttft], [abs(e) / 100 for e in tpot]
 
 
-def test_fit_rows_are_the_inf2_transformers_neuronx_rows_and_nothing_else(v: ModuleType) -> None:
-    # The constants were fitted on AWS's inf2.48xlarge transformers-neuronx table only; every trn1 / trn2 row
-    # and every row from another stack is held out.
-    assert v.FIT_ROWS == [r for r in v.ROWS if r.instance == "inf2.48xlarge" and r.source == v.TNX_INF2]
+def test_fit_is_split_by_instance_family_and_by_model():
+    # Fitted: the Llama-3-8B / Llama-3-70B transformers-neuronx rows on inf2.48xlarge. Held out: the other models
+    # on inf2, every trn1 row, every row from another stack.
+    assert v.FIT_ROWS == [r for r in v.ROWS if r.instance == "inf2.48xlarge" and r.source == v.TNX_INF2
+                          and r.model in ("Llama-3-8B", "Llama-3-70B")]
     assert v.HELD_OUT_ROWS == [r for r in v.ROWS if r not in v.FIT_ROWS]
-    assert (len(v.FIT_ROWS), len(v.HELD_OUT_ROWS)) == (11, 13)
-    assert all(r.instance.startswith(("trn1", "trn2")) or r.source != v.TNX_INF2 for r in v.HELD_OUT_ROWS)
+    assert (len(v.FIT_ROWS), len(v.HELD_OUT_ROWS)) == (14, 69)
+    assert not {r.model for r in v.HELD_OUT_ROWS if r.instance == "inf2.48xlarge" and r.source == v.TNX_INF2} & {
+        r.model for r in v.FIT_ROWS}
+    # both sets hold batch > 1 and prompts >= 4k
+    for rows in (v.FIT_ROWS, v.HELD_OUT_ROWS):
+        assert any(r.batch > 1 for r in rows) and any(r.input_len >= 4096 for r in rows)
     assert [d["held_out"] for d in v.table(v.ROWS)] == [r in v.HELD_OUT_ROWS for r in v.ROWS]
 
 
-def test_fit_rows_within_the_stated_error(v: ModuleType) -> None:
-    """In sample (11 inf2 rows): TPOT within 13% and TTFT within 23% on every row (max 12.4% and 22.5%)."""
-    ttft, tpot = _errors(v, v.FIT_ROWS)
-    assert len(ttft) == len(tpot) == 11
-    assert max(tpot) <= 0.13, tpot
-    assert max(ttft) <= 0.23, ttft
+def test_the_constants_are_the_fit():
+    """DEFAULT_EFFICIENCY is what the fit finds on the fit rows (scripts/validate_planner.py --fit)."""
+    assert v.fit(v.FIT_ROWS) == DEFAULT_EFFICIENCY
 
 
-def test_held_out_trn1_rows_within_the_stated_error(v: ModuleType) -> None:
-    """Held out, same SDK (transformers-neuronx) on another instance (4x4 torus, not a 12-chip ring), 8 rows:
-    TPOT within 17% on all (max 16.4%); TTFT within 23% on 7 of 8 and within 45% on all (the miss, -43%:
-    Llama-2-7b batch 8, docs/planner.md)."""
-    rows = [r for r in v.HELD_OUT_ROWS if r.source == v.TNX_TRN1]
-    ttft, tpot = _errors(v, rows)
-    assert len(ttft) == len(tpot) == 8
-    assert max(tpot) <= 0.17, tpot
-    assert sum(e <= 0.23 for e in ttft) >= 7, ttft
-    assert max(ttft) <= 0.45, ttft
+def test_fit_rows_within_the_stated_error():
+    """In sample (14 inf2 rows): TPOT within 6% and TTFT within 26% on every row."""
+    ttft, tpot = _errors(v.FIT_ROWS)
+    assert len(ttft) == len(tpot) == 14
+    assert max(tpot) <= 0.06, tpot
+    assert max(ttft) <= 0.26, ttft
 
 
-def test_held_out_rows_from_other_stacks_within_the_stated_error(v: ModuleType) -> None:
-    """Held out, other stacks (NxDI, optimum-neuron, vLLM Neuron plugin; 4 trn2 rows, 1 inf2), 5 rows: TPOT
-    within 17% on 4 of 5 and within 42% on all (the miss, -41%: Llama-3.3-70B at tp 64). TTFT is not bounded:
-    these stacks run NKI flash-attention / matmul kernels our graphs do not, and the model over-predicts their
-    long prompts by up to 2.5x (docs/planner.md); the test pins only that those misses are over-predictions,
-    the conservative side."""
-    rows = [r for r in v.HELD_OUT_ROWS if r.source != v.TNX_TRN1]
-    assert len(rows) == 5
-    _, tpot = _errors(v, rows)
-    assert sum(e <= 0.17 for e in tpot) >= 4, tpot
-    assert max(tpot) <= 0.42, tpot
-    long_prompts = [r for r in rows if r.ttft_ms is not None and r.input_len >= 1500]
-    assert len(long_prompts) == 3 and all(v.predict(r)[0] > r.ttft_ms for r in long_prompts)
+def test_held_out_rows_within_the_stated_error():
+    """All 69 held-out rows: TPOT within 25% on 66 (the issue's 80% target: met); TTFT within 35% on 43 of 68
+    (63%; the 80% target is not met: the misses are transformers-neuronx 2.18.0 rows run with its default,
+    untuned configuration at long prompts or batched prefill, and other stacks' flash-attention prefill,
+    docs/planner.md)."""
+    ttft, tpot = _errors(v.HELD_OUT_ROWS)
+    assert (len(ttft), len(tpot)) == (68, 69)
+    assert sum(e <= 0.25 for e in tpot) >= 66, tpot
+    assert sum(e <= 0.35 for e in ttft) >= 43, ttft
 
 
-def test_docs_validation_table_is_the_scripts_output(v: ModuleType) -> None:
+def test_held_out_rows_of_the_fitted_configuration_class_are_within_target():
+    """Held-out rows measured with the same tuned transformers-neuronx configuration as the fit rows (Neuron
+    2.18.1 Llama-3 samples: BSH layout, fused QKV), on another instance (trn1): 12 rows, TPOT within 25% on all,
+    TTFT within 35% on 11; and every 2.18.0 batch-1 row with a prompt under 4k (18 rows) within 35%."""
+    tuned = [r for r in v.HELD_OUT_ROWS if r.neuron == "2.18.1"]
+    ttft, tpot = _errors(tuned)
+    assert len(tuned) == 12 and all(r.instance == "trn1.32xlarge" for r in tuned)
+    assert max(tpot) <= 0.25 and sum(e <= 0.35 for e in ttft) >= 11
+    short = [r for r in v.HELD_OUT_ROWS if r.neuron == "2.18.0" and r.batch == 1 and r.input_len < 4096]
+    ttft, _ = _errors(short)
+    assert len(short) == 18 and max(ttft) <= 0.35, ttft
+
+
+def test_docs_validation_table_is_the_scripts_output():
     """docs/planner.md carries the table and the per-set error lines exactly as the script prints them now."""
     doc = (ROOT / "docs" / "planner.md").read_text()
     assert v.markdown(v.ROWS) in doc
 
 
-def test_prefill_hop_latency_is_paid_per_layer_all_reduce_per_ring_step(v: ModuleType) -> None:
+def test_error_band_covers_the_stated_share_of_held_out_rows():
+    for family in ("inf2", "trn1", "trn2"):
+        band = v.error_band(family)
+        rows = [r for r in v.HELD_OUT_ROWS if get_instance(r.instance).family == family]
+        ttft, tpot = _errors(rows)
+        assert band is not None and band.rows == len(rows)
+        for errs, pct in ((ttft, band.ttft_pct), (tpot, band.tpot_pct)):
+            inside = sum(e <= pct / 100 + 1e-12 for e in errs)
+            assert inside >= 0.8 * len(errs) and inside - 1 < 0.8 * len(errs) + 1  # the smallest band that covers
+    assert v.error_band("cpu") is None
+
+
+def test_score_term_grows_with_the_square_of_the_prompt_and_vanishes_under_flash():
+    cfg, inst = v.MODELS["Llama-3-70B"], get_instance("inf2.48xlarge")
+    lay = head_layout(cfg, ParallelConfig(tp=24))
+    no_scores = dataclasses.replace(DEFAULT_EFFICIENCY, attention_score_s=0.0)
+
+    def scores(seq: int, flash: bool = False) -> float:
+        a = prefill_time(cfg, lay, inst, batch=1, seq=seq, dtype="bfloat16", flash=flash).compute
+        return a - prefill_time(cfg, lay, inst, batch=1, seq=seq, dtype="bfloat16", eff=no_scores,
+                                flash=flash).compute
+
+    assert scores(2048) == pytest.approx(4 * scores(1024))
+    assert scores(2048) == pytest.approx(DEFAULT_EFFICIENCY.attention_score_s * 80 * 3 * 2048 * 2048)
+    assert scores(2048, flash=True) == 0.0
+    # flash skips the causal upper triangle: half the attention FLOPs
+    full = prefill_time(cfg, lay, inst, batch=1, seq=2048, dtype="bfloat16", eff=no_scores).compute
+    flash = prefill_time(cfg, lay, inst, batch=1, seq=2048, dtype="bfloat16", eff=no_scores, flash=True).compute
+    attn = 4.0 * 80 * 3 * 2048 * 2048 * 128 / (inst.bf16_flops_per_core * DEFAULT_EFFICIENCY.tensor)
+    assert full - flash == pytest.approx(attn / 2)
+
+
+def test_prefill_hop_latency_is_paid_per_layer_all_reduce_per_ring_step() -> None:
     cfg, inst = v.MODELS["Llama-3-8B"], get_instance("inf2.48xlarge")
     lay = head_layout(cfg, ParallelConfig(tp=24))
     no_hops = dataclasses.replace(DEFAULT_EFFICIENCY, prefill_hop_latency_s=0.0)

@@ -1,0 +1,394 @@
+"""The latency model against published measurements: the rows, which of them fit the constants, the errors.
+
+Published rows are AWS's and Hugging Face's public measurements (each row names its source; the AWS benchmark
+CSVs are in the aws-neuron-sdk repository, see shared/reference/peers.md §8). Every row is predicted with the
+same constants (`neuron_opt.planner.latency.DEFAULT_EFFICIENCY`); nothing is tuned per row. scripts/
+validate_planner.py prints the table of docs/planner.md and re-runs the fit; `neuron-opt plan` prints the
+held-out error band (`error_band`) next to its TTFT and TPOT.
+
+Layouts: the published runs used transformers-neuronx / NxDI / optimum-neuron, which pad the MLP's
+intermediate dimension to a multiple of tp (14336 / 24 is not an integer) and pad query heads (32 -> 48 at
+tp 24). Our own sharding pads the same way (neuron_opt.parallel.sharding), so every row is predicted with the
+layout `neuron-opt plan` and `compile` use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import statistics
+from dataclasses import dataclass
+
+from neuron_opt.buckets import powers_of_two, smallest_fitting
+from neuron_opt.config import ModelConfig, ParallelConfig
+from neuron_opt.parallel.sharding import head_layout
+from neuron_opt.planner.hardware import get_instance
+from neuron_opt.planner.latency import DEFAULT_EFFICIENCY, Efficiency, decode_time, prefill_time
+
+
+def _llama(
+    h: int,
+    i: int,
+    layers: int,
+    heads: int,
+    kv: int,
+    vocab: int = 128256,
+    max_pos: int = 8192,
+    theta: float = 500000.0,
+) -> ModelConfig:
+    return ModelConfig.from_hf(
+        {
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": h,
+            "intermediate_size": i,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv,
+            "vocab_size": vocab,
+            "max_position_embeddings": max_pos,
+            "rope_theta": theta,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False,
+        }
+    )
+
+
+# public config.json values (meta-llama/*)
+MODELS = {
+    "Llama-3-8B": _llama(4096, 14336, 32, 32, 8),
+    "Llama-3.1-8B": _llama(4096, 14336, 32, 32, 8, max_pos=131072),
+    "Llama-3-70B": _llama(8192, 28672, 80, 64, 8),
+    "Llama-3.3-70B": _llama(8192, 28672, 80, 64, 8, max_pos=131072),
+    "Llama-3.1-405B": _llama(16384, 53248, 126, 128, 8, max_pos=131072),
+    "Llama-2-7b": _llama(4096, 11008, 32, 32, 32, vocab=32000, max_pos=4096, theta=10000.0),
+    "Llama-2-13b": _llama(5120, 13824, 40, 40, 40, vocab=32000, max_pos=4096, theta=10000.0),
+    "Llama-2-70b": _llama(8192, 28672, 80, 64, 8, vocab=32000, max_pos=4096, theta=10000.0),
+    # codellama/CodeLlama-13b-hf, mistralai/Mistral-7B-Instruct-v0.2 (no sliding window in v0.2)
+    "CodeLlama-13b": _llama(5120, 13824, 40, 40, 40, vocab=32016, max_pos=16384, theta=1e6),
+    "Mistral-7B-v0.2": _llama(4096, 14336, 32, 32, 8, vocab=32000, max_pos=32768, theta=1e6),
+}
+
+# aws-neuron-sdk about-neuron/benchmarks/{inf2,trn1}/{latency,throughput}_data_decoder.csv (Neuron 2.18.0 and
+# 2.18.1 rows; unchanged since 2024-04-30). Every row with a TTFT and a TPOT is below, duplicates removed.
+TNX_INF2 = "AWS inf2 benchmark CSV (transformers-neuronx)"
+TNX_TRN1 = "AWS trn1 benchmark CSV (transformers-neuronx)"
+NXDI_TRN2 = "NxDI trn2 tutorial (vLLM + LLMPerf)"
+ON_TRN2 = "optimum-neuron vLLM benchmark, 1 user (sync)"
+VN_TRN2 = "vLLM Neuron plugin EAGLE3 tutorial, baseline"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One published measurement and the deployment it was taken with."""
+
+    model: str
+    instance: str
+    tp: int
+    batch: int
+    seq: int  # compiled max length
+    input_len: int
+    output_len: int
+    ttft_ms: float | None
+    tpot_ms: float
+    dtype: str
+    source: str
+    prefill_batch: int  # rows prefilled together (TNX prefills the whole batch at once)
+    bucketed: bool = True  # False: graphs compiled at the full length only (optimum-neuron)
+    neuron: str | None = None  # Neuron SDK release of the measurement, where the source states it
+    flash_from: int | None = None  # prefill length from which the stack runs a flash-attention kernel
+
+
+BF16, V180, V181 = "bfloat16", "2.18.0", "2.18.1"
+ROWS = [
+    Row("Llama-3-8B", "inf2.48xlarge", 24, 1, 8192, 128, 8064, 29.47, 7.41, "int8", TNX_INF2, 1, neuron=V181),
+    Row("Llama-3-8B", "inf2.48xlarge", 24, 1, 8192, 4096, 4096, 209.37, 7.47, "int8", TNX_INF2, 1, neuron=V181),
+    Row("Llama-3-8B", "inf2.48xlarge", 24, 1, 4096, 128, 3968, 25.0, 6.42, "int8", TNX_INF2, 1, neuron=V181),
+    Row("Llama-3-8B", "inf2.48xlarge", 24, 1, 4096, 2048, 2048, 101.81, 6.5, "int8", TNX_INF2, 1, neuron=V181),
+    Row("Llama-3-70B", "inf2.48xlarge", 24, 1, 4096, 2048, 2048, 745.49, 34.67, BF16, TNX_INF2, 1, neuron=V181),
+    Row("Llama-3-70B", "inf2.48xlarge", 24, 1, 3072, 1024, 2048, 312.86, 33.81, BF16, TNX_INF2, 1, neuron=V181),
+    Row("Llama-3-70B", "inf2.48xlarge", 24, 1, 2048, 1024, 1024, 310.18, 33.14, BF16, TNX_INF2, 1, neuron=V181),
+    Row("Llama-3-70B", "inf2.48xlarge", 24, 1, 1152, 128, 1024, 80.0, 32.47, BF16, TNX_INF2, 1, neuron=V181),
+    Row("Llama-3-70B", "inf2.48xlarge", 24, 1, 512, 256, 256, 99.37, 32.48, BF16, TNX_INF2, 1, neuron=V181),
+    Row("Llama-3-70B", "inf2.48xlarge", 24, 1, 256, 128, 128, 77.81, 32.2, BF16, TNX_INF2, 1, neuron=V181),
+    Row("Llama-2-7b", "inf2.48xlarge", 24, 1, 4096, 128, 3968, 27.64, 6.47, BF16, TNX_INF2, 1, neuron=V180),
+    Row("Llama-2-7b", "inf2.48xlarge", 24, 1, 8192, 128, 8064, 29.21, 7.34, BF16, TNX_INF2, 1, neuron=V180),
+    Row("Llama-2-13b", "inf2.48xlarge", 24, 1, 4096, 128, 3968, 25.85, 9.17, BF16, TNX_INF2, 1, neuron=V180),
+    Row("Llama-2-13b", "inf2.48xlarge", 24, 1, 8192, 4096, 4096, 333.78, 10.17, BF16, TNX_INF2, 1, neuron=V180),
+    Row("Llama-2-13b", "inf2.48xlarge", 24, 1, 16384, 8192, 8192, 994.18, 13.5, BF16, TNX_INF2, 1, neuron=V180),
+    Row("Llama-2-70b", "inf2.48xlarge", 24, 1, 256, 128, 128, 76.6, 32.9, BF16, TNX_INF2, 1, neuron=V180),
+    Row("Llama-2-70b", "inf2.48xlarge", 24, 1, 512, 256, 256, 96.44, 33.13, BF16, TNX_INF2, 1, neuron=V180),
+    Row("Llama-2-70b", "inf2.48xlarge", 24, 1, 1152, 128, 1024, 76.33, 33.15, BF16, TNX_INF2, 1, neuron=V180),
+    Row("Llama-2-70b", "inf2.48xlarge", 24, 1, 2048, 1024, 1024, 277.02, 33.73, BF16, TNX_INF2, 1, neuron=V180),
+    Row("Llama-2-70b", "inf2.48xlarge", 24, 1, 3072, 1024, 2048, 275.97, 34.82, BF16, TNX_INF2, 1, neuron=V180),
+    Row("Llama-2-70b", "inf2.48xlarge", 24, 1, 4096, 2048, 2048, 810.44, 34.9, BF16, TNX_INF2, 1, neuron=V180),
+    Row("Mistral-7B-v0.2", "inf2.48xlarge", 24, 1, 4096, 128, 3968, 27.34, 6.86, BF16, TNX_INF2, 1, neuron=V180),
+    Row("Mistral-7B-v0.2", "inf2.48xlarge", 24, 1, 8192, 4096, 4096, 557.96, 7.87, BF16, TNX_INF2, 1, neuron=V180),
+    Row("Mistral-7B-v0.2", "inf2.48xlarge", 24, 1, 16384, 8192, 8192, 539.59, 10.33, BF16, TNX_INF2, 1, neuron=V180),
+    Row("CodeLlama-13b", "inf2.48xlarge", 24, 1, 4096, 128, 3968, 27.02, 9.12, BF16, TNX_INF2, 1, neuron=V180),
+    Row("CodeLlama-13b", "inf2.48xlarge", 24, 1, 8192, 4096, 4096, 338.67, 10.15, BF16, TNX_INF2, 1, neuron=V180),
+    Row("CodeLlama-13b", "inf2.48xlarge", 24, 1, 16384, 8192, 8192, 989.5, 13.44, BF16, TNX_INF2, 1, neuron=V180),
+    Row("Llama-3-8B", "inf2.48xlarge", 24, 8, 8192, 128, 8064, 68.95, 15.22, "int8", TNX_INF2, 8, neuron=V181),
+    Row("Llama-3-8B", "inf2.48xlarge", 24, 8, 8192, 4096, 4096, 1992.59, 15.31, "int8", TNX_INF2, 8, neuron=V181),
+    Row("Llama-3-8B", "inf2.48xlarge", 24, 8, 4096, 128, 3968, 66.02, 10.45, "int8", TNX_INF2, 8, neuron=V181),
+    Row("Llama-3-8B", "inf2.48xlarge", 24, 8, 4096, 2048, 2048, 823.53, 10.5, "int8", TNX_INF2, 8, neuron=V181),
+    Row("Llama-2-7b", "inf2.48xlarge", 24, 8, 4096, 128, 3968, 77.36, 12.11, BF16, TNX_INF2, 8, neuron=V180),
+    Row("Llama-2-7b", "inf2.48xlarge", 24, 8, 8192, 128, 8064, 80.12, 16.39, BF16, TNX_INF2, 8, neuron=V180),
+    Row("Llama-2-13b", "inf2.48xlarge", 24, 8, 4096, 128, 3968, 108.81, 14.9, BF16, TNX_INF2, 8, neuron=V180),
+    Row("Llama-2-13b", "inf2.48xlarge", 24, 8, 8192, 4096, 4096, 7083.73, 20.99, BF16, TNX_INF2, 8, neuron=V180),
+    Row("Llama-2-13b", "inf2.48xlarge", 24, 4, 16384, 8192, 8192, 5141.32, 21.71, BF16, TNX_INF2, 4, neuron=V180),
+    Row("Mistral-7B-v0.2", "inf2.48xlarge", 24, 8, 4096, 128, 3968, 77.62, 11.64, BF16, TNX_INF2, 8, neuron=V180),
+    Row("Mistral-7B-v0.2", "inf2.48xlarge", 24, 8, 8192, 4096, 4096, 4740.12, 16.55, BF16, TNX_INF2, 8, neuron=V180),
+    Row("Mistral-7B-v0.2", "inf2.48xlarge", 24, 8, 16384, 8192, 8192, 11085.12, 18.01, BF16, TNX_INF2, 8, neuron=V180),
+    Row("CodeLlama-13b", "inf2.48xlarge", 24, 8, 4096, 128, 3968, 115.81, 15.87, BF16, TNX_INF2, 8, neuron=V180),
+    Row("CodeLlama-13b", "inf2.48xlarge", 24, 8, 8192, 4096, 4096, 7115.98, 22.27, BF16, TNX_INF2, 8, neuron=V180),
+    Row("CodeLlama-13b", "inf2.48xlarge", 24, 4, 16384, 8192, 8192, 5136.62, 21.67, BF16, TNX_INF2, 4, neuron=V180),
+    Row("Llama-3-8B", "trn1.32xlarge", 32, 1, 8192, 128, 8064, 17.09, 7.03, "int8", TNX_TRN1, 1, neuron=V181),
+    Row("Llama-3-8B", "trn1.32xlarge", 32, 1, 8192, 4096, 4096, 153.02, 7.04, "int8", TNX_TRN1, 1, neuron=V181),
+    Row("Llama-3-8B", "trn1.32xlarge", 32, 1, 4096, 128, 3968, 14.75, 5.86, "int8", TNX_TRN1, 1, neuron=V181),
+    Row("Llama-3-70B", "trn1.32xlarge", 32, 1, 4096, 2048, 2048, 547.0, 26.2, BF16, TNX_TRN1, 1, neuron=V181),
+    Row("Llama-3-70B", "trn1.32xlarge", 32, 1, 1152, 128, 1024, 53.2, 24.48, BF16, TNX_TRN1, 1, neuron=V181),
+    Row("Llama-3-70B", "trn1.32xlarge", 32, 1, 256, 128, 128, 52.53, 26.48, BF16, TNX_TRN1, 1, neuron=V181),
+    Row("Llama-2-7b", "trn1.32xlarge", 32, 1, 8192, 128, 8064, 13.32, 6.7, BF16, TNX_TRN1, 1, neuron=V180),
+    Row("Llama-2-13b", "trn1.32xlarge", 32, 1, 8192, 4096, 4096, 864.14, 9.84, BF16, TNX_TRN1, 1, neuron=V180),
+    Row("Llama-2-13b", "trn1.32xlarge", 32, 1, 16384, 8192, 8192, 2367.93, 13.41, BF16, TNX_TRN1, 1, neuron=V180),
+    Row("Llama-2-70b", "trn1.32xlarge", 32, 1, 256, 128, 128, 53.91, 25.18, BF16, TNX_TRN1, 1, neuron=V180),
+    Row("Llama-2-70b", "trn1.32xlarge", 32, 1, 512, 256, 256, 81.88, 25.27, BF16, TNX_TRN1, 1, neuron=V180),
+    Row("Llama-2-70b", "trn1.32xlarge", 32, 1, 1152, 128, 1024, 57.75, 25.45, BF16, TNX_TRN1, 1, neuron=V180),
+    Row("Llama-2-70b", "trn1.32xlarge", 32, 1, 2048, 1024, 1024, 232.48, 26.04, BF16, TNX_TRN1, 1, neuron=V180),
+    Row("Llama-2-70b", "trn1.32xlarge", 32, 1, 3072, 1024, 2048, 236.78, 26.62, BF16, TNX_TRN1, 1, neuron=V180),
+    Row("Llama-2-70b", "trn1.32xlarge", 32, 1, 4096, 2048, 2048, 690.96, 26.85, BF16, TNX_TRN1, 1, neuron=V180),
+    Row("Mistral-7B-v0.2", "trn1.32xlarge", 32, 1, 16384, 8192, 8192, 1322.87, 9.89, BF16, TNX_TRN1, 1, neuron=V180),
+    Row("CodeLlama-13b", "trn1.32xlarge", 32, 1, 8192, 4096, 4096, 868.64, 9.86, BF16, TNX_TRN1, 1, neuron=V180),
+    Row("CodeLlama-13b", "trn1.32xlarge", 32, 1, 16384, 8192, 8192, 2372.93, 13.4, BF16, TNX_TRN1, 1, neuron=V180),
+    Row("Llama-3-8B", "trn1.32xlarge", 32, 8, 8192, 128, 8064, 55.16, 9.95, "int8", TNX_TRN1, 8, neuron=V181),
+    Row("Llama-3-8B", "trn1.32xlarge", 32, 8, 8192, 4096, 4096, 1265.95, 10.04, "int8", TNX_TRN1, 8, neuron=V181),
+    Row("Llama-3-8B", "trn1.32xlarge", 32, 8, 4096, 128, 3968, 49.05, 7.65, "int8", TNX_TRN1, 8, neuron=V181),
+    Row("Llama-3-70B", "trn1.32xlarge", 32, 4, 4096, 2048, 2048, 1661.12, 32.33, BF16, TNX_TRN1, 4, neuron=V181),
+    Row("Llama-3-70B", "trn1.32xlarge", 32, 4, 1152, 128, 1024, 129.86, 28.38, BF16, TNX_TRN1, 4, neuron=V181),
+    Row("Llama-3-70B", "trn1.32xlarge", 32, 4, 256, 128, 128, 130.37, 28.08, BF16, TNX_TRN1, 4, neuron=V181),
+    Row("Llama-2-7b", "trn1.32xlarge", 32, 8, 8192, 128, 8064, 66.4, 10.1, BF16, TNX_TRN1, 8, neuron=V180),
+    Row("Llama-2-13b", "trn1.32xlarge", 32, 8, 8192, 4096, 4096, 6668.7, 19.86, BF16, TNX_TRN1, 8, neuron=V180),
+    Row("Llama-2-13b", "trn1.32xlarge", 32, 4, 16384, 8192, 8192, 4628.45, 21.09, BF16, TNX_TRN1, 4, neuron=V180),
+    Row("Llama-2-70b", "trn1.32xlarge", 32, 4, 256, 128, 128, 156.85, 26.72, BF16, TNX_TRN1, 4, neuron=V180),
+    Row("Llama-2-70b", "trn1.32xlarge", 32, 4, 512, 256, 256, 270.16, 26.91, BF16, TNX_TRN1, 4, neuron=V180),
+    Row("Llama-2-70b", "trn1.32xlarge", 32, 4, 1152, 128, 1024, 156.69, 27.21, BF16, TNX_TRN1, 4, neuron=V180),
+    Row("Llama-2-70b", "trn1.32xlarge", 32, 4, 2048, 1024, 1024, 1478.64, 28.55, BF16, TNX_TRN1, 4, neuron=V180),
+    Row("Llama-2-70b", "trn1.32xlarge", 32, 4, 3072, 1024, 2048, 1478.85, 31.67, BF16, TNX_TRN1, 4, neuron=V180),
+    Row("Llama-2-70b", "trn1.32xlarge", 32, 4, 4096, 2048, 2048, 2722.03, 31.79, BF16, TNX_TRN1, 4, neuron=V180),
+    Row("Mistral-7B-v0.2", "trn1.32xlarge", 32, 8, 16384, 8192, 8192, 8614.85, 15.44, BF16, TNX_TRN1, 8, neuron=V180),
+    Row("CodeLlama-13b", "trn1.32xlarge", 32, 8, 8192, 4096, 4096, 6625.16, 19.92, BF16, TNX_TRN1, 8, neuron=V180),
+    Row("CodeLlama-13b", "trn1.32xlarge", 32, 4, 16384, 8192, 8192, 4626.17, 21.1, BF16, TNX_TRN1, 4, neuron=V180),
+    Row("Llama-3.3-70B", "trn2.48xlarge", 64, 1, 12800, 10000, 1500, 814.2, 19.6, BF16, NXDI_TRN2, 1, flash_from=512),
+    Row("Llama-3.1-405B", "trn2.48xlarge", 64, 1, 12800, 10000, 1500, 2442.0, 37.9, BF16, NXDI_TRN2, 1, flash_from=512),
+    Row("Llama-3.1-8B", "trn2.48xlarge", 4, 32, 4096, 1500, 250, 197.2, 22.14, BF16, ON_TRN2, 1, False, flash_from=512),
+    Row(
+        "Llama-3.1-8B",
+        "inf2.48xlarge",
+        8,
+        32,
+        4096,
+        1500,
+        250,
+        None,
+        24.5,
+        "bfloat16",
+        "optimum-neuron chunked-prefill study, standard prefill + on-device sampling, sync",
+        1,
+        False,
+    ),
+    Row("Llama-3.1-8B", "trn2.48xlarge", 8, 2, 1024, 512, 128, 51.07, 10.52, BF16, VN_TRN2, 1, flash_from=512),
+]
+
+
+FIT_MODELS = ("Llama-3-8B", "Llama-3-70B")
+
+
+def is_fit_row(row: Row) -> bool:
+    """The calibration set, split by instance family and by model: AWS's transformers-neuronx rows of
+    Llama-3-8B and Llama-3-70B on inf2.48xlarge fit the constants (`--fit`). Held out, never seen by the fit:
+    every other model on inf2 (Llama-2-7b/13b/70b, Mistral-7B, CodeLlama-13b), every row on trn1 (another
+    instance, a 4x4 torus instead of a 12-chip ring) and every row from other stacks (NxDI, optimum-neuron, the
+    vLLM Neuron plugin; trn2 and inf2)."""
+    return row.instance == "inf2.48xlarge" and row.source == TNX_INF2 and row.model in FIT_MODELS
+
+
+def row_set(row: Row) -> str:
+    """Which set a row belongs to: the fit, or the held-out group it tests (another model on the fitted
+    instance, another instance family with the same SDK, another software stack)."""
+    if is_fit_row(row):
+        return "fit"
+    if row.source == TNX_INF2:
+        return "held out: other models, inf2"
+    if row.source == TNX_TRN1:
+        return "held out: trn1"
+    return "held out: other stacks"
+
+
+FIT_ROWS = [r for r in ROWS if is_fit_row(r)]
+HELD_OUT_ROWS = [r for r in ROWS if not is_fit_row(r)]
+
+
+def predict(row: Row, eff: Efficiency = DEFAULT_EFFICIENCY) -> tuple[float, float]:
+    """(TTFT ms, TPOT ms) for a row. TPOT is taken at the median output token (p50 of per-token latency)."""
+    cfg, inst = MODELS[row.model], get_instance(row.instance)
+    lay = head_layout(cfg, ParallelConfig(tp=row.tp))
+    if row.bucketed:
+        prefill_seq = smallest_fitting(row.input_len, powers_of_two(128, row.seq))
+        kv_len = smallest_fitting(row.input_len + row.output_len // 2 + 1, powers_of_two(128, row.seq))
+    else:
+        prefill_seq = kv_len = row.seq
+    assert prefill_seq is not None and kv_len is not None
+    flash = row.flash_from is not None and prefill_seq >= row.flash_from
+    ttft = prefill_time(
+        cfg, lay, inst, batch=row.prefill_batch, seq=prefill_seq, dtype=row.dtype, eff=eff, flash=flash
+    )
+    tpot = decode_time(
+        cfg, lay, inst, batch=row.batch, kv_len=kv_len, dtype=row.dtype, kv_dtype="bfloat16", eff=eff
+    )
+    return 1e3 * ttft.total, 1e3 * tpot.total
+
+
+def _err(pred: float, meas: float) -> float:
+    return 100.0 * (pred - meas) / meas
+
+
+# The values each calibrated constant may take in the fit (a grid: the fit is reproducible and its result is a
+# round number that docs/planner.md can state).
+FIT_GRID: dict[str, list[float]] = {
+    "tensor": [0.05 * k for k in range(2, 17)],
+    "collective_latency_s": [2.5e-6 * k for k in range(0, 41)],
+    "step_overhead_s": [0.25e-3 * k for k in range(0, 25)],
+    "prefill_hop_latency_s": [2e-6 * k for k in range(0, 21)],
+    "attention_score_s": [0.0] + [1e-11 * k for k in range(1, 41)],
+}
+
+
+def fit_loss(rows: list[Row], eff: Efficiency) -> float:
+    """Summed absolute log error of TTFT and TPOT: absolute, not squared, so that the few rows no setting
+    explains do not drag every other row off."""
+    loss = 0.0
+    for r in rows:
+        ttft, tpot = predict(r, eff)
+        loss += abs(math.log(tpot / r.tpot_ms)) + (abs(math.log(ttft / r.ttft_ms)) if r.ttft_ms else 0.0)
+    return loss
+
+
+def fit(rows: list[Row], start: Efficiency = DEFAULT_EFFICIENCY) -> Efficiency:
+    """The calibrated constants minimising `fit_loss` over `rows`, by coordinate descent on FIT_GRID: each
+    constant in turn takes its best grid value with the others held, until a full pass changes nothing."""
+    best, best_loss = start, fit_loss(rows, start)
+    changed = True
+    while changed:
+        changed = False
+        for name, values in FIT_GRID.items():
+            for value in values:
+                eff = dataclasses.replace(best, **{name: value})
+                loss = fit_loss(rows, eff)
+                if loss < best_loss - 1e-9:
+                    best, best_loss, changed = eff, loss, True
+    return best
+
+
+def table(rows: list[Row]) -> list[dict]:
+    """One dict per row: the published figures, the predictions and the errors (rounded for display)."""
+    out = []
+    for r in rows:
+        ttft, tpot = predict(r)
+        out.append(
+            {
+                **dataclasses.asdict(r),
+                "pred_ttft_ms": round(ttft, 2),
+                "pred_tpot_ms": round(tpot, 2),
+                "ttft_err_pct": None if r.ttft_ms is None else round(_err(ttft, r.ttft_ms), 1),
+                "tpot_err_pct": round(_err(tpot, r.tpot_ms), 1),
+                "held_out": not is_fit_row(r),
+                "set": row_set(r),
+            }
+        )
+    return out
+
+
+def markdown(rows: list[Row]) -> str:
+    """The validation table of docs/planner.md, then the per-set summary lines."""
+    lines = [
+        "| Model | Instance | tp | BS | Seq | In/Out | Weights | TTFT pub | TTFT pred | err | TPOT pub | "
+        "TPOT pred | err | Set | Source |",
+        "|" + "---|" * 15,
+    ]
+    for d in table(rows):
+        ttft_pub = "—" if d["ttft_ms"] is None else f"{d['ttft_ms']:.1f}"
+        ttft_err = "—" if d["ttft_err_pct"] is None else f"{d['ttft_err_pct']:+.0f}%"
+        lines.append(
+            f"| {d['model']} | {d['instance']} | {d['tp']} | {d['batch']} | {d['seq']} | "
+            f"{d['input_len']}/{d['output_len']} | {d['dtype']} | {ttft_pub} | {d['pred_ttft_ms']:.1f} | "
+            f"{ttft_err} | {d['tpot_ms']:.2f} | {d['pred_tpot_ms']:.2f} | {d['tpot_err_pct']:+.0f}% | "
+            f"{d['set']} | {d['source']}{' ' + d['neuron'] if d['neuron'] else ''} |"
+        )
+    lines += ["", *summary(rows)]
+    return "\n".join(lines)
+
+
+def _within(errs: list[float], limit: float) -> str:
+    """`n/m within limit% (median, max |err|)` of a list of percent errors."""
+    a = sorted(abs(e) for e in errs)
+    ok = sum(e <= limit for e in a)
+    return f"within {limit:.0f}% on {ok}/{len(a)} (median |err| {statistics.median(a):.0f}%, max {a[-1]:.0f}%)"
+
+
+def _errors(rows: list[Row]) -> tuple[list[float], list[float]]:
+    """Percent errors (pred - pub) / pub of TTFT (rows that publish one) and TPOT."""
+    ttft, tpot = [], []
+    for r in rows:
+        pred_ttft, pred_tpot = predict(r)
+        tpot.append(_err(pred_tpot, r.tpot_ms))
+        if r.ttft_ms is not None:
+            ttft.append(_err(pred_ttft, r.ttft_ms))
+    return ttft, tpot
+
+
+def summary(rows: list[Row]) -> list[str]:
+    """One line for the fitted rows (the constants were fitted on them), one for all held-out rows, then one
+    per held-out group; thresholds are applied to unrounded errors."""
+    groups = ["fit", "held out", *sorted({row_set(r) for r in rows} - {"fit"})]
+    out = []
+    for g in groups:
+        sel = [r for r in rows if row_set(r) == g or (g == "held out" and not is_fit_row(r))]
+        ttft, tpot = _errors(sel)
+        label = {"fit": "fitted rows", "held out": "all held-out rows"}.get(g, g)
+        out.append(f"- {label}: TPOT {_within(tpot, 25)}; TTFT {_within(ttft, 35)}")
+    return out
+
+
+@dataclass(frozen=True)
+class ErrorBand:
+    """How far off the model was on held-out published rows of one instance family: `coverage` of the rows
+    fall within +-ttft_pct (TTFT) and +-tpot_pct (TPOT)."""
+
+    family: str
+    rows: int
+    coverage: float
+    ttft_pct: float
+    tpot_pct: float
+
+    def line(self) -> str:
+        return (
+            f"error band: {100 * self.coverage:.0f}% of {self.rows} held-out published {self.family} rows within "
+            f"TTFT +-{self.ttft_pct:.0f}%, TPOT +-{self.tpot_pct:.0f}% (docs/planner.md, Validation)"
+        )
+
+
+@functools.cache
+def error_band(family: str, coverage: float = 0.8) -> ErrorBand | None:
+    """The held-out error on `family`'s rows (inf2, trn1, trn2), or None where no published row exists (cpu)."""
+    rows = [r for r in HELD_OUT_ROWS if get_instance(r.instance).family == family]
+    if not rows:
+        return None
+    ttft, tpot = _errors(rows)
+
+    def quantile(errs: list[float]) -> float:
+        a = sorted(abs(e) for e in errs)
+        return a[min(len(a) - 1, math.ceil(coverage * len(a)) - 1)]
+
+    return ErrorBand(family, len(rows), coverage, quantile(ttft), quantile(tpot))
