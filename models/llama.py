@@ -265,7 +265,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
                 last_index: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                 kv_len: int) -> torch.Tensor:
-        """Run one step; returns this rank's fp32 logits [B, V/tp] at `last_index` of each row."""
+        """Run one step; returns this rank's fp32 logits [B, V/tp] at `last_index` [B] of each row, or
+        [B, T, V/tp] at every index of a [B, T] `last_index` (a verify step scores all its positions)."""
         B, S = input_ids.shape
         sp = self.pctx.seq_sharded(S)  # static per bucket: a prefill graph is sequence-parallel or not
         x = self.model.embed_tokens(input_ids, scatter_seq=sp)  # [B, S, H] ([B, S_pad/tp, H] if sp)
@@ -273,20 +274,23 @@ class LlamaForCausalLM(nn.Module):
         sin = self.rope_sin[positions].to(x.dtype)[:, :, None, :]  # [B, S, 1, D]
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, positions, slot_ids, k_caches[i], v_caches[i], kv_len, sp)
-        x = self._last_rows(x, last_index, sp)  # [B, H]
-        return self.lm_head(self.model.norm(x)).float()  # [B, V/tp]
+        x = self._last_rows(x, last_index, sp)  # [B, H] or [B, T, H]
+        return self.lm_head(self.model.norm(x)).float()  # [B, V/tp] or [B, T, V/tp]
 
 
     def _last_rows(self, x: torch.Tensor, last_index: torch.Tensor, sp: bool) -> torch.Tensor:
-        """Hidden state at `last_index` of each row: [B, H]. Sequence-parallel: the rank whose chunk holds it
-        contributes the row, the others zeros, and one [B, H] all-reduce (exact: x + 0) gives it to all."""
+        """Hidden states at `last_index` ([B] or [B, T]) of each row: [B, H] or [B, T, H]. Sequence-parallel: the
+        rank whose chunk holds a position contributes its row, the others zeros, and one all-reduce (exact:
+        x + 0) gives it to all."""
         rows = torch.arange(x.shape[0], device=x.device, dtype=last_index.dtype)  # one index dtype (XLA)
+        if last_index.dim() == 2:
+            rows = rows[:, None]
         if not sp:
             return x[rows, last_index]
         chunk = x.shape[1]
         local = last_index - self.pctx.rank_value() * chunk
         inside = (local >= 0) & (local < chunk)
-        picked = x[rows, local.clamp(0, chunk - 1)] * inside[:, None].to(x.dtype)  # [B, H]
+        picked = x[rows, local.clamp(0, chunk - 1)] * inside[..., None].to(x.dtype)  # [B, (T,) H]
         return self.pctx.comm.all_reduce(picked)
 
 

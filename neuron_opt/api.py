@@ -27,6 +27,7 @@ from neuron_opt.parallel import head_layout
 from neuron_opt.runtime.generate import GenerationOutput, generate_ids
 from neuron_opt.runtime.runner import ModelRunner
 from neuron_opt.runtime.sampling import SamplingParams
+from neuron_opt.runtime.speculative import SpecStats, SpeculativeConfig
 
 
 def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], max_model_len: int,
@@ -42,14 +43,16 @@ def is_artifact(path: str | Path) -> bool:
 
 
 def check_artifact_settings(manifest: Any, *, dtype: str | None, max_model_len: int | None, batch_size: int | None,
-                            parallel: ParallelConfig | None) -> None:
+                            parallel: ParallelConfig | None, num_speculative_tokens: int | None = None) -> None:
     """An artifact fixes its dtype, KV length, batch size and parallel layout when it is compiled: a value asked
     for here must be the artifact's, else a ConfigError says which and how to get it (never ignored)."""
     m = manifest
     fixed = {"dtype": (dtype, m.dtype, "--dtype"),
              "max_model_len": (max_model_len, m.cache.max_model_len, "--max-model-len"),
              "batch_size": (batch_size, m.cache.max_batch, "--batch-size"),
-             "parallel": (parallel, m.parallel, "--tp and the layout flags")}
+             "parallel": (parallel, m.parallel, "--tp and the layout flags"),
+             "num_speculative_tokens": (num_speculative_tokens, m.buckets.num_speculative_tokens,
+                                        "--num-speculative-tokens")}
     for name, (asked, has, flag) in fixed.items():
         if asked is not None and asked != has:
             raise ConfigError(f"{name}: this artifact was compiled with {name}={has!r}, not {asked!r}; an artifact's "
@@ -58,16 +61,19 @@ def check_artifact_settings(manifest: Any, *, dtype: str | None, max_model_len: 
 
 
 class LLM:
-    """`dtype`, `max_model_len`, `batch_size`, `parallel`: for a checkpoint, how to run it (defaults float32, the
-    model's limit up to 2048, 1, tp=1); for an artifact, left unset (it fixes them) or equal to its own."""
+    """`dtype`, `max_model_len`, `batch_size`, `parallel`, `num_speculative_tokens` (k: verify graphs of k + 1
+    tokens for speculative decoding): for a checkpoint, how to run it (defaults float32, the model's limit up to
+    2048, 1, tp=1, none); for an artifact, left unset (it fixes them) or equal to its own."""
 
     def __init__(self, model: str | Path, *, dtype: str | None = None, max_model_len: int | None = None,
-                 batch_size: int | None = None, parallel: ParallelConfig | None = None) -> None:
+                 batch_size: int | None = None, parallel: ParallelConfig | None = None,
+                 num_speculative_tokens: int | None = None) -> None:
         if is_artifact(model):
             from neuron_opt.artifact import load_artifact, read_manifest
 
             check_artifact_settings(read_manifest(Path(model), verify_hashes=False), dtype=dtype,
-                                    max_model_len=max_model_len, batch_size=batch_size, parallel=parallel)
+                                    max_model_len=max_model_len, batch_size=batch_size, parallel=parallel,
+                                    num_speculative_tokens=num_speculative_tokens)
             loaded = load_artifact(Path(model))
             self.config, self.tokenizer, self.runner = loaded.model_config, loaded.tokenizer, loaded.runner
         else:
@@ -80,7 +86,7 @@ class LLM:
             max_model_len = max_model_len or min(self.config.max_position_embeddings, 2048)
             cache = CacheConfig(max_batch=batch_size, max_model_len=max_model_len, dtype=dtype)
             buckets = BucketConfig.build(max_prompt_len=max_model_len, max_model_len=max_model_len,
-                                         max_batch=batch_size)
+                                         max_batch=batch_size, num_speculative_tokens=num_speculative_tokens or 0)
             if parallel is not None and parallel.tp > 1:  # tp eager rank processes (neuron_opt.parallel)
                 from neuron_opt.parallel.executor import tp_executor_from_state_dict
 
@@ -106,6 +112,27 @@ class LLM:
     def generate_ids(self, prompt_ids: list[int], params: SamplingParams | None = None) -> GenerationOutput:
         return generate_ids(self.runner, self.tokenizer, prompt_ids, params or SamplingParams(),
                             self.eos_token_ids)
+
+    def generate_ids_speculative(self, prompt_ids: list[int], params: SamplingParams | None,
+                                 speculative: SpeculativeConfig) -> tuple[GenerationOutput, SpecStats]:
+        """One sequence through the serving engine with speculative decoding (stepped here, no thread): greedy
+        output equals `generate_ids`'; also returns the engine's speculation counters."""
+        from neuron_opt.runtime.engine import Engine, RequestOutput
+
+        params = params or SamplingParams()
+        engine = Engine(self.runner, self.tokenizer, self.eos_token_ids, max_num_seqs=1, speculative=speculative)
+        outs: list[RequestOutput] = []
+        engine.add_request("0", list(prompt_ids), params, outs.append)
+        while engine.num_unfinished:
+            engine.step()
+        last = outs[-1]
+        if last.finish_reason == "error":
+            raise RuntimeError(f"generation failed: {last.error}")
+        tokens = [t for o in outs for t in o.new_token_ids]
+        logprobs = [lp.logprob for o in outs for lp in o.logprobs]
+        text = "".join(o.text_delta for o in outs)
+        return (GenerationOutput(list(prompt_ids), tokens, text, last.finish_reason or "stop", logprobs),
+                engine.spec_stats)
 
     def generate(self, prompt: str, params: SamplingParams | None = None) -> GenerationOutput:
         ids = self.tokenizer(prompt)["input_ids"]

@@ -3,6 +3,9 @@
 - Prefill buckets cover prompt length: powers of two from a minimum (default 128) up to the max context, plus the
   max context itself, or an explicit list. A prompt of n tokens runs in the smallest bucket with seq >= n
   (a 256-token prompt runs in the 256 bucket).
+- Verify buckets (speculative decoding) are decode buckets with `q_len` = k + 1 tokens per row: the last accepted
+  token and k proposed ones, at consecutive positions, scored in one graph call (logits at every position).
+  Compiled only when the artifact is built with `--num-speculative-tokens k`; one per decode bucket.
 - Decode buckets are 2-D: batch x KV length. A decode graph attends only over its bucket's KV positions, so the
   attention work and KV bytes read scale with the bucket, not with the cache's max length. A step whose rows
   reach position p needs kv_len >= p + 1 (the new token's own K/V are written at p and read back).
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 
 from neuron_opt.errors import BucketOverflowError, ConfigError
 
-PREFILL, DECODE = "prefill", "decode"
+PREFILL, DECODE, VERIFY = "prefill", "decode", "verify"
 
 
 @dataclass(frozen=True, order=True)
@@ -23,23 +26,28 @@ class Bucket:
     """A compiled graph's static shape: `batch` rows attending over `kv_len` cache positions.
 
     prefill: [batch, kv_len] tokens (a prompt starts at position 0, so its length is the KV length it attends
-    over). decode: [batch, 1] tokens over kv_len positions. `tokens` is the per-row token count of either.
+    over). decode: [batch, 1] tokens over kv_len positions. verify: [batch, q_len] tokens at consecutive
+    positions over kv_len positions, logits at each. `tokens` is the per-row token count.
     """
 
     phase: str
     batch: int
     kv_len: int
+    q_len: int = 1  # tokens per row of a verify bucket (k + 1); 1 for decode, unused by prefill
 
     def __post_init__(self) -> None:
-        if self.phase not in (PREFILL, DECODE):
-            raise ConfigError(f"bucket.phase: must be {PREFILL!r} or {DECODE!r}, got {self.phase!r}")
+        if self.phase not in (PREFILL, DECODE, VERIFY):
+            raise ConfigError(f"bucket.phase: must be {PREFILL!r}, {DECODE!r} or {VERIFY!r}, got {self.phase!r}")
         if self.batch < 1 or self.kv_len < 1:
             raise ConfigError(f"bucket: batch and kv_len must be >= 1, got {self.batch}x{self.kv_len}")
+        if (self.phase == VERIFY) != (self.q_len > 1) or self.q_len < 1 or self.q_len > self.kv_len:
+            raise ConfigError(f"bucket: q_len {self.q_len} does not suit a {self.phase} bucket of kv_len "
+                              f"{self.kv_len} (verify needs 2 <= q_len <= kv_len, other phases 1)")
 
     @property
     def tokens(self) -> int:
-        """Tokens per row: the prompt length for prefill, 1 for decode."""
-        return self.kv_len if self.phase == PREFILL else 1
+        """Tokens per row: the prompt length for prefill, 1 for decode, q_len for verify."""
+        return self.kv_len if self.phase == PREFILL else self.q_len
 
     @property
     def num_tokens(self) -> int:
@@ -47,12 +55,19 @@ class Bucket:
 
     @property
     def key(self) -> str:
-        """Stable name used for graph files and cache entries, e.g. 'decode_b4_s512' (s: the KV length)."""
+        """Stable name used for graph files and cache entries, e.g. 'decode_b4_s512' (s: the KV length) or
+        'verify_b4_q5_s512'."""
+        if self.phase == VERIFY:
+            return f"{self.phase}_b{self.batch}_q{self.q_len}_s{self.kv_len}"
         return f"{self.phase}_b{self.batch}_s{self.kv_len}"
 
     @classmethod
     def from_key(cls, key: str) -> Bucket:
-        phase, b, s = key.split("_")
+        parts = key.split("_")
+        if parts[0] == VERIFY:
+            _, b, q, s = parts
+            return cls(VERIFY, int(b[1:]), int(s[1:]), int(q[1:]))
+        phase, b, s = parts
         return cls(phase, int(b[1:]), int(s[1:]))
 
 
@@ -78,6 +93,7 @@ class BucketConfig:
     decode_batches: tuple[int, ...]
     decode_kv_lens: tuple[int, ...]
     prefill_batch: int = 1
+    verify_len: int = 0  # q_len of the verify buckets (num_speculative_tokens + 1); 0: no verify graphs
 
     def __post_init__(self) -> None:
         for name in ("prefill_lens", "decode_batches", "decode_kv_lens"):
@@ -86,16 +102,22 @@ class BucketConfig:
                 raise ConfigError(f"{name}: must be a non-empty list of positive integers, got {list(vals)}")
             if list(vals) != sorted(set(vals)):
                 raise ConfigError(f"{name}: must be sorted and unique, got {list(vals)}")
+        if self.verify_len == 1 or self.verify_len < 0 or self.verify_len > self.decode_kv_lens[0]:
+            raise ConfigError(f"num_speculative_tokens: {self.verify_len - 1} needs verify graphs of "
+                              f"{self.verify_len} tokens, which must be >= 2 and fit the smallest decode bucket "
+                              f"({self.decode_kv_lens[0]})")
 
     @classmethod
     def build(cls, *, max_prompt_len: int, max_model_len: int, max_batch: int, min_prefill: int = 128,
               min_decode: int = 128, prefill_lens: Sequence[int] | None = None,
-              decode_kv_lens: Sequence[int] | None = None, decode_batches: Sequence[int] | None = None) -> BucketConfig:
+              decode_kv_lens: Sequence[int] | None = None, decode_batches: Sequence[int] | None = None,
+              num_speculative_tokens: int = 0) -> BucketConfig:
         """Default bucket set, or explicit lists (validated against the limits).
 
         max_prompt_len: the longest prompt (the largest prefill bucket by default). max_model_len: the most tokens
         one sequence holds, prompt + generated: the KV cache length per sequence, and the largest decode bucket
-        (explicit decode buckets must reach it, so that the two are one number)."""
+        (explicit decode buckets must reach it, so that the two are one number). num_speculative_tokens k > 0
+        adds a verify bucket of k + 1 tokens per row for every decode bucket."""
         if max_prompt_len > max_model_len:
             raise ConfigError(f"max_prompt_len: {max_prompt_len} exceeds max_model_len={max_model_len} (the KV "
                               "cache length)")
@@ -114,21 +136,31 @@ class BucketConfig:
                               f"buckets or set max_model_len to {dc[-1]}")
         if bb[-1] > max_batch:
             raise ConfigError(f"decode batch buckets: {bb[-1]} exceeds batch size {max_batch}")
-        return cls(tuple(pf), tuple(bb), tuple(dc))
+        if num_speculative_tokens < 0:
+            raise ConfigError(f"num_speculative_tokens: must be >= 0, got {num_speculative_tokens}")
+        return cls(tuple(pf), tuple(bb), tuple(dc), verify_len=num_speculative_tokens + 1 if num_speculative_tokens
+                   else 0)
 
     def buckets(self) -> list[Bucket]:
         pre = [Bucket(PREFILL, self.prefill_batch, s) for s in self.prefill_lens]
         dec = [Bucket(DECODE, b, s) for b in self.decode_batches for s in self.decode_kv_lens]
-        return pre + dec
+        ver = ([Bucket(VERIFY, b, s, self.verify_len) for b in self.decode_batches for s in self.decode_kv_lens]
+               if self.verify_len else [])
+        return pre + dec + ver
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return max(0, self.verify_len - 1)
 
     def to_dict(self) -> dict[str, list[int] | int]:
         return {"prefill_lens": list(self.prefill_lens), "decode_batches": list(self.decode_batches),
-                "decode_kv_lens": list(self.decode_kv_lens), "prefill_batch": self.prefill_batch}
+                "decode_kv_lens": list(self.decode_kv_lens), "prefill_batch": self.prefill_batch,
+                "verify_len": self.verify_len}
 
     @classmethod
     def from_dict(cls, d: dict) -> BucketConfig:
         return cls(tuple(d["prefill_lens"]), tuple(d["decode_batches"]), tuple(d["decode_kv_lens"]),
-                   int(d.get("prefill_batch", 1)))
+                   int(d.get("prefill_batch", 1)), int(d.get("verify_len", 0)))
 
 
 def smallest_fitting(n: int, sizes: Iterable[int]) -> int | None:
@@ -161,3 +193,11 @@ def pick_decode(batch: int, max_position: int, cfg: BucketConfig) -> Bucket:
             f"position {max_position} needs a KV length of {max_position + 1}, beyond the largest decode bucket "
             f"({cfg.decode_kv_lens[-1]}); recompile with a larger --max-model-len or --decode-buckets")
     return Bucket(DECODE, b, s)
+
+
+def pick_verify(batch: int, max_position: int, cfg: BucketConfig) -> Bucket:
+    """Verify bucket for `batch` rows whose last scored token sits at `max_position` (kv_len > max_position)."""
+    if not cfg.verify_len:
+        raise BucketOverflowError("this artifact has no verify graphs; recompile with --num-speculative-tokens K")
+    d = pick_decode(batch, max_position, cfg)
+    return Bucket(VERIFY, d.batch, d.kv_len, cfg.verify_len)

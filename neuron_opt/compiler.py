@@ -74,11 +74,13 @@ def record_compile_speed(timings_dir: Path, target: str, seconds_per_unit: float
 
 
 def distinct_graphs(buckets: BucketConfig, backend: str) -> int:
-    """Graphs a backend actually compiles: the cpu backend shares one dynamic-KV layer graph per (phase, batch)
-    and one LM-head graph per batch; other backends compile one graph per bucket."""
+    """Graphs a backend actually compiles: the cpu backend shares one dynamic-KV layer graph per (phase, batch,
+    q_len) and one LM-head graph per row count; other backends compile one graph per bucket."""
     bs = buckets.buckets()
     if backend == "cpu":
-        return len({(b.phase, b.batch) for b in bs}) + len({b.batch for b in bs})
+        from neuron_opt.backends.cpu_graphs import graph_keys
+
+        return len({k for b in bs for k in graph_keys(b)})
     return len(bs)
 
 
@@ -131,6 +133,7 @@ class CompileRequest:
     backend_options: dict[str, Any] = field(default_factory=dict)
     cache_dir: Path | None = None  # None: envs.CACHE_DIR / "compile"; use_cache=False disables it
     use_cache: bool = True
+    num_speculative_tokens: int = 0  # k > 0: verify graphs of k + 1 tokens (speculative decoding)
 
 
 @dataclass
@@ -152,7 +155,8 @@ def plan_buckets(cfg: ModelConfig, req: CompileRequest) -> tuple[CacheConfig, Bu
     cache = CacheConfig(max_batch=req.batch_size, max_model_len=max_model_len, dtype=req.dtype or "float32")
     buckets = BucketConfig.build(max_prompt_len=max_prompt_len, max_model_len=max_model_len,
                                  max_batch=req.batch_size, prefill_lens=req.prefill_buckets,
-                                 decode_kv_lens=req.decode_buckets, decode_batches=req.decode_batches)
+                                 decode_kv_lens=req.decode_buckets, decode_batches=req.decode_batches,
+                                 num_speculative_tokens=req.num_speculative_tokens)
     return cache, buckets
 
 

@@ -24,7 +24,7 @@ class StepInputs:
     input_ids: torch.Tensor  # [B, S] token ids; pads are 0
     positions: torch.Tensor  # [B, S] absolute position of each token; prompt pads continue past the prompt
     slot_ids: torch.Tensor  # [B] KV cache line of each row; padded rows use the scratch slot
-    last_index: torch.Tensor  # [B] index along S whose logits are returned
+    last_index: torch.Tensor  # [B] index along S whose logits are returned; verify steps: [B, S], every index
 
 
 class Executor(Protocol):
@@ -32,7 +32,7 @@ class Executor(Protocol):
     v_caches: list[torch.Tensor]
 
     def run(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
-        """fp32 logits [B, V_local] of the rows' `last_index` tokens."""
+        """fp32 logits [B, V_local] of the rows' `last_index` tokens ([B, S, V_local] for a verify step)."""
         ...
 
 

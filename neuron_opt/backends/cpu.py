@@ -27,7 +27,15 @@ from models.llama import rope_tables
 from neuron_opt.backends import check_backend_tp
 from neuron_opt.backends.base import ModelFactory, StepInputs
 from neuron_opt.backends.cpu_constants import ConstantRecipe, build_constant
-from neuron_opt.backends.cpu_graphs import HeadGraph, LayerGraph, compile_graph, graph_keys, layer_example, padded_kv
+from neuron_opt.backends.cpu_graphs import (
+    HeadGraph,
+    LayerGraph,
+    compile_graph,
+    graph_keys,
+    head_rows,
+    layer_example,
+    padded_kv,
+)
 from neuron_opt.backends.eager import load_model_weights, model_state_for_save
 from neuron_opt.buckets import DECODE, Bucket
 from neuron_opt.errors import ArtifactError, ConfigError
@@ -121,13 +129,14 @@ class CpuBackend:
                 "dynamic_kv": dyn is not None, "constants": {k: r.to_dict() for k, r in recipes.items()}}
 
     def _compile_head(self, model: torch.nn.Module, bucket: Bucket, so: Path) -> dict[str, Any]:
-        weight_input = self.options["logits"] == "fp32" and self.dtype != torch.float32 and bucket.batch == 1
+        rows = head_rows(bucket)
+        weight_input = self.options["logits"] == "fp32" and self.dtype != torch.float32 and rows == 1
         head = HeadGraph(model.model.norm, model.lm_head, weight_input).to(self.dtype)
-        args: tuple[torch.Tensor, ...] = (torch.randn(bucket.batch, model.cfg.hidden_size).to(self.residual_dtype),)
+        args: tuple[torch.Tensor, ...] = (torch.randn(rows, model.cfg.hidden_size).to(self.residual_dtype),)
         if weight_input:
             args += (torch.randn(model.lm_head.weight.shape).to(self.dtype),)
-        recipes = compile_graph(head, args, None, self.options["gemm"], so, f"cpu head graph for batch {bucket.batch}")
-        return {"kind": "head", "batch": bucket.batch, "weight_input": weight_input,
+        recipes = compile_graph(head, args, None, self.options["gemm"], so, f"cpu head graph for {rows} rows")
+        return {"kind": "head", "batch": rows, "weight_input": weight_input,
                 "constants": {k: r.to_dict() for k, r in recipes.items()}}
 
     def save_weights(self, model: torch.nn.Module, path: Path) -> None:
@@ -273,5 +282,8 @@ class CpuExecutor:
         ks, vs = self._kv(bucket.kv_len)
         for i, layer in enumerate(layers):
             x = layer.run([x, cos, sin, pos, slots, ks[i], vs[i]])[0]
-        x = x[torch.arange(x.shape[0]), inputs.last_index]  # [B, H]
-        return head(x)
+        rows = torch.arange(x.shape[0])
+        if inputs.last_index.dim() == 2:  # verify: every position of every row, [B, q, H] -> [B, q, V]
+            B, q = inputs.last_index.shape
+            return head(x[rows[:, None], inputs.last_index].reshape(B * q, -1)).view(B, q, -1)
+        return head(x[rows, inputs.last_index])  # [B, H] -> [B, V]

@@ -1,4 +1,4 @@
-"""What the cpu backend compiles: one decoder layer per (phase, batch), and the LM head per batch.
+"""What the cpu backend compiles: one decoder layer per (phase, batch[, q_len]), and the LM head per row count.
 
 Design decisions (measured; see docs/cpu_backend.md)
 - Regional compilation. A bucket's whole 30-layer model takes ~90 s to compile on 2 busy cores; one layer
@@ -14,7 +14,8 @@ Design decisions (measured; see docs/cpu_backend.md)
   eager): all-bf16 0.973, fp32 residual 0.980, bf16 weights with all activations fp32 0.996: the loss
   comes from activation rounding, not from the weights. With fp32 batch-1 logits too (HeadGraph) the compiled
   bf16 graphs reach 0.992.
-- The LM head graph takes the already-gathered last hidden states [B, H], so it depends only on B.
+- The LM head graph takes the already-gathered last hidden states [B, H], so it depends only on B (a verify
+  bucket scores every position: B * q_len rows).
 - Rope and attention run in fp32 when the model runs in bf16: the executor passes fp32 rope tables, so q and k
   come out of rope in fp32 (one bf16 rounding fewer for q; K/V are rounded once, into the bf16 cache). Also
   faster: aten's CPU flash attention does its bf16 q.k and p.v products with MKL's bf16 gemv, 0.39 ms per layer
@@ -38,7 +39,7 @@ from neuron_opt.backends.cpu_constants import (
     match_constants,
     placeholder_copy,
 )
-from neuron_opt.buckets import PREFILL, Bucket
+from neuron_opt.buckets import PREFILL, VERIFY, Bucket
 from neuron_opt.errors import BackendCompileError
 
 
@@ -119,10 +120,16 @@ def padded_kv(shape: tuple[int, int, int, int], dtype: torch.dtype) -> torch.Ten
     return torch.zeros(slots, n_kv, length + 1, d, dtype=dtype)[:, :, :length]
 
 
+def head_rows(bucket: Bucket) -> int:
+    """Rows the LM head scores: one per batch row, q_len per row for a verify bucket."""
+    return bucket.batch * (bucket.q_len if bucket.phase == VERIFY else 1)
+
+
 def graph_keys(bucket: Bucket) -> tuple[str, str]:
     """(layer graph key, head graph key) for a bucket. Seq 1 (no dynamic dim possible) gets a static graph."""
-    layer = f"layer_{bucket.phase}_b{bucket.batch}" + ("_dyn" if bucket.kv_len >= 2 else f"_s{bucket.kv_len}")
-    return layer, f"head_b{bucket.batch}"
+    q = f"_q{bucket.q_len}" if bucket.phase == VERIFY else ""
+    layer = f"layer_{bucket.phase}_b{bucket.batch}{q}" + ("_dyn" if bucket.kv_len >= 2 else f"_s{bucket.kv_len}")
+    return layer, f"head_b{head_rows(bucket)}"
 
 
 def layer_example(model: nn.Module, bucket: Bucket, num_slots: int, dtype: torch.dtype, residual_dtype: torch.dtype,
@@ -133,7 +140,8 @@ def layer_example(model: nn.Module, bucket: Bucket, num_slots: int, dtype: torch
     kv_len = bucket.kv_len
     k = padded_kv(model.kv_shape(num_slots), dtype)[:, :, :kv_len]
     v = padded_kv(model.kv_shape(num_slots), dtype)[:, :, :kv_len]
-    positions = torch.arange(S).expand(B, S).contiguous() if S > 1 else torch.full((B, 1), kv_len - 1)
+    positions = (torch.arange(S).expand(B, S).contiguous() if bucket.phase == PREFILL
+                 else torch.arange(kv_len - S, kv_len).expand(B, S).contiguous())
     args = (torch.randn(B, S, H).to(residual_dtype), torch.randn(B, S, 1, D).to(rope_dtype),
             torch.randn(B, S, 1, D).to(rope_dtype), positions, torch.arange(B) % num_slots, k, v)
     if bucket.kv_len < 2:

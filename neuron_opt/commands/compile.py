@@ -47,6 +47,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-buckets", type=_int_list, default=None, help="e.g. 128,256,512")
     p.add_argument("--decode-buckets", type=_int_list, default=None, help="KV lengths, e.g. 256,1024,2048")
     p.add_argument("--decode-batches", type=_int_list, default=None, help="batch sizes, e.g. 1,4,8")
+    p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
+                   help="also compile verify graphs of K + 1 tokens per row (one per decode bucket) for "
+                        "speculative decoding: serve/generate --speculative-method ngram")
     p.add_argument("--backend-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
                    help="a backend option (repeatable; see docs/cpu_backend.md and docs/neuron_backend.md), "
                         "e.g. replay=false or compiler_args='-O2'")
@@ -81,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
         model=args.model, out=args.out, backend=args.backend, dtype=args.dtype, batch_size=args.batch_size,
         max_prompt_len=args.max_prompt_len, max_model_len=args.max_model_len, prefill_buckets=args.prefill_buckets,
         decode_buckets=args.decode_buckets, decode_batches=args.decode_batches, parallel=_parallel_config(args),
-        backend_options=dict(args.backend_option), use_cache=not args.no_cache)
+        backend_options=dict(args.backend_option), use_cache=not args.no_cache,
+        num_speculative_tokens=args.num_speculative_tokens)
     report = compile_artifact(req)
     print(f"compile cache: {len(report.hits)} hit(s), {len(report.misses)} miss(es)")
     for label, why in report.misses.items():

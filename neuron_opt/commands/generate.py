@@ -29,6 +29,37 @@ def sampling_params_from_args(args: argparse.Namespace):
         stop=tuple(args.stop))
 
 
+def add_speculative_flags(p: argparse.ArgumentParser) -> None:
+    """vLLM's speculative_config fields for prompt lookup, as flags (serve and generate)."""
+    p.add_argument("--speculative-method", choices=["ngram"], default=None,
+                   help="speculative decoding: 'ngram' proposes the tokens that followed the last n tokens' most "
+                        "recent earlier occurrence in the prompt or output (prompt lookup); needs verify graphs "
+                        "(an artifact compiled with --num-speculative-tokens K)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="tokens proposed per step (default: the artifact's; with --model: 4)")
+    p.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram matched (default 4)")
+    p.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest n-gram matched (default 2)")
+    p.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="speculate only in steps where the measured acceptance and verify cost say it pays "
+                        "(default on; docs/speculative.md)")
+
+
+def speculative_from_args(args: argparse.Namespace, compiled_k: int | None):
+    """(SpeculativeConfig or None, k the model needs verify graphs for or None). `compiled_k`: an artifact's k
+    (0: none), None for a checkpoint."""
+    from neuron_opt.runtime.speculative import SpeculativeConfig
+
+    if args.speculative_method is None:
+        if args.num_speculative_tokens is not None:
+            raise ConfigError("--num-speculative-tokens needs --speculative-method ngram",
+                              param="num_speculative_tokens")
+        return None, None
+    k = args.num_speculative_tokens or compiled_k or 4
+    spec = SpeculativeConfig(k, args.speculative_method, args.prompt_lookup_max, args.prompt_lookup_min,
+                             args.speculative_adaptive)
+    return spec, k
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text for one prompt")
     p.add_argument("artifact", nargs="?", help="artifact directory produced by `neuron-opt compile`")
@@ -39,6 +70,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --model: eager compute dtype (default float32); an artifact's is fixed at compile")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_sampling_flags(p)
+    add_speculative_flags(p)
     from neuron_opt.parallel.cli import add_parallel_flags
 
     add_parallel_flags(p)  # with --model: tp rank processes; an artifact's tp is fixed when it is compiled
@@ -56,15 +88,33 @@ def run(args: argparse.Namespace) -> int:
     parallel = parallel_config_from_args(args)
     if args.artifact and parallel.tp != 1:
         raise ConfigError("generate: --tp applies to --model; an artifact runs at the tp it was compiled with")
-    llm = LLM(args.artifact or args.model, dtype=args.dtype, parallel=None if args.artifact else parallel)
-    if args.chat:
-        out = llm.chat([{"role": "user", "content": args.prompt}], params)
+    spec, k = speculative_from_args(args, _compiled_k(args.artifact) if args.artifact else None)
+    llm = LLM(args.artifact or args.model, dtype=args.dtype, parallel=None if args.artifact else parallel,
+              num_speculative_tokens=k)
+    ids = (llm.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat
+           else list(llm.tokenizer(args.prompt)["input_ids"]))
+    stats = None
+    if spec is None:
+        out = llm.generate_ids(ids, params)
     else:
-        out = llm.generate(args.prompt, params)
+        out, stats = llm.generate_ids_speculative(ids, params, spec)
     if args.json:
-        json.dump({"prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids, "text": out.text,
-                   "finish_reason": out.finish_reason}, sys.stdout)
+        doc = {"prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids, "text": out.text,
+               "finish_reason": out.finish_reason}
+        if stats is not None:
+            doc["speculative"] = {"draft_tokens": stats.draft_tokens, "accepted_tokens": stats.accepted_tokens,
+                                  "verify_steps": stats.verify_steps,
+                                  "mean_accepted_length": round(stats.mean_accepted_length, 3)}
+        json.dump(doc, sys.stdout)
         print()
     else:
         print(out.text)
     return 0
+
+
+def _compiled_k(artifact: str) -> int:
+    from pathlib import Path
+
+    from neuron_opt.artifact import read_manifest
+
+    return read_manifest(Path(artifact), verify_hashes=False).buckets.num_speculative_tokens

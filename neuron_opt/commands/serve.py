@@ -54,6 +54,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="with --model: compute dtype (default float32); an artifact's is fixed (given, it must match)"
     )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    from neuron_opt.commands.generate import add_speculative_flags
+
+    add_speculative_flags(p)
     p.set_defaults(func=run)
 
 
@@ -84,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
     from neuron_opt import envs
     from neuron_opt.api import LLM
+    from neuron_opt.commands.generate import speculative_from_args
     from neuron_opt.runtime.engine import Engine
     from neuron_opt.server.app import create_app
 
@@ -95,14 +99,18 @@ def run(args: argparse.Namespace) -> int:
 
         from neuron_opt.artifact import read_manifest
 
-        slots = read_manifest(Path(args.artifact), verify_hashes=False).cache.max_batch
+        manifest = read_manifest(Path(args.artifact), verify_hashes=False)
+        slots = manifest.cache.max_batch
         if args.max_num_seqs and args.max_num_seqs > slots:  # before the (long) load
             raise ConfigError(f"--max-num-seqs: {args.max_num_seqs} exceeds the artifact's {slots} KV slot(s); "
                               f"compile it with --batch-size {args.max_num_seqs}", param="max_num_seqs")
-        llm = LLM(args.artifact, dtype=args.dtype, max_model_len=args.max_model_len)
+        spec, k = speculative_from_args(args, manifest.buckets.num_speculative_tokens)
+        llm = LLM(args.artifact, dtype=args.dtype, max_model_len=args.max_model_len, num_speculative_tokens=k)
     else:
+        spec, k = speculative_from_args(args, None)
         llm = LLM(
-            args.model, dtype=args.dtype, batch_size=args.max_num_seqs or 16, max_model_len=args.max_model_len
+            args.model, dtype=args.dtype, batch_size=args.max_num_seqs or 16, max_model_len=args.max_model_len,
+            num_speculative_tokens=k,
         )
     engine = Engine(
         llm.runner,
@@ -111,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_waiting=args.max_waiting,
         max_prefill_tokens=args.max_prefill_tokens,
+        speculative=spec,
     )
     name = served_name(args)
     app = create_app(engine, llm.tokenizer, llm.encode_chat, name, llm.runner.max_model_len)

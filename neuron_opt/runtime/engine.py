@@ -28,11 +28,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from neuron_opt.errors import NeuronOptError, QueueFullError
+from neuron_opt.buckets import pick_decode
+from neuron_opt.errors import ConfigError, NeuronOptError, QueueFullError
 from neuron_opt.runtime.request import Request
-from neuron_opt.runtime.runner import DecodeRow, ModelRunner
+from neuron_opt.runtime.runner import DecodeRow, ModelRunner, VerifyRow
 from neuron_opt.runtime.sampling import SamplerState, SamplingParams, candidates_needed, sample_one
-from neuron_opt.runtime.scheduler import Scheduler
+from neuron_opt.runtime.scheduler import DecodeWork, Scheduler
+from neuron_opt.runtime.speculative import NgramProposer, Proposer, SpecController, SpecStats, SpeculativeConfig, accept
 from neuron_opt.runtime.stopping import StopChecker
 
 log = logging.getLogger(__name__)
@@ -110,8 +112,21 @@ class Engine:
         max_num_seqs: int | None = None,
         max_waiting: int = 1024,
         max_prefill_tokens: int = 2048,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.runner, self.tokenizer, self.eos_token_ids = runner, tokenizer, tuple(eos_token_ids)
+        self.spec = speculative
+        self.spec_stats = SpecStats()
+        if speculative is not None:
+            k = speculative.num_speculative_tokens
+            if runner.verify_len != k + 1:
+                have = runner.verify_len - 1 if runner.verify_len else 0
+                raise ConfigError(
+                    f"num_speculative_tokens: {k} needs verify graphs of {k + 1} tokens; this model has "
+                    + (f"them for {have} (use --num-speculative-tokens {have})" if have
+                       else "none (compile with --num-speculative-tokens K)"), param="num_speculative_tokens")
+            self.proposer: Proposer = NgramProposer(speculative.prompt_lookup_max, speculative.prompt_lookup_min)
+            self.controller = SpecController(k, speculative.adaptive)
         slots = runner.cache.max_batch if max_num_seqs is None else min(max_num_seqs, runner.cache.max_batch)
         self.scheduler = Scheduler(
             slots,
@@ -265,7 +280,9 @@ class Engine:
         if out.is_empty:
             return False
         t0 = time.perf_counter()
-        if out.decodes:
+        if out.decodes and self.spec is not None:
+            self._decode_or_verify(out.decodes)
+        elif out.decodes:
             rows = [DecodeRow(d.slot, d.token, d.position) for d in out.decodes]
             try:
                 logits = self.runner.decode(rows, candidates=self._candidates([d.request_id for d in out.decodes]))
@@ -295,6 +312,77 @@ class Engine:
             st.step_times.append(time.perf_counter() - t0)
         return True
 
+    def _propose(self, d: DecodeWork) -> list[int]:
+        """Prompt-lookup proposal for a running sequence: at most k tokens, none it could not use (past its
+        max_tokens or the verify graph's reach into the KV cache)."""
+        req = self._seqs[d.request_id].request
+        k = min(self.controller.num_speculative_tokens, req.max_tokens - len(req.output_token_ids) - 1)
+        if k < 1 or d.position + self.runner.verify_len > self.runner.max_model_len:
+            return []
+        return self.proposer.propose(req.prompt_token_ids + req.output_token_ids, k)
+
+    def _decode_or_verify(self, decodes: tuple[DecodeWork, ...]) -> None:
+        """One graph call for every running sequence: a verify of each row's proposals when the controller says
+        it pays (rows without one ride along with their single token), else a plain decode."""
+        proposals = {d.request_id: self._propose(d) for d in decodes}
+        ids = [d.request_id for d in decodes]
+        batch = pick_decode(len(decodes), max(d.position for d in decodes), self.runner.buckets).batch
+        verify = self.controller.should_verify(proposals, batch)
+        t0 = time.perf_counter()
+        try:
+            if verify:
+                rows = [VerifyRow(d.slot, (d.token, *proposals[d.request_id]), d.position) for d in decodes]
+                logits = self.runner.verify(rows, candidates=self._candidates(ids))
+            else:
+                logits = self.runner.decode([DecodeRow(d.slot, d.token, d.position) for d in decodes],
+                                            candidates=self._candidates(ids))
+        except Exception as e:
+            log.error("%s failed:\n%s", "verify" if verify else "decode", traceback.format_exc())
+            for d in decodes:
+                self._fail(d.request_id, f"{'verify' if verify else 'decode'} failed: {e}")
+            return
+        self.controller.observe_step("verify" if verify else "decode", batch, time.perf_counter() - t0)
+        st = self.spec_stats
+        if verify:
+            st.verify_steps += 1
+        elif any(proposals.values()):
+            st.skipped_steps += 1
+        for i, d in enumerate(decodes):
+            draft = proposals[d.request_id]
+            if verify:
+                self._update_verified(d.request_id, logits[i], draft)
+                continue
+            token = self._update(d.request_id, logits[i])
+            if draft:  # the first proposal against the token actually sampled: acceptance, measured for free
+                self.controller.observe_acceptance(d.request_id, int(token == draft[0]), 1)
+
+    def _update_verified(self, request_id: str, logits: torch.Tensor, draft: list[int]) -> None:
+        """Accept a prefix of `draft` from its verify logits [q, V], emit the tokens, stop where a stop
+        condition hits."""
+        seq = self._seqs[request_id]
+        done, min_tokens = len(seq.stop.token_ids), seq.params.min_tokens
+        banned_for = [self.eos_token_ids if done + j < min_tokens else () for j in range(len(draft) + 1)]
+        results = accept(logits, draft, seq.state, banned_for)
+        if draft:
+            st = self.spec_stats
+            st.drafts, st.draft_tokens, st.accepted_tokens = (st.drafts + 1, st.draft_tokens + len(draft),
+                                                              st.accepted_tokens + len(results) - 1)
+            self.controller.observe_acceptance(request_id, len(results) - 1, len(draft))
+        tokens: list[int] = []
+        lps: list[TokenLogprob] = []
+        delta = ""
+        for res in results:
+            tokens.append(res.token)
+            if res.logprob is not None:
+                lps.append(TokenLogprob(res.token, res.logprob, res.top_logprobs))
+            delta += seq.stop.add(res.token)
+            self.scheduler.update(request_id, res.token)
+            if seq.stop.finish_reason is not None:
+                self._finish(request_id, seq.stop.finish_reason, delta, tuple(tokens), tuple(lps))
+                return
+        self._emit(seq, RequestOutput(request_id, tuple(tokens), delta, seq.request.num_prompt_tokens,
+                                      len(seq.request.output_token_ids), logprobs=tuple(lps), time=time.monotonic()))
+
     def _candidates(self, request_ids: list[str]) -> int | None:
         """Top logits per rank the batch's sampling needs (vocab-parallel TP); None when any row needs them all."""
         ks = []
@@ -307,7 +395,8 @@ class Engine:
             ks.append(k)
         return max(ks)
 
-    def _update(self, request_id: str, logits: torch.Tensor) -> None:
+    def _update(self, request_id: str, logits: torch.Tensor) -> int:
+        """Sample the next token from `logits` [V], emit it, finish the request if a stop condition hits."""
         seq = self._seqs[request_id]
         params = seq.params
         banned = self.eos_token_ids if len(seq.stop.token_ids) < params.min_tokens else ()
@@ -318,6 +407,7 @@ class Engine:
         lp = (TokenLogprob(res.token, res.logprob, res.top_logprobs),) if res.logprob is not None else ()
         if seq.stop.finish_reason is not None:
             self._finish(request_id, seq.stop.finish_reason, delta, (res.token,), lp)
+            return res.token
         else:
             self._emit(
                 seq,
@@ -331,6 +421,7 @@ class Engine:
                     time=time.monotonic(),
                 ),
             )
+        return res.token
 
     def _finish(
         self,
@@ -343,6 +434,8 @@ class Engine:
     ) -> None:
         seq = self._seqs.pop(request_id)
         self.scheduler.finish(request_id)
+        if self.spec is not None:
+            self.controller.forget(request_id)
         with self._lock:
             self._pending -= 1
         out = RequestOutput(

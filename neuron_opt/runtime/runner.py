@@ -13,15 +13,26 @@ from dataclasses import dataclass
 import torch
 
 from neuron_opt.backends.base import Executor, StepInputs
-from neuron_opt.buckets import Bucket, BucketConfig, pick_decode, pick_prefill
+from neuron_opt.buckets import Bucket, BucketConfig, pick_decode, pick_prefill, pick_verify
 from neuron_opt.config import CacheConfig
-from neuron_opt.errors import ContextLengthError
+from neuron_opt.errors import BucketOverflowError, ContextLengthError
 
 
 @dataclass(frozen=True)
 class DecodeRow:
     slot: int
     token: int
+    position: int
+
+
+@dataclass(frozen=True)
+class VerifyRow:
+    """A verify row: `tokens` (the last accepted token, then the proposed ones) at positions `position`,
+    `position + 1`, ...; fewer than the bucket's q_len are padded (their K/V land beyond the accepted tokens, and
+    are overwritten before any later step reads them)."""
+
+    slot: int
+    tokens: tuple[int, ...]
     position: int
 
 
@@ -82,3 +93,29 @@ class ModelRunner:
             ids[i, 0], pos[i, 0], slots[i] = r.token, r.position, r.slot
         inputs = StepInputs(ids, pos, slots, torch.zeros(B, dtype=torch.long))
         return self._run(bucket, inputs, candidates)[: len(rows), : self.vocab_size]
+
+    @property
+    def verify_len(self) -> int:
+        """Tokens per row of the verify graphs (num_speculative_tokens + 1), 0 when the artifact has none."""
+        return self.buckets.verify_len
+
+    def verify(self, rows: list[VerifyRow], candidates: int | None = None) -> torch.Tensor:
+        """Score each row's tokens at consecutive positions in one graph call; returns fp32 logits
+        [len(rows), q_len, V]: position j's logits predict the token after `tokens[j]`."""
+        q = self.verify_len
+        if not q:
+            raise BucketOverflowError("this model has no verify graphs; recompile with --num-speculative-tokens K")
+        if any(not 1 <= len(r.tokens) <= q for r in rows):
+            raise ValueError(f"verify rows take 1..{q} tokens, got {[len(r.tokens) for r in rows]}")
+        bucket = pick_verify(len(rows), max(r.position + q - 1 for r in rows), self.buckets)
+        B = bucket.batch
+        ids = torch.zeros(B, q, dtype=torch.long)
+        pos = torch.zeros(B, q, dtype=torch.long)
+        slots = torch.full((B,), self.cache.scratch_slot, dtype=torch.long)
+        pos[:] = torch.arange(q)
+        for i, r in enumerate(rows):
+            ids[i, : len(r.tokens)] = torch.tensor(r.tokens, dtype=torch.long)
+            pos[i] = torch.arange(r.position, r.position + q)
+            slots[i] = r.slot
+        inputs = StepInputs(ids, pos, slots, torch.arange(q).expand(B, q).contiguous())
+        return self._run(bucket, inputs, candidates)[: len(rows), :, : self.vocab_size]

@@ -106,24 +106,41 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
-def sample_one(logits: torch.Tensor, st: SamplerState, banned: tuple[int, ...] = ()) -> SampleResult:
-    """logits [V] fp32 -> one token. `banned` (e.g. EOS before min_tokens) gets -inf."""
-    p = st.params
+def processed_logits(logits: torch.Tensor, st: SamplerState, banned: tuple[int, ...] = ()) -> torch.Tensor:
+    """logits [V] after the request's penalties and banned tokens (-inf): what greedy takes the argmax of and
+    logprobs are computed from."""
     logits = _apply_penalties(logits, st)
     if banned:
         logits = logits.clone()
         logits[list(banned)] = float("-inf")
-    if p.greedy:
-        token = int(torch.argmax(logits).item())
-    else:
-        scaled = _filter_top_k_top_p(logits / p.temperature, p.top_k, p.top_p)
-        token = int(torch.multinomial(scaled.softmax(-1), 1, generator=st.generator).item())
+    return logits
+
+
+def sampling_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Processed logits -> the logits sampling draws from: temperature, then top-k / top-p filtering."""
+    return _filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
+
+
+def result_for(token: int, logits: torch.Tensor, st: SamplerState) -> SampleResult:
+    """The chosen `token` with its logprobs (when the request asks for them) from processed `logits`."""
+    p = st.params
     if p.logprobs is None:
         return SampleResult(token)
     lp = logits.log_softmax(-1)
     top = torch.topk(lp, p.logprobs) if p.logprobs else None
     tops = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else ()
     return SampleResult(token, float(lp[token].item()), tops)
+
+
+def sample_one(logits: torch.Tensor, st: SamplerState, banned: tuple[int, ...] = ()) -> SampleResult:
+    """logits [V] fp32 -> one token. `banned` (e.g. EOS before min_tokens) gets -inf."""
+    p = st.params
+    logits = processed_logits(logits, st, banned)
+    if p.greedy:
+        token = int(torch.argmax(logits).item())
+    else:
+        token = int(torch.multinomial(sampling_logits(logits, p).softmax(-1), 1, generator=st.generator).item())
+    return result_for(token, logits, st)
 
 
 def candidates_needed(params: SamplingParams, n_banned: int = 0) -> int | None:
