@@ -381,7 +381,7 @@ class SpmdRanks(DeviceProgram):
         return self.xs.enable_manual_sharding(t, self._spec(t, sharded), mesh=self.mesh).global_tensor
 
     def trace_step(self, bucket: Bucket, step: list[torch.Tensor]) -> torch.Tensor:
-        """Records one step; returns the device logits [tp, B, V/tp] fp32 (rank r's vocabulary shard at r)."""
+        """Records one step; returns the device logits [tp, B, (q,) V/tp] fp32 (rank r's vocabulary shard at r)."""
         ids, pos, slots, last = (self._enter(t, sharded=False) for t in step)  # replicated into the region
         params = {n: self._enter(p)[0] for n, p in self.params.items()}
         bufs = {n: self._enter(b, sharded=False) for n, b in self.buffers.items()}
@@ -398,14 +398,14 @@ class SpmdRanks(DeviceProgram):
         for full, local in zip([*self.k_caches, *self.v_caches], [*ks, *vs], strict=True):
             out = self.xs.disable_manual_sharding(local, self._spec(full), full.shape, mesh=self.mesh)
             full.copy_(out.global_tensor)  # in place: the cache buffer is donated to this step
-        out = self.xs.disable_manual_sharding(logits[None], ("tp", None, None), (self.tp, *logits.shape),
-                                              mesh=self.mesh)
+        out = self.xs.disable_manual_sharding(logits[None], ("tp", *(None,) * logits.dim()),
+                                              (self.tp, *logits.shape), mesh=self.mesh)
         return out.global_tensor
 
     def host_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [B, V_padded]: the ranks' vocabulary shards side by side."""
-        host = logits.cpu()  # [tp, B, V/tp]
-        return host.permute(1, 0, 2).reshape(host.shape[1], -1)
+        """fp32 logits [B, V_padded] ([B, q, V_padded] for verify): the ranks' vocabulary shards side by side."""
+        host = logits.cpu()  # [tp, B, (q,) V/tp]
+        return host.movedim(0, -2).reshape(*host.shape[1:-1], -1)
 
 
 def _graph_name(xla: ModuleType, outputs: list[torch.Tensor]) -> str:
@@ -450,10 +450,12 @@ class DeviceRank(DeviceProgram):
 def warm_up_inputs(bucket: Bucket, scratch_slot: int) -> StepInputs:
     """A step shaped like `bucket` whose every row writes only the scratch slot (never read by a request)."""
     B, S = bucket.batch, bucket.tokens
-    start = 0 if bucket.phase == "prefill" else bucket.kv_len - 1
+    start = 0 if bucket.phase == "prefill" else bucket.kv_len - S
     pos = torch.arange(start, start + S, dtype=torch.long).expand(B, S).contiguous()
+    last = (torch.arange(S, dtype=torch.long).expand(B, S).contiguous() if bucket.phase == "verify"
+            else torch.full((B,), S - 1, dtype=torch.long))  # verify: logits at every position
     return StepInputs(torch.zeros(B, S, dtype=torch.long), pos, torch.full((B,), scratch_slot, dtype=torch.long),
-                      torch.full((B,), S - 1, dtype=torch.long))
+                      last)
 
 
 # HLO ops that would move data between host and device inside a step, or call back into the host

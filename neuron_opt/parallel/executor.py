@@ -70,7 +70,7 @@ class TPExecutor:
         self._collect(start_timeout_s, "start-up")
 
     def run(self, bucket: Bucket, inputs: StepInputs, candidates: int | None = None) -> torch.Tensor:
-        """fp32 logits [B, V] of the rows' `last_index` tokens.
+        """fp32 logits [B, V] of the rows' `last_index` tokens ([B, q, V] for a verify step's [B, q] index).
 
         Args:
             candidates: None gathers the full logits. K gathers only each rank's top-K and returns -inf
@@ -79,14 +79,17 @@ class TPExecutor:
         msg = ("run", bucket, step_arrays(inputs), candidates)
         out = self._call(msg, f"step {bucket.key}")
         if candidates is None:
-            return torch.from_numpy(out)
-        vals, ids = out
-        return scatter_candidates(
-            torch.from_numpy(vals),
-            torch.from_numpy(ids),
-            self.layout.vocab_padded,
-            self.spec.model.vocab_size,
-        )
+            logits = torch.from_numpy(out)
+        else:
+            vals, ids = out
+            logits = scatter_candidates(
+                torch.from_numpy(vals),
+                torch.from_numpy(ids),
+                self.layout.vocab_padded,
+                self.spec.model.vocab_size,
+            )
+        # a verify step scores every position: the ranks send B * q rows
+        return logits.view(*inputs.last_index.shape, -1)
 
     def collective_calls(self) -> list[CollectiveCall]:
         """Collective calls rank 0 made since the last reset (every rank makes the same ones)."""

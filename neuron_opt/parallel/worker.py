@@ -63,7 +63,9 @@ def _build(rank: int, spec: RankSpec, comm: Collectives) -> Any:
 def _finish(
     local: torch.Tensor, rank: int, spec: RankSpec, comm: TorchCollectives, candidates: int | None
 ) -> Any:
-    local = mask_padded_vocab(local, rank, spec.model.vocab_size)
+    """This rank's logits [rows, V/tp] (a verify step's [B, q, V/tp] flattened to B * q rows) -> rank 0's
+    gathered logits or candidates."""
+    local = mask_padded_vocab(local.reshape(-1, local.shape[-1]), rank, spec.model.vocab_size)
     if candidates is None:
         full = gather_full(local, comm)
         return full[:, : spec.model.vocab_size].numpy() if rank == 0 else None

@@ -233,3 +233,24 @@ def test_cpu_compiled_verify_graphs_match_eager_and_keep_greedy_exact(tiny_dir, 
     assert out.token_ids == ref.generate_ids(prompt, params).token_ids and stats.accepted_tokens > 0
     with pytest.raises(ConfigError, match="num_speculative_tokens=3"):
         LLM(tmp_path / "art", num_speculative_tokens=2)
+
+
+def test_tp2_rank_processes_verify_like_one_rank(tiny_dir):
+    """Verify steps through real TP ranks (the logits of every position gathered over the vocab-parallel head)."""
+    from neuron_opt.config import ParallelConfig
+
+    d = tiny_dir("smollm-tok")
+    tp = LLM(d, max_model_len=64, num_speculative_tokens=K, parallel=ParallelConfig(tp=2))
+    one = LLM(d, max_model_len=64, num_speculative_tokens=K)
+    try:
+        seq = [1, 17, 42, 99, 5, 123, 7, 300, 301, 302]
+        for r in (tp.runner, one.runner):
+            r.prefill(0, seq[:6])
+        rows = [VerifyRow(0, tuple(seq[6:10]), 6)]
+        torch.testing.assert_close(tp.runner.verify(rows), one.runner.verify(rows), atol=1e-4, rtol=0)
+        prompt = [1, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
+        params = SamplingParams(max_tokens=16, ignore_eos=True)
+        out, stats = tp.generate_ids_speculative(prompt, params, SpeculativeConfig(K, adaptive=False))
+        assert out.token_ids == one.generate_ids(prompt, params).token_ids and stats.verify_steps > 0
+    finally:
+        tp.runner.executor.close()

@@ -2,7 +2,10 @@
 `--backend neuron` at the given tp, then prints one JSON object: per step the largest |logit difference| against
 the eager fp32 reference (teacher forced), the bucket each step ran, and the HLO facts of every bucket.
 
-    python device_parity.py CKPT OUT TP
+    python device_parity.py CKPT OUT TP [K]
+
+K > 0 also compiles verify buckets of K + 1 tokens (speculative decoding) and scores one verify row at the end
+(its largest |logit difference| is the last entry of `diffs`, its bucket the last of `buckets`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ sys.path[:0] = [str(ROOT)]  # the package before tests/ (whose neuron_opt/ folde
 sys.path.append(str(ROOT / "tests"))  # tests/helpers.py
 
 
-def main(ckpt: Path, out: Path, tp: int) -> dict:
+def main(ckpt: Path, out: Path, tp: int, k: int = 0) -> dict:
     from neuron_opt.backends.neuron import import_xla
 
     import_xla(dump=True, devices=tp)
@@ -27,11 +30,11 @@ def main(ckpt: Path, out: Path, tp: int) -> dict:
     from neuron_opt.artifact import load_artifact
     from neuron_opt.compiler import CompileRequest, compile_artifact
     from neuron_opt.config import ParallelConfig
-    from neuron_opt.runtime.runner import DecodeRow
+    from neuron_opt.runtime.runner import DecodeRow, VerifyRow
 
     compile_artifact(CompileRequest(model=str(ckpt), out=out, backend="neuron", dtype="float32", max_model_len=32,
                                     prefill_buckets=(16, 32), decode_buckets=(16, 32),
-                                    parallel=ParallelConfig(tp=tp), use_cache=False),
+                                    parallel=ParallelConfig(tp=tp), use_cache=False, num_speculative_tokens=k),
                      log=lambda s: None, progress=False)
     loaded = load_artifact(out)
     runner = loaded.runner
@@ -39,7 +42,8 @@ def main(ckpt: Path, out: Path, tp: int) -> dict:
     params = getattr(ranks, "params", None) or dict(ranks.model.named_parameters())
     device_bytes = {"weights": sum(t.numel() * t.element_size() for t in params.values()) // tp,
                     "kv": sum(c.numel() * c.element_size() for c in [*ranks.k_caches, *ranks.v_caches]) // tp}
-    ref = eager_runner(ckpt, max_model_len=32, prefill_lens=[16, 32], decode_kv_lens=[16, 32])
+    ref = eager_runner(ckpt, max_model_len=32, prefill_lens=[16, 32], decode_kv_lens=[16, 32],
+                       num_speculative_tokens=k)
     prompt = [(7 * i + 3) % 200 + 3 for i in range(12)]
     diffs, buckets = [], []
     a, b = runner.prefill(0, prompt), ref.prefill(0, prompt)
@@ -51,8 +55,14 @@ def main(ckpt: Path, out: Path, tp: int) -> dict:
         diffs.append((a - b).abs().max().item())
         buckets.append(runner.last_bucket.key)
         tok, pos = int(b[0].argmax()), pos + 1
+    if k:  # the last accepted token and k proposals at positions 28.. in one verify step
+        rows = [VerifyRow(0, (tok, *[(13 * j + 5) % 200 + 3 for j in range(k)]), pos)]
+        a, b = runner.verify(rows), ref.verify(rows)
+        diffs.append((a - b).abs().max().item())
+        buckets.append(runner.last_bucket.key)
     return {"diffs": diffs, "buckets": buckets, "device_bytes": device_bytes}
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]))))
+    print(json.dumps(main(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]),
+                          int(sys.argv[4]) if len(sys.argv) > 4 else 0)))

@@ -330,3 +330,30 @@ def test_ops_nki_on_the_xla_cpu_device_uses_the_torch_op_at_every_call_site_and_
     assert main(["inspect", str(arts["nki"])]) == 0
     assert "attention q [1, 4, 16, 16], kv [1, 2, 16, 16], float32: torch (the CPU device has no NKI runtime)" \
         in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_verify_buckets_score_every_position_like_eager(tp, ckpt, tmp_path):
+    """Speculative decoding's verify graphs (k + 1 = 3 tokens per row, logits at each) on the device path: one
+    HLO per verify bucket, logits equal eager fp32; at tp=2 inside the one SPMD program."""
+    out = subprocess.run([sys.executable, str(HERE / "device_parity.py"), str(ckpt("llama-gqa2")),
+                          str(tmp_path / "art"), str(tp), "2"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["buckets"][-1] == "verify_b1_q3_s32"
+    assert max(res["diffs"]) < 1e-4, res["diffs"]
+    m = read_manifest(tmp_path / "art")
+    assert sorted(k for k in m.graphs if k.startswith("verify")) == ["verify_b1_q3_s16", "verify_b1_q3_s32"]
+
+
+def test_speculative_greedy_through_a_neuron_artifact_equals_eager(ckpt, tmp_path):
+    from neuron_opt.api import LLM
+    from neuron_opt.runtime.sampling import SamplingParams
+    from neuron_opt.runtime.speculative import SpeculativeConfig
+
+    art = compile_tiny(ckpt("llama-gqa2"), tmp_path / "art", num_speculative_tokens=2)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    out, stats = LLM(art).generate_ids_speculative(prompt, params, SpeculativeConfig(2, adaptive=False))
+    want = LLM(str(ckpt("llama-gqa2")), max_model_len=32).generate_ids(prompt, params).token_ids
+    assert out.token_ids == want and stats.verify_steps > 0
