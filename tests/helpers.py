@@ -28,7 +28,7 @@ def eager_runner(ckpt_dir: Path, max_model_len: int = 256, max_batch: int = 1, *
 
 
 @contextlib.contextmanager
-def live_server(llm, max_num_seqs: int, runner=None, model: str = "tiny"):
+def live_server(llm, max_num_seqs: int, runner=None, model: str = "tiny", speculative=None):
     """Serve `llm` on a free loopback port in a background thread; yields (base_url, engine)."""
     import socket
     import threading
@@ -45,6 +45,7 @@ def live_server(llm, max_num_seqs: int, runner=None, model: str = "tiny"):
         llm.eos_token_ids,
         max_num_seqs=max_num_seqs,
         max_prefill_tokens=64,
+        speculative=speculative,
     )
     app = create_app(engine, llm.tokenizer, llm.encode_chat, model, llm.runner.max_model_len)
     sock = socket.socket()

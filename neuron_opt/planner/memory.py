@@ -164,8 +164,9 @@ def scratch_bytes(cfg: ModelConfig, lay: HeadLayout, buckets: BucketConfig, act_
     pre = [
         graph_scratch_bytes(cfg, lay, buckets.prefill_batch, s, s, act_bytes) for s in buckets.prefill_lens
     ]
+    q = max(1, buckets.verify_len)  # verify graphs (speculative decoding) score q tokens per decode row
     dec = [
-        graph_scratch_bytes(cfg, lay, b, 1, s, act_bytes)
+        graph_scratch_bytes(cfg, lay, b, q, s, act_bytes)
         for b in buckets.decode_batches
         for s in buckets.decode_kv_lens
     ]

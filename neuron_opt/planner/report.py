@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from neuron_opt.buckets import BucketConfig
+from neuron_opt.buckets import VERIFY, BucketConfig
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
 from neuron_opt.planner.hardware import GB, GiB, get_instance
 from neuron_opt.planner.memory import layout_overhead
@@ -42,7 +42,12 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
         f"largest max_model_len at batch {d.batch}: {plan.largest_length}",
         f"  buckets: prefill {list(plan.buckets.prefill_lens)}; "
         f"decode batches {list(plan.buckets.decode_batches)}"
-        f" x lengths {list(plan.buckets.decode_kv_lens)} ({len(plan.buckets.buckets())} graphs)",
+        f" x lengths {list(plan.buckets.decode_kv_lens)}"
+        + (f"; verify ({plan.buckets.verify_len} tokens per row, speculative decoding) for each decode bucket"
+           if plan.buckets.verify_len else "")
+        + f" ({len(plan.buckets.buckets())} graphs"
+        + (f", {sum(b.phase == VERIFY for b in plan.buckets.buckets())} of them verify"
+           if plan.buckets.verify_len else "") + ")",
     ]
     over = layout_overhead(cfg, lay, d.dtype)
     if over.padded:

@@ -74,6 +74,7 @@ def create_app(
         lambda: engine.num_running,
         lambda: engine.num_waiting,
         lambda: engine.num_running / engine.num_slots,
+        (lambda: engine.spec_stats) if engine.spec is not None else None,
     )
     serving = OpenAIServing(engine, tokenizer, encode_chat, model_name, metrics, max_model_len)
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # vLLM's bucket edges (seconds), trimmed at the top
 TTFT_BUCKETS = (
@@ -85,6 +86,32 @@ E2E_BUCKETS = (
 PREFIX = "neuron_opt:"
 
 
+class _SpecCollector:
+    """Speculative-decoding counters (vLLM's spec_decode_* names), read from the engine at scrape time."""
+
+    def __init__(self, model_name: str, stats: Callable[[], Any]) -> None:
+        self.model_name, self.stats = model_name, stats
+
+    def collect(self) -> Any:
+        st = self.stats()
+        for name, doc, value in (
+            ("spec_decode_num_drafts", "Verify rows that carried proposed tokens.", st.drafts),
+            ("spec_decode_num_draft_tokens", "Proposed tokens scored.", st.draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Proposed tokens accepted.", st.accepted_tokens),
+            ("spec_decode_num_verify_steps", "Engine steps run as a verify call.", st.verify_steps),
+            ("spec_decode_num_skipped_steps", "Steps with proposals the controller decoded instead.",
+             st.skipped_steps),
+        ):
+            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            c.add_metric([self.model_name], value)
+            yield c
+        g = GaugeMetricFamily(PREFIX + "spec_decode_mean_accepted_length",
+                              "Tokens emitted per draft (accepted proposals + the target's own token).",
+                              labels=["model_name"])
+        g.add_metric([self.model_name], st.mean_accepted_length)
+        yield g
+
+
 class ServerMetrics:
     def __init__(
         self,
@@ -92,9 +119,12 @@ class ServerMetrics:
         num_running: Callable[[], int],
         num_waiting: Callable[[], int],
         kv_usage: Callable[[], float],
+        spec_stats: Callable[[], Any] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
+        if spec_stats is not None:  # only when the engine speculates
+            self.registry.register(_SpecCollector(model_name, spec_stats))
 
         def labelled(kind: type, name: str, doc: str, **kw: Any) -> Any:  # one metric, this model's label
             return kind(PREFIX + name, doc, ["model_name"], registry=self.registry, **kw).labels(model_name)

@@ -116,9 +116,12 @@ class OpenAIServing:
                         continue
                 now = time.monotonic()
                 if out.new_token_ids:
-                    (self.metrics.ttft if out.num_output_tokens == 1 else self.metrics.itl).observe(
-                        now - last
-                    )
+                    n = len(out.new_token_ids)  # several when speculative decoding accepted proposals
+                    if out.num_output_tokens == n:  # the first output: its first token is the TTFT
+                        self.metrics.ttft.observe(now - last)
+                        n -= 1
+                    for _ in range(n):  # the step's time spread evenly over the tokens it produced
+                        self.metrics.itl.observe((now - last) / len(out.new_token_ids))
                     last = now
                 if out.finished:
                     finished = True

@@ -254,3 +254,28 @@ def test_tp2_rank_processes_verify_like_one_rank(tiny_dir):
         assert out.token_ids == one.generate_ids(prompt, params).token_ids and stats.verify_steps > 0
     finally:
         tp.runner.executor.close()
+
+
+def test_server_streams_speculative_output_and_reports_it_in_metrics(llms):
+    """The OpenAI surface is unchanged: streamed chat through a speculating engine equals non-speculative greedy;
+    /metrics carries the spec_decode counters."""
+    import httpx
+    import openai
+    from helpers import live_server
+
+    llm, ref = llms
+    messages = [{"role": "user", "content": "one two three four five one two three four five one two three"}]
+    want = ref.generate_ids(ref.encode_chat(messages), SamplingParams(max_tokens=24)).text
+    with live_server(llm, max_num_seqs=4, speculative=SpeculativeConfig(K, adaptive=False)) as (url, engine):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        chunks = client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0,
+                                                stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        metrics = httpx.get(url + "/metrics").text
+    assert text == want
+    st = engine.spec_stats
+    assert st.verify_steps > 0
+    assert f'neuron_opt:spec_decode_num_draft_tokens_total{{model_name="tiny"}} {float(st.draft_tokens)}' in metrics
+    assert f'neuron_opt:spec_decode_num_accepted_tokens_total{{model_name="tiny"}} {float(st.accepted_tokens)}' \
+        in metrics
+    assert "neuron_opt:spec_decode_mean_accepted_length" in metrics
