@@ -38,7 +38,7 @@ def add_speculative_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="tokens proposed per step (default: the artifact's; with --model: 4)")
     p.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram matched (default 4)")
-    p.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest n-gram matched (default 2)")
+    p.add_argument("--prompt-lookup-min", type=int, default=1, help="shortest n-gram matched (default 1)")
     p.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=True,
                    help="speculate only in steps where the measured acceptance and verify cost say it pays "
                         "(default on; docs/speculative.md)")

@@ -50,7 +50,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     method: str = "ngram"
     prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 2
+    prompt_lookup_min: int = 1  # single-token matches too: measured better than 2 (docs/speculative.md)
     adaptive: bool = True  # speculate only in steps where the measured acceptance says it pays
 
     def __post_init__(self) -> None:
@@ -76,7 +76,7 @@ class NgramProposer:
     """Prompt lookup: continue the most recent earlier occurrence of the sequence's last n tokens."""
 
     prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 2
+    prompt_lookup_min: int = 1
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         ids = np.asarray(token_ids, dtype=np.int64)

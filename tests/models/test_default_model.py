@@ -62,3 +62,18 @@ def test_cli_chat_answers_paris(capsys):
     assert "Paris" in out["text"]
     assert out["finish_reason"] in ("stop", "length")
     assert out["prompt_token_ids"] and out["token_ids"]
+
+
+def test_speculative_greedy_equals_plain_greedy_on_the_default_model():
+    """Prompt-lookup speculation on the real model (fp32, eager) over an input-grounded prompt: the same tokens as
+    plain greedy decoding, with proposals accepted."""
+    from neuron_opt.runtime.speculative import SpeculativeConfig
+
+    spec_llm = LLM("default", max_model_len=512, num_speculative_tokens=4)
+    text = ("The committee met on Tuesday to review the budget. The committee approved the budget after a short "
+            "discussion, and the chair thanked the members for their work on the budget.")
+    prompt = spec_llm.encode_chat([{"role": "user", "content": f"Repeat this text exactly:\n\n{text}"}])
+    params = SamplingParams(max_tokens=N_TOKENS, min_tokens=N_TOKENS)
+    out, stats = spec_llm.generate_ids_speculative(prompt, params, SpeculativeConfig(4, adaptive=False))
+    assert out.token_ids == spec_llm.generate_ids(prompt, params).token_ids
+    assert stats.accepted_tokens >= N_TOKENS // 4, stats  # most of the answer came from accepted proposals

@@ -1,0 +1,236 @@
+#!/usr/bin/env python
+"""Speculative decoding (prompt lookup) against plain decoding, side by side in one run, on one artifact.
+
+Workloads (the default model, chat template, greedy):
+- grounded: "repeat / edit this text" over a ~300-token paragraph or code block: the answer copies the prompt,
+  which prompt lookup predicts;
+- open-ended: story / explanation prompts: little to copy.
+For each workload and batch size: output tokens/s with speculation off, on with the adaptive controller, and on
+with the controller disabled (always verify), the greedy outputs of all three compared token for token, and the
+speculation counters. Answers end at EOS (or --max-tokens): forcing a fixed length would time the text a model
+makes up after its answer, which nothing grounds. Greedy outputs are identical in float32 (same tokens, same
+work); in bfloat16 the verify graph's GEMMs (k + 1 rows) round differently from the decode graph's (1 row), so a
+near-tie can flip and the texts diverge from there (`first_divergence`; the token counts then differ too).
+Batch 1 runs `LLM.generate_ids` (plain) and the engine (speculative); batch > 1 runs the engine for all three,
+every request admitted at once. The peer in the same run: HF transformers eager (fp32)
+with and without its own prompt lookup (`generate(prompt_lookup_num_tokens=k)`) on the grounded prompts, batch 1.
+
+    python scripts/bench_spec.py --artifact artifacts/spec --out docs/bench/spec.json --plot docs/bench/spec.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PARAGRAPHS = [
+    "The Amazon rainforest covers much of the Amazon basin of South America. This basin encompasses seven million "
+    "square kilometres, of which five and a half million square kilometres are covered by the rainforest. The "
+    "region includes territory belonging to nine nations and 3,344 formally acknowledged indigenous territories. "
+    "The majority of the forest, 60 percent, is in Brazil, followed by Peru with 13 percent, Colombia with 10 "
+    "percent, and with minor amounts in Bolivia, Ecuador, French Guiana, Guyana, Suriname, and Venezuela. The "
+    "rainforest likely formed during the Eocene era. It appeared following a global reduction of tropical "
+    "temperatures when the Atlantic Ocean had widened sufficiently to provide a warm, moist climate to the "
+    "Amazon basin. The rainforest has been in existence for at least 55 million years, and most of the region "
+    "remained free of savanna-type biomes at least until the current ice age, when the climate was drier and "
+    "savanna more widespread.",
+    "def merge_sorted(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
+    "        if a[i] <= b[j]:\n            out.append(a[i])\n            i += 1\n        else:\n"
+    "            out.append(b[j])\n            j += 1\n    out.extend(a[i:])\n    out.extend(b[j:])\n"
+    "    return out\n\n\ndef merge_sort(xs):\n    if len(xs) <= 1:\n        return xs\n    mid = len(xs) // 2\n"
+    "    return merge_sorted(merge_sort(xs[:mid]), merge_sort(xs[mid:]))\n\n\ndef is_sorted(xs):\n"
+    "    return all(x <= y for x, y in zip(xs, xs[1:]))\n",
+]
+GROUNDED = [
+    f"Repeat the following text exactly, word for word, with nothing before or after it:\n\n{PARAGRAPHS[0]}",
+    f"Rename the function merge_sorted to merge_two everywhere in this code and output the whole code:\n\n"
+    f"{PARAGRAPHS[1]}",
+    f"Copy this text exactly:\n\n{PARAGRAPHS[0][:700]}",
+    f"Output this code unchanged:\n\n{PARAGRAPHS[1]}",
+]
+OPEN = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a refrigerator works to a ten-year-old.",
+    "Describe a day in the life of a honeybee.",
+    "What are the pros and cons of living in a big city?",
+]
+
+
+def run_plain_b1(llm, prompts, params):
+    outs, t0 = [], time.perf_counter()
+    for p in prompts:
+        outs.append(llm.generate_ids(p, params).token_ids)
+    return outs, time.perf_counter() - t0, None
+
+
+def run_engine(llm, prompts, params, spec):
+    from neuron_opt.runtime.engine import Engine
+
+    engine = Engine(llm.runner, llm.tokenizer, llm.eos_token_ids, max_num_seqs=len(prompts), speculative=spec)
+    outs: dict[str, list] = {str(i): [] for i in range(len(prompts))}
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params, outs[str(i)].append)
+    while engine.num_unfinished:
+        engine.step()
+    dt = time.perf_counter() - t0
+    toks = [[t for o in outs[str(i)] for t in o.new_token_ids] for i in range(len(prompts))]
+    return toks, dt, engine.spec_stats
+
+
+def bench_ours(args, llm, name, prompts, batch):
+    from neuron_opt.runtime.sampling import SamplingParams
+    from neuron_opt.runtime.speculative import SpeculativeConfig
+
+    k = llm.runner.buckets.num_speculative_tokens
+    params = SamplingParams(max_tokens=args.max_tokens)  # answers end at EOS, as they would in service
+    ids = [llm.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+    groups = [ids[i: i + batch] for i in range(0, len(ids), batch)]
+    rows = []
+    modes = [("plain", None), ("spec-adaptive", SpeculativeConfig(k)),
+             ("spec-always", SpeculativeConfig(k, adaptive=False))]
+    results = {}
+    for mode, spec in modes:
+        best, toks, stats = None, None, None
+        for _ in range(args.repeats):
+            all_toks, total, agg = [], 0.0, None
+            for g in groups:
+                if spec is None and batch == 1:
+                    t, dt, st = run_plain_b1(llm, g, params)
+                else:
+                    t, dt, st = run_engine(llm, g, params, spec)
+                all_toks += t
+                total += dt
+                agg = st if agg is None or st is None else _add(agg, st)
+            if best is None or total < best:
+                best, toks, stats = total, all_toks, agg
+        n = sum(len(t) for t in toks)
+        results[mode] = toks
+        row = {"workload": name, "batch": batch, "mode": mode, "k": k, "output_tokens": n, "seconds": round(best, 3),
+               "tok_s": round(n / best, 2)}
+        if stats is not None:
+            row.update(verify_steps=stats.verify_steps, drafts=stats.drafts, draft_tokens=stats.draft_tokens,
+                       accepted_tokens=stats.accepted_tokens, skipped_steps=stats.skipped_steps,
+                       mean_accepted_length=round(stats.mean_accepted_length, 3))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    for r in rows:
+        r["identical_to_plain"] = results[r["mode"]] == results["plain"]
+        # where each request's tokens first differ from plain decoding's (None: identical)
+        r["first_divergence"] = [_divergence(x, y) for x, y in zip(results[r["mode"]], results["plain"], strict=True)]
+        r["speedup_vs_plain"] = round(r["tok_s"] / rows[0]["tok_s"], 3)
+    return rows
+
+
+def _divergence(x: list[int], y: list[int]) -> int | None:
+    """The first index where two token lists differ (None when equal)."""
+    if x == y:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), min(len(x), len(y)))
+
+
+def _add(a, b):
+    from dataclasses import fields
+
+    out = type(a)()
+    for f in fields(a):
+        setattr(out, f.name, getattr(a, f.name) + getattr(b, f.name))
+    return out
+
+
+def bench_hf(args, llm, prompts, k):
+    """HF transformers eager fp32, greedy, batch 1, with and without prompt lookup (its own implementation)."""
+    import torch
+    import transformers
+
+    from neuron_opt.checkpoint import default_model_path
+
+    path = default_model_path()
+    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                              dtype=torch.float32).eval()
+    ids = [llm.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+    rows = []
+    for mode, extra in (("hf-plain", {}), ("hf-prompt-lookup", {"prompt_lookup_num_tokens": k})):
+        n, t0 = 0, time.perf_counter()
+        for p in ids:
+            with torch.no_grad():
+                out = model.generate(torch.tensor([p]), max_new_tokens=args.max_tokens, do_sample=False,
+                                     pad_token_id=tok.eos_token_id, **extra)
+            n += out.shape[1] - len(p)
+        dt = time.perf_counter() - t0
+        rows.append({"workload": "grounded", "batch": 1, "mode": mode, "k": k if extra else 0, "output_tokens": n,
+                     "seconds": round(dt, 3), "tok_s": round(n / dt, 2)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def plot(doc, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = doc["results"]
+    panels = sorted({(r["workload"], r["batch"]) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4), squeeze=False)
+    for ax, (w, b) in zip(axes[0], panels, strict=True):
+        sel = [r for r in rows if r["workload"] == w and r["batch"] == b]
+        ax.bar(range(len(sel)), [r["tok_s"] for r in sel],
+               color=["#888" if r["mode"].startswith("hf") else "#2a7" for r in sel])
+        ax.set_xticks(range(len(sel)), [r["mode"] for r in sel], rotation=30, ha="right")
+        plain = next(r for r in sel if r["mode"] == "plain")["tok_s"]
+        for i, r in enumerate(sel):
+            ax.text(i, r["tok_s"], f"{r['tok_s'] / plain:.2f}x", ha="center", va="bottom", fontsize=8)
+        ax.set_title(f"{w}, batch {b}")
+        ax.set_ylabel("output tokens/s")
+    fig.suptitle(f"prompt-lookup speculation, {doc['artifact']} ({doc['machine']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--artifact", required=True, help="an artifact compiled with --num-speculative-tokens K")
+    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--plot", type=Path, default=None)
+    args = ap.parse_args()
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from neuron_opt.api import LLM
+
+    llm = LLM(args.artifact)
+    if not llm.runner.verify_len:
+        raise SystemExit(f"{args.artifact} has no verify graphs: compile it with --num-speculative-tokens K")
+    results = []
+    for b in [int(x) for x in args.batches.split(",")]:
+        for name, prompts in (("grounded", GROUNDED), ("open-ended", OPEN)):
+            results += bench_ours(args, llm, name, prompts, b)
+    if not args.no_hf:
+        results += bench_hf(args, llm, GROUNDED, llm.runner.buckets.num_speculative_tokens)
+    doc = {"artifact": str(args.artifact), "machine": f"{platform.processor() or platform.machine()}, "
+           f"{torch.get_num_threads()} threads", "dtype": llm.runner.cache.dtype, "max_tokens": args.max_tokens,
+           "results": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1))
+    if args.plot:
+        plot(doc, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
