@@ -9,7 +9,6 @@ from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
 from neuron_opt.planner.hardware import GB, GiB, get_instance
 from neuron_opt.planner.memory import layout_overhead
 from neuron_opt.planner.recommend import Deployment, Plan, Traffic, evaluate
-from neuron_opt.planner.validation import error_band
 
 
 def _gib(n: int) -> str:
@@ -53,6 +52,8 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
     if over.padded:
         lines.insert(1, f"  {over.line()}")
     if plan.ttft is not None and plan.tpot is not None and plan.prefill_bucket and plan.decode_bucket:
+        from neuron_opt.planner.validation import error_band  # the published rows: loaded only to print latency
+
         band = error_band(inst.family)
         ttft_pm = "" if band is None else f" +-{band.ttft_pct:.0f}%"
         tpot_pm = "" if band is None else f" +-{band.tpot_pct:.0f}%"
@@ -87,6 +88,8 @@ def alternatives_table(plans: list[Plan], traffic: Traffic, limit: int = 8) -> l
 
 def _band_json(plan: Plan) -> dict[str, Any] | None:
     """The held-out error of the latency model on this instance family (None: no latency, or no rows)."""
+    from neuron_opt.planner.validation import error_band
+
     band = error_band(plan.instance.family) if plan.ttft is not None else None
     if band is None:
         return None

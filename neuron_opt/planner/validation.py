@@ -55,20 +55,25 @@ def _llama(
     )
 
 
-# public config.json values (meta-llama/*)
-MODELS = {
-    "Llama-3-8B": _llama(4096, 14336, 32, 32, 8),
-    "Llama-3.1-8B": _llama(4096, 14336, 32, 32, 8, max_pos=131072),
-    "Llama-3-70B": _llama(8192, 28672, 80, 64, 8),
-    "Llama-3.3-70B": _llama(8192, 28672, 80, 64, 8, max_pos=131072),
-    "Llama-3.1-405B": _llama(16384, 53248, 126, 128, 8, max_pos=131072),
-    "Llama-2-7b": _llama(4096, 11008, 32, 32, 32, vocab=32000, max_pos=4096, theta=10000.0),
-    "Llama-2-13b": _llama(5120, 13824, 40, 40, 40, vocab=32000, max_pos=4096, theta=10000.0),
-    "Llama-2-70b": _llama(8192, 28672, 80, 64, 8, vocab=32000, max_pos=4096, theta=10000.0),
-    # codellama/CodeLlama-13b-hf, mistralai/Mistral-7B-Instruct-v0.2 (no sliding window in v0.2)
-    "CodeLlama-13b": _llama(5120, 13824, 40, 40, 40, vocab=32016, max_pos=16384, theta=1e6),
-    "Mistral-7B-v0.2": _llama(4096, 14336, 32, 32, 8, vocab=32000, max_pos=32768, theta=1e6),
-}
+@functools.cache
+def models() -> dict[str, ModelConfig]:
+    """The published rows' models, from their public config.json values (meta-llama/*, codellama/*, mistralai/*).
+    Built on first use: ModelConfig.from_hf imports transformers, which `plan` and `compile` must not pay for (or
+    let pull in torch_xla) just by importing the planner."""
+    return {
+        "Llama-3-8B": _llama(4096, 14336, 32, 32, 8),
+        "Llama-3.1-8B": _llama(4096, 14336, 32, 32, 8, max_pos=131072),
+        "Llama-3-70B": _llama(8192, 28672, 80, 64, 8),
+        "Llama-3.3-70B": _llama(8192, 28672, 80, 64, 8, max_pos=131072),
+        "Llama-3.1-405B": _llama(16384, 53248, 126, 128, 8, max_pos=131072),
+        "Llama-2-7b": _llama(4096, 11008, 32, 32, 32, vocab=32000, max_pos=4096, theta=10000.0),
+        "Llama-2-13b": _llama(5120, 13824, 40, 40, 40, vocab=32000, max_pos=4096, theta=10000.0),
+        "Llama-2-70b": _llama(8192, 28672, 80, 64, 8, vocab=32000, max_pos=4096, theta=10000.0),
+        # codellama/CodeLlama-13b-hf, mistralai/Mistral-7B-Instruct-v0.2 (no sliding window in v0.2)
+        "CodeLlama-13b": _llama(5120, 13824, 40, 40, 40, vocab=32016, max_pos=16384, theta=1e6),
+        "Mistral-7B-v0.2": _llama(4096, 14336, 32, 32, 8, vocab=32000, max_pos=32768, theta=1e6),
+
+    }
 
 # aws-neuron-sdk about-neuron/benchmarks/{inf2,trn1}/{latency,throughput}_data_decoder.csv (Neuron 2.18.0 and
 # 2.18.1 rows; unchanged since 2024-04-30). Every row with a TTFT and a TPOT is below, duplicates removed.
@@ -232,7 +237,7 @@ HELD_OUT_ROWS = [r for r in ROWS if not is_fit_row(r)]
 
 def predict(row: Row, eff: Efficiency = DEFAULT_EFFICIENCY) -> tuple[float, float]:
     """(TTFT ms, TPOT ms) for a row. TPOT is taken at the median output token (p50 of per-token latency)."""
-    cfg, inst = MODELS[row.model], get_instance(row.instance)
+    cfg, inst = models()[row.model], get_instance(row.instance)
     lay = head_layout(cfg, ParallelConfig(tp=row.tp))
     if row.bucketed:
         prefill_seq = smallest_fitting(row.input_len, powers_of_two(128, row.seq))

@@ -98,7 +98,7 @@ def test_error_band_covers_the_stated_share_of_held_out_rows():
 
 
 def test_score_term_grows_with_the_square_of_the_prompt_and_vanishes_under_flash():
-    cfg, inst = v.MODELS["Llama-3-70B"], get_instance("inf2.48xlarge")
+    cfg, inst = v.models()["Llama-3-70B"], get_instance("inf2.48xlarge")
     lay = head_layout(cfg, ParallelConfig(tp=24))
     no_scores = dataclasses.replace(DEFAULT_EFFICIENCY, attention_score_s=0.0)
 
@@ -118,7 +118,7 @@ def test_score_term_grows_with_the_square_of_the_prompt_and_vanishes_under_flash
 
 
 def test_prefill_hop_latency_is_paid_per_layer_all_reduce_per_ring_step() -> None:
-    cfg, inst = v.MODELS["Llama-3-8B"], get_instance("inf2.48xlarge")
+    cfg, inst = v.models()["Llama-3-8B"], get_instance("inf2.48xlarge")
     lay = head_layout(cfg, ParallelConfig(tp=24))
     no_hops = dataclasses.replace(DEFAULT_EFFICIENCY, prefill_hop_latency_s=0.0)
     with_hops = prefill_time(cfg, lay, inst, batch=1, seq=128, dtype="int8").collective
