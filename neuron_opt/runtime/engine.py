@@ -11,7 +11,9 @@ Threading model
 
 Within a step the decodes run first (one `runner.decode` for all running sequences) and their tokens are
 emitted before the step's prefills run, so streams that are already running are not delayed by new prompts
-more than the scheduler's prefill budget allows. An abort frees its slot at the start of the next step (at
+more than the scheduler's prefill budget allows. With speculative decoding on (`speculative=`,
+runtime/speculative.py) that one call may be a verify of each row's proposed tokens instead, and a step may emit
+several tokens per request. An abort frees its slot at the start of the next step (at
 most one step later). A failing runner call fails only the requests in it (finish_reason "error"); the
 engine keeps serving.
 """
@@ -280,19 +282,8 @@ class Engine:
         if out.is_empty:
             return False
         t0 = time.perf_counter()
-        if out.decodes and self.spec is not None:
+        if out.decodes:
             self._decode_or_verify(out.decodes)
-        elif out.decodes:
-            rows = [DecodeRow(d.slot, d.token, d.position) for d in out.decodes]
-            try:
-                logits = self.runner.decode(rows, candidates=self._candidates([d.request_id for d in out.decodes]))
-            except Exception as e:
-                log.error("decode failed:\n%s", traceback.format_exc())
-                for d in out.decodes:
-                    self._fail(d.request_id, f"decode failed: {e}")
-            else:
-                for i, d in enumerate(out.decodes):
-                    self._update(d.request_id, logits[i])
         for p in out.prefills:
             try:
                 logits = self.runner.prefill(p.slot, list(p.token_ids),
@@ -322,14 +313,16 @@ class Engine:
         return self.proposer.propose(req.prompt_token_ids + req.output_token_ids, k)
 
     def _decode_or_verify(self, decodes: tuple[DecodeWork, ...]) -> None:
-        """One graph call for every running sequence: a verify of each row's proposals when the controller says
-        it pays (rows without one ride along with their single token), else a plain decode."""
-        proposals = {d.request_id: self._propose(d) for d in decodes}
+        """One graph call for every running sequence: a plain decode, or, when speculating and the controller
+        says it pays, a verify of each row's proposals (rows without one ride along with their single token)."""
         ids = [d.request_id for d in decodes]
-        batch = pick_decode(len(decodes), max(d.position for d in decodes), self.runner.buckets).batch
-        verify = self.controller.should_verify(proposals, batch)
+        proposals = {d.request_id: self._propose(d) for d in decodes} if self.spec is not None else {}
+        verify, batch = False, 0
         t0 = time.perf_counter()
         try:
+            if proposals:  # the batch bucket the step runs in: what the verify/decode cost ratio is kept per
+                batch = pick_decode(len(decodes), max(d.position for d in decodes), self.runner.buckets).batch
+                verify = self.controller.should_verify(proposals, batch)
             if verify:
                 rows = [VerifyRow(d.slot, (d.token, *proposals[d.request_id]), d.position) for d in decodes]
                 logits = self.runner.verify(rows, candidates=self._candidates(ids))
@@ -341,14 +334,15 @@ class Engine:
             for d in decodes:
                 self._fail(d.request_id, f"{'verify' if verify else 'decode'} failed: {e}")
             return
-        self.controller.observe_step("verify" if verify else "decode", batch, time.perf_counter() - t0)
-        st = self.spec_stats
-        if verify:
-            st.verify_steps += 1
-        elif any(proposals.values()):
-            st.skipped_steps += 1
+        if self.spec is not None:
+            self.controller.observe_step("verify" if verify else "decode", batch, time.perf_counter() - t0)
+            st = self.spec_stats
+            if verify:
+                st.verify_steps += 1
+            elif any(proposals.values()):
+                st.skipped_steps += 1
         for i, d in enumerate(decodes):
-            draft = proposals[d.request_id]
+            draft = proposals.get(d.request_id, [])
             if verify:
                 self._update_verified(d.request_id, logits[i], draft)
                 continue
