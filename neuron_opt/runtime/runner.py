@@ -110,9 +110,8 @@ class ModelRunner:
         bucket = pick_verify(len(rows), max(r.position + q - 1 for r in rows), self.buckets)
         B = bucket.batch
         ids = torch.zeros(B, q, dtype=torch.long)
-        pos = torch.zeros(B, q, dtype=torch.long)
+        pos = torch.arange(q).repeat(B, 1)  # padding rows: the scratch slot at positions 0..q-1
         slots = torch.full((B,), self.cache.scratch_slot, dtype=torch.long)
-        pos[:] = torch.arange(q)
         for i, r in enumerate(rows):
             ids[i, : len(r.tokens)] = torch.tensor(r.tokens, dtype=torch.long)
             pos[i] = torch.arange(r.position, r.position + q)
