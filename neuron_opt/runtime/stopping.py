@@ -3,26 +3,63 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from neuron_opt.runtime.sampling import SamplingParams
+
+
+def stream_decoder(tokenizer: object) -> Any:
+    """A `tokenizers.decoders.DecodeStream` for a fast HF tokenizer whose decode is exactly its backend's (no
+    `clean_up_tokenization_spaces`), else None (the caller re-decodes every id instead)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    try:
+        from tokenizers.decoders import DecodeStream
+    except ImportError:  # tokenizers < 0.21
+        return None
+    return DecodeStream(skip_special_tokens=True)
 
 
 @dataclass
 class StopChecker:
     """Feeds generated tokens one at a time; tracks the visible text and the finish reason.
 
-    Text is decoded from all generated ids each time (exact for any tokenizer, including multi-byte characters
-    split across tokens); a trailing U+FFFD (an incomplete character) is held back until it completes. A stop
-    string ends generation and is not included in the text.
+    Text is decoded incrementally where the tokenizer allows it (`tokenizers`' DecodeStream: O(new tokens) per
+    token; it yields nothing until a multi-byte character split across tokens completes), else from all
+    generated ids each time (`incremental=False`, the reference: exact for any tokenizer, a trailing U+FFFD, an
+    incomplete character, held back until it completes). A sequence that ends on an incomplete character is
+    decoded whole once, so both give the same final text. A stop string ends generation and is not included.
     """
 
     tokenizer: object
     params: SamplingParams
     eos_token_ids: tuple[int, ...]
+    incremental: bool = True
     token_ids: list[int] = field(default_factory=list)
     text: str = ""  # visible text (stop-string prefixes held back until resolved)
     full_text: str = ""
     finish_reason: str | None = None
+    _stream: Any = field(default=None, repr=False)
+    _decoded: str = ""  # what the stream has yielded so far: the decoded text of every complete character
+
+    def __post_init__(self) -> None:
+        if self.incremental:
+            self._stream = stream_decoder(self.tokenizer)
+
+    def _decode(self, token: int) -> str | None:
+        """The text of all generated ids, or None while it ends in an incomplete character."""
+        p = self.params
+        if self._stream is None:
+            full = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+            return None if full.endswith("\ufffd") and len(self.token_ids) < p.max_tokens else full
+        piece = self._stream.step(self.tokenizer.backend_tokenizer, token)  # type: ignore[attr-defined]
+        if piece is not None:
+            self._decoded += piece
+            return self._decoded
+        if len(self.token_ids) >= p.max_tokens:  # ends mid-character: what the full decode shows
+            return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+        return None
 
     def add(self, token: int) -> str:
         """Add a token; returns the newly visible text (delta). Sets finish_reason when done."""
@@ -32,8 +69,8 @@ class StopChecker:
         if token in stop_ids and len(self.token_ids) > p.min_tokens:
             self.finish_reason = "stop"
             return ""  # the stop token itself is not shown
-        full = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        if full.endswith("\ufffd") and len(self.token_ids) < p.max_tokens:
+        full = self._decode(token)
+        if full is None:
             return ""
         for s in p.stop:
             idx = full.find(s, max(0, len(self.text) - len(s)))

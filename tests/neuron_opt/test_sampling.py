@@ -104,3 +104,41 @@ def test_eos_and_length():
     sc3 = StopChecker(CharTok(), SamplingParams(max_tokens=5, ignore_eos=True), eos_token_ids=(0,))
     sc3.add(0)
     assert sc3.finish_reason is None
+
+
+@pytest.fixture(scope="module")
+def real_tokenizer():
+    from neuron_opt.checkpoint import open_checkpoint
+
+    return open_checkpoint("default").tokenizer()
+
+
+def test_incremental_detokenization_streams_what_the_full_re_decode_streams(real_tokenizer):
+    """The fast path (tokenizers' DecodeStream, O(new tokens) per token) against the reference (decode every id
+    each token) on the default model's byte-level tokenizer: identical deltas, text and finish reason for 400
+    random sequences weighted towards raw byte tokens (UTF-8 characters split across tokens, invalid bytes),
+    multi-byte words, stop strings and special tokens."""
+    import random
+
+    from neuron_opt.runtime.stopping import stream_decoder
+
+    tok = real_tokenizer
+    assert stream_decoder(tok) is not None and stream_decoder(CharTok()) is None  # CharTok: the reference path
+    V = len(tok)
+    byte_tokens = [i for i in range(V) if "\ufffd" in tok.decode([i])]
+    words = [tok(w)["input_ids"] for w in ("é", "你好", "🙂", " stop", "ST", "OP", "<|im_end|>")]
+    rng = random.Random(0)
+    for _ in range(400):
+        ids: list[int] = []
+        while len(ids) < rng.randint(1, 40):
+            r = rng.random()
+            ids += [rng.choice(byte_tokens)] if r < 0.3 else rng.choice(words) if r < 0.6 else [rng.randrange(V)]
+        params = SamplingParams(max_tokens=len(ids), stop=("STOP", "你好🙂") if rng.random() < 0.5 else (),
+                                ignore_eos=True)
+        fast, ref = (StopChecker(tok, params, (2,), incremental=inc) for inc in (True, False))
+        for t in ids:
+            assert fast.add(t) == ref.add(t), ids
+            if ref.finish_reason:
+                break
+        assert (fast.text, fast.finish_reason) == (ref.text, ref.finish_reason), ids
+    assert fast.text == ref.text
