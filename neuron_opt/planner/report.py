@@ -23,6 +23,10 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
     """The detailed view of one plan."""
     d, m, lay, inst = plan.deployment, plan.memory, plan.layout, plan.instance
     where = "per rank (host RAM shared by all ranks)" if inst.shared_memory else "per NeuronCore"
+    b = plan.buckets
+    graphs = b.buckets()
+    verify = (f"; verify ({b.verify_len} tokens per row, speculative decoding) for each decode bucket",
+              f", {sum(g.phase == VERIFY for g in graphs)} of them verify") if b.verify_len else ("", "")
     lines = [
         f"plan: {cfg.architecture} ({cfg.num_parameters() / 1e9:.2f} B params) on {inst.name}, tp {d.tp} "
         f"(heads {cfg.num_attention_heads}->{lay.n_heads}, "
@@ -39,14 +43,8 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
         f"of {m.host_capacity / GiB:.0f} GiB" + ("" if m.host_fits else "  -> NOT ENOUGH HOST RAM"),
         f"  largest batch at max_model_len {d.max_model_len}: {plan.largest_batch}; "
         f"largest max_model_len at batch {d.batch}: {plan.largest_length}",
-        f"  buckets: prefill {list(plan.buckets.prefill_lens)}; "
-        f"decode batches {list(plan.buckets.decode_batches)}"
-        f" x lengths {list(plan.buckets.decode_kv_lens)}"
-        + (f"; verify ({plan.buckets.verify_len} tokens per row, speculative decoding) for each decode bucket"
-           if plan.buckets.verify_len else "")
-        + f" ({len(plan.buckets.buckets())} graphs"
-        + (f", {sum(b.phase == VERIFY for b in plan.buckets.buckets())} of them verify"
-           if plan.buckets.verify_len else "") + ")",
+        f"  buckets: prefill {list(b.prefill_lens)}; decode batches {list(b.decode_batches)}"
+        f" x lengths {list(b.decode_kv_lens)}{verify[0]} ({len(graphs)} graphs{verify[1]})",
     ]
     over = layout_overhead(cfg, lay, d.dtype)
     if over.padded:
