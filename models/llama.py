@@ -6,13 +6,19 @@ Design decisions
 - Module names equal Hugging Face parameter names, so a canonical (HF-named) state dict, sharded per rank
   by `neuron_opt.parallel.sharding`, loads with `load_state_dict` and no renaming.
 - Every step (prefill or decode) is one call with fixed shapes per bucket:
-    input_ids [B, S], positions [B, S], slot_ids [B], last_index [B], and a static `kv_len`.
-  New K/V are written into the caches at (slot, position); attention then reads cache positions
-  [0, kv_len) of each row's slot, masked causally by position. Decode graphs attend over their bucket's
-  `kv_len` only, so bytes read scale with the bucket, not with the cache's max length.
-- KV caches are explicit inputs ([slots, n_kv_local, cache_length, D] per layer; cache_length = max_model_len
-  except under flash decoding, see Attention), mutated in place; an AOT
-  compiler sees them as graph inputs rather than module buffers (see docs/design.md on pytorch#165444).
+    input_ids [B, S], positions [B, S], slot_mapping [B, S], block_tables [B, nb], last_index [B], and a
+  static `kv_len` <= nb * block_size.
+- The KV cache is a pool of fixed-size blocks shared by every sequence ([num_blocks, block_size, n_kv_local, D]
+  per layer; block 0 is the null block, never given to a sequence). A sequence owns the blocks listed in its
+  row of `block_tables` (logical block i holds its positions [i * block_size, (i + 1) * block_size)); rows
+  are padded with the null block. New K/V are written at `slot_mapping` (block * block_size + offset; padding
+  tokens write the null block's slot 0); attention gathers the row's blocks, keeps logical positions
+  [0, kv_len), and masks causally by position, so null-block entries (beyond the sequence) are never visible.
+  Decode graphs attend over their bucket's `kv_len` only, so bytes read scale with the bucket, not with the
+  longest sequence. A prefill may start at any position (a cached prefix, an earlier chunk): its queries see
+  the blocks already written.
+- KV caches are explicit inputs, mutated in place; an AOT compiler sees them as graph inputs rather than
+  module buffers (see docs/design.md on pytorch#165444).
 - Only the hidden state at `last_index` goes through the LM head: prefill never computes [S, V] logits.
 """
 
@@ -66,6 +72,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def write_blocks(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
+    """cache [num_blocks, per_block, n_kv, D] <- x [B, S, n_kv, D] at flat slots `slot_mapping` [B, S], in place."""
+    per = cache.shape[1]
+    cache[slot_mapping // per, slot_mapping % per] = x.to(cache.dtype)
+
+
+def read_blocks(cache: torch.Tensor, block_tables: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """The rows' first `kv_len` logical positions: cache [num_blocks, per_block, n_kv, D], block_tables [B, nb]
+    -> [B, n_kv, kv_len, D]."""
+    B = block_tables.shape[0]
+    rows = cache[block_tables]  # [B, nb, per_block, n_kv, D]
+    return rows.reshape(B, -1, *cache.shape[2:])[:, :kv_len].transpose(1, 2)
+
+
 class TorchOps:
     """Reference attention and RMSNorm in plain torch: the default ops, traceable by every backend.
 
@@ -108,7 +128,8 @@ class Attention(nn.Module):
     Two variants, chosen at build time from the head layout:
     - heads split over ranks (shard / replicate-kv / mha): SDPA over the rank's full KV cache rows.
     - kv-seq-shard (flash decoding): the rank keeps every query head of its KV group but only the group's
-      positions p with p % g == j (its rank j within the group of g). It computes an unnormalised partial
+      positions p with p % g == j (its rank j within the group of g): each block holds block_size / g of them,
+      so the ranks share the host's block ids and each holds 1/g of every block. It computes an unnormalised partial
       softmax (max m, sum s, output o) over its positions; the group exchanges (m, s) with one small
       all-gather, each rank rescales its o by exp(m - M) / sum_c(s_c exp(m_c - M)), and the o_proj
       all-reduce that row-parallel attention needs anyway adds the group's partial outputs together.
@@ -130,8 +151,8 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(self.n_heads * D, H, cfg.o_bias, pctx)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                slot_ids: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int,
-                seq_sharded: bool = False) -> torch.Tensor:
+                slot_mapping: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, kv_len: int, seq_sharded: bool = False) -> torch.Tensor:
         B, S = positions.shape
         if seq_sharded:
             x = seq_gather(x, self.pctx, S)  # [B, S, H] from [B, S_pad/tp, H]
@@ -140,9 +161,10 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, S, self.n_kv, self.D)  # [B, S, n_kv, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.kv_groups > 1:
-            out = self._seq_shard_attention(q, k, v, positions, slot_ids, k_cache, v_cache, kv_len)
+            out = self._seq_shard_attention(q, k, v, positions, slot_mapping, block_tables, k_cache, v_cache,
+                                             kv_len)
         else:
-            out = self._attention(q, k, v, positions, slot_ids, k_cache, v_cache, kv_len)
+            out = self._attention(q, k, v, positions, slot_mapping, block_tables, k_cache, v_cache, kv_len)
         # rope tables wider than x (fp32 tables under bf16 weights) make rope and attention run wide; o_proj
         # takes x's dtype again
         out = out.to(x.dtype).transpose(1, 2).reshape(B, S, self.n_heads * self.D)  # [B, S, n_heads*D]
@@ -155,29 +177,33 @@ class Attention(nn.Module):
         return mask
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                   slot_ids: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int) -> torch.Tensor:
-        # write new K/V at (slot, position): advanced indices around a slice -> value is [B, S, n_kv, D]
-        k_cache[slot_ids[:, None], :, positions] = k.to(k_cache.dtype)
-        v_cache[slot_ids[:, None], :, positions] = v.to(v_cache.dtype)
-        keys = k_cache[slot_ids, :, :kv_len].to(q.dtype)  # [B, n_kv, kv_len, D]
-        values = v_cache[slot_ids, :, :kv_len].to(q.dtype)  # [B, n_kv, kv_len, D]
+                   slot_mapping: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, kv_len: int) -> torch.Tensor:
+        write_blocks(k_cache, slot_mapping, k)
+        write_blocks(v_cache, slot_mapping, v)
+        keys = read_blocks(k_cache, block_tables, kv_len).to(q.dtype)  # [B, n_kv, kv_len, D]
+        values = read_blocks(v_cache, block_tables, kv_len).to(q.dtype)  # [B, n_kv, kv_len, D]
         mask = self._mask(torch.arange(kv_len, device=q.device), positions)  # [B, S, kv_len]
         return self.ops.attention(q.transpose(1, 2), keys, values, positions, mask,
                                   1.0 / math.sqrt(self.D))  # [B, n_heads, S, D]
 
     def _seq_shard_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                             slot_ids: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                             kv_len: int) -> torch.Tensor:
+                             slot_mapping: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, kv_len: int) -> torch.Tensor:
         g, j = self.kv_groups, self.group_rank
-        scratch = k_cache.shape[2] - 1  # tokens owned by the other group ranks are written here, never read
-        local_pos = torch.where(positions % g == j, positions // g, scratch)  # [B, S]
-        k_cache[slot_ids[:, None], :, local_pos] = k.to(k_cache.dtype)
-        v_cache[slot_ids[:, None], :, local_pos] = v.to(v_cache.dtype)
-        kv_local = -(-kv_len // g)
-        keys = k_cache[slot_ids, :, :kv_local].to(q.dtype)  # [B, 1, kv_local, D]
-        values = v_cache[slot_ids, :, :kv_local].to(q.dtype)  # [B, 1, kv_local, D]
-        key_pos = torch.arange(kv_local, device=q.device) * g + j  # global position of each local entry
-        mask = self._mask(key_pos, positions)  # [B, S, kv_local]
+        per = k_cache.shape[1]  # this rank's positions per block: block_size / g
+        bs = per * g
+        off = slot_mapping % bs  # offset in the block; the block starts at a multiple of bs, so p % g == off % g
+        # tokens owned by the other group ranks (and padding, in the null block already) write the null slot 0
+        local = torch.where(off % g == j, (slot_mapping // bs) * per + off // g, torch.zeros_like(slot_mapping))
+        write_blocks(k_cache, local, k)
+        write_blocks(v_cache, local, v)
+        nb = -(-kv_len // bs)
+        keys = read_blocks(k_cache, block_tables[:, :nb], nb * per).to(q.dtype)  # [B, 1, nb*per, D]
+        values = read_blocks(v_cache, block_tables[:, :nb], nb * per).to(q.dtype)  # [B, 1, nb*per, D]
+        blk = torch.arange(nb, device=q.device)[:, None] * bs
+        key_pos = (blk + torch.arange(per, device=q.device)[None, :] * g + j).flatten()  # each local entry's position
+        mask = self._mask(key_pos, positions) & (key_pos < kv_len)[None, None]  # [B, S, nb*per]
         scores = q.transpose(1, 2) @ keys.transpose(-1, -2) / math.sqrt(self.D)  # [B, n_heads, S, kv_local]
         scores = scores.masked_fill(~mask[:, None], float("-inf"))
         m = scores.amax(-1)  # [B, n_heads, S]; -inf where none of this rank's positions is visible
@@ -217,15 +243,15 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, lay, pctx)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                slot_ids: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int,
-                seq_sharded: bool = False) -> torch.Tensor:
+                slot_mapping: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, kv_len: int, seq_sharded: bool = False) -> torch.Tensor:
         # under sequence parallelism x is this rank's [B, S_pad/tp, H] chunk: norms and residuals run on it.
         # x may be a wider residual stream than the layer's weights (fp32 under bf16 weights: the compiled cpu
         # graphs do this for accuracy, see neuron_opt/backends/cpu_graphs.py): norms run on it, each branch's
         # input takes the weights' dtype and its output comes back to x's. Same dtype: the casts are no-ops.
         dt = self.input_layernorm.weight.dtype
-        x = x + self.self_attn(self.input_layernorm(x).to(dt), cos, sin, positions, slot_ids, k_cache, v_cache,
-                               kv_len, seq_sharded).to(x.dtype)
+        x = x + self.self_attn(self.input_layernorm(x).to(dt), cos, sin, positions, slot_mapping, block_tables,
+                               k_cache, v_cache, kv_len, seq_sharded).to(x.dtype)
         return x + self.mlp(self.post_attention_layernorm(x).to(dt), seq_sharded).to(x.dtype)
 
 
@@ -259,12 +285,13 @@ class LlamaForCausalLM(nn.Module):
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def kv_shape(self, num_slots: int) -> tuple[int, int, int, int]:
-        return (num_slots, self.layout.n_kv_local, self.layout.cache_length(self.max_model_len), self.cfg.head_dim)
+    def kv_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+        """One layer's K (or V) block pool on this rank: [num_blocks, positions per block, n_kv_local, D]."""
+        return (num_blocks, self.layout.block_positions(block_size), self.layout.n_kv_local, self.cfg.head_dim)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
-                last_index: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                kv_len: int) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                block_tables: torch.Tensor, last_index: torch.Tensor, k_caches: list[torch.Tensor],
+                v_caches: list[torch.Tensor], kv_len: int) -> torch.Tensor:
         """Run one step; returns this rank's fp32 logits [B, V/tp] at `last_index` [B] of each row, or
         [B, T, V/tp] at every index of a [B, T] `last_index` (a verify step scores all its positions)."""
         B, S = input_ids.shape
@@ -273,7 +300,7 @@ class LlamaForCausalLM(nn.Module):
         cos = self.rope_cos[positions].to(x.dtype)[:, :, None, :]  # [B, S, 1, D]
         sin = self.rope_sin[positions].to(x.dtype)[:, :, None, :]  # [B, S, 1, D]
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, positions, slot_ids, k_caches[i], v_caches[i], kv_len, sp)
+            x = layer(x, cos, sin, positions, slot_mapping, block_tables, k_caches[i], v_caches[i], kv_len, sp)
         x = self._last_rows(x, last_index, sp)  # [B, H] or [B, T, H]
         return self.lm_head(self.model.norm(x)).float()  # [B, V/tp] or [B, T, V/tp]
 

@@ -94,7 +94,7 @@ class LLM:
                                                             dtype=dtype)
             else:
                 torch_model = build_model(self.config, ckpt.state_dict(), max_model_len, torch_dtype(dtype))
-                executor = EagerExecutor(torch_model, cache.num_slots)
+                executor = EagerExecutor(torch_model, cache)
             self.runner = ModelRunner(executor, buckets, cache, self.config.vocab_size)
 
     @property

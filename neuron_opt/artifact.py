@@ -30,7 +30,8 @@ from neuron_opt.buckets import Bucket, BucketConfig
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, torch_dtype
 from neuron_opt.errors import ArtifactError
 
-FORMAT_VERSION = 2  # 2: names of issue #17 item 13 (max_model_len, max_prompt_len, prefill_lens, decode_kv_lens)
+# 2: names of issue #17 item 13 (max_model_len, max_prompt_len, prefill_lens, decode_kv_lens); 3: block KV cache
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 
 
@@ -54,9 +55,11 @@ def kv_geometry(model_cfg: ModelConfig, par: ParallelConfig, cache: CacheConfig)
     from neuron_opt.parallel import head_layout
 
     lay = head_layout(model_cfg, par)
-    return {"layers": model_cfg.num_hidden_layers, "slots": cache.num_slots, "n_kv_heads_per_rank": lay.n_kv_local,
-            "max_model_len": cache.max_model_len, "head_dim": model_cfg.head_dim, "dtype": cache.dtype,
-            "layout": "[slots, n_kv_heads_per_rank, max_model_len, head_dim]"}
+    return {"layers": model_cfg.num_hidden_layers, "num_blocks": cache.num_blocks, "block_size": cache.block_size,
+            "positions_per_block_per_rank": lay.block_positions(cache.block_size),
+            "n_kv_heads_per_rank": lay.n_kv_local, "max_model_len": cache.max_model_len,
+            "head_dim": model_cfg.head_dim, "dtype": cache.dtype,
+            "layout": "[num_blocks, positions_per_block_per_rank, n_kv_heads_per_rank, head_dim]"}
 
 
 @dataclass(frozen=True)
@@ -205,7 +208,7 @@ def load_artifact(root: Path, verify_hashes: bool = True) -> LoadedArtifact:
         files = {b: [f for f in fs if f.relative_to(root).parts[:2] == ("graphs", "rank0")]
                  for b, fs in m.bucket_files(root).items()}
         executor = backend.load(files, root / "weights" / "rank0.safetensors",
-                                rank_model_factory(m.model, m.parallel, m.cache, 0, dtype), m.cache.num_slots)
+                                rank_model_factory(m.model, m.parallel, m.cache, 0, dtype), m.cache)
     elif m.backend == "neuron":  # every rank in one SPMD program, collectives inside the graph
         from neuron_opt.parallel import ParallelContext
 
@@ -217,7 +220,7 @@ def load_artifact(root: Path, verify_hashes: bool = True) -> LoadedArtifact:
                                         ParallelContext(m.parallel.tp, r, comm, m.parallel.sequence_parallel))
                      for r in range(m.parallel.tp)]
         executor = backend.load(files, [root / "weights" / f"rank{r}.safetensors" for r in range(m.parallel.tp)],
-                                factories, m.cache.num_slots)
+                                factories, m.cache)
     else:
         from neuron_opt.parallel.executor import launch_tp_executor
 

@@ -3,6 +3,10 @@
 - Prefill buckets cover prompt length: powers of two from a minimum (default 128) up to the max context, plus the
   max context itself, or an explicit list. A prompt of n tokens runs in the smallest bucket with seq >= n
   (a 256-token prompt runs in the 256 bucket).
+- Offset prefill buckets (`chunked_prefill`, on by default): a prefill of S tokens that starts after tokens
+  already in the cache (a cached prefix, or the earlier chunks of a long prompt) attends over more positions
+  than it has tokens: one bucket per (S, kv_len) with S a prefill length and kv_len a decode length > S. On the
+  cpu backend they share the prefill graph (dynamic shapes) and cost nothing; the neuron backend compiles each.
 - Verify buckets (speculative decoding) are decode buckets with `q_len` = k + 1 tokens per row: the last accepted
   token and k proposed ones, at consecutive positions, scored in one graph call (logits at every position).
   Compiled only when the artifact is built with `--num-speculative-tokens k`; one per decode bucket.
@@ -33,21 +37,26 @@ class Bucket:
     phase: str
     batch: int
     kv_len: int
-    q_len: int = 1  # tokens per row of a verify bucket (k + 1); 1 for decode, unused by prefill
+    # tokens per row: verify k + 1; decode 1; prefill S <= kv_len (0 = kv_len: a prompt from position 0)
+    q_len: int = 0
 
     def __post_init__(self) -> None:
         if self.phase not in (PREFILL, DECODE, VERIFY):
             raise ConfigError(f"bucket.phase: must be {PREFILL!r}, {DECODE!r} or {VERIFY!r}, got {self.phase!r}")
         if self.batch < 1 or self.kv_len < 1:
             raise ConfigError(f"bucket: batch and kv_len must be >= 1, got {self.batch}x{self.kv_len}")
-        if (self.phase == VERIFY) != (self.q_len > 1) or self.q_len < 1 or self.q_len > self.kv_len:
+        if self.q_len == 0:
+            object.__setattr__(self, "q_len", self.kv_len if self.phase == PREFILL else 1)
+        lo = {PREFILL: 1, DECODE: 1, VERIFY: 2}[self.phase]
+        if not lo <= self.q_len <= self.kv_len or (self.phase == DECODE and self.q_len != 1):
             raise ConfigError(f"bucket: q_len {self.q_len} does not suit a {self.phase} bucket of kv_len "
-                              f"{self.kv_len} (verify needs 2 <= q_len <= kv_len, other phases 1)")
+                              f"{self.kv_len} (verify needs 2 <= q_len <= kv_len, prefill 1 <= q_len <= kv_len, "
+                              "decode 1)")
 
     @property
     def tokens(self) -> int:
-        """Tokens per row: the prompt length for prefill, 1 for decode, q_len for verify."""
-        return self.kv_len if self.phase == PREFILL else self.q_len
+        """Tokens per row: the prompt (chunk) length for prefill, 1 for decode, q_len for verify."""
+        return self.q_len
 
     @property
     def num_tokens(self) -> int:
@@ -55,18 +64,18 @@ class Bucket:
 
     @property
     def key(self) -> str:
-        """Stable name used for graph files and cache entries, e.g. 'decode_b4_s512' (s: the KV length) or
-        'verify_b4_q5_s512'."""
-        if self.phase == VERIFY:
+        """Stable name used for graph files and cache entries, e.g. 'decode_b4_s512' (s: the KV length),
+        'verify_b4_q5_s512' or 'prefill_b1_q128_s512' (128 tokens at an offset, over 512 positions)."""
+        if self.phase == VERIFY or (self.phase == PREFILL and self.q_len != self.kv_len):
             return f"{self.phase}_b{self.batch}_q{self.q_len}_s{self.kv_len}"
         return f"{self.phase}_b{self.batch}_s{self.kv_len}"
 
     @classmethod
     def from_key(cls, key: str) -> Bucket:
         parts = key.split("_")
-        if parts[0] == VERIFY:
-            _, b, q, s = parts
-            return cls(VERIFY, int(b[1:]), int(s[1:]), int(q[1:]))
+        if len(parts) == 4:
+            phase, b, q, s = parts
+            return cls(phase, int(b[1:]), int(s[1:]), int(q[1:]))
         phase, b, s = parts
         return cls(phase, int(b[1:]), int(s[1:]))
 
@@ -94,6 +103,7 @@ class BucketConfig:
     decode_kv_lens: tuple[int, ...]
     prefill_batch: int = 1
     verify_len: int = 0  # q_len of the verify buckets (num_speculative_tokens + 1); 0: no verify graphs
+    chunked_prefill: bool = True  # offset prefill buckets: prefix caching and chunked prefill need them
 
     def __post_init__(self) -> None:
         for name in ("prefill_lens", "decode_batches", "decode_kv_lens"):
@@ -111,13 +121,15 @@ class BucketConfig:
     def build(cls, *, max_prompt_len: int, max_model_len: int, max_batch: int, min_prefill: int = 128,
               min_decode: int = 128, prefill_lens: Sequence[int] | None = None,
               decode_kv_lens: Sequence[int] | None = None, decode_batches: Sequence[int] | None = None,
-              num_speculative_tokens: int = 0) -> BucketConfig:
+              num_speculative_tokens: int = 0, chunked_prefill: bool = True,
+              prefill_batch: int = 1) -> BucketConfig:
         """Default bucket set, or explicit lists (validated against the limits).
 
         max_prompt_len: the longest prompt (the largest prefill bucket by default). max_model_len: the most tokens
         one sequence holds, prompt + generated: the KV cache length per sequence, and the largest decode bucket
         (explicit decode buckets must reach it, so that the two are one number). num_speculative_tokens k > 0
-        adds a verify bucket of k + 1 tokens per row for every decode bucket."""
+        adds a verify bucket of k + 1 tokens per row for every decode bucket. chunked_prefill adds the offset
+        prefill buckets (module docstring)."""
         if max_prompt_len > max_model_len:
             raise ConfigError(f"max_prompt_len: {max_prompt_len} exceeds max_model_len={max_model_len} (the KV "
                               "cache length)")
@@ -136,13 +148,18 @@ class BucketConfig:
                               f"buckets or set max_model_len to {dc[-1]}")
         if bb[-1] > max_batch:
             raise ConfigError(f"decode batch buckets: {bb[-1]} exceeds batch size {max_batch}")
+        if prefill_batch < 1 or prefill_batch > max_batch:
+            raise ConfigError(f"prefill_batch: must be 1..{max_batch} (the batch size), got {prefill_batch}")
         if num_speculative_tokens < 0:
             raise ConfigError(f"num_speculative_tokens: must be >= 0, got {num_speculative_tokens}")
-        return cls(tuple(pf), tuple(bb), tuple(dc), verify_len=num_speculative_tokens + 1 if num_speculative_tokens
-                   else 0)
+        return cls(tuple(pf), tuple(bb), tuple(dc), prefill_batch, verify_len=num_speculative_tokens + 1
+                   if num_speculative_tokens else 0, chunked_prefill=chunked_prefill)
 
     def buckets(self) -> list[Bucket]:
         pre = [Bucket(PREFILL, self.prefill_batch, s) for s in self.prefill_lens]
+        if self.chunked_prefill:
+            pre += [Bucket(PREFILL, self.prefill_batch, k, s) for s in self.prefill_lens for k in self.decode_kv_lens
+                    if k > s]
         dec = [Bucket(DECODE, b, s) for b in self.decode_batches for s in self.decode_kv_lens]
         ver = ([Bucket(VERIFY, b, s, self.verify_len) for b in self.decode_batches for s in self.decode_kv_lens]
                if self.verify_len else [])
@@ -155,12 +172,12 @@ class BucketConfig:
     def to_dict(self) -> dict[str, list[int] | int]:
         return {"prefill_lens": list(self.prefill_lens), "decode_batches": list(self.decode_batches),
                 "decode_kv_lens": list(self.decode_kv_lens), "prefill_batch": self.prefill_batch,
-                "verify_len": self.verify_len}
+                "verify_len": self.verify_len, "chunked_prefill": self.chunked_prefill}
 
     @classmethod
     def from_dict(cls, d: dict) -> BucketConfig:
         return cls(tuple(d["prefill_lens"]), tuple(d["decode_batches"]), tuple(d["decode_kv_lens"]),
-                   int(d.get("prefill_batch", 1)), int(d.get("verify_len", 0)))
+                   int(d.get("prefill_batch", 1)), int(d.get("verify_len", 0)), bool(d.get("chunked_prefill", False)))
 
 
 def smallest_fitting(n: int, sizes: Iterable[int]) -> int | None:
@@ -169,7 +186,10 @@ def smallest_fitting(n: int, sizes: Iterable[int]) -> int | None:
     return min(fits) if fits else None
 
 
-def pick_prefill(num_tokens: int, cfg: BucketConfig) -> Bucket:
+def pick_prefill(num_tokens: int, cfg: BucketConfig, start: int = 0) -> Bucket:
+    """Bucket for `num_tokens` prompt tokens at positions start, start + 1, ...: the smallest prefill length that
+    holds them, over the smallest decode length that reaches start + num_tokens when the prefill starts after
+    cached tokens (an offset bucket, or the plain one when that length is the prefill length itself)."""
     if num_tokens < 1:
         raise ValueError("a prompt needs at least one token")
     s = smallest_fitting(num_tokens, cfg.prefill_lens)
@@ -177,7 +197,17 @@ def pick_prefill(num_tokens: int, cfg: BucketConfig) -> Bucket:
         raise BucketOverflowError(
             f"prompt of {num_tokens} tokens exceeds the largest prefill bucket ({cfg.prefill_lens[-1]}); "
             "recompile with a larger --max-prompt-len or --prefill-buckets")
-    return Bucket(PREFILL, cfg.prefill_batch, s)
+    if start == 0:
+        return Bucket(PREFILL, cfg.prefill_batch, s)
+    if not cfg.chunked_prefill:
+        raise BucketOverflowError("this artifact has no offset prefill buckets (compiled with --no-chunked-prefill); "
+                                  "prefix caching and chunked prefill need them")
+    k = smallest_fitting(max(s, start + num_tokens), cfg.decode_kv_lens)
+    if k is None:
+        raise BucketOverflowError(
+            f"a prefill reaching position {start + num_tokens - 1} needs a KV length of {start + num_tokens}, beyond "
+            f"the largest decode bucket ({cfg.decode_kv_lens[-1]})")
+    return Bucket(PREFILL, cfg.prefill_batch, k, s)
 
 
 def pick_decode(batch: int, max_position: int, cfg: BucketConfig) -> Bucket:

@@ -134,6 +134,10 @@ class CompileRequest:
     cache_dir: Path | None = None  # None: envs.CACHE_DIR / "compile"; use_cache=False disables it
     use_cache: bool = True
     num_speculative_tokens: int = 0  # k > 0: verify graphs of k + 1 tokens (speculative decoding)
+    block_size: int = 32  # KV cache block (positions)
+    num_kv_blocks: int = 0  # 0: enough for batch_size sequences of max_model_len (CacheConfig)
+    chunked_prefill: bool | None = None  # offset prefill buckets (prefix caching, chunked prefill); None: auto
+    prefill_batch: int = 1
 
 
 @dataclass
@@ -152,11 +156,21 @@ def plan_buckets(cfg: ModelConfig, req: CompileRequest) -> tuple[CacheConfig, Bu
     if max_model_len > cfg.max_position_embeddings:
         raise ConfigError(f"max_model_len: {max_model_len} exceeds the model's max_position_embeddings="
                           f"{cfg.max_position_embeddings}")
-    cache = CacheConfig(max_batch=req.batch_size, max_model_len=max_model_len, dtype=req.dtype or "float32")
+    # the neuron backend's NKI kernels pick causal flash attention for a prefill whose tokens equal its KV length,
+    # which an offset prefill can also be: no offset buckets with ops=nki
+    nki = req.backend == "neuron" and req.backend_options.get("ops") == "nki"
+    if req.chunked_prefill and nki:
+        raise ConfigError("chunked_prefill: the neuron backend's ops=nki runs prefill kernels that assume a prompt "
+                          "from position 0; compile with --no-chunked-prefill (prefix caching and chunked prefill "
+                          "then stay off) or without ops=nki")
+    chunked = not nki if req.chunked_prefill is None else req.chunked_prefill
+    cache = CacheConfig(max_batch=req.batch_size, max_model_len=max_model_len, dtype=req.dtype or "float32",
+                        block_size=req.block_size, num_blocks=req.num_kv_blocks)
     buckets = BucketConfig.build(max_prompt_len=max_prompt_len, max_model_len=max_model_len,
                                  max_batch=req.batch_size, prefill_lens=req.prefill_buckets,
                                  decode_kv_lens=req.decode_buckets, decode_batches=req.decode_batches,
-                                 num_speculative_tokens=req.num_speculative_tokens)
+                                 num_speculative_tokens=req.num_speculative_tokens,
+                                 chunked_prefill=chunked, prefill_batch=req.prefill_batch)
     return cache, buckets
 
 
@@ -296,7 +310,7 @@ def _compile_one(backend: Any, model: torch.nn.Module | list[torch.nn.Module], b
         return [str(f) for f in cached]
     misses[label] = cache.explain_miss(key) if cache is not None else "cache disabled"
     t0 = time.perf_counter()
-    files = [Path(f) for f in backend.compile_bucket(model, bucket, cache_cfg.num_slots, out_dir)]
+    files = [Path(f) for f in backend.compile_bucket(model, bucket, cache_cfg, out_dir)]
     seconds.append(time.perf_counter() - t0)
     if cache is not None and files:
         cache.store(key, out_dir, files)

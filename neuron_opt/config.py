@@ -206,22 +206,32 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """KV cache geometry: one cache line (`slot`) per concurrent sequence, each `max_model_len` long."""
+    """KV cache geometry: a pool of `num_blocks` blocks of `block_size` positions, shared by every sequence.
+
+    Block 0 is the null block: padded tokens write it and padded block-table entries point at it; it is never
+    given to a sequence. `num_blocks` 0 (the default) sizes the pool for `max_batch` sequences of `max_model_len`
+    each, plus the null block; a smaller pool serves mixed lengths in less memory (the scheduler preempts when
+    it runs out), a larger one keeps more prefixes cached.
+    """
 
     max_batch: int = 1
     max_model_len: int = 2048
     dtype: str = "float32"
+    block_size: int = 32
+    num_blocks: int = 0
 
     def __post_init__(self) -> None:
         _check(self.max_batch >= 1, "max_batch", f"must be >= 1, got {self.max_batch}")
         _check(self.max_model_len >= 1, "max_model_len", f"must be >= 1, got {self.max_model_len}")
         _check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        _check(self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
+        if self.num_blocks == 0:
+            object.__setattr__(self, "num_blocks", self.max_batch * self.blocks_per_sequence + 1)
+        _check(self.num_blocks >= self.blocks_per_sequence + 1, "num_blocks",
+               f"must hold at least one sequence of max_model_len={self.max_model_len} ("
+               f"{self.blocks_per_sequence} blocks of {self.block_size}) plus the null block, got {self.num_blocks}")
 
     @property
-    def num_slots(self) -> int:
-        """Slots in the KV buffers: one per sequence plus one scratch slot that padded batch rows write to."""
-        return self.max_batch + 1
-
-    @property
-    def scratch_slot(self) -> int:
-        return self.max_batch
+    def blocks_per_sequence(self) -> int:
+        """Blocks one sequence of max_model_len tokens needs."""
+        return -(-self.max_model_len // self.block_size)

@@ -85,12 +85,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
-    is_artifact = (Path(args.model) / "manifest.json").exists()
+def start_server(args: argparse.Namespace, port: int, extra: tuple[str, ...] = (), model: str | None = None,
+                 source: Path = ROOT) -> subprocess.Popen:
+    """`neuron-opt serve` from the checkout `source` (another version of this repository, for an A/B)."""
+    model = model or args.model
+    is_artifact = (Path(model) / "manifest.json").exists()
     src = (
-        [args.model]
+        [model]
         if is_artifact
-        else ["--model", args.model, "--max-model-len", str(max(256, args.input_len + args.output_len))]
+        else ["--model", model, "--max-model-len", str(max(256, args.input_len + args.output_len))]
     )
     cmd = [
         sys.executable,
@@ -104,11 +107,19 @@ def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
         "bench",
         "--max-num-seqs",
         str(args.max_num_seqs),
-        "--max-prefill-tokens",
-        str(args.max_prefill_tokens),
+        *extra,
     ]
     print("+", " ".join(cmd), file=sys.stderr)
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=sys.stderr, stderr=sys.stderr)
+    env = {**os.environ, "PYTHONPATH": str(source)}
+    return subprocess.Popen(cmd, cwd=source, stdout=sys.stderr, stderr=sys.stderr, env=env)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None:
@@ -127,7 +138,8 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> No
     raise SystemExit("server did not become healthy")
 
 
-async def one_request(client, url: str, index: int, prompt: list[int], output_len: int) -> RequestResult:
+async def one_request(client, url: str, index: int, prompt: list[int], output_len: int,
+                      delay: float = 0.0) -> RequestResult:
     body = {
         "model": "bench",
         "prompt": prompt,
@@ -138,6 +150,8 @@ async def one_request(client, url: str, index: int, prompt: list[int], output_le
         "stream_options": {"include_usage": True},
     }
     r = RequestResult(index)
+    if delay:
+        await asyncio.sleep(delay)
     t0 = last = time.perf_counter()
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as resp:
@@ -310,6 +324,169 @@ def plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+# ---- block KV cache scenarios (issue 13) ---------------------------------------------------------
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The server's /metrics as {name: value} (our model label only; histograms skipped)."""
+    import httpx
+
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("neuron_opt:") and "{" in line:
+            name, value = line.split("{")[0], line.rsplit(" ", 1)[1]
+            if not name.endswith(("_bucket", "_sum", "_count", "_created")):
+                out[name.removeprefix("neuron_opt:")] = float(value)
+    return out
+
+
+async def poll_running(url: str, stop: asyncio.Event, every: float = 0.05) -> list[float]:
+    """num_requests_running, sampled until `stop` is set."""
+    import httpx
+
+    seen: list[float] = []
+    async with httpx.AsyncClient(timeout=10) as client:
+        while not stop.is_set():
+            text = (await client.get(url + "/metrics")).text
+            seen += [float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                     if ln.startswith("neuron_opt:num_requests_running{")]
+            await asyncio.sleep(every)
+    return seen
+
+
+def with_server(args: argparse.Namespace, extra: tuple[str, ...], body) -> object:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(args, port, extra)
+    try:
+        wait_healthy(url, proc)
+        asyncio.run(run_load(url, [[100, 101, 102]], 2, 1, float("inf"), 0))  # warm-up
+        return body(url)
+    finally:
+        stop_server(proc)
+
+
+def scenario_shared_prefix(args: argparse.Namespace, vocab: int) -> dict[str, object]:
+    """64 requests sharing a 1,024-token system prompt, 32 distinct tokens each, 32 out: TTFT with and without
+    prefix caching, alternating `--rounds` times."""
+    system = make_prompts(1, 1024, vocab, args.seed)[0]
+    prompts = [system + tail for tail in make_prompts(64, 32, vocab, args.seed + 1)]
+    budget = ("--max-num-batched-tokens", str(args.max_num_batched_tokens))
+    runs: dict[str, list[dict[str, object]]] = {"prefix_caching": [], "no_prefix_caching": []}
+    for _ in range(args.rounds):
+        for mode, flag in (("no_prefix_caching", "--no-enable-prefix-caching"),
+                           ("prefix_caching", "--enable-prefix-caching")):
+            def body(url: str) -> dict[str, object]:
+                results, dur = asyncio.run(run_load(url, prompts, 32, int(args.concurrency), float("inf"), 0))
+                return summarize(results, dur, len(prompts[0])) | {"metrics": scrape(url)}
+            runs[mode].append(with_server(args, (*budget, flag), body))
+            r = runs[mode][-1]
+            print(f"{mode}: TTFT p50 {r['ttft_ms']['p50']:.0f} ms, {r['completed']} ok", file=sys.stderr)
+    best = {m: min(rs, key=lambda r: r["ttft_ms"]["p50"]) for m, rs in runs.items()}
+    return {"scenario": "shared-prefix", "runs": runs, "best": best,
+            "ttft_p50_ratio": best["no_prefix_caching"]["ttft_ms"]["p50"] / best["prefix_caching"]["ttft_ms"]["p50"]}
+
+
+def scenario_long_prompts(args: argparse.Namespace, vocab: int) -> dict[str, object]:
+    """16 streams decoding (in 128 / out 256) while 2,048-token prompts (16 out) arrive every 3 s: the streams'
+    TPOT and inter-token latency with chunked prefill (token budget --max-num-batched-tokens) and without (each
+    prompt prefilled whole in one step)."""
+    streams = make_prompts(16, 128, vocab, args.seed)
+    longs = make_prompts(4, 2048, vocab, args.seed + 2)
+
+    async def load(url: str) -> tuple[list[RequestResult], list[RequestResult]]:
+        import httpx
+
+        async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0)) as client:
+            s_tasks = [asyncio.create_task(one_request(client, url, i, p, 256)) for i, p in enumerate(streams)]
+            l_tasks = [asyncio.create_task(one_request(client, url, 100 + i, p, 16, delay=3.0 * (i + 1)))
+                       for i, p in enumerate(longs)]
+            return list(await asyncio.gather(*s_tasks)), list(await asyncio.gather(*l_tasks))
+
+    runs: dict[str, list[dict[str, object]]] = {"chunked": [], "not_chunked": []}
+    for _ in range(args.rounds):
+        for mode, extra in (("not_chunked", ("--no-enable-chunked-prefill", "--max-num-batched-tokens", "2048")),
+                            ("chunked", ("--enable-chunked-prefill", "--max-num-batched-tokens",
+                                         str(args.max_num_batched_tokens)))):
+            def body(url: str, budget: str = extra[-1]) -> dict[str, object]:
+                t0 = time.perf_counter()
+                s_res, l_res = asyncio.run(load(url))
+                dur = time.perf_counter() - t0
+                return {"streams": summarize(s_res, dur, 128), "long_prompts": summarize(l_res, dur, 2048),
+                        "budget": budget}
+            runs[mode].append(with_server(args, extra, body))
+            r = runs[mode][-1]["streams"]
+            print(f"{mode}: streams TPOT p99 {r['tpot_ms']['p99']:.1f} ms, ITL p99 {r['itl_ms']['p99']:.0f} ms, "
+                  f"{r['completed']} ok", file=sys.stderr)
+    best = {m: min(rs, key=lambda r: r["streams"]["itl_ms"]["p99"]) for m, rs in runs.items()}
+    c, n = best["chunked"]["streams"], best["not_chunked"]["streams"]
+    return {"scenario": "long-prompts", "runs": runs, "best": best,
+            "tpot_p99_ratio": c["tpot_ms"]["p99"] / n["tpot_ms"]["p99"],
+            "itl_p99_ratio": c["itl_ms"]["p99"] / n["itl_ms"]["p99"]}
+
+
+def scenario_capacity(args: argparse.Namespace, vocab: int) -> dict[str, object]:
+    """64 requests whose total lengths are uniform in 32..1,024 (prompt + 32 out), all at once, on an artifact whose
+    KV pool is a fixed memory: how many run concurrently, against the contiguous-slot engine's count for the same
+    memory (pool positions // max_model_len: each of its slots held a whole max_model_len)."""
+    from neuron_opt.artifact import read_manifest
+
+    cache = read_manifest(Path(args.model), verify_hashes=False).cache
+    rng = np.random.default_rng(args.seed)
+    totals = rng.integers(32, 1025, size=64)
+    prompts = [rng.integers(100, vocab, size=int(t) - 32).tolist() if t > 32 else [100] for t in totals]
+
+    def body(url: str) -> dict[str, object]:
+        async def go() -> tuple[list[RequestResult], float, list[float]]:
+            stop = asyncio.Event()
+            poller = asyncio.create_task(poll_running(url, stop))
+            results, dur = await run_load(url, prompts, 32, 64, float("inf"), 0)
+            stop.set()
+            return results, dur, await poller
+        results, dur, running = asyncio.run(go())
+        busy = [x for x in running if x > 0]
+        return summarize(results, dur, int(totals.mean()) - 32) | {
+            "running_max": max(running), "running_mean": float(np.mean(busy)) if busy else 0.0,
+            "metrics": scrape(url)}
+
+    res = with_server(args, ("--max-num-batched-tokens", str(args.max_num_batched_tokens)), body)
+    contiguous = (cache.num_blocks - 1) * cache.block_size // cache.max_model_len
+    print(f"capacity: {res['running_max']:.0f} running at most (mean {res['running_mean']:.1f}) vs {contiguous} "
+          f"contiguous slots of {cache.max_model_len}", file=sys.stderr)
+    return {"scenario": "capacity", "pool_blocks": cache.num_blocks, "block_size": cache.block_size,
+            "max_model_len": cache.max_model_len, "contiguous_slots_same_memory": contiguous, "run": res,
+            "capacity_ratio_max": res["running_max"] / contiguous,
+            "capacity_ratio_mean": res["running_mean"] / contiguous}
+
+
+def ab_versions(args: argparse.Namespace, prompts: list[list[int]], concurrency: int,
+                budget: tuple[str, str]) -> dict[str, object]:
+    """The same load on this checkout and on `--baseline-source`, alternating `--rounds` times (the machine's
+    speed drifts); the best round of each."""
+    runs: dict[str, list[dict[str, object]]] = {"ours": [], "baseline": []}
+    for _ in range(args.rounds):
+        for who in ("baseline", "ours"):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            proc = (start_server(args, port, budget) if who == "ours" else
+                    start_server(args, port, (args.baseline_budget_flag, str(args.max_num_batched_tokens)),
+                                 args.baseline_model, args.baseline_source))
+            try:
+                wait_healthy(url, proc)
+                asyncio.run(run_load(url, prompts[:1], 4, 1, float("inf"), args.seed))  # warm-up
+                results, dur = asyncio.run(run_load(url, prompts, args.output_len, concurrency, args.request_rate,
+                                                    args.seed))
+            finally:
+                stop_server(proc)
+            s = summarize(results, dur, args.input_len) | {"concurrency": concurrency}
+            runs[who].append(s)
+            print(f"{who}: {s['output_throughput']:.1f} out tok/s, {s['completed']}/{len(results)} ok",
+                  file=sys.stderr)
+    best = {who: max(rs, key=lambda r: r["output_throughput"]) for who, rs in runs.items()}
+    return {"config": {k: str(v) for k, v in vars(args).items()}, "runs": runs, "best": best,
+            "throughput_ratio": best["ours"]["output_throughput"] / best["baseline"]["output_throughput"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -328,7 +505,19 @@ def main(argv: list[str] | None = None) -> int:
         "--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = burst"
     )
     p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-prefill-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--budget-flag", default="--max-num-batched-tokens",
+                   help="the serve flag that sets the step's token budget (--max-prefill-tokens before the block KV "
+                        "cache: for --baseline-source)")
+    p.add_argument("--baseline-source", type=Path, default=None,
+                   help="another checkout of this repository: its server runs the same load on --baseline-model, "
+                        "alternating with ours (an A/B between versions in one run)")
+    p.add_argument("--baseline-model", default=None, help="the artifact --baseline-source serves")
+    p.add_argument("--baseline-budget-flag", default="--max-prefill-tokens")
+    p.add_argument("--rounds", type=int, default=1, help="alternations between the two setups compared")
+    p.add_argument("--scenario", default="load", choices=["load", "shared-prefix", "long-prompts", "capacity"],
+                   help="load: the serving benchmark above; the others measure the block KV cache (prefix caching, "
+                        "chunked prefill, capacity; docs/serving.md)")
     p.add_argument(
         "--check-streams", type=int, default=64, help="concurrent streams for the correctness check (0: skip)"
     )
@@ -361,12 +550,29 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_model = args.hf_model or ("default" if is_artifact(args.model) else args.model)
     vocab = open_checkpoint(hf_model).config.vocab_size
+    if args.scenario != "load":
+        fn = {"shared-prefix": scenario_shared_prefix, "long-prompts": scenario_long_prompts,
+              "capacity": scenario_capacity}[args.scenario]
+        rep = fn(args, vocab) | {"note": args.note}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(rep, indent=2) + "\n")
+        if args.json:
+            print(json.dumps(rep, indent=2))
+        return 0
     prompts = make_prompts(args.num_prompts, args.input_len, vocab, args.seed)
     levels = [int(c) for c in args.concurrency.split(",")]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = start_server(args, port)
-    config = vars(args) | {"hf_model": hf_model, "request_rate": str(args.request_rate)}
+    budget = (args.budget_flag, str(args.max_num_batched_tokens))
+    if args.baseline_source is not None:
+        report_ab = ab_versions(args, prompts, levels[-1], budget)
+        Path(args.out).write_text(json.dumps(report_ab, indent=2) + "\n")
+        if args.json:
+            print(json.dumps(report_ab, indent=2))
+        return 0
+    proc = start_server(args, port, budget)
+    config = vars(args) | {"hf_model": hf_model, "request_rate": str(args.request_rate),
+                           "baseline_source": None}
     report: dict[str, object] = {
         "config": config,
         "provisional_note": args.note,
@@ -395,11 +601,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(f"check: {report['check']}", file=sys.stderr)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
     if not args.no_hf:
         base = prompts[: args.hf_num_prompts] if args.hf_num_prompts else prompts
         runs = []

@@ -77,7 +77,7 @@ def bench_one(
     threads = threads_tp1 if par.tp == 1 else default_threads(par.tp)
     if par.tp == 1:
         torch.set_num_threads(threads_tp1)
-        ex: Any = EagerExecutor(build_model(cfg, sd, L, torch.float32), cache.num_slots)
+        ex: Any = EagerExecutor(build_model(cfg, sd, L, torch.float32), cache)
     else:
         ex = tp_executor_from_state_dict(cfg, sd, par, cache)
     start_s = time.perf_counter() - t0
@@ -91,7 +91,7 @@ def bench_one(
         "threads_per_rank": threads,
     }
     lay = head_layout(cfg, par)
-    row["layout"] = layout_cost(cfg, lay, cache.num_slots, L, 4).line()
+    row["layout"] = layout_cost(cfg, lay, cache.num_blocks, cache.block_size, 4).line()
     try:
         full = ModelRunner(ex, buckets, cache, cfg.vocab_size)
         pre_s = timed(lambda: full.prefill(0, prompt), args.repeats)

@@ -15,16 +15,17 @@ from neuron_opt.config import CacheConfig, ModelConfig
 from neuron_opt.runtime.runner import ModelRunner
 
 
-def eager_runner(ckpt_dir: Path, max_model_len: int = 256, max_batch: int = 1, **bucket_kw) -> ModelRunner:
+def eager_runner(ckpt_dir: Path, max_model_len: int = 256, max_batch: int = 1, block_size: int = 32,
+                 **bucket_kw) -> ModelRunner:
     cfg = ModelConfig.from_hf(ckpt_dir)
     sd = load_file(str(ckpt_dir / "model.safetensors"))
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     model = build_model(cfg, sd, max_model_len, torch.float32)
-    cache = CacheConfig(max_batch=max_batch, max_model_len=max_model_len)
+    cache = CacheConfig(max_batch=max_batch, max_model_len=max_model_len, block_size=block_size)
     buckets = BucketConfig.build(max_prompt_len=max_model_len, max_model_len=max_model_len, max_batch=max_batch,
                                  min_prefill=16, min_decode=16, **bucket_kw)
-    return ModelRunner(EagerExecutor(model, cache.num_slots), buckets, cache, cfg.vocab_size)
+    return ModelRunner(EagerExecutor(model, cache), buckets, cache, cfg.vocab_size)
 
 
 @contextlib.contextmanager
@@ -44,7 +45,7 @@ def live_server(llm, max_num_seqs: int, runner=None, model: str = "tiny", specul
         llm.tokenizer,
         llm.eos_token_ids,
         max_num_seqs=max_num_seqs,
-        max_prefill_tokens=64,
+        max_num_batched_tokens=64,
         speculative=speculative,
     )
     app = create_app(engine, llm.tokenizer, llm.encode_chat, model, llm.runner.max_model_len)

@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from neuron_opt.buckets import Bucket
+from neuron_opt.config import CacheConfig
 
 
 @dataclass(frozen=True)
@@ -22,9 +23,14 @@ class StepInputs:
     """Graph inputs of one step, exactly the bucket's shape (int64)."""
 
     input_ids: torch.Tensor  # [B, S] token ids; pads are 0
-    positions: torch.Tensor  # [B, S] absolute position of each token; prompt pads continue past the prompt
-    slot_ids: torch.Tensor  # [B] KV cache line of each row; padded rows use the scratch slot
+    positions: torch.Tensor  # [B, S] absolute position of each token (pads: any position < max_model_len)
+    slot_mapping: torch.Tensor  # [B, S] where each token's K/V go: block * block_size + offset; pads: 0 (null)
+    block_tables: torch.Tensor  # [B, nb] each row's blocks in logical order, padded with the null block 0
     last_index: torch.Tensor  # [B] index along S whose logits are returned; verify steps: [B, S], every index
+
+    def arrays(self) -> tuple[torch.Tensor, ...]:
+        """The five inputs in the order every graph takes them."""
+        return (self.input_ids, self.positions, self.slot_mapping, self.block_tables, self.last_index)
 
 
 class Executor(Protocol):
@@ -42,20 +48,20 @@ ModelFactory = Callable[[], torch.nn.Module]
 class Backend(Protocol):
     name: str
 
-    def compile_bucket(self, model: torch.nn.Module, bucket: Bucket, num_slots: int, out_dir: Path) -> list[Path]:
+    def compile_bucket(self, model: torch.nn.Module, bucket: Bucket, cache: CacheConfig, out_dir: Path) -> list[Path]:
         ...
 
     def save_weights(self, model: torch.nn.Module, path: Path) -> None:
         ...
 
     def load(self, graph_files: dict[Bucket, list[Path]], weights_path: Path, model_factory: ModelFactory,
-             num_slots: int) -> Executor:
+             cache: CacheConfig) -> Executor:
         ...
 
 
-def allocate_kv(model: torch.nn.Module, num_slots: int,
+def allocate_kv(model: torch.nn.Module, cache: CacheConfig,
                 dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-layer K and V buffers [num_slots, n_kv_local, max_model_len, D], zero-filled."""
-    shape = model.kv_shape(num_slots)
+    """Per-layer K and V block pools [num_blocks, block_size (/ g), n_kv_local, D], zero-filled."""
+    shape = model.kv_shape(cache.num_blocks, cache.block_size)
     L = len(model.model.layers)
     return [torch.zeros(shape, dtype=dtype) for _ in range(L)], [torch.zeros(shape, dtype=dtype) for _ in range(L)]

@@ -9,7 +9,7 @@ How it fits together (measurements and rejected alternatives: docs/cpu_backend.m
   same tensors into every graph (30 containers per layer graph, one per layer). The eager model is dropped
   afterwards, so the process holds the packed weights, norms and the embedding table, once.
 - run: embedding lookup and rope gather in eager torch (a few small ops), then the 30 layer containers, then
-  the head. The executor owns the KV caches; every graph writes them in place (tested step by step against
+  the head. The executor owns the KV block pools; every graph writes them in place (tested step by step against
   eager, cf. pytorch#165444).
 Reference path: the eager backend (same model code); tests compare the two.
 """
@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from models.llama import rope_tables
 from neuron_opt.backends import check_backend_tp
-from neuron_opt.backends.base import ModelFactory, StepInputs
+from neuron_opt.backends.base import ModelFactory, StepInputs, allocate_kv
 from neuron_opt.backends.cpu_constants import ConstantRecipe, build_constant
 from neuron_opt.backends.cpu_graphs import (
     HeadGraph,
@@ -34,14 +34,15 @@ from neuron_opt.backends.cpu_graphs import (
     graph_keys,
     head_rows,
     layer_example,
-    padded_kv,
 )
 from neuron_opt.backends.eager import load_model_weights, model_state_for_save
 from neuron_opt.buckets import DECODE, Bucket
+from neuron_opt.config import CacheConfig
 from neuron_opt.errors import ArtifactError, ConfigError
 
-# 2: recipes name several sources (fused projections), heads may take their weight as an input; 3: max_model_len
-FORMAT = 3
+# 2: recipes name several sources (fused projections), heads may take their weight as an input; 3: max_model_len;
+# 4: block KV cache (slot mapping and block tables)
+FORMAT = 4
 GEMM_CHOICES = ("cpp", "onednn", "aten")
 PRECISION_CHOICES = ("fp32", "dtype")
 DECODE_ATTENTION_CHOICES = ("fused", "sdpa")
@@ -100,11 +101,11 @@ class CpuBackend:
         self.residual_dtype = torch.float32 if self.options["residual"] == "fp32" else dtype
         self.rope_dtype = torch.float32 if self.options["attention"] == "fp32" else dtype
 
-    def compile_bucket(self, model: torch.nn.Module, bucket: Bucket, num_slots: int, out_dir: Path) -> list[Path]:
+    def compile_bucket(self, model: torch.nn.Module, bucket: Bucket, cache: CacheConfig, out_dir: Path) -> list[Path]:
         """Write (or reuse) the bucket's layer graph and head graph; returns their paths relative to out_dir."""
         check_backend_tp(self.name, model.pctx.tp)
         layer_key, head_key = graph_keys(bucket)
-        files = self._graph(model, out_dir, layer_key, lambda so: self._compile_layer(model, bucket, num_slots, so))
+        files = self._graph(model, out_dir, layer_key, lambda so: self._compile_layer(model, bucket, cache, so))
         files += self._graph(model, out_dir, head_key, lambda so: self._compile_head(model, bucket, so))
         return files
 
@@ -119,14 +120,14 @@ class CpuBackend:
             self._done[memo] = [rel_so, rel_json]
         return list(self._done[memo])
 
-    def _compile_layer(self, model: torch.nn.Module, bucket: Bucket, num_slots: int, so: Path) -> dict[str, Any]:
-        args, dyn = layer_example(model, bucket, num_slots, self.dtype, self.residual_dtype, self.rope_dtype)
+    def _compile_layer(self, model: torch.nn.Module, bucket: Bucket, cache: CacheConfig, so: Path) -> dict[str, Any]:
+        args, dyn = layer_example(model, bucket, cache, self.dtype, self.residual_dtype, self.rope_dtype)
         decode_attention = bucket.phase == DECODE and self.options["decode_attention"] == "fused"
         layer = LayerGraph(model.model.layers[0], self.dtype, decode_attention)
         recipes = compile_graph(layer, args, dyn, self.options["gemm"], so, f"cpu layer graph for {bucket.key}",
                                 self.options["fuse_projections"] == "on")
-        return {"kind": "layer", "phase": bucket.phase, "batch": bucket.batch, "num_slots": num_slots,
-                "dynamic_kv": dyn is not None, "constants": {k: r.to_dict() for k, r in recipes.items()}}
+        return {"kind": "layer", "phase": bucket.phase, "batch": bucket.batch, "num_blocks": cache.num_blocks,
+                "block_size": cache.block_size, "constants": {k: r.to_dict() for k, r in recipes.items()}}
 
     def _compile_head(self, model: torch.nn.Module, bucket: Bucket, so: Path) -> dict[str, Any]:
         rows = head_rows(bucket)
@@ -144,11 +145,11 @@ class CpuBackend:
                   str(path))
 
     def load(self, graph_files: dict[Bucket, list[Path]], weights_path: Path, model_factory: ModelFactory,
-             num_slots: int) -> CpuExecutor:
+             cache: CacheConfig) -> CpuExecutor:
         """graph_files: absolute paths (or paths relative to the working directory) of each bucket's files."""
         model = model_factory()
         load_model_weights(model, weights_path)
-        return CpuExecutor(model.to(self.dtype).eval(), graph_files, num_slots, self.dtype, self.residual_dtype,
+        return CpuExecutor(model.to(self.dtype).eval(), graph_files, cache, self.dtype, self.residual_dtype,
                            self.rope_dtype)
 
 
@@ -195,15 +196,15 @@ class _HeadCall:
 
 
 class CpuExecutor:
-    """Runs a bucket: eager embedding -> layer containers -> head container. Owns the KV caches."""
+    """Runs a bucket: eager embedding -> layer containers -> head container. Owns the KV block pools."""
 
-    def __init__(self, model: torch.nn.Module, graph_files: dict[Bucket, list[Path]], num_slots: int,
+    def __init__(self, model: torch.nn.Module, graph_files: dict[Bucket, list[Path]], cache: CacheConfig,
                  dtype: torch.dtype, residual_dtype: torch.dtype, rope_dtype: torch.dtype) -> None:
         self.dtype, self.residual_dtype, self.rope_dtype = dtype, residual_dtype, rope_dtype
         n_layers = len(model.model.layers)
         tensors = {**dict(model.state_dict()), **dict(model.named_buffers())}
         store = _WeightStore(tensors)
-        metas = self._read_metas(graph_files, num_slots, dtype, model.max_model_len)
+        metas = self._read_metas(graph_files, cache, dtype, model.max_model_len)
         runners: dict[str, list[Any]] = {}
         # heads that take their weight as an input: kept alive here (when tied, the embedding table too)
         self.head_weight = (model.lm_head.weight.detach() if any(m.get("weight_input") for m in metas.values())
@@ -223,15 +224,13 @@ class CpuExecutor:
         self._embed = self._embedding(model, store)
         # from the config, in fp32: the model's buffers went to `dtype` with it
         self.rope_cos, self.rope_sin = rope_tables(model.cfg, model.max_model_len)  # [max_model_len, D] each
-        self.k_caches = [padded_kv(model.kv_shape(num_slots), dtype) for _ in range(n_layers)]
-        self.v_caches = [padded_kv(model.kv_shape(num_slots), dtype) for _ in range(n_layers)]
-        self._views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self.k_caches, self.v_caches = allocate_kv(model, cache, dtype)
         # user_managed constants: the containers keep raw pointers, so we must keep the tensors alive. The model
         # and its unpacked GEMM weights are not referenced past this point and are freed with it.
         self.constants = store.built
 
     @staticmethod
-    def _read_metas(graph_files: dict[Bucket, list[Path]], num_slots: int, dtype: torch.dtype,
+    def _read_metas(graph_files: dict[Bucket, list[Path]], cache: CacheConfig, dtype: torch.dtype,
                     max_model_len: int) -> dict[Path, dict[str, Any]]:
         metas: dict[Path, dict[str, Any]] = {}
         for bucket, files in graph_files.items():
@@ -246,7 +245,7 @@ class CpuExecutor:
                 want = {"format": FORMAT, "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."),
                         "max_model_len": max_model_len}
                 if meta["kind"] == "layer":
-                    want["num_slots"] = num_slots
+                    want.update(num_blocks=cache.num_blocks, block_size=cache.block_size)
                 bad = {k: (meta.get(k), v) for k, v in want.items() if meta.get(k) != v}
                 if bad:
                     raise ArtifactError(f"{f}: compiled for a different setup (artifact, here): {bad}; recompile")
@@ -266,22 +265,18 @@ class CpuExecutor:
             return lambda ids: table[ids // bn, :, ids % bn]  # [nb, H, bn] -> [B, S, H]
         return lambda ids: torch.nn.functional.embedding(ids, w)
 
-    def _kv(self, kv_len: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        if kv_len not in self._views:
-            self._views[kv_len] = ([k[:, :, :kv_len] for k in self.k_caches],
-                                   [v[:, :, :kv_len] for v in self.v_caches])
-        return self._views[kv_len]
-
     @torch.no_grad()
     def run(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
         layers, head = self._routes[bucket]
-        pos, slots = inputs.positions, inputs.slot_ids
+        pos, slots, tables = inputs.positions, inputs.slot_mapping, inputs.block_tables
+        if tables.shape[1] == 1:  # the graphs' block dimension starts at 2: a null-block column, masked
+            tables = torch.cat([tables, torch.zeros_like(tables)], dim=1)
         x = self._embed(inputs.input_ids).to(self.residual_dtype)  # [B, S, H]
         cos = self.rope_cos[pos].to(self.rope_dtype)[:, :, None, :]  # [B, S, 1, D]
         sin = self.rope_sin[pos].to(self.rope_dtype)[:, :, None, :]  # [B, S, 1, D]
-        ks, vs = self._kv(bucket.kv_len)
+        ks, vs = self.k_caches, self.v_caches
         for i, layer in enumerate(layers):
-            x = layer.run([x, cos, sin, pos, slots, ks[i], vs[i]])[0]
+            x = layer.run([x, cos, sin, pos, slots, tables, ks[i], vs[i]])[0]
         rows = torch.arange(x.shape[0])
         if inputs.last_index.dim() == 2:  # verify: every position of every row, [B, q, H] -> [B, q, V]
             B, q = inputs.last_index.shape

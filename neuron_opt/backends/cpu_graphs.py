@@ -4,11 +4,11 @@ Design decisions (measured; see docs/cpu_backend.md)
 - Regional compilation. A bucket's whole 30-layer model takes ~90 s to compile on 2 busy cores; one layer
   takes ~20 s and the same .so serves every layer (each layer gets its own AOTI container holding that
   layer's weights). Decode speed is the same or better: 30 calls into a container cost ~0.3 ms per token.
-- KV length is a dynamic dimension. Within a phase and batch, buckets differ only in the attention's KV
-  length, so one graph serves them all: the default 25-bucket set needs 5 layer graphs + 4 heads, not 25 models.
-  The caches are passed as views `cache[:, :, :kv_len]` of a buffer one position longer than max_model_len:
-  with a contiguous cache, export would guard on `kv_len != max_model_len` (the view becomes contiguous there)
-  and refuse the range; the padded row keeps every view non-contiguous with the same strides.
+- KV length is a dynamic dimension: the block tables' width (blocks per row). Within a phase and batch, buckets
+  differ only in the attention's KV length (and a prefill in its token count, also dynamic), so one graph
+  serves them all: the default bucket set needs 5 layer graphs + 4 heads, not one model per bucket. The
+  executor pads a one-block table with a null-block column (masked: it lies beyond every query's position), so
+  the dimension is never 1 (export specialises sizes 0 and 1). The block pools are whole, static-shape inputs.
 - bf16: the residual stream between layers (and the norms reading it) stays fp32; only GEMM inputs/weights
   and the KV cache are bf16. Teacher-forced greedy agreement with HF fp32 (SmolLM2-135M, 256 tokens, HF
   eager): all-bf16 0.973, fp32 residual 0.980, bf16 weights with all activations fp32 0.996: the loss
@@ -40,6 +40,7 @@ from neuron_opt.backends.cpu_constants import (
     placeholder_copy,
 )
 from neuron_opt.buckets import PREFILL, VERIFY, Bucket
+from neuron_opt.config import CacheConfig
 from neuron_opt.errors import BackendCompileError
 
 
@@ -87,8 +88,10 @@ class LayerGraph(nn.Module):
             attn.ops = DecodeAttention(attn.ops)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                slot_ids: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        return self.layer(x, cos, sin, positions, slot_ids, k_cache, v_cache, k_cache.shape[2])
+                slot_mapping: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> torch.Tensor:
+        kv_len = block_tables.shape[1] * k_cache.shape[1]  # every position the blocks hold
+        return self.layer(x, cos, sin, positions, slot_mapping, block_tables, k_cache, v_cache, kv_len)
 
 
 class HeadGraph(nn.Module):
@@ -114,42 +117,42 @@ class HeadGraph(nn.Module):
         return self.lm_head(h.to(self.lm_head.weight.dtype)).float()
 
 
-def padded_kv(shape: tuple[int, int, int, int], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed cache [slots, n_kv, max_model_len, D] stored with one spare position (see module docstring)."""
-    slots, n_kv, length, d = shape
-    return torch.zeros(slots, n_kv, length + 1, d, dtype=dtype)[:, :, :length]
-
-
 def head_rows(bucket: Bucket) -> int:
     """Rows the LM head scores: one per batch row, q_len per row for a verify bucket."""
     return bucket.batch * (bucket.q_len if bucket.phase == VERIFY else 1)
 
 
 def graph_keys(bucket: Bucket) -> tuple[str, str]:
-    """(layer graph key, head graph key) for a bucket. Seq 1 (no dynamic dim possible) gets a static graph."""
-    q = f"_q{bucket.q_len}" if bucket.phase == VERIFY else ""
-    layer = f"layer_{bucket.phase}_b{bucket.batch}{q}" + ("_dyn" if bucket.kv_len >= 2 else f"_s{bucket.kv_len}")
+    """(layer graph key, head graph key) for a bucket. The KV length is always dynamic; a prefill's token count is
+    too, except for one-token prefills (no dynamic dim of size 1), which get their own static graph."""
+    if bucket.phase == VERIFY:
+        layer = f"layer_verify_b{bucket.batch}_q{bucket.q_len}"
+    elif bucket.phase == PREFILL:
+        layer = f"layer_prefill_b{bucket.batch}" + ("_dyn" if bucket.tokens >= 2 else "_t1")
+    else:
+        layer = f"layer_decode_b{bucket.batch}"
     return layer, f"head_b{head_rows(bucket)}"
 
 
-def layer_example(model: nn.Module, bucket: Bucket, num_slots: int, dtype: torch.dtype, residual_dtype: torch.dtype,
-                  rope_dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], Any]:
-    """Example inputs of the layer graph for `bucket`, and the dynamic_shapes spec (None when static)."""
+def layer_example(model: nn.Module, bucket: Bucket, cache: CacheConfig, dtype: torch.dtype,
+                  residual_dtype: torch.dtype, rope_dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], Any]:
+    """Example inputs of the layer graph for `bucket`, and its dynamic_shapes spec."""
     B, S = bucket.batch, bucket.tokens
     H, D = model.cfg.hidden_size, model.cfg.head_dim
-    kv_len = bucket.kv_len
-    k = padded_kv(model.kv_shape(num_slots), dtype)[:, :, :kv_len]
-    v = padded_kv(model.kv_shape(num_slots), dtype)[:, :, :kv_len]
-    positions = (torch.arange(S).expand(B, S).contiguous() if bucket.phase == PREFILL
-                 else torch.arange(kv_len - S, kv_len).expand(B, S).contiguous())
+    bs = cache.block_size
+    nb = max(2, -(-bucket.kv_len // bs))
+    k = torch.zeros(model.kv_shape(cache.num_blocks, bs), dtype=dtype)
+    v = torch.zeros(model.kv_shape(cache.num_blocks, bs), dtype=dtype)
+    positions = torch.arange(nb * bs - S, nb * bs).expand(B, S).contiguous()
+    tables = (torch.arange(B * nb).view(B, nb) % (cache.num_blocks - 1)) + 1
+    slots = tables[:, -1:] * bs + positions % bs
     args = (torch.randn(B, S, H).to(residual_dtype), torch.randn(B, S, 1, D).to(rope_dtype),
-            torch.randn(B, S, 1, D).to(rope_dtype), positions, torch.arange(B) % num_slots, k, v)
-    if bucket.kv_len < 2:
-        return args, None
-    kv = Dim("kv_len", min=2, max=model.max_model_len)
-    if bucket.phase == PREFILL:  # S == kv_len for prefill buckets
-        return args, ({1: kv}, {1: kv}, {1: kv}, {1: kv}, None, {2: kv}, {2: kv})
-    return args, (None, None, None, None, None, {2: kv}, {2: kv})
+            torch.randn(B, S, 1, D).to(rope_dtype), positions, slots, tables, k, v)
+    blocks = Dim("blocks", min=2, max=max(3, cache.blocks_per_sequence))  # min < max, even for one-block lengths
+    if bucket.phase == PREFILL and S >= 2:
+        t = Dim("tokens", min=2, max=cache.max_model_len)
+        return args, ({1: t}, {1: t}, {1: t}, {1: t}, {1: t}, {1: blocks}, None, None)
+    return args, (None, None, None, None, None, {1: blocks}, None, None)
 
 
 def inductor_options(gemm: str, fuse_projections: bool = True) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from neuron_opt.backends.base import ModelFactory, StepInputs, allocate_kv
 from neuron_opt.buckets import Bucket
+from neuron_opt.config import CacheConfig
 
 
 def model_state_for_save(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -55,15 +56,14 @@ def load_model_weights(model: torch.nn.Module, path: Path) -> None:
 
 
 class EagerExecutor:
-    def __init__(self, model: torch.nn.Module, num_slots: int) -> None:
+    def __init__(self, model: torch.nn.Module, cache: CacheConfig) -> None:
         self.model = model.eval()
         dtype = next(model.parameters()).dtype
-        self.k_caches, self.v_caches = allocate_kv(model, num_slots, dtype)
+        self.k_caches, self.v_caches = allocate_kv(model, cache, dtype)
 
     @torch.inference_mode()
     def run(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
-        return self.model(inputs.input_ids, inputs.positions, inputs.slot_ids, inputs.last_index,
-                          self.k_caches, self.v_caches, bucket.kv_len)
+        return self.model(*inputs.arrays(), self.k_caches, self.v_caches, bucket.kv_len)
 
 
 class EagerBackend:
@@ -73,14 +73,14 @@ class EagerBackend:
         self.dtype = dtype
         self.options = dict(options or {})
 
-    def compile_bucket(self, model: torch.nn.Module, bucket: Bucket, num_slots: int, out_dir: Path) -> list[Path]:
+    def compile_bucket(self, model: torch.nn.Module, bucket: Bucket, cache: CacheConfig, out_dir: Path) -> list[Path]:
         return []  # nothing to compile: the eager graph is the model itself
 
     def save_weights(self, model: torch.nn.Module, path: Path) -> None:
         save_file(model_state_for_save(model), str(path))
 
     def load(self, graph_files: dict[Bucket, list[Path]], weights_path: Path, model_factory: ModelFactory,
-             num_slots: int) -> EagerExecutor:
+             cache: CacheConfig) -> EagerExecutor:
         model = model_factory()
         load_model_weights(model, weights_path)
-        return EagerExecutor(model.to(self.dtype), num_slots)
+        return EagerExecutor(model.to(self.dtype), cache)

@@ -11,10 +11,11 @@ Design decisions (docs/neuron_backend.md has the sources and the alternatives we
   once, KV caches as device state updated in place and donated input -> output in every bucket's HLO.
 - Weights: `model.to(device)` once per rank at load; every bucket graph takes the same device buffers as
   parameters. `weights/rank{r}.safetensors` is the only copy on disk; HLO files hold no weights.
-- KV caches: `[slots, n_kv, max_model_len, D]` per layer, allocated on the device once and shared by all buckets.
-  The model writes new K/V with an in-place index_put (a scatter in the HLO); torch-xla donates the cache
-  buffers of every step (`buffer_donor` in the HLO module, InputOutputAliasCount in its metrics), so a decode
-  step moves only ids/positions/slots in and [B, V] logits out.
+- KV caches: block pools `[num_blocks, block_size, n_kv, D]` per layer (models/llama.py), allocated on the device
+  once and shared by all buckets. The model writes new K/V at the step's slot mapping with an in-place
+  index_put (a scatter in the HLO) and reads each row's blocks through its block table (a gather); torch-xla
+  donates the cache buffers of every step (`buffer_donor` in the HLO module, InputOutputAliasCount in its
+  metrics), so a step moves only ids/positions/slot mapping/block tables in and [B, V] logits out.
 - Artifact: every bucket's HLO (text and HloModuleProto, exactly what XLA compiled, as XLA's dump writes it
   "before optimizations"): graphs/rank0/ at tp=1, one SPMD module per bucket in graphs/spmd/ at tp > 1. That
   is the input neuronx-cc compiles. On a NeuronCore the Neuron compile
@@ -50,6 +51,7 @@ from safetensors.torch import save_file
 from neuron_opt.backends.base import ModelFactory, StepInputs
 from neuron_opt.backends.eager import load_model_weights, model_state_for_save
 from neuron_opt.buckets import Bucket
+from neuron_opt.config import CacheConfig
 from neuron_opt.errors import ArtifactError, BackendCompileError, BackendUnavailableError, ConfigError
 
 HLO_TEXT = "{key}.hlo.txt"  # per bucket, in graphs/rank{r}/
@@ -224,7 +226,7 @@ def check_spmd_layout(par: Any, kv_seq_shards: int) -> None:
 @dataclass
 class Replay:
     """One bucket's compiled graph, replayed without retracing: XLA parameter i is the step input or KV cache
-    at `sources[i]` (an index into [ids, positions, slots, last_index, *k_caches, *v_caches]), or, where that is
+    at `sources[i]` (an index into [*step inputs, *k_caches, *v_caches], StepInputs.arrays), or, where that is
     None, the fixed device tensor `fixed[i]` (a weight, a rope table, a scalar constant)."""
 
     graph_hash: Any
@@ -256,8 +258,7 @@ class DeviceProgram:
 
     def step_tensors(self, inputs: StepInputs) -> list[torch.Tensor]:
         # int32 ids: what neuronx-cc handles best (NxDI converts int64 inputs the same way)
-        return [t.to(torch.int32).to(self.device) for t in (inputs.input_ids, inputs.positions, inputs.slot_ids,
-                                                             inputs.last_index)]
+        return [t.to(torch.int32).to(self.device) for t in inputs.arrays()]
 
     def trace_step(self, bucket: Bucket, step: list[torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
@@ -270,18 +271,18 @@ class DeviceProgram:
         _sync(self.xla, [logits, *self.k_caches, *self.v_caches])
         return self.host_logits(logits)
 
-    def compile_for(self, bucket: Bucket, scratch_slot: int, replay: bool) -> tuple[str, Replay | None]:
+    def compile_for(self, bucket: Bucket, block_size: int, replay: bool) -> tuple[str, Replay | None]:
         """Compiles (on a NeuronCore: loads) `bucket`'s graph the way its steps will run: for replay (`prepare`,
-        nothing runs) or traced (run once on the scratch slot). Returns the graph's name, under which XLA's dump
+        nothing runs) or traced (run once on the null block). Returns the graph's name, under which XLA's dump
         holds its HLO, and the replay handle (None when traced)."""
         if replay:
-            r = self.prepare(bucket, scratch_slot)
+            r = self.prepare(bucket, block_size)
             return r.name, r
-        logits = self.trace(bucket, warm_up_inputs(bucket, scratch_slot))
+        logits = self.trace(bucket, warm_up_inputs(bucket, block_size))
         return _sync(self.xla, [logits, *self.k_caches, *self.v_caches]), None
 
-    def prepare(self, bucket: Bucket, scratch_slot: int) -> Replay:
-        """Traces `bucket` once (on scratch-slot inputs) and compiles it for replay; runs nothing.
+    def prepare(self, bucket: Bucket, block_size: int) -> Replay:
+        """Traces `bucket` once (on null-block inputs) and compiles it for replay; runs nothing.
 
         The caches are donated (aliased to their updated outputs), so a replayed step updates them in place.
         The trace's pending IR is dropped afterwards and the caches are restored to their device buffers.
@@ -291,7 +292,7 @@ class DeviceProgram:
         X = self.xla._XLAC
         self.xla.sync()
         caches = [*self.k_caches, *self.v_caches]
-        step = self.step_tensors(warm_up_inputs(bucket, scratch_slot))
+        step = self.step_tensors(warm_up_inputs(bucket, block_size))
         self.xla.sync()  # the step inputs become device data, like every later step's
         args = step + caches
         arg_ids = [X._xla_get_tensor_id(t) for t in args]
@@ -322,8 +323,9 @@ class DeviceProgram:
 
     def replay(self, r: Replay, inputs: StepInputs) -> torch.Tensor:
         X = self.xla._XLAC
-        args = [*self.step_tensors(inputs), *self.k_caches, *self.v_caches]
-        for t in args[4:]:
+        step = self.step_tensors(inputs)
+        args = [*step, *self.k_caches, *self.v_caches]
+        for t in args[len(step):]:
             X._set_buffer_donation(t, True)
         out = X._run_cached_graph(r.graph_hash, [args[s] if s is not None else v
                                                  for s, v in zip(r.sources, r.fixed, strict=True)])
@@ -336,12 +338,13 @@ class SpmdRanks(DeviceProgram):
     """tp > 1: every rank's model as one SPMD program over `tp` XLA devices (one process).
 
     Each weight is stored stacked over ranks, [tp, *shard], sharded on dim 0, so device r holds rank r's shard
-    once; the KV caches likewise ([tp, slots, n_kv_local, max_model_len, D], device-resident, donated every step).
+    once; the KV block pools likewise ([tp, num_blocks, block positions, n_kv_local, D], device-resident, donated
+    every step).
     A step enters a manual-sharding region, runs the rank model (rank 0's module, called with each device's
     shards through torch.func.functional_call) and leaves it with the logits [tp, B, V/tp].
     """
 
-    def __init__(self, models: list[torch.nn.Module], num_slots: int, xla: ModuleType,
+    def __init__(self, models: list[torch.nn.Module], cache: CacheConfig, xla: ModuleType,
                  comm: SpmdCollectives) -> None:
         import numpy as np
         import torch_xla.distributed.spmd as xs
@@ -361,7 +364,7 @@ class SpmdRanks(DeviceProgram):
         self.buffers = {n: b.to(self.device) for n, b in self.skeleton.named_buffers()}  # replicated
         self.rank_ids = self._shard(torch.arange(tp, dtype=torch.int32).to(self.device))
         dtype = next(models[0].parameters()).dtype
-        shape = (tp, *models[0].kv_shape(num_slots))
+        shape = (tp, *models[0].kv_shape(cache.num_blocks, cache.block_size))
         L = len(self.skeleton.model.layers)
         self.k_caches = [self._shard(torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(L)]
         self.v_caches = [self._shard(torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(L)]
@@ -382,17 +385,17 @@ class SpmdRanks(DeviceProgram):
 
     def trace_step(self, bucket: Bucket, step: list[torch.Tensor]) -> torch.Tensor:
         """Records one step; returns the device logits [tp, B, (q,) V/tp] fp32 (rank r's vocabulary shard at r)."""
-        ids, pos, slots, last = (self._enter(t, sharded=False) for t in step)  # replicated into the region
+        step = [self._enter(t, sharded=False) for t in step]  # replicated into the region
         params = {n: self._enter(p)[0] for n, p in self.params.items()}
         bufs = {n: self._enter(b, sharded=False) for n, b in self.buffers.items()}
-        ks = [self._enter(c) for c in self.k_caches]  # [1, slots, n_kv, max_model_len, D]: this device's cache
+        ks = [self._enter(c) for c in self.k_caches]  # [1, num_blocks, per block, n_kv, D]: this device's pool
         vs = [self._enter(c) for c in self.v_caches]
         self.comm.rank_tensor = self._enter(self.rank_ids)  # [1] int32: this device's rank
         try:
             with torch.no_grad():
                 logits = torch.func.functional_call(
                     self.skeleton, {**params, **bufs},
-                    (ids, pos, slots, last, [k[0] for k in ks], [v[0] for v in vs], bucket.kv_len))
+                    (*step, [k[0] for k in ks], [v[0] for v in vs], bucket.kv_len))
         finally:
             self.comm.rank_tensor = None
         for full, local in zip([*self.k_caches, *self.v_caches], [*ks, *vs], strict=True):
@@ -427,7 +430,7 @@ def _sync(xla: ModuleType, outputs: list[torch.Tensor]) -> str:
 class DeviceRank(DeviceProgram):
     """tp=1: the model on the XLA device, weights placed once, KV caches device-resident for every bucket."""
 
-    def __init__(self, model: torch.nn.Module, num_slots: int, xla: ModuleType) -> None:
+    def __init__(self, model: torch.nn.Module, cache: CacheConfig, xla: ModuleType) -> None:
         self.xla = xla
         self.device = xla.device()
         dtype = next(model.parameters()).dtype
@@ -435,7 +438,7 @@ class DeviceRank(DeviceProgram):
             model.lm_head.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
         self.model = model.eval().to(self.device)  # the one host -> device copy of the weights
         self.model.tie_weights()
-        shape = model.kv_shape(num_slots)
+        shape = model.kv_shape(cache.num_blocks, cache.block_size)
         L = len(model.model.layers)
         self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(L)]
         self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(L)]
@@ -447,15 +450,16 @@ class DeviceRank(DeviceProgram):
             return self.model(*step, self.k_caches, self.v_caches, bucket.kv_len)
 
 
-def warm_up_inputs(bucket: Bucket, scratch_slot: int) -> StepInputs:
-    """A step shaped like `bucket` whose every row writes only the scratch slot (never read by a request)."""
+def warm_up_inputs(bucket: Bucket, block_size: int) -> StepInputs:
+    """A step shaped like `bucket` whose every row writes and reads only the null block (never given to a request)."""
     B, S = bucket.batch, bucket.tokens
-    start = 0 if bucket.phase == "prefill" else bucket.kv_len - S
+    start = bucket.kv_len - S
     pos = torch.arange(start, start + S, dtype=torch.long).expand(B, S).contiguous()
     last = (torch.arange(S, dtype=torch.long).expand(B, S).contiguous() if bucket.phase == "verify"
             else torch.full((B,), S - 1, dtype=torch.long))  # verify: logits at every position
-    return StepInputs(torch.zeros(B, S, dtype=torch.long), pos, torch.full((B,), scratch_slot, dtype=torch.long),
-                      last)
+    nb = -(-bucket.kv_len // block_size)
+    return StepInputs(torch.zeros(B, S, dtype=torch.long), pos, torch.zeros(B, S, dtype=torch.long),
+                      torch.zeros(B, nb, dtype=torch.long), last)
 
 
 # HLO ops that would move data between host and device inside a step, or call back into the host
@@ -549,7 +553,8 @@ class NeuronBackend:
             os.environ["NEURON_CC_FLAGS"] = " ".join([*self.opts.compiler_args, f"--cache_dir={cache_dir}"])
             os.environ["NEURON_COMPILE_CACHE_URL"] = str(cache_dir)
 
-    def _device_model(self, model: torch.nn.Module | list[torch.nn.Module], num_slots: int) -> DeviceRank | SpmdRanks:
+    def _device_model(self, model: torch.nn.Module | list[torch.nn.Module],
+                      cache: CacheConfig) -> DeviceRank | SpmdRanks:
         models = model if isinstance(model, list) else [model]
         if self.opts.ops == "nki":
             from neuron_opt.backends.nki_device import DeviceKernelOps, set_ops
@@ -560,16 +565,16 @@ class NeuronBackend:
         if len(models) != self.tp:
             raise ConfigError(f"neuron backend: built for tp={self.tp}, got {len(models)} rank model(s)")
         if self.tp == 1:
-            return DeviceRank(models[0], num_slots, self.xla)
+            return DeviceRank(models[0], cache, self.xla)
         check_spmd_layout(models[0].pctx, models[0].layout.kv_seq_shards)
-        return SpmdRanks(models, num_slots, self.xla, self.comm)
+        return SpmdRanks(models, cache, self.xla, self.comm)
 
-    def compile_bucket(self, model: torch.nn.Module | list[torch.nn.Module], bucket: Bucket, num_slots: int,
+    def compile_bucket(self, model: torch.nn.Module | list[torch.nn.Module], bucket: Bucket, cache: CacheConfig,
                        out_dir: Path) -> list[Path]:
         """Compiles `bucket`'s step on the device model and writes the HLO XLA compiled for it.
 
         `model`: the rank model (tp=1) or every rank's model, in rank order (tp > 1: one SPMD program). The
-        graph is compiled exactly as `load` will compile it (for replay, or run once on the scratch slot when
+        graph is compiled exactly as `load` will compile it (for replay, or run once on the null block when
         traced), so errors surface here and, on a NeuronCore, its NEFF lands in the artifact's Neuron compile
         cache.
         """
@@ -579,11 +584,11 @@ class NeuronBackend:
         out_dir.mkdir(parents=True, exist_ok=True)
         key = id(model[0] if isinstance(model, list) else model)
         if key not in self._ranks:
-            self._ranks = {key: self._device_model(model, num_slots)}  # one device model at a time
+            self._ranks = {key: self._device_model(model, cache)}  # one device model at a time
         ranks = self._ranks[key]
         self._set_compiler_env(out_dir / NEURON_CACHE)
         # the same compile `load` makes, so a NeuronCore's NEFF cache entry is the one used
-        name, _ = ranks.compile_for(bucket, num_slots - 1, self.replay)
+        name, _ = ranks.compile_for(bucket, cache.block_size, self.replay)
         d = _DUMP["dir"]
         texts = sorted(d.glob(f"module_*.{name}.*before_optimizations.txt"))
         protos = sorted(d.glob(f"module_*.{name}.*before_optimizations.hlo.pb"))
@@ -599,9 +604,9 @@ class NeuronBackend:
             (out_dir / KERNELS.format(key=bucket.key)).write_text(
                 json.dumps(self.kernel_ops.take_choices(), indent=1))
             files.append(Path(KERNELS.format(key=bucket.key)))
-        cache = out_dir / NEURON_CACHE
-        if cache.is_dir():
-            files += [p.relative_to(out_dir) for p in sorted(cache.rglob("*")) if p.is_file()]
+        neff_dir = out_dir / NEURON_CACHE
+        if neff_dir.is_dir():
+            files += [p.relative_to(out_dir) for p in sorted(neff_dir.rglob("*")) if p.is_file()]
         return files
 
     def save_weights(self, model: torch.nn.Module, path: Path) -> None:
@@ -611,7 +616,7 @@ class NeuronBackend:
         self._ranks.clear()
 
     def load(self, graph_files: dict[Bucket, list[Path]], weights_path: Path | list[Path],
-             model_factory: ModelFactory | list[ModelFactory], num_slots: int) -> NeuronExecutor:
+             model_factory: ModelFactory | list[ModelFactory], cache: CacheConfig) -> NeuronExecutor:
         """Places the weights on the device once and compiles (NeuronCore: loads) every bucket's graph now.
 
         tp > 1: `weights_path` and `model_factory` are lists in rank order; every rank's model must be built
@@ -628,8 +633,8 @@ class NeuronBackend:
                 raise ArtifactError(f"bucket {bucket.key}: no HLO among {[str(f) for f in files]}")
         if graph_files:
             self._set_compiler_env(Path(next(iter(graph_files.values()))[0]).parent / NEURON_CACHE)
-        ranks = self._device_model(models if self.tp > 1 else models[0], num_slots)
+        ranks = self._device_model(models if self.tp > 1 else models[0], cache)
         executor = NeuronExecutor(ranks)
         for bucket in sorted(graph_files, key=lambda b: b.key):  # every graph ready before the first request
-            _, executor.buckets[bucket] = ranks.compile_for(bucket, num_slots - 1, self.replay)
+            _, executor.buckets[bucket] = ranks.compile_for(bucket, cache.block_size, self.replay)
         return executor

@@ -50,6 +50,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
                    help="also compile verify graphs of K + 1 tokens per row (one per decode bucket) for "
                         "speculative decoding: serve/generate --speculative-method ngram")
+    p.add_argument("--block-size", type=int, default=32, help="positions per KV cache block (default 32)")
+    p.add_argument("--num-kv-blocks", type=int, default=0, metavar="N",
+                   help="KV blocks in the pool, the null block included (default: batch size x blocks of one "
+                        "max_model_len sequence + 1); fewer serve mixed lengths in less memory, more keep more "
+                        "prefixes cached")
+    p.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the offset prefill buckets (a prefill after cached tokens) that prefix caching, "
+                        "chunked prefill and preemption need (default: on, except with the neuron backend's "
+                        "ops=nki, whose kernels assume a prompt from position 0)")
+    p.add_argument("--prefill-batch", type=int, default=1, metavar="N",
+                   help="prompts (or chunks) prefilled together in one graph call (default 1)")
     p.add_argument("--backend-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
                    help="a backend option (repeatable; see docs/cpu_backend.md and docs/neuron_backend.md), "
                         "e.g. replay=false or compiler_args='-O2'")
@@ -85,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
         max_prompt_len=args.max_prompt_len, max_model_len=args.max_model_len, prefill_buckets=args.prefill_buckets,
         decode_buckets=args.decode_buckets, decode_batches=args.decode_batches, parallel=_parallel_config(args),
         backend_options=dict(args.backend_option), use_cache=not args.no_cache,
-        num_speculative_tokens=args.num_speculative_tokens)
+        num_speculative_tokens=args.num_speculative_tokens, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, chunked_prefill=args.chunked_prefill, prefill_batch=args.prefill_batch)
     report = compile_artifact(req)
     print(f"compile cache: {len(report.hits)} hit(s), {len(report.misses)} miss(es)")
     for label, why in report.misses.items():

@@ -42,11 +42,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "compile time (given, it must equal the artifact's)",
     )
     p.add_argument(
-        "--max-prefill-tokens",
+        "--max-num-batched-tokens",
         type=int,
         default=2048,
-        help="prompt tokens prefilled per engine step; lower bounds inter-token latency of running "
-        "streams while new prompts arrive",
+        help="tokens per engine step: every running decode first, then prompt chunks; lower bounds the "
+        "inter-token latency of running streams while new prompts arrive",
+    )
+    p.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+        help="reuse the KV blocks of prompt prefixes computed before (default: on where the artifact has offset "
+        "prefill buckets, i.e. unless compiled with --no-chunked-prefill)",
+    )
+    p.add_argument(
+        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+        help="split prompts into chunks that fit the step's token budget, and serve prompts longer than the "
+        "largest prefill bucket (default: on where the artifact has offset prefill buckets)",
     )
     p.add_argument("--max-waiting", type=int, default=1024, help="queued requests before answering 503")
     p.add_argument(
@@ -100,10 +110,10 @@ def run(args: argparse.Namespace) -> int:
         from neuron_opt.artifact import read_manifest
 
         manifest = read_manifest(Path(args.artifact), verify_hashes=False)
-        slots = manifest.cache.max_batch
-        if args.max_num_seqs and args.max_num_seqs > slots:  # before the (long) load
-            raise ConfigError(f"--max-num-seqs: {args.max_num_seqs} exceeds the artifact's {slots} KV slot(s); "
-                              f"compile it with --batch-size {args.max_num_seqs}", param="max_num_seqs")
+        largest = manifest.buckets.decode_batches[-1]
+        if args.max_num_seqs and args.max_num_seqs > largest:  # before the (long) load
+            raise ConfigError(f"--max-num-seqs: {args.max_num_seqs} exceeds the artifact's largest decode batch "
+                              f"({largest}); compile it with --batch-size {args.max_num_seqs}", param="max_num_seqs")
         spec, k = speculative_from_args(args, manifest.buckets.num_speculative_tokens)
         llm = LLM(args.artifact, dtype=args.dtype, max_model_len=args.max_model_len, num_speculative_tokens=k)
     else:
@@ -118,14 +128,16 @@ def run(args: argparse.Namespace) -> int:
         llm.eos_token_ids,
         max_num_seqs=args.max_num_seqs,
         max_waiting=args.max_waiting,
-        max_prefill_tokens=args.max_prefill_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
         speculative=spec,
     )
     name = served_name(args)
     app = create_app(engine, llm.tokenizer, llm.encode_chat, name, llm.runner.max_model_len)
     url = f"http://{args.host}:{args.port}"
     print(
-        f"Serving {name!r} on {url} ({engine.num_slots} sequences at once, {torch.get_num_threads()} torch "
+        f"Serving {name!r} on {url} ({engine.max_num_seqs} sequences at once, {torch.get_num_threads()} torch "
         f"thread(s); NEURON_OPT_NUM_THREADS overrides). Try:\n"
         f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
         f'\'{{"model": "{name}", "messages": [{{"role": "user", "content": '

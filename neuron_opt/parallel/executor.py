@@ -2,7 +2,7 @@
 
 Design decisions
 - Driver + tp workers over pipes (see launcher.py for why the driver is not rank 0). Each step the driver
-  sends the same StepInputs (four small int64 arrays) to every rank; the ranks run the same eager graph with
+  sends the same StepInputs (five small int64 arrays) to every rank; the ranks run the same eager graph with
   gloo collectives between ops; rank 0 replies with the finished logits, the others with an acknowledgement,
   so every step is lock-stepped and a failure anywhere surfaces on the step that hit it.
 - Watchdog: while waiting, the driver polls the pipes with a short timeout and checks every process's

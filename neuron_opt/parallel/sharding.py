@@ -93,12 +93,19 @@ class HeadLayout:
     def intermediate_padded(self) -> int:
         return self.intermediate_local * self.tp
 
-    def cache_length(self, max_model_len: int) -> int:
-        """Positions per rank in the KV cache. kv-seq-shard keeps ceil(L/g) plus one scratch position that
-        the other group ranks' tokens are written to (never read), so writes stay fixed-shape."""
-        if self.kv_seq_shards == 1:
-            return max_model_len
-        return math.ceil(max_model_len / self.kv_seq_shards) + 1
+    def local_positions(self, length: int) -> int:
+        """Of `length` positions of a sequence, how many this rank stores: all, or ceil(length / g) under
+        kv-seq-shard."""
+        return math.ceil(length / self.kv_seq_shards)
+
+    def block_positions(self, block_size: int) -> int:
+        """Positions of a KV block this rank stores: block_size, or block_size / g under kv-seq-shard (each group
+        rank holds every g-th position of every block)."""
+        if block_size % self.kv_seq_shards:
+            raise ConfigError(f"block_size: {block_size} must be a multiple of {self.kv_seq_shards} under flash "
+                              f"decoding (each of the {self.kv_seq_shards} ranks of a KV group holds every "
+                              f"{self.kv_seq_shards}th position of a block)")
+        return block_size // self.kv_seq_shards
 
 
 def head_layout(cfg: ModelConfig, par: ParallelConfig) -> HeadLayout:
@@ -226,7 +233,7 @@ class LayoutCost:
 
 
 def layout_cost(
-    cfg: ModelConfig, lay: HeadLayout, num_slots: int, max_model_len: int, dtype_bytes: int
+    cfg: ModelConfig, lay: HeadLayout, num_blocks: int, block_size: int, dtype_bytes: int
 ) -> LayoutCost:
     """A one-line description of the layout and its weight/KV bytes per rank (from the shard shapes)."""
     nq, nkv, D, H, L = (
@@ -250,6 +257,6 @@ def layout_cost(
     mlp = 3 * lay.intermediate_local * H
     vocab = lay.vocab_local * H * (1 if cfg.tie_word_embeddings else 2)
     weights = (L * (attn + mlp + 2 * H) + vocab + H) * dtype_bytes
-    kv = 2 * L * num_slots * lay.n_kv_local * lay.cache_length(max_model_len) * D * dtype_bytes
-    ideal = 2 * L * num_slots * nkv * max_model_len * D * dtype_bytes // lay.tp
+    kv = 2 * L * num_blocks * lay.block_positions(block_size) * lay.n_kv_local * D * dtype_bytes
+    ideal = 2 * L * num_blocks * block_size * nkv * D * dtype_bytes // lay.tp
     return LayoutCost(what, weights, kv, ideal)

@@ -80,7 +80,7 @@ def rank_main(rank: int, port: int, spec: RankSpec, conn: Connection) -> None:
         comm = _join_group(rank, spec.parallel.tp, port, spec)
         model = _build(rank, spec, comm)
         dtype = DTYPES[spec.dtype]
-        shape = model.kv_shape(spec.cache.num_slots)
+        shape = model.kv_shape(spec.cache.num_blocks, spec.cache.block_size)
         L = spec.model.num_hidden_layers
         k_caches = [torch.zeros(shape, dtype=dtype) for _ in range(L)]
         v_caches = [torch.zeros(shape, dtype=dtype) for _ in range(L)]
@@ -94,8 +94,7 @@ def rank_main(rank: int, port: int, spec: RankSpec, conn: Connection) -> None:
                 _, bucket, arrays, candidates = msg
                 inputs = StepInputs(*(torch.from_numpy(a) for a in arrays))
                 with torch.inference_mode():
-                    local = model(inputs.input_ids, inputs.positions, inputs.slot_ids, inputs.last_index,
-                                  k_caches, v_caches, bucket.kv_len)
+                    local = model(*inputs.arrays(), k_caches, v_caches, bucket.kv_len)
                     conn.send(("ok", _finish(local.float(), rank, spec, comm, candidates)))
             elif msg[0] == "calls":
                 conn.send(("ok", list(comm.counter.calls)))
@@ -119,7 +118,4 @@ def rank_main(rank: int, port: int, spec: RankSpec, conn: Connection) -> None:
 
 def step_arrays(inputs: StepInputs) -> tuple[np.ndarray, ...]:
     """StepInputs -> numpy arrays for the pipe (plain arrays pickle without torch's shared-memory handles)."""
-    return tuple(
-        t.contiguous().numpy()
-        for t in (inputs.input_ids, inputs.positions, inputs.slot_ids, inputs.last_index)
-    )
+    return tuple(t.contiguous().numpy() for t in inputs.arrays())

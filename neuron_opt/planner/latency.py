@@ -168,7 +168,7 @@ def decode_time(
     """One decode graph: `batch` rows (the batch bucket) each attending over `kv_len` positions (the length
     bucket)."""
     n = weight_count(cfg, lay)
-    local = lay.cache_length(kv_len)  # positions this rank attends over (split under kv-seq-shard)
+    local = lay.local_positions(kv_len)  # positions this rank attends over (split under kv-seq-shard)
     flops = 2.0 * batch * (n.linear + cfg.hidden_size * lay.vocab_local) + _attention_flops(
         cfg, lay, batch, 1, local
     )

@@ -8,8 +8,9 @@ Design decisions:
 - Quantized weights (`int8`, `fp8`) are weight-only: the seven decoder linears are stored in 1 byte per
   element plus one float32 scale per output channel; embeddings, LM head, norms and biases stay bfloat16.
 - Tied embeddings share one tensor on device: counted once.
-- The KV cache has `batch + 1` slots (CacheConfig.num_slots: one scratch slot takes padded rows' writes), each
-  `max_model_len` long, laid out [slots, n_kv_local, max_model_len, D] for K and V in every layer.
+- The KV cache is a block pool sized for `batch` sequences of `max_model_len` (CacheConfig.num_blocks, plus one
+  null block that padded tokens write; counted as part of the batch's blocks here), [num_blocks, block_size,
+  n_kv_local, D] for K and V in every layer.
 - Scratch is the live activation set of the largest graph (one graph runs at a time and the compiler reuses
   buffers layer to layer). Attention scores are counted as materialised in float32 because our graphs do not
   use a flash-attention kernel; this is an upper bound when one is used.
@@ -121,18 +122,18 @@ def layout_overhead(cfg: ModelConfig, lay: HeadLayout, dtype: str) -> LayoutOver
     return LayoutOverhead(tuple(padded), max(0, round(extra)), max(0.0, linear))
 
 
-def kv_bytes(cfg: ModelConfig, lay: HeadLayout, slots: int, length: int, kv_dtype: str) -> int:
-    """One rank's KV cache: K and V, every layer, [slots, n_kv_local, positions, D].
+def kv_bytes(cfg: ModelConfig, lay: HeadLayout, num_blocks: int, block_size: int, kv_dtype: str) -> int:
+    """One rank's KV block pool: K and V, every layer, [num_blocks, positions per block, n_kv_local, D].
 
-    positions = `lay.cache_length(length)`: the full length, or ceil(length / g) + 1 under kv-seq-shard flash
-    decoding (the KV of a head split along the sequence over g ranks).
+    Positions per block: block_size, or block_size / g under kv-seq-shard flash decoding (each of the g ranks of a
+    KV group holds every g-th position; rounded up where g does not divide the block, which compile refuses).
     """
     return (
         2
         * cfg.num_hidden_layers
-        * slots
+        * num_blocks
+        * -(-block_size // lay.kv_seq_shards)
         * lay.n_kv_local
-        * lay.cache_length(length)
         * lay.head_dim
         * dtype_bytes(kv_dtype, "kv_dtype")
     )
@@ -209,14 +210,16 @@ def plan_memory(
     dtype: str,
     kv_dtype: str,
     compile_ranks_held: int = 1,
+    block_size: int = 32,
 ) -> MemoryPlan:
-    """Memory plan of one rank for a deployment (batch = KV slots in use, max_model_len = KV cache length).
+    """Memory plan of one rank for a deployment (batch sequences of max_model_len in the KV block pool, plus the
+    null block: CacheConfig's default pool).
 
     `compile_ranks_held`: rank models the compile process holds at once (1: rank by rank, the cpu/eager
     backends; tp: the neuron backend's one SPMD program)."""
     w = weight_bytes(cfg, lay, dtype)
     act = 4 if dtype == "float32" else 2  # activations run in bfloat16 unless the whole model is float32
-    kv = kv_bytes(cfg, lay, batch + 1, max_model_len, kv_dtype)
+    kv = kv_bytes(cfg, lay, batch * -(-max_model_len // block_size) + 1, block_size, kv_dtype)
     scratch = scratch_bytes(cfg, lay, buckets, act)
     if inst.shared_memory:
         capacity, reserve = inst.hbm_per_core // lay.tp, CPU_RESERVE // lay.tp

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from neuron_opt.buckets import VERIFY, BucketConfig
+from neuron_opt.buckets import PREFILL, VERIFY, BucketConfig
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
 from neuron_opt.planner.hardware import GB, GiB, get_instance
 from neuron_opt.planner.memory import layout_overhead
@@ -27,6 +27,10 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
     graphs = b.buckets()
     verify = (f"; verify ({b.verify_len} tokens per row, speculative decoding) for each decode bucket",
               f", {sum(g.phase == VERIFY for g in graphs)} of them verify") if b.verify_len else ("", "")
+    n_offset = sum(g.phase == PREFILL and g.tokens != g.kv_len for g in graphs)
+    if n_offset:
+        verify = (verify[0] + "; offset prefill (each prefill length over each longer decode length: prefix "
+                  "caching, chunked prefill)", verify[1] + f", {n_offset} of them offset prefill")
     lines = [
         f"plan: {cfg.architecture} ({cfg.num_parameters() / 1e9:.2f} B params) on {inst.name}, tp {d.tp} "
         f"(heads {cfg.num_attention_heads}->{lay.n_heads}, "
@@ -34,7 +38,7 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
         f"{lay.strategy}), weights {d.dtype}, KV {d.kv_dtype}",
         f"  {'memory ' + where:<40}{'GiB':>8}",
         f"    {'weights':<38}{_gib(m.weights)}",
-        f"    {f'KV cache ({d.batch}+1 slots x {d.max_model_len})':<38}{_gib(m.kv_cache)}",
+        f"    {f'KV cache ({d.batch} x {d.max_model_len} positions)':<38}{_gib(m.kv_cache)}",
         f"    {'scratch (largest graph)':<38}{_gib(m.scratch)}",
         f"    {'runtime reserve':<38}{_gib(m.reserve)}",
         f"    {'total / capacity':<38}{_gib(m.total)} / {m.capacity / GiB:.2f}  -> "

@@ -10,10 +10,11 @@ Threading model
   in the caller's thread, so the HTTP layer can answer 400/503 before anything is queued.
 
 Within a step the decodes run first (one `runner.decode` for all running sequences) and their tokens are
-emitted before the step's prefills run, so streams that are already running are not delayed by new prompts
-more than the scheduler's prefill budget allows. With speculative decoding on (`speculative=`,
-runtime/speculative.py) that one call may be a verify of each row's proposed tokens instead, and a step may emit
-several tokens per request. An abort frees its slot at the start of the next step (at
+emitted before the step's prefill chunks run, so streams that are already running are not delayed by new
+prompts more than the scheduler's token budget allows (runtime/scheduler.py: chunked prefill, prefix caching,
+preemption). With speculative decoding on (`speculative=`, runtime/speculative.py) that one call may be a verify
+of each row's proposed tokens instead, and a step may emit several tokens per request. Prefill chunks run up to
+the artifact's prefill batch per graph call. An abort frees its KV blocks at the start of the next step (at
 most one step later). A failing runner call fails only the requests in it (finish_reason "error"); the
 engine keeps serving.
 """
@@ -27,15 +28,16 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from neuron_opt.buckets import pick_decode
 from neuron_opt.errors import ConfigError, NeuronOptError, QueueFullError
 from neuron_opt.runtime.request import Request
-from neuron_opt.runtime.runner import DecodeRow, ModelRunner, VerifyRow
-from neuron_opt.runtime.sampling import SamplerState, SamplingParams, candidates_needed, sample_one
-from neuron_opt.runtime.scheduler import DecodeWork, Scheduler
+from neuron_opt.runtime.runner import DecodeRow, ModelRunner, PrefillRow, VerifyRow
+from neuron_opt.runtime.sampling import SamplerState, SamplingParams, candidates_needed, sample_batch
+from neuron_opt.runtime.scheduler import DecodeWork, KVConfig, PrefillWork, Scheduler
 from neuron_opt.runtime.speculative import NgramProposer, Proposer, SpecController, SpecStats, SpeculativeConfig, accept
 from neuron_opt.runtime.stopping import StopChecker
 
@@ -89,7 +91,8 @@ class _Command:
 class EngineStats:
     steps: int = 0
     decode_rows: int = 0
-    prefills: int = 0
+    prefills: int = 0  # prefill chunks run
+    preemptions: int = 0
     step_times: list[float] = field(default_factory=list)
 
 
@@ -100,9 +103,11 @@ class Engine:
         runner: the model runner (eager or compiled backend).
         tokenizer: used for incremental detokenization and stop strings.
         eos_token_ids: tokens that end a sequence unless `ignore_eos`.
-        max_num_seqs: most sequences running at once (capped by the runner's KV slots).
+        max_num_seqs: most sequences running at once (capped by the artifact's largest decode batch).
         max_waiting: most queued requests before `add_request` raises QueueFullError.
-        max_prefill_tokens: prompt tokens prefilled per step (see scheduler.py).
+        max_num_batched_tokens: tokens per step, decodes first, then prefill chunks (see scheduler.py).
+        enable_prefix_caching, enable_chunked_prefill: None = on when the artifact has offset prefill buckets;
+            True where it has none is an error.
     """
 
     def __init__(
@@ -113,7 +118,9 @@ class Engine:
         *,
         max_num_seqs: int | None = None,
         max_waiting: int = 1024,
-        max_prefill_tokens: int = 2048,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool | None = None,
+        enable_chunked_prefill: bool | None = None,
         speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.runner, self.tokenizer, self.eos_token_ids = runner, tokenizer, tuple(eos_token_ids)
@@ -129,12 +136,20 @@ class Engine:
                        else "none (compile with --num-speculative-tokens K)"), param="num_speculative_tokens")
             self.proposer: Proposer = NgramProposer(speculative.prompt_lookup_max, speculative.prompt_lookup_min)
             self.controller = SpecController(k, speculative.adaptive)
-        slots = runner.cache.max_batch if max_num_seqs is None else min(max_num_seqs, runner.cache.max_batch)
+        largest = runner.buckets.decode_batches[-1]
+        seqs = largest if max_num_seqs is None else min(max_num_seqs, largest)
+        offset = runner.buckets.chunked_prefill
+        cache = runner.cache
+        kv = KVConfig(cache.num_blocks, cache.block_size, cache.max_model_len, runner.max_prompt_len,
+                      offset if enable_prefix_caching is None else enable_prefix_caching,
+                      offset if enable_chunked_prefill is None else enable_chunked_prefill, offset)
         self.scheduler = Scheduler(
-            slots,
+            seqs,
+            kv,
             max_waiting=max_waiting,
-            max_prefill_tokens=max_prefill_tokens,
+            max_num_batched_tokens=max_num_batched_tokens,
             check_fits=runner.check_fits,
+            lookahead=speculative.num_speculative_tokens if speculative is not None else 0,
         )
         self.max_waiting = max_waiting
         self.stats = EngineStats()
@@ -157,8 +172,18 @@ class Engine:
         return self.scheduler.num_waiting
 
     @property
-    def num_slots(self) -> int:
-        return self.scheduler.num_slots
+    def max_num_seqs(self) -> int:
+        return self.scheduler.max_num_seqs
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the KV block pool held by sequences (0-1); cached free blocks count as free."""
+        bm = self.scheduler.blocks
+        return 1.0 - bm.num_free_blocks / (bm.num_blocks - 1)
+
+    @property
+    def prefix_cache_stats(self) -> Any:
+        return self.scheduler.blocks.stats
 
     @property
     def num_unfinished(self) -> int:
@@ -180,10 +205,10 @@ class Engine:
             raise EngineDeadError(f"the engine stopped after an internal error: {self.error!r}")
         self.scheduler.validate(len(prompt_token_ids), params.max_tokens)
         with self._lock:
-            if self._pending >= self.scheduler.num_slots + self.max_waiting:
+            if self._pending >= self.scheduler.max_num_seqs + self.max_waiting:
                 raise QueueFullError(
                     f"server busy: {self._pending} requests in flight "
-                    f"({self.scheduler.num_slots} slots + {self.max_waiting} waiting); retry later"
+                    f"({self.scheduler.max_num_seqs} running + {self.max_waiting} waiting); retry later"
                 )
             self._pending += 1
         req = Request(
@@ -202,7 +227,7 @@ class Engine:
         self._inbox.put(_Command("add", request_id, seq))
 
     def abort(self, request_id: str) -> None:
-        """Cancel a request (e.g. its client went away); its slot is freed at the start of the next step."""
+        """Cancel a request (e.g. its client went away); its KV blocks are freed at the start of the next step."""
         self._inbox.put(_Command("abort", request_id))
 
     def start(self) -> None:
@@ -284,24 +309,36 @@ class Engine:
         t0 = time.perf_counter()
         if out.decodes:
             self._decode_or_verify(out.decodes)
-        for p in out.prefills:
-            try:
-                logits = self.runner.prefill(p.slot, list(p.token_ids),
-                                             candidates=self._candidates([p.request_id]))
-            except Exception as e:
-                log.error("prefill failed:\n%s", traceback.format_exc())
-                self._fail(p.request_id, f"prefill failed: {e}")
-                continue
-            self._update(p.request_id, logits)
+        per_call = self.runner.buckets.prefill_batch
+        for i in range(0, len(out.prefills), per_call):
+            self._prefill(out.prefills[i:i + per_call])
         st = self.stats
-        st.steps, st.decode_rows, st.prefills = (
+        st.steps, st.decode_rows, st.prefills, st.preemptions = (
             st.steps + 1,
             st.decode_rows + len(out.decodes),
             st.prefills + len(out.prefills),
+            st.preemptions + len(out.preempted),
         )
         if len(st.step_times) < 100_000:
             st.step_times.append(time.perf_counter() - t0)
         return True
+
+    def _prefill(self, group: tuple[PrefillWork, ...]) -> None:
+        """Prefill chunks in one graph call; the chunks that end a request's tokens sample its next token."""
+        rows = [PrefillRow(p.blocks, p.token_ids, p.start) for p in group]
+        sampled = [p.request_id for p in group if p.last]
+        try:
+            logits = self.runner.prefill_rows(rows, candidates=self._candidates(sampled) if sampled else 1)
+        except Exception as e:
+            log.error("prefill failed:\n%s", traceback.format_exc())
+            for p in group:
+                self._fail(p.request_id, f"prefill failed: {e}")
+            return
+        for p in group:
+            if not p.last:
+                self.scheduler.update_prefill(p.request_id, len(p.token_ids))
+        if sampled:
+            self._update(sampled, logits[[i for i, p in enumerate(group) if p.last]])
 
     def _propose(self, d: DecodeWork) -> list[int]:
         """Prompt-lookup proposal for a running sequence: at most k tokens, none it could not use (past its
@@ -324,10 +361,10 @@ class Engine:
                 batch = pick_decode(len(decodes), max(d.position for d in decodes), self.runner.buckets).batch
                 verify = self.controller.should_verify(proposals, batch)
             if verify:
-                rows = [VerifyRow(d.slot, (d.token, *proposals[d.request_id]), d.position) for d in decodes]
+                rows = [VerifyRow(d.blocks, (d.token, *proposals[d.request_id]), d.position) for d in decodes]
                 logits = self.runner.verify(rows, candidates=self._candidates(ids))
             else:
-                logits = self.runner.decode([DecodeRow(d.slot, d.token, d.position) for d in decodes],
+                logits = self.runner.decode([DecodeRow(d.blocks, d.token, d.position) for d in decodes],
                                             candidates=self._candidates(ids))
         except Exception as e:
             log.error("%s failed:\n%s", "verify" if verify else "decode", traceback.format_exc())
@@ -341,12 +378,12 @@ class Engine:
                 st.verify_steps += 1
             elif any(proposals.values()):
                 st.skipped_steps += 1
-        for i, d in enumerate(decodes):
+        if verify:
+            for i, d in enumerate(decodes):
+                self._update_verified(d.request_id, logits[i], proposals.get(d.request_id, []))
+            return
+        for d, token in zip(decodes, self._update(ids, logits), strict=True):
             draft = proposals.get(d.request_id, [])
-            if verify:
-                self._update_verified(d.request_id, logits[i], draft)
-                continue
-            token = self._update(d.request_id, logits[i])
             if draft:  # the first proposal against the token actually sampled: acceptance, measured for free
                 self.controller.observe_acceptance(d.request_id, int(token == draft[0]), 1)
 
@@ -389,33 +426,23 @@ class Engine:
             ks.append(k)
         return max(ks)
 
-    def _update(self, request_id: str, logits: torch.Tensor) -> int:
-        """Sample the next token from `logits` [V], emit it, finish the request if a stop condition hits."""
-        seq = self._seqs[request_id]
-        params = seq.params
-        banned = self.eos_token_ids if len(seq.stop.token_ids) < params.min_tokens else ()
-        res = sample_one(logits, seq.state, banned)
-        seq.state.observe(res.token)
-        delta = seq.stop.add(res.token)
-        self.scheduler.update(request_id, res.token)
-        lp = (TokenLogprob(res.token, res.logprob, res.top_logprobs),) if res.logprob is not None else ()
-        if seq.stop.finish_reason is not None:
-            self._finish(request_id, seq.stop.finish_reason, delta, (res.token,), lp)
-            return res.token
-        else:
-            self._emit(
-                seq,
-                RequestOutput(
-                    request_id,
-                    (res.token,),
-                    delta,
-                    seq.request.num_prompt_tokens,
-                    len(seq.request.output_token_ids),
-                    logprobs=lp,
-                    time=time.monotonic(),
-                ),
-            )
-        return res.token
+    def _update(self, request_ids: list[str], logits: torch.Tensor) -> list[int]:
+        """Sample each request's next token from its row of `logits` [len(request_ids), V] in one batch, emit it,
+        and finish the requests a stop condition hits. Returns the tokens."""
+        seqs = [self._seqs[rid] for rid in request_ids]
+        banned = [self.eos_token_ids if len(seq.stop.token_ids) < seq.params.min_tokens else () for seq in seqs]
+        results = sample_batch(logits, [seq.state for seq in seqs], banned)
+        for rid, seq, res in zip(request_ids, seqs, results, strict=True):
+            seq.state.observe(res.token)
+            delta = seq.stop.add(res.token)
+            self.scheduler.update(rid, res.token)
+            lp = (TokenLogprob(res.token, res.logprob, res.top_logprobs),) if res.logprob is not None else ()
+            if seq.stop.finish_reason is not None:
+                self._finish(rid, seq.stop.finish_reason, delta, (res.token,), lp)
+                continue
+            self._emit(seq, RequestOutput(rid, (res.token,), delta, seq.request.num_prompt_tokens,
+                                          len(seq.request.output_token_ids), logprobs=lp, time=time.monotonic()))
+        return [res.token for res in results]
 
     def _finish(
         self,

@@ -1,8 +1,8 @@
-"""What the scheduler knows about a request: token counts and a KV slot, nothing else.
+"""What the scheduler knows about a request: token counts, nothing else (its KV blocks are the block manager's).
 
 A request's tokens are its prompt followed by the tokens generated so far (`num_tokens` of them in all).
-`num_computed_tokens` of those already have their K/V in the request's slot. The runner's next call for it is:
-- a prefill of the whole prompt when `num_computed_tokens == 0`;
+`num_computed_tokens` of those already have their K/V in the request's blocks. The runner's next call for it is:
+- a prefill (of a chunk) of the tokens from `num_computed_tokens` on while more than one is pending;
 - otherwise a decode of the last token at position `num_computed_tokens` (exactly one token is pending then).
 Sampling state, detokenization and callbacks stay in the engine, so the scheduler is testable with this
 plain dataclass alone.
@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"  # queued: no slot yet
-    RUNNING = "running"  # holds a slot
-    FINISHED = "finished"  # slot released (stopped, length, aborted or failed)
+    WAITING = "waiting"  # queued (or preempted): no KV blocks
+    RUNNING = "running"  # holds KV blocks
+    FINISHED = "finished"  # blocks released (stopped, length, aborted or failed)
 
 
 @dataclass
@@ -28,7 +28,6 @@ class Request:
     arrival_time: float = 0.0
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    slot: int | None = None
     status: RequestStatus = RequestStatus.WAITING
 
     @property

@@ -1,13 +1,18 @@
 """Model runner: picks the bucket, pads inputs to its shape, runs the graph, returns logits.
 
-Prefill vs decode is decided here, once, by the bucket choice. Padding rules:
-- prefill: token ids padded with 0 up to the bucket's seq; pad positions continue past the prompt (they write
-  K/V beyond the prompt, which later decode steps overwrite before any read, and the causal mask hides them).
-- decode: missing batch rows use the scratch slot (CacheConfig.scratch_slot) at position 0.
+Prefill vs decode is decided here, once, by the bucket choice. A sequence's KV lives in the blocks it is given
+(its block table, from the scheduler's block manager); callers without a block manager name a slot number
+instead, which stands for a fixed range of blocks (`slot_blocks`: the contiguous layout of the default pool).
+Padding rules:
+- tokens beyond a row's own write the null block (slot mapping 0); their positions continue the row's (capped
+  at max_model_len - 1) and their outputs are dropped. Block tables are padded with the null block, whose
+  logical positions lie beyond the row's tokens (masked for every real query).
+- missing batch rows: one token at position 0 over the null block.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,21 +22,32 @@ from neuron_opt.buckets import Bucket, BucketConfig, pick_decode, pick_prefill, 
 from neuron_opt.config import CacheConfig
 from neuron_opt.errors import BucketOverflowError, ContextLengthError
 
+Blocks = int | Sequence[int]  # a sequence's block table, or a slot number (slot_blocks)
+
 
 @dataclass(frozen=True)
 class DecodeRow:
-    slot: int
+    blocks: Blocks
     token: int
     position: int
 
 
 @dataclass(frozen=True)
+class PrefillRow:
+    """Prompt tokens (a whole prompt, or a chunk of one) at positions start, start + 1, ...; the blocks must
+    cover them, and positions before `start` must already hold their K/V (a cached prefix, earlier chunks)."""
+
+    blocks: Blocks
+    tokens: tuple[int, ...]
+    start: int = 0
+
+
+@dataclass(frozen=True)
 class VerifyRow:
     """A verify row: `tokens` (the last accepted token, then the proposed ones) at positions `position`,
-    `position + 1`, ...; fewer than the bucket's q_len are padded (their K/V land beyond the accepted tokens, and
-    are overwritten before any later step reads them)."""
+    `position + 1`, ...; fewer than the bucket's q_len are padded (their K/V go to the null block)."""
 
-    slot: int
+    blocks: Blocks
     tokens: tuple[int, ...]
     position: int
 
@@ -51,16 +67,45 @@ class ModelRunner:
         decode bucket (BucketConfig.build keeps them one number)."""
         return self.cache.max_model_len
 
-    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
-        if prompt_len > self.max_prompt_len:
+    def check_fits(self, prompt_len: int, max_tokens: int, chunked: bool = False) -> None:
+        """Raise ContextLengthError for a request that can never run. `chunked`: prompts are prefilled in chunks
+        (chunked prefill), so only max_model_len limits them, not the largest prefill bucket."""
+        limit = self.max_model_len if chunked else self.max_prompt_len
+        if prompt_len > limit:
             raise ContextLengthError(
-                f"This model's maximum context length is {self.max_prompt_len} tokens. However, your request has "
+                f"This model's maximum context length is {limit} tokens. However, your request has "
                 f"{prompt_len} input tokens. Please reduce the length of the input.")
         if prompt_len + max_tokens > self.max_model_len:
             raise ContextLengthError(
                 f"'max_tokens' is too large: {max_tokens}. This model's maximum context length is "
                 f"{self.max_model_len} tokens and your request has {prompt_len} input tokens "
                 f"({max_tokens} > {self.max_model_len} - {prompt_len}).", param="max_tokens")
+
+    def slot_blocks(self, slot: int) -> tuple[int, ...]:
+        """The blocks that slot number `slot` stands for: blocks 1 + slot * n .. (n per max_model_len sequence), the
+        contiguous layout of the default pool (block 0 is the null block)."""
+        n = self.cache.blocks_per_sequence
+        if not 0 <= slot or 1 + (slot + 1) * n > self.cache.num_blocks:
+            raise ValueError(f"slot {slot}: the pool of {self.cache.num_blocks} blocks holds "
+                             f"{(self.cache.num_blocks - 1) // n} slots of {n} blocks")
+        return tuple(range(1 + slot * n, 1 + (slot + 1) * n))
+
+    def _blocks(self, b: Blocks) -> Sequence[int]:
+        return self.slot_blocks(b) if isinstance(b, int) else b
+
+    def _slot(self, blocks: Sequence[int], position: int) -> int:
+        bs = self.cache.block_size
+        if position // bs >= len(blocks):
+            raise ValueError(f"position {position} lies beyond the {len(blocks)} block(s) given ({bs} positions each)")
+        return blocks[position // bs] * bs + position % bs
+
+    def _tables(self, rows: Sequence[Sequence[int]], batch: int, kv_len: int) -> torch.Tensor:
+        nb = -(-kv_len // self.cache.block_size)
+        tables = torch.zeros(batch, nb, dtype=torch.long)
+        for i, blocks in enumerate(rows):
+            use = list(blocks[:nb])
+            tables[i, : len(use)] = torch.tensor(use, dtype=torch.long)
+        return tables
 
     def _run(self, bucket: Bucket, inputs: StepInputs, candidates: int | None) -> torch.Tensor:
         self.last_bucket = bucket
@@ -69,18 +114,42 @@ class ModelRunner:
             return self.executor.run(bucket, inputs, candidates=candidates)
         return self.executor.run(bucket, inputs)
 
-    def prefill(self, slot: int, token_ids: list[int], candidates: int | None = None) -> torch.Tensor:
-        """Run a prompt into `slot`; returns fp32 logits [V] of its last token.
+    def prefill(self, blocks: Blocks, token_ids: Sequence[int], candidates: int | None = None,
+                start: int = 0) -> torch.Tensor:
+        """Run prompt tokens (from position `start`) into `blocks`; returns fp32 logits [V] of the last one.
 
         `candidates`: how many top logits per rank the sampler needs (None = the full distribution); executors
         that gather candidates return -inf for the rest, which is exact for greedy and top-k sampling."""
-        n = len(token_ids)
-        bucket = pick_prefill(n, self.buckets)
-        ids = torch.zeros(1, bucket.tokens, dtype=torch.long)
-        ids[0, :n] = torch.tensor(token_ids, dtype=torch.long)
-        inputs = StepInputs(ids, torch.arange(bucket.tokens, dtype=torch.long)[None],
-                            torch.tensor([slot], dtype=torch.long), torch.tensor([n - 1], dtype=torch.long))
-        return self._run(bucket, inputs, candidates)[0, : self.vocab_size]
+        return self.prefill_rows([PrefillRow(blocks, tuple(token_ids), start)], candidates)[0]
+
+    def prefill_rows(self, rows: Sequence[PrefillRow], candidates: int | None = None) -> torch.Tensor:
+        """Several prompts (or chunks) in one graph call, up to the prefill batch; fp32 logits [len(rows), V] of
+        each row's last token."""
+        if not rows or len(rows) > self.buckets.prefill_batch:
+            raise ValueError(f"prefill takes 1..{self.buckets.prefill_batch} rows, got {len(rows)}")
+        n_max = max(len(r.tokens) for r in rows)
+        start = max(r.start for r in rows)
+        reach = max(r.start + len(r.tokens) for r in rows)
+        bucket = pick_prefill(n_max, self.buckets, start)
+        if reach > bucket.kv_len:  # rows starting later than the longest one: a longer KV bucket
+            bucket = pick_prefill(n_max, self.buckets, reach - n_max)
+        B, S = bucket.batch, bucket.tokens
+        ids = torch.zeros(B, S, dtype=torch.long)
+        pos = torch.zeros(B, S, dtype=torch.long)
+        slots = torch.zeros(B, S, dtype=torch.long)
+        last = torch.zeros(B, dtype=torch.long)
+        tables = []
+        for i, r in enumerate(rows):
+            n, blocks = len(r.tokens), self._blocks(r.blocks)
+            if n < 1:
+                raise ValueError("a prefill row needs at least one token")
+            ids[i, :n] = torch.tensor(r.tokens, dtype=torch.long)
+            pos[i] = torch.arange(r.start, r.start + S).clamp(max=self.max_model_len - 1)
+            slots[i, :n] = torch.tensor([self._slot(blocks, p) for p in range(r.start, r.start + n)])
+            last[i] = n - 1
+            tables.append(blocks)
+        inputs = StepInputs(ids, pos, slots, self._tables(tables, B, bucket.kv_len), last)
+        return self._run(bucket, inputs, candidates)[: len(rows), : self.vocab_size]
 
     def decode(self, rows: list[DecodeRow], candidates: int | None = None) -> torch.Tensor:
         """One token per row at its position; returns fp32 logits [len(rows), V]."""
@@ -88,10 +157,13 @@ class ModelRunner:
         B = bucket.batch
         ids = torch.zeros(B, 1, dtype=torch.long)
         pos = torch.zeros(B, 1, dtype=torch.long)
-        slots = torch.full((B,), self.cache.scratch_slot, dtype=torch.long)
+        slots = torch.zeros(B, 1, dtype=torch.long)
+        tables = []
         for i, r in enumerate(rows):
-            ids[i, 0], pos[i, 0], slots[i] = r.token, r.position, r.slot
-        inputs = StepInputs(ids, pos, slots, torch.zeros(B, dtype=torch.long))
+            blocks = self._blocks(r.blocks)
+            ids[i, 0], pos[i, 0], slots[i, 0] = r.token, r.position, self._slot(blocks, r.position)
+            tables.append(blocks)
+        inputs = StepInputs(ids, pos, slots, self._tables(tables, B, bucket.kv_len), torch.zeros(B, dtype=torch.long))
         return self._run(bucket, inputs, candidates)[: len(rows), : self.vocab_size]
 
     @property
@@ -110,11 +182,15 @@ class ModelRunner:
         bucket = pick_verify(len(rows), max(r.position + q - 1 for r in rows), self.buckets)
         B = bucket.batch
         ids = torch.zeros(B, q, dtype=torch.long)
-        pos = torch.arange(q).repeat(B, 1)  # padding rows: the scratch slot at positions 0..q-1
-        slots = torch.full((B,), self.cache.scratch_slot, dtype=torch.long)
+        pos = torch.arange(q).repeat(B, 1)  # padding rows: positions 0..q-1 over the null block
+        slots = torch.zeros(B, q, dtype=torch.long)
+        tables = []
         for i, r in enumerate(rows):
-            ids[i, : len(r.tokens)] = torch.tensor(r.tokens, dtype=torch.long)
-            pos[i] = torch.arange(r.position, r.position + q)
-            slots[i] = r.slot
-        inputs = StepInputs(ids, pos, slots, torch.arange(q).expand(B, q).contiguous())
+            n, blocks = len(r.tokens), self._blocks(r.blocks)
+            ids[i, :n] = torch.tensor(r.tokens, dtype=torch.long)
+            pos[i] = torch.arange(r.position, r.position + q).clamp(max=self.max_model_len - 1)
+            slots[i, :n] = torch.tensor([self._slot(blocks, r.position + j) for j in range(n)])
+            tables.append(blocks)
+        inputs = StepInputs(ids, pos, slots, self._tables(tables, B, bucket.kv_len),
+                            torch.arange(q).expand(B, q).contiguous())
         return self._run(bucket, inputs, candidates)[: len(rows), :, : self.vocab_size]

@@ -1,7 +1,10 @@
-"""Per-request sampling: greedy, temperature, top-k, top-p, seed, presence/frequency penalties, logprobs.
+"""Sampling: greedy, temperature, top-k, top-p, seed, presence/frequency penalties, logprobs.
 
 `temperature == 0` is greedy (argmax). A request with a seed draws from its own `torch.Generator`, so its
-output does not depend on what else is in the batch.
+output does not depend on what else is in the batch. A step's rows are sampled together (`sample_batch`): one
+argmax over the greedy rows, and for the others temperature, top-k and top-p as [rows, V] tensor operations
+(one top-k to the largest k, one sort for the rows with top-p), then each row's token by inverse CDF from one
+uniform number of its own generator. Penalties and banned tokens touch only the rows and ids that have them.
 """
 
 from __future__ import annotations
@@ -134,13 +137,55 @@ def result_for(token: int, logits: torch.Tensor, st: SamplerState) -> SampleResu
 
 def sample_one(logits: torch.Tensor, st: SamplerState, banned: tuple[int, ...] = ()) -> SampleResult:
     """logits [V] fp32 -> one token. `banned` (e.g. EOS before min_tokens) gets -inf."""
-    p = st.params
-    logits = processed_logits(logits, st, banned)
-    if p.greedy:
-        token = int(torch.argmax(logits).item())
-    else:
-        token = int(torch.multinomial(sampling_logits(logits, p).softmax(-1), 1, generator=st.generator).item())
-    return result_for(token, logits, st)
+    return sample_batch(logits[None], [st], [banned])[0]
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of probs [R, V] by inverse CDF, from one uniform number of each row's generator."""
+    u = torch.stack([torch.rand((), generator=g) for g in generators])  # [R]
+    cum = probs.cumsum(-1)  # [R, V]
+    # the first index whose cumulative mass exceeds u * total: never a zero-probability token
+    token = torch.searchsorted(cum, (u * cum[:, -1])[:, None], right=True)[:, 0]
+    return token.clamp(max=probs.shape[-1] - 1)
+
+
+def sample_batch(logits: torch.Tensor, states: list[SamplerState],
+                 banned: list[tuple[int, ...]]) -> list[SampleResult]:
+    """logits [>= len(states), V] fp32 -> one token per state's row (`banned[i]`: ids row i may not take)."""
+    B = len(states)
+    logits = logits[:B]
+    edits = [i for i, st in enumerate(states) if banned[i] or (
+        st.counts and (st.params.presence_penalty != 0.0 or st.params.frequency_penalty != 0.0))]
+    if edits:
+        logits = logits.clone()
+        for i in edits:
+            logits[i] = processed_logits(logits[i], states[i], banned[i])
+    tokens = torch.empty(B, dtype=torch.long)
+    greedy = [i for i, st in enumerate(states) if st.params.greedy]
+    if greedy:
+        tokens[greedy] = logits[greedy].argmax(-1)
+    rows = [i for i, st in enumerate(states) if not st.params.greedy]
+    if rows:
+        ps = [states[i].params for i in rows]
+        z = logits[rows] / torch.tensor([p.temperature for p in ps], dtype=logits.dtype)[:, None]  # [R, V]
+        V = z.shape[-1]
+        ks = torch.tensor([p.top_k if 0 < p.top_k < V else 0 for p in ps])
+        if bool((ks > 0).any()):
+            top = torch.topk(z, int(ks.max())).values  # [R, k_max]
+            kth = top.gather(1, (ks - 1).clamp(min=0)[:, None])  # [R, 1]
+            kth = torch.where(ks[:, None] > 0, kth, torch.full_like(kth, float("-inf")))
+            z = z.masked_fill(z < kth, float("-inf"))
+        nucleus = [j for j, p in enumerate(ps) if p.top_p < 1.0]
+        if nucleus:
+            zs, order = torch.sort(z[nucleus], descending=True)  # [N, V]
+            probs = zs.softmax(-1)
+            top_p = torch.tensor([ps[j].top_p for j in nucleus], dtype=probs.dtype)[:, None]
+            drop = probs.cumsum(-1) - probs >= top_p  # keep the smallest prefix whose mass reaches top_p
+            z[nucleus] = z[nucleus].masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+        tokens[rows] = _draw(z.softmax(-1), [states[i].generator for i in rows])
+    out = tokens.tolist()
+    return [result_for(out[i], logits[i], st) if st.params.logprobs is not None else SampleResult(out[i])
+            for i, st in enumerate(states)]
 
 
 def candidates_needed(params: SamplingParams, n_banned: int = 0) -> int | None:

@@ -1,21 +1,25 @@
-"""Continuous-batching scheduler: which requests run in the next engine step. Device-free.
+"""Continuous-batching scheduler over a block KV cache: which tokens of which requests run in the next step.
+Device-free.
 
-Design decisions
-- One KV slot per running sequence (the cache is `max_batch` contiguous lines, not paged blocks), so
-  admission is "a slot is free", and a finished or aborted request returns its slot to the free list at
-  once; the next `schedule()` can hand it to a waiting request.
-- Every step, all running sequences that have a pending token decode together in one `runner.decode` call (the
-  runner picks the smallest decode bucket, batch x KV length, that fits them).
-- Prefills: one prompt per `runner.prefill` call. New requests are admitted FCFS while slots are free and the
-  step's prompt tokens stay within `max_prefill_tokens` (at least one prefill per step whenever one waits,
-  so a prompt longer than the budget still runs). The budget bounds how long running streams stall while new
-  prompts are processed (their inter-token latency), like vLLM's token budget, without chunking a prompt.
-  A request is admitted in the step its prefill runs, so a slot is never held by an unprocessed prompt.
+Design decisions (vLLM's policy, on our buckets)
+- KV memory is a pool of blocks (runtime/block_manager.py); a running sequence holds the blocks its tokens
+  need, so sequences of mixed lengths share the pool and short ones cost only what they use.
+- A step spends a token budget (`max_num_batched_tokens`): every running sequence that decodes first (one token
+  each, all in one `runner.decode` or `runner.verify` call), then prompt chunks: running sequences whose
+  prompt is partly prefilled, then new requests FCFS. With chunked prefill a prompt takes what is left of the
+  budget, up to the largest prefill bucket, and continues next step; prompts longer than the largest prefill
+  bucket run as several chunks, up to max_model_len. Without it a prompt runs whole (the first prefill of a
+  step always runs, so a prompt longer than the budget still does).
+- Prefix caching: a new request first takes its longest cached prefix (full blocks that another request
+  computed) and prefills only the rest, starting at that position.
+- Preemption by recompute: when a running sequence needs a block and none is free, the newest running
+  sequence gives its blocks back and goes to the front of the queue with its tokens so far; later it prefills
+  them again (prompt and generated tokens, in chunks) and continues where it stopped. No request is lost and
+  its client sees nothing but a pause. Artifacts without offset prefill buckets cannot resume a sequence
+  mid-way, so there a request reserves blocks for its prompt + max_tokens at admission and is never preempted.
 - A request that can never fit (prompt + max_tokens beyond the model's limit) is rejected by `validate`
   before it is queued; the check is pure, so the engine calls it in the caller's thread and the HTTP layer
   gets the error synchronously.
-- No preemption: a slot always holds a sequence's whole context (max_model_len), so a running request can
-  always finish.
 """
 
 from __future__ import annotations
@@ -25,20 +29,26 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from neuron_opt.errors import ConfigError, QueueFullError
+from neuron_opt.runtime.block_manager import BlockManager
 from neuron_opt.runtime.request import Request, RequestStatus
 
 
 @dataclass(frozen=True)
 class PrefillWork:
+    """Prompt tokens (or, after a preemption, prompt and generated ones) at positions start, start + 1, ...
+    `last`: they end with the request's last token, so its logits give the next token."""
+
     request_id: str
-    slot: int
+    blocks: tuple[int, ...]
     token_ids: tuple[int, ...]
+    start: int = 0
+    last: bool = True
 
 
 @dataclass(frozen=True)
 class DecodeWork:
     request_id: str
-    slot: int
+    blocks: tuple[int, ...]
     token: int
     position: int
 
@@ -47,40 +57,69 @@ class DecodeWork:
 class SchedulerOutput:
     decodes: tuple[DecodeWork, ...] = ()
     prefills: tuple[PrefillWork, ...] = ()
+    preempted: tuple[str, ...] = ()
 
     @property
     def is_empty(self) -> bool:
         return not self.decodes and not self.prefills
 
 
+@dataclass(frozen=True)
+class KVConfig:
+    """The block pool and how the scheduler uses it."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    max_prefill_len: int  # the largest prefill bucket: the longest chunk
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    # the artifact has offset prefill buckets: a prefill may start after cached tokens. Needed by prefix caching,
+    # chunked prefill and preemption (recompute resumes mid-sequence)
+    offset_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for flag in ("enable_prefix_caching", "enable_chunked_prefill"):
+            if getattr(self, flag) and not self.offset_prefill:
+                raise ConfigError(f"{flag}: this model has no offset prefill buckets (compiled with "
+                                  "--no-chunked-prefill); recompile without it, or turn the feature off")
+
+
 class Scheduler:
-    """Tracks waiting and running requests and the free KV slots.
+    """Tracks waiting and running requests and their KV blocks.
 
     Args:
-        num_slots: KV slots usable by sequences (0..num_slots-1); also the most requests running at once.
+        max_num_seqs: most requests running at once (the largest decode batch).
+        kv: the block pool and the features that use it.
         max_waiting: most queued requests; `add` raises QueueFullError beyond it.
-        max_prefill_tokens: prompt tokens prefilled per step (soft: the first prefill of a step always runs).
-        check_fits: `(prompt_len, max_tokens) -> None`, raising ContextLengthError when a request can never
-            run (the runner's `check_fits`).
+        max_num_batched_tokens: tokens per step (decodes count one each).
+        check_fits: `(prompt_len, max_tokens, chunked) -> None`, raising ContextLengthError when a request can
+            never run (the runner's `check_fits`).
+        lookahead: extra positions every decoding sequence holds blocks for (speculative tokens verified in
+            one step).
     """
 
     def __init__(
         self,
-        num_slots: int,
+        max_num_seqs: int,
+        kv: KVConfig,
         *,
         max_waiting: int = 1024,
-        max_prefill_tokens: int = 2048,
-        check_fits: Callable[[int, int], None] | None = None,
+        max_num_batched_tokens: int = 2048,
+        check_fits: Callable[[int, int, bool], None] | None = None,
+        lookahead: int = 0,
     ) -> None:
-        if num_slots < 1:
-            raise ConfigError(f"num_slots: must be >= 1, got {num_slots}")
-        if max_prefill_tokens < 1:
-            raise ConfigError(f"max_prefill_tokens: must be >= 1, got {max_prefill_tokens}")
-        self.num_slots, self.max_waiting, self.max_prefill_tokens = num_slots, max_waiting, max_prefill_tokens
+        if max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs: must be >= 1, got {max_num_seqs}")
+        if max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens: must be >= 1, got {max_num_batched_tokens}")
+        self.max_num_seqs, self.max_waiting = max_num_seqs, max_waiting
+        self.max_num_batched_tokens, self.kv, self.lookahead = max_num_batched_tokens, kv, lookahead
         self._check_fits = check_fits
+        self.blocks = BlockManager(kv.num_blocks, kv.block_size, kv.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: OrderedDict[str, Request] = OrderedDict()  # admission order = decode row order
-        self._free_slots: list[int] = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest first
+        self.num_preemptions = 0
 
     # ---- queries -------------------------------------------------------------------------------------
 
@@ -92,10 +131,6 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    @property
-    def num_free_slots(self) -> int:
-        return len(self._free_slots)
-
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -106,7 +141,7 @@ class Scheduler:
         if max_tokens < 1:
             raise ConfigError(f"max_tokens: must be at least 1, got {max_tokens}", param="max_tokens")
         if self._check_fits is not None:
-            self._check_fits(prompt_len, max_tokens)
+            self._check_fits(prompt_len, max_tokens, self.kv.enable_chunked_prefill)
 
     # ---- mutations -----------------------------------------------------------------------------------
 
@@ -123,40 +158,103 @@ class Scheduler:
         self.waiting.append(req)
 
     def schedule(self) -> SchedulerOutput:
-        """Decode every running sequence with a pending token; admit and prefill waiting ones."""
-        decodes = []
-        for req in self.running.values():
-            pending = req.num_tokens - req.num_computed_tokens
-            assert req.slot is not None and req.num_computed_tokens > 0 and pending == 1, req.request_id
-            decodes.append(DecodeWork(req.request_id, req.slot, req.last_token, req.num_computed_tokens))
+        """Decode every running sequence that has its prompt computed; spend the rest of the token budget on
+        prompt chunks; preempt the newest sequences when blocks run out."""
+        budget = self.max_num_batched_tokens
+        preempted: list[str] = []
+        scheduled: set[str] = set()  # never preempted later in the step that scheduled them
+        decodes: list[DecodeWork] = []
+        for rid in list(self.running):
+            req = self.running.get(rid)
+            if req is None or req.num_tokens - req.num_computed_tokens != 1:
+                continue  # preempted in this loop, or still prefilling
+            need = min(req.num_computed_tokens + 1 + self.lookahead, self.kv.max_model_len)
+            if not self._allocate_or_preempt(req, need, preempted, scheduled):
+                continue
+            decodes.append(DecodeWork(rid, tuple(self.blocks.table(rid)), req.last_token, req.num_computed_tokens))
+            scheduled.add(rid)
+            budget -= 1
         prefills: list[PrefillWork] = []
-        budget = self.max_prefill_tokens
-        while self.waiting and self._free_slots:
-            n = self.waiting[0].num_prompt_tokens
-            if prefills and n > budget:
+        for rid in list(self.running):  # prompts already partly prefilled (earlier chunks)
+            req = self.running.get(rid)
+            if req is None or req.num_tokens - req.num_computed_tokens <= 1 or budget <= 0:
+                continue
+            chunk = min(req.num_tokens - req.num_computed_tokens, budget, self.kv.max_prefill_len)
+            if self._allocate_or_preempt(req, req.num_computed_tokens + chunk, preempted, scheduled):
+                prefills.append(self._prefill_work(req, chunk))
+                scheduled.add(rid)
+                budget -= chunk
+        chunked = self.kv.enable_chunked_prefill
+        while self.waiting and len(self.running) < self.max_num_seqs and (budget > 0 or not (prefills or chunked)):
+            req = self.waiting[0]
+            prefix = self.blocks.cached_prefix(req.prompt_token_ids + req.output_token_ids)
+            computed = len(prefix) * self.kv.block_size
+            remaining = req.num_tokens - computed
+            if chunked or remaining > self.kv.max_prefill_len:  # the latter: a preempted sequence, resumed
+                chunk = min(remaining, max(budget, 1), self.kv.max_prefill_len)
+            elif prefills and remaining > budget:
                 break  # FCFS: do not let a shorter prompt overtake the head of the queue
-            req = self.waiting.popleft()
-            req.slot, req.status = self._free_slots.pop(), RequestStatus.RUNNING
+            else:
+                chunk = remaining
+            # without offset prefill a request reserves its whole length: it can never be preempted
+            need = (computed + chunk if self.kv.offset_prefill
+                    else min(req.num_prompt_tokens + req.max_tokens + self.lookahead, self.kv.max_model_len))
+            if not self.blocks.allocate(req.request_id, need, prefix):
+                break  # wait for blocks: running sequences finish or shrink the queue's demand
+            self.waiting.popleft()
+            if not req.output_token_ids:  # a first admission, not a resumed preemption
+                self.blocks.record_lookup(req.num_prompt_tokens, computed)
+            req.num_computed_tokens, req.status = computed, RequestStatus.RUNNING
             self.running[req.request_id] = req
-            prefills.append(PrefillWork(req.request_id, req.slot, tuple(req.prompt_token_ids)))
-            budget -= n
-        return SchedulerOutput(tuple(decodes), tuple(prefills))
+            prefills.append(self._prefill_work(req, chunk))
+            budget -= chunk
+        return SchedulerOutput(tuple(decodes), tuple(prefills), tuple(preempted))
+
+    def _prefill_work(self, req: Request, chunk: int) -> PrefillWork:
+        start = req.num_computed_tokens
+        tokens = (req.prompt_token_ids + req.output_token_ids)[start:start + chunk]
+        return PrefillWork(req.request_id, tuple(self.blocks.table(req.request_id)), tuple(tokens), start,
+                           start + chunk == req.num_tokens)
+
+    def _allocate_or_preempt(self, req: Request, num_tokens: int, preempted: list[str], scheduled: set[str]) -> bool:
+        """Blocks for `num_tokens` of a running request, preempting the newest running requests not yet
+        scheduled this step (`req` itself when none is left) until they fit. False when `req` itself had to go."""
+        while not self.blocks.allocate(req.request_id, num_tokens):
+            victim = next((r for r in reversed(self.running.values()) if r.request_id not in scheduled), req)
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.blocks.free_sequence(req.request_id)
+        del self.running[req.request_id]
+        req.num_computed_tokens, req.status = 0, RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def update_prefill(self, request_id: str, num_tokens: int) -> None:
+        """A prefill chunk that did not reach the last token ran: its tokens now have K/V."""
+        req = self.running[request_id]
+        req.num_computed_tokens += num_tokens
+        self.blocks.commit(request_id, req.prompt_token_ids + req.output_token_ids, req.num_computed_tokens)
 
     def update(self, request_id: str, token: int) -> Request:
         """Record the token sampled from the last computed position: everything before it now has K/V."""
         req = self.running[request_id]
         req.num_computed_tokens = req.num_tokens
         req.output_token_ids.append(token)
+        if self.blocks.has_new_full_block(request_id, req.num_computed_tokens):  # (skips the list copy otherwise)
+            self.blocks.commit(request_id, req.prompt_token_ids + req.output_token_ids, req.num_computed_tokens)
         return req
 
     def finish(self, request_id: str) -> Request | None:
-        """Release a request (finished, aborted or failed) and its slot. Unknown ids are ignored (a client may
+        """Release a request (finished, aborted or failed) and its blocks. Unknown ids are ignored (a client may
         cancel a request that has just finished)."""
         req = self.running.pop(request_id, None)
         if req is not None:
-            assert req.slot is not None
-            self._free_slots.append(req.slot)
-            req.slot = None
+            self.blocks.free_sequence(request_id)
         else:
             req = next((r for r in self.waiting if r.request_id == request_id), None)
             if req is None:

@@ -73,8 +73,10 @@ def create_app(
         model_name,
         lambda: engine.num_running,
         lambda: engine.num_waiting,
-        lambda: engine.num_running / engine.num_slots,
+        lambda: engine.kv_usage,
         (lambda: engine.spec_stats) if engine.spec is not None else None,
+        lambda: engine.prefix_cache_stats,
+        lambda: engine.stats.preemptions,
     )
     serving = OpenAIServing(engine, tokenizer, encode_chat, model_name, metrics, max_model_len)
 

@@ -112,6 +112,29 @@ class _SpecCollector:
         yield g
 
 
+class _CacheCollector:
+    """KV block pool counters (vLLM's prefix_cache_queries / prefix_cache_hits, in tokens, and preemptions), read
+    from the engine at scrape time; the hit rate is hits / queries."""
+
+    def __init__(self, model_name: str, prefix_stats: Callable[[], Any], preemptions: Callable[[], int]) -> None:
+        self.model_name, self.prefix_stats, self.preemptions = model_name, prefix_stats, preemptions
+
+    def collect(self) -> Any:
+        st = self.prefix_stats()
+        for name, doc, value in (
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", st.queries),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).", st.hits),
+            ("num_preemptions", "Sequences preempted (KV blocks taken back, recomputed later).", self.preemptions()),
+        ):
+            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            c.add_metric([self.model_name], value)
+            yield c
+        g = GaugeMetricFamily(PREFIX + "prefix_cache_hit_rate", "Prefix cache hits / queries since start (0-1).",
+                              labels=["model_name"])
+        g.add_metric([self.model_name], st.hit_rate)
+        yield g
+
+
 class ServerMetrics:
     def __init__(
         self,
@@ -120,11 +143,15 @@ class ServerMetrics:
         num_waiting: Callable[[], int],
         kv_usage: Callable[[], float],
         spec_stats: Callable[[], Any] | None = None,
+        prefix_stats: Callable[[], Any] | None = None,
+        preemptions: Callable[[], int] = lambda: 0,
     ) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         if spec_stats is not None:  # only when the engine speculates
             self.registry.register(_SpecCollector(model_name, spec_stats))
+        if prefix_stats is not None:
+            self.registry.register(_CacheCollector(model_name, prefix_stats, preemptions))
 
         def labelled(kind: type, name: str, doc: str, **kw: Any) -> Any:  # one metric, this model's label
             return kind(PREFIX + name, doc, ["model_name"], registry=self.registry, **kw).labels(model_name)
@@ -138,9 +165,11 @@ class ServerMetrics:
         self.generation_tokens = labelled(Counter, "generation_tokens", "Generated tokens.")
         self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
-        labelled(Gauge, "num_requests_running", "Requests holding a KV slot.").set_function(num_running)
-        labelled(Gauge, "num_requests_waiting", "Requests queued for a KV slot.").set_function(num_waiting)
-        labelled(Gauge, "kv_cache_usage_perc", "Fraction of KV slots in use (0-1).").set_function(kv_usage)
+        labelled(Gauge, "num_requests_running", "Requests holding KV blocks.").set_function(num_running)
+        labelled(Gauge, "num_requests_waiting", "Requests queued (or preempted) for KV blocks.").set_function(
+            num_waiting)
+        labelled(Gauge, "kv_cache_usage_perc", "Fraction of KV blocks held by sequences (0-1).").set_function(
+            kv_usage)
 
     def request_finished(self, reason: str, prompt_tokens: int, generation_tokens: int, e2e_s: float) -> None:
         self._success.labels(self.model_name, reason).inc()

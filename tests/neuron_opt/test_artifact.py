@@ -44,7 +44,7 @@ def test_artifact_generates_like_the_eager_checkpoint(artifact, tiny_dir):
 def test_manifest_lists_every_file_with_sha256(artifact):
     raw = json.loads((artifact / MANIFEST).read_text())
     assert "weights/rank0.safetensors" in raw["files"]
-    assert raw["kv_geometry"]["slots"] == 3 and raw["kv_geometry"]["max_model_len"] == 128
+    assert raw["kv_geometry"]["num_blocks"] == 2 * 128 // 32 + 1 and raw["kv_geometry"]["max_model_len"] == 128
     assert {"neuron_opt", "torch", "transformers"} <= set(raw["versions"])
     assert not list(artifact.parent.glob(".tiny.tmp-*")), "temporary directory left behind"
 
@@ -131,7 +131,7 @@ def test_llm_accepts_an_artifacts_own_settings(artifact):
 @pytest.mark.parametrize("flags, needle", [
     (["--dtype", "bfloat16"], "dtype: this artifact was compiled with"),
     (["--max-model-len", "64"], "max_model_len: this artifact was compiled with"),
-    (["--max-num-seqs", "8"], "--max-num-seqs: 8 exceeds the artifact's 2 KV slot(s)"),
+    (["--max-num-seqs", "8"], "--max-num-seqs: 8 exceeds the artifact's largest decode batch (2)"),
 ])
 def test_serve_refuses_flags_an_artifact_fixed_otherwise(artifact, flags, needle, capsys):
     from neuron_opt.cli import main

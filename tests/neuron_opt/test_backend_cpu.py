@@ -20,7 +20,7 @@ from neuron_opt.backends.base import StepInputs, allocate_kv
 from neuron_opt.backends.cpu import CpuBackend, CpuExecutor, onednn_bf16_supported
 from neuron_opt.backends.cpu_constants import pack_weight
 from neuron_opt.buckets import DECODE, PREFILL, Bucket
-from neuron_opt.config import ModelConfig, ParallelConfig
+from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
 from neuron_opt.errors import ArtifactError, BackendCompileError, ConfigError
 from neuron_opt.parallel import head_layout
 
@@ -29,6 +29,8 @@ CFG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=261, hidden_size=6
                   max_position_embeddings=1024, rope_parameters=(("rope_theta", 10000.0), ("rope_type", "default")),
                   tie_word_embeddings=True)
 MAX_LEN, SLOTS = 1024, 3
+CACHE = CacheConfig(max_batch=SLOTS, max_model_len=MAX_LEN)  # 32-position blocks; "slot" s: a fixed block range
+BS = CACHE.block_size
 BUCKETS = [Bucket(PREFILL, 1, 16), Bucket(PREFILL, 1, 32), Bucket(DECODE, 1, 32), Bucket(DECODE, 1, 1024),
            Bucket(DECODE, 2, 32), Bucket(DECODE, 2, 1024)]
 
@@ -47,7 +49,7 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[Bucke
     out = tmp_path_factory.mktemp("cpu_art")
     backend = CpuBackend(torch.float32)
     model = make_model(0)
-    files = {b: [out / f for f in backend.compile_bucket(model, b, SLOTS, out)] for b in BUCKETS}
+    files = {b: [out / f for f in backend.compile_bucket(model, b, CACHE, out)] for b in BUCKETS}
     # serve different weights than the ones compiled with: graphs must not have baked any in
     backend.save_weights(make_model(7), out / "rank0.safetensors")
     return out, files, backend
@@ -56,7 +58,7 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[Bucke
 @pytest.fixture(scope="module")
 def executor(compiled: tuple[Path, dict[Bucket, list[Path]], CpuBackend]) -> CpuExecutor:
     out, files, backend = compiled
-    return backend.load(files, out / "rank0.safetensors", lambda: make_model(123), SLOTS)
+    return backend.load(files, out / "rank0.safetensors", lambda: make_model(123), CACHE)
 
 
 class Eager:
@@ -64,23 +66,40 @@ class Eager:
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         self.model = model
-        self.k, self.v = allocate_kv(model, SLOTS, torch.float32)
+        self.k, self.v = allocate_kv(model, CACHE, torch.float32)
 
     @torch.no_grad()
     def run(self, bucket: Bucket, inp: StepInputs) -> torch.Tensor:
-        return self.model(inp.input_ids, inp.positions, inp.slot_ids, inp.last_index, self.k, self.v, bucket.kv_len)
+        return self.model(*inp.arrays(), self.k, self.v, bucket.kv_len)
+
+
+def blocks(slot: int) -> list[int]:
+    n = CACHE.blocks_per_sequence
+    return list(range(1 + slot * n, 1 + (slot + 1) * n))
+
+
+def where(slot: int, pos: int) -> tuple[int, int]:
+    """(block, offset) of a slot's position."""
+    return blocks(slot)[pos // BS], pos % BS
+
+
+def tables(slots: list[int], kv_len: int) -> torch.Tensor:
+    return torch.tensor([blocks(s)[: -(-kv_len // BS)] for s in slots])
 
 
 def prefill_inputs(prompt: list[int], bucket: Bucket, slot: int) -> StepInputs:
     ids = torch.zeros(1, bucket.tokens, dtype=torch.int64)
     ids[0, :len(prompt)] = torch.tensor(prompt)
-    return StepInputs(ids, torch.arange(bucket.tokens)[None].clone(), torch.tensor([slot]),
+    flat = torch.zeros(1, bucket.tokens, dtype=torch.int64)  # pads: the null block
+    flat[0, :len(prompt)] = torch.tensor([b * BS + o for b, o in (where(slot, p) for p in range(len(prompt)))])
+    return StepInputs(ids, torch.arange(bucket.tokens)[None].clone(), flat, tables([slot], bucket.kv_len),
                       torch.tensor([len(prompt) - 1]))
 
 
-def decode_inputs(tokens: list[int], positions: list[int], slots: list[int]) -> StepInputs:
-    return StepInputs(torch.tensor(tokens)[:, None], torch.tensor(positions)[:, None], torch.tensor(slots),
-                      torch.zeros(len(tokens), dtype=torch.int64))
+def decode_inputs(tokens: list[int], positions: list[int], slots: list[int], kv_len: int) -> StepInputs:
+    flat = [b * BS + o for b, o in (where(s, p) for s, p in zip(slots, positions, strict=True))]
+    return StepInputs(torch.tensor(tokens)[:, None], torch.tensor(positions)[:, None], torch.tensor(flat)[:, None],
+                      tables(slots, kv_len), torch.zeros(len(tokens), dtype=torch.int64))
 
 
 def reset(ex: CpuExecutor) -> None:
@@ -107,11 +126,11 @@ def test_prefill_then_decode_matches_eager_step_by_step(executor: CpuExecutor, n
     for step in range(8):  # the KV cache must advance in the compiled graph at every step (pytorch#165444)
         pos = n + step
         bucket = Bucket(DECODE, 1, 32)
-        got = executor.run(bucket, decode_inputs(tok_c[-1:], [pos], [1]))
-        want = ref.run(bucket, decode_inputs(tok_e[-1:], [pos], [1]))
+        got = executor.run(bucket, decode_inputs(tok_c[-1:], [pos], [1], 32))
+        want = ref.run(bucket, decode_inputs(tok_e[-1:], [pos], [1], 32))
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         assert_kv_equal(executor, ref)
-        assert executor.k_caches[0][1, :, pos].abs().sum() > 0
+        assert executor.k_caches[0][where(1, pos)].abs().sum() > 0
         tok_c.append(int(got.argmax()))
         tok_e.append(int(want.argmax()))
     assert tok_c == tok_e
@@ -124,12 +143,12 @@ def test_batched_decode_past_512_in_the_large_kv_bucket(executor: CpuExecutor) -
     for step in range(4):
         tokens, positions, slots = [5 + step, 9 + step], [600 + step, 3 + step], [2, 0]
         bucket = Bucket(DECODE, 2, 1024)
-        got = executor.run(bucket, decode_inputs(tokens, positions, slots))
-        want = ref.run(bucket, decode_inputs(tokens, positions, slots))
+        got = executor.run(bucket, decode_inputs(tokens, positions, slots, 1024))
+        want = ref.run(bucket, decode_inputs(tokens, positions, slots, 1024))
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         assert_kv_equal(executor, ref)
-    got = executor.run(Bucket(DECODE, 2, 32), decode_inputs([7, 8], [7, 4], [0, 1]))
-    want = ref.run(Bucket(DECODE, 2, 32), decode_inputs([7, 8], [7, 4], [0, 1]))
+    got = executor.run(Bucket(DECODE, 2, 32), decode_inputs([7, 8], [7, 4], [0, 1], 32))
+    want = ref.run(Bucket(DECODE, 2, 32), decode_inputs([7, 8], [7, 4], [0, 1], 32))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -138,7 +157,7 @@ def test_weights_are_bound_at_load_and_held_once(compiled: tuple[Path, dict[Buck
     out, files, _ = compiled
     # graphs shared between buckets are compiled once and hold no weights
     so_files = {f for fs in files.values() for f in fs if f.suffix == ".so"}
-    assert {f.stem for f in so_files} == {"layer_prefill_b1_dyn", "layer_decode_b1_dyn", "layer_decode_b2_dyn",
+    assert {f.stem for f in so_files} == {"layer_prefill_b1_dyn", "layer_decode_b1", "layer_decode_b2",
                                           "head_b1", "head_b2"}
     # every GEMM weight packed once and shared by all graphs; tied embedding read from the packed head
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in executor.constants.values()}
@@ -196,8 +215,9 @@ def test_constants_matched_to_concatenated_and_packed_sources(rows: list[int], b
 
 def test_load_rejects_mismatched_setup(compiled: tuple[Path, dict[Bucket, list[Path]], CpuBackend]) -> None:
     out, files, backend = compiled
-    with pytest.raises(ArtifactError, match="num_slots"):
-        backend.load(files, out / "rank0.safetensors", lambda: make_model(1), SLOTS + 1)
+    with pytest.raises(ArtifactError, match="num_blocks"):
+        backend.load(files, out / "rank0.safetensors", lambda: make_model(1), CacheConfig(max_batch=SLOTS + 1,
+                                                                                          max_model_len=MAX_LEN))
     # a graph written by an older cpu backend (format 1: one source per constant) is refused, not misread
     old = out.parent / (out.name + "_old")
     shutil.copytree(out, old)
@@ -206,7 +226,7 @@ def test_load_rejects_mismatched_setup(compiled: tuple[Path, dict[Bucket, list[P
     meta_path.write_text(json.dumps({**meta, "format": 1}))
     old_files = {b: [old / f.relative_to(out) for f in fs] for b, fs in files.items()}
     with pytest.raises(ArtifactError, match="format"):
-        backend.load(old_files, old / "rank0.safetensors", lambda: make_model(1), SLOTS)
+        backend.load(old_files, old / "rank0.safetensors", lambda: make_model(1), CACHE)
     with pytest.raises(ConfigError, match="unknown cpu option"):
         CpuBackend(torch.float32, {"fast": True})
 
@@ -258,23 +278,23 @@ def test_bf16_decode_matches_eager(tmp_path: Path, gemm: str) -> None:
     backend = CpuBackend(torch.bfloat16, {"gemm": gemm})
     bucket = Bucket(DECODE, 1, 32)
     # prefill and batch-2 graphs loaded too: oneDNN packs for each graph's M, the executor holds one packing
-    files = {b: [tmp_path / f for f in backend.compile_bucket(make_model(0, torch.bfloat16), b, SLOTS, tmp_path)]
+    files = {b: [tmp_path / f for f in backend.compile_bucket(make_model(0, torch.bfloat16), b, CACHE, tmp_path)]
              for b in (bucket, Bucket(PREFILL, 1, 16), Bucket(DECODE, 2, 32))}
     backend.save_weights(make_model(7, torch.bfloat16), tmp_path / "w.safetensors")
-    ex = backend.load(files, tmp_path / "w.safetensors", lambda: make_model(1, torch.bfloat16), SLOTS)
+    ex = backend.load(files, tmp_path / "w.safetensors", lambda: make_model(1, torch.bfloat16), CACHE)
     gemm_constants = [k for k in ex.constants if k[1].op in ("onednn", "pack")]
     assert len(gemm_constants) == 4 * CFG.num_hidden_layers + 1  # fused projections + the batch-2 GEMM head
     model = make_model(7, torch.bfloat16)
-    k, v = allocate_kv(model, SLOTS, torch.bfloat16)
+    k, v = allocate_kv(model, CACHE, torch.bfloat16)
     for pos in range(6):
-        inp = decode_inputs([11 + pos], [pos], [1])
+        inp = decode_inputs([11 + pos], [pos], [1], 32)
         got = ex.run(bucket, inp)
         with torch.no_grad():
-            want = model(inp.input_ids, inp.positions, inp.slot_ids, inp.last_index, k, v, bucket.kv_len)
+            want = model(*inp.arrays(), k, v, bucket.kv_len)
         torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
         assert (got != got.bfloat16().float()).any()  # batch-1 logits keep fp32 resolution (HeadGraph)
         torch.testing.assert_close(ex.k_caches[0].float(), k[0].float(), rtol=0.05, atol=0.05)
-        assert ex.k_caches[0][1, :, pos].abs().sum() > 0
+        assert ex.k_caches[0][where(1, pos)].abs().sum() > 0
 
 
 @pytest.mark.parametrize("n_heads,n_kv,window", [(4, 2, None), (6, 2, 5), (3, 3, None), (4, 1, 7)])

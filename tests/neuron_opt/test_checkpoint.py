@@ -111,11 +111,12 @@ def our_logits(cfg: ModelConfig, sd: dict[str, torch.Tensor], ids: torch.Tensor)
     model = LlamaForCausalLM(cfg, head_layout(cfg, ParallelConfig()), max_model_len=32)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     assert not unexpected and set(missing) <= ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
-    shape = model.kv_shape(1)
+    shape = model.kv_shape(2, 32)  # the null block and one block of 32 positions
     k = [torch.zeros(shape) for _ in range(cfg.num_hidden_layers)]
     v = [torch.zeros(shape) for _ in range(cfg.num_hidden_layers)]
     with torch.no_grad():
-        return model(ids, torch.arange(S)[None], torch.tensor([0]), torch.tensor([S - 1]), k, v, S)[0]
+        return model(ids, torch.arange(S)[None], 32 + torch.arange(S)[None], torch.tensor([[1]]),
+                     torch.tensor([S - 1]), k, v, S)[0]
 
 
 ROUNDTRIP = ["llama-gqa2", "smollm-like-9-3", "llama-bias", "llama-gqa4", "llama-linear-rope", "qwen2"]

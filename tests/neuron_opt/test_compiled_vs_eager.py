@@ -67,7 +67,13 @@ def test_recompile_with_one_bucket_added_compiles_only_that_bucket(runners, tmp_
     _, _, req = runners
     req2 = dataclasses.replace(req, out=tmp_path / "art2", decode_buckets=(*DECODE[:-1], 768, DECODE[-1]))
     report = compile_artifact(req2, log=lambda s: None, progress=False)
-    assert report.misses == {"decode_b1_s768/rank0": "new bucket (never compiled with any settings)"}
-    assert len(report.hits) == len(PREFILL) + len(DECODE)
+    old = {b.key for b in compile_artifact(req, log=lambda s: None, progress=False).manifest.buckets.buckets()}
+    new = {b.key for b in report.manifest.buckets.buckets()} - old
+    # the decode bucket, and the offset prefill buckets over it (every prefill length over KV 768)
+    assert new == {"decode_b1_s768"} | {f"prefill_b1_q{s}_s768" for s in PREFILL}
+    assert report.misses == {f"{k}/rank0": "new bucket (never compiled with any settings)" for k in new}
+    assert len(report.hits) == len(old)
+    graphs = report.manifest.graphs  # the offset buckets run the prefill graph: nothing new was compiled for them
+    assert all(graphs[f"prefill_b1_q{s}_s768"] == graphs["prefill_b1_s16"] for s in PREFILL)
     again = compile_artifact(dataclasses.replace(req2, out=tmp_path / "art3"), log=lambda s: None, progress=False)
-    assert not again.misses and len(again.hits) == len(PREFILL) + len(DECODE) + 1
+    assert not again.misses and len(again.hits) == len(old) + len(new)

@@ -20,12 +20,11 @@ def _compare(tiny_dir, tmp_path, variant: str, dtype: str, rtol: float, atol: fl
     ref = eager_runner(ck, max_model_len=64, prefill_lens=(16,), decode_kv_lens=(32, 64))
     model = ref.executor.model  # fp32, the checkpoint's weights
     backend = CpuBackend(getattr(torch, dtype))
-    slots = ref.cache.num_slots
-    files = {b: [tmp_path / f for f in backend.compile_bucket(model, b, slots, tmp_path)]
+    files = {b: [tmp_path / f for f in backend.compile_bucket(model, b, ref.cache, tmp_path)]
              for b in ref.buckets.buckets()}
     backend.save_weights(model, tmp_path / "w.safetensors")
     factory = lambda: type(model)(model.cfg, model.layout, model.max_model_len)  # noqa: E731 (weights come from the file)
-    got = ModelRunner(backend.load(files, tmp_path / "w.safetensors", factory, slots), ref.buckets, ref.cache,
+    got = ModelRunner(backend.load(files, tmp_path / "w.safetensors", factory, ref.cache), ref.buckets, ref.cache,
                       model.cfg.vocab_size)
     prompt = torch.randint(3, 200, (11,), generator=torch.Generator().manual_seed(1)).tolist()
     a, b = got.prefill(0, prompt), ref.prefill(0, prompt)

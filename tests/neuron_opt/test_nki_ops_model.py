@@ -33,7 +33,7 @@ def runner_for(d, ops=None, max_model_len=32):
         decode_kv_lens=[32],
         decode_batches=[2],
     )
-    return ModelRunner(EagerExecutor(model.eval(), cache.num_slots), buckets, cache, cfg.vocab_size)
+    return ModelRunner(EagerExecutor(model.eval(), cache), buckets, cache, cfg.vocab_size)
 
 
 @pytest.mark.slow

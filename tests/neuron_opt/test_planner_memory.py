@@ -171,12 +171,14 @@ def test_kv_cache_bytes_llama3_8b() -> None:
     cfg = ModelConfig.from_hf(LLAMA3_8B)
     # Llama-3-8B's KV cache is 128 KiB per token in bf16 (32 layers x 8 KV heads x 128 x K,V x 2 B)
     assert kv_bytes(cfg, head_layout(cfg, ParallelConfig(tp=1)), 1, 1, "bfloat16") == 128 * 1024
-    assert kv_bytes(cfg, head_layout(cfg, ParallelConfig(tp=8)), 3, 4096, "bfloat16") == 3 * 4096 * 16 * 1024
+    # 3 sequences of 4096 in blocks of 32, plus the null block
+    assert kv_bytes(cfg, head_layout(cfg, ParallelConfig(tp=8)), 3 * 128 + 1, 32, "bfloat16") == (
+        (3 * 4096 + 32) * 16 * 1024)
     # tp 16 > 8 KV heads: each rank keeps one replicated KV head, so per-rank KV stops shrinking
     assert kv_bytes(cfg, head_layout(cfg, ParallelConfig(tp=16)), 1, 1, "fp8") == 8 * 1024
-    # flash decoding at tp 32: each KV head split along the sequence over 4 ranks, plus one scratch position
+    # flash decoding at tp 32: each KV head split along the sequence over 4 ranks: 8 of every 32-block's positions
     fd = head_layout(cfg, ParallelConfig(tp=32, flash_decoding=True))
-    assert kv_bytes(cfg, fd, 2, 4096, "bfloat16") == 2 * (4096 // 4 + 1) * 16 * 1024
+    assert kv_bytes(cfg, fd, 2 * 128 + 1, 32, "bfloat16") == (2 * 4096 + 32) // 4 * 16 * 1024
 
 
 def test_fit_matches_aws_sizing_examples() -> None:

@@ -142,3 +142,41 @@ def test_incremental_detokenization_streams_what_the_full_re_decode_streams(real
                 break
         assert (fast.text, fast.finish_reason) == (ref.text, ref.finish_reason), ids
     assert fast.text == ref.text
+
+
+def test_batched_sampling_equals_the_per_row_reference():
+    """sample_batch over a mixed batch (greedy, top-k, top-p, both, penalties, banned tokens, logprobs) against
+    the per-row reference: each row's own processed logits, its own temperature/top-k/top-p filter
+    (`sampling_logits`), and the inverse CDF of the same uniform draw from a copy of its generator."""
+    from neuron_opt.runtime.sampling import processed_logits, sample_batch, sampling_logits
+
+    V = 300
+    logits = torch.randn(7, V, generator=torch.Generator().manual_seed(3)) * 3
+    params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=5, seed=1),
+              SamplingParams(temperature=1.3, top_p=0.7, seed=2), SamplingParams(temperature=0.6, top_k=50,
+                                                                                 top_p=0.9, seed=3),
+              SamplingParams(temperature=1.0, seed=4, presence_penalty=1.5, frequency_penalty=0.5, logprobs=3),
+              SamplingParams(presence_penalty=2.0), SamplingParams(temperature=2.0, top_k=V + 5, seed=6)]
+    banned = [(), (int(logits[1].argmax()),), (), (), (7, 8), (), ()]
+    for _ in range(20):
+        states = [SamplerState.create(p) for p in params]
+        for st in states[4:6]:
+            for t in (int(logits[4].argmax()), int(logits[5].argmax()), 3):
+                st.observe(t)
+        copies = [None if st.generator is None else torch.Generator().set_state(st.generator.get_state())
+                  for st in states]
+        got = sample_batch(logits, states, banned)
+        for i, (st, g) in enumerate(zip(states, copies, strict=True)):
+            z = processed_logits(logits[i], st, banned[i])
+            if st.params.greedy:
+                want = int(z.argmax())
+            else:
+                cum = sampling_logits(z, st.params).softmax(-1).cumsum(-1)
+                u = torch.rand((), generator=g)
+                want = int((cum > u * cum[-1]).nonzero()[0])
+            assert got[i].token == want, i
+            assert got[i].token not in banned[i]
+            if st.params.logprobs is not None:
+                assert got[i].logprob == pytest.approx(float(z.log_softmax(-1)[want]))
+                assert len(got[i].top_logprobs) == 3
+        logits = logits.roll(1, dims=1)

@@ -1,75 +1,106 @@
 """Scheduler unit tests: plain dataclasses in and out, no model.
 
-A tiny simulated "runner" (`run_step`) plays the engine: it feeds back a token for every scheduled item, so
-the tests can follow requests through admission, decode, finish and slot reuse.
+A tiny simulated "runner" (`run_step`) plays the engine: it feeds back a token for every scheduled item that
+ends a request's pending tokens (a decode, or a prefill chunk marked `last`), so the tests can follow requests
+through admission, chunked prefill, decode, preemption, finish and block reuse. The token it feeds back is a
+function of the request and its tokens so far, as a model's would be, so a preempted-and-recomputed request
+must end with exactly the tokens of an unpreempted run.
 """
 
 from __future__ import annotations
+
+import zlib
 
 import pytest
 
 from neuron_opt.errors import ConfigError, ContextLengthError, QueueFullError
 from neuron_opt.runtime.request import Request, RequestStatus
-from neuron_opt.runtime.scheduler import DecodeWork, PrefillWork, Scheduler
+from neuron_opt.runtime.scheduler import DecodeWork, KVConfig, PrefillWork, Scheduler
+
+BS = 4
 
 
-def req(rid: str, n_prompt: int = 4, max_tokens: int = 3) -> Request:
-    return Request(rid, list(range(100, 100 + n_prompt)), max_tokens)
+def kv(num_blocks: int = 64, max_model_len: int = 64, max_prefill_len: int = 32, **kw) -> KVConfig:
+    return KVConfig(num_blocks, BS, max_model_len, max_prefill_len, **kw)
 
 
-def run_step(s: Scheduler, token: int = 7) -> tuple[list[str], list[str]]:
-    """Schedule, 'execute' (every item yields `token`), finish requests at max_tokens.
+def req(rid: str, n_prompt: int = 4, max_tokens: int = 3, first: int = 100) -> Request:
+    return Request(rid, list(range(first, first + n_prompt)), max_tokens)
 
-    Returns the (decoded, prefilled) request ids."""
+
+def model_token(r: Request) -> int:
+    """What a deterministic model would answer after r's tokens."""
+    return zlib.crc32(repr((r.request_id, r.prompt_token_ids + r.output_token_ids)).encode()) % 1000
+
+
+def run_step(s: Scheduler) -> tuple[list[str], list[str]]:
+    """Schedule, 'execute', finish requests at max_tokens. Returns the (decoded, prefilled) request ids."""
     out = s.schedule()
     for w in (*out.decodes, *out.prefills):
-        r = s.update(w.request_id, token)
+        if isinstance(w, PrefillWork) and not w.last:
+            s.update_prefill(w.request_id, len(w.token_ids))
+            continue
+        r = s.update(w.request_id, model_token(s.running[w.request_id]))
         if len(r.output_token_ids) >= r.max_tokens:
             s.finish(w.request_id)
     return [d.request_id for d in out.decodes], [p.request_id for p in out.prefills]
 
 
-def test_admission_prefill_then_decode_positions():
-    s = Scheduler(num_slots=2)
-    s.add(req("a", n_prompt=5, max_tokens=3))
+def drain(s: Scheduler, requests: list[Request]) -> dict[str, list[int]]:
+    for r in requests:
+        s.add(r)
+    for _ in range(10_000):
+        if not s.has_work():
+            break
+        run_step(s)
+    assert not s.has_work()
+    return {r.request_id: r.output_token_ids for r in requests}
+
+
+def test_admission_prefill_then_decode_positions_and_blocks():
+    s = Scheduler(2, kv())
+    s.add(req("a", n_prompt=5, max_tokens=5))
     out = s.schedule()
-    assert out.decodes == () and out.prefills == (PrefillWork("a", 0, (100, 101, 102, 103, 104)),)
+    assert out.decodes == () and out.prefills == (PrefillWork("a", (1, 2), (100, 101, 102, 103, 104), 0, True),)
     r = s.update("a", 42)
     assert (r.num_computed_tokens, r.num_tokens) == (5, 6)
     out = s.schedule()
     # the pending token is the one just sampled, written at position = number of computed tokens
-    assert out.decodes == (DecodeWork("a", 0, 42, 5),) and out.prefills == ()
+    assert out.decodes == (DecodeWork("a", (1, 2), 42, 5),) and out.prefills == ()
     s.update("a", 43)
-    assert s.schedule().decodes == (DecodeWork("a", 0, 43, 6),)
+    assert s.schedule().decodes == (DecodeWork("a", (1, 2), 43, 6),)
+    s.update("a", 44)
+    assert s.schedule().decodes == (DecodeWork("a", (1, 2), 44, 7),)
+    s.update("a", 45)
+    assert s.schedule().decodes == (DecodeWork("a", (1, 2, 3), 45, 8),)  # position 8 needs a third block
 
 
 def test_all_running_sequences_decode_together_and_new_ones_join():
-    s = Scheduler(num_slots=4)
+    s = Scheduler(4, kv())
     for rid in "ab":
         s.add(req(rid, max_tokens=10))
     assert run_step(s) == ([], ["a", "b"])
     s.add(req("c", max_tokens=10))
     assert run_step(s) == (["a", "b"], ["c"])  # c is admitted while a and b keep decoding
     assert run_step(s) == (["a", "b", "c"], [])
-    assert sorted(r.slot for r in s.running.values()) == [0, 1, 2]
+    tables = [s.blocks.table(r) for r in "abc"]
+    assert len({b for t in tables for b in t}) == sum(len(t) for t in tables)  # no block shared
 
 
-def test_queueing_when_slots_are_busy_and_slot_reuse():
-    s = Scheduler(num_slots=2)
+def test_max_num_seqs_queueing_and_reuse():
+    s = Scheduler(2, kv())
     for rid, mt in (("a", 1), ("b", 3), ("c", 2)):
-        s.add(req(rid, max_tokens=mt))
+        s.add(req(rid, max_tokens=mt, first=100 + 10 * ord(rid)))
     assert run_step(s) == ([], ["a", "b"])
-    # a finished at its prefill (max_tokens=1): its slot is free for c in the very next step
-    assert s.num_running == 1 and s.num_waiting == 1 and s.num_free_slots == 1
-    slot_a = 0
+    # a finished at its prefill (max_tokens=1): c runs in the very next step
+    assert s.num_running == 1 and s.num_waiting == 1
     out = s.schedule()
-    assert [d.request_id for d in out.decodes] == ["b"]
-    assert out.prefills == (PrefillWork("c", slot_a, tuple(range(100, 104))),)
+    assert [d.request_id for d in out.decodes] == ["b"] and [p.request_id for p in out.prefills] == ["c"]
     assert s.running["c"].status is RequestStatus.RUNNING and s.num_waiting == 0
 
 
 def test_fcfs_order_and_waiting_limit():
-    s = Scheduler(num_slots=1, max_waiting=2)
+    s = Scheduler(1, kv(), max_waiting=2)
     s.add(req("a"))
     s.add(req("b"))
     with pytest.raises(QueueFullError, match="max_waiting=2"):
@@ -82,20 +113,21 @@ def test_fcfs_order_and_waiting_limit():
     assert order == ["b", "c"]
 
 
-def test_cancel_running_frees_slot_at_once():
-    s = Scheduler(num_slots=1)
-    s.add(req("a", max_tokens=100))
-    s.add(req("b", max_tokens=100))
+def test_cancel_running_frees_blocks_at_once():
+    s = Scheduler(1, kv(num_blocks=17))
+    s.add(req("a", n_prompt=60, max_tokens=4))
+    s.add(req("b", n_prompt=4, max_tokens=100, first=500))
     run_step(s)
-    assert s.running["a"].slot == 0 and s.num_waiting == 1
+    run_step(s)  # a: 60 tokens in two chunks of 32 and 28
+    assert s.blocks.num_free_blocks == 16 - 15 and s.num_waiting == 1
     r = s.finish("a")  # client went away
-    assert r.status is RequestStatus.FINISHED and r.slot is None and s.num_free_slots == 1
+    assert r.status is RequestStatus.FINISHED and s.blocks.num_free_blocks == 16
     out = s.schedule()
-    assert out.decodes == () and out.prefills[0].request_id == "b" and out.prefills[0].slot == 0
+    assert out.decodes == () and out.prefills[0].request_id == "b"
 
 
 def test_cancel_waiting_and_unknown_ids():
-    s = Scheduler(num_slots=1)
+    s = Scheduler(1, kv())
     s.add(req("a"))
     s.add(req("b"))
     assert s.finish("b").status is RequestStatus.FINISHED and s.num_waiting == 1
@@ -104,15 +136,18 @@ def test_cancel_waiting_and_unknown_ids():
     run_step(s)
     run_step(s)  # a finishes (3 tokens)
     assert s.finish("a") is None  # cancelling a request that already finished is harmless
-    assert not s.has_work() and s.num_free_slots == 1
+    assert not s.has_work() and s.blocks.num_free_blocks == 63
 
 
 def test_rejection_up_front():
-    def check_fits(prompt_len: int, max_tokens: int) -> None:
+    seen = []
+
+    def check_fits(prompt_len: int, max_tokens: int, chunked: bool) -> None:
+        seen.append(chunked)
         if prompt_len + max_tokens > 32:
             raise ContextLengthError(f"{prompt_len} + {max_tokens} > 32")
 
-    s = Scheduler(num_slots=2, check_fits=check_fits)
+    s = Scheduler(2, kv(), check_fits=check_fits)
     with pytest.raises(ContextLengthError, match="30 \\+ 3 > 32"):
         s.add(req("big", n_prompt=30, max_tokens=3))
     with pytest.raises(ConfigError, match="at least one token"):
@@ -121,32 +156,110 @@ def test_rejection_up_front():
         s.add(req("x"))
         s.add(req("x"))
     s.add(req("ok", n_prompt=29, max_tokens=3))
-    assert [r.request_id for r in s.waiting] == ["x", "ok"]
+    assert [r.request_id for r in s.waiting] == ["x", "ok"] and set(seen) == {True}
 
 
-def test_prefill_token_budget_bounds_prefills_per_step():
-    s = Scheduler(num_slots=8, max_prefill_tokens=10)
+def test_whole_prompt_budget_without_chunking():
+    s = Scheduler(8, kv(enable_chunked_prefill=False), max_num_batched_tokens=10)
     for rid, n in (("a", 4), ("b", 4), ("c", 4), ("d", 30), ("e", 1)):
-        s.add(req(rid, n_prompt=n, max_tokens=50))
+        s.add(req(rid, n_prompt=n, max_tokens=50, first=100 * ord(rid)))
     assert run_step(s)[1] == ["a", "b"]  # 4 + 4 <= 10; c would exceed
     assert run_step(s)[1] == ["c"]  # d (30) exceeds what is left; e may not overtake it
-    assert run_step(s)[1] == ["d"]  # a prompt over the budget still runs, alone
+    assert run_step(s)[1] == ["d"]  # a prompt over the budget still runs, alone and whole
     assert run_step(s) == (["a", "b", "c", "d"], ["e"])
 
 
-def test_many_requests_each_get_exact_token_count_and_slots_never_shared():
-    s = Scheduler(num_slots=3)
+def test_chunked_prefill_decodes_first_then_spends_the_budget_on_chunks():
+    s = Scheduler(8, kv(max_model_len=128), max_num_batched_tokens=16)
+    s.add(req("a", n_prompt=4, max_tokens=50))
+    run_step(s)
+    s.add(req("long", n_prompt=70, max_tokens=3, first=300))  # longer than the largest prefill bucket (32)
+    chunks = []
+    for _ in range(5):
+        out = s.schedule()
+        assert [d.request_id for d in out.decodes] == ["a"]  # a decodes every step
+        for p in out.prefills:
+            chunks.append((p.start, len(p.token_ids), p.last))
+        for w in (*out.decodes, *out.prefills):
+            if isinstance(w, PrefillWork) and not w.last:
+                s.update_prefill(w.request_id, len(w.token_ids))
+            else:
+                s.update(w.request_id, 7)
+        assert sum(len(p.token_ids) for p in out.prefills) + len(out.decodes) <= 16
+    # 15 tokens per step (16 minus a's decode), the last chunk ends the prompt and samples its first token
+    assert chunks == [(0, 15, False), (15, 15, False), (30, 15, False), (45, 15, False), (60, 10, True)]
+    assert s.running["long"].num_computed_tokens == 70 and s.running["long"].output_token_ids == [7]
+
+
+def test_prefix_cache_hit_prefills_only_the_rest():
+    s = Scheduler(4, kv())
+    shared = list(range(100, 113))  # 13 tokens: 3 full blocks of 4
+    a = Request("a", shared + [1, 2], 2)
+    assert drain(s, [a])
+    b = Request("b", shared + [3], 2)
+    s.add(b)
+    out = s.schedule()
+    (p,) = out.prefills
+    # 3 cached blocks = 12 tokens reused; the prefill starts at 12 and writes a new block
+    assert (p.start, p.token_ids) == (12, (112, 3)) and p.blocks[:3] == (1, 2, 3) and p.blocks[3] not in (1, 2, 3)
+    assert (s.blocks.stats.queries, s.blocks.stats.hits) == (15 + 14, 12)
+    # a prompt that is entirely cached still computes its last token (its logits are needed)
+    s.update("b", 9)
+    c = Request("c", shared[:12], 1)
+    s.add(c)
+    (p,) = s.schedule().prefills
+    assert (p.start, p.token_ids) == (8, tuple(shared[8:12]))
+
+
+def test_without_prefix_caching_nothing_is_reused():
+    s = Scheduler(4, kv(enable_prefix_caching=False))
+    drain(s, [Request("a", list(range(100, 116)), 2)])
+    s.add(Request("b", list(range(100, 116)), 2))
+    assert s.schedule().prefills[0].start == 0 and s.blocks.stats.hits == 0
+
+
+def test_preemption_recomputes_and_gives_identical_outputs():
+    """A pool too small for everyone: the newest sequence is preempted, resumes later from its tokens so far,
+    and every request ends with the tokens of a run with blocks to spare."""
+    def workload() -> list[Request]:
+        return [Request(f"r{i}", [i * 10 + j for j in range(3 + i % 5)], 20 + 3 * (i % 4)) for i in range(8)]
+
+    ample = drain(Scheduler(8, kv()), workload())
+    tight = Scheduler(8, kv(num_blocks=12))  # 11 blocks of 4 = 44 positions for 8 sequences of up to 36
+    got = drain(tight, workload())
+    assert tight.num_preemptions > 0
+    assert got == ample
+    assert tight.blocks.num_free_blocks == 11
+
+
+def test_without_offset_prefill_requests_reserve_their_length_and_are_never_preempted():
+    s = Scheduler(8, kv(num_blocks=12, enable_prefix_caching=False, enable_chunked_prefill=False,
+                        offset_prefill=False))
+    reqs = [Request(f"r{i}", [i * 10 + j for j in range(3 + i % 5)], 20 + 3 * (i % 4)) for i in range(8)]
+    got = drain(s, reqs)
+    assert s.num_preemptions == 0 and got == drain(Scheduler(8, kv()), [
+        Request(r.request_id, r.prompt_token_ids, r.max_tokens) for r in reqs])
+    with pytest.raises(ConfigError, match="no offset prefill buckets"):
+        kv(offset_prefill=False)
+
+
+def test_many_requests_each_get_exact_token_count_and_blocks_never_shared():
+    s = Scheduler(3, kv(num_blocks=20))
     lengths = {f"r{i}": 1 + (i * 7) % 5 for i in range(20)}
     for rid, mt in lengths.items():
-        s.add(req(rid, max_tokens=mt))
+        i = int(rid[1:])
+        s.add(req(rid, max_tokens=mt, n_prompt=3 + i % 10, first=1000 * i))  # distinct prompts: no prefix hits
     finished: dict[str, Request] = {}
     while s.has_work():
-        slots = [r.slot for r in s.running.values()]
-        assert len(slots) == len(set(slots)) <= 3
+        held = [b for rid in s.running for b in s.blocks.table(rid)]
+        assert len(held) == len(set(held)) and 0 not in held and s.num_running <= 3
         out = s.schedule()
         for w in (*out.decodes, *out.prefills):
+            if isinstance(w, PrefillWork) and not w.last:
+                s.update_prefill(w.request_id, len(w.token_ids))
+                continue
             r = s.update(w.request_id, 1)
             if len(r.output_token_ids) >= r.max_tokens:
                 finished[w.request_id] = s.finish(w.request_id)
     assert {k: len(v.output_token_ids) for k, v in finished.items()} == lengths
-    assert s.num_free_slots == 3
+    assert s.blocks.num_free_blocks == 19

@@ -136,7 +136,7 @@ def test_param_comes_from_the_error_not_its_message():
 
     class Engine:  # raises, as SamplingParams would for a bad top_k whose message mentions max_tokens
         num_running = num_waiting = 0
-        num_slots = 1
+        kv_usage = 0.0
         spec = None  # not speculating
 
         def add_request(self, *a, **k):

@@ -158,14 +158,13 @@ class ThreadRanks:
             dist.init_process_group("threaded", rank=rank, world_size=self.tp, store=store)
             comm = TorchCollectives(self.tp)
             model = _build(rank, self.spec, comm)
-            shape = model.kv_shape(self.spec.cache.num_slots)
+            shape = model.kv_shape(self.spec.cache.num_blocks, self.spec.cache.block_size)
             caches = [[torch.zeros(shape) for _ in range(self.spec.model.num_hidden_layers)] for _ in "kv"]
             self.outbox.put((rank, "ready"))
             while (msg := self.inbox[rank].get()) is not None:
                 bucket, inputs = msg
                 with torch.inference_mode():
-                    local = model(inputs.input_ids, inputs.positions, inputs.slot_ids, inputs.last_index,
-                                  caches[0], caches[1], bucket.kv_len)
+                    local = model(*inputs.arrays(), caches[0], caches[1], bucket.kv_len)
                     self.outbox.put((rank, _finish(local.float(), rank, self.spec, comm, None)))
         except BaseException as e:  # surfaced by _collect instead of hanging the test
             self.outbox.put((rank, e))

@@ -89,13 +89,13 @@ def test_layout_cost_counts_the_real_shards(variant, tp, flags, tiny_dir):
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     lay = head_layout(cfg, ParallelConfig(tp=tp, **flags))
-    cost = layout_cost(cfg, lay, num_slots=3, max_model_len=64, dtype_bytes=4)
+    cost = layout_cost(cfg, lay, num_blocks=7, block_size=32, dtype_bytes=4)
     for rank in range(tp):
         shard = shard_state_dict(sd, cfg, lay, rank)
         assert sum(t.numel() * 4 for t in shard.values()) == cost.weight_bytes_per_rank
         model = LlamaForCausalLM(cfg, lay, 64)
         model.load_state_dict(shard, strict=not cfg.tie_word_embeddings)  # shapes agree with the model
-    kv_numel = torch.Size(model.kv_shape(3)).numel()
+    kv_numel = torch.Size(model.kv_shape(7, 32)).numel()
     assert cost.kv_bytes_per_rank == 2 * cfg.num_hidden_layers * kv_numel * 4
     assert cost.line().startswith(f"heads: {lay.strategy}: ")
     assert f"({lay.n_heads_local} q / {lay.n_kv_local} kv per rank)" in cost.line()

@@ -57,7 +57,8 @@ def planned_bytes(m) -> dict[str, int]:
 
     lay = head_layout(m.model, m.parallel)
     plan = plan_memory(m.model, lay, INSTANCES["inf2.xlarge"], m.buckets, batch=m.cache.max_batch,
-                       max_model_len=m.cache.max_model_len, dtype=m.dtype, kv_dtype=m.cache.dtype)
+                       max_model_len=m.cache.max_model_len, dtype=m.dtype, kv_dtype=m.cache.dtype,
+                       block_size=m.cache.block_size)
     return {"weights": plan.weights, "kv": plan.kv_cache}
 
 
@@ -81,6 +82,34 @@ def test_tp1_logits_equal_eager_through_prefill_and_16_decode_steps(variant, ckp
     diffs, buckets = teacher_forced(runner, eager_runner(ckpt(variant), max_model_len=32, prefill_lens=[16, 32],
                                                          decode_kv_lens=[16, 32]))
     assert buckets[0] == "prefill_b1_s16" and "decode_b1_s16" in buckets and buckets[-1] == "decode_b1_s32"
+    assert max(diffs) < 1e-4, diffs
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa2", "mistral-window"])
+def test_block_tables_and_a_prefill_after_a_shared_prefix_equal_eager(variant, ckpt, tmp_path):
+    """Blocks of 8: sequence B reuses A's first two blocks (a cached prefix) and prefills only its own 8 tokens
+    from position 16 in an offset bucket (16 tokens over 32 positions), then decodes through its block table.
+    Oracles: the eager model doing the same steps, and B computed from scratch in eager (prefix reuse changes
+    nothing)."""
+    art = compile_tiny(ckpt(variant), tmp_path / "art", block_size=8, batch_size=2)
+    runner = load_artifact(art).runner
+    kw = dict(max_model_len=32, max_batch=2, block_size=8, prefill_lens=[16, 32], decode_kv_lens=[16, 32])
+    ref, scratch = eager_runner(ckpt(variant), **kw), eager_runner(ckpt(variant), **kw)
+    a_prompt = [(7 * i + 3) % 200 + 3 for i in range(20)]
+    b_prompt = a_prompt[:16] + [(5 * i + 11) % 200 + 3 for i in range(8)]
+    a_blocks, b_blocks = [1, 2, 3, 4], [1, 2, 6, 7]  # B shares A's blocks 1, 2 (positions 0..15)
+    for r in (runner, ref):
+        r.prefill(a_blocks, a_prompt)
+    a, b = runner.prefill(b_blocks, b_prompt[16:], start=16), ref.prefill(b_blocks, b_prompt[16:], start=16)
+    assert runner.last_bucket.key == "prefill_b1_q16_s32"
+    diffs = [(a - b).abs().max().item(), (a - scratch.prefill(0, b_prompt)).abs().max().item()]
+    tok, pos = int(b.argmax()), len(b_prompt)
+    for _ in range(6):
+        rows = [DecodeRow(b_blocks, tok, pos), DecodeRow(a_blocks, 9, 20)]  # A keeps writing its own block 3
+        a, b = runner.decode(rows), ref.decode(rows)
+        diffs += [(a - b).abs().max().item(), (a[0] - scratch.decode([DecodeRow(0, tok, pos)])[0]).abs().max().item()]
+        tok, pos = int(b[0].argmax()), pos + 1
+    assert runner.last_bucket.key == "decode_b2_s32"
     assert max(diffs) < 1e-4, diffs
 
 
@@ -120,7 +149,7 @@ def test_every_bucket_hlo_is_static_donates_every_kv_buffer_and_never_calls_the_
         assert header.startswith("HloModule neuron_opt_"), header[:80]
         donors = re.findall(r"\((\d+), \{\}\)", re.search(r"buffer_donor=\{(.*?)\}, entry", header).group(1))
         assert len(donors) == 2 * L  # every K and V cache buffer
-        kv = f"f32[{m.cache.num_slots},2,{m.cache.max_model_len},16]"  # [slots, n_kv, max_model_len, D]
+        kv = f"f32[{m.cache.num_blocks},{m.cache.block_size},2,16]"  # [num_blocks, block_size, n_kv, D]
         layout = re.search(r"entry_computation_layout=\{\((.*)\)->\((.*)\)\}", header)
         params = re.findall(r"[a-z0-9]+\[[^\]]*\]", layout.group(1))
         assert [i for i, p in enumerate(params) if p == kv] == sorted(int(d) for d in donors)
@@ -152,8 +181,9 @@ def test_a_decode_step_moves_only_ids_in_and_logits_out_at_any_kv_length(replay,
         moved[runner.last_bucket.key] = (o1 - o0, i1 - i0)
     assert set(moved) == {"decode_b1_s16", "decode_b1_s256"}
     (out16, in16), (out256, in256) = moved["decode_b1_s16"], moved["decode_b1_s256"]
-    assert out16 == out256 and in16 == in256, moved  # independent of the KV length
-    assert out16 <= 4 * 4  # ids, position, slot, last index: one int32 each
+    # in: ids, position, slot mapping, last index (one int32 each) and the block table, one int32 per 32-position
+    # block of the bucket (1 at KV 16, 8 at KV 256); out: the logits, independent of the KV length
+    assert out16 <= 4 * 5 and out256 - out16 == 4 * 7 and in16 == in256, moved
     assert in16 <= 4 * (V + 1)  # [1, V] fp32 logits (V padded to the rank's vocabulary)
     kv_bytes = 2 * 2 * 2 * 256 * 16 * 4  # one slot's K+V for 2 layers at 256 positions
     assert in16 + out16 < kv_bytes / 10
@@ -278,7 +308,7 @@ def test_default_model_compiles_and_answers_paris_with_hf_greedy_tokens(tmp_path
 
 def test_server_on_a_neuron_artifact_batches_streams_like_the_reference(tmp_path):
     """The official openai client, 6 concurrent greedy chats through `serve`'s engine over a batch-4 device
-    artifact (decode buckets b1/b2/b4, padded rows on the scratch slot): each equals the eager batch-1 answer."""
+    artifact (decode buckets b1/b2/b4, padded rows on the null block): each equals the eager batch-1 answer."""
     import asyncio
 
     import openai

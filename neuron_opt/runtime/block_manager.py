@@ -1,0 +1,169 @@
+"""KV block manager: which blocks of the pool each sequence owns, and automatic prefix caching. Device-free.
+
+Design decisions
+- Block 0 is the null block (padding writes it); blocks 1..num_blocks-1 are handed out. A sequence's block
+  table lists its blocks in logical order: block i holds its positions [i * block_size, (i + 1) * block_size).
+- Prefix caching (vLLM's scheme): a block that is full of computed tokens gets a hash chained over (parent
+  block's hash, the block's token ids), so equal hashes mean equal whole prefixes, not just equal blocks. A
+  hash -> block map finds them; a new prompt takes its longest run of cached full blocks (reference counts go
+  up, so one block serves many sequences) and prefills only the rest. Hashes are sha256 (no collision can
+  make one user's prefix serve another's text).
+- Free blocks (reference count 0) wait in an LRU queue, oldest first. A freed block keeps its hash and stays
+  findable until it is handed out again, so a prefix outlives the request that computed it; a sequence's
+  blocks are freed tail first, so its prefix's head, the part other prompts are likeliest to share, is evicted
+  last. Taking a cached block out of the queue (a hit) or handing it out (eviction) is O(1).
+- A block is never written while shared: a prefix hit covers only full blocks, and it stops before the last
+  prompt token (which must be computed for its logits), so a sequence only ever writes blocks it owns alone.
+- `allocate` is all or nothing: it either gives a sequence every block it asked for or changes nothing, so
+  the scheduler can try, preempt (free another sequence's blocks) and retry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from neuron_opt.errors import ConfigError
+
+NULL_BLOCK = 0
+
+
+def hash_block(parent: bytes | None, tokens: Sequence[int]) -> bytes:
+    """The prefix-cache key of a full block: sha256 over the parent block's key and the block's token ids."""
+    h = hashlib.sha256(parent or b"")
+    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, found in cached blocks
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class BlockManager:
+    """Block tables, reference counts, the prefix-cache map and the LRU free queue.
+
+    Args:
+        num_blocks: blocks in the pool, the null block included.
+        block_size: positions per block.
+        enable_prefix_caching: keep and reuse full blocks by their prefix hash.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 2 or block_size < 1:
+            raise ConfigError(f"kv blocks: need at least 2 blocks (one is the null block) of >= 1 position, got "
+                              f"{num_blocks} of {block_size}")
+        self.num_blocks, self.block_size, self.enable_prefix_caching = num_blocks, block_size, enable_prefix_caching
+        self.ref = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # hash -> block holding that prefix block
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))  # LRU first
+        self.tables: dict[str, list[int]] = {}  # sequence -> its blocks in logical order
+        self.hashes: dict[str, list[bytes]] = {}  # sequence -> hashes of its leading full, computed blocks
+        self.stats = PrefixCacheStats()
+
+    # ---- queries ----------------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (free ones, cached or not)."""
+        return len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def table(self, seq_id: str) -> list[int]:
+        return self.tables[seq_id]
+
+    def cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Blocks holding the longest cached prefix of `token_ids` (full blocks only, and never the block that
+        holds the last token, whose logits must be computed). Looks, changes nothing."""
+        if not self.enable_prefix_caching:
+            return []
+        out: list[int] = []
+        parent: bytes | None = None
+        for i in range((len(token_ids) - 1) // self.block_size):
+            h = hash_block(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
+            b = self.cached.get(h)
+            if b is None:
+                break
+            out.append(b)
+            parent = h
+        return out
+
+    # ---- mutations --------------------------------------------------------------------------------------
+
+    def allocate(self, seq_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
+        """Make `seq_id`'s table cover `num_tokens` positions. A new sequence may first take `prefix` (the
+        blocks `cached_prefix` returned, still cached: nothing has run in between). All or nothing: False, and
+        no change, when the free blocks do not suffice."""
+        table = self.tables.get(seq_id)
+        if table is not None:
+            prefix = ()  # only a new sequence takes a cached prefix
+        new = max(0, self.blocks_needed(num_tokens) - (len(table) if table is not None else len(prefix)))
+        taken = sum(1 for b in prefix if self.ref[b] == 0)  # a hit on a free block takes it off the queue
+        if new + taken > len(self.free):
+            return False
+        if table is None:
+            table, hashes = self.tables.setdefault(seq_id, []), self.hashes.setdefault(seq_id, [])
+            for b in prefix:
+                h = self.block_hash[b]
+                assert h is not None and self.cached.get(h) == b, "prefix blocks must be cached"
+                if self.ref[b] == 0:
+                    del self.free[b]
+                self.ref[b] += 1
+                table.append(b)
+                hashes.append(h)
+        for _ in range(new):
+            b, _ = self.free.popitem(last=False)  # the least recently used
+            h = self.block_hash[b]
+            if h is not None:  # evict its cached prefix block
+                del self.cached[h]
+                self.block_hash[b] = None
+            self.ref[b] = 1
+            table.append(b)
+        return True
+
+    def record_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted prompt for the hit rate (not counted in `cached_prefix`: a prompt may be looked up
+        several times before it is admitted)."""
+        self.stats.queries += num_prompt_tokens
+        self.stats.hits += num_hit_tokens
+
+    def has_new_full_block(self, seq_id: str, num_computed: int) -> bool:
+        """Whether `commit` with `num_computed` would hash a block."""
+        return self.enable_prefix_caching and num_computed // self.block_size > len(self.hashes[seq_id])
+
+    def commit(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+        """`seq_id` now holds K/V for its first `num_computed` tokens (`token_ids`, at least that many): every
+        block that became full is hashed and, when no other block holds the same prefix, made findable."""
+        if not self.enable_prefix_caching:
+            return
+        table, hashes = self.tables[seq_id], self.hashes[seq_id]
+        bs = self.block_size
+        for i in range(len(hashes), num_computed // bs):
+            h = hash_block(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs])
+            hashes.append(h)
+            b = table[i]
+            if self.block_hash[b] is None and h not in self.cached:
+                self.block_hash[b] = h
+                self.cached[h] = b
+
+    def free_sequence(self, seq_id: str) -> None:
+        """Release a sequence's blocks (finished, aborted or preempted); unknown ids are ignored. Blocks nobody
+        else holds go to the free queue, tail first; cached ones stay findable until handed out again."""
+        table = self.tables.pop(seq_id, None)
+        self.hashes.pop(seq_id, None)
+        for b in reversed(table or []):
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self.free[b] = None

@@ -1,0 +1,98 @@
+"""The engine on the block KV cache: prefix caching, chunked prefill and preemption change no output.
+
+Oracle: the single-sequence reference loop (`LLM.generate_ids`, whole prompts, no cache sharing) on the same
+tiny model (fp32, the real tokenizer). Every request of a workload with a long shared prefix must get exactly
+the reference's tokens with prefix caching and chunked prefill on or off, and when the block pool is too small
+for the workload (requests are preempted and recomputed).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from neuron_opt.api import LLM, build_model
+from neuron_opt.backends.eager import EagerExecutor
+from neuron_opt.buckets import BucketConfig
+from neuron_opt.config import CacheConfig
+from neuron_opt.runtime.engine import Engine
+from neuron_opt.runtime.runner import ModelRunner
+from neuron_opt.runtime.sampling import SamplingParams
+
+MAX_LEN, BS = 128, 8
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_dir):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    path = tiny_dir("smollm-tok")
+    ref = LLM(path, batch_size=1, max_model_len=MAX_LEN)
+    sd = {k: v for k, v in ref.runner.executor.model.state_dict().items()}
+    model = build_model(ref.config, sd, MAX_LEN, torch.float32)
+    system = "You are a careful assistant. Answer in one short sentence, and never repeat the question. " * 2
+    prompts = [list(ref.tokenizer(system + f"Question {i}: what is {i} times {i + 1}?")["input_ids"])
+               for i in range(6)]
+    params = [SamplingParams(max_tokens=14, min_tokens=14, temperature=0.0) for _ in range(5)]
+    params.append(SamplingParams(max_tokens=14, min_tokens=14, temperature=0.9, top_k=40, seed=7))
+    want = [ref.generate_ids(p, sp).token_ids for p, sp in zip(prompts, params, strict=True)]
+    yield model, ref, prompts, params, want
+    torch.set_num_threads(threads)
+
+
+def engine_for(model, ref, num_blocks: int = 0, **kw) -> Engine:
+    cache = CacheConfig(max_batch=4, max_model_len=MAX_LEN, block_size=BS, num_blocks=num_blocks)
+    buckets = BucketConfig.build(max_prompt_len=64, max_model_len=MAX_LEN, max_batch=4, min_prefill=16,
+                                 min_decode=16)
+    runner = ModelRunner(EagerExecutor(model, cache), buckets, cache, ref.config.vocab_size)
+    return Engine(runner, ref.tokenizer, ref.eos_token_ids, **kw)
+
+
+def run(engine: Engine, prompts, params, stagger: int = 0) -> list[list[int]]:
+    got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    pending = list(range(len(prompts)))
+    for step in range(2000):
+        if pending and step >= stagger * (len(prompts) - len(pending)):  # arrivals spread over the run
+            i = pending.pop(0)
+            engine.add_request(str(i), prompts[i], params[i],
+                               lambda o, i=i: got[i].extend(o.new_token_ids))
+        if not engine.step() and engine.num_unfinished == 0 and not pending:
+            break
+    assert engine.num_unfinished == 0 and engine.kv_usage == 0
+    return [got[i] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("caching,chunked", [(True, True), (True, False), (False, True), (False, False)])
+def test_prefix_caching_and_chunked_prefill_change_no_output(setup, caching, chunked):
+    model, ref, prompts, params, want = setup
+    assert all(len(p) > 32 for p in prompts)  # longer than a chunk of the 24-token budget
+    engine = engine_for(model, ref, max_num_batched_tokens=24, enable_prefix_caching=caching,
+                        enable_chunked_prefill=chunked)
+    assert run(engine, prompts, params, stagger=3) == want
+    stats = engine.prefix_cache_stats
+    if caching:  # the shared system prompt is prefilled once: later requests hit its full blocks
+        assert stats.hits >= 4 * (len(prompts[0]) // 2 // BS) * BS and engine.stats.prefills >= len(prompts)
+    else:
+        assert stats.hits == 0
+    if chunked:
+        assert engine.stats.prefills > len(prompts)  # prompts ran as several chunks
+
+
+def test_preempted_requests_finish_with_the_same_tokens(setup):
+    model, ref, prompts, params, want = setup
+    # room for three prompts and a block (of 4 running): as they decode, the newest are preempted and recomputed
+    blocks = 1 + 3 * -(-max(len(p) for p in prompts) // BS) + 1
+    engine = engine_for(model, ref, num_blocks=blocks, max_num_batched_tokens=64, enable_prefix_caching=False)
+    assert run(engine, prompts, params) == want
+    assert engine.stats.preemptions > 0
+
+
+def test_prompts_beyond_the_largest_prefill_bucket_are_served_by_chunks(setup):
+    model, ref, prompts, params, _ = setup
+    long_prompt = prompts[0] * 2  # > 64, the largest prefill bucket
+    sp = SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0)
+    engine = engine_for(model, ref)
+    assert run(engine, [long_prompt], [sp]) == [ref.generate_ids(long_prompt, sp).token_ids]
+    off = engine_for(model, ref, enable_chunked_prefill=False)
+    with pytest.raises(Exception, match="maximum context length is 64"):
+        off.add_request("x", long_prompt, sp, lambda o: None)
