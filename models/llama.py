@@ -8,7 +8,7 @@ Design decisions
 - Every step (prefill or decode) is one call with fixed shapes per bucket:
     input_ids [B, S], positions [B, S], slot_mapping [B, S], block_tables [B, nb], last_index [B], and a
   static `kv_len` <= nb * block_size.
-- The KV cache is a pool of fixed-size blocks shared by every sequence ([num_blocks, block_size, n_kv_local, D]
+- The KV cache is a pool of fixed-size blocks shared by every sequence ([num_blocks, n_kv_local, block_size, D]
   per layer; block 0 is the null block, never given to a sequence). A sequence owns the blocks listed in its
   row of `block_tables` (logical block i holds its positions [i * block_size, (i + 1) * block_size)); rows
   are padded with the null block. New K/V are written at `slot_mapping` (block * block_size + offset; padding
@@ -73,17 +73,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def write_blocks(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
-    """cache [num_blocks, per_block, n_kv, D] <- x [B, S, n_kv, D] at flat slots `slot_mapping` [B, S], in place."""
-    per = cache.shape[1]
-    cache[slot_mapping // per, slot_mapping % per] = x.to(cache.dtype)
+    """cache [num_blocks, n_kv, per_block, D] <- x [B, S, n_kv, D] at flat slots `slot_mapping` [B, S], in place
+    (advanced indices around a slice: the value is [B, S, n_kv, D])."""
+    per = cache.shape[2]
+    cache[slot_mapping // per, :, slot_mapping % per] = x.to(cache.dtype)
 
 
 def read_blocks(cache: torch.Tensor, block_tables: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """The rows' first `kv_len` logical positions: cache [num_blocks, per_block, n_kv, D], block_tables [B, nb]
-    -> [B, n_kv, kv_len, D]."""
-    B = block_tables.shape[0]
-    rows = cache[block_tables]  # [B, nb, per_block, n_kv, D]
-    return rows.reshape(B, -1, *cache.shape[2:])[:, :kv_len].transpose(1, 2)
+    """The rows' first `kv_len` logical positions: cache [num_blocks, n_kv, per_block, D], block_tables [B, nb]
+    -> [B, n_kv, kv_len, D]. Each head's positions are contiguous within a block."""
+    B, nb = block_tables.shape
+    n_kv, per, D = cache.shape[1:]
+    rows = cache[block_tables].transpose(1, 2)  # [B, n_kv, nb, per_block, D]
+    return rows.reshape(B, n_kv, nb * per, D)[:, :, :kv_len]
 
 
 class TorchOps:
@@ -107,6 +109,17 @@ class TorchOps:
         gqa = bool(q.shape[1] != keys.shape[1])  # static per graph; bool(): jit.trace sizes are tensors
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], scale=scale,
                                               enable_gqa=gqa)  # [B, n_heads, S, D]
+
+    def attention_blocks(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+        """`attention` over each row's blocks: k_cache/v_cache [num_blocks, n_kv, block_size, D], block_tables
+        [B, nb], mask [B, S, kv_len] with kv_len <= nb * block_size. This default gathers the rows' first kv_len
+        positions and calls `attention`; ops that read the blocks in place override it."""
+        kv_len = mask.shape[-1]
+        keys = read_blocks(k_cache, block_tables, kv_len).to(q.dtype)  # [B, n_kv, kv_len, D]
+        values = read_blocks(v_cache, block_tables, kv_len).to(q.dtype)  # [B, n_kv, kv_len, D]
+        return self.attention(q, keys, values, positions, mask, scale)
 
 
 TORCH_OPS = TorchOps()
@@ -181,17 +194,15 @@ class Attention(nn.Module):
                    v_cache: torch.Tensor, kv_len: int) -> torch.Tensor:
         write_blocks(k_cache, slot_mapping, k)
         write_blocks(v_cache, slot_mapping, v)
-        keys = read_blocks(k_cache, block_tables, kv_len).to(q.dtype)  # [B, n_kv, kv_len, D]
-        values = read_blocks(v_cache, block_tables, kv_len).to(q.dtype)  # [B, n_kv, kv_len, D]
         mask = self._mask(torch.arange(kv_len, device=q.device), positions)  # [B, S, kv_len]
-        return self.ops.attention(q.transpose(1, 2), keys, values, positions, mask,
-                                  1.0 / math.sqrt(self.D))  # [B, n_heads, S, D]
+        return self.ops.attention_blocks(q.transpose(1, 2), k_cache, v_cache, block_tables, positions, mask,
+                                         1.0 / math.sqrt(self.D))  # [B, n_heads, S, D]
 
     def _seq_shard_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                              slot_mapping: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor, kv_len: int) -> torch.Tensor:
         g, j = self.kv_groups, self.group_rank
-        per = k_cache.shape[1]  # this rank's positions per block: block_size / g
+        per = k_cache.shape[2]  # this rank's positions per block: block_size / g
         bs = per * g
         off = slot_mapping % bs  # offset in the block; the block starts at a multiple of bs, so p % g == off % g
         # tokens owned by the other group ranks (and padding, in the null block already) write the null slot 0
@@ -286,8 +297,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def kv_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
-        """One layer's K (or V) block pool on this rank: [num_blocks, positions per block, n_kv_local, D]."""
-        return (num_blocks, self.layout.block_positions(block_size), self.layout.n_kv_local, self.cfg.head_dim)
+        """One layer's K (or V) block pool on this rank: [num_blocks, n_kv_local, positions per block, D]."""
+        return (num_blocks, self.layout.n_kv_local, self.layout.block_positions(block_size), self.cfg.head_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 block_tables: torch.Tensor, last_index: torch.Tensor, k_caches: list[torch.Tensor],

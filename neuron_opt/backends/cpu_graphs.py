@@ -30,9 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.export import Dim
 
+from models.llama import TorchOps
 from neuron_opt.backends.cpu_constants import (
     ConstantRecipe,
     capture_constants,
@@ -44,13 +46,17 @@ from neuron_opt.config import CacheConfig
 from neuron_opt.errors import BackendCompileError
 
 
-class DecodeAttention:
+class DecodeAttention(TorchOps):
     """Model ops for decode graphs (one query per row): attention written as broadcast products and sums that
     Inductor fuses into one loop nest reading the KV cache once (the GQA group's query heads share each K/V
     row), in the dtype of q. Norms delegate to `inner`; queries longer than 1 use `inner.attention` (SDPA).
+    Over the block pool (`attention_blocks`) the loop nest reads each row's blocks in place, indexed through its
+    block table, with the softmax taken over (block, position in block): no gathered copy of K/V.
 
     Why: aten's CPU flash attention does one gemv per head (MKL), after a gathered copy of K/V per layer; at
-    KV 512 the fused loop made bf16 decode 6-14% faster in two A/B runs (docs/cpu_backend.md).
+    KV 512 the fused loop made bf16 decode 6-14% faster in two A/B runs (docs/cpu_backend.md). Gathering the
+    blocks into a [B, n_kv, kv_len, D] view first cost 12-40% of a batch-16 decode step against reading them in
+    place (docs/cpu_backend.md).
     """
 
     def __init__(self, inner: Any) -> None:
@@ -69,6 +75,29 @@ class DecodeAttention:
         scores = (qg * keys[:, :, None].to(q.dtype)).sum(-1) * scale  # [B, n_kv, g, kv_len]
         p = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1)  # mask [B, 1, kv_len]
         out = (p[..., None] * values[:, :, None].to(q.dtype)).sum(-2)  # [B, n_kv, g, D]
+        return out.view(B, n_heads, 1, D)
+
+    def attention_blocks(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+        B, n_heads, S, D = q.shape
+        if S != 1:
+            return self.inner.attention_blocks(q, k_cache, v_cache, block_tables, positions, mask, scale)
+        nb = block_tables.shape[1]
+        n_kv, per = k_cache.shape[1], k_cache.shape[2]
+        g = n_heads // n_kv
+        if mask.shape[-1] != nb * per:  # the positions of the last block beyond kv_len: never visible
+            mask = F.pad(mask, (0, nb * per - mask.shape[-1]), value=False)
+        visible = mask.view(B, nb, 1, 1, per)  # [B, nb, 1, 1, per]
+        keys = k_cache[block_tables].to(q.dtype)  # [B, nb, n_kv, per, D], read in place by the fused loop
+        values = v_cache[block_tables].to(q.dtype)
+        qg = q.view(B, 1, n_kv, g, 1, D)
+        scores = (qg * keys[:, :, :, None]).sum(-1) * scale  # [B, nb, n_kv, g, per]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        m = scores.amax(dim=(1, 4), keepdim=True)  # [B, 1, n_kv, g, 1]
+        p = torch.exp(scores - m)
+        out = (p[..., None] * values[:, :, :, None]).sum(dim=(1, 4))  # [B, n_kv, g, D]
+        out = out / p.sum(dim=(1, 4))[..., None]
         return out.view(B, n_heads, 1, D)
 
 
@@ -90,7 +119,7 @@ class LayerGraph(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> torch.Tensor:
-        kv_len = block_tables.shape[1] * k_cache.shape[1]  # every position the blocks hold
+        kv_len = block_tables.shape[1] * k_cache.shape[2]  # every position the blocks hold
         return self.layer(x, cos, sin, positions, slot_mapping, block_tables, k_cache, v_cache, kv_len)
 
 

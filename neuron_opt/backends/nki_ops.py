@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from models.llama import TorchOps
 from neuron_opt.errors import KernelArgumentError
 
 
@@ -35,7 +36,7 @@ def _torch(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a)).to(like.dtype)
 
 
-class NkiSimOps:
+class NkiSimOps(TorchOps):
     """Attention and RMSNorm through `kernels_nki` (see the module docstring for when each kernel runs)."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

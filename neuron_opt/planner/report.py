@@ -47,7 +47,8 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
         f"of {m.host_capacity / GiB:.0f} GiB" + ("" if m.host_fits else "  -> NOT ENOUGH HOST RAM"),
         f"  largest batch at max_model_len {d.max_model_len}: {plan.largest_batch}; "
         f"largest max_model_len at batch {d.batch}: {plan.largest_length}",
-        f"  buckets: prefill {list(b.prefill_lens)}; decode batches {list(b.decode_batches)}"
+        f"  buckets: prefill {list(b.prefill_lens)}" + (f" x batch {b.prefill_batch}" if b.prefill_batch > 1 else "")
+        + f"; decode batches {list(b.decode_batches)}"
         f" x lengths {list(b.decode_kv_lens)}{verify[0]} ({len(graphs)} graphs{verify[1]})",
     ]
     over = layout_overhead(cfg, lay, d.dtype)

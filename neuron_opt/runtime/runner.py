@@ -127,12 +127,8 @@ class ModelRunner:
         each row's last token."""
         if not rows or len(rows) > self.buckets.prefill_batch:
             raise ValueError(f"prefill takes 1..{self.buckets.prefill_batch} rows, got {len(rows)}")
-        n_max = max(len(r.tokens) for r in rows)
-        start = max(r.start for r in rows)
-        reach = max(r.start + len(r.tokens) for r in rows)
-        bucket = pick_prefill(n_max, self.buckets, start)
-        if reach > bucket.kv_len:  # rows starting later than the longest one: a longer KV bucket
-            bucket = pick_prefill(n_max, self.buckets, reach - n_max)
+        # the longest row's tokens, from the latest start: every row's last position lies within the KV length
+        bucket = pick_prefill(max(len(r.tokens) for r in rows), self.buckets, max(r.start for r in rows))
         B, S = bucket.batch, bucket.tokens
         ids = torch.zeros(B, S, dtype=torch.long)
         pos = torch.zeros(B, S, dtype=torch.long)

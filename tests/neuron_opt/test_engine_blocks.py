@@ -40,10 +40,10 @@ def setup(tiny_dir):
     torch.set_num_threads(threads)
 
 
-def engine_for(model, ref, num_blocks: int = 0, **kw) -> Engine:
+def engine_for(model, ref, num_blocks: int = 0, prefill_batch: int = 1, **kw) -> Engine:
     cache = CacheConfig(max_batch=4, max_model_len=MAX_LEN, block_size=BS, num_blocks=num_blocks)
     buckets = BucketConfig.build(max_prompt_len=64, max_model_len=MAX_LEN, max_batch=4, min_prefill=16,
-                                 min_decode=16)
+                                 min_decode=16, prefill_batch=prefill_batch)
     runner = ModelRunner(EagerExecutor(model, cache), buckets, cache, ref.config.vocab_size)
     return Engine(runner, ref.tokenizer, ref.eos_token_ids, **kw)
 
@@ -52,7 +52,7 @@ def run(engine: Engine, prompts, params, stagger: int = 0) -> list[list[int]]:
     got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     pending = list(range(len(prompts)))
     for step in range(2000):
-        if pending and step >= stagger * (len(prompts) - len(pending)):  # arrivals spread over the run
+        while pending and step >= stagger * (len(prompts) - len(pending)):  # arrivals spread over the run
             i = pending.pop(0)
             engine.add_request(str(i), prompts[i], params[i],
                                lambda o, i=i: got[i].extend(o.new_token_ids))
@@ -76,6 +76,16 @@ def test_prefix_caching_and_chunked_prefill_change_no_output(setup, caching, chu
         assert stats.hits == 0
     if chunked:
         assert engine.stats.prefills > len(prompts)  # prompts ran as several chunks
+
+
+def test_batched_prefill_runs_several_chunks_per_call_and_changes_no_output(setup):
+    model, ref, prompts, params, want = setup
+    engine = engine_for(model, ref, prefill_batch=3, max_num_batched_tokens=160)
+    calls = []
+    inner = engine.runner.prefill_rows
+    engine.runner.prefill_rows = lambda rows, candidates=None: calls.append(len(rows)) or inner(rows, candidates)
+    assert run(engine, prompts, params) == want
+    assert max(calls) == 3 and engine.runner.last_bucket is not None
 
 
 def test_preempted_requests_finish_with_the_same_tokens(setup):
