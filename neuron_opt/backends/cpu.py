@@ -269,7 +269,13 @@ class CpuExecutor:
     def run(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
         layers, head = self._routes[bucket]
         pos, slots, tables = inputs.positions, inputs.slot_mapping, inputs.block_tables
-        if tables.shape[1] == 1:  # the graphs' block dimension starts at 2: a null-block column, masked
+        # the KV length is dynamic here: attend over the blocks the step's positions reach, not the bucket's (the
+        # bucket bounds the shape; positions past them are masked anyway). At least 2: the graphs' block dimension
+        # starts at 2, so a one-block table gets a null-block column (masked)
+        reach = int(pos.max()) // self.k_caches[0].shape[2] + 1
+        if tables.shape[1] > max(reach, 2):
+            tables = tables[:, :max(reach, 2)].contiguous()  # AOTI containers read inputs with contiguous strides
+        elif tables.shape[1] == 1:
             tables = torch.cat([tables, torch.zeros_like(tables)], dim=1)
         x = self._embed(inputs.input_ids).to(self.residual_dtype)  # [B, S, H]
         cos = self.rope_cos[pos].to(self.rope_dtype)[:, :, None, :]  # [B, S, 1, D]

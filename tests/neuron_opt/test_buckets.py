@@ -119,3 +119,25 @@ def test_retired_names_do_not_come_back():
             for p in sorted((root / pkg).rglob("*.py"))
             for i, line in enumerate(p.read_text().splitlines(), 1) if retired.search(line)]
     assert hits == []
+
+
+@given(st.lists(st.integers(1, 512), min_size=1, max_size=5, unique=True),
+       st.lists(st.integers(1, 2048), min_size=1, max_size=5, unique=True), st.integers(1, 600), st.integers(1, 2048))
+def test_offset_prefill_buckets_cover_every_prefill_after_cached_tokens(pf, dc, n, start):
+    """A prefill of n tokens from position `start` runs in a compiled bucket (offset or plain) whose tokens hold n
+    and whose KV length reaches start + n, the smallest such; without offset buckets it is refused."""
+    pf, dc = sorted(pf), sorted(dc)
+    cfg = BucketConfig(tuple(pf), (1,), tuple(dc))
+    compiled = set(cfg.buckets())
+    assert sum(b.phase == PREFILL and b.tokens != b.kv_len for b in compiled) == sum(k > s for s in pf for k in dc)
+    if n > pf[-1] or start + n > dc[-1] or max(n, min(s for s in pf if s >= n)) > dc[-1]:
+        with pytest.raises(BucketOverflowError):
+            pick_prefill(n, cfg, start)
+        return
+    b = pick_prefill(n, cfg, start)
+    assert b in compiled or (b.tokens == b.kv_len and b.kv_len in pf)
+    assert b.tokens >= n and b.kv_len >= start + n and b.kv_len >= b.tokens
+    assert not [s for s in pf if n <= s < b.tokens] and not [k for k in dc if max(b.tokens, start + n) <= k < b.kv_len]
+    with pytest.raises(BucketOverflowError, match="no offset prefill buckets"):
+        pick_prefill(n, BucketConfig(tuple(pf), (1,), tuple(dc), chunked_prefill=False), start)
+    assert Bucket.from_key(b.key) == b

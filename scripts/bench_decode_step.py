@@ -1,0 +1,64 @@
+"""Time one compiled decode step, executor only: the graph calls of `executor.run` on one prepared step, no
+input building, sampling or engine. For A/B runs between versions of this repository: run it from each checkout
+(`PYTHONPATH=<checkout>`) on an artifact that checkout compiled, alternating, in fresh processes.
+
+    python scripts/bench_decode_step.py ARTIFACT --batches 1,16 --positions 100,400 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("artifact")
+    p.add_argument("--batches", default="1,16", help="decode batch sizes")
+    p.add_argument("--positions", default="100,400", help="the position every row decodes at (its KV length - 1)")
+    p.add_argument("--repeats", type=int, default=40)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from neuron_opt.api import LLM
+    from neuron_opt.runtime.runner import DecodeRow
+
+    runner = LLM(args.artifact).runner
+    batches = [int(b) for b in args.batches.split(",")]
+    positions = [int(x) for x in args.positions.split(",")]
+    for s in range(max(batches)):
+        runner.prefill(s, list(range(100, 100 + min(positions))))
+    run = runner.executor.run
+    out = {}
+    for B in batches:
+        for pos in positions:
+            seen = {}
+
+            def spy(bucket, inputs, **kw):
+                seen["step"] = (bucket, inputs)
+                return run(bucket, inputs, **kw)
+
+            runner.executor.run = spy
+            runner.decode([DecodeRow(s, 5, pos) for s in range(B)])
+            runner.executor.run = run
+            bucket, inputs = seen["step"]
+            for _ in range(3):
+                run(bucket, inputs)
+            times = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                run(bucket, inputs)
+                times.append(time.perf_counter() - t0)
+            out[bucket.key] = round(1e3 * sorted(times)[len(times) // 2], 3)  # median ms
+    print(json.dumps(out) if args.json else "  ".join(f"{k}: {v} ms" for k, v in out.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
