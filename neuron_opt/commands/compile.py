@@ -38,7 +38,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", default="cpu", choices=BACKENDS)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="compute dtype (default: bfloat16 on CPUs with native bf16 and on Neuron, else float32)")
-    p.add_argument("--batch-size", type=int, default=1, help="KV slots = most sequences decoded together")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="most sequences decoded together (the largest decode batch); also sizes the default KV "
+                        "block pool")
     p.add_argument("--max-prompt-len", "--max-context", type=int, default=None,
                    help="longest prompt: the largest prefill bucket (--max-context: old spelling)")
     p.add_argument("--max-model-len", "--max-length", type=int, default=None,

@@ -31,7 +31,8 @@ def run(args: argparse.Namespace) -> int:
           f"{c.num_parameters() / 1e6:.1f}M params")
     print(f"  source: {m.source.get('model')} ({m.source.get('format')})")
     print(f"  backend: {m.backend}, dtype: {m.dtype}, tp: {m.parallel.tp}")
-    print(f"  cache: {m.cache.max_batch} sequence slot(s) (+1 scratch), max_model_len {m.cache.max_model_len}")
+    print(f"  cache: {m.cache.num_blocks} KV blocks of {m.cache.block_size} positions (the null block included), "
+          f"max_model_len {m.cache.max_model_len}, decode batch up to {m.cache.max_batch}")
     print(f"  KV geometry: {raw['kv_geometry']}")
     print(f"  prefill buckets: {list(m.buckets.prefill_lens)}")
     print(f"  decode buckets: batch {list(m.buckets.decode_batches)} x kv {list(m.buckets.decode_kv_lens)}")

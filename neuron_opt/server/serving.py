@@ -2,7 +2,7 @@
 
 Each request gets an asyncio.Queue; the engine thread feeds it with `loop.call_soon_threadsafe`. When the
 client goes away the response task is cancelled (streaming) or a watcher notices (non-streaming), and the
-request is aborted so that its KV slot is freed for the next request.
+request is aborted so that its KV blocks are freed for the next request.
 """
 
 from __future__ import annotations
