@@ -55,7 +55,8 @@ def test_json_with_tp(config_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     mem = out["memory_bytes"]
     norms = (2 * 32 + 1) * 4096  # RMSNorm weights are replicated; everything else splits exactly 8 ways
     assert mem["weights"] == 2 * (8_030_261_248 - norms) // 8 + 2 * norms
-    assert mem["kv_cache"] == 5 * 2048 * 16 * 1024  # 4+1 slots x 2048 x 16 KiB per token per rank
+    # 4 sequences of 2048 in blocks of 32, plus the null block, x 16 KiB per token per rank
+    assert mem["kv_cache"] == (4 * 2048 + 32) * 16 * 1024
     assert out["per_core_memory_gb"] == pytest.approx(mem["total"] / 1e9, abs=1e-3)
     assert out["per_core_capacity_gb"] == pytest.approx(16 * 2**30 / 1e9, abs=1e-3)
     assert 0 < out["tpot_ms"] < out["ttft_ms"]
@@ -118,7 +119,8 @@ def test_format_plan_table_for_compile() -> None:
     buckets = BucketConfig.build(max_prompt_len=256, max_model_len=512, max_batch=2)
     text = format_plan_table(cfg, ParallelConfig(tp=8), cache, buckets, "inf2.48xlarge")
     assert "tp 8" in text and "fits" in text
-    assert f"({len(buckets.buckets())} graphs)" in text
+    offset = sum(b.tokens != b.kv_len for b in buckets.buckets() if b.phase == "prefill")
+    assert offset == 3 and f"({len(buckets.buckets())} graphs, {offset} of them offset prefill)" in text
     cpu = format_plan_table(cfg, ParallelConfig(tp=1), cache, buckets, "cpu", dtype="float32")
     assert "per rank (host RAM shared by all ranks)" in cpu and "not modelled on cpu" in cpu
     assert f"{4 * 8_030_261_248 / 2**30:8.2f}" in cpu  # float32 weights, unsharded
