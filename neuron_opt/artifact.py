@@ -59,7 +59,7 @@ def kv_geometry(model_cfg: ModelConfig, par: ParallelConfig, cache: CacheConfig)
             "positions_per_block_per_rank": lay.block_positions(cache.block_size),
             "n_kv_heads_per_rank": lay.n_kv_local, "max_model_len": cache.max_model_len,
             "head_dim": model_cfg.head_dim, "dtype": cache.dtype,
-            "layout": "[num_blocks, positions_per_block_per_rank, n_kv_heads_per_rank, head_dim]"}
+            "layout": "[num_blocks, n_kv_heads_per_rank, positions_per_block_per_rank, head_dim]"}
 
 
 @dataclass(frozen=True)

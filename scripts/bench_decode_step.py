@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         for pos in positions:
             seen = {}
 
-            def spy(bucket, inputs, **kw):
+            def spy(bucket, inputs, seen=seen, **kw):
                 seen["step"] = (bucket, inputs)
                 return run(bucket, inputs, **kw)
 

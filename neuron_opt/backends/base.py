@@ -61,7 +61,7 @@ class Backend(Protocol):
 
 def allocate_kv(model: torch.nn.Module, cache: CacheConfig,
                 dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-layer K and V block pools [num_blocks, block_size (/ g), n_kv_local, D], zero-filled."""
+    """Per-layer K and V block pools [num_blocks, n_kv_local, block_size (/ g), D], zero-filled."""
     shape = model.kv_shape(cache.num_blocks, cache.block_size)
     L = len(model.model.layers)
     return [torch.zeros(shape, dtype=dtype) for _ in range(L)], [torch.zeros(shape, dtype=dtype) for _ in range(L)]

@@ -11,7 +11,7 @@ Design decisions (docs/neuron_backend.md has the sources and the alternatives we
   once, KV caches as device state updated in place and donated input -> output in every bucket's HLO.
 - Weights: `model.to(device)` once per rank at load; every bucket graph takes the same device buffers as
   parameters. `weights/rank{r}.safetensors` is the only copy on disk; HLO files hold no weights.
-- KV caches: block pools `[num_blocks, block_size, n_kv, D]` per layer (models/llama.py), allocated on the device
+- KV caches: block pools `[num_blocks, n_kv, block_size, D]` per layer (models/llama.py), allocated on the device
   once and shared by all buckets. The model writes new K/V at the step's slot mapping with an in-place
   index_put (a scatter in the HLO) and reads each row's blocks through its block table (a gather); torch-xla
   donates the cache buffers of every step (`buffer_donor` in the HLO module, InputOutputAliasCount in its

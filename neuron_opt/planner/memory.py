@@ -9,8 +9,8 @@ Design decisions:
   element plus one float32 scale per output channel; embeddings, LM head, norms and biases stay bfloat16.
 - Tied embeddings share one tensor on device: counted once.
 - The KV cache is a block pool sized for `batch` sequences of `max_model_len` (CacheConfig.num_blocks, plus one
-  null block that padded tokens write; counted as part of the batch's blocks here), [num_blocks, block_size,
-  n_kv_local, D] for K and V in every layer.
+  null block that padded tokens write; counted as part of the batch's blocks here), [num_blocks, n_kv_local,
+  block_size, D] for K and V in every layer.
 - Scratch is the live activation set of the largest graph (one graph runs at a time and the compiler reuses
   buffers layer to layer). Attention scores are counted as materialised in float32 because our graphs do not
   use a flash-attention kernel; this is an upper bound when one is used.
@@ -123,7 +123,7 @@ def layout_overhead(cfg: ModelConfig, lay: HeadLayout, dtype: str) -> LayoutOver
 
 
 def kv_bytes(cfg: ModelConfig, lay: HeadLayout, num_blocks: int, block_size: int, kv_dtype: str) -> int:
-    """One rank's KV block pool: K and V, every layer, [num_blocks, positions per block, n_kv_local, D].
+    """One rank's KV block pool: K and V, every layer, [num_blocks, n_kv_local, positions per block, D].
 
     Positions per block: block_size, or block_size / g under kv-seq-shard flash decoding (each of the g ranks of a
     KV group holds every g-th position; rounded up where g does not divide the block, which compile refuses).

@@ -47,6 +47,10 @@ def test_manifest_lists_every_file_with_sha256(artifact):
     assert raw["kv_geometry"]["num_blocks"] == 2 * 128 // 32 + 1 and raw["kv_geometry"]["max_model_len"] == 128
     assert {"neuron_opt", "torch", "transformers"} <= set(raw["versions"])
     assert not list(artifact.parent.glob(".tiny.tmp-*")), "temporary directory left behind"
+    # the geometry's layout names the block pool's dimensions in the order the executor allocates them
+    geo, loaded = raw["kv_geometry"], LLM(artifact)
+    names = geo["layout"].strip("[]").split(", ")
+    assert tuple(geo[n] for n in names) == tuple(loaded.runner.executor.k_caches[0].shape)
 
 
 def test_flipped_byte_in_weights_is_refused(artifact, tmp_path):

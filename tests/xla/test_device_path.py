@@ -149,7 +149,7 @@ def test_every_bucket_hlo_is_static_donates_every_kv_buffer_and_never_calls_the_
         assert header.startswith("HloModule neuron_opt_"), header[:80]
         donors = re.findall(r"\((\d+), \{\}\)", re.search(r"buffer_donor=\{(.*?)\}, entry", header).group(1))
         assert len(donors) == 2 * L  # every K and V cache buffer
-        kv = f"f32[{m.cache.num_blocks},{m.cache.block_size},2,16]"  # [num_blocks, block_size, n_kv, D]
+        kv = f"f32[{m.cache.num_blocks},2,{m.cache.block_size},16]"  # [num_blocks, n_kv, block_size, D]
         layout = re.search(r"entry_computation_layout=\{\((.*)\)->\((.*)\)\}", header)
         params = re.findall(r"[a-z0-9]+\[[^\]]*\]", layout.group(1))
         assert [i for i, p in enumerate(params) if p == kv] == sorted(int(d) for d in donors)
