@@ -49,9 +49,9 @@ from neuron_opt.errors import BackendCompileError
 class DecodeAttention(TorchOps):
     """Model ops for decode graphs (one query per row): attention written as broadcast products and sums that
     Inductor fuses into one loop nest reading the KV cache once (the GQA group's query heads share each K/V
-    row), in the dtype of q. Norms delegate to `inner`; queries longer than 1 use `inner.attention` (SDPA).
-    Over the block pool (`attention_blocks`) the loop nest reads each row's blocks in place, indexed through its
-    block table, with the softmax taken over (block, position in block): no gathered copy of K/V.
+    row), in the dtype of q. Norms delegate to `inner`; queries longer than 1 use `inner.attention_blocks`
+    (SDPA). The loop nest reads each row's KV blocks in place, indexed through its block table, with the softmax
+    taken over (block, position in block): no gathered copy of K/V. (The model calls only `attention_blocks`.)
 
     Why: aten's CPU flash attention does one gemv per head (MKL), after a gathered copy of K/V per layer; at
     KV 512 the fused loop made bf16 decode 6-14% faster in two A/B runs (docs/cpu_backend.md). Gathering the
@@ -64,18 +64,6 @@ class DecodeAttention(TorchOps):
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.inner.rms_norm(x, weight, eps)
-
-    def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                  mask: torch.Tensor, scale: float) -> torch.Tensor:
-        B, n_heads, S, D = q.shape
-        if S != 1:
-            return self.inner.attention(q, keys, values, positions, mask, scale)
-        n_kv = keys.shape[1]
-        qg = q.view(B, n_kv, n_heads // n_kv, 1, D)  # [B, n_kv, g, 1, D]
-        scores = (qg * keys[:, :, None].to(q.dtype)).sum(-1) * scale  # [B, n_kv, g, kv_len]
-        p = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1)  # mask [B, 1, kv_len]
-        out = (p[..., None] * values[:, :, None].to(q.dtype)).sum(-2)  # [B, n_kv, g, D]
-        return out.view(B, n_heads, 1, D)
 
     def attention_blocks(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,

@@ -351,14 +351,10 @@ def test_decode_attention_ops_match_an_fp64_reference(n_heads: int, n_kv: int, w
         mask = key_pos <= positions[:, :, None]  # [B, S, kv_len]
         if window is not None:
             mask &= key_pos > positions[:, :, None] - window
-        # as models.llama.Attention passes them: cache rows in q's dtype
-        got = DecodeAttention(TORCH_OPS).attention(q, k.float(), v.float(), positions, mask, 0.25)
         kd, vd = (t.double().repeat_interleave(n_heads // n_kv, dim=1) for t in (k, v))  # [B, n_heads, kv, D]
         scores = (q.double() @ kd.transpose(-1, -2) * 0.25).masked_fill(~mask[:, None], float("-inf"))
         want = scores.softmax(-1) @ vd  # [B, n_heads, S, D]
-        assert got.dtype == torch.float32
-        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
-        # the same K/V scattered into blocks of 8 (rows' tables in shuffled pool order, the last block partly
+        # the K/V scattered into blocks of 8 (rows' tables in shuffled pool order, the last block partly
         # beyond kv_len), read in place through the tables
         order = torch.randperm(2 * 6, generator=g) + 1
         pool_k = torch.zeros(13, n_kv, 8, 16, dtype=kv_dtype)
@@ -370,6 +366,7 @@ def test_decode_attention_ops_match_an_fp64_reference(n_heads: int, n_kv: int, w
                 pool_v[tables[b, i]] = v[b, :, 8 * i:8 * i + 8]
         pool_k[tables[:, 5]] = 7.0  # a block past kv_len: its scores must stay masked
         got = DecodeAttention(TORCH_OPS).attention_blocks(q, pool_k, pool_v, tables, positions, mask, 0.25)
+        assert got.dtype == torch.float32  # the pool's bf16 rows are read in q's dtype, as the model reads them
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ConfigError, match="attention must be one of"):
         CpuBackend(torch.bfloat16, {"attention": "fp16"})
