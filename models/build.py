@@ -13,8 +13,9 @@ import torch
 
 from models.llama import LlamaForCausalLM
 from models.registry import family_for
-from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
+from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, QuantConfig
 from neuron_opt.parallel import ParallelContext, head_layout
+from neuron_opt.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 _CLASSES: dict[str, type] = {"llama": LlamaForCausalLM}
 
@@ -23,18 +24,32 @@ def model_class(architecture: str) -> type:
     return _CLASSES[family_for(architecture)]
 
 
+def apply_quant_layout(model: torch.nn.Module, qc: QuantConfig | None) -> None:
+    """Give every decoder linear that `qc` converts a quantized weight in place of its float one (shapes only:
+    the caller loads the values). Embeddings and the LM head stay in the compute dtype."""
+    if qc is None or not qc.enabled:
+        return
+    for name, module in list(model.named_modules()):
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and name.startswith("model.layers.") \
+                and qc.converts(name):
+            module.quantize_as(qc)
+
+
 def rank_model_factory(cfg: ModelConfig, par: ParallelConfig, cache: CacheConfig, rank: int,
-                       dtype: torch.dtype, pctx: Any = None) -> Callable[[], torch.nn.Module]:
+                       dtype: torch.dtype, pctx: Any = None,
+                       quant: QuantConfig | None = None) -> Callable[[], torch.nn.Module]:
     """A zero-argument factory for rank `rank`'s model skeleton in `dtype`, its parameters allocated once in
     `dtype` and left uninitialised: the caller loads the weights (building in fp32 and casting would hold the
     rank's weights 3x over for a moment, which is what compile's host RAM is planned on).
 
-    `pctx`: the rank's ParallelContext (its collectives); default: no collectives, the layouts of `par`."""
+    `pctx`: the rank's ParallelContext (its collectives); default: no collectives, the layouts of `par`.
+    `quant`: the decoder linears hold quantized weights (models.build.apply_quant_layout)."""
 
     def make() -> torch.nn.Module:
         ctx = pctx if pctx is not None else ParallelContext(par.tp, rank, sequence_parallel=par.sequence_parallel)
         with torch.device("meta"):  # parameters take no memory yet; the rope tables are built on the CPU
             model = model_class(cfg.architecture)(cfg, head_layout(cfg, par), cache.max_model_len, ctx)
+            apply_quant_layout(model, quant)
         model = model.to(dtype)  # meta parameters change dtype for free; buffers are cast as before
         materialize_parameters(model)
         return model.eval()

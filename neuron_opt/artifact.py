@@ -15,6 +15,7 @@ geometry and raises `ArtifactError` naming what differs. Weights are read with s
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 
 from neuron_opt.buckets import Bucket, BucketConfig
-from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, torch_dtype
+from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, QuantConfig, torch_dtype
 from neuron_opt.errors import ArtifactError
 
 # 2: names of issue #17 item 13 (max_model_len, max_prompt_len, prefill_lens, decode_kv_lens); 3: block KV cache
@@ -75,6 +76,7 @@ class Manifest:
     files: dict[str, str]  # relative path -> sha256
     versions: dict[str, str]
     source: dict[str, Any]
+    quant: QuantConfig = QuantConfig()  # weight-only quantization of the decoder linears (none by default)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -82,7 +84,7 @@ class Manifest:
             "backend_options": self.backend_options, "model": self.model.to_dict(),
             "parallel": self.parallel.__dict__, "cache": self.cache.__dict__, "buckets": self.buckets.to_dict(),
             "kv_geometry": kv_geometry(self.model, self.parallel, self.cache), "graphs": self.graphs,
-            "source": self.source, "files": self.files,
+            "source": self.source, "files": self.files, "quant": dataclasses.asdict(self.quant),
         }
 
     @classmethod
@@ -90,7 +92,10 @@ class Manifest:
         return cls(model=ModelConfig.from_dict(d["model"]), parallel=ParallelConfig(**d["parallel"]),
                    cache=CacheConfig(**d["cache"]), buckets=BucketConfig.from_dict(d["buckets"]),
                    backend=d["backend"], dtype=d["dtype"], backend_options=d.get("backend_options", {}),
-                   graphs=d["graphs"], files=d["files"], versions=d["versions"], source=d.get("source", {}))
+                   graphs=d["graphs"], files=d["files"], versions=d["versions"], source=d.get("source", {}),
+                   quant=QuantConfig(**{**d.get("quant", {}),
+                                        "modules_to_not_convert": tuple(d.get("quant", {}).get(
+                                            "modules_to_not_convert", ()))}))
 
     def bucket_files(self, root: Path) -> dict[Bucket, list[Path]]:
         return {Bucket.from_key(k): [root / f for f in fs] for k, fs in self.graphs.items()}
@@ -208,7 +213,7 @@ def load_artifact(root: Path, verify_hashes: bool = True) -> LoadedArtifact:
         files = {b: [f for f in fs if f.relative_to(root).parts[:2] == ("graphs", "rank0")]
                  for b, fs in m.bucket_files(root).items()}
         executor = backend.load(files, root / "weights" / "rank0.safetensors",
-                                rank_model_factory(m.model, m.parallel, m.cache, 0, dtype), m.cache)
+                                rank_model_factory(m.model, m.parallel, m.cache, 0, dtype, quant=m.quant), m.cache)
     elif m.backend == "neuron":  # every rank in one SPMD program, collectives inside the graph
         from neuron_opt.parallel import ParallelContext
 
@@ -217,7 +222,8 @@ def load_artifact(root: Path, verify_hashes: bool = True) -> LoadedArtifact:
                  for b, fs in m.bucket_files(root).items()}
         comm = backend.rank_collectives(m.parallel.tp, 1)
         factories = [rank_model_factory(m.model, m.parallel, m.cache, r, dtype,
-                                        ParallelContext(m.parallel.tp, r, comm, m.parallel.sequence_parallel))
+                                        ParallelContext(m.parallel.tp, r, comm, m.parallel.sequence_parallel),
+                                        quant=m.quant)
                      for r in range(m.parallel.tp)]
         executor = backend.load(files, [root / "weights" / f"rank{r}.safetensors" for r in range(m.parallel.tp)],
                                 factories, m.cache)

@@ -65,13 +65,14 @@ class Checkpoint:
             sd = _gguf_state_dict_cached(self.source, self.config, envs.CACHE_DIR)
         return {k: v.to(dtype) for k, v in sd.items()}
 
-    def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, dtype: torch.dtype = torch.float32,
+                skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
         """The canonical weights one at a time, each cast to `dtype` (what `state_dict` holds all at once).
 
         `compile` streams these into each rank's model, so its host RAM holds the rank's weights plus one
         tensor in flight, never the whole checkpoint. safetensors files are read tensor by tensor (memory-mapped);
         a GGUF file is read from its dequantized fp32 cache, built on first use (that first build holds the
-        whole fp32 model once).
+        whole fp32 model once). Names in `skip` are not read (neuron_opt.gguf_quant reads those as stored).
         """
         from safetensors import safe_open
 
@@ -81,7 +82,7 @@ class Checkpoint:
             from neuron_opt import envs
 
             files = [_gguf_cache_file(self.source, self.config, envs.CACHE_DIR)]
-        wanted = set(expected_names(self.config))
+        wanted = set(expected_names(self.config)) - skip
         for f in files:
             with safe_open(str(f), framework="pt") as sf:
                 for name in sf.keys():

@@ -10,6 +10,7 @@ Steps
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from collections.abc import Callable
@@ -24,8 +25,10 @@ from neuron_opt import envs
 from neuron_opt.artifact import ArtifactWriter, Manifest, versions
 from neuron_opt.buckets import Bucket, BucketConfig
 from neuron_opt.compile_cache import CacheKey, CompileCache
-from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, torch_dtype
+from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, QuantConfig, torch_dtype
 from neuron_opt.errors import ConfigError
+from neuron_opt.kv_quant import CALIBRATION_TEXT, calibrate, fold
+from neuron_opt.quant import QuantTensor, check_uniform_layers
 
 # Seconds per distinct compiled graph of a 30-layer model, before this machine has measured its own: the cpu
 # figure was measured on a 2-core AVX-512 machine (SmolLM2-135M, docs/cpu_backend.md), the neuron one is
@@ -138,6 +141,11 @@ class CompileRequest:
     num_kv_blocks: int = 0  # 0: enough for batch_size sequences of max_model_len (CacheConfig)
     chunked_prefill: bool | None = None  # offset prefill buckets (prefix caching, chunked prefill); None: auto
     prefill_batch: int = 1
+    quantize: str | None = None  # int8 | int4 | fp8 | auto (a GGUF's own precision class); None: none
+    quantization_type: str = ""  # QuantConfig.quantization_type; "" = the method's default
+    group_size: int = 0  # int4 only; 0 = 32
+    modules_to_not_convert: tuple[str, ...] = ()
+    kv_cache_dtype: str = "auto"  # auto (the compute dtype) | fp8 (e4m3, scales folded into the weights)
 
 
 @dataclass
@@ -164,7 +172,13 @@ def plan_buckets(cfg: ModelConfig, req: CompileRequest) -> tuple[CacheConfig, Bu
                           "from position 0; compile with --no-chunked-prefill (prefix caching and chunked prefill "
                           "then stay off) or without ops=nki")
     chunked = not nki if req.chunked_prefill is None else req.chunked_prefill
-    cache = CacheConfig(max_batch=req.batch_size, max_model_len=max_model_len, dtype=req.dtype or "float32",
+    if req.kv_cache_dtype not in ("auto", "fp8"):
+        raise ConfigError(f"kv_cache_dtype: must be auto or fp8, got {req.kv_cache_dtype!r}")
+    if req.kv_cache_dtype == "fp8" and nki:
+        raise ConfigError("kv_cache_dtype: fp8 is not read by the NKI attention kernels yet; compile without "
+                          "ops=nki")
+    kv_dtype = "float8_e4m3fn" if req.kv_cache_dtype == "fp8" else (req.dtype or "float32")
+    cache = CacheConfig(max_batch=req.batch_size, max_model_len=max_model_len, dtype=kv_dtype,
                         block_size=req.block_size, num_blocks=req.num_kv_blocks)
     buckets = BucketConfig.build(max_prompt_len=max_prompt_len, max_model_len=max_model_len,
                                  max_batch=req.batch_size, prefill_lens=req.prefill_buckets,
@@ -220,7 +234,8 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
     cache_cfg, buckets = plan_buckets(cfg, req)
     par = req.parallel
     timings_dir = req.cache_dir or envs.CACHE_DIR / "compile"
-    log(format_plan(cfg, par, cache_cfg, buckets, req.backend, dtype_name, timings_dir))
+    qc, stored = resolve_quant(req, ckpt)
+    log(format_plan(cfg, par, cache_cfg, buckets, req.backend, qc.method or dtype_name, timings_dir))
     dtype = torch_dtype(dtype_name)
     lay = head_layout(cfg, par)
     if req.backend == "neuron" and par.tp > 1:  # before the runtime starts: a layout error is a config error
@@ -246,16 +261,35 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
             "model": cfg.to_dict(), "parallel": asdict(par),
             "cache": asdict(cache_cfg), "bucket": bucket.key, "rank": rank, "backend": req.backend,
             "backend_options": req.backend_options, "dtype": dtype_name, "versions": versions(),
-            "code": code,
+            "code": code, "quant": asdict(qc),
         })
+
+    def canonical() -> Any:
+        """The checkpoint's tensors one at a time: GGUF int4 linears as stored when kept, else floats."""
+        if stored:
+            from neuron_opt.gguf_quant import stored_tensors
+
+            return stored_tensors(ckpt, dtype)
+        return ckpt.tensors(dtype)
+
+    kv_scales = None
+    if cache_cfg.dtype == "float8_e4m3fn":
+        kv_scales = _calibrate_kv(cfg, cache_cfg, dtype, qc, canonical(), tokenizer, ckpt.source)
+        log(f"  fp8 KV cache: per-layer scales calibrated on {len(tokenizer.encode(CALIBRATION_TEXT))} tokens "
+            f"(K {min(kv_scales[0]):.3g}..{max(kv_scales[0]):.3g}, V {min(kv_scales[1]):.3g}.."
+            f"{max(kv_scales[1]):.3g}), folded into q/k/v/o")
 
     def build_rank(rank: int, comm: Any) -> torch.nn.Module:
         """The rank's model in `dtype`, its weights streamed from the checkpoint one tensor at a time (host RAM:
-        this rank's weights plus one tensor in flight, never the checkpoint; planner.memory.plan_memory)."""
+        this rank's weights plus one tensor in flight, never the checkpoint; planner.memory.plan_memory).
+        Quantized layers quantize each tensor as it arrives; fp8 KV scales are folded in first (kv_quant)."""
         pctx = None if comm is None else ParallelContext(par.tp, rank, comm, par.sequence_parallel)
-        model = rank_model_factory(cfg, par, cache_cfg, rank, dtype, pctx)()
-        load_weights_streamed(model, ((n, shard_tensor(n, w, cfg, lay, rank)) for n, w in ckpt.tensors(dtype)),
-                              f"{ckpt.source} (rank {rank} shard)")
+        model = rank_model_factory(cfg, par, cache_cfg, rank, dtype, pctx, quant=qc)()
+        tensors = canonical() if kv_scales is None else fold(canonical(), *kv_scales)
+        load_weights_streamed(model, ((n, w if isinstance(w, QuantTensor) else shard_tensor(n, w, cfg, lay, rank))
+                                      for n, w in tensors), f"{ckpt.source} (rank {rank} shard)")
+        if req.backend == "cpu":
+            check_uniform_layers(model)
         return model
 
     # a backend whose graphs hold the collectives builds every rank into one SPMD program (neuron: XLA ops);
@@ -287,12 +321,59 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
         tokenizer.save_pretrained(writer.path("tokenizer"))
         manifest = writer.commit(dict(
             model=cfg, parallel=par, cache=cache_cfg, buckets=buckets, backend=req.backend, dtype=dtype_name,
-            backend_options=req.backend_options, graphs=graphs,
+            backend_options=req.backend_options, graphs=graphs, quant=qc,
             source={"model": str(ckpt.source), "format": ckpt.format, "weights_sha256": fingerprint}))
     except BaseException:
         writer.abort()
         raise
     return CompileReport(manifest, hits, misses, time.perf_counter() - t0)
+
+
+def resolve_quant(req: CompileRequest, ckpt: Any) -> tuple[QuantConfig, bool]:
+    """(the QuantConfig `req` asks for, whether a GGUF's int4 linears are kept as stored).
+
+    `--quantize auto` takes the checkpoint's own precision class (neuron_opt.gguf_quant.native_quant): a Q4_0/Q4_1
+    GGUF keeps its blocks as they are, a Q8_0 one becomes per-channel int8, anything else stays unquantized. An
+    explicit method quantizes the float weights at compile time; so does int4 with another group size or type
+    than the file's. Stored blocks are per output channel, so any tp could shard them; compile keeps them only at
+    tp=1 (at tp>1 the float weights are sharded and quantized per rank)."""
+    from neuron_opt.gguf_quant import native_quant
+
+    if req.quantize is None:
+        if req.modules_to_not_convert or req.quantization_type or req.group_size:
+            raise ConfigError("quantization_type/group_size/modules_to_not_convert: need --quantize")
+        return QuantConfig(), False
+    native = native_quant(ckpt)
+    if req.quantize == "auto":
+        if req.quantization_type or req.group_size:
+            raise ConfigError("quantize auto: takes the checkpoint's own format; drop --quantization-type and "
+                              "--group-size, or name a method")
+        qc = dataclasses.replace(native, modules_to_not_convert=tuple(req.modules_to_not_convert)) \
+            if native.enabled else native
+        if req.modules_to_not_convert and not native.enabled:
+            raise ConfigError(f"quantize auto: {ckpt.source} is not quantized; modules_to_not_convert needs a method")
+    else:
+        qc = QuantConfig(req.quantize, req.quantization_type, req.group_size, tuple(req.modules_to_not_convert))
+    if qc.method == "fp8" and req.backend == "cpu":
+        raise ConfigError("quantize: fp8 weights have no CPU kernel; use --quantize int8 or int4 on the cpu "
+                          "backend (fp8 is a device format: --backend neuron, or eager for a reference)")
+    keep = (native.source == "gguf" and qc.method == native.method and qc.group_size == native.group_size
+            and qc.quantization_type == native.quantization_type and req.parallel.tp == 1)
+    return (dataclasses.replace(qc, source="gguf" if keep else ""), keep)
+
+
+def _calibrate_kv(cfg: ModelConfig, cache_cfg: CacheConfig, dtype: torch.dtype, qc: QuantConfig, tensors: Any,
+                  tokenizer: Any, source: Any) -> tuple[list[float], list[float]]:
+    """Per-layer fp8 KV scales from the tp=1 model as it will run (quantized if asked), in `dtype`."""
+    from neuron_opt.backends.eager import load_weights_streamed
+
+    calib_cache = dataclasses.replace(cache_cfg, dtype=str(dtype).removeprefix("torch."), max_batch=1,
+                                      num_blocks=0)
+    model = rank_model_factory(cfg, ParallelConfig(), calib_cache, 0, dtype, quant=qc)()
+    load_weights_streamed(model, tensors, f"{source} (fp8 KV calibration)")
+    # modulo: only test checkpoints have a vocabulary smaller than their tokenizer's
+    ids = [i % cfg.vocab_size for i in tokenizer.encode(CALIBRATION_TEXT)[: cache_cfg.max_model_len]]
+    return calibrate(model, ids, cache_cfg.block_size)
 
 
 def _compile_one(backend: Any, model: torch.nn.Module | list[torch.nn.Module], bucket: Bucket,

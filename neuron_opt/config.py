@@ -20,14 +20,17 @@ from typing import Any
 from neuron_opt.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = DTYPES + ("float8_e4m3fn",)  # fp8 e4m3: `compile --kv-cache-dtype fp8`
+QUANT_METHODS = ("int8", "int4", "fp8")
+QUANT_TYPES = ("per_channel_symmetric", "per_tensor_symmetric", "group_asymmetric", "group_symmetric")
 
 
 def torch_dtype(name: str) -> Any:
-    """The torch dtype named `name` (one of DTYPES); torch is imported here, not when config is."""
+    """The torch dtype named `name` (one of KV_CACHE_DTYPES); torch is imported here, not when config is."""
     import torch
 
-    if name not in DTYPES:
-        raise ConfigError(f"dtype: must be one of {', '.join(DTYPES)}; got {name!r}")
+    if name not in KV_CACHE_DTYPES:
+        raise ConfigError(f"dtype: must be one of {', '.join(KV_CACHE_DTYPES)}; got {name!r}")
     return getattr(torch, name)
 
 
@@ -205,6 +208,55 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class QuantConfig:
+    """Weight-only quantization of the decoder's seven linear projections (neuron_opt.quant has the formats).
+
+    `method` None: no quantization. int8 and fp8 (e4m3) take `per_channel_symmetric` (default) or
+    `per_tensor_symmetric`; int4 takes `group_asymmetric` (default: a scale and an offset per group of
+    `group_size` input features, as GGUF's Q4_1) or `group_symmetric` (Q4_0). `modules_to_not_convert`: module
+    names (substring match on the full name, as NxDI and HF do) left in the compute dtype. Embeddings and the LM
+    head are never quantized. `source`: "gguf" when the int4 values and scales were taken from the checkpoint's
+    own blocks as stored, "" when compile quantized them.
+    """
+
+    method: str | None = None
+    quantization_type: str = ""
+    group_size: int = 0
+    modules_to_not_convert: tuple[str, ...] = ()
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.method is None:
+            _check(not self.modules_to_not_convert, "modules_to_not_convert", "needs a quantization method")
+            return
+        _check(self.method in QUANT_METHODS, "quantize", f"must be one of {', '.join(QUANT_METHODS)}; "
+               f"got {self.method!r}")
+        qtype = self.quantization_type or ("group_asymmetric" if self.method == "int4" else "per_channel_symmetric")
+        object.__setattr__(self, "quantization_type", qtype)
+        _check(qtype in QUANT_TYPES, "quantization_type", f"must be one of {', '.join(QUANT_TYPES)}; got {qtype!r}")
+        grouped = qtype.startswith("group_")
+        _check(grouped == (self.method == "int4"), "quantization_type",
+               f"{qtype} does not apply to {self.method}: int4 is group-wise (group_asymmetric, group_symmetric), "
+               "int8 and fp8 are per_channel_symmetric or per_tensor_symmetric")
+        if grouped:
+            size = self.group_size or 32
+            object.__setattr__(self, "group_size", size)
+            _check(size in (32, 64, 128, 256), "group_size", f"must be 32, 64, 128 or 256, got {size}")
+        else:
+            _check(self.group_size == 0, "group_size", f"applies to int4 only, got {self.group_size} for "
+                   f"{self.method}")
+        object.__setattr__(self, "modules_to_not_convert", tuple(self.modules_to_not_convert))
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+    def converts(self, module_name: str) -> bool:
+        """Whether the linear named `module_name` (e.g. model.layers.3.mlp.up_proj) is quantized."""
+        return self.enabled and not any(key in module_name for key in self.modules_to_not_convert)
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     """KV cache geometry: a pool of `num_blocks` blocks of `block_size` positions, shared by every sequence.
 
@@ -223,7 +275,8 @@ class CacheConfig:
     def __post_init__(self) -> None:
         _check(self.max_batch >= 1, "max_batch", f"must be >= 1, got {self.max_batch}")
         _check(self.max_model_len >= 1, "max_model_len", f"must be >= 1, got {self.max_model_len}")
-        _check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        _check(self.dtype in KV_CACHE_DTYPES, "dtype",
+               f"must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.dtype!r}")
         _check(self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
         if self.num_blocks == 0:
             object.__setattr__(self, "num_blocks", self.max_batch * self.blocks_per_sequence + 1)

@@ -59,9 +59,16 @@ class Backend(Protocol):
         ...
 
 
+def kv_dtype(cache: CacheConfig, compute: torch.dtype) -> torch.dtype:
+    """The KV pools' dtype: fp8 e4m3 under `--kv-cache-dtype fp8`, else the compute dtype."""
+    return torch.float8_e4m3fn if cache.dtype == "float8_e4m3fn" else compute
+
+
 def allocate_kv(model: torch.nn.Module, cache: CacheConfig,
                 dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-layer K and V block pools [num_blocks, n_kv_local, block_size (/ g), D], zero-filled."""
+    """Per-layer K and V block pools [num_blocks, n_kv_local, block_size (/ g), D], zero-filled, in `dtype` (the
+    compute dtype) or in fp8 e4m3 when the cache config says so."""
+    dtype = kv_dtype(cache, dtype)
     shape = model.kv_shape(cache.num_blocks, cache.block_size)
     L = len(model.model.layers)
     return [torch.zeros(shape, dtype=dtype) for _ in range(L)], [torch.zeros(shape, dtype=dtype) for _ in range(L)]

@@ -39,6 +39,7 @@ from neuron_opt.backends.eager import load_model_weights, model_state_for_save
 from neuron_opt.buckets import DECODE, Bucket
 from neuron_opt.config import CacheConfig
 from neuron_opt.errors import ArtifactError, ConfigError
+from neuron_opt.quant import quantized_modules, use_cpu_kernels
 
 # 2: recipes name several sources (fused projections), heads may take their weight as an input; 3: max_model_len;
 # 4: block KV cache (slot mapping and block tables)
@@ -124,8 +125,8 @@ class CpuBackend:
         args, dyn = layer_example(model, bucket, cache, self.dtype, self.residual_dtype, self.rope_dtype)
         decode_attention = bucket.phase == DECODE and self.options["decode_attention"] == "fused"
         layer = LayerGraph(model.model.layers[0], self.dtype, decode_attention)
-        recipes = compile_graph(layer, args, dyn, self.options["gemm"], so, f"cpu layer graph for {bucket.key}",
-                                self.options["fuse_projections"] == "on")
+        recipes = compile_graph(layer, args, dyn, layer_gemm(layer, self.options["gemm"]), so,
+                                f"cpu layer graph for {bucket.key}", self.options["fuse_projections"] == "on")
         return {"kind": "layer", "phase": bucket.phase, "batch": bucket.batch, "num_blocks": cache.num_blocks,
                 "block_size": cache.block_size, "constants": {k: r.to_dict() for k, r in recipes.items()}}
 
@@ -141,16 +142,24 @@ class CpuBackend:
                 "constants": {k: r.to_dict() for k, r in recipes.items()}}
 
     def save_weights(self, model: torch.nn.Module, path: Path) -> None:
-        save_file({k: v.to(self.dtype) if v.is_floating_point() else v for k, v in model_state_for_save(model).items()},
-                  str(path))
+        # quantized weights keep their stored dtypes (fp8 values, fp32 scales)
+        save_file({k: v.to(self.dtype) if v.is_floating_point() and ".quant." not in k else v
+                   for k, v in model_state_for_save(model).items()}, str(path))
 
     def load(self, graph_files: dict[Bucket, list[Path]], weights_path: Path, model_factory: ModelFactory,
              cache: CacheConfig) -> CpuExecutor:
         """graph_files: absolute paths (or paths relative to the working directory) of each bucket's files."""
         model = model_factory()
         load_model_weights(model, weights_path)
+        use_cpu_kernels(model)  # the layouts the graphs were compiled on (LayerGraph does the same)
         return CpuExecutor(model.to(self.dtype).eval(), graph_files, cache, self.dtype, self.residual_dtype,
                            self.rope_dtype)
+
+
+def layer_gemm(layer: torch.nn.Module, gemm: str) -> str:
+    """int4 layers compile with gemm "aten": torch's int4 CPU kernel is an extern call either way, and Inductor's
+    freezing path fails on its constants' module paths (torch 2.13: "no attribute 'layer.self_attn...'")."""
+    return "aten" if any(m.method == "int4" for m in quantized_modules(layer).values()) else gemm
 
 
 class _WeightStore:
@@ -169,7 +178,7 @@ class _WeightStore:
     def get(self, fqns: tuple[str, ...], r: ConstantRecipe) -> torch.Tensor:
         if r.op == "onednn":
             r = ConstantRecipe(r.sources, r.op, batch=ONEDNN_SHARED_BATCH)
-        key = (fqns, ConstantRecipe((), r.op, r.block_n, r.vnni, r.batch))
+        key = (fqns, ConstantRecipe((), r.op, r.block_n, r.vnni, r.batch, r.literal))
         if key not in self.built:
             missing = [f for f in fqns if f not in self.tensors]
             if missing:

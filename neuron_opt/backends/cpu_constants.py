@@ -28,7 +28,7 @@ from torch import nn
 
 from neuron_opt.errors import BackendCompileError
 
-PACK_OPS = ("identity", "pack", "onednn")
+PACK_OPS = ("identity", "pack", "onednn", "literal")
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,8 @@ class ConstantRecipe:
         block_n: "pack": block along N (output features).
         vnni: "pack": VNNI interleave along K (0 = none, 2 or 4).
         batch: "onednn": the batch (M) hint oneDNN chose its layout for.
+        literal: "literal" (no sources): a 0-d int64 constant the lowering itself made, e.g. the group size Inductor
+            turns into a tensor for torch's int4 CPU kernel.
     """
 
     sources: tuple[str, ...]
@@ -51,6 +53,7 @@ class ConstantRecipe:
     block_n: int = 0
     vnni: int = 0
     batch: int = 0
+    literal: int = 0
 
     def __post_init__(self) -> None:
         assert self.op in PACK_OPS, self.op
@@ -61,7 +64,7 @@ class ConstantRecipe:
     @classmethod
     def from_dict(cls, d: dict) -> ConstantRecipe:
         return cls(tuple(str(s) for s in d["sources"]), str(d["op"]), int(d.get("block_n", 0)),
-                   int(d.get("vnni", 0)), int(d.get("batch", 0)))
+                   int(d.get("vnni", 0)), int(d.get("batch", 0)), int(d.get("literal", 0)))
 
 
 def pack_weight(w: torch.Tensor, block_n: int, vnni: int) -> torch.Tensor:
@@ -83,6 +86,8 @@ def pack_weight(w: torch.Tensor, block_n: int, vnni: int) -> torch.Tensor:
 
 def build_constant(parts: list[torch.Tensor], r: ConstantRecipe) -> torch.Tensor:
     """The constant `r` describes, from its source tensors (in `r.sources` order)."""
+    if r.op == "literal":
+        return torch.tensor(r.literal, dtype=torch.int64)
     t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     if r.op == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(t, r.batch)
@@ -95,7 +100,11 @@ def placeholder_copy(module: nn.Module, seed: int) -> nn.Module:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in mod.parameters():
-            p.copy_(torch.randn(p.shape, generator=g).to(p.dtype))
+            if p.dtype.is_floating_point:
+                p.copy_(torch.randn(p.shape, generator=g).to(p.dtype))
+            else:  # quantized values: uniform over the dtype's range (distinct tensors, no uniform constant)
+                lo, hi = (-128, 128) if p.dtype == torch.int8 else (0, 256)
+                p.copy_(torch.randint(lo, hi, p.shape, generator=g, dtype=torch.int32).to(p.dtype))
     return mod
 
 
@@ -154,6 +163,8 @@ def unpack_weight(b: torch.Tensor, vnni: int) -> torch.Tensor:
 
 
 def _find(c: torch.Tensor, named: dict[str, torch.Tensor], onednn_batch: int) -> ConstantRecipe | None:
+    if c.dim() == 0 and c.dtype == torch.int64:  # no model tensor is 0-d: a literal of the lowering
+        return ConstantRecipe((), "literal", literal=int(c))
     if c.is_mkldnn:  # an opaque oneDNN weight: its logical value names the source(s), the batch hint its layout
         sources = _rows_of(c.to_dense(), named)
         return ConstantRecipe(sources, "onednn", batch=onednn_batch) if sources else None

@@ -35,6 +35,7 @@ from torch import nn
 from torch.export import Dim
 
 from models.llama import TorchOps
+from neuron_opt.backends.base import kv_dtype
 from neuron_opt.backends.cpu_constants import (
     ConstantRecipe,
     capture_constants,
@@ -44,6 +45,7 @@ from neuron_opt.backends.cpu_constants import (
 from neuron_opt.buckets import PREFILL, VERIFY, Bucket
 from neuron_opt.config import CacheConfig
 from neuron_opt.errors import BackendCompileError
+from neuron_opt.quant import use_cpu_kernels
 
 
 class DecodeAttention(TorchOps):
@@ -100,6 +102,7 @@ class LayerGraph(nn.Module):
     def __init__(self, layer: nn.Module, dtype: torch.dtype, decode_attention: bool) -> None:
         super().__init__()
         self.layer = copy.deepcopy(layer).to(dtype)
+        use_cpu_kernels(self.layer)  # quantized linears: torch's CPU weight-only kernels (neuron_opt.quant)
         if decode_attention:
             attn = self.layer.self_attn
             attn.ops = DecodeAttention(attn.ops)
@@ -158,8 +161,8 @@ def layer_example(model: nn.Module, bucket: Bucket, cache: CacheConfig, dtype: t
     H, D = model.cfg.hidden_size, model.cfg.head_dim
     bs = cache.block_size
     nb = max(2, -(-bucket.kv_len // bs))
-    k = torch.zeros(model.kv_shape(cache.num_blocks, bs), dtype=dtype)
-    v = torch.zeros(model.kv_shape(cache.num_blocks, bs), dtype=dtype)
+    k = torch.zeros(model.kv_shape(cache.num_blocks, bs), dtype=kv_dtype(cache, dtype))
+    v = torch.zeros(model.kv_shape(cache.num_blocks, bs), dtype=kv_dtype(cache, dtype))
     positions = torch.arange(nb * bs - S, nb * bs).expand(B, S).contiguous()
     tables = (torch.arange(B * nb).view(B, nb) % (cache.num_blocks - 1)) + 1
     slots = tables[:, -1:] * bs + positions % bs

@@ -11,10 +11,12 @@ from safetensors.torch import load_file, save_file
 from neuron_opt.backends.base import ModelFactory, StepInputs, allocate_kv
 from neuron_opt.buckets import Bucket
 from neuron_opt.config import CacheConfig
+from neuron_opt.quant import QuantTensor, quantized_modules
 
 
 def model_state_for_save(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """State dict without tied duplicates (safetensors refuses shared storage) and without derived buffers."""
+    """State dict without tied duplicates (safetensors refuses shared storage) and without derived buffers.
+    Quantized weights are saved in their stored format (`X.quant.qweight`, `.scale`, `.offset`)."""
     sd = model.state_dict()
     if model.cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
@@ -32,10 +34,22 @@ def load_weights_streamed(model: torch.nn.Module, tensors: Iterable[tuple[str, t
     only one tensor is in flight. The same checks: every parameter loaded (a tied LM head may be absent), no
     unknown name, shapes equal."""
     params = dict(model.named_parameters(remove_duplicate=False))  # a tied LM head appears under both names
+    quantized = quantized_modules(model)  # a float or quantized `X.weight` fills X's quantized weight
     seen: set[str] = set()
     unexpected: list[str] = []
     with torch.no_grad():
         for name, w in tensors:
+            q = quantized.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
+            if q is not None:
+                try:
+                    q.load(w)
+                except ValueError as e:
+                    raise ValueError(f"{source}: {name}: {e}") from None
+                seen.update(f"{name.removesuffix('.weight')}.quant.{part}" for part in q.stored().parts())
+                continue
+            if isinstance(w, QuantTensor):
+                raise ValueError(f"{source}: {name} is stored quantized ({w.method}) but the model's layer is not; "
+                                 "compile with --quantize auto to keep it quantized")
             p = params.get(name)
             if p is None:
                 unexpected.append(name)

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from neuron_opt.backends.base import ModelFactory, StepInputs
+from neuron_opt.backends.base import ModelFactory, StepInputs, kv_dtype
 from neuron_opt.backends.eager import load_model_weights, model_state_for_save
 from neuron_opt.buckets import Bucket
 from neuron_opt.config import CacheConfig
@@ -363,7 +363,7 @@ class SpmdRanks(DeviceProgram):
                        for n in per_rank[0]}
         self.buffers = {n: b.to(self.device) for n, b in self.skeleton.named_buffers()}  # replicated
         self.rank_ids = self._shard(torch.arange(tp, dtype=torch.int32).to(self.device))
-        dtype = next(models[0].parameters()).dtype
+        dtype = kv_dtype(cache, models[0].model.embed_tokens.weight.dtype)
         shape = (tp, *models[0].kv_shape(cache.num_blocks, cache.block_size))
         L = len(self.skeleton.model.layers)
         self.k_caches = [self._shard(torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(L)]
@@ -440,6 +440,7 @@ class DeviceRank(DeviceProgram):
         self.model.tie_weights()
         shape = model.kv_shape(cache.num_blocks, cache.block_size)
         L = len(model.model.layers)
+        dtype = kv_dtype(cache, dtype)
         self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(L)]
         self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(L)]
         xla.sync()  # materialise weights and caches now, not inside the first step's graph

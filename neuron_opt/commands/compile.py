@@ -63,6 +63,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "ops=nki, whose kernels assume a prompt from position 0)")
     p.add_argument("--prefill-batch", type=int, default=1, metavar="N",
                    help="prompts (or chunks) prefilled together in one graph call (default 1)")
+    p.add_argument("--quantize", default=None, choices=["int8", "int4", "fp8", "auto"],
+                   help="weight-only quantization of the decoder's linear projections (docs/quantization.md): "
+                        "int8/fp8 per channel, int4 per group; auto keeps a GGUF's own format (Q4_0/Q4_1 as "
+                        "stored, Q8_0 as int8). Embeddings and the LM head stay in --dtype. fp8: neuron/eager")
+    p.add_argument("--quantization-type", default="",
+                   choices=["", "per_channel_symmetric", "per_tensor_symmetric", "group_asymmetric",
+                            "group_symmetric"],
+                   help="int8/fp8: per_channel_symmetric (default) or per_tensor_symmetric; int4: "
+                        "group_asymmetric (default, as Q4_1) or group_symmetric (as Q4_0)")
+    p.add_argument("--group-size", type=int, default=0, help="int4 group size: 32 (default), 64, 128 or 256")
+    p.add_argument("--modules-to-not-convert", default="", metavar="NAMES",
+                   help="comma list of module names left unquantized (substring match, as NxDI), e.g. "
+                        "mlp.down_proj")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="auto: the compute dtype; fp8: e4m3 with per-layer scales calibrated at compile time")
     p.add_argument("--backend-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
                    help="a backend option (repeatable; see docs/cpu_backend.md and docs/neuron_backend.md), "
                         "e.g. replay=false or compiler_args='-O2'")
@@ -99,7 +114,10 @@ def run(args: argparse.Namespace) -> int:
         decode_buckets=args.decode_buckets, decode_batches=args.decode_batches, parallel=_parallel_config(args),
         backend_options=dict(args.backend_option), use_cache=not args.no_cache,
         num_speculative_tokens=args.num_speculative_tokens, block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks, chunked_prefill=args.chunked_prefill, prefill_batch=args.prefill_batch)
+        num_kv_blocks=args.num_kv_blocks, chunked_prefill=args.chunked_prefill, prefill_batch=args.prefill_batch,
+        quantize=args.quantize, quantization_type=args.quantization_type, group_size=args.group_size,
+        modules_to_not_convert=tuple(m.strip() for m in args.modules_to_not_convert.split(",") if m.strip()),
+        kv_cache_dtype=args.kv_cache_dtype)
     report = compile_artifact(req)
     print(f"compile cache: {len(report.hits)} hit(s), {len(report.misses)} miss(es)")
     for label, why in report.misses.items():

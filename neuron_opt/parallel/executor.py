@@ -195,5 +195,5 @@ def launch_tp_executor(root: Path, manifest: Any) -> TPExecutor:
     the model eagerly with gloo collectives."""
     m = manifest
     spec = RankSpec(m.model, m.parallel, m.cache, str(Path(root) / "weights"), m.dtype,
-                    threads_per_rank=default_threads(m.parallel.tp))
+                    threads_per_rank=default_threads(m.parallel.tp), quant=m.quant)
     return TPExecutor(spec)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
+from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, QuantConfig
 from neuron_opt.parallel.sharding import HeadLayout, head_layout, shard_state_dict
 
 
@@ -36,6 +36,7 @@ class RankSpec:
     dtype: str = "float32"
     collective_timeout_s: float = 60.0
     threads_per_rank: int = 1
+    quant: QuantConfig | None = None  # quantized decoder linears (models.build.apply_quant_layout)
 
     @property
     def layout(self) -> HeadLayout:

@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from neuron_opt.config import QuantConfig
 from neuron_opt.parallel.context import ParallelContext
+from neuron_opt.quant import QuantizedWeight
 
 
 def seq_scatter(x: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
@@ -35,17 +37,36 @@ def seq_gather(x: torch.Tensor, pctx: ParallelContext, seq: int) -> torch.Tensor
     return pctx.comm.all_gather(x, dim=1)[:, :seq]
 
 
-class ColumnParallelLinear(nn.Module):
+class _Linear(nn.Module):
+    """The weight of a parallel linear: a float `weight`, or, once `quantize_as` has run, a `quant` submodule
+    (neuron_opt.quant.QuantizedWeight) in its place. Chosen when the model is built."""
+
+    weight: nn.Parameter
+
+    def quantize_as(self, qc: QuantConfig) -> None:
+        out_f, in_f = self.weight.shape
+        self.add_module("quant", QuantizedWeight(qc, out_f, in_f).to(self.weight.device))
+        del self.weight
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        quant = self._modules.get("quant")  # set once, at build time (no class attribute: it would shadow it)
+        if quant is None:
+            return F.linear(x, self.weight, bias)
+        y = quant(x)
+        return y if bias is None else y + bias
+
+
+class ColumnParallelLinear(_Linear):
     def __init__(self, in_features: int, out_local: int, bias: bool, pctx: ParallelContext) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_local, in_features), requires_grad=False)  # [out/tp, in]
         self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Linear):
     def __init__(self, in_local: int, out_features: int, bias: bool, pctx: ParallelContext) -> None:
         super().__init__()
         self.pctx = pctx
@@ -53,7 +74,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor, scatter_seq: bool = False) -> torch.Tensor:
-        partial = F.linear(x, self.weight)
+        partial = self._matmul(x, None)
         y = seq_scatter(partial, self.pctx) if scatter_seq else self.pctx.comm.all_reduce(partial)
         return y if self.bias is None else y + self.bias
 

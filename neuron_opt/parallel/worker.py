@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from neuron_opt.backends.base import StepInputs
+from neuron_opt.backends.base import StepInputs, kv_dtype
 from neuron_opt.parallel.collectives import TorchCollectives
 from neuron_opt.parallel.context import Collectives, ParallelContext
 from neuron_opt.parallel.launcher import RankSpec
@@ -50,12 +50,13 @@ def _join_group(rank: int, tp: int, port: int, spec: RankSpec) -> TorchCollectiv
 
 
 def _build(rank: int, spec: RankSpec, comm: Collectives) -> Any:
-    from models.build import model_class
+    from models.build import apply_quant_layout, model_class
     from neuron_opt.backends.eager import load_model_weights
 
     par = spec.parallel
     pctx = ParallelContext(par.tp, rank, comm, sequence_parallel=par.sequence_parallel)
     model = model_class(spec.model.architecture)(spec.model, spec.layout, spec.cache.max_model_len, pctx)
+    apply_quant_layout(model, spec.quant)
     load_model_weights(model, Path(spec.weights_dir) / f"rank{rank}.safetensors")
     return model.to(DTYPES[spec.dtype]).eval()
 
@@ -79,7 +80,7 @@ def rank_main(rank: int, port: int, spec: RankSpec, conn: Connection) -> None:
     try:
         comm = _join_group(rank, spec.parallel.tp, port, spec)
         model = _build(rank, spec, comm)
-        dtype = DTYPES[spec.dtype]
+        dtype = kv_dtype(spec.cache, DTYPES[spec.dtype])
         shape = model.kv_shape(spec.cache.num_blocks, spec.cache.block_size)
         L = spec.model.num_hidden_layers
         k_caches = [torch.zeros(shape, dtype=dtype) for _ in range(L)]

@@ -5,8 +5,10 @@ Design decisions:
 - Weights are counted from the per-rank `HeadLayout` (neuron_opt.parallel.sharding), so head padding, KV-head
   replication (replicate-kv / mha) and vocabulary padding cost exactly what the sharded checkpoint stores.
   At tp=1 with no padding the count equals `ModelConfig.num_parameters()` (tested).
-- Quantized weights (`int8`, `fp8`) are weight-only: the seven decoder linears are stored in 1 byte per
-  element plus one float32 scale per output channel; embeddings, LM head, norms and biases stay bfloat16.
+- Quantized weights are weight-only, counted exactly as `compile --quantize` stores them (neuron_opt.quant):
+  `int8` and `fp8` hold the seven decoder linears in 1 byte per element plus one float32 scale per output
+  channel; `int4` in half a byte per element plus a float32 scale and offset per group of INT4_GROUP input
+  features (compile's default group size). Embeddings, LM head, norms and biases stay bfloat16.
 - Tied embeddings share one tensor on device: counted once.
 - The KV cache is a block pool sized for `batch` sequences of `max_model_len` (CacheConfig.num_blocks, plus one
   null block that padded tokens write; counted as part of the batch's blocks here), [num_blocks, n_kv_local,
@@ -29,10 +31,11 @@ from neuron_opt.errors import ConfigError
 from neuron_opt.parallel.sharding import HeadLayout
 from neuron_opt.planner.hardware import GiB, Instance
 
-DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1}
-WEIGHT_DTYPES = ("bfloat16", "float16", "float32", "fp8", "int8")
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1}  # int4: see below
+WEIGHT_DTYPES = ("bfloat16", "float16", "float32", "fp8", "int8", "int4")
 KV_DTYPES = ("bfloat16", "float16", "float32", "fp8")
-QUANTIZED = ("fp8", "int8")
+QUANTIZED = ("fp8", "int8", "int4")
+INT4_GROUP = 32  # compile's default int4 group size (QuantConfig)
 RUNTIME_RESERVE = 1 * GiB  # per NeuronCore; see docs/planner.md "Runtime reserve"
 CPU_RESERVE = 2 * GiB  # operating system + Python + torch on the cpu pseudo-instance
 HOST_BASELINE = 2 * GiB  # Python + torch + tokenizer in the compile process
@@ -79,8 +82,10 @@ def weight_count(cfg: ModelConfig, lay: HeadLayout) -> WeightCount:
 
 
 def weight_bytes(cfg: ModelConfig, lay: HeadLayout, dtype: str) -> int:
-    """Bytes of one rank's weights in `dtype` (quantized: 1 B/element + float32 scale per output channel)."""
+    """Bytes of one rank's weights in `dtype` (quantized: the stored format of the linears, the rest bfloat16)."""
     n = weight_count(cfg, lay)
+    if dtype == "int4":
+        return n.linear // 2 + 8 * (n.linear // INT4_GROUP) + 2 * n.other
     b = dtype_bytes(dtype, "dtype")
     if dtype in QUANTIZED:
         return n.linear + 4 * n.linear_out_channels + 2 * n.other

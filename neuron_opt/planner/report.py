@@ -173,7 +173,8 @@ def format_plan_table(
     """
     inst = get_instance(instance)
     dep = Deployment(
-        par.tp, cache.max_batch, buckets.prefill_lens[-1], cache.max_model_len, dtype or cache.dtype, cache.dtype,
+        par.tp, cache.max_batch, buckets.prefill_lens[-1], cache.max_model_len, dtype or cache.dtype,
+        "fp8" if cache.dtype == "float8_e4m3fn" else cache.dtype,
         compile_ranks_held,
     )
     return "\n".join(plan_lines(cfg, evaluate(cfg, inst, dep, par=par, buckets=buckets)))

@@ -369,9 +369,9 @@ def test_decode_attention_ops_match_an_fp64_reference(n_heads: int, n_kv: int, w
         assert got.dtype == torch.float32  # the pool's bf16 rows are read in q's dtype, as the model reads them
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ConfigError, match="attention must be one of"):
-        CpuBackend(torch.bfloat16, {"attention": "fp16"})
+        CpuBackend(torch.float32, {"attention": "fp16"})
     with pytest.raises(ConfigError, match="decode_attention must be one of"):
-        CpuBackend(torch.bfloat16, {"decode_attention": "flash"})
+        CpuBackend(torch.float32, {"decode_attention": "flash"})
 
 
 @pytest.mark.parametrize("weight_input", [True, False])

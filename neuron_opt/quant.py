@@ -1,0 +1,239 @@
+"""Weight-only quantization: the stored formats, the quantizers, and the module a quantized linear holds.
+
+Formats, per linear weight W [N, K] (y = x @ W.T), stored in the artifact as computed on:
+- int8: `qweight` int8 [N, K], `scale` fp32 [N, 1]; W = q * scale. per_channel_symmetric: scale = amax(row) / 127;
+  per_tensor_symmetric: one amax for the whole tensor (stored on every row).
+- fp8: `qweight` float8_e4m3fn [N, K], `scale` fp32 [N, 1]; W = q * scale with scale = amax / 448 (e4m3's max).
+- int4: `qweight` uint8 [N, K/2], two values per byte (element 2j in the low nibble, 2j+1 in the high), each
+  u in [0, 15]; `scale` and `offset` fp32 [N, K/G]: W = u * scale + offset within each group of G input features.
+  group_asymmetric: scale = (max - min) / 15, offset = min (GGUF's Q4_1); group_symmetric: scale = amax / 8 and
+  offset = -8 * scale, i.e. values -8..7 (Q4_0). GGUF Q4_0/Q4_1 blocks (32 values, fp16 d and m) map onto this
+  exactly: only the nibble order is rearranged (neuron_opt.checkpoint).
+
+Kernels, chosen once when a graph is built (never a flag read inside forward):
+- "dequant", the reference (eager backend and the device path): W is rebuilt in the compute dtype inside the
+  graph and multiplied. On a NeuronCore the weight crosses HBM in 1 byte (int8, fp8) or half a byte (int4) and is
+  widened on chip, which is what NxDI does; the gain there is bandwidth and capacity.
+- "cpu" (the cpu backend's compiled graphs): torch's CPU weight-only kernels, fed bf16 activations:
+  int8 -> aten._weight_int8pack_mm, which Inductor lowers into its C++ GEMM template with int8 weights packed at
+  load (AVX2 and AVX-512 micro-kernels); int4 -> aten._weight_int4pack_mm_for_cpu on the tinygemm layout
+  (`_convert_weight_to_int4pack_for_cpu`, built at load). Their fp32-activation variants run 7-25x slower on an
+  AVX2 machine than their bf16 ones (measured, docs/quantization.md), hence bf16 activations; the residual stream
+  and the layer outputs stay in the model's dtype. fp8 weights have no CPU kernel: compile refuses them on cpu.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from neuron_opt.config import QuantConfig
+from neuron_opt.errors import ConfigError
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+DEQUANT, CPU = "dequant", "cpu"
+
+
+@dataclass
+class QuantTensor:
+    """One quantized linear weight in the stored format (see the module docstring)."""
+
+    method: str  # int8 | int4 | fp8
+    qweight: torch.Tensor
+    scale: torch.Tensor  # fp32 [N, groups]
+    offset: torch.Tensor | None = None  # int4 only, fp32 [N, groups]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n, k = self.qweight.shape
+        return (n, k * 2) if self.method == "int4" else (n, k)
+
+    @property
+    def group_size(self) -> int:
+        return self.shape[1] // self.scale.shape[1]
+
+    def parts(self) -> dict[str, torch.Tensor]:
+        out = {"qweight": self.qweight, "scale": self.scale}
+        if self.offset is not None:
+            out["offset"] = self.offset
+        return out
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.parts().values())
+
+
+def pack_int4(u: torch.Tensor) -> torch.Tensor:
+    """[N, K] values 0..15 (any integer dtype) -> uint8 [N, K/2]: element 2j in the low nibble, 2j+1 in the high."""
+    u = u.to(torch.uint8)
+    return u[:, 0::2] | (u[:, 1::2] << 4)  # [N, K/2]
+
+
+def unpack_int4(p: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] -> uint8 [N, K] values 0..15 (inverse of pack_int4)."""
+    return torch.stack([p & 15, p >> 4], dim=-1).reshape(p.shape[0], p.shape[1] * 2)  # [N, K]
+
+
+def quantize(w: torch.Tensor, qc: QuantConfig) -> QuantTensor:
+    """Quantize a linear weight [N, K] (any float dtype; computed in fp32) into `qc`'s format."""
+    w = w.detach().float()
+    n, k = w.shape
+    if qc.method in ("int8", "fp8"):
+        qmax = 127.0 if qc.method == "int8" else FP8_MAX
+        amax = w.abs().amax(dim=1, keepdim=True)  # [N, 1]
+        if qc.quantization_type == "per_tensor_symmetric":
+            amax = amax.amax().expand(n, 1)
+        scale = (amax / qmax).clamp(min=1e-12)  # [N, 1]
+        if qc.method == "int8":
+            q = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+        else:
+            q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return QuantTensor(qc.method, q.contiguous(), scale.contiguous())
+    g = qc.group_size
+    if k % g:
+        raise ConfigError(f"group_size: {g} does not divide the linear's {k} input features; choose one that does")
+    wg = w.view(n, k // g, g)  # [N, groups, G]
+    if qc.quantization_type == "group_asymmetric":
+        lo, hi = wg.amin(-1), wg.amax(-1)  # [N, groups]
+        scale = ((hi - lo) / 15).clamp(min=1e-12)
+        offset = lo
+    else:
+        scale = (wg.abs().amax(-1) / 8).clamp(min=1e-12)
+        offset = -8 * scale
+    u = torch.round((wg - offset[..., None]) / scale[..., None]).clamp(0, 15)  # [N, groups, G]
+    return QuantTensor("int4", pack_int4(u.view(n, k)).contiguous(), scale.contiguous(), offset.contiguous())
+
+
+def dequantize(t: QuantTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight [N, K] a QuantTensor stands for, in `dtype` (computed in fp32)."""
+    n, k = t.shape
+    g = t.group_size
+    if t.method == "int4":
+        u = unpack_int4(t.qweight).float().view(n, k // g, g)  # [N, groups, G]
+        assert t.offset is not None
+        w = u * t.scale.float()[..., None] + t.offset.float()[..., None]
+    else:
+        w = t.qweight.float().view(n, k // g, g) * t.scale.float()[..., None]
+    return w.reshape(n, k).to(dtype)
+
+
+def scale_quant(t: QuantTensor, factor: float) -> QuantTensor:
+    """The QuantTensor of `factor * W`, exactly (scales and offsets are multiplied; values unchanged)."""
+    off = None if t.offset is None else t.offset * factor
+    return QuantTensor(t.method, t.qweight, t.scale * factor, off)
+
+
+class QuantizedWeight(nn.Module):
+    """A linear's weight in a quantized format; `forward(x)` = x @ W.T in x's dtype (no bias).
+
+    Holds the stored format (parameters `qweight`, `scale`, and `offset` for int4) until `use_cpu_kernels()`
+    replaces them with the CPU kernels' layouts. `.to(dtype)` never converts these tensors (their dtypes are the
+    format); `.to(device)` moves them.
+    """
+
+    def __init__(self, qc: QuantConfig, out_features: int, in_features: int) -> None:
+        super().__init__()
+        method = str(qc.method)
+        self.qc, self.method, self.out_features, self.in_features = qc, method, out_features, in_features
+        group_size = qc.group_size
+        self.group_size = group_size if method == "int4" else in_features
+        self.kernel = DEQUANT
+        groups = in_features // self.group_size
+        qdtype = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "int4": torch.uint8}[method]
+        qk = in_features // 2 if method == "int4" else in_features
+        self.qweight = nn.Parameter(torch.empty(out_features, qk, dtype=qdtype), requires_grad=False)
+        self.scale = nn.Parameter(torch.empty(out_features, groups), requires_grad=False)
+        if method == "int4":
+            if in_features % group_size:
+                raise ConfigError(f"group_size: {group_size} does not divide a linear's {in_features} input "
+                                  "features (per rank); choose one that does")
+            self.offset = nn.Parameter(torch.empty(out_features, groups), requires_grad=False)
+
+    def extra_repr(self) -> str:
+        return f"{self.method}, out={self.out_features}, in={self.in_features}, group={self.group_size}, " \
+               f"kernel={self.kernel}"
+
+    def _apply(self, fn: Any, recurse: bool = True) -> QuantizedWeight:  # noqa: ANN401
+        # nn.Module.to(dtype) would cast fp8 values and fp32 scales; keep every dtype, follow only the device
+        for name, p in list(self._parameters.items()):
+            if p is not None:
+                moved = fn(p.data)
+                self._parameters[name] = nn.Parameter(p.data.to(moved.device), requires_grad=False)
+        return self
+
+    def load(self, value: torch.Tensor | QuantTensor) -> None:
+        """Fill from a QuantTensor of this format, or quantize a float weight [out, in] into it."""
+        t = value if isinstance(value, QuantTensor) else quantize(value, self.qc)
+        if t.method != self.method or t.shape != (self.out_features, self.in_features) or \
+                t.group_size != self.group_size:
+            raise ValueError(f"quantized weight {t.method} {t.shape} group {t.group_size} does not fit this layer "
+                             f"({self.method} {(self.out_features, self.in_features)} group {self.group_size})")
+        with torch.no_grad():
+            for name, part in t.parts().items():
+                getattr(self, name).copy_(part)
+
+    def stored(self) -> QuantTensor:
+        return QuantTensor(self.method, self.qweight, self.scale, getattr(self, "offset", None))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == CPU:
+            return self._cpu(x)
+        if self.method != "int4" and self.group_size == self.in_features:  # one scale per output channel: after
+            return torch.nn.functional.linear(x, self.qweight.to(x.dtype)) * self.scale.view(-1).to(x.dtype)
+        return torch.nn.functional.linear(x, dequantize(self.stored(), x.dtype))
+
+    def use_cpu_kernels(self) -> None:
+        """Replace the stored format with the CPU kernels' layouts (bf16 scales; int4 in the tinygemm layout)."""
+        if self.method == "fp8":
+            raise ConfigError("quantize: fp8 weights have no CPU kernel; use --quantize int8 or int4 on the cpu "
+                              "backend (fp8 is a device format: --backend neuron, or eager for a reference)")
+        with torch.no_grad():
+            if self.method == "int8":
+                self.cpu_scale = nn.Parameter(self.scale.view(-1).to(torch.bfloat16), requires_grad=False)  # [N]
+                del self.scale
+            else:
+                u = unpack_int4(self.qweight).to(torch.int32)  # [N, K]
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 2)
+                # tinygemm: W = (u - 8) * scale + zero, so zero = offset + 8 * scale; [groups, N, 2]
+                sz = torch.stack([self.scale, self.offset + 8 * self.scale], dim=-1).transpose(0, 1)
+                self.cpu_qweight = nn.Parameter(packed, requires_grad=False)
+                self.cpu_scale_zeros = nn.Parameter(sz.to(torch.bfloat16).contiguous(), requires_grad=False)
+                del self.qweight, self.scale, self.offset
+        self.kernel = CPU
+
+    def _cpu(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [M, K]
+        if self.method == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.cpu_scale)  # [M, N]
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.cpu_qweight, self.group_size,
+                                                           self.cpu_scale_zeros)  # [M, N]
+        return y.to(x.dtype).view(*lead, self.out_features)
+
+
+def quantized_modules(model: nn.Module) -> dict[str, QuantizedWeight]:
+    """Every QuantizedWeight in `model`, by the name of the linear that holds it."""
+    return {name.removesuffix(".quant"): m for name, m in model.named_modules() if isinstance(m, QuantizedWeight)}
+
+
+def use_cpu_kernels(model: nn.Module) -> None:
+    for m in quantized_modules(model).values():
+        m.use_cpu_kernels()
+
+
+def check_uniform_layers(model: nn.Module) -> None:
+    """The cpu backend compiles one layer graph for every layer: each layer must quantize the same projections."""
+    per_layer: dict[str, set[str]] = {}
+    for name in quantized_modules(model):
+        if name.startswith("model.layers."):
+            idx, rest = name.removeprefix("model.layers.").split(".", 1)
+            per_layer.setdefault(idx, set()).add(rest)
+    layers = {str(i) for i in range(len(model.model.layers))}
+    sets = {frozenset(per_layer.get(i, set())) for i in layers}
+    if len(sets) > 1:
+        raise ConfigError("modules_to_not_convert: the cpu backend compiles one graph shared by every layer, so "
+                          "each layer must quantize the same projections; name a projection for all layers (e.g. "
+                          "mlp.down_proj) or use --backend eager/neuron")

@@ -1,0 +1,105 @@
+"""Weight-only quantization and the fp8 KV cache: formats against numpy/float references, GGUF blocks read as
+stored against gguf's own dequantizer, and model logits against fp32 (tiny random HF checkpoints).
+
+Tolerances on logits are relative to the fp32 logits' standard deviation over the vocabulary (a scale-free
+measure): int8 per channel and fp8 KV 5%, fp8 weights 10%, int4 (group 32) 15%; the compiled cpu kernels
+against the eager (dequantize-then-matmul) reference with the same stored weights 3% (they round
+activations to bf16).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from neuron_opt.config import QuantConfig
+from neuron_opt.errors import ConfigError
+from neuron_opt.gguf_quant import q4_block_tensor
+from neuron_opt.kv_quant import fold, fold_factor
+from neuron_opt.quant import FP8_MAX, dequantize, pack_int4, quantize, unpack_int4
+
+
+@given(st.integers(1, 6), st.integers(1, 20), st.integers(0, 2**31 - 1))
+@settings(max_examples=30, deadline=None)
+def test_int4_pack_unpack_roundtrip(n, half_k, seed):
+    u = torch.randint(0, 16, (n, 2 * half_k), generator=torch.Generator().manual_seed(seed))
+    p = pack_int4(u)
+    assert p.dtype == torch.uint8 and p.shape == (n, half_k)
+    assert torch.equal(unpack_int4(p), u.to(torch.uint8))
+    assert torch.equal(p[:, 0] & 15, u[:, 0].to(torch.uint8))  # element 0 in the low nibble
+
+
+@pytest.mark.parametrize("qtype", ["per_channel_symmetric", "per_tensor_symmetric"])
+def test_int8_error_within_half_a_step(qtype):
+    w = torch.randn(48, 64) * torch.linspace(0.1, 3, 48)[:, None]
+    t = quantize(w, QuantConfig("int8", qtype))
+    assert t.qweight.dtype == torch.int8 and t.scale.shape == (48, 1)
+    if qtype == "per_tensor_symmetric":
+        assert torch.all(t.scale == t.scale[0])
+    err = (dequantize(t) - w).abs()
+    assert torch.all(err <= t.scale / 2 + 1e-6)
+    assert t.nbytes() == 48 * 64 + 4 * 48
+
+
+@pytest.mark.parametrize("qtype", ["group_asymmetric", "group_symmetric"])
+@pytest.mark.parametrize("group", [32, 64])
+def test_int4_error_within_half_a_step(qtype, group):
+    w = torch.randn(16, 128) + torch.linspace(-1, 1, 128)  # groups with an offset
+    t = quantize(w, QuantConfig("int4", qtype, group))
+    assert t.qweight.shape == (16, 64) and t.scale.shape == (16, 128 // group)
+    step = t.scale.repeat_interleave(group, 1)
+    err = (dequantize(t) - w).abs()
+    if qtype == "group_asymmetric":
+        assert torch.all(err <= step / 2 + 1e-5)
+    else:  # values -8..7 of amax / 8: +amax itself may clip by one step
+        assert torch.all(err <= step + 1e-5)
+    assert t.nbytes() == 16 * 64 + 2 * 4 * 16 * (128 // group)
+
+
+def test_fp8_relative_error():
+    w = torch.randn(32, 64)
+    t = quantize(w, QuantConfig("fp8"))
+    assert t.qweight.dtype == torch.float8_e4m3fn
+    assert float((t.qweight.float().abs().amax(1) - FP8_MAX).abs().max()) == 0.0  # each row's max maps to 448
+    rel = ((dequantize(t) - w).abs() / w.abs().clamp(min=1e-3)).median()
+    assert rel < 2 ** -4
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_gguf_q4_blocks_map_exactly_onto_int4(kind):
+    """Our reading of the raw blocks equals gguf's own dequantizer bit for bit."""
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    w = np.random.default_rng(0).standard_normal((8, 96)).astype(np.float32)
+    raw = gguf.quants.quantize(w, qtype)  # uint8 [8, 3 blocks * bytes]
+    ref = gguf.quants.dequantize(raw, qtype).reshape(8, 96)
+    t = q4_block_tensor(raw, kind, 8, 96)
+    assert t.group_size == 32
+    assert np.array_equal(dequantize(t).numpy(), ref)
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="quantization_type"):
+        QuantConfig("int8", "group_asymmetric")
+    with pytest.raises(ConfigError, match="group_size"):
+        QuantConfig("int4", group_size=48)
+    with pytest.raises(ConfigError, match="quantize"):
+        QuantConfig("int2")
+    with pytest.raises(ConfigError, match="group_size"):
+        quantize(torch.randn(4, 40), QuantConfig("int4"))
+
+
+def test_fold_factors_leave_attention_unchanged():
+    ks, vs = [2.0, 0.5], [4.0, 0.25]
+    assert fold_factor("model.layers.1.self_attn.q_proj.weight", ks, vs) == 0.5
+    assert fold_factor("model.layers.1.self_attn.k_proj.bias", ks, vs) == 2.0
+    assert fold_factor("model.layers.0.self_attn.v_proj.weight", ks, vs) == 0.25
+    assert fold_factor("model.layers.0.self_attn.o_proj.weight", ks, vs) == 4.0
+    assert fold_factor("model.layers.0.self_attn.o_proj.bias", ks, vs) == 1.0  # added after the product
+    assert fold_factor("model.layers.0.mlp.up_proj.weight", ks, vs) == 1.0
+    t = quantize(torch.randn(8, 32), QuantConfig("int4"))
+    (_, folded), = fold([("model.layers.0.self_attn.o_proj.weight", t)], ks, vs)
+    assert torch.allclose(dequantize(folded), 4.0 * dequantize(t))
