@@ -86,7 +86,10 @@ def read_blocks(cache: torch.Tensor, block_tables: torch.Tensor, kv_len: int) ->
     -> [B, n_kv, kv_len, D]. Each head's positions are contiguous within a block."""
     B, nb = block_tables.shape
     n_kv, per, D = cache.shape[1:]
-    rows = cache[block_tables].transpose(1, 2)  # [B, n_kv, nb, per_block, D]
+    if cache.dtype == torch.float8_e4m3fn and cache.device.type == "cpu":  # torch 2.9's CPU index has no fp8
+        rows = cache.view(torch.uint8)[block_tables].view(cache.dtype).transpose(1, 2)  # [B, n_kv, nb, per, D]
+    else:
+        rows = cache[block_tables].transpose(1, 2)  # [B, n_kv, nb, per_block, D]
     return rows.reshape(B, n_kv, nb * per, D)[:, :, :kv_len]
 
 

@@ -160,7 +160,9 @@ class QuantizedWeight(nn.Module):
         for name, p in list(self._parameters.items()):
             if p is not None:
                 moved = fn(p.data)
-                self._parameters[name] = nn.Parameter(p.data.to(moved.device), requires_grad=False)
+                if moved.dtype != p.dtype:  # a dtype cast: redo it as a pure move
+                    moved = p.data.to(moved.device)
+                self._parameters[name] = nn.Parameter(moved, requires_grad=False)
         return self
 
     def load(self, value: torch.Tensor | QuantTensor) -> None:
