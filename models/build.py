@@ -26,13 +26,15 @@ def model_class(architecture: str) -> type:
 
 def apply_quant_layout(model: torch.nn.Module, qc: QuantConfig | None) -> None:
     """Give every decoder linear that `qc` converts a quantized weight in place of its float one (shapes only:
-    the caller loads the values). Embeddings and the LM head stay in the compute dtype."""
+    the caller loads the values). Embeddings stay in the compute dtype, the LM head too unless `qc.lm_head`."""
     if qc is None or not qc.enabled:
         return
     for name, module in list(model.named_modules()):
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and name.startswith("model.layers.") \
                 and qc.converts(name):
             module.quantize_as(qc)
+    if qc.lm_head:
+        model.lm_head.quantize_as(qc.head_config())
 
 
 def rank_model_factory(cfg: ModelConfig, par: ParallelConfig, cache: CacheConfig, rank: int,

@@ -297,8 +297,9 @@ class LlamaForCausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         """Tied embeddings: the LM head is the embedding tensor. Call again after moving the model to a device
-        whose tensors cannot share storage with the host's (`.to(xla)` makes a new Parameter per module)."""
-        if self.cfg.tie_word_embeddings:
+        whose tensors cannot share storage with the host's (`.to(xla)` makes a new Parameter per module). A
+        quantized LM head (`--quantize-lm-head`) holds its own copy of the table, quantized."""
+        if self.cfg.tie_word_embeddings and "quant" not in self.lm_head._modules:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def kv_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:

@@ -145,6 +145,7 @@ class CompileRequest:
     quantization_type: str = ""  # QuantConfig.quantization_type; "" = the method's default
     group_size: int = 0  # int4 only; 0 = 32
     modules_to_not_convert: tuple[str, ...] = ()
+    quantize_lm_head: bool | None = None  # None: as `quantize auto` finds it (a GGUF's quantized head), else off
     kv_cache_dtype: str = "auto"  # auto (the compute dtype) | fp8 (e4m3, scales folded into the weights)
 
 
@@ -340,23 +341,27 @@ def resolve_quant(req: CompileRequest, ckpt: Any) -> tuple[QuantConfig, bool]:
     from neuron_opt.gguf_quant import native_quant
 
     if req.quantize is None:
-        if req.modules_to_not_convert or req.quantization_type or req.group_size:
-            raise ConfigError("quantization_type/group_size/modules_to_not_convert: need --quantize")
+        if req.modules_to_not_convert or req.quantization_type or req.group_size or req.quantize_lm_head:
+            raise ConfigError("quantization_type/group_size/modules_to_not_convert/quantize_lm_head: need --quantize")
         return QuantConfig(), False
     native = native_quant(ckpt)
     if req.quantize == "auto":
         if req.quantization_type or req.group_size:
             raise ConfigError("quantize auto: takes the checkpoint's own format; drop --quantization-type and "
                               "--group-size, or name a method")
-        qc = dataclasses.replace(native, modules_to_not_convert=tuple(req.modules_to_not_convert)) \
+        head = native.lm_head if req.quantize_lm_head is None else req.quantize_lm_head
+        qc = dataclasses.replace(native, modules_to_not_convert=tuple(req.modules_to_not_convert), lm_head=head) \
             if native.enabled else native
         if req.modules_to_not_convert and not native.enabled:
             raise ConfigError(f"quantize auto: {ckpt.source} is not quantized; modules_to_not_convert needs a method")
     else:
-        qc = QuantConfig(req.quantize, req.quantization_type, req.group_size, tuple(req.modules_to_not_convert))
+        qc = QuantConfig(req.quantize, req.quantization_type, req.group_size, tuple(req.modules_to_not_convert),
+                         lm_head=bool(req.quantize_lm_head))
     if qc.method == "fp8" and req.backend == "cpu":
         raise ConfigError("quantize: fp8 weights have no CPU kernel; use --quantize int8 or int4 on the cpu "
                           "backend (fp8 is a device format: --backend neuron, or eager for a reference)")
+    if qc.lm_head and req.backend == "cpu" and qc.method == "fp8":
+        raise ConfigError("quantize_lm_head: fp8 has no CPU kernel")
     keep = (native.source == "gguf" and qc.method == native.method and qc.group_size == native.group_size
             and qc.quantization_type == native.quantization_type and req.parallel.tp == 1)
     return (dataclasses.replace(qc, source="gguf" if keep else ""), keep)

@@ -215,8 +215,9 @@ class QuantConfig:
     `per_tensor_symmetric`; int4 takes `group_asymmetric` (default: a scale and an offset per group of
     `group_size` input features, as GGUF's Q4_1) or `group_symmetric` (Q4_0). `modules_to_not_convert`: module
     names (substring match on the full name, as NxDI and HF do) left in the compute dtype. Embeddings and the LM
-    head are never quantized. `source`: "gguf" when the int4 values and scales were taken from the checkpoint's
-    own blocks as stored, "" when compile quantized them.
+    head stay in the compute dtype unless `lm_head` (int8 per output channel, fp8 under fp8; a tied head holds its own
+    quantized copy of the table, the embedding lookup keeps the float one). `source`: "gguf" when the int4 values
+    and scales were taken from the checkpoint's own blocks as stored, "" when compile quantized them.
     """
 
     method: str | None = None
@@ -224,10 +225,12 @@ class QuantConfig:
     group_size: int = 0
     modules_to_not_convert: tuple[str, ...] = ()
     source: str = ""
+    lm_head: bool = False  # also quantize the LM head, per channel (int8; fp8 under fp8); embeddings stay
 
     def __post_init__(self) -> None:
         if self.method is None:
             _check(not self.modules_to_not_convert, "modules_to_not_convert", "needs a quantization method")
+            _check(not self.lm_head, "quantize_lm_head", "needs a quantization method")
             return
         _check(self.method in QUANT_METHODS, "quantize", f"must be one of {', '.join(QUANT_METHODS)}; "
                f"got {self.method!r}")
@@ -246,6 +249,11 @@ class QuantConfig:
             _check(self.group_size == 0, "group_size", f"applies to int4 only, got {self.group_size} for "
                    f"{self.method}")
         object.__setattr__(self, "modules_to_not_convert", tuple(self.modules_to_not_convert))
+
+    def head_config(self) -> QuantConfig:
+        """The LM head's format: int8 per channel under int4 linears, else the linears' own."""
+        method = "int8" if self.method == "int4" else self.method
+        return QuantConfig(method, "per_channel_symmetric")
 
     @property
     def enabled(self) -> bool:

@@ -8,7 +8,8 @@ the weights the file ships.
 
 Q8_0 (32 int8 values and an fp16 scale per block) has no lossless counterpart: our int8 format has one scale per
 output channel (what torch's CPU kernel and NxDI take). `--quantize auto` maps a Q8_0 file to int8, requantized
-per channel from the exact Q8_0 values. Embeddings, norms and anything else stay dequantized in the compute dtype.
+per channel from the exact Q8_0 values. An LM head shipped in a quantized type (SmolLM2's tied Q8_0 table) is kept
+int8 per channel; the embedding lookup, norms and anything else stay dequantized in the compute dtype.
 """
 
 from __future__ import annotations
@@ -43,11 +44,15 @@ def native_quant(ckpt: Checkpoint) -> QuantConfig:
     none for float files, HF checkpoints, or GGUF files whose linears mix types."""
     if ckpt.format != "gguf":
         return QuantConfig()
-    types = set(_linear_types(_gguf_reader(ckpt.source)).values())
+    reader = _gguf_reader(ckpt.source)
+    types = set(_linear_types(reader).values())
     if len(types) != 1 or next(iter(types)) not in _NATIVE:
         return QuantConfig()
     method, qtype, group = _NATIVE[next(iter(types))]
-    return QuantConfig(method, qtype, group, source="gguf" if method == "int4" else "")
+    # the LM head (`output`, or the tied `token_embd`) shipped quantized too: keep it quantized (int8 per channel)
+    head = {t.name: t.tensor_type.name for t in reader.tensors if t.name in ("output.weight", "token_embd.weight")}
+    head_quantized = head.get("output.weight", head.get("token_embd.weight")) in _NATIVE
+    return QuantConfig(method, qtype, group, source="gguf" if method == "int4" else "", lm_head=head_quantized)
 
 
 def q4_block_tensor(data: np.ndarray, kind: str, rows: int, cols: int) -> QuantTensor:

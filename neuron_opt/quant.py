@@ -188,6 +188,8 @@ class QuantizedWeight(nn.Module):
 
     def use_cpu_kernels(self) -> None:
         """Replace the stored format with the CPU kernels' layouts (bf16 scales; int4 in the tinygemm layout)."""
+        if self.kernel == CPU:
+            return
         if self.method == "fp8":
             raise ConfigError("quantize: fp8 weights have no CPU kernel; use --quantize int8 or int4 on the cpu "
                               "backend (fp8 is a device format: --backend neuron, or eager for a reference)")

@@ -132,7 +132,8 @@ class CpuBackend:
 
     def _compile_head(self, model: torch.nn.Module, bucket: Bucket, so: Path) -> dict[str, Any]:
         rows = head_rows(bucket)
-        weight_input = self.options["logits"] == "fp32" and self.dtype != torch.float32 and rows == 1
+        weight_input = (self.options["logits"] == "fp32" and self.dtype != torch.float32 and rows == 1
+                        and "quant" not in model.lm_head._modules)
         head = HeadGraph(model.model.norm, model.lm_head, weight_input).to(self.dtype)
         args: tuple[torch.Tensor, ...] = (torch.randn(rows, model.cfg.hidden_size).to(self.residual_dtype),)
         if weight_input:

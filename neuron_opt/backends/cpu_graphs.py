@@ -128,13 +128,16 @@ class HeadGraph(nn.Module):
     def __init__(self, norm: nn.Module, lm_head: nn.Module, weight_input: bool) -> None:
         super().__init__()
         self.norm = norm
+        if "quant" in lm_head._modules:  # a quantized head: a copy on the CPU kernel (the model keeps its own)
+            lm_head = copy.deepcopy(lm_head)
+            use_cpu_kernels(lm_head)
         self.lm_head = None if weight_input else lm_head
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         h = self.norm(x)  # x may be an fp32 residual: then h is fp32
         if self.lm_head is None:
             return (h.float()[None] * weight[:, None].float()).sum(-1).t()  # [V, B, H] -> [B, V]
-        return self.lm_head(h.to(self.lm_head.weight.dtype)).float()
+        return self.lm_head(h.to(self.norm.weight.dtype)).float()
 
 
 def head_rows(bucket: Bucket) -> int:

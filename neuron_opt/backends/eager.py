@@ -59,6 +59,11 @@ def load_weights_streamed(model: torch.nn.Module, tensors: Iterable[tuple[str, t
             p.copy_(w)
             seen.add(name)
     tied = {"lm_head.weight"} if model.cfg.tie_word_embeddings else set()
+    head = quantized.get("lm_head")
+    if head is not None and model.cfg.tie_word_embeddings and "lm_head.weight" not in seen and \
+            "lm_head.quant.qweight" not in seen:  # a quantized tied head: its own copy of the table
+        head.load(model.model.embed_tokens.weight.detach())
+        seen.update(f"lm_head.quant.{part}" for part in head.stored().parts())
     missing = sorted(set(params) - seen - tied)
     if missing or unexpected:
         raise ValueError(f"{source}: weights do not match the model (missing {missing[:5]}, unexpected "

@@ -1,5 +1,8 @@
 """Decode throughput, side by side in one run: HF transformers (the peer) vs neuron_opt eager and compiled.
 
+Also, optionally, llama.cpp (llama-cpp-python, `neuron-opt[llamacpp]`) on the checkpoint's GGUF in four storage
+formats (systems llamacpp-f32/-f16/-q8_0/-q4_1, batch 1 only; see neuron_opt.bench.llamacpp).
+
 Every system runs in its own fresh process and decodes the same prompts greedily for the same number of steps;
 only decode steps are timed
 (prefill excluded). Reported: tokens/s, ratio to HF eager fp32, and model-bandwidth utilisation (MBU): bytes a
@@ -22,8 +25,11 @@ from pathlib import Path
 
 import torch
 
+from neuron_opt.bench.llamacpp import LlamaCppMissingError, import_llama_cpp
+
 PROMPT_LEN = 32
-SYSTEMS = ("hf", "hf-compile", "eager", "cpu-fp32", "cpu-bf16")
+SYSTEMS = ("hf", "hf-compile", "eager", "cpu-fp32", "cpu-bf16", "cpu-int8", "cpu-int4",
+           "llamacpp-f32", "llamacpp-f16", "llamacpp-q8_0", "llamacpp-q4_1")  # llamacpp-<GGUF storage format>
 
 
 @dataclass
@@ -124,13 +130,35 @@ def teacher_forced_agreement(runner, prompt: list[int], ref: list[int]) -> float
     return agree / len(ref)
 
 
+def kv_bytes(cfg, esz: int, batch: int, kv_len: int) -> float:
+    """Bytes of K and V a decode step attends over: every layer, `kv_len` positions of each row."""
+    return 2 * cfg.num_hidden_layers * batch * cfg.num_key_value_heads * kv_len * cfg.head_dim * esz
+
+
 def step_bytes(cfg, dtype: torch.dtype, batch: int, kv_len: int) -> float:
     esz = torch.finfo(dtype).bits // 8
-    kv = 2 * cfg.num_hidden_layers * batch * cfg.num_key_value_heads * kv_len * cfg.head_dim * esz
-    return cfg.num_parameters() * esz + kv
+    return cfg.num_parameters() * esz + kv_bytes(cfg, esz, batch, kv_len)
 
 
-def compiled_runner(model: str, backend: str, dtype: str, batch: int, out: Path, max_model_len: int):
+def quantized_step_bytes(cfg, method: str, compute: torch.dtype, batch: int, kv_len: int) -> float:
+    """Bytes a decode step reads with the decoder linears in `method`'s stored format (neuron_opt.quant: the
+    planner's count), the LM head in int8 per channel, and the rest (norms) in the compute dtype; the embedding
+    table is not read beyond one row."""
+    from neuron_opt.config import ParallelConfig
+    from neuron_opt.parallel import head_layout
+    from neuron_opt.planner.memory import weight_bytes, weight_count
+
+    lay = head_layout(cfg, ParallelConfig())
+    esz = torch.finfo(compute).bits // 8
+    n = weight_count(cfg, lay)
+    linear = weight_bytes(cfg, lay, method) - 2 * n.other  # the planner counts the rest in bf16
+    head = lay.vocab_local * (cfg.hidden_size + 4)  # int8 values + an fp32 scale per row
+    norms = 2 * cfg.num_hidden_layers * cfg.hidden_size + cfg.hidden_size
+    return linear + head + esz * norms + kv_bytes(cfg, esz, batch, kv_len)
+
+
+def compiled_runner(model: str, backend: str, dtype: str, batch: int, out: Path, max_model_len: int,
+                    quantize: str | None = None):
     from neuron_opt.api import LLM
     from neuron_opt.compiler import CompileRequest, compile_artifact
 
@@ -138,7 +166,8 @@ def compiled_runner(model: str, backend: str, dtype: str, batch: int, out: Path,
     # each step attends over the smallest bucket that holds its context, like HF attends over the real length
     compile_artifact(CompileRequest(model=model, out=out, backend=backend, dtype=dtype, batch_size=batch,
                                     max_model_len=max_model_len, prefill_buckets=(PROMPT_LEN, 128),
-                                    decode_batches=(batch,)), progress=True)
+                                    decode_batches=(batch,), quantize=quantize,
+                                    quantize_lm_head=True if quantize else None), progress=True)
     return LLM(out).runner
 
 
@@ -149,6 +178,26 @@ def _measure(system: str, batch: int, opts: dict, reference: tuple[list[int], li
     if "result" in out:
         out["result"]["mem_bw_gbs"] = measure_read_bandwidth()
     return out
+
+
+def _measure_llamacpp(system: str, ckpt, opts: dict,
+                      reference: tuple[list[int], list[int]] | None) -> Result:
+    """One llama.cpp row (batch 1): the checkpoint's GGUF in the system's storage format, requantized by llama.cpp
+    and cached on first use. Weight bytes per step are the file's tensor bytes; its KV cache is f16."""
+    from neuron_opt import envs
+    from neuron_opt.bench import llamacpp
+    from neuron_opt.checkpoint import CheckpointError
+
+    if ckpt.format != "gguf":
+        raise CheckpointError(f"{system}: llama.cpp needs a GGUF checkpoint; {ckpt.source} is a HF directory")
+    storage, steps, cfg = system.removeprefix("llamacpp-"), opts["steps"], ckpt.config
+    path = llamacpp.storage_gguf(ckpt.source, ckpt.weights_fingerprint(), storage, envs.CACHE_DIR)
+    n_ctx = max(PROMPT_LEN + steps + 2, sum(map(len, reference)) if reference else 0)
+    llm = llamacpp.load(path, n_ctx, opts["threads"] or torch.get_num_threads())
+    tps = llamacpp.bench_llamacpp(llm, _prompts(1, cfg.vocab_size)[0], steps)
+    agree = llamacpp.teacher_forced_agreement(llm, *reference) if reference else None
+    nbytes = llamacpp.tensor_bytes(path) + kv_bytes(cfg, 2, 1, PROMPT_LEN + steps)
+    return Result("llama.cpp", storage, 1, tps, steps, nbytes, agreement_vs_hf_fp32=agree)
 
 
 def _measure_one(system: str, batch: int, opts: dict, reference: tuple[list[int], list[int]] | None) -> dict:
@@ -164,6 +213,8 @@ def _measure_one(system: str, batch: int, opts: dict, reference: tuple[list[int]
     ckpt = open_checkpoint(opts["model"])
     cfg, steps = ckpt.config, opts["steps"]
     kv_len = PROMPT_LEN + steps
+    if system.startswith("llamacpp-"):
+        return {"result": asdict(_measure_llamacpp(system, ckpt, opts, reference))}
     if system in ("hf", "hf-compile", "reference"):
         src = ckpt.source
         kw = {"gguf_file": src.name} if ckpt.format == "gguf" else {}
@@ -185,12 +236,21 @@ def _measure_one(system: str, batch: int, opts: dict, reference: tuple[list[int]
         r = Result("neuron_opt-eager", "float32", batch, tps, steps, step_bytes(cfg, torch.float32, batch, kv_len),
                    agreement_vs_hf_fp32=agreement(llm.runner))
         return {"result": asdict(r)}
-    dtype = {"cpu-fp32": "float32", "cpu-bf16": "bfloat16"}[system]
+    quantize = {"cpu-int8": "int8", "cpu-int4": "int4"}.get(system)
+    if quantize:  # compute in the cpu backend's default dtype; int4: group 32 (a Q4_0/Q4_1 GGUF's blocks as stored);
+        # the LM head int8 per channel in both, as in llama.cpp's files (their output tensor is Q8_0)
+        from neuron_opt.compiler import default_dtype
+
+        dtype = default_dtype("cpu")
+    else:
+        dtype = {"cpu-fp32": "float32", "cpu-bf16": "bfloat16"}[system]
     with tempfile.TemporaryDirectory() as d:
-        runner = compiled_runner(opts["model"], "cpu", dtype, batch, Path(d) / "a", opts["max_model_len"])
+        runner = compiled_runner(opts["model"], "cpu", dtype, batch, Path(d) / "a", opts["max_model_len"], quantize)
         tps = bench_runner(runner, batch, steps, cfg.vocab_size)
-        r = Result("neuron_opt-cpu-compiled", dtype, batch, tps, steps,
-                   step_bytes(cfg, getattr(torch, dtype), batch, kv_len), agreement_vs_hf_fp32=agreement(runner))
+        nbytes = (quantized_step_bytes(cfg, quantize, getattr(torch, dtype), batch, kv_len) if quantize else
+                  step_bytes(cfg, getattr(torch, dtype), batch, kv_len))
+        r = Result("neuron_opt-cpu-compiled", quantize or dtype, batch, tps, steps, nbytes,
+                   agreement_vs_hf_fp32=agreement(runner))
     return {"result": asdict(r)}
 
 
@@ -202,6 +262,17 @@ def _in_fresh_process(fn, *args):  # noqa: ANN001, ANN202
 
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(fn, *args).result()
+
+
+def _llamacpp_systems(ap: argparse.ArgumentParser, systems: list[str]) -> list[str]:
+    """The llama.cpp systems asked for; a usage error saying what to install when llama-cpp-python is missing."""
+    asked = [s for s in systems if s.startswith("llamacpp-")]
+    if asked:
+        try:
+            import_llama_cpp()
+        except LlamaCppMissingError as e:
+            ap.error(f"--systems {','.join(asked)}: {e}")
+    return asked
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
         ap.error(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
+    llamacpp_systems = _llamacpp_systems(ap, systems)
     if args.threads:
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
@@ -244,9 +316,12 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Result] = []
     for batch in batches:
         runs: dict[str, list[Result]] = {}
+        skip = set(llamacpp_systems) if batch > 1 else set()  # llama-cpp-python's Llama drives one sequence
+        if skip:
+            log(f"{','.join(llamacpp_systems)}: b={batch} skipped, llama.cpp is measured at batch 1 only")
         for rep in range(args.repeats):  # rounds: every system once per round, so all see the same drift
             for system in SYSTEMS:
-                if system in systems:
+                if system in systems and system not in skip:
                     r = Result(**_in_fresh_process(_measure, system, batch, opts, reference if rep == 0 else None)
                                ["result"])
                     runs.setdefault(system, []).append(r)
@@ -258,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             r.mbu = statistics.median(x.bytes_per_step * (x.tok_s / x.batch) / (x.mem_bw_gbs * 1e9) for x in rs)
             r.mem_bw_gbs = statistics.median(x.mem_bw_gbs for x in rs)
             results.append(r)
-    bw = max(r.mem_bw_gbs for r in results)  # the best of the probes run beside each result
+    bw = max((r.mem_bw_gbs for r in results), default=0.0)  # the best of the probes run beside each result
     for r in results:
         base = next((x.tok_s for x in results if x.system == "transformers-eager" and x.batch == r.batch), None)
         r.ratio_vs_hf = r.tok_s / base if base else None

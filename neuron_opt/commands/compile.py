@@ -76,6 +76,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--modules-to-not-convert", default="", metavar="NAMES",
                    help="comma list of module names left unquantized (substring match, as NxDI), e.g. "
                         "mlp.down_proj")
+    p.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction, default=None,
+                   help="also quantize the LM head, int8 per output channel (fp8 under --quantize fp8); default: "
+                        "off, except that --quantize auto keeps a GGUF's quantized head (SmolLM2's Q8_0 table)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="auto: the compute dtype; fp8: e4m3 with per-layer scales calibrated at compile time")
     p.add_argument("--backend-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
@@ -117,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         num_kv_blocks=args.num_kv_blocks, chunked_prefill=args.chunked_prefill, prefill_batch=args.prefill_batch,
         quantize=args.quantize, quantization_type=args.quantization_type, group_size=args.group_size,
         modules_to_not_convert=tuple(m.strip() for m in args.modules_to_not_convert.split(",") if m.strip()),
-        kv_cache_dtype=args.kv_cache_dtype)
+        quantize_lm_head=args.quantize_lm_head, kv_cache_dtype=args.kv_cache_dtype)
     report = compile_artifact(req)
     print(f"compile cache: {len(report.hits)} hit(s), {len(report.misses)} miss(es)")
     for label, why in report.misses.items():

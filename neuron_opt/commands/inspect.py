@@ -31,6 +31,12 @@ def run(args: argparse.Namespace) -> int:
           f"{c.num_parameters() / 1e6:.1f}M params")
     print(f"  source: {m.source.get('model')} ({m.source.get('format')})")
     print(f"  backend: {m.backend}, dtype: {m.dtype}, tp: {m.parallel.tp}")
+    q = m.quant
+    if q.enabled:
+        group = f", group {q.group_size}" if q.group_size else ""
+        skip = f", not converted: {', '.join(q.modules_to_not_convert)}" if q.modules_to_not_convert else ""
+        print(f"  quantized: {q.method} {q.quantization_type}{group}{', LM head too' if q.lm_head else ''}"
+              f"{', as stored in the GGUF' if q.source else ''}{skip}")
     print(f"  cache: {m.cache.num_blocks} KV blocks of {m.cache.block_size} positions (the null block included), "
           f"max_model_len {m.cache.max_model_len}, decode batch up to {m.cache.max_batch}")
     print(f"  KV geometry: {raw['kv_geometry']}")

@@ -92,6 +92,31 @@ def test_cpu_int8_kernels_with_fp8_kv_match_the_eager_reference(build):
     assert rel_err(ref, logits(build("fp32"))) < 0.08
 
 
+@pytest.mark.parametrize("variant", ["llama-gqa2", "smollm-like-9-3"])  # untied, tied embeddings
+def test_quantized_lm_head(variant, tmp_path_factory):
+    """`--quantize-lm-head`: the head in int8 per channel (a tied head gets its own quantized copy; the embedding
+    lookup keeps the float table), on the eager reference and the cpu kernels, near fp32."""
+    from tiny import make_tiny
+
+    ck = make_tiny(variant, tmp_path_factory.mktemp(variant), tokenizer=True)
+    root = tmp_path_factory.mktemp("head")
+
+    def art(name, backend, **kw):
+        compile_artifact(CompileRequest(model=str(ck), out=root / name, backend=backend, dtype="float32",
+                                        max_model_len=128, prefill_buckets=(64,), decode_buckets=(128,),
+                                        cache_dir=root / "cache", **kw), log=lambda s: None, progress=False)
+        return root / name
+
+    q = dict(quantize="int8", quantize_lm_head=True)
+    eager, cpu = art("eager", "eager", **q), art("cpu", "cpu", **q)
+    with safe_open(str(cpu / "weights" / "rank0.safetensors"), framework="pt") as f:
+        assert f.get_tensor("lm_head.quant.qweight").dtype == torch.int8
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.float32
+    ref = logits(art("fp32", "eager"))
+    assert rel_err(logits(eager), ref) < 0.05
+    assert rel_err(logits(cpu), logits(eager)) < 0.03
+
+
 def test_cpu_int4_kernels_match_the_eager_reference(build):
     cpu, eager = build("cpu-int4", "cpu", quantize="int4"), build("int4", quantize="int4")
     assert rel_err(logits(cpu), logits(eager)) < 0.03
@@ -139,6 +164,7 @@ def test_plan_counts_the_bytes_compile_stores(build, ckpt, method):
 @pytest.mark.parametrize("kw,match", [
     (dict(backend="cpu", quantize="fp8"), "fp8 weights have no CPU kernel"),
     (dict(quantization_type="per_tensor_symmetric"), "need --quantize"),
+    (dict(quantize_lm_head=True), "need --quantize"),
     (dict(quantize="int4", group_size=48), "group_size"),
     (dict(quantize="auto", group_size=64), "quantize auto"),
     (dict(backend="cpu", quantize="int8", modules_to_not_convert=("layers.1.mlp",)), "each layer must quantize"),
