@@ -13,7 +13,7 @@ ARTIFACT ?= artifacts/smollm2
 DEMO_FLAGS ?= --backend cpu --batch-size 8 --max-model-len 2048
 PORT ?= 8000
 
-.PHONY: demo test test-slow test-xla bench lint setup setup-xla
+.PHONY: demo test test-slow test-xla test-cluster bench lint setup setup-xla
 
 demo: $(STAMP)
 	$(BIN)/neuron-opt compile --model default --out $(ARTIFACT) $(DEMO_FLAGS)
@@ -25,6 +25,11 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
+
+# serve --data-parallel on a real local Ray Serve (the `cluster` extra, installed into .venv on first use; ~3 min).
+test-cluster: $(STAMP)
+	$(BIN)/python -c "import ray.serve" 2>/dev/null || $(BIN)/python -m pip install -q -e '.[serve,dev,cluster]'
+	$(BIN)/python -m pytest -q -m cluster tests/cluster
 
 # The runs of record in docs/benchmarks.md (about 25 minutes on 2 cores).
 bench: $(STAMP)

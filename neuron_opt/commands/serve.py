@@ -67,16 +67,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from neuron_opt.commands.generate import add_speculative_flags
 
     add_speculative_flags(p)
+    g = p.add_argument_group("scale-out (Ray Serve; pip install 'neuron-opt[cluster]')")
+    g.add_argument(
+        "--data-parallel", type=int, default=None, metavar="N",
+        help="N replicas of the engine behind one endpoint, as a Ray Serve application: each replica loads the "
+        "model once on its own cores (Ray resource neuron_cores = tp on Neuron, CPUs here), requests go to the "
+        "replica with the fewest ongoing ones, a replica that dies is restarted (docs/scale_out.md)",
+    )
+    g.add_argument(
+        "--ray-address", default=None,
+        help="join this Ray cluster (e.g. auto, or ray://HEAD:10001) instead of starting a local Ray instance for "
+        "the command's lifetime; implies --data-parallel 1 unless given",
+    )
+    g.add_argument(
+        "--replica-cpus", type=float, default=None,
+        help="CPUs each replica asks Ray for, and its torch threads (default: this machine's cores / N on the "
+        "cpu and eager backends, 1 on neuron, where cores are asked as neuron_cores)",
+    )
     p.set_defaults(func=run)
-
-
-def served_name(args: argparse.Namespace) -> str:
-    from pathlib import Path
-
-    if args.served_model_name:
-        return args.served_model_name
-    src = args.artifact or args.model
-    return "default" if src == "default" else Path(src).name.removesuffix(".gguf")
 
 
 def serving_threads() -> int:
@@ -92,47 +100,22 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("serve: give either an artifact directory or --model PATH|default (not both)")
     if args.max_num_seqs is not None and args.max_num_seqs < 1:
         raise ConfigError(f"--max-num-seqs: must be >= 1, got {args.max_num_seqs}")
+    if args.data_parallel is not None or args.ray_address is not None:
+        from neuron_opt.commands.serve_cluster import run_cluster
+
+        return run_cluster(args)
     import torch
     import uvicorn
 
     from neuron_opt import envs
-    from neuron_opt.api import LLM
-    from neuron_opt.commands.generate import speculative_from_args
-    from neuron_opt.runtime.engine import Engine
     from neuron_opt.server.app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if envs.NUM_THREADS is None:
         torch.set_num_threads(serving_threads())
-    if args.artifact:
-        from pathlib import Path
+    from neuron_opt.commands.serve_engine import build_engine, served_name
 
-        from neuron_opt.artifact import read_manifest
-
-        manifest = read_manifest(Path(args.artifact), verify_hashes=False)
-        largest = manifest.buckets.decode_batches[-1]
-        if args.max_num_seqs and args.max_num_seqs > largest:  # before the (long) load
-            raise ConfigError(f"--max-num-seqs: {args.max_num_seqs} exceeds the artifact's largest decode batch "
-                              f"({largest}); compile it with --batch-size {args.max_num_seqs}", param="max_num_seqs")
-        spec, k = speculative_from_args(args, manifest.buckets.num_speculative_tokens)
-        llm = LLM(args.artifact, dtype=args.dtype, max_model_len=args.max_model_len, num_speculative_tokens=k)
-    else:
-        spec, k = speculative_from_args(args, None)
-        llm = LLM(
-            args.model, dtype=args.dtype, batch_size=args.max_num_seqs or 16, max_model_len=args.max_model_len,
-            num_speculative_tokens=k,
-        )
-    engine = Engine(
-        llm.runner,
-        llm.tokenizer,
-        llm.eos_token_ids,
-        max_num_seqs=args.max_num_seqs,
-        max_waiting=args.max_waiting,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        speculative=spec,
-    )
+    llm, engine = build_engine(args)
     name = served_name(args)
     app = create_app(engine, llm.tokenizer, llm.encode_chat, name, llm.runner.max_model_len)
     url = f"http://{args.host}:{args.port}"

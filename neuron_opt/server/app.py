@@ -62,14 +62,39 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
     return model.model_validate_json(await request.body() or b"null")
 
 
-def create_app(
-    engine: Engine,
-    tokenizer: Any,
-    encode_chat: Callable[[list[dict[str, str]]], list[int]],
-    model_name: str,
-    max_model_len: int,
-) -> FastAPI:
-    metrics = ServerMetrics(
+def error_payload(e: Exception) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, OpenAI-shaped error body) of an exception raised while serving a request: the one mapping the
+    single-process app and every `serve --data-parallel` replica use."""
+
+    def body(status: int, message: str, type_: str, param: str | None = None) -> tuple[int, dict[str, Any]]:
+        return status, {"error": {"message": message, "type": type_, "param": param, "code": status}}
+
+    if isinstance(e, ValidationError):
+        message, param = _validation_message(e)
+        return body(400, message, "BadRequestError", param)
+    if isinstance(e, ProtocolError):
+        return body(400, str(e), "BadRequestError", e.param)
+    if isinstance(e, NotFoundError):
+        return body(404, str(e), "NotFoundError", "model")
+    if isinstance(e, QueueFullError):
+        return body(503, str(e), "ServiceUnavailableError")
+    if isinstance(e, NeuronOptError) and isinstance(e, ValueError):  # ConfigError (ranges), ContextLengthError
+        return body(400, str(e), "BadRequestError", e.param)  # set where it was raised, never read off the message
+    if isinstance(e, (NeuronOptError, EngineError)):
+        return body(500, str(e), "InternalServerError")
+    return body(500, f"internal error: {type(e).__name__}: {e}", "InternalServerError")
+
+
+async def http_error(_: Request, e: Exception) -> JSONResponse:
+    """Starlette's own HTTP errors (unknown route, wrong method) in the OpenAI shape."""
+    assert isinstance(e, StarletteHTTPException)
+    type_ = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(e.status_code, "BadRequestError")
+    return error_response(e.status_code, str(e.detail), type_)
+
+
+def engine_metrics(engine: Engine, model_name: str) -> ServerMetrics:
+    """The Prometheus metrics of one engine (gauges read it at scrape time)."""
+    return ServerMetrics(
         model_name,
         lambda: engine.num_running,
         lambda: engine.num_waiting,
@@ -78,6 +103,16 @@ def create_app(
         lambda: engine.prefix_cache_stats,
         lambda: engine.stats.preemptions,
     )
+
+
+def create_app(
+    engine: Engine,
+    tokenizer: Any,
+    encode_chat: Callable[[list[dict[str, str]]], list[int]],
+    model_name: str,
+    max_model_len: int,
+) -> FastAPI:
+    metrics = engine_metrics(engine, model_name)
     serving = OpenAIServing(engine, tokenizer, encode_chat, model_name, metrics, max_model_len)
 
     @asynccontextmanager
@@ -89,42 +124,19 @@ def create_app(
     app = FastAPI(title="neuron-opt", lifespan=lifespan)
     app.state.engine, app.state.serving = engine, serving
 
-    @app.exception_handler(ValidationError)
-    async def _pydantic(_: Request, e: ValidationError) -> JSONResponse:
-        return bad_request(*_validation_message(e))
+    async def _error(_: Request, e: Exception) -> JSONResponse:
+        status, content = error_payload(e)
+        return JSONResponse(content, status)
+
+    for exc in (ValidationError, ProtocolError, NotFoundError, NeuronOptError, EngineError):
+        app.add_exception_handler(exc, _error)
 
     @app.exception_handler(RequestValidationError)
     async def _fastapi_validation(_: Request, e: RequestValidationError) -> JSONResponse:
         return bad_request("; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()[:5]))
 
-    @app.exception_handler(ProtocolError)
-    async def _protocol(_: Request, e: ProtocolError) -> JSONResponse:
-        return bad_request(str(e), e.param)
-
-    @app.exception_handler(NotFoundError)
-    async def _not_found(_: Request, e: NotFoundError) -> JSONResponse:
-        return error_response(404, str(e), "NotFoundError", "model")
-
-    @app.exception_handler(NeuronOptError)
-    async def _ours(_: Request, e: NeuronOptError) -> JSONResponse:
-        if isinstance(e, QueueFullError):
-            return error_response(503, str(e), "ServiceUnavailableError")
-        if isinstance(e, ValueError):  # ConfigError (parameter ranges), ContextLengthError
-            return bad_request(str(e), e.param)  # set where it was raised, never read off the message
-        return error_response(500, str(e), "InternalServerError")
-
-    @app.exception_handler(EngineError)
-    async def _engine(_: Request, e: EngineError) -> JSONResponse:
-        return error_response(500, str(e), "InternalServerError")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        type_ = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(e.status_code, "BadRequestError")
-        return error_response(e.status_code, str(e.detail), type_)
-
-    @app.exception_handler(Exception)
-    async def _bug(_: Request, e: Exception) -> JSONResponse:
-        return error_response(500, f"internal error: {type(e).__name__}: {e}", "InternalServerError")
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, _error)
 
     @app.get("/health")
     async def health() -> Response:

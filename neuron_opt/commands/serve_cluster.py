@@ -1,0 +1,119 @@
+"""`neuron-opt serve ... --data-parallel N [--ray-address ADDR]`: the Ray Serve application of
+neuron_opt.server.cluster, started and stopped by this command (docs/scale_out.md)."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+from neuron_opt.commands.serve_engine import build_engine, check_args, served_name
+from neuron_opt.errors import ConfigError
+
+RAY_NAMESPACE = "neuron_opt"
+
+
+def replica_resources(backend: str, tp: int, replicas: int, replica_cpus: float | None) -> tuple[dict[str, Any],
+                                                                                              int | None]:
+    """(Ray actor options of one replica, its torch threads or None for the default).
+
+    neuron: `neuron_cores` = tp (Ray then sets NEURON_RT_VISIBLE_CORES to the cores it gives the replica) and
+    `--replica-cpus` CPUs (default 1) for the host side. cpu / eager: `--replica-cpus` CPUs, default this
+    machine's usable cores / N, and as many torch threads (tp rank processes share them)."""
+    if replica_cpus is not None and replica_cpus <= 0:
+        raise ConfigError(f"--replica-cpus: must be > 0, got {replica_cpus}", param="replica_cpus")
+    if backend == "neuron":
+        return {"num_cpus": replica_cpus or 1, "resources": {"neuron_cores": tp}}, None
+    cpus = replica_cpus or max(1, len(os.sched_getaffinity(0)) // replicas)
+    return {"num_cpus": cpus}, max(1, int(cpus))
+
+
+def run_cluster(args: argparse.Namespace) -> int:
+    replicas = 1 if args.data_parallel is None else args.data_parallel
+    if replicas < 1:
+        raise ConfigError(f"--data-parallel: must be >= 1, got {replicas}", param="data_parallel")
+    # fail here, not in N replica processes: paths absolute (a Ray worker's working directory is not ours), the
+    # checkpoint or artifact readable
+    for field in ("artifact", "model"):
+        value = getattr(args, field)
+        if value and value != "default":
+            setattr(args, field, str(Path(value).resolve()))
+    if args.model:
+        from neuron_opt.checkpoint import open_checkpoint
+
+        open_checkpoint(args.model)
+    manifest = check_args(args)[0]
+    backend, tp = ("eager", 1) if manifest is None else (manifest.backend, manifest.parallel.tp)  # --model: eager
+    actor_options, threads = replica_resources(backend, tp, replicas, args.replica_cpus)
+    if not args.ray_address:
+        # the command's own one-machine instance listens on loopback only, as the single-process server does:
+        # Ray reads this switch (multi-node networking off: the node's address is 127.0.0.1) once, at import
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise ConfigError("--data-parallel / --ray-address run on Ray Serve, which is not installed: "
+                          "pip install 'neuron-opt[cluster]'") from None
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.ray_address:
+        try:
+            ray.init(address=args.ray_address, namespace=RAY_NAMESPACE, log_to_driver=args.log_level == "debug")
+        except (ConnectionError, ray.exceptions.AuthenticationError) as e:
+            raise ConfigError(f"--ray-address {args.ray_address}: {e} (is `ray start --head` running there, and does "
+                              "this shell have the cluster's RAY_AUTH_MODE / RAY_AUTH_TOKEN?)",
+                              param="ray_address") from None
+    else:
+        ray.init(address="local", num_cpus=len(os.sched_getaffinity(0)), include_dashboard=False,
+                 namespace=RAY_NAMESPACE,
+                 log_to_driver=args.log_level == "debug")
+    need = {"CPU": actor_options["num_cpus"] * replicas, **{k: v * replicas for k, v in
+                                                            actor_options.get("resources", {}).items()}}
+    have = ray.cluster_resources()
+    short = {k: (v, have.get(k, 0)) for k, v in need.items() if have.get(k, 0) < v}
+    if short:
+        ray.shutdown()
+        raise ConfigError("--data-parallel: the Ray cluster lacks the resources for "
+                          f"{replicas} replica(s): " + ", ".join(f"{k} needs {v:g}, has {h:g}" for k, (v, h)
+                                                                 in short.items()), param="data_parallel")
+    from ray.serve.schema import LoggingConfig
+
+    from neuron_opt.server.cluster import APP_NAME, EngineReplica, Router, metrics_board
+
+    name = served_name(args)
+    params = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        board = metrics_board()
+        replica = EngineReplica.options(
+            num_replicas=replicas, ray_actor_options=actor_options,
+            # a replica takes up to 2 x its batch: a free slot is refilled without waiting on the router, and
+            # the rest queues at the router, where it goes to whichever replica frees up first
+            max_ongoing_requests=2 * (args.max_num_seqs or 16),
+            health_check_period_s=5.0,
+        ).bind(functools.partial(build_engine, params), name, board, threads)
+        print(f"Starting {replicas} replica(s) of {name!r} on Ray ({actor_options}, "
+              f"{threads or 'default'} torch thread(s) each)...", flush=True)
+        serve.run(Router.bind(replica, board, name), name=APP_NAME, route_prefix="/",
+                  logging_config=LoggingConfig(log_level=args.log_level.upper(), enable_access_log=False))
+        url = f"http://{args.host}:{args.port}"
+        print(f"Serving {name!r} on {url}: {replicas} replica(s) behind one endpoint (Ray Serve). Try:\n"
+              f"  curl {url}/v1/completions -H 'Content-Type: application/json' -d "
+              f'\'{{"model": "{name}", "prompt": "The capital of France is", "max_tokens": 16}}\'', flush=True)
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+    finally:
+        try:
+            serve.delete(APP_NAME)
+            if not args.ray_address:
+                serve.shutdown()
+        finally:
+            ray.shutdown()
+    return 0

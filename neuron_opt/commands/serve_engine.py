@@ -1,0 +1,62 @@
+"""The engine `neuron-opt serve` runs, built from its flags: shared by the single-process server
+(neuron_opt.commands.serve) and every replica of `serve --data-parallel` (neuron_opt.commands.serve_cluster)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from neuron_opt.errors import ConfigError
+
+
+def served_name(args: argparse.Namespace) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    src = args.artifact or args.model
+    return "default" if src == "default" else Path(src).name.removesuffix(".gguf")
+
+
+def check_args(args: argparse.Namespace) -> tuple[Any, Any, int | None]:
+    """(artifact manifest or None, SpeculativeConfig or None, verify k or None): the flags checked against the
+    artifact before anything loads (`serve --data-parallel` checks them once, before starting N replicas)."""
+    from neuron_opt.commands.generate import speculative_from_args
+
+    if not args.artifact:
+        return (None, *speculative_from_args(args, None))
+    from neuron_opt.artifact import read_manifest
+
+    manifest = read_manifest(Path(args.artifact), verify_hashes=False)
+    largest = manifest.buckets.decode_batches[-1]
+    if args.max_num_seqs and args.max_num_seqs > largest:
+        raise ConfigError(f"--max-num-seqs: {args.max_num_seqs} exceeds the artifact's largest decode batch "
+                          f"({largest}); compile it with --batch-size {args.max_num_seqs}", param="max_num_seqs")
+    return (manifest, *speculative_from_args(args, manifest.buckets.num_speculative_tokens))
+
+
+def build_engine(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The `LLM` and the (not yet started) `Engine` that `serve` runs, from its flags; `serve --data-parallel` calls
+    it in every replica process."""
+    from neuron_opt.api import LLM
+    from neuron_opt.runtime.engine import Engine
+
+    _, spec, k = check_args(args)
+    if args.artifact:
+        llm = LLM(args.artifact, dtype=args.dtype, max_model_len=args.max_model_len, num_speculative_tokens=k)
+    else:
+        llm = LLM(
+            args.model, dtype=args.dtype, batch_size=args.max_num_seqs or 16, max_model_len=args.max_model_len,
+            num_speculative_tokens=k,
+        )
+    engine = Engine(
+        llm.runner,
+        llm.tokenizer,
+        llm.eos_token_ids,
+        max_num_seqs=args.max_num_seqs,
+        max_waiting=args.max_waiting,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        speculative=spec,
+    )
+    return llm, engine

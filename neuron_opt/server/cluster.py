@@ -1,0 +1,267 @@
+"""`serve --data-parallel N`: N engine replicas behind one OpenAI endpoint, as a Ray Serve application.
+
+    HTTP client -> Ray Serve proxy -> `Router` (1 replica, FastAPI, no CPU) -> `EngineReplica` x N
+
+Design decisions
+- Ray does what Ray is for: placement (each replica asks for its cores: `neuron_cores = tp` on Neuron, which makes
+  Ray set NEURON_RT_VISIBLE_CORES for it; CPUs on the cpu/eager backends), routing (Serve's request router picks
+  the replica with the fewest ongoing requests of two sampled, i.e. the least loaded of 2), restarts (the Serve
+  controller replaces a dead replica), streaming and cancellation through `DeploymentHandle`s.
+- A replica is the single-process server's engine and `OpenAIServing` unchanged; it answers
+  `handle(route, body)` with a stream whose first item is a header `(kind, status, payload, replica_id)`: kind
+  "json" carries the whole answer (or the OpenAI-shaped error, from `app.error_payload`), kind "sse" is followed
+  by the SSE chunks. Validation and errors are therefore exactly the single-process server's.
+- Faults: a request whose replica dies before its header reached the router is retried on another replica (the
+  client has seen nothing; for non-streaming requests that is the whole request); a stream that dies after its
+  header ends with an OpenAI-shaped error event (code 503) and `[DONE]`; when no replica answers after
+  `RETRIES` attempts the answer is a 503. Nothing waits without a bound: the router gives up a request after
+  `REQUEST_TIMEOUT_S` without output.
+- Client disconnect: the proxy cancels the router's request, the router cancels the replica's stream, and the
+  replica's `OpenAIServing` aborts the request in its engine (its KV blocks are freed), as in one process.
+- Metrics: every replica pushes its Prometheus text to a `MetricsBoard` actor each `PUSH_PERIOD_S`; the router's
+  `/metrics` merges the live replicas' metrics with a `replica` label (so they are at most that stale) and adds
+  its own (`cluster_replicas`, `cluster_retries`, `cluster_failed_streams`). A replica silent for
+  `STALE_AFTER_S` is left out (dead, or restarting).
+"""
+
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from neuron_opt.server.app import error_payload, http_error
+from neuron_opt.server.metrics import PREFIX
+from neuron_opt.server.protocol import ChatCompletionRequest, CompletionRequest
+from neuron_opt.server.serving import sse
+
+APP_NAME = "neuron_opt"
+PUSH_PERIOD_S = 1.0
+STALE_AFTER_S = 5.0
+RETRIES = 3
+REQUEST_TIMEOUT_S = 600.0
+REPLICA_HEADER = "x-neuron-opt-replica"
+
+
+class MetricsBoard:
+    """Latest metrics text and facts of each replica, by replica id (a Ray actor; `metrics_board()` starts it)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, tuple[float, dict[str, Any], str]] = {}
+
+    def put(self, replica: str, info: dict[str, Any], text: str) -> None:
+        self.entries[replica] = (time.monotonic(), info, text)
+
+    def snapshot(self, max_age_s: float = STALE_AFTER_S) -> dict[str, tuple[dict[str, Any], str]]:
+        now = time.monotonic()
+        return {r: (info, text) for r, (t, info, text) in self.entries.items() if now - t <= max_age_s}
+
+
+def metrics_board(name: str | None = None) -> Any:
+    """A new MetricsBoard actor (no CPU), owned by the caller: it ends with the `serve` command."""
+    return ray.remote(num_cpus=0)(MetricsBoard).options(name=name).remote()
+
+
+async def _never_disconnected() -> bool:
+    return False  # a replica learns of a disconnect by cancellation (the router cancels its stream)
+
+
+@serve.deployment
+class EngineReplica:
+    """One engine (the model loaded once, its tp ranks inside this replica's cores) and its OpenAI serving."""
+
+    def __init__(self, make_engine: Callable[[], tuple[Any, Any]], model_name: str, board: Any,
+                 threads: int | None) -> None:
+        import torch
+
+        from neuron_opt.server.app import engine_metrics
+        from neuron_opt.server.serving import OpenAIServing
+
+        if threads is not None:
+            torch.set_num_threads(threads)
+        llm, self.engine = make_engine()
+        self.metrics = engine_metrics(self.engine, model_name)
+        self.serving = OpenAIServing(self.engine, llm.tokenizer, llm.encode_chat, model_name, self.metrics,
+                                     llm.runner.max_model_len)
+        self.id = serve.get_replica_context().replica_id.unique_id
+        self.info = {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
+                     "max_model_len": llm.runner.max_model_len, "max_num_seqs": self.engine.max_num_seqs,
+                     "threads": torch.get_num_threads()}
+        self.board = board
+        self.engine.start()
+        self._push()
+        self._stop = threading.Event()
+        threading.Thread(target=self._push_loop, name="metrics-push", daemon=True).start()
+
+    def _push(self) -> None:
+        self.board.put.remote(self.id, self.info, self.metrics.render().decode())
+
+    def _push_loop(self) -> None:
+        while not self._stop.wait(PUSH_PERIOD_S):
+            self._push()
+
+    def check_health(self) -> None:
+        """Serve's periodic health check: a dead engine thread marks the replica unhealthy, and Serve replaces it."""
+        if not self.engine.is_alive():
+            raise RuntimeError(f"engine stopped: {self.engine.error}")
+
+    def __del__(self) -> None:
+        if hasattr(self, "_stop"):
+            self._stop.set()
+            self.engine.stop(timeout=5.0)
+
+    async def handle(self, route: str, body: bytes, sent_at: float) -> AsyncIterator[Any]:
+        """The header `(kind, status, payload, replica id)`, then (kind "sse") the SSE chunks."""
+        arrival = time.monotonic() - max(0.0, time.time() - sent_at)  # the router's receipt on this clock
+        try:
+            if route == "completions":
+                result = await self.serving.completions(
+                    CompletionRequest.model_validate_json(body or b"null"), arrival, _never_disconnected)
+            elif route == "chat":
+                result = await self.serving.chat(
+                    ChatCompletionRequest.model_validate_json(body or b"null"), arrival, _never_disconnected)
+            else:
+                raise ValueError(f"unknown route {route!r}")
+        except Exception as e:
+            status, content = error_payload(e)
+            yield ("json", status, content, self.id)
+            return
+        if isinstance(result, dict):
+            yield ("json", 200, result, self.id)
+            return
+        yield ("sse", 200, None, self.id)
+        async for chunk in result:
+            yield chunk
+
+
+def _error(status: int, message: str, type_: str = "ServiceUnavailableError") -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": None, "code": status}}
+
+
+class _Merged:
+    """A collector yielding parsed metric families (prometheus_client's registry renders them)."""
+
+    def __init__(self, families: list[Any]) -> None:
+        self.families = families
+
+    def collect(self) -> Any:
+        yield from self.families
+
+
+def merge_metrics(texts: dict[str, str]) -> list[Any]:
+    """Each replica's Prometheus families, merged by name, every sample labelled with its `replica`."""
+    merged: dict[str, Any] = {}
+    for replica, text in sorted(texts.items()):
+        for fam in text_string_to_metric_families(text):
+            out = merged.get(fam.name)
+            if out is None:
+                out = merged[fam.name] = type(fam)(fam.name, fam.documentation, fam.type, fam.unit)
+            out.samples += [Sample(s.name, {**s.labels, "replica": replica}, s.value, s.timestamp, s.exemplar)
+                            for s in fam.samples]
+    return list(merged.values())
+
+
+router_app = FastAPI(title="neuron-opt (data parallel)")
+router_app.add_exception_handler(StarletteHTTPException, http_error)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000)
+@serve.ingress(router_app)
+class Router:
+    """The OpenAI routes of the single-process server, forwarded to the least-loaded replica."""
+
+    def __init__(self, replicas: Any, board: Any, model_name: str) -> None:
+        self.replicas, self.board, self.model_name = replicas, board, model_name
+        self.registry = CollectorRegistry()
+        self.retries = Counter(PREFIX + "cluster_retries", "Requests re-sent because their replica died before "
+                               "answering.", registry=self.registry)
+        self.failed_streams = Counter(PREFIX + "cluster_failed_streams", "Streams ended by an error event because "
+                                      "their replica died after the stream had started.", registry=self.registry)
+        self.live = Gauge(PREFIX + "cluster_replicas", "Replicas that reported metrics in the last "
+                          f"{STALE_AFTER_S:g} s.", registry=self.registry)
+
+    async def _snapshot(self) -> dict[str, tuple[dict[str, Any], str]]:
+        snap = await self.board.snapshot.remote()
+        self.live.set(len(snap))
+        return snap
+
+    @router_app.get("/health")
+    async def health(self) -> Response:
+        return Response(status_code=200 if await self._snapshot() else 503)
+
+    @router_app.get("/v1/models")
+    async def models(self) -> Response:
+        snap = await self._snapshot()
+        if not snap:
+            return JSONResponse(_error(503, "no replica is up yet"), 503)
+        info = next(iter(snap.values()))[0]
+        card = {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "neuron-opt",
+                "root": self.model_name, "parent": None, "max_model_len": info["max_model_len"], "permission": []}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @router_app.get("/metrics")
+    async def metrics(self) -> Response:
+        snap = await self._snapshot()
+        registry = CollectorRegistry()
+        registry.register(_Merged(merge_metrics({r: text for r, (_, text) in snap.items()})))
+        body = generate_latest(registry) + generate_latest(self.registry)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @router_app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._forward("completions", await request.body())
+
+    @router_app.post("/v1/chat/completions")
+    async def chat(self, request: Request) -> Response:
+        return await self._forward("chat", await request.body())
+
+    async def _forward(self, route: str, body: bytes) -> Response:
+        sent_at = time.time()
+        for attempt in range(RETRIES):
+            stream = self.replicas.options(stream=True).handle.remote(route, body, sent_at)
+            try:
+                head = await asyncio.wait_for(stream.__anext__(), REQUEST_TIMEOUT_S)
+            except (RayActorError, ActorUnavailableError):
+                self.retries.inc()  # died before answering: the client has seen nothing, send it elsewhere
+                await asyncio.sleep(0.2 * (attempt + 1))
+                continue
+            except asyncio.TimeoutError:
+                stream.cancel()
+                return JSONResponse(_error(504, f"no answer from a replica in {REQUEST_TIMEOUT_S:g} s",
+                                           "GatewayTimeoutError"), 504)
+            except RayTaskError as e:  # a bug in the replica (errors of the request come back as a header)
+                return JSONResponse(_error(500, f"replica error: {e.cause!r}", "InternalServerError"), 500)
+            except asyncio.CancelledError:  # the client went away
+                stream.cancel()
+                raise
+            kind, status, payload, replica = head
+            headers = {REPLICA_HEADER: replica}
+            if kind == "json":
+                return JSONResponse(payload, status, headers=headers)
+            return StreamingResponse(self._relay(stream), media_type="text/event-stream",
+                                     headers={**headers, "Cache-Control": "no-cache"})
+        return JSONResponse(_error(503, f"no replica answered after {RETRIES} attempts (replicas restarting?); "
+                                        "retry"), 503)
+
+    async def _relay(self, stream: Any) -> AsyncIterator[str]:
+        try:
+            async for chunk in stream:
+                yield chunk
+        except (RayActorError, ActorUnavailableError, RayTaskError) as e:
+            self.failed_streams.inc()
+            yield sse(_error(503, f"the replica serving this stream failed: {type(e).__name__}"))
+            yield "data: [DONE]\n\n"
+        finally:
+            stream.cancel()  # no-op when finished; on a client disconnect it aborts the request on the replica

@@ -1,0 +1,62 @@
+"""Helpers of the cluster tests: the prompts, the single-process reference, the router's merged /metrics, and
+Serve's replica processes."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+
+from neuron_opt.runtime.sampling import SamplingParams
+
+MODEL = "tiny"
+REPLICA = "x-neuron-opt-replica"
+PROMPTS = [[5 + i, 40 + 3 * i, 7, 99 + i, 12] for i in range(8)]  # token ids: no tokenizer subtleties
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metrics(url: str) -> dict[tuple[str, str], float]:
+    """{(metric name, replica): value} of the router's merged /metrics (samples summed over other labels)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(url + "/metrics", timeout=10)
+    r.raise_for_status()  # while the app deploys, Ray's proxy answers 404 with a text of its own
+    out: dict[tuple[str, str], float] = {}
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            key = (s.name, s.labels.get("replica", ""))
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def replicas(url: str, name: str = "neuron_opt:num_requests_running") -> dict[str, float]:
+    return {r: v for (n, r), v in metrics(url).items() if n == name}
+
+
+def wait(pred, timeout: float, what: str, every: float = 0.5):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            if v := pred():
+                return v
+        except httpx.HTTPError:
+            pass
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def replica_pids() -> list[int]:
+    import psutil  # a Ray dependency
+
+    return [p.pid for p in psutil.process_iter(["cmdline"])
+            if any("ServeReplica:neuron_opt:EngineReplica" in part for part in (p.info["cmdline"] or []))]
+
+
+def reference(ref, prompt: list[int], n: int) -> str:
+    return ref.generate_ids(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)).text

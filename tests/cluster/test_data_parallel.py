@@ -1,0 +1,179 @@
+"""`neuron-opt serve --data-parallel 2`: a real local Ray (started by the command) with 2 replicas of a tiny model on
+this machine's cores, driven by the official `openai` client. Oracle: the single-sequence reference path
+(`LLM.generate`) on the same checkpoint in this process. Runs with `make test-cluster` (needs the `cluster` extra).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+
+pytest.importorskip("ray", reason="Ray Serve is the `cluster` extra: pip install 'neuron-opt[cluster]'")
+from cluster_helpers import MODEL, PROMPTS, REPLICA, free_port, metrics, reference, replica_pids, replicas, wait
+
+from neuron_opt.runtime.sampling import SamplingParams
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def cluster(ckpt, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("cluster") / "serve.log"
+    cmd = [sys.executable, "-m", "neuron_opt.cli", "serve", "--model", str(ckpt), "--data-parallel", "2",
+           "--port", str(port), "--max-num-seqs", "4", "--max-model-len", "256", "--served-model-name", MODEL]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait(lambda: proc.poll() is not None or len(replicas(url)) == 2, 240, "2 replicas up")
+        assert proc.poll() is None, log.read_text()[-3000:]
+        yield url, proc
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        assert not replica_pids(), "replica processes outlived `serve`"
+
+
+async def _complete(url: str, prompt: list[int], n: int) -> tuple[str, str]:
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    raw = await client.completions.with_raw_response.create(
+        model=MODEL, prompt=prompt, max_tokens=n, temperature=0, extra_body={"ignore_eos": True})
+    return raw.parse().choices[0].text, raw.headers[REPLICA]
+
+
+def test_greedy_answers_from_both_replicas(cluster, ref):
+    url, _ = cluster
+
+    async def all_at_once() -> list[tuple[str, str]]:
+        return await asyncio.gather(*(_complete(url, p, 16) for p in PROMPTS))
+
+    got = asyncio.run(all_at_once())
+    assert [text for text, _ in got] == [reference(ref, p, 16) for p in PROMPTS]
+    assert len({replica for _, replica in got}) == 2  # 8 at once: the router spreads them over both
+    done = wait(lambda: (v := replicas(url, "neuron_opt:request_success_total")) and len(v) == 2
+                 and all(x > 0 for x in v.values()) and v, 10, "both replicas' request counts in /metrics")
+    assert sum(done.values()) >= len(PROMPTS)
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content == ref.chat(msgs, SamplingParams(max_tokens=8, temperature=0.0)).text
+
+
+def test_streaming_through_the_router(cluster, ref):
+    url, _ = cluster
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == reference(ref, PROMPTS[0], 12)
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_errors_are_openai_shaped(cluster):
+    url, _ = cluster
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="hi", max_tokens=2)
+    r = httpx.get(url + "/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
+    assert httpx.get(url + "/health").status_code == 200
+
+
+def test_client_disconnect_frees_the_slot_on_its_replica(cluster):
+    url, _ = cluster
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(line for line in lines if line.startswith("data: "))
+        assert wait(lambda: sum(replicas(url).values()) == 1, 10, "the stream running on a replica")
+    # the client is gone: the replica's engine must drop the request well before its 200 tokens are done
+    wait(lambda: sum(replicas(url).values()) == 0 or None, 15, "the aborted request to leave its replica")
+
+
+def test_a_killed_replica_is_restarted_and_nothing_hangs(cluster, ref):
+    url, proc = cluster
+    n = 220  # long enough that the streams are still running when one replica is killed
+    expected = {i: reference(ref, p, n) for i, p in enumerate(PROMPTS)}
+    started: dict[int, str] = {}
+
+    async def stream(client: httpx.AsyncClient, i: int) -> str:
+        body = {"model": MODEL, "prompt": PROMPTS[i], "max_tokens": n, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        text, done = "", False
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            started[i] = r.headers[REPLICA]
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:  # the replica died mid-stream: an OpenAI-shaped error event, then [DONE]
+                    assert event["error"]["code"] == 503 and "replica" in event["error"]["message"], event
+                    text = None
+                else:
+                    text += event["choices"][0]["text"]
+        assert done, "stream ended without [DONE]"
+        if text is None:
+            return "failed"
+        assert text == expected[i]
+        return "ok"
+
+    async def whole(client: httpx.AsyncClient, i: int) -> str:
+        """Non-streaming: the client sees nothing until the end, so a request whose replica dies is re-sent."""
+        body = {"model": MODEL, "prompt": PROMPTS[i], "max_tokens": n, "temperature": 0, "ignore_eos": True}
+        r = await client.post(url + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == expected[i]
+        return "ok"
+
+    async def scenario() -> tuple[list[str], list[str]]:
+        async with httpx.AsyncClient(timeout=120) as client:  # streaming and non-streaming, in pairs
+            before = [asyncio.create_task((stream if i % 4 < 2 else whole)(client, i)) for i in range(len(PROMPTS))]
+            while len(set(started.values())) < 2 and not all(t.done() for t in before):
+                await asyncio.sleep(0.005)
+            pids = replica_pids()
+            assert len(pids) == 2
+            os.kill(pids[0], signal.SIGKILL)
+            started.clear()
+            after = [await stream(client, i) for i in range(4)]  # sent after the kill, one by one: none may fail
+            return await asyncio.wait_for(asyncio.gather(*before), 300), after
+
+    before, after = asyncio.run(scenario())
+    print("outcomes:", before, "retries:", metrics(url)[("neuron_opt:cluster_retries_total", "")])
+    assert after == ["ok"] * 4
+    assert set(before) <= {"ok", "failed"} and "ok" in before, before  # the survivor's streams completed
+    assert [before[i] for i in range(len(PROMPTS)) if i % 4 >= 2] == ["ok"] * 4  # non-streaming: retried
+    # Ray restarts the replica; both serve again
+    wait(lambda: len(replica_pids()) == 2 and len(replicas(url)) == 2, 180, "the replica to be restarted")
+
+    async def again() -> list[tuple[str, str]]:
+        return await asyncio.gather(*(_complete(url, p, 8) for p in PROMPTS))
+
+    got = asyncio.run(again())
+    assert [t for t, _ in got] == [reference(ref, p, 8) for p in PROMPTS]
+    assert len({r for _, r in got}) == 2
+    assert proc.poll() is None
+    assert metrics(url)[("neuron_opt:cluster_failed_streams_total", "")] == before.count("failed")
