@@ -2,7 +2,9 @@
 
 Without --tp, every tp degree the instance supports (and our sharding can express) is evaluated and the
 best is recommended (neuron_opt.planner.recommend explains the rule); with --tp, that one deployment is
-planned. Exit code: 0 when the chosen plan fits, 1 when it does not, 2 on a usage error.
+planned. On a Neuron instance it then prints the tp x data-parallel splits of the instance (`serve
+--data-parallel N` replicas, neuron_opt.planner.scale_out) for the whole --concurrency and recommends one for
+--target. Exit code: 0 when the chosen plan fits, 1 when it does not, 2 on a usage error.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ import json
 from pathlib import Path
 
 from neuron_opt.config import ModelConfig
+from neuron_opt.errors import ConfigError
 from neuron_opt.planner.hardware import get_instance, known_instances
 from neuron_opt.planner.memory import KV_DTYPES, WEIGHT_DTYPES
 from neuron_opt.planner.recommend import Traffic, candidates, rank
-from neuron_opt.planner.report import alternatives_table, plan_json, plan_lines
+from neuron_opt.planner.report import alternatives_table, plan_json, plan_lines, split_json, split_lines
+from neuron_opt.planner.scale_out import TARGETS, recommend_split, splits
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -50,6 +54,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="weight dtype (default: bfloat16; a quantized dtype is proposed only if bfloat16 fits nowhere)",
     )
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bfloat16")
+    p.add_argument(
+        "--target", choices=TARGETS, default="latency",
+        help="what the tp x data-parallel split is chosen for: lowest request latency, or most output tokens/s",
+    )
+    p.add_argument(
+        "--data-parallel", type=int, default=None, metavar="N",
+        help="replicas of the model on the instance (default: as many as fit, for each tp)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
 
@@ -89,8 +101,26 @@ def run(args: argparse.Namespace) -> int:
         traffic,
     )
     best = plans[0]
+    scale = None
+    if inst.family != "cpu":
+        scale = splits(cfg, inst, traffic, max_prompt_len=max_prompt_len, max_model_len=max_model_len,
+                       batch=args.batch_size, replicas=args.data_parallel,
+                       dtypes=tuple(sorted({p.deployment.dtype for p in plans})), kv_dtype=args.kv_dtype)
+        if args.tp is not None:
+            scale = [s for s in scale if s.tp == args.tp]
+    elif args.data_parallel is not None:
+        raise ConfigError("--data-parallel: the split of an instance's cores is planned for Neuron instances "
+                          "(latency is not modelled on cpu)", param="data_parallel")
     if args.json:
-        print(json.dumps(plan_json(cfg, best, plans[1:]), indent=2))
+        out = plan_json(cfg, best, plans[1:])
+        if scale:
+            pick = recommend_split(scale, traffic.output_len, args.target)
+            out["data_parallel"] = {
+                "target": args.target,
+                "recommended": None if pick is None else split_json(pick, traffic.output_len),
+                "splits": [split_json(s, traffic.output_len) for s in scale],
+            }
+        print(json.dumps(out, indent=2))
     else:
         print("\n".join(plan_lines(cfg, best)))
         if len(plans) > 1:
@@ -99,4 +129,7 @@ def run(args: argparse.Namespace) -> int:
                 f"concurrency {traffic.concurrency}), recommended first:"
             )
             print("\n".join(alternatives_table(plans, traffic)))
+        if scale:
+            print()
+            print("\n".join(split_lines(scale, traffic, args.target)))
     return 0 if best.fits else 1

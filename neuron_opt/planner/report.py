@@ -9,6 +9,7 @@ from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
 from neuron_opt.planner.hardware import GB, GiB, get_instance
 from neuron_opt.planner.memory import layout_overhead
 from neuron_opt.planner.recommend import Deployment, Plan, Traffic, evaluate
+from neuron_opt.planner.scale_out import TARGETS, Split, recommend_split
 
 
 def _gib(n: int) -> str:
@@ -87,6 +88,42 @@ def alternatives_table(plans: list[Plan], traffic: Traffic, limit: int = 8) -> l
             f"{'-' if per_core is None else f'{per_core:8.1f}':>8}"
         )
     return rows
+
+
+def split_lines(splits: list[Split], traffic: Traffic, target: str) -> list[str]:
+    """The tp x data-parallel table of one instance and the split recommended for `target` (and for the other)."""
+    inst = splits[0].plan.instance
+    out = traffic.output_len
+    rows = [f"data-parallel splits of {inst.name} ({inst.cores} NeuronCores), {traffic.concurrency} concurrent "
+            f"stream(s) ({traffic.input_len} in / {out} out), one request after another per stream:",
+            "  tp  replicas  streams each  dtype     fits  TTFT ms  TPOT ms  request s  out tok/s"]
+    for s in splits:
+        p, rnd, thr = s.plan, s.round_s(out), s.throughput(out)
+        rows.append(
+            f"  {s.tp:>2}  {s.replicas:>8}  {s.streams:>12}  {p.deployment.dtype:<9} {'yes' if p.fits else 'no ':<5}"
+            f"{'-' if p.ttft is None else f'{1e3 * p.ttft.total:7.1f}':>7}  "
+            f"{'-' if p.tpot is None else f'{1e3 * p.tpot.total:7.2f}':>7}  "
+            f"{'-' if rnd is None else f'{rnd:9.2f}':>9}  {'-' if thr is None else f'{thr:9.0f}':>9}"
+        )
+    for t in sorted(TARGETS, key=lambda t: t != target):
+        pick = recommend_split(splits, out, t)
+        head = f"recommended for {t}:" if t == target else f"for {t}:"
+        if pick is None:
+            rows.append(f"{head} no split fits")
+            continue
+        d = pick.plan.deployment
+        rows.append(f"{head} tp {pick.tp} x {pick.replicas} replica(s) ({pick.throughput(out):.0f} out tok/s, "
+                    f"request {pick.round_s(out):.2f} s): compile --tp {pick.tp} --batch-size {d.batch}, then "
+                    f"serve ARTIFACT --data-parallel {pick.replicas}")
+    return rows
+
+
+def split_json(split: Split, output_len: int) -> dict[str, Any]:
+    return {"tp": split.tp, "replicas": split.replicas, "streams_per_replica": split.streams,
+            "batch_size": split.plan.deployment.batch, "dtype": split.plan.deployment.dtype, "fits": split.plan.fits,
+            "ttft_ms": _ms(split.plan.ttft.total if split.plan.ttft else None),
+            "tpot_ms": _ms(split.plan.tpot.total if split.plan.tpot else None),
+            "request_latency_s": split.round_s(output_len), "output_throughput": split.throughput(output_len)}
 
 
 def _band_json(plan: Plan) -> dict[str, Any] | None:
