@@ -87,6 +87,11 @@ def run_cluster(args: argparse.Namespace) -> int:
 
     name = served_name(args)
     params = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
+    # from here on SIGINT/SIGTERM end the command through the cleanup below, also while the replicas deploy (set
+    # after ray.init, whose core worker installs a handler of its own that aborts the process)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         board = metrics_board()
@@ -94,7 +99,7 @@ def run_cluster(args: argparse.Namespace) -> int:
             num_replicas=replicas, ray_actor_options=actor_options,
             # a replica takes up to 2 x its batch: a free slot is refilled without waiting on the router, and
             # the rest queues at the router, where it goes to whichever replica frees up first
-            max_ongoing_requests=2 * (args.max_num_seqs or 16),
+            max_ongoing_requests=2 * (args.max_num_seqs or (manifest.buckets.decode_batches[-1] if manifest else 16)),
             health_check_period_s=5.0,
         ).bind(functools.partial(build_engine, params), name, board, threads)
         print(f"Starting {replicas} replica(s) of {name!r} on Ray ({actor_options}, "
@@ -105,9 +110,6 @@ def run_cluster(args: argparse.Namespace) -> int:
         print(f"Serving {name!r} on {url}: {replicas} replica(s) behind one endpoint (Ray Serve). Try:\n"
               f"  curl {url}/v1/completions -H 'Content-Type: application/json' -d "
               f'\'{{"model": "{name}", "prompt": "The capital of France is", "max_tokens": 16}}\'', flush=True)
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
         stop.wait()
     finally:
         try:
