@@ -114,10 +114,10 @@ def start_server(args: argparse.Namespace, port: int, extra: tuple[str, ...] = (
     return subprocess.Popen(cmd, cwd=source, stdout=sys.stderr, stderr=sys.stderr, env=env)
 
 
-def stop_server(proc: subprocess.Popen) -> None:
+def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> None:
     proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(60)
+        proc.wait(timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
 
@@ -459,6 +459,88 @@ def scenario_capacity(args: argparse.Namespace, vocab: int) -> dict[str, object]
             "capacity_ratio_mean": res["running_mean"] / contiguous}
 
 
+def wait_replicas(url: str, proc: subprocess.Popen, n: int, timeout: float = 600.0) -> None:
+    """Until the `serve --data-parallel` router counts `n` live replicas (its /health is up as soon as one is)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with status {proc.returncode}")
+        try:
+            for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+                if line.startswith("neuron_opt:cluster_replicas ") and float(line.split()[1]) >= n:
+                    return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{n} replicas did not come up")
+
+
+def scenario_data_parallel(args: argparse.Namespace, vocab: int) -> dict[str, object]:
+    """The same load (every --concurrency level) on the single-process server and on `serve --data-parallel N` for
+    each N of --data-parallel, alternating --rounds times (the machine's speed drifts); the best round of each, and
+    each data-parallel figure as a ratio to the single-process server's in the same run."""
+    prompts = make_prompts(args.num_prompts, args.input_len, vocab, args.seed)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    budget = (args.budget_flag, str(args.max_num_batched_tokens))
+    modes = [("single", 0)] + [(f"dp{n}", n) for n in (int(x) for x in args.data_parallel.split(","))]
+    runs: dict[str, list[list[dict[str, object]]]] = {m: [] for m, _ in modes}
+    for _ in range(args.rounds):
+        for mode, n in modes:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            proc = start_server(args, port, (*budget, *(("--data-parallel", str(n)) if n else ())))
+            try:
+                wait_healthy(url, proc)
+                if n:
+                    wait_replicas(url, proc, n)
+                asyncio.run(run_load(url, prompts[: 2 * max(n, 1)], 4, 2 * max(n, 1), float("inf"), 0))  # warm-up
+                res = []
+                for c in levels:
+                    results, dur = asyncio.run(run_load(url, prompts, args.output_len, c, args.request_rate,
+                                                        args.seed))
+                    res.append(summarize(results, dur, args.input_len) | {"concurrency": c, "errors": [
+                        r.error for r in results if r.error][:5]})
+                    print(f"{mode} c={c}: {res[-1]['output_throughput']:.1f} out tok/s, TTFT p50 "
+                          f"{res[-1]['ttft_ms']['p50']:.0f} ms, TPOT p50 {res[-1]['tpot_ms']['p50']:.1f} ms, "
+                          f"{res[-1]['completed']}/{len(results)} ok", file=sys.stderr)
+            finally:
+                stop_server(proc, timeout=120)
+            runs[mode].append(res)
+    best = {m: [max((r[i] for r in rs), key=lambda s: s["output_throughput"]) for i in range(len(levels))]
+            for m, rs in runs.items()}
+    ratios = {m: [{"concurrency": c, "throughput": b["output_throughput"] / s["output_throughput"],
+                   "ttft_p50": b["ttft_ms"]["p50"] / s["ttft_ms"]["p50"],
+                   "tpot_p50": b["tpot_ms"]["p50"] / s["tpot_ms"]["p50"]}
+                  for c, b, s in zip(levels, best[m], best["single"], strict=True)] for m in best if m != "single"}
+    return {"scenario": "data-parallel", "cores": len(os.sched_getaffinity(0)), "runs": runs, "best": best,
+            "ratio_to_single": ratios}
+
+
+def plot_data_parallel(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for mode, rows in report["best"].items():
+        cs = [r["concurrency"] for r in rows]
+        label = "single process" if mode == "single" else f"--data-parallel {mode[2:]}"
+        for ax, key in zip(axes, ("output_throughput", "ttft_ms", "tpot_ms"), strict=True):
+            ax.plot(cs, [r[key] if key == "output_throughput" else r[key]["p50"] for r in rows], "o-", label=label)
+    for ax, title in zip(axes, ("output tok/s", "TTFT p50 (ms)", "TPOT p50 (ms)"), strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams")
+        ax.set_title(title)
+    axes[0].legend()
+    fig.suptitle(f"serve vs serve --data-parallel, {report['cores']} cores, same run (best of "
+                 f"{len(next(iter(report['runs'].values())))} rounds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def ab_versions(args: argparse.Namespace, prompts: list[list[int]], concurrency: int,
                 budget: tuple[str, str]) -> dict[str, object]:
     """The same load on this checkout and on `--baseline-source`, alternating `--rounds` times (the machine's
@@ -518,6 +600,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scenario", default="load", choices=["load", "shared-prefix", "long-prompts", "capacity"],
                    help="load: the serving benchmark above; the others measure the block KV cache (prefix caching, "
                         "chunked prefill, capacity; docs/serving.md)")
+    p.add_argument("--data-parallel", default=None, metavar="N[,N...]",
+                   help="the load on the single-process server and on `serve --data-parallel N` for each N (Ray "
+                        "Serve, the `cluster` extra), alternating --rounds times; ratios to the single process "
+                        "(docs/scale_out.md)")
     p.add_argument(
         "--check-streams", type=int, default=64, help="concurrent streams for the correctness check (0: skip)"
     )
@@ -550,6 +636,16 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_model = args.hf_model or ("default" if is_artifact(args.model) else args.model)
     vocab = open_checkpoint(hf_model).config.vocab_size
+    if args.data_parallel:
+        rep = scenario_data_parallel(args, vocab) | {"note": args.note, "config": {k: str(v) for k, v in
+                                                                                    vars(args).items()}}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(rep, indent=2) + "\n")
+        if args.plot:
+            plot_data_parallel(rep, Path(args.plot))
+        if args.json:
+            print(json.dumps(rep, indent=2))
+        return 0
     if args.scenario != "load":
         fn = {"shared-prefix": scenario_shared_prefix, "long-prompts": scenario_long_prompts,
               "capacity": scenario_capacity}[args.scenario]
