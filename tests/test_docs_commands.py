@@ -6,7 +6,8 @@ prefix (`PJRT_DEVICE=CPU`) and a venv path (`.venv/bin/`, `.venv-xla/bin/`) are 
 is the same CLI from the same source tree, so this venv's parser checks it. Each command then matches exactly one
 row of CHECKS, which says how it is checked. A command that no row matches fails: a new docs command gets a check
 before it lands. A fenced block without a language that holds a command fails too (label it bash), and so does a
-CHECKS row no command uses. The one skip, reported by `pytest -rs`: guidellm's parser, without the `clients` extra.
+CHECKS row no command uses. The skips, reported by `pytest -rs`: guidellm's parser without the `clients` extra, and
+Ray's without the `cluster` extra.
 
 Examples and synopses. A command written in documentation syntax -- `[optional groups]`, `a|b` alternatives,
 ALL-CAPS placeholders (`ARTIFACT`, `N`) -- is a synopsis. It expands into commands that must each pass its row's
@@ -57,6 +58,7 @@ PLACEHOLDERS = {
     "PATH": "default",  # a checkpoint: the embedded default one stands in for any
     "NAME": "smollm2",
     "N": "4",
+    "ADDR": "auto",  # a Ray cluster address
 }
 
 @dataclass(frozen=True)
@@ -338,6 +340,31 @@ def check_guidellm(cmd: DocCommand, argv: list[str]) -> None:
     assert r.returncode == 0, f"guidellm's parser rejects it: {r.stderr.strip()[-2000:]}"
 
 
+# Ray's CLI, likewise in a subprocess (importing Ray is slow and starts nothing, but keeps this process clean).
+_RAY_STUB = r"""
+import json, sys
+import click
+from ray.scripts.scripts import cli
+argv = json.loads(sys.argv[1])
+ctx = click.Context(cli)
+cmd = cli.get_command(ctx, argv[0])
+if cmd is None:
+    sys.exit(f"ray has no command {argv[0]!r}")
+try:
+    cmd.make_context(argv[0], argv[1:], parent=ctx)
+except click.ClickException as e:
+    sys.exit(e.format_message())
+"""
+
+
+def check_ray(cmd: DocCommand, argv: list[str]) -> None:
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip(f"{cmd.where}: Ray is not installed (pip install -e .[cluster]); its parser checks this")
+    r = subprocess.run([sys.executable, "-c", _RAY_STUB, json.dumps(argv[1:])], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, f"ray's parser rejects it: {r.stderr.strip()[-2000:]}"
+
+
 @dataclass(frozen=True)
 class Check:
     pattern: str  # re.match against the command's argv joined by spaces
@@ -357,6 +384,8 @@ CHECKS = (
     Check(r"python scripts/\w+\.py\b", "the script exists, its --help runs and its own argparse parser accepts "
           "the args (nothing runs)", check_script),
     Check(r"guidellm run\b", "guidellm's own click parser accepts it (the `clients` extra)", check_guidellm),
+    Check(r"ray (start|status|get-auth-token)\b", "Ray's own click parser accepts it (the `cluster` extra)",
+          check_ray),
 )
 
 
