@@ -569,6 +569,17 @@ def ab_versions(args: argparse.Namespace, prompts: list[list[int]], concurrency:
             "throughput_ratio": best["ours"]["output_throughput"] / best["baseline"]["output_throughput"]}
 
 
+def write_report(args: argparse.Namespace, report: dict, plot_fn=None) -> int:
+    """The report as JSON at --out (and on stdout with --json), its plot at --plot when the run has one."""
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    if plot_fn is not None and args.plot:
+        plot_fn(report, Path(args.plot))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -639,33 +650,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.data_parallel:
         rep = scenario_data_parallel(args, vocab) | {"note": args.note, "config": {k: str(v) for k, v in
                                                                                     vars(args).items()}}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(rep, indent=2) + "\n")
-        if args.plot:
-            plot_data_parallel(rep, Path(args.plot))
-        if args.json:
-            print(json.dumps(rep, indent=2))
-        return 0
+        return write_report(args, rep, plot_data_parallel)
     if args.scenario != "load":
         fn = {"shared-prefix": scenario_shared_prefix, "long-prompts": scenario_long_prompts,
               "capacity": scenario_capacity}[args.scenario]
-        rep = fn(args, vocab) | {"note": args.note}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(rep, indent=2) + "\n")
-        if args.json:
-            print(json.dumps(rep, indent=2))
-        return 0
+        return write_report(args, fn(args, vocab) | {"note": args.note})
     prompts = make_prompts(args.num_prompts, args.input_len, vocab, args.seed)
     levels = [int(c) for c in args.concurrency.split(",")]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     budget = (args.budget_flag, str(args.max_num_batched_tokens))
     if args.baseline_source is not None:
-        report_ab = ab_versions(args, prompts, levels[-1], budget)
-        Path(args.out).write_text(json.dumps(report_ab, indent=2) + "\n")
-        if args.json:
-            print(json.dumps(report_ab, indent=2))
-        return 0
+        return write_report(args, ab_versions(args, prompts, levels[-1], budget))
     proc = start_server(args, port, budget)
     config = vars(args) | {"hf_model": hf_model, "request_rate": str(args.request_rate),
                            "baseline_source": None}
@@ -715,13 +711,7 @@ def main(argv: list[str] | None = None) -> int:
             f"TPOT p50 {report['hf']['tpot_ms']['p50']:.1f} ms",
             file=sys.stderr,
         )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    if args.plot:
-        plot(report, Path(args.plot))
-    if args.json:
-        print(json.dumps(report, indent=2))
-    return 0
+    return write_report(args, report, plot)
 
 
 if __name__ == "__main__":

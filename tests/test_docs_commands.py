@@ -315,54 +315,38 @@ def check_script(cmd: DocCommand, argv: list[str]) -> None:
 
 # guidellm switches the importing process's event loop policy (tests/neuron_opt/test_server_clients.py), so its
 # own click parser runs in a subprocess: make_context parses and converts every option without running anything.
-_GUIDELLM_STUB = r"""
-import json, sys, warnings
+_CLICK_STUB = r"""
+import importlib, json, sys, warnings
 warnings.simplefilter("ignore")
 import click
-from guidellm.__main__ import cli
-argv = json.loads(sys.argv[1])
+module, attr, argv = json.loads(sys.argv[1])
+cli = getattr(importlib.import_module(module), attr)
 ctx = click.Context(cli)
 cmd = cli.get_command(ctx, argv[0])
 if cmd is None:
-    sys.exit(f"guidellm has no command {argv[0]!r}")
+    sys.exit(f"{module} has no command {argv[0]!r}")
 try:
     cmd.make_context(argv[0], argv[1:], parent=ctx)
 except click.ClickException as e:
     sys.exit(e.format_message())
 """
+
+
+def check_click(cmd: DocCommand, argv: list[str], package: str, cli: str, extra: str) -> None:
+    """`argv[1:]` through the click group `cli` ("module:attribute") of `package`, skipped without the extra."""
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"{cmd.where}: {package} is not installed (pip install -e .[{extra}]); its parser checks this")
+    r = subprocess.run([sys.executable, "-c", _CLICK_STUB, json.dumps([*cli.split(":"), argv[1:]])], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"{package}'s parser rejects it: {r.stderr.strip()[-2000:]}"
 
 
 def check_guidellm(cmd: DocCommand, argv: list[str]) -> None:
-    if importlib.util.find_spec("guidellm") is None:
-        pytest.skip(f"{cmd.where}: guidellm is not installed (pip install -e .[clients]); its parser checks this")
-    r = subprocess.run([sys.executable, "-c", _GUIDELLM_STUB, json.dumps(argv[1:])], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, f"guidellm's parser rejects it: {r.stderr.strip()[-2000:]}"
+    check_click(cmd, argv, "guidellm", "guidellm.__main__:cli", "clients")
 
 
-# Ray's CLI, likewise in a subprocess (importing Ray is slow and starts nothing, but keeps this process clean).
-_RAY_STUB = r"""
-import json, sys
-import click
-from ray.scripts.scripts import cli
-argv = json.loads(sys.argv[1])
-ctx = click.Context(cli)
-cmd = cli.get_command(ctx, argv[0])
-if cmd is None:
-    sys.exit(f"ray has no command {argv[0]!r}")
-try:
-    cmd.make_context(argv[0], argv[1:], parent=ctx)
-except click.ClickException as e:
-    sys.exit(e.format_message())
-"""
-
-
-def check_ray(cmd: DocCommand, argv: list[str]) -> None:
-    if importlib.util.find_spec("ray") is None:
-        pytest.skip(f"{cmd.where}: Ray is not installed (pip install -e .[cluster]); its parser checks this")
-    r = subprocess.run([sys.executable, "-c", _RAY_STUB, json.dumps(argv[1:])], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
-    assert r.returncode == 0, f"ray's parser rejects it: {r.stderr.strip()[-2000:]}"
+def check_ray(cmd: DocCommand, argv: list[str]) -> None:  # Ray's import is slow, and it too stays out of here
+    check_click(cmd, argv, "ray", "ray.scripts.scripts:cli", "cluster")
 
 
 @dataclass(frozen=True)
