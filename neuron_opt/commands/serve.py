@@ -71,13 +71,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--data-parallel", type=int, default=None, metavar="N",
         help="N replicas of the engine behind one endpoint, as a Ray Serve application: each replica loads the "
-        "model once on its own cores (Ray resource neuron_cores = tp on Neuron, CPUs here), requests go to the "
-        "replica with the fewest ongoing ones, a replica that dies is restarted (docs/scale_out.md)",
+        "model once on its own cores (Ray resource neuron_cores = tp on Neuron, CPUs here), each request goes to the "
+        "less loaded of two sampled replicas, a replica that dies is restarted (docs/scale_out.md)",
     )
     g.add_argument(
         "--ray-address", default=None,
-        help="join this Ray cluster (e.g. auto, or ray://HEAD:10001) instead of starting a local Ray instance for "
-        "the command's lifetime; implies --data-parallel 1 unless given",
+        help="join this Ray cluster (auto on one of its nodes, or HEAD_IP:6379) instead of starting a local Ray "
+        "instance for the command's lifetime; implies --data-parallel 1 unless given",
     )
     g.add_argument(
         "--replica-cpus", type=float, default=None,
