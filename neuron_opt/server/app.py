@@ -29,10 +29,13 @@ from neuron_opt.server.protocol import ChatCompletionRequest, CompletionRequest,
 from neuron_opt.server.serving import EngineError, NotFoundError, OpenAIServing
 
 
+def error_body(status: int, message: str, type_: str, param: str | None = None) -> dict[str, Any]:
+    """The OpenAI error object: `{"error": {"message", "type", "param", "code"}}`."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": status}}
+
+
 def error_response(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": type_, "param": param, "code": status}}, status
-    )
+    return JSONResponse(error_body(status, message, type_, param), status)
 
 
 def bad_request(message: str, param: str | None = None) -> JSONResponse:
@@ -67,7 +70,7 @@ def error_payload(e: Exception) -> tuple[int, dict[str, Any]]:
     single-process app and every `serve --data-parallel` replica use."""
 
     def body(status: int, message: str, type_: str, param: str | None = None) -> tuple[int, dict[str, Any]]:
-        return status, {"error": {"message": message, "type": type_, "param": param, "code": status}}
+        return status, error_body(status, message, type_, param)
 
     if isinstance(e, ValidationError):
         message, param = _validation_message(e)

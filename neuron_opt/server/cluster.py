@@ -26,7 +26,6 @@ Design decisions
 
 
 import asyncio
-import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -42,7 +41,7 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from neuron_opt.server.app import error_payload, http_error
+from neuron_opt.server.app import error_body, error_payload, http_error
 from neuron_opt.server.metrics import PREFIX
 from neuron_opt.server.protocol import ChatCompletionRequest, CompletionRequest
 from neuron_opt.server.serving import sse
@@ -56,7 +55,8 @@ REPLICA_HEADER = "x-neuron-opt-replica"
 
 
 class MetricsBoard:
-    """Latest metrics text and facts of each replica, by replica id (a Ray actor; `metrics_board()` starts it)."""
+    """Latest metrics text and model-card facts of each replica, by replica id (a Ray actor; `metrics_board()`
+    starts it)."""
 
     def __init__(self) -> None:
         self.entries: dict[str, tuple[float, dict[str, Any], str]] = {}
@@ -69,9 +69,9 @@ class MetricsBoard:
         return {r: (info, text) for r, (t, info, text) in self.entries.items() if now - t <= max_age_s}
 
 
-def metrics_board(name: str | None = None) -> Any:
+def metrics_board() -> Any:
     """A new MetricsBoard actor (no CPU), owned by the caller: it ends with the `serve` command."""
-    return ray.remote(num_cpus=0)(MetricsBoard).options(name=name).remote()
+    return ray.remote(num_cpus=0)(MetricsBoard).remote()
 
 
 async def _never_disconnected() -> bool:
@@ -96,9 +96,7 @@ class EngineReplica:
         self.serving = OpenAIServing(self.engine, llm.tokenizer, llm.encode_chat, model_name, self.metrics,
                                      llm.runner.max_model_len)
         self.id = serve.get_replica_context().replica_id.unique_id
-        self.info = {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
-                     "max_model_len": llm.runner.max_model_len, "max_num_seqs": self.engine.max_num_seqs,
-                     "threads": torch.get_num_threads()}
+        self.info = {"max_model_len": llm.runner.max_model_len}  # what the router's /v1/models card needs
         self.board = board
         self.engine.start()
         self._push()
@@ -144,10 +142,6 @@ class EngineReplica:
         yield ("sse", 200, None, self.id)
         async for chunk in result:
             yield chunk
-
-
-def _error(status: int, message: str, type_: str = "ServiceUnavailableError") -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": None, "code": status}}
 
 
 class _Merged:
@@ -205,7 +199,7 @@ class Router:
     async def models(self) -> Response:
         snap = await self._snapshot()
         if not snap:
-            return JSONResponse(_error(503, "no replica is up yet"), 503)
+            return JSONResponse(error_body(503, "no replica is up yet", "ServiceUnavailableError"), 503)
         info = next(iter(snap.values()))[0]
         card = {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "neuron-opt",
                 "root": self.model_name, "parent": None, "max_model_len": info["max_model_len"], "permission": []}
@@ -239,10 +233,10 @@ class Router:
                 continue
             except asyncio.TimeoutError:
                 stream.cancel()
-                return JSONResponse(_error(504, f"no answer from a replica in {REQUEST_TIMEOUT_S:g} s",
+                return JSONResponse(error_body(504, f"no answer from a replica in {REQUEST_TIMEOUT_S:g} s",
                                            "GatewayTimeoutError"), 504)
             except RayTaskError as e:  # a bug in the replica (errors of the request come back as a header)
-                return JSONResponse(_error(500, f"replica error: {e.cause!r}", "InternalServerError"), 500)
+                return JSONResponse(error_body(500, f"replica error: {e.cause!r}", "InternalServerError"), 500)
             except asyncio.CancelledError:  # the client went away
                 stream.cancel()
                 raise
@@ -252,8 +246,8 @@ class Router:
                 return JSONResponse(payload, status, headers=headers)
             return StreamingResponse(self._relay(stream), media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
-        return JSONResponse(_error(503, f"no replica answered after {RETRIES} attempts (replicas restarting?); "
-                                        "retry"), 503)
+        return JSONResponse(error_body(503, f"no replica answered after {RETRIES} attempts (replicas restarting?); "
+                                       "retry", "ServiceUnavailableError"), 503)
 
     async def _relay(self, stream: Any) -> AsyncIterator[str]:
         try:
@@ -261,7 +255,8 @@ class Router:
                 yield chunk
         except (RayActorError, ActorUnavailableError, RayTaskError) as e:
             self.failed_streams.inc()
-            yield sse(_error(503, f"the replica serving this stream failed: {type(e).__name__}"))
+            yield sse(error_body(503, f"the replica serving this stream failed: {type(e).__name__}",
+                                 "ServiceUnavailableError"))
             yield "data: [DONE]\n\n"
         finally:
             stream.cancel()  # no-op when finished; on a client disconnect it aborts the request on the replica
