@@ -11,17 +11,23 @@ from typing import Any
 
 import torch
 
-from models.llama import LlamaForCausalLM
+from models.llama import LlamaForCausalLM, expected_weight_names
+from models.moe import MoeForCausalLM, moe_weight_names
 from models.registry import family_for
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, QuantConfig
 from neuron_opt.parallel import ParallelContext, head_layout
 from neuron_opt.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-_CLASSES: dict[str, type] = {"llama": LlamaForCausalLM}
+_CLASSES: dict[str, type] = {"llama": LlamaForCausalLM, "moe": MoeForCausalLM}
 
 
 def model_class(architecture: str) -> type:
     return _CLASSES[family_for(architecture)]
+
+
+def weight_names(cfg: ModelConfig) -> list[str]:
+    """The checkpoint names a model of `cfg` loads (HF names)."""
+    return moe_weight_names(cfg) if cfg.is_moe else expected_weight_names(cfg)
 
 
 def apply_quant_layout(model: torch.nn.Module, qc: QuantConfig | None) -> None:

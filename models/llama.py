@@ -25,6 +25,7 @@ Design decisions
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -167,6 +168,10 @@ class Attention(nn.Module):
         self.k_proj = ColumnParallelLinear(H, self.n_kv * D, cfg.attention_bias, pctx)
         self.v_proj = ColumnParallelLinear(H, self.n_kv * D, cfg.attention_bias, pctx)
         self.o_proj = RowParallelLinear(self.n_heads * D, H, cfg.o_bias, pctx)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's D features of q and k, before rope
+            self.q_norm = RMSNorm(D, cfg.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(D, cfg.rms_norm_eps, ops)
+        self.qk_norm = cfg.qk_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
@@ -177,6 +182,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, S, self.n_heads, self.D)  # [B, S, n_heads, D]
         k = self.k_proj(x).view(B, S, self.n_kv, self.D)  # [B, S, n_kv, D]
         v = self.v_proj(x).view(B, S, self.n_kv, self.D)  # [B, S, n_kv, D]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.kv_groups > 1:
             out = self._seq_shard_attention(q, k, v, positions, slot_mapping, block_tables, k_cache, v_cache,
@@ -257,6 +264,13 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, lay, pctx, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.mlp = MLP(cfg, lay, pctx)
+        self.mlp_name = "mlp"
+
+    def replace_mlp(self, name: str, module: nn.Module) -> None:
+        """Another feed-forward block under the checkpoint's name for it (models.moe: `block_sparse_moe`)."""
+        del self.mlp
+        self.add_module(name, module)
+        self.mlp_name = name
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
@@ -268,7 +282,8 @@ class DecoderLayer(nn.Module):
         dt = self.input_layernorm.weight.dtype
         x = x + self.self_attn(self.input_layernorm(x).to(dt), cos, sin, positions, slot_mapping, block_tables,
                                k_cache, v_cache, kv_len, seq_sharded).to(x.dtype)
-        return x + self.mlp(self.post_attention_layernorm(x).to(dt), seq_sharded).to(x.dtype)
+        mlp = getattr(self, self.mlp_name)
+        return x + mlp(self.post_attention_layernorm(x).to(dt), seq_sharded).to(x.dtype)
 
 
 class Backbone(nn.Module):
@@ -340,7 +355,11 @@ class LlamaForCausalLM(nn.Module):
 
 # HF weight-name map: our parameter names are the HF names. Checkpoints with tied embeddings may omit
 # `lm_head.weight`; GGUF names are mapped to these in neuron_opt/checkpoint.py.
-def expected_weight_names(cfg: ModelConfig) -> list[str]:
+def expected_weight_names(cfg: ModelConfig, mlp_names: Callable[[ModelConfig, str], list[str]] | None = None
+                          ) -> list[str]:
+    """Checkpoint names of the model; `mlp_names(cfg, layer_prefix)` names a layer's feed-forward block (default:
+    the dense MLP; models.moe passes its sparse block's)."""
+    mlp_names = mlp_names or dense_mlp_names
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not cfg.tie_word_embeddings:
         names.append("lm_head.weight")
@@ -354,8 +373,16 @@ def expected_weight_names(cfg: ModelConfig) -> list[str]:
         names.append(p + "self_attn.o_proj.weight")
         if cfg.o_bias:
             names.append(p + "self_attn.o_proj.bias")
-        for proj in ("gate", "up", "down"):
-            names.append(p + f"mlp.{proj}_proj.weight")
-            if cfg.mlp_bias:
-                names.append(p + f"mlp.{proj}_proj.bias")
+        if cfg.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        names += mlp_names(cfg, p)
+    return names
+
+
+def dense_mlp_names(cfg: ModelConfig, prefix: str) -> list[str]:
+    names = []
+    for proj in ("gate", "up", "down"):
+        names.append(prefix + f"mlp.{proj}_proj.weight")
+        if cfg.mlp_bias:
+            names.append(prefix + f"mlp.{proj}_proj.bias")
     return names

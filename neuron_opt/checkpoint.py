@@ -198,9 +198,9 @@ def _check_names(have: set[str], cfg: ModelConfig, source: Path) -> None:
 
 
 def expected_names(cfg: ModelConfig) -> list[str]:
-    from models.llama import expected_weight_names
+    from models.build import weight_names
 
-    return expected_weight_names(cfg)
+    return weight_names(cfg)
 
 
 def _hf_state_dict(root: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:

@@ -63,6 +63,17 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "llama"
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before rope (Qwen3-MoE: q_norm, k_norm)
+    # Mixture of experts (num_experts 0: a dense model). Every decoder layer is sparse: a router picks
+    # num_experts_per_tok of num_experts expert MLPs (SwiGLU, moe_intermediate_size wide) per token, softmax over
+    # all experts then top-k, renormalised over the k when norm_topk_prob (Mixtral always); Qwen2-MoE adds a
+    # shared expert (shared_expert_intermediate_size wide) scaled by sigmoid(shared_expert_gate(x)). No token is
+    # dropped (no capacity factor).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -78,6 +89,18 @@ class ModelConfig:
         _check(rope_type in ("default", "linear", "llama3", "yarn"), "rope_parameters.rope_type",
                f"{rope_type!r} is not supported (supported: default, linear, llama3, yarn); 'dynamic' changes "
                "the rotary table with sequence length, which fixed-shape compiled buckets cannot express")
+        if self.num_experts:
+            _check(0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok",
+                   f"must be in 1..num_experts={self.num_experts}, got {self.num_experts_per_tok}")
+            _check(self.moe_intermediate_size > 0, "moe_intermediate_size",
+                   f"must be a positive integer, got {self.moe_intermediate_size}")
+        else:
+            _check(not (self.num_experts_per_tok or self.shared_expert_intermediate_size), "num_experts",
+                   "num_experts_per_tok / shared_expert_intermediate_size need num_experts > 0")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def rope(self) -> dict[str, Any]:
@@ -93,17 +116,35 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         """Exact parameter count (embeddings counted once when tied)."""
-        H, D, L, V, I = self.hidden_size, self.head_dim, self.num_hidden_layers, self.vocab_size, self.intermediate_size
+        H, D, L, V = self.hidden_size, self.head_dim, self.num_hidden_layers, self.vocab_size
         nq, nkv = self.num_attention_heads, self.num_key_value_heads
         attn = H * nq * D + 2 * H * nkv * D + nq * D * H
         if self.attention_bias:
             attn += nq * D + 2 * nkv * D
         if self.o_bias:
             attn += H
-        mlp = 3 * H * I + (2 * I + H if self.mlp_bias else 0)
+        if self.qk_norm:
+            attn += 2 * D
+        mlp = self._mlp_parameters(self.num_experts)
         per_layer = attn + mlp + 2 * H
         head = 0 if self.tie_word_embeddings else V * H
         return L * per_layer + V * H + H + head
+
+    def active_parameters(self) -> int:
+        """Parameters one token reads: all but the experts it is not routed to (= num_parameters if dense)."""
+        if not self.is_moe:
+            return self.num_parameters()
+        idle = self.num_experts - self.num_experts_per_tok
+        return self.num_parameters() - self.num_hidden_layers * idle * 3 * self.hidden_size * self.moe_intermediate_size
+
+    def _mlp_parameters(self, experts: int) -> int:
+        H = self.hidden_size
+        if not self.is_moe:
+            I = self.intermediate_size
+            return 3 * H * I + (2 * I + H if self.mlp_bias else 0)
+        shared = self.shared_expert_intermediate_size
+        return experts * 3 * H * self.moe_intermediate_size + self.num_experts * H + \
+            (3 * H * shared + H if shared else 0)
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
@@ -135,7 +176,9 @@ class ModelConfig:
 
         archs = getattr(hf, "architectures", None) or []
         arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                                       "qwen2": "Qwen2ForCausalLM"}.get(hf.model_type, hf.model_type)
+                                       "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
+                                       "qwen2_moe": "Qwen2MoeForCausalLM",
+                                       "qwen3_moe": "Qwen3MoeForCausalLM"}.get(hf.model_type, hf.model_type)
         family_for(arch)  # raises UnsupportedModelError with the supported list
         n_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // n_heads
@@ -144,11 +187,12 @@ class ModelConfig:
         rope.setdefault("rope_type", "default")
         eos = hf.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-        is_qwen2 = hf.model_type == "qwen2"
-        attention_bias = True if is_qwen2 else bool(getattr(hf, "attention_bias", False))
+        is_qwen2 = hf.model_type in ("qwen2", "qwen2_moe")  # q/k/v bias (Qwen2-MoE: `qkv_bias`), no o bias
+        attention_bias = bool(getattr(hf, "qkv_bias", True)) if is_qwen2 else bool(getattr(hf, "attention_bias", False))
         sliding = getattr(hf, "sliding_window", None)
-        if is_qwen2 and not getattr(hf, "use_sliding_window", False):
+        if hf.model_type.startswith("qwen") and not getattr(hf, "use_sliding_window", False):
             sliding = None
+        moe = _moe_fields(hf)
         return cls(
             architecture=arch,
             model_type=hf.model_type,
@@ -170,6 +214,8 @@ class ModelConfig:
             hidden_act=getattr(hf, "hidden_act", "silu"),
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=eos_ids,
+            qk_norm=hf.model_type == "qwen3_moe",
+            **moe,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -186,6 +232,28 @@ class ModelConfig:
         return cls(**d)
 
 
+def _moe_fields(hf: Any) -> dict[str, Any]:
+    """The MoE fields of a transformers config (Mixtral's num_local_experts, Qwen-MoE's num_experts); {} if dense."""
+    experts = int(getattr(hf, "num_local_experts", 0) or getattr(hf, "num_experts", 0) or 0)
+    if not experts:
+        return {}
+    n_layers = hf.num_hidden_layers
+    step = int(getattr(hf, "decoder_sparse_step", 1) or 1)
+    dense = [i for i in range(n_layers) if i in (getattr(hf, "mlp_only_layers", None) or []) or (i + 1) % step]
+    if dense:
+        raise ConfigError(f"config: layers {dense[:8]} of this {hf.model_type} checkpoint are dense MLPs "
+                          f"(decoder_sparse_step={step}, mlp_only_layers={getattr(hf, 'mlp_only_layers', [])}); "
+                          "models that mix dense and MoE layers are not supported, only all-MoE ones")
+    mixtral = hf.model_type == "mixtral"
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=int(hf.num_experts_per_tok),
+        moe_intermediate_size=int(hf.intermediate_size if mixtral else hf.moe_intermediate_size),
+        shared_expert_intermediate_size=int(getattr(hf, "shared_expert_intermediate_size", 0) or 0),
+        norm_topk_prob=True if mixtral else bool(getattr(hf, "norm_topk_prob", False)),
+    )
+
+
 def _freeze(v: Any) -> Any:
     return tuple(v) if isinstance(v, list) else v
 
@@ -200,9 +268,15 @@ class ParallelConfig:
     vocab_parallel_sampling: bool = True
     gqa_strategy: str = "auto"  # auto | replicate-kv | mha
     instance: str | None = None
+    # MoE experts over the tp ranks (NxDI's moe_ep_degree; moe_tp_degree = tp / ep): each of `ep` groups of
+    # tp / ep ranks holds num_experts / ep whole experts, each expert's MLP split over its group's ranks.
+    # Attention stays sharded over all tp ranks. ep 1: every expert split over every rank.
+    ep: int = 1
 
     def __post_init__(self) -> None:
         _check(isinstance(self.tp, int) and self.tp >= 1, "tp", f"must be an integer >= 1, got {self.tp!r}")
+        _check(isinstance(self.ep, int) and self.ep >= 1 and self.tp % self.ep == 0, "ep",
+               f"must be an integer >= 1 that divides tp={self.tp} (tp = moe tp x ep), got {self.ep!r}")
         _check(self.gqa_strategy in ("auto", "replicate-kv", "mha"), "gqa_strategy",
                f"must be one of auto, replicate-kv, mha; got {self.gqa_strategy!r}")
 

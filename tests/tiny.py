@@ -30,6 +30,15 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-odd-mlp": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=101)),
     "qwen2": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
     "mistral-window": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8)),
+    # mixtures of experts: 8 experts, top 2 (Mixtral renormalises the two weights; Qwen2-MoE does not and adds a
+    # shared expert; Qwen3-MoE renormalises and norms q/k). Widths no tp > 1 divides: experts are padded too
+    "mixtral": ("MixtralConfig", dict(num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                                      num_experts_per_tok=2, intermediate_size=40)),
+    "qwen2-moe": ("Qwen2MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                                         num_experts_per_tok=2, moe_intermediate_size=24,
+                                         shared_expert_intermediate_size=37, norm_topk_prob=False)),
+    "qwen3-moe": ("Qwen3MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                                         num_experts_per_tok=2, moe_intermediate_size=21, norm_topk_prob=True)),
 }
 # Variants with the default model's vocabulary: make_tiny saves its real tokenizer (and chat template) beside them,
 # so CLI / API / server tests run end to end on a model that is fast.
@@ -69,3 +78,13 @@ def make_tiny(variant: str, out: Path, seed: int = 0, tokenizer: bool = False) -
 
         open_checkpoint("default").tokenizer().save_pretrained(out)
     return out
+
+
+def load_hf(d: Path) -> Any:
+    """The HF oracle for a tiny checkpoint, fp32, eval. MoE variants use HF's eager (per-expert loop) experts: its
+    default grouped-GEMM path refuses the unaligned widths the tiny variants use ("strides should be multiple of
+    16 bytes" on the CPU)."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32,
+                                                             experts_implementation="eager").eval()

@@ -35,10 +35,24 @@ def load_weights_streamed(model: torch.nn.Module, tensors: Iterable[tuple[str, t
     unknown name, shapes equal."""
     params = dict(model.named_parameters(remove_duplicate=False))  # a tied LM head appears under both names
     quantized = quantized_modules(model)  # a float or quantized `X.weight` fills X's quantized weight
+    slot_of = getattr(model, "stacked_slot", None)  # MoE: per-expert checkpoint tensors into stacked parameters
     seen: set[str] = set()
+    filled: dict[str, set[str]] = {}  # stacked parameter -> the slots written
     unexpected: list[str] = []
     with torch.no_grad():
         for name, w in tensors:
+            if w is None:  # another rank's (expert-parallel group's) tensor
+                continue
+            slot = slot_of(name) if slot_of is not None else None
+            if slot is not None:
+                pname, index = slot
+                p = params.get(pname)
+                if p is None or p[index].shape != w.shape:
+                    raise ValueError(f"{source}: {name} of shape {tuple(w.shape)} does not fit {pname}{list(index)}"
+                                     f" ({'absent' if p is None else tuple(p[index].shape)})")
+                p[index].copy_(w)
+                filled.setdefault(pname, set()).add(repr(index))
+                continue
             q = quantized.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
             if q is not None:
                 try:
@@ -64,6 +78,10 @@ def load_weights_streamed(model: torch.nn.Module, tensors: Iterable[tuple[str, t
             "lm_head.quant.qweight" not in seen:  # a quantized tied head: its own copy of the table
         head.load(model.model.embed_tokens.weight.detach())
         seen.update(f"lm_head.quant.{part}" for part in head.stored().parts())
+    for pname, slots in filled.items():  # a stacked parameter is loaded once every slot of it is
+        slots_needed = params[pname].shape[0] * (2 if pname.endswith("gate_up_proj") else 1)
+        if len(slots) == slots_needed:
+            seen.add(pname)
     missing = sorted(set(params) - seen - tied)
     if missing or unexpected:
         raise ValueError(f"{source}: weights do not match the model (missing {missing[:5]}, unexpected "

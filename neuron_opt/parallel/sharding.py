@@ -28,6 +28,15 @@ the result is unchanged), the vocabulary to ceil(V / tp) rows per rank (padded l
 sampling), and query heads as under `mha` above. The plan prints what was padded and what it costs
 (neuron_opt.planner.memory.layout_overhead).
 
+Mixture of experts (`ParallelConfig.ep`, NxDI's moe_ep_degree): the tp ranks form `ep` groups of `moe_tp = tp / ep`
+consecutive ranks. Group e holds experts [e * E / ep, (e + 1) * E / ep) whole, stacked as `experts.gate_up_proj`
+[E / ep, 2 * I_local, H] and `experts.down_proj` [E / ep, H, I_local]; within the group each expert's MLP is split
+as a dense MLP is (moe_intermediate_size zero-padded to a multiple of moe_tp). Hidden states are replicated on every
+rank after attention, so every rank routes every token (the router is replicated), applies its local experts to
+the tokens routed to them, and the partial sums of all ranks meet in the one all-reduce a row-parallel MLP needs
+anyway: no all-to-all, the same collective bytes per token as the dense layer. The shared expert (Qwen2-MoE) is a
+dense MLP split over all tp ranks; its gate is replicated.
+
 `head_layout` picks the strategy (overridable with ParallelConfig.gqa_strategy); `layout_cost` describes it
 with its memory cost for the compile plan. tp=1 is the identity layout.
 """
@@ -43,7 +52,10 @@ import torch
 from neuron_opt.config import ModelConfig, ParallelConfig
 from neuron_opt.errors import ConfigError
 
-COLUMN, ROW, VOCAB, REPLICATE = "column", "row", "vocab", "replicate"
+COLUMN, ROW, VOCAB, REPLICATE, EXPERT = "column", "row", "vocab", "replicate", "expert"
+# one expert's projection as checkpoints store it (Mixtral: w1 gate, w3 up, w2 down; Qwen-MoE: *_proj)
+EXPERT_NAME = r"(.*\.(?:block_sparse_moe|mlp)\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight"
+EXPERT_PARTS = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 SHARD, REPLICATE_KV, MHA, KV_SEQ_SHARD = "shard", "replicate-kv", "mha", "kv-seq-shard"
 
 RULES: tuple[tuple[str, str], ...] = (
@@ -53,6 +65,9 @@ RULES: tuple[tuple[str, str], ...] = (
     (r".*\.self_attn\.o_proj\.weight", ROW),
     (r".*\.mlp\.(gate|up)_proj\.(weight|bias)", COLUMN),
     (r".*\.mlp\.down_proj\.weight", ROW),
+    (r".*\.shared_expert\.(gate|up)_proj\.weight", COLUMN),
+    (r".*\.shared_expert\.down_proj\.weight", ROW),
+    (EXPERT_NAME, EXPERT),
     (r".*", REPLICATE),
 )
 
@@ -76,6 +91,20 @@ class HeadLayout:
     intermediate_local: int  # MLP features per rank: ceil(intermediate_size / tp) (zero-padded)
     vocab_padded: int
     kv_seq_shards: int = 1  # g: ranks sharing one KV head along the sequence (kv-seq-shard only)
+    ep: int = 1  # MoE: expert-parallel groups (each holds experts_local whole experts)
+    experts_local: int = 0  # MoE: experts per rank, num_experts / ep (0: dense)
+    moe_intermediate_local: int = 0  # MoE: each expert's features per rank, ceil(moe_intermediate_size / moe_tp)
+    shared_intermediate_local: int = 0  # MoE: shared-expert features per rank, ceil(shared / tp)
+
+    @property
+    def moe_tp(self) -> int:
+        """Ranks each expert is split over (tp / ep)."""
+        return self.tp // self.ep
+
+    def expert_range(self, rank: int) -> range:
+        """Global ids of the experts `rank` holds."""
+        first = (rank // self.moe_tp) * self.experts_local
+        return range(first, first + self.experts_local)
 
     @property
     def n_heads_local(self) -> int:
@@ -117,6 +146,7 @@ def head_layout(cfg: ModelConfig, par: ParallelConfig) -> HeadLayout:
         head_dim=cfg.head_dim,
         intermediate_local=math.ceil(cfg.intermediate_size / tp),
         vocab_padded=math.ceil(cfg.vocab_size / tp) * tp,
+        **_moe_layout(cfg, par),
     )
     if tp == 1:
         return HeadLayout(n_heads=nq, n_kv_heads=nkv, strategy=SHARD, **common)
@@ -144,6 +174,22 @@ def head_layout(cfg: ModelConfig, par: ParallelConfig) -> HeadLayout:
         return HeadLayout(n_heads=nq, n_kv_heads=tp, strategy=REPLICATE_KV, **common)
     nq_pad = math.ceil(nq / tp) * tp
     return HeadLayout(n_heads=nq_pad, n_kv_heads=nq_pad, strategy=MHA, **common)
+
+
+def _moe_layout(cfg: ModelConfig, par: ParallelConfig) -> dict[str, int]:
+    if not cfg.is_moe:
+        if par.ep != 1:
+            raise ConfigError(f"ep: expert parallelism needs a mixture-of-experts model; {cfg.architecture} is "
+                              f"dense (use --ep 1)")
+        return {}
+    E, ep = cfg.num_experts, par.ep
+    if E % ep:
+        raise ConfigError(f"ep: {ep} does not divide num_experts={E}; use one of "
+                          f"{[d for d in range(1, par.tp + 1) if E % d == 0 and par.tp % d == 0]}")
+    moe_tp = par.tp // ep
+    return dict(ep=ep, experts_local=E // ep,
+                moe_intermediate_local=math.ceil(cfg.moe_intermediate_size / moe_tp),
+                shared_intermediate_local=math.ceil(cfg.shared_expert_intermediate_size / par.tp))
 
 
 def head_sources(cfg: ModelConfig, lay: HeadLayout, rank: int) -> tuple[list[int | None], list[int | None]]:
@@ -188,14 +234,23 @@ def shard_state_dict(
     sd: dict[str, torch.Tensor], cfg: ModelConfig, lay: HeadLayout, rank: int
 ) -> dict[str, torch.Tensor]:
     """Canonical (HF-named) full state dict -> this rank's shard, with head padding/replication applied."""
-    return {name: shard_tensor(name, w, cfg, lay, rank) for name, w in sd.items()}
+    shards = {name: shard_tensor(name, w, cfg, lay, rank) for name, w in sd.items()}
+    return {name: w for name, w in shards.items() if w is not None}
 
 
-def shard_tensor(name: str, w: torch.Tensor, cfg: ModelConfig, lay: HeadLayout, rank: int) -> torch.Tensor:
+def shard_tensor(name: str, w: torch.Tensor, cfg: ModelConfig, lay: HeadLayout, rank: int) -> torch.Tensor | None:
     """One canonical tensor -> this rank's shard of it (what `shard_state_dict` does per entry; compile streams
-    a checkpoint through it one tensor at a time)."""
+    a checkpoint through it one tensor at a time). None: an expert another expert-parallel group holds."""
     D, tp = cfg.head_dim, lay.tp
     rule = rule_for(name)
+    if rule == EXPERT:
+        m = re.fullmatch(EXPERT_NAME, name)
+        if int(m.group(2)) not in lay.expert_range(rank):  # type: ignore[union-attr]
+            return None
+        part = EXPERT_PARTS[m.group(3)]  # type: ignore[union-attr]
+        dim = 1 if part == "down" else 0  # down [H, I]: its input features
+        w = _pad_dim(w, dim, lay.moe_intermediate_local * lay.moe_tp)
+        return w.chunk(lay.moe_tp, dim=dim)[rank % lay.moe_tp].contiguous() if lay.moe_tp > 1 else w.contiguous()
     if re.fullmatch(r".*\.q_proj\.(weight|bias)", name):
         w = _pick_heads(w, head_sources(cfg, lay, rank)[0], D)
     elif re.fullmatch(r".*\.[kv]_proj\.(weight|bias)", name):
@@ -207,10 +262,14 @@ def shard_tensor(name: str, w: torch.Tensor, cfg: ModelConfig, lay: HeadLayout, 
             w = _pad_dim(w, 0, lay.vocab_padded)
         elif re.fullmatch(r".*\.mlp\.(gate|up)_proj\.(weight|bias)", name):
             w = _pad_dim(w, 0, lay.intermediate_padded)
+        elif ".shared_expert." in name:
+            w = _pad_dim(w, 0, lay.shared_intermediate_local * tp)
         w = w.chunk(tp, dim=0)[rank] if tp > 1 else w
     elif rule == ROW:
         if name.endswith("mlp.down_proj.weight"):
             w = _pad_dim(w, 1, lay.intermediate_padded)
+        elif ".shared_expert." in name:
+            w = _pad_dim(w, 1, lay.shared_intermediate_local * tp)
         w = w.chunk(tp, dim=1)[rank] if tp > 1 else w
     return w.contiguous()
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 from helpers import eager_runner
-from tiny import VARIANTS
+from tiny import VARIANTS, load_hf
 
 from neuron_opt.runtime.runner import DecodeRow
 
@@ -16,7 +15,7 @@ PROMPT_LEN, DECODE_STEPS = 11, 16
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_prefill_and_decode_logits_match_hf(variant, tiny_dir):
     d = tiny_dir(variant)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    hf = load_hf(d)
     runner = eager_runner(d)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, hf.config.vocab_size, (1, PROMPT_LEN + DECODE_STEPS), generator=g)
@@ -35,7 +34,7 @@ def test_greedy_32_tokens_identical_to_hf(variant, tiny_dir):
     from neuron_opt.runtime.sampling import SamplingParams
 
     d = tiny_dir(variant)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    hf = load_hf(d)
     runner = eager_runner(d)
     prompt = [1, 17, 42, 99, 5, 123, 7]
     with torch.no_grad():

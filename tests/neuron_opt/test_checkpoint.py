@@ -18,6 +18,7 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
+from tiny import load_hf
 
 from models.llama import LlamaForCausalLM
 from neuron_opt import envs
@@ -142,7 +143,7 @@ def test_gguf_roundtrip_equals_hf_tensors_and_logits(variant, tiny_dir, tmp_path
     assert arch == "qwen2" or not np.array_equal(np.asarray(q_raw.data), ref[
         "model.layers.0.self_attn.q_proj.weight"].numpy())
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    hf = load_hf(d)
     ids = torch.tensor([[1, 17, 42, 99, 5, 123, 7]])
     with torch.no_grad():
         expected = hf(ids).logits[0, -1]

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from safetensors.torch import load_file
+from tiny import load_hf
 
 from neuron_opt.backends.base import StepInputs
 from neuron_opt.buckets import BucketConfig
@@ -88,7 +88,7 @@ def test_padded_mlp_shards_are_the_weights_plus_zeros():
 
 
 def _hf(d: Path):
-    return transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    return load_hf(d)
 
 
 def _buckets() -> BucketConfig:

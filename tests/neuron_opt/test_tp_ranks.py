@@ -16,8 +16,8 @@ import time
 
 import pytest
 import torch
-import transformers
 from safetensors.torch import load_file
+from tiny import load_hf
 
 from neuron_opt.buckets import BucketConfig, pick_decode, pick_prefill
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
@@ -72,7 +72,7 @@ def case(request, tiny_dir, tmp_path_factory):
     buckets = BucketConfig.build(
         max_prompt_len=MAX_LEN, max_model_len=MAX_LEN, max_batch=2, min_prefill=16, min_decode=16
     )
-    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    hf = load_hf(d)
     yield cfg, par, ex, buckets, cache, hf
     ex.close()
 

@@ -1,0 +1,222 @@
+"""Mixture of experts: Mixtral, Qwen2-MoE and Qwen3-MoE on the Llama family's attention, cache and buckets.
+
+A decoder layer's MLP becomes a sparse block: a router (`gate`, [E, H], replicated) scores every expert per token,
+softmax in fp32 over all E, the top k kept (renormalised over the k when `norm_topk_prob`; Mixtral always), and
+the token's output is the weighted sum of its k experts' SwiGLU MLPs. Qwen2-MoE adds a shared expert, a dense
+MLP scaled by sigmoid(shared_expert_gate(x)). No token is dropped: there is no capacity factor.
+
+Design decisions
+- Experts are stacked per rank: `experts.gate_up_proj` [E_local, 2 * I_local, H] (gate rows, then up rows) and
+  `experts.down_proj` [E_local, H, I_local], so an expert is an index, not a module. Checkpoints store one
+  tensor per expert and projection (`experts.{j}.w1.weight`, ...); the loader writes each into its slot
+  (`stacked_slot`), after `parallel.sharding.shard_tensor` has kept only this rank's experts and features.
+- Parallelism (parallel/sharding.py): ep groups of tp / ep ranks; group e holds experts [e E/ep, (e+1) E/ep)
+  and splits each over its ranks as a dense MLP is split. Every rank routes every token (hidden states are
+  replicated after attention) and applies its own experts to the tokens routed to them; tokens routed elsewhere
+  contribute zero here. All partial sums, the shared expert's included, meet in one all-reduce (a
+  reduce-scatter under sequence parallelism): the dense layer's collective, no all-to-all.
+- Three ways to apply the experts, chosen per call from the token count T (static in every graph):
+    gather  T * k < E_local: each (token, slot) reads only its expert's weights, indexed by expert id inside
+            the product (a broadcast product and sum that Inductor fuses into one loop nest over the selected
+            rows; no copy of the weights). Bytes read: T * k experts.
+    grouped eager on the host, T * k >= E_local: assignments sorted by expert and one grouped GEMM per
+            projection (torch._grouped_mm, as HF's grouped experts do). FLOPs: T * k expert MLPs.
+    dense   traced graphs (cpu AOTInductor, XLA), T * k >= E_local: every local expert on every token,
+            weighted by a [T, E_local] matrix that is zero off the top k. Reads each expert once, computes
+            E_local / k times the sparse FLOPs; exact (the zero weights drop the rest).
+  `moe_strategy` (and the plan, neuron_opt.planner.moe) name the crossover: from T * k >= E_local reading all
+  experts once is cheaper than gathering T * k of them.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.llama import TORCH_OPS, LlamaForCausalLM, TorchOps, expected_weight_names
+from neuron_opt.config import ModelConfig
+from neuron_opt.parallel import ColumnParallelLinear, HeadLayout, ParallelContext, RowParallelLinear
+from neuron_opt.parallel.layers import seq_scatter
+from neuron_opt.parallel.sharding import EXPERT_NAME, EXPERT_PARTS
+
+GATHER, GROUPED, DENSE = "gather", "grouped", "dense"
+
+
+def moe_strategy(tokens: int, top_k: int, experts_local: int, traced: bool) -> str:
+    """How a sparse block applies its experts to `tokens` tokens (see the module docstring)."""
+    if tokens * top_k < experts_local:
+        return GATHER
+    return DENSE if traced else GROUPED
+
+
+def _tracing() -> bool:
+    return bool(torch.compiler.is_compiling() or torch.compiler.is_exporting())
+
+
+class Router(nn.Module):
+    """HF's `gate`: logits = x W^T in x's dtype, softmax in fp32, top k, optional renormalisation."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size), requires_grad=False)
+        self.top_k, self.renormalise = cfg.num_experts_per_tok, cfg.norm_topk_prob
+
+    def forward(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """t [T, H] -> (weights [T, k] fp32, expert ids [T, k])."""
+        probs = torch.softmax(F.linear(t, self.weight).float(), dim=-1)  # [T, E]
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalise:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+
+class Experts(nn.Module):
+    """This rank's experts, stacked: gate_up_proj [E_local, 2 * I_local, H], down_proj [E_local, H, I_local]."""
+
+    def __init__(self, cfg: ModelConfig, lay: HeadLayout) -> None:
+        super().__init__()
+        E, H, I = lay.experts_local, cfg.hidden_size, lay.moe_intermediate_local
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(E, H, I), requires_grad=False)
+
+    def gather(self, t: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Only the selected experts' rows: t [T, H], ids/weights [T, k] (local ids, weights 0 where not local)."""
+        I = self.down_proj.shape[2]
+        h = (self.gate_up_proj[ids] * t[:, None, None, :]).sum(-1)  # [T, k, 2I]
+        a = F.silu(h[..., :I]) * h[..., I:]  # [T, k, I]
+        y = (self.down_proj[ids] * a[:, :, None, :]).sum(-1)  # [T, k, H]
+        return (y.float() * weights[..., None]).sum(1)  # [T, H] fp32
+
+    def grouped(self, t: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """Assignments sorted by expert, one grouped GEMM per projection; `local` [T, k]: the expert is here."""
+        E, I, k = self.down_proj.shape[0], self.down_proj.shape[2], ids.shape[1]
+        key = torch.where(local, ids, E).flatten()  # [T*k]; E: another rank's expert, sorted last
+        order = torch.argsort(key, stable=True)
+        offs = torch.cumsum(torch.bincount(key, minlength=E + 1)[:E], 0).to(torch.int32)  # [E] group ends
+        xs = t[order // k]  # [T*k, H]
+        h = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs)  # [T*k, 2I]
+        a = F.silu(h[:, :I]) * h[:, I:]
+        y = torch._grouped_mm(a, self.down_proj.transpose(1, 2), offs)  # [T*k, H]; rows past offs[-1] unset
+        w = weights.flatten()[order]
+        y = torch.where(local.flatten()[order][:, None], y.float() * w[:, None], 0.0)
+        return torch.zeros(t.shape[0], t.shape[1], dtype=torch.float32).index_add_(0, order // k, y)
+
+    def dense(self, t: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every local expert on every token, combined with a [T, E_local] weight matrix zero off the top k."""
+        E, I = self.down_proj.shape[0], self.down_proj.shape[2]
+        h = torch.einsum("th,eih->tei", t, self.gate_up_proj)  # [T, E, 2I]
+        a = F.silu(h[..., :I]) * h[..., I:]  # [T, E, I]
+        y = torch.einsum("tei,ehi->teh", a, self.down_proj)  # [T, E, H]
+        dense_w = torch.zeros(t.shape[0], E, dtype=torch.float32, device=t.device).scatter_add(1, ids, weights)
+        return torch.einsum("teh,te->th", y.float(), dense_w)  # [T, H] fp32
+
+
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's shared expert: a SwiGLU MLP split over all tp ranks; `partial` is this rank's un-reduced sum."""
+
+    def __init__(self, cfg: ModelConfig, lay: HeadLayout, pctx: ParallelContext) -> None:
+        super().__init__()
+        H, I = cfg.hidden_size, lay.shared_intermediate_local
+        self.gate_proj = ColumnParallelLinear(H, I, False, pctx)
+        self.up_proj = ColumnParallelLinear(H, I, False, pctx)
+        self.down_proj = RowParallelLinear(I, H, False, pctx)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.silu(self.gate_proj(x)) * self.up_proj(x), self.down_proj.weight)
+
+
+class SparseMoeBlock(nn.Module):
+    """The sparse MLP of one decoder layer on this rank (HF names: `gate`, `experts`, `shared_expert`,
+    `shared_expert_gate`)."""
+
+    def __init__(self, cfg: ModelConfig, lay: HeadLayout, pctx: ParallelContext) -> None:
+        super().__init__()
+        self.pctx, self.lay = pctx, lay
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg, lay)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = SharedExpert(cfg, lay, pctx)
+            self.shared_expert_gate = ColumnParallelLinear(cfg.hidden_size, 1, False, pctx)  # replicated [1, H]
+        else:
+            self.shared_expert = None
+
+    def _first_expert(self) -> int | torch.Tensor:
+        """Global id of this rank's first expert (a tensor under SPMD, where the rank is one)."""
+        if self.lay.ep == 1:
+            return 0
+        return (self.pctx.rank_value() // self.lay.moe_tp) * self.lay.experts_local
+
+    def forward(self, x: torch.Tensor, seq_sharded: bool = False) -> torch.Tensor:
+        if seq_sharded:
+            x = self.pctx.comm.all_gather(x, dim=1)  # [B, S_pad, H] from [B, S_pad/tp, H]
+        B, S, H = x.shape
+        t = x.reshape(B * S, H)
+        weights, ids = self.gate(t)  # [T, k]
+        E = self.lay.experts_local
+        lid = ids - self._first_expert()
+        local = (lid >= 0) & (lid < E)
+        lid = lid.clamp(0, E - 1)
+        weights = weights * local
+        # torch's CPU grouped GEMM wants 16-byte-aligned row strides; other widths take the dense path
+        aligned = all(n * t.element_size() % 16 == 0 for n in (H, self.experts.down_proj.shape[2]))
+        how = moe_strategy(B * S, ids.shape[1], E, _tracing() or t.device.type != "cpu" or not aligned)
+        if how == GATHER:
+            out = self.experts.gather(t, lid, weights)
+        elif how == GROUPED:
+            out = self.experts.grouped(t, lid, weights, local)
+        else:
+            out = self.experts.dense(t, lid, weights)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(t).float()) * self.shared_expert.partial(t).float()
+        partial = out.to(x.dtype).view(B, S, H)
+        return seq_scatter(partial, self.pctx) if seq_sharded else self.pctx.comm.all_reduce(partial)
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """Llama-family attention, cache and head; every layer's MLP a `SparseMoeBlock` under the checkpoint's name
+    for it (Mixtral: `block_sparse_moe`, Qwen-MoE: `mlp`)."""
+
+    def __init__(self, cfg: ModelConfig, lay: HeadLayout, max_model_len: int, pctx: ParallelContext | None = None,
+                 ops: TorchOps = TORCH_OPS) -> None:
+        from neuron_opt.parallel import SINGLE
+
+        pctx = SINGLE if pctx is None else pctx
+        super().__init__(cfg, lay, max_model_len, pctx, ops)
+        for layer in self.model.layers:
+            layer.replace_mlp(moe_module_name(cfg), SparseMoeBlock(cfg, lay, pctx))
+
+    def stacked_slot(self, name: str) -> tuple[str, tuple[int | slice, ...]] | None:
+        """Where a checkpoint's per-expert tensor (already this rank's shard) goes: (parameter, index), or None if
+        `name` is not one."""
+        m = re.fullmatch(EXPERT_NAME, name)
+        if m is None:
+            return None
+        prefix, j, part = m.group(1), int(m.group(2)), EXPERT_PARTS[m.group(3)]
+        slot = j - self.layout.expert_range(self.pctx.rank).start
+        I = self.layout.moe_intermediate_local
+        if part == "down":
+            return f"{prefix}.down_proj", (slot,)
+        return f"{prefix}.gate_up_proj", (slot, slice(0, I) if part == "gate" else slice(I, 2 * I))
+
+
+def moe_module_name(cfg: ModelConfig) -> str:
+    return "block_sparse_moe" if cfg.model_type == "mixtral" else "mlp"
+
+
+def expected_moe_names(cfg: ModelConfig, prefix: str) -> list[str]:
+    """A sparse layer's checkpoint names under `prefix` (e.g. `model.layers.3.`)."""
+    mod = prefix + moe_module_name(cfg) + "."
+    parts = ("w1", "w2", "w3") if cfg.model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    names = [mod + "gate.weight"]
+    names += [f"{mod}experts.{j}.{p}.weight" for j in range(cfg.num_experts) for p in parts]
+    if cfg.shared_expert_intermediate_size:
+        names += [f"{mod}shared_expert.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+        names.append(mod + "shared_expert_gate.weight")
+    return names
+
+
+def moe_weight_names(cfg: ModelConfig) -> list[str]:
+    return expected_weight_names(cfg, expected_moe_names)
