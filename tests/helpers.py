@@ -1,18 +1,27 @@
-"""Helpers the tests share: our eager runner for a checkpoint directory, a live server on loopback."""
+"""Helpers the tests share: our eager runner for a checkpoint directory, a live server on loopback, tp ranks as
+threads of this process and the tp-against-HF check."""
 
 from __future__ import annotations
 
 import contextlib
+import queue
+import threading
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from neuron_opt.api import build_model
+from neuron_opt.backends.base import StepInputs
 from neuron_opt.backends.eager import EagerExecutor
 from neuron_opt.buckets import BucketConfig
 from neuron_opt.config import CacheConfig, ModelConfig
-from neuron_opt.runtime.runner import ModelRunner
+from neuron_opt.parallel.collectives import TorchCollectives
+from neuron_opt.parallel.launcher import RankSpec
+from neuron_opt.parallel.worker import _build, _finish
+from neuron_opt.runtime.generate import generate_ids
+from neuron_opt.runtime.runner import DecodeRow, ModelRunner
+from neuron_opt.runtime.sampling import SamplingParams
 
 
 def eager_runner(ckpt_dir: Path, max_model_len: int = 256, max_batch: int = 1, block_size: int = 32,
@@ -64,3 +73,106 @@ def live_server(llm, max_num_seqs: int, runner=None, model: str = "tiny", specul
         server.should_exit = True
         thread.join(10)
         sock.close()
+
+
+TP_MAX_LEN = 64
+
+
+class NoTok:
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
+def _buckets() -> BucketConfig:
+    return BucketConfig.build(max_prompt_len=TP_MAX_LEN, max_model_len=TP_MAX_LEN, max_batch=2, min_prefill=16,
+                              min_decode=16)
+
+
+def check_tp_against_hf(executor, cfg: ModelConfig, hf) -> None:
+    """Two prompts prefilled into two slots, 4 batched decode steps teacher-forced (logits within 1e-4), then
+    16 greedy tokens identical to HF's."""
+    cache = CacheConfig(max_batch=2, max_model_len=TP_MAX_LEN)
+    runner = ModelRunner(executor, _buckets(), cache, cfg.vocab_size)
+    g = torch.Generator().manual_seed(5)
+    prompts = (9, 4)
+    seqs = [torch.randint(3, cfg.vocab_size, (n + 4,), generator=g).tolist() for n in prompts]
+    with torch.no_grad():
+        refs = [hf(torch.tensor([s])).logits[0] for s in seqs]
+    for slot, (s, n) in enumerate(zip(seqs, prompts, strict=True)):
+        torch.testing.assert_close(runner.prefill(slot, s[:n]), refs[slot][n - 1], atol=1e-4, rtol=0)
+    for step in range(4):
+        got = runner.decode([DecodeRow(slot, s[n + step], n + step)
+                             for slot, (s, n) in enumerate(zip(seqs, prompts, strict=True))])
+        for slot, n in enumerate(prompts):
+            torch.testing.assert_close(got[slot], refs[slot][n + step], atol=1e-4, rtol=0)
+    prompt, n = [1, 17, 42, 99, 5], 16
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+    got = generate_ids(runner, NoTok(), prompt, SamplingParams(max_tokens=n, min_tokens=n), (2,)).token_ids
+    assert got == ref
+
+
+class ThreadRanks:
+    """tp ranks as threads of this process, joined by torch's "threaded" process group (thread-local default
+    groups, collectives through shared memory). Each thread runs the worker's code for its rank: TorchCollectives
+    over the group, the rank model built from its shard file, one step, the logits gathered to rank 0."""
+
+    def __init__(self, spec: RankSpec) -> None:
+        from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg
+
+        torch._C._distributed_c10d._set_thread_isolation_mode(True)  # process-group names per thread
+        _install_threaded_pg()
+        self.spec, self.tp = spec, spec.parallel.tp
+        self.inbox = [queue.Queue() for _ in range(self.tp)]
+        self.outbox: queue.Queue = queue.Queue()
+        store = torch.distributed.HashStore()
+        self.threads = [threading.Thread(target=self._rank, args=(r, store), daemon=True) for r in range(self.tp)]
+        for t in self.threads:
+            t.start()
+        self._collect()
+
+    def _rank(self, rank: int, store) -> None:
+        import torch.distributed as dist
+
+        try:
+            dist.init_process_group("threaded", rank=rank, world_size=self.tp, store=store)
+            comm = TorchCollectives(self.tp)
+            model = _build(rank, self.spec, comm)
+            shape = model.kv_shape(self.spec.cache.num_blocks, self.spec.cache.block_size)
+            caches = [[torch.zeros(shape) for _ in range(self.spec.model.num_hidden_layers)] for _ in "kv"]
+            self.outbox.put((rank, "ready"))
+            while (msg := self.inbox[rank].get()) is not None:
+                bucket, inputs = msg
+                with torch.inference_mode():
+                    local = model(*inputs.arrays(), caches[0], caches[1], bucket.kv_len)
+                    self.outbox.put((rank, _finish(local.float(), rank, self.spec, comm, None)))
+        except BaseException as e:  # surfaced by _collect instead of hanging the test
+            self.outbox.put((rank, e))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    def _collect(self):
+        replies = dict(self.outbox.get(timeout=120) for _ in range(self.tp))
+        for r, v in replies.items():
+            if isinstance(v, BaseException):
+                raise RuntimeError(f"rank {r} failed") from v
+        return replies[0]
+
+    def run(self, bucket, inputs: StepInputs) -> torch.Tensor:
+        for q in self.inbox:
+            q.put((bucket, inputs))
+        return torch.from_numpy(self._collect())
+
+    def close(self) -> None:
+        from torch.testing._internal.distributed.multi_threaded_pg import _uninstall_threaded_pg
+
+        for q in self.inbox:
+            q.put(None)
+        for t in self.threads:
+            t.join(30)
+        _uninstall_threaded_pg()
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+
+
