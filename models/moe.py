@@ -21,7 +21,8 @@ Design decisions
             rows; no copy of the weights). Bytes read: T * k experts.
     grouped eager on the host, T * k >= E_local: assignments sorted by expert and one grouped GEMM per
             projection (torch._grouped_mm, as HF's grouped experts do). FLOPs: T * k expert MLPs.
-    dense   traced graphs (cpu AOTInductor, XLA), T * k >= E_local: every local expert on every token,
+    dense   traced graphs (cpu AOTInductor, XLA), T * k >= E_local or T dynamic (the cpu backend's prefill
+            graph serves every prompt length): every local expert on every token,
             weighted by a [T, E_local] matrix that is zero off the top k. Reads each expert once, computes
             E_local / k times the sparse FLOPs; exact (the zero weights drop the rest).
   `moe_strategy` (and the plan, neuron_opt.planner.moe) name the crossover: from T * k >= E_local reading all
@@ -162,7 +163,10 @@ class SparseMoeBlock(nn.Module):
         weights = weights * local
         # torch's CPU grouped GEMM wants 16-byte-aligned row strides; other widths take the dense path
         aligned = all(n * t.element_size() % 16 == 0 for n in (H, self.experts.down_proj.shape[2]))
-        how = moe_strategy(B * S, ids.shape[1], E, _tracing() or t.device.type != "cpu" or not aligned)
+        if isinstance(B * S, torch.SymInt):  # a dynamic token count (the cpu prefill graph): no branch on it
+            how = DENSE
+        else:
+            how = moe_strategy(B * S, ids.shape[1], E, _tracing() or t.device.type != "cpu" or not aligned)
         if how == GATHER:
             out = self.experts.gather(t, lid, weights)
         elif how == GROUPED:

@@ -159,8 +159,15 @@ class CpuBackend:
 
 def layer_gemm(layer: torch.nn.Module, gemm: str) -> str:
     """int4 layers compile with gemm "aten": torch's int4 CPU kernel is an extern call either way, and Inductor's
-    freezing path fails on its constants' module paths (torch 2.13: "no attribute 'layer.self_attn...'")."""
-    return "aten" if any(m.method == "int4" for m in quantized_modules(layer).values()) else gemm
+    freezing path fails on its constants' module paths (torch 2.13: "no attribute 'layer.self_attn...'").
+    MoE layers too: the C++ GEMM template has no batched GEMM, which the dense expert path is (Inductor: "No
+    choices to select"; adding ATEN to the autotuner would make the choice timing-based), and freezing hands the
+    batched GEMMs their stacked weights permuted and reshaped, which no recipe rebuilds from the parameter."""
+    if any(m.method == "int4" for m in quantized_modules(layer).values()):
+        return "aten"
+    if any(type(m).__name__ == "SparseMoeBlock" for m in layer.modules()):
+        return "aten"
+    return gemm
 
 
 class _WeightStore:
