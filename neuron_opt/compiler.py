@@ -344,6 +344,9 @@ def resolve_quant(req: CompileRequest, ckpt: Any) -> tuple[QuantConfig, bool]:
         if req.modules_to_not_convert or req.quantization_type or req.group_size or req.quantize_lm_head:
             raise ConfigError("quantization_type/group_size/modules_to_not_convert/quantize_lm_head: need --quantize")
         return QuantConfig(), False
+    if ckpt.config.is_moe and req.quantize != "auto":
+        raise ConfigError(f"quantize: {req.quantize} is not built for mixture-of-experts models yet (the stacked "
+                          f"experts have no quantized layout); compile {ckpt.config.architecture} without --quantize")
     native = native_quant(ckpt)
     if req.quantize == "auto":
         if req.quantization_type or req.group_size:

@@ -18,7 +18,14 @@ from neuron_opt.errors import ConfigError
 from neuron_opt.planner.hardware import get_instance, known_instances
 from neuron_opt.planner.memory import KV_DTYPES, WEIGHT_DTYPES
 from neuron_opt.planner.recommend import Traffic, candidates, rank
-from neuron_opt.planner.report import alternatives_table, plan_json, plan_lines, split_json, split_lines
+from neuron_opt.planner.report import (
+    alternatives_table,
+    ep_table,
+    plan_json,
+    plan_lines,
+    split_json,
+    split_lines,
+)
 from neuron_opt.planner.scale_out import TARGETS, recommend_split, splits
 
 
@@ -33,6 +40,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--instance", required=True, help=f"one of: {', '.join(known_instances())}")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: recommend one)")
+    p.add_argument("--ep", type=int, default=None,
+                   help="mixture-of-experts models: expert-parallel degree (default: the fastest that divides tp "
+                        "and num_experts; see docs/moe.md)")
     p.add_argument(
         "--batch-size", type=int, default=None, help="KV slots / decode batch (default: --concurrency)"
     )
@@ -97,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
             tp=args.tp,
             dtype=args.dtype,
             kv_dtype=args.kv_dtype,
+            ep=args.ep,
         ),
         traffic,
     )
@@ -129,6 +140,9 @@ def run(args: argparse.Namespace) -> int:
                 f"concurrency {traffic.concurrency}), recommended first:"
             )
             print("\n".join(alternatives_table(plans, traffic)))
+        if cfg.is_moe and inst.family != "cpu":
+            print()
+            print("\n".join(ep_table(cfg, best, traffic)))
         if scale:
             print()
             print("\n".join(split_lines(scale, traffic, args.target)))

@@ -1,6 +1,6 @@
 """Tensor-parallel flags for `compile` and `generate`, and the ParallelConfig they build.
 
-Flags: `--tp`, `--instance`, `--sequence-parallel`, `--flash-decoding`, `--gqa-strategy`,
+Flags: `--tp`, `--ep`, `--instance`, `--sequence-parallel`, `--flash-decoding`, `--gqa-strategy`,
 `--no-vocab-parallel-sampling`. The config is validated, including the instance's allowed degrees.
 """
 
@@ -15,6 +15,10 @@ from neuron_opt.errors import ConfigError
 def add_parallel_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("tensor parallelism")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (rank processes / NeuronCores)")
+    g.add_argument("--ep", type=int, default=1,
+                   help="mixture-of-experts models: expert-parallel groups; each of EP groups of tp/EP ranks holds "
+                        "num_experts/EP whole experts, each split over its group's ranks (NxDI's moe_ep_degree; "
+                        "default 1: every expert split over all tp ranks). Attention stays split over all tp ranks")
     g.add_argument(
         "--instance",
         default=None,
@@ -50,6 +54,7 @@ def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
     """Build and validate the ParallelConfig (instance degree check included)."""
     par = ParallelConfig(
         tp=args.tp,
+        ep=args.ep,
         sequence_parallel=args.sequence_parallel,
         flash_decoding=args.flash_decoding,
         vocab_parallel_sampling=args.vocab_parallel_sampling,

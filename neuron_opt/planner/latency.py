@@ -41,6 +41,7 @@ from neuron_opt.config import ModelConfig
 from neuron_opt.parallel.sharding import HeadLayout
 from neuron_opt.planner.hardware import Instance
 from neuron_opt.planner.memory import dtype_bytes, weight_bytes, weight_count
+from neuron_opt.planner.moe import expert_step
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,8 @@ def prefill_time(
     tokens = batch * seq
     attention = _attention_flops(cfg, lay, batch, seq, seq) * (0.5 if flash else 1.0)
     flops = 2.0 * tokens * n.linear + attention + 2.0 * batch * cfg.hidden_size * lay.vocab_local
+    if cfg.is_moe:  # prefill graphs run every local expert on every token (planner.moe)
+        flops += expert_step(cfg, lay, tokens, dense=True)[1]
     scores = 0.0 if flash else _score_time(cfg, lay, batch, seq, seq, eff)
     return StepTime(
         compute=flops / (inst.bf16_flops_per_core * eff.tensor) + scores,
@@ -173,9 +176,14 @@ def decode_time(
         cfg, lay, batch, 1, local
     )
     kv = 2 * cfg.num_hidden_layers * batch * lay.n_kv_local * local * lay.head_dim * dtype_bytes(kv_dtype)
+    weights = weight_bytes(cfg, lay, dtype)
+    if cfg.is_moe:  # only the experts a step reads (gathered below planner.moe.gather_until, else all)
+        read, expert_flops = expert_step(cfg, lay, batch)
+        weights += (read - n.experts) * dtype_bytes(dtype)
+        flops += expert_flops
     return StepTime(
         compute=flops / (inst.bf16_flops_per_core * eff.tensor),
-        memory=(weight_bytes(cfg, lay, dtype) + kv) / (inst.hbm_bw_per_core * eff.hbm),
+        memory=(weights + kv) / (inst.hbm_bw_per_core * eff.hbm),
         collective=_collectives(cfg, lay, inst, batch, eff),
         overhead=eff.step_overhead_s,
     )

@@ -54,22 +54,32 @@ def dtype_bytes(dtype: str, what: str = "dtype") -> int:
 class WeightCount:
     """Elements held by one rank, split by how they are stored."""
 
-    linear: int  # the seven decoder projections (quantizable)
+    linear: int  # the seven decoder projections (quantizable); MoE: attention and the shared expert
     linear_out_channels: int  # output channels of those projections (one scale each when quantized)
-    other: int  # embeddings, LM head, norms, biases
+    other: int  # embeddings, LM head, norms, biases, MoE routers
+    experts: int = 0  # MoE: the stacked experts (not quantizable: compile refuses --quantize for MoE)
 
     @property
     def total(self) -> int:
-        return self.linear + self.other
+        return self.linear + self.other + self.experts
 
 
 def weight_count(cfg: ModelConfig, lay: HeadLayout) -> WeightCount:
     """Parameters one rank stores under `lay` (padding and replication included)."""
     H, D, L = cfg.hidden_size, lay.head_dim, cfg.num_hidden_layers
     q, kv, inter = lay.n_heads_local * D, lay.n_kv_local * D, lay.intermediate_local
+    experts = 0
+    if cfg.is_moe:  # the dense MLP is replaced: experts (planner.moe), a shared expert, the router
+        from neuron_opt.planner.moe import expert_elements
+
+        inter, experts = lay.shared_intermediate_local, expert_elements(cfg, lay)
     linear = H * q + 2 * H * kv + q * H + 3 * H * inter  # q, k, v, o, gate, up, down
     out_ch = q + 2 * kv + H + 2 * inter + H
     other = 2 * H  # input and post-attention RMSNorm
+    if cfg.is_moe:
+        other += cfg.num_experts * H + (H if cfg.shared_expert_intermediate_size else 0)  # router, shared gate
+    if cfg.qk_norm:
+        other += 2 * D
     if cfg.attention_bias:
         other += q + 2 * kv  # column-parallel biases are split
     if cfg.o_bias:
@@ -78,12 +88,16 @@ def weight_count(cfg: ModelConfig, lay: HeadLayout) -> WeightCount:
         other += 2 * inter + H
     embed = lay.vocab_local * H  # vocab-parallel, padded vocabulary
     head = 0 if cfg.tie_word_embeddings else lay.vocab_local * H
-    return WeightCount(linear=L * linear, linear_out_channels=L * out_ch, other=L * other + embed + head + H)
+    return WeightCount(linear=L * linear, linear_out_channels=L * out_ch, other=L * other + embed + head + H,
+                       experts=experts)
 
 
 def weight_bytes(cfg: ModelConfig, lay: HeadLayout, dtype: str) -> int:
     """Bytes of one rank's weights in `dtype` (quantized: the stored format of the linears, the rest bfloat16)."""
     n = weight_count(cfg, lay)
+    if n.experts and dtype in QUANTIZED:
+        raise ConfigError(f"dtype: {dtype} weights are not built for mixture-of-experts models (compile refuses "
+                          "--quantize for them); plan them in bfloat16 or float32")
     if dtype == "int4":
         return n.linear // 2 + 8 * (n.linear // INT4_GROUP) + 2 * n.other
     b = dtype_bytes(dtype, "dtype")
@@ -114,7 +128,13 @@ def layout_overhead(cfg: ModelConfig, lay: HeadLayout, dtype: str) -> LayoutOver
 
     even = head_layout(cfg, ParallelConfig(tp=1))
     padded = []
-    if lay.intermediate_padded != cfg.intermediate_size:
+    if cfg.is_moe:
+        if lay.moe_intermediate_local * lay.moe_tp != cfg.moe_intermediate_size:
+            padded.append(f"experts {cfg.moe_intermediate_size} -> {lay.moe_intermediate_local * lay.moe_tp}")
+        if lay.shared_intermediate_local * lay.tp != cfg.shared_expert_intermediate_size:
+            padded.append(f"shared expert {cfg.shared_expert_intermediate_size} -> "
+                          f"{lay.shared_intermediate_local * lay.tp}")
+    elif lay.intermediate_padded != cfg.intermediate_size:
         padded.append(f"MLP {cfg.intermediate_size} -> {lay.intermediate_padded}")
     if lay.n_heads * lay.kv_seq_shards != cfg.num_attention_heads:
         padded.append(f"q heads {cfg.num_attention_heads} -> {lay.n_heads * lay.kv_seq_shards}")
@@ -161,6 +181,9 @@ def graph_scratch_bytes(
         + T * lay.n_heads_local * D * act_bytes
     )
     mlp = 3 * T * lay.intermediate_local * act_bytes
+    if cfg.is_moe:  # the dense expert path: every local expert's gate/up/product on every token, fp32 sums
+        mlp = 3 * T * lay.experts_local * lay.moe_intermediate_local * act_bytes + T * lay.experts_local * \
+            cfg.hidden_size * 4
     logits = batch * lay.vocab_local * 4
     return residual + max(attn, mlp) + logits
 
@@ -234,7 +257,7 @@ def plan_memory(
     # the rank models in the weight dtype plus one tensor in flight: read (fp32 at worst: a GGUF's dequantized
     # cache), cast and sliced, at most 3 fp32 copies of the largest tensor (the embedding or LM head). Measured
     # against this bound in tests/neuron_opt/test_compile_memory.py.
-    largest = max(cfg.vocab_size, cfg.intermediate_size) * cfg.hidden_size
+    largest = max(cfg.vocab_size, cfg.intermediate_size, cfg.moe_intermediate_size) * cfg.hidden_size
     host = compile_ranks_held * w + 3 * 4 * largest + HOST_BASELINE
     return MemoryPlan(
         weights=w,

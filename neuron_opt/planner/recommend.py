@@ -22,6 +22,7 @@ from neuron_opt.parallel.sharding import HeadLayout, head_layout
 from neuron_opt.planner.hardware import Instance, check_tp
 from neuron_opt.planner.latency import StepTime, decode_time, prefill_time
 from neuron_opt.planner.memory import KV_DTYPES, QUANTIZED, WEIGHT_DTYPES, MemoryPlan, plan_memory
+from neuron_opt.planner.moe import ep_choices
 
 RECOMMEND_SLACK = 0.10
 MAX_BATCH_SEARCH = 4096
@@ -38,6 +39,7 @@ class Deployment:
     dtype: str = "bfloat16"
     kv_dtype: str = "bfloat16"
     compile_ranks_held: int | None = None  # rank models one compile process holds; None: tp (neuron: SPMD)
+    ep: int | None = None  # MoE expert-parallel degree; None: the fastest (planner.moe.choose_ep), 1 if dense
 
     def __post_init__(self) -> None:
         for name in ("tp", "batch", "max_prompt_len", "max_model_len"):
@@ -141,7 +143,14 @@ def evaluate(
     """
     if inst.family != "cpu":
         check_tp(inst, dep.tp)
-    lay = head_layout(cfg, par or ParallelConfig(tp=dep.tp, instance=inst.name))
+    eps = ep_choices(cfg, dep.tp)
+    if par is None and dep.ep is None and len(eps) > 1:
+        plans = [evaluate(cfg, inst, _with(dep, ep=e), traffic, None, buckets) for e in eps]
+        # the fastest end to end at the traffic shape (without one: the fewest bytes per core), then the smaller ep
+        key = (lambda p: (not p.fits, p.e2e_s(traffic.output_len), p.deployment.ep)) if traffic is not None and \
+            plans[0].ttft is not None else (lambda p: (not p.fits, p.memory.total, p.deployment.ep))
+        return min(plans, key=key)
+    lay = head_layout(cfg, par or ParallelConfig(tp=dep.tp, instance=inst.name, ep=dep.ep or 1))
     fixed = buckets
     buckets = buckets or dep.buckets()
     mem = _memory(cfg, lay, inst, dep, fixed)
@@ -188,6 +197,12 @@ def evaluate(
     return _replace(plan, prefill_bucket=pre, decode_bucket=dec, ttft=ttft, tpot=tpot)
 
 
+def _with(dep: Deployment, **kw: object) -> Deployment:
+    from dataclasses import replace
+
+    return replace(dep, **kw)  # type: ignore[arg-type]
+
+
 def _replace(plan: Plan, **kw: object) -> Plan:
     from dataclasses import replace
 
@@ -205,18 +220,23 @@ def candidates(
     tp: int | None = None,
     dtype: str | None = None,
     kv_dtype: str = "bfloat16",
+    ep: int | None = None,
 ) -> list[Plan]:
     """Every (tp, dtype) on the instance, evaluated (any tp shards any model: widths tp does not divide are
-    zero-padded, neuron_opt.parallel.sharding)."""
+    zero-padded, neuron_opt.parallel.sharding). MoE: each tp at its fastest expert-parallel degree, or at `ep`
+    (then only the degrees it divides)."""
     if tp is not None:
         check_tp(inst, tp)
     degrees = (tp,) if tp is not None else inst.tp_degrees
+    if ep is not None:
+        degrees = tuple(t for t in degrees if t % ep == 0) or degrees  # none: ParallelConfig names the error
     quant = "fp8" if inst.family == "trn2" else "int8"
-    dtypes = [dtype] if dtype else ["bfloat16", quant]
+    dtypes = [dtype] if dtype else ["bfloat16"] if cfg.is_moe else ["bfloat16", quant]  # MoE: no quantized build
     out = []
     for d in dtypes:
         for t in degrees:
-            out.append(evaluate(cfg, inst, Deployment(t, batch, max_prompt_len, max_model_len, d, kv_dtype), traffic))
+            out.append(evaluate(cfg, inst, Deployment(t, batch, max_prompt_len, max_model_len, d, kv_dtype, ep=ep),
+                                traffic))
     if dtype is None and any(p.fits and p.deployment.dtype not in QUANTIZED for p in out):
         out = [p for p in out if p.deployment.dtype not in QUANTIZED]
     return out

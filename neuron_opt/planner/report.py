@@ -8,6 +8,7 @@ from neuron_opt.buckets import PREFILL, VERIFY, BucketConfig
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
 from neuron_opt.planner.hardware import GB, GiB, get_instance
 from neuron_opt.planner.memory import layout_overhead
+from neuron_opt.planner.moe import gather_until, moe_line
 from neuron_opt.planner.recommend import Deployment, Plan, Traffic, evaluate
 from neuron_opt.planner.scale_out import TARGETS, Split, recommend_split
 
@@ -55,6 +56,8 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
     over = layout_overhead(cfg, lay, d.dtype)
     if over.padded:
         lines.insert(1, f"  {over.line()}")
+    if cfg.is_moe:
+        lines.insert(1, f"  {moe_line(cfg, lay)}")
     if plan.ttft is not None and plan.tpot is not None and plan.prefill_bucket and plan.decode_bucket:
         from neuron_opt.planner.validation import error_band  # the published rows: loaded only to print latency
 
@@ -71,6 +74,28 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
     elif inst.family == "cpu":
         lines.append("  latency: not modelled on cpu (measure with `neuron-opt bench`)")
     return lines
+
+
+def ep_table(cfg: ModelConfig, plan: Plan, traffic: Traffic) -> list[str]:
+    """A MoE plan's tp at every expert-parallel degree (planner.moe): the trade the automatic choice made."""
+    from dataclasses import replace
+
+    from neuron_opt.planner.moe import ep_choices
+
+    rows = [f"expert parallelism at tp {plan.deployment.tp} ({traffic.input_len} in / {traffic.output_len} out, "
+            f"concurrency {traffic.concurrency}), chosen: ep {plan.layout.ep}",
+            "  ep  experts/rank  features/rank  gather below batch  TTFT ms  TPOT ms  e2e s"]
+    for e in ep_choices(cfg, plan.deployment.tp):
+        p = evaluate(cfg, plan.instance, replace(plan.deployment, ep=e), traffic)
+        e2e = p.e2e_s(traffic.output_len)
+        rows.append(f"  {e:>2}  {p.layout.experts_local:>12}  {p.layout.moe_intermediate_local:>13}  "
+                    f"{gather_until(cfg, p.layout):>18}  {_fmt(p.ttft and 1e3 * p.ttft.total, 7, 1)}  "
+                    f"{_fmt(p.tpot and 1e3 * p.tpot.total, 7, 2)}  {_fmt(e2e, 5, 2)}")
+    return rows
+
+
+def _fmt(v: float | None, width: int, digits: int) -> str:
+    return f"{'-':>{width}}" if v is None else f"{v:>{width}.{digits}f}"
 
 
 def alternatives_table(plans: list[Plan], traffic: Traffic, limit: int = 8) -> list[str]:
@@ -168,6 +193,11 @@ def plan_json(cfg: ModelConfig, plan: Plan, alternatives: list[Plan] | None = No
         "max_prompt_len": d.max_prompt_len,
         "max_model_len": d.max_model_len,
         "gqa_strategy": plan.layout.strategy,
+        "ep": plan.layout.ep,
+        "moe": None if not cfg.is_moe else {
+            "num_experts": cfg.num_experts, "top_k": cfg.num_experts_per_tok, "experts_per_rank":
+            plan.layout.experts_local, "expert_features_per_rank": plan.layout.moe_intermediate_local,
+            "gather_below_batch": gather_until(cfg, plan.layout), "active_parameters": cfg.active_parameters()},
         "padding": _overhead_json(cfg, plan),
         "memory_bytes": {
             "weights": m.weights,

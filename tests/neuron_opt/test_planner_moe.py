@@ -1,0 +1,123 @@
+"""The planner on mixture-of-experts models: exact memory (all experts resident), the bytes a decode step reads
+(the selected experts below the gather batch, all local ones from it), the expert-parallel choice and the plan's
+output. Published parameter counts: Mixtral-8x7B's safetensors index (total_size 93,405,585,408 bytes in bf16),
+Qwen3-30B-A3B's model card (30.5 B, 3.3 B activated)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from neuron_opt.config import ModelConfig, ParallelConfig
+from neuron_opt.errors import ConfigError
+from neuron_opt.parallel.sharding import head_layout
+from neuron_opt.planner.hardware import get_instance
+from neuron_opt.planner.latency import decode_time
+from neuron_opt.planner.memory import weight_bytes, weight_count
+from neuron_opt.planner.moe import ep_choices, expert_step, gather_until
+from neuron_opt.planner.recommend import Deployment, Traffic, candidates, evaluate
+
+MIXTRAL_8X7B = dict(
+    architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=4096, intermediate_size=14336,
+    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+    max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1e6, num_local_experts=8, num_experts_per_tok=2,
+    tie_word_embeddings=False,
+)
+QWEN3_30B_A3B = dict(
+    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+    moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+    vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6, num_experts=128,
+    num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False,
+)
+
+
+@pytest.mark.parametrize("hf, total, active", [(MIXTRAL_8X7B, 46_702_792_704, 12_879_925_248),
+                                                (QWEN3_30B_A3B, 30_532_122_624, 3_353_032_704)])
+def test_published_parameter_counts_and_resident_bytes(hf, total, active):
+    cfg = ModelConfig.from_hf(hf)
+    assert cfg.num_parameters() == total
+    assert round(cfg.active_parameters() / 1e8) == round(active / 1e8)  # 12.9 B and 3.4 B (card: "3.3B")
+    assert weight_bytes(cfg, head_layout(cfg, ParallelConfig()), "bfloat16") == 2 * total  # all experts resident
+
+
+@pytest.mark.parametrize("tp, ep", [(8, 1), (8, 2), (8, 8), (24, 4)])
+def test_per_rank_experts_split_the_model(tp, ep):
+    """Every (tp, ep) holds the same expert bytes per rank, 1/tp of them (plus padding where tp / ep does not
+    divide the expert width: 14336 / 6 -> 2390 features)."""
+    cfg = ModelConfig.from_hf(MIXTRAL_8X7B)
+    lay = head_layout(cfg, ParallelConfig(tp=tp, ep=ep))
+    per_rank = weight_count(cfg, lay).experts
+    exact = 32 * 8 * 3 * 4096 * 14336 // tp
+    assert exact <= per_rank <= exact * 1.001
+    assert lay.experts_local * ep == 8
+
+
+def test_decode_reads_the_selected_experts_until_the_gather_batch():
+    """Mixtral at tp 8: top 2 of 8 local experts. Batch 1-3 reads 2, 4, 6 experts per layer; from batch 4 all 8,
+    and the TPOT memory term grows by exactly those bytes."""
+    cfg = ModelConfig.from_hf(MIXTRAL_8X7B)
+    lay = head_layout(cfg, ParallelConfig(tp=8))
+    assert gather_until(cfg, lay) == 4
+    per_expert = 3 * 4096 * lay.moe_intermediate_local * 32  # every layer
+    reads = [expert_step(cfg, lay, b)[0] / per_expert for b in (1, 2, 3, 4, 16)]
+    assert reads == [2, 4, 6, 8, 8]
+    inst = get_instance("inf2.48xlarge")
+    t1, t2 = (decode_time(cfg, lay, inst, batch=b, kv_len=128, dtype="bfloat16", kv_dtype="bfloat16")
+              for b in (1, 2))
+    kv_step = 2 * 32 * 128 * lay.n_kv_local * 128 * 2  # one more row's K and V
+    bw = inst.hbm_bw_per_core * 0.6
+    assert t2.memory - t1.memory == pytest.approx((2 * per_expert * 2 + kv_step) / bw, rel=1e-9)
+    # prefill reads and computes every local expert
+    assert expert_step(cfg, lay, 1, dense=True)[0] == 8 * per_expert
+
+
+def test_automatic_ep_is_the_fastest_of_each_degree():
+    cfg = ModelConfig.from_hf(QWEN3_30B_A3B)
+    inst = get_instance("trn1.32xlarge")
+    traffic = Traffic(512, 256, 8)
+    dep = Deployment(32, 8, 512, 768)
+    assert ep_choices(cfg, 32) == [1, 2, 4, 8, 16, 32]
+    plans = {e: evaluate(cfg, inst, replace(dep, ep=e), traffic) for e in ep_choices(cfg, 32)}
+    auto = evaluate(cfg, inst, dep, traffic)
+    assert auto.e2e_s(256) == min(p.e2e_s(256) for p in plans.values())
+    assert auto.layout.ep == min((p.e2e_s(256), e) for e, p in plans.items())[1]
+    # wider expert slices cut prefill FLOPs (128-row TensorE tiles); small-batch decode reads more under ep
+    assert plans[32].ttft.total < plans[1].ttft.total and plans[32].tpot.total > plans[1].tpot.total
+    long_prompts = Traffic(8192, 16, 1)
+    dep_long = Deployment(32, 1, 8192, 8208)
+    assert evaluate(cfg, inst, dep_long, long_prompts).layout.ep > 1  # prefill-dominated: ep wins
+
+
+def test_no_quantized_moe_plans():
+    cfg = ModelConfig.from_hf(MIXTRAL_8X7B)
+    inst = get_instance("inf2.48xlarge")
+    plans = candidates(cfg, inst, Traffic(128, 128), batch=1, max_prompt_len=128, max_model_len=256)
+    assert {p.deployment.dtype for p in plans} == {"bfloat16"}
+    with pytest.raises(ConfigError, match="int8 weights are not built for mixture-of-experts models"):
+        evaluate(cfg, inst, Deployment(8, 1, 128, 256, dtype="int8"))
+
+
+def _plan(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(MIXTRAL_8X7B))
+    return subprocess.run([sys.executable, "-m", "neuron_opt.cli", "plan", "--model", str(path), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_plan_cli_prints_the_expert_layout_and_the_ep_table(tmp_path):
+    out = _plan(tmp_path, "--instance", "inf2.48xlarge", "--tp", "8", "--input-len", "2048", "--output-len", "64")
+    assert out.returncode == 0, out.stderr
+    assert "experts: 8 x 14336, top 2; ep " in out.stdout
+    assert "active parameters 12.88 B of 46.70 B" in out.stdout
+    assert "expert parallelism at tp 8" in out.stdout
+    rows = [line.split() for line in out.stdout.splitlines() if line.strip()[:2].strip() in ("1", "2", "4", "8")
+            and len(line.split()) == 7]
+    assert [int(r[0]) for r in rows] == [1, 2, 4, 8]
+    fixed = _plan(tmp_path, "--instance", "inf2.48xlarge", "--tp", "8", "--ep", "2", "--json")
+    assert json.loads(fixed.stdout)["ep"] == 2 and json.loads(fixed.stdout)["moe"]["experts_per_rank"] == 4
+    bad = _plan(tmp_path, "--instance", "inf2.48xlarge", "--tp", "8", "--ep", "3")
+    assert bad.returncode != 0 and "ep: must be an integer >= 1 that divides tp=8" in bad.stderr
