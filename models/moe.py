@@ -83,9 +83,22 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(E, H, I), requires_grad=False)
 
-    def gather(self, t: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Only the selected experts' rows: t [T, H], ids/weights [T, k] (local ids, weights 0 where not local)."""
+    def gather(self, t: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, local: torch.Tensor,
+               traced: bool) -> torch.Tensor:
+        """Only the selected experts' rows: t [T, H], ids/weights [T, k] (local ids, weights 0 where not local).
+
+        Traced: one broadcast product and sum over the indexed weights, which a compiler fuses into a loop over the
+        selected rows. Eager: a loop over the (token, slot) pairs on views of the stacked weights (the broadcast
+        form would materialise each selected expert's products; at most E_local - 1 pairs take this path), skipping
+        the pairs whose expert another rank holds."""
         I = self.down_proj.shape[2]
+        if not traced:
+            out = torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+            for i, j in local.nonzero().tolist():
+                e = int(ids[i, j])
+                h = F.linear(t[i], self.gate_up_proj[e])  # [2I]
+                out[i] += weights[i, j] * F.linear(F.silu(h[:I]) * h[I:], self.down_proj[e]).float()
+            return out
         h = (self.gate_up_proj[ids] * t[:, None, None, :]).sum(-1)  # [T, k, 2I]
         a = F.silu(h[..., :I]) * h[..., I:]  # [T, k, I]
         y = (self.down_proj[ids] * a[:, :, None, :]).sum(-1)  # [T, k, H]
@@ -168,7 +181,7 @@ class SparseMoeBlock(nn.Module):
         else:
             how = moe_strategy(B * S, ids.shape[1], E, _tracing() or t.device.type != "cpu" or not aligned)
         if how == GATHER:
-            out = self.experts.gather(t, lid, weights)
+            out = self.experts.gather(t, lid, weights, local, _tracing() or t.device.type != "cpu")
         elif how == GROUPED:
             out = self.experts.grouped(t, lid, weights, local)
         else:

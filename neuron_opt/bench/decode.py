@@ -9,6 +9,10 @@ only decode steps are timed
 decode step must read (weights + the KV positions it attends over) x steps/s, over the memory-read bandwidth
 probed in the same process right after the timed steps.
 
+Mixture-of-experts models (`--model random-moe`, neuron_opt.bench.random_moe, or any MoE checkpoint): a step reads
+the experts it selects (neuron_opt.planner.moe: min(batch x top-k, experts) of them per layer), so bytes per step
+count those; `active_bytes` is the bound a token cannot go below, the active parameters' bytes (plus its KV).
+
 JSON: {"mem_bw_gbs": x, "results": [{"system", "dtype", "batch", "tok_s", "ratio_vs_hf", "mbu"}, ...], ...}
 """
 
@@ -45,6 +49,7 @@ class Result:
     agreement_vs_hf_fp32: float | None = None  # teacher-forced greedy agreement over --agreement-tokens
     runs_tok_s: list[float] | None = None  # every round's tok/s (--repeats); tok_s is their median
     mem_bw_gbs: float | None = None  # read bandwidth probed in the same process right after the timed steps
+    active_bytes: float | None = None  # MoE: active parameters' bytes per token (+ its KV), the bytes bound
 
 
 def measure_read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
@@ -136,8 +141,24 @@ def kv_bytes(cfg, esz: int, batch: int, kv_len: int) -> float:
 
 
 def step_bytes(cfg, dtype: torch.dtype, batch: int, kv_len: int) -> float:
+    """Weights and KV a decode step reads; MoE: only the experts it selects (planner.moe.experts_read)."""
     esz = torch.finfo(dtype).bits // 8
-    return cfg.num_parameters() * esz + kv_bytes(cfg, esz, batch, kv_len)
+    weights = cfg.num_parameters()
+    if cfg.is_moe:
+        from neuron_opt.config import ParallelConfig
+        from neuron_opt.parallel import head_layout
+        from neuron_opt.planner.memory import weight_count
+        from neuron_opt.planner.moe import expert_step
+
+        lay = head_layout(cfg, ParallelConfig())
+        weights += expert_step(cfg, lay, batch)[0] - weight_count(cfg, lay).experts
+    return weights * esz + kv_bytes(cfg, esz, batch, kv_len)
+
+
+def active_bytes(cfg, dtype: torch.dtype, batch: int, kv_len: int) -> float | None:
+    """MoE: the active parameters' bytes per token plus its KV (what no implementation can read less of)."""
+    esz = torch.finfo(dtype).bits // 8
+    return cfg.active_parameters() * esz + kv_bytes(cfg, esz, 1, kv_len) if cfg.is_moe else None
 
 
 def quantized_step_bytes(cfg, method: str, compute: torch.dtype, batch: int, kv_len: int) -> float:
@@ -212,6 +233,7 @@ def _measure_one(system: str, batch: int, opts: dict, reference: tuple[list[int]
         torch.set_num_threads(opts["threads"])
     ckpt = open_checkpoint(opts["model"])
     cfg, steps = ckpt.config, opts["steps"]
+    esz_of = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     kv_len = PROMPT_LEN + steps
     if system.startswith("llamacpp-"):
         return {"result": asdict(_measure_llamacpp(system, ckpt, opts, reference))}
@@ -225,7 +247,8 @@ def _measure_one(system: str, batch: int, opts: dict, reference: tuple[list[int]
         tps = bench_hf(hf, batch, steps, cfg.vocab_size, static_compile=system == "hf-compile")
         name = f"transformers-{'static-compile' if system == 'hf-compile' else 'eager'}"
         return {"result": asdict(Result(name, "float32", batch, tps, steps,
-                                        step_bytes(cfg, torch.float32, batch, kv_len)))}
+                                        step_bytes(cfg, torch.float32, batch, kv_len),
+                                        active_bytes=active_bytes(cfg, torch.float32, batch, kv_len)))}
 
     def agreement(runner) -> float | None:
         return teacher_forced_agreement(runner, *reference) if batch == 1 and reference else None
@@ -234,7 +257,8 @@ def _measure_one(system: str, batch: int, opts: dict, reference: tuple[list[int]
         llm = LLM(opts["model"], max_model_len=opts["max_model_len"], batch_size=batch)
         tps = bench_runner(llm.runner, batch, steps, cfg.vocab_size)
         r = Result("neuron_opt-eager", "float32", batch, tps, steps, step_bytes(cfg, torch.float32, batch, kv_len),
-                   agreement_vs_hf_fp32=agreement(llm.runner))
+                   agreement_vs_hf_fp32=agreement(llm.runner),
+                   active_bytes=active_bytes(cfg, torch.float32, batch, kv_len))
         return {"result": asdict(r)}
     quantize = {"cpu-int8": "int8", "cpu-int4": "int4"}.get(system)
     if quantize:  # compute in the cpu backend's default dtype; int4: group 32 (a Q4_0/Q4_1 GGUF's blocks as stored);
@@ -251,6 +275,8 @@ def _measure_one(system: str, batch: int, opts: dict, reference: tuple[list[int]
                   step_bytes(cfg, getattr(torch, dtype), batch, kv_len))
         r = Result("neuron_opt-cpu-compiled", quantize or dtype, batch, tps, steps, nbytes,
                    agreement_vs_hf_fp32=agreement(runner))
+    if r.dtype in esz_of:
+        r.active_bytes = active_bytes(cfg, esz_of[r.dtype], batch, kv_len)
     return {"result": asdict(r)}
 
 
@@ -277,7 +303,9 @@ def _llamacpp_systems(ap: argparse.ArgumentParser, systems: list[str]) -> list[s
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="default")
+    ap.add_argument("--model", default="default",
+                    help="a checkpoint (HF directory, .gguf, 'default'), or 'random-moe': a random 8-expert top-2 "
+                         "Mixtral written once under the cache directory (neuron_opt.bench.random_moe)")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--systems", default="hf,hf-compile,eager,cpu-fp32,cpu-bf16",
@@ -293,6 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
+    if args.model == "random-moe":
+        from neuron_opt import envs
+        from neuron_opt.bench.random_moe import random_moe_dir
+
+        args.model = str(random_moe_dir(envs.CACHE_DIR))
     systems = args.systems.split(",")
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
@@ -347,9 +380,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(doc, indent=2))
     else:
         print(f"\nmemory read bandwidth: up to {bw:.1f} GB/s; MBU is against the probe run beside each result")
-        print(f"{'system':30s} {'dtype':9s} {'batch':>5s} {'tok/s':>8s} {'vs HF':>6s} {'MBU':>6s} {'agree':>6s}")
+        moe = any(r.active_bytes for r in results)
+        print(f"{'system':30s} {'dtype':9s} {'batch':>5s} {'tok/s':>8s} {'vs HF':>6s} {'MBU':>6s} {'agree':>6s}"
+              + ("  read/token vs active bound" if moe else ""))
         for r in results:
             ratio = f"{r.ratio_vs_hf:.2f}x" if r.ratio_vs_hf else "-"
             agree = f"{r.agreement_vs_hf_fp32:.3f}" if r.agreement_vs_hf_fp32 is not None else "-"
-            print(f"{r.system:30s} {r.dtype:9s} {r.batch:5d} {r.tok_s:8.1f} {ratio:>6s} {r.mbu:6.1%} {agree:>6s}")
+            extra = f"  {r.bytes_per_step / r.batch / r.active_bytes:.2f}x" if r.active_bytes else ""
+            print(f"{r.system:30s} {r.dtype:9s} {r.batch:5d} {r.tok_s:8.1f} {ratio:>6s} {r.mbu:6.1%} {agree:>6s}"
+                  + extra)
     return 0

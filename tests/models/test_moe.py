@@ -47,10 +47,12 @@ def test_gather_grouped_and_dense_agree(variant, tokens, tiny_dir, monkeypatch):
     block = _block(cfg, lay)
     x = torch.randn(1, tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(tokens))
     outs = {}
-    for how in (GATHER, GROUPED, DENSE):
+    for how in (GATHER, "gather-traced", GROUPED, DENSE):
         if how == GROUPED and cfg.moe_intermediate_size * 4 % 16:
             continue  # torch's grouped GEMM needs 16-byte strides (the block then takes dense itself)
-        monkeypatch.setattr(moe, "moe_strategy", lambda *a, how=how: how)
+        monkeypatch.setattr(moe, "moe_strategy", lambda *a, how=how: how.removesuffix("-traced"))
+        # the traced form of gather (the broadcast product a compiler fuses), run eagerly
+        monkeypatch.setattr(moe, "_tracing", lambda how=how: how.endswith("-traced"))
         with torch.no_grad():
             outs[how] = block(x)
     for how, out in outs.items():
@@ -68,10 +70,15 @@ def test_strategy_crossover():
 
 @pytest.mark.parametrize("tp, ep", [(2, 1), (2, 2), (4, 2), (4, 4)])
 @pytest.mark.parametrize("variant, tokens", [("qwen2-moe", 1), ("qwen2-moe", 10), ("qwen3-moe", 10)])
-def test_expert_shards_sum_to_the_block(variant, tokens, tp, ep, tiny_dir):
+@pytest.mark.parametrize("traced", [False, True])
+def test_expert_shards_sum_to_the_block(variant, tokens, traced, tp, ep, tiny_dir, monkeypatch):
     """Each rank's model built and loaded from its shard of the checkpoint (its experts, its features, its slice of
     the shared expert); the ranks' sparse blocks, summed as the all-reduce sums them, equal the unsharded block: no
-    token is lost or counted twice across expert groups."""
+    token is lost or counted twice across expert groups. `traced`: the forms traced graphs take (the broadcast
+    gather, dense), run eagerly."""
+    import models.moe as moe
+
+    monkeypatch.setattr(moe, "_tracing", lambda: traced)
     d = tiny_dir(variant)  # 1 token: gather; 10: grouped (qwen2-moe) or dense (qwen3-moe's unaligned width)
     cfg = ModelConfig.from_hf(d)
     sd = load_file(str(d / "model.safetensors"))

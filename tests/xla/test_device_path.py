@@ -27,7 +27,8 @@ from neuron_opt.runtime.runner import DecodeRow
 
 pytestmark = pytest.mark.xla
 HERE = Path(__file__).parent
-VARIANTS = ["llama-gqa2", "llama-mha", "mistral-window", "qwen2"]  # GQA, MHA, sliding window, q/k/v biases
+VARIANTS = ["llama-gqa2", "llama-mha", "mistral-window", "qwen2",  # GQA, MHA, sliding window, q/k/v biases
+            "mixtral", "qwen2-moe", "qwen3-moe"]  # MoE: decode gathers 2 of 8 experts, prefill runs all 8
 SMALL = dict(max_model_len=32, prefill_buckets=(16, 32), decode_buckets=(16, 32))
 
 
@@ -134,6 +135,25 @@ def test_tp2_one_spmd_program_equals_eager(variant, ckpt, tmp_path):
         assert len(all_reduces) == 2 * L + 1, key
         assert hlo_summary(text)["collectives"] == {"all-reduce": 2 * L + 1}
         assert hlo_summary(text)["donated"] == 2 * L
+
+
+@pytest.mark.parametrize("variant, ep", [("mixtral", 1), ("qwen2-moe", 2)])
+def test_moe_tp2_one_spmd_program_equals_eager(variant, ep, ckpt, tmp_path):
+    """MoE at tp=2 as one SPMD program: every expert split over both cores (ep 1), or four whole experts per core
+    (ep 2: each core's expert range from its rank id inside the program). Still one all-reduce per attention and
+    per sparse block: the partial expert sums meet in the all-reduce the dense MLP has."""
+    out = subprocess.run([sys.executable, str(HERE / "device_parity.py"), str(ckpt(variant)), str(tmp_path / "art"),
+                          "2", "0", str(ep)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert max(res["diffs"]) < 1e-4, res["diffs"]
+    m = read_manifest(tmp_path / "art")
+    assert m.parallel.ep == ep
+    assert res["device_bytes"] == planned_bytes(m)
+    L = m.model.num_hidden_layers
+    for files in m.graphs.values():
+        text = (tmp_path / "art" / next(f for f in files if f.endswith(".hlo.txt"))).read_text()
+        assert hlo_summary(text)["collectives"] == {"all-reduce": 2 * L + 1}
 
 
 def test_every_bucket_hlo_is_static_donates_every_kv_buffer_and_never_calls_the_host(ckpt, tmp_path):
