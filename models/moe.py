@@ -15,18 +15,20 @@ Design decisions
   replicated after attention) and applies its own experts to the tokens routed to them; tokens routed elsewhere
   contribute zero here. All partial sums, the shared expert's included, meet in one all-reduce (a
   reduce-scatter under sequence parallelism): the dense layer's collective, no all-to-all.
-- Three ways to apply the experts, chosen per call from the token count T (static in every graph):
-    gather  T * k < E_local: each (token, slot) reads only its expert's weights, indexed by expert id inside
-            the product (a broadcast product and sum that Inductor fuses into one loop nest over the selected
-            rows; no copy of the weights). Bytes read: T * k experts.
+- Three ways to apply the experts, chosen per call from the token count T (static in every graph but the cpu
+  backend's prefill graph) and where the block runs:
+    gather  T * k < E_local, or any static T in a cpu graph: each (token, slot) reads only its expert's weights,
+            indexed by expert id inside the product (a broadcast product and sum that Inductor fuses into one loop
+            nest over the selected rows; no copy of the weights). Bytes: T * k experts; FLOPs: routed only.
     grouped eager on the host, T * k >= E_local: assignments sorted by expert and one grouped GEMM per
-            projection (torch._grouped_mm, as HF's grouped experts do). FLOPs: T * k expert MLPs.
-    dense   traced graphs (cpu AOTInductor, XLA), T * k >= E_local or T dynamic (the cpu backend's prefill
-            graph serves every prompt length): every local expert on every token,
-            weighted by a [T, E_local] matrix that is zero off the top k. Reads each expert once, computes
-            E_local / k times the sparse FLOPs; exact (the zero weights drop the rest).
-  `moe_strategy` (and the plan, neuron_opt.planner.moe) name the crossover: from T * k >= E_local reading all
-  experts once is cheaper than gathering T * k of them.
+            projection (torch._grouped_mm, as HF's grouped experts do). FLOPs: routed only.
+    dense   device graphs (XLA) with T * k >= E_local, and the cpu prefill graph (its token count is dynamic):
+            every local expert on every token, weighted by a [T, E_local] matrix that is zero off the top k. Reads
+            each expert once and computes E_local / k times the routed FLOPs; exact (the zero weights drop the rest).
+            On a NeuronCore, decode is bound by bytes, so from T * k >= E_local reading every expert once is the
+            cheaper side; a CPU core is not (measured: dense decode at batch 8 ran at half of gather's tok/s),
+            so cpu decode graphs keep gathering.
+  The plan (neuron_opt.planner.moe) models the device rule.
 """
 
 from __future__ import annotations
@@ -46,11 +48,15 @@ from neuron_opt.parallel.sharding import EXPERT_NAME, EXPERT_PARTS
 GATHER, GROUPED, DENSE = "gather", "grouped", "dense"
 
 
-def moe_strategy(tokens: int, top_k: int, experts_local: int, traced: bool) -> str:
-    """How a sparse block applies its experts to `tokens` tokens (see the module docstring)."""
-    if tokens * top_k < experts_local:
+EAGER, CPU_GRAPH, DEVICE = "eager", "cpu-graph", "device"
+
+
+def moe_strategy(tokens: int, top_k: int, experts_local: int, where: str) -> str:
+    """How a sparse block applies its experts to a static `tokens` tokens (see the module docstring); `where`:
+    EAGER (host tensors, not tracing), CPU_GRAPH (traced for the cpu backend) or DEVICE (XLA)."""
+    if tokens * top_k < experts_local or where == CPU_GRAPH:
         return GATHER
-    return DENSE if traced else GROUPED
+    return GROUPED if where == EAGER else DENSE
 
 
 def _tracing() -> bool:
@@ -174,14 +180,16 @@ class SparseMoeBlock(nn.Module):
         local = (lid >= 0) & (lid < E)
         lid = lid.clamp(0, E - 1)
         weights = weights * local
-        # torch's CPU grouped GEMM wants 16-byte-aligned row strides; other widths take the dense path
-        aligned = all(n * t.element_size() % 16 == 0 for n in (H, self.experts.down_proj.shape[2]))
+        where = DEVICE if t.device.type != "cpu" else CPU_GRAPH if _tracing() else EAGER
         if isinstance(B * S, torch.SymInt):  # a dynamic token count (the cpu prefill graph): no branch on it
             how = DENSE
         else:
-            how = moe_strategy(B * S, ids.shape[1], E, _tracing() or t.device.type != "cpu" or not aligned)
+            how = moe_strategy(B * S, ids.shape[1], E, where)
+        # torch's CPU grouped GEMM wants 16-byte-aligned row strides; other widths take the dense path
+        if how == GROUPED and any(n * t.element_size() % 16 for n in (H, self.experts.down_proj.shape[2])):
+            how = DENSE
         if how == GATHER:
-            out = self.experts.gather(t, lid, weights, local, _tracing() or t.device.type != "cpu")
+            out = self.experts.gather(t, lid, weights, local, traced=where != EAGER)
         elif how == GROUPED:
             out = self.experts.grouped(t, lid, weights, local)
         else:

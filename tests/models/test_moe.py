@@ -15,14 +15,17 @@ from safetensors.torch import load_file
 from tiny import load_hf
 
 from models.build import rank_model_factory
-from models.moe import DENSE, GATHER, GROUPED, SparseMoeBlock, moe_strategy
+from models.moe import CPU_GRAPH, DENSE, DEVICE, EAGER, GATHER, GROUPED, SparseMoeBlock, moe_strategy
 from neuron_opt.backends.eager import load_weights
+from neuron_opt.buckets import BucketConfig, pick_decode, pick_prefill
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
 from neuron_opt.errors import ConfigError
 from neuron_opt.parallel import SINGLE, ParallelContext
+from neuron_opt.parallel.comm_cost import expected_calls
 from neuron_opt.parallel.executor import tp_executor_from_state_dict
 from neuron_opt.parallel.launcher import RankSpec, write_rank_weights
 from neuron_opt.parallel.sharding import head_layout, shard_state_dict
+from neuron_opt.runtime.runner import DecodeRow, ModelRunner
 
 MOE = ["mixtral", "qwen2-moe", "qwen3-moe"]
 
@@ -60,12 +63,14 @@ def test_gather_grouped_and_dense_agree(variant, tokens, tiny_dir, monkeypatch):
 
 
 def test_strategy_crossover():
-    """Gather while the selected (token, expert) pairs are fewer than the experts held; then all experts once."""
-    assert moe_strategy(1, 2, 8, traced=True) == GATHER
-    assert moe_strategy(3, 2, 8, traced=True) == GATHER
-    assert moe_strategy(4, 2, 8, traced=True) == DENSE
-    assert moe_strategy(4, 2, 8, traced=False) == GROUPED
-    assert moe_strategy(1, 2, 2, traced=False) == GROUPED  # ep 4: two experts per rank
+    """Gather while the selected (token, expert) pairs are fewer than the experts held; then all experts once on a
+    device, grouped GEMMs eagerly on the host; cpu graphs keep gathering."""
+    assert moe_strategy(1, 2, 8, DEVICE) == GATHER
+    assert moe_strategy(3, 2, 8, DEVICE) == GATHER
+    assert moe_strategy(4, 2, 8, DEVICE) == DENSE
+    assert moe_strategy(4, 2, 8, EAGER) == GROUPED
+    assert moe_strategy(1, 2, 2, EAGER) == GROUPED  # ep 4: two experts per rank
+    assert moe_strategy(64, 2, 8, CPU_GRAPH) == GATHER  # cpu decode graphs always gather
 
 
 @pytest.mark.parametrize("tp, ep", [(2, 1), (2, 2), (4, 2), (4, 4)])
@@ -100,15 +105,28 @@ def test_expert_shards_sum_to_the_block(variant, tokens, traced, tp, ep, tiny_di
         torch.testing.assert_close(total, block(0, ParallelConfig())(x), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("variant, tp, ep", [("mixtral", 2, 1), ("qwen2-moe", 2, 2), ("qwen3-moe", 2, 2)])
-def test_rank_processes_match_hf(variant, tp, ep, tiny_dir, tmp_path):
-    """Real gloo rank processes: prefill + 4 teacher-forced decode steps within 1e-4, 16 greedy tokens = HF."""
+@pytest.mark.parametrize("variant, tp, ep, sp", [("mixtral", 2, 1, False), ("qwen2-moe", 2, 2, False),
+                                                 ("qwen3-moe", 2, 2, False), ("qwen2-moe", 2, 2, True)])
+def test_rank_processes_match_hf(variant, tp, ep, sp, tiny_dir, tmp_path):
+    """Real gloo rank processes: prefill + 4 teacher-forced decode steps within 1e-4, 16 greedy tokens = HF; then the
+    collectives one prefill and one decode step issue, counted, against the dense layout's formula (the sparse
+    block adds none). `sp`: sequence-parallel prefill (the block all-gathers the sequence, reduce-scatters back)."""
     d = tiny_dir(variant)
     cfg = ModelConfig.from_hf(d)
     cache = CacheConfig(max_batch=2, max_model_len=64)
-    with tp_executor_from_state_dict(cfg, load_file(str(d / "model.safetensors")), ParallelConfig(tp=tp, ep=ep),
-                                     cache, tmp_path) as ex:
+    par = ParallelConfig(tp=tp, ep=ep, sequence_parallel=sp)
+    with tp_executor_from_state_dict(cfg, load_file(str(d / "model.safetensors")), par, cache, tmp_path) as ex:
         check_tp_against_hf(ex, cfg, load_hf(d))
+        buckets = BucketConfig.build(max_prompt_len=64, max_model_len=64, max_batch=2, min_prefill=16,
+                                     min_decode=16)
+        runner = ModelRunner(ex, buckets, cache, cfg.vocab_size)
+        ex.reset_collective_calls()
+        runner.prefill(0, list(range(3, 24)))
+        prefill_calls = ex.collective_calls()
+        ex.reset_collective_calls()
+        runner.decode([DecodeRow(0, 5, 21), DecodeRow(1, 6, 0)])
+        assert prefill_calls == expected_calls(cfg, par, pick_prefill(21, buckets), 4, None)
+        assert ex.collective_calls() == expected_calls(cfg, par, pick_decode(2, 21, buckets), 4, None)
 
 
 @pytest.mark.parametrize("variant", ["mixtral", "qwen2-moe"])

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -21,18 +22,9 @@ from neuron_opt.planner.memory import weight_bytes, weight_count
 from neuron_opt.planner.moe import ep_choices, expert_step, gather_until
 from neuron_opt.planner.recommend import Deployment, Traffic, candidates, evaluate
 
-MIXTRAL_8X7B = dict(
-    architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=4096, intermediate_size=14336,
-    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
-    max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1e6, num_local_experts=8, num_experts_per_tok=2,
-    tie_word_embeddings=False,
-)
-QWEN3_30B_A3B = dict(
-    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
-    moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-    vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6, num_experts=128,
-    num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False,
-)
+CONFIGS = Path(__file__).resolve().parents[2] / "docs" / "configs"  # the published config.json files
+MIXTRAL_8X7B = json.loads((CONFIGS / "mixtral-8x7b.json").read_text())
+QWEN3_30B_A3B = json.loads((CONFIGS / "qwen3-30b-a3b.json").read_text())
 
 
 @pytest.mark.parametrize("hf, total, active", [(MIXTRAL_8X7B, 46_702_792_704, 12_879_925_248),
@@ -101,15 +93,13 @@ def test_no_quantized_moe_plans():
         evaluate(cfg, inst, Deployment(8, 1, 128, 256, dtype="int8"))
 
 
-def _plan(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(MIXTRAL_8X7B))
-    return subprocess.run([sys.executable, "-m", "neuron_opt.cli", "plan", "--model", str(path), *args],
-                          capture_output=True, text=True, timeout=120)
+def _plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "neuron_opt.cli", "plan", "--model",
+                           str(CONFIGS / "mixtral-8x7b.json"), *args], capture_output=True, text=True, timeout=120)
 
 
-def test_plan_cli_prints_the_expert_layout_and_the_ep_table(tmp_path):
-    out = _plan(tmp_path, "--instance", "inf2.48xlarge", "--tp", "8", "--input-len", "2048", "--output-len", "64")
+def test_plan_cli_prints_the_expert_layout_and_the_ep_table():
+    out = _plan("--instance", "inf2.48xlarge", "--tp", "8", "--input-len", "2048", "--output-len", "64")
     assert out.returncode == 0, out.stderr
     assert "experts: 8 x 14336, top 2; ep " in out.stdout
     assert "active parameters 12.88 B of 46.70 B" in out.stdout
@@ -117,7 +107,7 @@ def test_plan_cli_prints_the_expert_layout_and_the_ep_table(tmp_path):
     rows = [line.split() for line in out.stdout.splitlines() if line.strip()[:2].strip() in ("1", "2", "4", "8")
             and len(line.split()) == 7]
     assert [int(r[0]) for r in rows] == [1, 2, 4, 8]
-    fixed = _plan(tmp_path, "--instance", "inf2.48xlarge", "--tp", "8", "--ep", "2", "--json")
+    fixed = _plan("--instance", "inf2.48xlarge", "--tp", "8", "--ep", "2", "--json")
     assert json.loads(fixed.stdout)["ep"] == 2 and json.loads(fixed.stdout)["moe"]["experts_per_rank"] == 4
-    bad = _plan(tmp_path, "--instance", "inf2.48xlarge", "--tp", "8", "--ep", "3")
+    bad = _plan("--instance", "inf2.48xlarge", "--tp", "8", "--ep", "3")
     assert bad.returncode != 0 and "ep: must be an integer >= 1 that divides tp=8" in bad.stderr
