@@ -140,10 +140,17 @@ def kv_bytes(cfg, esz: int, batch: int, kv_len: int) -> float:
     return 2 * cfg.num_hidden_layers * batch * cfg.num_key_value_heads * kv_len * cfg.head_dim * esz
 
 
+def _embedding_not_read(cfg, batch: int) -> int:
+    """Elements of an untied embedding table a step does not read (it looks up `batch` rows); a tied table is the
+    LM head, read whole."""
+    return 0 if cfg.tie_word_embeddings else (cfg.vocab_size - batch) * cfg.hidden_size
+
+
 def step_bytes(cfg, dtype: torch.dtype, batch: int, kv_len: int) -> float:
-    """Weights and KV a decode step reads; MoE: only the experts it selects (planner.moe.experts_read)."""
+    """Weights and KV a decode step reads (an untied embedding: its looked-up rows); MoE: only the experts it selects
+    (planner.moe.experts_read)."""
     esz = torch.finfo(dtype).bits // 8
-    weights = cfg.num_parameters()
+    weights = cfg.num_parameters() - _embedding_not_read(cfg, batch)
     if cfg.is_moe:
         from neuron_opt.config import ParallelConfig
         from neuron_opt.parallel import head_layout
@@ -158,7 +165,9 @@ def step_bytes(cfg, dtype: torch.dtype, batch: int, kv_len: int) -> float:
 def active_bytes(cfg, dtype: torch.dtype, batch: int, kv_len: int) -> float | None:
     """MoE: the active parameters' bytes per token plus its KV (what no implementation can read less of)."""
     esz = torch.finfo(dtype).bits // 8
-    return cfg.active_parameters() * esz + kv_bytes(cfg, esz, 1, kv_len) if cfg.is_moe else None
+    if not cfg.is_moe:
+        return None
+    return (cfg.active_parameters() - _embedding_not_read(cfg, 1)) * esz + kv_bytes(cfg, esz, 1, kv_len)
 
 
 def quantized_step_bytes(cfg, method: str, compute: torch.dtype, batch: int, kv_len: int) -> float:

@@ -39,3 +39,22 @@ def test_bench_decode_refuses_unknown_systems() -> None:
     with pytest.raises(SystemExit) as e:
         main(["--systems", "hf,llamacpp"])
     assert e.value.code == 2
+
+
+def test_moe_bytes_per_step_count_the_selected_experts(tiny_dir) -> None:
+    """Tiny Mixtral, 8 experts, top 2, untied: batch 1 reads the active parameters (the bound), batch 3 gathers 6
+    experts per layer, batch 4 and up reads all 8; the embedding table is read one row per sequence."""
+    import torch
+
+    from neuron_opt.bench.decode import active_bytes, kv_bytes, step_bytes
+    from neuron_opt.config import ModelConfig
+
+    cfg = ModelConfig.from_hf(tiny_dir("mixtral"))
+    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4 * cfg.num_hidden_layers  # one expert, every layer
+    kv = kv_bytes(cfg, 4, 1, 40)
+    assert step_bytes(cfg, torch.float32, 1, 40) == pytest.approx(active_bytes(cfg, torch.float32, 1, 40))
+    base = step_bytes(cfg, torch.float32, 1, 40) - kv - 2 * expert - cfg.hidden_size * 4  # without experts and row
+    for batch, experts in ((3, 6), (4, 8), (16, 8)):
+        want = base + experts * expert + batch * cfg.hidden_size * 4 + batch * kv
+        assert step_bytes(cfg, torch.float32, batch, 40) == pytest.approx(want)
+    assert active_bytes(ModelConfig.from_hf(tiny_dir("llama-gqa2")), torch.float32, 1, 40) is None
