@@ -12,6 +12,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("json", type=Path)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--title", default=None, help="the model's name in the title (default: from the JSON's model: "
+                    "SmolLM2-135M for the default one, else the checkpoint's directory name)")
     args = ap.parse_args()
     import matplotlib
 
@@ -37,7 +39,9 @@ def main() -> int:
                                           for n in names], rotation=30, ha="right", fontsize=8)
         ax.set_title(f"decode, batch {b}")
         ax.set_ylabel("tokens/s")
-    fig.suptitle(f"SmolLM2-135M decode on {doc.get('threads')} CPU threads (read bandwidth "
+    model = str(doc.get("model", "default"))
+    name = args.title or ("SmolLM2-135M" if model == "default" else Path(model).name)
+    fig.suptitle(f"{name} decode on {doc.get('threads')} CPU threads (read bandwidth "
                  f"{doc['mem_bw_gbs']:.0f} GB/s)", fontsize=10)
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
