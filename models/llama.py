@@ -256,21 +256,20 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x), scatter_seq=seq_sharded)
 
 
+# (module name, module) of a layer's feed-forward block; models.moe passes its sparse block's
+MlpFactory = Callable[[ModelConfig, HeadLayout, ParallelContext], tuple[str, nn.Module]]
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, lay: HeadLayout, pctx: ParallelContext,
-                 ops: TorchOps = TORCH_OPS) -> None:
+                 ops: TorchOps = TORCH_OPS, mlp_factory: MlpFactory | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.self_attn = Attention(cfg, lay, pctx, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.mlp = MLP(cfg, lay, pctx)
-        self.mlp_name = "mlp"
-
-    def replace_mlp(self, name: str, module: nn.Module) -> None:
-        """Another feed-forward block under the checkpoint's name for it (models.moe: `block_sparse_moe`)."""
-        del self.mlp
-        self.add_module(name, module)
-        self.mlp_name = name
+        # the feed-forward block under the checkpoint's name for it (a dense MLP: `mlp`)
+        self.mlp_name, mlp = mlp_factory(cfg, lay, pctx) if mlp_factory else ("mlp", MLP(cfg, lay, pctx))
+        self.add_module(self.mlp_name, mlp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
@@ -290,19 +289,21 @@ class Backbone(nn.Module):
     """HF's `model.` prefix: embeddings, layers, final norm."""
 
     def __init__(self, cfg: ModelConfig, lay: HeadLayout, pctx: ParallelContext,
-                 ops: TorchOps = TORCH_OPS) -> None:
+                 ops: TorchOps = TORCH_OPS, mlp_factory: MlpFactory | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(lay.vocab_local, cfg.hidden_size, pctx)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, lay, pctx, ops) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, lay, pctx, ops, mlp_factory)
+                                    for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, lay: HeadLayout, max_model_len: int,
-                 pctx: ParallelContext = SINGLE, ops: TorchOps = TORCH_OPS) -> None:
+                 pctx: ParallelContext = SINGLE, ops: TorchOps = TORCH_OPS,
+                 mlp_factory: MlpFactory | None = None) -> None:
         super().__init__()
         self.cfg, self.layout, self.pctx, self.max_model_len = cfg, lay, pctx, max_model_len
-        self.model = Backbone(cfg, lay, pctx, ops)
+        self.model = Backbone(cfg, lay, pctx, ops, mlp_factory)
         self.lm_head = ColumnParallelLinear(cfg.hidden_size, lay.vocab_local, False, pctx)
         self.tie_weights()
         with torch.device("cpu"):  # real tables even when the module is built on the meta device (models/build.py)

@@ -41,13 +41,11 @@ from torch import nn
 
 from models.llama import TORCH_OPS, LlamaForCausalLM, TorchOps, expected_weight_names
 from neuron_opt.config import ModelConfig
-from neuron_opt.parallel import ColumnParallelLinear, HeadLayout, ParallelContext, RowParallelLinear
+from neuron_opt.parallel import SINGLE, ColumnParallelLinear, HeadLayout, ParallelContext, RowParallelLinear
 from neuron_opt.parallel.layers import seq_scatter
 from neuron_opt.parallel.sharding import EXPERT_NAME, EXPERT_PARTS
 
 GATHER, GROUPED, DENSE = "gather", "grouped", "dense"
-
-
 EAGER, CPU_GRAPH, DEVICE = "eager", "cpu-graph", "device"
 
 
@@ -204,14 +202,10 @@ class MoeForCausalLM(LlamaForCausalLM):
     """Llama-family attention, cache and head; every layer's MLP a `SparseMoeBlock` under the checkpoint's name
     for it (Mixtral: `block_sparse_moe`, Qwen-MoE: `mlp`)."""
 
-    def __init__(self, cfg: ModelConfig, lay: HeadLayout, max_model_len: int, pctx: ParallelContext | None = None,
+    def __init__(self, cfg: ModelConfig, lay: HeadLayout, max_model_len: int, pctx: ParallelContext = SINGLE,
                  ops: TorchOps = TORCH_OPS) -> None:
-        from neuron_opt.parallel import SINGLE
-
-        pctx = SINGLE if pctx is None else pctx
-        super().__init__(cfg, lay, max_model_len, pctx, ops)
-        for layer in self.model.layers:
-            layer.replace_mlp(moe_module_name(cfg), SparseMoeBlock(cfg, lay, pctx))
+        super().__init__(cfg, lay, max_model_len, pctx, ops,
+                         mlp_factory=lambda c, la, px: (moe_module_name(c), SparseMoeBlock(c, la, px)))
 
     def stacked_slot(self, name: str) -> tuple[str, tuple[int | slice, ...]] | None:
         """Where a checkpoint's per-expert tensor (already this rank's shard) goes: (parameter, index), or None if
