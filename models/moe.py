@@ -103,10 +103,12 @@ class Experts(nn.Module):
                 h = F.linear(t[i], self.gate_up_proj[e])  # [2I]
                 out[i] += weights[i, j] * F.linear(F.silu(h[:I]) * h[I:], self.down_proj[e]).float()
             return out
-        h = (self.gate_up_proj[ids] * t[:, None, None, :]).sum(-1)  # [T, k, 2I]
-        a = F.silu(h[..., :I]) * h[..., I:]  # [T, k, I]
-        y = (self.down_proj[ids] * a[:, :, None, :]).sum(-1)  # [T, k, H]
-        return (y.float() * weights[..., None]).sum(1)  # [T, H] fp32
+        # products and sums in fp32 (as a GEMM accumulates; a compiler may round a low-precision product before the
+        # sum otherwise); a fused loop converts each weight as it reads it, so the bytes read stay the stored ones
+        h = (self.gate_up_proj[ids].float() * t.float()[:, None, None, :]).sum(-1)  # [T, k, 2I]
+        a = (F.silu(h[..., :I]) * h[..., I:]).to(t.dtype).float()  # [T, k, I], rounded as the eager path rounds
+        y = (self.down_proj[ids].float() * a[:, :, None, :]).sum(-1)  # [T, k, H]
+        return (y * weights[..., None]).sum(1)  # [T, H] fp32
 
     def grouped(self, t: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """Assignments sorted by expert, one grouped GEMM per projection; `local` [T, k]: the expert is here."""
@@ -214,7 +216,11 @@ class MoeForCausalLM(LlamaForCausalLM):
         if m is None:
             return None
         prefix, j, part = m.group(1), int(m.group(2)), EXPERT_PARTS[m.group(3)]
-        slot = j - self.layout.expert_range(self.pctx.rank).start
+        held = self.layout.expert_range(self.pctx.rank)
+        if j not in held:
+            raise ValueError(f"{name}: expert {j} is not one of this rank's experts {held.start}..{held.stop - 1} "
+                             "(an unsharded checkpoint given to a rank?)")
+        slot = j - held.start
         I = self.layout.moe_intermediate_local
         if part == "down":
             return f"{prefix}.down_proj", (slot,)

@@ -178,6 +178,10 @@ def plan_buckets(cfg: ModelConfig, req: CompileRequest) -> tuple[CacheConfig, Bu
     if req.kv_cache_dtype == "fp8" and nki:
         raise ConfigError("kv_cache_dtype: fp8 is not read by the NKI attention kernels yet; compile without "
                           "ops=nki")
+    if req.kv_cache_dtype == "fp8" and cfg.qk_norm:
+        raise ConfigError(f"kv_cache_dtype: fp8 scales are folded into q_proj/k_proj, and {cfg.architecture}'s "
+                          "q/k RMSNorm after them would undo the fold (K would reach the cache unscaled); compile "
+                          "without --kv-cache-dtype fp8")
     kv_dtype = "float8_e4m3fn" if req.kv_cache_dtype == "fp8" else (req.dtype or "float32")
     cache = CacheConfig(max_batch=req.batch_size, max_model_len=max_model_len, dtype=kv_dtype,
                         block_size=req.block_size, num_blocks=req.num_kv_blocks)

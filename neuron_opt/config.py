@@ -125,7 +125,7 @@ class ModelConfig:
             attn += H
         if self.qk_norm:
             attn += 2 * D
-        mlp = self._mlp_parameters(self.num_experts)
+        mlp = self._mlp_parameters()
         per_layer = attn + mlp + 2 * H
         head = 0 if self.tie_word_embeddings else V * H
         return L * per_layer + V * H + H + head
@@ -137,13 +137,13 @@ class ModelConfig:
         idle = self.num_experts - self.num_experts_per_tok
         return self.num_parameters() - self.num_hidden_layers * idle * 3 * self.hidden_size * self.moe_intermediate_size
 
-    def _mlp_parameters(self, experts: int) -> int:
+    def _mlp_parameters(self) -> int:
         H = self.hidden_size
         if not self.is_moe:
             I = self.intermediate_size
             return 3 * H * I + (2 * I + H if self.mlp_bias else 0)
         shared = self.shared_expert_intermediate_size
-        return experts * 3 * H * self.moe_intermediate_size + self.num_experts * H + \
+        return self.num_experts * (3 * H * self.moe_intermediate_size + H) + \
             (3 * H * shared + H if shared else 0)
 
     @classmethod

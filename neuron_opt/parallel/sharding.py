@@ -245,7 +245,10 @@ def shard_tensor(name: str, w: torch.Tensor, cfg: ModelConfig, lay: HeadLayout, 
     rule = rule_for(name)
     if rule == EXPERT:
         m = re.fullmatch(EXPERT_NAME, name)
-        if int(m.group(2)) not in lay.expert_range(rank):  # type: ignore[union-attr]
+        j = int(m.group(2))  # type: ignore[union-attr]
+        if not 0 <= j < cfg.num_experts:
+            raise ValueError(f"{name}: expert {j} does not exist (num_experts={cfg.num_experts})")
+        if j not in lay.expert_range(rank):
             return None
         part = EXPERT_PARTS[m.group(3)]  # type: ignore[union-attr]
         dim = 1 if part == "down" else 0  # down [H, I]: its input features

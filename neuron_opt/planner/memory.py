@@ -181,9 +181,10 @@ def graph_scratch_bytes(
         + T * lay.n_heads_local * D * act_bytes
     )
     mlp = 3 * T * lay.intermediate_local * act_bytes
-    if cfg.is_moe:  # the dense expert path: every local expert's gate/up/product on every token, fp32 sums
+    if cfg.is_moe:  # the dense expert path: every local expert's gate/up/product and output (activation dtype,
+        # then its fp32 copy for the weighted sum) on every token
         mlp = 3 * T * lay.experts_local * lay.moe_intermediate_local * act_bytes + T * lay.experts_local * \
-            cfg.hidden_size * 4
+            cfg.hidden_size * (act_bytes + 4)
     logits = batch * lay.vocab_local * 4
     return residual + max(attn, mlp) + logits
 

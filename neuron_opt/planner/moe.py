@@ -61,11 +61,13 @@ def ep_choices(cfg: ModelConfig, tp: int) -> list[int]:
     return [e for e in range(1, tp + 1) if tp % e == 0 and cfg.num_experts % e == 0]
 
 
-def moe_line(cfg: ModelConfig, lay: HeadLayout) -> str:
-    """The plan table's line on the expert layout."""
+def moe_line(cfg: ModelConfig, lay: HeadLayout, cpu: bool = False) -> str:
+    """The plan table's line on the expert layout (`cpu`: the cpu backend's graphs, whose decode always gathers)."""
     shared = f", shared expert {cfg.shared_expert_intermediate_size}" if cfg.shared_expert_intermediate_size else ""
+    decode = ("decode gathers the selected experts at every batch (cpu graphs)" if cpu else
+              f"decode gathers the selected experts below batch {gather_until(cfg, lay)}, reads all "
+              f"{lay.experts_local} from it")
     return (f"experts: {cfg.num_experts} x {cfg.moe_intermediate_size}, top {cfg.num_experts_per_tok}{shared}; "
             f"ep {lay.ep} x moe tp {lay.moe_tp}: {lay.experts_local} experts x {lay.moe_intermediate_local} "
-            f"features per rank; decode gathers the selected experts below batch {gather_until(cfg, lay)}, reads "
-            f"all {lay.experts_local} from it (prefill: all); active parameters "
+            f"features per rank; {decode} (prefill: all); active parameters "
             f"{cfg.active_parameters() / 1e9:.2f} B of {cfg.num_parameters() / 1e9:.2f} B")

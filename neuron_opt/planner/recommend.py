@@ -39,7 +39,7 @@ class Deployment:
     dtype: str = "bfloat16"
     kv_dtype: str = "bfloat16"
     compile_ranks_held: int | None = None  # rank models one compile process holds; None: tp (neuron: SPMD)
-    ep: int | None = None  # MoE expert-parallel degree; None: the fastest (planner.moe.choose_ep), 1 if dense
+    ep: int | None = None  # MoE expert-parallel degree; None: the fastest (chosen in `evaluate`), 1 if dense
 
     def __post_init__(self) -> None:
         for name in ("tp", "batch", "max_prompt_len", "max_model_len"):

@@ -57,7 +57,7 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
     if over.padded:
         lines.insert(1, f"  {over.line()}")
     if cfg.is_moe:
-        lines.insert(1, f"  {moe_line(cfg, lay)}")
+        lines.insert(1, f"  {moe_line(cfg, lay, cpu=inst.family == 'cpu')}")
     if plan.ttft is not None and plan.tpot is not None and plan.prefill_bucket and plan.decode_bucket:
         from neuron_opt.planner.validation import error_band  # the published rows: loaded only to print latency
 

@@ -24,7 +24,7 @@ from neuron_opt.parallel import SINGLE, ParallelContext
 from neuron_opt.parallel.comm_cost import expected_calls
 from neuron_opt.parallel.executor import tp_executor_from_state_dict
 from neuron_opt.parallel.launcher import RankSpec, write_rank_weights
-from neuron_opt.parallel.sharding import head_layout, shard_state_dict
+from neuron_opt.parallel.sharding import head_layout, shard_state_dict, shard_tensor
 from neuron_opt.runtime.runner import DecodeRow, ModelRunner
 
 MOE = ["mixtral", "qwen2-moe", "qwen3-moe"]
@@ -170,3 +170,24 @@ def test_parameter_counts_match_hf(variant, tiny_dir):
     assert cfg.num_parameters() == sum(p.numel() for p in hf.parameters())
     per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
     assert cfg.num_parameters() - cfg.active_parameters() == cfg.num_hidden_layers * 6 * per_expert  # 8 - 2 idle
+
+
+def test_fp8_kv_is_refused_where_a_qk_norm_would_undo_its_scales(tiny_dir, tmp_path):
+    from neuron_opt.compiler import CompileRequest, compile_artifact
+
+    with pytest.raises(ConfigError, match="q/k RMSNorm after them would undo the fold"):
+        compile_artifact(CompileRequest(model=str(tiny_dir("qwen3-moe")), out=tmp_path / "a", backend="eager",
+                                        kv_cache_dtype="fp8"), log=lambda s: None, progress=False)
+    assert not (tmp_path / "a").exists()
+
+
+def test_expert_ids_out_of_range_and_unsharded_tensors_are_errors(tiny_dir):
+    cfg = ModelConfig.from_hf(tiny_dir("mixtral"))
+    lay = head_layout(cfg, ParallelConfig(tp=2, ep=2))
+    w = torch.zeros(cfg.moe_intermediate_size, cfg.hidden_size)
+    with pytest.raises(ValueError, match="expert 8 does not exist"):
+        shard_tensor("model.layers.0.block_sparse_moe.experts.8.w1.weight", w, cfg, lay, 0)
+    assert shard_tensor("model.layers.0.block_sparse_moe.experts.5.w1.weight", w, cfg, lay, 0) is None  # rank 1's
+    model = rank_model_factory(cfg, ParallelConfig(tp=2, ep=2), CacheConfig(max_model_len=64), 0, torch.float32)()
+    with pytest.raises(ValueError, match="expert 5 is not one of this rank's experts 0..3"):
+        load_weights(model, {"model.layers.0.block_sparse_moe.experts.5.w1.weight": w}, "test")
