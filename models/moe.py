@@ -145,7 +145,7 @@ class SharedExpert(nn.Module):
         self.down_proj = RowParallelLinear(I, H, False, pctx)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.silu(self.gate_proj(x)) * self.up_proj(x), self.down_proj.weight)
+        return self.down_proj.partial(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class SparseMoeBlock(nn.Module):

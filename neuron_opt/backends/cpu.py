@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from models.llama import rope_tables
+from models.moe import SparseMoeBlock
 from neuron_opt.backends import check_backend_tp
 from neuron_opt.backends.base import ModelFactory, StepInputs, allocate_kv
 from neuron_opt.backends.cpu_constants import ConstantRecipe, build_constant
@@ -165,7 +166,7 @@ def layer_gemm(layer: torch.nn.Module, gemm: str) -> str:
     batched GEMMs their stacked weights permuted and reshaped, which no recipe rebuilds from the parameter."""
     if any(m.method == "int4" for m in quantized_modules(layer).values()):
         return "aten"
-    if any(type(m).__name__ == "SparseMoeBlock" for m in layer.modules()):
+    if any(isinstance(m, SparseMoeBlock) for m in layer.modules()):
         return "aten"
     return gemm
 

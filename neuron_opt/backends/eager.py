@@ -37,7 +37,7 @@ def load_weights_streamed(model: torch.nn.Module, tensors: Iterable[tuple[str, t
     quantized = quantized_modules(model)  # a float or quantized `X.weight` fills X's quantized weight
     slot_of = getattr(model, "stacked_slot", None)  # MoE: per-expert checkpoint tensors into stacked parameters
     seen: set[str] = set()
-    filled: dict[str, set[str]] = {}  # stacked parameter -> the slots written
+    filled: dict[str, dict[str, int]] = {}  # stacked parameter -> elements written, by slot
     unexpected: list[str] = []
     with torch.no_grad():
         for name, w in tensors:
@@ -51,7 +51,7 @@ def load_weights_streamed(model: torch.nn.Module, tensors: Iterable[tuple[str, t
                     raise ValueError(f"{source}: {name} of shape {tuple(w.shape)} does not fit {pname}{list(index)}"
                                      f" ({'absent' if p is None else tuple(p[index].shape)})")
                 p[index].copy_(w)
-                filled.setdefault(pname, set()).add(repr(index))
+                filled.setdefault(pname, {})[repr(index)] = w.numel()
                 continue
             q = quantized.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
             if q is not None:
@@ -78,9 +78,8 @@ def load_weights_streamed(model: torch.nn.Module, tensors: Iterable[tuple[str, t
             "lm_head.quant.qweight" not in seen:  # a quantized tied head: its own copy of the table
         head.load(model.model.embed_tokens.weight.detach())
         seen.update(f"lm_head.quant.{part}" for part in head.stored().parts())
-    for pname, slots in filled.items():  # a stacked parameter is loaded once every slot of it is
-        slots_needed = params[pname].shape[0] * (2 if pname.endswith("gate_up_proj") else 1)
-        if len(slots) == slots_needed:
+    for pname, slots in filled.items():  # a stacked parameter is loaded once its (disjoint) slots cover it
+        if sum(slots.values()) == params[pname].numel():
             seen.add(pname)
     missing = sorted(set(params) - seen - tied)
     if missing or unexpected:

@@ -242,7 +242,6 @@ def _measure_one(system: str, batch: int, opts: dict, reference: tuple[list[int]
         torch.set_num_threads(opts["threads"])
     ckpt = open_checkpoint(opts["model"])
     cfg, steps = ckpt.config, opts["steps"]
-    esz_of = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     kv_len = PROMPT_LEN + steps
     if system.startswith("llamacpp-"):
         return {"result": asdict(_measure_llamacpp(system, ckpt, opts, reference))}
@@ -283,9 +282,8 @@ def _measure_one(system: str, batch: int, opts: dict, reference: tuple[list[int]
         nbytes = (quantized_step_bytes(cfg, quantize, getattr(torch, dtype), batch, kv_len) if quantize else
                   step_bytes(cfg, getattr(torch, dtype), batch, kv_len))
         r = Result("neuron_opt-cpu-compiled", quantize or dtype, batch, tps, steps, nbytes,
-                   agreement_vs_hf_fp32=agreement(runner))
-    if r.dtype in esz_of:
-        r.active_bytes = active_bytes(cfg, esz_of[r.dtype], batch, kv_len)
+                   agreement_vs_hf_fp32=agreement(runner),
+                   active_bytes=active_bytes(cfg, getattr(torch, dtype), batch, kv_len))
     return {"result": asdict(r)}
 
 

@@ -73,8 +73,12 @@ class RowParallelLinear(_Linear):
         self.weight = nn.Parameter(torch.empty(out_features, in_local), requires_grad=False)  # [out, in/tp]
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's un-reduced product (no bias): what the all-reduce sums."""
+        return self._matmul(x, None)
+
     def forward(self, x: torch.Tensor, scatter_seq: bool = False) -> torch.Tensor:
-        partial = self._matmul(x, None)
+        partial = self.partial(x)
         y = seq_scatter(partial, self.pctx) if scatter_seq else self.pctx.comm.all_reduce(partial)
         return y if self.bias is None else y + self.bias
 

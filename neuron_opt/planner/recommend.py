@@ -13,7 +13,7 @@ Design decisions:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from neuron_opt.buckets import Bucket, BucketConfig, pick_decode, pick_prefill
 from neuron_opt.config import ModelConfig, ParallelConfig
@@ -145,7 +145,7 @@ def evaluate(
         check_tp(inst, dep.tp)
     eps = ep_choices(cfg, dep.tp)
     if par is None and dep.ep is None and len(eps) > 1:
-        plans = [evaluate(cfg, inst, _with(dep, ep=e), traffic, None, buckets) for e in eps]
+        plans = [evaluate(cfg, inst, replace(dep, ep=e), traffic, None, buckets) for e in eps]
         # the fastest end to end at the traffic shape (without one: the fewest bytes per core), then the smaller ep
         key = (lambda p: (not p.fits, p.e2e_s(traffic.output_len), p.deployment.ep)) if traffic is not None and \
             plans[0].ttft is not None else (lambda p: (not p.fits, p.memory.total, p.deployment.ep))
@@ -189,24 +189,12 @@ def evaluate(
         min(traffic.concurrency, dep.batch), traffic.input_len + traffic.output_len // 2, buckets
     )
     if inst.family == "cpu":
-        return _replace(plan, prefill_bucket=pre, decode_bucket=dec)
+        return replace(plan, prefill_bucket=pre, decode_bucket=dec)
     ttft = prefill_time(cfg, lay, inst, batch=pre.batch, seq=pre.kv_len, dtype=dep.dtype)
     tpot = decode_time(
         cfg, lay, inst, batch=dec.batch, kv_len=dec.kv_len, dtype=dep.dtype, kv_dtype=dep.kv_dtype
     )
-    return _replace(plan, prefill_bucket=pre, decode_bucket=dec, ttft=ttft, tpot=tpot)
-
-
-def _with(dep: Deployment, **kw: object) -> Deployment:
-    from dataclasses import replace
-
-    return replace(dep, **kw)  # type: ignore[arg-type]
-
-
-def _replace(plan: Plan, **kw: object) -> Plan:
-    from dataclasses import replace
-
-    return replace(plan, **kw)  # type: ignore[arg-type]
+    return replace(plan, prefill_bucket=pre, decode_bucket=dec, ttft=ttft, tpot=tpot)
 
 
 def candidates(

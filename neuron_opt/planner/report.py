@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from neuron_opt.buckets import PREFILL, VERIFY, BucketConfig
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
 from neuron_opt.planner.hardware import GB, GiB, get_instance
 from neuron_opt.planner.memory import layout_overhead
-from neuron_opt.planner.moe import gather_until, moe_line
+from neuron_opt.planner.moe import ep_choices, gather_until, moe_line
 from neuron_opt.planner.recommend import Deployment, Plan, Traffic, evaluate
 from neuron_opt.planner.scale_out import TARGETS, Split, recommend_split
 
@@ -78,10 +79,6 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
 
 def ep_table(cfg: ModelConfig, plan: Plan, traffic: Traffic) -> list[str]:
     """A MoE plan's tp at every expert-parallel degree (planner.moe): the trade the automatic choice made."""
-    from dataclasses import replace
-
-    from neuron_opt.planner.moe import ep_choices
-
     rows = [f"expert parallelism at tp {plan.deployment.tp} ({traffic.input_len} in / {traffic.output_len} out, "
             f"concurrency {traffic.concurrency}), chosen: ep {plan.layout.ep}",
             "  ep  experts/rank  features/rank  gather below batch  TTFT ms  TPOT ms  e2e s"]
