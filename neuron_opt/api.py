@@ -68,6 +68,7 @@ class LLM:
     def __init__(self, model: str | Path, *, dtype: str | None = None, max_model_len: int | None = None,
                  batch_size: int | None = None, parallel: ParallelConfig | None = None,
                  num_speculative_tokens: int | None = None) -> None:
+        self._drafts: dict[tuple[str, int], LLM] = {}
         if is_artifact(model):
             from neuron_opt.artifact import load_artifact, read_manifest
 
@@ -76,12 +77,13 @@ class LLM:
                                     num_speculative_tokens=num_speculative_tokens)
             loaded = load_artifact(Path(model))
             self.config, self.tokenizer, self.runner = loaded.model_config, loaded.tokenizer, loaded.runner
+            self.dtype: str = loaded.manifest.dtype
         else:
             from neuron_opt.checkpoint import open_checkpoint
 
             ckpt = open_checkpoint(model)
             dtype, batch_size = dtype or "float32", batch_size or 1
-            self.config = ckpt.config
+            self.config, self.dtype = ckpt.config, dtype
             self.tokenizer = ckpt.tokenizer()
             max_model_len = max_model_len or min(self.config.max_position_embeddings, 2048)
             cache = CacheConfig(max_batch=batch_size, max_model_len=max_model_len, dtype=dtype)
@@ -116,11 +118,14 @@ class LLM:
     def generate_ids_speculative(self, prompt_ids: list[int], params: SamplingParams | None,
                                  speculative: SpeculativeConfig) -> tuple[GenerationOutput, SpecStats]:
         """One sequence through the serving engine with speculative decoding (stepped here, no thread): greedy
-        output equals `generate_ids`'; also returns the engine's speculation counters."""
+        output equals `generate_ids`'; also returns the engine's speculation counters. A draft model
+        (`speculative.model`) is loaded on first use and kept for later calls."""
         from neuron_opt.runtime.engine import Engine, RequestOutput
 
         params = params or SamplingParams()
-        engine = Engine(self.runner, self.tokenizer, self.eos_token_ids, max_num_seqs=1, speculative=speculative)
+        draft = self.draft(speculative.model, 1).runner if speculative.model is not None else None
+        engine = Engine(self.runner, self.tokenizer, self.eos_token_ids, max_num_seqs=1, speculative=speculative,
+                        draft=draft)
         outs: list[RequestOutput] = []
         engine.add_request("0", list(prompt_ids), params, outs.append)
         while engine.num_unfinished:
@@ -133,6 +138,22 @@ class LLM:
         text = "".join(o.text_delta for o in outs)
         return (GenerationOutput(list(prompt_ids), tokens, text, last.finish_reason or "stop", logprobs),
                 engine.spec_stats)
+
+    def draft(self, model: str | Path, max_num_seqs: int) -> LLM:
+        """The draft model for speculative decoding with this one (kept per path): an artifact as compiled (its
+        batch size and max_model_len must cover the engine's), or a checkpoint run eagerly in this model's dtype
+        with a KV slot for each of `max_num_seqs` sequences at this model's max_model_len. Its tokenizer must be
+        this model's (ConfigError otherwise)."""
+        key = (str(model), max_num_seqs)
+        drafts = self._drafts
+        if key not in drafts:
+            draft = (LLM(model) if is_artifact(model) else
+                     LLM(model, dtype=self.dtype, max_model_len=self.runner.max_model_len, batch_size=max_num_seqs))
+            if draft.tokenizer.get_vocab() != self.tokenizer.get_vocab():
+                raise ConfigError(f"speculative_model: {model}'s tokenizer differs from the target's; a draft model "
+                                  "must share the target's vocabulary", param="speculative_model")
+            drafts[key] = draft
+        return drafts[key]
 
     def generate(self, prompt: str, params: SamplingParams | None = None) -> GenerationOutput:
         ids = self.tokenizer(prompt)["input_ids"]

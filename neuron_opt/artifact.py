@@ -77,6 +77,7 @@ class Manifest:
     versions: dict[str, str]
     source: dict[str, Any]
     quant: QuantConfig = QuantConfig()  # weight-only quantization of the decoder linears (none by default)
+    draft: str | None = None  # a draft model's artifact compiled alongside (a directory in this one), if any
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -85,6 +86,7 @@ class Manifest:
             "parallel": self.parallel.__dict__, "cache": self.cache.__dict__, "buckets": self.buckets.to_dict(),
             "kv_geometry": kv_geometry(self.model, self.parallel, self.cache), "graphs": self.graphs,
             "source": self.source, "files": self.files, "quant": dataclasses.asdict(self.quant),
+            **({"draft": self.draft} if self.draft is not None else {}),
         }
 
     @classmethod
@@ -95,7 +97,7 @@ class Manifest:
                    graphs=d["graphs"], files=d["files"], versions=d["versions"], source=d.get("source", {}),
                    quant=QuantConfig(**{**d.get("quant", {}),
                                         "modules_to_not_convert": tuple(d.get("quant", {}).get(
-                                            "modules_to_not_convert", ()))}))
+                                            "modules_to_not_convert", ()))}), draft=d.get("draft"))
 
     def bucket_files(self, root: Path) -> dict[Bucket, list[Path]]:
         return {Bucket.from_key(k): [root / f for f in fs] for k, fs in self.graphs.items()}
@@ -172,7 +174,7 @@ def read_manifest(root: Path, verify_hashes: bool = True) -> Manifest:
     if raw.get("digest") != manifest_digest(raw):
         raise ArtifactError(f"{mpath}: manifest was edited after compile (its digest does not match its content); "
                             "recompile instead of editing configs by hand")
-    on_disk = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != MANIFEST}
+    on_disk = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p != root / MANIFEST}
     if missing := sorted(set(m.files) - on_disk):
         raise ArtifactError(f"{root}: missing file(s) listed in the manifest: {', '.join(missing[:5])}")
     if extra := sorted(on_disk - set(m.files)):

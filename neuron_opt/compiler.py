@@ -147,6 +147,39 @@ class CompileRequest:
     modules_to_not_convert: tuple[str, ...] = ()
     quantize_lm_head: bool | None = None  # None: as `quantize auto` finds it (a GGUF's quantized head), else off
     kv_cache_dtype: str = "auto"  # auto (the compute dtype) | fp8 (e4m3, scales folded into the weights)
+    speculative_model: str | None = None  # a draft model compiled alongside, into DRAFT_DIR (needs k > 0)
+
+
+DRAFT_DIR = "draft"  # where a draft model's artifact lies inside its target's
+
+
+def draft_request(req: CompileRequest, cache_cfg: CacheConfig, buckets: BucketConfig, out: Path) -> CompileRequest:
+    """The draft model's compile: the target's backend, dtype, options and cache use; a KV slot for each sequence
+    the target runs, its max_model_len and prompt reach; one rank; no verify graphs, no quantization."""
+    return CompileRequest(
+        model=req.speculative_model or "", out=out, backend=req.backend, dtype=req.dtype,
+        batch_size=cache_cfg.max_batch, max_prompt_len=buckets.prefill_lens[-1], max_model_len=cache_cfg.max_model_len,
+        backend_options=req.backend_options, cache_dir=req.cache_dir, use_cache=req.use_cache,
+        block_size=req.block_size, chunked_prefill=req.chunked_prefill, prefill_batch=req.prefill_batch)
+
+
+def check_draft_request(req: CompileRequest, ckpt: Any) -> None:
+    """Refuse a draft model the target could not use, before any long work."""
+    from neuron_opt.checkpoint import open_checkpoint
+
+    if not req.speculative_model:
+        return
+    if req.num_speculative_tokens < 1:
+        raise ConfigError("--speculative-model: the target needs verify graphs for the draft's proposals; add "
+                          "--num-speculative-tokens K", param="speculative_model")
+    if req.backend == "neuron" and req.parallel.tp > 1:
+        raise ConfigError("--speculative-model: a draft beside a tp > 1 neuron program is not supported yet (one "
+                          "process runs one SPMD device set); compile the draft separately and run it eagerly, or "
+                          "use --speculative-method ngram", param="speculative_model")
+    draft = open_checkpoint(req.speculative_model)
+    if draft.tokenizer().get_vocab() != ckpt.tokenizer().get_vocab():
+        raise ConfigError(f"--speculative-model: {req.speculative_model}'s tokenizer differs from the target's; a "
+                          "draft model must share the target's vocabulary", param="speculative_model")
 
 
 @dataclass
@@ -234,6 +267,7 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
         import_xla(dump=True, devices=req.parallel.tp)
     ckpt = open_checkpoint(req.model)
     cfg = ckpt.config
+    check_draft_request(req, ckpt)
     dtype_name = req.dtype or default_dtype(req.backend)
     req = CompileRequest(**{**asdict(req), "dtype": dtype_name, "parallel": req.parallel})
     cache_cfg, buckets = plan_buckets(cfg, req)
@@ -324,10 +358,16 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
             record_compile_speed(timings_dir, compile_target(req.backend),
                                  sum(compile_seconds) / units)
         tokenizer.save_pretrained(writer.path("tokenizer"))
+        if req.speculative_model:  # inside this artifact before it commits: both land, or neither
+            log(f"draft model {req.speculative_model} -> {DRAFT_DIR}/")
+            sub = compile_artifact(draft_request(req, cache_cfg, buckets, writer.path(DRAFT_DIR)), log, progress)
+            hits += [f"{DRAFT_DIR}/{h}" for h in sub.hits]
+            misses.update({f"{DRAFT_DIR}/{k}": v for k, v in sub.misses.items()})
         manifest = writer.commit(dict(
             model=cfg, parallel=par, cache=cache_cfg, buckets=buckets, backend=req.backend, dtype=dtype_name,
             backend_options=req.backend_options, graphs=graphs, quant=qc,
-            source={"model": str(ckpt.source), "format": ckpt.format, "weights_sha256": fingerprint}))
+            source={"model": str(ckpt.source), "format": ckpt.format, "weights_sha256": fingerprint},
+            draft=DRAFT_DIR if req.speculative_model else None))
     except BaseException:
         writer.abort()
         raise

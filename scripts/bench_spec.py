@@ -1,13 +1,15 @@
 #!/usr/bin/env python
-"""Speculative decoding (prompt lookup) against plain decoding, side by side in one run, on one artifact.
+"""Speculative decoding (prompt lookup, a draft model) against plain decoding, side by side in one run, on one
+artifact.
 
 Workloads (the default model, chat template, greedy):
 - grounded: "repeat / edit this text" over a ~300-token paragraph or code block: the answer copies the prompt,
   which prompt lookup predicts;
 - open-ended: story / explanation prompts: little to copy.
 For each workload and batch size: output tokens/s with speculation off, on with the adaptive controller, and on
-with the controller disabled (always verify), the greedy outputs of all three compared token for token, and the
-speculation counters. Answers end at EOS (or --max-tokens): forcing a fixed length would time the text a model
+with the controller disabled (always verify), the same two with a draft model's proposals when
+`--speculative-model` names one (`draft-adaptive`, `draft-always`), the greedy outputs of every mode compared
+token for token with plain decoding's, and the speculation counters. Answers end at EOS (or --max-tokens): forcing a fixed length would time the text a model
 makes up after its answer, which nothing grounds. Greedy outputs are identical in float32 (same tokens, same
 work); in bfloat16 the verify graph's GEMMs (k + 1 rows) round differently from the decode graph's (1 row), so a
 near-tie can flip and the texts diverge from there (`first_divergence`; the token counts then differ too).
@@ -70,10 +72,11 @@ def run_plain_b1(llm, prompts, params):
     return outs, time.perf_counter() - t0, None
 
 
-def run_engine(llm, prompts, params, spec):
+def run_engine(llm, prompts, params, spec, draft=None):
     from neuron_opt.runtime.engine import Engine
 
-    engine = Engine(llm.runner, llm.tokenizer, llm.eos_token_ids, max_num_seqs=len(prompts), speculative=spec)
+    engine = Engine(llm.runner, llm.tokenizer, llm.eos_token_ids, max_num_seqs=len(prompts), speculative=spec,
+                    draft=draft if spec is not None and spec.method == "draft_model" else None)
     outs: dict[str, list] = {str(i): [] for i in range(len(prompts))}
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
@@ -96,6 +99,15 @@ def bench_ours(args, llm, name, prompts, batch):
     rows = []
     modes = [("plain", None), ("spec-adaptive", SpeculativeConfig(k)),
              ("spec-always", SpeculativeConfig(k, adaptive=False))]
+    draft = None
+    if args.speculative_model:  # a draft model: its own modes, on its own runner (KV slots for the batch)
+        draft = llm.draft(args.speculative_model, batch).runner
+        modes += [("draft-adaptive", SpeculativeConfig(k, "draft_model", model=args.speculative_model)),
+                  ("draft-always", SpeculativeConfig(k, "draft_model", adaptive=False, model=args.speculative_model))]
+    unknown = set(args.modes) - {m for m, _ in modes} if args.modes else set()
+    if unknown:
+        raise SystemExit(f"--modes: {sorted(unknown)} not among {[m for m, _ in modes]}")
+    modes = [(m, spec) for m, spec in modes if not args.modes or m in args.modes or m == "plain"]
     results = {}
     best: dict[str, tuple[float, list, object]] = {}
     for _ in range(args.repeats):  # modes interleaved within each repeat: the VM's speed drifts (docs/benchmarks.md)
@@ -105,7 +117,7 @@ def bench_ours(args, llm, name, prompts, batch):
                 if spec is None and batch == 1:
                     t, dt, st = run_plain_b1(llm, g, params)
                 else:
-                    t, dt, st = run_engine(llm, g, params, spec)
+                    t, dt, st = run_engine(llm, g, params, spec, draft)
                 all_toks += t
                 total += dt
                 agg = st if agg is None or st is None else _add(agg, st)
@@ -193,7 +205,7 @@ def plot(doc, out: Path) -> None:
             ax.text(i, r["tok_s"], f"{r['tok_s'] / plain:.2f}x", ha="center", va="bottom", fontsize=8)
         ax.set_title(f"{w}, batch {b}")
         ax.set_ylabel("output tokens/s")
-    fig.suptitle(f"prompt-lookup speculation, {doc['artifact']} ({doc['machine']})", fontsize=9)
+    fig.suptitle(f"speculative decoding, {doc['artifact']} ({doc['machine']})", fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
@@ -206,6 +218,11 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="best of N per mode, modes interleaved (default 3)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
+    ap.add_argument("--speculative-model", default=None, metavar="PATH|ARTIFACT",
+                    help="also time a draft model's proposals (modes draft-adaptive, draft-always)")
+    ap.add_argument("--modes", type=lambda s: s.split(","), default=None,
+                    help="comma list of modes besides plain (default: all: spec-adaptive, spec-always, and the "
+                         "draft modes with --speculative-model)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args()

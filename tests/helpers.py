@@ -38,7 +38,7 @@ def eager_runner(ckpt_dir: Path, max_model_len: int = 256, max_batch: int = 1, b
 
 
 @contextlib.contextmanager
-def live_server(llm, max_num_seqs: int, runner=None, model: str = "tiny", speculative=None):
+def live_server(llm, max_num_seqs: int, runner=None, model: str = "tiny", speculative=None, draft=None):
     """Serve `llm` on a free loopback port in a background thread; yields (base_url, engine)."""
     import socket
     import threading
@@ -56,6 +56,7 @@ def live_server(llm, max_num_seqs: int, runner=None, model: str = "tiny", specul
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=64,
         speculative=speculative,
+        draft=draft,
     )
     app = create_app(engine, llm.tokenizer, llm.encode_chat, model, llm.runner.max_model_len)
     sock = socket.socket()

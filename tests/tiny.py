@@ -45,6 +45,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 WITH_TOKENIZER: dict[str, tuple[str, dict[str, Any]]] = {
     "smollm-tok": ("LlamaConfig", dict(vocab_size=49152, num_attention_heads=9, num_key_value_heads=3,
                                        hidden_size=72, tie_word_embeddings=True)),
+    "smollm-tok-1layer": ("LlamaConfig", dict(vocab_size=49152, num_attention_heads=9, num_key_value_heads=3,
+                                              hidden_size=72, tie_word_embeddings=True, num_hidden_layers=1)),
     "mixtral-tok": ("MixtralConfig", dict(vocab_size=49152, num_attention_heads=4, num_key_value_heads=2,
                                           num_local_experts=8, num_experts_per_tok=2, intermediate_size=40)),
 }

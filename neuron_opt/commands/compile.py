@@ -49,6 +49,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-buckets", type=_int_list, default=None, help="e.g. 128,256,512")
     p.add_argument("--decode-buckets", type=_int_list, default=None, help="KV lengths, e.g. 256,1024,2048")
     p.add_argument("--decode-batches", type=_int_list, default=None, help="batch sizes, e.g. 1,4,8")
+    p.add_argument("--speculative-model", default=None, metavar="PATH",
+                   help="a draft model (HF directory, GGUF, 'default') with this model's tokenizer, compiled alongside "
+                        "into <out>/draft with this compile's backend, dtype, batch size and max-model-len; "
+                        "serve/generate --speculative-method draft_model then use it (needs --num-speculative-tokens)")
     p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
                    help="also compile verify graphs of K + 1 tokens per row (one per decode bucket) for "
                         "speculative decoding: serve/generate --speculative-method ngram")
@@ -120,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
         num_kv_blocks=args.num_kv_blocks, chunked_prefill=args.chunked_prefill, prefill_batch=args.prefill_batch,
         quantize=args.quantize, quantization_type=args.quantization_type, group_size=args.group_size,
         modules_to_not_convert=tuple(m.strip() for m in args.modules_to_not_convert.split(",") if m.strip()),
-        quantize_lm_head=args.quantize_lm_head, kv_cache_dtype=args.kv_cache_dtype)
+        quantize_lm_head=args.quantize_lm_head, kv_cache_dtype=args.kv_cache_dtype,
+        speculative_model=args.speculative_model)
     report = compile_artifact(req)
     print(f"compile cache: {len(report.hits)} hit(s), {len(report.misses)} miss(es)")
     for label, why in report.misses.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from neuron_opt.errors import ConfigError
 
@@ -30,11 +31,15 @@ def sampling_params_from_args(args: argparse.Namespace):
 
 
 def add_speculative_flags(p: argparse.ArgumentParser) -> None:
-    """vLLM's speculative_config fields for prompt lookup, as flags (serve and generate)."""
-    p.add_argument("--speculative-method", choices=["ngram"], default=None,
+    """vLLM's speculative_config fields, as flags (serve and generate)."""
+    p.add_argument("--speculative-method", choices=["ngram", "draft_model"], default=None,
                    help="speculative decoding: 'ngram' proposes the tokens that followed the last n tokens' most "
-                        "recent earlier occurrence in the prompt or output (prompt lookup); needs verify graphs "
+                        "recent earlier occurrence in the prompt or output (prompt lookup); 'draft_model' (implied "
+                        "by --speculative-model) a smaller model's greedy continuation. Both need verify graphs "
                         "(an artifact compiled with --num-speculative-tokens K)")
+    p.add_argument("--speculative-model", default=None, metavar="PATH|ARTIFACT",
+                   help="the draft model: an artifact (its batch size and max-model-len must cover the server's) "
+                        "or a checkpoint (HF directory, GGUF, 'default'; run eagerly), with the target's tokenizer")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="tokens proposed per step (default: the artifact's; with --model: 4)")
     p.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram matched (default 4)")
@@ -44,19 +49,22 @@ def add_speculative_flags(p: argparse.ArgumentParser) -> None:
                         "(default on; docs/speculative.md)")
 
 
-def speculative_from_args(args: argparse.Namespace, compiled_k: int | None):
+def speculative_from_args(args: argparse.Namespace, compiled_k: int | None, bundled_draft: str | None = None):
     """(SpeculativeConfig or None, k the model needs verify graphs for or None). `compiled_k`: an artifact's k
-    (0: none), None for a checkpoint."""
+    (0: none), None for a checkpoint; `bundled_draft`: the draft compiled into the artifact, the draft_model
+    method's default."""
     from neuron_opt.runtime.speculative import SpeculativeConfig
 
-    if args.speculative_method is None:
+    method = args.speculative_method or ("draft_model" if args.speculative_model else None)
+    draft = args.speculative_model or (bundled_draft if method == "draft_model" else None)
+    if method is None:
         if args.num_speculative_tokens is not None:
-            raise ConfigError("--num-speculative-tokens needs --speculative-method ngram",
+            raise ConfigError("--num-speculative-tokens needs --speculative-method ngram or --speculative-model",
                               param="num_speculative_tokens")
         return None, None
     k = args.num_speculative_tokens or compiled_k or 4
-    spec = SpeculativeConfig(k, args.speculative_method, args.prompt_lookup_max, args.prompt_lookup_min,
-                             args.speculative_adaptive)
+    spec = SpeculativeConfig(k, method, args.prompt_lookup_max, args.prompt_lookup_min, args.speculative_adaptive,
+                             draft)
     return spec, k
 
 
@@ -88,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     parallel = parallel_config_from_args(args)
     if args.artifact and parallel.tp != 1:
         raise ConfigError("generate: --tp applies to --model; an artifact runs at the tp it was compiled with")
-    spec, k = speculative_from_args(args, _compiled_k(args.artifact) if args.artifact else None)
+    spec, k = speculative_from_args(args, *(bundled_speculation(args.artifact) if args.artifact else (None, None)))
     llm = LLM(args.artifact or args.model, dtype=args.dtype, parallel=None if args.artifact else parallel,
               num_speculative_tokens=k)
     ids = (llm.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat
@@ -112,9 +120,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compiled_k(artifact: str) -> int:
+def bundled_speculation(artifact: str, manifest: Any = None) -> tuple[int, str | None]:
+    """An artifact's verify k and the path of the draft compiled into it (None if none); `manifest`: its manifest
+    when already read."""
     from pathlib import Path
 
     from neuron_opt.artifact import read_manifest
 
-    return read_manifest(Path(artifact), verify_hashes=False).buckets.num_speculative_tokens
+    m = manifest or read_manifest(Path(artifact), verify_hashes=False)
+    return m.buckets.num_speculative_tokens, str(Path(artifact) / m.draft) if m.draft else None

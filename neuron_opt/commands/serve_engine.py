@@ -20,7 +20,7 @@ def served_name(args: argparse.Namespace) -> str:
 def check_args(args: argparse.Namespace) -> tuple[Any, Any, int | None]:
     """(artifact manifest or None, SpeculativeConfig or None, verify k or None): the flags checked against the
     artifact before anything loads (`serve --data-parallel` checks them once, before starting N replicas)."""
-    from neuron_opt.commands.generate import speculative_from_args
+    from neuron_opt.commands.generate import bundled_speculation, speculative_from_args
 
     if not args.artifact:
         return (None, *speculative_from_args(args, None))
@@ -31,7 +31,7 @@ def check_args(args: argparse.Namespace) -> tuple[Any, Any, int | None]:
     if args.max_num_seqs and args.max_num_seqs > largest:
         raise ConfigError(f"--max-num-seqs: {args.max_num_seqs} exceeds the artifact's largest decode batch "
                           f"({largest}); compile it with --batch-size {args.max_num_seqs}", param="max_num_seqs")
-    return (manifest, *speculative_from_args(args, manifest.buckets.num_speculative_tokens))
+    return (manifest, *speculative_from_args(args, *bundled_speculation(args.artifact, manifest)))
 
 
 def build_engine(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -48,6 +48,10 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, Any]:
             args.model, dtype=args.dtype, batch_size=args.max_num_seqs or 16, max_model_len=args.max_model_len,
             num_speculative_tokens=k,
         )
+    draft = None
+    if spec is not None and spec.model is not None:  # a KV slot in the draft for every sequence the engine runs
+        largest = llm.runner.buckets.decode_batches[-1]
+        draft = llm.draft(spec.model, min(args.max_num_seqs or largest, largest)).runner
     engine = Engine(
         llm.runner,
         llm.tokenizer,
@@ -58,5 +62,6 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, Any]:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         speculative=spec,
+        draft=draft,
     )
     return llm, engine

@@ -38,7 +38,15 @@ from neuron_opt.runtime.request import Request
 from neuron_opt.runtime.runner import DecodeRow, ModelRunner, PrefillRow, VerifyRow
 from neuron_opt.runtime.sampling import SamplerState, SamplingParams, candidates_needed, sample_batch
 from neuron_opt.runtime.scheduler import DecodeWork, KVConfig, PrefillWork, Scheduler
-from neuron_opt.runtime.speculative import NgramProposer, Proposer, SpecController, SpecStats, SpeculativeConfig, accept
+from neuron_opt.runtime.speculative import (
+    DraftModelProposer,
+    NgramProposer,
+    Proposer,
+    SpecController,
+    SpecStats,
+    SpeculativeConfig,
+    accept,
+)
 from neuron_opt.runtime.stopping import StopChecker
 
 log = logging.getLogger(__name__)
@@ -122,6 +130,7 @@ class Engine:
         enable_prefix_caching: bool | None = None,
         enable_chunked_prefill: bool | None = None,
         speculative: SpeculativeConfig | None = None,
+        draft: ModelRunner | None = None,
     ) -> None:
         self.runner, self.tokenizer, self.eos_token_ids = runner, tokenizer, tuple(eos_token_ids)
         self.spec = speculative
@@ -134,10 +143,16 @@ class Engine:
                     f"num_speculative_tokens: {k} needs verify graphs of {k + 1} tokens; this model has "
                     + (f"them for {have} (use --num-speculative-tokens {have})" if have
                        else "none (compile with --num-speculative-tokens K)"), param="num_speculative_tokens")
-            self.proposer: Proposer = NgramProposer(speculative.prompt_lookup_max, speculative.prompt_lookup_min)
             self.controller = SpecController(k, speculative.adaptive)
         largest = runner.buckets.decode_batches[-1]
         seqs = largest if max_num_seqs is None else min(max_num_seqs, largest)
+        if (draft is not None) != (speculative is not None and speculative.method == "draft_model"):
+            raise ConfigError("speculative_model: a draft runner goes with the draft_model method, and only with it",
+                              param="speculative_model")
+        if speculative is not None:
+            self.proposer: Proposer = (
+                NgramProposer(speculative.prompt_lookup_max, speculative.prompt_lookup_min) if draft is None
+                else self._draft_proposer(draft, seqs))
         offset = runner.buckets.chunked_prefill
         cache = runner.cache
         kv = KVConfig(cache.num_blocks, cache.block_size, cache.max_model_len, runner.max_prompt_len,
@@ -160,6 +175,23 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.error: BaseException | None = None  # set if the loop itself died (a bug)
+
+    def _draft_proposer(self, draft: ModelRunner, seqs: int) -> DraftModelProposer:
+        """The draft must hold a KV slot per running sequence and reach every position the target does."""
+        prop = DraftModelProposer(draft)
+        if draft.vocab_size != self.runner.vocab_size:
+            raise ConfigError(f"speculative_model: the draft's vocabulary has {draft.vocab_size} tokens, the "
+                              f"target's {self.runner.vocab_size}; a draft model must share the target's tokenizer",
+                              param="speculative_model")
+        if prop.num_slots < seqs:
+            raise ConfigError(f"speculative_model: the draft holds KV for {prop.num_slots} sequence(s), the engine "
+                              f"runs up to {seqs}; compile the draft with --batch-size {seqs} (or lower "
+                              "--max-num-seqs)", param="speculative_model")
+        if draft.max_model_len < self.runner.max_model_len:
+            raise ConfigError(f"speculative_model: the draft's max_model_len is {draft.max_model_len}, the target's "
+                              f"{self.runner.max_model_len}; compile the draft with --max-model-len "
+                              f"{self.runner.max_model_len}", param="speculative_model")
+        return prop
 
     # ---- public, thread-safe -------------------------------------------------------------------------
 
@@ -340,26 +372,37 @@ class Engine:
         if sampled:
             self._update(sampled, logits[[i for i, p in enumerate(group) if p.last]])
 
-    def _propose(self, d: DecodeWork) -> list[int]:
-        """Prompt-lookup proposal for a running sequence: at most k tokens, none it could not use (past its
-        max_tokens or the verify graph's reach into the KV cache)."""
+    def _budget(self, d: DecodeWork) -> int:
+        """How many tokens the sequence could use from a proposal: at most k, none past its max_tokens or the
+        verify graph's reach into the KV cache."""
         req = self._seqs[d.request_id].request
         k = min(self.controller.num_speculative_tokens, req.max_tokens - len(req.output_token_ids) - 1)
-        if k < 1 or d.position + self.runner.verify_len > self.runner.max_model_len:
-            return []
-        return self.proposer.propose(req.prompt_token_ids + req.output_token_ids, k)
+        return 0 if k < 1 or d.position + self.runner.verify_len > self.runner.max_model_len else k
+
+    def _propose(self, decodes: tuple[DecodeWork, ...], budget: dict[str, int]) -> dict[str, list[int]]:
+        reqs = [self._seqs[d.request_id].request for d in decodes]
+        items = [(d.request_id, r.prompt_token_ids + r.output_token_ids, budget[d.request_id])
+                 for d, r in zip(decodes, reqs, strict=True)]
+        return dict(zip(budget, self.proposer.propose_batch(items), strict=True))
 
     def _decode_or_verify(self, decodes: tuple[DecodeWork, ...]) -> None:
         """One graph call for every running sequence: a plain decode, or, when speculating and the controller
         says it pays, a verify of each row's proposals (rows without one ride along with their single token)."""
         ids = [d.request_id for d in decodes]
-        proposals = {d.request_id: self._propose(d) for d in decodes} if self.spec is not None else {}
+        proposals: dict[str, list[int]] = {}
         verify, batch = False, 0
         t0 = time.perf_counter()
         try:
-            if proposals:  # the batch bucket the step runs in: what the verify/decode cost ratio is kept per
+            if self.spec is not None:  # the batch bucket the step runs in: what the cost ratio is kept per
                 batch = pick_decode(len(decodes), max(d.position for d in decodes), self.runner.buckets).batch
-                verify = self.controller.should_verify(proposals, batch)
+                budget = {d.request_id: self._budget(d) for d in decodes}
+                if self.proposer.cheap:  # propose, then decide on what was found
+                    proposals = self._propose(decodes, budget)
+                    verify = self.controller.should_verify({r: len(p) for r, p in proposals.items()}, batch)
+                else:  # decide on what would be proposed; a plain step asks for one token (a probe)
+                    verify = self.controller.should_verify(budget, batch)
+                    proposals = self._propose(decodes, budget if verify else {r: min(n, 1) for r, n in budget.items()})
+                    verify = verify and any(proposals.values())
             if verify:
                 rows = [VerifyRow(d.blocks, (d.token, *proposals[d.request_id]), d.position) for d in decodes]
                 logits = self.runner.verify(rows, candidates=self._candidates(ids))
@@ -457,6 +500,7 @@ class Engine:
         self.scheduler.finish(request_id)
         if self.spec is not None:
             self.controller.forget(request_id)
+            self.proposer.forget(request_id)
         with self._lock:
             self._pending -= 1
         out = RequestOutput(

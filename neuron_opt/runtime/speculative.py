@@ -1,11 +1,15 @@
 """Speculative decoding: propose k tokens cheaply, score them in one verify graph call, keep the longest prefix
 the target model agrees with (plus one token of its own).
 
-- Proposer: prompt lookup (`method="ngram"`, vLLM's name). The last n tokens of the sequence (n from
-  `prompt_lookup_max` down to `prompt_lookup_min`) are searched for earlier in the prompt and the text so far;
-  the k tokens that followed their most recent earlier occurrence are the proposal. No draft model, no device
-  work; pays on input-grounded text (repeating, editing, quoting the prompt). The `Proposer` protocol is what a
-  draft model or an EAGLE-style head implements later.
+- Proposers (the `Proposer` protocol; an EAGLE-style head would be a third):
+  prompt lookup (`method="ngram"`, vLLM's name). The last n tokens of the sequence (n from `prompt_lookup_max`
+  down to `prompt_lookup_min`) are searched for earlier in the prompt and the text so far; the k tokens that
+  followed their most recent earlier occurrence are the proposal. No model, no device work; pays on
+  input-grounded text (repeating, editing, quoting the prompt).
+  a draft model (`method="draft_model"`, `model=`): a smaller model with the same tokenizer, run by its own
+  ModelRunner (its own artifact and buckets, or eager) with its own KV slot per sequence, decodes k tokens
+  greedily. It keeps the tokens its slot holds K/V for and, each step, first feeds what the target emitted
+  since (the bonus token, and the last proposal when all were accepted): no rollback, only a shorter prefix.
 - Acceptance (`accept`), position by position over the verify logits, with the request's own sampling
   (penalties, banned tokens, temperature, top-k/top-p) applied to each position's logits exactly as `sample_one`
   does for a decode step:
@@ -15,15 +19,23 @@ the target model agrees with (plus one token of its own).
   removed. Either way the emitted tokens are distributed exactly as non-speculative sampling from p.
   When every proposal is accepted the last position's logits give one more token (the "bonus" token).
 - Greedy output is identical token for token to non-speculative greedy decoding (tested).
-- When it pays (`SpecController`): a verify call of batch B costs r(B) decode calls (measured online, an EMA per
-  batch bucket). A row whose proposals are accepted with rate a (an EMA per sequence, also updated on plain
-  decode steps by comparing the sampled token with the first proposed one) yields E = (1 - a^(n+1)) / (1 - a)
-  tokens from a verify call with n proposals. The step speculates iff the mean E over its rows is >= r(B);
-  otherwise it decodes, and the proposals still feed the acceptance estimate.
+  Its proposal is a deterministic function of the sequence (greedy), so the point-mass acceptance below is
+  exact for it too, whatever the request's sampling.
+- When it pays (`SpecController`): a verify step of batch B costs r(B) plain steps (measured online, an EMA per
+  phase and batch bucket of the whole step: proposing, then the graph call). A row whose proposals are accepted
+  with rate a (an EMA per sequence, also updated on plain decode steps by comparing the sampled token with the
+  first proposed one) yields E = (1 - a^(n+1)) / (1 - a) tokens from a verify call with n proposals. The step
+  speculates iff the mean E over its rows is >= r(B); otherwise it decodes, and the proposals still feed the
+  acceptance estimate. Prompt lookup proposes first and decides on what it found; a draft model costs a graph
+  call per token, so the step decides on the lengths it would propose and, when it decodes, asks the draft for
+  one token only (a probe: it keeps the draft's cache in step and measures acceptance).
 """
 
 from __future__ import annotations
 
+import logging
+import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -31,6 +43,7 @@ import numpy as np
 import torch
 
 from neuron_opt.errors import ConfigError
+from neuron_opt.runtime.runner import DecodeRow, ModelRunner, PrefillRow
 from neuron_opt.runtime.sampling import (
     SampleResult,
     SamplerState,
@@ -40,23 +53,33 @@ from neuron_opt.runtime.sampling import (
     sampling_logits,
 )
 
-METHODS = ("ngram",)
+log = logging.getLogger(__name__)
+
+METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's `speculative_config` fields for prompt lookup."""
+    """vLLM's `speculative_config` fields: prompt lookup (`ngram`) or a draft model (`draft_model`, `model` = its
+    artifact or checkpoint; the engine is handed the draft's runner, see `Engine(draft=...)`)."""
 
     num_speculative_tokens: int
     method: str = "ngram"
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1  # single-token matches too: measured better than 2 (docs/speculative.md)
     adaptive: bool = True  # speculate only in steps where the measured acceptance says it pays
+    model: str | None = None  # the draft model (method "draft_model" only)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ConfigError(f"speculative_method: {self.method!r} is not one of {', '.join(METHODS)}",
                               param="speculative_method")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ConfigError("speculative_model: the draft_model method needs a draft model (--speculative-model "
+                              "PATH|ARTIFACT) and only it takes one" if self.model is None else
+                              f"speculative_model: {self.model!r} is a draft model; the {self.method} method takes "
+                              "none (use --speculative-method draft_model, or leave the method unset)",
+                              param="speculative_model")
         if self.num_speculative_tokens < 1:
             raise ConfigError(f"num_speculative_tokens: must be >= 1, got {self.num_speculative_tokens}",
                               param="num_speculative_tokens")
@@ -66,8 +89,14 @@ class SpeculativeConfig:
 
 
 class Proposer(Protocol):
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
-        """Up to k tokens likely to follow `token_ids` (may be empty)."""
+    cheap: bool  # proposing costs no graph call: propose first, then decide whether to verify
+
+    def propose_batch(self, items: Sequence[tuple[str, list[int], int]]) -> list[list[int]]:
+        """For each (request id, token ids so far, k): up to k tokens likely to follow (may be empty)."""
+        ...
+
+    def forget(self, request_id: str) -> None:
+        """The request finished: drop what is kept for it."""
         ...
 
 
@@ -77,6 +106,13 @@ class NgramProposer:
 
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    cheap: bool = field(default=True, init=False)
+
+    def propose_batch(self, items: Sequence[tuple[str, list[int], int]]) -> list[list[int]]:
+        return [self.propose(ids, k) if k > 0 else [] for _, ids, k in items]
+
+    def forget(self, request_id: str) -> None:
+        pass
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         ids = np.asarray(token_ids, dtype=np.int64)
@@ -90,6 +126,132 @@ class NgramProposer:
                 start = int(hits[-1]) + n
                 return ids[start : start + k].tolist()
         return []
+
+
+# a draft slot behind the sequence by more than this many tokens catches up with one prefill call (from where it
+# diverged where the draft has offset prefill buckets, else from the start), fewer with decode steps
+CATCH_UP_DECODES = 4
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    a_, b_ = np.asarray(a[:n]), np.asarray(b[:n])
+    diff = np.flatnonzero(a_ != b_)
+    return int(diff[0]) if diff.size else n
+
+
+@dataclass(frozen=True)
+class _DraftRow:
+    index: int  # in the propose_batch items
+    slot: int  # the draft's KV slot
+    start: int  # position of feed[0]
+    feed: list[int]  # tokens to run before proposing (the last one's logits give the first proposal)
+    k: int
+
+
+class DraftModelProposer:
+    """A draft model's greedy continuation, k tokens per sequence, batched over the sequences of a step.
+
+    Every sequence gets one of the draft's KV slots (its runner's `slot_blocks` layout) for its lifetime;
+    `known[request id]` lists the tokens whose K/V that slot holds, in position order. To propose after
+    `token_ids` (length L) the slot must hold token_ids[:L - 1]: the tokens past the common prefix of `known` and
+    `token_ids` are fed first (in step-aligned decode calls, or one prefill call when there are more than
+    CATCH_UP_DECODES), the last one's logits give the first proposal, and each proposal is then decoded for the
+    next. The last proposal is never fed, so after a verify the slot is behind by the target's own token (and,
+    when every proposal was accepted, by the last proposal too): one or two tokens to feed next time. Rejected
+    proposals need no rollback: they lie past the common prefix and are overwritten.
+
+    A failing draft call proposes nothing for that step (the target decodes as usual) and forgets the slots' state.
+    """
+
+    cheap = False
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        cache = runner.cache
+        self.num_slots = (cache.num_blocks - 1) // cache.blocks_per_sequence
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self.slot: dict[str, int] = {}
+        self.known: dict[str, list[int]] = {}
+        self.draft_calls = 0  # graph calls of the draft (decode and prefill), for tests and benchmarks
+
+    def forget(self, request_id: str) -> None:
+        if (slot := self.slot.pop(request_id, None)) is not None:
+            self._free.append(slot)
+        self.known.pop(request_id, None)
+
+    def _feed(self, request_id: str, ids: list[int]) -> tuple[int, list[int]] | None:
+        """(start position, tokens to run) so that the slot holds ids[:-1] and the last one's logits come out;
+        None when the draft cannot take the sequence (no slot left, or a prompt longer than its prefill reach)."""
+        if request_id not in self.slot:
+            if not self._free:
+                return None
+            self.slot[request_id] = self._free.pop()
+            self.known[request_id] = []
+        c = min(_common_prefix(self.known[request_id], ids), len(ids) - 1)
+        if len(ids) - c > CATCH_UP_DECODES and not self.runner.buckets.chunked_prefill:
+            c = 0  # no offset prefill buckets: a long catch-up prefills the whole sequence again
+        if (c == 0 or len(ids) - c > CATCH_UP_DECODES) and len(ids) - c > self.runner.max_prompt_len:
+            return None  # longer than one prefill call of the draft reaches
+        return c, ids[c:]
+
+    def propose_batch(self, items: Sequence[tuple[str, list[int], int]]) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in items]
+        rows = []
+        for i, (rid, ids, k) in enumerate(items):
+            if k < 1 or len(ids) - 1 + k > self.runner.max_model_len:
+                continue
+            if (fed := self._feed(rid, ids)) is not None:
+                rows.append(_DraftRow(i, self.slot[rid], fed[0], fed[1], k))
+        if not rows:
+            return out
+        try:
+            self._run(rows, out)
+        except Exception:
+            log.error("draft model failed; this step proposes nothing:\n%s", traceback.format_exc())
+            for row in rows:
+                self.known[items[row.index][0]] = []
+            return [[] for _ in items]
+        for row in rows:
+            rid, ids, _ = items[row.index]
+            self.known[rid] = list(ids) + out[row.index][:-1]  # the last proposal is never fed
+        return out
+
+    def _run(self, rows: list[_DraftRow], out: list[list[int]]) -> None:
+        r = self.runner
+        last: dict[int, torch.Tensor] = {}  # item index -> logits after its fed tokens
+        long = [row for row in rows if len(row.feed) > CATCH_UP_DECODES or row.start == 0]
+        for j in range(0, len(long), r.buckets.prefill_batch):
+            group = long[j:j + r.buckets.prefill_batch]
+            logits = r.prefill_rows([PrefillRow(row.slot, tuple(row.feed), row.start) for row in group], candidates=1)
+            self.draft_calls += 1
+            last.update({row.index: logits[n] for n, row in enumerate(group)})
+        short = [row for row in rows if row.index not in last]
+        width = max((len(row.feed) for row in short), default=0)
+        for t in range(width):  # aligned on the last fed token: a row with f tokens joins at step width - f
+            step = [(row, row.feed[t - width + len(row.feed)], row.start + t - width + len(row.feed))
+                    for row in short if t >= width - len(row.feed)]
+            logits = self._decode(step)
+            if t == width - 1:
+                last.update({row.index: logits[n] for n, (row, *_) in enumerate(step)})
+        for i, logits_i in last.items():
+            out[i].append(int(torch.argmax(logits_i).item()))
+        for n in range(1, max(row.k for row in rows)):  # proposal n - 1 is decoded for proposal n
+            step = [(row, out[row.index][-1], row.start + len(row.feed) + n - 1) for row in rows if row.k > n]
+            logits = self._decode(step)
+            for m, (row, *_) in enumerate(step):
+                out[row.index].append(int(torch.argmax(logits[m]).item()))
+
+    def _decode(self, step: list[tuple[_DraftRow, int, int]]) -> torch.Tensor:
+        """(row, token, position) through the draft's decode graphs, as many calls as its largest decode batch
+        needs; greedy logits [len(step), V]."""
+        cap = self.runner.buckets.decode_batches[-1]
+        parts = []
+        for j in range(0, len(step), cap):
+            parts.append(self.runner.decode([DecodeRow(row.slot, tok, p) for row, tok, p in step[j:j + cap]],
+                                            candidates=1))
+            self.draft_calls += 1
+        return torch.cat(parts)
 
 
 def accept(
@@ -172,12 +334,13 @@ class SpecController:
         v, d = self.step_time.get(("verify", batch)), self.step_time.get(("decode", batch))
         return v / d if v and d else 1.0
 
-    def should_verify(self, proposals: dict[str, list[int]], batch: int) -> bool:
-        if not any(proposals.values()):
+    def should_verify(self, lengths: dict[str, int], batch: int) -> bool:
+        """`lengths`: request id -> tokens proposed (or that would be) for each row of the step."""
+        if not any(lengths.values()):
             return False
         if not self.adaptive:
             return True
-        mean = sum(self.expected_tokens(r, len(p)) for r, p in proposals.items()) / len(proposals)
+        mean = sum(self.expected_tokens(r, n) for r, n in lengths.items()) / len(lengths)
         return mean >= self.cost_ratio(batch)
 
     def observe_step(self, phase: str, batch: int, seconds: float) -> None:

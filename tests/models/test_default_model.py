@@ -77,3 +77,19 @@ def test_speculative_greedy_equals_plain_greedy_on_the_default_model():
     out, stats = spec_llm.generate_ids_speculative(prompt, params, SpeculativeConfig(4, adaptive=False))
     assert out.token_ids == spec_llm.generate_ids(prompt, params).token_ids
     assert stats.accepted_tokens >= N_TOKENS // 4, stats  # most of the answer came from accepted proposals
+
+
+@pytest.mark.slow
+def test_draft_model_greedy_equals_plain_greedy_on_the_default_model(llm):
+    """The default model drafting for itself (fp32, eager; the only model here with its tokenizer): the same tokens as
+    plain greedy decoding, and the draft's greedy continuation is the target's, so nearly every proposal is taken
+    (a near-tie between the verify call's and the decode call's rounding may reject one)."""
+    from neuron_opt.runtime.speculative import SpeculativeConfig
+
+    spec_llm = LLM("default", max_model_len=512, num_speculative_tokens=4)
+    prompt = spec_llm.encode_chat([{"role": "user", "content": "Tell me about the moon."}])
+    params = SamplingParams(max_tokens=N_TOKENS, min_tokens=N_TOKENS)
+    out, stats = spec_llm.generate_ids_speculative(prompt, params, SpeculativeConfig(
+        4, "draft_model", adaptive=False, model="default"))
+    assert out.token_ids == llm.generate_ids(prompt, params).token_ids
+    assert stats.accepted_tokens >= 0.9 * stats.draft_tokens > 0, stats

@@ -1,8 +1,10 @@
-"""Speculative decoding (prompt lookup): the verify step, the proposer, exactness and the serving engine.
+"""Speculative decoding (prompt lookup and a draft model): the verify step, the proposers, exactness and the
+serving engine.
 
 Oracles: sequential decode steps of the same runner (verify logits), the non-speculative reference loop
 (`LLM.generate_ids`: greedy output must be identical token for token), and the target distribution itself
-(rejection sampling must preserve it: a chi-square test at a stated significance level).
+(rejection sampling must preserve it: a chi-square test at a stated significance level); for the draft model's
+proposals, the draft's own non-speculative greedy continuation.
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ from neuron_opt.errors import BucketOverflowError, ConfigError
 from neuron_opt.runtime.engine import Engine, RequestOutput
 from neuron_opt.runtime.runner import DecodeRow, VerifyRow
 from neuron_opt.runtime.sampling import SamplerState, SamplingParams
-from neuron_opt.runtime.speculative import NgramProposer, SpecController, SpeculativeConfig, accept
+from neuron_opt.runtime.speculative import (
+    DraftModelProposer,
+    NgramProposer,
+    SpecController,
+    SpeculativeConfig,
+    accept,
+)
 
 K = 3
 
@@ -197,31 +205,50 @@ def test_sampled_requests_finish_under_speculation_and_are_reproducible(llms):
 
 def test_controller_verifies_only_when_the_expected_tokens_beat_the_cost():
     c = SpecController(num_speculative_tokens=4)
-    assert not c.should_verify({"a": []}, 1)
-    assert c.should_verify({"a": [1, 2, 3, 4]}, 1)  # no measurements yet: cost ratio 1
+    assert not c.should_verify({"a": 0}, 1)
+    assert c.should_verify({"a": 4}, 1)  # no measurements yet: cost ratio 1
     c.observe_step("decode", 1, 0.010)
     c.observe_step("verify", 1, 0.030)  # a verify costs 3 decodes
     for _ in range(30):
         c.observe_acceptance("a", 0, 4)  # never accepted: E -> 1 token per verify
-    assert not c.should_verify({"a": [1, 2, 3, 4]}, 1)
+    assert not c.should_verify({"a": 4}, 1)
     for _ in range(30):
         c.observe_acceptance("b", 4, 4)  # always accepted: E -> 5 tokens per verify
-    assert c.should_verify({"b": [1, 2, 3, 4]}, 1)
+    assert c.should_verify({"b": 4}, 1)
     assert c.expected_tokens("b", 4) == pytest.approx(5, rel=0.05)
 
 
-def test_cpu_compiled_verify_graphs_match_eager_and_keep_greedy_exact(tiny_dir, tmp_path, llms):
+def test_cpu_compiled_verify_graphs_match_eager_and_keep_greedy_exact(tiny_dir, tmp_path, llms, draft_dir, capsys):
     """The cpu backend's verify graphs (a layer graph over q = k + 1 tokens, a head over B * q rows): logits
-    equal the eager verify step's, and speculative greedy through the artifact equals eager greedy."""
+    equal the eager verify step's, and speculative greedy through the artifact equals eager greedy, with prompt
+    lookup and with the draft model compiled alongside (`compile --speculative-model`)."""
+    import dataclasses
+    import json
+
+    from neuron_opt.artifact import read_manifest
+    from neuron_opt.cli import main
     from neuron_opt.compiler import CompileRequest, compile_artifact, distinct_graphs
 
     llm, ref = llms
     req = CompileRequest(model=str(tiny_dir("smollm-tok")), out=tmp_path / "art", backend="cpu", dtype="float32",
                          batch_size=1, max_model_len=128, prefill_buckets=(16, 64), decode_buckets=(32, 128),
-                         cache_dir=tmp_path / "cache", num_speculative_tokens=K)
+                         cache_dir=tmp_path / "cache", num_speculative_tokens=K, speculative_model=str(draft_dir))
+    with pytest.raises(ConfigError, match="add --num-speculative-tokens K"):
+        compile_artifact(dataclasses.replace(req, num_speculative_tokens=0), log=lambda s: None, progress=False)
+    assert not (tmp_path / "art").exists()
     report = compile_artifact(req, log=lambda s: None, progress=False)
     buckets = report.manifest.buckets
     assert buckets.num_speculative_tokens == K and "verify_b1_q4_s128" in report.manifest.graphs
+    drafted = read_manifest(tmp_path / "art" / "draft")  # its own artifact, hashed into the target's too
+    assert report.manifest.draft == "draft" and "draft/manifest.json" in read_manifest(tmp_path / "art").files
+    assert (drafted.model.num_hidden_layers, drafted.cache.max_model_len, drafted.buckets.verify_len) == (1, 128, 0)
+    prompt_text = "abc abc abc abc abc abc"
+    cli = ["generate", str(tmp_path / "art"), "--prompt", prompt_text, "--max-new-tokens", "20", "--temperature",
+           "0", "--json"]
+    assert main(cli + ["--speculative-method", "draft_model"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    plain = ref.generate_ids(list(ref.tokenizer(prompt_text)["input_ids"]), SamplingParams(max_tokens=20))
+    assert doc["token_ids"] == plain.token_ids and doc["speculative"]["verify_steps"] > 0
     # graphs compiled: layers prefill, decode, verify (batch 1); heads for 1 and 4 rows
     assert distinct_graphs(buckets, "cpu") == 5
     compiled = LLM(tmp_path / "art")
@@ -282,3 +309,153 @@ def test_server_streams_speculative_output_and_reports_it_in_metrics(llms):
     assert f'neuron_opt:spec_decode_num_accepted_tokens_total{{model_name="tiny"}} {float(st.accepted_tokens)}' \
         in metrics
     assert "neuron_opt:spec_decode_mean_accepted_length" in metrics
+
+
+# ---- the draft-model proposer -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    """A second tiny model with the default tokenizer: other weights (seed 1) and one layer."""
+    from tiny import make_tiny
+
+    return make_tiny("smollm-tok-1layer", tmp_path_factory.mktemp("draft"), seed=1)
+
+
+def test_draft_proposals_are_the_drafts_greedy_continuation_after_any_history(llms, draft_dir):
+    """Proposals equal the draft's own greedy decoding of the sequence so far, also after the sequence moved on by
+    tokens the draft did not propose (a rejection) or by all it proposed plus one (full acceptance), and for
+    several sequences in one call with different k."""
+    llm, _ = llms
+    ref = LLM(draft_dir, batch_size=1, max_model_len=128)
+    prop = DraftModelProposer(LLM(draft_dir, batch_size=4, max_model_len=128).runner)
+
+    def greedy(ids: list[int], n: int) -> list[int]:
+        return ref.generate_ids(ids, SamplingParams(max_tokens=n, ignore_eos=True)).token_ids
+
+    a, b = _grounded_prompts(llm)[:2]
+    got = prop.propose_batch([("a", a, 4), ("b", b, 2)])
+    assert got == [greedy(a, 4), greedy(b, 2)]
+    calls = prop.draft_calls
+    a2 = a + got[0][:1] + [77]  # one accepted, then the target's own token
+    b2 = b + got[1] + [88]  # all accepted plus a bonus: the draft had not seen the last proposal
+    got2 = prop.propose_batch([("a", a2, 3), ("b", b2, 3)])
+    assert got2 == [greedy(a2, 3), greedy(b2, 3)]
+    assert prop.draft_calls - calls == 1 + 3  # one catch-up step for b's extra token, then 3 batched decodes
+    assert prop.propose_batch([("a", a2 + [5] * 9, 2)]) == [greedy(a2 + [5] * 9, 2)]  # a long gap: prefilled
+    assert prop.propose_batch([("c", a, 0)]) == [[]]
+    prop.forget("a"), prop.forget("b")
+    assert sorted(prop._free) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_greedy_with_a_draft_model_is_identical_to_non_speculative_greedy(llms, draft_dir, adaptive):
+    llm, ref = llms
+    prompts = _grounded_prompts(llm)
+    params = [SamplingParams(max_tokens=30, ignore_eos=True), SamplingParams(max_tokens=17),
+              SamplingParams(max_tokens=25, ignore_eos=True, frequency_penalty=0.3, logprobs=1),
+              SamplingParams(max_tokens=28, ignore_eos=True, min_tokens=4)]
+    draft = llm.draft(draft_dir, 4)
+    spec = SpeculativeConfig(K, "draft_model", adaptive=adaptive, model=str(draft_dir))
+    engine = Engine(llm.runner, llm.tokenizer, llm.eos_token_ids, speculative=spec, draft=draft.runner)
+    outs = _run(engine, {str(i): (p, params[i]) for i, p in enumerate(prompts)})
+    for i, p in enumerate(prompts):
+        want = ref.generate_ids(p, params[i])
+        got = outs[str(i)]
+        assert [t for o in got for t in o.new_token_ids] == want.token_ids, i
+        assert got[-1].finish_reason == want.finish_reason
+        assert [lp.logprob for o in got for lp in o.logprobs] == pytest.approx(want.logprobs, abs=1e-4)
+    assert engine.spec_stats.verify_steps > 0 and engine.spec_stats.draft_tokens > 0
+    assert not engine.proposer.slot  # every finished request gave its draft slot back
+
+
+def test_the_target_as_its_own_draft_has_every_proposal_accepted(llms, tiny_dir):
+    """fp32, eager: the draft's greedy continuation is the target's, so a verify accepts all k proposals (up to the
+    request's end) and emits k + 1 tokens; the text equals non-speculative greedy."""
+    llm, ref = llms
+    prompt = _grounded_prompts(llm)[2]
+    params = SamplingParams(max_tokens=33, ignore_eos=True)
+    out, st = llm.generate_ids_speculative(prompt, params, SpeculativeConfig(
+        K, "draft_model", adaptive=False, model=str(tiny_dir("smollm-tok"))))
+    assert out.token_ids == ref.generate_ids(prompt, params).token_ids
+    assert st.accepted_tokens == st.draft_tokens > 0
+    assert st.verify_steps == 8  # 33 tokens: 1 from prefill, then 8 verifies of k + 1 = 4
+
+
+def test_bad_draft_models_are_refused_with_the_field(llms, draft_dir, tmp_path):
+    from tiny import make_tiny
+
+    llm, _ = llms
+    with pytest.raises(ConfigError, match="needs a draft model") as e:
+        SpeculativeConfig(K, "draft_model")
+    assert e.value.param == "speculative_model"
+    with pytest.raises(ConfigError, match="takes none"):
+        SpeculativeConfig(K, "ngram", model=str(draft_dir))
+    spec = SpeculativeConfig(K, "draft_model", model=str(draft_dir))
+    with pytest.raises(ConfigError, match="a draft runner goes with"):
+        Engine(llm.runner, llm.tokenizer, llm.eos_token_ids, speculative=spec)
+    small = LLM(draft_dir, batch_size=2, max_model_len=128)
+    with pytest.raises(ConfigError, match="--batch-size 4"):
+        Engine(llm.runner, llm.tokenizer, llm.eos_token_ids, speculative=spec, draft=small.runner)
+    short = LLM(draft_dir, batch_size=4, max_model_len=64)
+    with pytest.raises(ConfigError, match="--max-model-len 128"):
+        Engine(llm.runner, llm.tokenizer, llm.eos_token_ids, speculative=spec, draft=short.runner)
+    other = LLM(make_tiny("llama-gqa2", tmp_path, tokenizer=True), batch_size=4, max_model_len=128)  # 257 tokens
+    with pytest.raises(ConfigError, match="vocabulary has 257 tokens"):
+        Engine(llm.runner, llm.tokenizer, llm.eos_token_ids, speculative=spec, draft=other.runner)
+
+
+def test_cli_generate_with_a_draft_model_matches_plain_greedy(tiny_dir, draft_dir, capsys):
+    import json
+
+    from neuron_opt.cli import main
+
+    target = str(tiny_dir("smollm-tok"))
+    base = ["generate", "--model", target, "--prompt", "abc abc abc abc abc", "--max-new-tokens", "12",
+            "--temperature", "0", "--json"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(base + ["--speculative-model", str(draft_dir), "--num-speculative-tokens", "3"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["token_ids"] == plain["token_ids"] and spec["speculative"]["verify_steps"] > 0
+    assert main(base + ["--speculative-method", "ngram", "--speculative-model", str(draft_dir)]) == 2
+    assert "the ngram method takes none" in capsys.readouterr().err
+
+
+def test_serve_flags_build_a_draft_engine_and_concurrent_streams_equal_plain_greedy(llms, tiny_dir, draft_dir):
+    """`serve --speculative-model` wires the draft into the engine (a KV slot per sequence); four streams at once
+    through the official client (continuous batching: rows finish at different steps) equal plain greedy."""
+    import asyncio
+
+    import openai
+    from helpers import live_server
+
+    from neuron_opt.cli import build_parser
+    from neuron_opt.commands.serve_engine import build_engine
+
+    args = build_parser().parse_args(["serve", "--model", str(tiny_dir("smollm-tok")), "--max-num-seqs", "3",
+                                      "--max-model-len", "128", "--speculative-model", str(draft_dir),
+                                      "--num-speculative-tokens", str(K)])
+    _, built = build_engine(args)
+    assert isinstance(built.proposer, DraftModelProposer) and built.proposer.num_slots == 3
+    assert built.spec.method == "draft_model" and built.spec.num_speculative_tokens == K
+
+    llm, ref = llms
+    prompts = [llm.tokenizer.decode(p) for p in _grounded_prompts(llm)]
+    lengths = [20, 9, 14, 17]
+    want = [ref.generate_ids(list(llm.tokenizer(p)["input_ids"]), SamplingParams(max_tokens=n, ignore_eos=True)).text
+            for p, n in zip(prompts, lengths, strict=True)]
+    spec = SpeculativeConfig(K, "draft_model", adaptive=False, model=str(draft_dir))
+    with live_server(llm, max_num_seqs=4, speculative=spec, draft=llm.draft(draft_dir, 4).runner) as (url, engine):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+        async def one(prompt: str, n: int) -> str:
+            chunks = await client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0,
+                                                     stream=True, extra_body={"ignore_eos": True})
+            return "".join([c.choices[0].text async for c in chunks if c.choices])
+
+        async def all_at_once() -> list[str]:
+            return await asyncio.gather(*(one(p, n) for p, n in zip(prompts, lengths, strict=True)))
+
+        got = asyncio.run(all_at_once())
+    assert got == want
+    assert engine.spec_stats.verify_steps > 0 and not engine.proposer.slot
