@@ -155,10 +155,13 @@ DRAFT_DIR = "draft"  # where a draft model's artifact lies inside its target's
 
 def draft_request(req: CompileRequest, cache_cfg: CacheConfig, buckets: BucketConfig, out: Path) -> CompileRequest:
     """The draft model's compile: the target's backend, dtype, options and cache use; a KV slot for each sequence
-    the target runs, its max_model_len and prompt reach; one rank; no verify graphs, no quantization."""
+    the target runs, its max_model_len and its prefill and decode buckets; one rank; no verify graphs, no
+    quantization."""
     return CompileRequest(
         model=req.speculative_model or "", out=out, backend=req.backend, dtype=req.dtype,
         batch_size=cache_cfg.max_batch, max_prompt_len=buckets.prefill_lens[-1], max_model_len=cache_cfg.max_model_len,
+        prefill_buckets=tuple(buckets.prefill_lens), decode_buckets=tuple(buckets.decode_kv_lens),
+        decode_batches=tuple(buckets.decode_batches),
         backend_options=req.backend_options, cache_dir=req.cache_dir, use_cache=req.use_cache,
         block_size=req.block_size, chunked_prefill=req.chunked_prefill, prefill_batch=req.prefill_batch)
 

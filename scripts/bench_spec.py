@@ -9,7 +9,8 @@ Workloads (the default model, chat template, greedy):
 For each workload and batch size: output tokens/s with speculation off, on with the adaptive controller, and on
 with the controller disabled (always verify), the same two with a draft model's proposals when
 `--speculative-model` names one (`draft-adaptive`, `draft-always`), the greedy outputs of every mode compared
-token for token with plain decoding's, and the speculation counters. Answers end at EOS (or --max-tokens): forcing a fixed length would time the text a model
+token for token with plain decoding's, and the speculation counters. Answers end at EOS (or --max-tokens):
+forcing a fixed length would time the text a model
 makes up after its answer, which nothing grounds. Greedy outputs are identical in float32 (same tokens, same
 work); in bfloat16 the verify graph's GEMMs (k + 1 rows) round differently from the decode graph's (1 row), so a
 near-tie can flip and the texts diverge from there (`first_divergence`; the token counts then differ too).

@@ -383,7 +383,7 @@ class Engine:
         reqs = [self._seqs[d.request_id].request for d in decodes]
         items = [(d.request_id, r.prompt_token_ids + r.output_token_ids, budget[d.request_id])
                  for d, r in zip(decodes, reqs, strict=True)]
-        return dict(zip(budget, self.proposer.propose_batch(items), strict=True))
+        return {rid: p for (rid, _, _), p in zip(items, self.proposer.propose_batch(items), strict=True)}
 
     def _decode_or_verify(self, decodes: tuple[DecodeWork, ...]) -> None:
         """One graph call for every running sequence: a plain decode, or, when speculating and the controller

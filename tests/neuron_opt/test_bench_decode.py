@@ -13,6 +13,7 @@ import pytest
 from neuron_opt.bench.decode import main
 
 
+@pytest.mark.slow  # a cpu compile and a fresh process per system and round: ~2 min (make test-slow)
 def test_bench_decode_json_on_a_tiny_model(tiny_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NEURON_OPT_CACHE_DIR", str(tmp_path / "cache"))  # children inherit it
     out = tmp_path / "decode.json"

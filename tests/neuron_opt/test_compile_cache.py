@@ -50,6 +50,7 @@ def test_entry_with_a_missing_file_is_a_miss(tmp_path):
     assert cache.lookup(CacheKey(BASE)) is None
 
 
+@pytest.mark.slow  # a cold compile of its own (~1 min; make test-slow)
 def test_compile_time_estimate_comes_from_this_machines_last_cold_compile(tiny_dir, tmp_path):
     """Before any compile the plan says it has no measurement; a cold compile records this machine's seconds per
     graph; the next plan's estimate is that figure times the graph count, and says so."""
