@@ -390,7 +390,7 @@ class Engine:
         says it pays, a verify of each row's proposals (rows without one ride along with their single token)."""
         ids = [d.request_id for d in decodes]
         proposals: dict[str, list[int]] = {}
-        verify, batch = False, 0
+        verify, skipped, batch = False, False, 0  # skipped: it could have verified, the controller said no
         t0 = time.perf_counter()
         try:
             if self.spec is not None:  # the batch bucket the step runs in: what the cost ratio is kept per
@@ -399,9 +399,11 @@ class Engine:
                 if self.proposer.cheap:  # propose, then decide on what was found
                     proposals = self._propose(decodes, budget)
                     verify = self.controller.should_verify({r: len(p) for r, p in proposals.items()}, batch)
-                else:  # decide on what would be proposed; a plain step asks for one token (a probe)
+                    skipped = not verify and any(proposals.values())
+                else:  # a draft model: decide on what it would propose; a plain step asks it for nothing
                     verify = self.controller.should_verify(budget, batch)
-                    proposals = self._propose(decodes, budget if verify else {r: min(n, 1) for r, n in budget.items()})
+                    proposals = self._propose(decodes, budget) if verify else {}
+                    skipped = not verify and any(budget.values())
                     verify = verify and any(proposals.values())
             if verify:
                 rows = [VerifyRow(d.blocks, (d.token, *proposals[d.request_id]), d.position) for d in decodes]
@@ -419,7 +421,7 @@ class Engine:
             st = self.spec_stats
             if verify:
                 st.verify_steps += 1
-            elif any(proposals.values()):
+            elif skipped:
                 st.skipped_steps += 1
         if verify:
             for i, d in enumerate(decodes):

@@ -25,10 +25,13 @@ the target model agrees with (plus one token of its own).
   phase and batch bucket of the whole step: proposing, then the graph call). A row whose proposals are accepted
   with rate a (an EMA per sequence, also updated on plain decode steps by comparing the sampled token with the
   first proposed one) yields E = (1 - a^(n+1)) / (1 - a) tokens from a verify call with n proposals. The step
-  speculates iff the mean E over its rows is >= r(B); otherwise it decodes, and the proposals still feed the
-  acceptance estimate. Prompt lookup proposes first and decides on what it found; a draft model costs a graph
-  call per token, so the step decides on the lengths it would propose and, when it decodes, asks the draft for
-  one token only (a probe: it keeps the draft's cache in step and measures acceptance).
+  speculates iff the mean E over its rows is >= r(B); otherwise it decodes, and prompt lookup's proposals still
+  feed the acceptance estimate. Prompt lookup proposes first and decides on what it found; a draft model costs a
+  graph call per token, so the step decides on the lengths it would propose and a plain step asks the draft for
+  nothing (its slots fall behind and catch up, in one prefill call, when it next proposes). Until both phases are
+  measured at a batch bucket, one verify step and then one plain step measure them; after `explore_every`
+  plain steps in a row one verify step re-measures the acceptance (a draft's is seen only when it verifies), and
+  each such step that the rule then still refuses doubles the gap to the next (up to `max_explore_gap`).
 """
 
 from __future__ import annotations
@@ -322,6 +325,10 @@ class SpecController:
     adaptive: bool = True
     smoothing: float = 0.2  # EMA weight of the newest observation
     prior_acceptance: float = 0.5
+    explore_every: int = 32  # plain steps in a row (that could have verified) before one verify re-measures
+    max_explore_gap: int = 1024
+    plain_run: int = 0
+    explore_gap: int = 0  # the current gap; 0: explore_every
     acceptance: dict[str, float] = field(default_factory=dict)  # request id -> EMA of per-token acceptance
     step_time: dict[tuple[str, int], float] = field(default_factory=dict)  # (phase, batch bucket) -> EMA seconds
 
@@ -329,10 +336,10 @@ class SpecController:
         a = min(self.acceptance.get(request_id, self.prior_acceptance), 0.999)
         return (1.0 - a ** (n + 1)) / (1.0 - a)
 
-    def cost_ratio(self, batch: int) -> float:
-        """Verify over decode step time at this batch bucket; 1.0 until both have been measured."""
+    def cost_ratio(self, batch: int) -> float | None:
+        """Verify over decode step time at this batch bucket; None until both have been measured."""
         v, d = self.step_time.get(("verify", batch)), self.step_time.get(("decode", batch))
-        return v / d if v and d else 1.0
+        return v / d if v and d else None
 
     def should_verify(self, lengths: dict[str, int], batch: int) -> bool:
         """`lengths`: request id -> tokens proposed (or that would be) for each row of the step."""
@@ -340,8 +347,19 @@ class SpecController:
             return False
         if not self.adaptive:
             return True
+        ratio = self.cost_ratio(batch)
+        if ratio is None:  # measure each phase once: a verify step first, then a plain one
+            return ("verify", batch) not in self.step_time
         mean = sum(self.expected_tokens(r, n) for r, n in lengths.items()) / len(lengths)
-        return mean >= self.cost_ratio(batch)
+        gap = self.explore_gap or self.explore_every
+        if mean >= ratio:
+            self.plain_run, self.explore_gap = 0, self.explore_every
+            return True
+        self.plain_run += 1
+        if self.plain_run >= gap:  # explore; if the rule still refuses after it, wait twice as long next time
+            self.plain_run, self.explore_gap = 0, min(2 * gap, self.max_explore_gap)
+            return True
+        return False
 
     def observe_step(self, phase: str, batch: int, seconds: float) -> None:
         key = (phase, batch)

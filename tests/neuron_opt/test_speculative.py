@@ -207,17 +207,19 @@ def test_sampled_requests_finish_under_speculation_and_are_reproducible(llms):
 
 
 def test_controller_verifies_only_when_the_expected_tokens_beat_the_cost():
-    c = SpecController(num_speculative_tokens=4)
+    c = SpecController(num_speculative_tokens=4, explore_every=8)
     assert not c.should_verify({"a": 0}, 1)
-    assert c.should_verify({"a": 4}, 1)  # no measurements yet: cost ratio 1
-    c.observe_step("decode", 1, 0.010)
+    assert c.should_verify({"a": 4}, 1)  # nothing measured: a verify step first
     c.observe_step("verify", 1, 0.030)  # a verify costs 3 decodes
+    assert not c.should_verify({"a": 4}, 1)  # then a plain step, to measure that phase too
+    c.observe_step("decode", 1, 0.010)
     for _ in range(30):
         c.observe_acceptance("a", 0, 4)  # never accepted: E -> 1 token per verify
-    assert not c.should_verify({"a": 4}, 1)
+    # plain steps, except that the 8th verifies again (the acceptance may have changed), then the 16th after it
+    assert [c.should_verify({"a": 4}, 1) for _ in range(24)] == [False] * 7 + [True] + [False] * 15 + [True]
     for _ in range(30):
         c.observe_acceptance("b", 4, 4)  # always accepted: E -> 5 tokens per verify
-    assert c.should_verify({"b": 4}, 1)
+    assert all(c.should_verify({"b": 4}, 1) for _ in range(10))
     assert c.expected_tokens("b", 4) == pytest.approx(5, rel=0.05)
 
 
