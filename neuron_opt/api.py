@@ -27,7 +27,7 @@ from neuron_opt.parallel import head_layout
 from neuron_opt.runtime.generate import GenerationOutput, generate_ids
 from neuron_opt.runtime.runner import ModelRunner
 from neuron_opt.runtime.sampling import SamplingParams
-from neuron_opt.runtime.speculative import SpecStats, SpeculativeConfig
+from neuron_opt.runtime.speculative import SpecStats, SpeculativeConfig, check_draft_tokenizer
 
 
 def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], max_model_len: int,
@@ -149,9 +149,7 @@ class LLM:
         if key not in drafts:
             draft = (LLM(model) if is_artifact(model) else
                      LLM(model, dtype=self.dtype, max_model_len=self.runner.max_model_len, batch_size=max_num_seqs))
-            if draft.tokenizer.get_vocab() != self.tokenizer.get_vocab():
-                raise ConfigError(f"speculative_model: {model}'s tokenizer differs from the target's; a draft model "
-                                  "must share the target's vocabulary", param="speculative_model")
+            check_draft_tokenizer(draft.tokenizer, self.tokenizer, model)
             drafts[key] = draft
         return drafts[key]
 

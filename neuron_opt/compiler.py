@@ -166,9 +166,10 @@ def draft_request(req: CompileRequest, cache_cfg: CacheConfig, buckets: BucketCo
         block_size=req.block_size, chunked_prefill=req.chunked_prefill, prefill_batch=req.prefill_batch)
 
 
-def check_draft_request(req: CompileRequest, ckpt: Any) -> None:
-    """Refuse a draft model the target could not use, before any long work."""
+def check_draft_request(req: CompileRequest, tokenizer: Any) -> None:
+    """Refuse a draft model the target (whose tokenizer is given) could not use, before any long work."""
     from neuron_opt.checkpoint import open_checkpoint
+    from neuron_opt.runtime.speculative import check_draft_tokenizer
 
     if not req.speculative_model:
         return
@@ -179,10 +180,7 @@ def check_draft_request(req: CompileRequest, ckpt: Any) -> None:
         raise ConfigError("--speculative-model: a draft beside a tp > 1 neuron program is not supported yet (one "
                           "process runs one SPMD device set); compile the draft separately and run it eagerly, or "
                           "use --speculative-method ngram", param="speculative_model")
-    draft = open_checkpoint(req.speculative_model)
-    if draft.tokenizer().get_vocab() != ckpt.tokenizer().get_vocab():
-        raise ConfigError(f"--speculative-model: {req.speculative_model}'s tokenizer differs from the target's; a "
-                          "draft model must share the target's vocabulary", param="speculative_model")
+    check_draft_tokenizer(open_checkpoint(req.speculative_model).tokenizer(), tokenizer, req.speculative_model)
 
 
 @dataclass
@@ -270,7 +268,8 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
         import_xla(dump=True, devices=req.parallel.tp)
     ckpt = open_checkpoint(req.model)
     cfg = ckpt.config
-    check_draft_request(req, ckpt)
+    tokenizer = ckpt.tokenizer()
+    check_draft_request(req, tokenizer)
     dtype_name = req.dtype or default_dtype(req.backend)
     req = CompileRequest(**{**asdict(req), "dtype": dtype_name, "parallel": req.parallel})
     cache_cfg, buckets = plan_buckets(cfg, req)
@@ -288,7 +287,6 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
     cache = CompileCache(req.cache_dir or envs.CACHE_DIR / "compile") if req.use_cache else None
     fingerprint = ckpt.weights_fingerprint()
     code = code_fingerprint()
-    tokenizer = ckpt.tokenizer()
     writer = ArtifactWriter(req.out)
     hits: list[str] = []
     misses: dict[str, str] = {}

@@ -23,15 +23,15 @@ the target model agrees with (plus one token of its own).
   exact for it too, whatever the request's sampling.
 - When it pays (`SpecController`): a verify step of batch B costs r(B) plain steps (measured online, an EMA per
   phase and batch bucket of the whole step: proposing, then the graph call). A row whose proposals are accepted
-  with rate a (an EMA per sequence, also updated on plain decode steps by comparing the sampled token with the
-  first proposed one) yields E = (1 - a^(n+1)) / (1 - a) tokens from a verify call with n proposals. The step
-  speculates iff the mean E over its rows is >= r(B); otherwise it decodes, and prompt lookup's proposals still
-  feed the acceptance estimate. Prompt lookup proposes first and decides on what it found; a draft model costs a
-  graph call per token, so the step decides on the lengths it would propose and a plain step asks the draft for
-  nothing (its slots fall behind and catch up, in one prefill call, when it next proposes). Until both phases are
-  measured at a batch bucket, one verify step and then one plain step measure them; after `explore_every`
-  plain steps in a row one verify step re-measures the acceptance (a draft's is seen only when it verifies), and
-  each such step that the rule then still refuses doubles the gap to the next (up to `max_explore_gap`).
+  with rate a (an EMA per sequence; with prompt lookup also updated on plain decode steps by comparing the sampled
+  token with the first proposed one) yields E = (1 - a^(n+1)) / (1 - a) tokens from a verify call with n proposals.
+  The step speculates iff the mean E over its rows is >= r(B); otherwise it decodes, and prompt lookup's proposals
+  still feed the acceptance estimate. Prompt lookup proposes first and decides on what it found; a draft model
+  costs a graph call per token, so the step decides on the lengths it would propose and a plain step asks the draft
+  for nothing (its slots fall behind and catch up, in one prefill call, when it next proposes). Until both phases
+  are measured at a batch bucket, one verify step and then one plain step measure them; after `explore_every` plain
+  steps in a row one verify step re-measures the acceptance (a draft's is seen only when it verifies), and each
+  such step that the rule then still refuses doubles the gap to the next (up to `max_explore_gap`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ import logging
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -136,6 +137,18 @@ class NgramProposer:
 CATCH_UP_DECODES = 4
 
 
+def _by_prefill(start: int, n: int) -> bool:
+    """Whether `n` tokens fed from position `start` run as one prefill call (else as decode steps)."""
+    return start == 0 or n > CATCH_UP_DECODES
+
+
+def check_draft_tokenizer(draft: Any, target: Any, model: str | Path) -> None:
+    """A draft model must tokenize as the target does: the same vocabulary (ConfigError otherwise)."""
+    if draft.get_vocab() != target.get_vocab():
+        raise ConfigError(f"speculative_model: {model}'s tokenizer differs from the target's; a draft model must "
+                          "share the target's vocabulary", param="speculative_model")
+
+
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     a_, b_ = np.asarray(a[:n]), np.asarray(b[:n])
@@ -194,7 +207,7 @@ class DraftModelProposer:
         c = min(_common_prefix(self.known[request_id], ids), len(ids) - 1)
         if len(ids) - c > CATCH_UP_DECODES and not self.runner.buckets.chunked_prefill:
             c = 0  # no offset prefill buckets: a long catch-up prefills the whole sequence again
-        if (c == 0 or len(ids) - c > CATCH_UP_DECODES) and len(ids) - c > self.runner.max_prompt_len:
+        if _by_prefill(c, len(ids) - c) and len(ids) - c > self.runner.max_prompt_len:
             return None  # longer than one prefill call of the draft reaches
         return c, ids[c:]
 
@@ -223,7 +236,7 @@ class DraftModelProposer:
     def _run(self, rows: list[_DraftRow], out: list[list[int]]) -> None:
         r = self.runner
         last: dict[int, torch.Tensor] = {}  # item index -> logits after its fed tokens
-        long = [row for row in rows if len(row.feed) > CATCH_UP_DECODES or row.start == 0]
+        long = [row for row in rows if _by_prefill(row.start, len(row.feed))]
         for j in range(0, len(long), r.buckets.prefill_batch):
             group = long[j:j + r.buckets.prefill_batch]
             logits = r.prefill_rows([PrefillRow(row.slot, tuple(row.feed), row.start) for row in group], candidates=1)

@@ -409,7 +409,17 @@ def test_bad_draft_models_are_refused_with_the_field(llms, draft_dir, tmp_path):
     short = LLM(draft_dir, batch_size=4, max_model_len=64)
     with pytest.raises(ConfigError, match="--max-model-len 128"):
         Engine(llm.runner, llm.tokenizer, llm.eos_token_ids, speculative=spec, draft=short.runner)
-    other = LLM(make_tiny("llama-gqa2", tmp_path, tokenizer=True), batch_size=4, max_model_len=128)  # 257 tokens
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    retok = shutil.copytree(draft_dir, tmp_path / "retok")  # same weights, a tokenizer with one token more
+    tok = AutoTokenizer.from_pretrained(retok)
+    tok.add_tokens(["<not-in-the-target>"])
+    tok.save_pretrained(retok)
+    with pytest.raises(ConfigError, match="tokenizer differs from the target's"):
+        llm.draft(retok, 4)
+    other = LLM(make_tiny("llama-gqa2", tmp_path / "gqa2", tokenizer=True), batch_size=4, max_model_len=128)
     with pytest.raises(ConfigError, match="vocabulary has 257 tokens"):
         Engine(llm.runner, llm.tokenizer, llm.eos_token_ids, speculative=spec, draft=other.runner)
 
