@@ -33,7 +33,7 @@ Pseudocode (per program = (b, kv head)):
     for split s: for tile [k0, k0 + w) (w <= 512):
             sc[:, tile] = q^T K^T[:, tile] + NEG^T relu(k0 + iota - len + 1)  # PSUM [G, w]
         m_s = rowmax(sc);  p = exp(scale*sc - scale*m_s) (rowsum -> l_s)
-        for 128-position chunk: o_s += transpose(p[:, chunk])^T @ V[chunk]          # PSUM [G, D]
+        V[tile] in one DMA as [128, w / 128, D];  for 128-position chunk: o_s += transpose(p[:, chunk])^T @ V[chunk]
     merge as above; store [G, D].
 
 Constraints: D <= 128, G <= 128, split_size a multiple of 128 and, above 512, of 512, at most 3584 (a split's
@@ -108,16 +108,20 @@ def decode_attention_kernel(q_t, k_t, v, lengths, softmax_scale=1.0, split_size=
             w = min(tile, s_max - s0 - t * tile)
             p = nisa.activation_reduce(nl.exp, s_ps[t, :, 0:w], reduce_op=nl.add, reduce_res=ls[:, t:t + 1],
                                        bias=nbias, scale=softmax_scale, dtype=mm_dtype)  # [G, w]
+            v_sb = _load_v(v, b, kvh, s0 + t * tile, w)  # [128, ceil(w / 128), D]: chunk j = positions j*128 + p
             for j in nl.static_range((w + P_CHUNK - 1) // P_CHUNK):
                 c0 = j * P_CHUNK
                 cw = min(P_CHUNK, w - c0)
-                pt = nl.copy(nisa.nc_transpose(p[:, c0:c0 + cw]), dtype=mm_dtype)  # [cw, G]
-                pos0 = s0 + t * tile + c0
-                v_sb = nl.load(v[b, kvh, pos0:pos0 + cw, :])  # [cw, D]
-                if t == 0 and j == 0:
-                    o_ps[...] = nisa.nc_matmul(pt, v_sb)  # [G, D]
+                pt_ps = nisa.nc_transpose(p[:, c0:c0 + cw])  # [cw, G] in PSUM
+                # PSUM -> SBUF copy alternating VectorE (row maxes, the busiest engine) and ScalarE (the exp).
+                if j % 2:
+                    pt = nisa.activation(nl.copy, pt_ps, dtype=mm_dtype)
                 else:
-                    o_ps[...] += nisa.nc_matmul(pt, v_sb)
+                    pt = nisa.tensor_copy(pt_ps, dtype=mm_dtype, engine=nisa.vector_engine)
+                if t == 0 and j == 0:
+                    o_ps[...] = nisa.nc_matmul(pt, v_sb[0:cw, j, :])  # [G, D]
+                else:
+                    o_ps[...] += nisa.nc_matmul(pt, v_sb[0:cw, j, :])
         l_all[:, sp:sp + 1] = nisa.tensor_reduce(nl.add, ls, axis=(1,), keepdims=True) if n_t > 1 else ls
         o_all[:, sp * d:(sp + 1) * d] = nl.copy(o_ps)
 
@@ -133,6 +137,20 @@ def decode_attention_kernel(q_t, k_t, v, lengths, softmax_scale=1.0, split_size=
     res = nl.multiply(acc, nisa.reciprocal(l_glob), dtype=out.dtype)
     nl.store(out[b, kvh], value=res)
     return out
+
+
+def _load_v(v, b, kvh, k0, w):
+    """V rows [k0, k0 + w) as `[128, ceil(w / 128), D]` in one DMA for the full chunks (one more for a tail)."""
+    d = v.shape[3]
+    n_ch = (w + P_CHUNK - 1) // P_CHUNK
+    full = w // P_CHUNK
+    v_sb = nl.ndarray((P_CHUNK, n_ch, d), dtype=v.dtype, buffer=nl.sbuf)
+    if full:
+        i_p, i_c, i_d = nl.mgrid[0:P_CHUNK, 0:full, 0:d]
+        v_sb[:, 0:full, :] = nl.load(v[b, kvh, k0 + i_c * P_CHUNK + i_p, i_d])
+    if w % P_CHUNK:
+        v_sb[0:w % P_CHUNK, full, :] = nl.load(v[b, kvh, k0 + full * P_CHUNK:k0 + w, :])
+    return v_sb
 
 
 def _check(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.ndarray,

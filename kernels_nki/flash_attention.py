@@ -14,39 +14,48 @@ Kernel layouts (HBM):
 Launch: SPMD grid `[B, n_kv_heads, G]`, one program per (batch, query head); the head is factored as
 (kv head, member of its group) so that every index is affine in the program ids (no division).
 
-Tiling (per program):
-    K^T `[D, S]` and V `[S, D]` (as 128-row chunks side by side) stay resident in SBUF, loaded once.
-    Query tiles of 128 rows (stationary operand, `[D, 128]`); key sub-tiles of 512 (moving operand; the
-    `[128, 512]` fp32 score tile is exactly one PSUM bank); sub-tiles are grouped in blocks of up to 2048 keys
-    (4 banks) so that the online-softmax bookkeeping (max merge, rescale of the output) runs once per block.
-    Every loop is `nl.static_range`, so tile extents are Python ints: the tail of S and the causal diagonal
-    need no runtime masks, and key tiles entirely in the future of a query tile are never issued.
+Streaming (per program): queries are taken in groups of `Q_GROUP` tiles of 128 rows (512 queries); a group's
+Q^T `[D, 512]` and its online-softmax state stay in SBUF while K^T and V stream from HBM in blocks of
+`K_BLOCK` keys (K^T `[D, 2048]` in one DMA, V as `[128, 16, D + 1]` in one DMA: chunk c holds keys c*128 + p,
+its last column 1.0). Every K/V byte is read once per group, so HBM traffic is S^2 * D * 4 / 512 bytes (bf16):
+at S = 4096 one head moves 16 MiB where compute takes ~150 us, well under trn1's DMA rate. SBUF use does
+not depend on S (`sbuf_bytes`); S is bounded only by HBM.
 
-Pseudocode (per program, per query tile [q0, q0 + qr)):
-    kend = min(S, q0 + qr) if causal else S
-    for block [k0, k0 + 2048) within [0, kend):
-        for sub-tile c:  s[c] = q_tile^T @ K^T[:, keys]              # TensorE -> PSUM [qr, <=512]
-                         if it holds keys [q0, q0 + qr): s[c][:, those] += I^T @ tri (0 or -1e30)  # TensorE
-                         mx[c] = rowmax(s[c])                         # VectorE, reads PSUM
-        m_new = max(m, mx[0], ..., mx[n-1])       # one small VectorE reduce over [m | mx]
-        nbias = -scale * m_new                    # GpSimd
-        for sub-tile c:  p = exp(scale * s[c] + nbias)  (bf16/fp32)                          # ScalarE
+Loops (core/loops.py in the simulator checks both rules):
+    key blocks before the diagonal   `nl.sequential_range` (the online-softmax state is carried); every
+                                     iteration issues the same instructions, so the compiler keeps it rolled
+    query groups, non-causal         `nl.affine_range` over the full groups (independent), then the tail group
+    query groups, causal             `nl.static_range` (each group sees a different number of key blocks)
+    sub-tiles, chunks, group members `nl.static_range` (fixed small trip counts; extents are Python ints)
+    The key tail (S % K_BLOCK) and the causal diagonal are peeled out of the rolled loop as static steps, so
+    tile extents stay Python ints and tiles entirely in the future of a query tile are never issued. The
+    compiled program grows with the number of query groups (S / 512), not with S^2.
+
+Pseudocode (per program, per query group [q0, q0 + 512)):
+    q = Q^T[:, group];  per member tile t: m_t = -1e30, o_t = 0   (o's last column is the running row sum l)
+    for key block kb in [0, kend_full) (sequential):  load K^T block, V block;  for t: step(t, all 4 sub-tiles)
+    tail keys (non-causal) / diagonal keys [q0, q0 + 128 t + qr) (causal, mask on the last 128 columns): step
+    step(t, keys):
+        for sub-tile c:  s[c] = q_t^T @ K^T[:, keys c]          # TensorE -> PSUM [qr, <=512]
+                         (diagonal: s[c][:, t's own 128 keys] += I^T @ tri, 0 or -1e30)   # TensorE
+                         st[:, 1 + c] = rowmax(s[c])            # VectorE, reads PSUM
+        m_new = max(st[:, 0:1 + n]);  nbias = -scale * m_new    # VectorE, GpSimd
+        alpha = exp(scale * st[:, 0] + nbias);  st[:, 0] = m_new # ScalarE, GpSimd
+        for sub-tile c:  p = exp(scale * s[c] + nbias)  (bf16/fp32)                        # ScalarE
                          for 128-key chunk: pT = transpose(p[:, chunk])  # TensorE -> PSUM; copy to SBUF on
-                                                                         # VectorE (23/64) or ScalarE
+                                                                         # VectorE (6/16) or ScalarE
                                             pv += pT^T @ [V | 1][chunk]  # TensorE, PSUM accumulation
-        o = pv (first block)  |  o = exp(scale * (m - m_new)) * o + copy(pv)   # ScalarE copy, GpSimd math
-    out[q0:q0 + qr] = o[:, :D] * (1 / o[:, D])   # o[:, D] is the running row sum l; multiply on GpSimd
+        o_t = alpha * o_t + copy(pv)                           # ScalarE copy out of PSUM, GpSimd math
+    out[tile t] = o_t[:, :D] * (1 / o_t[:, D])                 # VectorE reciprocal, GpSimd multiply
 
-    The ones column makes TensorE produce the row sums (moving free D + 1 instead of D, +1%), which is
-    cheaper than ScalarE's reduce read-out and keeps the sum consistent with the bf16 P actually multiplied.
-    Per 128x512 score tile the cost model's floor is ~610 ns (three passes over the scores shared by
-    VectorE and ScalarE), TensorE needs 550 ns of which 366 are useful: ~60% at best (docs/kernels.md).
+    Starting from m = -1e30 and o = 0 makes the first block an ordinary step (alpha = 0), which keeps the
+    rolled loop uniform. The ones column makes TensorE produce the row sums (moving free D + 1 instead of D,
+    +1%), cheaper than ScalarE's reduce read-out and consistent with the bf16 P actually multiplied. Per
+    128x512 score tile the cost model's floor is ~610 ns (three passes over the scores shared by VectorE and
+    ScalarE); TensorE needs 550 ns of which 366 are useful: ~60% at best (docs/kernels.md).
 
 Constraints: D <= 128; q, k, v share one dtype (float32 or bfloat16; matmuls run in that dtype, softmax
-statistics in float32). Q^T, K^T and V stay resident in SBUF: a `[D, S]` tile costs S * itemsize bytes in
-each partition whatever D is, V `ceil(S / 128) * (D + 1) * itemsize`, plus the per-tile working set
-(`sbuf_bytes`); against the 180224 bytes per partition a trn1 kernel may use, S <= 28560 for bf16 and D = 128
-(`max_seq_len`).
+statistics in float32). SBUF per partition (`sbuf_bytes`) is about 20 KiB for bf16, D = 128, whatever S.
 """
 
 from __future__ import annotations
@@ -56,17 +65,15 @@ from typing import Any
 
 import numpy as np
 
-from kernels_nki._nki import DEFAULT_TARGET, nisa, nki, nl, sbuf_capacity, simulate
+from kernels_nki._nki import nisa, nki, nl, simulate
 from neuron_opt.errors import KernelArgumentError
 
 Q_TILE = 128  # query rows per tile: the partition count of the score tile
+Q_GROUP = 4  # query tiles that share one pass over K/V (512 queries: K/V HBM traffic / 512 per query)
 K_TILE = 512  # keys per score matmul: one PSUM bank of fp32
-K_BLOCK = 2048  # keys per online-softmax step (4 PSUM banks of scores)
-NEG = -1.0e30  # masked score; exp(scale * NEG - m) underflows to exactly 0
-# SBUF bytes per partition for the tiles of one query tile (statistics, output accumulator, P, P^T, the causal
-# masks, temporaries awaiting release); the simulator counts at most 4144 (fp32, D = 128), the rest is margin.
-SBUF_WORKING_SET = 8 * 1024
-EVICT_VECTOR = (23, 64)  # share of P^T evictions on VectorE (the rest on ScalarE), see docs/kernels.md
+K_BLOCK = 2048  # keys per streamed K/V block (4 score sub-tiles); a multiple of K_TILE
+NEG = -1.0e30  # masked score and initial running max; exp(scale * NEG - m) underflows to exactly 0
+EVICT_VECTOR = (6, 16)  # of every 16 P^T evictions in a step, 6 on VectorE and 10 on ScalarE (docs/kernels.md)
 
 
 @nki.jit
@@ -79,49 +86,28 @@ def flash_attention_kernel(q_t, k_t, v, causal=True, softmax_scale=1.0):
     kvh = nl.program_id(1)
     h = kvh * group + nl.program_id(2)
     mm_dtype = q_t.dtype
-    n_chunks = (s + Q_TILE - 1) // Q_TILE
-    dv = d + 1  # V with a ones column: P @ [V | 1] yields the output and the row sums in one matmul
-
-    # Resident operands: all queries and keys transposed [D, S]; values as 128-row chunks side by side, each
-    # chunk [128, D + 1] with its last column 1.0 (memset once, then V loaded over the first D columns).
-    q_sb = nl.load(q_t[b, h])  # [D, S]
-    k_sb = nl.load(k_t[b, kvh])  # [D, S]
-    v_sb = nl.ones((Q_TILE, n_chunks * dv), dtype=mm_dtype, buffer=nl.sbuf)  # chunk t: keys t*128 + p
-    for t in nl.static_range(n_chunks):
-        rows = min(Q_TILE, s - t * Q_TILE)
-        v_sb[0:rows, t * dv:t * dv + d] = nl.load(v[b, kvh, t * Q_TILE:t * Q_TILE + rows, :])
-
     masks = _causal_masks(mm_dtype) if causal else None
-    evictions = [0]  # running count of P^T evictions, to spread them over VectorE and ScalarE
-    for qi in nl.static_range(n_chunks):
-        q0 = qi * Q_TILE
-        qr = min(Q_TILE, s - q0)
-        kend = min(s, q0 + qr) if causal else s
-        q_tile = q_sb[:, q0:q0 + qr]  # [D, qr] stationary
-        # Online-softmax state of this query tile: two statistics buffers swapped every block (column 0: the
-        # running max before the block, columns 1..: the block's sub-tile maxes) and the unnormalised output,
-        # whose last column is the running row sum.
-        stats = [nl.ndarray((qr, 1 + K_BLOCK // K_TILE), dtype=nl.float32, buffer=nl.sbuf) for _ in range(2)]
-        o = nl.ndarray((qr, dv), dtype=nl.float32, buffer=nl.sbuf)
-        for blk in nl.static_range((kend + K_BLOCK - 1) // K_BLOCK):
-            kb = blk * K_BLOCK
-            widths = [min(K_TILE, kend - k0) for k0 in range(kb, min(kend, kb + K_BLOCK), K_TILE)]
-            _block(q_tile, k_sb, v_sb, stats[blk % 2], stats[(blk + 1) % 2], o, q0, qr, kb, widths, d,
-                   masks, softmax_scale, mm_dtype, blk == 0, evictions)
-        # Epilogue on GpSimd (SBUF only, otherwise idle): out = o[:, :D] / l.
-        inv_l = nisa.reciprocal(o[:, d:dv])
-        o_out = nisa.tensor_scalar(o[:, 0:d], nl.multiply, inv_l, dtype=out.dtype, engine=nisa.gpsimd_engine)
-        nl.store(out[b, h, q0:q0 + qr, :], value=o_out)
+    args = (q_t, k_t, v, out, b, h, kvh, s, d, masks, softmax_scale, mm_dtype)
+    rows = Q_GROUP * Q_TILE
+    n_groups = (s + rows - 1) // rows
+    if causal:
+        for gi in nl.static_range(n_groups):
+            _query_group(gi * rows, *args)
+    else:
+        for gi in nl.affine_range(s // rows):  # full groups: independent, identical bodies
+            _query_group(gi * rows, *args)
+        if s % rows:
+            _query_group(s - s % rows, *args)
     return out
 
 
 def _causal_masks(mm_dtype):
     """Identity [128, 128] and the additive causal mask of a diagonal [128, 128] block (GpSimd, once).
 
-    Only the last key sub-tile of a query tile [q0, q0 + qr) reaches past q0 (the sub-tiles start at
-    multiples of 512 <= q0 and end at q0 + qr), and in it only the keys [q0, q0 + qr) need masking:
-    mask[p, f] = 0 where f <= p, else NEG. Adding `I^T @ mask` into those qr columns of the score PSUM tile
-    masks them on TensorE (qr cycles), so VectorE and ScalarE read the masked scores straight from PSUM.
+    On its diagonal step a query tile [q0', q0' + qr) sees keys [q0, q0' + qr) and only the last qr of them,
+    [q0', q0' + qr), need masking: mask[p, f] = 0 where f <= p, else NEG. Adding `I^T @ mask` into those qr
+    columns of the score PSUM tile masks them on TensorE (qr cycles), so VectorE and ScalarE read the masked
+    scores straight from PSUM.
     """
     i_p = nl.arange(Q_TILE)[:, None]
     i_q = nl.arange(Q_TILE)[None, :]
@@ -132,67 +118,116 @@ def _causal_masks(mm_dtype):
     return ident, tri
 
 
-def _block(q_tile, k_sb, v_sb, st_old, st_new, o, q0, qr, kb, widths, d, masks, scale, mm_dtype, first,
-           evictions):
-    """One online-softmax step of a query tile over the keys [kb, kb + sum(widths)).
+def _query_group(q0, q_t, k_t, v, out, b, h, kvh, s, d, masks, scale, mm_dtype):
+    """Queries [q0, q0 + up to Q_GROUP * 128): stream the keys they attend to, then normalise and store."""
+    n_rows = min(Q_GROUP * Q_TILE, s - q0)
+    tiles = [(t * Q_TILE, min(Q_TILE, n_rows - t * Q_TILE)) for t in range((n_rows + Q_TILE - 1) // Q_TILE)]
+    n_sub = K_BLOCK // K_TILE
+    q_sb = nl.load(q_t[b, h, :, q0:q0 + n_rows])  # [D, n_rows] stationary operands of the group
+    # Online-softmax state per member tile: column 0 the running max, columns 1.. a step's sub-tile maxes;
+    # o's last column is the running row sum.
+    st = nl.full((len(tiles), nl.par_dim(Q_TILE), 1 + n_sub), NEG, dtype=nl.float32, buffer=nl.sbuf)
+    o = nl.zeros((len(tiles), nl.par_dim(Q_TILE), d + 1), dtype=nl.float32, buffer=nl.sbuf)
+    kend = q0 if masks is not None else s  # keys every member sees in full
+    n_full = kend // K_BLOCK
+    state = (q_sb, tiles, st, o, d, scale, mm_dtype)
+    for j in nl.sequential_range(n_full):
+        k_blk, v_blk = _load_kv(k_t, v, b, kvh, j * K_BLOCK, K_BLOCK, d, mm_dtype)
+        for t in nl.static_range(len(tiles)):
+            _step(t, k_blk, v_blk, _widths(K_BLOCK), None, *state)
+    if kend % K_BLOCK:
+        k_blk, v_blk = _load_kv(k_t, v, b, kvh, n_full * K_BLOCK, kend % K_BLOCK, d, mm_dtype)
+        for t in nl.static_range(len(tiles)):
+            _step(t, k_blk, v_blk, _widths(kend % K_BLOCK), None, *state)
+    if masks is not None:  # the group's own keys [q0, q0 + n_rows): member t sees the first r + qr of them
+        k_blk, v_blk = _load_kv(k_t, v, b, kvh, q0, n_rows, d, mm_dtype)
+        for t in nl.static_range(len(tiles)):
+            r, qr = tiles[t]
+            _step(t, k_blk, v_blk, _widths(r + qr), (masks, r), *state)
+    for t in nl.static_range(len(tiles)):
+        r, qr = tiles[t]
+        inv_l = nisa.reciprocal(o[t, 0:qr, d:d + 1])
+        o_out = nisa.tensor_scalar(o[t, 0:qr, 0:d], nl.multiply, inv_l, dtype=out.dtype, engine=nisa.gpsimd_engine)
+        nl.store(out[b, h, q0 + r:q0 + r + qr, :], value=o_out)
 
-    `st_old[:, 0]` holds the running max before this block (unless `first`); the block's sub-tile maxes go to
-    `st_old[:, 1:]` and the new running max to `st_new[:, 0]`. Updates `o` in place. `masks` is
-    `_causal_masks(...)` for causal attention, else None.
+
+def _widths(n):
+    return [min(K_TILE, n - k0) for k0 in range(0, n, K_TILE)]
+
+
+def _load_kv(k_t, v, b, kvh, k0, n, d, mm_dtype):
+    """K^T [D, n] and V of keys [k0, k0 + n) as [128, ceil(n / 128), D + 1] (chunk c: keys k0 + c*128 + p)."""
+    k_blk = nl.load(k_t[b, kvh, :, k0:k0 + n])
+    n_ch = (n + Q_TILE - 1) // Q_TILE
+    full = n // Q_TILE
+    v_blk = nl.ndarray((Q_TILE, n_ch, d + 1), dtype=mm_dtype, buffer=nl.sbuf)
+    v_blk[:, :, d:d + 1] = 1.0  # the ones column (GpSimd memset of n_ch elements per partition)
+    if full:
+        i_p, i_c, i_d = nl.mgrid[0:Q_TILE, 0:full, 0:d]
+        v_blk[:, 0:full, 0:d] = nl.load(v[b, kvh, k0 + i_c * Q_TILE + i_p, i_d])  # one DMA for the full chunks
+    if n % Q_TILE:
+        rem = n % Q_TILE
+        v_blk[0:rem, full, 0:d] = nl.load(v[b, kvh, k0 + full * Q_TILE:k0 + n, :])
+    return k_blk, v_blk
+
+
+def _step(t, k_blk, v_blk, widths, diag, q_sb, tiles, st, o, d, scale, mm_dtype):
+    """One online-softmax step of member tile t over the keys of `k_blk`/`v_blk` split as `widths`.
+
+    `diag` is None, or `(masks, r)`: the last sub-tile's columns [r, r + qr) are t's own keys (causal mask).
+    Updates `st[t]` and `o[t]` in place.
     """
+    r0, qr = tiles[t]
+    q_tile = q_sb[:, r0:r0 + qr]  # [D, qr]
+    stt = st[t, 0:qr, :]
     n_sub = len(widths)
     s_ps = nl.ndarray((n_sub, nl.par_dim(qr), K_TILE), dtype=nl.float32, buffer=nl.psum)
     scores = []
     for c in nl.static_range(n_sub):
-        k0, w = kb + c * K_TILE, widths[c]
-        s_ps[c, :, 0:w] = nisa.nc_matmul(q_tile, k_sb[:, k0:k0 + w])  # [qr, w] = q^T k
-        if masks is not None and k0 + w - 1 > q0:  # the diagonal block: keys [q0, q0 + qr) = columns r..
-            r = q0 - k0
-            s_ps[c, :, r:r + qr] += nisa.nc_matmul(masks[0][0:qr, 0:qr], masks[1][0:qr, 0:qr])  # += mask
+        k0, w = c * K_TILE, widths[c]
+        s_ps[c, :, 0:w] = nisa.nc_matmul(q_tile, k_blk[:, k0:k0 + w])  # [qr, w] = q^T k
+        if diag is not None and c == n_sub - 1:
+            (ident, tri), r = diag
+            rc = r - k0
+            s_ps[c, :, rc:rc + qr] += nisa.nc_matmul(ident[0:qr, 0:qr], tri[0:qr, 0:qr])  # += mask
         scores.append(s_ps[c, :, 0:w])
-        st_old[:, 1 + c:2 + c] = nisa.tensor_reduce(nl.maximum, scores[c], axis=(1,), keepdims=True)
-    # New running max = max over [old max | sub-tile maxes] in one small reduce (no separate max merge).
-    lo = 1 if first else 0
-    st_new[:, 0:1] = nisa.tensor_reduce(nl.maximum, st_old[:, lo:1 + n_sub], axis=(1,), keepdims=True)
-    m_new = st_new[:, 0:1]
+        stt[:, 1 + c:2 + c] = nisa.tensor_reduce(nl.maximum, scores[c], axis=(1,), keepdims=True)
+    m_new = nisa.tensor_reduce(nl.maximum, stt[:, 0:1 + n_sub], axis=(1,), keepdims=True)  # [old | sub maxes]
     nbias = nisa.tensor_scalar(m_new, nl.multiply, -scale, engine=nisa.gpsimd_engine)  # exp(sc*s - sc*m)
-    pv_ps = _exp_pv(scores, nbias, v_sb, kb, widths, d, scale, mm_dtype, evictions)
-    if first:
-        o[...] = nisa.activation(nl.copy, pv_ps, dtype=nl.float32)
-        return
-    alpha = nisa.activation(nl.exp, st_old[:, 0:1], bias=nbias, scale=scale)  # exp(sc * (m_old - m_new))
+    alpha = nisa.activation(nl.exp, stt[:, 0:1], bias=nbias, scale=scale)  # exp(sc * (m_old - m_new)); 0 at first
+    stt[:, 0:1] = nisa.tensor_copy(m_new, engine=nisa.gpsimd_engine)
+    pv_ps = _exp_pv(scores, nbias, v_blk, widths, d, scale, mm_dtype)
     # o = alpha * o + pv: ScalarE moves pv out of PSUM (the only PSUM read), GpSimd does the arithmetic.
+    ot = o[t, 0:qr, :]
     pv_sb = nisa.activation(nl.copy, pv_ps, dtype=nl.float32)
-    o_scaled = nisa.tensor_scalar(o, nl.multiply, alpha, engine=nisa.gpsimd_engine)
-    o[...] = nisa.tensor_tensor(o_scaled, pv_sb, nl.add, engine=nisa.gpsimd_engine)
+    o_scaled = nisa.tensor_scalar(ot, nl.multiply, alpha, engine=nisa.gpsimd_engine)
+    ot[...] = nisa.tensor_tensor(o_scaled, pv_sb, nl.add, engine=nisa.gpsimd_engine)
 
 
-def _exp_pv(scores, nbias, v_sb, kb, widths, d, scale, mm_dtype, evictions):
+def _exp_pv(scores, nbias, v_blk, widths, d, scale, mm_dtype):
     """P = exp(scale * s - scale * m) per sub-tile, P^T by TensorE, and P @ [V | 1] accumulated in PSUM."""
     qr = scores[0].shape[0]
-    dv = d + 1
-    pv_ps = nl.ndarray((qr, dv), dtype=nl.float32, buffer=nl.psum)
+    pv_ps = nl.ndarray((qr, d + 1), dtype=nl.float32, buffer=nl.psum)
     n_mm = 0
+    num, den = EVICT_VECTOR
     for c in nl.static_range(len(widths)):
         w = widths[c]
         p = nisa.activation(nl.exp, scores[c], bias=nbias, scale=scale, dtype=mm_dtype)  # [qr, w]
         pt_ps = nl.ndarray((nl.par_dim(Q_TILE), K_TILE), dtype=nl.float32, buffer=nl.psum)
-        for j in nl.static_range((w + Q_TILE - 1) // Q_TILE):
+        n_ch = (w + Q_TILE - 1) // Q_TILE
+        for j in nl.static_range(n_ch):
             cw = min(Q_TILE, w - j * Q_TILE)
             pt_ps[0:cw, j * Q_TILE:j * Q_TILE + qr] = nisa.nc_transpose(p[:, j * Q_TILE:j * Q_TILE + cw])
-        for j in nl.static_range((w + Q_TILE - 1) // Q_TILE):
+        for j in nl.static_range(n_ch):
             cw = min(Q_TILE, w - j * Q_TILE)
-            kt = (kb + c * K_TILE) // Q_TILE + j
             src = pt_ps[0:cw, j * Q_TILE:j * Q_TILE + qr]  # [cw keys, qr]
-            # PSUM -> SBUF copies of P^T, EVICT_VECTOR[0] of every EVICT_VECTOR[1] on VectorE and the rest on
-            # ScalarE: VectorE already does the row max, ScalarE the exp (see docs/kernels.md).
-            num, den = EVICT_VECTOR
-            if evictions[0] * num % den < num:
+            # PSUM -> SBUF copies of P^T, a fixed pattern of `num` in `den` on VectorE, the rest on ScalarE:
+            # VectorE already does the row max, ScalarE the exp (see docs/kernels.md).
+            if n_mm * num % den < num:
                 pt = nisa.tensor_copy(src, dtype=mm_dtype, engine=nisa.vector_engine)
             else:
                 pt = nisa.activation(nl.copy, src, dtype=mm_dtype)
-            evictions[0] += 1
-            mm = nisa.nc_matmul(pt, v_sb[0:cw, kt * dv:(kt + 1) * dv])  # [qr, D + 1]
+            mm = nisa.nc_matmul(pt, v_blk[0:cw, c * (K_TILE // Q_TILE) + j, :])  # [qr, D + 1]
             if n_mm == 0:
                 pv_ps[...] = mm
             else:
@@ -215,36 +250,24 @@ def _check(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
     if not q.dtype == k.dtype == v.dtype or q.dtype.name not in ("float32", "bfloat16"):
         raise KernelArgumentError(f"flash_attention: q, k, v must share dtype float32 or bfloat16; "
                                   f"got {q.dtype}, {k.dtype}, {v.dtype}")
-    _check_sbuf(s, d, q.dtype, DEFAULT_TARGET)
 
 
-def sbuf_bytes(s: int, d: int, dtype: Any) -> int:
+SBUF_WORKING_SET = 8 * 1024  # per-step temporaries (P, P^T copies, pv, alpha * o) and margin
+
+
+def sbuf_bytes(d: int, dtype: Any) -> int:
     """SBUF bytes per partition one program holds at its peak, counted as the simulator's allocator does.
 
-    The allocator charges a tile the bytes of its free dims in every partition: Q^T and K^T `[D, S]` cost
-    S * itemsize each, V `[128, n_chunks * (D + 1)]` n_chunks * (D + 1) * itemsize; then `SBUF_WORKING_SET`.
+    Independent of S: Q^T of a group `[D, 512]`, the two causal masks `[128, 128]`, the group's state
+    (`[128, 1 + K_BLOCK / 512]` and `[128, D + 1]` fp32 per member), and at most two K/V blocks live at once
+    (K^T `[D, K_BLOCK]`, V `[128, K_BLOCK / 128, D + 1]`: the key tail's and the diagonal's), plus
+    `SBUF_WORKING_SET`. The allocator charges a tile the bytes of its free dims in every partition.
     """
-    itemsize = np.dtype(dtype).itemsize
-    n_chunks = (s + Q_TILE - 1) // Q_TILE
-    return 2 * s * itemsize + n_chunks * (d + 1) * itemsize + SBUF_WORKING_SET
-
-
-def max_seq_len(d: int, dtype: Any, target: str = DEFAULT_TARGET) -> int:
-    """Longest S whose `sbuf_bytes` fit the SBUF a kernel may use on `target`."""
-    cap = sbuf_capacity(target)
-    lo, hi = 0, cap  # sbuf_bytes grows with S and exceeds cap at S = cap
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if sbuf_bytes(mid, d, dtype) <= cap else (lo, mid)
-    return lo
-
-
-def _check_sbuf(s: int, d: int, dtype: Any, target: str) -> None:
-    need, cap = sbuf_bytes(s, d, dtype), sbuf_capacity(target)
-    if need > cap:
-        raise KernelArgumentError(f"flash_attention: S={s}, D={d}, {np.dtype(dtype).name} needs {need} SBUF bytes "
-                                  f"per partition (Q^T, K^T and V resident plus the working set), more than the "
-                                  f"{cap} a kernel may use on {target}; S <= {max_seq_len(d, dtype, target)} fits")
+    it = np.dtype(dtype).itemsize
+    n_sub = K_BLOCK // K_TILE
+    state = Q_GROUP * ((1 + n_sub) * 4 + (d + 1) * 4)
+    kv = K_BLOCK * it + (K_BLOCK // Q_TILE) * (d + 1) * it
+    return Q_GROUP * Q_TILE * it + 2 * Q_TILE * it + state + 2 * kv + SBUF_WORKING_SET
 
 
 def run(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool = True,
@@ -262,8 +285,7 @@ def run(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool = True,
         `[B, n_heads, S, D]` in q's dtype.
 
     Raises:
-        KernelArgumentError: Shapes or dtypes the kernel does not support, or S too long for SBUF on the
-            simulator's default target (`max_seq_len`).
+        KernelArgumentError: Shapes or dtypes the kernel does not support.
     """
     _check(q, k, v)
     b, n_heads, _, d = q.shape
@@ -289,13 +311,10 @@ def estimate(b: int, n_heads: int, n_kv_heads: int, s: int, d: int, *, causal: b
     Returns:
         The simulator's `Report` (latency, per-engine busy time, TensorE utilisation).
 
-    Raises:
-        KernelArgumentError: S too long for SBUF on `target` (`max_seq_len`).
     """
     from neuron_opt import nki_sim
 
     dt = nl.bfloat16 if dtype is None else dtype
-    _check_sbuf(s, d, dt, target)
     grid = flash_attention_kernel[b, n_kv_heads, n_heads // n_kv_heads]
     _, rep = nki_sim.simulate_kernel(grid, nki_sim.ShapeDtype((b, n_heads, d, s), dt),
                                      nki_sim.ShapeDtype((b, n_kv_heads, d, s), dt),

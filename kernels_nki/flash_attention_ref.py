@@ -6,7 +6,7 @@ import numpy as np
 
 
 def flash_attention_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool = True,
-                        softmax_scale: float | None = None) -> np.ndarray:
+                        softmax_scale: float | None = None, query_rows: np.ndarray | None = None) -> np.ndarray:
     """softmax(scale * q @ k^T [+ causal mask]) @ v, with grouped KV heads.
 
     Args:
@@ -15,19 +15,22 @@ def flash_attention_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: 
         v: `[B, n_kv_heads, S, D]`.
         causal: Query i attends to keys 0..i only.
         softmax_scale: Defaults to `1 / sqrt(D)`.
+        query_rows: Only these query positions (sorted or not), for sequences whose full score matrix would
+            not fit in memory.
 
     Returns:
-        `[B, n_heads, S, D]` float64.
+        `[B, n_heads, S, D]` float64, or `[B, n_heads, len(query_rows), D]`.
     """
     b, n_heads, s, d = q.shape
     group = n_heads // k.shape[1]
     scale = 1.0 / np.sqrt(d) if softmax_scale is None else softmax_scale
-    qf = q.astype(np.float64)
+    rows = np.arange(s) if query_rows is None else np.asarray(query_rows)
+    qf = q[:, :, rows].astype(np.float64)
     kf = np.repeat(k.astype(np.float64), group, axis=1)  # [B, n_heads, S, D]
     vf = np.repeat(v.astype(np.float64), group, axis=1)  # [B, n_heads, S, D]
-    scores = scale * np.einsum("bhqd,bhkd->bhqk", qf, kf)  # [B, n_heads, S, S]
+    scores = scale * np.einsum("bhqd,bhkd->bhqk", qf, kf)  # [B, n_heads, rows, S]
     if causal:
-        future = np.triu(np.ones((s, s), dtype=bool), k=1)
+        future = np.arange(s)[None, :] > rows[:, None]
         scores = np.where(future, -np.inf, scores)
     scores -= scores.max(axis=-1, keepdims=True)
     p = np.exp(scores)

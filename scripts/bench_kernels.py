@@ -16,10 +16,15 @@ import json
 from typing import Any
 
 from kernels_nki import decode_attention, flash_attention, rmsnorm
+from neuron_opt.nki_sim import get_target
 
 
 def _entry(name: str, shape: dict[str, Any], rep: Any, useful_flops: int | None = None) -> dict[str, Any]:
     d: dict[str, Any] = {"kernel": name, "shape": shape, **rep.to_dict()}
+    # The bandwidth bound: the bytes moved at the core's sustained DMA rate, no fixed costs.
+    tgt = get_target(rep.target)
+    d["bandwidth_bound_us"] = rep.dma_bytes / tgt.dma_gbps / 1e3
+    d["of_bandwidth_bound"] = d["bandwidth_bound_us"] / rep.latency_us
     if useful_flops is not None:
         # The report counts every matmul (incl. the causal-mask matmuls); this counts only attention's own.
         d["useful_flops"] = useful_flops
@@ -65,7 +70,8 @@ def main() -> None:
         print(f"{r['kernel']:<17} {json.dumps(r['shape'])}")
         print(f"  latency {r['latency_us']:10.2f} us  bound by {r['bound_by']:<7} "
               f"TensorE util {util * 100:5.1f}%  "
-              f"DMA {r['dma_bytes'] / 2**20:8.2f} MiB")
+              f"DMA {r['dma_bytes'] / 2**20:8.2f} MiB ({r['of_bandwidth_bound'] * 100:5.1f}% of the bandwidth "
+              f"bound)  {r['static_instructions']} static instructions")
         busy = "  ".join(f"{e} {st['busy_us']:.1f}" for e, st in r["engines"].items())
         print(f"  busy us: {busy}  dma {r['dma_busy_us']:.1f}")
 

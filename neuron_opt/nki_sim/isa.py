@@ -307,8 +307,10 @@ def dma_copy(
 def tensor_copy_predicated(*, src: Tile, dst: Tile, predicate: Tile, mask: Any = None) -> None:
     """Copy src into dst where predicate != 0 (VectorE); dst untouched elsewhere."""
     ctx = _current()
-    for t, n in ((src, "src"), (dst, "dst"), (predicate, "predicate")):
+    for t, n in ((src, "src"), (predicate, "predicate")):
         _operand(t, n, "tensor_copy_predicated")
+    _operand(dst, "dst", "tensor_copy_predicated", access=None)
+    ctx.access(dst, "write")
     if src.partitions != dst.partitions or predicate.partitions != dst.partitions:
         raise PartitionError("tensor_copy_predicated operands must have the same number of partitions")
     both_sbuf = src.buffer.value == predicate.buffer.value == "sbuf"

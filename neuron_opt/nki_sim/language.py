@@ -220,24 +220,19 @@ def ds(start: int, size: int) -> slice:
     return slice(int(start), int(start) + int(size))
 
 
-def _loop(args: tuple[int, ...]) -> Iterator[int]:
-    ctx = _current()
-    for i in range(*args):
-        with ctx.scope():  # tiles allocated in one iteration die with it
-            yield i
-
-
 def affine_range(*args: int) -> Iterator[int]:
-    """Parallel loop (no carried dependency except accumulation); executed sequentially here."""
-    return _loop(args)
+    """Rolled loop whose iterations are independent (accumulation with += excepted); checked, run in order."""
+    return _current().loop("affine_range", args)
 
 
 def sequential_range(*args: int) -> Iterator[int]:
-    return _loop(args)
+    """Rolled loop whose iterations may carry state (an online softmax, a running sum read back)."""
+    return _current().loop("sequential_range", args)
 
 
 def static_range(*args: int) -> Iterator[int]:
-    return _loop(args)
+    """Loop unrolled at trace time: the body may differ per iteration (its index is a Python int)."""
+    return _current().loop("static_range", args)
 
 
 def program_id(axis: int) -> int:

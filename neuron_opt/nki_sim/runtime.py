@@ -120,13 +120,16 @@ def simulate_kernel(
         out: Any = None
         grid = k.grid or ()
         ctx.grid = grid
+        static = 0
         for pid in itertools.product(*(range(g) for g in grid)) if grid else [()]:
             ctx.program_ids = tuple(pid)
             ctx.shared_index = 0
+            ctx.loops.static_instructions = 0
             with ctx.scope():
                 out = k.func(*wrapped, **wkw)
                 result = _to_numpy(out, count_only)
-        rep = ctx.cost.report(ctx.allocator.sbuf_peak, ctx.allocator.banks_peak)
+            static = max(static, ctx.loops.static_instructions)
+        rep = ctx.cost.report(ctx.allocator.sbuf_peak, ctx.allocator.banks_peak, static)
     _last_report[0] = rep
     return (result, rep) if report else result
 

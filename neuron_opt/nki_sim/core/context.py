@@ -11,10 +11,12 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from neuron_opt.nki_sim.core.cost import CostRecorder
 from neuron_opt.nki_sim.core.errors import SimulatorError
-from neuron_opt.nki_sim.core.memory import OnChipAllocator, Storage
+from neuron_opt.nki_sim.core.loops import LoopTracker
+from neuron_opt.nki_sim.core.memory import OnChipAllocator, Storage, next_serial
 from neuron_opt.nki_sim.core.targets import Target
 
 
@@ -28,20 +30,37 @@ class SimContext:
     grid: tuple[int, ...] = ()
     allocator: OnChipAllocator = field(init=False)
     cost: CostRecorder = field(init=False)
+    loops: LoopTracker = field(init=False)
     scopes: list[list[weakref.ref[Storage]]] = field(default_factory=list)
     # shared_hbm tensors are shared by all SPMD programs: the i-th allocation of each program is one tensor.
     shared_hbm: list[object] = field(default_factory=list)
     shared_index: int = 0
+    # Storage serial being accumulated into by `t += x`: its reads and writes inside that instruction are the
+    # accumulation itself, recorded once as `accum`.
+    accum_serial: int | None = None
 
     def __post_init__(self) -> None:
         self.allocator = OnChipAllocator(self.target)
-        self.cost = CostRecorder(self.target)
+        self.loops = LoopTracker()
+        self.cost = CostRecorder(self.target, self.loops)
 
     def register(self, storage: Storage) -> None:
         """Account an on-chip allocation and tie its lifetime to the innermost loop scope."""
         self.allocator.allocate(storage)
         if self.scopes:
             self.scopes[-1].append(weakref.ref(storage))
+
+    def loop(self, kind: str, args: tuple[int, ...]) -> Iterator[int]:
+        """An `nl` range of `kind` (affine_range, sequential_range, static_range): one scope per iteration."""
+        return self.loops.loop(kind, args, next_serial(), self.scope)
+
+    def access(self, tile: Any, kind: str, mask: Any = None) -> None:
+        """Record a `read`, `write` or `accum` of a tile view for the affine_range independence rule."""
+        st = tile.storage
+        if st.serial == self.accum_serial:
+            return
+        if any(f.kind == "affine_range" for f in self.loops.frames):
+            self.loops.access(st.serial, st.name, tile.box(mask), kind)
 
     @contextmanager
     def scope(self) -> Iterator[None]:

@@ -19,6 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from neuron_opt.nki_sim.core.loops import LoopTracker
 from neuron_opt.nki_sim.core.targets import Target
 
 MIN_II = 64  # minimum initiation interval of Vector/Scalar/GpSimd instructions, cycles (nki.md 4.2)
@@ -73,6 +74,8 @@ class Report:
         tensor_utilization: matmul_flops / (latency * peak bf16 FLOP/s of the target).
         bound_by: the engine (or `dma`) with the largest busy time.
         sbuf_peak_bytes_per_partition / psum_peak_banks: allocator high-water marks.
+        static_instructions: instructions (DMAs included) of one SPMD program as compiled: a rolled loop's
+            body counted once, an unrolled one once per iteration (core/loops.py); the largest over programs.
     """
 
     target: str
@@ -88,6 +91,7 @@ class Report:
     bound_by: str
     sbuf_peak_bytes_per_partition: int
     psum_peak_banks: int
+    static_instructions: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -112,7 +116,7 @@ class Report:
         )
         lines.append(
             f"  exposed fixed {self.exposed_fixed_us:.2f} us; SBUF peak {self.sbuf_peak_bytes_per_partition} "
-            f"B/partition; PSUM peak {self.psum_peak_banks} banks"
+            f"B/partition; PSUM peak {self.psum_peak_banks} banks; {self.static_instructions} static instructions"
         )
         return "\n".join(lines)
 
@@ -122,6 +126,7 @@ class CostRecorder:
     """Accumulates instruction and DMA costs during one kernel run."""
 
     target: Target
+    loops: LoopTracker = field(default_factory=LoopTracker)
     counts: Counter[str] = field(default_factory=Counter)
     cycles: dict[str, float] = field(default_factory=lambda: {e: 0.0 for e in ENGINES})
     ops: Counter[str] = field(default_factory=Counter)
@@ -135,8 +140,11 @@ class CostRecorder:
         self.counts[engine] += 1
         self.cycles[engine] += cycles
         self.ops[f"{engine}.{op}"] += 1
+        self.loops.instruction((engine, op, cycles))
 
-    def dma(self, nbytes: int, to_hbm: bool) -> None:
+    def dma(self, nbytes: int, to_hbm: bool, access_bytes: int | None = None) -> None:
+        """One DMA of `nbytes` (masked-out elements excluded) over an access of `access_bytes` (default the same)."""
+        self.loops.instruction(("dma", "store" if to_hbm else "load", nbytes if access_bytes is None else access_bytes))
         self.dma_transfers += 1
         self.dma_bytes += int(nbytes)
         if to_hbm:
@@ -145,7 +153,7 @@ class CostRecorder:
             self.dma_loads += 1
         self.ops["dma.store" if to_hbm else "dma.load"] += 1
 
-    def report(self, sbuf_peak: int, psum_peak: int) -> Report:
+    def report(self, sbuf_peak: int, psum_peak: int, static_instructions: int = 0) -> Report:
         t = self.target
         engines = {
             e: EngineStats(self.counts[e], self.cycles[e], self.cycles[e] / (t.clock_ghz(e) * 1e3))
@@ -173,4 +181,5 @@ class CostRecorder:
             bound_by=bound,
             sbuf_peak_bytes_per_partition=sbuf_peak,
             psum_peak_banks=psum_peak,
+            static_instructions=static_instructions,
         )

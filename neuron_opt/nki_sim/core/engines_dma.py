@@ -32,7 +32,8 @@ def load(src: Tile, *, mask: Any = None, dtype: Any = None) -> Tile:
     check_partition_size(src.shape[0], f"nl.load of {src.name}{list(src.shape)}")
     m = src.check_mask(mask)
     src.check_bounds(m)
-    ctx.cost.dma(src.masked_count(m) * dtypes.itemsize(src.dtype), to_hbm=False)
+    ctx.cost.dma(src.masked_count(m) * dtypes.itemsize(src.dtype), to_hbm=False,
+                 access_bytes=src.size * dtypes.itemsize(src.dtype))
     v = None if ctx.count_only else src.read(m)
     out_dt = dtypes.normalize(dtype) if dtype is not None else src.dtype
     return finish(ctx, src.shape, out_dt, None if v is None else _exactish(v), m)
@@ -51,7 +52,8 @@ def load_transpose2d(src: Tile, *, mask: Any = None, dtype: Any = None) -> Tile:
     check_partition_size(src.shape[1], f"load_transpose2d of {src.name}{list(src.shape)}")
     m = src.check_mask(mask)
     src.check_bounds(m)
-    ctx.cost.dma(src.masked_count(m) * dtypes.itemsize(src.dtype), to_hbm=False)
+    ctx.cost.dma(src.masked_count(m) * dtypes.itemsize(src.dtype), to_hbm=False,
+                 access_bytes=src.size * dtypes.itemsize(src.dtype))
     v = None if ctx.count_only else _exactish(src.read(m)).T
     out_dt = dtypes.normalize(dtype) if dtype is not None else src.dtype
     return finish(ctx, (src.shape[1], src.shape[0]), out_dt, v, None if m is None else m.T)
@@ -60,7 +62,7 @@ def load_transpose2d(src: Tile, *, mask: Any = None, dtype: Any = None) -> Tile:
 def store(dst: Tile, value: Any, *, mask: Any = None) -> None:
     """nl.store: on-chip tile -> HBM view, rounding into the HBM dtype."""
     ctx = current()
-    operand(dst, "dst", "store", ("hbm",))
+    operand(dst, "dst", "store", ("hbm",), access=None)
     if not isinstance(value, Tile):
         raise SimulatorError(f"nl.store value must be a tile, got {type(value).__name__}")
     operand(value, "value", "store")
@@ -70,9 +72,11 @@ def store(dst: Tile, value: Any, *, mask: Any = None) -> None:
         )
     m = dst.check_mask(mask)
     dst.check_bounds(m)
+    ctx.access(dst, "write", m)
     if value.buffer is Buffer.PSUM:
         ctx.cost.instr("vector", "tensor_copy", cost.streaming_cycles(value.free_size))
-    ctx.cost.dma(dst.masked_count(m) * dtypes.itemsize(dst.dtype), to_hbm=True)
+    ctx.cost.dma(dst.masked_count(m) * dtypes.itemsize(dst.dtype), to_hbm=True,
+                 access_bytes=dst.size * dtypes.itemsize(dst.dtype))
     v = values(ctx, value)
     value.fresh = False
     if v is not None:
@@ -83,7 +87,7 @@ def dma_copy(dst: Tile, src: Tile, *, mask: Any = None) -> None:
     """nisa.dma_copy: HBM/SBUF to HBM/SBUF with equal element counts; PSUM is not a DMA endpoint."""
     ctx = current()
     operand(src, "src", "dma_copy", ("hbm", "sbuf"))
-    operand(dst, "dst", "dma_copy", ("hbm", "sbuf"))
+    operand(dst, "dst", "dma_copy", ("hbm", "sbuf"), access=None)
     if src.size != dst.size:
         raise ShapeError(
             f"dma_copy: src{list(src.shape)} and dst{list(dst.shape)} have different element counts"
@@ -92,7 +96,9 @@ def dma_copy(dst: Tile, src: Tile, *, mask: Any = None) -> None:
         check_partition_size(dst.partitions, "dma_copy destination")
     m = dst.check_mask(mask)
     dst.check_bounds(m)
-    ctx.cost.dma(dst.masked_count(m) * dtypes.itemsize(dst.dtype), to_hbm=dst.buffer.is_hbm)
+    ctx.access(dst, "write", m)
+    ctx.cost.dma(dst.masked_count(m) * dtypes.itemsize(dst.dtype), to_hbm=dst.buffer.is_hbm,
+                 access_bytes=dst.size * dtypes.itemsize(dst.dtype))
     if not ctx.count_only:
         dst.write(_exactish(src.read()).reshape(dst.shape), m)
 

@@ -74,6 +74,7 @@ def assign(dst: Tile, value: Any) -> None:
         )
     dst.check_alive()
     if not isinstance(value, Tile):
+        ctx.access(dst, "write")
         if ctx.count_only:
             dst.check_bounds()
         else:
@@ -90,11 +91,13 @@ def assign(dst: Tile, value: Any) -> None:
             f"cannot assign a tile of shape {list(value.shape)} into a view of shape {list(dst.shape)}"
         )
     mask = getattr(value, "result_mask", None) if value.fresh else None
+    ctx.access(dst, "write", None if mask is None else np.broadcast_to(mask, dst.shape))
     if value.fresh:
         vals = value.exact if value.exact is not None else (None if ctx.count_only else value.storage.data)
         value.fresh = False  # a second assignment of the same tile is a real copy
     else:
         value.check_alive()
+        ctx.access(value, "read")
         check_same_partitions("tensor_copy", value, dst, "src", "dst")
         vals = values(ctx, value)
         ctx.cost.instr("vector", "tensor_copy", cost.streaming_cycles(dst.free_size))
@@ -173,6 +176,15 @@ def inplace(dst: Tile, other: Any, op: str) -> None:
     """`dst += x`: PSUM accumulation of a matmul result (free, near-memory), else a VectorE op into dst."""
     ctx = current()
     dst.check_alive()
+    ctx.access(dst, "accum")
+    outer, ctx.accum_serial = ctx.accum_serial, dst.storage.serial
+    try:
+        _inplace(ctx, dst, other, op)
+    finally:
+        ctx.accum_serial = outer
+
+
+def _inplace(ctx: SimContext, dst: Tile, other: Any, op: str) -> None:
     if isinstance(other, Tile) and other.matmul_result and other.fresh and op == "add":
         if dst.buffer is not Buffer.PSUM:
             raise MemoryPlacementError(
@@ -393,7 +405,8 @@ def activation(
         if rname != "add":
             raise SimulatorError(f"activation reduce_op must be nl.add, got {rname}")
         if reduce_res is not None:
-            operand(reduce_res, "reduce_res", "activation")
+            operand(reduce_res, "reduce_res", "activation", access=None)
+            ctx.access(reduce_res, "write")
             if reduce_res.partitions != data.partitions or reduce_res.free_size != 1:
                 raise ShapeError(
                     f"reduce_res must be a [{data.partitions}, 1] tile, got {list(reduce_res.shape)}"

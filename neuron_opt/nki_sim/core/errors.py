@@ -43,3 +43,11 @@ class IndexingError(SimulatorError):
 
 class ScopeError(SimulatorError):
     """A tile is used after the loop iteration (scope) that allocated it ended."""
+
+
+class RolledLoopError(SimulatorError):
+    """An `affine_range`/`sequential_range` body differs between iterations (it could not stay rolled)."""
+
+
+class LoopDependencyError(SimulatorError):
+    """An `affine_range` iteration depends on another (err_unexpected_output_dependencies)."""

@@ -73,8 +73,12 @@ def result(
     return t
 
 
-def operand(x: Any, arg: str, op: str, spaces: Iterable[str] = ONCHIP) -> Tile:
-    """Validate a tile operand: a live Tile in one of the allowed address spaces."""
+def operand(x: Any, arg: str, op: str, spaces: Iterable[str] = ONCHIP, access: str | None = "read") -> Tile:
+    """Validate a tile operand: a live Tile in one of the allowed address spaces.
+
+    `access` is what the instruction does with it, for the affine_range independence rule: `read` (inputs), or
+    None where the caller records the write itself (destinations, with their masks).
+    """
     if not isinstance(x, Tile):
         raise SimulatorError(f"operand '{arg}' of '{op}' must be a tile, got {type(x).__name__}")
     x.check_alive()
@@ -87,6 +91,8 @@ def operand(x: Any, arg: str, op: str, spaces: Iterable[str] = ONCHIP) -> Tile:
         )
     if not x.buffer.is_hbm and x.partitions > PMAX:
         check_partition_size(x.partitions, f"operand '{arg}' of '{op}'")
+    if access is not None:
+        current().access(x, access)
     return x
 
 

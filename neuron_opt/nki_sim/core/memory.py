@@ -48,6 +48,22 @@ class Buffer(enum.Enum):
 _ids = itertools.count()
 
 
+class _Serials:
+    """Allocation order of storages: a loop knows which tensors were allocated before it started."""
+
+    next = 0
+
+    @classmethod
+    def take(cls) -> int:
+        cls.next += 1
+        return cls.next - 1
+
+
+def next_serial() -> int:
+    """The serial the next storage will get."""
+    return _Serials.next
+
+
 class Storage:
     """One allocation in one memory."""
 
@@ -66,6 +82,7 @@ class Storage:
         self.par_axis = par_axis
         self.data = data
         self.name = name or f"t{next(_ids)}"
+        self.serial = _Serials.take()
         self.alive = True
         self.freed_by_scope = False
         # Set by the allocator: how to give the memory back.

@@ -271,6 +271,26 @@ class Tile:
             ) from None
         return np.broadcast_to(m, self.shape)
 
+    def box(self, mask: np.ndarray | None = None) -> tuple[tuple[int, int], ...]:
+        """Per storage dim, the half-open range of indices this access touches (masked-out elements excluded)."""
+        if mask is None and not self.advanced:
+            out = []
+            for e in self.index:
+                if isinstance(e, slice):
+                    out.append((e.start, max(e.start, e.stop)))
+                elif isinstance(e, np.ndarray):
+                    out.append((int(e.min()), int(e.max()) + 1) if e.size else (0, 0))
+                else:
+                    out.append((int(e), int(e) + 1))
+            return tuple(out)
+        full = self.full_index_arrays()
+        sel = None if mask is None else np.broadcast_to(mask, self.shape)
+        out = []
+        for f in full:
+            v = f if sel is None else f[sel]
+            out.append((int(v.min()), int(v.max()) + 1) if v.size else (0, 0))
+        return tuple(out)
+
     def masked_count(self, mask: np.ndarray | None) -> int:
         return self.size if mask is None else int(np.count_nonzero(mask))
 

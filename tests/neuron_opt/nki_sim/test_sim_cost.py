@@ -109,3 +109,21 @@ def test_psum_accumulation_is_free_but_sbuf_accumulation_costs_vector_time() -> 
     _, rep = nki.simulate_kernel(k, np.zeros((1, 1), np.float32), report=True)
     assert rep.ops["tensor.matmul"] == 4
     assert rep.ops["vector.tensor_tensor"] == 1  # only the SBUF += PSUM, not the PSUM accumulation
+
+
+@pytest.mark.parametrize("kind,n,expected", [("affine_range", 2, 3), ("affine_range", 6, 3),
+                                             ("sequential_range", 6, 3), ("static_range", 2, 6),
+                                             ("static_range", 6, 18)])
+def test_static_instructions_count_a_rolled_body_once(kind: str, n: int, expected: int) -> None:
+    # Body: load, add, store = 3 instructions; a rolled loop is one copy of them whatever its trip count.
+    @nki.jit
+    def k(a: Any) -> Any:
+        out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+        for i in getattr(nl, kind)(n):
+            t = nl.load(a[i * 128:(i + 1) * 128, :])
+            nl.store(out[i * 128:(i + 1) * 128, :], value=nl.add(t, 1.0))
+        return out
+
+    _, rep = nki.simulate_kernel(k, nki.ShapeDtype((n * 128, 64), np.float32), count_only=True, report=True)
+    assert rep.static_instructions == expected
+    assert sum(e.instructions for e in rep.engines.values()) + rep.dma_transfers == 3 * n

@@ -252,10 +252,69 @@ def out_of_scope(bad: bool) -> Callable[..., Any]:
     def k(a: Any) -> Any:
         out = _out()
         keep = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
-        for i in nl.affine_range(2):
+        for i in nl.static_range(2):  # unrolled: the body may differ per iteration and carry `keep`
             t = nl.load(a[i * 128 : (i + 1) * 128, :])
             keep[...] = nl.add(keep, t) if i else nl.copy(t)
         nl.store(out, value=t if bad else keep)
+        return out
+
+    return k
+
+
+def affine_carried(bad: bool) -> Callable[..., Any]:
+    """A running sum read back each iteration: a carried dependency, legal only in a sequential_range."""
+
+    def k(a: Any) -> Any:
+        out = _out()
+        run = nl.zeros((128, 64), dtype=nl.float32, buffer=nl.sbuf)
+        for i in (nl.affine_range if bad else nl.sequential_range)(2):
+            t = nl.load(a[i * 128 : (i + 1) * 128, :])
+            run[...] = nl.add(run, t)
+        nl.store(out, value=run)
+        return out
+
+    return k
+
+
+def affine_overwrite(bad: bool) -> Callable[..., Any]:
+    """Every iteration writes the same rows of the output (the last one wins): order-dependent."""
+
+    def k(a: Any) -> Any:
+        out = _out((256, 64))
+        for i in nl.affine_range(2):
+            t = nl.load(a[i * 128 : (i + 1) * 128, :])
+            r = 0 if bad else i * 128
+            nl.store(out[r : r + 128, :], value=t)
+        return out
+
+    return k
+
+
+def affine_read_then_overwritten(bad: bool) -> Callable[..., Any]:
+    """Iteration 1 overwrites columns iteration 0 read (write after read across iterations)."""
+
+    def k(a: Any) -> Any:
+        out = _out((256, 64))
+        buf = nl.zeros((128, 192), dtype=nl.float32, buffer=nl.sbuf)
+        for i in nl.affine_range(2):
+            rd, wr = (64 - 64 * i, 128 - 64 * i) if bad else (64 * i, 64 * i)
+            y = nl.copy(buf[:, rd : rd + 64])
+            buf[:, wr : wr + 64] = nl.load(a[i * 128 : (i + 1) * 128, :])
+            nl.store(out[i * 128 : (i + 1) * 128, :], value=y)
+        return out
+
+    return k
+
+
+def rolled_nonuniform(bad: bool) -> Callable[..., Any]:
+    """A tile extent computed from the index of a rolled loop (the tail of 200 rows)."""
+
+    def k(a: Any) -> Any:
+        out = _out((200, 64))
+        for i in (nl.affine_range if bad else nl.static_range)(2):
+            rows = min(128, 200 - i * 128)
+            t = nl.load(a[i * 128 : i * 128 + rows, :])
+            nl.store(out[i * 128 : i * 128 + rows, :], value=t)
         return out
 
     return k
@@ -355,6 +414,11 @@ CASES: list[tuple[str, Callable[[bool], Callable[..., Any]], tuple[int, int], ty
     ("activation_bias_not_vector", activation_bias, (256, 64), nki.ShapeError, "bias"),
     ("pe_transpose_over_128", transpose_size, (128, 256), nki.ShapeError, "exceed architecture limitation"),
     ("tile_used_out_of_scope", out_of_scope, (256, 64), nki.ScopeError, "out of its scope"),
+    ("affine_range_carried_read", affine_carried, (256, 64), nki.LoopDependencyError, "iteration 1 reads"),
+    ("affine_range_same_output", affine_overwrite, (256, 64), nki.LoopDependencyError, "which iteration 0 wrote"),
+    ("affine_range_write_after_read", affine_read_then_overwritten, (256, 64), nki.LoopDependencyError,
+     "which iteration 0 read"),
+    ("rolled_loop_body_varies", rolled_nonuniform, (200, 64), nki.RolledLoopError, "differs between iteration 0"),
     ("mixed_basic_advanced_indexing", mixed_indexing, (128, 64), nki.IndexingError, "Mixing basic"),
     ("psum_accumulate_not_fp32", psum_accumulate_dtype, (128, 64), nki.DtypeError, "fp32"),
     ("kernel_returns_sbuf_tile", return_sbuf, (128, 64), nki.MemoryPlacementError, "HBM tensors"),
@@ -395,3 +459,40 @@ def test_every_rule_also_fires_in_count_only_mode() -> None:
     for _name, build, shape, exc, _msg in CASES:
         with pytest.raises(exc):
             nki.simulate_kernel(nki.jit(build(True)), nki.ShapeDtype(shape, np.float32), count_only=True)
+
+
+def test_affine_range_allows_accumulation_and_disjoint_writes() -> None:
+    """`+=` into one tile from every iteration (SBUF and PSUM) is the allowed carried dependency."""
+
+    @nki.jit
+    def k(a: Any, w: Any) -> Any:
+        out = _out((128, 64))
+        acc = nl.zeros((128, 64), dtype=nl.float32, buffer=nl.sbuf)
+        ps = nl.zeros((128, 64), dtype=nl.float32, buffer=nl.psum)
+        wt = nl.load(w)
+        for i in nl.affine_range(3):
+            t = nl.load(a[i * 128 : (i + 1) * 128, :])
+            acc += t
+            ps += nisa.nc_matmul(wt, t)
+        nl.store(out, value=nl.add(acc, ps))
+        return out
+
+    a = _input((384, 64))
+    w = np.eye(128, dtype=np.float32)
+    got = nki.simulate_kernel(k, a, w)
+    want = 2 * a.reshape(3, 128, 64).sum(axis=0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_affine_range_accumulation_then_read_back_is_carried() -> None:
+    @nki.jit
+    def k(a: Any) -> Any:
+        out = _out((256, 64))
+        acc = nl.zeros((128, 64), dtype=nl.float32, buffer=nl.sbuf)
+        for i in nl.affine_range(2):
+            acc += nl.load(a[i * 128 : (i + 1) * 128, :])
+            nl.store(out[i * 128 : (i + 1) * 128, :], value=acc)  # a prefix sum: needs the earlier iterations
+        return out
+
+    with pytest.raises(nki.LoopDependencyError, match="iteration 1 accumulates into .* which iteration 0 read"):
+        nki.simulate_kernel(k, _input((256, 64)))
