@@ -5,7 +5,7 @@ Dimensions:
     S_max cache capacity, D head dim <= 128, lengths[b] in [1, S_max] valid positions of sequence b.
 
 Kernel layouts (HBM):
-    q_t      `[B, n_kv_heads, D, G]`      the G query heads of one KV group, transposed (D on partitions)
+    q        `[B, n_kv_heads, G, D]`      the G query heads of one KV group (transposed on chip to [D, G])
     k_t      `[B, n_kv_heads, D, S_max]`  K cache stored transposed, so score tiles need no transpose
     v        `[B, n_kv_heads, S_max, D]`  V cache, natural
     lengths  `[B, 1]` int32
@@ -30,17 +30,23 @@ takes the row max and ScalarE the exp straight from there. A split entirely past
 m_s <= -1e30 and merge weight exactly 0.
 
 Pseudocode (per program = (b, kv head)):
-    for split s: for tile [k0, k0 + w) (w <= 512):
+    q^T = transpose(q[b, kvh])                                   # [D, G], TensorE
+    for split s: (every K_LOAD / split_size splits: K^T of those splits in one DMA)
+        for tile [k0, k0 + w) (w <= 512):
             sc[:, tile] = q^T K^T[:, tile] + NEG^T relu(k0 + iota - len + 1)  # PSUM [G, w]
-        m_s = rowmax(sc);  p = exp(scale*sc - scale*m_s) (rowsum -> l_s)
-        V[tile] in one DMA as [128, w / 128, D];  for 128-position chunk: o_s += transpose(p[:, chunk])^T @ V[chunk]
+        m_s = rowmax(sc);  p[:, split] = exp(scale*sc - scale*m_s) (rowsum -> l_s)
+        V[split] in one DMA as [128, n, D], partition q holding positions q*n .. q*n + n - 1 (one contiguous
+        run per partition; n = split / 128);  for chunk j: o_s += transpose(p[:, j::n])^T @ V[:, j]
     merge as above; store [G, D].
+
+DMA descriptors (one per contiguous HBM run landing in one partition) cost queue time in the cost model, so
+every load moves long runs: K^T rows of up to K_LOAD positions, V rows of a split's positions, q rows of D.
 
 Constraints: D <= 128, G <= 128, split_size a multiple of 128 and, above 512, of 512, at most 3584 (a split's
 scores take split_size / 512 PSUM banks, the P @ V accumulator one more, of 8); q and caches share float32 or
 bfloat16; lengths[b] >= 1. All splits up to S_max are computed (lengths are runtime data). Every split's fp32
 partial output and statistics stay in SBUF until the merge: about n_splits * (D + 4) * 4 bytes per partition
-plus the working set (`sbuf_bytes`), so S_max <= 41600 for D = 128 and split_size = 128 on trn1
+plus the working set (`sbuf_bytes`), so S_max <= 39936 for D = 128 and split_size = 128 on trn1
 (`max_cache_len`).
 """
 
@@ -58,24 +64,28 @@ from neuron_opt.nki_sim import get_target
 P_CHUNK = 128  # positions per P@V matmul (contraction on partitions)
 K_TILE = 512  # positions per score matmul (one PSUM bank of fp32)
 NEG = -1.0e30  # added to scores of positions past the length
-# SBUF bytes per partition for the tiles of one split (K tile, positions, P, P^T, V tile, row maxes and sums,
-# the [D, G] queries); the simulator counts at most 7208 (fp32, G = 128), the rest is margin.
+K_LOAD = 4096  # positions of K^T per DMA (whole splits): 8 KiB per partition in bf16, long DMA descriptors
+# SBUF bytes per partition for the small tiles (positions, P^T, row maxes and sums, the queries), with margin;
+# the K^T chunk, P and V of a split come on top (`sbuf_bytes`).
 SBUF_WORKING_SET = 8 * 1024
 
 
 @nki.jit
-def decode_attention_kernel(q_t, k_t, v, lengths, softmax_scale=1.0, split_size=512):
-    """Launch as `decode_attention_kernel[B, n_kv_heads](q_t, k_t, v, lengths, softmax_scale=..., ...)`."""
-    n_b, n_kv, d, g = q_t.shape
+def decode_attention_kernel(q, k_t, v, lengths, softmax_scale=1.0, split_size=2048):
+    """Launch as `decode_attention_kernel[B, n_kv_heads](q, k_t, v, lengths, softmax_scale=..., ...)`."""
+    n_b, n_kv, g, d = q.shape
     s_max = k_t.shape[3]
-    out = nl.ndarray((n_b, n_kv, g, d), dtype=q_t.dtype, buffer=nl.shared_hbm)
+    out = nl.ndarray((n_b, n_kv, g, d), dtype=q.dtype, buffer=nl.shared_hbm)
     b = nl.program_id(0)
     kvh = nl.program_id(1)
-    mm_dtype = q_t.dtype
+    mm_dtype = q.dtype
     tile = min(K_TILE, split_size)
     n_splits = (s_max + split_size - 1) // split_size
+    per_k = _splits_per_k_load(split_size)
 
-    q_sb = nl.load(q_t[b, kvh])  # [D, G] stationary
+    # [G, D] in one descriptor per head, transposed on TensorE to the [D, G] stationary operand (loading
+    # [D, G] directly would cost one descriptor of G elements per partition).
+    q_sb = nl.copy(nisa.nc_transpose(nl.load(q[b, kvh])), dtype=mm_dtype)
     len_f = nisa.tensor_copy(nl.load(lengths[nl.ds(b, 1), :]), dtype=nl.float32)  # [1, 1]
     one_minus_len = nl.multiply(nl.add(len_f, -1.0), -1.0)  # [1, 1]: 1 - len
     neg_row = nl.full((1, g), NEG, dtype=mm_dtype, buffer=nl.sbuf)
@@ -83,47 +93,54 @@ def decode_attention_kernel(q_t, k_t, v, lengths, softmax_scale=1.0, split_size=
     m_all = nl.ndarray((g, n_splits), dtype=nl.float32, buffer=nl.sbuf)
     l_all = nl.ndarray((g, n_splits), dtype=nl.float32, buffer=nl.sbuf)
     o_all = nl.ndarray((g, n_splits * d), dtype=nl.float32, buffer=nl.sbuf)
-    for sp in nl.static_range(n_splits):
-        s0 = sp * split_size
-        sw = min(split_size, s_max - s0)
-        n_t = (sw + tile - 1) // tile
-        s_ps = nl.ndarray((n_t, nl.par_dim(g), tile), dtype=nl.float32, buffer=nl.psum)  # scores stay in PSUM
-        mx = nl.ndarray((g, n_t), dtype=nl.float32, buffer=nl.sbuf)
-        for t in nl.static_range(n_t):
-            k0 = s0 + t * tile
-            w = min(tile, s_max - k0)
-            k_sb = nl.load(k_t[b, kvh, :, k0:k0 + w])  # [D, w]
-            pos = nisa.iota(k0 + nl.arange(w)[None, :], dtype=nl.float32)  # [1, w] positions
-            # relu(pos - len + 1): 0 where pos < len, >= 1 past it (ScalarE); times the NEG row below.
-            past = nisa.activation(nl.relu, pos, bias=one_minus_len, scale=1.0, dtype=mm_dtype)
-            s_ps[t, :, 0:w] = nisa.nc_matmul(q_sb, k_sb)  # [G, w]
-            s_ps[t, :, 0:w] += nisa.nc_matmul(neg_row, past)  # + NEG * past, broadcast to the G rows
-            mx[:, t:t + 1] = nisa.tensor_reduce(nl.maximum, s_ps[t, :, 0:w], axis=(1,), keepdims=True)
-        m_s = m_all[:, sp:sp + 1]
-        m_s[...] = nisa.tensor_reduce(nl.maximum, mx, axis=(1,), keepdims=True) if n_t > 1 else mx
-        nbias = nisa.activation(nl.copy, m_s, scale=-softmax_scale)  # -scale * m_s
-        ls = nl.ndarray((g, n_t), dtype=nl.float32, buffer=nl.sbuf)
-        o_ps = nl.ndarray((g, d), dtype=nl.float32, buffer=nl.psum)
-        for t in nl.static_range(n_t):
-            w = min(tile, s_max - s0 - t * tile)
-            p = nisa.activation_reduce(nl.exp, s_ps[t, :, 0:w], reduce_op=nl.add, reduce_res=ls[:, t:t + 1],
-                                       bias=nbias, scale=softmax_scale, dtype=mm_dtype)  # [G, w]
-            v_sb = _load_v(v, b, kvh, s0 + t * tile, w)  # [128, ceil(w / 128), D]: chunk j = positions j*128 + p
-            for j in nl.static_range((w + P_CHUNK - 1) // P_CHUNK):
-                c0 = j * P_CHUNK
-                cw = min(P_CHUNK, w - c0)
-                pt_ps = nisa.nc_transpose(p[:, c0:c0 + cw])  # [cw, G] in PSUM
+    for kc in nl.static_range((n_splits + per_k - 1) // per_k):
+        c0 = kc * per_k * split_size  # K^T of `per_k` splits in one DMA: [D, <= K_LOAD]
+        k_sb = nl.load(k_t[b, kvh, :, c0:min(s_max, c0 + per_k * split_size)])
+        for sp in nl.static_range(kc * per_k, min(n_splits, (kc + 1) * per_k)):
+            s0 = sp * split_size
+            sw = min(split_size, s_max - s0)
+            n_t = (sw + tile - 1) // tile
+            s_ps = nl.ndarray((n_t, nl.par_dim(g), tile), dtype=nl.float32, buffer=nl.psum)  # scores stay in PSUM
+            mx = nl.ndarray((g, n_t), dtype=nl.float32, buffer=nl.sbuf)
+            k_off = s0 - c0
+            for t in nl.static_range(n_t):
+                k0 = s0 + t * tile
+                w = min(tile, s_max - k0)
+                pos = nisa.iota(k0 + nl.arange(w)[None, :], dtype=nl.float32)  # [1, w] positions
+                # relu(pos - len + 1): 0 where pos < len, >= 1 past it (ScalarE); times the NEG row below.
+                past = nisa.activation(nl.relu, pos, bias=one_minus_len, scale=1.0, dtype=mm_dtype)
+                s_ps[t, :, 0:w] = nisa.nc_matmul(q_sb, k_sb[:, k_off + t * tile:k_off + t * tile + w])  # [G, w]
+                s_ps[t, :, 0:w] += nisa.nc_matmul(neg_row, past)  # + NEG * past, broadcast to the G rows
+                mx[:, t:t + 1] = nisa.tensor_reduce(nl.maximum, s_ps[t, :, 0:w], axis=(1,), keepdims=True)
+            m_s = m_all[:, sp:sp + 1]
+            m_s[...] = nisa.tensor_reduce(nl.maximum, mx, axis=(1,), keepdims=True) if n_t > 1 else mx
+            nbias = nisa.activation(nl.copy, m_s, scale=-softmax_scale)  # -scale * m_s
+            ls = nl.ndarray((g, n_t), dtype=nl.float32, buffer=nl.sbuf)
+            p = nl.ndarray((g, sw), dtype=mm_dtype, buffer=nl.sbuf)  # P of the whole split
+            for t in nl.static_range(n_t):
+                w = min(tile, s_max - s0 - t * tile)
+                p[:, t * tile:t * tile + w] = nisa.activation_reduce(
+                    nl.exp, s_ps[t, :, 0:w], reduce_op=nl.add, reduce_res=ls[:, t:t + 1], bias=nbias,
+                    scale=softmax_scale, dtype=mm_dtype)  # [G, w]
+            v_sb, n_full = _load_v(v, b, kvh, s0, sw)
+            o_ps = nl.ndarray((g, d), dtype=nl.float32, buffer=nl.psum)
+            for j in nl.static_range((sw + P_CHUNK - 1) // P_CHUNK):
+                if j < n_full:  # chunk j holds positions s0 + q * n_full + j on partition q: P columns j::n_full
+                    cols, cw = p[:, j:n_full * P_CHUNK:n_full], P_CHUNK
+                else:  # the tail chunk: positions s0 + n_full * 128 + q
+                    cols, cw = p[:, n_full * P_CHUNK:sw], sw - n_full * P_CHUNK
+                pt_ps = nisa.nc_transpose(cols)  # [cw, G] in PSUM
                 # PSUM -> SBUF copy alternating VectorE (row maxes, the busiest engine) and ScalarE (the exp).
                 if j % 2:
                     pt = nisa.activation(nl.copy, pt_ps, dtype=mm_dtype)
                 else:
                     pt = nisa.tensor_copy(pt_ps, dtype=mm_dtype, engine=nisa.vector_engine)
-                if t == 0 and j == 0:
+                if j == 0:
                     o_ps[...] = nisa.nc_matmul(pt, v_sb[0:cw, j, :])  # [G, D]
                 else:
                     o_ps[...] += nisa.nc_matmul(pt, v_sb[0:cw, j, :])
-        l_all[:, sp:sp + 1] = nisa.tensor_reduce(nl.add, ls, axis=(1,), keepdims=True) if n_t > 1 else ls
-        o_all[:, sp * d:(sp + 1) * d] = nl.copy(o_ps)
+            l_all[:, sp:sp + 1] = nisa.tensor_reduce(nl.add, ls, axis=(1,), keepdims=True) if n_t > 1 else ls
+            o_all[:, sp * d:(sp + 1) * d] = nl.copy(o_ps)
 
     # Merge the splits' partial softmax results.
     m_glob = nisa.tensor_reduce(nl.maximum, m_all, axis=(1,), keepdims=True)  # [G, 1]
@@ -140,17 +157,22 @@ def decode_attention_kernel(q_t, k_t, v, lengths, softmax_scale=1.0, split_size=
 
 
 def _load_v(v, b, kvh, k0, w):
-    """V rows [k0, k0 + w) as `[128, ceil(w / 128), D]` in one DMA for the full chunks (one more for a tail)."""
+    """V rows [k0, k0 + w) as `[128, ceil(w / 128), D]`, and the number of full chunks `full`.
+
+    Partition q holds positions k0 + q * full + j (j < full): `full` consecutive rows of V, one contiguous
+    run of full * D elements per partition, so the DMA moves few large descriptors (one per partition). The
+    tail (w % 128 positions) is chunk `full`, position k0 + full * 128 + q on partition q, in a second DMA.
+    """
     d = v.shape[3]
     n_ch = (w + P_CHUNK - 1) // P_CHUNK
     full = w // P_CHUNK
     v_sb = nl.ndarray((P_CHUNK, n_ch, d), dtype=v.dtype, buffer=nl.sbuf)
     if full:
         i_p, i_c, i_d = nl.mgrid[0:P_CHUNK, 0:full, 0:d]
-        v_sb[:, 0:full, :] = nl.load(v[b, kvh, k0 + i_c * P_CHUNK + i_p, i_d])
+        v_sb[:, 0:full, :] = nl.load(v[b, kvh, k0 + i_p * full + i_c, i_d])
     if w % P_CHUNK:
         v_sb[0:w % P_CHUNK, full, :] = nl.load(v[b, kvh, k0 + full * P_CHUNK:k0 + w, :])
-    return v_sb
+    return v_sb, full
 
 
 def _check(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.ndarray,
@@ -178,20 +200,31 @@ def _check(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.
     _check_sbuf(k_cache.shape[2], d, split_size, DEFAULT_TARGET)
 
 
+def _splits_per_k_load(split_size: int) -> int:
+    return max(1, K_LOAD // split_size)
+
+
 def sbuf_bytes(s_max: int, d: int, split_size: int) -> int:
     """SBUF bytes per partition one program holds at its peak, counted as the simulator's allocator does.
 
     The allocator charges a tile the bytes of its free dims in every partition: the per-split maxes and sums
     `[G, n_splits]` and outputs `[G, n_splits * D]`, all fp32, plus the merge's weights and weighted sums (two
-    more `[G, n_splits]`) cost n_splits * (D + 4) * 4; then `SBUF_WORKING_SET`.
+    more `[G, n_splits]`) cost n_splits * (D + 4) * 4; the K^T chunk (`K_LOAD` positions, whole splits), a
+    split's P `[G, split]` and V `[128, split / 128, D]` at most 4 bytes each per position; then
+    `SBUF_WORKING_SET`.
     """
     n_splits = (s_max + split_size - 1) // split_size
-    return n_splits * (d + 4) * 4 + SBUF_WORKING_SET
+    return n_splits * (d + 4) * 4 + _split_bytes(min(s_max, split_size), split_size) + SBUF_WORKING_SET
+
+
+def _split_bytes(sw: int, split_size: int) -> int:
+    return 4 * (_splits_per_k_load(split_size) * split_size + 2 * sw)
 
 
 def max_cache_len(d: int, split_size: int, target: str = DEFAULT_TARGET) -> int:
     """Longest S_max whose `sbuf_bytes` fit the SBUF a kernel may use on `target`."""
-    return (sbuf_capacity(target) - SBUF_WORKING_SET) // ((d + 4) * 4) * split_size
+    room = sbuf_capacity(target) - SBUF_WORKING_SET - _split_bytes(split_size, split_size)
+    return room // ((d + 4) * 4) * split_size
 
 
 def _check_sbuf(s_max: int, d: int, split_size: int, target: str) -> None:
@@ -205,7 +238,7 @@ def _check_sbuf(s_max: int, d: int, split_size: int, target: str) -> None:
 
 
 def run(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.ndarray, *,
-        softmax_scale: float | None = None, split_size: int = 512) -> np.ndarray:
+        softmax_scale: float | None = None, split_size: int = 2048) -> np.ndarray:
     """Runs the kernel on logical layouts (simulator here, the SDK's NKI where installed).
 
     Args:
@@ -228,16 +261,15 @@ def run(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.nda
     b, n_heads, d = q.shape
     n_kv = k_cache.shape[1]
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    q_g = q.reshape(b, n_kv, n_heads // n_kv, d)  # [B, n_kv_heads, G, D]
-    q_t = np.ascontiguousarray(q_g.transpose(0, 1, 3, 2))  # [B, n_kv_heads, D, G]
+    q_g = np.ascontiguousarray(q.reshape(b, n_kv, n_heads // n_kv, d))  # [B, n_kv_heads, G, D]
     k_t = np.ascontiguousarray(k_cache.transpose(0, 1, 3, 2))  # [B, n_kv_heads, D, S_max]
     lens = lengths.astype(np.int32).reshape(b, 1)  # [B, 1]
-    out = simulate(decode_attention_kernel[b, n_kv], q_t, k_t, np.ascontiguousarray(v_cache), lens,
+    out = simulate(decode_attention_kernel[b, n_kv], q_g, k_t, np.ascontiguousarray(v_cache), lens,
                    softmax_scale=scale, split_size=split_size)
     return np.asarray(out).reshape(b, n_heads, d)  # [B, n_kv, G, D] -> [B, n_heads, D]
 
 
-def estimate(b: int, n_heads: int, n_kv_heads: int, s_max: int, d: int, *, split_size: int = 512,
+def estimate(b: int, n_heads: int, n_kv_heads: int, s_max: int, d: int, *, split_size: int = 2048,
              target: str = "trn1", dtype: Any = None) -> Any:
     """Count-only cost Report of the simulator for one decode step (no values computed).
 
@@ -250,7 +282,7 @@ def estimate(b: int, n_heads: int, n_kv_heads: int, s_max: int, d: int, *, split
     _check_sbuf(s_max, d, split_size, target)
     g = n_heads // n_kv_heads
     _, rep = nki_sim.simulate_kernel(decode_attention_kernel[b, n_kv_heads],
-                                     nki_sim.ShapeDtype((b, n_kv_heads, d, g), dt),
+                                     nki_sim.ShapeDtype((b, n_kv_heads, g, d), dt),
                                      nki_sim.ShapeDtype((b, n_kv_heads, d, s_max), dt),
                                      nki_sim.ShapeDtype((b, n_kv_heads, s_max, d), dt),
                                      nki_sim.ShapeDtype((b, 1), nl.int32), target=target, count_only=True,

@@ -132,18 +132,18 @@ def _query_group(q0, q_t, k_t, v, out, b, h, kvh, s, d, masks, scale, mm_dtype):
     n_full = kend // K_BLOCK
     state = (q_sb, tiles, st, o, d, scale, mm_dtype)
     for j in nl.sequential_range(n_full):
-        k_blk, v_blk = _load_kv(k_t, v, b, kvh, j * K_BLOCK, K_BLOCK, d, mm_dtype)
+        kv = _load_kv(k_t, v, b, kvh, j * K_BLOCK, K_BLOCK, d, mm_dtype)
         for t in nl.static_range(len(tiles)):
-            _step(t, k_blk, v_blk, _widths(K_BLOCK), None, *state)
+            _step(t, kv, _widths(K_BLOCK), None, *state)
     if kend % K_BLOCK:
-        k_blk, v_blk = _load_kv(k_t, v, b, kvh, n_full * K_BLOCK, kend % K_BLOCK, d, mm_dtype)
+        kv = _load_kv(k_t, v, b, kvh, n_full * K_BLOCK, kend % K_BLOCK, d, mm_dtype)
         for t in nl.static_range(len(tiles)):
-            _step(t, k_blk, v_blk, _widths(kend % K_BLOCK), None, *state)
+            _step(t, kv, _widths(kend % K_BLOCK), None, *state)
     if masks is not None:  # the group's own keys [q0, q0 + n_rows): member t sees the first r + qr of them
-        k_blk, v_blk = _load_kv(k_t, v, b, kvh, q0, n_rows, d, mm_dtype)
+        kv = _load_kv(k_t, v, b, kvh, q0, n_rows, d, mm_dtype)
         for t in nl.static_range(len(tiles)):
             r, qr = tiles[t]
-            _step(t, k_blk, v_blk, _widths(r + qr), (masks, r), *state)
+            _step(t, kv, _widths(r + qr), (masks, r), *state)
     for t in nl.static_range(len(tiles)):
         r, qr = tiles[t]
         inv_l = nisa.reciprocal(o[t, 0:qr, d:d + 1])
@@ -156,27 +156,44 @@ def _widths(n):
 
 
 def _load_kv(k_t, v, b, kvh, k0, n, d, mm_dtype):
-    """K^T [D, n] and V of keys [k0, k0 + n) as [128, ceil(n / 128), D + 1] (chunk c: keys k0 + c*128 + p)."""
+    """K^T [D, n], V of keys [k0, k0 + n) as [128, ceil(n / 128), D + 1] (its last column 1.0), and whether
+    V is key-interleaved.
+
+    With n % 4 == 0 V is loaded key-interleaved per 512-key sub-tile: for sub-tile u, partition p holds its
+    keys u * 512 + p * 4 + c (c < 4) as chunk 4u + c, four consecutive rows of V, so each sub-tile's DMA moves
+    one contiguous 4 * D run per partition (1 KiB in bf16, D = 128) instead of four of D. P^T chunk 4u + c is
+    then the strided column set c::4 of sub-tile u's P (`_exp_pv`); a prefix of w keys (a diagonal member)
+    is columns c:w:4 and partitions [0, w / 4). Otherwise V holds keys k0 + c * 128 + p.
+    """
     k_blk = nl.load(k_t[b, kvh, :, k0:k0 + n])
-    n_ch = (n + Q_TILE - 1) // Q_TILE
+    per = K_TILE // Q_TILE
+    interleaved = n % per == 0
+    n_ch = (n + K_TILE - 1) // K_TILE * per if interleaved else (n + Q_TILE - 1) // Q_TILE
     full = n // Q_TILE
     v_blk = nl.ndarray((Q_TILE, n_ch, d + 1), dtype=mm_dtype, buffer=nl.sbuf)
     v_blk[:, :, d:d + 1] = 1.0  # the ones column (GpSimd memset of n_ch elements per partition)
+    if interleaved:
+        for u in nl.static_range((n + K_TILE - 1) // K_TILE):
+            rows = min(K_TILE, n - u * K_TILE) // per
+            i_p, i_c, i_d = nl.mgrid[0:rows, 0:per, 0:d]
+            v_blk[0:rows, u * per:(u + 1) * per, 0:d] = nl.load(v[b, kvh, k0 + u * K_TILE + i_p * per + i_c, i_d])
+        return k_blk, v_blk, True
+    i_p, i_c, i_d = nl.mgrid[0:Q_TILE, 0:full, 0:d]
     if full:
-        i_p, i_c, i_d = nl.mgrid[0:Q_TILE, 0:full, 0:d]
         v_blk[:, 0:full, 0:d] = nl.load(v[b, kvh, k0 + i_c * Q_TILE + i_p, i_d])  # one DMA for the full chunks
     if n % Q_TILE:
         rem = n % Q_TILE
         v_blk[0:rem, full, 0:d] = nl.load(v[b, kvh, k0 + full * Q_TILE:k0 + n, :])
-    return k_blk, v_blk
+    return k_blk, v_blk, False
 
 
-def _step(t, k_blk, v_blk, widths, diag, q_sb, tiles, st, o, d, scale, mm_dtype):
-    """One online-softmax step of member tile t over the keys of `k_blk`/`v_blk` split as `widths`.
+def _step(t, kv, widths, diag, q_sb, tiles, st, o, d, scale, mm_dtype):
+    """One online-softmax step of member tile t over the keys of `kv` (`_load_kv`) split as `widths`.
 
     `diag` is None, or `(masks, r)`: the last sub-tile's columns [r, r + qr) are t's own keys (causal mask).
     Updates `st[t]` and `o[t]` in place.
     """
+    k_blk, v_blk, interleaved = kv
     r0, qr = tiles[t]
     q_tile = q_sb[:, r0:r0 + qr]  # [D, qr]
     stt = st[t, 0:qr, :]
@@ -196,7 +213,7 @@ def _step(t, k_blk, v_blk, widths, diag, q_sb, tiles, st, o, d, scale, mm_dtype)
     nbias = nisa.tensor_scalar(m_new, nl.multiply, -scale, engine=nisa.gpsimd_engine)  # exp(sc*s - sc*m)
     alpha = nisa.activation(nl.exp, stt[:, 0:1], bias=nbias, scale=scale)  # exp(sc * (m_old - m_new)); 0 at first
     stt[:, 0:1] = nisa.tensor_copy(m_new, engine=nisa.gpsimd_engine)
-    pv_ps = _exp_pv(scores, nbias, v_blk, widths, d, scale, mm_dtype)
+    pv_ps = _exp_pv(scores, nbias, v_blk, widths, interleaved, d, scale, mm_dtype)
     # o = alpha * o + pv: ScalarE moves pv out of PSUM (the only PSUM read), GpSimd does the arithmetic.
     ot = o[t, 0:qr, :]
     pv_sb = nisa.activation(nl.copy, pv_ps, dtype=nl.float32)
@@ -204,36 +221,51 @@ def _step(t, k_blk, v_blk, widths, diag, q_sb, tiles, st, o, d, scale, mm_dtype)
     ot[...] = nisa.tensor_tensor(o_scaled, pv_sb, nl.add, engine=nisa.gpsimd_engine)
 
 
-def _exp_pv(scores, nbias, v_blk, widths, d, scale, mm_dtype):
-    """P = exp(scale * s - scale * m) per sub-tile, P^T by TensorE, and P @ [V | 1] accumulated in PSUM."""
+def _exp_pv(scores, nbias, v_blk, widths, interleaved, d, scale, mm_dtype):
+    """P = exp(scale * s - scale * m) per sub-tile, P^T by TensorE, and P @ [V | 1] accumulated in PSUM.
+
+    In a key-interleaved block (`_load_kv`) chunk 4u + c of sub-tile u is its P's columns c:w:4.
+    """
     qr = scores[0].shape[0]
     pv_ps = nl.ndarray((qr, d + 1), dtype=nl.float32, buffer=nl.psum)
     n_mm = 0
-    num, den = EVICT_VECTOR
+    per = K_TILE // Q_TILE
     for c in nl.static_range(len(widths)):
         w = widths[c]
         p = nisa.activation(nl.exp, scores[c], bias=nbias, scale=scale, dtype=mm_dtype)  # [qr, w]
-        pt_ps = nl.ndarray((nl.par_dim(Q_TILE), K_TILE), dtype=nl.float32, buffer=nl.psum)
-        n_ch = (w + Q_TILE - 1) // Q_TILE
-        for j in nl.static_range(n_ch):
-            cw = min(Q_TILE, w - j * Q_TILE)
-            pt_ps[0:cw, j * Q_TILE:j * Q_TILE + qr] = nisa.nc_transpose(p[:, j * Q_TILE:j * Q_TILE + cw])
-        for j in nl.static_range(n_ch):
-            cw = min(Q_TILE, w - j * Q_TILE)
-            src = pt_ps[0:cw, j * Q_TILE:j * Q_TILE + qr]  # [cw keys, qr]
-            # PSUM -> SBUF copies of P^T, a fixed pattern of `num` in `den` on VectorE, the rest on ScalarE:
-            # VectorE already does the row max, ScalarE the exp (see docs/kernels.md).
-            if n_mm * num % den < num:
-                pt = nisa.tensor_copy(src, dtype=mm_dtype, engine=nisa.vector_engine)
-            else:
-                pt = nisa.activation(nl.copy, src, dtype=mm_dtype)
-            mm = nisa.nc_matmul(pt, v_blk[0:cw, c * (K_TILE // Q_TILE) + j, :])  # [qr, D + 1]
-            if n_mm == 0:
-                pv_ps[...] = mm
-            else:
-                pv_ps[...] += mm
-            n_mm += 1
+        if interleaved:
+            chunks = [(p[:, j:w:per], w // per, c * per + j) for j in range(per)]
+        else:
+            chunks = [(p[:, j * Q_TILE:j * Q_TILE + min(Q_TILE, w - j * Q_TILE)], min(Q_TILE, w - j * Q_TILE),
+                       c * per + j) for j in range((w + Q_TILE - 1) // Q_TILE)]
+        n_mm = _pv_chunks(chunks, v_blk, pv_ps, qr, n_mm, mm_dtype)
     return pv_ps
+
+
+def _pv_chunks(chunks, v_blk, pv_ps, qr, n_mm, mm_dtype):
+    """Up to 4 chunks (P columns [qr, cw], width cw, V chunk index): transpose into one PSUM tile, then
+    P^T chunk @ V chunk into `pv_ps`. Returns the matmul count so far (the first one overwrites)."""
+    num, den = EVICT_VECTOR
+    pt_ps = nl.ndarray((nl.par_dim(Q_TILE), K_TILE), dtype=nl.float32, buffer=nl.psum)
+    for j in nl.static_range(len(chunks)):
+        cols, cw, _ = chunks[j]
+        pt_ps[0:cw, j * Q_TILE:j * Q_TILE + qr] = nisa.nc_transpose(cols)
+    for j in nl.static_range(len(chunks)):
+        _, cw, vc = chunks[j]
+        src = pt_ps[0:cw, j * Q_TILE:j * Q_TILE + qr]  # [cw keys, qr]
+        # PSUM -> SBUF copies of P^T, a fixed pattern of `num` in `den` on VectorE, the rest on ScalarE:
+        # VectorE already does the row max, ScalarE the exp (see docs/kernels.md).
+        if n_mm * num % den < num:
+            pt = nisa.tensor_copy(src, dtype=mm_dtype, engine=nisa.vector_engine)
+        else:
+            pt = nisa.activation(nl.copy, src, dtype=mm_dtype)
+        mm = nisa.nc_matmul(pt, v_blk[0:cw, vc, :])  # [qr, D + 1]
+        if n_mm == 0:
+            pv_ps[...] = mm
+        else:
+            pv_ps[...] += mm
+        n_mm += 1
+    return n_mm
 
 
 def _check(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:

@@ -3,9 +3,10 @@
 Usage: python scripts/bench_kernels.py [--json] [--target trn1|inf2|trn2]
 
 Shapes: flash attention prefill S=4096 D=128 bf16 (one head; causal and not), decode attention batch 8,
-S_max 4096, 32 query / 8 KV heads (GQA 4), D=128 bf16, RMSNorm N=4096 H=4096 bf16 (plain and with the fused
+S_max 4096, 32 query / 8 KV heads (GQA 4), D=128 bf16, split 2048, RMSNorm N=4096 H=4096 bf16 (plain and with the fused
 residual add), and the matmul calibration [4096, 8192] @ [8192, 8192] bf16 if kernels_nki/matmul.py exists.
-Every number is the simulator's estimate from the documented per-instruction costs, not a measurement.
+Every number is the simulator's estimate (documented per-instruction costs, a dependency-aware schedule, one
+DMA constant fitted on a published timing: docs/nki_simulator.md), not a measurement.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ def run_all(target: str) -> list[dict[str, Any]]:
         out.append(_entry("flash_attention", {"B": 1, "n_heads": 1, "S": s, "D": d, "causal": causal,
                                               "dtype": "bfloat16"}, rep,
                           flash_attention.useful_flops(1, 1, s, d, causal=causal)))
-    rep = decode_attention.estimate(8, 32, 8, 4096, 128, target=target)
+    rep = decode_attention.estimate(8, 32, 8, 4096, 128, split_size=2048, target=target)
     out.append(_entry("decode_attention", {"B": 8, "n_heads": 32, "n_kv_heads": 8, "S_max": 4096, "D": 128,
-                                           "split_size": 512, "dtype": "bfloat16"}, rep))
+                                           "split_size": 2048, "dtype": "bfloat16"}, rep))
     for residual in (False, True):
         rep = rmsnorm.estimate(4096, 4096, residual=residual, target=target)
         out.append(_entry("rmsnorm", {"N": 4096, "H": 4096, "residual": residual, "dtype": "bfloat16"}, rep))
@@ -72,8 +73,10 @@ def main() -> None:
               f"TensorE util {util * 100:5.1f}%  "
               f"DMA {r['dma_bytes'] / 2**20:8.2f} MiB ({r['of_bandwidth_bound'] * 100:5.1f}% of the bandwidth "
               f"bound)  {r['static_instructions']} static instructions")
-        busy = "  ".join(f"{e} {st['busy_us']:.1f}" for e, st in r["engines"].items())
-        print(f"  busy us: {busy}  dma {r['dma_busy_us']:.1f}")
+        busy = "  ".join(f"{e} {st['busy_us']:.1f} ({r['utilization'][e] * 100:.0f}%)"
+                         for e, st in r["engines"].items())
+        print(f"  busy us (of latency): {busy}  dma {r['dma_busy_us']:.1f} ({r['utilization']['dma'] * 100:.0f}%, "
+              f"{r['dma_descriptors']} descriptors); throughput bound {r['throughput_bound_us']:.1f} us")
 
 
 if __name__ == "__main__":

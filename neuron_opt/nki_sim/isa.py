@@ -310,7 +310,6 @@ def tensor_copy_predicated(*, src: Tile, dst: Tile, predicate: Tile, mask: Any =
     for t, n in ((src, "src"), (predicate, "predicate")):
         _operand(t, n, "tensor_copy_predicated")
     _operand(dst, "dst", "tensor_copy_predicated", access=None)
-    ctx.access(dst, "write")
     if src.partitions != dst.partitions or predicate.partitions != dst.partitions:
         raise PartitionError("tensor_copy_predicated operands must have the same number of partitions")
     both_sbuf = src.buffer.value == predicate.buffer.value == "sbuf"
@@ -319,6 +318,7 @@ def tensor_copy_predicated(*, src: Tile, dst: Tile, predicate: Tile, mask: Any =
         "tensor_copy_predicated",
         _ve.cost.streaming_cycles(dst.free_size, 2.0 if both_sbuf else 1.0),
     )
+    ctx.access(dst, "write")
     if ctx.count_only:
         return
     pv = _ve.values(ctx, predicate).reshape(dst.shape) != 0  # type: ignore[union-attr]

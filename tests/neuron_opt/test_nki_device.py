@@ -31,7 +31,7 @@ F32 = torch.float32
     ((1, 4, 2, 16, 32, 64, F32, None, "NEURON"), None, "continue a prefix"),
     ((1, 4, 2, 128, 128, 256, F32, None, "NEURON"), None, "D=256 > 128"),
     ((1, 4, 2, 32768, 32768, 128, torch.bfloat16, None, "NEURON"), "flash_attention", "prefill from position 0"),
-    ((1, 4, 2, 1, 400000, 128, torch.bfloat16, None, "NEURON"), None, "SBUF bytes per partition"),
+    ((1, 4, 2, 1, 600000, 128, torch.bfloat16, None, "NEURON"), None, "SBUF bytes per partition"),
     ((1, 9, 3, 128, 128, 64, F32, None, "CPU"), None, "the CPU device has no NKI runtime"),
 ])
 def test_attention_call_sites_pick_a_kernel_only_within_its_contract(args, kernel, reason):

@@ -7,6 +7,8 @@ they belong to; nothing else in the simulator is global.
 from __future__ import annotations
 
 import contextvars
+import os
+import sys
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,6 +51,7 @@ class SimContext:
         self.allocator.allocate(storage)
         if self.scopes:
             self.scopes[-1].append(weakref.ref(storage))
+            self.cost.timeline.allocated(storage.serial, _kernel_site())
 
     def loop(self, kind: str, args: tuple[int, ...]) -> Iterator[int]:
         """An `nl` range of `kind` (affine_range, sequential_range, static_range): one scope per iteration."""
@@ -59,8 +62,10 @@ class SimContext:
         st = tile.storage
         if st.serial == self.accum_serial:
             return
+        box = tile.box(mask)
+        self.cost.timeline.access(st.serial, box, kind)
         if any(f.kind == "affine_range" for f in self.loops.frames):
-            self.loops.access(st.serial, st.name, tile.box(mask), kind)
+            self.loops.access(st.serial, st.name, box, kind)
 
     @contextmanager
     def scope(self) -> Iterator[None]:
@@ -74,6 +79,17 @@ class SimContext:
                 if st is not None and st.alive:
                     st.freed_by_scope = True
                     st.release()
+
+
+_SIM_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _kernel_site() -> tuple[str, int] | None:
+    """The kernel source line that allocated a tile: the first caller frame outside the simulator."""
+    f = sys._getframe(2)
+    while f is not None and f.f_code.co_filename.startswith(_SIM_DIR):
+        f = f.f_back
+    return None if f is None else (f.f_code.co_filename, f.f_lineno)
 
 
 _CURRENT: contextvars.ContextVar[SimContext | None] = contextvars.ContextVar("nki_sim_context", default=None)

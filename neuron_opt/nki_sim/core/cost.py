@@ -3,12 +3,11 @@
 Model (documented in docs/nki_simulator.md):
 - Each instruction costs the documented "estimated instruction cost" of its engine (nki.md 4.2, legacy NKI
   ISA docstrings), in cycles of that engine, converted to time with the engine clock of the target.
-- A DMA costs bytes / sustained DMA bandwidth plus its fixed cost (1.3 us) spread over the 16 DMA queues
-  that run concurrently.
-- Engines run concurrently (the compiler schedules independent instructions on different engines), so the
-  estimated latency is max over engines (and DMA) of busy time, plus the fixed cost of one DMA at the start
-  (the first load must land before compute starts) and one at the end (the last store drains), which no
-  overlap hides. Dependencies inside one engine's stream and cross-engine stalls are not modelled.
+- A DMA costs bytes / per-queue bandwidth plus a fitted time per descriptor on each of the queues it is split
+  over, after a fixed latency (1.3 us); see core/timeline.py.
+- The latency is a schedule of every instruction over the engine and DMA queues with the dependencies the
+  kernel's tiles impose (core/timeline.py), not a max over engines: an engine waits for the data it needs.
+  Busy time per engine is still reported; the largest is the throughput bound.
 No efficiency factor is applied.
 """
 
@@ -21,6 +20,7 @@ from typing import Any
 
 from neuron_opt.nki_sim.core.loops import LoopTracker
 from neuron_opt.nki_sim.core.targets import Target
+from neuron_opt.nki_sim.core.timeline import Timeline
 
 MIN_II = 64  # minimum initiation interval of Vector/Scalar/GpSimd instructions, cycles (nki.md 4.2)
 MM_INIT = 64  # TensorE matmul turnaround, cycles
@@ -67,9 +67,12 @@ class Report:
         target: target name.
         engines: per engine (`tensor`, `vector`, `scalar`, `gpsimd`) instruction count, cycles, busy time.
         ops: instruction counts by `engine.op`.
-        dma_transfers / dma_bytes / dma_busy_us: DMA instructions, bytes moved, queue-time.
-        exposed_fixed_us: DMA fixed costs no overlap hides (first load, last store).
-        latency_us: estimated kernel latency = max busy time over engines and DMA + exposed fixed costs.
+        dma_transfers / dma_bytes / dma_descriptors: DMA instructions, bytes moved, descriptors (contiguous HBM
+            runs per partition).
+        dma_busy_us: queue time of all DMAs divided by the number of queues (the DMA throughput bound).
+        latency_us: estimated kernel latency: the end of the last instruction in the dependency-aware schedule.
+        throughput_bound_us: the largest busy time over engines and DMA (what perfect overlap would reach).
+        utilization: per engine and `dma`, busy time / latency.
         matmul_flops: 2*K*M*N summed over matmuls (transposes excluded).
         tensor_utilization: matmul_flops / (latency * peak bf16 FLOP/s of the target).
         bound_by: the engine (or `dma`) with the largest busy time.
@@ -83,9 +86,11 @@ class Report:
     ops: dict[str, int]
     dma_transfers: int
     dma_bytes: int
+    dma_descriptors: int
     dma_busy_us: float
-    exposed_fixed_us: float
     latency_us: float
+    throughput_bound_us: float
+    utilization: dict[str, float]
     matmul_flops: int
     tensor_utilization: float
     bound_by: str
@@ -97,25 +102,28 @@ class Report:
         d = dict(self.__dict__)
         d["engines"] = {k: dict(v.__dict__) for k, v in self.engines.items()}
         d["ops"] = dict(self.ops)
+        d["utilization"] = dict(self.utilization)
         return d
 
     def __str__(self) -> str:
         lines = [
-            f"NKI simulator report ({self.target}): latency {self.latency_us:.2f} us, "
-            f"bound by {self.bound_by}",
+            f"NKI simulator report ({self.target}): latency {self.latency_us:.2f} us (throughput bound "
+            f"{self.throughput_bound_us:.2f} us, {self.bound_by})",
             f"  TensorE utilisation {self.tensor_utilization * 100:.1f}% "
             f"({self.matmul_flops / 1e9:.3f} GFLOP of matmul)",
         ]
         for name, st in self.engines.items():
             lines.append(
-                f"  {name:<7} {st.instructions:>9} instr {st.cycles:>14.0f} cycles {st.busy_us:>12.2f} us"
+                f"  {name:<7} {st.instructions:>9} instr {st.cycles:>14.0f} cycles {st.busy_us:>12.2f} us "
+                f"{self.utilization[name] * 100:5.1f}% busy"
             )
         lines.append(
             f"  dma     {self.dma_transfers:>9} xfers {self.dma_bytes / 2**20:>12.2f} MiB  "
-            f"{self.dma_busy_us:>12.2f} us"
+            f"{self.dma_busy_us:>12.2f} us {self.utilization['dma'] * 100:5.1f}% busy "
+            f"({self.dma_descriptors} descriptors)"
         )
         lines.append(
-            f"  exposed fixed {self.exposed_fixed_us:.2f} us; SBUF peak {self.sbuf_peak_bytes_per_partition} "
+            f"  SBUF peak {self.sbuf_peak_bytes_per_partition} "
             f"B/partition; PSUM peak {self.psum_peak_banks} banks; {self.static_instructions} static instructions"
         )
         return "\n".join(lines)
@@ -130,28 +138,33 @@ class CostRecorder:
     counts: Counter[str] = field(default_factory=Counter)
     cycles: dict[str, float] = field(default_factory=lambda: {e: 0.0 for e in ENGINES})
     ops: Counter[str] = field(default_factory=Counter)
+    timeline: Timeline = field(init=False)
     dma_transfers: int = 0
     dma_bytes: int = 0
-    dma_loads: int = 0
-    dma_stores: int = 0
+    dma_descriptors: int = 0
     matmul_flops: int = 0
+
+    def __post_init__(self) -> None:
+        self.timeline = Timeline(self.target)
 
     def instr(self, engine: str, op: str, cycles: float) -> None:
         self.counts[engine] += 1
         self.cycles[engine] += cycles
         self.ops[f"{engine}.{op}"] += 1
         self.loops.instruction((engine, op, cycles))
+        self.timeline.instruction(engine, cycles / (self.target.clock_ghz(engine) * 1e3))
 
-    def dma(self, nbytes: int, to_hbm: bool, access_bytes: int | None = None) -> None:
-        """One DMA of `nbytes` (masked-out elements excluded) over an access of `access_bytes` (default the same)."""
+    def dma(
+        self, nbytes: int, to_hbm: bool, access_bytes: int | None = None, rows: int = 1, descriptors: int = 1
+    ) -> None:
+        """One DMA of `nbytes` (masked-out elements excluded) over an access of `access_bytes` (default the same),
+        moving `rows` partition rows as `descriptors` contiguous HBM runs."""
         self.loops.instruction(("dma", "store" if to_hbm else "load", nbytes if access_bytes is None else access_bytes))
         self.dma_transfers += 1
         self.dma_bytes += int(nbytes)
-        if to_hbm:
-            self.dma_stores += 1
-        else:
-            self.dma_loads += 1
+        self.dma_descriptors += int(descriptors)
         self.ops["dma.store" if to_hbm else "dma.load"] += 1
+        self.timeline.dma(rows, int(nbytes), int(descriptors))
 
     def report(self, sbuf_peak: int, psum_peak: int, static_instructions: int = 0) -> Report:
         t = self.target
@@ -159,12 +172,12 @@ class CostRecorder:
             e: EngineStats(self.counts[e], self.cycles[e], self.cycles[e] / (t.clock_ghz(e) * 1e3))
             for e in ENGINES
         }
-        dma_us = (self.dma_bytes / t.dma_gbps + self.dma_transfers * t.dma_fixed_ns / t.dma_engines) / 1e3
-        exposed = ((self.dma_loads > 0) + (self.dma_stores > 0)) * t.dma_fixed_ns / 1e3
+        latency = self.timeline.finish()
+        dma_us = self.timeline.dma_queue_us
         busy = {e: s.busy_us for e, s in engines.items()}
         busy["dma"] = dma_us
         bound = max(busy, key=lambda k: busy[k])
-        latency = busy[bound] + exposed
+        utilization = {k: (v / latency if latency > 0 else 0.0) for k, v in busy.items()}
         peak_flops_per_us = t.peak_bf16_tflops * 1e6
         util = self.matmul_flops / (latency * peak_flops_per_us) if latency > 0 else 0.0
         return Report(
@@ -173,9 +186,11 @@ class CostRecorder:
             ops=dict(sorted(self.ops.items())),
             dma_transfers=self.dma_transfers,
             dma_bytes=self.dma_bytes,
+            dma_descriptors=self.dma_descriptors,
             dma_busy_us=dma_us,
-            exposed_fixed_us=exposed,
             latency_us=latency,
+            throughput_bound_us=busy[bound],
+            utilization=utilization,
             matmul_flops=self.matmul_flops,
             tensor_utilization=util if math.isfinite(util) else 0.0,
             bound_by=bound,

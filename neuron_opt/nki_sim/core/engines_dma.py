@@ -33,10 +33,30 @@ def load(src: Tile, *, mask: Any = None, dtype: Any = None) -> Tile:
     m = src.check_mask(mask)
     src.check_bounds(m)
     ctx.cost.dma(src.masked_count(m) * dtypes.itemsize(src.dtype), to_hbm=False,
-                 access_bytes=src.size * dtypes.itemsize(src.dtype))
+                 access_bytes=src.size * dtypes.itemsize(src.dtype), **_geometry(src, m))
     v = None if ctx.count_only else src.read(m)
     out_dt = dtypes.normalize(dtype) if dtype is not None else src.dtype
     return finish(ctx, src.shape, out_dt, None if v is None else _exactish(v), m)
+
+
+def _geometry(hbm: Tile, mask: np.ndarray | None, par_dim: int = 0) -> dict[str, int]:
+    """Partition rows and DMA descriptors of an access to HBM whose dim `par_dim` lands on partitions.
+
+    A descriptor is one contiguous run of HBM that lands in one partition (each SBUF partition is a separate
+    DMA buffer, nki.md 4.1): the runs of one partition's elements, in the order the view lists them, times the
+    rows (every row of an affine view has the same runs). A masked access moves its share of them.
+    """
+    if not hbm.shape:
+        return {"rows": 1, "descriptors": 1}
+    rows = hbm.shape[par_dim] if hbm.ndim > par_dim else 1
+    idx = hbm.full_index_arrays()
+    row = [np.moveaxis(a, par_dim, 0)[0].ravel() for a in idx] if hbm.ndim > 1 else [a[:1] for a in idx]
+    flat = np.ravel_multi_index(row, hbm.storage.shape) if row and row[0].size else np.zeros(1, np.int64)
+    runs = 1 + int(np.count_nonzero(np.diff(flat) != 1))
+    n = rows * runs
+    if mask is not None and hbm.size:
+        n = max(1, -(-n * hbm.masked_count(mask) // hbm.size))
+    return {"rows": rows, "descriptors": n}
 
 
 def _exactish(v: np.ndarray) -> np.ndarray:
@@ -53,7 +73,7 @@ def load_transpose2d(src: Tile, *, mask: Any = None, dtype: Any = None) -> Tile:
     m = src.check_mask(mask)
     src.check_bounds(m)
     ctx.cost.dma(src.masked_count(m) * dtypes.itemsize(src.dtype), to_hbm=False,
-                 access_bytes=src.size * dtypes.itemsize(src.dtype))
+                 access_bytes=src.size * dtypes.itemsize(src.dtype), **_geometry(src, m, par_dim=1))
     v = None if ctx.count_only else _exactish(src.read(m)).T
     out_dt = dtypes.normalize(dtype) if dtype is not None else src.dtype
     return finish(ctx, (src.shape[1], src.shape[0]), out_dt, v, None if m is None else m.T)
@@ -72,11 +92,11 @@ def store(dst: Tile, value: Any, *, mask: Any = None) -> None:
         )
     m = dst.check_mask(mask)
     dst.check_bounds(m)
-    ctx.access(dst, "write", m)
     if value.buffer is Buffer.PSUM:
         ctx.cost.instr("vector", "tensor_copy", cost.streaming_cycles(value.free_size))
     ctx.cost.dma(dst.masked_count(m) * dtypes.itemsize(dst.dtype), to_hbm=True,
-                 access_bytes=dst.size * dtypes.itemsize(dst.dtype))
+                 access_bytes=dst.size * dtypes.itemsize(dst.dtype), **_geometry(dst, m))
+    ctx.access(dst, "write", m)  # after the DMA: its result (core/timeline.py)
     v = values(ctx, value)
     value.fresh = False
     if v is not None:
@@ -96,9 +116,12 @@ def dma_copy(dst: Tile, src: Tile, *, mask: Any = None) -> None:
         check_partition_size(dst.partitions, "dma_copy destination")
     m = dst.check_mask(mask)
     dst.check_bounds(m)
-    ctx.access(dst, "write", m)
+    hbm_side = dst if dst.buffer.is_hbm else src
+    geometry = _geometry(hbm_side, m if hbm_side is dst else None) if hbm_side.buffer.is_hbm else {
+        "rows": dst.partitions, "descriptors": dst.partitions}
     ctx.cost.dma(dst.masked_count(m) * dtypes.itemsize(dst.dtype), to_hbm=dst.buffer.is_hbm,
-                 access_bytes=dst.size * dtypes.itemsize(dst.dtype))
+                 access_bytes=dst.size * dtypes.itemsize(dst.dtype), **geometry)
+    ctx.access(dst, "write", m)
     if not ctx.count_only:
         dst.write(_exactish(src.read()).reshape(dst.shape), m)
 

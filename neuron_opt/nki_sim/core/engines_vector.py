@@ -74,13 +74,13 @@ def assign(dst: Tile, value: Any) -> None:
         )
     dst.check_alive()
     if not isinstance(value, Tile):
-        ctx.access(dst, "write")
+        engine = "vector" if dst.buffer is Buffer.PSUM else "gpsimd"
+        ctx.cost.instr(engine, "memset", cost.streaming_cycles(dst.free_size))
+        ctx.access(dst, "write")  # after the instruction: its result (core/timeline.py)
         if ctx.count_only:
             dst.check_bounds()
         else:
             dst.write(np.float32(value) if dtypes.is_float(dst.dtype) else value)
-        engine = "vector" if dst.buffer is Buffer.PSUM else "gpsimd"
-        ctx.cost.instr(engine, "memset", cost.streaming_cycles(dst.free_size))
         return
     if value.buffer.is_hbm:
         raise MemoryPlacementError(
@@ -91,8 +91,10 @@ def assign(dst: Tile, value: Any) -> None:
             f"cannot assign a tile of shape {list(value.shape)} into a view of shape {list(dst.shape)}"
         )
     mask = getattr(value, "result_mask", None) if value.fresh else None
-    ctx.access(dst, "write", None if mask is None else np.broadcast_to(mask, dst.shape))
+    dst_mask = None if mask is None else np.broadcast_to(mask, dst.shape)
     if value.fresh:
+        ctx.cost.timeline.written_by(value.storage.serial)  # the instruction that made `value` writes dst
+        ctx.access(dst, "write", dst_mask)
         vals = value.exact if value.exact is not None else (None if ctx.count_only else value.storage.data)
         value.fresh = False  # a second assignment of the same tile is a real copy
     else:
@@ -101,6 +103,7 @@ def assign(dst: Tile, value: Any) -> None:
         check_same_partitions("tensor_copy", value, dst, "src", "dst")
         vals = values(ctx, value)
         ctx.cost.instr("vector", "tensor_copy", cost.streaming_cycles(dst.free_size))
+        ctx.access(dst, "write", dst_mask)
     if vals is None:
         dst.check_bounds()
         return
@@ -176,12 +179,12 @@ def inplace(dst: Tile, other: Any, op: str) -> None:
     """`dst += x`: PSUM accumulation of a matmul result (free, near-memory), else a VectorE op into dst."""
     ctx = current()
     dst.check_alive()
-    ctx.access(dst, "accum")
     outer, ctx.accum_serial = ctx.accum_serial, dst.storage.serial
     try:
         _inplace(ctx, dst, other, op)
     finally:
         ctx.accum_serial = outer
+    ctx.access(dst, "accum")  # after the instruction that accumulates (or the matmul whose result it adds)
 
 
 def _inplace(ctx: SimContext, dst: Tile, other: Any, op: str) -> None:
@@ -281,13 +284,13 @@ def tensor_scalar(
     _check_gpsimd(engine, "tensor_scalar", data)
     _, f0 = ops.resolve_alu(op0)
     m = _mask(data, mask)
-    ctx.cost.instr(
-        engine if engine != "unknown" else "vector", "tensor_scalar", cost.streaming_cycles(data.free_size)
-    )
-    s0 = _scalar_operand(ctx, data, operand0, "operand0")
+    s0 = _scalar_operand(ctx, data, operand0, "operand0")  # operands before the instruction (core/timeline.py)
     s1 = None
     if op1 is not None:
         s1 = _scalar_operand(ctx, data, operand1, "operand1")
+    ctx.cost.instr(
+        engine if engine != "unknown" else "vector", "tensor_scalar", cost.streaming_cycles(data.free_size)
+    )
     v = values(ctx, data)
     if v is not None:
         v = f0(s0, v) if reverse0 else f0(v, s0)
@@ -406,7 +409,6 @@ def activation(
             raise SimulatorError(f"activation reduce_op must be nl.add, got {rname}")
         if reduce_res is not None:
             operand(reduce_res, "reduce_res", "activation", access=None)
-            ctx.access(reduce_res, "write")
             if reduce_res.partitions != data.partitions or reduce_res.free_size != 1:
                 raise ShapeError(
                     f"reduce_res must be a [{data.partitions}, 1] tile, got {list(reduce_res.shape)}"
@@ -417,6 +419,8 @@ def activation(
         "activation_reduce" if do_reduce else "activation",
         cost.streaming_cycles(data.free_size, extra=cost.RED_RES_READOUT if do_reduce else 0.0),
     )
+    if do_reduce and reduce_res is not None:
+        ctx.access(reduce_res, "write")
     v = values(ctx, data)
     out = None
     if v is not None:
@@ -574,12 +578,12 @@ def scalar_tensor_tensor(
     n1, f1 = ops.resolve_alu(op1)
     n = data.free_size
     fast = data.dtype == dtypes.bfloat16 and (n0, n1) == ("subtract", "multiply") and n % 2 == 0
+    s0 = _scalar_operand(ctx, data, operand0, "operand0")  # operands before the instruction (core/timeline.py)
     ctx.cost.instr(
         engine if engine not in ("unknown", None) else "vector",
         "scalar_tensor_tensor",
         float(n if fast else 2 * n),
     )
-    s0 = _scalar_operand(ctx, data, operand0, "operand0")
     v, v1 = values(ctx, data), values(ctx, operand1)
     out = None if v is None else f1(f0(v, s0), v1.reshape(v.shape))  # type: ignore[union-attr]
     return finish(ctx, data.shape, _out_dtype(dtype, data.dtype, operand1.dtype), out, _mask(data, mask))

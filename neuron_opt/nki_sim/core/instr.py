@@ -66,6 +66,7 @@ def result(
     """A fresh instruction result holding `values` (fp32, before rounding)."""
     t = new_tile(shape, dtype, buffer, temporary=True)
     t.fresh = True
+    ctx.cost.timeline.access(t.storage.serial, t.box(), "write")  # written by the instruction just issued
     if values is not None and not ctx.count_only:
         v = np.broadcast_to(values, t.shape)
         t.exact = v
