@@ -32,7 +32,7 @@ m_s <= -1e30 and merge weight exactly 0.
 Loops: the full K chunks (K_LOAD / split_size whole splits each) and the splits inside one are
 `nl.affine_range` loops (independent until the merge, identical bodies: the compiler keeps them rolled); the
 cache's tail chunk and a short last split are peeled as static code, and the merge is unrolled (one
-instruction per split). The compiled program is 96 instructions at S_max = 4096 and 110 at 32768 (split 2048).
+instruction per split). The compiled program is 62 instructions at S_max = 4096 and 90 at 32768 (split 1024).
 
 Pseudocode (per program = (b, kv head)):
     q^T = transpose(q[b, kvh])                                   # [D, G], TensorE
@@ -76,7 +76,7 @@ SBUF_WORKING_SET = 8 * 1024
 
 
 @nki.jit
-def decode_attention_kernel(q, k_t, v, lengths, softmax_scale=1.0, split_size=2048):
+def decode_attention_kernel(q, k_t, v, lengths, softmax_scale=1.0, split_size=1024):
     """Launch as `decode_attention_kernel[B, n_kv_heads](q, k_t, v, lengths, softmax_scale=..., ...)`."""
     n_b, n_kv, g, d = q.shape
     s_max = k_t.shape[3]
@@ -262,7 +262,7 @@ def _check_sbuf(s_max: int, d: int, split_size: int, target: str) -> None:
 
 
 def run(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.ndarray, *,
-        softmax_scale: float | None = None, split_size: int = 2048) -> np.ndarray:
+        softmax_scale: float | None = None, split_size: int = 1024) -> np.ndarray:
     """Runs the kernel on logical layouts (simulator here, the SDK's NKI where installed).
 
     Args:
@@ -293,7 +293,7 @@ def run(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.nda
     return np.asarray(out).reshape(b, n_heads, d)  # [B, n_kv, G, D] -> [B, n_heads, D]
 
 
-def estimate(b: int, n_heads: int, n_kv_heads: int, s_max: int, d: int, *, split_size: int = 2048,
+def estimate(b: int, n_heads: int, n_kv_heads: int, s_max: int, d: int, *, split_size: int = 1024,
              target: str = "trn1", dtype: Any = None) -> Any:
     """Count-only cost Report of the simulator for one decode step (no values computed).
 

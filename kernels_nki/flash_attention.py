@@ -16,10 +16,13 @@ Launch: SPMD grid `[B, n_kv_heads, G]`, one program per (batch, query head); the
 
 Streaming (per program): queries are taken in groups of `Q_GROUP` tiles of 128 rows (512 queries); a group's
 Q^T `[D, 512]` and its online-softmax state stay in SBUF while K^T and V stream from HBM in blocks of
-`K_BLOCK` keys (K^T `[D, 2048]` in one DMA, V as `[128, 16, D + 1]` in one DMA: chunk c holds keys c*128 + p,
-its last column 1.0). Every K/V byte is read once per group, so HBM traffic is S^2 * D * 4 / 512 bytes (bf16):
-at S = 4096 one head moves 16 MiB where compute takes ~150 us, well under trn1's DMA rate. SBUF use does
-not depend on S (`sbuf_bytes`); S is bounded only by HBM.
+`K_BLOCK` keys (K^T `[D, 2048]` in one DMA, V as `[128, 16, D + 1]`, its last column 1.0, one DMA per
+512-key sub-tile with each partition's 4 keys contiguous: see `_load_kv`). Each block is consumed in online-
+softmax steps of `STEP_KEYS` = 1024 keys: a step's scores take 2 PSUM banks, so the next step's scores can be
+computed while this step's are still being read (4 banks, as a 2048-key step needs, cannot be double-buffered
+beside the P^T and PV banks in 8). Every K/V byte is read once per group, so HBM traffic is
+S^2 * D * 4 / 512 bytes (bf16): at S = 4096 one head moves 16 MiB where compute takes ~150 us, well under
+trn1's DMA rate. SBUF use does not depend on S (`sbuf_bytes`); S is bounded only by HBM.
 
 Loops (core/loops.py in the simulator checks both rules):
     key blocks before the diagonal   `nl.sequential_range` (the online-softmax state is carried); every
@@ -33,7 +36,8 @@ Loops (core/loops.py in the simulator checks both rules):
 
 Pseudocode (per program, per query group [q0, q0 + 512)):
     q = Q^T[:, group];  per member tile t: m_t = -1e30, o_t = 0   (o's last column is the running row sum l)
-    for key block kb in [0, kend_full) (sequential):  load K^T block, V block;  for t: step(t, all 4 sub-tiles)
+    for key block kb in [0, kend_full) (sequential):  load K^T block, V block
+        for each 1024-key half: for t: step(t, its 2 sub-tiles)
     tail keys (non-causal) / diagonal keys [q0, q0 + 128 t + qr) (causal, mask on the last 128 columns): step
     step(t, keys):
         for sub-tile c:  s[c] = q_t^T @ K^T[:, keys c]          # TensorE -> PSUM [qr, <=512]
@@ -71,7 +75,8 @@ from neuron_opt.errors import KernelArgumentError
 Q_TILE = 128  # query rows per tile: the partition count of the score tile
 Q_GROUP = 4  # query tiles that share one pass over K/V (512 queries: K/V HBM traffic / 512 per query)
 K_TILE = 512  # keys per score matmul: one PSUM bank of fp32
-K_BLOCK = 2048  # keys per streamed K/V block (4 score sub-tiles); a multiple of K_TILE
+K_BLOCK = 2048  # keys per streamed K/V block (4 score sub-tiles); a multiple of STEP_KEYS
+STEP_KEYS = 1024  # keys per online-softmax step (2 score sub-tiles = 2 PSUM banks, so two steps' scores fit)
 NEG = -1.0e30  # masked score and initial running max; exp(scale * NEG - m) underflows to exactly 0
 EVICT_VECTOR = (6, 16)  # of every 16 P^T evictions in a step, 6 on VectorE and 10 on ScalarE (docs/kernels.md)
 
@@ -122,7 +127,7 @@ def _query_group(q0, q_t, k_t, v, out, b, h, kvh, s, d, masks, scale, mm_dtype):
     """Queries [q0, q0 + up to Q_GROUP * 128): stream the keys they attend to, then normalise and store."""
     n_rows = min(Q_GROUP * Q_TILE, s - q0)
     tiles = [(t * Q_TILE, min(Q_TILE, n_rows - t * Q_TILE)) for t in range((n_rows + Q_TILE - 1) // Q_TILE)]
-    n_sub = K_BLOCK // K_TILE
+    n_sub = STEP_KEYS // K_TILE
     q_sb = nl.load(q_t[b, h, :, q0:q0 + n_rows])  # [D, n_rows] stationary operands of the group
     # Online-softmax state per member tile: column 0 the running max, columns 1.. a step's sub-tile maxes;
     # o's last column is the running row sum.
@@ -133,17 +138,15 @@ def _query_group(q0, q_t, k_t, v, out, b, h, kvh, s, d, masks, scale, mm_dtype):
     state = (q_sb, tiles, st, o, d, scale, mm_dtype)
     for j in nl.sequential_range(n_full):
         kv = _load_kv(k_t, v, b, kvh, j * K_BLOCK, K_BLOCK, d, mm_dtype)
-        for t in nl.static_range(len(tiles)):
-            _step(t, kv, _widths(K_BLOCK), None, *state)
+        _block_steps(kv, K_BLOCK, tiles, state)
     if kend % K_BLOCK:
         kv = _load_kv(k_t, v, b, kvh, n_full * K_BLOCK, kend % K_BLOCK, d, mm_dtype)
-        for t in nl.static_range(len(tiles)):
-            _step(t, kv, _widths(kend % K_BLOCK), None, *state)
+        _block_steps(kv, kend % K_BLOCK, tiles, state)
     if masks is not None:  # the group's own keys [q0, q0 + n_rows): member t sees the first r + qr of them
         kv = _load_kv(k_t, v, b, kvh, q0, n_rows, d, mm_dtype)
         for t in nl.static_range(len(tiles)):
             r, qr = tiles[t]
-            _step(t, kv, _widths(r + qr), (masks, r), *state)
+            _step(t, kv, 0, _widths(r + qr), (masks, r), *state)
     for t in nl.static_range(len(tiles)):
         r, qr = tiles[t]
         inv_l = nisa.reciprocal(o[t, 0:qr, d:d + 1])
@@ -153,6 +156,14 @@ def _query_group(q0, q_t, k_t, v, out, b, h, kvh, s, d, masks, scale, mm_dtype):
 
 def _widths(n):
     return [min(K_TILE, n - k0) for k0 in range(0, n, K_TILE)]
+
+
+def _block_steps(kv, n, tiles, state):
+    """Every member's steps over a block of n keys, STEP_KEYS at a time: for each piece all members, so that
+    the steps one member chains (its running state) are separated by the other members' independent ones."""
+    for ko in nl.static_range(0, n, STEP_KEYS):
+        for t in nl.static_range(len(tiles)):
+            _step(t, kv, ko, _widths(min(STEP_KEYS, n - ko)), None, *state)
 
 
 def _load_kv(k_t, v, b, kvh, k0, n, d, mm_dtype):
@@ -187,8 +198,8 @@ def _load_kv(k_t, v, b, kvh, k0, n, d, mm_dtype):
     return k_blk, v_blk, False
 
 
-def _step(t, kv, widths, diag, q_sb, tiles, st, o, d, scale, mm_dtype):
-    """One online-softmax step of member tile t over the keys of `kv` (`_load_kv`) split as `widths`.
+def _step(t, kv, ko, widths, diag, q_sb, tiles, st, o, d, scale, mm_dtype):
+    """One online-softmax step of member tile t over keys [ko, ko + sum(widths)) of `kv` (`_load_kv`).
 
     `diag` is None, or `(masks, r)`: the last sub-tile's columns [r, r + qr) are t's own keys (causal mask).
     Updates `st[t]` and `o[t]` in place.
@@ -201,7 +212,7 @@ def _step(t, kv, widths, diag, q_sb, tiles, st, o, d, scale, mm_dtype):
     s_ps = nl.ndarray((n_sub, nl.par_dim(qr), K_TILE), dtype=nl.float32, buffer=nl.psum)
     scores = []
     for c in nl.static_range(n_sub):
-        k0, w = c * K_TILE, widths[c]
+        k0, w = ko + c * K_TILE, widths[c]
         s_ps[c, :, 0:w] = nisa.nc_matmul(q_tile, k_blk[:, k0:k0 + w])  # [qr, w] = q^T k
         if diag is not None and c == n_sub - 1:
             (ident, tri), r = diag
@@ -213,7 +224,7 @@ def _step(t, kv, widths, diag, q_sb, tiles, st, o, d, scale, mm_dtype):
     nbias = nisa.tensor_scalar(m_new, nl.multiply, -scale, engine=nisa.gpsimd_engine)  # exp(sc*s - sc*m)
     alpha = nisa.activation(nl.exp, stt[:, 0:1], bias=nbias, scale=scale)  # exp(sc * (m_old - m_new)); 0 at first
     stt[:, 0:1] = nisa.tensor_copy(m_new, engine=nisa.gpsimd_engine)
-    pv_ps = _exp_pv(scores, nbias, v_blk, widths, interleaved, d, scale, mm_dtype)
+    pv_ps = _exp_pv(scores, nbias, v_blk, ko // Q_TILE, widths, interleaved, d, scale, mm_dtype)
     # o = alpha * o + pv: ScalarE moves pv out of PSUM (the only PSUM read), GpSimd does the arithmetic.
     ot = o[t, 0:qr, :]
     pv_sb = nisa.activation(nl.copy, pv_ps, dtype=nl.float32)
@@ -221,7 +232,7 @@ def _step(t, kv, widths, diag, q_sb, tiles, st, o, d, scale, mm_dtype):
     ot[...] = nisa.tensor_tensor(o_scaled, pv_sb, nl.add, engine=nisa.gpsimd_engine)
 
 
-def _exp_pv(scores, nbias, v_blk, widths, interleaved, d, scale, mm_dtype):
+def _exp_pv(scores, nbias, v_blk, ch0, widths, interleaved, d, scale, mm_dtype):
     """P = exp(scale * s - scale * m) per sub-tile, P^T by TensorE, and P @ [V | 1] accumulated in PSUM.
 
     In a key-interleaved block (`_load_kv`) chunk 4u + c of sub-tile u is its P's columns c:w:4.
@@ -234,10 +245,10 @@ def _exp_pv(scores, nbias, v_blk, widths, interleaved, d, scale, mm_dtype):
         w = widths[c]
         p = nisa.activation(nl.exp, scores[c], bias=nbias, scale=scale, dtype=mm_dtype)  # [qr, w]
         if interleaved:
-            chunks = [(p[:, j:w:per], w // per, c * per + j) for j in range(per)]
+            chunks = [(p[:, j:w:per], w // per, ch0 + c * per + j) for j in range(per)]
         else:
             chunks = [(p[:, j * Q_TILE:j * Q_TILE + min(Q_TILE, w - j * Q_TILE)], min(Q_TILE, w - j * Q_TILE),
-                       c * per + j) for j in range((w + Q_TILE - 1) // Q_TILE)]
+                       ch0 + c * per + j) for j in range((w + Q_TILE - 1) // Q_TILE)]
         n_mm = _pv_chunks(chunks, v_blk, pv_ps, qr, n_mm, mm_dtype)
     return pv_ps
 
@@ -296,7 +307,7 @@ def sbuf_bytes(d: int, dtype: Any) -> int:
     `SBUF_WORKING_SET`. The allocator charges a tile the bytes of its free dims in every partition.
     """
     it = np.dtype(dtype).itemsize
-    n_sub = K_BLOCK // K_TILE
+    n_sub = STEP_KEYS // K_TILE
     state = Q_GROUP * ((1 + n_sub) * 4 + (d + 1) * 4)
     kv = K_BLOCK * it + (K_BLOCK // Q_TILE) * (d + 1) * it
     return Q_GROUP * Q_TILE * it + 2 * Q_TILE * it + state + 2 * kv + SBUF_WORKING_SET

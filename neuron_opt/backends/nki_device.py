@@ -35,7 +35,7 @@ from models.llama import TorchOps
 from neuron_opt.errors import KernelArgumentError
 
 KERNEL_DEVICE = "NEURON"  # the PJRT device with an NKI runtime
-DECODE_SPLIT = 2048  # decode_attention's split_size (its default): 4 KiB DMA runs per partition in bf16
+DECODE_SPLIT = 1024  # decode_attention's split_size (its default): two PSUM banks of scores, double-buffered
 
 
 @dataclass(frozen=True)

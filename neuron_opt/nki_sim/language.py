@@ -424,6 +424,9 @@ def where(condition: Tile, x: Any, y: Any, *, dtype: Any = None, mask: Any = Non
     """condition ? x : y elementwise (condition a 1.0/0.0 tile) on VectorE."""
     ctx = _current()
     _operand(condition, "condition", "where")
+    for t, n in ((x, "x"), (y, "y")):
+        if isinstance(t, Tile):
+            _operand(t, n, "where")
     ref = x if isinstance(x, Tile) else y
     if not isinstance(ref, Tile):
         raise SimulatorError("nl.where needs at least one tile among x and y")
@@ -456,7 +459,8 @@ def broadcast_to(src: Tile, shape: Sequence[int]) -> Tile:
 
 
 def expand_dims(data: Tile, axis: int) -> Tile:
-    """A view of `data` with a size-1 free dim inserted (no instruction)."""
+    """A copy of `data` with a size-1 free dim inserted (a VectorE tensor_copy)."""
+    _operand(data, "data", "expand_dims")
     if axis == 0:
         raise PartitionError("expand_dims cannot insert a dimension before the partition dimension")
     ctx = _current()

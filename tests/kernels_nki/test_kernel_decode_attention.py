@@ -131,7 +131,7 @@ def test_splits_are_rolled_loops_so_the_program_does_not_grow_with_the_cache():
     """Full K chunks and their splits are affine_range loops (checked by the simulator's rolled-loop and
     independence rules); only the merge is unrolled, one instruction per split."""
     reps = {s: decode_attention.estimate(1, 4, 1, s, 128) for s in (4096, 32768)}
-    extra_splits = 32768 // 2048 - 4096 // 2048
+    extra_splits = 32768 // 1024 - 4096 // 1024  # the default split_size
     assert reps[32768].static_instructions - reps[4096].static_instructions <= 2 * extra_splits
     dyn = {s: sum(e.instructions for e in r.engines.values()) for s, r in reps.items()}
     assert dyn[32768] > 6 * dyn[4096]  # the work still grows with the cache

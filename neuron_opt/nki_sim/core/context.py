@@ -40,6 +40,11 @@ class SimContext:
     # Storage serial being accumulated into by `t += x`: its reads and writes inside that instruction are the
     # accumulation itself, recorded once as `accum`.
     accum_serial: int | None = None
+    # Buffers per allocation site of loop-local tiles (1 or 2, decided when the site allocates again, so
+    # that the innermost, most repeated tiles are served first) and the extra copies granted so far per memory
+    # (core/timeline.py, "double-buffered where memory allows").
+    site_depth: dict[object, int | None] = field(default_factory=dict)
+    granted: dict[str, int] = field(default_factory=lambda: {"sbuf": 0, "psum": 0})
 
     def __post_init__(self) -> None:
         self.allocator = OnChipAllocator(self.target)
@@ -51,7 +56,21 @@ class SimContext:
         self.allocator.allocate(storage)
         if self.scopes:
             self.scopes[-1].append(weakref.ref(storage))
-            self.cost.timeline.allocated(storage.serial, _kernel_site())
+            site = (storage.buffer.value, _kernel_site())
+            if site not in self.site_depth:  # first allocation: nothing to wait for yet
+                self.site_depth[site] = None
+                depth = 2
+            else:
+                depth = self.site_depth[site]
+                if depth is None and site in self.cost.timeline.temp_sites:
+                    depth = self.site_depth[site] = 2  # never a buffer of its own: nothing to grant
+                if depth is None:
+                    mem = storage.buffer.value
+                    depth = 2 if self.allocator.has_room_for_copy(storage, self.granted.get(mem, 0)) else 1
+                    if depth == 2 and mem in self.granted:
+                        self.granted[mem] += self.allocator.copy_units(storage)
+                    self.site_depth[site] = depth
+            self.cost.timeline.allocated(storage.serial, site, depth)
 
     def loop(self, kind: str, args: tuple[int, ...]) -> Iterator[int]:
         """An `nl` range of `kind` (affine_range, sequential_range, static_range): one scope per iteration."""
@@ -84,12 +103,17 @@ class SimContext:
 _SIM_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _kernel_site() -> tuple[str, int] | None:
-    """The kernel source line that allocated a tile: the first caller frame outside the simulator."""
+def _kernel_site() -> tuple[tuple[str, int], ...]:
+    """Where the kernel allocated a tile: its chain of source lines (the kernel function and the helpers it
+    called), so that one helper called twice per iteration gives two sites."""
     f = sys._getframe(2)
     while f is not None and f.f_code.co_filename.startswith(_SIM_DIR):
         f = f.f_back
-    return None if f is None else (f.f_code.co_filename, f.f_lineno)
+    chain = []
+    while f is not None and not f.f_code.co_filename.startswith(_SIM_DIR) and len(chain) < 8:
+        chain.append((f.f_code.co_filename, f.f_lineno))
+        f = f.f_back
+    return tuple(chain)
 
 
 _CURRENT: contextvars.ContextVar[SimContext | None] = contextvars.ContextVar("nki_sim_context", default=None)

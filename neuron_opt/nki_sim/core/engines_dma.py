@@ -44,19 +44,31 @@ def _geometry(hbm: Tile, mask: np.ndarray | None, par_dim: int = 0) -> dict[str,
 
     A descriptor is one contiguous run of HBM that lands in one partition (each SBUF partition is a separate
     DMA buffer, nki.md 4.1): the runs of one partition's elements, in the order the view lists them, times the
-    rows (every row of an affine view has the same runs). A masked access moves its share of them.
+    rows (every row of an affine view has the same runs). With a mask, only rows with an element moved count,
+    and the runs are those of the first such row's moved elements. `load_transpose2d` (par_dim 1) makes every
+    element its own descriptor: that is its cost here (the guide: much lower bandwidth than `load`).
     """
-    if not hbm.shape:
+    if not hbm.shape or hbm.size == 0:
         return {"rows": 1, "descriptors": 1}
-    rows = hbm.shape[par_dim] if hbm.ndim > par_dim else 1
-    idx = hbm.full_index_arrays()
-    row = [np.moveaxis(a, par_dim, 0)[0].ravel() for a in idx] if hbm.ndim > 1 else [a[:1] for a in idx]
-    flat = np.ravel_multi_index(row, hbm.storage.shape) if row and row[0].size else np.zeros(1, np.int64)
+    if hbm.ndim == 1:
+        return {"rows": hbm.shape[0] if mask is None else max(1, int(np.count_nonzero(mask))),
+                "descriptors": hbm.shape[0] if mask is None else max(1, int(np.count_nonzero(mask)))}
+    idx = [np.moveaxis(a, par_dim, 0) for a in hbm.full_index_arrays()]
+    r0, rows = 0, hbm.shape[par_dim]
+    sel = None
+    if mask is not None:
+        m = np.moveaxis(np.broadcast_to(mask, hbm.shape), par_dim, 0).reshape(rows, -1)
+        active = np.flatnonzero(m.any(axis=1))
+        if not active.size:
+            return {"rows": 1, "descriptors": 1}
+        r0, rows = int(active[0]), int(active.size)
+        sel = m[r0]
+    row = [a[r0].ravel() for a in idx]
+    if sel is not None:
+        row = [a[sel] for a in row]
+    flat = np.ravel_multi_index(row, hbm.storage.shape)
     runs = 1 + int(np.count_nonzero(np.diff(flat) != 1))
-    n = rows * runs
-    if mask is not None and hbm.size:
-        n = max(1, -(-n * hbm.masked_count(mask) // hbm.size))
-    return {"rows": rows, "descriptors": n}
+    return {"rows": rows, "descriptors": rows * runs}
 
 
 def _exactish(v: np.ndarray) -> np.ndarray:
@@ -117,8 +129,13 @@ def dma_copy(dst: Tile, src: Tile, *, mask: Any = None) -> None:
     m = dst.check_mask(mask)
     dst.check_bounds(m)
     hbm_side = dst if dst.buffer.is_hbm else src
-    geometry = _geometry(hbm_side, m if hbm_side is dst else None) if hbm_side.buffer.is_hbm else {
-        "rows": dst.partitions, "descriptors": dst.partitions}
+    side_mask = m if hbm_side is dst or (m is not None and src.shape == dst.shape) else None
+    if hbm_side.buffer.is_hbm:
+        geometry = _geometry(hbm_side, side_mask)
+    else:  # SBUF to SBUF: one run per partition row moved
+        rows = dst.partitions if m is None else max(1, int(np.count_nonzero(
+            np.broadcast_to(m, dst.shape).reshape(dst.shape[0], -1).any(axis=1))))
+        geometry = {"rows": rows, "descriptors": rows}
     ctx.cost.dma(dst.masked_count(m) * dtypes.itemsize(dst.dtype), to_hbm=dst.buffer.is_hbm,
                  access_bytes=dst.size * dtypes.itemsize(dst.dtype), **geometry)
     ctx.access(dst, "write", m)

@@ -179,12 +179,15 @@ def inplace(dst: Tile, other: Any, op: str) -> None:
     """`dst += x`: PSUM accumulation of a matmul result (free, near-memory), else a VectorE op into dst."""
     ctx = current()
     dst.check_alive()
+    psum_acc = isinstance(other, Tile) and other.matmul_result and other.fresh and op == "add"
     outer, ctx.accum_serial = ctx.accum_serial, dst.storage.serial
     try:
         _inplace(ctx, dst, other, op)
     finally:
         ctx.accum_serial = outer
-    ctx.access(dst, "accum")  # after the instruction that accumulates (or the matmul whose result it adds)
+    if psum_acc:  # near-memory accumulation: done by the matmul that produced `other`
+        ctx.cost.timeline.written_by(other.storage.serial)
+    ctx.access(dst, "accum")  # after the instruction that accumulates
 
 
 def _inplace(ctx: SimContext, dst: Tile, other: Any, op: str) -> None:
@@ -481,6 +484,7 @@ def memset(
     n = t.free_size
     zero_16 = value == 0 and dt in (dtypes.bfloat16, dtypes.float16)
     ctx.cost.instr(eng, "memset", cost.streaming_cycles(n / 2 if zero_16 else n))
+    ctx.access(t, "write")  # its result (core/timeline.py)
     return t
 
 

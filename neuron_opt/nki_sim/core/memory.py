@@ -166,6 +166,28 @@ class OnChipAllocator:
         self.sbuf_peak = max(self.sbuf_peak, self.sbuf_used)
         storage._finalizer = weakref.finalize(storage, self._free_sbuf, need)
 
+    def copy_units(self, storage: Storage) -> int:
+        """What one more copy of `storage` takes: SBUF bytes per partition, or PSUM banks (packed as
+        `_alloc_psum` packs blocks); 0 elsewhere."""
+        if storage.buffer is Buffer.SBUF:
+            return storage.bytes_per_partition
+        if storage.buffer is Buffer.PSUM:
+            per_bank = max(1, self.target.psum_bank_bytes // max(1, storage.bytes_per_block))
+            return -(-storage.block_count // per_bank)
+        return 0
+
+    def has_room_for_copy(self, storage: Storage, granted: int) -> bool:
+        """Whether one more copy of `storage` fits on top of the run's peak so far and the `granted` extra
+        copies of other tiles (in `copy_units` of the same memory): a loop-local tile's second buffer
+        (core/timeline.py). The peak, not the current use: the simulator frees an iteration's tiles before the
+        next iteration allocates, while on the device both iterations' tiles are live when they overlap."""
+        units = self.copy_units(storage)
+        if storage.buffer is Buffer.SBUF:
+            return self.sbuf_peak + granted + units <= self.target.sbuf_usable_bytes_per_partition
+        if storage.buffer is Buffer.PSUM:
+            return self.banks_peak + granted + units <= self.target.psum_banks
+        return True
+
     def _free_sbuf(self, need: int) -> None:
         self.sbuf_used -= need
 

@@ -12,9 +12,12 @@ The estimate is a list schedule in program order (documented in docs/nki_simulat
   (write after read, write after write). Elements are compared as boxes per storage dim (as the affine_range
   rule does); each storage keeps its last `HISTORY` read and write boxes, older ones fold into one
   whole-storage time (a conservative bound). `t += x` both reads and writes.
-- **Loop-local tiles are double-buffered.** A tile allocated inside a loop at one place in the kernel source
-  takes its first write only after the tile allocated at the same place two allocations earlier was last
-  accessed: the DMA of block j+1 can overlap compute on block j, not run arbitrarily far ahead.
+- **Loop-local tiles are double-buffered where memory allows.** A tile allocated inside a loop at one place
+  in the kernel source takes its first write only after the tile allocated at the same place two allocations
+  earlier was last accessed: the DMA of block j+1 can overlap compute on block j, not run arbitrarily far
+  ahead. It gets that second buffer only if the run's SBUF (bytes per partition) or PSUM (banks) peak so far
+  plus one more copy fits; otherwise it waits for the previous one (single buffer). Four PSUM banks of scores
+  next to two more banks in use cannot be double-buffered, for instance.
 - **DMA.** A transfer of R partition rows is split evenly over min(R, 16) of the 16 DMA queues; each piece
   needs its bytes at the per-queue bandwidth plus `dma_descriptor_ns` per descriptor (a descriptor is one
   contiguous run of HBM that lands in one partition). It starts `dma_fixed_ns` after its operands are ready
@@ -24,6 +27,10 @@ The estimate is a list schedule in program order (documented in docs/nki_simulat
   and it ends no earlier than one piece's time after it starts.
 - An instruction with no recorded operands issued right after one that recorded no result (the second
   instruction of one API call, such as the copy of a PSUM transpose to SBUF) depends on it.
+- A fresh result assigned into a tile (`t[...] = nl.exp(x)`) is written there by the instruction that made
+  it, and never held a buffer of its own (no double-buffer gate). If that instruction was already scheduled
+  (the result was assigned later), the destination is written when both it and the destination's earlier
+  accesses are done; the instruction itself is not delayed (a small optimism).
 
 The latency is the end of the last instruction. Busy time per engine (the sum of its instructions) gives the
 throughput bound and the per-engine utilisation.
@@ -68,12 +75,16 @@ class Lane:
             a, b = self.gaps[gap]
             new = [g for g in ((a, start), (start + dur, b)) if g[1] - g[0] > _EPS]
             self.gaps[gap:gap + 1] = new
+            self._trim()
             return
         if start - self.tail > _EPS:
             self.gaps.append((self.tail, start))
-            if len(self.gaps) > GAP_WINDOW:
-                del self.gaps[0]
+            self._trim()
         self.tail = start + dur
+
+    def _trim(self) -> None:
+        if len(self.gaps) > GAP_WINDOW:
+            del self.gaps[:len(self.gaps) - GAP_WINDOW]
 
     def place(self, ready: float, dur: float) -> float:
         start, gap = self.probe(ready, dur)
@@ -98,12 +109,12 @@ class Lane:
             work -= use
             end = s + use
         self.gaps = kept
+        self._trim()
         if work > _EPS:
             s = self.tail if self.tail > ready else ready
             if s - self.tail > _EPS:
                 self.gaps.append((self.tail, s))
-                if len(self.gaps) > GAP_WINDOW:
-                    del self.gaps[0]
+                self._trim()
             self.tail = s + work
             end = self.tail
         return end
@@ -121,7 +132,7 @@ class _History:
     reads: list[tuple[Box, float]] = field(default_factory=list)
     write_floor: float = 0.0
     read_floor: float = 0.0
-    not_before: float = 0.0  # double-buffer release of the slot this storage took
+    gate: _History | None = None  # the storage whose buffer this one reuses (double buffering)
     last: float = 0.0  # end of its last access
 
     def ready(self, box: Box) -> float:
@@ -132,7 +143,7 @@ class _History:
         return t
 
     def free(self, box: Box) -> float:
-        t = max(self.ready(box), self.read_floor, self.not_before)
+        t = max(self.ready(box), self.read_floor, self.gate.last if self.gate is not None else 0.0)
         for b, e in self.reads:
             if e > t and _overlap(b, box):
                 t = e
@@ -141,9 +152,10 @@ class _History:
     @staticmethod
     def _add(lst: list[tuple[Box, float]], box: Box, end: float) -> float:
         for i, (b, e) in enumerate(lst):
-            if b == box:
-                lst[i] = (box, max(e, end))
-                return 0.0
+            if b == box:  # moved to the end: the oldest entries are the ones folded
+                del lst[i]
+                end = max(e, end)
+                break
         lst.append((box, end))
         if len(lst) > HISTORY:
             return lst.pop(0)[1]
@@ -179,6 +191,8 @@ class Timeline:
         self.dma_lane = Lane()  # the 16 queues as one preemptible resource of their summed bandwidth
         self.storages: dict[int, _History] = {}
         self.sites: dict[object, list[int]] = {}
+        self.site_of: dict[int, object] = {}
+        self.temp_sites: set[object] = set()  # sites whose tiles are results written straight into another
         self.pending: list[tuple[int, Box]] = []
         self.open: _Open | None = None
         self.alias: int | None = None
@@ -203,6 +217,8 @@ class Timeline:
             return
         if op is None:
             return
+        if alias is not None:
+            self._unbuffer(alias)
         op.writes.append((serial, box))
         if kind == "accum":
             op.reads.append((serial, box))
@@ -211,16 +227,28 @@ class Timeline:
         """The next write holds the value of storage `serial` (a fresh result assigned into a tile)."""
         self.alias = serial
 
-    def allocated(self, serial: int, site: object) -> None:
-        """A tile allocated inside a loop at `site`: double-buffered against earlier tiles of that site."""
+    def allocated(self, serial: int, site: object, depth: int = 2) -> None:
+        """A tile allocated inside a loop at `site`, with `depth` buffers (2 when memory has room for a second
+        copy, else 1): its first write waits for the tile allocated there `depth` allocations earlier."""
         prev = self.sites.setdefault(site, [])
-        if len(prev) >= 2:
-            old = self.storages.get(prev[-2])
-            if old is not None:
-                self._hist(serial).not_before = old.last
+        if len(prev) >= depth:
+            # resolved when the first write is scheduled: the old tile's last access may still be open now
+            self._hist(serial).gate = self._hist(prev[-depth])
         prev.append(serial)
+        self.site_of[serial] = site
         if len(prev) > 2:
             del prev[0]
+
+    def _unbuffer(self, serial: int) -> None:
+        """A fresh result written straight into its destination never held a buffer of its own."""
+        h = self.storages.get(serial)
+        if h is not None:
+            h.gate = None
+        site = self.site_of.pop(serial, None)
+        if site is not None:
+            self.temp_sites.add(site)
+            if serial in self.sites.get(site, ()):
+                self.sites[site].remove(serial)
 
     def instruction(self, engine: str, us: float) -> None:
         self._next(_Open(engine, us, self.pending))

@@ -172,3 +172,42 @@ def test_loads_overlap_compute_unless_they_depend_on_it() -> None:
     assert free.latency_us >= free.throughput_bound_us
     # each load waits for the previous block's store: the chain is serial, fixed latencies included
     assert dep.latency_us > serial
+
+
+def _dma_geometry(view_fn: Any) -> tuple[int, int]:
+    @nki.jit
+    def k(x: Any) -> Any:
+        out = nl.ndarray((128, 1), dtype=x.dtype, buffer=nl.shared_hbm)
+        view_fn(x)
+        nl.store(out[0:1, 0:1], value=nl.zeros((1, 1), dtype=x.dtype, buffer=nl.sbuf))
+        return out
+
+    _, rep = nki.simulate_kernel(k, nki.ShapeDtype((256, 512), nl.float32), count_only=True, report=True)
+    return rep.dma_descriptors - 1, rep.dma_transfers  # minus the 1-element store
+
+
+def test_dma_descriptors_are_contiguous_runs_per_partition() -> None:
+    i_p, i_f = nl.mgrid[0:128, 0:512]
+    assert _dma_geometry(lambda x: nl.load(x[0:128, :]))[0] == 128  # whole rows: one run each
+    assert _dma_geometry(lambda x: nl.load(x[0:128, 0:256]))[0] == 128  # half rows, still one run each
+    assert _dma_geometry(lambda x: nl.load(x[i_p * 2, i_f]))[0] == 128  # every other row
+    i_p4, i_c, i_f4 = nl.mgrid[0:128, 0:2, 0:128]
+    assert _dma_geometry(lambda x: nl.load(x[i_c * 128 + i_p4, i_f4]))[0] == 256  # two runs per partition
+    assert _dma_geometry(lambda x: nl.load(x[0:128, :], mask=i_f < 256))[0] == 128  # masked: shorter runs
+    assert _dma_geometry(lambda x: nl.load(x[0:128, :], mask=i_p < 8))[0] == 8  # masked: 8 rows moved
+    assert _dma_geometry(lambda x: nl.load_transpose2d(x[0:64, 0:128]))[0] == 128 * 64  # element-wise
+
+
+def test_readers_wait_for_memset_and_where_operands() -> None:
+    @nki.jit
+    def k(x: Any) -> Any:
+        out = nl.ndarray((128, 2048), dtype=x.dtype, buffer=nl.shared_hbm)
+        z = nl.zeros((128, 2048), dtype=nl.float32, buffer=nl.sbuf)  # GpSimd memset
+        e = nl.exp(z)  # ScalarE, must wait for the memset
+        w = nl.where(nl.greater(e, 0.5), e, 0.0)  # VectorE, must wait for e (its x operand)
+        nl.store(out, value=w)
+        return out
+
+    _, rep = nki.simulate_kernel(k, nki.ShapeDtype((128, 2048), nl.float32), count_only=True, report=True)
+    chain = (rep.engines["gpsimd"].busy_us + rep.engines["scalar"].busy_us + rep.engines["vector"].busy_us)
+    assert rep.latency_us >= chain
