@@ -73,16 +73,10 @@ def matmul_block_free_kernel(lhsT, rhs, tiles_m=2, tiles_n=2):
     result = nl.ndarray((M, N), dtype=lhsT.dtype, buffer=nl.shared_hbm)
     for m in nl.affine_range(M // (TILE_M * tiles_m)):
         a = nl.ndarray((tiles_m, kt, nl.par_dim(TILE_K), TILE_M), dtype=lhsT.dtype, buffer=nl.sbuf)
-        for bm in nl.affine_range(tiles_m):
-            m0 = (m * tiles_m + bm) * TILE_M
-            for k in nl.affine_range(kt):
-                a[bm, k] = nl.load(lhsT[k * TILE_K:(k + 1) * TILE_K, m0:m0 + TILE_M])
+        _load_columns(lhsT, a, m * tiles_m, tiles_m, kt, TILE_M)
         for n in nl.affine_range(N // (TILE_N * tiles_n)):
             b = nl.ndarray((tiles_n, kt, nl.par_dim(TILE_K), TILE_N), dtype=rhs.dtype, buffer=nl.sbuf)
-            for bn in nl.affine_range(tiles_n):
-                n0 = (n * tiles_n + bn) * TILE_N
-                for k in nl.affine_range(kt):
-                    b[bn, k] = nl.load(rhs[k * TILE_K:(k + 1) * TILE_K, n0:n0 + TILE_N])
+            _load_columns(rhs, b, n * tiles_n, tiles_n, kt, TILE_N)
             for bm in nl.affine_range(tiles_m):
                 for bn in nl.affine_range(tiles_n):
                     ps = nl.zeros((TILE_M, TILE_N), dtype=nl.float32, buffer=nl.psum)
@@ -90,6 +84,14 @@ def matmul_block_free_kernel(lhsT, rhs, tiles_m=2, tiles_n=2):
                         ps += nl.matmul(a[bm, k], b[bn, k], transpose_x=True)
                     _store(result, ps, (m * tiles_m + bm) * TILE_M, (n * tiles_n + bn) * TILE_N)
     return result
+
+
+def _load_columns(src, blk, t0, n_tiles, kt, width):
+    """blk[i, k] = the k-th 128 rows of src's column tile t0 + i (`width` columns), for i < n_tiles."""
+    for i in nl.affine_range(n_tiles):
+        c0 = (t0 + i) * width
+        for k in nl.affine_range(kt):
+            blk[i, k] = nl.load(src[k * TILE_K:(k + 1) * TILE_K, c0:c0 + width])
 
 
 KERNELS = {"tiled": matmul_tiled_kernel, "hoisted": matmul_hoisted_kernel, "block_free": matmul_block_free_kernel}
