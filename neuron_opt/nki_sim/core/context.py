@@ -57,20 +57,25 @@ class SimContext:
         if self.scopes:
             self.scopes[-1].append(weakref.ref(storage))
             site = (storage.buffer.value, _kernel_site())
-            if site not in self.site_depth:  # first allocation: nothing to wait for yet
-                self.site_depth[site] = None
-                depth = 2
-            else:
-                depth = self.site_depth[site]
-                if depth is None and site in self.cost.timeline.temp_sites:
-                    depth = self.site_depth[site] = 2  # never a buffer of its own: nothing to grant
-                if depth is None:
-                    mem = storage.buffer.value
-                    depth = 2 if self.allocator.has_room_for_copy(storage, self.granted.get(mem, 0)) else 1
-                    if depth == 2 and mem in self.granted:
-                        self.granted[mem] += self.allocator.copy_units(storage)
-                    self.site_depth[site] = depth
-            self.cost.timeline.allocated(storage.serial, site, depth)
+            self.cost.timeline.allocated(storage.serial, site, self._buffer_depth(storage, site))
+
+    def _buffer_depth(self, storage: Storage, site: object) -> int:
+        """Buffers of a loop-local tile's site. The first allocation waits for nothing, so the choice is made
+        at the second; a site of results written straight into other tiles holds no buffer and takes none."""
+        if site not in self.site_depth:
+            self.site_depth[site] = None
+            return 2
+        depth = self.site_depth[site]
+        if depth is None:
+            mem = storage.buffer.value
+            depth = 2
+            if site not in self.cost.timeline.temp_sites:
+                if self.allocator.has_room_for_copy(storage, self.granted[mem]):
+                    self.granted[mem] += self.allocator.copy_units(storage)
+                else:
+                    depth = 1
+            self.site_depth[site] = depth
+        return depth
 
     def loop(self, kind: str, args: tuple[int, ...]) -> Iterator[int]:
         """An `nl` range of `kind` (affine_range, sequential_range, static_range): one scope per iteration."""

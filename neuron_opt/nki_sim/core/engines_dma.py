@@ -50,9 +50,9 @@ def _geometry(hbm: Tile, mask: np.ndarray | None, par_dim: int = 0) -> dict[str,
     """
     if not hbm.shape or hbm.size == 0:
         return {"rows": 1, "descriptors": 1}
-    if hbm.ndim == 1:
-        return {"rows": hbm.shape[0] if mask is None else max(1, int(np.count_nonzero(mask))),
-                "descriptors": hbm.shape[0] if mask is None else max(1, int(np.count_nonzero(mask)))}
+    if hbm.ndim == 1:  # one element per partition
+        n = hbm.shape[0] if mask is None else max(1, int(np.count_nonzero(mask)))
+        return {"rows": n, "descriptors": n}
     idx = [np.moveaxis(a, par_dim, 0) for a in hbm.full_index_arrays()]
     r0, rows = 0, hbm.shape[par_dim]
     sel = None

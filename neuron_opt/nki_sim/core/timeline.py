@@ -59,37 +59,27 @@ class Lane:
         self.gaps: list[tuple[float, float]] = []
         self.busy = 0.0
 
-    def probe(self, ready: float, dur: float) -> tuple[float, int]:
-        """Earliest start >= ready with `dur` idle, and which gap it uses (-1: after the tail)."""
+    def place(self, ready: float, dur: float) -> float:
+        """Run `dur` at the earliest start >= ready with that much idle time (a gap, else after the tail)."""
+        self.busy += dur
         for i, (a, b) in enumerate(self.gaps):
             if b - dur < ready:
                 continue
             s = a if a > ready else ready
             if s + dur <= b + _EPS:
-                return s, i
-        return (self.tail if self.tail > ready else ready), -1
-
-    def commit(self, start: float, dur: float, gap: int) -> None:
-        self.busy += dur
-        if gap >= 0:
-            a, b = self.gaps[gap]
-            new = [g for g in ((a, start), (start + dur, b)) if g[1] - g[0] > _EPS]
-            self.gaps[gap:gap + 1] = new
+                self.gaps[i:i + 1] = [g for g in ((a, s), (s + dur, b)) if g[1] - g[0] > _EPS]
+                self._trim()
+                return s
+        s = self.tail if self.tail > ready else ready
+        if s - self.tail > _EPS:
+            self.gaps.append((self.tail, s))
             self._trim()
-            return
-        if start - self.tail > _EPS:
-            self.gaps.append((self.tail, start))
-            self._trim()
-        self.tail = start + dur
+        self.tail = s + dur
+        return s
 
     def _trim(self) -> None:
         if len(self.gaps) > GAP_WINDOW:
             del self.gaps[:len(self.gaps) - GAP_WINDOW]
-
-    def place(self, ready: float, dur: float) -> float:
-        start, gap = self.probe(ready, dur)
-        self.commit(start, dur, gap)
-        return start
 
     def fill(self, ready: float, work: float) -> float:
         """Preemptible placement: `work` spread over the idle time from `ready` on, gaps first; returns its end."""
@@ -197,7 +187,6 @@ class Timeline:
         self.open: _Open | None = None
         self.alias: int | None = None
         self.makespan = 0.0
-        self.dma_queue_us = 0.0
 
     # ---- feed -------------------------------------------------------------------------------------------
     def access(self, serial: int, box: Box, kind: str) -> None:
@@ -265,6 +254,11 @@ class Timeline:
         self._flush()
         return self.makespan
 
+    @property
+    def dma_queue_us(self) -> float:
+        """Queue time of all DMAs divided by the number of queues."""
+        return self.dma_lane.busy
+
     # ---- scheduling -------------------------------------------------------------------------------------
     def _hist(self, serial: int) -> _History:
         h = self.storages.get(serial)
@@ -309,9 +303,4 @@ class Timeline:
 
     def _place_dma(self, ready: float, pieces: int, dur: float) -> float:
         """`pieces` queues busy `dur` each: that much work on the pooled queues, no faster than `dur`."""
-        work = dur * pieces / self.target.dma_engines
-        self.dma_queue_us += work
-        return max(self.dma_lane.fill(ready, work), ready + dur)
-
-    def engine_busy_us(self) -> dict[str, float]:
-        return {name: lane.busy for name, lane in self.engines.items()}
+        return max(self.dma_lane.fill(ready, dur * pieces / self.target.dma_engines), ready + dur)
