@@ -35,6 +35,7 @@ from neuron_opt.config import ModelConfig
 from neuron_opt.parallel import (
     SINGLE,
     ColumnParallelLinear,
+    FusedLinears,
     HeadLayout,
     ParallelContext,
     RowParallelLinear,
@@ -179,9 +180,11 @@ class Attention(nn.Module):
         B, S = positions.shape
         if seq_sharded:
             x = seq_gather(x, self.pctx, S)  # [B, S, H] from [B, S_pad/tp, H]
-        q = self.q_proj(x).view(B, S, self.n_heads, self.D)  # [B, S, n_heads, D]
-        k = self.k_proj(x).view(B, S, self.n_kv, self.D)  # [B, S, n_kv, D]
-        v = self.v_proj(x).view(B, S, self.n_kv, self.D)  # [B, S, n_kv, D]
+        qkv = self._modules.get("qkv_proj")  # set once, at build time (fuse_quantized_projections)
+        q, k, v = qkv(x) if qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q = q.view(B, S, self.n_heads, self.D)  # [B, S, n_heads, D]
+        k = k.view(B, S, self.n_kv, self.D)  # [B, S, n_kv, D]
+        v = v.view(B, S, self.n_kv, self.D)  # [B, S, n_kv, D]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -194,6 +197,14 @@ class Attention(nn.Module):
         # takes x's dtype again
         out = out.to(x.dtype).transpose(1, 2).reshape(B, S, self.n_heads * self.D)  # [B, S, n_heads*D]
         return self.o_proj(out, scatter_seq=seq_sharded)
+
+    def fuse_quantized_projections(self) -> None:
+        """q/k/v as one weight-only GEMM (`qkv_proj`, neuron_opt.parallel.FusedLinears) when all three are
+        quantized alike; the three linears are dropped. Called by the cpu backend before it compiles or loads."""
+        projs = [self.q_proj, self.k_proj, self.v_proj]
+        if FusedLinears.can_fuse(projs):
+            self.qkv_proj = FusedLinears(projs)
+            del self.q_proj, self.k_proj, self.v_proj
 
     def _mask(self, key_pos: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, S, kv]
@@ -253,7 +264,16 @@ class MLP(nn.Module):
         if seq_sharded:
             # padded rows ride along: they are reduce-scattered back into the padding and never read
             x = self.pctx.comm.all_gather(x, dim=1)  # [B, S_pad, H] from [B, S_pad/tp, H]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x), scatter_seq=seq_sharded)
+        gate_up = self._modules.get("gate_up_proj")  # set once, at build time (fuse_quantized_projections)
+        gate, up = gate_up(x) if gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(F.silu(gate) * up, scatter_seq=seq_sharded)
+
+    def fuse_quantized_projections(self) -> None:
+        """gate/up as one weight-only GEMM (`gate_up_proj`), as Attention does for q/k/v."""
+        projs = [self.gate_proj, self.up_proj]
+        if FusedLinears.can_fuse(projs):
+            self.gate_up_proj = FusedLinears(projs)
+            del self.gate_proj, self.up_proj
 
 
 # (module name, module) of a layer's feed-forward block; models.moe passes its sparse block's

@@ -88,7 +88,8 @@ def distinct_graphs(buckets: BucketConfig, backend: str) -> int:
 
 
 def code_fingerprint() -> str:
-    """sha256 over the source of everything that shapes a compiled graph (model code, backends, parallel layers).
+    """sha256 over the source of everything that shapes a compiled graph (model code, backends, parallel layers, the
+    quantized linear).
 
     Part of every compile-cache key, so editing the model or a backend never reuses a graph compiled from the old
     code (the package version alone does not change between commits)."""
@@ -97,10 +98,10 @@ def code_fingerprint() -> str:
     import models.llama
 
     here = Path(__file__).parent  # neuron_opt/
-    roots = [Path(models.llama.__file__).parent, here / "backends", here / "parallel"]
+    roots = [Path(models.llama.__file__).parent, here / "backends", here / "parallel", here / "quant.py"]
     h = hashlib.sha256()
     for root in roots:
-        for f in sorted(root.rglob("*.py")):
+        for f in sorted(root.rglob("*.py")) if root.is_dir() else [root]:
             h.update(str(f.relative_to(root.parent)).encode())
             h.update(f.read_bytes())
     return h.hexdigest()[:16]

@@ -119,6 +119,18 @@ def dequantize(t: QuantTensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     return w.reshape(n, k).to(dtype)
 
 
+def concat_rows(tensors: list[QuantTensor]) -> QuantTensor:
+    """Weights [N_i, K] of one format and group size as one [sum N_i, K] weight, rows in order. Exact: every stored
+    part (values, scales, offsets) is laid out per output row."""
+    first = tensors[0]
+    if any(t.method != first.method or t.shape[1] != first.shape[1] or t.group_size != first.group_size
+           for t in tensors):
+        raise ValueError("concat_rows: the weights differ in format, input features or group size")
+    offset = None if first.offset is None else torch.cat([t.offset for t in tensors])  # type: ignore[misc]
+    return QuantTensor(first.method, torch.cat([t.qweight for t in tensors]), torch.cat([t.scale for t in tensors]),
+                       offset)
+
+
 def scale_quant(t: QuantTensor, factor: float) -> QuantTensor:
     """The QuantTensor of `factor * W`, exactly (scales and offsets are multiplied; values unchanged)."""
     off = None if t.offset is None else t.offset * factor
@@ -209,8 +221,15 @@ class QuantizedWeight(nn.Module):
 
     def _cpu(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [M, K]
-        if self.method == "int8":
+        x2 = x.reshape(-1, self.in_features)  # [M, K]
+        if x2.dtype != torch.bfloat16:  # no `.to` when it is one: export records even a no-op cast as a node
+            x2 = x2.to(torch.bfloat16)  # (aten._assert_tensor_metadata), and torch 2.13's int4 concat-linear pass
+            # fails on an activation whose first user is not the int4 GEMM ('NoneType' has no attribute 'meta')
+        # one row (static per graph): a dot product per output row. Also every row count when K is not a multiple
+        # of 16: torch 2.13's int8 GEMM kernel then reads past the weight's rows (it crashed at K = 72)
+        if self.method == "int8" and (x2.shape[0] == 1 or self.in_features % 16):
+            y = (x2.float()[:, None, :] * self.qweight.float()[None]).sum(-1) * self.cpu_scale.float()  # [M, N]
+        elif self.method == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.cpu_scale)  # [M, N]
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.cpu_qweight, self.group_size,

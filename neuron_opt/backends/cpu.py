@@ -35,12 +35,13 @@ from neuron_opt.backends.cpu_graphs import (
     graph_keys,
     head_rows,
     layer_example,
+    use_cpu_layout,
 )
 from neuron_opt.backends.eager import load_model_weights, model_state_for_save
 from neuron_opt.buckets import DECODE, Bucket
 from neuron_opt.config import CacheConfig
 from neuron_opt.errors import ArtifactError, ConfigError
-from neuron_opt.quant import quantized_modules, use_cpu_kernels
+from neuron_opt.quant import quantized_modules
 
 # 2: recipes name several sources (fused projections), heads may take their weight as an input; 3: max_model_len;
 # 4: block KV cache (slot mapping and block tables)
@@ -139,7 +140,8 @@ class CpuBackend:
         args: tuple[torch.Tensor, ...] = (torch.randn(rows, model.cfg.hidden_size).to(self.residual_dtype),)
         if weight_input:
             args += (torch.randn(model.lm_head.weight.shape).to(self.dtype),)
-        recipes = compile_graph(head, args, None, self.options["gemm"], so, f"cpu head graph for {rows} rows")
+        recipes = compile_graph(head, args, None, layer_gemm(head, self.options["gemm"]), so,
+                                f"cpu head graph for {rows} rows")
         return {"kind": "head", "batch": rows, "weight_input": weight_input,
                 "constants": {k: r.to_dict() for k, r in recipes.items()}}
 
@@ -153,18 +155,21 @@ class CpuBackend:
         """graph_files: absolute paths (or paths relative to the working directory) of each bucket's files."""
         model = model_factory()
         load_model_weights(model, weights_path)
-        use_cpu_kernels(model)  # the layouts the graphs were compiled on (LayerGraph does the same)
+        use_cpu_layout(model)  # the layouts the graphs were compiled on (LayerGraph does the same)
         return CpuExecutor(model.to(self.dtype).eval(), graph_files, cache, self.dtype, self.residual_dtype,
                            self.rope_dtype)
 
 
 def layer_gemm(layer: torch.nn.Module, gemm: str) -> str:
-    """int4 layers compile with gemm "aten": torch's int4 CPU kernel is an extern call either way, and Inductor's
-    freezing path fails on its constants' module paths (torch 2.13: "no attribute 'layer.self_attn...'").
+    """Quantized graphs (layers or heads) compile with gemm "aten", i.e. without freezing:
+    - int4: torch's int4 CPU kernel is an extern call either way, and Inductor's freezing path fails on its
+      constants' module paths (torch 2.13: "no attribute 'layer.self_attn...'");
+    - int8: one-row GEMMs are a fused dot-product loop over the int8 weight (neuron_opt.quant), and freezing would
+      constant-fold its int8 -> fp32 widening into an fp32 copy of the weight (4x the bytes read).
     MoE layers too: the C++ GEMM template has no batched GEMM, which the dense expert path is (Inductor: "No
     choices to select"; adding ATEN to the autotuner would make the choice timing-based), and freezing hands the
     batched GEMMs their stacked weights permuted and reshaped, which no recipe rebuilds from the parameter."""
-    if any(m.method == "int4" for m in quantized_modules(layer).values()):
+    if quantized_modules(layer):
         return "aten"
     if any(isinstance(m, SparseMoeBlock) for m in layer.modules()):
         return "aten"

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.export import Dim
 
-from models.llama import TorchOps
+from models.llama import MLP, Attention, TorchOps
 from neuron_opt.backends.base import kv_dtype
 from neuron_opt.backends.cpu_constants import (
     ConstantRecipe,
@@ -45,7 +45,7 @@ from neuron_opt.backends.cpu_constants import (
 from neuron_opt.buckets import PREFILL, VERIFY, Bucket
 from neuron_opt.config import CacheConfig
 from neuron_opt.errors import BackendCompileError
-from neuron_opt.quant import use_cpu_kernels
+from neuron_opt.quant import quantized_modules, use_cpu_kernels
 
 
 class DecodeAttention(TorchOps):
@@ -91,6 +91,16 @@ class DecodeAttention(TorchOps):
         return out.view(B, n_heads, 1, D)
 
 
+def use_cpu_layout(module: nn.Module) -> None:
+    """The cpu backend's form of a model or layer, the same at compile and at load (graph constants are named by
+    it): quantized q/k/v and gate/up fused into one GEMM each, then every quantized linear on torch's CPU
+    weight-only kernels (neuron_opt.quant)."""
+    for m in list(module.modules()):
+        if isinstance(m, (Attention, MLP)):
+            m.fuse_quantized_projections()
+    use_cpu_kernels(module)
+
+
 class LayerGraph(nn.Module):
     """One decoder layer in `dtype`; the KV length is the cache views' dim 2 (dynamic when compiled with it).
 
@@ -102,7 +112,7 @@ class LayerGraph(nn.Module):
     def __init__(self, layer: nn.Module, dtype: torch.dtype, decode_attention: bool) -> None:
         super().__init__()
         self.layer = copy.deepcopy(layer).to(dtype)
-        use_cpu_kernels(self.layer)  # quantized linears: torch's CPU weight-only kernels (neuron_opt.quant)
+        use_cpu_layout(self.layer)
         if decode_attention:
             attn = self.layer.self_attn
             attn.ops = DecodeAttention(attn.ops)
@@ -178,7 +188,7 @@ def layer_example(model: nn.Module, bucket: Bucket, cache: CacheConfig, dtype: t
     return args, (None, None, None, None, None, {1: blocks}, None, None)
 
 
-def inductor_options(gemm: str, fuse_projections: bool = True) -> dict[str, Any]:
+def inductor_options(gemm: str, fuse_projections: bool = True, quantized: bool = False) -> dict[str, Any]:
     """How GEMMs are compiled (all three are deterministic: no timing-based choice).
 
     - "cpp": freezing + max_autotune restricted to the C++ GEMM template; weights become blocked constants
@@ -190,9 +200,16 @@ def inductor_options(gemm: str, fuse_projections: bool = True) -> dict[str, Any]
     Every choice also fuses GEMMs that read the same input (q/k/v, gate/up: `cpp.enable_concat_linear`): fewer,
     larger GEMM calls; bf16 decode +12% at batch 1 (docs/cpu_backend.md). The fused weight is a row concatenation
     of the projections (a `ConstantRecipe` with several sources), still built once at load.
+
+    `quantized` (graphs with int8/int4 weights): one-row int8 GEMMs are dot-product loops Inductor generates
+    (neuron_opt.quant), and Inductor inlines their input, the normed activation, into those loops, recomputing the
+    RMSNorm once per output row (the int8 decode step ran 2.2x slower than with the activation stored);
+    `realize_opcount_threshold` 4 stores any pointwise result of more than 4 ops that reads several buffers.
     """
     opts: dict[str, Any] = {"aot_inductor.package": True, "aot_inductor.package_constants_in_so": False,
                             "cpp.enable_concat_linear": fuse_projections}
+    if quantized:
+        opts["realize_opcount_threshold"] = 4
     if gemm == "cpp":
         opts.update({"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"})
     elif gemm == "onednn":
@@ -212,7 +229,8 @@ def compile_graph(module: nn.Module, args: tuple[torch.Tensor, ...], dynamic_sha
         with torch.no_grad():
             ep = torch.export.export(ph, args, dynamic_shapes=dynamic_shapes, strict=False)
             with capture_constants() as consts:
-                files = torch._inductor.aot_compile(ep.module(), args, options=inductor_options(gemm, fuse_projections))
+                options = inductor_options(gemm, fuse_projections, quantized=bool(quantized_modules(module)))
+                files = torch._inductor.aot_compile(ep.module(), args, options=options)
     except Exception as e:  # export/inductor raise many types; name the graph and keep the cause
         raise BackendCompileError(f"{what}: AOTInductor compile failed: {type(e).__name__}: {e}") from e
     sos = [f for f in files if isinstance(f, str) and f.endswith(".so")]

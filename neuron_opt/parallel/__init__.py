@@ -5,7 +5,7 @@ importing the model does not import multiprocessing machinery. docs/tensor_paral
 """
 
 from neuron_opt.parallel.context import SINGLE, NoCollectives, ParallelContext
-from neuron_opt.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from neuron_opt.parallel.layers import ColumnParallelLinear, FusedLinears, RowParallelLinear, VocabParallelEmbedding
 from neuron_opt.parallel.sharding import HeadLayout, LayoutCost, head_layout, layout_cost, shard_state_dict
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "NoCollectives",
     "ParallelContext",
     "ColumnParallelLinear",
+    "FusedLinears",
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "HeadLayout",

@@ -21,7 +21,7 @@ from torch import nn
 
 from neuron_opt.config import QuantConfig
 from neuron_opt.parallel.context import ParallelContext
-from neuron_opt.quant import QuantizedWeight
+from neuron_opt.quant import DEQUANT, QuantizedWeight, concat_rows
 
 
 def seq_scatter(x: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
@@ -64,6 +64,48 @@ class ColumnParallelLinear(_Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
+
+
+class FusedLinears(nn.Module):
+    """Quantized column-parallel linears that read the same input (q/k/v, gate/up), as ONE weight-only GEMM whose
+    output is split back into theirs, in order: `forward(x)` -> (y_1, ..., y_n).
+
+    Built from loaded linears in their stored format (neuron_opt.quant.concat_rows: exact). Float projections
+    need none of this: Inductor's concat-linear pass fuses their GEMMs; it does not fuse torch's weight-only
+    kernels (int8: never fires; int4: fails on bf16 graphs in torch 2.13), so the cpu backend fuses quantized
+    ones here (models.llama: `fuse_quantized_projections`).
+    """
+
+    def __init__(self, linears: list[_Linear]) -> None:
+        super().__init__()
+        if not self.can_fuse(linears):
+            raise ValueError("FusedLinears: the linears must all be quantized alike (format, group size, input "
+                             "features, stored layout) and either all or none have a bias")
+        quants: list[QuantizedWeight] = [lin._modules["quant"] for lin in linears]  # type: ignore[misc]
+        self.sizes = [q.out_features for q in quants]
+        self.quant = QuantizedWeight(quants[0].qc, sum(self.sizes), quants[0].in_features).to(
+            quants[0].scale.device)
+        self.quant.load(concat_rows([q.stored() for q in quants]))
+        biases = [lin.bias for lin in linears]
+        self.bias = None if biases[0] is None else nn.Parameter(torch.cat(biases),  # type: ignore[arg-type]
+                                                                requires_grad=False)
+
+    @staticmethod
+    def can_fuse(linears: list[_Linear]) -> bool:
+        quants = [lin._modules.get("quant") for lin in linears]
+        if len(linears) < 2 or any(not isinstance(q, QuantizedWeight) or q.kernel != DEQUANT for q in quants):
+            return False
+        first = quants[0]
+        assert isinstance(first, QuantizedWeight)
+        return all(q.method == first.method and q.group_size == first.group_size  # type: ignore[union-attr]
+                   and q.in_features == first.in_features for q in quants) and \
+            len({lin.bias is None for lin in linears}) == 1
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = self.quant(x)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.split(self.sizes, dim=-1)
 
 
 class RowParallelLinear(_Linear):

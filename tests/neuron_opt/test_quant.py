@@ -103,3 +103,77 @@ def test_fold_factors_leave_attention_unchanged():
     t = quantize(torch.randn(8, 32), QuantConfig("int4"))
     (_, folded), = fold([("model.layers.0.self_attn.o_proj.weight", t)], ks, vs)
     assert torch.allclose(dequantize(folded), 4.0 * dequantize(t))
+
+
+def _quantized_linears(method: str, sizes: list[int], k: int, bias: bool, seed: int = 0) -> list:
+    from neuron_opt.parallel import SINGLE, ColumnParallelLinear
+
+    g = torch.Generator().manual_seed(seed)
+    qc = QuantConfig(method=method, group_size=32) if method == "int4" else QuantConfig(method=method)
+    out = []
+    for n in sizes:
+        lin = ColumnParallelLinear(k, n, bias, SINGLE)
+        if bias:
+            lin.bias.copy_(torch.randn(n, generator=g))
+        lin.quantize_as(qc)
+        lin.quant.load(torch.randn(n, k, generator=g) * 0.05)
+        out.append(lin)
+    return out
+
+
+@pytest.mark.parametrize("method,bias", [("int8", False), ("int8", True), ("int4", False), ("int4", True)])
+def test_fused_linears_equal_the_separate_linears(method, bias):
+    """One GEMM over the concatenated stored weights (q/k/v, gate/up on the cpu backend) gives each projection's
+    output: on the reference (dequantize) kernel and on torch's CPU kernels, for one row and for several."""
+    from neuron_opt.parallel import FusedLinears
+    from neuron_opt.quant import use_cpu_kernels
+
+    linears = _quantized_linears(method, [96, 32, 32], 64, bias)
+    fused = FusedLinears(linears)
+    assert fused.quant.out_features == 160 and fused.sizes == [96, 32, 32]
+    for rows in (1, 3):
+        x = torch.randn(1, rows, 64)
+        for got, lin in zip(fused(x), linears, strict=True):
+            torch.testing.assert_close(got, lin(x), rtol=1e-5, atol=1e-5)
+    for m in [fused, *linears]:
+        use_cpu_kernels(m)
+    for rows in (1, 3):  # one row: the int8 dot-product form; several: torch's weight-only GEMM
+        x = torch.randn(1, rows, 64)
+        for got, lin in zip(fused(x), linears, strict=True):
+            torch.testing.assert_close(got, lin(x), rtol=1e-2, atol=1e-2)
+
+
+def test_fusion_needs_linears_quantized_alike():
+    from neuron_opt.parallel import FusedLinears
+
+    int8, int4 = _quantized_linears("int8", [32], 64, False), _quantized_linears("int4", [32], 64, False)
+    assert not FusedLinears.can_fuse(int8 + int4)
+    assert not FusedLinears.can_fuse(int8)  # nothing to fuse
+    assert not FusedLinears.can_fuse(int8 + _quantized_linears("int8", [32], 64, True))  # a bias on one only
+    with pytest.raises(ValueError, match="quantized alike"):
+        FusedLinears(int8 + int4)
+
+
+def test_int8_one_row_dot_product_matches_the_gemm_kernel():
+    """A one-row int8 product (batch-1 decode) is computed as a dot product per output row in fp32; torch's int8
+    GEMM computes the same sums from bf16 activations. Checked on the rows of a 4-row call."""
+    from neuron_opt.quant import use_cpu_kernels
+
+    (lin,) = _quantized_linears("int8", [200], 576, False, seed=3)
+    use_cpu_kernels(lin)
+    x = torch.randn(4, 576).bfloat16().float()  # bf16-exact activations: both forms see the same values
+    many = lin(x)
+    for i in range(4):
+        torch.testing.assert_close(lin(x[i:i + 1]), many[i:i + 1], rtol=2e-2, atol=2e-2)
+
+
+def test_int8_cpu_kernel_with_input_features_not_a_multiple_of_16():
+    """torch's int8 GEMM crashes (reads past each weight row) at K = 72; such linears take the dot-product form at
+    every row count, equal to the dequantized reference."""
+    from neuron_opt.quant import use_cpu_kernels
+
+    (lin,) = _quantized_linears("int8", [40], 72, False, seed=4)
+    x = torch.randn(5, 72).bfloat16().float()
+    ref = lin(x)  # the dequantize-then-matmul reference
+    use_cpu_kernels(lin)
+    torch.testing.assert_close(lin(x), ref, rtol=1e-2, atol=1e-2)
