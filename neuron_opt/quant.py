@@ -15,11 +15,14 @@ Kernels, chosen once when a graph is built (never a flag read inside forward):
   graph and multiplied. On a NeuronCore the weight crosses HBM in 1 byte (int8, fp8) or half a byte (int4) and is
   widened on chip, which is what NxDI does; the gain there is bandwidth and capacity.
 - "cpu" (the cpu backend's compiled graphs): torch's CPU weight-only kernels, fed bf16 activations:
-  int8 -> aten._weight_int8pack_mm, which Inductor lowers into its C++ GEMM template with int8 weights packed at
-  load (AVX2 and AVX-512 micro-kernels); int4 -> aten._weight_int4pack_mm_for_cpu on the tinygemm layout
-  (`_convert_weight_to_int4pack_for_cpu`, built at load). Their fp32-activation variants run 7-25x slower on an
-  AVX2 machine than their bf16 ones (measured, docs/quantization.md), hence bf16 activations; the residual stream
-  and the layer outputs stay in the model's dtype. fp8 weights have no CPU kernel: compile refuses them on cpu.
+  int8 -> aten._weight_int8pack_mm on the stored [N, K] values; int4 -> aten._weight_int4pack_mm_for_cpu on the
+  tinygemm layout (`_convert_weight_to_int4pack_for_cpu`, built at load). Their fp32-activation variants run
+  7-25x slower on an AVX2 machine than their bf16 ones (measured, docs/quantization.md), hence bf16 activations;
+  the residual stream and the layer outputs stay in the model's dtype. A one-row int8 product (batch-1 decode)
+  is instead a dot product per output row over the same int8 values, summed in fp32, which Inductor compiles
+  into the layer's own loops (1.9x faster decode than the GEMM kernel on a 2-core Zen 4, docs/quantization.md);
+  so is every int8 product whose K is not a multiple of 16, on which torch 2.13's int8 GEMM crashes. fp8
+  weights have no CPU kernel: compile refuses them on cpu.
 """
 
 from __future__ import annotations
