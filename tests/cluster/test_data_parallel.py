@@ -167,14 +167,21 @@ def test_a_killed_replica_is_restarted_and_nothing_hangs(cluster, ref):
     assert after == ["ok"] * 4
     assert set(before) <= {"ok", "failed"} and "ok" in before, before  # the survivor's streams completed
     assert [before[i] for i in range(len(PROMPTS)) if i % 4 >= 2] == ["ok"] * 4  # non-streaming: retried
-    # Ray restarts the replica; both serve again
-    wait(lambda: len(replica_pids()) == 2 and len(replicas(url)) == 2, 180, "the replica to be restarted")
+    # Ray restarts the replica; both serve again. The new replica pushes its metrics from its constructor, before
+    # Serve marks it running and the router's handle learns of it (and the killed one's entry lasts STALE_AFTER_S),
+    # so the wait is on what a client sees: 8 concurrent requests, all answered right, by both replicas
+    wait(lambda: len(replica_pids()) == 2, 180, "the replica to be restarted")
+    want = [reference(ref, p, 8) for p in PROMPTS]
 
     async def again() -> list[tuple[str, str]]:
         return await asyncio.gather(*(_complete(url, p, 8) for p in PROMPTS))
 
-    got = asyncio.run(again())
-    assert [t for t, _ in got] == [reference(ref, p, 8) for p in PROMPTS]
-    assert len({r for _, r in got}) == 2
+    def both_answer() -> bool:
+        got = asyncio.run(again())
+        assert [t for t, _ in got] == want
+        return len({r for _, r in got}) == 2
+
+    wait(both_answer, 120, "both replicas to answer again", every=2.0)
+    assert len(replicas(url)) == 2
     assert proc.poll() is None
     assert metrics(url)[("neuron_opt:cluster_failed_streams_total", "")] == before.count("failed")
