@@ -138,23 +138,26 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> No
     raise SystemExit("server did not become healthy")
 
 
-async def one_request(client, url: str, index: int, prompt: list[int], output_len: int,
+async def one_request(client, url: str, index: int, prompt: list[int] | str, output_len: int,
                       delay: float = 0.0) -> RequestResult:
+    """A streamed greedy request. `prompt`: token ids for /v1/completions with `ignore_eos` (exactly `output_len`
+    tokens come back), or a user message for /v1/chat/completions whose answer ends at EOS (at most
+    `output_len`)."""
+    chat = isinstance(prompt, str)
     body = {
         "model": "bench",
-        "prompt": prompt,
         "max_tokens": output_len,
         "temperature": 0,
-        "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
-    }
+    } | ({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt, "ignore_eos": True})
     r = RequestResult(index)
     if delay:
         await asyncio.sleep(delay)
     t0 = last = time.perf_counter()
     try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        async with client.stream("POST", url + ("/v1/chat/completions" if chat else "/v1/completions"),
+                                 json=body) as resp:
             if resp.status_code != 200:
                 r.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
                 return r
@@ -172,16 +175,17 @@ async def one_request(client, url: str, index: int, prompt: list[int], output_le
                 if chunk.get("usage"):
                     r.output_tokens = chunk["usage"]["completion_tokens"]
                 for c in chunk.get("choices", []):
-                    if c["text"]:
+                    if text := (c["delta"].get("content") if chat else c["text"]):
                         now = time.perf_counter()
                         if not r.text:
                             r.ttft = now - t0
                         else:
                             r.itl.append(now - last)
                         last = now
-                        r.text += c["text"]
+                        r.text += text
         r.latency = time.perf_counter() - t0
-        r.ok = r.done_markers == 1 and r.output_tokens == output_len and not r.error
+        length_ok = 0 < r.output_tokens <= output_len if chat else r.output_tokens == output_len
+        r.ok = r.done_markers == 1 and length_ok and not r.error
         if not r.ok and not r.error:
             r.error = f"done markers {r.done_markers}, output tokens {r.output_tokens} (want {output_len})"
     except Exception as e:  # noqa: BLE001 -- a benchmark records failures instead of stopping
@@ -190,7 +194,7 @@ async def one_request(client, url: str, index: int, prompt: list[int], output_le
 
 
 async def run_load(
-    url: str, prompts: list[list[int]], output_len: int, concurrency: int, request_rate: float, seed: int
+    url: str, prompts: list[list[int]] | list[str], output_len: int, concurrency: int, request_rate: float, seed: int
 ) -> tuple[list[RequestResult], float]:
     import httpx
 
@@ -459,6 +463,87 @@ def scenario_capacity(args: argparse.Namespace, vocab: int) -> dict[str, object]
             "capacity_ratio_mean": res["running_mean"] / contiguous}
 
 
+SPEC_MODES = {
+    "plain": (),
+    "ngram-adaptive": ("--speculative-method", "ngram"),
+    "ngram-always": ("--speculative-method", "ngram", "--no-speculative-adaptive"),
+}
+
+
+def scenario_speculative(args: argparse.Namespace, vocab: int) -> dict[str, object]:
+    """`--num-prompts` chat requests of the speculative benchmark's workload (`--spec-workload`: grounded, distinct
+    "repeat this text" prompts, or open-ended), `--concurrency` streams at once, greedy, answers ending at EOS (at
+    most --output-len tokens), on an artifact compiled with --num-speculative-tokens K: served plainly, with
+    prompt lookup under the adaptive rule, and with prompt lookup verifying every step, alternating --rounds
+    times; the best round of each. Texts are compared request for request with the plain server's; the
+    spec_decode counters come from /metrics."""
+    from neuron_opt.bench.spec_workloads import OPEN, grounded_prompts
+
+    base = grounded_prompts(min(args.num_prompts, 18)) if args.spec_workload == "grounded" else OPEN
+    prompts = [base[i % len(base)] for i in range(args.num_prompts)]
+    runs: dict[str, list[dict[str, object]]] = {m: [] for m in SPEC_MODES}
+    for _ in range(args.rounds):
+        for mode, extra in SPEC_MODES.items():
+            def body(url: str) -> dict[str, object]:
+                results, dur = asyncio.run(run_load(url, prompts, args.output_len, int(args.concurrency),
+                                                    float("inf"), 0))
+                s = summarize(results, dur, 0)
+                del s["total_token_throughput"]  # prompt lengths differ: output throughput is the measure
+                return s | {"metrics": scrape(url), "texts": [r.text for r in results],
+                            "errors": [r.error for r in results if r.error][:5]}
+            runs[mode].append(with_server(args, extra, body))
+            r = runs[mode][-1]
+            print(f"{mode}: {r['output_throughput']:.1f} out tok/s, {r['completed']}/{len(prompts)} ok",
+                  file=sys.stderr)
+    best = {m: max(rs, key=lambda r: r["output_throughput"]) for m, rs in runs.items()}
+    plain = best["plain"]
+    summary = {}
+    for mode, r in best.items():
+        m = r["metrics"]
+        drafted, accepted = m.get("spec_decode_num_draft_tokens_total", 0.0), m.get(
+            "spec_decode_num_accepted_tokens_total", 0.0)
+        summary[mode] = {
+            "output_throughput": r["output_throughput"],
+            "ratio_to_plain": r["output_throughput"] / plain["output_throughput"],
+            "tpot_p50_ms": r["tpot_ms"]["p50"],
+            "identical_to_plain": sum(a == b for a, b in zip(r["texts"], plain["texts"], strict=True)),
+            "verify_steps": m.get("spec_decode_num_verify_steps_total"),
+            "skipped_steps": m.get("spec_decode_num_skipped_steps_total"),
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_accepted_length": m.get("spec_decode_mean_accepted_length"),
+        }
+        print(f"best {mode}: {json.dumps(summary[mode])}", file=sys.stderr)
+    # the noise floor of "identical": plain rounds against each other (batch composition moves bf16 rounding)
+    plain_agree = [sum(a == b for a, b in zip(r["texts"], runs["plain"][0]["texts"], strict=True))
+                   for r in runs["plain"][1:]]
+    from neuron_opt.artifact import read_manifest
+
+    dtype = read_manifest(Path(args.model), verify_hashes=False).dtype if Path(args.model).is_dir() else None
+    return {"scenario": "speculative", "workload": args.spec_workload, "dtype": dtype, "requests": len(prompts),
+            "concurrency": int(args.concurrency), "max_tokens": args.output_len, "runs": runs, "summary": summary,
+            "plain_rounds_identical_to_first": plain_agree}
+
+
+def plot_speculative(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(report["summary"])
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    vals = [report["summary"][m]["output_throughput"] for m in modes]
+    ax.bar(range(len(modes)), vals, color=["#888", "#2a7", "#7a2"][: len(modes)])
+    ax.set_xticks(range(len(modes)), modes)
+    for i, m in enumerate(modes):
+        ax.text(i, vals[i], f"{report['summary'][m]['ratio_to_plain']:.2f}x", ha="center", va="bottom", fontsize=9)
+    ax.set_ylabel("output tokens/s (whole run)")
+    ax.set_title(f"{report['concurrency']} streams, {report['workload']} chat, {report['requests']} requests, "
+                 f"best of {len(report['runs']['plain'])}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def wait_replicas(url: str, proc: subprocess.Popen, n: int, timeout: float = 600.0) -> None:
     """Until the `serve --data-parallel` router counts `n` live replicas (its /health is up as soon as one is)."""
     import httpx
@@ -608,9 +693,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline-model", default=None, help="the artifact --baseline-source serves")
     p.add_argument("--baseline-budget-flag", default="--max-prefill-tokens")
     p.add_argument("--rounds", type=int, default=1, help="alternations between the two setups compared")
-    p.add_argument("--scenario", default="load", choices=["load", "shared-prefix", "long-prompts", "capacity"],
-                   help="load: the serving benchmark above; the others measure the block KV cache (prefix caching, "
-                        "chunked prefill, capacity; docs/serving.md)")
+    p.add_argument("--scenario", default="load",
+                   choices=["load", "shared-prefix", "long-prompts", "capacity", "speculative"],
+                   help="load: the serving benchmark above; shared-prefix, long-prompts and capacity measure the block "
+                        "KV cache (prefix caching, chunked prefill, capacity; docs/serving.md); speculative: plain "
+                        "against prompt-lookup serving on chat prompts (docs/speculative.md)")
+    p.add_argument("--spec-workload", default="grounded", choices=["grounded", "open-ended"],
+                   help="the speculative scenario's prompts (neuron_opt/bench/spec_workloads.py)")
     p.add_argument("--data-parallel", default=None, metavar="N[,N...]",
                    help="the load on the single-process server and on `serve --data-parallel N` for each N (Ray "
                         "Serve, the `cluster` extra), alternating --rounds times; ratios to the single process "
@@ -652,6 +741,11 @@ def main(argv: list[str] | None = None) -> int:
                                                                                     vars(args).items()}}
         return write_report(args, rep, plot_data_parallel)
     if args.scenario != "load":
+        if args.scenario == "speculative":
+            from neuron_opt.bench import host
+
+            rep = scenario_speculative(args, vocab) | {"note": args.note, "machine": host()}
+            return write_report(args, rep, plot_speculative)
         fn = {"shared-prefix": scenario_shared_prefix, "long-prompts": scenario_long_prompts,
               "capacity": scenario_capacity}[args.scenario]
         return write_report(args, fn(args, vocab) | {"note": args.note})

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -33,37 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PARAGRAPHS = [
-    "The Amazon rainforest covers much of the Amazon basin of South America. This basin encompasses seven million "
-    "square kilometres, of which five and a half million square kilometres are covered by the rainforest. The "
-    "region includes territory belonging to nine nations and 3,344 formally acknowledged indigenous territories. "
-    "The majority of the forest, 60 percent, is in Brazil, followed by Peru with 13 percent, Colombia with 10 "
-    "percent, and with minor amounts in Bolivia, Ecuador, French Guiana, Guyana, Suriname, and Venezuela. The "
-    "rainforest likely formed during the Eocene era. It appeared following a global reduction of tropical "
-    "temperatures when the Atlantic Ocean had widened sufficiently to provide a warm, moist climate to the "
-    "Amazon basin. The rainforest has been in existence for at least 55 million years, and most of the region "
-    "remained free of savanna-type biomes at least until the current ice age, when the climate was drier and "
-    "savanna more widespread.",
-    "def merge_sorted(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
-    "        if a[i] <= b[j]:\n            out.append(a[i])\n            i += 1\n        else:\n"
-    "            out.append(b[j])\n            j += 1\n    out.extend(a[i:])\n    out.extend(b[j:])\n"
-    "    return out\n\n\ndef merge_sort(xs):\n    if len(xs) <= 1:\n        return xs\n    mid = len(xs) // 2\n"
-    "    return merge_sorted(merge_sort(xs[:mid]), merge_sort(xs[mid:]))\n\n\ndef is_sorted(xs):\n"
-    "    return all(x <= y for x, y in zip(xs, xs[1:]))\n",
-]
-GROUNDED = [
-    f"Repeat the following text exactly, word for word, with nothing before or after it:\n\n{PARAGRAPHS[0]}",
-    f"Rename the function merge_sorted to merge_two everywhere in this code and output the whole code:\n\n"
-    f"{PARAGRAPHS[1]}",
-    f"Copy this text exactly:\n\n{PARAGRAPHS[0][:700]}",
-    f"Output this code unchanged:\n\n{PARAGRAPHS[1]}",
-]
-OPEN = [
-    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-    "Explain how a refrigerator works to a ten-year-old.",
-    "Describe a day in the life of a honeybee.",
-    "What are the pros and cons of living in a big city?",
-]
+from neuron_opt.bench import host  # noqa: E402 (after the sys.path line)
+from neuron_opt.bench.spec_workloads import GROUNDED, OPEN  # noqa: E402
 
 
 def run_plain_b1(llm, prompts, params):
@@ -242,9 +212,8 @@ def main() -> int:
             results += bench_ours(args, llm, name, prompts, b)
     if not args.no_hf:
         results += bench_hf(args, llm, GROUNDED, llm.runner.buckets.num_speculative_tokens)
-    doc = {"artifact": str(args.artifact), "machine": f"{platform.processor() or platform.machine()}, "
-           f"{torch.get_num_threads()} threads", "dtype": llm.runner.cache.dtype, "max_tokens": args.max_tokens,
-           "results": results}
+    doc = {"artifact": str(args.artifact), "machine": f"{host()}, {torch.get_num_threads()} threads",
+           "dtype": llm.runner.cache.dtype, "max_tokens": args.max_tokens, "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1))
     if args.plot:
