@@ -49,11 +49,11 @@ def main() -> int:
     from neuron_opt.backends.cpu import CpuBackend
     from neuron_opt.buckets import DECODE, Bucket
     from neuron_opt.checkpoint import open_checkpoint
+    from neuron_opt.config import CacheConfig
 
     ckpt = open_checkpoint(args.model)
     state = ckpt.state_dict()
     max_model_len = max(args.kv, 128)
-    slots = args.batch + 1
 
     def factory() -> torch.nn.Module:
         return build_model(ckpt.config, state, max_model_len, torch.float32)
@@ -64,17 +64,27 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, dtype, options) in enumerate(variants):
             backend = CpuBackend(dtype, options)
+            cache = CacheConfig(max_batch=args.batch, max_model_len=max_model_len,
+                                dtype=str(dtype).removeprefix("torch."))
             out = Path(tmp) / f"v{i}"
             out.mkdir()
-            files = [out / f for f in backend.compile_bucket(model, bucket, slots, out)]
+            files = [out / f for f in backend.compile_bucket(model, bucket, cache, out)]
             backend.save_weights(model, out / "w.safetensors")
-            executors[name] = backend.load({bucket: files}, out / "w.safetensors", factory, slots)
+            executors[name] = backend.load({bucket: files}, out / "w.safetensors", factory, cache)
             print(f"loaded {name}", flush=True)
     del model
 
-    inputs = [StepInputs(torch.full((args.batch, 1), 42), torch.full((args.batch, 1), 8 + i),
-                         torch.arange(args.batch), torch.zeros(args.batch, dtype=torch.long))
-              for i in range(min(args.steps, args.kv - 8))]
+    # row b owns blocks 1 + b * nb ... (block 0 is the null block); every row decodes at position 8 + step
+    bs = cache.block_size
+    nb = -(-args.kv // bs)
+    tables = 1 + torch.arange(args.batch * nb).view(args.batch, nb)
+
+    def step(pos: int) -> StepInputs:
+        slots = tables[:, pos // bs] * bs + pos % bs
+        return StepInputs(torch.full((args.batch, 1), 42), torch.full((args.batch, 1), pos), slots[:, None],
+                          tables, torch.zeros(args.batch, dtype=torch.long))
+
+    inputs = [step(8 + i) for i in range(min(args.steps, args.kv - 8))]
 
     def block(ex) -> float:  # noqa: ANN001
         t = time.perf_counter()
