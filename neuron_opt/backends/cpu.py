@@ -62,12 +62,17 @@ def _parse_options(options: dict[str, Any] | None, dtype: torch.dtype) -> dict[s
     cpu_graphs.HeadGraph) or "dtype" (the GEMM's output). These three only matter for dtypes below fp32.
     decode_attention: "fused" (cpu_graphs.DecodeAttention) or "sdpa" (aten's flash attention, as prefill).
     fuse_projections: "on" (q/k/v and gate/up as one GEMM each, see cpu_graphs.inductor_options) or "off".
+    one_row_gemm: the gemm of layer graphs whose GEMMs have one row (batch-1 decode, one-token prefill); "same"
+    (as `gemm`) or a gemm choice. bf16 default "cpp": at one row Inductor's C++ template ran batch-1 bf16 decode
+    1.46-1.58x faster than oneDNN on a Zen 4 (torch 2.13), while at batch 8 oneDNN ran 2.3x faster than the
+    template; the executor then holds the weights in both packings (docs/cpu_backend.md).
     """
     opts = {"gemm": "onednn" if dtype == torch.bfloat16 else "cpp", "attention": "fp32", "residual": "fp32",
-            "decode_attention": "fused", "logits": "fp32", "fuse_projections": "on"}
+            "decode_attention": "fused", "logits": "fp32", "fuse_projections": "on",
+            "one_row_gemm": "cpp" if dtype == torch.bfloat16 else "same"}
     choices = {"gemm": GEMM_CHOICES, "attention": PRECISION_CHOICES, "residual": PRECISION_CHOICES,
                "decode_attention": DECODE_ATTENTION_CHOICES, "logits": PRECISION_CHOICES,
-               "fuse_projections": ("on", "off")}
+               "fuse_projections": ("on", "off"), "one_row_gemm": ("same", *GEMM_CHOICES)}
     for k, v in (options or {}).items():
         if k not in choices:
             raise ConfigError(f"backend options: unknown cpu option {k!r}; known: {sorted(choices)}")
@@ -127,7 +132,10 @@ class CpuBackend:
         args, dyn = layer_example(model, bucket, cache, self.dtype, self.residual_dtype, self.rope_dtype)
         decode_attention = bucket.phase == DECODE and self.options["decode_attention"] == "fused"
         layer = LayerGraph(model.model.layers[0], self.dtype, decode_attention)
-        recipes = compile_graph(layer, args, dyn, layer_gemm(layer, self.options["gemm"]), so,
+        gemm = self.options["gemm"]
+        if bucket.num_tokens == 1 and self.options["one_row_gemm"] != "same":
+            gemm = self.options["one_row_gemm"]
+        recipes = compile_graph(layer, args, dyn, layer_gemm(layer, gemm), so,
                                 f"cpu layer graph for {bucket.key}", self.options["fuse_projections"] == "on")
         return {"kind": "layer", "phase": bucket.phase, "batch": bucket.batch, "num_blocks": cache.num_blocks,
                 "block_size": cache.block_size, "constants": {k: r.to_dict() for k, r in recipes.items()}}

@@ -304,11 +304,14 @@ def test_onednn_weights_packed_once_for_every_m_hint() -> None:
 
 
 @NEEDS_ONEDNN_BF16
-@pytest.mark.parametrize("gemm", ["onednn", pytest.param("cpp", marks=pytest.mark.slow)])  # onednn: the default
-def test_bf16_decode_matches_eager(tmp_path: Path, gemm: str) -> None:
+@pytest.mark.parametrize("options", [
+    pytest.param({}, id="default"),  # oneDNN, and the C++ template for the batch-1 decode graph (one_row_gemm)
+    pytest.param({"one_row_gemm": "same"}, id="onednn", marks=pytest.mark.slow),
+    pytest.param({"gemm": "cpp"}, id="cpp", marks=pytest.mark.slow)])
+def test_bf16_decode_matches_eager(tmp_path: Path, options: dict[str, str]) -> None:
     """bf16 graphs (oneDNN-reordered or template-packed weights) vs the bf16 eager model: teacher-forced decode,
     logits within bf16 rounding and the KV caches advancing."""
-    backend = CpuBackend(torch.bfloat16, {"gemm": gemm})
+    backend = CpuBackend(torch.bfloat16, options)
     bucket = Bucket(DECODE, 1, 32)
     # prefill and batch-2 graphs loaded too: oneDNN packs for each graph's M, the executor holds one packing
     files = {b: [tmp_path / f for f in backend.compile_bucket(make_model(0, torch.bfloat16), b, CACHE, tmp_path)]
@@ -316,7 +319,9 @@ def test_bf16_decode_matches_eager(tmp_path: Path, gemm: str) -> None:
     backend.save_weights(make_model(7, torch.bfloat16), tmp_path / "w.safetensors")
     ex = backend.load(files, tmp_path / "w.safetensors", lambda: make_model(1, torch.bfloat16), CACHE)
     gemm_constants = [k for k in ex.constants if k[1].op in ("onednn", "pack")]
-    assert len(gemm_constants) == 4 * CFG.num_hidden_layers + 1  # fused projections + the batch-2 GEMM head
+    # fused projections (4 per layer) in each packing the graphs use, + the batch-2 GEMM head
+    packings = 1 if backend.options["one_row_gemm"] in ("same", backend.options["gemm"]) else 2
+    assert len(gemm_constants) == 4 * CFG.num_hidden_layers * packings + 1
     model = make_model(7, torch.bfloat16)
     k, v = allocate_kv(model, CACHE, torch.bfloat16)
     for pos in range(6):
