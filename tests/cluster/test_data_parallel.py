@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import openai
@@ -29,7 +30,7 @@ def cluster(ckpt, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("cluster") / "serve.log"
     cmd = [sys.executable, "-m", "neuron_opt.cli", "serve", "--model", str(ckpt), "--data-parallel", "2",
-           "--port", str(port), "--max-num-seqs", "4", "--max-model-len", "256", "--served-model-name", MODEL]
+           "--port", str(port), "--max-num-seqs", "4", "--max-model-len", "1024", "--served-model-name", MODEL]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -99,16 +100,31 @@ def test_errors_are_openai_shaped(cluster):
 
 
 def test_client_disconnect_frees_the_slot_on_its_replica(cluster):
+    """A long stream (1000 tokens: seconds on the tiny model, against the replicas' 1 s metrics push; 200 tokens
+    once finished between two pushes in CI) is seen running, the client leaves, and the request leaves its replica
+    without finishing: no finish reason is counted for it (an aborted request is not a finished one)."""
     url, _ = cluster
-    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 200, "stream": True, "ignore_eos": True}
+    finished = "neuron_opt:request_success_total"
+
+    def settled() -> float:  # the finished count once a push brings nothing new (earlier tests' last requests)
+        now = sum(replicas(url, finished).values())
+        while True:
+            time.sleep(1.5)
+            now, last = sum(replicas(url, finished).values()), now
+            if now == last:
+                return now
+
+    before = settled()
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 1000, "stream": True, "ignore_eos": True}
     with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         for _ in range(3):
             next(line for line in lines if line.startswith("data: "))
         assert wait(lambda: sum(replicas(url).values()) == 1, 10, "the stream running on a replica")
-    # the client is gone: the replica's engine must drop the request well before its 200 tokens are done
+    # the client is gone: the replica's engine must drop the request well before its 1000 tokens are done
     wait(lambda: sum(replicas(url).values()) == 0 or None, 15, "the aborted request to leave its replica")
+    assert settled() == before
 
 
 def test_a_killed_replica_is_restarted_and_nothing_hangs(cluster, ref):
