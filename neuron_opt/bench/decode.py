@@ -110,6 +110,15 @@ def bench_hf(model, batch: int, steps: int, vocab: int, static_compile: bool = F
 
 
 AGREEMENT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+# perplexity of quantized weights against the float reference (the quantization slow test, scripts/quant_schemes.py);
+# not the fp8 KV calibration text
+PERPLEXITY_TEXT = (
+    "The lighthouse stood on a rock a mile from the shore, and for forty years its lamp had turned every night. "
+    "Its keeper kept a log of ships, storms and the birds that struck the glass in autumn. When the coast guard "
+    "replaced the lamp with an automatic beacon, the keeper stayed on to paint the iron railings and to write "
+    "down, as before, the weather at dawn and at dusk. Scientists later used his notes to reconstruct a century "
+    "of sea temperatures, because no instrument had been there as long as he had."
+)
 
 
 def hf_reference(hf, tokenizer, n_tokens: int) -> tuple[list[int], list[int]]:

@@ -19,19 +19,12 @@ import pytest
 import torch
 
 from neuron_opt.artifact import load_artifact
-from neuron_opt.bench.decode import hf_reference, teacher_forced_agreement
+from neuron_opt.bench.decode import PERPLEXITY_TEXT, hf_reference, teacher_forced_agreement
 from neuron_opt.compiler import CompileRequest, compile_artifact
 from neuron_opt.runtime.runner import DecodeRow
 
 pytestmark = pytest.mark.slow
 
-PPL_TEXT = (
-    "The lighthouse stood on a rock a mile from the shore, and for forty years its lamp had turned every night. "
-    "Its keeper kept a log of ships, storms and the birds that struck the glass in autumn. When the coast guard "
-    "replaced the lamp with an automatic beacon, the keeper stayed on to paint the iron railings and to write "
-    "down, as before, the weather at dawn and at dusk. Scientists later used his notes to reconstruct a century "
-    "of sea temperatures, because no instrument had been there as long as he had."
-)
 CASES = {"int8": (0.92, 0.02), "auto": (0.90, 0.08)}  # agreement floor, perplexity tolerance
 
 
@@ -71,6 +64,6 @@ def test_default_model_quantized_against_hf_fp32(quantize, hf, tmp_path):
     floor, ppl_tol = CASES[quantize]
     prompt, ref = hf_reference(model, tok, 256)
     assert teacher_forced_agreement(runner, prompt, ref) >= floor
-    ids = tok.encode(PPL_TEXT)
+    ids = tok.encode(PERPLEXITY_TEXT)
     ours, theirs = _perplexity(runner, ids), _perplexity_hf(model, ids)
     assert abs(ours / theirs - 1) <= ppl_tol, (ours, theirs)
