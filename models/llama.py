@@ -293,7 +293,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, kv_len: int, seq_sharded: bool = False) -> torch.Tensor:
+                v_cache: torch.Tensor, kv_len: int, seq_sharded: bool = False, decode: bool = False) -> torch.Tensor:
+        # `decode`: a token-generation step (decode or verify graph), for a feed-forward block that lays its
+        # weights out per phase (models.moe under a hybrid expert layout); a dense MLP has one layout.
         # under sequence parallelism x is this rank's [B, S_pad/tp, H] chunk: norms and residuals run on it.
         # x may be a wider residual stream than the layer's weights (fp32 under bf16 weights: the compiled cpu
         # graphs do this for accuracy, see neuron_opt/backends/cpu_graphs.py): norms run on it, each branch's
@@ -302,7 +304,9 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x).to(dt), cos, sin, positions, slot_mapping, block_tables,
                                k_cache, v_cache, kv_len, seq_sharded).to(x.dtype)
         mlp = getattr(self, self.mlp_name)
-        return x + mlp(self.post_attention_layernorm(x).to(dt), seq_sharded).to(x.dtype)
+        h = self.post_attention_layernorm(x).to(dt)
+        out = mlp(h, seq_sharded, decode) if getattr(mlp, "per_phase", False) else mlp(h, seq_sharded)
+        return x + out.to(x.dtype)
 
 
 class Backbone(nn.Module):
@@ -344,16 +348,18 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 block_tables: torch.Tensor, last_index: torch.Tensor, k_caches: list[torch.Tensor],
-                v_caches: list[torch.Tensor], kv_len: int) -> torch.Tensor:
+                v_caches: list[torch.Tensor], kv_len: int, decode: bool = False) -> torch.Tensor:
         """Run one step; returns this rank's fp32 logits [B, V/tp] at `last_index` [B] of each row, or
-        [B, T, V/tp] at every index of a [B, T] `last_index` (a verify step scores all its positions)."""
+        [B, T, V/tp] at every index of a [B, T] `last_index` (a verify step scores all its positions).
+        `decode`: a token-generation step (a decode or verify bucket), static per graph like the shapes."""
         B, S = input_ids.shape
         sp = self.pctx.seq_sharded(S)  # static per bucket: a prefill graph is sequence-parallel or not
         x = self.model.embed_tokens(input_ids, scatter_seq=sp)  # [B, S, H] ([B, S_pad/tp, H] if sp)
         cos = self.rope_cos[positions].to(x.dtype)[:, :, None, :]  # [B, S, 1, D]
         sin = self.rope_sin[positions].to(x.dtype)[:, :, None, :]  # [B, S, 1, D]
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, positions, slot_mapping, block_tables, k_caches[i], v_caches[i], kv_len, sp)
+            x = layer(x, cos, sin, positions, slot_mapping, block_tables, k_caches[i], v_caches[i], kv_len, sp,
+                      decode)
         x = self._last_rows(x, last_index, sp)  # [B, H] or [B, T, H]
         return self.lm_head(self.model.norm(x)).float()  # [B, V/tp] or [B, T, V/tp]
 

@@ -15,6 +15,10 @@ Design decisions
   replicated after attention) and applies its own experts to the tokens routed to them; tokens routed elsewhere
   contribute zero here. All partial sums, the shared expert's included, meet in one all-reduce (a
   reduce-scatter under sequence parallelism): the dense layer's collective, no all-to-all.
+- A hybrid layout (ParallelConfig.ep_decode): a second stack, `experts_decode`, in the decode degree's layout;
+  token-generation graphs (the model's `decode` flag, static per graph) apply it, prefill graphs `experts`. The
+  loader fills both from one pass over the checkpoint (`parallel.sharding.rank_shards` names the second shard
+  `...experts_decode.{j}...`).
 - Three ways to apply the experts, chosen per call from the token count T (static in every graph but the cpu
   backend's prefill graph) and where the block runs:
     gather  T * k < E_local, or any static T in a cpu graph: each (token, slot) reads only its expert's weights,
@@ -43,7 +47,7 @@ from models.llama import TORCH_OPS, LlamaForCausalLM, TorchOps, expected_weight_
 from neuron_opt.config import ModelConfig
 from neuron_opt.parallel import SINGLE, ColumnParallelLinear, HeadLayout, ParallelContext, RowParallelLinear
 from neuron_opt.parallel.layers import seq_scatter
-from neuron_opt.parallel.sharding import EXPERT_NAME, EXPERT_PARTS
+from neuron_opt.parallel.sharding import DECODE_EXPERT_NAME, EXPERT_NAME, EXPERT_PARTS
 
 GATHER, GROUPED, DENSE = "gather", "grouped", "dense"
 EAGER, CPU_GRAPH, DEVICE = "eager", "cpu-graph", "device"
@@ -150,33 +154,44 @@ class SharedExpert(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """The sparse MLP of one decoder layer on this rank (HF names: `gate`, `experts`, `shared_expert`,
-    `shared_expert_gate`)."""
+    `shared_expert_gate`).
+
+    Under a hybrid layout (HeadLayout.hybrid) `experts_decode` holds the experts a second time, laid out for
+    `ep_decode` groups, and token-generation steps (decode, verify) apply that copy; prefill steps apply
+    `experts`. Either copy gives the same sums (the all-reduce adds every expert's contribution exactly once)."""
+
+    per_phase = True  # models.llama.DecoderLayer passes `decode`
 
     def __init__(self, cfg: ModelConfig, lay: HeadLayout, pctx: ParallelContext) -> None:
         super().__init__()
         self.pctx, self.lay = pctx, lay
         self.gate = Router(cfg)
         self.experts = Experts(cfg, lay)
+        self.lay_decode = lay.decode_layout()  # `lay` itself unless hybrid
+        if lay.hybrid:
+            self.experts_decode = Experts(cfg, self.lay_decode)
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = SharedExpert(cfg, lay, pctx)
             self.shared_expert_gate = ColumnParallelLinear(cfg.hidden_size, 1, False, pctx)  # replicated [1, H]
         else:
             self.shared_expert = None
 
-    def _first_expert(self) -> int | torch.Tensor:
-        """Global id of this rank's first expert (a tensor under SPMD, where the rank is one)."""
-        if self.lay.ep == 1:
+    def _first_expert(self, lay: HeadLayout) -> int | torch.Tensor:
+        """Global id of this rank's first expert under `lay` (a tensor under SPMD, where the rank is one)."""
+        if lay.ep == 1:
             return 0
-        return (self.pctx.rank_value() // self.lay.moe_tp) * self.lay.experts_local
+        return (self.pctx.rank_value() // lay.moe_tp) * lay.experts_local
 
-    def forward(self, x: torch.Tensor, seq_sharded: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seq_sharded: bool = False, decode: bool = False) -> torch.Tensor:
         if seq_sharded:
             x = self.pctx.comm.all_gather(x, dim=1)  # [B, S_pad, H] from [B, S_pad/tp, H]
         B, S, H = x.shape
         t = x.reshape(B * S, H)
         weights, ids = self.gate(t)  # [T, k]
-        E = self.lay.experts_local
-        lid = ids - self._first_expert()
+        lay, experts = (self.lay_decode, self.experts_decode) if decode and self.lay.hybrid else \
+            (self.lay, self.experts)
+        E = lay.experts_local
+        lid = ids - self._first_expert(lay)
         local = (lid >= 0) & (lid < E)
         lid = lid.clamp(0, E - 1)
         weights = weights * local
@@ -186,14 +201,14 @@ class SparseMoeBlock(nn.Module):
         else:
             how = moe_strategy(B * S, ids.shape[1], E, where)
         # torch's CPU grouped GEMM wants 16-byte-aligned row strides; other widths take the dense path
-        if how == GROUPED and any(n * t.element_size() % 16 for n in (H, self.experts.down_proj.shape[2])):
+        if how == GROUPED and any(n * t.element_size() % 16 for n in (H, experts.down_proj.shape[2])):
             how = DENSE
         if how == GATHER:
-            out = self.experts.gather(t, lid, weights, local, traced=where != EAGER)
+            out = experts.gather(t, lid, weights, local, traced=where != EAGER)
         elif how == GROUPED:
-            out = self.experts.grouped(t, lid, weights, local)
+            out = experts.grouped(t, lid, weights, local)
         else:
-            out = self.experts.dense(t, lid, weights)
+            out = experts.dense(t, lid, weights)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(t).float()) * self.shared_expert.partial(t).float()
         partial = out.to(x.dtype).view(B, S, H)
@@ -213,15 +228,19 @@ class MoeForCausalLM(LlamaForCausalLM):
         """Where a checkpoint's per-expert tensor (already this rank's shard) goes: (parameter, index), or None if
         `name` is not one."""
         m = re.fullmatch(EXPERT_NAME, name)
+        lay = self.layout
         if m is None:
-            return None
+            m = re.fullmatch(DECODE_EXPERT_NAME, name) if lay.hybrid else None  # the decode layout's copy
+            if m is None:
+                return None
+            lay = lay.decode_layout()
         prefix, j, part = m.group(1), int(m.group(2)), EXPERT_PARTS[m.group(3)]
-        held = self.layout.expert_range(self.pctx.rank)
+        held = lay.expert_range(self.pctx.rank)
         if j not in held:
             raise ValueError(f"{name}: expert {j} is not one of this rank's experts {held.start}..{held.stop - 1} "
                              "(an unsharded checkpoint given to a rank?)")
         slot = j - held.start
-        I = self.layout.moe_intermediate_local
+        I = lay.moe_intermediate_local
         if part == "down":
             return f"{prefix}.down_proj", (slot,)
         return f"{prefix}.gate_up_proj", (slot, slice(0, I) if part == "gate" else slice(I, 2 * I))

@@ -59,6 +59,11 @@ class Bucket:
         return self.q_len
 
     @property
+    def generates(self) -> bool:
+        """A token-generation graph (decode or verify), as opposed to a prefill: the model's `decode` flag."""
+        return self.phase != PREFILL
+
+    @property
     def num_tokens(self) -> int:
         return self.batch * self.tokens
 

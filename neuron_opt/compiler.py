@@ -257,7 +257,7 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
     from neuron_opt.backends.eager import load_weights_streamed
     from neuron_opt.checkpoint import open_checkpoint
     from neuron_opt.parallel import ParallelContext, head_layout
-    from neuron_opt.parallel.sharding import shard_tensor
+    from neuron_opt.parallel.sharding import rank_shards
 
     t0 = time.perf_counter()
     check_backend_tp(req.backend, req.parallel.tp)  # before any long work
@@ -327,8 +327,9 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
         pctx = None if comm is None else ParallelContext(par.tp, rank, comm, par.sequence_parallel)
         model = rank_model_factory(cfg, par, cache_cfg, rank, dtype, pctx, quant=qc)()
         tensors = canonical() if kv_scales is None else fold(canonical(), *kv_scales)
-        load_weights_streamed(model, ((n, w if isinstance(w, QuantTensor) else shard_tensor(n, w, cfg, lay, rank))
-                                      for n, w in tensors), f"{ckpt.source} (rank {rank} shard)")
+        shards = (pair for name, t in tensors  # GGUF blocks kept as stored: tp 1 only (resolve_quant)
+                  for pair in ([(name, t)] if isinstance(t, QuantTensor) else rank_shards(name, t, cfg, lay, rank)))
+        load_weights_streamed(model, shards, f"{ckpt.source} (rank {rank} shard)")
         if req.backend == "cpu":
             check_uniform_layers(model)
         return model

@@ -272,13 +272,25 @@ class ParallelConfig:
     # tp / ep ranks holds num_experts / ep whole experts, each expert's MLP split over its group's ranks.
     # Attention stays sharded over all tp ranks. ep 1: every expert split over every rank.
     ep: int = 1
+    # token-generation graphs (decode, verify) with their own expert layout (NxDI's hybrid_sharding_config:
+    # moe_tkg_ep_degree beside moe_cte_ep_degree): None or `ep`, one layout for every graph; another degree, the
+    # experts are held a second time in that layout and prefill graphs keep `ep`'s
+    ep_decode: int | None = None
 
     def __post_init__(self) -> None:
         _check(isinstance(self.tp, int) and self.tp >= 1, "tp", f"must be an integer >= 1, got {self.tp!r}")
         _check(isinstance(self.ep, int) and self.ep >= 1 and self.tp % self.ep == 0, "ep",
                f"must be an integer >= 1 that divides tp={self.tp} (tp = moe tp x ep), got {self.ep!r}")
+        _check(self.ep_decode is None or (isinstance(self.ep_decode, int) and self.ep_decode >= 1
+                                          and self.tp % self.ep_decode == 0), "ep_decode",
+               f"must be an integer >= 1 that divides tp={self.tp}, got {self.ep_decode!r}")
         _check(self.gqa_strategy in ("auto", "replicate-kv", "mha"), "gqa_strategy",
                f"must be one of auto, replicate-kv, mha; got {self.gqa_strategy!r}")
+
+    @property
+    def decode_ep(self) -> int:
+        """The expert-parallel degree of token-generation graphs."""
+        return self.ep if self.ep_decode is None else self.ep_decode
 
 
 @dataclass(frozen=True)

@@ -131,7 +131,7 @@ class CpuBackend:
     def _compile_layer(self, model: torch.nn.Module, bucket: Bucket, cache: CacheConfig, so: Path) -> dict[str, Any]:
         args, dyn = layer_example(model, bucket, cache, self.dtype, self.residual_dtype, self.rope_dtype)
         decode_attention = bucket.phase == DECODE and self.options["decode_attention"] == "fused"
-        layer = LayerGraph(model.model.layers[0], self.dtype, decode_attention)
+        layer = LayerGraph(model.model.layers[0], self.dtype, decode_attention, bucket.generates)
         gemm = self.options["gemm"]
         if bucket.num_tokens == 1 and self.options["one_row_gemm"] != "same":
             gemm = self.options["one_row_gemm"]

@@ -109,8 +109,9 @@ class LayerGraph(nn.Module):
     `DecodeAttention`. Holds a copy of `layer`; the caller's model is left as it is.
     """
 
-    def __init__(self, layer: nn.Module, dtype: torch.dtype, decode_attention: bool) -> None:
+    def __init__(self, layer: nn.Module, dtype: torch.dtype, decode_attention: bool, decode: bool) -> None:
         super().__init__()
+        self.decode = decode  # a token-generation graph (decode, verify): models.llama.DecoderLayer's `decode`
         self.layer = copy.deepcopy(layer).to(dtype)
         use_cpu_layout(self.layer)
         if decode_attention:
@@ -121,7 +122,8 @@ class LayerGraph(nn.Module):
                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> torch.Tensor:
         kv_len = block_tables.shape[1] * k_cache.shape[2]  # every position the blocks hold
-        return self.layer(x, cos, sin, positions, slot_mapping, block_tables, k_cache, v_cache, kv_len)
+        return self.layer(x, cos, sin, positions, slot_mapping, block_tables, k_cache, v_cache, kv_len,
+                          decode=self.decode)
 
 
 class HeadGraph(nn.Module):

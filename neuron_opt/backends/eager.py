@@ -99,7 +99,7 @@ class EagerExecutor:
 
     @torch.inference_mode()
     def run(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
-        return self.model(*inputs.arrays(), self.k_caches, self.v_caches, bucket.kv_len)
+        return self.model(*inputs.arrays(), self.k_caches, self.v_caches, bucket.kv_len, bucket.generates)
 
 
 class EagerBackend:

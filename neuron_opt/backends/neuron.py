@@ -395,7 +395,7 @@ class SpmdRanks(DeviceProgram):
             with torch.no_grad():
                 logits = torch.func.functional_call(
                     self.skeleton, {**params, **bufs},
-                    (*step, [k[0] for k in ks], [v[0] for v in vs], bucket.kv_len))
+                    (*step, [k[0] for k in ks], [v[0] for v in vs], bucket.kv_len, bucket.generates))
         finally:
             self.comm.rank_tensor = None
         for full, local in zip([*self.k_caches, *self.v_caches], [*ks, *vs], strict=True):
@@ -448,7 +448,7 @@ class DeviceRank(DeviceProgram):
     def trace_step(self, bucket: Bucket, step: list[torch.Tensor]) -> torch.Tensor:
         """Records one step into the pending lazy graph; returns the device logits [B, V] fp32."""
         with torch.no_grad():
-            return self.model(*step, self.k_caches, self.v_caches, bucket.kv_len)
+            return self.model(*step, self.k_caches, self.v_caches, bucket.kv_len, bucket.generates)
 
 
 def warm_up_inputs(bucket: Bucket, block_size: int) -> StepInputs:

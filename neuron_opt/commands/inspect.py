@@ -30,7 +30,11 @@ def run(args: argparse.Namespace) -> int:
           f"{c.num_attention_heads}/{c.num_key_value_heads} (q/kv), vocab {c.vocab_size}, "
           f"{c.num_parameters() / 1e6:.1f}M params")
     print(f"  source: {m.source.get('model')} ({m.source.get('format')})")
-    print(f"  backend: {m.backend}, dtype: {m.dtype}, tp: {m.parallel.tp}")
+    experts = ""
+    if m.model.is_moe:
+        experts = f", ep: {m.parallel.ep}" + (f" (decode and verify: {m.parallel.decode_ep}, a second copy of the "
+                                              "experts)" if m.parallel.decode_ep != m.parallel.ep else "")
+    print(f"  backend: {m.backend}, dtype: {m.dtype}, tp: {m.parallel.tp}{experts}")
     q = m.quant
     if q.enabled:
         group = f", group {q.group_size}" if q.group_size else ""

@@ -43,6 +43,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ep", type=int, default=None,
                    help="mixture-of-experts models: expert-parallel degree (default: the fastest that divides tp "
                         "and num_experts; see docs/moe.md)")
+    p.add_argument("--ep-decode", type=int, default=None, metavar="EP",
+                   help="mixture-of-experts models: expert-parallel degree of the decode graphs (default: --ep's "
+                        "when given, else chosen with it; a degree other than prefill's holds the experts twice)")
     p.add_argument(
         "--batch-size", type=int, default=None, help="KV slots / decode batch (default: --concurrency)"
     )
@@ -108,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             kv_dtype=args.kv_dtype,
             ep=args.ep,
+            ep_decode=args.ep_decode,
         ),
         traffic,
     )

@@ -1,6 +1,6 @@
 """Tensor-parallel flags for `compile` and `generate`, and the ParallelConfig they build.
 
-Flags: `--tp`, `--ep`, `--instance`, `--sequence-parallel`, `--flash-decoding`, `--gqa-strategy`,
+Flags: `--tp`, `--ep`, `--ep-decode`, `--instance`, `--sequence-parallel`, `--flash-decoding`, `--gqa-strategy`,
 `--no-vocab-parallel-sampling`. The config is validated, including the instance's allowed degrees.
 """
 
@@ -19,6 +19,10 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="mixture-of-experts models: expert-parallel groups; each of EP groups of tp/EP ranks holds "
                         "num_experts/EP whole experts, each split over its group's ranks (NxDI's moe_ep_degree; "
                         "default 1: every expert split over all tp ranks). Attention stays split over all tp ranks")
+    g.add_argument("--ep-decode", type=int, default=None, metavar="EP",
+                   help="mixture-of-experts models: the expert-parallel degree of decode and verify graphs when it "
+                        "should differ from --ep's, which prefill keeps (NxDI's hybrid_sharding_config); each rank "
+                        "then holds its experts twice, once per layout (`plan` shows the trade)")
     g.add_argument(
         "--instance",
         default=None,
@@ -55,6 +59,7 @@ def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
     par = ParallelConfig(
         tp=args.tp,
         ep=args.ep,
+        ep_decode=args.ep_decode,
         sequence_parallel=args.sequence_parallel,
         flash_decoding=args.flash_decoding,
         vocab_parallel_sampling=args.vocab_parallel_sampling,

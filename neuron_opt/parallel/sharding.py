@@ -34,7 +34,9 @@ consecutive ranks. Group e holds experts [e * E / ep, (e + 1) * E / ep) whole, s
 as a dense MLP is (moe_intermediate_size zero-padded to a multiple of moe_tp). Hidden states are replicated on every
 rank after attention, so every rank routes every token (the router is replicated), applies its local experts to
 the tokens routed to them, and the partial sums of all ranks meet in the one all-reduce a row-parallel MLP needs
-anyway: no all-to-all, the same collective bytes per token as the dense layer. The shared expert (Qwen2-MoE) is a
+anyway: no all-to-all, the same collective bytes per token as the dense layer. `ep_decode` (a hybrid layout) adds a
+second stack of the same experts laid out for another degree, which decode and verify graphs apply
+(`rank_shards` yields both shards of each expert tensor). The shared expert (Qwen2-MoE) is a
 dense MLP split over all tp ranks; its gate is replicated.
 
 `head_layout` picks the strategy (overridable with ParallelConfig.gqa_strategy); `layout_cost` describes it
@@ -45,7 +47,8 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -55,6 +58,8 @@ from neuron_opt.errors import ConfigError
 COLUMN, ROW, VOCAB, REPLICATE, EXPERT = "column", "row", "vocab", "replicate", "expert"
 # one expert's projection as checkpoints store it (Mixtral: w1 gate, w3 up, w2 down; Qwen-MoE: *_proj)
 EXPERT_NAME = r"(.*\.(?:block_sparse_moe|mlp)\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight"
+# the second copy of an expert under a hybrid layout (HeadLayout.hybrid): `...experts_decode.{j}.{part}.weight`
+DECODE_EXPERT_NAME = EXPERT_NAME.replace(r"\.experts)", r"\.experts_decode)")
 EXPERT_PARTS = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 SHARD, REPLICATE_KV, MHA, KV_SEQ_SHARD = "shard", "replicate-kv", "mha", "kv-seq-shard"
 
@@ -95,6 +100,23 @@ class HeadLayout:
     experts_local: int = 0  # MoE: experts per rank, num_experts / ep (0: dense)
     moe_intermediate_local: int = 0  # MoE: each expert's features per rank, ceil(moe_intermediate_size / moe_tp)
     shared_intermediate_local: int = 0  # MoE: shared-expert features per rank, ceil(shared / tp)
+    # MoE, token-generation graphs in a layout of their own (ParallelConfig.ep_decode; 0: the same layout)
+    ep_decode: int = 0
+    experts_local_decode: int = 0
+    moe_intermediate_local_decode: int = 0
+
+    @property
+    def hybrid(self) -> bool:
+        """Decode and verify graphs apply a second copy of the experts, laid out for ep_decode groups."""
+        return self.ep_decode not in (0, self.ep)
+
+    def decode_layout(self) -> HeadLayout:
+        """The layout token-generation graphs run on (this one unless `hybrid`)."""
+        if not self.hybrid:
+            return self
+        return replace(self, ep=self.ep_decode, experts_local=self.experts_local_decode,
+                       moe_intermediate_local=self.moe_intermediate_local_decode, ep_decode=0,
+                       experts_local_decode=0, moe_intermediate_local_decode=0)
 
     @property
     def moe_tp(self) -> int:
@@ -178,18 +200,26 @@ def head_layout(cfg: ModelConfig, par: ParallelConfig) -> HeadLayout:
 
 def _moe_layout(cfg: ModelConfig, par: ParallelConfig) -> dict[str, int]:
     if not cfg.is_moe:
-        if par.ep != 1:
+        if par.ep != 1 or par.decode_ep != 1:
             raise ConfigError(f"ep: expert parallelism needs a mixture-of-experts model; {cfg.architecture} is "
-                              f"dense (use --ep 1)")
+                              f"dense (use --ep 1, no --ep-decode)")
         return {}
-    E, ep = cfg.num_experts, par.ep
-    if E % ep:
-        raise ConfigError(f"ep: {ep} does not divide num_experts={E}; use one of "
-                          f"{[d for d in range(1, par.tp + 1) if E % d == 0 and par.tp % d == 0]}")
-    moe_tp = par.tp // ep
-    return dict(ep=ep, experts_local=E // ep,
-                moe_intermediate_local=math.ceil(cfg.moe_intermediate_size / moe_tp),
-                shared_intermediate_local=math.ceil(cfg.shared_expert_intermediate_size / par.tp))
+    E = cfg.num_experts
+
+    def experts(ep: int, flag: str) -> dict[str, int]:
+        if E % ep:
+            raise ConfigError(f"{flag}: {ep} does not divide num_experts={E}; use one of "
+                              f"{[d for d in range(1, par.tp + 1) if E % d == 0 and par.tp % d == 0]}")
+        return dict(ep=ep, experts_local=E // ep,
+                    moe_intermediate_local=math.ceil(cfg.moe_intermediate_size / (par.tp // ep)))
+
+    out = {**experts(par.ep, "ep"),
+           "shared_intermediate_local": math.ceil(cfg.shared_expert_intermediate_size / par.tp)}
+    if par.decode_ep != par.ep:
+        dec = experts(par.decode_ep, "ep_decode")
+        out.update(ep_decode=dec["ep"], experts_local_decode=dec["experts_local"],
+                   moe_intermediate_local_decode=dec["moe_intermediate_local"])
+    return out
 
 
 def head_sources(cfg: ModelConfig, lay: HeadLayout, rank: int) -> tuple[list[int | None], list[int | None]]:
@@ -234,8 +264,26 @@ def shard_state_dict(
     sd: dict[str, torch.Tensor], cfg: ModelConfig, lay: HeadLayout, rank: int
 ) -> dict[str, torch.Tensor]:
     """Canonical (HF-named) full state dict -> this rank's shard, with head padding/replication applied."""
-    shards = {name: shard_tensor(name, w, cfg, lay, rank) for name, w in sd.items()}
-    return {name: w for name, w in shards.items() if w is not None}
+    return {n: t for name, w in sd.items() for n, t in rank_shards(name, w, cfg, lay, rank) if t is not None}
+
+
+def rank_shards(name: str, w: torch.Tensor, cfg: ModelConfig, lay: HeadLayout,
+                rank: int) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """One canonical tensor -> (name, this rank's shard) pairs: the tensor's shard (`shard_tensor`), and under a
+    hybrid expert layout an expert's second shard, in the decode layout, under its `experts_decode` name."""
+    yield name, shard_tensor(name, w, cfg, lay, rank)
+    if lay.hybrid and rule_for(name) == EXPERT:
+        second = shard_tensor(name, w, cfg, lay.decode_layout(), rank)
+        # its own storage: both shards may be views of `w` (safetensors refuses to save shared storage)
+        yield decode_expert_name(name), None if second is None else second.clone()
+
+
+def decode_expert_name(name: str) -> str:
+    """`...experts.{j}.w1.weight` -> `...experts_decode.{j}.w1.weight`."""
+    m = re.fullmatch(EXPERT_NAME, name)
+    if m is None:
+        raise ValueError(f"{name} is not an expert's tensor")
+    return m.group(1) + "_decode" + name[m.end(1):]
 
 
 def shard_tensor(name: str, w: torch.Tensor, cfg: ModelConfig, lay: HeadLayout, rank: int) -> torch.Tensor | None:

@@ -95,7 +95,7 @@ def rank_main(rank: int, port: int, spec: RankSpec, conn: Connection) -> None:
                 _, bucket, arrays, candidates = msg
                 inputs = StepInputs(*(torch.from_numpy(a) for a in arrays))
                 with torch.inference_mode():
-                    local = model(*inputs.arrays(), k_caches, v_caches, bucket.kv_len)
+                    local = model(*inputs.arrays(), k_caches, v_caches, bucket.kv_len, bucket.generates)
                     conn.send(("ok", _finish(local.float(), rank, spec, comm, candidates)))
             elif msg[0] == "calls":
                 conn.send(("ok", list(comm.counter.calls)))

@@ -73,6 +73,8 @@ def weight_count(cfg: ModelConfig, lay: HeadLayout) -> WeightCount:
         from neuron_opt.planner.moe import expert_elements
 
         inter, experts = lay.shared_intermediate_local, expert_elements(cfg, lay)
+        if lay.hybrid:  # token-generation graphs' own copy of the experts
+            experts += expert_elements(cfg, lay.decode_layout())
     linear = H * q + 2 * H * kv + q * H + 3 * H * inter  # q, k, v, o, gate, up, down
     out_ch = q + 2 * kv + H + 2 * inter + H
     other = 2 * H  # input and post-attention RMSNorm
@@ -134,6 +136,8 @@ def layout_overhead(cfg: ModelConfig, lay: HeadLayout, dtype: str) -> LayoutOver
         if lay.shared_intermediate_local * lay.tp != cfg.shared_expert_intermediate_size:
             padded.append(f"shared expert {cfg.shared_expert_intermediate_size} -> "
                           f"{lay.shared_intermediate_local * lay.tp}")
+        if lay.hybrid:
+            padded.append(f"experts held twice (ep {lay.ep} prefill, ep {lay.ep_decode} decode)")
     elif lay.intermediate_padded != cfg.intermediate_size:
         padded.append(f"MLP {cfg.intermediate_size} -> {lay.intermediate_padded}")
     if lay.n_heads * lay.kv_seq_shards != cfg.num_attention_heads:

@@ -14,8 +14,10 @@ and is weighted zero: static shapes), so ep > 1 reads more per rank at small bat
 expert matrices (moe_intermediate / (tp / ep) features per rank): TensorE works on 128-row tiles, and an expert
 split into narrower slices wastes the rest of each tile. The expert FLOPs here count I_local rounded up to a
 multiple of 128 for that reason. `planner.recommend.evaluate`, without a fixed ep, evaluates every ep that divides
-tp and num_experts and keeps the fastest end to end (ties: the smaller ep); AWS's guidance for NxDI (TP for <= 32
-experts, EP for >= 64) is the same trade-off.
+tp and num_experts for prefill with every one for decode and keeps the fastest end to end (ties: the smaller ep); a
+hybrid (two degrees, the experts held twice: `memory.weight_count` counts both) only when it is HYBRID_MIN_GAIN
+faster than the best single layout. AWS's guidance for NxDI (TP for <= 32 experts, EP for >= 64) is the same
+trade-off.
 """
 
 from __future__ import annotations
@@ -64,10 +66,17 @@ def ep_choices(cfg: ModelConfig, tp: int) -> list[int]:
 def moe_line(cfg: ModelConfig, lay: HeadLayout, cpu: bool = False) -> str:
     """The plan table's line on the expert layout (`cpu`: the cpu backend's graphs, whose decode always gathers)."""
     shared = f", shared expert {cfg.shared_expert_intermediate_size}" if cfg.shared_expert_intermediate_size else ""
+    dec = lay.decode_layout()
     decode = ("decode gathers the selected experts at every batch (cpu graphs)" if cpu else
-              f"decode gathers the selected experts below batch {gather_until(cfg, lay)}, reads all "
-              f"{lay.experts_local} from it")
+              f"decode gathers the selected experts below batch {gather_until(cfg, dec)}, reads all "
+              f"{dec.experts_local} from it")
+
+    def split(la: HeadLayout) -> str:
+        return (f"ep {la.ep} x moe tp {la.moe_tp}: {la.experts_local} experts x {la.moe_intermediate_local} "
+                "features per rank")
+
+    layout = split(lay) if not lay.hybrid else \
+        f"prefill {split(lay)}; decode and verify {split(dec)} (a second copy of the experts)"
     return (f"experts: {cfg.num_experts} x {cfg.moe_intermediate_size}, top {cfg.num_experts_per_tok}{shared}; "
-            f"ep {lay.ep} x moe tp {lay.moe_tp}: {lay.experts_local} experts x {lay.moe_intermediate_local} "
-            f"features per rank; {decode} (prefill: all); active parameters "
+            f"{layout}; {decode} (prefill: all); active parameters "
             f"{cfg.active_parameters() / 1e9:.2f} B of {cfg.num_parameters() / 1e9:.2f} B")

@@ -25,6 +25,7 @@ from neuron_opt.planner.memory import KV_DTYPES, QUANTIZED, WEIGHT_DTYPES, Memor
 from neuron_opt.planner.moe import ep_choices
 
 RECOMMEND_SLACK = 0.10
+HYBRID_MIN_GAIN = 0.02  # a hybrid expert layout must cut end-to-end latency by this much (it holds experts twice)
 MAX_BATCH_SEARCH = 4096
 
 
@@ -40,6 +41,8 @@ class Deployment:
     kv_dtype: str = "bfloat16"
     compile_ranks_held: int | None = None  # rank models one compile process holds; None: tp (neuron: SPMD)
     ep: int | None = None  # MoE expert-parallel degree; None: the fastest (chosen in `evaluate`), 1 if dense
+    # MoE: token-generation graphs' degree (ParallelConfig.ep_decode); None: `ep`'s when ep is given, else chosen
+    ep_decode: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "batch", "max_prompt_len", "max_model_len"):
@@ -130,6 +133,7 @@ def evaluate(
     traffic: Traffic | None = None,
     par: ParallelConfig | None = None,
     buckets: BucketConfig | None = None,
+    limits: bool = True,
 ) -> Plan:
     """Memory (and, with a traffic shape on a Neuron instance, latency) of one deployment.
 
@@ -140,17 +144,15 @@ def evaluate(
         traffic: prompt/output lengths and concurrency; without it no latency is estimated.
         par: the parallel config (GQA strategy) when the caller has one; tp must equal dep.tp.
         buckets: the exact buckets to compile; default: the standard set for dep's limits.
+        limits: search the largest batch and length that fit (False: both left 0, for candidates only compared).
     """
     if inst.family != "cpu":
         check_tp(inst, dep.tp)
     eps = ep_choices(cfg, dep.tp)
     if par is None and dep.ep is None and len(eps) > 1:
-        plans = [evaluate(cfg, inst, replace(dep, ep=e), traffic, None, buckets) for e in eps]
-        # the fastest end to end at the traffic shape (without one: the fewest bytes per core), then the smaller ep
-        key = (lambda p: (not p.fits, p.e2e_s(traffic.output_len), p.deployment.ep)) if traffic is not None and \
-            plans[0].ttft is not None else (lambda p: (not p.fits, p.memory.total, p.deployment.ep))
-        return min(plans, key=key)
-    lay = head_layout(cfg, par or ParallelConfig(tp=dep.tp, instance=inst.name, ep=dep.ep or 1))
+        return _choose_ep(cfg, inst, dep, eps, traffic, buckets)
+    lay = head_layout(cfg, par or ParallelConfig(tp=dep.tp, instance=inst.name, ep=dep.ep or 1,
+                                                 ep_decode=dep.ep_decode))
     fixed = buckets
     buckets = buckets or dep.buckets()
     mem = _memory(cfg, lay, inst, dep, fixed)
@@ -174,8 +176,8 @@ def evaluate(
         layout=lay,
         buckets=buckets,
         memory=mem,
-        largest_batch=_largest(fits_batch, 1, MAX_BATCH_SEARCH),
-        largest_length=_largest(fits_length, 1, cfg.max_position_embeddings),
+        largest_batch=_largest(fits_batch, 1, MAX_BATCH_SEARCH) if limits else 0,
+        largest_length=_largest(fits_length, 1, cfg.max_position_embeddings) if limits else 0,
     )
     if traffic is None:
         return plan
@@ -191,10 +193,36 @@ def evaluate(
     if inst.family == "cpu":
         return replace(plan, prefill_bucket=pre, decode_bucket=dec)
     ttft = prefill_time(cfg, lay, inst, batch=pre.batch, seq=pre.kv_len, dtype=dep.dtype)
-    tpot = decode_time(
-        cfg, lay, inst, batch=dec.batch, kv_len=dec.kv_len, dtype=dep.dtype, kv_dtype=dep.kv_dtype
+    tpot = decode_time(  # decode graphs apply the decode layout's experts (a hybrid layout's second copy)
+        cfg, lay.decode_layout(), inst, batch=dec.batch, kv_len=dec.kv_len, dtype=dep.dtype, kv_dtype=dep.kv_dtype
     )
     return replace(plan, prefill_bucket=pre, decode_bucket=dec, ttft=ttft, tpot=tpot)
+
+
+def _choose_ep(cfg: ModelConfig, inst: Instance, dep: Deployment, eps: list[int], traffic: Traffic | None,
+               buckets: BucketConfig | None) -> Plan:
+    """The deployment at its best expert layout: every prefill degree with every decode degree (or
+    dep.ep_decode). The fastest end to end at the traffic shape that fits (without a latency model: the fewest
+    bytes per core), then the smaller degrees. A hybrid layout (decode degree != prefill degree) holds the experts
+    twice, memory that could hold KV blocks instead, so it is taken only when it is at least HYBRID_MIN_GAIN
+    faster end to end than the best single layout."""
+    decode = [dep.ep_decode] if dep.ep_decode is not None else eps
+    plans = [evaluate(cfg, inst, replace(dep, ep=p, ep_decode=d), traffic, None, buckets, limits=False)
+             for p in eps for d in decode]
+    out_len = traffic.output_len if traffic is not None else 0
+    timed = traffic is not None and plans[0].ttft is not None
+
+    def key(p: Plan) -> tuple[bool, float, int, int]:
+        cost = p.e2e_s(out_len) if timed else p.memory.total
+        return (not p.fits, float(cost or 0.0), p.layout.ep, p.layout.decode_layout().ep)
+
+    best = min(plans, key=key)
+    if best.layout.hybrid and dep.ep_decode is None:
+        uniform = min((p for p in plans if not p.layout.hybrid), key=key)
+        if uniform.fits and (not timed or (best.e2e_s(out_len) or 0.0) > (1 - HYBRID_MIN_GAIN) *
+                             (uniform.e2e_s(out_len) or 0.0)):
+            best = uniform
+    return evaluate(cfg, inst, best.deployment, traffic, None, buckets)  # the chosen one with its limits
 
 
 def candidates(
@@ -209,21 +237,24 @@ def candidates(
     dtype: str | None = None,
     kv_dtype: str = "bfloat16",
     ep: int | None = None,
+    ep_decode: int | None = None,
 ) -> list[Plan]:
     """Every (tp, dtype) on the instance, evaluated (any tp shards any model: widths tp does not divide are
-    zero-padded, neuron_opt.parallel.sharding). MoE: each tp at its fastest expert-parallel degree, or at `ep`
-    (then only the degrees it divides)."""
+    zero-padded, neuron_opt.parallel.sharding). MoE: each tp at its fastest expert layout (`_choose_ep`), or at
+    `ep` / `ep_decode` (then only the degrees they divide)."""
     if tp is not None:
         check_tp(inst, tp)
     degrees = (tp,) if tp is not None else inst.tp_degrees
-    if ep is not None:
-        degrees = tuple(t for t in degrees if t % ep == 0) or degrees  # none: ParallelConfig names the error
+    for fixed in (ep, ep_decode):
+        if fixed is not None:  # none left: ParallelConfig names the error
+            degrees = tuple(t for t in degrees if t % fixed == 0) or degrees
     quant = "fp8" if inst.family == "trn2" else "int8"
     dtypes = [dtype] if dtype else ["bfloat16"] if cfg.is_moe else ["bfloat16", quant]  # MoE: no quantized build
     out = []
     for d in dtypes:
         for t in degrees:
-            out.append(evaluate(cfg, inst, Deployment(t, batch, max_prompt_len, max_model_len, d, kv_dtype, ep=ep),
+            out.append(evaluate(cfg, inst, Deployment(t, batch, max_prompt_len, max_model_len, d, kv_dtype, ep=ep,
+                                                          ep_decode=ep_decode),
                                 traffic))
     if dtype is None and any(p.fits and p.deployment.dtype not in QUANTIZED for p in out):
         out = [p for p in out if p.deployment.dtype not in QUANTIZED]

@@ -8,7 +8,7 @@ from typing import Any
 from neuron_opt.buckets import PREFILL, VERIFY, BucketConfig
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
 from neuron_opt.planner.hardware import GB, GiB, get_instance
-from neuron_opt.planner.memory import layout_overhead
+from neuron_opt.planner.memory import layout_overhead, weight_bytes
 from neuron_opt.planner.moe import ep_choices, gather_until, moe_line
 from neuron_opt.planner.recommend import Deployment, Plan, Traffic, evaluate
 from neuron_opt.planner.scale_out import TARGETS, Split, recommend_split
@@ -79,11 +79,19 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
 
 def ep_table(cfg: ModelConfig, plan: Plan, traffic: Traffic) -> list[str]:
     """A MoE plan's tp at every expert-parallel degree (planner.moe): the trade the automatic choice made."""
+    lay = plan.layout
+    chosen = f"ep {lay.ep}"
+    if lay.hybrid:
+        twice = weight_bytes(cfg, lay, plan.deployment.dtype) - \
+            weight_bytes(cfg, replace(lay, ep_decode=0), plan.deployment.dtype)
+        chosen = (f"ep {lay.ep} for prefill, ep {lay.ep_decode} for decode (hybrid: the experts held twice, "
+                  f"+{twice / GiB:.2f} GiB per core; e2e "
+                  f"{_fmt(plan.e2e_s(traffic.output_len), 0, 2).strip()} s)")
     rows = [f"expert parallelism at tp {plan.deployment.tp} ({traffic.input_len} in / {traffic.output_len} out, "
-            f"concurrency {traffic.concurrency}), chosen: ep {plan.layout.ep}",
+            f"concurrency {traffic.concurrency}), chosen: {chosen}",
             "  ep  experts/rank  features/rank  gather below batch  TTFT ms  TPOT ms  e2e s"]
     for e in ep_choices(cfg, plan.deployment.tp):
-        p = evaluate(cfg, plan.instance, replace(plan.deployment, ep=e), traffic)
+        p = evaluate(cfg, plan.instance, replace(plan.deployment, ep=e, ep_decode=e), traffic)
         e2e = p.e2e_s(traffic.output_len)
         rows.append(f"  {e:>2}  {p.layout.experts_local:>12}  {p.layout.moe_intermediate_local:>13}  "
                     f"{gather_until(cfg, p.layout):>18}  {_fmt(p.ttft and 1e3 * p.ttft.total, 7, 1)}  "
@@ -133,9 +141,11 @@ def split_lines(splits: list[Split], traffic: Traffic, target: str) -> list[str]
         if pick is None:
             rows.append(f"{head} no split fits")
             continue
-        d = pick.plan.deployment
+        d, lay = pick.plan.deployment, pick.plan.layout
+        experts = "" if lay.experts_local == 0 else f" --ep {lay.ep}" + (
+            f" --ep-decode {lay.ep_decode}" if lay.hybrid else "")
         rows.append(f"{head} tp {pick.tp} x {pick.replicas} replica(s) ({pick.throughput(out):.0f} out tok/s, "
-                    f"request {pick.round_s(out):.2f} s): compile --tp {pick.tp} --batch-size {d.batch}, then "
+                    f"request {pick.round_s(out):.2f} s): compile --tp {pick.tp}{experts} --batch-size {d.batch}, then "
                     f"serve ARTIFACT --data-parallel {pick.replicas}")
     return rows
 
@@ -191,10 +201,12 @@ def plan_json(cfg: ModelConfig, plan: Plan, alternatives: list[Plan] | None = No
         "max_model_len": d.max_model_len,
         "gqa_strategy": plan.layout.strategy,
         "ep": plan.layout.ep,
+        "ep_decode": plan.layout.decode_layout().ep,
         "moe": None if not cfg.is_moe else {
             "num_experts": cfg.num_experts, "top_k": cfg.num_experts_per_tok, "experts_per_rank":
             plan.layout.experts_local, "expert_features_per_rank": plan.layout.moe_intermediate_local,
-            "gather_below_batch": gather_until(cfg, plan.layout), "active_parameters": cfg.active_parameters()},
+            "gather_below_batch": gather_until(cfg, plan.layout.decode_layout()),
+            "active_parameters": cfg.active_parameters()},
         "padding": _overhead_json(cfg, plan),
         "memory_bytes": {
             "weights": m.weights,

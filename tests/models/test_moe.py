@@ -3,7 +3,8 @@
 tp 1 eager parity (prefill + 16 decode logits within 1e-4, 32 greedy tokens) runs for every variant in
 tests/models/test_llama_parity.py. Here: the three ways of applying experts against each other, and the
 parallel layouts as real ranks: tp 2 (each expert split over both ranks), ep 2 (four whole experts per rank),
-and tp 4 = 2 x ep 2 (both), each against HF; the expert shards themselves; and the config errors.
+and tp 4 = 2 x ep 2 (both), each against HF, also as hybrid layouts (another ep for decode); the expert shards
+themselves; and the config errors.
 """
 
 from __future__ import annotations
@@ -105,16 +106,59 @@ def test_expert_shards_sum_to_the_block(variant, tokens, traced, tp, ep, tiny_di
         torch.testing.assert_close(total, block(0, ParallelConfig())(x), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("variant, tp, ep, sp", [("mixtral", 2, 1, False), ("qwen2-moe", 2, 2, False),
-                                                 ("qwen3-moe", 2, 2, False), ("qwen2-moe", 2, 2, True)])
-def test_rank_processes_match_hf(variant, tp, ep, sp, tiny_dir, tmp_path):
+@pytest.mark.parametrize("tp, ep, ep_decode", [(2, 2, 1), (2, 1, 2), (4, 4, 1), (4, 1, 4), (4, 2, 4)])
+@pytest.mark.parametrize("tokens", [1, 10])
+@pytest.mark.parametrize("traced", [False, True])
+def test_hybrid_layout_shards_sum_to_the_block_in_each_phase(tokens, traced, tp, ep, ep_decode, tiny_dir,
+                                                              monkeypatch):
+    """A hybrid layout: each rank holds its `ep` experts and, as `experts_decode`, its `ep_decode` experts (other
+    experts, other feature slices), both loaded from one stream of checkpoint tensors. Summed over ranks, the
+    prefill form and the decode form each equal the unsharded block; and the decode form really applies the
+    second copy (zeroing it leaves only the shared expert in decode, prefill unchanged)."""
+    import models.moe as moe
+
+    monkeypatch.setattr(moe, "_tracing", lambda: traced)
+    d = tiny_dir("qwen2-moe")
+    cfg = ModelConfig.from_hf(d)
+    sd = load_file(str(d / "model.safetensors"))
+    cache = CacheConfig(max_batch=1, max_model_len=64)
+    par = ParallelConfig(tp=tp, ep=ep, ep_decode=ep_decode)
+    lay = head_layout(cfg, par)
+    dec = lay.decode_layout()
+    assert lay.hybrid and (lay.ep, dec.ep) == (ep, ep_decode) and dec.experts_local == 8 // ep_decode
+    assert dec.moe_intermediate_local == -(-cfg.moe_intermediate_size // (tp // ep_decode))
+    x = torch.randn(1, tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+    blocks = []
+    for r in range(tp):
+        model = rank_model_factory(cfg, par, cache, r, torch.float32, ParallelContext(tp, r))()
+        load_weights(model, shard_state_dict(sd, cfg, lay, r), "test")  # every parameter filled, or it raises
+        blocks.append(model.model.layers[0].mlp)
+    one = rank_model_factory(cfg, ParallelConfig(), cache, 0, torch.float32)()
+    load_weights(one, shard_state_dict(sd, cfg, head_layout(cfg, ParallelConfig()), 0), "test")
+    with torch.no_grad():
+        ref = one.model.layers[0].mlp(x)
+        for decode in (False, True):
+            torch.testing.assert_close(sum(b(x, False, decode) for b in blocks), ref, atol=1e-5, rtol=1e-5)
+        for b in blocks:
+            b.experts_decode.gate_up_proj.zero_()
+        torch.testing.assert_close(sum(b(x, False, False) for b in blocks), ref, atol=1e-5, rtol=1e-5)
+        shared_only = sum(b(x, False, True) for b in blocks)
+        assert (shared_only - ref).abs().max() > 0.1 * ref.abs().max()  # the routed experts are gone
+
+
+@pytest.mark.parametrize("variant, tp, ep, sp, ep_decode", [
+    ("mixtral", 2, 1, False, None), ("qwen2-moe", 2, 2, False, None), ("qwen3-moe", 2, 2, False, None),
+    ("qwen2-moe", 2, 2, True, None), ("mixtral", 2, 2, False, 1)])
+def test_rank_processes_match_hf(variant, tp, ep, sp, ep_decode, tiny_dir, tmp_path):
     """Real gloo rank processes: prefill + 4 teacher-forced decode steps within 1e-4, 16 greedy tokens = HF; then the
     collectives one prefill and one decode step issue, counted, against the dense layout's formula (the sparse
-    block adds none). `sp`: sequence-parallel prefill (the block all-gathers the sequence, reduce-scatters back)."""
+    block adds none). `sp`: sequence-parallel prefill (the block all-gathers the sequence, reduce-scatters back).
+    `ep_decode`: a hybrid layout (whole experts per rank in prefill, every expert split over both ranks in decode):
+    the same collectives, since either copy's partial sums meet in the layer's one all-reduce."""
     d = tiny_dir(variant)
     cfg = ModelConfig.from_hf(d)
     cache = CacheConfig(max_batch=2, max_model_len=64)
-    par = ParallelConfig(tp=tp, ep=ep, sequence_parallel=sp)
+    par = ParallelConfig(tp=tp, ep=ep, sequence_parallel=sp, ep_decode=ep_decode)
     with tp_executor_from_state_dict(cfg, load_file(str(d / "model.safetensors")), par, cache, tmp_path) as ex:
         check_tp_against_hf(ex, cfg, load_hf(d))
         buckets = BucketConfig.build(max_prompt_len=64, max_model_len=64, max_batch=2, min_prefill=16,
@@ -129,13 +173,14 @@ def test_rank_processes_match_hf(variant, tp, ep, sp, tiny_dir, tmp_path):
         assert ex.collective_calls() == expected_calls(cfg, par, pick_decode(2, 21, buckets), 4, None)
 
 
-@pytest.mark.parametrize("variant", ["mixtral", "qwen2-moe"])
-def test_tp4_as_two_expert_groups_of_two_matches_hf(variant, tiny_dir, tmp_path):
+@pytest.mark.parametrize("variant, ep_decode", [("mixtral", None), ("qwen2-moe", None), ("qwen2-moe", 4)])
+def test_tp4_as_two_expert_groups_of_two_matches_hf(variant, ep_decode, tiny_dir, tmp_path):
     """tp 4 = moe tp 2 x ep 2 as four threaded ranks: experts 0-3 split over ranks 0-1, 4-7 over ranks 2-3;
-    attention and the shared expert split over all four."""
+    attention and the shared expert split over all four. `ep_decode` 4: decode steps on a second copy, two whole
+    experts per rank (the rank weight files hold both)."""
     d = tiny_dir(variant)
     cfg = ModelConfig.from_hf(d)
-    par = ParallelConfig(tp=4, ep=2)
+    par = ParallelConfig(tp=4, ep=2, ep_decode=ep_decode)
     write_rank_weights(load_file(str(d / "model.safetensors")), cfg, par, tmp_path)
     ranks = ThreadRanks(RankSpec(cfg, par, CacheConfig(max_batch=2, max_model_len=64), str(tmp_path)))
     try:
@@ -144,15 +189,56 @@ def test_tp4_as_two_expert_groups_of_two_matches_hf(variant, tiny_dir, tmp_path)
         ranks.close()
 
 
+def test_hybrid_artifact_from_compile_matches_hf(tmp_path, capsys):
+    """`compile --backend eager --tp 2 --ep 2 --ep-decode 1` on tiny Mixtral: the checkpoint streamed once into both
+    copies of each rank's experts, the manifest records the layout (and `inspect` prints it), and the loaded
+    artifact's rank processes match HF (prefill, teacher-forced decode, greedy tokens)."""
+    from safetensors import safe_open
+    from tiny import make_tiny
+
+    from neuron_opt.artifact import load_artifact, read_manifest
+    from neuron_opt.compiler import CompileRequest, compile_artifact
+
+    d = make_tiny("mixtral", tmp_path / "ckpt", tokenizer=True)  # the same weights as tiny_dir's (seed 0)
+    cfg = ModelConfig.from_hf(d)
+    art = tmp_path / "art"
+    compile_artifact(CompileRequest(model=str(d), out=art, backend="eager", dtype="float32", max_model_len=64,
+                                    batch_size=2, parallel=ParallelConfig(tp=2, ep=2, ep_decode=1), use_cache=False),
+                     log=lambda s: None, progress=False)
+    m = read_manifest(art)
+    assert (m.parallel.ep, m.parallel.ep_decode) == (2, 1)
+    from neuron_opt.cli import main
+
+    assert main(["inspect", str(art)]) == 0
+    assert "tp: 2, ep: 2 (decode and verify: 1, a second copy of the experts)" in capsys.readouterr().out
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+    with safe_open(str(art / "weights" / "rank1.safetensors"), framework="pt") as f:
+        prefix = "model.layers.0.block_sparse_moe."
+        assert f.get_slice(prefix + "experts.gate_up_proj").get_shape() == [4, 2 * I, H]  # experts 4-7, whole
+        assert f.get_slice(prefix + "experts_decode.gate_up_proj").get_shape() == [8, I, H]  # all 8, half each
+    loaded = load_artifact(art)
+    try:
+        check_tp_against_hf(loaded.runner.executor, cfg, load_hf(d))
+    finally:
+        loaded.runner.executor.close()
+
+
 def test_layout_errors(tiny_dir):
     cfg = ModelConfig.from_hf(tiny_dir("mixtral"))
     with pytest.raises(ConfigError, match=r"ep: 3 does not divide num_experts=8; use one of \[1, 2\]"):
         head_layout(cfg, ParallelConfig(tp=6, ep=3))
     with pytest.raises(ConfigError, match="ep: must be an integer >= 1 that divides tp=2"):
         ParallelConfig(tp=2, ep=4)
+    with pytest.raises(ConfigError, match=r"ep_decode: 3 does not divide num_experts=8; use one of \[1, 2\]"):
+        head_layout(cfg, ParallelConfig(tp=6, ep=2, ep_decode=3))
+    with pytest.raises(ConfigError, match="ep_decode: must be an integer >= 1 that divides tp=4"):
+        ParallelConfig(tp=4, ep_decode=8)
     dense = ModelConfig.from_hf(tiny_dir("llama-gqa2"))
     with pytest.raises(ConfigError, match="expert parallelism needs a mixture-of-experts model"):
         head_layout(dense, ParallelConfig(tp=2, ep=2))
+    with pytest.raises(ConfigError, match="expert parallelism needs a mixture-of-experts model"):
+        head_layout(dense, ParallelConfig(tp=2, ep_decode=2))
+    assert not head_layout(cfg, ParallelConfig(tp=2, ep=2, ep_decode=2)).hybrid  # the same degree: one layout
 
 
 def test_mixed_dense_and_sparse_layers_are_refused():

@@ -20,7 +20,7 @@ from neuron_opt.planner.hardware import get_instance
 from neuron_opt.planner.latency import decode_time
 from neuron_opt.planner.memory import weight_bytes, weight_count
 from neuron_opt.planner.moe import ep_choices, expert_step, gather_until
-from neuron_opt.planner.recommend import Deployment, Traffic, candidates, evaluate
+from neuron_opt.planner.recommend import HYBRID_MIN_GAIN, Deployment, Traffic, candidates, evaluate
 
 CONFIGS = Path(__file__).resolve().parents[2] / "docs" / "configs"  # the published config.json files
 MIXTRAL_8X7B = json.loads((CONFIGS / "mixtral-8x7b.json").read_text())
@@ -67,21 +67,51 @@ def test_decode_reads_the_selected_experts_until_the_gather_batch():
     assert expert_step(cfg, lay, 1, dense=True)[0] == 8 * per_expert
 
 
-def test_automatic_ep_is_the_fastest_of_each_degree():
+def test_automatic_ep_is_the_fastest_layout_hybrid_where_it_pays():
+    """Qwen3-30B-A3B at tp 32, 512 in / 256 out: prefill is fastest at a wide ep (whole 384-feature experts fill
+    TensorE tiles), decode at ep 1 (small batches gather fewer experts per rank). The automatic choice evaluates
+    every (prefill ep, decode ep) and takes the hybrid, which beats every single layout by more than
+    HYBRID_MIN_GAIN; it holds the experts twice."""
     cfg = ModelConfig.from_hf(QWEN3_30B_A3B)
     inst = get_instance("trn1.32xlarge")
     traffic = Traffic(512, 256, 8)
     dep = Deployment(32, 8, 512, 768)
     assert ep_choices(cfg, 32) == [1, 2, 4, 8, 16, 32]
-    plans = {e: evaluate(cfg, inst, replace(dep, ep=e), traffic) for e in ep_choices(cfg, 32)}
-    auto = evaluate(cfg, inst, dep, traffic)
-    assert auto.e2e_s(256) == min(p.e2e_s(256) for p in plans.values())
-    assert auto.layout.ep == min((p.e2e_s(256), e) for e, p in plans.items())[1]
+    plans = {e: evaluate(cfg, inst, replace(dep, ep=e), traffic) for e in ep_choices(cfg, 32)}  # --ep E: uniform
+    assert not any(p.layout.hybrid for p in plans.values())
     # wider expert slices cut prefill FLOPs (128-row TensorE tiles); small-batch decode reads more under ep
     assert plans[32].ttft.total < plans[1].ttft.total and plans[32].tpot.total > plans[1].tpot.total
+    auto = evaluate(cfg, inst, dep, traffic)
+    fastest_prefill = min((p.ttft.total, e) for e, p in plans.items())
+    fastest_decode = min((p.tpot.total, e) for e, p in plans.items())
+    assert (auto.layout.ep, auto.layout.decode_layout().ep) == (fastest_prefill[1], fastest_decode[1]) == (16, 1)
+    assert auto.layout.hybrid and auto.ttft.total == fastest_prefill[0] and auto.tpot.total == fastest_decode[0]
+    best_single = min(p.e2e_s(256) for p in plans.values())
+    assert auto.e2e_s(256) < (1 - HYBRID_MIN_GAIN) * best_single
+    # the second copy: exactly ep 1's experts on top of ep 16's
+    assert weight_count(cfg, auto.layout).experts == \
+        weight_count(cfg, plans[16].layout).experts + weight_count(cfg, plans[1].layout).experts
+    assert auto.memory.weights > plans[16].memory.weights
+    # a fixed decode degree: the prefill degree is still chosen; ep_decode equal to ep is one layout
+    assert evaluate(cfg, inst, replace(dep, ep_decode=32), traffic).layout.ep == 16
+    assert not evaluate(cfg, inst, replace(dep, ep=4, ep_decode=4), traffic).layout.hybrid
     long_prompts = Traffic(8192, 16, 1)
     dep_long = Deployment(32, 1, 8192, 8208)
     assert evaluate(cfg, inst, dep_long, long_prompts).layout.ep > 1  # prefill-dominated: ep wins
+
+
+def test_hybrid_is_not_taken_where_it_buys_little():
+    """Mixtral-8x7B on inf2.48xlarge at tp 24, 2048 in / 256 out: ep 4 and 8 prefill fastest, decode is within
+    0.1% at every ep, so the single layout is kept (the hybrid would hold 93 GB of experts twice for nothing)."""
+    cfg = ModelConfig.from_hf(MIXTRAL_8X7B)
+    inst = get_instance("inf2.48xlarge")
+    traffic = Traffic(2048, 256, 16)
+    dep = Deployment(24, 16, 2048, 2304)
+    auto = evaluate(cfg, inst, dep, traffic)
+    assert not auto.layout.hybrid
+    every = [evaluate(cfg, inst, replace(dep, ep=p, ep_decode=d), traffic)
+             for p in ep_choices(cfg, 24) for d in ep_choices(cfg, 24)]
+    assert min(p.e2e_s(256) for p in every) > (1 - HYBRID_MIN_GAIN) * auto.e2e_s(256)
 
 
 def test_no_quantized_moe_plans():
@@ -98,7 +128,9 @@ def _plan(*args: str) -> subprocess.CompletedProcess:
                            str(CONFIGS / "mixtral-8x7b.json"), *args], capture_output=True, text=True, timeout=120)
 
 
-def test_plan_cli_prints_the_expert_layout_and_the_ep_table():
+def test_plan_cli_prints_the_expert_layout_and_the_ep_table(capsys):
+    from neuron_opt.cli import main
+
     out = _plan("--instance", "inf2.48xlarge", "--tp", "8", "--input-len", "2048", "--output-len", "64")
     assert out.returncode == 0, out.stderr
     assert "experts: 8 x 14336, top 2; ep " in out.stdout
@@ -107,7 +139,32 @@ def test_plan_cli_prints_the_expert_layout_and_the_ep_table():
     rows = [line.split() for line in out.stdout.splitlines() if line.strip()[:2].strip() in ("1", "2", "4", "8")
             and len(line.split()) == 7]
     assert [int(r[0]) for r in rows] == [1, 2, 4, 8]
-    fixed = _plan("--instance", "inf2.48xlarge", "--tp", "8", "--ep", "2", "--json")
-    assert json.loads(fixed.stdout)["ep"] == 2 and json.loads(fixed.stdout)["moe"]["experts_per_rank"] == 4
-    bad = _plan("--instance", "inf2.48xlarge", "--tp", "8", "--ep", "3")
-    assert bad.returncode != 0 and "ep: must be an integer >= 1 that divides tp=8" in bad.stderr
+    mixtral = ["plan", "--model", str(CONFIGS / "mixtral-8x7b.json"), "--instance", "inf2.48xlarge", "--tp", "8"]
+    assert main([*mixtral, "--ep", "2", "--json"]) == 0  # in process from here (the entry point ran above)
+    fixed = json.loads(capsys.readouterr().out)
+    assert fixed["ep"] == 2 and fixed["moe"]["experts_per_rank"] == 4
+    assert main([*mixtral, "--ep", "3"]) == 2
+    assert "ep: must be an integer >= 1 that divides tp=8" in capsys.readouterr().err
+
+
+def test_plan_cli_hybrid_layout(capsys):
+    """`plan` on Qwen3-30B-A3B picks and prints the hybrid layout, and its compile command carries it; --ep-decode
+    overrides; a degree that does not divide the experts is refused with the degrees that do (in process: the
+    test above runs the entry point)."""
+    from neuron_opt.cli import main
+
+    qwen = ["plan", "--model", str(CONFIGS / "qwen3-30b-a3b.json"), "--instance", "trn1.32xlarge"]
+    assert main([*qwen, "--tp", "32", "--input-len", "512", "--output-len", "256", "--concurrency", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen: ep 16 for prefill, ep 1 for decode (hybrid: the experts held twice" in out
+    assert "prefill ep 16 x moe tp 2: 8 experts x 384 features per rank; decode and verify ep 1 x moe tp 32" in out
+    assert "compile --tp 32 --ep 16 --ep-decode 1 --batch-size 8" in out
+    assert main([*qwen, "--tp", "32", "--ep", "4", "--ep-decode", "2", "--json"]) == 0
+    forced = json.loads(capsys.readouterr().out)
+    assert (forced["ep"], forced["ep_decode"]) == (4, 2)
+    assert main([*qwen, "--tp", "32", "--ep", "4", "--json"]) == 0
+    uniform = json.loads(capsys.readouterr().out)
+    assert (uniform["ep"], uniform["ep_decode"]) == (4, 4)
+    mixtral = ["plan", "--model", str(CONFIGS / "mixtral-8x7b.json"), "--instance", "inf2.48xlarge"]
+    assert main([*mixtral, "--tp", "24", "--ep-decode", "3"]) == 2
+    assert "ep_decode: 3 does not divide num_experts=8; use one of [1, 2, 4, 8]" in capsys.readouterr().err

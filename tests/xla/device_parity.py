@@ -2,9 +2,10 @@
 `--backend neuron` at the given tp, then prints one JSON object: per step the largest |logit difference| against
 the eager fp32 reference (teacher forced), the bucket each step ran, and the HLO facts of every bucket.
 
-    python device_parity.py CKPT OUT TP [K [EP]]
+    python device_parity.py CKPT OUT TP [K [EP [EP_DECODE]]]
 
-EP > 1: a mixture-of-experts checkpoint's experts in EP expert-parallel groups. K > 0 also compiles verify
+EP > 1: a mixture-of-experts checkpoint's experts in EP expert-parallel groups; EP_DECODE (0: as EP) another
+degree for the decode and verify graphs (a hybrid layout). K > 0 also compiles verify
 buckets of K + 1 tokens (speculative decoding) and scores one verify row at the end
 (its largest |logit difference| is the last entry of `diffs`, its bucket the last of `buckets`).
 """
@@ -22,7 +23,7 @@ sys.path[:0] = [str(ROOT)]  # the package before tests/ (whose neuron_opt/ folde
 sys.path.append(str(ROOT / "tests"))  # tests/helpers.py
 
 
-def main(ckpt: Path, out: Path, tp: int, k: int = 0, ep: int = 1) -> dict:
+def main(ckpt: Path, out: Path, tp: int, k: int = 0, ep: int = 1, ep_decode: int = 0) -> dict:
     from neuron_opt.backends.neuron import import_xla
 
     import_xla(dump=True, devices=tp)
@@ -33,9 +34,10 @@ def main(ckpt: Path, out: Path, tp: int, k: int = 0, ep: int = 1) -> dict:
     from neuron_opt.config import ParallelConfig
     from neuron_opt.runtime.runner import DecodeRow, VerifyRow
 
+    par = ParallelConfig(tp=tp, ep=ep, ep_decode=ep_decode or None)
     compile_artifact(CompileRequest(model=str(ckpt), out=out, backend="neuron", dtype="float32", max_model_len=32,
-                                    prefill_buckets=(16, 32), decode_buckets=(16, 32),
-                                    parallel=ParallelConfig(tp=tp, ep=ep), use_cache=False, num_speculative_tokens=k),
+                                    prefill_buckets=(16, 32), decode_buckets=(16, 32), parallel=par, use_cache=False,
+                                    num_speculative_tokens=k),
                      log=lambda s: None, progress=False)
     loaded = load_artifact(out)
     runner = loaded.runner
@@ -65,5 +67,4 @@ def main(ckpt: Path, out: Path, tp: int, k: int = 0, ep: int = 1) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]),
-                          int(sys.argv[4]) if len(sys.argv) > 4 else 0, int(sys.argv[5]) if len(sys.argv) > 5 else 1)))
+    print(json.dumps(main(Path(sys.argv[1]), Path(sys.argv[2]), *map(int, sys.argv[3:]))))

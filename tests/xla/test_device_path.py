@@ -137,23 +137,38 @@ def test_tp2_one_spmd_program_equals_eager(variant, ckpt, tmp_path):
         assert hlo_summary(text)["donated"] == 2 * L
 
 
-@pytest.mark.parametrize("variant, ep", [("mixtral", 1), ("qwen2-moe", 2)])
-def test_moe_tp2_one_spmd_program_equals_eager(variant, ep, ckpt, tmp_path):
+@pytest.mark.parametrize("variant, ep, ep_decode, k", [("mixtral", 1, 0, 0), ("qwen2-moe", 2, 0, 0),
+                                                       ("qwen2-moe", 2, 1, 2)])
+def test_moe_tp2_one_spmd_program_equals_eager(variant, ep, ep_decode, k, ckpt, tmp_path):
     """MoE at tp=2 as one SPMD program: every expert split over both cores (ep 1), or four whole experts per core
     (ep 2: each core's expert range from its rank id inside the program). Still one all-reduce per attention and
-    per sparse block: the partial expert sums meet in the all-reduce the dense MLP has."""
+    per sparse block: the partial expert sums meet in the all-reduce the dense MLP has.
+
+    Hybrid (ep 2 prefill, `ep_decode` 1): the device holds both copies of the experts (the planner's bytes), and
+    each graph reads one: prefill graphs the [4, 2I, H] whole experts, decode and verify graphs the [8, 2I/2, H]
+    split ones (per core; the program's parameters stack them over the cores), seen in the graphs' HLO
+    parameters."""
     out = subprocess.run([sys.executable, str(HERE / "device_parity.py"), str(ckpt(variant)), str(tmp_path / "art"),
-                          "2", "0", str(ep)], capture_output=True, text=True, timeout=600)
+                          "2", str(k), str(ep), str(ep_decode)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert max(res["diffs"]) < 1e-4, res["diffs"]
     m = read_manifest(tmp_path / "art")
-    assert m.parallel.ep == ep
+    assert m.parallel.ep == ep and m.parallel.decode_ep == (ep_decode or ep)
     assert res["device_bytes"] == planned_bytes(m)
     L = m.model.num_hidden_layers
-    for files in m.graphs.values():
+    H, I = m.model.hidden_size, m.model.moe_intermediate_size
+    for key, files in m.graphs.items():
         text = (tmp_path / "art" / next(f for f in files if f.endswith(".hlo.txt"))).read_text()
         assert hlo_summary(text)["collectives"] == {"all-reduce": 2 * L + 1}
+        if ep_decode:
+            # gate_up_proj stacked over the 2 cores ([tp, ...] in the SPMD program): ep 2 copy, ep 1 copy
+            whole, split = f"f32[2,4,{2 * I},{H}]", f"f32[2,8,{I},{H}]"
+            reads = (split, whole) if key.startswith(("decode", "verify")) else (whole, split)
+            header = text.splitlines()[0]
+            assert reads[0] in header and reads[1] not in header, (key, header[:400])
+    if k:
+        assert any(key.startswith("verify") for key in m.graphs)
 
 
 def test_every_bucket_hlo_is_static_donates_every_kv_buffer_and_never_calls_the_host(ckpt, tmp_path):
