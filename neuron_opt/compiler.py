@@ -78,7 +78,8 @@ def record_compile_speed(timings_dir: Path, target: str, seconds_per_unit: float
 
 def distinct_graphs(buckets: BucketConfig, backend: str) -> int:
     """Graphs a backend actually compiles: the cpu backend shares one dynamic-KV layer graph per (phase, batch,
-    q_len) and one LM-head graph per row count; other backends compile one graph per bucket."""
+    q_len) and one LM-head graph per row count (verify buckets a head of their own); other backends compile one
+    graph per bucket."""
     bs = buckets.buckets()
     if backend == "cpu":
         from neuron_opt.backends.cpu_graphs import graph_keys

@@ -38,14 +38,14 @@ from neuron_opt.backends.cpu_graphs import (
     use_cpu_layout,
 )
 from neuron_opt.backends.eager import load_model_weights, model_state_for_save
-from neuron_opt.buckets import DECODE, Bucket
+from neuron_opt.buckets import DECODE, VERIFY, Bucket
 from neuron_opt.config import CacheConfig
 from neuron_opt.errors import ArtifactError, ConfigError
 from neuron_opt.quant import quantized_modules
 
 # 2: recipes name several sources (fused projections), heads may take their weight as an input; 3: max_model_len;
 # 4: block KV cache (slot mapping and block tables)
-FORMAT = 4
+FORMAT = 5
 GEMM_CHOICES = ("cpp", "onednn", "aten")
 PRECISION_CHOICES = ("fp32", "dtype")
 DECODE_ATTENTION_CHOICES = ("fused", "sdpa")
@@ -66,13 +66,19 @@ def _parse_options(options: dict[str, Any] | None, dtype: torch.dtype) -> dict[s
     (as `gemm`) or a gemm choice. bf16 default "cpp": at one row Inductor's C++ template ran batch-1 bf16 decode
     1.46-1.58x faster than oneDNN on a Zen 4 (torch 2.13), while at batch 8 oneDNN ran 2.3x faster than the
     template; the executor then holds the weights in both packings (docs/cpu_backend.md).
+    exact_verify: "on" (verify graphs compute each row as the decode graph of their batch does: its GEMM choice,
+    DecodeAttention per query, at batch 1 the fp32-logits head; verify logits are then bitwise the decode step's)
+    or "off" (SDPA over the queries, `gemm`, a GEMM head: cheaper, close but not equal below fp32). With
+    decode_attention "sdpa" both graphs attend with SDPA, whose CPU kernel is not shown to be the same at 1 and
+    k + 1 queries; the GEMMs and the head still follow the decode step's.
     """
     opts = {"gemm": "onednn" if dtype == torch.bfloat16 else "cpp", "attention": "fp32", "residual": "fp32",
             "decode_attention": "fused", "logits": "fp32", "fuse_projections": "on",
-            "one_row_gemm": "cpp" if dtype == torch.bfloat16 else "same"}
+            "one_row_gemm": "cpp" if dtype == torch.bfloat16 else "same", "exact_verify": "on"}
     choices = {"gemm": GEMM_CHOICES, "attention": PRECISION_CHOICES, "residual": PRECISION_CHOICES,
                "decode_attention": DECODE_ATTENTION_CHOICES, "logits": PRECISION_CHOICES,
-               "fuse_projections": ("on", "off"), "one_row_gemm": ("same", *GEMM_CHOICES)}
+               "fuse_projections": ("on", "off"), "one_row_gemm": ("same", *GEMM_CHOICES),
+               "exact_verify": ("on", "off")}
     for k, v in (options or {}).items():
         if k not in choices:
             raise ConfigError(f"backend options: unknown cpu option {k!r}; known: {sorted(choices)}")
@@ -130,10 +136,11 @@ class CpuBackend:
 
     def _compile_layer(self, model: torch.nn.Module, bucket: Bucket, cache: CacheConfig, so: Path) -> dict[str, Any]:
         args, dyn = layer_example(model, bucket, cache, self.dtype, self.residual_dtype, self.rope_dtype)
-        decode_attention = bucket.phase == DECODE and self.options["decode_attention"] == "fused"
-        layer = LayerGraph(model.model.layers[0], self.dtype, decode_attention, bucket.generates)
+        exact = bucket.phase == VERIFY and self.options["exact_verify"] == "on"
+        decode_attention = (bucket.phase == DECODE or exact) and self.options["decode_attention"] == "fused"
+        layer = LayerGraph(model.model.layers[0], self.dtype, decode_attention, bucket.generates, exact)
         gemm = self.options["gemm"]
-        if bucket.num_tokens == 1 and self.options["one_row_gemm"] != "same":
+        if (bucket.num_tokens == 1 or (exact and bucket.batch == 1)) and self.options["one_row_gemm"] != "same":
             gemm = self.options["one_row_gemm"]
         recipes = compile_graph(layer, args, dyn, layer_gemm(layer, gemm), so,
                                 f"cpu layer graph for {bucket.key}", self.options["fuse_projections"] == "on")
@@ -142,7 +149,8 @@ class CpuBackend:
 
     def _compile_head(self, model: torch.nn.Module, bucket: Bucket, so: Path) -> dict[str, Any]:
         rows = head_rows(bucket)
-        weight_input = (self.options["logits"] == "fp32" and self.dtype != torch.float32 and rows == 1
+        one = rows == 1 or (bucket.phase == VERIFY and bucket.batch == 1 and self.options["exact_verify"] == "on")
+        weight_input = (self.options["logits"] == "fp32" and self.dtype != torch.float32 and one
                         and "quant" not in model.lm_head._modules)
         head = HeadGraph(model.model.norm, model.lm_head, weight_input).to(self.dtype)
         args: tuple[torch.Tensor, ...] = (torch.randn(rows, model.cfg.hidden_size).to(self.residual_dtype),)

@@ -54,6 +54,8 @@ class DecodeAttention(TorchOps):
     row), in the dtype of q. Norms delegate to `inner`; queries longer than 1 use `inner.attention_blocks`
     (SDPA). The loop nest reads each row's KV blocks in place, indexed through its block table, with the softmax
     taken over (block, position in block): no gathered copy of K/V. (The model calls only `attention_blocks`.)
+    `rows_as_decode` (verify graphs under the cpu backend's exact_verify): queries longer than 1 take the same loop
+    with the queries as one more broadcast dimension, so each query's output is bitwise a decode step's.
 
     Why: aten's CPU flash attention does one gemv per head (MKL), after a gathered copy of K/V per layer; at
     KV 512 the fused loop made bf16 decode 6-14% faster in two A/B runs (docs/cpu_backend.md). Gathering the
@@ -61,8 +63,9 @@ class DecodeAttention(TorchOps):
     place (docs/cpu_backend.md).
     """
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, rows_as_decode: bool = False) -> None:
         self.inner = inner
+        self.rows_as_decode = rows_as_decode
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.inner.rms_norm(x, weight, eps)
@@ -71,6 +74,8 @@ class DecodeAttention(TorchOps):
                          block_tables: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                          scale: float) -> torch.Tensor:
         B, n_heads, S, D = q.shape
+        if S != 1 and self.rows_as_decode:
+            return self._queries_as_decode(q, k_cache, v_cache, block_tables, mask, scale)
         if S != 1:
             return self.inner.attention_blocks(q, k_cache, v_cache, block_tables, positions, mask, scale)
         nb = block_tables.shape[1]
@@ -89,6 +94,30 @@ class DecodeAttention(TorchOps):
         out = (p[..., None] * values[:, :, :, None]).sum(dim=(1, 4))  # [B, n_kv, g, D]
         out = out / p.sum(dim=(1, 4))[..., None]
         return out.view(B, n_heads, 1, D)
+
+    @staticmethod
+    def _queries_as_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           mask: torch.Tensor, scale: float) -> torch.Tensor:
+        """S queries per row (a verify step) in the one-query loop's form, the queries one more broadcast
+        dimension beside the GQA group's: each score, softmax sum and output is reduced over the same dimensions
+        in the same loop as a decode step's, and K/V are read once for all S queries."""
+        B, n_heads, S, D = q.shape
+        nb = block_tables.shape[1]
+        n_kv, per = k_cache.shape[1], k_cache.shape[2]
+        g = n_heads // n_kv
+        if mask.shape[-1] != nb * per:
+            mask = F.pad(mask, (0, nb * per - mask.shape[-1]), value=False)
+        visible = mask.view(B, S, nb, per).permute(0, 2, 1, 3)[:, :, None, None]  # [B, nb, 1, 1, S, per]
+        keys = k_cache[block_tables].to(q.dtype)[:, :, :, None, None]  # [B, nb, n_kv, 1, 1, per, D]
+        values = v_cache[block_tables].to(q.dtype)[:, :, :, None, None]
+        qg = q.view(B, 1, n_kv, g, S, 1, D)
+        scores = (qg * keys).sum(-1) * scale  # [B, nb, n_kv, g, S, per]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        m = scores.amax(dim=(1, 5), keepdim=True)  # [B, 1, n_kv, g, S, 1]
+        p = torch.exp(scores - m)
+        out = (p[..., None] * values).sum(dim=(1, 5))  # [B, n_kv, g, S, D]
+        out = out / p.sum(dim=(1, 5))[..., None]
+        return out.view(B, n_heads, S, D)
 
 
 def use_cpu_layout(module: nn.Module) -> None:
@@ -109,14 +138,15 @@ class LayerGraph(nn.Module):
     `DecodeAttention`. Holds a copy of `layer`; the caller's model is left as it is.
     """
 
-    def __init__(self, layer: nn.Module, dtype: torch.dtype, decode_attention: bool, decode: bool) -> None:
+    def __init__(self, layer: nn.Module, dtype: torch.dtype, decode_attention: bool, decode: bool,
+                 rows_as_decode: bool = False) -> None:
         super().__init__()
         self.decode = decode  # a token-generation graph (decode, verify): models.llama.DecoderLayer's `decode`
         self.layer = copy.deepcopy(layer).to(dtype)
         use_cpu_layout(self.layer)
         if decode_attention:
             attn = self.layer.self_attn
-            attn.ops = DecodeAttention(attn.ops)
+            attn.ops = DecodeAttention(attn.ops, rows_as_decode)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
@@ -166,6 +196,8 @@ def graph_keys(bucket: Bucket) -> tuple[str, str]:
         layer = f"layer_prefill_b{bucket.batch}" + ("_dyn" if bucket.tokens >= 2 else "_t1")
     else:
         layer = f"layer_decode_b{bucket.batch}"
+    if bucket.phase == VERIFY:
+        return layer, f"head_verify_b{bucket.batch}_q{bucket.q_len}"
     return layer, f"head_b{head_rows(bucket)}"
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from neuron_opt.api import LLM
+from neuron_opt.backends.cpu import onednn_bf16_supported
 from neuron_opt.buckets import VERIFY, Bucket, BucketConfig
 from neuron_opt.errors import BucketOverflowError, ConfigError
 from neuron_opt.runtime.engine import Engine, RequestOutput
@@ -273,6 +274,43 @@ def test_cpu_compiled_verify_graphs_match_eager_and_keep_greedy_exact(tiny_dir, 
     assert out.token_ids == ref.generate_ids(prompt, params).token_ids and stats.accepted_tokens > 0
     with pytest.raises(ConfigError, match="num_speculative_tokens=3"):
         LLM(tmp_path / "art", num_speculative_tokens=2)
+
+
+@pytest.mark.skipif(not onednn_bf16_supported(), reason="bf16 cpu graphs need oneDNN bf16 (AVX-512 BW/VL/DQ or "
+                    "AVX-NE-CONVERT); the cpu backend refuses bf16 on this CPU")
+def test_bf16_exact_verify_rows_are_bitwise_the_decode_steps_logits(tiny_dir, tmp_path):
+    """bf16 (the cpu backend's exact_verify, on by default): a verify row runs the decode step's computation (its
+    GEMM kernel, its attention loop, its fp32-logits head), so its logits are bitwise those of sequential decode
+    steps, and speculative greedy is token for token plain greedy on the same artifact. With exact_verify=off the
+    verify graph is the cheaper batched one (SDPA, a bf16 GEMM head) and the logits only come close."""
+    import dataclasses
+
+    from neuron_opt.compiler import CompileRequest, compile_artifact
+
+    req = CompileRequest(model=str(tiny_dir("smollm-tok")), out=tmp_path / "exact", backend="cpu",
+                         dtype="bfloat16", batch_size=1, max_model_len=128, prefill_buckets=(16, 64),
+                         decode_buckets=(128,), cache_dir=tmp_path / "cache", num_speculative_tokens=K)
+    compile_artifact(req, log=lambda s: None, progress=False)
+    compile_artifact(dataclasses.replace(req, out=tmp_path / "batched", backend_options={"exact_verify": "off"}),
+                     log=lambda s: None, progress=False)
+    seq = [1, 17, 42, 99, 5, 123, 7, 300, 301, 302, 303]
+    for name, exact in (("exact", True), ("batched", False)):
+        runner = LLM(tmp_path / name).runner
+        runner.prefill((1,), seq[:6])
+        ref = [runner.decode([DecodeRow((1,), seq[i], i)])[0] for i in range(6, 10)]
+        runner.prefill((2,), seq[:6])  # the same prefix again, in another block: the verify writes its own K/V
+        got = runner.verify([VerifyRow((2,), tuple(seq[6:10]), 6)])[0]
+        for j in range(K + 1):
+            if exact:
+                assert torch.equal(got[j], ref[j]), f"row {j}: {(got[j] - ref[j]).abs().max()}"
+            else:
+                torch.testing.assert_close(got[j], ref[j], atol=0.25, rtol=0)
+    compiled = LLM(tmp_path / "exact")
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    for prompt in _grounded_prompts(compiled):
+        out, stats = compiled.generate_ids_speculative(prompt, params, SpeculativeConfig(K, adaptive=False))
+        assert out.token_ids == compiled.generate_ids(prompt, params).token_ids
+        assert stats.accepted_tokens > 0
 
 
 def test_tp2_rank_processes_verify_like_one_rank(tiny_dir):
