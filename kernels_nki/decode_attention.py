@@ -7,10 +7,18 @@ Dimensions:
 Kernel layouts (HBM):
     q        `[B, n_kv_heads, G, D]`      the G query heads of one KV group (transposed on chip to [D, G])
     k_t      `[B, n_kv_heads, D, S_max]`  K cache stored transposed, so score tiles need no transpose
-    v        `[B, n_kv_heads, S_max, D]`  V cache, natural
+    v        `[B, n_kv_heads, S_max, D]`  V cache, positions of each full K chunk in partition-run order
+                                          (`v_kernel_layout`), the cache's tail chunk natural
     lengths  `[B, 1]` int32
     out      `[B, n_kv_heads, G, D]`
     `run(...)` takes `[B, n_heads, D]` queries and `[B, n_kv_heads, S_max, D]` caches and converts.
+
+V's order: a P @ V matmul contracts 128 positions of one split over the partitions, and a DMA descriptor moves one
+contiguous HBM run into one partition. Partition q takes, for split i of a K chunk, the n = split_size / 128
+positions i * split_size + q * n + j (j < n); in natural order those are n rows (2 KiB at split 1024, D 128, bf16),
+one descriptor per split and partition. `v_kernel_layout` stores the chunk's positions partition-major, so
+partition q's rows of all the chunk's splits are one run (8 KiB at K_LOAD 4096): a quarter of the descriptors.
+The caller lays V out so (the device path in its graph, as it transposes K).
 
 Launch: SPMD grid `[B, n_kv_heads]`. All G query heads of a KV group are processed together: they are the
 free dim of the stationary operand (`[D, G]`), so each K/V tile is read from HBM once per group.
@@ -23,10 +31,11 @@ Independent splits carry no loop dependency (unlike a running online softmax), s
 them; the same partials are what a sequence-sharded (multi-core) decode would exchange.
 
 Length mask: positions >= lengths[b] get at most -1e30 added to their scores. On one partition,
-past = relu(pos - len + 1) (GpSimd iota, one ScalarE activation) is 0 for valid positions and >= 1 past the
+past = max(pos - len + 1, 0) (GpSimd: an iota and one tensor_scalar) is 0 for valid positions and >= 1 past the
 length; a second matmul accumulating into the score PSUM tile adds NEG * past to each of the G rows
 (stationary = a [1, G] row of NEG), the TensorE partition-broadcast idiom. Scores stay in PSUM: VectorE
-takes the row max and ScalarE the exp straight from there. A split entirely past the length gets
+takes the row max and ScalarE the exp and the P^T copies straight from there (GpSimd cannot read PSUM, so it
+takes the SBUF-only mask; on ScalarE the mask cost as much as the exp). A split entirely past the length gets
 m_s <= -1e30 and merge weight exactly 0.
 
 Loops: the full K chunks (K_LOAD / split_size whole splits each) and the splits inside one are
@@ -38,20 +47,21 @@ Pseudocode (per program = (b, kv head)):
     q^T = transpose(q[b, kvh])                                   # [D, G], TensorE
     for split s: (every K_LOAD / split_size splits: K^T of those splits in one DMA)
         for tile [k0, k0 + w) (w <= 512):
-            sc[:, tile] = q^T K^T[:, tile] + NEG^T relu(k0 + iota - len + 1)  # PSUM [G, w]
+            sc[:, tile] = q^T K^T[:, tile] + NEG^T max(k0 + iota - len + 1, 0)  # PSUM [G, w]
         m_s = rowmax(sc);  p[:, split] = exp(scale*sc - scale*m_s) (rowsum -> l_s)
-        V[split] in one DMA as [128, n, D], partition q holding positions q*n .. q*n + n - 1 (one contiguous
-        run per partition; n = split / 128);  for chunk j: o_s += transpose(p[:, j::n])^T @ V[:, j]
+        V of the K chunk in one DMA as [128, splits * n, D] (one contiguous run per partition, see V's order),
+        split i's positions q*n .. q*n + n - 1 on partition q;
+        for chunk j: o_s += transpose(p[:, j::n])^T @ V[:, i*n + j]
     merge as above; store [G, D].
 
 DMA descriptors (one per contiguous HBM run landing in one partition) cost queue time in the cost model, so
-every load moves long runs: K^T rows of up to K_LOAD positions, V rows of a split's positions, q rows of D.
+every load moves long runs: K^T rows of up to K_LOAD positions, V runs of a K chunk's splits, q rows of D.
 
 Constraints: D <= 128, G <= 128, split_size a multiple of 128 and, above 512, of 512, at most 3584 (a split's
 scores take split_size / 512 PSUM banks, the P @ V accumulator one more, of 8); q and caches share float32 or
 bfloat16; lengths[b] >= 1. All splits up to S_max are computed (lengths are runtime data). Every split's fp32
 partial output and statistics stay in SBUF until the merge: about n_splits * (D + 4) * 4 bytes per partition
-plus the working set (`sbuf_bytes`), so S_max <= 37376 for D = 128 and split_size = 128 on trn1
+plus the working set (`sbuf_bytes`), so S_max <= 33536 for D = 128 and split_size = 128 on trn1
 (`max_cache_len`).
 """
 
@@ -101,19 +111,23 @@ def decode_attention_kernel(q, k_t, v, lengths, softmax_scale=1.0, split_size=10
     args = (q_sb, one_minus_len, neg_row, v, b, kvh, m_all, l_all, o_all, tile, d, softmax_scale, mm_dtype)
     chunk = per_k * split_size  # K^T positions per DMA: [D, chunk], whole splits
     n_kc = s_max // chunk
+    n = split_size // P_CHUNK  # V rows per partition and split
     for kc in nl.affine_range(n_kc):  # full chunks: independent, identical bodies (rolled)
         k_sb = nl.load(k_t[b, kvh, :, kc * chunk:(kc + 1) * chunk])
+        # the chunk's V in partition-run order: one descriptor per partition (`v_kernel_layout`)
+        i_p, i_c, i_d = nl.mgrid[0:P_CHUNK, 0:per_k * n, 0:d]
+        v_sb = nl.load(v[b, kvh, kc * chunk + i_p * (per_k * n) + i_c, i_d])
         for i in nl.affine_range(per_k):  # the chunk's splits, independent until the merge
-            _split(kc * per_k + i, kc * chunk, i * split_size, split_size, k_sb, *args)
+            _split(kc * per_k + i, kc * chunk, i * split_size, split_size, k_sb, v_sb, i * n, *args)
     rest = s_max - n_kc * chunk
     if rest:  # the cache's tail chunk, peeled: fewer splits, maybe a short last one
         c0 = n_kc * chunk
         k_sb = nl.load(k_t[b, kvh, :, c0:s_max])
         n_sp = rest // split_size
         for i in nl.affine_range(n_sp):
-            _split(n_kc * per_k + i, c0, i * split_size, split_size, k_sb, *args)
+            _split(n_kc * per_k + i, c0, i * split_size, split_size, k_sb, None, 0, *args)
         if rest % split_size:
-            _split(n_kc * per_k + n_sp, c0, n_sp * split_size, rest % split_size, k_sb, *args)
+            _split(n_kc * per_k + n_sp, c0, n_sp * split_size, rest % split_size, k_sb, None, 0, *args)
 
     # Merge the splits' partial softmax results.
     m_glob = nisa.tensor_reduce(nl.maximum, m_all, axis=(1,), keepdims=True)  # [G, 1]
@@ -129,9 +143,11 @@ def decode_attention_kernel(q, k_t, v, lengths, softmax_scale=1.0, split_size=10
     return out
 
 
-def _split(sp, c0, k_off, sw, k_sb, q_sb, one_minus_len, neg_row, v, b, kvh, m_all, l_all, o_all, tile, d,
-           softmax_scale, mm_dtype):
-    """Split `sp`: positions [c0 + k_off, c0 + k_off + sw), keys in `k_sb` (K^T from c0) at column k_off.
+def _split(sp, c0, k_off, sw, k_sb, v_sb, v_off, q_sb, one_minus_len, neg_row, v, b, kvh, m_all, l_all, o_all,
+           tile, d, softmax_scale, mm_dtype):
+    """Split `sp`: positions [c0 + k_off, c0 + k_off + sw), keys in `k_sb` (K^T from c0) at column k_off, values
+    in `v_sb` from chunk `v_off` (a full K chunk's, partition-run order) or, when `v_sb` is None, loaded here
+    from the natural tail.
 
     Writes the split's row max, row sum and unnormalised output into column sp of m_all / l_all / o_all.
     """
@@ -144,8 +160,9 @@ def _split(sp, c0, k_off, sw, k_sb, q_sb, one_minus_len, neg_row, v, b, kvh, m_a
         k0 = s0 + t * tile
         w = min(tile, s0 + sw - k0)
         pos = nisa.iota(k0 + nl.arange(w)[None, :], dtype=nl.float32)  # [1, w] positions
-        # relu(pos - len + 1): 0 where pos < len, >= 1 past it (ScalarE); times the NEG row below.
-        past = nisa.activation(nl.relu, pos, bias=one_minus_len, scale=1.0, dtype=mm_dtype)
+        # max(pos - len + 1, 0): 0 where pos < len, >= 1 past it (GpSimd: SBUF only); times the NEG row below.
+        past = nisa.tensor_scalar(pos, nl.add, one_minus_len, op1=nl.maximum, operand1=0.0, dtype=mm_dtype,
+                                  engine=nisa.gpsimd_engine)
         s_ps[t, :, 0:w] = nisa.nc_matmul(q_sb, k_sb[:, k_off + t * tile:k_off + t * tile + w])  # [G, w]
         s_ps[t, :, 0:w] += nisa.nc_matmul(neg_row, past)  # + NEG * past, broadcast to the G rows
         mx[:, t:t + 1] = nisa.tensor_reduce(nl.maximum, s_ps[t, :, 0:w], axis=(1,), keepdims=True)
@@ -159,23 +176,22 @@ def _split(sp, c0, k_off, sw, k_sb, q_sb, one_minus_len, neg_row, v, b, kvh, m_a
         p[:, t * tile:t * tile + w] = nisa.activation_reduce(
             nl.exp, s_ps[t, :, 0:w], reduce_op=nl.add, reduce_res=ls[:, t:t + 1], bias=nbias,
             scale=softmax_scale, dtype=mm_dtype)  # [G, w]
-    v_sb, n_full = _load_v(v, b, kvh, s0, sw)
+    if v_sb is None:
+        v_sb, n_full = _load_v(v, b, kvh, s0, sw)
+    else:
+        n_full = sw // P_CHUNK  # a full K chunk's split: sw is split_size, a multiple of 128
     o_ps = nl.ndarray((g, d), dtype=nl.float32, buffer=nl.psum)
     for j in nl.static_range((sw + P_CHUNK - 1) // P_CHUNK):
         if j < n_full:  # chunk j holds positions s0 + q * n_full + j on partition q: P columns j::n_full
             cols, cw = p[:, j:n_full * P_CHUNK:n_full], P_CHUNK
         else:  # the tail chunk: positions s0 + n_full * 128 + q
             cols, cw = p[:, n_full * P_CHUNK:sw], sw - n_full * P_CHUNK
-        pt_ps = nisa.nc_transpose(cols)  # [cw, G] in PSUM
-        # PSUM -> SBUF copy alternating VectorE (row maxes, the busiest engine) and ScalarE (the exp).
-        if j % 2:
-            pt = nisa.activation(nl.copy, pt_ps, dtype=mm_dtype)
-        else:
-            pt = nisa.tensor_copy(pt_ps, dtype=mm_dtype, engine=nisa.vector_engine)
+        # PSUM -> SBUF copy on ScalarE: VectorE has the row maxes, GpSimd the masks (it cannot read PSUM)
+        pt = nisa.activation(nl.copy, nisa.nc_transpose(cols), dtype=mm_dtype)  # [cw, G]
         if j == 0:
-            o_ps[...] = nisa.nc_matmul(pt, v_sb[0:cw, j, :])  # [G, D]
+            o_ps[...] = nisa.nc_matmul(pt, v_sb[0:cw, v_off + j, :])  # [G, D]
         else:
-            o_ps[...] += nisa.nc_matmul(pt, v_sb[0:cw, j, :])
+            o_ps[...] += nisa.nc_matmul(pt, v_sb[0:cw, v_off + j, :])
     l_all[:, sp:sp + 1] = nisa.tensor_reduce(nl.add, ls, axis=(1,), keepdims=True) if n_t > 1 else ls
     o_all[:, sp * d:(sp + 1) * d] = nl.copy(o_ps)
 
@@ -233,16 +249,42 @@ def sbuf_bytes(s_max: int, d: int, split_size: int) -> int:
 
     The allocator charges a tile the bytes of its free dims in every partition: the per-split maxes and sums
     `[G, n_splits]` and outputs `[G, n_splits * D]`, all fp32, plus the merge's weights and weighted sums (two
-    more `[G, n_splits]`) cost n_splits * (D + 4) * 4; the K^T chunk (`K_LOAD` positions, whole splits), a
-    split's P `[G, split]` and V `[128, split / 128, D]` at most 4 bytes each per position; then
-    `SBUF_WORKING_SET`.
+    more `[G, n_splits]`) cost n_splits * (D + 4) * 4; the K^T and V of a K chunk (`K_LOAD` positions, whole
+    splits; V as `[128, positions / 128, D]`) and a split's P `[G, split]` at most 4 bytes each per position;
+    then `SBUF_WORKING_SET`.
     """
     n_splits = (s_max + split_size - 1) // split_size
     return n_splits * (d + 4) * 4 + _split_bytes(min(s_max, split_size), split_size) + SBUF_WORKING_SET
 
 
 def _split_bytes(sw: int, split_size: int) -> int:
-    return 4 * (_splits_per_k_load(split_size) * split_size + 2 * sw)
+    return 4 * (2 * _splits_per_k_load(split_size) * split_size + sw)
+
+
+def _chunking(s_max: int, split_size: int) -> tuple[int, int]:
+    """(positions per full K chunk, number of full K chunks) of a cache."""
+    chunk = _splits_per_k_load(split_size) * split_size
+    return chunk, s_max // chunk
+
+
+def v_kernel_layout(v: Any, split_size: int) -> Any:
+    """V `[B, n_kv_heads, S_max, D]` (numpy or torch) in the kernel's row order: within each full K chunk,
+    partition q's rows of every split (split i, row j: position i * split_size + q * n + j, n = split_size / 128)
+    are consecutive, a reshape and a transpose; the tail past the last full chunk stays in order."""
+    b, n_kv, s_max, d = v.shape
+    chunk, n_kc = _chunking(s_max, split_size)
+    if not n_kc:
+        return v
+    per_k, n = chunk // split_size, split_size // P_CHUNK
+    cut = n_kc * chunk
+    head = v[:, :, :cut].reshape(b, n_kv, n_kc, per_k, P_CHUNK, n, d).swapaxes(3, 4).reshape(b, n_kv, cut, d)
+    if cut == s_max:
+        return head
+    if isinstance(v, np.ndarray):
+        return np.concatenate([head, v[:, :, cut:]], axis=2)
+    import torch
+
+    return torch.cat([head, v[:, :, cut:]], dim=2)
 
 
 def max_cache_len(d: int, split_size: int, target: str = DEFAULT_TARGET) -> int:
@@ -288,7 +330,8 @@ def run(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.nda
     q_g = np.ascontiguousarray(q.reshape(b, n_kv, n_heads // n_kv, d))  # [B, n_kv_heads, G, D]
     k_t = np.ascontiguousarray(k_cache.transpose(0, 1, 3, 2))  # [B, n_kv_heads, D, S_max]
     lens = lengths.astype(np.int32).reshape(b, 1)  # [B, 1]
-    out = simulate(decode_attention_kernel[b, n_kv], q_g, k_t, np.ascontiguousarray(v_cache), lens,
+    v_k = np.ascontiguousarray(v_kernel_layout(v_cache, split_size))  # rows in the kernel's order
+    out = simulate(decode_attention_kernel[b, n_kv], q_g, k_t, v_k, lens,
                    softmax_scale=scale, split_size=split_size)
     return np.asarray(out).reshape(b, n_heads, d)  # [B, n_kv, G, D] -> [B, n_heads, D]
 

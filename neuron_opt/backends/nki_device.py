@@ -121,8 +121,10 @@ def attention_kernel_call(kernel: str, q: torch.Tensor, keys: torch.Tensor, valu
         q_g = q[:, :, 0].reshape(B, n_kv, G, D).contiguous()  # [B, n_kv, G, D]
         k_t = keys.transpose(2, 3).contiguous()  # [B, n_kv, D, kv_len]
         lengths = (positions[:, :1] + 1).to(torch.int32)  # [B, 1]: keys [0, position] of each row
-        return (B, n_kv), (q_g, k_t, values.contiguous(), lengths), dict(softmax_scale=scale,
-                                                                          split_size=DECODE_SPLIT)
+        from kernels_nki.decode_attention import v_kernel_layout
+
+        v_k = v_kernel_layout(values, DECODE_SPLIT).contiguous()  # [B, n_kv, kv_len, D] in the kernel's row order
+        return (B, n_kv), (q_g, k_t, v_k, lengths), dict(softmax_scale=scale, split_size=DECODE_SPLIT)
     raise ValueError(f"no attention kernel {kernel!r}")
 
 

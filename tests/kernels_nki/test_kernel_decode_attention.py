@@ -52,6 +52,10 @@ CASES = [
     (1, 8, 1, 1024, 128, 1024, "float32"),
     (2, 12, 3, 160, 96, 128, "bfloat16"),
     (6, 4, 2, 50, 64, 128, "float32"),
+    # full K chunks (K_LOAD positions): V read in partition-run order (`v_kernel_layout`), then a natural tail
+    (2, 2, 1, 4096, 32, 1024, "bfloat16"),
+    (2, 4, 2, 4096 + 300, 16, 512, "float32"),
+    (1, 3, 1, 2 * 4096 + 130, 32, 2048, "float32"),
 ]
 
 
@@ -70,6 +74,29 @@ def test_matches_reference(b, n_heads, n_kv, s_max, d, split, dtype):
     assert out.shape == q.shape and out.dtype == q.dtype
     ref = decode_attention_ref(q, k, v, lengths)
     np.testing.assert_allclose(out.astype(np.float64), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("s_max,split", [(4096, 1024), (4096 + 300, 512), (2 * 4096 + 130, 128), (500, 256)])
+def test_v_kernel_layout_is_the_row_order_the_kernel_reads(s_max, split):
+    """Row r of the kernel's V is cache position order[r]; in a full K chunk partition q's rows of every split
+    are consecutive (one DMA descriptor per partition), past the last full chunk the rows stay in order."""
+    import torch
+
+    order = decode_attention.v_kernel_layout(np.arange(s_max).reshape(1, 1, s_max, 1), split).reshape(-1)
+    assert sorted(order.tolist()) == list(range(s_max))
+    v = np.arange(2 * s_max * 3, dtype=np.float32).reshape(1, 2, s_max, 3)
+    np.testing.assert_array_equal(decode_attention.v_kernel_layout(v, split), v[:, :, order])
+    np.testing.assert_array_equal(decode_attention.v_kernel_layout(torch.from_numpy(v), split).numpy(),
+                                  v[:, :, order])
+    chunk = (4096 // split) * split
+    n = split // 128
+    for c in range(s_max // chunk):
+        rows = order[c * chunk:(c + 1) * chunk].reshape(128, chunk // 128)  # partition q's run
+        for i in range(chunk // split):
+            np.testing.assert_array_equal(rows[:, i * n:(i + 1) * n],
+                                          c * chunk + i * split + np.arange(128)[:, None] * n + np.arange(n))
+    tail = s_max - s_max % chunk
+    np.testing.assert_array_equal(order[tail:], np.arange(tail, s_max))
 
 
 def test_garbage_past_length_is_ignored():

@@ -50,7 +50,8 @@ def _causal(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
     return torch.arange(kv_len)[None, None, :] <= positions[:, :, None]  # [B, S, kv_len]
 
 
-@pytest.mark.parametrize("B, n_heads, n_kv, S, kv_len, D", [(1, 4, 2, 128, 128, 32), (2, 6, 3, 1, 256, 32)])
+@pytest.mark.parametrize("B, n_heads, n_kv, S, kv_len, D", [(1, 4, 2, 128, 128, 32), (2, 6, 3, 1, 256, 32),
+                                                       (2, 2, 1, 1, 4096 + 130, 16)])  # a full K chunk: V reordered
 def test_the_device_call_layouts_through_the_kernels_equal_torch_ops(B, n_heads, n_kv, S, kv_len, D):
     """The tensors DeviceKernelOps would hand each kernel on a NeuronCore, run through that kernel on the
     simulator, then put back in the model's layout: equal to the reference attention."""
