@@ -290,7 +290,8 @@ def dma_copy(
     """DMA between HBM and SBUF tensors of equal element count (PSUM is not a DMA endpoint).
 
     `dge_mode` only picks who generates descriptors (same data moved), so it is accepted, except hardware DGE
-    before NeuronCore-v3. `oob_mode.skip` concerns indirect (gather/scatter) access, which is not simulated.
+    before NeuronCore-v3. `oob_mode.skip` concerns indirect (gather/scatter) access: the simulator
+    has indirect loads (`nl.load(t[idx_tile, ...])`, with the default `oob_mode.error`), not indirect dma_copy.
     """
     if dst_rmw_op is not None:
         raise SimulatorError("dma_copy dst_rmw_op is not supported by the simulator")

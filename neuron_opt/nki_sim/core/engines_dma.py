@@ -26,6 +26,8 @@ from neuron_opt.nki_sim.core.tile import Tile
 def load(src: Tile, *, mask: Any = None, dtype: Any = None) -> Tile:
     """nl.load: HBM view -> new SBUF tile of the same shape (dim 0 becomes the partition dim)."""
     ctx = current()
+    if isinstance(src, _tile.IndirectView):
+        return _load_indirect(ctx, src, mask, dtype)
     operand(src, "src", "load", ("hbm",))
     if not src.shape:
         raise ShapeError("nl.load needs at least a 1-D access")
@@ -37,6 +39,32 @@ def load(src: Tile, *, mask: Any = None, dtype: Any = None) -> Tile:
     v = None if ctx.count_only else src.read(m)
     out_dt = dtypes.normalize(dtype) if dtype is not None else src.dtype
     return finish(ctx, src.shape, out_dt, None if v is None else _exactish(v), m)
+
+
+def _load_indirect(ctx: Any, src: _tile.IndirectView, mask: Any, dtype: Any) -> Tile:
+    """nl.load of `t[idx_tile, ...]`: partition p <- t[idx[p], ...] (a gather; descriptors built at run time).
+
+    Cost: each partition's row is its own runs of HBM (the rows are anywhere), so descriptors = rows x the runs
+    of one row. The DMA waits for the index tile (it reads it) and is taken to read all of `t`'s dim 0.
+    """
+    if mask is not None:
+        raise SimulatorError("nl.load of an indirect (index-tile) access takes no mask")
+    n = src.shape[0]
+    check_partition_size(n, f"nl.load of {src.name}[index tile]{list(src.shape)}")
+    operand(src.idx, "index", "load", ("sbuf",))
+    operand(src.base, "src", "load", ("hbm",))
+    row_bytes = src.row.size * dtypes.itemsize(src.dtype)
+    if src.row.size:
+        flat = np.ravel_multi_index([a.ravel() for a in src.row.full_index_arrays()], src.base.storage.shape)
+        runs = 1 + int(np.count_nonzero(np.diff(flat) != 1))
+    else:
+        runs = 1
+    ctx.cost.dma(n * row_bytes, to_hbm=False, rows=n, descriptors=n * runs)
+    v = None
+    if not ctx.count_only:
+        v = _exactish(src.rows(src.idx.read().reshape(-1).astype(np.int64)))
+    out_dt = dtypes.normalize(dtype) if dtype is not None else src.dtype
+    return finish(ctx, src.shape, out_dt, v, None)
 
 
 def _geometry(hbm: Tile, mask: np.ndarray | None, par_dim: int = 0) -> dict[str, int]:

@@ -133,9 +133,11 @@ class Tile:
             raise self.unplaced
 
     # ---- indexing -----------------------------------------------------------------------------------
-    def view(self, key: Any) -> Tile:
+    def view(self, key: Any) -> Any:
         self.check_alive()
         key = _expand_key(key, self.ndim)
+        if any(isinstance(k, Tile) for k in key):
+            return IndirectView(self, key)
         has_array = any(isinstance(k, np.ndarray) and k.ndim > 0 for k in key)
         if has_array and any(isinstance(k, slice) for k in key[: _last_explicit(key)]):
             raise IndexingError(
@@ -412,6 +414,62 @@ class Tile:
         return self
 
     __hash__ = object.__hash__
+
+
+class IndirectView:
+    """An HBM tensor indexed on its first dim by an on-chip integer tile: legacy NKI's indirect DMA,
+    `nl.load(t[idx_tile, ...])` (`idx_tile` one index per partition, `[n]` or `[n, 1]`, as `nl.load` of an index
+    table gives). Partition p of the load gets `t[idx[p], ...]`; the indices are runtime data, so only `nl.load`
+    takes such a view, and an index outside dim 0 raises OutOfBoundsError when the load runs (the hardware's
+    default `oob_mode.error`).
+    """
+
+    def __init__(self, base: Tile, key: tuple[Any, ...]) -> None:
+        if not base.buffer.is_hbm:
+            raise IndexingError("indirect indexing (a tile as an index) reads HBM: only an HBM tensor takes it")
+        if base.advanced or not isinstance(base.index[0], slice) or base.par_pos is not None:
+            raise IndexingError("indirect indexing takes a whole HBM tensor or a view of it by slices")
+        idx, rest = key[0], key[1:]
+        if not isinstance(idx, Tile) or any(isinstance(k, Tile) for k in rest):
+            raise IndexingError("indirect indexing: the index tile must be the first (partition) index, and the "
+                                "only one")
+        idx.check_alive()
+        if idx.buffer.is_hbm or idx.buffer.space != "sbuf":
+            raise IndexingError(f"indirect indexing: the index tile must be in SBUF, got {idx.buffer.space}")
+        if idx.dtype.kind not in "iu":
+            raise IndexingError(f"indirect indexing: the index tile must hold integers, got {idx.dtype}")
+        if idx.size != idx.partitions:
+            raise IndexingError(f"indirect indexing: one index per partition ([n] or [n, 1]), got an index tile "
+                                f"of shape {list(idx.shape)}")
+        self.base = base
+        self.idx = idx
+        self.rest = rest
+        self.row = base.view((0, *rest))  # one partition's access (checks the other indices)
+        row_shape = self.row.shape
+        if self.row.advanced and len(row_shape) >= 2 and row_shape[0] == 1:
+            row_shape = row_shape[1:]  # `t[idx_tile[i_p, 0], i_f]`: i_f's leading 1 is the partition dim
+        self.shape = (idx.partitions, *row_shape)
+        self.dtype = base.dtype
+        self.storage = base.storage
+        self.buffer = base.buffer
+
+    @property
+    def name(self) -> str:
+        return self.base.name
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def rows(self, indices: np.ndarray) -> np.ndarray:
+        """The values each partition reads, for runtime `indices` (bounds checked against dim 0)."""
+        n0 = _slice_len(self.base.index[0])
+        bad = (indices < 0) | (indices >= n0)
+        if bad.any():
+            v = int(indices[np.flatnonzero(bad)[0]])
+            raise OutOfBoundsError(f"Out-of-bound indirect access for tensor {self.base.name}: index {v} on "
+                                   f"dimension 0 of size {n0} (oob_mode.error)")
+        return np.stack([self.base.view((int(i), *self.rest)).read() for i in indices]).reshape(self.shape)
 
 
 def _expand_key(key: Any, ndim: int) -> tuple[Any, ...]:

@@ -211,3 +211,23 @@ def test_readers_wait_for_memset_and_where_operands() -> None:
     _, rep = nki.simulate_kernel(k, nki.ShapeDtype((128, 2048), nl.float32), count_only=True, report=True)
     chain = (rep.engines["gpsimd"].busy_us + rep.engines["scalar"].busy_us + rep.engines["vector"].busy_us)
     assert rep.latency_us >= chain
+
+
+def test_indirect_load_descriptors_are_each_gathered_rows_runs() -> None:
+    """A gathered row lands on its own partition from anywhere in HBM: rows x (runs of one row) descriptors."""
+
+    def geometry(rest: Any) -> int:
+        @nki.jit
+        def k(x: Any) -> Any:
+            out = nl.ndarray((1, 1), dtype=x.dtype, buffer=nl.shared_hbm)
+            rows = nisa.iota(nl.arange(64)[:, None] * 3, dtype=nl.int32)  # [64, 1] on chip: no DMA
+            nl.load(x[(rows, *rest)])
+            nl.store(out, value=nl.zeros((1, 1), dtype=x.dtype, buffer=nl.sbuf))
+            return out
+
+        _, rep = nki.simulate_kernel(k, nki.ShapeDtype((256, 4, 128), nl.float32), count_only=True, report=True)
+        return rep.dma_descriptors - 1  # minus the store
+
+    assert geometry((slice(None), slice(None))) == 64  # a whole [4, 128] row: one run
+    assert geometry((slice(0, 2), slice(None))) == 64  # its first half: still one run
+    assert geometry((slice(None), slice(0, 64))) == 64 * 4  # half of each of 4 sub-rows: 4 runs

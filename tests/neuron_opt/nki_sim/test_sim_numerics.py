@@ -247,3 +247,24 @@ def test_count_only_matches_full_run_cost_and_returns_no_values() -> None:
     )
     assert out is None
     assert counted.to_dict() == full.to_dict()
+
+
+def test_indirect_load_gathers_rows_by_an_sbuf_index_tile() -> None:
+    """`nl.load(t[idx_tile, ...])`: partition p gets t[idx[p], ...]; any order, repeats allowed; an index past
+    dim 0 is an out-of-bound error when the load runs (it is runtime data: count-only runs cannot see it)."""
+
+    @nki.jit
+    def k(t: Any, idx: Any) -> Any:
+        n = idx.shape[0]
+        out = nl.ndarray((n, 3, 8), dtype=t.dtype, buffer=nl.shared_hbm)
+        rows = nl.load(idx)  # [n, 1] int32, one index per partition
+        nl.store(out, value=nl.load(t[rows, 1, :, 0:8]))
+        return out
+
+    rng = np.random.default_rng(0)
+    t = rng.standard_normal((40, 2, 3, 16)).astype(np.float32)
+    idx = np.array([[7], [0], [39], [7], [12]], dtype=np.int32)
+    np.testing.assert_array_equal(np.asarray(nki.simulate_kernel(k, t, idx)), t[idx[:, 0], 1, :, 0:8])
+    with pytest.raises(nki.OutOfBoundsError, match="index 40 on dimension 0 of size 40"):
+        nki.simulate_kernel(k, t, np.array([[3], [40]], dtype=np.int32))
+    nki.simulate_kernel(k, nki.ShapeDtype(t.shape, nl.float32), nki.ShapeDtype((2, 1), nl.int32), count_only=True)

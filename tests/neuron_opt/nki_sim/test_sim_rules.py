@@ -366,6 +366,44 @@ def store_slice_oob(bad: bool) -> Callable[..., Any]:
     return k
 
 
+def _rows(dtype: Any = nl.int32) -> Any:
+    return nisa.iota(nl.arange(64)[:, None] * 2, dtype=dtype)  # [64, 1]: rows 0, 2, ..., 126
+
+
+def indirect_index_in_hbm(bad: bool) -> Callable[..., Any]:
+    def k(a: Any) -> Any:
+        out = _out((64, 64))
+        idx = _rows()
+        if bad:
+            hbm = nl.ndarray((64, 1), dtype=nl.int32, buffer=nl.shared_hbm)
+            nl.store(hbm, value=idx)
+            idx = hbm
+        nl.store(out, value=nl.load(a[idx, :]))
+        return out
+
+    return k
+
+
+def indirect_index_not_integer(bad: bool) -> Callable[..., Any]:
+    def k(a: Any) -> Any:
+        out = _out((64, 64))
+        nl.store(out, value=nl.load(a[_rows(nl.float32 if bad else nl.int32), :]))
+        return out
+
+    return k
+
+
+def indirect_index_not_first(bad: bool) -> Callable[..., Any]:
+    def k(a: Any) -> Any:
+        out = _out((64, 1))
+        idx = _rows()
+        i_p = nl.arange(64)[:, None]
+        nl.store(out, value=nl.load(a[i_p, idx] if bad else a[idx, 0:1]))
+        return out
+
+    return k
+
+
 CASES: list[tuple[str, Callable[[bool], Callable[..., Any]], tuple[int, int], type[Exception], str]] = [
     (
         "sbuf_partition_over_128",
@@ -423,6 +461,10 @@ CASES: list[tuple[str, Callable[[bool], Callable[..., Any]], tuple[int, int], ty
     ("psum_accumulate_not_fp32", psum_accumulate_dtype, (128, 64), nki.DtypeError, "fp32"),
     ("kernel_returns_sbuf_tile", return_sbuf, (128, 64), nki.MemoryPlacementError, "HBM tensors"),
     ("store_slice_out_of_bounds", store_slice_oob, (128, 72), nki.OutOfBoundsError, "Out-of-bound access"),
+    ("indirect_index_in_hbm", indirect_index_in_hbm, (128, 64), nki.IndexingError, "index tile must be in SBUF"),
+    ("indirect_index_not_integer", indirect_index_not_integer, (128, 64), nki.IndexingError, "must hold integers"),
+    ("indirect_index_not_first", indirect_index_not_first, (128, 64), nki.IndexingError,
+     "must be the first (partition) index"),
 ]
 
 
