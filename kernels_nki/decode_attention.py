@@ -54,6 +54,12 @@ Pseudocode (per program = (b, kv head)):
         for chunk j: o_s += transpose(p[:, j::n])^T @ V[:, i*n + j]
     merge as above; store [G, D].
 
+Paged variant (`paged_decode_attention_kernel`, `run_paged`): the caches are block pools
+`[num_blocks, n_kv_heads, block_len, D]` read through `block_tables [B, max_blocks]`. A split is
+split_size / block_len <= 128 blocks; one indirect DMA each gathers its K and its V blocks (partition q <- the
+q-th block of the split), which is V's partition-run order with n = block_len; K^T is built by block_len TensorE
+transposes of `[blocks, D]` copied to every block_len-th column. Then `_split` as above.
+
 DMA descriptors (one per contiguous HBM run landing in one partition) cost queue time in the cost model, so
 every load moves long runs: K^T rows of up to K_LOAD positions, V runs of a K chunk's splits, q rows of D.
 
@@ -143,11 +149,88 @@ def decode_attention_kernel(q, k_t, v, lengths, softmax_scale=1.0, split_size=10
     return out
 
 
+@nki.jit
+def paged_decode_attention_kernel(q, k_cache, v_cache, block_tables, lengths, softmax_scale=1.0, split_size=2048):
+    """Decode attention reading the KV cache through a block table (`run_paged`). Launch as
+    `paged_decode_attention_kernel[B, n_kv_heads](q, k_cache, v_cache, block_tables, lengths, ...)`.
+
+    k_cache / v_cache `[num_blocks, n_kv_heads, block_len, D]`, block_tables `[B, max_blocks]` int32 (entry i:
+    the cache block of the sequence's positions [i * block_len, (i + 1) * block_len)). A split is
+    nb = split_size / block_len blocks: their K and V rows are gathered by one indirect DMA each (partition q
+    <- block table[b, s * nb + q], one block_len * D run), which lands V exactly as the P @ V matmuls contract
+    it (partition q: nb positions' worth of runs, as `v_kernel_layout`'s); K is turned to K^T [D, split] by
+    block_len TensorE transposes of [nb, D], each copied (VectorE) to every block_len-th column, natural
+    position order. Then the split is `_split`'s, as in `decode_attention_kernel`.
+    """
+    n_b, n_kv, g, d = q.shape
+    block_len = k_cache.shape[2]
+    max_blocks = block_tables.shape[1]
+    out = nl.ndarray((n_b, n_kv, g, d), dtype=q.dtype, buffer=nl.shared_hbm)
+    b = nl.program_id(0)
+    kvh = nl.program_id(1)
+    mm_dtype = q.dtype
+    tile = min(K_TILE, split_size)
+    nb = split_size // block_len  # blocks per split (<= 128: one per partition)
+    n_splits = (max_blocks + nb - 1) // nb
+    n_full = max_blocks // nb
+
+    q_sb = nl.copy(nisa.nc_transpose(nl.load(q[b, kvh])), dtype=mm_dtype)
+    len_f = nisa.tensor_copy(nl.load(lengths[nl.ds(b, 1), :]), dtype=nl.float32)  # [1, 1]
+    one_minus_len = nl.multiply(nl.add(len_f, -1.0), -1.0)  # [1, 1]: 1 - len
+    neg_row = nl.full((1, g), NEG, dtype=mm_dtype, buffer=nl.sbuf)
+    # the table row in one DMA (one run) onto one partition, as fp32 (block ids < 2^24 are exact) so that each
+    # split can turn its nb entries to one per partition with a TensorE transpose (`_paged_split`)
+    tbl = nisa.tensor_copy(nl.load(block_tables[nl.ds(b, 1), :]), dtype=nl.float32)  # [1, max_blocks]
+
+    m_all = nl.ndarray((g, n_splits), dtype=nl.float32, buffer=nl.sbuf)
+    l_all = nl.ndarray((g, n_splits), dtype=nl.float32, buffer=nl.sbuf)
+    o_all = nl.ndarray((g, n_splits * d), dtype=nl.float32, buffer=nl.sbuf)
+    args = (q_sb, one_minus_len, neg_row, v_cache, b, kvh, m_all, l_all, o_all, tile, d, softmax_scale, mm_dtype)
+    for sp in nl.affine_range(n_full):  # whole splits: independent, identical bodies (rolled)
+        _paged_split(sp, sp * nb, nb, block_len, tbl, k_cache, *args)
+    if n_full < n_splits:  # the table's tail: fewer blocks, peeled
+        _paged_split(n_full, n_full * nb, max_blocks - n_full * nb, block_len, tbl, k_cache, *args)
+
+    m_glob = nisa.tensor_reduce(nl.maximum, m_all, axis=(1,), keepdims=True)  # [G, 1]
+    wts = nisa.activation(nl.exp, m_all, bias=nl.multiply(m_glob, -softmax_scale), scale=softmax_scale)
+    l_glob = nisa.tensor_reduce(nl.add, nl.multiply(wts, l_all), axis=(1,), keepdims=True)  # [G, 1]
+    acc = nl.ndarray((g, d), dtype=nl.float32, buffer=nl.sbuf)
+    acc[...] = nl.multiply(o_all[:, 0:d], wts[:, 0:1])
+    for sp in nl.static_range(1, n_splits):
+        acc[...] = nisa.scalar_tensor_tensor(data=o_all[:, sp * d:(sp + 1) * d], op0=nl.multiply,
+                                             operand0=wts[:, sp:sp + 1], op1=nl.add, operand1=acc)
+    res = nl.multiply(acc, nisa.reciprocal(l_glob), dtype=out.dtype)
+    nl.store(out[b, kvh], value=res)
+    return out
+
+
+def _paged_split(sp, first, nb, block_len, tbl, k_cache, q_sb, one_minus_len, neg_row, v_cache, b, kvh, m_all, l_all,
+                 o_all, tile, d, softmax_scale, mm_dtype):
+    """Split `sp` of a paged cache: table entries [first, first + nb) gathered (K and V), K^T built, then
+    `_split`."""
+    sw = nb * block_len
+    # [nb, 1] int32: the split's cache blocks, one per partition (the indirect DMAs' offsets)
+    idx = nisa.tensor_copy(nisa.nc_transpose(tbl[0:1, first:first + nb]), dtype=nl.int32)
+    k_blk = nl.load(k_cache[idx, kvh, :, :])  # [nb, block_len, D]: partition q <- block idx[q]
+    v_blk = nl.load(v_cache[idx, kvh, :, :])  # the same for V: chunk j of partition q is position q * bl + j
+    k_t = nl.ndarray((d, sw), dtype=mm_dtype, buffer=nl.sbuf)
+    for j in nl.static_range(block_len):  # position j of every block -> columns j, j + bl, ... (natural order)
+        # PSUM -> SBUF on VectorE (ScalarE has the exp and the P^T copies; alternating them was slower: 897 us
+        # against 723 at B 8, KV 4096, blocks of 16, as the P^T copies then wait behind them)
+        k_t[:, j:sw:block_len] = nisa.tensor_copy(nisa.nc_transpose(k_blk[:, j, :]), dtype=mm_dtype)
+    _split(sp, first * block_len, 0, sw, k_t, v_blk, 0, q_sb, one_minus_len, neg_row, v_cache, b, kvh, m_all,
+           l_all, o_all, tile, d, softmax_scale, mm_dtype, v_parts=nb)
+
+
 def _split(sp, c0, k_off, sw, k_sb, v_sb, v_off, q_sb, one_minus_len, neg_row, v, b, kvh, m_all, l_all, o_all,
-           tile, d, softmax_scale, mm_dtype):
+           tile, d, softmax_scale, mm_dtype, v_parts=P_CHUNK):
     """Split `sp`: positions [c0 + k_off, c0 + k_off + sw), keys in `k_sb` (K^T from c0) at column k_off, values
-    in `v_sb` from chunk `v_off` (a full K chunk's, partition-run order) or, when `v_sb` is None, loaded here
-    from the natural tail.
+    in `v_sb` from chunk `v_off` (a full K chunk's, partition-run order, or a split's gathered cache blocks) or,
+    when `v_sb` is None, loaded here from the natural tail.
+
+    `v_sb` given: its `v_parts` partitions each hold sw / v_parts consecutive positions of the split (chunk j of
+    partition q: position q * sw / v_parts + j), 128 for a K chunk's runs, the number of blocks for gathered
+    cache blocks.
 
     Writes the split's row max, row sum and unnormalised output into column sp of m_all / l_all / o_all.
     """
@@ -179,11 +262,11 @@ def _split(sp, c0, k_off, sw, k_sb, v_sb, v_off, q_sb, one_minus_len, neg_row, v
     if v_sb is None:
         v_sb, n_full = _load_v(v, b, kvh, s0, sw)
     else:
-        n_full = sw // P_CHUNK  # a full K chunk's split: sw is split_size, a multiple of 128
+        n_full = sw // v_parts  # sw is a multiple of v_parts: runs of n_full positions, no tail
     o_ps = nl.ndarray((g, d), dtype=nl.float32, buffer=nl.psum)
-    for j in nl.static_range((sw + P_CHUNK - 1) // P_CHUNK):
+    for j in nl.static_range(n_full + (1 if sw % P_CHUNK and v_parts == P_CHUNK else 0)):
         if j < n_full:  # chunk j holds positions s0 + q * n_full + j on partition q: P columns j::n_full
-            cols, cw = p[:, j:n_full * P_CHUNK:n_full], P_CHUNK
+            cols, cw = p[:, j:n_full * v_parts:n_full], v_parts
         else:  # the tail chunk: positions s0 + n_full * 128 + q
             cols, cw = p[:, n_full * P_CHUNK:sw], sw - n_full * P_CHUNK
         # PSUM -> SBUF copy on ScalarE: VectorE has the row maxes, GpSimd the masks (it cannot read PSUM)
@@ -334,6 +417,123 @@ def run(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.nda
     out = simulate(decode_attention_kernel[b, n_kv], q_g, k_t, v_k, lens,
                    softmax_scale=scale, split_size=split_size)
     return np.asarray(out).reshape(b, n_heads, d)  # [B, n_kv, G, D] -> [B, n_heads, D]
+
+
+def default_paged_split(block_len: int) -> int:
+    """Positions per split: as many whole blocks as fit in 128 (one per partition) and 2048 positions, a multiple
+    of 512 above 512 (the PSUM rule; 1536 for blocks of 24 or 48), else at most 512 positions."""
+    cap = min(P_CHUNK * block_len, 2048)
+    step = math.lcm(block_len, K_TILE)
+    if cap >= step:
+        return cap // step * step
+    return max(block_len, min(cap, K_TILE) // block_len * block_len)
+
+
+def _check_paged(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
+                 lengths: np.ndarray, split_size: int) -> None:
+    if q.ndim != 3 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape or block_tables.ndim != 2:
+        raise KernelArgumentError(f"paged decode_attention: want q [B, n_heads, D], caches [num_blocks, "
+                                  f"n_kv_heads, block_len, D], block_tables [B, max_blocks]; got q {q.shape}, "
+                                  f"k {k_cache.shape}, v {v_cache.shape}, tables {block_tables.shape}")
+    b, n_heads, d = q.shape
+    n_blocks, n_kv, block_len, dk = k_cache.shape
+    if dk != d or n_heads % n_kv or block_tables.shape[0] != b:
+        raise KernelArgumentError(f"paged decode_attention: caches {k_cache.shape} and tables "
+                                  f"{block_tables.shape} do not match q {q.shape}")
+    if d > 128 or n_heads // n_kv > 128:
+        raise KernelArgumentError(f"paged decode_attention: need D <= 128 and <= 128 query heads per KV head; "
+                                  f"got D={d}, G={n_heads // n_kv}")
+    if not q.dtype == k_cache.dtype == v_cache.dtype or q.dtype.name not in ("float32", "bfloat16"):
+        raise KernelArgumentError(f"paged decode_attention: q and caches must share float32 or bfloat16; got "
+                                  f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if n_blocks > 1 << 24:  # the kernel moves block ids through fp32 (a TensorE transpose)
+        raise KernelArgumentError(f"paged decode_attention: at most 2^24 cache blocks, got {n_blocks}")
+    if block_tables.dtype.kind not in "iu" or block_tables.min() < 0 or block_tables.max() >= n_blocks:
+        raise KernelArgumentError(f"paged decode_attention: block table entries must be integers in [0, "
+                                  f"num_blocks={n_blocks}) (pad unused entries with any valid block: positions "
+                                  f"past the length are masked); got {block_tables.dtype} in "
+                                  f"[{block_tables.min()}, {block_tables.max()}]")
+    s_max = block_tables.shape[1] * block_len
+    if lengths.shape != (b,) or lengths.min() < 1 or lengths.max() > s_max:
+        raise KernelArgumentError(f"paged decode_attention: lengths must be [B]={b} values in [1, max_blocks * "
+                                  f"block_len={s_max}]; got {lengths.tolist()}")
+    max_split = (get_target(DEFAULT_TARGET).psum_banks - 1) * K_TILE
+    if (split_size % block_len or split_size // block_len > P_CHUNK or split_size > max_split
+            or (split_size > K_TILE and split_size % K_TILE)):
+        raise KernelArgumentError(f"paged decode_attention: split_size {split_size} must be a whole number of "
+                                  f"blocks (block_len {block_len}), at most 128 of them (one per partition), at "
+                                  f"most {max_split} positions (its scores stay in PSUM) and above 512 a multiple "
+                                  f"of 512; default_paged_split({block_len}) = {default_paged_split(block_len)}")
+    need, cap = paged_sbuf_bytes(s_max, d, block_len, split_size), sbuf_capacity(DEFAULT_TARGET)
+    if need > cap:
+        raise KernelArgumentError(f"paged decode_attention: {s_max} positions with split_size {split_size}, "
+                                  f"block_len {block_len} and D={d} need {need} SBUF bytes per partition, more "
+                                  f"than the {cap} a kernel may use on {DEFAULT_TARGET}")
+
+
+def paged_sbuf_bytes(s_max: int, d: int, block_len: int, split_size: int) -> int:
+    """SBUF bytes per partition of `paged_decode_attention_kernel` at its peak (as `sbuf_bytes` counts): the
+    splits' partials, the table, a split's gathered K and V blocks (block_len * D each), its K^T and P
+    (split_size each), at most 4 bytes an element, and `SBUF_WORKING_SET`."""
+    n_splits = -(-s_max // split_size)
+    return n_splits * (d + 4) * 4 + 8 * n_splits * split_size // block_len + 4 * (2 * block_len * d + 2 * split_size) \
+        + SBUF_WORKING_SET
+
+
+def run_paged(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
+              lengths: np.ndarray, *, softmax_scale: float | None = None,
+              split_size: int | None = None) -> np.ndarray:
+    """Runs the paged kernel (simulator here, the SDK's NKI where installed).
+
+    Args:
+        q: `[B, n_heads, D]`, float32 or bfloat16.
+        k_cache: `[num_blocks, n_kv_heads, block_len, D]`, same dtype.
+        v_cache: `[num_blocks, n_kv_heads, block_len, D]`, same dtype.
+        block_tables: `[B, max_blocks]` integers in [0, num_blocks); entry i holds the sequence's positions
+            [i * block_len, (i + 1) * block_len). Entries past a sequence's length are read and masked.
+        lengths: `[B]` integers in [1, max_blocks * block_len].
+        softmax_scale: Defaults to `1 / sqrt(D)`.
+        split_size: Positions per flash-decoding split, a whole number of blocks; `default_paged_split`.
+
+    Returns:
+        `[B, n_heads, D]` in q's dtype.
+
+    Raises:
+        KernelArgumentError: Shapes, dtypes, table entries, lengths or a split the kernel does not support.
+    """
+    lengths = np.asarray(lengths)
+    block_tables = np.asarray(block_tables)
+    split = default_paged_split(k_cache.shape[2]) if split_size is None else int(split_size)
+    _check_paged(q, k_cache, v_cache, block_tables, lengths, split)
+    b, n_heads, d = q.shape
+    n_kv = k_cache.shape[1]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    q_g = np.ascontiguousarray(q.reshape(b, n_kv, n_heads // n_kv, d))
+    out = simulate(paged_decode_attention_kernel[b, n_kv], q_g, np.ascontiguousarray(k_cache),
+                   np.ascontiguousarray(v_cache), np.ascontiguousarray(block_tables, dtype=np.int32),
+                   lengths.astype(np.int32).reshape(b, 1), softmax_scale=scale, split_size=split)
+    return np.asarray(out).reshape(b, n_heads, d)
+
+
+def estimate_paged(b: int, n_heads: int, n_kv_heads: int, s_max: int, d: int, *, block_len: int = 16,
+                   split_size: int | None = None, target: str = "trn1", dtype: Any = None) -> Any:
+    """Count-only cost Report of the paged kernel for one decode step over `s_max` positions per sequence
+    (s_max / block_len table entries each, blocks of a pool of B * that size)."""
+    from neuron_opt import nki_sim
+
+    dt = nl.bfloat16 if dtype is None else dtype
+    split = default_paged_split(block_len) if split_size is None else split_size
+    g = n_heads // n_kv_heads
+    max_blocks = -(-s_max // block_len)
+    n_blocks = b * max_blocks
+    _, rep = nki_sim.simulate_kernel(paged_decode_attention_kernel[b, n_kv_heads],
+                                     nki_sim.ShapeDtype((b, n_kv_heads, g, d), dt),
+                                     nki_sim.ShapeDtype((n_blocks, n_kv_heads, block_len, d), dt),
+                                     nki_sim.ShapeDtype((n_blocks, n_kv_heads, block_len, d), dt),
+                                     nki_sim.ShapeDtype((b, max_blocks), nl.int32),
+                                     nki_sim.ShapeDtype((b, 1), nl.int32), target=target, count_only=True,
+                                     report=True, softmax_scale=1.0 / math.sqrt(d), split_size=split)
+    return rep
 
 
 def estimate(b: int, n_heads: int, n_kv_heads: int, s_max: int, d: int, *, split_size: int = 1024,

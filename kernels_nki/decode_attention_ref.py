@@ -31,3 +31,20 @@ def decode_attention_ref(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray
         p = np.exp(scores - scores.max(axis=-1, keepdims=True))
         out[i] = np.einsum("hk,hkd->hd", p / p.sum(axis=-1, keepdims=True), v)
     return out
+
+
+def paged_decode_attention_ref(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
+                               lengths: np.ndarray, *, softmax_scale: float | None = None) -> np.ndarray:
+    """`decode_attention_ref` over a block cache: sequence b's positions [i * block_len, (i + 1) * block_len) are
+    block `block_tables[b, i]` of `k_cache` / `v_cache` `[num_blocks, n_kv_heads, block_len, D]`.
+
+    Returns:
+        `[B, n_heads, D]` float64.
+    """
+    n_kv, block_len, d = k_cache.shape[1:]
+    b, max_blocks = block_tables.shape
+
+    def contiguous(cache: np.ndarray) -> np.ndarray:  # [B, max_blocks, n_kv, bl, D] -> [B, n_kv, S, D]
+        return cache[block_tables].transpose(0, 2, 1, 3, 4).reshape(b, n_kv, max_blocks * block_len, d)
+
+    return decode_attention_ref(q, contiguous(k_cache), contiguous(v_cache), lengths, softmax_scale=softmax_scale)
