@@ -338,7 +338,7 @@ class SpmdRanks(DeviceProgram):
     """tp > 1: every rank's model as one SPMD program over `tp` XLA devices (one process).
 
     Each weight is stored stacked over ranks, [tp, *shard], sharded on dim 0, so device r holds rank r's shard
-    once; the KV block pools likewise ([tp, num_blocks, block positions, n_kv_local, D], device-resident, donated
+    once; the KV block pools likewise ([tp, num_blocks, n_kv_local, block positions, D], device-resident, donated
     every step).
     A step enters a manual-sharding region, runs the rank model (rank 0's module, called with each device's
     shards through torch.func.functional_call) and leaves it with the logits [tp, B, V/tp].
@@ -388,7 +388,7 @@ class SpmdRanks(DeviceProgram):
         step = [self._enter(t, sharded=False) for t in step]  # replicated into the region
         params = {n: self._enter(p)[0] for n, p in self.params.items()}
         bufs = {n: self._enter(b, sharded=False) for n, b in self.buffers.items()}
-        ks = [self._enter(c) for c in self.k_caches]  # [1, num_blocks, per block, n_kv, D]: this device's pool
+        ks = [self._enter(c) for c in self.k_caches]  # [1, num_blocks, n_kv, per block, D]: this device's pool
         vs = [self._enter(c) for c in self.v_caches]
         self.comm.rank_tensor = self._enter(self.rank_ids)  # [1] int32: this device's rank
         try:

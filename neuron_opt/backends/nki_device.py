@@ -6,7 +6,8 @@ facts that are static per graph (shapes, dtype, the model's sliding window, the 
 - On a NeuronCore, a call that fits a kernel's argument contract calls the kernel on the XLA tensors. The SDK's
   `nki.jit` (what `kernels_nki._nki` imports there) turns that call into a custom call in the graph:
   - `flash_attention` for a prefill from position 0 (a prompt always starts at 0: no prefix reuse yet);
-  - `decode_attention` for a decode step;
+  - the paged `decode_attention` for a decode step: it reads the layer's KV block pools through the rows' block
+    tables in place (`attention_blocks`), where the torch op gathers the blocks first (`read_blocks`);
   - `rmsnorm` for the norms.
 - Everywhere else the call uses the torch op, each time with a reason recorded:
   - the XLA CPU device, which has no NKI runtime;
@@ -91,6 +92,52 @@ def choose_attention(B: int, n_heads: int, n_kv: int, S: int, kv_len: int, D: in
     return torch_op(f"{S} queries over {kv_len} positions continue a prefix: no kernel")
 
 
+def choose_paged_attention(B: int, n_heads: int, n_kv: int, S: int, num_blocks: int, block_len: int,
+                           max_blocks: int, D: int, dtype: torch.dtype, cache_dtype: torch.dtype,
+                           window: int | None, device_type: str) -> KernelChoice | None:
+    """The implementation of an attention call site over block pools `[num_blocks, n_kv, block_len, D]` and
+    tables `[B, max_blocks]`: the paged decode kernel, a reason not to, or None for a step that is not a decode
+    (prefill call sites gather the blocks and choose with `choose_attention`)."""
+    if S != 1:
+        return None
+    shape = (f"q [{B}, {n_heads}, 1, {D}], blocks [{num_blocks}, {n_kv}, {block_len}, {D}], tables [{B}, "
+             f"{max_blocks}], {str(dtype).removeprefix('torch.')}")
+    if device_type != KERNEL_DEVICE:
+        return KernelChoice("attention", shape, None, f"the {device_type} device has no NKI runtime")
+    if window is not None:
+        return KernelChoice("attention", shape, None, f"sliding window {window}: the kernels apply a plain "
+                                                      "causal mask")
+    if cache_dtype != dtype:
+        return KernelChoice("attention", shape, None, f"a {str(cache_dtype).removeprefix('torch.')} cache: the "
+                                                      "kernel reads the compute dtype")
+    from kernels_nki import decode_attention
+
+    pool = _shaped((num_blocks, n_kv, block_len, D), dtype)
+    try:
+        decode_attention._check_paged(_shaped((B, n_heads, D), dtype), pool, pool,
+                                      np.zeros((B, max_blocks), np.int32), np.ones(B, np.int64),
+                                      decode_attention.default_paged_split(block_len))
+    except KernelArgumentError as e:
+        return KernelChoice("attention", shape, None, f"outside the kernel's contract: {e}")
+    return KernelChoice("attention", shape, "paged_decode_attention", "decode step, KV read through the block "
+                                                                      "table")
+
+
+def paged_attention_kernel_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_tables: torch.Tensor, positions: torch.Tensor,
+                                scale: float) -> tuple[tuple[int, ...], tuple[Any, ...], dict[str, Any]]:
+    """(grid, inputs, compile-time kwargs) of the paged decode kernel for q [B, n_heads, 1, D] over the pools
+    [num_blocks, n_kv, block_len, D] as they are (no copy) and the rows' block tables [B, max_blocks]."""
+    from kernels_nki.decode_attention import default_paged_split
+
+    B, n_heads, _, D = q.shape
+    n_kv, block_len = k_cache.shape[1], k_cache.shape[2]
+    q_g = q[:, :, 0].reshape(B, n_kv, n_heads // n_kv, D).contiguous()  # [B, n_kv, G, D]
+    lengths = (positions[:, :1] + 1).to(torch.int32)  # [B, 1]: keys [0, position] of each row
+    return ((B, n_kv), (q_g, k_cache, v_cache, block_tables.to(torch.int32), lengths),
+            dict(softmax_scale=scale, split_size=default_paged_split(block_len)))
+
+
 def choose_rms_norm(N: int, H: int, dtype: torch.dtype, device_type: str) -> KernelChoice:
     shape = f"x [{N}, {H}], {str(dtype).removeprefix('torch.')}"
     if device_type != KERNEL_DEVICE:
@@ -131,7 +178,7 @@ def attention_kernel_call(kernel: str, q: torch.Tensor, keys: torch.Tensor, valu
 def attention_from_kernel(kernel: str, out: Any, q_shape: tuple[int, ...]) -> Any:
     """The kernel's output back in the model's layout [B, n_heads, S, D]."""
     B, n_heads, S, D = q_shape
-    return out.reshape(B, n_heads, 1, D) if kernel == "decode_attention" else out
+    return out.reshape(B, n_heads, 1, D) if kernel in ("decode_attention", "paged_decode_attention") else out
 
 
 def rms_norm_kernel_call(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[tuple[Any, ...],
@@ -144,7 +191,8 @@ def rms_norm_kernel_call(x: torch.Tensor, weight: torch.Tensor, eps: float) -> t
 def _kernel(name: str) -> Any:
     import importlib
 
-    return getattr(importlib.import_module(f"kernels_nki.{name}"), f"{name}_kernel")
+    module = "decode_attention" if name == "paged_decode_attention" else name
+    return getattr(importlib.import_module(f"kernels_nki.{module}"), f"{name}_kernel")
 
 
 class DeviceKernelOps(TorchOps):
@@ -179,6 +227,20 @@ class DeviceKernelOps(TorchOps):
             return super().attention(q, keys, values, positions, mask, scale)
         grid, args, kwargs = attention_kernel_call(c.kernel, q, keys.to(q.dtype), values.to(q.dtype), positions,
                                                    scale)
+        return attention_from_kernel(c.kernel, _kernel(c.kernel)[grid](*args, **kwargs), q.shape)
+
+
+    def attention_blocks(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+        B, n_heads, S, D = q.shape
+        c = choose_paged_attention(B, n_heads, k_cache.shape[1], S, k_cache.shape[0], k_cache.shape[2],
+                                   block_tables.shape[1], D, q.dtype, k_cache.dtype, self.window, self.device_type)
+        if c is not None:
+            self.choices[c] = None
+        if c is None or c.kernel is None:  # gather the blocks; `attention` then chooses (and records) for prefill
+            return super().attention_blocks(q, k_cache, v_cache, block_tables, positions, mask, scale)
+        grid, args, kwargs = paged_attention_kernel_call(q, k_cache, v_cache, block_tables, positions, scale)
         return attention_from_kernel(c.kernel, _kernel(c.kernel)[grid](*args, **kwargs), q.shape)
 
 

@@ -6,7 +6,9 @@ back), so it is a correctness path for the kernels inside a whole model, not a t
 device the same kernels are called from inside the traced graph instead (docs/neuron_backend.md).
 
 Which kernel runs is decided by the step's shape, as the runner builds steps:
-- decode (S == 1): `decode_attention.run` with lengths = position + 1 (keys [0, position] of the row's slot);
+- decode (S == 1): with `paged=True` (the default) `decode_attention.run_paged` on the layer's block pools and the
+  rows' block tables, read in place; with `paged=False` the rows' blocks are gathered first (`read_blocks`) and
+  `decode_attention.run` takes the contiguous cache. Lengths = position + 1 (keys [0, position] of the row);
 - prefill from position 0 (S == kv_len, positions 0..S-1 on every row): causal `flash_attention.run`.
 Anything else (a sliding window, a prompt continuing from a cached prefix) is refused with
 `KernelArgumentError`: the mask must be exactly the one the kernel applies, which is checked on every call.
@@ -37,7 +39,14 @@ def _torch(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
 
 
 class NkiSimOps(TorchOps):
-    """Attention and RMSNorm through `kernels_nki` (see the module docstring for when each kernel runs)."""
+    """Attention and RMSNorm through `kernels_nki` (see the module docstring for when each kernel runs).
+
+    `paged`: decode steps read the KV block pools through the block tables (the paged decode kernel) instead of
+    gathering the rows' blocks into a contiguous cache for the contiguous one.
+    """
+
+    def __init__(self, paged: bool = True) -> None:
+        self.paged = paged
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         from kernels_nki import rmsnorm
@@ -78,6 +87,29 @@ class NkiSimOps(TorchOps):
             f"NkiSimOps.attention: no kernel for a step of {S} tokens over {kv_len} KV "
             "positions that is not a prefill from position 0; use the torch ops"
         )
+
+    def attention_blocks(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        if not (self.paged and q.shape[2] == 1):
+            return super().attention_blocks(q, k_cache, v_cache, block_tables, positions, mask, scale)
+        kv_len = mask.shape[-1]
+        lengths = positions[:, 0] + 1  # [B]
+        self._check_mask(mask, torch.arange(kv_len)[None, None, :] < lengths[:, None, None], "decode")
+        from kernels_nki import decode_attention
+
+        out = decode_attention.run_paged(
+            _np(q[:, :, 0]), _np(k_cache.to(q.dtype)), _np(v_cache.to(q.dtype)), block_tables.numpy(),
+            lengths.numpy(), softmax_scale=scale,
+        )  # [B, n_heads, D]
+        return _torch(out, q)[:, :, None]  # [B, n_heads, 1, D]
 
     @staticmethod
     def _check_mask(mask: torch.Tensor, kernel_mask: torch.Tensor, what: str) -> None:

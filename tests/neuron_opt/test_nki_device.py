@@ -17,7 +17,9 @@ from neuron_opt.backends.nki_device import (
     attention_from_kernel,
     attention_kernel_call,
     choose_attention,
+    choose_paged_attention,
     choose_rms_norm,
+    paged_attention_kernel_call,
     rms_norm_kernel_call,
 )
 
@@ -84,3 +86,64 @@ def test_on_a_device_without_nki_every_call_site_is_the_torch_op_and_says_why():
     (choice,) = ops.take_choices()
     assert choice["kernel"] is None and "no NKI runtime" in choice["reason"]
     assert ops.take_choices() == []
+
+
+BF16 = torch.bfloat16
+
+
+@pytest.mark.parametrize("args, kernel, reason", [
+    ((8, 32, 8, 1, 600, 16, 256, 128, BF16, BF16, None, "NEURON"), "paged_decode_attention", "block table"),
+    ((2, 9, 3, 1, 64, 24, 20, 64, F32, F32, None, "NEURON"), "paged_decode_attention", "block table"),
+    ((2, 9, 3, 1, 64, 16, 20, 64, F32, F32, None, "CPU"), None, "the CPU device has no NKI runtime"),
+    ((2, 9, 3, 1, 64, 16, 20, 64, F32, F32, 32, "NEURON"), None, "sliding window 32"),
+    ((2, 9, 3, 1, 64, 16, 20, 64, BF16, torch.float8_e4m3fn, None, "NEURON"), None, "float8_e4m3fn cache"),
+    ((2, 9, 3, 1, 64, 16, 20, 256, F32, F32, None, "NEURON"), None, "D=256"),
+    ((2, 9, 3, 1, 64, 600, 20, 64, F32, F32, None, "NEURON"), None, "outside the kernel's contract"),
+])
+def test_decode_call_sites_over_block_pools_pick_the_paged_kernel_within_its_contract(args, kernel, reason):
+    c = choose_paged_attention(*args)
+    assert c.kernel == kernel and reason in c.reason, c
+
+
+def test_prefill_call_sites_over_block_pools_gather_and_choose_as_before():
+    assert choose_paged_attention(1, 4, 2, 128, 64, 16, 8, 64, F32, F32, None, "NEURON") is None
+
+
+def _pools(B: int, n_kv: int, block_len: int, max_blocks: int, D: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    n_blocks = B * max_blocks + 3
+    k = torch.randn(n_blocks, n_kv, block_len, D, generator=g)
+    v = torch.randn(n_blocks, n_kv, block_len, D, generator=g)
+    tables = torch.randperm(n_blocks, generator=g)[:B * max_blocks].view(B, max_blocks)
+    return k, v, tables
+
+
+@pytest.mark.parametrize("B, n_heads, n_kv, block_len, max_blocks, D", [(2, 6, 3, 16, 20, 32), (3, 4, 1, 8, 300, 16),
+                                                                      (1, 8, 2, 24, 9, 64)])
+def test_the_paged_device_call_through_the_kernel_equals_torch_ops(B, n_heads, n_kv, block_len, max_blocks, D):
+    """The pools and tables DeviceKernelOps hands the paged kernel (the pools as they are, no gather), run
+    through it on the simulator: equal to TorchOps.attention_blocks (gather, then SDPA)."""
+    k, v, tables = _pools(B, n_kv, block_len, max_blocks, D)
+    q = torch.randn(B, n_heads, 1, D)
+    kv_len = max_blocks * block_len
+    positions = torch.tensor([[kv_len - 1], [0], [kv_len // 2]])[:B]
+    scale = 1 / math.sqrt(D)
+    grid, args, kwargs = paged_attention_kernel_call(q, k, v, tables, positions, scale)
+    assert args[1] is k and args[2] is v  # the device pools themselves
+    out = simulate(_kernel("paged_decode_attention")[grid], *(a.numpy() for a in args), **kwargs)
+    got = attention_from_kernel("paged_decode_attention", torch.from_numpy(np.asarray(out)), q.shape)
+    want = TorchOps().attention_blocks(q, k, v, tables, positions, _causal(positions, kv_len), scale)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_on_a_device_without_nki_block_attention_gathers_and_says_why():
+    k, v, tables = _pools(2, 2, 16, 4, 32)
+    q, positions = torch.randn(2, 4, 1, 32), torch.tensor([[63], [5]])
+    ops = DeviceKernelOps("CPU", window=None)
+    mask = _causal(positions, 64)
+    got = ops.attention_blocks(q, k, v, tables, positions, mask, 0.25)
+    assert torch.equal(got, TorchOps().attention_blocks(q, k, v, tables, positions, mask, 0.25))
+    choices = ops.take_choices()
+    assert [c["shape"].split("]")[0] for c in choices] == ["q [2, 4, 1, 32"] * 2  # the paged site, then the gather's
+    assert "blocks [11, 2, 16, 32]" in choices[0]["shape"] and "kv [2, 2, 64, 32]" in choices[1]["shape"]
+    assert all(c["kernel"] is None and "no NKI runtime" in c["reason"] for c in choices)

@@ -37,11 +37,13 @@ def runner_for(d, ops=None, max_model_len=32):
 
 
 @pytest.mark.slow
-def test_tiny_model_through_simulated_kernels_matches_torch_ops(tiny_dir):
+@pytest.mark.parametrize("paged", [True, False])
+def test_tiny_model_through_simulated_kernels_matches_torch_ops(tiny_dir, paged):
+    """Decode through the paged kernel (the block pools in place) or the contiguous one (the blocks gathered)."""
     from neuron_opt.backends.nki_ops import NkiSimOps
 
     d = tiny_dir("llama-gqa2")
-    ref, nki = runner_for(d), runner_for(d, NkiSimOps())
+    ref, nki = runner_for(d), runner_for(d, NkiSimOps(paged=paged))
     prompts = {0: [1, 17, 42, 99, 5, 123, 7], 1: [9, 8, 250, 3, 77, 31, 64, 12, 100, 4, 5]}
     for slot, p in prompts.items():
         torch.testing.assert_close(nki.prefill(slot, p), ref.prefill(slot, p), atol=1e-4, rtol=0)
