@@ -104,12 +104,7 @@ def decode_attention_kernel(q, k_t, v, lengths, softmax_scale=1.0, split_size=10
     n_splits = (s_max + split_size - 1) // split_size
     per_k = _splits_per_k_load(split_size)
 
-    # [G, D] in one descriptor per head, transposed on TensorE to the [D, G] stationary operand (loading
-    # [D, G] directly would cost one descriptor of G elements per partition).
-    q_sb = nl.copy(nisa.nc_transpose(nl.load(q[b, kvh])), dtype=mm_dtype)
-    len_f = nisa.tensor_copy(nl.load(lengths[nl.ds(b, 1), :]), dtype=nl.float32)  # [1, 1]
-    one_minus_len = nl.multiply(nl.add(len_f, -1.0), -1.0)  # [1, 1]: 1 - len
-    neg_row = nl.full((1, g), NEG, dtype=mm_dtype, buffer=nl.sbuf)
+    q_sb, one_minus_len, neg_row = _prologue(q, lengths, b, kvh, g, mm_dtype)
 
     m_all = nl.ndarray((g, n_splits), dtype=nl.float32, buffer=nl.sbuf)
     l_all = nl.ndarray((g, n_splits), dtype=nl.float32, buffer=nl.sbuf)
@@ -135,17 +130,7 @@ def decode_attention_kernel(q, k_t, v, lengths, softmax_scale=1.0, split_size=10
         if rest % split_size:
             _split(n_kc * per_k + n_sp, c0, n_sp * split_size, rest % split_size, k_sb, None, 0, *args)
 
-    # Merge the splits' partial softmax results.
-    m_glob = nisa.tensor_reduce(nl.maximum, m_all, axis=(1,), keepdims=True)  # [G, 1]
-    wts = nisa.activation(nl.exp, m_all, bias=nl.multiply(m_glob, -softmax_scale), scale=softmax_scale)
-    l_glob = nisa.tensor_reduce(nl.add, nl.multiply(wts, l_all), axis=(1,), keepdims=True)  # [G, 1]
-    acc = nl.ndarray((g, d), dtype=nl.float32, buffer=nl.sbuf)
-    acc[...] = nl.multiply(o_all[:, 0:d], wts[:, 0:1])
-    for sp in nl.static_range(1, n_splits):
-        acc[...] = nisa.scalar_tensor_tensor(data=o_all[:, sp * d:(sp + 1) * d], op0=nl.multiply,
-                                             operand0=wts[:, sp:sp + 1], op1=nl.add, operand1=acc)
-    res = nl.multiply(acc, nisa.reciprocal(l_glob), dtype=out.dtype)
-    nl.store(out[b, kvh], value=res)
+    _merge(m_all, l_all, o_all, n_splits, d, softmax_scale, out, b, kvh)
     return out
 
 
@@ -174,10 +159,7 @@ def paged_decode_attention_kernel(q, k_cache, v_cache, block_tables, lengths, so
     n_splits = (max_blocks + nb - 1) // nb
     n_full = max_blocks // nb
 
-    q_sb = nl.copy(nisa.nc_transpose(nl.load(q[b, kvh])), dtype=mm_dtype)
-    len_f = nisa.tensor_copy(nl.load(lengths[nl.ds(b, 1), :]), dtype=nl.float32)  # [1, 1]
-    one_minus_len = nl.multiply(nl.add(len_f, -1.0), -1.0)  # [1, 1]: 1 - len
-    neg_row = nl.full((1, g), NEG, dtype=mm_dtype, buffer=nl.sbuf)
+    q_sb, one_minus_len, neg_row = _prologue(q, lengths, b, kvh, g, mm_dtype)
     # the table row in one DMA (one run) onto one partition, as fp32 (block ids < 2^24 are exact) so that each
     # split can turn its nb entries to one per partition with a TensorE transpose (`_paged_split`)
     tbl = nisa.tensor_copy(nl.load(block_tables[nl.ds(b, 1), :]), dtype=nl.float32)  # [1, max_blocks]
@@ -191,16 +173,7 @@ def paged_decode_attention_kernel(q, k_cache, v_cache, block_tables, lengths, so
     if n_full < n_splits:  # the table's tail: fewer blocks, peeled
         _paged_split(n_full, n_full * nb, max_blocks - n_full * nb, block_len, tbl, k_cache, *args)
 
-    m_glob = nisa.tensor_reduce(nl.maximum, m_all, axis=(1,), keepdims=True)  # [G, 1]
-    wts = nisa.activation(nl.exp, m_all, bias=nl.multiply(m_glob, -softmax_scale), scale=softmax_scale)
-    l_glob = nisa.tensor_reduce(nl.add, nl.multiply(wts, l_all), axis=(1,), keepdims=True)  # [G, 1]
-    acc = nl.ndarray((g, d), dtype=nl.float32, buffer=nl.sbuf)
-    acc[...] = nl.multiply(o_all[:, 0:d], wts[:, 0:1])
-    for sp in nl.static_range(1, n_splits):
-        acc[...] = nisa.scalar_tensor_tensor(data=o_all[:, sp * d:(sp + 1) * d], op0=nl.multiply,
-                                             operand0=wts[:, sp:sp + 1], op1=nl.add, operand1=acc)
-    res = nl.multiply(acc, nisa.reciprocal(l_glob), dtype=out.dtype)
-    nl.store(out[b, kvh], value=res)
+    _merge(m_all, l_all, o_all, n_splits, d, softmax_scale, out, b, kvh)
     return out
 
 
@@ -220,6 +193,34 @@ def _paged_split(sp, first, nb, block_len, tbl, k_cache, q_sb, one_minus_len, ne
         k_t[:, j:sw:block_len] = nisa.tensor_copy(nisa.nc_transpose(k_blk[:, j, :]), dtype=mm_dtype)
     _split(sp, first * block_len, 0, sw, k_t, v_blk, 0, q_sb, one_minus_len, neg_row, v_cache, b, kvh, m_all,
            l_all, o_all, tile, d, softmax_scale, mm_dtype, v_parts=nb)
+
+
+def _prologue(q, lengths, b, kvh, g, mm_dtype):
+    """(q^T [D, G], 1 - len [1, 1], the NEG row [1, G]) of program (b, kvh).
+
+    q comes as [G, D], one descriptor per head, and is transposed on TensorE to the [D, G] stationary operand
+    (loading [D, G] directly would cost one descriptor of G elements per partition)."""
+    q_sb = nl.copy(nisa.nc_transpose(nl.load(q[b, kvh])), dtype=mm_dtype)
+    len_f = nisa.tensor_copy(nl.load(lengths[nl.ds(b, 1), :]), dtype=nl.float32)  # [1, 1]
+    one_minus_len = nl.multiply(nl.add(len_f, -1.0), -1.0)  # [1, 1]: 1 - len
+    neg_row = nl.full((1, g), NEG, dtype=mm_dtype, buffer=nl.sbuf)
+    return q_sb, one_minus_len, neg_row
+
+
+def _merge(m_all, l_all, o_all, n_splits, d, softmax_scale, out, b, kvh):
+    """Merge the splits' partial softmax results (columns of m_all / l_all, D-wide blocks of o_all) and store
+    out[b, kvh]."""
+    g = m_all.shape[0]
+    m_glob = nisa.tensor_reduce(nl.maximum, m_all, axis=(1,), keepdims=True)  # [G, 1]
+    wts = nisa.activation(nl.exp, m_all, bias=nl.multiply(m_glob, -softmax_scale), scale=softmax_scale)
+    l_glob = nisa.tensor_reduce(nl.add, nl.multiply(wts, l_all), axis=(1,), keepdims=True)  # [G, 1]
+    acc = nl.ndarray((g, d), dtype=nl.float32, buffer=nl.sbuf)
+    acc[...] = nl.multiply(o_all[:, 0:d], wts[:, 0:1])
+    for sp in nl.static_range(1, n_splits):
+        acc[...] = nisa.scalar_tensor_tensor(data=o_all[:, sp * d:(sp + 1) * d], op0=nl.multiply,
+                                             operand0=wts[:, sp:sp + 1], op1=nl.add, operand1=acc)
+    res = nl.multiply(acc, nisa.reciprocal(l_glob), dtype=out.dtype)
+    nl.store(out[b, kvh], value=res)
 
 
 def _split(sp, c0, k_off, sw, k_sb, v_sb, v_off, q_sb, one_minus_len, neg_row, v, b, kvh, m_all, l_all, o_all,
