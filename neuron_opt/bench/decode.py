@@ -24,6 +24,7 @@ import platform
 import statistics
 import tempfile
 import time
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -306,6 +307,15 @@ def _in_fresh_process(fn, *args):  # noqa: ANN001, ANN202
         return pool.submit(fn, *args).result()
 
 
+def _survive(fn, *args) -> tuple[dict | None, str | None]:  # noqa: ANN001
+    """`_in_fresh_process(fn, *args)`: (its result, None), or (None, why) when that process died (a segfault in a
+    peer's native code must not take the other systems' results with it)."""
+    try:
+        return _in_fresh_process(fn, *args), None
+    except BrokenProcessPool:
+        return None, "its process died (a crash in native code, e.g. a signal)"
+
+
 def _llamacpp_systems(ap: argparse.ArgumentParser, systems: list[str]) -> list[str]:
     """The llama.cpp systems asked for; a usage error saying what to install when llama-cpp-python is missing."""
     asked = [s for s in systems if s.startswith("llamacpp-")]
@@ -363,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
             log("cpu-bf16: skipped, oneDNN has no bf16 GEMMs on this CPU (no AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
             systems = [s for s in systems if s != "cpu-bf16"]
     results: list[Result] = []
+    failed: dict[str, str] = {}  # system -> why its process died (a peer that crashes is reported, not fatal)
     for batch in batches:
         runs: dict[str, list[Result]] = {}
         skip = set(llamacpp_systems) if batch > 1 else set()  # llama-cpp-python's Llama drives one sequence
@@ -370,9 +381,13 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{','.join(llamacpp_systems)}: b={batch} skipped, llama.cpp is measured at batch 1 only")
         for rep in range(args.repeats):  # rounds: every system once per round, so all see the same drift
             for system in SYSTEMS:
-                if system in systems and system not in skip:
-                    r = Result(**_in_fresh_process(_measure, system, batch, opts, reference if rep == 0 else None)
-                               ["result"])
+                if system in systems and system not in skip and system not in failed:
+                    out, why = _survive(_measure, system, batch, opts, reference if rep == 0 else None)
+                    if out is None:  # reported and left out of later rounds; the rest still runs
+                        failed[system] = f"batch {batch}, round {rep + 1}: {why}; no result"
+                        log(f"{system}: {failed[system]}")
+                        continue
+                    r = Result(**out["result"])
                     runs.setdefault(system, []).append(r)
                     log(f"{r.system + ' ' + r.dtype:40s} b={batch} {r.tok_s:7.1f} tok/s")
         for rs in runs.values():
@@ -389,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"mem_bw_gbs": bw, "model": str(args.model), "threads": args.threads or torch.get_num_threads(),
            "repeats": args.repeats,
            "cpu": platform.processor() or platform.machine(), "torch": torch.__version__, "prompt_len": PROMPT_LEN,
-           "steps": args.steps, "results": [asdict(r) for r in results]}
+           "steps": args.steps, "results": [asdict(r) for r in results], "failed": failed}
     if args.out:
         args.out.write_text(json.dumps(doc, indent=2))
     if args.json:
@@ -405,4 +420,6 @@ def main(argv: list[str] | None = None) -> int:
             extra = f"  {r.bytes_per_step / r.batch / r.active_bytes:.2f}x" if r.active_bytes else ""
             print(f"{r.system:30s} {r.dtype:9s} {r.batch:5d} {r.tok_s:8.1f} {ratio:>6s} {r.mbu:6.1%} {agree:>6s}"
                   + extra)
-    return 0
+        for system, why in failed.items():
+            print(f"{system:30s} failed: {why}")
+    return 1 if failed else 0
