@@ -106,9 +106,7 @@ def decode_attention_kernel(q, k_t, v, lengths, softmax_scale=1.0, split_size=10
 
     q_sb, one_minus_len, neg_row = _prologue(q, lengths, b, kvh, g, mm_dtype)
 
-    m_all = nl.ndarray((g, n_splits), dtype=nl.float32, buffer=nl.sbuf)
-    l_all = nl.ndarray((g, n_splits), dtype=nl.float32, buffer=nl.sbuf)
-    o_all = nl.ndarray((g, n_splits * d), dtype=nl.float32, buffer=nl.sbuf)
+    m_all, l_all, o_all = _partials(g, n_splits, d)
     args = (q_sb, one_minus_len, neg_row, v, b, kvh, m_all, l_all, o_all, tile, d, softmax_scale, mm_dtype)
     chunk = per_k * split_size  # K^T positions per DMA: [D, chunk], whole splits
     n_kc = s_max // chunk
@@ -164,9 +162,7 @@ def paged_decode_attention_kernel(q, k_cache, v_cache, block_tables, lengths, so
     # split can turn its nb entries to one per partition with a TensorE transpose (`_paged_split`)
     tbl = nisa.tensor_copy(nl.load(block_tables[nl.ds(b, 1), :]), dtype=nl.float32)  # [1, max_blocks]
 
-    m_all = nl.ndarray((g, n_splits), dtype=nl.float32, buffer=nl.sbuf)
-    l_all = nl.ndarray((g, n_splits), dtype=nl.float32, buffer=nl.sbuf)
-    o_all = nl.ndarray((g, n_splits * d), dtype=nl.float32, buffer=nl.sbuf)
+    m_all, l_all, o_all = _partials(g, n_splits, d)
     args = (q_sb, one_minus_len, neg_row, v_cache, b, kvh, m_all, l_all, o_all, tile, d, softmax_scale, mm_dtype)
     for sp in nl.affine_range(n_full):  # whole splits: independent, identical bodies (rolled)
         _paged_split(sp, sp * nb, nb, block_len, tbl, k_cache, *args)
@@ -205,6 +201,15 @@ def _prologue(q, lengths, b, kvh, g, mm_dtype):
     one_minus_len = nl.multiply(nl.add(len_f, -1.0), -1.0)  # [1, 1]: 1 - len
     neg_row = nl.full((1, g), NEG, dtype=mm_dtype, buffer=nl.sbuf)
     return q_sb, one_minus_len, neg_row
+
+
+def _partials(g, n_splits, d):
+    """Every split's fp32 row max and row sum `[G, n_splits]` and unnormalised output `[G, n_splits * D]`, in
+    SBUF until `_merge`."""
+    m_all = nl.ndarray((g, n_splits), dtype=nl.float32, buffer=nl.sbuf)
+    l_all = nl.ndarray((g, n_splits), dtype=nl.float32, buffer=nl.sbuf)
+    o_all = nl.ndarray((g, n_splits * d), dtype=nl.float32, buffer=nl.sbuf)
+    return m_all, l_all, o_all
 
 
 def _merge(m_all, l_all, o_all, n_splits, d, softmax_scale, out, b, kvh):
@@ -308,12 +313,7 @@ def _check(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.
     b, n_heads, d = q.shape
     if k_cache.shape[0] != b or k_cache.shape[3] != d or n_heads % k_cache.shape[1]:
         raise KernelArgumentError(f"decode_attention: caches {k_cache.shape} do not match q {q.shape}")
-    if d > 128 or n_heads // k_cache.shape[1] > 128:
-        raise KernelArgumentError(f"decode_attention: need D <= 128 and <= 128 query heads per KV head; "
-                                  f"got D={d}, G={n_heads // k_cache.shape[1]}")
-    if not q.dtype == k_cache.dtype == v_cache.dtype or q.dtype.name not in ("float32", "bfloat16"):
-        raise KernelArgumentError(f"decode_attention: q and caches must share float32 or bfloat16; got "
-                                  f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    _check_heads_and_dtypes("decode_attention", q, k_cache, v_cache)
     if lengths.shape != (b,) or lengths.min() < 1 or lengths.max() > k_cache.shape[2]:
         raise KernelArgumentError(f"decode_attention: lengths must be [B]={b} values in [1, S_max="
                                   f"{k_cache.shape[2]}]; got {lengths.tolist()}")
@@ -322,6 +322,17 @@ def _check(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.
         raise KernelArgumentError(f"decode_attention: split_size {split_size} must be a multiple of 128 "
                                   f"(and of 512 above 512), at most {max_split} (its scores stay in PSUM)")
     _check_sbuf(k_cache.shape[2], d, split_size, DEFAULT_TARGET)
+
+
+def _check_heads_and_dtypes(what: str, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray) -> None:
+    """Both kernels' limits on q `[B, n_heads, D]` and caches whose dim 1 is the KV heads: D and the query heads
+    per KV head at most 128 (partitions), q and caches one dtype, float32 or bfloat16."""
+    d, g = q.shape[2], q.shape[1] // k_cache.shape[1]
+    if d > 128 or g > 128:
+        raise KernelArgumentError(f"{what}: need D <= 128 and <= 128 query heads per KV head; got D={d}, G={g}")
+    if not q.dtype == k_cache.dtype == v_cache.dtype or q.dtype.name not in ("float32", "bfloat16"):
+        raise KernelArgumentError(f"{what}: q and caches must share float32 or bfloat16; got "
+                                  f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
 
 
 def _splits_per_k_load(split_size: int) -> int:
@@ -441,12 +452,7 @@ def _check_paged(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_
     if dk != d or n_heads % n_kv or block_tables.shape[0] != b:
         raise KernelArgumentError(f"paged decode_attention: caches {k_cache.shape} and tables "
                                   f"{block_tables.shape} do not match q {q.shape}")
-    if d > 128 or n_heads // n_kv > 128:
-        raise KernelArgumentError(f"paged decode_attention: need D <= 128 and <= 128 query heads per KV head; "
-                                  f"got D={d}, G={n_heads // n_kv}")
-    if not q.dtype == k_cache.dtype == v_cache.dtype or q.dtype.name not in ("float32", "bfloat16"):
-        raise KernelArgumentError(f"paged decode_attention: q and caches must share float32 or bfloat16; got "
-                                  f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    _check_heads_and_dtypes("paged decode_attention", q, k_cache, v_cache)
     if n_blocks > 1 << 24:  # the kernel moves block ids through fp32 (a TensorE transpose)
         raise KernelArgumentError(f"paged decode_attention: at most 2^24 cache blocks, got {n_blocks}")
     if block_tables.dtype.kind not in "iu" or block_tables.min() < 0 or block_tables.max() >= n_blocks:

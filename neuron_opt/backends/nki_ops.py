@@ -69,8 +69,7 @@ class NkiSimOps(TorchOps):
         kv_len = keys.shape[2]
         j = torch.arange(kv_len)
         if S == 1:
-            lengths = positions[:, 0] + 1  # [B]
-            self._check_mask(mask, j[None, None, :] < lengths[:, None, None], "decode")
+            lengths = self._decode_lengths(positions, mask)
             from kernels_nki import decode_attention
 
             out = decode_attention.run(
@@ -100,9 +99,7 @@ class NkiSimOps(TorchOps):
     ) -> torch.Tensor:
         if not (self.paged and q.shape[2] == 1):
             return super().attention_blocks(q, k_cache, v_cache, block_tables, positions, mask, scale)
-        kv_len = mask.shape[-1]
-        lengths = positions[:, 0] + 1  # [B]
-        self._check_mask(mask, torch.arange(kv_len)[None, None, :] < lengths[:, None, None], "decode")
+        lengths = self._decode_lengths(positions, mask)
         from kernels_nki import decode_attention
 
         out = decode_attention.run_paged(
@@ -110,6 +107,14 @@ class NkiSimOps(TorchOps):
             lengths.numpy(), softmax_scale=scale,
         )  # [B, n_heads, D]
         return _torch(out, q)[:, :, None]  # [B, n_heads, 1, D]
+
+    @classmethod
+    def _decode_lengths(cls, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """[B] valid positions of a decode step (position + 1: keys [0, position] of the row), after checking that
+        the model's mask [B, 1, kv_len] is exactly that prefix, the mask the decode kernels apply."""
+        lengths = positions[:, 0] + 1  # [B]
+        cls._check_mask(mask, torch.arange(mask.shape[-1])[None, None, :] < lengths[:, None, None], "decode")
+        return lengths
 
     @staticmethod
     def _check_mask(mask: torch.Tensor, kernel_mask: torch.Tensor, what: str) -> None:

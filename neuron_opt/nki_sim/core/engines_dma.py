@@ -54,11 +54,7 @@ def _load_indirect(ctx: Any, src: _tile.IndirectView, mask: Any, dtype: Any) -> 
     operand(src.idx, "index", "load", ("sbuf",))
     operand(src.base, "src", "load", ("hbm",))
     row_bytes = src.row.size * dtypes.itemsize(src.dtype)
-    if src.row.size:
-        flat = np.ravel_multi_index([a.ravel() for a in src.row.full_index_arrays()], src.base.storage.shape)
-        runs = 1 + int(np.count_nonzero(np.diff(flat) != 1))
-    else:
-        runs = 1
+    runs = _runs([a.ravel() for a in src.row.full_index_arrays()], src.base.storage.shape) if src.row.size else 1
     ctx.cost.dma(n * row_bytes, to_hbm=False, rows=n, descriptors=n * runs)
     v = None
     if not ctx.count_only:
@@ -94,9 +90,14 @@ def _geometry(hbm: Tile, mask: np.ndarray | None, par_dim: int = 0) -> dict[str,
     row = [a[r0].ravel() for a in idx]
     if sel is not None:
         row = [a[sel] for a in row]
-    flat = np.ravel_multi_index(row, hbm.storage.shape)
-    runs = 1 + int(np.count_nonzero(np.diff(flat) != 1))
-    return {"rows": rows, "descriptors": rows * runs}
+    return {"rows": rows, "descriptors": rows * _runs(row, hbm.storage.shape)}
+
+
+def _runs(coords: list[np.ndarray], shape: tuple[int, ...]) -> int:
+    """Contiguous runs of storage `shape` that the elements at `coords` (one flat array per dim, in the order
+    the access lists them) fall into: one DMA descriptor each, when they land in one partition."""
+    flat = np.ravel_multi_index(coords, shape)
+    return 1 + int(np.count_nonzero(np.diff(flat) != 1))
 
 
 def _exactish(v: np.ndarray) -> np.ndarray:
