@@ -45,7 +45,7 @@ from neuron_opt.quant import quantized_modules
 
 # 2: recipes name several sources (fused projections), heads may take their weight as an input; 3: max_model_len;
 # 4: block KV cache (slot mapping and block tables)
-FORMAT = 5
+FORMAT = 6
 GEMM_CHOICES = ("cpp", "onednn", "aten")
 PRECISION_CHOICES = ("fp32", "dtype")
 DECODE_ATTENTION_CHOICES = ("fused", "sdpa")
@@ -150,15 +150,16 @@ class CpuBackend:
     def _compile_head(self, model: torch.nn.Module, bucket: Bucket, so: Path) -> dict[str, Any]:
         rows = head_rows(bucket)
         one = rows == 1 or (bucket.phase == VERIFY and bucket.batch == 1 and self.options["exact_verify"] == "on")
-        weight_input = (self.options["logits"] == "fp32" and self.dtype != torch.float32 and one
-                        and "quant" not in model.lm_head._modules)
-        head = HeadGraph(model.model.norm, model.lm_head, weight_input).to(self.dtype)
-        args: tuple[torch.Tensor, ...] = (torch.randn(rows, model.cfg.hidden_size).to(self.residual_dtype),)
-        if weight_input:
-            args += (torch.randn(model.lm_head.weight.shape).to(self.dtype),)
-        recipes = compile_graph(head, args, None, layer_gemm(head, self.options["gemm"]), so,
-                                f"cpu head graph for {rows} rows")
-        return {"kind": "head", "batch": rows, "weight_input": weight_input,
+        # fp32 logits: Inductor's C++ GEMM template accumulates in fp32 and, with the head's `.float()` fused into
+        # its epilogue, stores the accumulator as is (no bf16 rounding); rows are bitwise the same at 1 and k + 1
+        # rows, so a batch-1 verify head scores each row as the decode head does (tests/neuron_opt/test_backend_cpu)
+        fp32_logits = (self.options["logits"] == "fp32" and self.dtype != torch.float32 and one
+                       and "quant" not in model.lm_head._modules)
+        head = HeadGraph(model.model.norm, model.lm_head).to(self.dtype)
+        args = (torch.randn(rows, model.cfg.hidden_size).to(self.residual_dtype),)
+        gemm = "cpp" if fp32_logits else self.options["gemm"]
+        recipes = compile_graph(head, args, None, layer_gemm(head, gemm), so, f"cpu head graph for {rows} rows")
+        return {"kind": "head", "batch": rows, "fp32_logits": fp32_logits,
                 "constants": {k: r.to_dict() for k, r in recipes.items()}}
 
     def save_weights(self, model: torch.nn.Module, path: Path) -> None:
@@ -225,13 +226,13 @@ def _runner(so: Path, constants: dict[str, torch.Tensor]) -> Any:
 
 
 class _HeadCall:
-    """A head container, called with the head weight as a second input when its graph takes it as one."""
+    """A head container as a function of the rows' hidden states."""
 
-    def __init__(self, runner: Any, weight: torch.Tensor | None) -> None:
-        self.runner, self.weight = runner, weight
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.runner.run([x] if self.weight is None else [x, self.weight])[0]
+        return self.runner.run([x])[0]
 
 
 class CpuExecutor:
@@ -245,9 +246,6 @@ class CpuExecutor:
         store = _WeightStore(tensors)
         metas = self._read_metas(graph_files, cache, dtype, model.max_model_len)
         runners: dict[str, list[Any]] = {}
-        # heads that take their weight as an input: kept alive here (when tied, the embedding table too)
-        self.head_weight = (model.lm_head.weight.detach() if any(m.get("weight_input") for m in metas.values())
-                            else None)
         for path, meta in metas.items():
             so = path.with_name(meta["so"])
             recipes = {c: ConstantRecipe.from_dict(d) for c, d in meta["constants"].items()}
@@ -258,7 +256,7 @@ class CpuExecutor:
             else:
                 head = _runner(so, {c: store.get(tuple(("model." if s.startswith("norm.") else "") + s
                                                        for s in r.sources), r) for c, r in recipes.items()})
-                runners[meta["key"]] = [_HeadCall(head, self.head_weight if meta.get("weight_input") else None)]
+                runners[meta["key"]] = [_HeadCall(head)]
         self._routes = {b: (runners[graph_keys(b)[0]], runners[graph_keys(b)[1]][0]) for b in graph_files}
         self._embed = self._embedding(model, store)
         # from the config, in fp32: the model's buffers went to `dtype` with it
@@ -294,14 +292,16 @@ class CpuExecutor:
         return metas
 
     def _embedding(self, model: torch.nn.Module, store: _WeightStore) -> Any:
-        """Tied embeddings: read rows straight from the head's packed weight (no second copy of the table)."""
+        """Tied embeddings: read rows straight from a packed head weight (no second copy of the table). A C++
+        GEMM template packing is [nb, K, bn], with VNNI-v its K rows interleaved in groups of v: [nb, K/v, bn, v]
+        (cpu_constants.pack_weight)."""
         w = model.model.embed_tokens.weight
-        packed = [(k, t) for k, t in store.built.items() if k[0] == ("lm_head.weight",) and k[1].op == "pack"
-                  and k[1].vnni == 0]
+        packed = [(k, t) for k, t in store.built.items() if k[0] == ("lm_head.weight",) and k[1].op == "pack"]
         if model.cfg.tie_word_embeddings and packed:
-            (_, r), table = packed[0]
-            bn = r.block_n
-            return lambda ids: table[ids // bn, :, ids % bn]  # [nb, H, bn] -> [B, S, H]
+            (_, r), table = min(packed, key=lambda p: p[0][1].vnni)  # the plain blocking when there is one
+            bn, v, H = r.block_n, max(r.vnni, 1), w.shape[1]
+            blocks = table.view(table.shape[0], H // v, bn, v)
+            return lambda ids: blocks[ids // bn, :, ids % bn, :].reshape(*ids.shape, H)  # [B, S, H]
         return lambda ids: torch.nn.functional.embedding(ids, w)
 
     @torch.no_grad()

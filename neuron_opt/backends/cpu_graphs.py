@@ -159,26 +159,23 @@ class LayerGraph(nn.Module):
 class HeadGraph(nn.Module):
     """Final norm + LM head on the rows' last hidden states [B, H] -> fp32 logits [B, V].
 
-    `weight_input`: the head weight [V, H] is a graph input (not a constant) and the logits are a fused
-    multiply-and-sum in fp32 over the fp32 normed state. Used for bf16 at batch 1: a bf16 GEMM rounds its
-    output, and logits of magnitude 16-32 rounded to bf16 (steps of 0.125) create argmax ties; teacher-forced
-    agreement with HF fp32 lost 4 of 256 tokens to it. As a graph input the weight cannot be constant-folded
-    to fp32 (that would double the bytes read); the loop streams it once at GEMM speed for one row, but
-    re-reads it per row, so batches above 1 keep the GEMM (docs/cpu_backend.md).
+    The GEMM's output goes to fp32. Compiled with the C++ GEMM template (the cpu backend's batch-1 heads below
+    fp32), that `.float()` is fused into the template's epilogue, which stores its fp32 accumulator without
+    rounding: fp32 logits of the bf16-rounded normed state and the bf16 weights, at GEMM speed. That matters: logits
+    of magnitude 16-32 rounded to bf16 (steps of 0.125) create argmax ties; teacher-forced agreement with HF fp32
+    lost 4 of 256 tokens to it (docs/cpu_backend.md). A oneDNN GEMM returns bf16, rounded, then widened.
     """
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module, weight_input: bool) -> None:
+    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
         super().__init__()
         self.norm = norm
         if "quant" in lm_head._modules:  # a quantized head: a copy on the CPU kernel (the model keeps its own)
             lm_head = copy.deepcopy(lm_head)
             use_cpu_kernels(lm_head)
-        self.lm_head = None if weight_input else lm_head
+        self.lm_head = lm_head
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)  # x may be an fp32 residual: then h is fp32
-        if self.lm_head is None:
-            return (h.float()[None] * weight[:, None].float()).sum(-1).t()  # [V, B, H] -> [B, V]
         return self.lm_head(h.to(self.norm.weight.dtype)).float()
 
 

@@ -280,8 +280,9 @@ def test_cpu_compiled_verify_graphs_match_eager_and_keep_greedy_exact(tiny_dir, 
                     "AVX-NE-CONVERT); the cpu backend refuses bf16 on this CPU")
 def test_bf16_exact_verify_rows_are_bitwise_the_decode_steps_logits(tiny_dir, tmp_path):
     """bf16 (the cpu backend's exact_verify, on by default): a verify row runs the decode step's computation (its
-    GEMM kernel, its attention loop, its fp32-logits head), so its logits are bitwise those of sequential decode
-    steps, and speculative greedy is token for token plain greedy on the same artifact. With exact_verify=off the
+    GEMM kernel, its attention loop, its fp32-logits template head: the same rows at 1 and k + 1), so its logits are
+    bitwise those of sequential decode steps (and fp32, not widened bf16), and speculative greedy is token for token
+    plain greedy on the same artifact. With exact_verify=off the
     verify graph is the cheaper batched one (SDPA, a bf16 GEMM head) and the logits only come close."""
     import dataclasses
 
@@ -303,6 +304,7 @@ def test_bf16_exact_verify_rows_are_bitwise_the_decode_steps_logits(tiny_dir, tm
         for j in range(K + 1):
             if exact:
                 assert torch.equal(got[j], ref[j]), f"row {j}: {(got[j] - ref[j]).abs().max()}"
+                assert not torch.equal(ref[j], ref[j].bfloat16().float())  # fp32 logits, not widened bf16
             else:
                 torch.testing.assert_close(got[j], ref[j], atol=0.25, rtol=0)
     compiled = LLM(tmp_path / "exact")
