@@ -58,8 +58,9 @@ def _parse_options(options: dict[str, Any] | None, dtype: torch.dtype) -> dict[s
 
     gemm: see cpu_graphs.inductor_options. attention: "fp32" (fp32 rope tables: rope and attention in fp32)
     or "dtype" (the model's dtype, the reference). residual: "fp32" (the residual stream between layers and the
-    norms on it) or "dtype". logits: "fp32" (batch-1 heads compute fp32 logits from the weights in `dtype`,
-    cpu_graphs.HeadGraph) or "dtype" (the GEMM's output). These three only matter for dtypes below fp32.
+    norms on it) or "dtype". logits: "fp32" (heads compute fp32 logits from the weights in `dtype` on the C++
+    GEMM template, cpu_graphs.HeadGraph) or "dtype" (the `gemm` kernel's output, rounded to `dtype`). These three
+    only matter for dtypes below fp32.
     decode_attention: "fused" (cpu_graphs.DecodeAttention) or "sdpa" (aten's flash attention, as prefill).
     fuse_projections: "on" (q/k/v and gate/up as one GEMM each, see cpu_graphs.inductor_options) or "off".
     one_row_gemm: the gemm of layer graphs whose GEMMs have one row (batch-1 decode, one-token prefill); "same"
@@ -149,11 +150,12 @@ class CpuBackend:
 
     def _compile_head(self, model: torch.nn.Module, bucket: Bucket, so: Path) -> dict[str, Any]:
         rows = head_rows(bucket)
-        one = rows == 1 or (bucket.phase == VERIFY and bucket.batch == 1 and self.options["exact_verify"] == "on")
         # fp32 logits: Inductor's C++ GEMM template accumulates in fp32 and, with the head's `.float()` fused into
-        # its epilogue, stores the accumulator as is (no bf16 rounding); rows are bitwise the same at 1 and k + 1
-        # rows, so a batch-1 verify head scores each row as the decode head does (tests/neuron_opt/test_backend_cpu)
-        fp32_logits = (self.options["logits"] == "fp32" and self.dtype != torch.float32 and one
+        # its epilogue, stores the accumulator as is (no bf16 rounding). A row's logits are bitwise the same at any
+        # row count, so a verify head scores each row as the decode head does (test_speculative). Every head takes
+        # it: up to 36 rows it also ran faster than oneDNN (1.1-2.2 ms against 1.5-2.2), at 144 (16 x 9) slower
+        # (8.0 against 5.4 ms; docs/cpu_backend.md)
+        fp32_logits = (self.options["logits"] == "fp32" and self.dtype != torch.float32
                        and "quant" not in model.lm_head._modules)
         head = HeadGraph(model.model.norm, model.lm_head).to(self.dtype)
         args = (torch.randn(rows, model.cfg.hidden_size).to(self.residual_dtype),)

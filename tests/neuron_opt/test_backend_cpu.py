@@ -323,9 +323,8 @@ def test_bf16_decode_matches_eager(tmp_path: Path, options: dict[str, str]) -> N
     # fused projections (4 per layer) in each packing the graphs use
     packings = 1 if backend.options["one_row_gemm"] in ("same", backend.options["gemm"]) else 2
     assert len(gemm_constants) - len(head_constants) == 4 * CFG.num_hidden_layers * packings
-    # the batch-1 head on the C++ template (fp32 logits), the batch-2 head on `gemm` (shared when that is cpp too)
-    assert ("pack" in {k[1].op for k in head_constants}) and 1 <= len(head_constants) <= 2
-    assert len(head_constants) == 2 or backend.options["gemm"] == "cpp"
+    # every head on the C++ template (fp32 logits), one packing shared by the batch-1 and batch-2 heads
+    assert [k[1].op for k in head_constants] == ["pack"]
     model = make_model(7, torch.bfloat16)
     k, v = allocate_kv(model, CACHE, torch.bfloat16)
     for pos in range(6):
@@ -334,9 +333,15 @@ def test_bf16_decode_matches_eager(tmp_path: Path, options: dict[str, str]) -> N
         with torch.no_grad():
             want = model(*inp.arrays(), k, v, bucket.kv_len)
         torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
-        assert (got != got.bfloat16().float()).any()  # batch-1 logits keep fp32 resolution (HeadGraph)
+        assert (got != got.bfloat16().float()).any()  # fp32 logits, not widened bf16 (HeadGraph)
         torch.testing.assert_close(ex.k_caches[0].float(), k[0].float(), rtol=0.05, atol=0.05)
         assert ex.k_caches[0][where(1, pos)[0], :, where(1, pos)[1]].abs().sum() > 0
+    # a batch-2 step (sequence 1 again, and sequence 2 at position 0): its head keeps fp32 logits too
+    got2 = ex.run(Bucket(DECODE, 2, 32), decode_inputs([17, 11], [6, 0], [1, 2], 32))
+    with torch.no_grad():
+        want1 = model(*decode_inputs([17], [6], [1], 32).arrays(), k, v, bucket.kv_len)
+    torch.testing.assert_close(got2[:1], want1, rtol=0.05, atol=0.05)
+    assert (got2 != got2.bfloat16().float()).any()
 
 
 @pytest.mark.parametrize("n_heads,n_kv,window", [(4, 2, None), (6, 2, 5), (3, 3, None), (4, 1, 7)])
