@@ -35,6 +35,7 @@ from torch import nn
 from torch.export import Dim
 
 from models.llama import MLP, Attention, TorchOps
+from models.moe import SparseMoeBlock
 from neuron_opt.backends.base import kv_dtype
 from neuron_opt.backends.cpu_constants import (
     ConstantRecipe,
@@ -219,7 +220,8 @@ def layer_example(model: nn.Module, bucket: Bucket, cache: CacheConfig, dtype: t
     return args, (None, None, None, None, None, {1: blocks}, None, None)
 
 
-def inductor_options(gemm: str, fuse_projections: bool = True, quantized: bool = False) -> dict[str, Any]:
+def inductor_options(gemm: str, fuse_projections: bool = True, quantized: bool = False,
+                     decode_attention: bool = False) -> dict[str, Any]:
     """How GEMMs are compiled (all three are deterministic: no timing-based choice).
 
     - "cpp": freezing + max_autotune restricted to the C++ GEMM template; weights become blocked constants
@@ -237,16 +239,33 @@ def inductor_options(gemm: str, fuse_projections: bool = True, quantized: bool =
     (neuron_opt.quant), and Inductor inlines their input, the normed activation, into those loops, recomputing the
     RMSNorm once per output row (the int8 decode step ran 2.2x slower than with the activation stored);
     `realize_opcount_threshold` 4 stores any pointwise result of more than 4 ops that reads several buffers.
+
+    `decode_attention` (bf16 dense decode and verify layer graphs, `DecodeAttention`): threshold 8. Inductor (default
+    30) otherwise inlines the rotary embedding of the query into the score loop, recomputing it for every cached
+    position; stored once, bf16 batch-1 decode ran 7-9% faster and the exact verify (9 queries) 10-22%, more at
+    longer contexts (docs/cpu_backend.md). 4 there made the verify 10x slower: it stores broadcast products.
     """
     opts: dict[str, Any] = {"aot_inductor.package": True, "aot_inductor.package_constants_in_so": False,
                             "cpp.enable_concat_linear": fuse_projections}
     if quantized:
         opts["realize_opcount_threshold"] = 4
+    elif decode_attention:
+        opts["realize_opcount_threshold"] = 8
     if gemm == "cpp":
         opts.update({"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"})
     elif gemm == "onednn":
         opts.update({"freezing": True})
     return opts
+
+
+def _bf16_dense_decode_attention(module: nn.Module) -> bool:
+    """Whether `module` holds bf16 weights, attends with DecodeAttention and has no MoE block. The lower
+    realization threshold (inductor_options) was measured a gain there only: in fp32 it made decode at KV 1024 7%
+    slower and the verify 18% (docs/cpu_backend.md); MoE gather loops were measured with the default only."""
+    mods = list(module.modules())
+    return (any(p.dtype == torch.bfloat16 for p in module.parameters())
+            and any(isinstance(getattr(m, "ops", None), DecodeAttention) for m in mods)
+            and not any(isinstance(m, SparseMoeBlock) for m in mods))
 
 
 def compile_graph(module: nn.Module, args: tuple[torch.Tensor, ...], dynamic_shapes: Any, gemm: str,
@@ -261,7 +280,8 @@ def compile_graph(module: nn.Module, args: tuple[torch.Tensor, ...], dynamic_sha
         with torch.no_grad():
             ep = torch.export.export(ph, args, dynamic_shapes=dynamic_shapes, strict=False)
             with capture_constants() as consts:
-                options = inductor_options(gemm, fuse_projections, quantized=bool(quantized_modules(module)))
+                options = inductor_options(gemm, fuse_projections, quantized=bool(quantized_modules(module)),
+                                           decode_attention=_bf16_dense_decode_attention(module))
                 files = torch._inductor.aot_compile(ep.module(), args, options=options)
     except Exception as e:  # export/inductor raise many types; name the graph and keep the cause
         raise BackendCompileError(f"{what}: AOTInductor compile failed: {type(e).__name__}: {e}") from e
