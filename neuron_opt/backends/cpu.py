@@ -44,7 +44,8 @@ from neuron_opt.errors import ArtifactError, ConfigError
 from neuron_opt.quant import quantized_modules
 
 # 2: recipes name several sources (fused projections), heads may take their weight as an input; 3: max_model_len;
-# 4: block KV cache (slot mapping and block tables)
+# 4: block KV cache (slot mapping and block tables); 6: no head takes its weight as an input (bf16 heads are C++
+# template GEMMs with fp32 logits), tied embeddings may read a VNNI-packed head
 FORMAT = 6
 GEMM_CHOICES = ("cpp", "onednn", "aten")
 PRECISION_CHOICES = ("fp32", "dtype")

@@ -160,8 +160,8 @@ class LayerGraph(nn.Module):
 class HeadGraph(nn.Module):
     """Final norm + LM head on the rows' last hidden states [B, H] -> fp32 logits [B, V].
 
-    The GEMM's output goes to fp32. Compiled with the C++ GEMM template (the cpu backend's batch-1 heads below
-    fp32), that `.float()` is fused into the template's epilogue, which stores its fp32 accumulator without
+    The GEMM's output goes to fp32. Compiled with the C++ GEMM template (the cpu backend's heads below fp32 with
+    `logits` "fp32"), that `.float()` is fused into the template's epilogue, which stores its fp32 accumulator without
     rounding: fp32 logits of the bf16-rounded normed state and the bf16 weights, at GEMM speed. That matters: logits
     of magnitude 16-32 rounded to bf16 (steps of 0.125) create argmax ties; teacher-forced agreement with HF fp32
     lost 4 of 256 tokens to it (docs/cpu_backend.md). A oneDNN GEMM returns bf16, rounded, then widened.
