@@ -344,6 +344,21 @@ def test_bf16_decode_matches_eager(tmp_path: Path, options: dict[str, str]) -> N
     assert (got2 != got2.bfloat16().float()).any()
 
 
+@NEEDS_ONEDNN_BF16
+def test_bf16_logits_dtype_option_keeps_the_gemm_kernels_rounded_logits(tmp_path: Path) -> None:
+    """`logits=dtype`: the head is the `gemm` kernel's (oneDNN) GEMM, its logits bf16 values widened, and no
+    template packing of the head is built; the default (fp32) is the previous test."""
+    backend = CpuBackend(torch.bfloat16, {"logits": "dtype"})
+    bucket = Bucket(DECODE, 1, 32)
+    files = {bucket: [tmp_path / f for f in backend.compile_bucket(make_model(0, torch.bfloat16), bucket, CACHE,
+                                                                    tmp_path)]}
+    backend.save_weights(make_model(7, torch.bfloat16), tmp_path / "w.safetensors")
+    ex = backend.load(files, tmp_path / "w.safetensors", lambda: make_model(1, torch.bfloat16), CACHE)
+    assert [k[1].op for k in ex.constants if k[0] == ("lm_head.weight",)] == ["onednn"]
+    got = ex.run(bucket, decode_inputs([11], [0], [1], 32))
+    assert torch.equal(got, got.bfloat16().float())
+
+
 @pytest.mark.parametrize("n_heads,n_kv,window", [(4, 2, None), (6, 2, 5), (3, 3, None), (4, 1, 7)])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32])
 def test_decode_attention_ops_match_an_fp64_reference(n_heads: int, n_kv: int, window: int | None,
