@@ -24,7 +24,6 @@ import torch
 from safetensors.torch import save_file
 
 from models.llama import rope_tables
-from models.moe import SparseMoeBlock
 from neuron_opt.backends import check_backend_tp
 from neuron_opt.backends.base import ModelFactory, StepInputs, allocate_kv
 from neuron_opt.backends.cpu_constants import ConstantRecipe, build_constant
@@ -33,6 +32,7 @@ from neuron_opt.backends.cpu_graphs import (
     LayerGraph,
     compile_graph,
     graph_keys,
+    has_moe_block,
     head_rows,
     layer_example,
     use_cpu_layout,
@@ -69,8 +69,8 @@ def _parse_options(options: dict[str, Any] | None, dtype: torch.dtype) -> dict[s
     1.46-1.58x faster than oneDNN on a Zen 4 (torch 2.13), while at batch 8 oneDNN ran 2.3x faster than the
     template; the executor then holds the weights in both packings (docs/cpu_backend.md).
     exact_verify: "on" (verify graphs compute each row as the decode graph of their batch does: its GEMM choice,
-    DecodeAttention per query, at batch 1 the fp32-logits head; verify logits are then bitwise the decode step's)
-    or "off" (SDPA over the queries, `gemm`, a GEMM head: cheaper, close but not equal below fp32). With
+    DecodeAttention per query; the fp32-logits head either way; verify logits are then bitwise the decode step's)
+    or "off" (SDPA over the queries, `gemm`: cheaper, close but not equal below fp32). With
     decode_attention "sdpa" both graphs attend with SDPA, whose CPU kernel is not shown to be the same at 1 and
     k + 1 queries; the GEMMs and the head still follow the decode step's.
     """
@@ -152,18 +152,17 @@ class CpuBackend:
     def _compile_head(self, model: torch.nn.Module, bucket: Bucket, so: Path) -> dict[str, Any]:
         rows = head_rows(bucket)
         # fp32 logits: Inductor's C++ GEMM template accumulates in fp32 and, with the head's `.float()` fused into
-        # its epilogue, stores the accumulator as is (no bf16 rounding). A row's logits are bitwise the same at any
-        # row count, so a verify head scores each row as the decode head does (test_speculative). Every head takes
-        # it: up to 36 rows it also ran faster than oneDNN (1.1-2.2 ms against 1.5-2.2), at 144 (16 x 9) slower
-        # (8.0 against 5.4 ms; docs/cpu_backend.md)
+        # its epilogue, stores the accumulator as is (no bf16 rounding). A row's logits came out bitwise the same at
+        # 1 and k + 1 rows, so a batch-1 verify head scores each row as the decode head does (test_speculative
+        # checks it on the CPU it runs on). Every head takes it: up to 36 rows it also ran faster than oneDNN
+        # (1.1-2.2 ms against 1.5-2.2), at 144 (16 x 9) slower (8.0 against 5.4 ms; docs/cpu_backend.md)
         fp32_logits = (self.options["logits"] == "fp32" and self.dtype != torch.float32
                        and "quant" not in model.lm_head._modules)
         head = HeadGraph(model.model.norm, model.lm_head).to(self.dtype)
         args = (torch.randn(rows, model.cfg.hidden_size).to(self.residual_dtype),)
         gemm = "cpp" if fp32_logits else self.options["gemm"]
         recipes = compile_graph(head, args, None, layer_gemm(head, gemm), so, f"cpu head graph for {rows} rows")
-        return {"kind": "head", "batch": rows, "fp32_logits": fp32_logits,
-                "constants": {k: r.to_dict() for k, r in recipes.items()}}
+        return {"kind": "head", "batch": rows, "constants": {k: r.to_dict() for k, r in recipes.items()}}
 
     def save_weights(self, model: torch.nn.Module, path: Path) -> None:
         # quantized weights keep their stored dtypes (fp8 values, fp32 scales)
@@ -191,7 +190,7 @@ def layer_gemm(layer: torch.nn.Module, gemm: str) -> str:
     batched GEMMs their stacked weights permuted and reshaped, which no recipe rebuilds from the parameter."""
     if quantized_modules(layer):
         return "aten"
-    if any(isinstance(m, SparseMoeBlock) for m in layer.modules()):
+    if has_moe_block(layer):
         return "aten"
     return gemm
 

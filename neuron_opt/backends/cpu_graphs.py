@@ -258,15 +258,20 @@ def inductor_options(gemm: str, fuse_projections: bool = True, quantized: bool =
     return opts
 
 
+def has_moe_block(module: nn.Module) -> bool:
+    """Whether `module` holds a mixture-of-experts block (its graphs keep Inductor's defaults: cpu.layer_gemm,
+    inductor_options)."""
+    return any(isinstance(m, SparseMoeBlock) for m in module.modules())
+
+
 def _bf16_dense_decode_attention(module: nn.Module) -> bool:
     """Whether `module` holds bf16 weights, attends with DecodeAttention and has no MoE block. The lower
     realization threshold (inductor_options) was measured a gain there only: in fp32 it made decode at KV 1024 7%
     slower and the verify 18%, and a bf16 MoE decode step (the random Mixtral) 1.4-1.5x slower
     (docs/cpu_backend.md)."""
-    mods = list(module.modules())
     return (any(p.dtype == torch.bfloat16 for p in module.parameters())
-            and any(isinstance(getattr(m, "ops", None), DecodeAttention) for m in mods)
-            and not any(isinstance(m, SparseMoeBlock) for m in mods))
+            and any(isinstance(getattr(m, "ops", None), DecodeAttention) for m in module.modules())
+            and not has_moe_block(module))
 
 
 def compile_graph(module: nn.Module, args: tuple[torch.Tensor, ...], dynamic_shapes: Any, gemm: str,

@@ -405,7 +405,8 @@ def test_decode_attention_ops_match_an_fp64_reference(n_heads: int, n_kv: int, w
 
 def test_head_graph_logits_against_fp64() -> None:
     """HeadGraph in bf16 on an fp32 residual, eager: the oneDNN/aten GEMM rounds the logits to bf16 before they
-    widen (oracle: fp64 of the same values). The compiled batch-1 head keeps them in fp32: the next test."""
+    widen (oracle: fp64 of the same values). Compiled on the C++ template the head keeps them in fp32:
+    test_bf16_decode_matches_eager."""
     from neuron_opt.backends.cpu_graphs import HeadGraph
 
     m = make_model(3, torch.bfloat16)

@@ -282,8 +282,8 @@ def test_bf16_exact_verify_rows_are_bitwise_the_decode_steps_logits(tiny_dir, tm
     """bf16 (the cpu backend's exact_verify, on by default): a verify row runs the decode step's computation (its
     GEMM kernel, its attention loop, its fp32-logits template head: the same rows at 1 and k + 1), so its logits are
     bitwise those of sequential decode steps (and fp32, not widened bf16), and speculative greedy is token for token
-    plain greedy on the same artifact. With exact_verify=off the
-    verify graph is the cheaper batched one (SDPA, a bf16 GEMM head) and the logits only come close."""
+    plain greedy on the same artifact. With exact_verify=off the verify graph is the cheaper batched one (SDPA,
+    oneDNN GEMMs) and the logits only come close."""
     import dataclasses
 
     from neuron_opt.compiler import CompileRequest, compile_artifact
