@@ -102,7 +102,7 @@ def code_fingerprint() -> str:
     roots = [Path(models.llama.__file__).parent, here / "backends", here / "parallel", here / "quant.py"]
     h = hashlib.sha256()
     for root in roots:
-        for f in sorted(root.rglob("*.py")) if root.is_dir() else [root]:
+        for f in sorted([*root.rglob("*.py"), *root.rglob("*.cpp")]) if root.is_dir() else [root]:
             h.update(str(f.relative_to(root.parent)).encode())
             h.update(f.read_bytes())
     return h.hexdigest()[:16]

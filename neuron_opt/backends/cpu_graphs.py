@@ -36,6 +36,7 @@ from torch.export import Dim
 
 from models.llama import MLP, Attention, TorchOps
 from models.moe import SparseMoeBlock
+from neuron_opt.backends import cpu_ops
 from neuron_opt.backends.base import kv_dtype
 from neuron_opt.backends.cpu_constants import (
     ConstantRecipe,
@@ -64,9 +65,10 @@ class DecodeAttention(TorchOps):
     place (docs/cpu_backend.md).
     """
 
-    def __init__(self, inner: Any, rows_as_decode: bool = False) -> None:
+    def __init__(self, inner: Any, rows_as_decode: bool = False, kernel: bool = False) -> None:
         self.inner = inner
         self.rows_as_decode = rows_as_decode
+        self.kernel = kernel  # torch.ops.neuron_opt.paged_attention (cpu_ops) instead of the Inductor loop nest
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.inner.rms_norm(x, weight, eps)
@@ -75,6 +77,8 @@ class DecodeAttention(TorchOps):
                          block_tables: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                          scale: float) -> torch.Tensor:
         B, n_heads, S, D = q.shape
+        if self.kernel and (S == 1 or self.rows_as_decode):  # the C++ kernel: fp32 q, a query's output independent of S
+            return cpu_ops.paged_attention(q.float(), k_cache, v_cache, block_tables, mask, scale).to(q.dtype)
         if S != 1 and self.rows_as_decode:
             return self._queries_as_decode(q, k_cache, v_cache, block_tables, mask, scale)
         if S != 1:
@@ -140,14 +144,14 @@ class LayerGraph(nn.Module):
     """
 
     def __init__(self, layer: nn.Module, dtype: torch.dtype, decode_attention: bool, decode: bool,
-                 rows_as_decode: bool = False) -> None:
+                 rows_as_decode: bool = False, kernel: bool = False) -> None:
         super().__init__()
         self.decode = decode  # a token-generation graph (decode, verify): models.llama.DecoderLayer's `decode`
         self.layer = copy.deepcopy(layer).to(dtype)
         use_cpu_layout(self.layer)
         if decode_attention:
             attn = self.layer.self_attn
-            attn.ops = DecodeAttention(attn.ops, rows_as_decode)
+            attn.ops = DecodeAttention(attn.ops, rows_as_decode, kernel)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
@@ -270,7 +274,8 @@ def _bf16_dense_decode_attention(module: nn.Module) -> bool:
     slower and the verify 18%, and a bf16 MoE decode step (the random Mixtral) 1.4-1.5x slower
     (docs/cpu_backend.md)."""
     return (any(p.dtype == torch.bfloat16 for p in module.parameters())
-            and any(isinstance(getattr(m, "ops", None), DecodeAttention) for m in module.modules())
+            and any(isinstance(ops := getattr(m, "ops", None), DecodeAttention) and not ops.kernel
+                    for m in module.modules())
             and not has_moe_block(module))
 
 
@@ -297,4 +302,9 @@ def compile_graph(module: nn.Module, args: tuple[torch.Tensor, ...], dynamic_sha
     recipes = match_constants(consts, named, what, onednn_batch=rows)
     so_path.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(sos[0], so_path)
+    extern = Path(sos[0]).with_suffix(".json")  # the graph's custom-operator calls (AOTInductor's proxy executor)
+    if extern.is_file():
+        shutil.copyfile(extern, so_path.with_suffix(".json"))
+    elif so_path.with_suffix(".json").exists():
+        so_path.with_suffix(".json").unlink()
     return recipes

@@ -254,7 +254,7 @@ def test_load_rejects_mismatched_setup(compiled: tuple[Path, dict[Bucket, list[P
     # a graph written by an older cpu backend (format 1: one source per constant) is refused, not misread
     old = out.parent / (out.name + "_old")
     shutil.copytree(out, old)
-    meta_path = old / "cpu" / "head_b1.json"
+    meta_path = old / "cpu" / "head_b1.meta.json"
     meta = json.loads(meta_path.read_text())
     meta_path.write_text(json.dumps({**meta, "format": 1}))
     old_files = {b: [old / f.relative_to(out) for f in fs] for b, fs in files.items()}

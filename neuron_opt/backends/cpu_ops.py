@@ -1,0 +1,78 @@
+"""The cpu backend's C++ operators (`torch.ops.neuron_opt.*`), built on first use for this machine's CPU.
+
+`paged_attention` (csrc/paged_attention.cpp) is the attention of the decode and verify layer graphs: AOTInductor
+calls it from the compiled graph through its proxy executor (the graph's `<key>.json` beside its `.so`). It is built
+with torch's extension builder (ninja, the C++ compiler Inductor uses anyway) and the vector ISA flags Inductor picks
+for its own kernels, into torch's extension cache, so later processes load it in well under a second. Compile and
+load both call `load()`; an artifact whose graphs call it cannot run without it (`ensure()` says why).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _flags() -> list[str]:
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    isa = pick_vec_isa()
+    return ["-O3", "-fopenmp", *str(isa.build_arch_flags()).split(), *[f"-D{m}" for m in isa.build_macro()]]
+
+
+def load() -> str | None:
+    """Build (once per machine and source) and load the operators; None when they are loaded, else why not."""
+    with _lock:
+        if "error" in _state:
+            return _state["error"]  # type: ignore[return-value]
+        try:
+            from torch.utils.cpp_extension import load as load_extension
+
+            # ninja from this environment's bin directory when it is not on PATH (a venv run without activating it)
+            bin_dir = str(Path(sys.executable).parent)
+            if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+                os.environ["PATH"] = os.environ.get("PATH", "") + os.pathsep + bin_dir
+            # one build per torch version (torch's extension cache does not key on it; the ABI differs)
+            name = "neuron_opt_cpu_ops_" + "".join(c if c.isalnum() else "_" for c in torch.__version__)
+            load_extension(name=name, sources=[str(SOURCE)], extra_cflags=_flags(),
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+            _register_fake()
+            _state["error"] = None
+        except Exception as e:  # a missing compiler or ninja, a build error: say which
+            _state["error"] = f"{type(e).__name__}: {e}".strip()[:2000]
+            log.warning("cpu backend: the paged attention kernel could not be built: %s", _state["error"])
+        return _state["error"]  # type: ignore[return-value]
+
+
+def ensure(what: str) -> None:
+    """Load the operators or raise RuntimeError naming `what` needs them and why they did not load."""
+    err = load()
+    if err is not None:
+        raise RuntimeError(f"{what} needs the cpu backend's paged attention kernel, which did not build on this "
+                           f"machine ({err}); compile with --backend-option decode_attention=fused to do without it")
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake("neuron_opt::paged_attention")
+    def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+          mask: torch.Tensor, scale: float) -> torch.Tensor:
+        return q.new_empty(q.shape)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale) v over each row's blocks (csrc/paged_attention.cpp): q [B, H, S, D] float32, the pools
+    [num_blocks, n_kv, block_size, D] (float32, bfloat16 or float8_e4m3fn), block_tables [B, nb] int64, mask
+    [B, S, kv_len] bool; [B, H, S, D] float32. A query's output does not depend on S."""
+    return torch.ops.neuron_opt.paged_attention(q, k_cache, v_cache, block_tables, mask, scale)

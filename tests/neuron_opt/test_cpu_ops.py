@@ -1,0 +1,137 @@
+"""The cpu backend's C++ paged attention (torch.ops.neuron_opt.paged_attention, neuron_opt/backends/cpu_ops.py).
+
+Oracle: fp64 softmax attention written out by hand on the same (cache-rounded) values. Exactness: a query's output
+is bitwise the same whatever the number of queries beside it, which is what makes a verify step's rows the decode
+step's. Then the graphs: a decode layer graph calls it through AOTInductor's proxy executor (`<key>.json`), and its
+logits match the Inductor loop nest's (`decode_attention=fused`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from neuron_opt.backends import cpu_ops
+
+pytestmark = pytest.mark.skipif(cpu_ops.load() is not None, reason=f"kernel did not build: {cpu_ops.load()}")
+
+# (query heads, kv heads, head dim, block size, kv_len, queries, sliding window)
+SHAPES = [
+    (9, 3, 64, 32, 500, 9, None),  # SmolLM2's attention, a k = 8 verify at position ~500
+    (9, 3, 64, 32, 300, 1, None),  # its decode step
+    (4, 2, 16, 8, 37, 3, None),  # head dim below a vector pair, kv_len not a multiple of the block
+    (8, 8, 24, 5, 61, 1, 7),  # MHA, head dim not a multiple of 16, block size 5, sliding window
+    (6, 2, 128, 16, 600, 4, None),  # head dim 128, three position chunks
+    (4, 1, 32, 64, 64, 2, None),  # MQA, one block bigger than the transposes' tile
+]
+
+
+def _case(shape, dtype: torch.dtype, seed: int = 0):
+    H, n_kv, D, per, kv_len, S, window = shape
+    g = torch.Generator().manual_seed(seed)
+    n_pool = -(-kv_len // per) + 3
+    k = torch.randn(n_pool, n_kv, per, D, generator=g).to(dtype)
+    v = torch.randn(n_pool, n_kv, per, D, generator=g).to(dtype)
+    nb = -(-kv_len // per) + 1  # one table column past kv_len: masked
+    tables = (torch.randperm(n_pool - 1, generator=g)[:nb] + 1)[None].repeat(2, 1)
+    tables[1] = tables[1].flip(0)  # a second row reading the blocks in another order
+    q = torch.randn(2, H, S, D, generator=g)
+    positions = torch.stack([torch.arange(kv_len - S, kv_len), torch.arange(kv_len - S - 3, kv_len - 3)])
+    key_pos = torch.arange(kv_len)[None, None, :]
+    mask = key_pos <= positions[:, :, None]  # [B, S, kv_len]
+    if window is not None:
+        mask &= key_pos > positions[:, :, None] - window
+    return q, k, v, tables, mask
+
+
+def _reference(q, k, v, tables, mask, scale):
+    B, H, S, D = q.shape
+    n_kv = k.shape[1]
+    kv_len = mask.shape[-1]
+    keys = k[tables].double().permute(0, 2, 1, 3, 4).reshape(B, n_kv, -1, D)[:, :, :kv_len]
+    vals = v[tables].double().permute(0, 2, 1, 3, 4).reshape(B, n_kv, -1, D)[:, :, :kv_len]
+    keys, vals = (t.repeat_interleave(H // n_kv, dim=1) for t in (keys, vals))
+    scores = (q.double() @ keys.transpose(-1, -2) * scale).masked_fill(~mask[:, None], float("-inf"))
+    return scores.softmax(-1) @ vals
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+def test_paged_attention_matches_an_fp64_reference(shape, dtype: torch.dtype) -> None:
+    q, k, v, tables, mask = _case(shape, dtype)
+    got = cpu_ops.paged_attention(q, k, v, tables, mask, 0.3)
+    assert got.dtype == torch.float32 and got.shape == q.shape
+    torch.testing.assert_close(got.double(), _reference(q, k, v, tables, mask, 0.3), rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_querys_output_does_not_depend_on_the_queries_beside_it(shape, dtype: torch.dtype) -> None:
+    q, k, v, tables, mask = _case(shape, dtype, seed=1)
+    together = cpu_ops.paged_attention(q, k, v, tables, mask, 0.125)
+    for s in range(q.shape[2]):
+        alone = cpu_ops.paged_attention(q[:, :, s:s + 1].contiguous(), k, v, tables, mask[:, s:s + 1].contiguous(),
+                                        0.125)
+        assert torch.equal(alone, together[:, :, s:s + 1]), f"query {s}"
+
+
+def test_a_row_with_no_visible_position_gets_zeros_not_nan() -> None:
+    q, k, v, tables, mask = _case(SHAPES[2], torch.float32)
+    mask[1] = False
+    got = cpu_ops.paged_attention(q, k, v, tables, mask, 0.3)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    torch.testing.assert_close(got[:1].double(), _reference(q[:1], k, v, tables[:1], mask[:1], 0.3), rtol=1e-5,
+                               atol=2e-5)
+
+
+def test_bad_arguments_are_refused_with_the_argument_named() -> None:
+    q, k, v, tables, mask = _case(SHAPES[2], torch.float32)
+    bad = [
+        ((q.bfloat16(), k, v, tables, mask), "q must be float32"),
+        ((q, k, v[:, :1], tables, mask), "k_cache and v_cache"),
+        ((q, k.half(), v.half(), tables, mask), "cache dtype"),
+        ((q[:, :3], k, v, tables, mask), "do not share"),
+        ((q, k, v, tables.int(), mask), "block_tables must be int64"),
+        ((q, k, v, tables, mask[:, :1]), "mask must be bool"),
+        ((q, k, v, tables + k.shape[0], mask), "out of range"),
+    ]
+    for args, needle in bad:
+        with pytest.raises(RuntimeError, match=needle):
+            cpu_ops.paged_attention(*args, 0.3)
+
+
+def test_decode_graph_calls_the_kernel_and_matches_the_inductor_loop(tmp_path: Path) -> None:
+    """A decode bucket compiled with the kernel (the default) lists its operator calls in `<key>.json` for
+    AOTInductor's proxy executor and loads from a copy of the artifact; its logits match the same bucket compiled
+    with the Inductor loop nest (`decode_attention=fused`)."""
+    from test_backend_cpu import CACHE, decode_inputs, make_model
+
+    from neuron_opt.backends.cpu import CpuBackend
+    from neuron_opt.buckets import DECODE, Bucket
+
+    bucket = Bucket(DECODE, 2, 32)
+    logits = {}
+    for mode in ("kernel", "fused"):
+        out = tmp_path / mode
+        backend = CpuBackend(torch.float32, {"decode_attention": mode})
+        rel = backend.compile_bucket(make_model(0), bucket, CACHE, out)
+        meta = json.loads((out / "cpu" / "layer_decode_b2.meta.json").read_text())
+        assert meta["extern_ops"] == (mode == "kernel")
+        assert (out / "cpu" / "layer_decode_b2.json").is_file() == (mode == "kernel")
+        if mode == "kernel":
+            calls = json.loads((out / "cpu" / "layer_decode_b2.json").read_text())["nodes"]
+            assert [n["node"]["target"] for n in calls] == ["neuron_opt::paged_attention"]
+            (out / "cpu" / "layer_decode_b2.json").rename(out / "calls.json")  # without it: refused at load
+        backend.save_weights(make_model(7), out / "w.safetensors")
+        files = {bucket: [out / f for f in rel]}
+        if mode == "kernel":
+            from neuron_opt.errors import ArtifactError
+
+            with pytest.raises(ArtifactError, match="operator calls"):
+                backend.load(files, out / "w.safetensors", lambda: make_model(1), CACHE)
+            (out / "calls.json").rename(out / "cpu" / "layer_decode_b2.json")
+        ex = backend.load(files, out / "w.safetensors", lambda: make_model(1), CACHE)
+        logits[mode] = ex.run(bucket, decode_inputs([17, 11], [6, 3], [1, 2], 32))
+    torch.testing.assert_close(logits["kernel"], logits["fused"], rtol=1e-4, atol=1e-4)
