@@ -35,6 +35,7 @@ from neuron_opt.backends.cpu_graphs import (
     has_moe_block,
     head_rows,
     layer_example,
+    op_calls_file,
     use_cpu_layout,
 )
 from neuron_opt.backends.eager import load_model_weights, model_state_for_save
@@ -138,8 +139,7 @@ class CpuBackend:
         if memo not in self._done:
             rel_so, rel_json = Path(SUBDIR) / f"{key}.so", Path(SUBDIR) / f"{key}{META_SUFFIX}"
             meta = compile_fn(Path(out_dir) / rel_so)
-            # the graph's calls to our C++ operators, for AOTInductor's proxy executor: `<key>.json` beside the .so
-            extern = rel_so.with_suffix(".json")
+            extern = op_calls_file(rel_so)  # the graph's calls to our C++ operators, if it makes any
             meta.update(format=FORMAT, key=key, so=rel_so.name, dtype=str(self.dtype).removeprefix("torch."),
                         torch=torch.__version__, options=self.options, max_model_len=model.max_model_len,
                         extern_ops=(Path(out_dir) / extern).is_file())
@@ -153,10 +153,7 @@ class CpuBackend:
         decode_attention = (bucket.phase == DECODE or exact) and self.options["decode_attention"] != "sdpa"
         kernel = decode_attention and self.options["decode_attention"] == "kernel"
         if kernel:
-            try:
-                cpu_ops.ensure(f"cpu layer graph for {bucket.key}")
-            except RuntimeError as e:
-                raise BackendCompileError(str(e)) from e
+            cpu_ops.ensure(f"cpu layer graph for {bucket.key}", BackendCompileError)
         layer = LayerGraph(model.model.layers[0], self.dtype, decode_attention, bucket.generates, exact, kernel)
         gemm = self.options["gemm"]
         if (bucket.num_tokens == 1 or (exact and bucket.batch == 1)) and self.options["one_row_gemm"] != "same":
@@ -265,10 +262,7 @@ class CpuExecutor:
         store = _WeightStore(tensors)
         metas = self._read_metas(graph_files, cache, dtype, model.max_model_len)
         if any(m["extern_ops"] for m in metas.values()):  # the graphs call our C++ operators: load them first
-            try:
-                cpu_ops.ensure("this artifact's cpu graphs")
-            except RuntimeError as e:
-                raise ArtifactError(str(e)) from e
+            cpu_ops.ensure("this artifact's cpu graphs", ArtifactError)
         runners: dict[str, list[Any]] = {}
         for path, meta in metas.items():
             so = path.with_name(meta["so"])
@@ -312,8 +306,9 @@ class CpuExecutor:
                     raise ArtifactError(f"{f}: compiled for a different setup (artifact, here): {bad}; recompile")
                 if not f.with_name(meta["so"]).is_file():
                     raise ArtifactError(f"{f}: its graph {meta['so']} is missing")
-                if meta["extern_ops"] and not f.with_name(meta["so"]).with_suffix(".json").is_file():
-                    raise ArtifactError(f"{f}: its graph's operator calls ({Path(meta['so']).stem}.json) are missing")
+                calls = op_calls_file(f.with_name(meta["so"]))
+                if meta["extern_ops"] and not calls.is_file():
+                    raise ArtifactError(f"{f}: its graph's operator calls ({calls.name}) are missing")
                 metas[f] = meta
         return metas
 

@@ -279,6 +279,12 @@ def _bf16_dense_decode_attention(module: nn.Module) -> bool:
             and not has_moe_block(module))
 
 
+def op_calls_file(so: Path) -> Path:
+    """Where AOTInductor's proxy executor looks for a graph's calls to custom operators: `<so stem>.json` beside
+    the `.so` (written by the compile only when the graph makes such calls)."""
+    return Path(so).with_suffix(".json")
+
+
 def compile_graph(module: nn.Module, args: tuple[torch.Tensor, ...], dynamic_shapes: Any, gemm: str,
                   so_path: Path, what: str, fuse_projections: bool = True) -> dict[str, ConstantRecipe]:
     """AOT-compile `module` (on a placeholder-weight copy) into `so_path`; return its constant recipes."""
@@ -302,9 +308,9 @@ def compile_graph(module: nn.Module, args: tuple[torch.Tensor, ...], dynamic_sha
     recipes = match_constants(consts, named, what, onednn_batch=rows)
     so_path.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(sos[0], so_path)
-    extern = Path(sos[0]).with_suffix(".json")  # the graph's custom-operator calls (AOTInductor's proxy executor)
-    if extern.is_file():
-        shutil.copyfile(extern, so_path.with_suffix(".json"))
-    elif so_path.with_suffix(".json").exists():
-        so_path.with_suffix(".json").unlink()
+    calls = op_calls_file(Path(sos[0]))
+    if calls.is_file():
+        shutil.copyfile(calls, op_calls_file(so_path))
+    elif op_calls_file(so_path).exists():
+        op_calls_file(so_path).unlink()
     return recipes

@@ -55,11 +55,11 @@ def load() -> str | None:
         return _state["error"]  # type: ignore[return-value]
 
 
-def ensure(what: str) -> None:
-    """Load the operators or raise RuntimeError naming `what` needs them and why they did not load."""
+def ensure(what: str, error: type[Exception] = RuntimeError) -> None:
+    """Load the operators or raise `error` saying that `what` needs them and why they did not load."""
     err = load()
     if err is not None:
-        raise RuntimeError(f"{what} needs the cpu backend's paged attention kernel, which did not build on this "
+        raise error(f"{what} needs the cpu backend's paged attention kernel, which did not build on this "
                            f"machine ({err}); compile with --backend-option decode_attention=fused to do without it")
 
 
