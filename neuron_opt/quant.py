@@ -22,7 +22,11 @@ Kernels, chosen once when a graph is built (never a flag read inside forward):
   is instead a dot product per output row over the same int8 values, summed in fp32, which Inductor compiles
   into the layer's own loops (with q/k/v and gate/up fused, batch-1 decode steps ran 1.54x faster than on the
   GEMM kernel on a 2-core Zen 4, docs/quantization.md); so is every int8 product whose K is not a multiple of 16,
-  on which torch 2.13's int8 GEMM crashes. fp8 weights have no CPU kernel: compile refuses them on cpu.
+  on which torch 2.13's int8 GEMM crashes. With `use_cpu_kernels(int8_kernel=True)` (the cpu backend's
+  `int8_linear` "kernel") int8 products of up to INT8_KERNEL_MAX_ROWS rows, a number fixed when the graph is
+  traced, call torch.ops.neuron_opt.int8_linear instead (the cpu backend's C++ operator, which the backend loads
+  before tracing): the same fp32 sums, at the memory's speed, and a row's result independent of the row count.
+  fp8 weights have no CPU kernel: compile refuses them on cpu.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ from neuron_opt.errors import ConfigError
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 DEQUANT, CPU = "dequant", "cpu"
+# up to this many rows (decode batches, verify steps) the int8 operator beats aten._weight_int8pack_mm at every
+# SmolLM2 shape, 1.1-1.6x (docs/quantization.md); it stays the GEMM above, and wherever the row count is dynamic
+INT8_KERNEL_MAX_ROWS = 16
 
 
 @dataclass
@@ -155,6 +162,7 @@ class QuantizedWeight(nn.Module):
         group_size = qc.group_size
         self.group_size = group_size if method == "int4" else in_features
         self.kernel = DEQUANT
+        self.int8_kernel = False  # torch.ops.neuron_opt.int8_linear for few rows (use_cpu_kernels)
         groups = in_features // self.group_size
         qdtype = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "int4": torch.uint8}[method]
         qk = in_features // 2 if method == "int4" else in_features
@@ -201,8 +209,10 @@ class QuantizedWeight(nn.Module):
             return torch.nn.functional.linear(x, self.qweight.to(x.dtype)) * self.scale.view(-1).to(x.dtype)
         return torch.nn.functional.linear(x, dequantize(self.stored(), x.dtype))
 
-    def use_cpu_kernels(self) -> None:
-        """Replace the stored format with the CPU kernels' layouts (bf16 scales; int4 in the tinygemm layout)."""
+    def use_cpu_kernels(self, int8_kernel: bool = False) -> None:
+        """Replace the stored format with the CPU kernels' layouts (bf16 scales; int4 in the tinygemm layout).
+        int8_kernel: int8 products of few rows call torch.ops.neuron_opt.int8_linear (see the module's doc)."""
+        self.int8_kernel = int8_kernel and self.method == "int8"
         if self.kernel == CPU:
             return
         if self.method == "fp8":
@@ -230,7 +240,10 @@ class QuantizedWeight(nn.Module):
             # fails on an activation whose first user is not the int4 GEMM ('NoneType' has no attribute 'meta')
         # one row (static per graph): a dot product per output row. Also every row count when K is not a multiple
         # of 16: torch 2.13's int8 GEMM kernel then reads past the weight's rows (it crashed at K = 72)
-        if self.method == "int8" and (x2.shape[0] == 1 or self.in_features % 16):
+        rows = x2.shape[0]
+        if self.int8_kernel and isinstance(rows, int) and rows <= INT8_KERNEL_MAX_ROWS:  # static and few
+            y = torch.ops.neuron_opt.int8_linear(x2, self.qweight, self.cpu_scale)  # [M, N] fp32
+        elif self.method == "int8" and (rows == 1 or self.in_features % 16):
             y = (x2.float()[:, None, :] * self.qweight.float()[None]).sum(-1) * self.cpu_scale.float()  # [M, N]
         elif self.method == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.cpu_scale)  # [M, N]
@@ -245,9 +258,9 @@ def quantized_modules(model: nn.Module) -> dict[str, QuantizedWeight]:
     return {name.removesuffix(".quant"): m for name, m in model.named_modules() if isinstance(m, QuantizedWeight)}
 
 
-def use_cpu_kernels(model: nn.Module) -> None:
+def use_cpu_kernels(model: nn.Module, int8_kernel: bool = False) -> None:
     for m in quantized_modules(model).values():
-        m.use_cpu_kernels()
+        m.use_cpu_kernels(int8_kernel)
 
 
 def check_uniform_layers(model: nn.Module) -> None:

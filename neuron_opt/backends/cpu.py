@@ -70,6 +70,10 @@ def _parse_options(options: dict[str, Any] | None, dtype: torch.dtype) -> dict[s
     loop nest) or "sdpa" (aten's flash attention, as prefill). Measured against "fused" (bf16/fp32/int8/MoE, batch 1
     and 16, docs/cpu_backend.md "Paged attention kernel"): verify steps 7-38% faster, batch-16 decode 15%, batch-1
     decode from 4% slower at 100 positions (fp32, MoE) to 10% faster at 400 (int8).
+    int8_linear: "kernel" (int8 weight-only products of up to quant.INT8_KERNEL_MAX_ROWS rows on
+    torch.ops.neuron_opt.int8_linear, cpu_ops; the default where it builds, else "inductor") or "inductor" (one
+    row: a dot-product loop Inductor fuses into the layer; more rows: aten._weight_int8pack_mm). Measured in place
+    (docs/quantization.md): see there.
     fuse_projections: "on" (q/k/v and gate/up as one GEMM each, see cpu_graphs.inductor_options) or "off".
     one_row_gemm: the gemm of layer graphs whose GEMMs have one row (batch-1 decode, one-token prefill); "same"
     (as `gemm`) or a gemm choice. bf16 default "cpp": at one row Inductor's C++ template ran batch-1 bf16 decode
@@ -87,9 +91,10 @@ def _parse_options(options: dict[str, Any] | None, dtype: torch.dtype) -> dict[s
     choices = {"gemm": GEMM_CHOICES, "attention": PRECISION_CHOICES, "residual": PRECISION_CHOICES,
                "decode_attention": DECODE_ATTENTION_CHOICES, "logits": PRECISION_CHOICES,
                "fuse_projections": ("on", "off"), "one_row_gemm": ("same", *GEMM_CHOICES),
-               "exact_verify": ("on", "off")}
-    if "decode_attention" not in (options or {}):
-        opts["decode_attention"] = "kernel" if cpu_ops.load() is None else "fused"
+               "exact_verify": ("on", "off"), "int8_linear": ("kernel", "inductor")}
+    for name, fallback in (("decode_attention", "fused"), ("int8_linear", "inductor")):
+        if name not in (options or {}):
+            opts[name] = "kernel" if cpu_ops.load() is None else fallback
     for k, v in (options or {}).items():
         if k not in choices:
             raise ConfigError(f"backend options: unknown cpu option {k!r}; known: {sorted(choices)}")
@@ -152,9 +157,11 @@ class CpuBackend:
         exact = bucket.phase == VERIFY and self.options["exact_verify"] == "on"
         decode_attention = (bucket.phase == DECODE or exact) and self.options["decode_attention"] != "sdpa"
         kernel = decode_attention and self.options["decode_attention"] == "kernel"
+        int8_kernel = self._int8_kernel(model.model.layers[0], f"cpu layer graph for {bucket.key}")
         if kernel:
             cpu_ops.ensure(f"cpu layer graph for {bucket.key}", BackendCompileError)
-        layer = LayerGraph(model.model.layers[0], self.dtype, decode_attention, bucket.generates, exact, kernel)
+        layer = LayerGraph(model.model.layers[0], self.dtype, decode_attention, bucket.generates, exact, kernel,
+                           int8_kernel)
         gemm = self.options["gemm"]
         if (bucket.num_tokens == 1 or (exact and bucket.batch == 1)) and self.options["one_row_gemm"] != "same":
             gemm = self.options["one_row_gemm"]
@@ -162,6 +169,14 @@ class CpuBackend:
                                 f"cpu layer graph for {bucket.key}", self.options["fuse_projections"] == "on")
         return {"kind": "layer", "phase": bucket.phase, "batch": bucket.batch, "num_blocks": cache.num_blocks,
                 "block_size": cache.block_size, "constants": {k: r.to_dict() for k, r in recipes.items()}}
+
+    def _int8_kernel(self, module: torch.nn.Module, what: str) -> bool:
+        """Whether `module`'s graph computes its int8 products on cpu_ops' int8_linear (loaded here if so)."""
+        if self.options["int8_linear"] != "kernel" or not any(
+                m.method == "int8" for m in quantized_modules(module).values()):
+            return False
+        cpu_ops.ensure(what, BackendCompileError)
+        return True
 
     def _compile_head(self, model: torch.nn.Module, bucket: Bucket, so: Path) -> dict[str, Any]:
         rows = head_rows(bucket)
@@ -172,7 +187,8 @@ class CpuBackend:
         # (1.1-2.2 ms against 1.5-2.2), at 144 (16 x 9) slower (8.0 against 5.4 ms; docs/cpu_backend.md)
         fp32_logits = (self.options["logits"] == "fp32" and self.dtype != torch.float32
                        and "quant" not in model.lm_head._modules)
-        head = HeadGraph(model.model.norm, model.lm_head).to(self.dtype)
+        head = HeadGraph(model.model.norm, model.lm_head,
+                         self._int8_kernel(model.lm_head, f"cpu head graph for {rows} rows")).to(self.dtype)
         args = (torch.randn(rows, model.cfg.hidden_size).to(self.residual_dtype),)
         gemm = "cpp" if fp32_logits else self.options["gemm"]
         recipes = compile_graph(head, args, None, layer_gemm(head, gemm), so, f"cpu head graph for {rows} rows")

@@ -125,14 +125,14 @@ class DecodeAttention(TorchOps):
         return out.view(B, n_heads, S, D)
 
 
-def use_cpu_layout(module: nn.Module) -> None:
+def use_cpu_layout(module: nn.Module, int8_kernel: bool = False) -> None:
     """The cpu backend's form of a model or layer, the same at compile and at load (graph constants are named by
     it): quantized q/k/v and gate/up fused into one GEMM each, then every quantized linear on torch's CPU
-    weight-only kernels (neuron_opt.quant)."""
+    weight-only kernels (neuron_opt.quant); with `int8_kernel`, int8 products of few rows on cpu_ops' int8_linear."""
     for m in list(module.modules()):
         if isinstance(m, (Attention, MLP)):
             m.fuse_quantized_projections()
-    use_cpu_kernels(module)
+    use_cpu_kernels(module, int8_kernel)
 
 
 class LayerGraph(nn.Module):
@@ -144,11 +144,11 @@ class LayerGraph(nn.Module):
     """
 
     def __init__(self, layer: nn.Module, dtype: torch.dtype, decode_attention: bool, decode: bool,
-                 rows_as_decode: bool = False, kernel: bool = False) -> None:
+                 rows_as_decode: bool = False, kernel: bool = False, int8_kernel: bool = False) -> None:
         super().__init__()
         self.decode = decode  # a token-generation graph (decode, verify): models.llama.DecoderLayer's `decode`
         self.layer = copy.deepcopy(layer).to(dtype)
-        use_cpu_layout(self.layer)
+        use_cpu_layout(self.layer, int8_kernel)
         if decode_attention:
             attn = self.layer.self_attn
             attn.ops = DecodeAttention(attn.ops, rows_as_decode, kernel)
@@ -171,12 +171,12 @@ class HeadGraph(nn.Module):
     lost 4 of 256 tokens to it (docs/cpu_backend.md). A oneDNN GEMM returns bf16, rounded, then widened.
     """
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, int8_kernel: bool = False) -> None:
         super().__init__()
         self.norm = norm
         if "quant" in lm_head._modules:  # a quantized head: a copy on the CPU kernel (the model keeps its own)
             lm_head = copy.deepcopy(lm_head)
-            use_cpu_kernels(lm_head)
+            use_cpu_kernels(lm_head, int8_kernel)
         self.lm_head = lm_head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

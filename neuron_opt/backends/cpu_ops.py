@@ -1,7 +1,8 @@
 """The cpu backend's C++ operators (`torch.ops.neuron_opt.*`), built on first use for this machine's CPU.
 
-`paged_attention` (csrc/paged_attention.cpp) is the attention of the decode and verify layer graphs: AOTInductor
-calls it from the compiled graph through its proxy executor (the graph's `<key>.json` beside its `.so`). It is built
+`paged_attention` (csrc/paged_attention.cpp) is the attention of the decode and verify layer graphs, and
+`int8_linear` (csrc/int8_linear.cpp) the int8 weight-only product of graphs with few rows: AOTInductor calls them
+from the compiled graph through its proxy executor (the graph's `<key>.json` beside its `.so`). They are built
 with torch's extension builder (ninja, the C++ compiler Inductor uses anyway) and the vector ISA flags Inductor picks
 for its own kernels, into torch's extension cache, so later processes load it in well under a second. Compile and
 load both call `load()`; an artifact whose graphs call it cannot run without it (`ensure()` says why).
@@ -19,7 +20,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / f for f in ("paged_attention.cpp", "int8_linear.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -45,13 +46,14 @@ def load() -> str | None:
                 os.environ["PATH"] = os.environ.get("PATH", "") + os.pathsep + bin_dir
             # one build per torch version (torch's extension cache does not key on it; the ABI differs)
             name = "neuron_opt_cpu_ops_" + "".join(c if c.isalnum() else "_" for c in torch.__version__)
-            load_extension(name=name, sources=[str(SOURCE)], extra_cflags=_flags(),
+            load_extension(name=name, sources=[str(s) for s in SOURCES], extra_cflags=_flags(),
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
             _register_fake()
             _state["error"] = None
         except Exception as e:  # a missing compiler or ninja, a build error: say which
             _state["error"] = f"{type(e).__name__}: {e}".strip()[:2000]
-            log.warning("cpu backend: the paged attention kernel could not be built: %s", _state["error"])
+            log.warning("cpu backend: the C++ operators (paged attention, int8 linear) could not be built: %s",
+                        _state["error"])
         return _state["error"]  # type: ignore[return-value]
 
 
@@ -59,8 +61,9 @@ def ensure(what: str, error: type[Exception] = RuntimeError) -> None:
     """Load the operators or raise `error` saying that `what` needs them and why they did not load."""
     err = load()
     if err is not None:
-        raise error(f"{what} needs the cpu backend's paged attention kernel, which did not build on this "
-                           f"machine ({err}); compile with --backend-option decode_attention=fused to do without it")
+        raise error(f"{what} needs the cpu backend's C++ operators (paged attention, int8 linear), which did not "
+                    f"build on this machine ({err}); compile with --backend-option decode_attention=fused "
+                    "--backend-option int8_linear=inductor to do without them")
 
 
 def _register_fake() -> None:
@@ -69,6 +72,10 @@ def _register_fake() -> None:
           mask: torch.Tensor, scale: float) -> torch.Tensor:
         return q.new_empty(q.shape)
 
+    @torch.library.register_fake("neuron_opt::int8_linear")
+    def _(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
+
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -76,3 +83,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     [num_blocks, n_kv, block_size, D] (float32, bfloat16 or float8_e4m3fn), block_tables [B, nb] int64, mask
     [B, S, kv_len] bool; [B, H, S, D] float32. A query's output does not depend on S."""
     return torch.ops.neuron_opt.paged_attention(q, k_cache, v_cache, block_tables, mask, scale)
+
+
+def int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (float32 or bfloat16) times the int8 weight w [N, K] with per-row scale [N] (csrc/int8_linear.cpp):
+    [M, N] float32, each sum in fp32 over k in order of W-lane vectors; a row's result does not depend on M."""
+    return torch.ops.neuron_opt.int8_linear(x, w, scale)

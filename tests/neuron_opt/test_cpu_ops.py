@@ -135,3 +135,60 @@ def test_decode_graph_calls_the_kernel_and_matches_the_inductor_loop(tmp_path: P
         ex = backend.load(files, out / "w.safetensors", lambda: make_model(1), CACHE)
         logits[mode] = ex.run(bucket, decode_inputs([17, 11], [6, 3], [1, 2], 32))
     torch.testing.assert_close(logits["kernel"], logits["fused"], rtol=1e-4, atol=1e-4)
+
+
+# int8_linear: (M, N, K). K not a multiple of the vector width (72, 13) exercises the scalar tail, N not a multiple
+# of the 4-feature tile (7, 30) the short last tile, M of 5, 9 and 16 the row tiles of 4 and their remainders
+LINEAR_SHAPES = [(1, 960, 576), (1, 7, 13), (3, 30, 72), (4, 64, 128), (5, 33, 1536), (9, 40, 576), (16, 12, 96)]
+
+
+def _linear_case(shape, x_dtype: torch.dtype, scale_dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    M, N, K = shape
+    x = torch.randn(M, K, generator=g).to(x_dtype)
+    w = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+    scale = (torch.rand(N, generator=g) * 0.02 + 1e-3).to(scale_dtype)
+    return x, w, scale
+
+
+@pytest.mark.parametrize("shape", LINEAR_SHAPES)
+@pytest.mark.parametrize("x_dtype,scale_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                                 (torch.float32, torch.bfloat16)])
+def test_int8_linear_matches_an_fp64_reference(shape, x_dtype: torch.dtype, scale_dtype: torch.dtype) -> None:
+    x, w, scale = _linear_case(shape, x_dtype, scale_dtype)
+    got = cpu_ops.int8_linear(x, w, scale)
+    assert got.dtype == torch.float32 and got.shape == (shape[0], shape[1])
+    ref = (x.double() @ w.double().T) * scale.double()
+    # fp32 sums of K terms of size |x| * 127 * scale: bound the error by K * eps * the terms' magnitudes
+    bound = shape[2] * 2.0 ** -23 * ((x.double().abs() @ w.double().abs().T) * scale.double())
+    assert bool(((got.double() - ref).abs() <= bound + 1e-30).all())
+
+
+@pytest.mark.parametrize("shape", LINEAR_SHAPES)
+def test_an_int8_linear_rows_result_does_not_depend_on_the_rows_beside_it(shape) -> None:
+    """What keeps int8 verify rows bitwise the decode step's: row m alone equals row m of the M-row call."""
+    x, w, scale = _linear_case(shape, torch.bfloat16, torch.bfloat16, seed=1)
+    together = cpu_ops.int8_linear(x, w, scale)
+    for m in range(x.shape[0]):
+        assert torch.equal(cpu_ops.int8_linear(x[m:m + 1], w, scale), together[m:m + 1]), f"row {m}"
+
+
+def test_int8_linear_with_no_rows_or_features_returns_an_empty_result() -> None:
+    x, w, scale = _linear_case((2, 8, 32), torch.float32, torch.float32)
+    assert cpu_ops.int8_linear(x[:0], w, scale).shape == (0, 8)
+    assert cpu_ops.int8_linear(x, w[:0], scale[:0]).shape == (2, 0)
+
+
+def test_int8_linear_refuses_bad_arguments_with_the_argument_named() -> None:
+    x, w, scale = _linear_case((2, 8, 32), torch.float32, torch.float32)
+    bad = [
+        ((x.half(), w, scale), "x must be float32 or bfloat16"),
+        ((x[None], w, scale), "x must be float32 or bfloat16"),
+        ((x, w.to(torch.uint8), scale), "w must be int8"),
+        ((x[:, :16], w, scale), "x has 16 input features, w has 32"),
+        ((x, w, scale[:4]), "scale must be float32 or bfloat16 \\[N\\] with N = 8"),
+        ((x, w, scale.half()), "scale must be float32 or bfloat16"),
+    ]
+    for args, needle in bad:
+        with pytest.raises(RuntimeError, match=needle):
+            cpu_ops.int8_linear(*args)

@@ -93,6 +93,23 @@ def test_cpu_int8_kernels_with_fp8_kv_match_the_eager_reference(build):
     assert rel_err(ref, logits(build("fp32"))) < 0.08
 
 
+def test_cpu_int8_operator_and_inductor_forms_agree(build):
+    """int8 products of few rows (decode, the one-row head) call torch.ops.neuron_opt.int8_linear by default; the
+    `int8_linear=inductor` graphs (Inductor's dot-product loop, aten's int8 GEMM) compute the same logits."""
+    import json
+
+    kw = dict(quantize="int8", kv_cache_dtype="fp8")
+    kernel = build("cpu-int8-kv", "cpu", **kw)
+    inductor = build("cpu-int8-kv-inductor", "cpu", backend_options={"int8_linear": "inductor"}, **kw)
+    for art, calls in ((kernel, True), (inductor, False)):
+        call_list = art / "graphs" / "rank0" / "cpu" / "layer_decode_b1.json"
+        targets = [n["node"]["target"] for n in json.loads(call_list.read_text())["nodes"]]
+        assert ("neuron_opt::int8_linear" in targets) == calls, targets
+        meta = json.loads(call_list.with_name("layer_decode_b1.meta.json").read_text())
+        assert meta["options"]["int8_linear"] == ("kernel" if calls else "inductor")
+    assert rel_err(logits(kernel), logits(inductor)) < 0.01
+
+
 # tied embeddings in the default suite; untied (~80 s of compile more) in make test-slow
 @pytest.mark.parametrize("variant", [pytest.param("llama-gqa2", marks=pytest.mark.slow), "smollm-like-9-3"])
 def test_quantized_lm_head(variant, tmp_path_factory):

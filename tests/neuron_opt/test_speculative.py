@@ -315,6 +315,27 @@ def test_bf16_exact_verify_rows_are_bitwise_the_decode_steps_logits(tiny_dir, tm
         assert stats.accepted_tokens > 0
 
 
+def test_int8_exact_verify_rows_are_bitwise_the_decode_steps_logits(tiny_dir, tmp_path):
+    """int8 weights with an int8 head (fp32 compute, any CPU): every int8 product of the decode and verify graphs
+    runs on torch.ops.neuron_opt.int8_linear, whose rows do not depend on the rows beside them, so a verify row's
+    logits are bitwise the decode step's, as for bf16 above."""
+    from neuron_opt.compiler import CompileRequest, compile_artifact
+
+    req = CompileRequest(model=str(tiny_dir("smollm-tok")), out=tmp_path / "int8", backend="cpu", dtype="float32",
+                         batch_size=1, max_model_len=128, prefill_buckets=(16, 64), decode_buckets=(128,),
+                         cache_dir=tmp_path / "cache", num_speculative_tokens=K, quantize="int8",
+                         quantize_lm_head=True)
+    compile_artifact(req, log=lambda s: None, progress=False)
+    seq = [1, 17, 42, 99, 5, 123, 7, 300, 301, 302, 303]
+    runner = LLM(tmp_path / "int8").runner
+    runner.prefill((1,), seq[:6])
+    ref = [runner.decode([DecodeRow((1,), seq[i], i)])[0] for i in range(6, 10)]
+    runner.prefill((2,), seq[:6])
+    got = runner.verify([VerifyRow((2,), tuple(seq[6:10]), 6)])[0]
+    for j in range(K + 1):
+        assert torch.equal(got[j], ref[j]), f"row {j}: {(got[j] - ref[j]).abs().max()}"
+
+
 def test_tp2_rank_processes_verify_like_one_rank(tiny_dir):
     """Verify steps through real TP ranks (the logits of every position gathered over the vocab-parallel head)."""
     from neuron_opt.config import ParallelConfig
