@@ -90,6 +90,9 @@ class Experts(nn.Module):
         E, H, I = lay.experts_local, cfg.hidden_size, lay.moe_intermediate_local
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(E, H, I), requires_grad=False)
+        # traced gather as torch.ops.neuron_opt.moe_gather (the cpu backend's C++ operator, which that backend loads
+        # before tracing and sets this for; its `moe_gather` option)
+        self.kernel = False
 
     def gather(self, t: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, local: torch.Tensor,
                traced: bool) -> torch.Tensor:
@@ -100,6 +103,8 @@ class Experts(nn.Module):
         form would materialise each selected expert's products; at most E_local - 1 pairs take this path), skipping
         the pairs whose expert another rank holds."""
         I = self.down_proj.shape[2]
+        if traced and self.kernel:  # the same sums, each selected expert's weights streamed once
+            return torch.ops.neuron_opt.moe_gather(t, self.gate_up_proj, self.down_proj, ids, weights)
         if not traced:
             out = torch.zeros(t.shape, dtype=torch.float32, device=t.device)
             for i, j in local.nonzero().tolist():

@@ -16,6 +16,7 @@ Reference path: the eager backend (same model code); tests compare the two.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ from neuron_opt.backends.cpu_graphs import (
     use_cpu_layout,
 )
 from neuron_opt.backends.eager import load_model_weights, model_state_for_save
-from neuron_opt.buckets import DECODE, VERIFY, Bucket
+from neuron_opt.buckets import DECODE, PREFILL, VERIFY, Bucket
 from neuron_opt.config import CacheConfig
 from neuron_opt.errors import ArtifactError, BackendCompileError, ConfigError
 from neuron_opt.quant import quantized_modules
@@ -74,6 +75,9 @@ def _parse_options(options: dict[str, Any] | None, dtype: torch.dtype) -> dict[s
     torch.ops.neuron_opt.int8_linear, cpu_ops; the default where it builds, else "inductor") or "inductor" (one
     row: a dot-product loop Inductor fuses into the layer; more rows: aten._weight_int8pack_mm). Measured in place
     (docs/quantization.md): see there.
+    moe_gather: "kernel" (a sparse MoE block's selected experts, in graphs with a static token count, on
+    torch.ops.neuron_opt.moe_gather, cpu_ops; the default where it builds, else "inductor") or "inductor" (the
+    broadcast-and-sum loop of models.moe.Experts.gather, fused by Inductor). Measured in docs/moe.md.
     fuse_projections: "on" (q/k/v and gate/up as one GEMM each, see cpu_graphs.inductor_options) or "off".
     one_row_gemm: the gemm of layer graphs whose GEMMs have one row (batch-1 decode, one-token prefill); "same"
     (as `gemm`) or a gemm choice. bf16 default "cpp": at one row Inductor's C++ template ran batch-1 bf16 decode
@@ -91,8 +95,9 @@ def _parse_options(options: dict[str, Any] | None, dtype: torch.dtype) -> dict[s
     choices = {"gemm": GEMM_CHOICES, "attention": PRECISION_CHOICES, "residual": PRECISION_CHOICES,
                "decode_attention": DECODE_ATTENTION_CHOICES, "logits": PRECISION_CHOICES,
                "fuse_projections": ("on", "off"), "one_row_gemm": ("same", *GEMM_CHOICES),
-               "exact_verify": ("on", "off"), "int8_linear": ("kernel", "inductor")}
-    for name, fallback in (("decode_attention", "fused"), ("int8_linear", "inductor")):
+               "exact_verify": ("on", "off"), "int8_linear": ("kernel", "inductor"),
+               "moe_gather": ("kernel", "inductor")}
+    for name, fallback in (("decode_attention", "fused"), ("int8_linear", "inductor"), ("moe_gather", "inductor")):
         if name not in (options or {}):
             opts[name] = "kernel" if cpu_ops.load() is None else fallback
     for k, v in (options or {}).items():
@@ -160,12 +165,17 @@ class CpuBackend:
         int8_kernel = self._int8_kernel(model.model.layers[0], f"cpu layer graph for {bucket.key}")
         if kernel:
             cpu_ops.ensure(f"cpu layer graph for {bucket.key}", BackendCompileError)
+        moe_kernel = self.options["moe_gather"] == "kernel" and has_moe_block(model.model.layers[0])
+        if moe_kernel:
+            cpu_ops.ensure(f"cpu layer graph for {bucket.key}", BackendCompileError)
         layer = LayerGraph(model.model.layers[0], self.dtype, decode_attention, bucket.generates, exact, kernel,
-                           int8_kernel)
+                           int8_kernel, moe_kernel)
         gemm = self.options["gemm"]
         if (bucket.num_tokens == 1 or (exact and bucket.batch == 1)) and self.options["one_row_gemm"] != "same":
             gemm = self.options["one_row_gemm"]
-        recipes = compile_graph(layer, args, dyn, layer_gemm(layer, gemm), so,
+        # with every expert product on the operator (static token counts) no batched GEMM is left in the graph
+        gathered = moe_kernel and not (bucket.phase == PREFILL and bucket.tokens >= 2)
+        recipes = compile_graph(layer, args, dyn, layer_gemm(layer, gemm, gathered), so,
                                 f"cpu layer graph for {bucket.key}", self.options["fuse_projections"] == "on")
         return {"kind": "layer", "phase": bucket.phase, "batch": bucket.batch, "num_blocks": cache.num_blocks,
                 "block_size": cache.block_size, "constants": {k: r.to_dict() for k, r in recipes.items()}}
@@ -187,8 +197,10 @@ class CpuBackend:
         # (1.1-2.2 ms against 1.5-2.2), at 144 (16 x 9) slower (8.0 against 5.4 ms; docs/cpu_backend.md)
         fp32_logits = (self.options["logits"] == "fp32" and self.dtype != torch.float32
                        and "quant" not in model.lm_head._modules)
-        head = HeadGraph(model.model.norm, model.lm_head,
-                         self._int8_kernel(model.lm_head, f"cpu head graph for {rows} rows")).to(self.dtype)
+        norm, lm_head = model.model.norm, model.lm_head
+        if any(p.is_floating_point() and p.dtype != self.dtype for p in (*norm.parameters(), *lm_head.parameters())):
+            norm, lm_head = copy.deepcopy(norm), copy.deepcopy(lm_head)  # `.to` below: leave the caller's model be
+        head = HeadGraph(norm, lm_head, self._int8_kernel(lm_head, f"cpu head graph for {rows} rows")).to(self.dtype)
         args = (torch.randn(rows, model.cfg.hidden_size).to(self.residual_dtype),)
         gemm = "cpp" if fp32_logits else self.options["gemm"]
         recipes = compile_graph(head, args, None, layer_gemm(head, gemm), so, f"cpu head graph for {rows} rows")
@@ -209,7 +221,7 @@ class CpuBackend:
                            self.rope_dtype)
 
 
-def layer_gemm(layer: torch.nn.Module, gemm: str) -> str:
+def layer_gemm(layer: torch.nn.Module, gemm: str, moe_gathered: bool = False) -> str:
     """Quantized graphs (layers or heads) compile with gemm "aten", i.e. without freezing:
     - int4: torch's int4 CPU kernel is an extern call either way, and Inductor's freezing path fails on its
       constants' module paths (torch 2.13: "no attribute 'layer.self_attn...'");
@@ -217,10 +229,12 @@ def layer_gemm(layer: torch.nn.Module, gemm: str) -> str:
       constant-fold its int8 -> fp32 widening into an fp32 copy of the weight (4x the bytes read).
     MoE layers too: the C++ GEMM template has no batched GEMM, which the dense expert path is (Inductor: "No
     choices to select"; adding ATEN to the autotuner would make the choice timing-based), and freezing hands the
-    batched GEMMs their stacked weights permuted and reshaped, which no recipe rebuilds from the parameter."""
+    batched GEMMs their stacked weights permuted and reshaped, which no recipe rebuilds from the parameter. Not
+    when `moe_gathered` (every expert product of the graph on cpu_ops' moe_gather, which takes the stacked weights
+    as they are): those graphs keep `gemm`."""
     if quantized_modules(layer):
         return "aten"
-    if has_moe_block(layer):
+    if has_moe_block(layer) and not moe_gathered:
         return "aten"
     return gemm
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from neuron_opt.errors import BackendCompileError
 
-PACK_OPS = ("identity", "pack", "onednn", "literal")
+PACK_OPS = ("identity", "flat", "flat_fp32", "pack", "onednn", "literal")
 
 
 @dataclass(frozen=True)
@@ -39,8 +39,9 @@ class ConstantRecipe:
         sources: the tensor's name relative to the compiled module (e.g. ("layer.mlp.up_proj.weight",)); several
             names: the rows (dim 0) of those tensors concatenated, in order (Inductor's concat-linear pass fuses
             q/k/v and gate/up projections that read the same input into one GEMM).
-        op: "identity" (the tensor itself), "pack" (the C++ GEMM template's blocked layout, see `pack_weight`)
-            or "onednn" (an opaque oneDNN weight from `torch.ops.mkldnn._reorder_linear_weight`).
+        op: "identity" (the tensor itself), "flat" (a one-row tensor [1, n] as [n]; "flat_fp32": widened to fp32),
+            "pack" (the C++ GEMM template's blocked layout, see `pack_weight`) or "onednn" (an opaque oneDNN weight
+            from `torch.ops.mkldnn._reorder_linear_weight`).
         block_n: "pack": block along N (output features).
         vnni: "pack": VNNI interleave along K (0 = none, 2 or 4).
         batch: "onednn": the batch (M) hint oneDNN chose its layout for.
@@ -91,6 +92,8 @@ def build_constant(parts: list[torch.Tensor], r: ConstantRecipe) -> torch.Tensor
     t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     if r.op == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(t, r.batch)
+    if r.op in ("flat", "flat_fp32"):
+        return t.reshape(-1).to(torch.float32 if r.op == "flat_fp32" else t.dtype).contiguous()
     return t.contiguous() if r.op == "identity" else pack_weight(t, r.block_n, r.vnni)
 
 
@@ -171,7 +174,14 @@ def _find(c: torch.Tensor, named: dict[str, torch.Tensor], onednn_batch: int) ->
     for name, t in named.items():
         if t.shape == c.shape and t.dtype == c.dtype and torch.equal(t, c):
             return ConstantRecipe((name,), "identity")
-    if c.dim() == 1:  # concatenated biases
+    if c.dim() == 1:  # a one-row weight flattened (freezing folds a [1, H] linear into a dot product, e.g.
+        # Qwen2-MoE's shared_expert_gate), or concatenated biases
+        for name, t in named.items():  # (widened to fp32 when the graph computes it in fp32: exact)
+            if t.dim() == 2 and t.shape[0] == 1 and t.shape[1] == c.shape[0] and t.is_floating_point():
+                if t.dtype == c.dtype and torch.equal(t[0], c):
+                    return ConstantRecipe((name,), "flat")
+                if c.dtype == torch.float32 and torch.equal(t[0].float(), c):
+                    return ConstantRecipe((name,), "flat_fp32")
         sources = _rows_of(c, named)
         return ConstantRecipe(sources, "identity") if sources else None
     if c.dim() != 3:

@@ -35,7 +35,7 @@ from torch import nn
 from torch.export import Dim
 
 from models.llama import MLP, Attention, TorchOps
-from models.moe import SparseMoeBlock
+from models.moe import Experts, SparseMoeBlock
 from neuron_opt.backends import cpu_ops
 from neuron_opt.backends.base import kv_dtype
 from neuron_opt.backends.cpu_constants import (
@@ -144,11 +144,15 @@ class LayerGraph(nn.Module):
     """
 
     def __init__(self, layer: nn.Module, dtype: torch.dtype, decode_attention: bool, decode: bool,
-                 rows_as_decode: bool = False, kernel: bool = False, int8_kernel: bool = False) -> None:
+                 rows_as_decode: bool = False, kernel: bool = False, int8_kernel: bool = False,
+                 moe_kernel: bool = False) -> None:
         super().__init__()
         self.decode = decode  # a token-generation graph (decode, verify): models.llama.DecoderLayer's `decode`
         self.layer = copy.deepcopy(layer).to(dtype)
         use_cpu_layout(self.layer, int8_kernel)
+        for m in self.layer.modules():
+            if isinstance(m, Experts):
+                m.kernel = moe_kernel  # gathered experts on cpu_ops' moe_gather
         if decode_attention:
             attn = self.layer.self_attn
             attn.ops = DecodeAttention(attn.ops, rows_as_decode, kernel)

@@ -1,7 +1,8 @@
 """The cpu backend's C++ operators (`torch.ops.neuron_opt.*`), built on first use for this machine's CPU.
 
 `paged_attention` (csrc/paged_attention.cpp) is the attention of the decode and verify layer graphs, and
-`int8_linear` (csrc/int8_linear.cpp) the int8 weight-only product of graphs with few rows: AOTInductor calls them
+`int8_linear` (csrc/int8_linear.cpp) the int8 weight-only product of graphs with few rows, and `moe_gather`
+(csrc/moe_gather.cpp) a sparse MoE block's selected experts: AOTInductor calls them
 from the compiled graph through its proxy executor (the graph's `<key>.json` beside its `.so`). They are built
 with torch's extension builder (ninja, the C++ compiler Inductor uses anyway) and the vector ISA flags Inductor picks
 for its own kernels, into torch's extension cache, so later processes load it in well under a second. Compile and
@@ -20,7 +21,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / f for f in ("paged_attention.cpp", "int8_linear.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / f for f in ("paged_attention.cpp", "int8_linear.cpp", "moe_gather.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -52,8 +53,8 @@ def load() -> str | None:
             _state["error"] = None
         except Exception as e:  # a missing compiler or ninja, a build error: say which
             _state["error"] = f"{type(e).__name__}: {e}".strip()[:2000]
-            log.warning("cpu backend: the C++ operators (paged attention, int8 linear) could not be built: %s",
-                        _state["error"])
+            log.warning("cpu backend: the C++ operators (paged attention, int8 linear, MoE gather) could not be "
+                        "built: %s", _state["error"])
         return _state["error"]  # type: ignore[return-value]
 
 
@@ -61,9 +62,10 @@ def ensure(what: str, error: type[Exception] = RuntimeError) -> None:
     """Load the operators or raise `error` saying that `what` needs them and why they did not load."""
     err = load()
     if err is not None:
-        raise error(f"{what} needs the cpu backend's C++ operators (paged attention, int8 linear), which did not "
-                    f"build on this machine ({err}); compile with --backend-option decode_attention=fused "
-                    "--backend-option int8_linear=inductor to do without them")
+        raise error(f"{what} needs the cpu backend's C++ operators (paged attention, int8 linear, MoE gather), "
+                    f"which did not build on this machine ({err}); compile with --backend-option "
+                    "decode_attention=fused "
+                    "--backend-option int8_linear=inductor --backend-option moe_gather=inductor to do without them")
 
 
 def _register_fake() -> None:
@@ -75,6 +77,11 @@ def _register_fake() -> None:
     @torch.library.register_fake("neuron_opt::int8_linear")
     def _(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
+
+    @torch.library.register_fake("neuron_opt::moe_gather")
+    def _(t: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
+          weights: torch.Tensor) -> torch.Tensor:
+        return t.new_empty(t.shape, dtype=torch.float32)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -89,3 +96,11 @@ def int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.
     """x [M, K] (float32 or bfloat16) times the int8 weight w [N, K] with per-row scale [N] (csrc/int8_linear.cpp):
     [M, N] float32, each sum in fp32 over k in order of W-lane vectors; a row's result does not depend on M."""
     return torch.ops.neuron_opt.int8_linear(x, w, scale)
+
+
+def moe_gather(t: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
+               weights: torch.Tensor) -> torch.Tensor:
+    """The selected experts of a sparse MoE block (csrc/moe_gather.cpp): t [T, H], gate_up [E, 2I, H], down [E, H, I]
+    (float32 or bfloat16), ids [T, k] int64, weights [T, k] float32 -> [T, H] float32, as
+    models.moe.Experts.gather computes it."""
+    return torch.ops.neuron_opt.moe_gather(t, gate_up, down, ids, weights)

@@ -192,3 +192,49 @@ def test_int8_linear_refuses_bad_arguments_with_the_argument_named() -> None:
     for args, needle in bad:
         with pytest.raises(RuntimeError, match=needle):
             cpu_ops.int8_linear(*args)
+
+
+# moe_gather: (T, H, I, E, k, dtype). H and I not multiples of the vector width (40, 24, 100, 36) exercise the
+# scalar tails, 2I and H not multiples of the 4-row tile (2 * 9, 18) the short last tile
+MOE_SHAPES = [(1, 512, 1024, 8, 2, torch.bfloat16), (3, 40, 24, 4, 2, torch.float32), (9, 64, 96, 6, 3, torch.bfloat16),
+              (2, 100, 36, 5, 1, torch.float32), (4, 18, 9, 3, 2, torch.bfloat16)]
+
+
+def _moe_case(shape, seed: int = 0):
+    T, H, I, E, k, dtype = shape
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(T, H, generator=g).to(dtype)
+    gate_up = (torch.randn(E, 2 * I, H, generator=g) * 0.05).to(dtype)
+    down = (torch.randn(E, H, I, generator=g) * 0.05).to(dtype)
+    ids = torch.randint(0, E, (T, k), generator=g)
+    weights = torch.rand(T, k, generator=g)
+    return t, gate_up, down, ids, weights
+
+
+@pytest.mark.parametrize("shape", MOE_SHAPES)
+def test_moe_gather_matches_an_fp64_reference(shape) -> None:
+    """The selected experts as models.moe.Experts.gather computes them, in fp64 (the SwiGLU output rounded to t's
+    dtype as there)."""
+    t, gate_up, down, ids, weights = _moe_case(shape)
+    got = cpu_ops.moe_gather(t, gate_up, down, ids, weights)
+    assert got.dtype == torch.float32 and got.shape == t.shape
+    I = down.shape[2]
+    h = (gate_up[ids].double() * t.double()[:, None, None, :]).sum(-1)  # [T, k, 2I]
+    a = (torch.nn.functional.silu(h[..., :I]) * h[..., I:]).to(t.dtype).double()
+    ref = ((down[ids].double() * a[:, :, None, :]).sum(-1) * weights.double()[..., None]).sum(1)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+def test_moe_gather_refuses_bad_arguments_with_the_argument_named() -> None:
+    t, gate_up, down, ids, weights = _moe_case(MOE_SHAPES[1])
+    bad = [
+        ((t.half(), gate_up, down, ids, weights), "t must be float32 or bfloat16"),
+        ((t, gate_up, down.bfloat16(), ids, weights), "of one dtype"),
+        ((t, gate_up[:, :-1], down, ids, weights), "shapes do not fit"),
+        ((t, gate_up, down, ids.int(), weights), "ids must be int64"),
+        ((t, gate_up, down, ids, weights.double()), "weights must be float32"),
+        ((t, gate_up, down, ids + gate_up.shape[0], weights), "expert id out of range"),
+    ]
+    for args, needle in bad:
+        with pytest.raises(RuntimeError, match=needle):
+            cpu_ops.moe_gather(*args)

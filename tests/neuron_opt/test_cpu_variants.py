@@ -20,11 +20,12 @@ VARIANTS = ["mistral-window", "qwen2-moe"]
 SLOW_VARIANTS = ["qwen2", "llama-gqa2", "mixtral", "qwen3-moe"]
 
 
-def _compare(tiny_dir, tmp_path, variant: str, dtype: str, rtol: float, atol: float) -> None:
+def _compare(tiny_dir, tmp_path, variant: str, dtype: str, rtol: float, atol: float,
+             options: dict | None = None) -> None:
     ck = tiny_dir(variant)
     ref = eager_runner(ck, max_model_len=64, prefill_lens=(16,), decode_kv_lens=(32, 64))
     model = ref.executor.model  # fp32, the checkpoint's weights
-    backend = CpuBackend(getattr(torch, dtype))
+    backend = CpuBackend(getattr(torch, dtype), options)
     files = {b: [tmp_path / f for f in backend.compile_bucket(model, b, ref.cache, tmp_path)]
              for b in ref.buckets.buckets()}
     backend.save_weights(model, tmp_path / "w.safetensors")
@@ -45,6 +46,18 @@ def _compare(tiny_dir, tmp_path, variant: str, dtype: str, rtol: float, atol: fl
 @pytest.mark.parametrize("variant", VARIANTS + [pytest.param(v, marks=pytest.mark.slow) for v in SLOW_VARIANTS])
 def test_cpu_fp32_variants_match_eager(tiny_dir, tmp_path, variant: str) -> None:
     _compare(tiny_dir, tmp_path, variant, "float32", rtol=1e-4, atol=1e-4)
+
+
+def test_cpu_moe_without_the_gather_operator_matches_eager(tiny_dir, tmp_path) -> None:
+    """`moe_gather=inductor`: the selected experts as Inductor's fused loop (the form before the operator, and the
+    fallback where it does not build); the default form is the qwen2-moe case above. The decode graph calls the
+    operator only in the default form."""
+    import json
+
+    _compare(tiny_dir, tmp_path, "qwen2-moe", "float32", rtol=1e-4, atol=1e-4, options={"moe_gather": "inductor"})
+    calls = tmp_path / "cpu" / "layer_decode_b1.json"  # only operator calls left: paged attention
+    assert "moe_gather" not in calls.read_text()
+    assert json.loads(calls.with_name("layer_decode_b1.meta.json").read_text())["options"]["moe_gather"] == "inductor"
 
 
 @pytest.mark.slow
