@@ -238,3 +238,12 @@ def test_moe_gather_refuses_bad_arguments_with_the_argument_named() -> None:
     for args, needle in bad:
         with pytest.raises(RuntimeError, match=needle):
             cpu_ops.moe_gather(*args)
+
+
+def test_a_tokens_experts_do_not_depend_on_the_tokens_beside_it() -> None:
+    """Tokens that select the same expert share one read of it; each token's result is bitwise its result alone."""
+    t, gate_up, down, ids, weights = _moe_case((9, 64, 96, 3, 2, torch.bfloat16), seed=2)  # 18 pairs, 3 experts
+    together = cpu_ops.moe_gather(t, gate_up, down, ids, weights)
+    for i in range(t.shape[0]):
+        alone = cpu_ops.moe_gather(t[i:i + 1], gate_up, down, ids[i:i + 1], weights[i:i + 1])
+        assert torch.equal(alone, together[i:i + 1]), f"token {i}"

@@ -6,10 +6,11 @@
 // float32: out[t] = sum_j weights[t, j] * down[e] @ a, with e = ids[t, j], h = gate_up[e] @ t[t] and
 // a = silu(h[:I]) * h[I:] rounded to t's dtype, as Experts.gather computes it (every sum in fp32).
 //
-// What it is for: at decode only the selected experts' weights are read, once per token, and they stream from
-// memory. Each product is a matrix-vector product over four rows at a time with one software prefetch per 64 bytes
-// PF_DIST ahead (without it a core kept too few lines in flight: docs/quantization.md); work is split across
-// threads by (token, expert slot, rows).
+// What it is for: at decode only the selected experts' weights are read, once per step whichever tokens share an
+// expert, and they stream from memory: matrix-vector products over four rows at a time (for two tokens at once),
+// with one software prefetch per 64 bytes PF_DIST ahead (without it a core kept too few lines in flight:
+// docs/quantization.md). Work is split across threads by (expert, rows); a token's result does not depend on which
+// other tokens share the step.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -18,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -44,12 +46,15 @@ inline void load2<c10::BFloat16>(const c10::BFloat16* p, Vec& a, Vec& b) {
   std::tie(a, b) = at::vec::convert_to_float<c10::BFloat16>(at::vec::Vectorized<c10::BFloat16>::loadu(p));
 }
 
-// out[r] = mat[r] . v (fp32) for rows [r0, r0 + nr) of mat [R, C]; nr <= NR
-template <typename T>
-inline void rows_dot(const T* mat, int64_t C, const float* v, float* out, int64_t r0, int64_t nr) {
+// outs[m][r] = mat[r] . vs[m] (fp32) for rows [r0, r0 + nr) of mat [R, C] and MM vectors (nr <= NR): the rows
+// are read once for all MM vectors. Each (vector, row) is two chains of FMAs (the two W-lane halves of each 2W-lane
+// step) added and summed horizontally in a fixed order: the same result whatever MM is.
+template <typename T, int64_t MM>
+inline void rows_dot(const T* mat, int64_t C, const float* const* vs, float* const* outs, int64_t r0, int64_t nr) {
   const int64_t Cv = C / (2 * W) * (2 * W);
-  Vec acc[NR][2];
-  for (int64_t j = 0; j < NR; ++j) acc[j][0] = acc[j][1] = Vec(0.f);
+  Vec acc[MM][NR][2];
+  for (int64_t m = 0; m < MM; ++m)
+    for (int64_t j = 0; j < NR; ++j) acc[m][j][0] = acc[m][j][1] = Vec(0.f);
   const T* wr[NR];
   for (int64_t j = 0; j < NR; ++j) wr[j] = mat + (r0 + std::min(j, nr - 1)) * C;  // a short tile repeats its last row
   const char* stream = reinterpret_cast<const char*>(mat + r0 * C) + PF_DIST;  // the tile's rows, in order
@@ -57,31 +62,57 @@ inline void rows_dot(const T* mat, int64_t C, const float* v, float* out, int64_
   for (int64_t k = 0; k < Cv; k += 2 * W) {
     const char* s = stream + k / (2 * W) * step_bytes;
     for (int64_t b = 0; b < step_bytes; b += 64) __builtin_prefetch(s + b, 0, 1);
-    const Vec x0 = Vec::loadu(v + k), x1 = Vec::loadu(v + k + W);
 #pragma GCC unroll 4
     for (int64_t j = 0; j < NR; ++j) {
       Vec a, b;
       load2<T>(wr[j] + k, a, b);
-      acc[j][0] = at::vec::fmadd(a, x0, acc[j][0]);
-      acc[j][1] = at::vec::fmadd(b, x1, acc[j][1]);
+#pragma GCC unroll 4
+      for (int64_t m = 0; m < MM; ++m) {
+        acc[m][j][0] = at::vec::fmadd(a, Vec::loadu(vs[m] + k), acc[m][j][0]);
+        acc[m][j][1] = at::vec::fmadd(b, Vec::loadu(vs[m] + k + W), acc[m][j][1]);
+      }
     }
   }
-  for (int64_t j = 0; j < nr; ++j) {
-    float s = hsum(acc[j][0] + acc[j][1]);
-    for (int64_t k = Cv; k < C; ++k) s = std::fma(static_cast<float>(wr[j][k]), v[k], s);
-    out[r0 + j] = s;
+  for (int64_t m = 0; m < MM; ++m) {
+    for (int64_t j = 0; j < nr; ++j) {
+      float s = hsum(acc[m][j][0] + acc[m][j][1]);
+      for (int64_t k = Cv; k < C; ++k) s = std::fma(static_cast<float>(wr[j][k]), vs[m][k], s);
+      outs[m][r0 + j] = s;
+    }
   }
 }
 
-// y[p] = mats[ids[p]] @ xs[p] for every pair p, rows split across threads
+// y[p] = mats[ids[p]] @ xs[p] for every pair p. The pairs that select the same expert share one read of its rows
+// (two at a time, from cache after the first); work is split across threads by (expert, rows)
 template <typename T>
 void products(const T* mats, int64_t R, int64_t C, const int64_t* ids, const float* xs, float* y, int64_t P) {
-  const int64_t tiles = (R + NR - 1) / NR;
+  std::vector<int64_t> order(P);
+  for (int64_t p = 0; p < P; ++p) order[p] = p;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ids[a] < ids[b]; });
+  std::vector<int64_t> starts;  // each expert's run in `order`
+  for (int64_t i = 0; i < P; ++i)
+    if (i == 0 || ids[order[i]] != ids[order[i - 1]]) starts.push_back(i);
+  starts.push_back(P);
+  const int64_t groups = static_cast<int64_t>(starts.size()) - 1, tiles = (R + NR - 1) / NR;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, NR * C * sizeof(T)));
-  at::parallel_for(0, P * tiles, grain, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, groups * tiles, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
-      const int64_t p = i / tiles, r0 = (i % tiles) * NR;
-      rows_dot<T>(mats + ids[p] * R * C, C, xs + p * C, y + p * R, r0, std::min(NR, R - r0));
+      const int64_t g = i / tiles, r0 = (i % tiles) * NR, nr = std::min(NR, R - r0);
+      const T* mat = mats + ids[order[starts[g]]] * R * C;
+      for (int64_t q = starts[g]; q < starts[g + 1]; q += 2) {
+        const int64_t mm = std::min<int64_t>(2, starts[g + 1] - q);
+        const float* vs[2];
+        float* outs[2];
+        for (int64_t m = 0; m < mm; ++m) {
+          vs[m] = xs + order[q + m] * C;
+          outs[m] = y + order[q + m] * R;
+        }
+        if (mm == 2) {
+          rows_dot<T, 2>(mat, C, vs, outs, r0, nr);
+        } else {
+          rows_dot<T, 1>(mat, C, vs, outs, r0, nr);
+        }
+      }
     }
   });
 }
