@@ -16,7 +16,6 @@ Reference path: the eager backend (same model code); tests compare the two.
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -37,10 +36,11 @@ from neuron_opt.backends.cpu_graphs import (
     head_rows,
     layer_example,
     op_calls_file,
+    static_tokens,
     use_cpu_layout,
 )
 from neuron_opt.backends.eager import load_model_weights, model_state_for_save
-from neuron_opt.buckets import DECODE, PREFILL, VERIFY, Bucket
+from neuron_opt.buckets import DECODE, VERIFY, Bucket
 from neuron_opt.config import CacheConfig
 from neuron_opt.errors import ArtifactError, BackendCompileError, ConfigError
 from neuron_opt.quant import quantized_modules
@@ -162,11 +162,9 @@ class CpuBackend:
         exact = bucket.phase == VERIFY and self.options["exact_verify"] == "on"
         decode_attention = (bucket.phase == DECODE or exact) and self.options["decode_attention"] != "sdpa"
         kernel = decode_attention and self.options["decode_attention"] == "kernel"
-        int8_kernel = self._int8_kernel(model.model.layers[0], f"cpu layer graph for {bucket.key}")
-        if kernel:
-            cpu_ops.ensure(f"cpu layer graph for {bucket.key}", BackendCompileError)
+        int8_kernel = self._int8_kernel(model.model.layers[0])
         moe_kernel = self.options["moe_gather"] == "kernel" and has_moe_block(model.model.layers[0])
-        if moe_kernel:
+        if kernel or int8_kernel or moe_kernel:
             cpu_ops.ensure(f"cpu layer graph for {bucket.key}", BackendCompileError)
         layer = LayerGraph(model.model.layers[0], self.dtype, decode_attention, bucket.generates, exact, kernel,
                            int8_kernel, moe_kernel)
@@ -174,19 +172,16 @@ class CpuBackend:
         if (bucket.num_tokens == 1 or (exact and bucket.batch == 1)) and self.options["one_row_gemm"] != "same":
             gemm = self.options["one_row_gemm"]
         # with every expert product on the operator (static token counts) no batched GEMM is left in the graph
-        gathered = moe_kernel and not (bucket.phase == PREFILL and bucket.tokens >= 2)
+        gathered = moe_kernel and static_tokens(bucket)
         recipes = compile_graph(layer, args, dyn, layer_gemm(layer, gemm, gathered), so,
                                 f"cpu layer graph for {bucket.key}", self.options["fuse_projections"] == "on")
         return {"kind": "layer", "phase": bucket.phase, "batch": bucket.batch, "num_blocks": cache.num_blocks,
                 "block_size": cache.block_size, "constants": {k: r.to_dict() for k, r in recipes.items()}}
 
-    def _int8_kernel(self, module: torch.nn.Module, what: str) -> bool:
-        """Whether `module`'s graph computes its int8 products on cpu_ops' int8_linear (loaded here if so)."""
-        if self.options["int8_linear"] != "kernel" or not any(
-                m.method == "int8" for m in quantized_modules(module).values()):
-            return False
-        cpu_ops.ensure(what, BackendCompileError)
-        return True
+    def _int8_kernel(self, module: torch.nn.Module) -> bool:
+        """Whether `module`'s graph computes its int8 products on cpu_ops' int8_linear."""
+        return self.options["int8_linear"] == "kernel" and any(
+            m.method == "int8" for m in quantized_modules(module).values())
 
     def _compile_head(self, model: torch.nn.Module, bucket: Bucket, so: Path) -> dict[str, Any]:
         rows = head_rows(bucket)
@@ -197,10 +192,10 @@ class CpuBackend:
         # (1.1-2.2 ms against 1.5-2.2), at 144 (16 x 9) slower (8.0 against 5.4 ms; docs/cpu_backend.md)
         fp32_logits = (self.options["logits"] == "fp32" and self.dtype != torch.float32
                        and "quant" not in model.lm_head._modules)
-        norm, lm_head = model.model.norm, model.lm_head
-        if any(p.is_floating_point() and p.dtype != self.dtype for p in (*norm.parameters(), *lm_head.parameters())):
-            norm, lm_head = copy.deepcopy(norm), copy.deepcopy(lm_head)  # `.to` below: leave the caller's model be
-        head = HeadGraph(norm, lm_head, self._int8_kernel(lm_head, f"cpu head graph for {rows} rows")).to(self.dtype)
+        int8_kernel = self._int8_kernel(model.lm_head)
+        if int8_kernel:
+            cpu_ops.ensure(f"cpu head graph for {rows} rows", BackendCompileError)
+        head = HeadGraph(model.model.norm, model.lm_head, self.dtype, int8_kernel)
         args = (torch.randn(rows, model.cfg.hidden_size).to(self.residual_dtype),)
         gemm = "cpp" if fp32_logits else self.options["gemm"]
         recipes = compile_graph(head, args, None, layer_gemm(head, gemm), so, f"cpu head graph for {rows} rows")

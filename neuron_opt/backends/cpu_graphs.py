@@ -175,13 +175,21 @@ class HeadGraph(nn.Module):
     lost 4 of 256 tokens to it (docs/cpu_backend.md). A oneDNN GEMM returns bf16, rounded, then widened.
     """
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module, int8_kernel: bool = False) -> None:
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, dtype: torch.dtype, int8_kernel: bool = False) -> None:
         super().__init__()
-        self.norm = norm
-        if "quant" in lm_head._modules:  # a quantized head: a copy on the CPU kernel (the model keeps its own)
+        # in `dtype`, leaving the caller's modules as they are: a copy of each that converting would change (a large
+        # head already in `dtype` is not copied), and of a quantized head, which moves to the CPU kernels' layouts
+        def converts(m: nn.Module) -> bool:
+            return any(p.is_floating_point() and p.dtype != dtype for p in m.parameters())
+
+        quantized = "quant" in lm_head._modules
+        if converts(norm):
+            norm = copy.deepcopy(norm)
+        if quantized or converts(lm_head):
             lm_head = copy.deepcopy(lm_head)
+        if quantized:
             use_cpu_kernels(lm_head, int8_kernel)
-        self.lm_head = lm_head
+        self.norm, self.lm_head = norm.to(dtype), lm_head.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)  # x may be an fp32 residual: then h is fp32
@@ -193,13 +201,19 @@ def head_rows(bucket: Bucket) -> int:
     return bucket.batch * (bucket.q_len if bucket.phase == VERIFY else 1)
 
 
+def static_tokens(bucket: Bucket) -> bool:
+    """Whether the bucket's layer graph has a static token count: all but prefills of 2 or more tokens per row,
+    whose count is a dynamic dimension (one graph for every prompt length)."""
+    return not (bucket.phase == PREFILL and bucket.tokens >= 2)
+
+
 def graph_keys(bucket: Bucket) -> tuple[str, str]:
     """(layer graph key, head graph key) for a bucket. The KV length is always dynamic; a prefill's token count is
     too, except for one-token prefills (no dynamic dim of size 1), which get their own static graph."""
     if bucket.phase == VERIFY:
         layer = f"layer_verify_b{bucket.batch}_q{bucket.q_len}"
     elif bucket.phase == PREFILL:
-        layer = f"layer_prefill_b{bucket.batch}" + ("_dyn" if bucket.tokens >= 2 else "_t1")
+        layer = f"layer_prefill_b{bucket.batch}" + ("_t1" if static_tokens(bucket) else "_dyn")
     else:
         layer = f"layer_decode_b{bucket.batch}"
     if bucket.phase == VERIFY:
@@ -222,7 +236,7 @@ def layer_example(model: nn.Module, bucket: Bucket, cache: CacheConfig, dtype: t
     args = (torch.randn(B, S, H).to(residual_dtype), torch.randn(B, S, 1, D).to(rope_dtype),
             torch.randn(B, S, 1, D).to(rope_dtype), positions, slots, tables, k, v)
     blocks = Dim("blocks", min=2, max=max(3, cache.blocks_per_sequence))  # min < max, even for one-block lengths
-    if bucket.phase == PREFILL and S >= 2:
+    if not static_tokens(bucket):
         t = Dim("tokens", min=2, max=cache.max_model_len)
         return args, ({1: t}, {1: t}, {1: t}, {1: t}, {1: t}, {1: blocks}, None, None)
     return args, (None, None, None, None, None, {1: blocks}, None, None)

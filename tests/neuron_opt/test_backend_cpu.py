@@ -410,7 +410,7 @@ def test_head_graph_logits_against_fp64() -> None:
     from neuron_opt.backends.cpu_graphs import HeadGraph
 
     m = make_model(3, torch.bfloat16)
-    head = HeadGraph(m.model.norm, m.lm_head)
+    head = HeadGraph(m.model.norm, m.lm_head, torch.bfloat16)
     x = torch.randn(1, CFG.hidden_size) * 3
     got = head(x)
     xd = x.double()

@@ -25,12 +25,7 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t W = Vec::size();
 constexpr int64_t NR = 4;  // output features per pass
 constexpr int64_t MR = 4;  // rows of x per pass
-#ifndef PF_DIST
-#define PF_DIST 16384
-#endif
-#ifndef PF_LOC
-#define PF_LOC 1
-#endif
+constexpr int64_t PF_DIST = 16384;  // bytes ahead; prefetcht2 (docs/quantization.md: the sweep over both)
 
 inline float hsum(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
@@ -58,7 +53,7 @@ inline void tile(const float* xf, const int8_t* w, const float* sc, float* y, in
   for (int64_t j = 0; j < NR; ++j) wr[j] = w + (n0 + std::min(j, nn - 1)) * K;  // a short tile repeats its last row
   const char* stream = reinterpret_cast<const char*>(w + n0 * K) + PF_DIST;  // the tile's rows, read in order
   for (int64_t k = 0; k < Kv; k += W) {
-    __builtin_prefetch(stream + k * NR, 0, PF_LOC);
+    __builtin_prefetch(stream + k * NR, 0, 1);
     Vec wv[NR];
     for (int64_t j = 0; j < NR; ++j) wv[j] = load_i8(wr[j] + k);
     for (int64_t m = 0; m < MM; ++m) {

@@ -27,7 +27,7 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t W = Vec::size();
 constexpr int64_t NR = 4;  // matrix rows per pass
-constexpr int64_t PF_DIST = 16384;
+constexpr int64_t PF_DIST = 16384;  // bytes ahead, prefetcht2: as csrc/int8_linear.cpp
 
 inline float hsum(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
@@ -82,10 +82,11 @@ inline void rows_dot(const T* mat, int64_t C, const float* const* vs, float* con
   }
 }
 
-// y[p] = mats[ids[p]] @ xs[p] for every pair p. The pairs that select the same expert share one read of its rows
+// y[p] = mats[ids[p]] @ xs[p / per_x] for every pair p (per_x pairs share one vector of xs). The pairs that select the same expert share one read of its rows
 // (two at a time, from cache after the first); work is split across threads by (expert, rows)
 template <typename T>
-void products(const T* mats, int64_t R, int64_t C, const int64_t* ids, const float* xs, float* y, int64_t P) {
+void products(const T* mats, int64_t R, int64_t C, const int64_t* ids, const float* xs, int64_t per_x, float* y,
+              int64_t P) {
   std::vector<int64_t> order(P);
   for (int64_t p = 0; p < P; ++p) order[p] = p;
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ids[a] < ids[b]; });
@@ -104,7 +105,7 @@ void products(const T* mats, int64_t R, int64_t C, const int64_t* ids, const flo
         const float* vs[2];
         float* outs[2];
         for (int64_t m = 0; m < mm; ++m) {
-          vs[m] = xs + order[q + m] * C;
+          vs[m] = xs + order[q + m] / per_x * C;
           outs[m] = y + order[q + m] * R;
         }
         if (mm == 2) {
@@ -124,9 +125,8 @@ at::Tensor gather(const at::Tensor& t, const at::Tensor& gate_up, const at::Tens
   const at::Tensor x = t.to(at::kFloat).contiguous();  // [T, H]
   const at::Tensor idc = ids.contiguous(), wc = weights.contiguous();
   const int64_t* idp = idc.data_ptr<int64_t>();
-  std::vector<float> xs(P * H), h(P * 2 * I), a(P * I), y(P * H);
-  for (int64_t p = 0; p < P; ++p) std::copy_n(x.data_ptr<float>() + (p / k) * H, H, xs.data() + p * H);
-  products<T>(gate_up.data_ptr<T>(), 2 * I, H, idp, xs.data(), h.data(), P);
+  std::vector<float> h(P * 2 * I), a(P * I), y(P * H);
+  products<T>(gate_up.data_ptr<T>(), 2 * I, H, idp, x.data_ptr<float>(), k, h.data(), P);  // pair p: token p / k
   const bool round_bf16 = t.scalar_type() == at::kBFloat16;
   for (int64_t p = 0; p < P; ++p) {
     for (int64_t i = 0; i < I; ++i) {
@@ -135,7 +135,7 @@ at::Tensor gather(const at::Tensor& t, const at::Tensor& gate_up, const at::Tens
       a[p * I + i] = round_bf16 ? static_cast<float>(c10::BFloat16(v)) : v;
     }
   }
-  products<T>(down.data_ptr<T>(), H, I, idp, a.data(), y.data(), P);
+  products<T>(down.data_ptr<T>(), H, I, idp, a.data(), 1, y.data(), P);
   at::Tensor out = at::empty({Tn, H}, t.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
   const float* wp = wc.data_ptr<float>();
