@@ -87,7 +87,7 @@ class SimContext:
         if st.serial == self.accum_serial:
             return
         box = tile.box(mask)
-        self.cost.timeline.access(st.serial, box, kind)
+        self.cost.timeline.access(st.serial, box, kind, st.buffer.value)
         if any(f.kind == "affine_range" for f in self.loops.frames):
             self.loops.access(st.serial, st.name, box, kind)
 

@@ -72,13 +72,15 @@ class Report:
         dma_busy_us: queue time of all DMAs divided by the number of queues (the DMA throughput bound).
         latency_us: estimated kernel latency: the end of the last instruction in the dependency-aware schedule.
         throughput_bound_us: the largest busy time over engines and DMA (what perfect overlap would reach).
-        utilization: per engine and `dma`, busy time / latency.
+        utilization: per engine, `dma` and shared port (`sbuf_port`, `psum_port`; NeuronCore-v2), busy time /
+            latency.
         matmul_flops: 2*K*M*N summed over matmuls (transposes excluded).
         tensor_utilization: matmul_flops / (latency * peak bf16 FLOP/s of the target).
-        bound_by: the engine (or `dma`) with the largest busy time.
+        bound_by: the engine, `dma` or shared port with the largest busy time.
         sbuf_peak_bytes_per_partition / psum_peak_banks: allocator high-water marks.
         static_instructions: instructions (DMAs included) of one SPMD program as compiled: a rolled loop's
             body counted once, an unrolled one once per iteration (core/loops.py); the largest over programs.
+        port_busy_us: per shared port (NeuronCore-v2), the time the instructions that hold it take.
     """
 
     target: str
@@ -97,12 +99,14 @@ class Report:
     sbuf_peak_bytes_per_partition: int
     psum_peak_banks: int
     static_instructions: int = 0
+    port_busy_us: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["engines"] = {k: dict(v.__dict__) for k, v in self.engines.items()}
         d["ops"] = dict(self.ops)
         d["utilization"] = dict(self.utilization)
+        d["port_busy_us"] = dict(self.port_busy_us)
         return d
 
     def __str__(self) -> str:
@@ -122,6 +126,8 @@ class Report:
             f"{self.dma_busy_us:>12.2f} us {self.utilization['dma'] * 100:5.1f}% busy "
             f"({self.dma_descriptors} descriptors)"
         )
+        for name, us in self.port_busy_us.items():
+            lines.append(f"  {name:<9} {us:>44.2f} us {self.utilization[name] * 100:5.1f}% busy")
         lines.append(
             f"  SBUF peak {self.sbuf_peak_bytes_per_partition} "
             f"B/partition; PSUM peak {self.psum_peak_banks} banks; {self.static_instructions} static instructions"
@@ -147,12 +153,14 @@ class CostRecorder:
     def __post_init__(self) -> None:
         self.timeline = Timeline(self.target)
 
-    def instr(self, engine: str, op: str, cycles: float) -> None:
+    def instr(self, engine: str, op: str, cycles: float, touches: tuple[str, ...] = ()) -> None:
+        """One instruction of `cycles` on `engine`; `touches` names memories it accesses that are not recorded
+        as its operands (core/timeline.py, shared ports)."""
         self.counts[engine] += 1
         self.cycles[engine] += cycles
         self.ops[f"{engine}.{op}"] += 1
         self.loops.instruction((engine, op, cycles))
-        self.timeline.instruction(engine, cycles / (self.target.clock_ghz(engine) * 1e3))
+        self.timeline.instruction(engine, cycles / (self.target.clock_ghz(engine) * 1e3), touches)
 
     def dma(
         self, nbytes: int, to_hbm: bool, access_bytes: int | None = None, rows: int = 1, descriptors: int = 1
@@ -176,6 +184,8 @@ class CostRecorder:
         dma_us = self.timeline.dma_queue_us
         busy = {e: s.busy_us for e, s in engines.items()}
         busy["dma"] = dma_us
+        ports = self.timeline.port_busy_us
+        busy.update(ports)
         bound = max(busy, key=lambda k: busy[k])
         utilization = {k: (v / latency if latency > 0 else 0.0) for k, v in busy.items()}
         peak_flops_per_us = t.peak_bf16_tflops * 1e6
@@ -197,4 +207,5 @@ class CostRecorder:
             sbuf_peak_bytes_per_partition=sbuf_peak,
             psum_peak_banks=psum_peak,
             static_instructions=static_instructions,
+            port_busy_us=dict(sorted(ports.items())),
         )

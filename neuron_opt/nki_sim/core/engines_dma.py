@@ -134,7 +134,7 @@ def store(dst: Tile, value: Any, *, mask: Any = None) -> None:
     m = dst.check_mask(mask)
     dst.check_bounds(m)
     if value.buffer is Buffer.PSUM:
-        ctx.cost.instr("vector", "tensor_copy", cost.streaming_cycles(value.free_size))
+        ctx.cost.instr("vector", "tensor_copy", cost.streaming_cycles(value.free_size), touches=("sbuf",))
     ctx.cost.dma(dst.masked_count(m) * dtypes.itemsize(dst.dtype), to_hbm=True,
                  access_bytes=dst.size * dtypes.itemsize(dst.dtype), **_geometry(dst, m))
     ctx.access(dst, "write", m)  # after the DMA: its result (core/timeline.py)

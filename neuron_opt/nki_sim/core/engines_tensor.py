@@ -158,7 +158,7 @@ def pe_transpose(x: Tile, *, dtype: Any = None, mask: Any = None, to_sbuf: bool 
     out = None if v is None else v.reshape(p, f).T
     dt = dtypes.normalize(dtype) if dtype is not None else x.dtype
     if to_sbuf:  # result evicted from PSUM to SBUF for use as a matmul operand
-        ctx.cost.instr("vector", "tensor_copy", cost.streaming_cycles(p))
+        ctx.cost.instr("vector", "tensor_copy", cost.streaming_cycles(p), touches=("psum",))
         return finish(ctx, (f, p), dt, out, m, Buffer.SBUF)
     return finish(ctx, (f, p), dt, out, m, Buffer.PSUM)
 
@@ -187,7 +187,7 @@ def partition_broadcast(x: Tile, shape: tuple[int, ...], dtype: Any = None) -> T
         raise PartitionError(f"Size of partition dimension {p} exceeds architecture limitation of {PMAX}")
     n = int(np.prod(shape[1:])) if len(shape) > 1 else 1
     ctx.cost.instr("tensor", "matmul", cost.matmul_cycles(p, n, x.dtype in _FP32_LIKE))
-    ctx.cost.instr("vector", "tensor_copy", cost.streaming_cycles(n))
+    ctx.cost.instr("vector", "tensor_copy", cost.streaming_cycles(n), touches=("psum", "sbuf"))
     v = values(ctx, x)
     out = None if v is None else np.broadcast_to(v, shape)
     return finish(ctx, tuple(shape), dtypes.normalize(dtype) if dtype is not None else x.dtype, out)

@@ -33,6 +33,9 @@ class Target:
         dma_descriptor_ns: queue time per DMA descriptor (one contiguous HBM run landing in one partition), on
             top of bytes / bandwidth; fitted (see `DMA_DESCRIPTOR_NS`).
         peak_bf16_tflops: documented TensorE peak for bf16.
+        shared_ports: NeuronCore-v2's shared memory ports: VectorE and GpSimdE cannot access SBUF in parallel,
+            VectorE and ScalarE cannot access PSUM in parallel; the compiler serializes such instructions (the
+            Trainium/Inferentia2 architecture guide, "Memory hierarchy"). Lifted on NeuronCore-v3.
     """
 
     name: str
@@ -51,6 +54,7 @@ class Target:
     dma_fixed_ns: float
     dma_descriptor_ns: float
     peak_bf16_tflops: float
+    shared_ports: bool = False
 
     @property
     def dma_gbps(self) -> float:
@@ -89,6 +93,7 @@ _V2 = dict(
     dma_fixed_ns=1300.0,
     dma_descriptor_ns=DMA_DESCRIPTOR_NS,
     peak_bf16_tflops=92.0,
+    shared_ports=True,
 )
 
 TARGETS: dict[str, Target] = {

@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 
 from neuron_opt.nki_sim.core.targets import Target
 
+SBUF_PORT = "sbuf_port"  # NeuronCore-v2: VectorE and GpSimdE cannot access SBUF in parallel
+PSUM_PORT = "psum_port"  # NeuronCore-v2: VectorE and ScalarE cannot access PSUM in parallel
 GAP_WINDOW = 24  # idle gaps kept per engine queue for backfilling
 HISTORY = 16  # read/write boxes kept per storage before they fold into a whole-storage time
 _EPS = 1e-9
@@ -59,22 +61,36 @@ class Lane:
         self.gaps: list[tuple[float, float]] = []
         self.busy = 0.0
 
-    def place(self, ready: float, dur: float) -> float:
-        """Run `dur` at the earliest start >= ready with that much idle time (a gap, else after the tail)."""
-        self.busy += dur
-        for i, (a, b) in enumerate(self.gaps):
+    def earliest(self, ready: float, dur: float) -> float:
+        """The earliest start >= ready with `dur` of idle time (a kept gap, else after the tail)."""
+        for a, b in self.gaps:
             if b - dur < ready:
                 continue
             s = a if a > ready else ready
             if s + dur <= b + _EPS:
+                return s
+        return self.tail if self.tail > ready else ready
+
+    def reserve(self, s: float, dur: float) -> None:
+        """Mark [s, s + dur) busy; `s` came from `earliest` (inside a kept gap or at/after the tail)."""
+        self.busy += dur
+        if s >= self.tail - _EPS:
+            if s - self.tail > _EPS:
+                self.gaps.append((self.tail, s))
+                self._trim()
+            self.tail = max(self.tail, s + dur)
+            return
+        for i, (a, b) in enumerate(self.gaps):
+            if a - _EPS <= s and s + dur <= b + _EPS:
                 self.gaps[i:i + 1] = [g for g in ((a, s), (s + dur, b)) if g[1] - g[0] > _EPS]
                 self._trim()
-                return s
-        s = self.tail if self.tail > ready else ready
-        if s - self.tail > _EPS:
-            self.gaps.append((self.tail, s))
-            self._trim()
-        self.tail = s + dur
+                return
+        raise AssertionError("Lane.reserve: the interval is not idle")  # pragma: no cover
+
+    def place(self, ready: float, dur: float) -> float:
+        """Run `dur` at the earliest start >= ready with that much idle time (a gap, else after the tail)."""
+        s = self.earliest(ready, dur)
+        self.reserve(s, dur)
         return s
 
     def _trim(self) -> None:
@@ -108,6 +124,21 @@ class Lane:
             self.tail = s + work
             end = self.tail
         return end
+
+
+def _place_all(lanes: list[Lane], ready: float, dur: float) -> float:
+    """Reserve `dur` at the earliest start >= ready at which every lane is idle for that long."""
+    s = ready
+    while True:
+        t = s
+        for lane in lanes:
+            t = lane.earliest(t, dur)
+        if t <= s + _EPS:
+            break
+        s = t
+    for lane in lanes:
+        lane.reserve(s, dur)
+    return s
 
 
 def _overlap(a: Box, b: Box) -> bool:
@@ -170,6 +201,7 @@ class _Open:
     writes: list[tuple[int, Box]] = field(default_factory=list)
     after: float = 0.0  # extra ready time (chained to the previous instruction)
     pieces: int = 0  # DMA: queues the transfer is split over (0: an engine instruction)
+    touches: tuple[str, ...] = ()  # memories accessed beyond the recorded operands
 
 
 class Timeline:
@@ -187,10 +219,16 @@ class Timeline:
         self.open: _Open | None = None
         self.alias: int | None = None
         self.makespan = 0.0
+        self.memory: dict[int, str] = {}  # storage serial -> the memory it lives in
+        # NeuronCore-v2 shares one SBUF port between VectorE and GpSimdE and one PSUM port between VectorE and
+        # ScalarE: instructions of the two engines that access that memory are serialized (module docstring).
+        self.ports: dict[str, Lane] = {}
 
     # ---- feed -------------------------------------------------------------------------------------------
-    def access(self, serial: int, box: Box, kind: str) -> None:
-        """A read (operand of the next instruction), or a write / accumulation (result of the last one)."""
+    def access(self, serial: int, box: Box, kind: str, memory: str = "sbuf") -> None:
+        """A read (operand of the next instruction), or a write / accumulation (result of the last one), of a
+        storage in `memory` (`sbuf`, `psum` or `hbm`)."""
+        self.memory[serial] = memory
         if kind == "read":
             self.pending.append((serial, box))
             return
@@ -208,6 +246,7 @@ class Timeline:
             return
         if alias is not None:
             self._unbuffer(alias)
+            self.memory[alias] = memory  # the result is made where it is assigned, not in a tile of its own
         op.writes.append((serial, box))
         if kind == "accum":
             op.reads.append((serial, box))
@@ -239,8 +278,10 @@ class Timeline:
             if serial in self.sites.get(site, ()):
                 self.sites[site].remove(serial)
 
-    def instruction(self, engine: str, us: float) -> None:
-        self._next(_Open(engine, us, self.pending))
+    def instruction(self, engine: str, us: float, touches: tuple[str, ...] = ()) -> None:
+        """An engine instruction of `us`; `touches` names memories it accesses beyond its recorded operands
+        (the PSUM side of a copy issued as the second instruction of an API call)."""
+        self._next(_Open(engine, us, self.pending, touches=touches))
 
     def dma(self, rows: int, nbytes: int, descriptors: int) -> None:
         t = self.target
@@ -290,7 +331,8 @@ class Timeline:
             lane = self.engines.get(op.lane)
             if lane is None:
                 lane = self.engines[op.lane] = Lane()
-            start = lane.place(ready, op.dur)
+            lanes = [lane] + [self._port(p) for p in self._ports_of(op)]
+            start = _place_all(lanes, ready, op.dur)
             end = start + op.dur
         else:
             end = self._place_dma(ready + self.target.dma_fixed_ns / 1e3, op.pieces, op.dur)
@@ -300,6 +342,31 @@ class Timeline:
             self._hist(s).wrote(box, end)
         self.makespan = max(self.makespan, end)
         return end
+
+    def _ports_of(self, op: _Open) -> list[str]:
+        """The shared memory ports an engine instruction holds for its duration (none on NeuronCore-v3)."""
+        if not self.target.shared_ports:
+            return []
+        mems = set(op.touches)
+        mems.update(self.memory.get(s, "sbuf") for s, _ in op.reads)
+        mems.update(self.memory.get(s, "sbuf") for s, _ in op.writes)
+        ports = []
+        if op.lane in ("vector", "gpsimd") and "sbuf" in mems:
+            ports.append(SBUF_PORT)
+        if op.lane in ("vector", "scalar") and "psum" in mems:
+            ports.append(PSUM_PORT)
+        return ports
+
+    def _port(self, name: str) -> Lane:
+        lane = self.ports.get(name)
+        if lane is None:
+            lane = self.ports[name] = Lane()
+        return lane
+
+    @property
+    def port_busy_us(self) -> dict[str, float]:
+        """Time each shared port was held (instructions of either engine that access its memory)."""
+        return {name: lane.busy for name, lane in self.ports.items()}
 
     def _place_dma(self, ready: float, pieces: int, dur: float) -> float:
         """`pieces` queues busy `dur` each: that much work on the pooled queues, no faster than `dur`."""

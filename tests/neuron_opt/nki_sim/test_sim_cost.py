@@ -11,6 +11,7 @@ import pytest
 from neuron_opt import nki_sim as nki
 from neuron_opt.nki_sim import isa as nisa
 from neuron_opt.nki_sim import language as nl
+from neuron_opt.nki_sim.core.timeline import Timeline
 
 BF16 = ml_dtypes.bfloat16
 
@@ -231,3 +232,82 @@ def test_indirect_load_descriptors_are_each_gathered_rows_runs() -> None:
     assert geometry((slice(None), slice(None))) == 64  # a whole [4, 128] row: one run
     assert geometry((slice(0, 2), slice(None))) == 64  # its first half: still one run
     assert geometry((slice(None), slice(0, 64))) == 64 * 4  # half of each of 4 sub-rows: 4 runs
+
+
+
+BOX = ((0, 128), (0, 512))
+
+
+def _two_instructions(first: str, second: str, target: str) -> tuple[float, dict[str, float]]:
+    """Latency and port times of two independent 1 us instructions, each given as `engine-memory` (the memory
+    of the tile it reads and writes), both ready at time 0."""
+    t = Timeline(nki.get_target(target))
+    for serial, spec in enumerate((first, second)):
+        eng, mem = spec.split("-")
+        t.access(10 + serial, BOX, "read", mem)
+        t.instruction(eng, 1.0)
+        t.access(20 + serial, BOX, "write", mem)
+    return t.finish(), t.port_busy_us
+
+
+@pytest.mark.parametrize("first,second,port", [
+    ("vector-psum", "scalar-psum", "psum_port"),  # VectorE and ScalarE cannot access PSUM in parallel
+    ("scalar-psum", "vector-psum", "psum_port"),
+    ("vector-sbuf", "gpsimd-sbuf", "sbuf_port"),  # VectorE and GpSimdE cannot access SBUF in parallel
+    ("gpsimd-sbuf", "vector-sbuf", "sbuf_port"),
+])
+def test_shared_ports_serialize_v2_engines_but_not_v3(first: str, second: str, port: str) -> None:
+    latency, ports = _two_instructions(first, second, "trn1")
+    assert latency == pytest.approx(2.0)  # the second waits for the first (NeuronCore-v2)
+    assert ports[port] == pytest.approx(2.0)
+    latency, ports = _two_instructions(first, second, "trn2")
+    assert latency == pytest.approx(1.0) and ports == {}  # lifted on NeuronCore-v3
+
+
+@pytest.mark.parametrize("first,second", [
+    ("vector-psum", "gpsimd-sbuf"),  # VectorE on PSUM only leaves the SBUF port to GpSimd
+    ("scalar-psum", "gpsimd-sbuf"),  # ScalarE and GpSimd share no port
+    ("scalar-sbuf", "vector-psum"),  # ScalarE on SBUF leaves the PSUM port to VectorE
+    ("scalar-sbuf", "vector-sbuf"),
+    ("tensor-sbuf", "vector-psum"),
+])
+def test_engines_that_share_no_port_overlap_on_v2(first: str, second: str) -> None:
+    latency, _ = _two_instructions(first, second, "trn1")
+    assert latency == pytest.approx(1.0)
+
+
+def test_a_port_holder_backfills_a_gap_only_where_the_port_is_free_too() -> None:
+    # VectorE waits 3 us for its operand; ScalarE then takes the PSUM port over [0, 2). A second, independent
+    # VectorE PSUM instruction fits in VectorE's idle time only after ScalarE let go of the port.
+    t = Timeline(nki.get_target("trn1"))
+    t.access(1, BOX, "read", "sbuf")
+    t.instruction("tensor", 3.0)
+    t.access(2, BOX, "write", "psum")
+    t.access(2, BOX, "read", "psum")
+    t.instruction("vector", 1.0)  # [3, 4)
+    t.access(3, BOX, "write", "sbuf")
+    t.access(4, BOX, "read", "psum")
+    t.instruction("scalar", 2.0)  # [0, 2): holds the PSUM port
+    t.access(5, BOX, "write", "sbuf")
+    t.access(6, BOX, "read", "psum")
+    t.instruction("vector", 0.5)  # VectorE is idle over [0, 3) but the port is busy until 2: [2, 2.5)
+    t.access(7, BOX, "write", "sbuf")
+    assert t.finish() == pytest.approx(4.0)
+    assert t.storages[7].writes[-1][1] == pytest.approx(2.5)
+    assert t.port_busy_us["psum_port"] == pytest.approx(3.5)
+
+
+def test_a_result_assigned_into_psum_counts_as_psum() -> None:
+    # `ps[...] = tensor_reduce(...)`: the result never lives in a tile of its own, so VectorE reading and
+    # writing PSUM leaves the SBUF port to GpSimd.
+    @nki.jit
+    def k(a: Any) -> Any:
+        ps = nisa.nc_matmul(nl.zeros((128, 128), dtype=nl.bfloat16), nl.zeros((128, 512), dtype=nl.bfloat16))
+        mx = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.psum)
+        mx[...] = nisa.tensor_reduce(nl.maximum, ps, axis=(1,), keepdims=True)
+        return a
+
+    _, rep = nki.simulate_kernel(k, np.zeros((1, 1), np.float32), report=True, target="trn1")
+    reduce_us = 512 / 1.12e3
+    assert rep.port_busy_us["psum_port"] == pytest.approx(reduce_us)
+    assert rep.port_busy_us.get("sbuf_port", 0.0) == pytest.approx(rep.engines["gpsimd"].busy_us)  # memsets only
