@@ -76,9 +76,10 @@ Q_TILE = 128  # query rows per tile: the partition count of the score tile
 Q_GROUP = 4  # query tiles that share one pass over K/V (512 queries: K/V HBM traffic / 512 per query)
 K_TILE = 512  # keys per score matmul: one PSUM bank of fp32
 K_BLOCK = 2048  # keys per streamed K/V block (4 score sub-tiles); a multiple of STEP_KEYS
-STEP_KEYS = 1024  # keys per online-softmax step (2 score sub-tiles = 2 PSUM banks, so two steps' scores fit)
+STEP_KEYS = 2048  # keys per online-softmax step (2 score sub-tiles = 2 PSUM banks, so two steps' scores fit)
 NEG = -1.0e30  # masked score and initial running max; exp(scale * NEG - m) underflows to exactly 0
-EVICT_VECTOR = (6, 16)  # of every 16 P^T evictions in a step, 6 on VectorE and 10 on ScalarE (docs/kernels.md)
+LOOKAHEAD = 1  # steps whose scores are issued before the oldest pending step's exp and P @ V
+EVICT_VECTOR = (14, 16)  # of every 16 P^T evictions in a step, 6 on VectorE and 10 on ScalarE (docs/kernels.md)
 
 
 @nki.jit
@@ -144,9 +145,8 @@ def _query_group(q0, q_t, k_t, v, out, b, h, kvh, s, d, masks, scale, mm_dtype):
         _block_steps(kv, kend % K_BLOCK, tiles, state)
     if masks is not None:  # the group's own keys [q0, q0 + n_rows): member t sees the first r + qr of them
         kv = _load_kv(k_t, v, b, kvh, q0, n_rows, d, mm_dtype)
-        for t in nl.static_range(len(tiles)):
-            r, qr = tiles[t]
-            _step(t, kv, 0, _widths(r + qr), (masks, r), *state)
+        _pipelined([(t, kv, 0, _widths(tiles[t][0] + tiles[t][1]), (masks, tiles[t][0]))
+                    for t in range(len(tiles))], state)
     for t in nl.static_range(len(tiles)):
         r, qr = tiles[t]
         inv_l = nisa.reciprocal(o[t, 0:qr, d:d + 1])
@@ -161,9 +161,21 @@ def _widths(n):
 def _block_steps(kv, n, tiles, state):
     """Every member's steps over a block of n keys, STEP_KEYS at a time: for each piece all members, so that
     the steps one member chains (its running state) are separated by the other members' independent ones."""
-    for ko in nl.static_range(0, n, STEP_KEYS):
-        for t in nl.static_range(len(tiles)):
-            _step(t, kv, ko, _widths(min(STEP_KEYS, n - ko)), None, *state)
+    _pipelined([(t, kv, ko, _widths(min(STEP_KEYS, n - ko)), None)
+                for ko in range(0, n, STEP_KEYS) for t in range(len(tiles))], state)
+
+
+def _pipelined(steps, state):
+    """Issue the steps software-pipelined: step i + 1's scores (matmuls, the PSUM copy, the max) go before step
+    i's exp and P @ V, so that each engine has the next step's work queued while this one's chain resolves."""
+    queued = []
+    for spec in steps:
+        queued.append((spec, _scores(*spec, *state)))
+        if len(queued) > LOOKAHEAD:
+            spec0, res0 = queued.pop(0)
+            _softmax_pv(*spec0, *res0, *state)
+    for spec0, res0 in queued:
+        _softmax_pv(*spec0, *res0, *state)
 
 
 def _load_kv(k_t, v, b, kvh, k0, n, d, mm_dtype):
@@ -198,52 +210,67 @@ def _load_kv(k_t, v, b, kvh, k0, n, d, mm_dtype):
     return k_blk, v_blk, False
 
 
-def _step(t, kv, ko, widths, diag, q_sb, tiles, st, o, d, scale, mm_dtype):
-    """One online-softmax step of member tile t over keys [ko, ko + sum(widths)) of `kv` (`_load_kv`).
+def _scores(t, kv, ko, widths, diag, q_sb, tiles, st, o, d, scale, mm_dtype):
+    """First half of one online-softmax step of member tile t over keys [ko, ko + sum(widths)) of `kv`
+    (`_load_kv`): the scores in SBUF (fp32) and the new running max. Returns (scores, nbias, alpha).
 
     `diag` is None, or `(masks, r)`: the last sub-tile's columns [r, r + qr) are t's own keys (causal mask).
-    Updates `st[t]` and `o[t]` in place.
+
+    The scores leave PSUM once: ScalarE copies each sub-tile to SBUF, and the row max (VectorE) and the exp
+    (ScalarE) read that copy. On NeuronCore-v2 VectorE and ScalarE share one PSUM port, so every pass over PSUM
+    is serialized with every other one; two passes per score tile (this copy and the P^T eviction) is the
+    least a layout with P transposed on TensorE needs.
     """
-    k_blk, v_blk, interleaved = kv
+    k_blk = kv[0]
     r0, qr = tiles[t]
     q_tile = q_sb[:, r0:r0 + qr]  # [D, qr]
     stt = st[t, 0:qr, :]
     n_sub = len(widths)
-    s_ps = nl.ndarray((n_sub, nl.par_dim(qr), K_TILE), dtype=nl.float32, buffer=nl.psum)
-    scores = []
+    s_sb = nl.ndarray((nl.par_dim(qr), n_sub * K_TILE), dtype=nl.float32, buffer=nl.sbuf)
     for c in nl.static_range(n_sub):
         k0, w = ko + c * K_TILE, widths[c]
-        s_ps[c, :, 0:w] = nisa.nc_matmul(q_tile, k_blk[:, k0:k0 + w])  # [qr, w] = q^T k
+        s_ps = nl.ndarray((nl.par_dim(qr), K_TILE), dtype=nl.float32, buffer=nl.psum)
+        s_ps[:, 0:w] = nisa.nc_matmul(q_tile, k_blk[:, k0:k0 + w])  # [qr, w] = q^T k
         if diag is not None and c == n_sub - 1:
             (ident, tri), r = diag
             rc = r - k0
-            s_ps[c, :, rc:rc + qr] += nisa.nc_matmul(ident[0:qr, 0:qr], tri[0:qr, 0:qr])  # += mask
-        scores.append(s_ps[c, :, 0:w])
-        stt[:, 1 + c:2 + c] = nisa.tensor_reduce(nl.maximum, scores[c], axis=(1,), keepdims=True)
+            s_ps[:, rc:rc + qr] += nisa.nc_matmul(ident[0:qr, 0:qr], tri[0:qr, 0:qr])  # += mask
+        s_sb[:, c * K_TILE:c * K_TILE + w] = nisa.activation(nl.copy, s_ps[:, 0:w], dtype=nl.float32)
+        stt[:, 1 + c:2 + c] = nisa.tensor_reduce(nl.maximum, s_sb[:, c * K_TILE:c * K_TILE + w], axis=(1,),
+                                                 keepdims=True)
     m_new = nisa.tensor_reduce(nl.maximum, stt[:, 0:1 + n_sub], axis=(1,), keepdims=True)  # [old | sub maxes]
     nbias = nisa.tensor_scalar(m_new, nl.multiply, -scale, engine=nisa.gpsimd_engine)  # exp(sc*s - sc*m)
     alpha = nisa.activation(nl.exp, stt[:, 0:1], bias=nbias, scale=scale)  # exp(sc * (m_old - m_new)); 0 at first
     stt[:, 0:1] = nisa.tensor_copy(m_new, engine=nisa.gpsimd_engine)
-    pv_ps = _exp_pv(scores, nbias, v_blk, ko // Q_TILE, widths, interleaved, d, scale, mm_dtype)
-    # o = alpha * o + pv: ScalarE moves pv out of PSUM (the only PSUM read), GpSimd does the arithmetic.
+    return s_sb, nbias, alpha
+
+
+def _softmax_pv(t, kv, ko, widths, diag, s_sb, nbias, alpha, q_sb, tiles, st, o, d, scale, mm_dtype):
+    """Second half of the step `_scores` began: P, P @ [V | 1], and o = alpha * o + pv (in place)."""
+    _, v_blk, interleaved = kv
+    qr = tiles[t][1]
+    pv_ps = _exp_pv(s_sb, nbias, v_blk, ko // Q_TILE, widths, interleaved, d, scale, mm_dtype)
+    # o = alpha * o + pv: ScalarE moves pv out of PSUM, GpSimd does the arithmetic.
     ot = o[t, 0:qr, :]
     pv_sb = nisa.activation(nl.copy, pv_ps, dtype=nl.float32)
     o_scaled = nisa.tensor_scalar(ot, nl.multiply, alpha, engine=nisa.gpsimd_engine)
     ot[...] = nisa.tensor_tensor(o_scaled, pv_sb, nl.add, engine=nisa.gpsimd_engine)
 
 
-def _exp_pv(scores, nbias, v_blk, ch0, widths, interleaved, d, scale, mm_dtype):
-    """P = exp(scale * s - scale * m) per sub-tile, P^T by TensorE, and P @ [V | 1] accumulated in PSUM.
+def _exp_pv(s_sb, nbias, v_blk, ch0, widths, interleaved, d, scale, mm_dtype):
+    """P = exp(scale * s - scale * m) per sub-tile of the SBUF scores, P^T by TensorE, and P @ [V | 1]
+    accumulated in PSUM.
 
     In a key-interleaved block (`_load_kv`) chunk 4u + c of sub-tile u is its P's columns c:w:4.
     """
-    qr = scores[0].shape[0]
+    qr = s_sb.shape[0]
     pv_ps = nl.ndarray((qr, d + 1), dtype=nl.float32, buffer=nl.psum)
     n_mm = 0
     per = K_TILE // Q_TILE
     for c in nl.static_range(len(widths)):
         w = widths[c]
-        p = nisa.activation(nl.exp, scores[c], bias=nbias, scale=scale, dtype=mm_dtype)  # [qr, w]
+        p = nisa.activation(nl.exp, s_sb[:, c * K_TILE:c * K_TILE + w], bias=nbias, scale=scale,
+                            dtype=mm_dtype)  # [qr, w]
         if interleaved:
             chunks = [(p[:, j:w:per], w // per, ch0 + c * per + j) for j in range(per)]
         else:
@@ -302,15 +329,17 @@ def sbuf_bytes(d: int, dtype: Any) -> int:
     """SBUF bytes per partition one program holds at its peak, counted as the simulator's allocator does.
 
     Independent of S: Q^T of a group `[D, 512]`, the two causal masks `[128, 128]`, the group's state
-    (`[128, 1 + K_BLOCK / 512]` and `[128, D + 1]` fp32 per member), and at most two K/V blocks live at once
-    (K^T `[D, K_BLOCK]`, V `[128, K_BLOCK / 128, D + 1]`: the key tail's and the diagonal's), plus
-    `SBUF_WORKING_SET`. The allocator charges a tile the bytes of its free dims in every partition.
+    (`[128, 1 + STEP_KEYS / 512]` and `[128, D + 1]` fp32 per member), at most two K/V blocks live at once
+    (K^T `[D, K_BLOCK]`, V `[128, K_BLOCK / 128, D + 1]`: the key tail's and the diagonal's), the fp32 scores
+    of the `LOOKAHEAD + 1` steps in flight (`[128, STEP_KEYS]` each), plus `SBUF_WORKING_SET`. The allocator
+    charges a tile the bytes of its free dims in every partition.
     """
     it = np.dtype(dtype).itemsize
     n_sub = STEP_KEYS // K_TILE
     state = Q_GROUP * ((1 + n_sub) * 4 + (d + 1) * 4)
     kv = K_BLOCK * it + (K_BLOCK // Q_TILE) * (d + 1) * it
-    return Q_GROUP * Q_TILE * it + 2 * Q_TILE * it + state + 2 * kv + SBUF_WORKING_SET
+    scores = (LOOKAHEAD + 1) * STEP_KEYS * 4
+    return Q_GROUP * Q_TILE * it + 2 * Q_TILE * it + state + 2 * kv + scores + SBUF_WORKING_SET
 
 
 def run(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool = True,
