@@ -244,7 +244,9 @@ def _split(sp, c0, k_off, sw, k_sb, v_sb, v_off, q_sb, one_minus_len, neg_row, v
     s0 = c0 + k_off
     n_t = (sw + tile - 1) // tile
     s_ps = nl.ndarray((n_t, nl.par_dim(g), tile), dtype=nl.float32, buffer=nl.psum)  # scores stay in PSUM
-    mx = nl.ndarray((g, n_t), dtype=nl.float32, buffer=nl.sbuf)
+    # The tile maxes go to PSUM: VectorE then reads and writes PSUM only and leaves the SBUF port, which on
+    # NeuronCore-v2 it shares with GpSimd (the masks), free.
+    mx = nl.ndarray((g, n_t), dtype=nl.float32, buffer=nl.psum)
     for t in nl.static_range(n_t):
         k0 = s0 + t * tile
         w = min(tile, s0 + sw - k0)
