@@ -30,45 +30,60 @@ o_s = sum exp(scale*(x - m_s)) v; the splits are merged at the end:
 Independent splits carry no loop dependency (unlike a running online softmax), so the compiler may overlap
 them; the same partials are what a sequence-sharded (multi-core) decode would exchange.
 
-Length mask: positions >= lengths[b] get at most -1e30 added to their scores. On one partition,
-past = max(pos - len + 1, 0) (GpSimd: an iota and one tensor_scalar) is 0 for valid positions and >= 1 past the
-length; a second matmul accumulating into the score PSUM tile adds NEG * past to each of the G rows
-(stationary = a [1, G] row of NEG), the TensorE partition-broadcast idiom. Scores stay in PSUM: VectorE
-takes the row max and ScalarE the exp and the P^T copies straight from there (GpSimd cannot read PSUM, so it
-takes the SBUF-only mask; on ScalarE the mask cost as much as the exp). A split entirely past the length gets
-m_s <= -1e30 and merge weight exactly 0.
+Scores transposed: a split's scores are computed with positions on partitions, `[positions, G]` per chunk of
+128 (stationary: the chunk's K^T columns `[D, 128]`; moving: q^T `[D, G]`), side by side in one PSUM tile
+`[128, chunks * G]`. Laid out the other way, `[G, split]`, every vector pass would run over the split's
+positions on G (typically 4 or 8) of 128 partitions; transposed it runs over chunks * G elements per partition
+(32 at split 1024, G 4), and the exp writes P^T, which the P @ V matmuls take as their stationary operand with no
+transpose. The per-head max and shift then cross partitions and columns:
+    - max: VectorE over the chunks (a `[128, G, chunks]` view), a TensorE transpose, VectorE over the positions;
+    - shift: `-m` of each head is added to its columns on TensorE (`ones[G, 128]^T @ (selector * -m)`, fp32, so the
+      shift is exactly the m the merge uses), and ScalarE takes exp(scale * x) straight from PSUM;
+    - row sums: V carries a ones column, so `P^T[chunk]^T @ [V | 1][chunk]` accumulates o_s and l_s together.
+
+Length mask: positions >= lengths[b] get at most -1e30 added to their scores. GpSimd computes
+past = max(pos - len + 1, 0) over `[128, chunks, G]` (an iota of the positions and one tensor_scalar against
+1 - len broadcast to the partitions once per program); a TensorE matmul `(NEG * I)^T @ past` adds NEG * past into
+the score tile. A split entirely past the length gets m_s <= -1e30 and merge weight exactly 0.
+
+Engines: on NeuronCore-v2 VectorE shares the PSUM port with ScalarE and the SBUF port with GpSimd (the cost
+model serializes them, docs/nki_simulator.md). Per split the vector engines do a handful of instructions of
+chunks * G elements each, so the kernel is bound by its DMA (K^T and V, long runs: see V's order).
 
 Loops: the full K chunks (K_LOAD / split_size whole splits each) and the splits inside one are
 `nl.affine_range` loops (independent until the merge, identical bodies: the compiler keeps them rolled); the
 cache's tail chunk and a short last split are peeled as static code, and the merge is unrolled (one
-instruction per split). The compiled program is 62 instructions at S_max = 4096 and 90 at 32768 (split 1024).
+instruction per split). The compiled program is 58 instructions at S_max = 4096 (split 1024).
 
 Pseudocode (per program = (b, kv head)):
     q^T = transpose(q[b, kvh])                                   # [D, G], TensorE
-    for split s: (every K_LOAD / split_size splits: K^T of those splits in one DMA)
-        for tile [k0, k0 + w) (w <= 512):
-            sc[:, tile] = q^T K^T[:, tile] + NEG^T max(k0 + iota - len + 1, 0)  # PSUM [G, w]
-        m_s = rowmax(sc);  p[:, split] = exp(scale*sc - scale*m_s) (rowsum -> l_s)
-        V of the K chunk in one DMA as [128, splits * n, D] (one contiguous run per partition, see V's order),
-        split i's positions q*n .. q*n + n - 1 on partition q;
-        for chunk j: o_s += transpose(p[:, j::n])^T @ V[:, i*n + j]
+    for split s: (every K_LOAD / split_size splits: K^T of those splits in one DMA; their V, with a ones
+                  column, in one DMA as [128, splits * n, D + 1]; split i's positions q*n .. q*n + n - 1 on
+                  partition q, n = split_size / 128)
+        for chunk j < n:  sT[:, j] = K^T[:, i*split + j :: n]^T @ q^T       # PSUM [128, G]: position q*n + j
+        sT += (NEG I)^T @ max(pos - len + 1, 0)                  # TensorE
+        m_s = max over (partitions, chunks) of sT                 # VectorE, transpose, VectorE
+        sT += ones^T @ (selector * -m_s)                         # TensorE, fp32
+        pT = exp(scale * sT)                                     # ScalarE, PSUM -> SBUF, matmul dtype
+        o_s | l_s = sum_j pT[:, j]^T @ [V | 1][:, i*n + j]       # TensorE, PSUM accumulation
     merge as above; store [G, D].
 
 Paged variant (`paged_decode_attention_kernel`, `run_paged`): the caches are block pools
 `[num_blocks, n_kv_heads, block_len, D]` read through `block_tables [B, max_blocks]`. A split is
 split_size / block_len <= 128 blocks; one indirect DMA each gathers its K and its V blocks (partition q <- the
 q-th block of the split), which is V's partition-run order with n = block_len; K^T is built by block_len TensorE
-transposes of `[blocks, D]` copied to every block_len-th column. Then `_split` as above.
+transposes of `[blocks, D]` (ScalarE copies them out of PSUM) to every block_len-th column, so chunk j of the
+split's scores takes K^T columns j::block_len. Then `_split` as above. The transposes are `[blocks, D]`: 128
+blocks per split (`default_paged_split`, up to 4096 positions) keep them full width.
 
 DMA descriptors (one per contiguous HBM run landing in one partition) cost queue time in the cost model, so
 every load moves long runs: K^T rows of up to K_LOAD positions, V runs of a K chunk's splits, q rows of D.
 
-Constraints: D <= 128, G <= 128, split_size a multiple of 128 and, above 512, of 512, at most 3584 (a split's
-scores take split_size / 512 PSUM banks, the P @ V accumulator one more, of 8); q and caches share float32 or
-bfloat16; lengths[b] >= 1. All splits up to S_max are computed (lengths are runtime data). Every split's fp32
-partial output and statistics stay in SBUF until the merge: about n_splits * (D + 4) * 4 bytes per partition
-plus the working set (`sbuf_bytes`), so S_max <= 33536 for D = 128 and split_size = 128 on trn1
-(`max_cache_len`).
+Constraints: D <= 128, G <= 128, split_size a multiple of 128 with split_size / 128 * G <= 512 (a split's
+transposed fp32 scores take one PSUM bank); q and caches share float32 or bfloat16; lengths[b] >= 1. All
+splits up to S_max are computed (lengths are runtime data). Every split's fp32 partial output and statistics
+stay in SBUF until the merge: about n_splits * (D + 4) * 4 bytes per partition plus the working set
+(`sbuf_bytes`), so S_max <= 32128 for D = 128 and split_size = 128 on trn1 (`max_cache_len`).
 """
 
 from __future__ import annotations
@@ -80,10 +95,12 @@ import numpy as np
 
 from kernels_nki._nki import DEFAULT_TARGET, nisa, nki, nl, sbuf_capacity, simulate
 from neuron_opt.errors import KernelArgumentError
-from neuron_opt.nki_sim import get_target
 
 P_CHUNK = 128  # positions per P@V matmul (contraction on partitions)
-K_TILE = 512  # positions per score matmul (one PSUM bank of fp32)
+SCORE_COLUMNS = 512  # fp32 columns of one PSUM bank: a split's transposed scores, chunks * G, must fit
+# The paged kernel's default split: 128 blocks (one per partition: K^T's transposes are then [128, D], full width),
+# at most this many positions (K^T [D, split] in SBUF).
+PAGED_SPLIT_POSITIONS = 4096
 NEG = -1.0e30  # added to scores of positions past the length
 K_LOAD = 4096  # positions of K^T per DMA (whole splits): 8 KiB per partition in bf16, long DMA descriptors
 # SBUF bytes per partition for the small tiles (positions, P^T, row maxes and sums, the queries), with margin;
@@ -100,22 +117,24 @@ def decode_attention_kernel(q, k_t, v, lengths, softmax_scale=1.0, split_size=10
     b = nl.program_id(0)
     kvh = nl.program_id(1)
     mm_dtype = q.dtype
-    tile = min(K_TILE, split_size)
     n_splits = (s_max + split_size - 1) // split_size
     per_k = _splits_per_k_load(split_size)
 
-    q_sb, one_minus_len, neg_row = _prologue(q, lengths, b, kvh, g, mm_dtype)
+    n = split_size // P_CHUNK  # V rows per partition and split
+    consts = _prologue(q, lengths, b, kvh, g, n, mm_dtype)
 
     m_all, l_all, o_all = _partials(g, n_splits, d)
-    args = (q_sb, one_minus_len, neg_row, v, b, kvh, m_all, l_all, o_all, tile, d, softmax_scale, mm_dtype)
+    args = (consts, v, b, kvh, m_all, l_all, o_all, d, softmax_scale, mm_dtype)
     chunk = per_k * split_size  # K^T positions per DMA: [D, chunk], whole splits
     n_kc = s_max // chunk
-    n = split_size // P_CHUNK  # V rows per partition and split
     for kc in nl.affine_range(n_kc):  # full chunks: independent, identical bodies (rolled)
         k_sb = nl.load(k_t[b, kvh, :, kc * chunk:(kc + 1) * chunk])
-        # the chunk's V in partition-run order: one descriptor per partition (`v_kernel_layout`)
+        # the chunk's V in partition-run order: one descriptor per partition (`v_kernel_layout`), and a ones
+        # column that makes the P @ V matmuls produce the row sums
+        v_sb = nl.ndarray((P_CHUNK, per_k * n, d + 1), dtype=mm_dtype, buffer=nl.sbuf)
+        v_sb[:, :, d:d + 1] = 1.0
         i_p, i_c, i_d = nl.mgrid[0:P_CHUNK, 0:per_k * n, 0:d]
-        v_sb = nl.load(v[b, kvh, kc * chunk + i_p * (per_k * n) + i_c, i_d])
+        v_sb[:, :, 0:d] = nl.load(v[b, kvh, kc * chunk + i_p * (per_k * n) + i_c, i_d])
         for i in nl.affine_range(per_k):  # the chunk's splits, independent until the merge
             _split(kc * per_k + i, kc * chunk, i * split_size, split_size, k_sb, v_sb, i * n, *args)
     rest = s_max - n_kc * chunk
@@ -142,7 +161,7 @@ def paged_decode_attention_kernel(q, k_cache, v_cache, block_tables, lengths, so
     nb = split_size / block_len blocks: their K and V rows are gathered by one indirect DMA each (partition q
     <- block table[b, s * nb + q], one block_len * D run), which lands V exactly as the P @ V matmuls contract
     it (partition q: nb positions' worth of runs, as `v_kernel_layout`'s); K is turned to K^T [D, split] by
-    block_len TensorE transposes of [nb, D], each copied (VectorE) to every block_len-th column, natural
+    block_len TensorE transposes of [nb, D], each copied (ScalarE) to every block_len-th column, natural
     position order. Then the split is `_split`'s, as in `decode_attention_kernel`.
     """
     n_b, n_kv, g, d = q.shape
@@ -152,18 +171,17 @@ def paged_decode_attention_kernel(q, k_cache, v_cache, block_tables, lengths, so
     b = nl.program_id(0)
     kvh = nl.program_id(1)
     mm_dtype = q.dtype
-    tile = min(K_TILE, split_size)
     nb = split_size // block_len  # blocks per split (<= 128: one per partition)
     n_splits = (max_blocks + nb - 1) // nb
     n_full = max_blocks // nb
 
-    q_sb, one_minus_len, neg_row = _prologue(q, lengths, b, kvh, g, mm_dtype)
+    consts = _prologue(q, lengths, b, kvh, g, block_len, mm_dtype)
     # the table row in one DMA (one run) onto one partition, as fp32 (block ids < 2^24 are exact) so that each
     # split can turn its nb entries to one per partition with a TensorE transpose (`_paged_split`)
     tbl = nisa.tensor_copy(nl.load(block_tables[nl.ds(b, 1), :]), dtype=nl.float32)  # [1, max_blocks]
 
     m_all, l_all, o_all = _partials(g, n_splits, d)
-    args = (q_sb, one_minus_len, neg_row, v_cache, b, kvh, m_all, l_all, o_all, tile, d, softmax_scale, mm_dtype)
+    args = (consts, v_cache, b, kvh, m_all, l_all, o_all, d, softmax_scale, mm_dtype)
     for sp in nl.affine_range(n_full):  # whole splits: independent, identical bodies (rolled)
         _paged_split(sp, sp * nb, nb, block_len, tbl, k_cache, *args)
     if n_full < n_splits:  # the table's tail: fewer blocks, peeled
@@ -173,34 +191,44 @@ def paged_decode_attention_kernel(q, k_cache, v_cache, block_tables, lengths, so
     return out
 
 
-def _paged_split(sp, first, nb, block_len, tbl, k_cache, q_sb, one_minus_len, neg_row, v_cache, b, kvh, m_all, l_all,
-                 o_all, tile, d, softmax_scale, mm_dtype):
+def _paged_split(sp, first, nb, block_len, tbl, k_cache, consts, v_cache, b, kvh, m_all, l_all, o_all, d,
+                 softmax_scale, mm_dtype):
     """Split `sp` of a paged cache: table entries [first, first + nb) gathered (K and V), K^T built, then
     `_split`."""
     sw = nb * block_len
     # [nb, 1] int32: the split's cache blocks, one per partition (the indirect DMAs' offsets)
     idx = nisa.tensor_copy(nisa.nc_transpose(tbl[0:1, first:first + nb]), dtype=nl.int32)
     k_blk = nl.load(k_cache[idx, kvh, :, :])  # [nb, block_len, D]: partition q <- block idx[q]
-    v_blk = nl.load(v_cache[idx, kvh, :, :])  # the same for V: chunk j of partition q is position q * bl + j
+    # the same for V (chunk j of partition q is position q * bl + j), beside a ones column (the row sums)
+    v_blk = nl.ndarray((nb, block_len, d + 1), dtype=mm_dtype, buffer=nl.sbuf)
+    v_blk[:, :, d:d + 1] = 1.0
+    v_blk[:, :, 0:d] = nl.load(v_cache[idx, kvh, :, :])
     k_t = nl.ndarray((d, sw), dtype=mm_dtype, buffer=nl.sbuf)
     for j in nl.static_range(block_len):  # position j of every block -> columns j, j + bl, ... (natural order)
-        # PSUM -> SBUF on VectorE (ScalarE has the exp and the P^T copies; alternating them was slower: 897 us
-        # against 723 at B 8, KV 4096, blocks of 16, as the P^T copies then wait behind them)
-        k_t[:, j:sw:block_len] = nisa.tensor_copy(nisa.nc_transpose(k_blk[:, j, :]), dtype=mm_dtype)
-    _split(sp, first * block_len, 0, sw, k_t, v_blk, 0, q_sb, one_minus_len, neg_row, v_cache, b, kvh, m_all,
-           l_all, o_all, tile, d, softmax_scale, mm_dtype, v_parts=nb)
+        k_t[:, j:sw:block_len] = nisa.activation(nl.copy, nisa.nc_transpose(k_blk[:, j, :]), dtype=mm_dtype)
+    _split(sp, first * block_len, 0, sw, k_t, v_blk, 0, consts, v_cache, b, kvh, m_all, l_all, o_all, d,
+           softmax_scale, mm_dtype, v_parts=nb)
 
 
-def _prologue(q, lengths, b, kvh, g, mm_dtype):
-    """(q^T [D, G], 1 - len [1, 1], the NEG row [1, G]) of program (b, kvh).
+def _prologue(q, lengths, b, kvh, g, max_chunks, mm_dtype):
+    """Per-program constants for `_split`: (q^T [D, G], 1 - len on every partition [128, 1], NEG * I [128, 128],
+    ones [G, 128] fp32, the head selector [G, max_chunks, G] fp32 (1 where the first and last index agree)).
 
-    q comes as [G, D], one descriptor per head, and is transposed on TensorE to the [D, G] stationary operand
+    q comes as [G, D], one descriptor per head, and is transposed on TensorE to the [D, G] moving operand
     (loading [D, G] directly would cost one descriptor of G elements per partition)."""
     q_sb = nl.copy(nisa.nc_transpose(nl.load(q[b, kvh])), dtype=mm_dtype)
     len_f = nisa.tensor_copy(nl.load(lengths[nl.ds(b, 1), :]), dtype=nl.float32)  # [1, 1]
     one_minus_len = nl.multiply(nl.add(len_f, -1.0), -1.0)  # [1, 1]: 1 - len
-    neg_row = nl.full((1, g), NEG, dtype=mm_dtype, buffer=nl.sbuf)
-    return q_sb, one_minus_len, neg_row
+    len_col = nl.broadcast_to(one_minus_len, (P_CHUNK, 1))  # TensorE partition broadcast
+    i_p = nl.arange(P_CHUNK)[:, None]
+    i_q = nl.arange(P_CHUNK)[None, :]
+    negs = nl.full((P_CHUNK, P_CHUNK), NEG, dtype=mm_dtype, buffer=nl.sbuf)
+    neg_eye = nisa.affine_select(i_p >= i_q, nisa.affine_select(i_p <= i_q, negs, 0.0), 0.0)
+    ones_g = nl.full((g, P_CHUNK), 1.0, dtype=nl.float32, buffer=nl.sbuf)
+    i_a, i_j, i_h = nl.mgrid[0:g, 0:max_chunks, 0:g]
+    ones_sel = nl.full((g, max_chunks, g), 1.0, dtype=nl.float32, buffer=nl.sbuf)
+    sel = nisa.affine_select(i_a >= i_h, nisa.affine_select(i_a <= i_h, ones_sel, 0.0), 0.0)
+    return q_sb, len_col, neg_eye, ones_g, sel
 
 
 def _partials(g, n_splits, d):
@@ -228,81 +256,97 @@ def _merge(m_all, l_all, o_all, n_splits, d, softmax_scale, out, b, kvh):
     nl.store(out[b, kvh], value=res)
 
 
-def _split(sp, c0, k_off, sw, k_sb, v_sb, v_off, q_sb, one_minus_len, neg_row, v, b, kvh, m_all, l_all, o_all,
-           tile, d, softmax_scale, mm_dtype, v_parts=P_CHUNK):
+def _split(sp, c0, k_off, sw, k_sb, v_sb, v_off, consts, v, b, kvh, m_all, l_all, o_all, d, softmax_scale,
+           mm_dtype, v_parts=P_CHUNK):
     """Split `sp`: positions [c0 + k_off, c0 + k_off + sw), keys in `k_sb` (K^T from c0) at column k_off, values
-    in `v_sb` from chunk `v_off` (a full K chunk's, partition-run order, or a split's gathered cache blocks) or,
-    when `v_sb` is None, loaded here from the natural tail.
+    in `v_sb` (with its ones column) from chunk `v_off` (a full K chunk's, partition-run order, or a split's
+    gathered cache blocks) or, when `v_sb` is None, loaded here from the natural tail.
 
     `v_sb` given: its `v_parts` partitions each hold sw / v_parts consecutive positions of the split (chunk j of
     partition q: position q * sw / v_parts + j), 128 for a K chunk's runs, the number of blocks for gathered
     cache blocks.
 
+    The scores are computed transposed, positions on partitions: chunk j's are `K^T[:, chunk j]^T @ q^T`
+    (stationary: the chunk's K^T columns, moving: the G queries), `[positions, G]`, in chunk j's columns of
+    one PSUM tile `[v_parts, chunks * G]`. All of the split's vector work then runs over chunks * G elements per
+    partition instead of the split's positions on G partitions, and P^T is what the exp writes: the P @ V
+    matmuls take it as their stationary operand with no transpose. Per split:
+      - length mask: `NEG * max(pos - len + 1, 0)` (GpSimd iota and tensor_scalar) added on TensorE
+        (`(NEG I)^T @ past`);
+      - max: VectorE over the chunks (free dim), TensorE transpose, VectorE over the positions: m [G, 1];
+      - `-m` added to every column of its head on TensorE (`ones^T @ (selector * -m)`, fp32, exact);
+      - P^T = exp(scale * (s - m)) by ScalarE straight from PSUM, in the matmul dtype;
+      - `o_s | l_s = sum_j P^T[chunk j]^T @ [V | 1][chunk j]` accumulated in PSUM.
+
     Writes the split's row max, row sum and unnormalised output into column sp of m_all / l_all / o_all.
     """
+    q_sb, len_col, neg_eye, ones_g, sel = consts
     g = q_sb.shape[1]
     s0 = c0 + k_off
-    n_t = (sw + tile - 1) // tile
-    s_ps = nl.ndarray((n_t, nl.par_dim(g), tile), dtype=nl.float32, buffer=nl.psum)  # scores stay in PSUM
-    # The tile maxes go to PSUM: VectorE then reads and writes PSUM only and leaves the SBUF port, which on
-    # NeuronCore-v2 it shares with GpSimd (the masks), free.
-    mx = nl.ndarray((g, n_t), dtype=nl.float32, buffer=nl.psum)
-    for t in nl.static_range(n_t):
-        k0 = s0 + t * tile
-        w = min(tile, s0 + sw - k0)
-        pos = nisa.iota(k0 + nl.arange(w)[None, :], dtype=nl.float32)  # [1, w] positions
-        # max(pos - len + 1, 0): 0 where pos < len, >= 1 past it (GpSimd: SBUF only); times the NEG row below.
-        past = nisa.tensor_scalar(pos, nl.add, one_minus_len, op1=nl.maximum, operand1=0.0, dtype=mm_dtype,
-                                  engine=nisa.gpsimd_engine)
-        s_ps[t, :, 0:w] = nisa.nc_matmul(q_sb, k_sb[:, k_off + t * tile:k_off + t * tile + w])  # [G, w]
-        s_ps[t, :, 0:w] += nisa.nc_matmul(neg_row, past)  # + NEG * past, broadcast to the G rows
-        mx[:, t:t + 1] = nisa.tensor_reduce(nl.maximum, s_ps[t, :, 0:w], axis=(1,), keepdims=True)
-    m_s = m_all[:, sp:sp + 1]
-    m_s[...] = nisa.tensor_reduce(nl.maximum, mx, axis=(1,), keepdims=True) if n_t > 1 else mx
-    nbias = nisa.activation(nl.copy, m_s, scale=-softmax_scale)  # -scale * m_s
-    ls = nl.ndarray((g, n_t), dtype=nl.float32, buffer=nl.sbuf)
-    p = nl.ndarray((g, sw), dtype=mm_dtype, buffer=nl.sbuf)  # P of the whole split
-    for t in nl.static_range(n_t):
-        w = min(tile, sw - t * tile)
-        p[:, t * tile:t * tile + w] = nisa.activation_reduce(
-            nl.exp, s_ps[t, :, 0:w], reduce_op=nl.add, reduce_res=ls[:, t:t + 1], bias=nbias,
-            scale=softmax_scale, dtype=mm_dtype)  # [G, w]
-    if v_sb is None:
-        v_sb, n_full = _load_v(v, b, kvh, s0, sw)
+    if v_sb is None:  # the natural tail: partition q holds positions q * nf + j (j < nf), then the tail chunk
+        v_sb, nf = _load_v(v, b, kvh, s0, sw, d, mm_dtype)
+        rem = sw - nf * P_CHUNK
+        parts = P_CHUNK if nf else rem
+        chunks = [(k_sb[:, k_off + j:k_off + nf * P_CHUNK:nf], P_CHUNK) for j in range(nf)]
+        if rem:
+            chunks.append((k_sb[:, k_off + nf * P_CHUNK:k_off + sw], rem))
     else:
-        n_full = sw // v_parts  # sw is a multiple of v_parts: runs of n_full positions, no tail
-    o_ps = nl.ndarray((g, d), dtype=nl.float32, buffer=nl.psum)
-    for j in nl.static_range(n_full + (1 if sw % P_CHUNK and v_parts == P_CHUNK else 0)):
-        if j < n_full:  # chunk j holds positions s0 + q * n_full + j on partition q: P columns j::n_full
-            cols, cw = p[:, j:n_full * v_parts:n_full], v_parts
-        else:  # the tail chunk: positions s0 + n_full * 128 + q
-            cols, cw = p[:, n_full * P_CHUNK:sw], sw - n_full * P_CHUNK
-        # PSUM -> SBUF copy on ScalarE: VectorE has the row maxes, GpSimd the masks (it cannot read PSUM)
-        pt = nisa.activation(nl.copy, nisa.nc_transpose(cols), dtype=mm_dtype)  # [cw, G]
+        nf, rem, parts = sw // v_parts, 0, v_parts
+        chunks = [(k_sb[:, k_off + j:k_off + sw:nf], v_parts) for j in range(nf)]
+    n_ch = len(chunks)
+    s_ps = nl.ndarray((nl.par_dim(parts), n_ch * g), dtype=nl.float32, buffer=nl.psum)
+    if rem and nf:  # the tail chunk fills rem of 128 partitions: the rest must hold a number before the mask
+        s_ps[...] = 0.0
+    for j in nl.static_range(n_ch):
+        cols, cw = chunks[j]
+        s_ps[0:cw, j * g:(j + 1) * g] = nisa.nc_matmul(cols, q_sb)  # [cw, G]
+    # positions on (partition, chunk), the same for each head; past the length -> +NEG (at least)
+    pos = nl.ndarray((parts, n_ch, g), dtype=nl.float32, buffer=nl.sbuf)
+    if nf:
+        i_p, i_j, i_g = nl.mgrid[0:parts, 0:nf, 0:g]
+        pos[:, 0:nf, :] = nisa.iota(s0 + i_p * nf + i_j + 0 * i_g, dtype=nl.float32)
+    if rem:
+        i_p, i_g = nl.mgrid[0:parts, 0:g]
+        pos[:, nf, :] = nisa.iota(s0 + nf * P_CHUNK + i_p + 0 * i_g, dtype=nl.float32)
+    past = nisa.tensor_scalar(pos, nl.add, len_col[0:parts, :], op1=nl.maximum, operand1=0.0, dtype=mm_dtype,
+                              engine=nisa.gpsimd_engine)
+    s_ps[...] += nisa.nc_matmul(neg_eye[0:parts, 0:parts], past)
+    # max over the chunks (a [parts, G, chunks] view), then over the partitions (transposed)
+    i_p, i_g, i_j = nl.mgrid[0:parts, 0:g, 0:n_ch]
+    m_part = nisa.tensor_reduce(nl.maximum, s_ps[i_p, i_j * g + i_g], axis=(2,))  # [parts, G]
+    m_s = m_all[:, sp:sp + 1]
+    m_s[...] = nisa.tensor_reduce(nl.maximum, nisa.nc_transpose(m_part), axis=(1,), keepdims=True)  # [G, 1]
+    neg_m = nisa.tensor_scalar(sel[:, 0:n_ch, :], nl.multiply, m_s, op1=nl.multiply, operand1=-1.0)
+    s_ps[...] += nisa.nc_matmul(ones_g[:, 0:parts], neg_m)  # s - m of its own head, in every column
+    p_t = nisa.activation(nl.exp, s_ps, scale=softmax_scale, dtype=mm_dtype)  # P^T [parts, chunks * G]
+    o_ps = nl.ndarray((g, d + 1), dtype=nl.float32, buffer=nl.psum)
+    for j in nl.static_range(n_ch):
+        cw = chunks[j][1]
         if j == 0:
-            o_ps[...] = nisa.nc_matmul(pt, v_sb[0:cw, v_off + j, :])  # [G, D]
+            o_ps[...] = nisa.nc_matmul(p_t[0:cw, j * g:(j + 1) * g], v_sb[0:cw, v_off + j, :])  # [G, D + 1]
         else:
-            o_ps[...] += nisa.nc_matmul(pt, v_sb[0:cw, v_off + j, :])
-    l_all[:, sp:sp + 1] = nisa.tensor_reduce(nl.add, ls, axis=(1,), keepdims=True) if n_t > 1 else ls
-    o_all[:, sp * d:(sp + 1) * d] = nl.copy(o_ps)
+            o_ps[...] += nisa.nc_matmul(p_t[0:cw, j * g:(j + 1) * g], v_sb[0:cw, v_off + j, :])
+    o_all[:, sp * d:(sp + 1) * d] = nisa.tensor_copy(o_ps[:, 0:d])
+    l_all[:, sp:sp + 1] = nisa.activation(nl.copy, o_ps[:, d:d + 1])
 
 
-def _load_v(v, b, kvh, k0, w):
-    """V rows [k0, k0 + w) as `[128, ceil(w / 128), D]`, and the number of full chunks `full`.
+def _load_v(v, b, kvh, k0, w, d, mm_dtype):
+    """V rows [k0, k0 + w) as `[128, ceil(w / 128), D + 1]` (its last column 1.0), and the number of full
+    chunks `full`.
 
     Partition q holds positions k0 + q * full + j (j < full): `full` consecutive rows of V, one contiguous
     run of full * D elements per partition, so the DMA moves few large descriptors (one per partition). The
     tail (w % 128 positions) is chunk `full`, position k0 + full * 128 + q on partition q, in a second DMA.
     """
-    d = v.shape[3]
     n_ch = (w + P_CHUNK - 1) // P_CHUNK
     full = w // P_CHUNK
-    v_sb = nl.ndarray((P_CHUNK, n_ch, d), dtype=v.dtype, buffer=nl.sbuf)
+    v_sb = nl.ndarray((P_CHUNK, n_ch, d + 1), dtype=mm_dtype, buffer=nl.sbuf)
+    v_sb[:, :, d:d + 1] = 1.0
     if full:
         i_p, i_c, i_d = nl.mgrid[0:P_CHUNK, 0:full, 0:d]
-        v_sb[:, 0:full, :] = nl.load(v[b, kvh, k0 + i_p * full + i_c, i_d])
+        v_sb[:, 0:full, 0:d] = nl.load(v[b, kvh, k0 + i_p * full + i_c, i_d])
     if w % P_CHUNK:
-        v_sb[0:w % P_CHUNK, full, :] = nl.load(v[b, kvh, k0 + full * P_CHUNK:k0 + w, :])
+        v_sb[0:w % P_CHUNK, full, 0:d] = nl.load(v[b, kvh, k0 + full * P_CHUNK:k0 + w, :])
     return v_sb, full
 
 
@@ -319,10 +363,12 @@ def _check(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.
     if lengths.shape != (b,) or lengths.min() < 1 or lengths.max() > k_cache.shape[2]:
         raise KernelArgumentError(f"decode_attention: lengths must be [B]={b} values in [1, S_max="
                                   f"{k_cache.shape[2]}]; got {lengths.tolist()}")
-    max_split = (get_target(DEFAULT_TARGET).psum_banks - 1) * K_TILE
-    if split_size % P_CHUNK or (split_size > K_TILE and split_size % K_TILE) or split_size > max_split:
-        raise KernelArgumentError(f"decode_attention: split_size {split_size} must be a multiple of 128 "
-                                  f"(and of 512 above 512), at most {max_split} (its scores stay in PSUM)")
+    g = n_heads // k_cache.shape[1]
+    if split_size < P_CHUNK or split_size % P_CHUNK or split_size // P_CHUNK * g > SCORE_COLUMNS:
+        raise KernelArgumentError(f"decode_attention: split_size {split_size} must be a multiple of 128 with "
+                                  f"split_size / 128 * G <= {SCORE_COLUMNS} (a split's transposed fp32 scores, "
+                                  f"[128, split_size / 128 * G], take one PSUM bank); G={g} allows at most "
+                                  f"{SCORE_COLUMNS // g * P_CHUNK}")
     _check_sbuf(k_cache.shape[2], d, split_size, DEFAULT_TARGET)
 
 
@@ -355,7 +401,10 @@ def sbuf_bytes(s_max: int, d: int, split_size: int) -> int:
 
 
 def _split_bytes(sw: int, split_size: int) -> int:
-    return 4 * (2 * _splits_per_k_load(split_size) * split_size + sw)
+    """A K chunk's K^T `[D, chunk]` and V `[128, chunk / 128, D + 1]` (D <= 128), at most 4 bytes an element, and
+    a split's positions, mask and P^T (`[parts, chunks * G]`, at most SCORE_COLUMNS fp32 each)."""
+    chunk = _splits_per_k_load(split_size) * split_size
+    return 4 * (2 * chunk + chunk // P_CHUNK) + 12 * SCORE_COLUMNS
 
 
 def _chunking(s_max: int, split_size: int) -> tuple[int, int]:
@@ -434,13 +483,9 @@ def run(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.nda
 
 
 def default_paged_split(block_len: int) -> int:
-    """Positions per split: as many whole blocks as fit in 128 (one per partition) and 2048 positions, a multiple
-    of 512 above 512 (the PSUM rule; 1536 for blocks of 24 or 48), else at most 512 positions."""
-    cap = min(P_CHUNK * block_len, 2048)
-    step = math.lcm(block_len, K_TILE)
-    if cap >= step:
-        return cap // step * step
-    return max(block_len, min(cap, K_TILE) // block_len * block_len)
+    """Positions per split: as many whole blocks as fit in 128 (one per partition) and 4096 positions (at least
+    one block)."""
+    return max(1, min(P_CHUNK, PAGED_SPLIT_POSITIONS // block_len)) * block_len
 
 
 def _check_paged(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
@@ -466,13 +511,14 @@ def _check_paged(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_
     if lengths.shape != (b,) or lengths.min() < 1 or lengths.max() > s_max:
         raise KernelArgumentError(f"paged decode_attention: lengths must be [B]={b} values in [1, max_blocks * "
                                   f"block_len={s_max}]; got {lengths.tolist()}")
-    max_split = (get_target(DEFAULT_TARGET).psum_banks - 1) * K_TILE
-    if (split_size % block_len or split_size // block_len > P_CHUNK or split_size > max_split
-            or (split_size > K_TILE and split_size % K_TILE)):
+    if split_size < block_len or split_size % block_len or split_size // block_len > P_CHUNK:
         raise KernelArgumentError(f"paged decode_attention: split_size {split_size} must be a whole number of "
-                                  f"blocks (block_len {block_len}), at most 128 of them (one per partition), at "
-                                  f"most {max_split} positions (its scores stay in PSUM) and above 512 a multiple "
-                                  f"of 512; default_paged_split({block_len}) = {default_paged_split(block_len)}")
+                                  f"blocks (block_len {block_len}), at most 128 of them (one per partition); "
+                                  f"default_paged_split({block_len}) = {default_paged_split(block_len)}")
+    g = n_heads // n_kv
+    if block_len * g > SCORE_COLUMNS:
+        raise KernelArgumentError(f"paged decode_attention: block_len * G = {block_len} * {g} > {SCORE_COLUMNS}: a "
+                                  f"split's transposed fp32 scores, [blocks, block_len * G], must fit one PSUM bank")
     need, cap = paged_sbuf_bytes(s_max, d, block_len, split_size), sbuf_capacity(DEFAULT_TARGET)
     if need > cap:
         raise KernelArgumentError(f"paged decode_attention: {s_max} positions with split_size {split_size}, "
@@ -482,11 +528,12 @@ def _check_paged(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_
 
 def paged_sbuf_bytes(s_max: int, d: int, block_len: int, split_size: int) -> int:
     """SBUF bytes per partition of `paged_decode_attention_kernel` at its peak (as `sbuf_bytes` counts): the
-    splits' partials, the table, a split's gathered K and V blocks (block_len * D each), its K^T and P
-    (split_size each), at most 4 bytes an element, and `SBUF_WORKING_SET`."""
+    splits' partials, the table, a split's gathered K and V blocks (block_len * D and block_len * (D + 1)) and its
+    K^T (split_size), at most 4 bytes an element, its positions, mask and P^T (at most SCORE_COLUMNS fp32 each),
+    and `SBUF_WORKING_SET`."""
     n_splits = -(-s_max // split_size)
-    return n_splits * (d + 4) * 4 + 8 * n_splits * split_size // block_len + 4 * (2 * block_len * d + 2 * split_size) \
-        + SBUF_WORKING_SET
+    return (n_splits * (d + 4) * 4 + 8 * n_splits * split_size // block_len
+            + 4 * (block_len * (2 * d + 1) + split_size) + 12 * SCORE_COLUMNS + SBUF_WORKING_SET)
 
 
 def run_paged(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,

@@ -36,12 +36,7 @@ from models.llama import TorchOps
 from neuron_opt.errors import KernelArgumentError
 
 KERNEL_DEVICE = "NEURON"  # the PJRT device with an NKI runtime
-DECODE_SPLIT = 1024  # decode_attention's split_size (its default): two PSUM banks of scores, double-buffered
-# Longest KV block the paged decode kernel is chosen for. It builds K^T with one TensorE transpose per block position,
-# of [blocks per split, D], so long blocks mean many narrow transposes: by the cost model at B 8, KV 4096 (trn1,
-# docs/kernels.md) 724 us at 16 positions, 954 at 32, 2344 at 64, 3647 at 128. Gathering the blocks for the
-# contiguous kernel is 565 us plus ~1.3 ms of copies (an estimate from bytes), so above 32 the gather wins.
-PAGED_MAX_BLOCK_LEN = 32
+DECODE_SPLIT = 1024  # decode_attention's split_size (its default)
 
 
 @dataclass(frozen=True)
@@ -115,10 +110,6 @@ def choose_paged_attention(B: int, n_heads: int, n_kv: int, S: int, num_blocks: 
     if cache_dtype != dtype:
         return KernelChoice("attention", shape, None, f"a {str(cache_dtype).removeprefix('torch.')} cache: the "
                                                       "kernel reads the compute dtype")
-    if block_len > PAGED_MAX_BLOCK_LEN:
-        return KernelChoice("attention", shape, None, f"blocks of {block_len} positions: above "
-                                                      f"{PAGED_MAX_BLOCK_LEN} the paged kernel's K transposes cost "
-                                                      "more than gathering the blocks")
     from kernels_nki import decode_attention
 
     pool = _shaped((num_blocks, n_kv, block_len, D), dtype)

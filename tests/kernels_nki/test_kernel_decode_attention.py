@@ -147,11 +147,15 @@ def test_cache_past_sbuf_is_an_argument_error():
 
 
 def test_split_whose_scores_overflow_psum_is_an_argument_error():
-    # 4096 positions of fp32 scores take 8 PSUM banks; the P @ V accumulator needs a ninth.
-    q = np.zeros((1, 1, 32), np.float32)
-    kv = np.zeros((1, 1, 4096, 32), np.float32)
-    with pytest.raises(KernelArgumentError, match="split_size 4096"):
-        decode_attention.run(q, kv, kv, np.array([5]), split_size=4096)
+    # A split's transposed scores are [128, split / 128 * G] fp32 in one PSUM bank (512 columns): with 64 query
+    # heads per KV head 1024 positions fit, 1152 do not.
+    kv = np.zeros((1, 1, 2304, 32), np.float32)
+    q = np.zeros((1, 64, 32), np.float32)
+    decode_attention.run(q, kv, kv, np.array([5]), split_size=1024)
+    with pytest.raises(KernelArgumentError, match="split_size 1152 .* G=64 allows at most 1024"):
+        decode_attention.run(q, kv, kv, np.array([5]), split_size=1152)
+    with pytest.raises(KernelArgumentError, match="split_size 200"):
+        decode_attention.run(q, kv, kv, np.array([5]), split_size=200)
 
 
 def test_splits_are_rolled_loops_so_the_program_does_not_grow_with_the_cache():

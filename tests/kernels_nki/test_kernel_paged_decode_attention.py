@@ -121,25 +121,26 @@ def test_argument_errors_are_specific():
     with pytest.raises(KernelArgumentError, match="at most 128 of them"):
         decode_attention.run_paged(q, np.zeros((10, 2, 2, 32), np.float32), np.zeros((10, 2, 2, 32), np.float32),
                                    tables, np.array([8, 3]), split_size=512)
-    with pytest.raises(KernelArgumentError, match="scores stay in PSUM"):
-        decode_attention.run_paged(q, kv, kv, tables, lengths, split_size=4096)
+    wide = np.zeros((10, 2, 128, 32), np.float32)  # 128-position blocks with G = 8: 1024 score columns > 512
+    with pytest.raises(KernelArgumentError, match=r"block_len \* G = 128 \* 8 > 512"):
+        decode_attention.run_paged(np.zeros((2, 16, 32), np.float32), wide, wide, tables, lengths)
     with pytest.raises(KernelArgumentError, match="do not match"):
         decode_attention.run_paged(q, kv, kv, tables[:1], lengths)
     with pytest.raises(KernelArgumentError, match="share float32 or bfloat16"):
         decode_attention.run_paged(q.astype(ml_dtypes.bfloat16), kv, kv, tables, lengths)
 
 
-def test_default_split_is_128_blocks_up_to_2048_positions():
+def test_default_split_is_128_blocks_up_to_4096_positions():
     split = decode_attention.default_paged_split
-    assert [split(bl) for bl in (1, 8, 16, 32, 128)] == [128, 1024, 2048, 2048, 2048]
-    assert [split(bl) for bl in (3, 24, 48, 100)] == [384, 1536, 1536, 500]  # PSUM: a multiple of 512 above 512
+    assert [split(bl) for bl in (1, 8, 16, 32, 128)] == [128, 1024, 2048, 4096, 4096]
+    assert [split(bl) for bl in (3, 24, 48, 100, 8192)] == [384, 3072, 4080, 4000, 8192]  # whole blocks
 
 
 def test_splits_are_rolled_loops_so_the_program_does_not_grow_with_the_cache():
     """Whole splits are one affine_range loop (the simulator checks its iterations are independent); the
     merge is unrolled, one instruction per split."""
     reps = {s: decode_attention.estimate_paged(1, 4, 1, s, 128, block_len=16) for s in (4096, 32768)}
-    extra_splits = (32768 - 4096) // 2048
+    extra_splits = (32768 - 4096) // decode_attention.default_paged_split(16)
     assert reps[32768].static_instructions - reps[4096].static_instructions <= 2 * extra_splits
     dyn = {s: sum(e.instructions for e in r.engines.values()) for s, r in reps.items()}
     assert dyn[32768] > 6 * dyn[4096]

@@ -100,7 +100,8 @@ BF16 = torch.bfloat16
     ((2, 9, 3, 1, 64, 16, 20, 256, F32, F32, None, "NEURON"), None, "D=256"),
     ((2, 258, 2, 1, 64, 16, 20, 64, F32, F32, None, "NEURON"), None, "outside the kernel's contract"),
     ((2, 9, 3, 1, 64, 32, 20, 64, F32, F32, None, "NEURON"), "paged_decode_attention", "block table"),
-    ((2, 9, 3, 1, 64, 64, 20, 64, F32, F32, None, "NEURON"), None, "blocks of 64 positions: above 32"),
+    ((2, 9, 3, 1, 64, 128, 20, 64, F32, F32, None, "NEURON"), "paged_decode_attention", "block table"),
+    ((2, 9, 3, 1, 64, 256, 20, 64, F32, F32, None, "NEURON"), None, "block_len * G = 256 * 3 > 512"),
 ])
 def test_decode_call_sites_over_block_pools_pick_the_paged_kernel_within_its_contract(args, kernel, reason):
     c = choose_paged_attention(*args)
