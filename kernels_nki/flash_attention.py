@@ -17,10 +17,11 @@ Launch: SPMD grid `[B, n_kv_heads, G]`, one program per (batch, query head); the
 Streaming (per program): queries are taken in groups of `Q_GROUP` tiles of 128 rows (512 queries); a group's
 Q^T `[D, 512]` and its online-softmax state stay in SBUF while K^T and V stream from HBM in blocks of
 `K_BLOCK` keys (K^T `[D, 2048]` in one DMA, V as `[128, 16, D + 1]`, its last column 1.0, one DMA per
-512-key sub-tile with each partition's 4 keys contiguous: see `_load_kv`). Each block is consumed in online-
-softmax steps of `STEP_KEYS` = 1024 keys: a step's scores take 2 PSUM banks, so the next step's scores can be
-computed while this step's are still being read (4 banks, as a 2048-key step needs, cannot be double-buffered
-beside the P^T and PV banks in 8). Every K/V byte is read once per group, so HBM traffic is
+512-key sub-tile with each partition's 4 keys contiguous: see `_load_kv`). Each block is one online-softmax
+step per member tile (`STEP_KEYS` = K_BLOCK): its scores leave PSUM a 512-key sub-tile at a time, copied to
+SBUF (fp32) by ScalarE, so PSUM holds one sub-tile per step in flight, not the step. Steps are issued
+software-pipelined, `LOOKAHEAD` = 1: the next step's matmuls, copies and max go before this step's exp and
+P @ V. Every K/V byte is read once per group, so HBM traffic is
 S^2 * D * 4 / 512 bytes (bf16): at S = 4096 one head moves 16 MiB where compute takes ~150 us, well under
 trn1's DMA rate. SBUF use does not depend on S (`sbuf_bytes`); S is bounded only by HBM.
 
@@ -36,18 +37,18 @@ Loops (core/loops.py in the simulator checks both rules):
 
 Pseudocode (per program, per query group [q0, q0 + 512)):
     q = Q^T[:, group];  per member tile t: m_t = -1e30, o_t = 0   (o's last column is the running row sum l)
-    for key block kb in [0, kend_full) (sequential):  load K^T block, V block
-        for each 1024-key half: for t: step(t, its 2 sub-tiles)
+    for key block kb in [0, kend_full) (sequential):  load K^T block, V block;  for t: step(t, the block)
     tail keys (non-causal) / diagonal keys [q0, q0 + 128 t + qr) (causal, mask on the last 128 columns): step
-    step(t, keys):
-        for sub-tile c:  s[c] = q_t^T @ K^T[:, keys c]          # TensorE -> PSUM [qr, <=512]
-                         (diagonal: s[c][:, t's own 128 keys] += I^T @ tri, 0 or -1e30)   # TensorE
-                         st[:, 1 + c] = rowmax(s[c])            # VectorE, reads PSUM
+    step(t, keys):   (first half `_scores`, second half `_softmax_pv`, pipelined one step apart)
+        for sub-tile c:  s_ps = q_t^T @ K^T[:, keys c]          # TensorE -> PSUM [qr, <=512]
+                         (diagonal: s_ps[:, t's own 128 keys] += I^T @ tri, 0 or -1e30)   # TensorE
+                         s[:, c] = copy(s_ps)  (fp32)           # ScalarE: the one read of the scores in PSUM
+                         st[:, 1 + c] = rowmax(s[:, c])         # VectorE, from SBUF
         m_new = max(st[:, 0:1 + n]);  nbias = -scale * m_new    # VectorE, GpSimd
         alpha = exp(scale * st[:, 0] + nbias);  st[:, 0] = m_new # ScalarE, GpSimd
-        for sub-tile c:  p = exp(scale * s[c] + nbias)  (bf16/fp32)                        # ScalarE
+        for sub-tile c:  p = exp(scale * s[:, c] + nbias)  (bf16/fp32)                     # ScalarE, from SBUF
                          for 128-key chunk: pT = transpose(p[:, chunk])  # TensorE -> PSUM; copy to SBUF on
-                                                                         # VectorE (6/16) or ScalarE
+                                                                         # VectorE (14/16) or ScalarE
                                             pv += pT^T @ [V | 1][chunk]  # TensorE, PSUM accumulation
         o_t = alpha * o_t + copy(pv)                           # ScalarE copy out of PSUM, GpSimd math
     out[tile t] = o_t[:, :D] * (1 / o_t[:, D])                 # VectorE reciprocal, GpSimd multiply
@@ -55,11 +56,12 @@ Pseudocode (per program, per query group [q0, q0 + 512)):
     Starting from m = -1e30 and o = 0 makes the first block an ordinary step (alpha = 0), which keeps the
     rolled loop uniform. The ones column makes TensorE produce the row sums (moving free D + 1 instead of D,
     +1%), cheaper than ScalarE's reduce read-out and consistent with the bf16 P actually multiplied. Per
-    128x512 score tile the cost model's floor is ~610 ns (three passes over the scores shared by VectorE and
-    ScalarE); TensorE needs 550 ns of which 366 are useful: ~60% at best (docs/kernels.md).
+    128x512 score tile TensorE needs 550 ns of which 366 are useful (66.5% at most), and on NeuronCore-v2,
+    where VectorE shares the PSUM port with ScalarE and the SBUF port with GpSimd, the four passes over the
+    scores (copy, max, exp, P^T eviction) need ~800 ns of VectorE and ScalarE: ~45% at best (docs/kernels.md).
 
 Constraints: D <= 128; q, k, v share one dtype (float32 or bfloat16; matmuls run in that dtype, softmax
-statistics in float32). SBUF per partition (`sbuf_bytes`) is about 20 KiB for bf16, D = 128, whatever S.
+statistics in float32). SBUF per partition (`sbuf_bytes`) is about 44 KiB for bf16, D = 128, whatever S.
 """
 
 from __future__ import annotations
@@ -76,10 +78,10 @@ Q_TILE = 128  # query rows per tile: the partition count of the score tile
 Q_GROUP = 4  # query tiles that share one pass over K/V (512 queries: K/V HBM traffic / 512 per query)
 K_TILE = 512  # keys per score matmul: one PSUM bank of fp32
 K_BLOCK = 2048  # keys per streamed K/V block (4 score sub-tiles); a multiple of STEP_KEYS
-STEP_KEYS = 2048  # keys per online-softmax step (2 score sub-tiles = 2 PSUM banks, so two steps' scores fit)
+STEP_KEYS = 2048  # keys per online-softmax step: the whole block (its fp32 scores, 8 KiB per partition, in SBUF)
 NEG = -1.0e30  # masked score and initial running max; exp(scale * NEG - m) underflows to exactly 0
 LOOKAHEAD = 1  # steps whose scores are issued before the oldest pending step's exp and P @ V
-EVICT_VECTOR = (14, 16)  # of every 16 P^T evictions in a step, 6 on VectorE and 10 on ScalarE (docs/kernels.md)
+EVICT_VECTOR = (14, 16)  # of every 16 P^T evictions, 14 on VectorE, 2 on ScalarE (which copies the scores out)
 
 
 @nki.jit
@@ -292,7 +294,7 @@ def _pv_chunks(chunks, v_blk, pv_ps, qr, n_mm, mm_dtype):
         _, cw, vc = chunks[j]
         src = pt_ps[0:cw, j * Q_TILE:j * Q_TILE + qr]  # [cw keys, qr]
         # PSUM -> SBUF copies of P^T, a fixed pattern of `num` in `den` on VectorE, the rest on ScalarE:
-        # VectorE already does the row max, ScalarE the exp (see docs/kernels.md).
+        # ScalarE already copies the scores out of PSUM and takes the exp, VectorE the row max (docs/kernels.md).
         if n_mm * num % den < num:
             pt = nisa.tensor_copy(src, dtype=mm_dtype, engine=nisa.vector_engine)
         else:

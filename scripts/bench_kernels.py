@@ -3,7 +3,8 @@
 Usage: python scripts/bench_kernels.py [--json] [--target trn1|inf2|trn2]
 
 Shapes: flash attention prefill S=4096 D=128 bf16 (one head; causal and not), decode attention batch 8,
-S_max 4096, 32 query / 8 KV heads (GQA 4), D=128 bf16, split 1024 (and through a block table, blocks of 16),
+S_max 4096, 32 query / 8 KV heads (GQA 4), D=128 bf16, split 1024 (and through a block table, blocks of 16 and
+of 32, the KV cache's default, at the default split),
 RMSNorm N=4096 H=4096 bf16 (plain and with the fused residual add), and the matmul calibration
 [4096, 8192] @ [8192, 8192] bf16 if kernels_nki/matmul.py exists.
 Every number is the simulator's estimate (documented per-instruction costs, a dependency-aware schedule, one
@@ -46,9 +47,12 @@ def run_all(target: str) -> list[dict[str, Any]]:
     rep = decode_attention.estimate(8, 32, 8, 4096, 128, split_size=1024, target=target)
     out.append(_entry("decode_attention", {"B": 8, "n_heads": 32, "n_kv_heads": 8, "S_max": 4096, "D": 128,
                                            "split_size": 1024, "dtype": "bfloat16"}, rep))
-    rep = decode_attention.estimate_paged(8, 32, 8, 4096, 128, block_len=16, target=target)
-    out.append(_entry("decode_attention_paged", {"B": 8, "n_heads": 32, "n_kv_heads": 8, "S_max": 4096, "D": 128,
-                                                 "block_len": 16, "split_size": 2048, "dtype": "bfloat16"}, rep))
+    for bl in (16, 32):
+        split = decode_attention.default_paged_split(bl)
+        rep = decode_attention.estimate_paged(8, 32, 8, 4096, 128, block_len=bl, split_size=split, target=target)
+        out.append(_entry("decode_attention_paged", {"B": 8, "n_heads": 32, "n_kv_heads": 8, "S_max": 4096,
+                                                     "D": 128, "block_len": bl, "split_size": split,
+                                                     "dtype": "bfloat16"}, rep))
     for residual in (False, True):
         rep = rmsnorm.estimate(4096, 4096, residual=residual, target=target)
         out.append(_entry("rmsnorm", {"N": 4096, "H": 4096, "residual": residual, "dtype": "bfloat16"}, rep))
@@ -81,6 +85,9 @@ def main() -> None:
                          for e, st in r["engines"].items())
         print(f"  busy us (of latency): {busy}  dma {r['dma_busy_us']:.1f} ({r['utilization']['dma'] * 100:.0f}%, "
               f"{r['dma_descriptors']} descriptors); throughput bound {r['throughput_bound_us']:.1f} us")
+        if r["port_busy_us"]:  # NeuronCore-v2's shared ports (VectorE with GpSimd on SBUF, with ScalarE on PSUM)
+            ports = "  ".join(f"{p} {us:.1f} ({r['utilization'][p] * 100:.0f}%)" for p, us in r["port_busy_us"].items())
+            print(f"  shared ports us (of latency): {ports}")
 
 
 if __name__ == "__main__":
