@@ -44,13 +44,13 @@ Pseudocode (per program, per query group [q0, q0 + 512)):
                          (diagonal: s_ps[:, t's own 128 keys] += I^T @ tri, 0 or -1e30)   # TensorE
                          s[:, c] = copy(s_ps)  (fp32)           # ScalarE: the one read of the scores in PSUM
                          st[:, 1 + c] = rowmax(s[:, c])         # VectorE, from SBUF
-        m_new = max(st[:, 0:1 + n]);  nbias = -scale * m_new    # VectorE, GpSimd
-        alpha = exp(scale * st[:, 0] + nbias);  st[:, 0] = m_new # ScalarE, GpSimd
+        m_new = max(st[:, 0:1 + n]);  nbias = -scale * m_new    # VectorE, ScalarE
+        alpha = exp(scale * st[:, 0] + nbias);  st[:, 0] = m_new # ScalarE
         for sub-tile c:  p = exp(scale * s[:, c] + nbias)  (bf16/fp32)                     # ScalarE, from SBUF
                          for 128-key chunk: pT = transpose(p[:, chunk])  # TensorE -> PSUM; copy to SBUF on
-                                                                         # VectorE (14/16) or ScalarE
+                                                                         # VectorE (13/16) or ScalarE
                                             pv += pT^T @ [V | 1][chunk]  # TensorE, PSUM accumulation
-        o_t = alpha * o_t + copy(pv)                           # ScalarE copy out of PSUM, GpSimd math
+        o_t = alpha * o_t + pv                                 # VectorE, one instruction (pv read in PSUM)
     out[tile t] = o_t[:, :D] * (1 / o_t[:, D])                 # VectorE reciprocal, GpSimd multiply
 
     Starting from m = -1e30 and o = 0 makes the first block an ordinary step (alpha = 0), which keeps the
@@ -81,7 +81,7 @@ K_BLOCK = 2048  # keys per streamed K/V block (4 score sub-tiles); a multiple of
 STEP_KEYS = 2048  # keys per online-softmax step: the whole block (its fp32 scores, 8 KiB per partition, in SBUF)
 NEG = -1.0e30  # masked score and initial running max; exp(scale * NEG - m) underflows to exactly 0
 LOOKAHEAD = 1  # steps whose scores are issued before the oldest pending step's exp and P @ V
-EVICT_VECTOR = (14, 16)  # of every 16 P^T evictions, 14 on VectorE, 2 on ScalarE (which copies the scores out)
+EVICT_VECTOR = (13, 16)  # of every 16 P^T evictions, 13 on VectorE, 3 on ScalarE (which copies the scores out)
 
 
 @nki.jit
@@ -241,9 +241,9 @@ def _scores(t, kv, ko, widths, diag, q_sb, tiles, st, o, d, scale, mm_dtype):
         stt[:, 1 + c:2 + c] = nisa.tensor_reduce(nl.maximum, s_sb[:, c * K_TILE:c * K_TILE + w], axis=(1,),
                                                  keepdims=True)
     m_new = nisa.tensor_reduce(nl.maximum, stt[:, 0:1 + n_sub], axis=(1,), keepdims=True)  # [old | sub maxes]
-    nbias = nisa.tensor_scalar(m_new, nl.multiply, -scale, engine=nisa.gpsimd_engine)  # exp(sc*s - sc*m)
+    nbias = nisa.activation(nl.copy, m_new, scale=-scale)  # exp(sc*s - sc*m)
     alpha = nisa.activation(nl.exp, stt[:, 0:1], bias=nbias, scale=scale)  # exp(sc * (m_old - m_new)); 0 at first
-    stt[:, 0:1] = nisa.tensor_copy(m_new, engine=nisa.gpsimd_engine)
+    stt[:, 0:1] = nisa.activation(nl.copy, m_new)
     return s_sb, nbias, alpha
 
 
@@ -252,11 +252,9 @@ def _softmax_pv(t, kv, ko, widths, diag, s_sb, nbias, alpha, q_sb, tiles, st, o,
     _, v_blk, interleaved = kv
     qr = tiles[t][1]
     pv_ps = _exp_pv(s_sb, nbias, v_blk, ko // Q_TILE, widths, interleaved, d, scale, mm_dtype)
-    # o = alpha * o + pv: ScalarE moves pv out of PSUM, GpSimd does the arithmetic.
+    # o = alpha * o + pv in one VectorE instruction that reads pv in PSUM
     ot = o[t, 0:qr, :]
-    pv_sb = nisa.activation(nl.copy, pv_ps, dtype=nl.float32)
-    o_scaled = nisa.tensor_scalar(ot, nl.multiply, alpha, engine=nisa.gpsimd_engine)
-    ot[...] = nisa.tensor_tensor(o_scaled, pv_sb, nl.add, engine=nisa.gpsimd_engine)
+    ot[...] = nisa.scalar_tensor_tensor(data=ot, op0=nl.multiply, operand0=alpha, op1=nl.add, operand1=pv_ps)
 
 
 def _exp_pv(s_sb, nbias, v_blk, ch0, widths, interleaved, d, scale, mm_dtype):
