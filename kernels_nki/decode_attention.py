@@ -98,6 +98,7 @@ from neuron_opt.errors import KernelArgumentError
 
 P_CHUNK = 128  # positions per P@V matmul (contraction on partitions)
 SCORE_COLUMNS = 512  # fp32 columns of one PSUM bank: a split's transposed scores, chunks * G, must fit
+DEFAULT_SPLIT = 1024  # positions per split where G allows (`default_split`)
 # The paged kernel's default split: 128 blocks (one per partition: K^T's transposes are then [128, D], full width),
 # at most this many positions (K^T [D, split] in SBUF).
 PAGED_SPLIT_POSITIONS = 4096
@@ -450,7 +451,7 @@ def _check_sbuf(s_max: int, d: int, split_size: int, target: str) -> None:
 
 
 def run(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.ndarray, *,
-        softmax_scale: float | None = None, split_size: int = 1024) -> np.ndarray:
+        softmax_scale: float | None = None, split_size: int | None = None) -> np.ndarray:
     """Runs the kernel on logical layouts (simulator here, the SDK's NKI where installed).
 
     Args:
@@ -459,7 +460,7 @@ def run(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.nda
         v_cache: `[B, n_kv_heads, S_max, D]`, same dtype.
         lengths: `[B]` integers in [1, S_max].
         softmax_scale: Defaults to `1 / sqrt(D)`.
-        split_size: Cache positions per flash-decoding split.
+        split_size: Cache positions per flash-decoding split; default `default_split(G)` (1024 up to G = 64).
 
     Returns:
         `[B, n_heads, D]` in q's dtype.
@@ -469,6 +470,9 @@ def run(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.nda
             SBUF at this split_size on the simulator's default target (`max_cache_len`).
     """
     lengths = np.asarray(lengths)
+    if split_size is None:
+        shaped = q.ndim == 3 and k_cache.ndim == 4 and k_cache.shape[1] > 0
+        split_size = default_split(max(1, q.shape[1] // k_cache.shape[1]) if shaped else 1)
     _check(q, k_cache, v_cache, lengths, split_size)
     b, n_heads, d = q.shape
     n_kv = k_cache.shape[1]
@@ -480,6 +484,12 @@ def run(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.nda
     out = simulate(decode_attention_kernel[b, n_kv], q_g, k_t, v_k, lens,
                    softmax_scale=scale, split_size=split_size)
     return np.asarray(out).reshape(b, n_heads, d)  # [B, n_kv, G, D] -> [B, n_heads, D]
+
+
+def default_split(g: int) -> int:
+    """Positions per split for G query heads per KV head: DEFAULT_SPLIT, or the largest multiple of 128 whose
+    transposed scores `[128, split / 128 * G]` fit one PSUM bank (512 at G = 128)."""
+    return max(P_CHUNK, min(DEFAULT_SPLIT, SCORE_COLUMNS // g * P_CHUNK))
 
 
 def default_paged_split(block_len: int) -> int:

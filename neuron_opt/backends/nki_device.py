@@ -36,7 +36,6 @@ from models.llama import TorchOps
 from neuron_opt.errors import KernelArgumentError
 
 KERNEL_DEVICE = "NEURON"  # the PJRT device with an NKI runtime
-DECODE_SPLIT = 1024  # decode_attention's split_size (its default)
 
 
 @dataclass(frozen=True)
@@ -79,7 +78,8 @@ def choose_attention(B: int, n_heads: int, n_kv: int, S: int, kv_len: int, D: in
             from kernels_nki import decode_attention
 
             decode_attention._check(_shaped((B, n_heads, D), dtype), _shaped((B, n_kv, kv_len, D), dtype),
-                                    _shaped((B, n_kv, kv_len, D), dtype), np.full(B, kv_len), DECODE_SPLIT)
+                                    _shaped((B, n_kv, kv_len, D), dtype), np.full(B, kv_len),
+                                    decode_attention.default_split(n_heads // n_kv))
             return KernelChoice("attention", shape, "decode_attention", "decode step")
         if S == kv_len:
             from kernels_nki import flash_attention
@@ -168,10 +168,11 @@ def attention_kernel_call(kernel: str, q: torch.Tensor, keys: torch.Tensor, valu
         q_g = q[:, :, 0].reshape(B, n_kv, G, D).contiguous()  # [B, n_kv, G, D]
         k_t = keys.transpose(2, 3).contiguous()  # [B, n_kv, D, kv_len]
         lengths = (positions[:, :1] + 1).to(torch.int32)  # [B, 1]: keys [0, position] of each row
-        from kernels_nki.decode_attention import v_kernel_layout
+        from kernels_nki.decode_attention import default_split, v_kernel_layout
 
-        v_k = v_kernel_layout(values, DECODE_SPLIT).contiguous()  # [B, n_kv, kv_len, D] in the kernel's row order
-        return (B, n_kv), (q_g, k_t, v_k, lengths), dict(softmax_scale=scale, split_size=DECODE_SPLIT)
+        split = default_split(G)
+        v_k = v_kernel_layout(values, split).contiguous()  # [B, n_kv, kv_len, D] in the kernel's row order
+        return (B, n_kv), (q_g, k_t, v_k, lengths), dict(softmax_scale=scale, split_size=split)
     raise ValueError(f"no attention kernel {kernel!r}")
 
 

@@ -146,6 +146,17 @@ def test_cache_past_sbuf_is_an_argument_error():
         decode_attention.run(q, kv, kv, np.array([7]), split_size=128)
 
 
+def test_default_split_keeps_the_transposed_scores_in_one_psum_bank():
+    assert [decode_attention.default_split(g) for g in (1, 4, 64, 65, 128)] == [1024, 1024, 1024, 896, 512]
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((1, 128, 16)).astype(np.float32)  # G = 128 over one KV head: split 512
+    k = rng.standard_normal((1, 1, 1100, 16)).astype(np.float32)
+    v = rng.standard_normal((1, 1, 1100, 16)).astype(np.float32)
+    lengths = np.array([1037])
+    out = decode_attention.run(q, k, v, lengths)
+    np.testing.assert_allclose(out, decode_attention_ref(q, k, v, lengths), atol=1e-4, rtol=1e-4)
+
+
 def test_split_whose_scores_overflow_psum_is_an_argument_error():
     # A split's transposed scores are [128, split / 128 * G] fp32 in one PSUM bank (512 columns): with 64 query
     # heads per KV head 1024 positions fit, 1152 do not.

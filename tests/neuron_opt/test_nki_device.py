@@ -29,6 +29,7 @@ F32 = torch.float32
 @pytest.mark.parametrize("args, kernel, reason", [
     ((1, 9, 3, 128, 128, 64, F32, None, "NEURON"), "flash_attention", "prefill from position 0"),
     ((4, 8, 2, 1, 512, 128, torch.bfloat16, None, "NEURON"), "decode_attention", "decode step"),
+    ((1, 128, 1, 1, 4096, 64, F32, None, "NEURON"), "decode_attention", "decode step"),  # G 128: split 512
     ((1, 4, 2, 128, 128, 64, F32, 8, "NEURON"), None, "sliding window 8"),
     ((1, 4, 2, 16, 32, 64, F32, None, "NEURON"), None, "continue a prefix"),
     ((1, 4, 2, 128, 128, 256, F32, None, "NEURON"), None, "D=256 > 128"),
