@@ -5,8 +5,9 @@ Model (documented in docs/nki_simulator.md):
   ISA docstrings), in cycles of that engine, converted to time with the engine clock of the target.
 - A DMA costs bytes / per-queue bandwidth plus a fitted time per descriptor on each of the queues it is split
   over, after a fixed latency (1.3 us); see core/timeline.py.
-- The latency is a schedule of every instruction over the engine and DMA queues with the dependencies the
-  kernel's tiles impose (core/timeline.py), not a max over engines: an engine waits for the data it needs.
+- The latency is a schedule of every instruction over the engine and DMA queues (and, on NeuronCore-v2, the
+  SBUF and PSUM ports two engines share) with the dependencies the kernel's tiles impose (core/timeline.py),
+  not a max over engines: an engine waits for the data it needs.
   Busy time per engine is still reported; the largest is the throughput bound.
 No efficiency factor is applied.
 """
@@ -71,7 +72,8 @@ class Report:
             runs per partition).
         dma_busy_us: queue time of all DMAs divided by the number of queues (the DMA throughput bound).
         latency_us: estimated kernel latency: the end of the last instruction in the dependency-aware schedule.
-        throughput_bound_us: the largest busy time over engines and DMA (what perfect overlap would reach).
+        throughput_bound_us: the largest busy time over engines, DMA and shared ports (what perfect overlap would
+            reach).
         utilization: per engine, `dma` and shared port (`sbuf_port`, `psum_port`; NeuronCore-v2), busy time /
             latency.
         matmul_flops: 2*K*M*N summed over matmuls (transposes excluded).

@@ -7,6 +7,12 @@ The estimate is a list schedule in program order (documented in docs/nki_simulat
   duration. That may be in an idle gap left before work placed earlier (the compiler's scheduler moves
   independent instructions ahead within an engine's stream); the last `GAP_WINDOW` gaps of each engine are
   kept, which bounds how far ahead an instruction can move.
+- **Shared ports (NeuronCore-v2).** VectorE and GpSimdE cannot access SBUF in parallel, and VectorE and ScalarE
+  cannot access PSUM in parallel (the compiler serializes such instructions). An engine instruction that has an
+  operand or result in that memory holds the port (`SBUF_PORT`, `PSUM_PORT`, each one more lane) for its whole
+  duration, and starts at the earliest time at which its engine and its ports are all idle. The memories come
+  from the recorded operands and results (a result assigned into a tile is in that tile's memory) plus what the
+  instruction names as `touches`. Targets without `shared_ports` (trn2) skip this.
 - **Dependencies through storage.** An instruction starts after the instructions that wrote what it reads have
   finished (read after write), and, for what it writes, after earlier readers and writers of the same elements
   (write after read, write after write). Elements are compared as boxes per storage dim (as the affine_range
