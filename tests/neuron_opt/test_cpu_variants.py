@@ -48,6 +48,7 @@ def test_cpu_fp32_variants_match_eager(tiny_dir, tmp_path, variant: str) -> None
     _compare(tiny_dir, tmp_path, variant, "float32", rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # ~45 s; the fallback when the operators do not build (the default form runs above)
 def test_cpu_moe_without_the_gather_operator_matches_eager(tiny_dir, tmp_path) -> None:
     """`moe_gather=inductor`: the selected experts as Inductor's fused loop (the form before the operator, and the
     fallback where it does not build); the default form is the qwen2-moe case above. The decode graph calls the

@@ -93,6 +93,7 @@ def test_cpu_int8_kernels_with_fp8_kv_match_the_eager_reference(build):
     assert rel_err(ref, logits(build("fp32"))) < 0.08
 
 
+@pytest.mark.slow  # ~45 s of Inductor compiles; the operator form is checked against the eager reference above
 def test_cpu_int8_operator_and_inductor_forms_agree(build):
     """int8 products of few rows (decode, the one-row head) call torch.ops.neuron_opt.int8_linear by default; the
     `int8_linear=inductor` graphs (Inductor's dot-product loop, aten's int8 GEMM) compute the same logits."""

@@ -315,6 +315,7 @@ def test_bf16_exact_verify_rows_are_bitwise_the_decode_steps_logits(tiny_dir, tm
         assert stats.accepted_tokens > 0
 
 
+@pytest.mark.slow  # ~60 s; the operator's row independence is tested bitwise in test_cpu_ops.py
 def test_int8_exact_verify_rows_are_bitwise_the_decode_steps_logits(tiny_dir, tmp_path):
     """int8 weights with an int8 head (fp32 compute, any CPU): every int8 product of the decode and verify graphs
     runs on torch.ops.neuron_opt.int8_linear, whose rows do not depend on the rows beside them, so a verify row's
