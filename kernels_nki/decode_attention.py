@@ -365,11 +365,11 @@ def _check(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.
         raise KernelArgumentError(f"decode_attention: lengths must be [B]={b} values in [1, S_max="
                                   f"{k_cache.shape[2]}]; got {lengths.tolist()}")
     g = n_heads // k_cache.shape[1]
-    if split_size < P_CHUNK or split_size % P_CHUNK or split_size // P_CHUNK * g > SCORE_COLUMNS:
+    if split_size < P_CHUNK or split_size % P_CHUNK or split_size > max_split(g):
         raise KernelArgumentError(f"decode_attention: split_size {split_size} must be a multiple of 128 with "
                                   f"split_size / 128 * G <= {SCORE_COLUMNS} (a split's transposed fp32 scores, "
                                   f"[128, split_size / 128 * G], take one PSUM bank); G={g} allows at most "
-                                  f"{SCORE_COLUMNS // g * P_CHUNK}")
+                                  f"{max_split(g)}")
     _check_sbuf(k_cache.shape[2], d, split_size, DEFAULT_TARGET)
 
 
@@ -398,10 +398,10 @@ def sbuf_bytes(s_max: int, d: int, split_size: int) -> int:
     then `SBUF_WORKING_SET`.
     """
     n_splits = (s_max + split_size - 1) // split_size
-    return n_splits * (d + 4) * 4 + _split_bytes(min(s_max, split_size), split_size) + SBUF_WORKING_SET
+    return n_splits * (d + 4) * 4 + _split_bytes(split_size) + SBUF_WORKING_SET
 
 
-def _split_bytes(sw: int, split_size: int) -> int:
+def _split_bytes(split_size: int) -> int:
     """A K chunk's K^T `[D, chunk]` and V `[128, chunk / 128, D + 1]` (D <= 128), at most 4 bytes an element, and
     a split's positions, mask and P^T (`[parts, chunks * G]`, at most SCORE_COLUMNS fp32 each)."""
     chunk = _splits_per_k_load(split_size) * split_size
@@ -436,7 +436,7 @@ def v_kernel_layout(v: Any, split_size: int) -> Any:
 
 def max_cache_len(d: int, split_size: int, target: str = DEFAULT_TARGET) -> int:
     """Longest S_max whose `sbuf_bytes` fit the SBUF a kernel may use on `target`."""
-    room = sbuf_capacity(target) - SBUF_WORKING_SET - _split_bytes(split_size, split_size)
+    room = sbuf_capacity(target) - SBUF_WORKING_SET - _split_bytes(split_size)
     return room // ((d + 4) * 4) * split_size
 
 
@@ -486,10 +486,15 @@ def run(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.nda
     return np.asarray(out).reshape(b, n_heads, d)  # [B, n_kv, G, D] -> [B, n_heads, D]
 
 
+def max_split(g: int) -> int:
+    """The longest split for G query heads per KV head: the largest multiple of 128 whose transposed scores
+    `[128, split / 128 * G]` fit one PSUM bank (512 at G = 128; 0 above G = 512)."""
+    return SCORE_COLUMNS // g * P_CHUNK
+
+
 def default_split(g: int) -> int:
-    """Positions per split for G query heads per KV head: DEFAULT_SPLIT, or the largest multiple of 128 whose
-    transposed scores `[128, split / 128 * G]` fit one PSUM bank (512 at G = 128)."""
-    return max(P_CHUNK, min(DEFAULT_SPLIT, SCORE_COLUMNS // g * P_CHUNK))
+    """Positions per split for G query heads per KV head: DEFAULT_SPLIT, or `max_split(g)` where that is less."""
+    return max(P_CHUNK, min(DEFAULT_SPLIT, max_split(g)))
 
 
 def default_paged_split(block_len: int) -> int:

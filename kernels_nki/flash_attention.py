@@ -18,7 +18,7 @@ Streaming (per program): queries are taken in groups of `Q_GROUP` tiles of 128 r
 Q^T `[D, 512]` and its online-softmax state stay in SBUF while K^T and V stream from HBM in blocks of
 `K_BLOCK` keys (K^T `[D, 2048]` in one DMA, V as `[128, 16, D + 1]`, its last column 1.0, one DMA per
 512-key sub-tile with each partition's 4 keys contiguous: see `_load_kv`). Each block is one online-softmax
-step per member tile (`STEP_KEYS` = K_BLOCK): its scores leave PSUM a 512-key sub-tile at a time, copied to
+step per member tile: its scores leave PSUM a 512-key sub-tile at a time, copied to
 SBUF (fp32) by ScalarE, so PSUM holds one sub-tile per step in flight, not the step. Steps are issued
 software-pipelined, `LOOKAHEAD` = 1: the next step's matmuls, copies and max go before this step's exp and
 P @ V. Every K/V byte is read once per group, so HBM traffic is
@@ -77,8 +77,7 @@ from neuron_opt.errors import KernelArgumentError
 Q_TILE = 128  # query rows per tile: the partition count of the score tile
 Q_GROUP = 4  # query tiles that share one pass over K/V (512 queries: K/V HBM traffic / 512 per query)
 K_TILE = 512  # keys per score matmul: one PSUM bank of fp32
-K_BLOCK = 2048  # keys per streamed K/V block (4 score sub-tiles); a multiple of STEP_KEYS
-STEP_KEYS = 2048  # keys per online-softmax step: the whole block (its fp32 scores, 8 KiB per partition, in SBUF)
+K_BLOCK = 2048  # keys per streamed K/V block and online-softmax step (4 score sub-tiles; fp32 scores 8 KiB in SBUF)
 NEG = -1.0e30  # masked score and initial running max; exp(scale * NEG - m) underflows to exactly 0
 LOOKAHEAD = 1  # steps whose scores are issued before the oldest pending step's exp and P @ V
 EVICT_VECTOR = (13, 16)  # of every 16 P^T evictions, 13 on VectorE, 3 on ScalarE (which copies the scores out)
@@ -130,7 +129,7 @@ def _query_group(q0, q_t, k_t, v, out, b, h, kvh, s, d, masks, scale, mm_dtype):
     """Queries [q0, q0 + up to Q_GROUP * 128): stream the keys they attend to, then normalise and store."""
     n_rows = min(Q_GROUP * Q_TILE, s - q0)
     tiles = [(t * Q_TILE, min(Q_TILE, n_rows - t * Q_TILE)) for t in range((n_rows + Q_TILE - 1) // Q_TILE)]
-    n_sub = STEP_KEYS // K_TILE
+    n_sub = K_BLOCK // K_TILE
     q_sb = nl.load(q_t[b, h, :, q0:q0 + n_rows])  # [D, n_rows] stationary operands of the group
     # Online-softmax state per member tile: column 0 the running max, columns 1.. a step's sub-tile maxes;
     # o's last column is the running row sum.
@@ -161,10 +160,9 @@ def _widths(n):
 
 
 def _block_steps(kv, n, tiles, state):
-    """Every member's steps over a block of n keys, STEP_KEYS at a time: for each piece all members, so that
-    the steps one member chains (its running state) are separated by the other members' independent ones."""
-    _pipelined([(t, kv, ko, _widths(min(STEP_KEYS, n - ko)), None)
-                for ko in range(0, n, STEP_KEYS) for t in range(len(tiles))], state)
+    """Every member's step over a block of n <= K_BLOCK keys: the steps one member chains (its running state)
+    are separated by the other members' independent ones."""
+    _pipelined([(t, kv, 0, _widths(n), None) for t in range(len(tiles))], state)
 
 
 def _pipelined(steps, state):
@@ -329,16 +327,16 @@ def sbuf_bytes(d: int, dtype: Any) -> int:
     """SBUF bytes per partition one program holds at its peak, counted as the simulator's allocator does.
 
     Independent of S: Q^T of a group `[D, 512]`, the two causal masks `[128, 128]`, the group's state
-    (`[128, 1 + STEP_KEYS / 512]` and `[128, D + 1]` fp32 per member), at most two K/V blocks live at once
+    (`[128, 1 + K_BLOCK / 512]` and `[128, D + 1]` fp32 per member), at most two K/V blocks live at once
     (K^T `[D, K_BLOCK]`, V `[128, K_BLOCK / 128, D + 1]`: the key tail's and the diagonal's), the fp32 scores
-    of the `LOOKAHEAD + 1` steps in flight (`[128, STEP_KEYS]` each), plus `SBUF_WORKING_SET`. The allocator
+    of the `LOOKAHEAD + 1` steps in flight (`[128, K_BLOCK]` each), plus `SBUF_WORKING_SET`. The allocator
     charges a tile the bytes of its free dims in every partition.
     """
     it = np.dtype(dtype).itemsize
-    n_sub = STEP_KEYS // K_TILE
+    n_sub = K_BLOCK // K_TILE
     state = Q_GROUP * ((1 + n_sub) * 4 + (d + 1) * 4)
     kv = K_BLOCK * it + (K_BLOCK // Q_TILE) * (d + 1) * it
-    scores = (LOOKAHEAD + 1) * STEP_KEYS * 4
+    scores = (LOOKAHEAD + 1) * K_BLOCK * 4
     return Q_GROUP * Q_TILE * it + 2 * Q_TILE * it + state + 2 * kv + scores + SBUF_WORKING_SET
 
 
