@@ -28,6 +28,7 @@ from neuron_opt.runtime.generate import GenerationOutput, generate_ids
 from neuron_opt.runtime.runner import ModelRunner
 from neuron_opt.runtime.sampling import SamplingParams
 from neuron_opt.runtime.speculative import SpecStats, SpeculativeConfig, check_draft_tokenizer
+from neuron_opt.runtime.structured import GrammarCompiler
 
 
 def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], max_model_len: int,
@@ -98,6 +99,7 @@ class LLM:
                 torch_model = build_model(self.config, ckpt.state_dict(), max_model_len, torch_dtype(dtype))
                 executor = EagerExecutor(torch_model, cache)
             self.runner = ModelRunner(executor, buckets, cache, self.config.vocab_size)
+        self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -106,14 +108,18 @@ class LLM:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The prompt of a conversation through the model's chat template (`tools`: OpenAI tool definitions, for
+        templates that render them)."""
+        kw = {"tools": tools} if tools else {}
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kw)
         ids = out["input_ids"] if hasattr(out, "keys") else out
         return list(ids)
 
     def generate_ids(self, prompt_ids: list[int], params: SamplingParams | None = None) -> GenerationOutput:
-        return generate_ids(self.runner, self.tokenizer, prompt_ids, params or SamplingParams(),
-                            self.eos_token_ids)
+        params = params or SamplingParams()
+        grammar = None if params.structured is None else self.grammars.state(params.structured, params.stop_token_ids)
+        return generate_ids(self.runner, self.tokenizer, prompt_ids, params, self.eos_token_ids, grammar=grammar)
 
     def generate_ids_speculative(self, prompt_ids: list[int], params: SamplingParams | None,
                                  speculative: SpeculativeConfig) -> tuple[GenerationOutput, SpecStats]:

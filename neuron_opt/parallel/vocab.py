@@ -60,7 +60,8 @@ def candidates_needed(
         greedy: temperature == 0.
         top_k: the request's top_k (0 = off).
         top_p: the request's top_p (< 1 needs the full distribution's mass).
-        penalties: presence/frequency penalties are active (they re-rank arbitrary tokens).
+        penalties: presence/frequency penalties, a logit bias or a grammar mask are active (they re-rank
+            arbitrary tokens).
         logprobs: logprobs are requested (log_softmax needs the full normaliser).
         n_banned: tokens the sampler will set to -inf (e.g. EOS before min_tokens); each may cost a candidate.
     """

@@ -48,6 +48,7 @@ from neuron_opt.runtime.speculative import (
     accept,
 )
 from neuron_opt.runtime.stopping import StopChecker
+from neuron_opt.runtime.structured import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +176,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.error: BaseException | None = None  # set if the loop itself died (a bug)
+        self.grammars = GrammarCompiler(tokenizer, runner.vocab_size, self.eos_token_ids)
 
     def _draft_proposer(self, draft: ModelRunner, seqs: int) -> DraftModelProposer:
         """The draft must hold a KV slot per running sequence and reach every position the target does."""
@@ -224,6 +226,12 @@ class Engine:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
+    def compile_grammar(self, params: SamplingParams) -> Any:
+        """The compiled grammar of `params.structured` (None without one); ConfigError if it does not compile.
+        Thread-safe and cached: the server calls it in a worker thread before `add_request`, so the event loop and
+        the engine thread never wait for a compile."""
+        return None if params.structured is None else self.grammars.compile(params.structured)
+
     def add_request(
         self,
         request_id: str,
@@ -231,11 +239,22 @@ class Engine:
         params: SamplingParams,
         on_output: Callable[[RequestOutput], object],
         arrival_time: float | None = None,
+        grammar: Any = None,
+        share_prefix_with: str | None = None,
     ) -> None:
-        """Queue a request. Raises ContextLengthError / ConfigError / QueueFullError synchronously."""
+        """Queue a request. Raises ContextLengthError / ConfigError / QueueFullError synchronously.
+
+        Args:
+            grammar: `compile_grammar(params)`'s result when the caller compiled it already (else compiled here).
+            share_prefix_with: a request queued before this one with the same prompt (a sibling sample of `n`):
+                this one is admitted after that one's prompt has K/V, so it takes its blocks from the prefix cache.
+        """
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped after an internal error: {self.error!r}")
         self.scheduler.validate(len(prompt_token_ids), params.max_tokens)
+        state = None
+        if params.structured is not None:
+            state = self.grammars.state(params.structured, params.stop_token_ids, grammar)
         with self._lock:
             if self._pending >= self.scheduler.max_num_seqs + self.max_waiting:
                 raise QueueFullError(
@@ -248,11 +267,12 @@ class Engine:
             list(prompt_token_ids),
             params.max_tokens,
             arrival_time if arrival_time is not None else time.monotonic(),
+            share_prefix_with=share_prefix_with,
         )
         seq = _Sequence(
             req,
             params,
-            SamplerState.create(params),
+            SamplerState.create(params, state),
             StopChecker(self.tokenizer, params, self.eos_token_ids),
             on_output,
         )
@@ -383,7 +403,12 @@ class Engine:
         reqs = [self._seqs[d.request_id].request for d in decodes]
         items = [(d.request_id, r.prompt_token_ids + r.output_token_ids, budget[d.request_id])
                  for d, r in zip(decodes, reqs, strict=True)]
-        return {rid: p for (rid, _, _), p in zip(items, self.proposer.propose_batch(items), strict=True)}
+        out = {rid: p for (rid, _, _), p in zip(items, self.proposer.propose_batch(items), strict=True)}
+        for rid, p in out.items():  # a grammar's request verifies only the part of its draft the grammar allows
+            grammar = self._seqs[rid].state.grammar
+            if grammar is not None and p:
+                out[rid] = p[:grammar.valid_prefix(p)]
+        return out
 
     def _decode_or_verify(self, decodes: tuple[DecodeWork, ...]) -> None:
         """One graph call for every running sequence: a plain decode, or, when speculating and the controller
@@ -447,11 +472,11 @@ class Engine:
         tokens: list[int] = []
         lps: list[TokenLogprob] = []
         delta = ""
-        for res in results:
+        for j, res in enumerate(results):
             tokens.append(res.token)
             if res.logprob is not None:
                 lps.append(TokenLogprob(res.token, res.logprob, res.top_logprobs))
-            delta += seq.stop.add(res.token)
+            delta += seq.stop.add(res.token, seq.state.grammar_done and j == len(results) - 1)
             self.scheduler.update(request_id, res.token)
             if seq.stop.finish_reason is not None:
                 self._finish(request_id, seq.stop.finish_reason, delta, tuple(tokens), tuple(lps))
@@ -479,7 +504,7 @@ class Engine:
         results = sample_batch(logits, [seq.state for seq in seqs], banned)
         for rid, seq, res in zip(request_ids, seqs, results, strict=True):
             seq.state.observe(res.token)
-            delta = seq.stop.add(res.token)
+            delta = seq.stop.add(res.token, seq.state.grammar_done)
             self.scheduler.update(rid, res.token)
             lp = (TokenLogprob(res.token, res.logprob, res.top_logprobs),) if res.logprob is not None else ()
             if seq.stop.finish_reason is not None:

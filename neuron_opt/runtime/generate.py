@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from neuron_opt.runtime.runner import DecodeRow, ModelRunner
 from neuron_opt.runtime.sampling import SamplerState, SamplingParams, candidates_needed, sample_one
 from neuron_opt.runtime.stopping import StopChecker
+from neuron_opt.runtime.structured import GrammarState
 
 
 @dataclass
@@ -23,9 +24,11 @@ class GenerationOutput:
 
 
 def generate_ids(runner: ModelRunner, tokenizer: object, prompt_ids: list[int], params: SamplingParams,
-                 eos_token_ids: tuple[int, ...], slot: int = 0) -> GenerationOutput:
+                 eos_token_ids: tuple[int, ...], slot: int = 0,
+                 grammar: GrammarState | None = None) -> GenerationOutput:
+    """`grammar`: the state of `params.structured`'s grammar (required exactly when it is set)."""
     runner.check_fits(len(prompt_ids), params.max_tokens)
-    state = SamplerState.create(params)
+    state = SamplerState.create(params, grammar)
     stop = StopChecker(tokenizer, params, eos_token_ids)
     k = candidates_needed(params, len(eos_token_ids) if params.min_tokens else 0)
     logits = runner.prefill(slot, prompt_ids, candidates=k)
@@ -37,7 +40,7 @@ def generate_ids(runner: ModelRunner, tokenizer: object, prompt_ids: list[int], 
         state.observe(res.token)
         if res.logprob is not None:
             logprobs.append(res.logprob)
-        stop.add(res.token)
+        stop.add(res.token, state.grammar_done)
         if stop.finish_reason is not None:
             break
         logits = runner.decode([DecodeRow(slot, res.token, position)], candidates=k)[0]

@@ -29,6 +29,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
+    # a request with the same prompt queued before this one (a sibling sample of `n`): admitted after that one's
+    # prompt has its K/V, so its full blocks come from the prefix cache
+    share_prefix_with: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,19 +1,28 @@
-"""Sampling: greedy, temperature, top-k, top-p, seed, presence/frequency penalties, logprobs.
+"""Sampling: greedy, temperature, top-k, top-p, seed, logit_bias, presence/frequency penalties, grammars, logprobs.
 
 `temperature == 0` is greedy (argmax). A request with a seed draws from its own `torch.Generator`, so its
 output does not depend on what else is in the batch. A step's rows are sampled together (`sample_batch`): one
 argmax over the greedy rows, and for the others temperature, top-k and top-p as [rows, V] tensor operations
 (one top-k to the largest k, one sort for the rows with top-p), then each row's token by inverse CDF from one
-uniform number of its own generator. Penalties and banned tokens touch only the rows and ids that have them.
+uniform number of its own generator.
+
+The logits a row samples from (and its logprobs are computed from) are processed in one order, the same in the
+batched and the single-row path: logit_bias is added, presence/frequency penalties subtracted, the grammar's mask
+applied (structured outputs: runtime/structured.py), then banned tokens (EOS before min_tokens) set to -inf unless
+that would leave no token, when the grammar's end wins. Each step touches only the rows and ids that have them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from neuron_opt.errors import ConfigError
+from neuron_opt.runtime.structured import GrammarState, StructuredOutputs, apply_grammar_masks
+
+MAX_LOGIT_BIAS = 100.0  # |bias| per token, as OpenAI bounds it
 
 
 @dataclass(frozen=True)
@@ -30,12 +39,24 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # number of top logprobs to return per token (0 = only the chosen token)
     min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit) pairs
+    structured: StructuredOutputs | None = None  # the grammar the output must match
+    skip_special_tokens: bool = True  # special tokens the model writes are left out of the text
 
     def __post_init__(self) -> None:
         # each error carries the field at fault (`param`): the HTTP server names it, whatever the message says
         def bad(name: str, rule: str) -> ConfigError:
             return ConfigError(f"{name}: {rule}, got {getattr(self, name)}", param=name)
 
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise bad(name, "must be a finite number")
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise ConfigError(f"logit_bias: token id {token} is negative", param="logit_bias")
+            if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise ConfigError(f"logit_bias: the bias of token {token} must be in [-100, 100], got {bias}",
+                                  param="logit_bias")
         if self.max_tokens < 1:
             raise bad("max_tokens", "must be at least 1")
         if self.temperature < 0:
@@ -59,24 +80,52 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+    @property
+    def needs_full_logits(self) -> bool:
+        """A logit bias or a grammar may promote any token: vocab-parallel TP gathers all logits for the row."""
+        return bool(self.logit_bias) or self.structured is not None
+
+
 @dataclass
 class SamplerState:
-    """Per-request mutable sampling state: its generator and the token counts penalties need."""
+    """Per-request mutable sampling state: its generator, the token counts penalties need, its grammar's state."""
 
     params: SamplingParams
     generator: torch.Generator | None = None
     counts: dict[int, int] = field(default_factory=dict)
+    grammar: GrammarState | None = None
+    _bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, biases) of params.logit_bias
 
     @classmethod
-    def create(cls, params: SamplingParams) -> SamplerState:
+    def create(cls, params: SamplingParams, grammar: GrammarState | None = None) -> SamplerState:
+        """`grammar`: the request's grammar state, required exactly when `params.structured` is set."""
+        if (grammar is None) != (params.structured is None):
+            raise ValueError("a grammar state goes with structured outputs, and only with them")
         gen = None
         if not params.greedy:
             gen = torch.Generator()
             gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
-        return cls(params, gen)
+        bias = None
+        if params.logit_bias:
+            ids, values = zip(*params.logit_bias, strict=True)
+            bias = (torch.tensor(ids, dtype=torch.long), torch.tensor(values, dtype=torch.float32))
+        return cls(params, gen, grammar=grammar, _bias=bias)
+
+    @property
+    def adjusts(self) -> bool:
+        """Its logits change before masking: a logit bias, or penalties with tokens to count."""
+        p = self.params
+        return self._bias is not None or bool(self.counts and (p.presence_penalty or p.frequency_penalty))
+
+    @property
+    def grammar_done(self) -> bool:
+        return self.grammar is not None and self.grammar.terminated
 
     def observe(self, token: int) -> None:
+        """Record an emitted token: penalty counts, and the grammar's next position."""
         self.counts[token] = self.counts.get(token, 0) + 1
+        if self.grammar is not None:
+            self.grammar.accept(token)
 
 
 @dataclass(frozen=True)
@@ -86,15 +135,26 @@ class SampleResult:
     top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
-def _apply_penalties(logits: torch.Tensor, st: SamplerState) -> torch.Tensor:
+def _adjust(logits: torch.Tensor, st: SamplerState) -> torch.Tensor:
+    """logits [V] + the request's logit bias - its presence/frequency penalties (a new tensor)."""
     p = st.params
-    if not st.counts or (p.presence_penalty == 0.0 and p.frequency_penalty == 0.0):
-        return logits
-    ids = torch.tensor(list(st.counts), dtype=torch.long)
-    cnt = torch.tensor(list(st.counts.values()), dtype=logits.dtype)
     logits = logits.clone()
-    logits[ids] -= p.frequency_penalty * cnt + p.presence_penalty
+    if st._bias is not None:
+        logits[st._bias[0]] += st._bias[1].to(logits.dtype)
+    if st.counts and (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0):
+        ids = torch.tensor(list(st.counts), dtype=torch.long)
+        cnt = torch.tensor(list(st.counts.values()), dtype=logits.dtype)
+        logits[ids] -= p.frequency_penalty * cnt + p.presence_penalty
     return logits
+
+
+def _ban(logits: torch.Tensor, banned: tuple[int, ...]) -> torch.Tensor:
+    """logits [V] with `banned` at -inf, unless nothing would be left (a grammar that allows only those)."""
+    if not banned:
+        return logits
+    out = logits.clone()
+    out[list(banned)] = float("-inf")
+    return out if bool(torch.isfinite(out).any()) else logits
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -110,13 +170,15 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
 
 
 def processed_logits(logits: torch.Tensor, st: SamplerState, banned: tuple[int, ...] = ()) -> torch.Tensor:
-    """logits [V] after the request's penalties and banned tokens (-inf): what greedy takes the argmax of and
-    logprobs are computed from."""
-    logits = _apply_penalties(logits, st)
-    if banned:
-        logits = logits.clone()
-        logits[list(banned)] = float("-inf")
-    return logits
+    """logits [V] after the request's bias, penalties, grammar mask and banned tokens (-inf): what greedy takes
+    the argmax of and logprobs are computed from."""
+    if st.adjusts:
+        logits = _adjust(logits, st)
+    if st.grammar is not None:
+        rows = logits[None].clone()  # [1, V]
+        apply_grammar_masks(rows, {0: st.grammar})
+        logits = rows[0]
+    return _ban(logits, banned)
 
 
 def sampling_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -154,12 +216,17 @@ def sample_batch(logits: torch.Tensor, states: list[SamplerState],
     """logits [>= len(states), V] fp32 -> one token per state's row (`banned[i]`: ids row i may not take)."""
     B = len(states)
     logits = logits[:B]
-    edits = [i for i, st in enumerate(states) if banned[i] or (
-        st.counts and (st.params.presence_penalty != 0.0 or st.params.frequency_penalty != 0.0))]
-    if edits:
+    edits = [i for i, st in enumerate(states) if st.adjusts]
+    masked = {i: st.grammar for i, st in enumerate(states) if st.grammar is not None}
+    bans = [i for i in range(B) if banned[i]]
+    if edits or masked or bans:  # processed_logits' order, batched
         logits = logits.clone()
         for i in edits:
-            logits[i] = processed_logits(logits[i], states[i], banned[i])
+            logits[i] = _adjust(logits[i], states[i])
+        if masked:
+            apply_grammar_masks(logits, masked)
+        for i in bans:
+            logits[i] = _ban(logits[i], banned[i])
     tokens = torch.empty(B, dtype=torch.long)
     greedy = [i for i, st in enumerate(states) if st.params.greedy]
     if greedy:
@@ -193,5 +260,5 @@ def candidates_needed(params: SamplingParams, n_banned: int = 0) -> int | None:
     from neuron_opt.parallel.vocab import candidates_needed as needed
 
     return needed(params.greedy, params.top_k, params.top_p,
-                  params.presence_penalty != 0.0 or params.frequency_penalty != 0.0, params.logprobs is not None,
-                  n_banned)
+                  params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.needs_full_logits,
+                  params.logprobs is not None, n_banned)

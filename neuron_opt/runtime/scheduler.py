@@ -187,6 +187,8 @@ class Scheduler:
         chunked = self.kv.enable_chunked_prefill
         while self.waiting and len(self.running) < self.max_num_seqs and (budget > 0 or not (prefills or chunked)):
             req = self.waiting[0]
+            if self._prompt_pending(req.share_prefix_with):
+                break  # a sibling sample: its prompt's blocks will be in the prefix cache after this step
             prefix = self.blocks.cached_prefix(req.prompt_token_ids + req.output_token_ids)
             computed = len(prefix) * self.kv.block_size
             remaining = req.num_tokens - computed
@@ -209,6 +211,14 @@ class Scheduler:
             prefills.append(self._prefill_work(req, chunk))
             budget -= chunk
         return SchedulerOutput(tuple(decodes), tuple(prefills), tuple(preempted))
+
+    def _prompt_pending(self, request_id: str | None) -> bool:
+        """The prompt of `request_id` is still being computed (it is admitted or running, not finished), and a
+        request sharing it would find its blocks in the prefix cache later."""
+        if request_id is None or not self.kv.enable_prefix_caching:
+            return False
+        req = self.running.get(request_id)
+        return req is not None and req.num_computed_tokens < req.num_prompt_tokens
 
     def _prefill_work(self, req: Request, chunk: int) -> PrefillWork:
         start = req.num_computed_tokens

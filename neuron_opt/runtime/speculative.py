@@ -280,7 +280,8 @@ def accept(
             scored token (row 0 follows the last accepted token, row j the j-th proposal).
         draft: the proposed tokens.
         state: the request's sampler state; `observe` is called here for every emitted token, in order, so
-            penalties at position j count the tokens accepted before it.
+            penalties and the grammar's mask at position j follow the tokens accepted before it (nothing is
+            emitted after the token that ends the grammar).
         banned_for: tokens banned at each emitted position (EOS before min_tokens), len(draft) + 1 entries.
     """
     out: list[SampleResult] = []
@@ -292,7 +293,7 @@ def accept(
             res = result_for(token, logits_j, state)
             out.append(res)
             state.observe(token)
-            if token != d:
+            if token != d or state.grammar_done:
                 return out
             continue
         probs = torch.softmax(sampling_logits(logits_j, p), -1)
@@ -301,6 +302,8 @@ def accept(
             res = result_for(d, logits_j, state)
             out.append(res)
             state.observe(d)
+            if state.grammar_done:  # the grammar ended on an accepted proposal: nothing may follow it
+                return out
             continue
         residual = probs.clone()
         residual[d] = 0.0  # max(0, p - delta_d), renormalised by multinomial

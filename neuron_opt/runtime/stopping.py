@@ -8,7 +8,7 @@ from typing import Any
 from neuron_opt.runtime.sampling import SamplingParams
 
 
-def stream_decoder(tokenizer: object) -> Any:
+def stream_decoder(tokenizer: object, skip_special_tokens: bool = True) -> Any:
     """A `tokenizers.decoders.DecodeStream` for a fast HF tokenizer whose decode is exactly its backend's (no
     `clean_up_tokenization_spaces`), else None (the caller re-decodes every id instead)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -18,7 +18,7 @@ def stream_decoder(tokenizer: object) -> Any:
         from tokenizers.decoders import DecodeStream
     except ImportError:  # tokenizers < 0.21
         return None
-    return DecodeStream(skip_special_tokens=True)
+    return DecodeStream(skip_special_tokens=skip_special_tokens)
 
 
 @dataclass
@@ -42,31 +42,37 @@ class StopChecker:
     finish_reason: str | None = None
     _stream: Any = field(default=None, repr=False)
     _decoded: str = ""  # what the stream has yielded so far: the decoded text of every complete character
+    _stop_ids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
+        p = self.params  # built once: a token's check is one set lookup, however many stop ids a request sends
+        self._stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos_token_ids))
         if self.incremental:
-            self._stream = stream_decoder(self.tokenizer)
+            self._stream = stream_decoder(self.tokenizer, p.skip_special_tokens)
 
     def _decode(self, token: int) -> str | None:
         """The text of all generated ids, or None while it ends in an incomplete character."""
         p = self.params
         if self._stream is None:
-            full = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+            full = self.tokenizer.decode(self.token_ids, skip_special_tokens=p.skip_special_tokens)
             return None if full.endswith("\ufffd") and len(self.token_ids) < p.max_tokens else full
         piece = self._stream.step(self.tokenizer.backend_tokenizer, token)  # type: ignore[attr-defined]
         if piece is not None:
             self._decoded += piece
             return self._decoded
         if len(self.token_ids) >= p.max_tokens:  # ends mid-character: what the full decode shows
-            return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+            return self.tokenizer.decode(  # type: ignore[attr-defined]
+                self.token_ids, skip_special_tokens=p.skip_special_tokens)
         return None
 
-    def add(self, token: int) -> str:
-        """Add a token; returns the newly visible text (delta). Sets finish_reason when done."""
+    def add(self, token: int, grammar_done: bool = False) -> str:
+        """Add a token; returns the newly visible text (delta). Sets finish_reason when done.
+
+        `grammar_done`: the request's grammar accepted `token` as its end (a stop token, even under ignore_eos or
+        before min_tokens: the output is complete)."""
         p = self.params
         self.token_ids.append(token)
-        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-        if token in stop_ids and len(self.token_ids) > p.min_tokens:
+        if grammar_done or (token in self._stop_ids and len(self.token_ids) > p.min_tokens):
             self.finish_reason = "stop"
             return ""  # the stop token itself is not shown
         full = self._decode(token)

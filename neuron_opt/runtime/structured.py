@@ -1,0 +1,315 @@
+"""Structured outputs: the sampler only ever picks tokens that keep a request's output inside its grammar.
+
+Design decisions
+- The grammar engine is xgrammar (what vLLM and SGLang use): it compiles JSON Schema, regular expressions, EBNF and
+  structural tags into a token-level automaton and fills a bitmask of the allowed next tokens per step.
+- `StructuredOutputs` is what a request asks for (vLLM's field names: json, regex, choice, grammar, json_object,
+  structural_tag). `spec()` turns it into a `GrammarSpec`, a hashable (kind, text) pair; `GrammarCompiler` compiles
+  specs for one tokenizer, through xgrammar's own cache (keyed by the text, bounded in bytes), so a schema that many
+  requests send compiles once. Callers that must not block (the HTTP event loop) compile in a worker thread before
+  queueing the request; the engine thread never compiles a grammar the server sent it.
+- JSON Schema: a keyword the engine would not enforce is refused by name, never silently ignored
+  (`check_schema`). The open ends of a schema are bounded before it compiles (`bound_schema`), so a small model that
+  loops still closes its object: no whitespace beyond the separators `", "` and `": "`, numbers within
+  +-NUMBER_BOUND (at most 15 integer digits; xgrammar then allows at most 6 fraction digits), arrays of at most
+  MAX_ITEMS items and free-form objects of at most MAX_PROPERTIES members unless the schema says otherwise. An output
+  of the bounded schema is valid under the original. `json_object` is such a schema too: an object nested at most
+  JSON_OBJECT_DEPTH deep.
+- A request's `GrammarState` owns its matcher. The matcher ends on a stop token (EOS or the request's stop ids):
+  once the grammar is complete only those are allowed, and the request ends the ordinary way. A terminated matcher
+  ends the request even under ignore_eos.
+- Speculative decoding: `valid_prefix` cuts a draft at the first token the grammar refuses (accept, then roll back)
+  before it is verified; verification masks each position and advances the matcher by every emitted token in order.
+  Preemption recomputes K/V, not tokens, so the matcher's state stays valid across it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from neuron_opt.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+MAX_ITEMS = 64  # items of an array whose schema gives no maxItems
+MAX_PROPERTIES = 32  # members of an object whose schema allows free-form properties and gives no maxProperties
+NUMBER_BOUND = 10**15 - 1  # |number| of a number/integer schema without minimum or maximum
+JSON_OBJECT_DEPTH = 4  # nesting of `json_object` (an object of values; a value may hold objects and arrays)
+
+# Keywords xgrammar enforces (checked one by one: each changes the grammar and its outputs validate).
+_ENFORCED = frozenset({
+    "type", "properties", "required", "additionalProperties", "patternProperties", "propertyNames",
+    "minProperties", "maxProperties", "items", "prefixItems", "minItems", "maxItems", "enum", "const", "anyOf",
+    "oneOf", "allOf", "$ref", "$defs", "definitions", "pattern", "minLength", "maxLength", "format", "minimum",
+    "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+})
+# Annotations: they constrain nothing, so nothing is lost by not enforcing them.
+_ANNOTATIONS = frozenset({
+    "title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated", "readOnly",
+    "writeOnly", "discriminator", "contentEncoding", "contentMediaType",
+})
+_FORMATS = frozenset({
+    "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri", "uri-reference",
+    "uri-template", "json-pointer", "relative-json-pointer",
+})
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> subschema
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")  # [subschema, ...]
+_SCHEMA_ONE = ("additionalProperties", "propertyNames", "items")  # a subschema (or a boolean)
+
+
+def _bad(message: str) -> ConfigError:
+    return ConfigError(message, param="structured_outputs")
+
+
+def check_schema(schema: Any, where: str = "#") -> None:
+    """Raise ConfigError naming the first keyword (and its location) that the grammar engine would not enforce."""
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise _bad(f"JSON schema at {where}: must be an object or a boolean, got {type(schema).__name__}")
+    for key, value in schema.items():
+        if key.startswith("x-") or key in _ANNOTATIONS:
+            continue
+        if key not in _ENFORCED:
+            raise _bad(f"JSON schema keyword {key!r} at {where} is not supported (it would not be enforced)")
+        if key == "allOf" and isinstance(value, list) and len(value) > 1:
+            raise _bad(f"JSON schema keyword 'allOf' with {len(value)} schemas at {where} is not supported "
+                       "(one schema only); merge them into one")
+        if key == "format" and value not in _FORMATS:
+            raise _bad(f"JSON schema format {value!r} at {where} is not supported (supported: "
+                       f"{', '.join(sorted(_FORMATS))})")
+        if key == "items" and isinstance(value, list):
+            raise _bad(f"JSON schema 'items' as a list at {where} is not supported; use prefixItems")
+        if key in _SCHEMA_MAPS:
+            if not isinstance(value, dict):
+                raise _bad(f"JSON schema {key!r} at {where}: must be an object")
+            for name, sub in value.items():
+                check_schema(sub, f"{where}/{key}/{name}")
+        elif key in _SCHEMA_LISTS:
+            if not isinstance(value, list):
+                raise _bad(f"JSON schema {key!r} at {where}: must be a list")
+            for i, sub in enumerate(value):
+                check_schema(sub, f"{where}/{key}/{i}")
+        elif key in _SCHEMA_ONE:
+            check_schema(value, f"{where}/{key}")
+
+
+def _types(schema: dict[str, Any]) -> set[str]:
+    t = schema.get("type")
+    return {t} if isinstance(t, str) else set(t) if isinstance(t, list) else set()
+
+
+def bound_schema(schema: Any) -> Any:
+    """A copy of `schema` whose open ends are bounded (see the module docstring); its outputs are valid under
+    `schema` itself."""
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: bound_schema(sub) for name, sub in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            out[key] = [bound_schema(sub) for sub in value]
+        elif key in _SCHEMA_ONE:
+            out[key] = bound_schema(value)
+        else:
+            out[key] = value
+    types = _types(out)
+    if types & {"number", "integer"} and "enum" not in out and "const" not in out:
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -NUMBER_BOUND
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = NUMBER_BOUND
+    if ("array" in types or "items" in out or "prefixItems" in out) and "maxItems" not in out:
+        out["maxItems"] = max(MAX_ITEMS, out.get("minItems", 0), len(out.get("prefixItems", ())))
+    free = out.get("additionalProperties", False) is not False or "patternProperties" in out
+    if "object" in types and free and "maxProperties" not in out:
+        out["maxProperties"] = max(MAX_PROPERTIES, out.get("minProperties", 0)) + len(out.get("properties", {}))
+    return out
+
+
+def json_object_schema(depth: int = JSON_OBJECT_DEPTH) -> dict[str, Any]:
+    """Any JSON object nested at most `depth` deep, with at most MAX_PROPERTIES members per object and MAX_ITEMS
+    items per array (the bounded form of `response_format: {"type": "json_object"}`)."""
+    scalars: list[dict[str, Any]] = [{"type": "string"}, {"type": "number"}, {"type": "boolean"}, {"type": "null"}]
+    defs: dict[str, Any] = {"v0": {"anyOf": scalars}}
+    for d in range(1, depth):
+        inner = {"$ref": f"#/$defs/v{d - 1}"}
+        defs[f"v{d}"] = {"anyOf": [*scalars, {"type": "array", "items": inner},
+                                   {"type": "object", "additionalProperties": inner}]}
+    return bound_schema({"type": "object", "additionalProperties": {"$ref": f"#/$defs/v{depth - 1}"},
+                         "$defs": defs})
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A compiled grammar's identity: kind ("json" schema, "regex", "grammar" EBNF, "structural_tag") and its text."""
+
+    kind: str
+    text: str
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """What a request's output must match (exactly one field set; vLLM's `structured_outputs` names).
+
+    Args:
+        json: a JSON schema (dict or its JSON text).
+        regex: a regular expression the whole output matches.
+        choice: the output is exactly one of these strings.
+        grammar: an EBNF (GBNF) grammar whose start rule is `root`.
+        json_object: any JSON object.
+        structural_tag: an xgrammar structural tag (JSON text): free text with constrained regions.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [n for n in ("json", "regex", "choice", "grammar", "structural_tag") if getattr(self, n) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise _bad(f"structured outputs: give exactly one of json, regex, choice, grammar, json_object, "
+                       f"structural_tag (got {', '.join(given) or 'none'})")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise _bad("structured outputs: choice must be a non-empty list of non-empty strings")
+        for name in ("regex", "grammar", "structural_tag"):
+            if getattr(self, name) == "":
+                raise _bad(f"structured outputs: {name} must not be empty")
+
+    def spec(self) -> GrammarSpec:
+        """The canonical spec: JSON schemas checked (ConfigError naming an unsupported keyword) and bounded."""
+        if self.json_object:
+            return GrammarSpec("json", json.dumps(json_object_schema(), sort_keys=True))
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise _bad(f"JSON schema is not valid JSON: {e}") from None
+            check_schema(schema)
+            return GrammarSpec("json", json.dumps(bound_schema(schema)))
+        if self.choice is not None:  # EBNF string literals take JSON's escapes
+            return GrammarSpec("grammar", "root ::= " + " | ".join(json.dumps(c) for c in self.choice))
+        if self.regex is not None:
+            return GrammarSpec("regex", self.regex)
+        if self.grammar is not None:
+            return GrammarSpec("grammar", self.grammar)
+        assert self.structural_tag is not None
+        return GrammarSpec("structural_tag", self.structural_tag)
+
+
+_CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+\.cc:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+class GrammarCompiler:
+    """Compiles StructuredOutputs for one tokenizer (thread-safe; xgrammar caches compiled grammars by their text).
+    The tokenizer's tables are built on the first compile, so a model that never sees a grammar never pays.
+
+    Args:
+        tokenizer: the model's HF tokenizer.
+        vocab_size: the model's logits width (may exceed the tokenizer's: the extra ids are never allowed).
+        eos_token_ids: the model's end tokens; with a request's stop ids they end its grammar.
+        cache_bytes: most memory the compiled-grammar cache holds.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 cache_bytes: int = 256 << 20) -> None:
+        self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, tuple(eos_token_ids)
+        self.cache_bytes = cache_bytes
+        self._compiler: Any = None
+        self._lock = threading.Lock()
+
+    def _xgr_compiler(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=self.cache_bytes)
+            return self._compiler
+
+    def compile(self, structured: StructuredOutputs) -> Any:
+        """The xgrammar CompiledGrammar of `structured`; ConfigError (param structured_outputs) if it is refused or
+        does not compile."""
+        spec = structured.spec()
+        c = self._xgr_compiler()
+        try:
+            if spec.kind == "json":
+                return c.compile_json_schema(spec.text, any_whitespace=False, separators=(", ", ": "))
+            if spec.kind == "regex":
+                return c.compile_regex(spec.text)
+            if spec.kind == "grammar":
+                return c.compile_grammar(spec.text)
+            return c.compile_structural_tag(spec.text)
+        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse and conversion errors
+            raise _bad(f"{_KIND_NAMES[spec.kind]} does not compile: {_CPP_PREFIX.sub('', str(e)).strip()}") from None
+
+    def state(self, structured: StructuredOutputs, stop_token_ids: tuple[int, ...] = (),
+              compiled: Any = None) -> GrammarState:
+        """A new request's grammar state (`compiled`: this compiler's result for `structured`, if already made);
+        it ends on EOS or one of the request's `stop_token_ids`."""
+        stops = tuple(dict.fromkeys(self.eos_token_ids + tuple(stop_token_ids)))
+        return GrammarState(compiled if compiled is not None else self.compile(structured), stops)
+
+
+_KIND_NAMES = {"json": "JSON schema", "regex": "regex", "grammar": "grammar", "structural_tag": "structural tag"}
+
+
+class GrammarState:
+    """One request's position in its grammar.
+
+    Args:
+        compiled: the request's compiled grammar.
+        stop_token_ids: the tokens that end the request (EOS and its own stop ids): the grammar's end.
+    """
+
+    def __init__(self, compiled: Any, stop_token_ids: tuple[int, ...]) -> None:
+        import xgrammar as xgr
+
+        self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids) or None)
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete and a stop token was accepted."""
+        return bool(self._matcher.is_terminated())
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens allowed next into `bitmask[row]` (xgrammar's packed int32 layout)."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token: int) -> None:
+        if not self._matcher.accept_token(token):
+            raise RuntimeError(f"token {token} is not allowed by the request's grammar (sampled outside its mask)")
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` (a draft) the grammar accepts in order; the state is left unchanged."""
+        n = 0
+        for t in tokens:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(t):
+                break
+            n += 1
+        if n:
+            self._matcher.rollback(n)
+        return n
+
+
+def apply_grammar_masks(logits: torch.Tensor, states: dict[int, GrammarState]) -> None:
+    """Set to -inf, in place, every logit of row i of `logits` [B, V] that states[i]'s grammar does not allow."""
+    import xgrammar as xgr
+
+    rows = sorted(states)
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[-1])
+    for i in rows:
+        states[i].fill(bitmask, i)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
