@@ -7,6 +7,7 @@ import logging
 import os
 
 from neuron_opt.errors import ConfigError
+from neuron_opt.server.tool_parsers import PARSERS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -60,6 +61,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-waiting", type=int, default=1024, help="queued requests before answering 503")
     p.add_argument(
+        "--api-key", default=None,
+        help="require 'Authorization: Bearer KEY' on every /v1/* route and /tokenize, /detokenize (401 otherwise; "
+        "/health and /metrics stay open). Default: $NEURON_OPT_API_KEY, else no key",
+    )
+    p.add_argument(
+        "--tool-call-parser", default=None, choices=sorted(PARSERS),
+        help="the tool-call format of the model's replies (default: the one its chat template writes; 'generic' "
+        "for templates without tools: the tools go into the system prompt and the reply is a JSON object)",
+    )
+    p.add_argument(
         "--dtype", default=None, choices=["float32", "bfloat16"],
         help="with --model: compute dtype (default float32); an artifact's is fixed (given, it must match)"
     )
@@ -95,6 +106,15 @@ def serving_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key `serve` requires: --api-key, else NEURON_OPT_API_KEY, else none."""
+    from neuron_opt import envs
+
+    if args.api_key is not None and not args.api_key.strip():
+        raise ConfigError("--api-key: must not be empty (leave it out to serve without a key)", param="api_key")
+    return args.api_key or envs.API_KEY
+
+
 def run(args: argparse.Namespace) -> int:
     if bool(args.artifact) == bool(args.model):
         raise ConfigError("serve: give either an artifact directory or --model PATH|default (not both)")
@@ -114,15 +134,22 @@ def run(args: argparse.Namespace) -> int:
     if envs.NUM_THREADS is None:
         torch.set_num_threads(serving_threads())
     from neuron_opt.commands.serve_engine import build_engine, served_name
+    from neuron_opt.server.tools import make_parser
 
+    key = api_key(args)
     llm, engine = build_engine(args)
     name = served_name(args)
-    app = create_app(engine, llm.tokenizer, llm.encode_chat, name, llm.runner.max_model_len)
+    app = create_app(engine, llm.tokenizer, llm.encode_chat, name, llm.runner.max_model_len, api_key=key,
+                     tool_parser=make_parser(args.tool_call_parser, llm.tokenizer))
     url = f"http://{args.host}:{args.port}"
+    if key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: serving on {args.host} without an API key: anyone who reaches this port can use the model "
+              "(give --api-key, and put TLS in front: docs/scale_out.md)", flush=True)
+    auth = "" if key is None else " -H 'Authorization: Bearer <key>'"
     print(
         f"Serving {name!r} on {url} ({engine.max_num_seqs} sequences at once, {torch.get_num_threads()} torch "
         f"thread(s); NEURON_OPT_NUM_THREADS overrides). Try:\n"
-        f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
+        f"  curl {url}/v1/chat/completions{auth} -H 'Content-Type: application/json' -d "
         f'\'{{"model": "{name}", "messages": [{{"role": "user", "content": '
         f'"What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}\'',
         flush=True,

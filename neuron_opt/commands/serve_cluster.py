@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from neuron_opt.commands.serve import api_key
 from neuron_opt.commands.serve_engine import build_engine, check_args, served_name
 from neuron_opt.errors import ConfigError
 
@@ -48,6 +49,7 @@ def run_cluster(args: argparse.Namespace) -> int:
 
         open_checkpoint(args.model)
     manifest = check_args(args)[0]
+    key = api_key(args)
     backend, tp = ("eager", 1) if manifest is None else (manifest.backend, manifest.parallel.tp)  # --model: eager
     actor_options, threads = replica_resources(backend, tp, replicas, args.replica_cpus)
     if not args.ray_address:
@@ -101,10 +103,10 @@ def run_cluster(args: argparse.Namespace) -> int:
             # the rest queues at the router, where it goes to whichever replica frees up first
             max_ongoing_requests=2 * (args.max_num_seqs or (manifest.buckets.decode_batches[-1] if manifest else 16)),
             health_check_period_s=5.0,
-        ).bind(functools.partial(build_engine, params), name, board, threads)
+        ).bind(functools.partial(build_engine, params), name, board, threads, args.tool_call_parser)
         print(f"Starting {replicas} replica(s) of {name!r} on Ray ({actor_options}, "
               f"{threads or 'default'} torch thread(s) each)...", flush=True)
-        serve.run(Router.bind(replica, board, name), name=APP_NAME, route_prefix="/",
+        serve.run(Router.bind(replica, board, name, key), name=APP_NAME, route_prefix="/",
                   logging_config=LoggingConfig(log_level=args.log_level.upper(), enable_access_log=False))
         url = f"http://{args.host}:{args.port}"
         print(f"Serving {name!r} on {url}: {replicas} replica(s) behind one endpoint (Ray Serve). Try:\n"

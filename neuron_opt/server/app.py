@@ -7,12 +7,15 @@ Design decisions
   full queue is 503. A 500 means a bug or a failing backend, and the server stays up.
 - The engine starts with the app (lifespan) and stops after uvicorn has drained in-flight requests (SIGTERM:
   uvicorn stops accepting, waits for open responses to finish, then runs the lifespan shutdown).
+- With an API key (`serve --api-key`), every `/v1/*` route and `/tokenize`, `/detokenize` need
+  `Authorization: Bearer KEY` (compared in constant time); `/health` and `/metrics` stay open, as in vLLM.
 """
 
 from __future__ import annotations
 
+import hmac
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -25,8 +28,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from neuron_opt.errors import NeuronOptError, QueueFullError
 from neuron_opt.runtime.engine import Engine
 from neuron_opt.server.metrics import ServerMetrics
-from neuron_opt.server.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
-from neuron_opt.server.serving import EngineError, NotFoundError, OpenAIServing
+from neuron_opt.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ProtocolError,
+    ServerLimits,
+    TokenizeRequest,
+)
+from neuron_opt.server.serving import EncodeChat, EngineError, NotFoundError, OpenAIServing
+from neuron_opt.server.tool_parsers import ToolParser
 
 
 def error_body(status: int, message: str, type_: str, param: str | None = None) -> dict[str, Any]:
@@ -95,6 +106,39 @@ async def http_error(_: Request, e: Exception) -> JSONResponse:
     return error_response(e.status_code, str(e.detail), type_)
 
 
+def needs_key(path: str) -> bool:
+    """The routes an API key protects."""
+    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+
+
+def authorized(api_key: str | None, authorization: str | None) -> bool:
+    """`Authorization: Bearer <api_key>` (always true without a key)."""
+    if api_key is None:
+        return True
+    scheme, _, token = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+UNAUTHORIZED = error_body(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                          "AuthenticationError")
+
+
+class ApiKeyMiddleware:
+    """Answers 401 before routing when a protected route comes without the key (plain ASGI: streaming responses
+    and disconnect detection pass through untouched)."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and needs_key(scope["path"]):
+            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if not authorized(self.api_key, auth):
+                await JSONResponse(UNAUTHORIZED, 401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def engine_metrics(engine: Engine, model_name: str) -> ServerMetrics:
     """The Prometheus metrics of one engine (gauges read it at scrape time)."""
     return ServerMetrics(
@@ -111,12 +155,19 @@ def engine_metrics(engine: Engine, model_name: str) -> ServerMetrics:
 def create_app(
     engine: Engine,
     tokenizer: Any,
-    encode_chat: Callable[[list[dict[str, str]]], list[int]],
+    encode_chat: EncodeChat,
     model_name: str,
     max_model_len: int,
+    *,
+    api_key: str | None = None,
+    tool_parser: ToolParser | None = None,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
+    """The single-process server's app. `api_key`: required on the `/v1/*` and tokenizer routes; `tool_parser`,
+    `limits`: see OpenAIServing."""
     metrics = engine_metrics(engine, model_name)
-    serving = OpenAIServing(engine, tokenizer, encode_chat, model_name, metrics, max_model_len)
+    serving = OpenAIServing(engine, tokenizer, encode_chat, model_name, metrics, max_model_len,
+                            tool_parser=tool_parser, limits=limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -140,6 +191,9 @@ def create_app(
 
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, _error)
+
+    if api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
     @app.get("/health")
     async def health() -> Response:
@@ -181,5 +235,13 @@ def create_app(
         arrival = time.monotonic()
         req = await _parse(request, ChatCompletionRequest)
         return respond(await serving.chat(req, arrival, request.is_disconnected))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return JSONResponse(await serving.tokenize(await _parse(request, TokenizeRequest)))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return JSONResponse(await serving.detokenize(await _parse(request, DetokenizeRequest)))
 
     return app

@@ -41,9 +41,9 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from neuron_opt.server.app import error_body, error_payload, http_error
+from neuron_opt.server.app import UNAUTHORIZED, authorized, error_body, error_payload, http_error
 from neuron_opt.server.metrics import PREFIX
-from neuron_opt.server.protocol import ChatCompletionRequest, CompletionRequest
+from neuron_opt.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from neuron_opt.server.serving import sse
 
 APP_NAME = "neuron_opt"
@@ -83,18 +83,19 @@ class EngineReplica:
     """One engine (the model loaded once, its tp ranks inside this replica's cores) and its OpenAI serving."""
 
     def __init__(self, make_engine: Callable[[], tuple[Any, Any]], model_name: str, board: Any,
-                 threads: int | None) -> None:
+                 threads: int | None, tool_call_parser: str | None = None) -> None:
         import torch
 
         from neuron_opt.server.app import engine_metrics
         from neuron_opt.server.serving import OpenAIServing
+        from neuron_opt.server.tools import make_parser
 
         if threads is not None:
             torch.set_num_threads(threads)
         llm, self.engine = make_engine()
         self.metrics = engine_metrics(self.engine, model_name)
         self.serving = OpenAIServing(self.engine, llm.tokenizer, llm.encode_chat, model_name, self.metrics,
-                                     llm.runner.max_model_len)
+                                     llm.runner.max_model_len, tool_parser=make_parser(tool_call_parser, llm.tokenizer))
         self.id = serve.get_replica_context().replica_id.unique_id
         self.info = {"max_model_len": llm.runner.max_model_len}  # what the router's /v1/models card needs
         self.board = board
@@ -130,6 +131,10 @@ class EngineReplica:
             elif route == "chat":
                 result = await self.serving.chat(
                     ChatCompletionRequest.model_validate_json(body or b"null"), arrival, _never_disconnected)
+            elif route == "tokenize":
+                result = await self.serving.tokenize(TokenizeRequest.model_validate_json(body or b"null"))
+            elif route == "detokenize":
+                result = await self.serving.detokenize(DetokenizeRequest.model_validate_json(body or b"null"))
             else:
                 raise ValueError(f"unknown route {route!r}")
         except Exception as e:
@@ -174,10 +179,11 @@ router_app.add_exception_handler(StarletteHTTPException, http_error)
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000)
 @serve.ingress(router_app)
 class Router:
-    """The OpenAI routes of the single-process server, forwarded to the least-loaded replica."""
+    """The OpenAI routes of the single-process server, forwarded to the least-loaded replica; with an API key, the
+    `/v1/*` and tokenizer routes check it here, before anything reaches a replica."""
 
-    def __init__(self, replicas: Any, board: Any, model_name: str) -> None:
-        self.replicas, self.board, self.model_name = replicas, board, model_name
+    def __init__(self, replicas: Any, board: Any, model_name: str, api_key: str | None = None) -> None:
+        self.replicas, self.board, self.model_name, self.api_key = replicas, board, model_name, api_key
         self.registry = CollectorRegistry()
         self.retries = Counter(PREFIX + "cluster_retries", "Requests re-sent because their replica died before "
                                "answering.", registry=self.registry)
@@ -195,8 +201,15 @@ class Router:
     async def health(self) -> Response:
         return Response(status_code=200 if await self._snapshot() else 503)
 
+    def _denied(self, request: Request) -> Response | None:
+        if authorized(self.api_key, request.headers.get("authorization")):
+            return None
+        return JSONResponse(UNAUTHORIZED, 401)
+
     @router_app.get("/v1/models")
-    async def models(self) -> Response:
+    async def models(self, request: Request) -> Response:
+        if (denied := self._denied(request)) is not None:
+            return denied
         snap = await self._snapshot()
         if not snap:
             return JSONResponse(error_body(503, "no replica is up yet", "ServiceUnavailableError"), 503)
@@ -215,11 +228,19 @@ class Router:
 
     @router_app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        return await self._forward("completions", await request.body())
+        return self._denied(request) or await self._forward("completions", await request.body())
 
     @router_app.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Response:
-        return await self._forward("chat", await request.body())
+        return self._denied(request) or await self._forward("chat", await request.body())
+
+    @router_app.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        return self._denied(request) or await self._forward("tokenize", await request.body())
+
+    @router_app.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        return self._denied(request) or await self._forward("detokenize", await request.body())
 
     async def _forward(self, route: str, body: bytes) -> Response:
         sent_at = time.time()

@@ -2,9 +2,13 @@
 
 Design decisions
 - `extra="forbid"`: a field we do not know is a 400 naming it, never silently ignored. Fields the OpenAI
-  client may send that we cannot honour (`logit_bias`, `tools`, `suffix`, `echo`, `n > 1`, ...) are
-  declared so that their harmless values (null, empty, default) pass and anything else is a 400 saying it
-  is unsupported.
+  client may send that we cannot honour (`suffix`, `echo`, `best_of > 1`, ...) are declared so that their
+  harmless values (null, empty, default) pass and anything else is a 400 saying it is unsupported.
+- Structured outputs come in four spellings, one per request: OpenAI's `response_format` (json_object,
+  json_schema), vLLM's `structured_outputs` {json | regex | choice | grammar | json_object | structural_tag}, and
+  vLLM's older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`. Errors in the schema or grammar
+  name the field the request used.
+- `n` samples share the prompt; each gets its own seed (seed + i) when a seed is given.
 - Strict types (no "0.5" -> 0.5 coercion, no true -> 1): wrong types are 400s with the field's name.
 - vLLM's extra sampling fields (top_k, min_tokens, ignore_eos, stop_token_ids) and
   `stream_options.continuous_usage_stats` are honoured, so vLLM-compatible clients (guidellm, vLLM's benchmarks)
@@ -17,11 +21,16 @@ Design decisions
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from neuron_opt.runtime.sampling import SamplingParams
+from neuron_opt.runtime.structured import StructuredOutputs
+from neuron_opt.server.tool_parsers import ToolSpec
+from neuron_opt.server.tools import ToolRequest
 
 
 class ProtocolError(ValueError):
@@ -36,6 +45,21 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class ServerLimits:
+    """Per-request bounds the server enforces before any work is queued (400 past them).
+
+    Args:
+        max_n: most samples per request (`n`).
+        max_logit_bias: most entries of `logit_bias`.
+        max_tools: most tools per request.
+    """
+
+    max_n: int = 16
+    max_logit_bias: int = 1024
+    max_tools: int = 128
+
+
 class StreamOptions(_Strict):
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None
@@ -46,10 +70,28 @@ class _ContentPart(_Strict):
     text: str | None = None
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[_ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
+    # what clients echo back with an assistant message; only their empty values are accepted
+    refusal: str | None = None
+    function_call: None = None
+    audio: None = None
+    annotations: list[Any] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, str) or self.content is None:
@@ -60,6 +102,68 @@ class ChatMessage(_Strict):
                     f"message content of type {part.type!r} is not supported (text only)", "messages"
                 )
         return "".join(p.text or "" for p in self.content)
+
+    def as_dict(self, i: int) -> dict[str, Any]:
+        if self.tool_calls and self.role != "assistant":
+            raise ProtocolError(f"messages[{i}]: only assistant messages carry tool_calls", "messages")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ProtocolError(f"messages[{i}]: a tool message needs tool_call_id", "messages")
+        if self.refusal or self.annotations:
+            raise ProtocolError(f"messages[{i}]: refusal and annotations are not supported", "messages")
+        d: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:  # passed on to the chat template, which may use it
+            d["name"] = self.name
+        if self.tool_calls:
+            d["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        return d
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # our calls are always grammar-enforced
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class _FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: _FunctionName
+
+
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(_Strict):
+    """vLLM's `structured_outputs` (exactly one field)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
 
 class _Sampling(_Strict):
@@ -77,21 +181,78 @@ class _Sampling(_Strict):
     temperature: float | None = None
     top_p: float | None = None
     user: str | None = None  # informational only
+    response_format: ResponseFormat | None = None
     # vLLM extras (openai client: extra_body)
     top_k: int | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    _structured_field: str = PrivateAttr(default="structured_outputs")
 
-    def _check_common(self) -> None:
-        if self.n not in (None, 1):
-            raise ProtocolError(f"n={self.n} is not supported (only n=1); send one request per sample", "n")
-        if self.logit_bias:
-            raise ProtocolError("logit_bias is not supported", "logit_bias")
+    @property
+    def num_samples(self) -> int:
+        return 1 if self.n is None else self.n
+
+    def _check_common(self, limits: ServerLimits) -> None:
+        if not 1 <= self.num_samples <= limits.max_n:
+            raise ProtocolError(f"n: must be in [1, {limits.max_n}] (this server's limit), got {self.n}", "n")
+        if self.logit_bias and len(self.logit_bias) > limits.max_logit_bias:
+            raise ProtocolError(f"logit_bias: at most {limits.max_logit_bias} entries, got {len(self.logit_bias)}",
+                                "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise ProtocolError("Stream options can only be defined when `stream=True`.", "stream_options")
 
-    def _params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def structured(self) -> StructuredOutputs | None:
+        """The request's structured output, from whichever of its four spellings it used (one at most)."""
+        given: list[tuple[str, StructuredOutputs]] = []
+        rf = self.response_format
+        if rf is not None and rf.type != "json_schema" and rf.json_schema is not None:
+            raise ProtocolError("response_format: json_schema goes with type 'json_schema'", "response_format")
+        if rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise ProtocolError("response_format: json_schema.schema is required", "response_format")
+            given.append(("response_format", StructuredOutputs(json=rf.json_schema.schema_)))
+        elif rf is not None and rf.type == "json_object":
+            given.append(("response_format", StructuredOutputs(json_object=True)))
+        so = self.structured_outputs
+        if so is not None:
+            with _as_param("structured_outputs"):
+                given.append(("structured_outputs", StructuredOutputs(
+                    json=so.json_, regex=so.regex, choice=None if so.choice is None else tuple(so.choice),
+                    grammar=so.grammar, json_object=bool(so.json_object), structural_tag=so.structural_tag)))
+        guided = {"guided_json": dict(json=self.guided_json), "guided_regex": dict(regex=self.guided_regex),
+                  "guided_choice": dict(choice=None if self.guided_choice is None else tuple(self.guided_choice)),
+                  "guided_grammar": dict(grammar=self.guided_grammar)}
+        for name, kw in guided.items():
+            if next(iter(kw.values())) is not None:
+                with _as_param(name):
+                    given.append((name, StructuredOutputs(**kw)))
+        if len(given) > 1:
+            raise ProtocolError(f"{given[1][0]}: only one of {', '.join(n for n, _ in given)} may be given",
+                                given[1][0])
+        if not given:
+            return None
+        self._structured_field = given[0][0]
+        return given[0][1]
+
+    def _logit_bias(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+        out = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
+                raise ProtocolError(f"logit_bias: {key!r} is not a token id in [0, {vocab_size})", "logit_bias")
+            if not math.isfinite(bias):
+                raise ProtocolError(f"logit_bias: the bias of token {key} must be finite", "logit_bias")
+            out.append((int(key), float(bias)))
+        return tuple(sorted(out))
+
+    def _params(self, max_tokens: int, logprobs: int | None, vocab_size: int,
+                structured: StructuredOutputs | None) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if any(s == "" for s in stop):
             raise ProtocolError("stop strings must not be empty", "stop")
@@ -110,11 +271,14 @@ class _Sampling(_Strict):
             frequency_penalty=self.frequency_penalty or 0.0,
             logprobs=logprobs,
             min_tokens=self.min_tokens or 0,
+            logit_bias=self._logit_bias(vocab_size),
+            structured=structured,
+            skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
         )
 
     def request_field(self, param: str) -> str:
         """The field of this request that SamplingParams' field `param` came from."""
-        return param
+        return self._structured_field if param == "structured_outputs" else param
 
     @property
     def include_usage(self) -> bool:
@@ -149,16 +313,17 @@ class CompletionRequest(_Sampling):
             raise ProtocolError("prompt must not be empty", "prompt")
         return cast("str | list[int]", p)
 
-    def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
-        self._check_common()
+    def sampling_params(self, prompt_len: int, max_model_len: int, vocab_size: int,
+                        limits: ServerLimits) -> SamplingParams:
+        self._check_common(limits)
         if self.echo:
             raise ProtocolError("echo is not supported", "echo")
         if self.suffix:
             raise ProtocolError("suffix is not supported", "suffix")
         if self.best_of not in (None, 1):
-            raise ProtocolError("best_of > 1 is not supported", "best_of")
+            raise ProtocolError("best_of > 1 is not supported; use n", "best_of")
         max_tokens = max(1, max_model_len - prompt_len) if self.max_tokens is None else self.max_tokens
-        return self._params(max_tokens, self.logprobs)
+        return self._params(max_tokens, self.logprobs, vocab_size, self.structured())
 
 
 class ChatCompletionRequest(_Sampling):
@@ -167,40 +332,99 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
 
-    def message_dicts(self) -> list[dict[str, str]]:
+    def message_dicts(self) -> list[dict[str, Any]]:
         if not self.messages:
             raise ProtocolError("messages must not be empty", "messages")
-        out = []
-        for m in self.messages:
-            d = {"role": m.role, "content": m.text()}
-            if m.name is not None:  # passed on to the chat template, which may use it
-                d["name"] = m.name
-            out.append(d)
-        return out
+        return [m.as_dict(i) for i, m in enumerate(self.messages)]
+
+    def tool_request(self, limits: ServerLimits) -> ToolRequest | None:
+        """The request's tools and choice, checked: names unique, parameters schemas enforceable, a named choice
+        among the tools."""
+        tools = self.tools or []
+        choice = self.tool_choice
+        if not tools:
+            if isinstance(choice, NamedToolChoice) or choice == "required":
+                raise ProtocolError("tool_choice: a tool must be called, but no tools were given", "tool_choice")
+            return None
+        if len(tools) > limits.max_tools:
+            raise ProtocolError(f"tools: at most {limits.max_tools} tools, got {len(tools)}", "tools")
+        specs, descriptions = [], {}
+        for i, t in enumerate(tools):
+            name = t.function.name
+            if name in descriptions:
+                raise ProtocolError(f"tools[{i}]: the name {name!r} is used twice", "tools")
+            try:
+                specs.append(ToolSpec.of(name, t.function.parameters))
+            except ValueError as e:
+                raise ProtocolError(f"tools[{i}] ({name}): parameters: {e}", "tools") from None
+            descriptions[name] = t.function.description
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in descriptions:
+                raise ProtocolError(f"tool_choice: {choice.function.name!r} is not one of the tools "
+                                    f"({', '.join(descriptions)})", "tool_choice")
+            mode = choice.function.name
+        else:
+            mode = choice or "auto"
+        return ToolRequest(tuple(specs), mode, self.parallel_tool_calls is not False, descriptions)
 
     def request_field(self, param: str) -> str:
         if param == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
+        if param == "structured_outputs":
+            return self._structured_field
         return "top_logprobs" if param == "logprobs" else param
 
-    def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
-        self._check_common()
-        if self.tools:
-            raise ProtocolError("tools are not supported", "tools")
-        if self.tool_choice not in (None, "none"):
-            raise ProtocolError("tool_choice is not supported", "tool_choice")
-        if self.response_format not in (None, {"type": "text"}):
-            raise ProtocolError(
-                "response_format other than {'type': 'text'} is not supported", "response_format"
-            )
+    def sampling_params(self, prompt_len: int, max_model_len: int, vocab_size: int, limits: ServerLimits,
+                        tools: StructuredOutputs | None = None) -> SamplingParams:
+        """`tools`: the tool-call grammar, when the request's tools are enforced (it may not be combined with a
+        structured output of the request's own)."""
+        self._check_common(limits)
         if self.top_logprobs is not None and not self.logprobs:
             raise ProtocolError("top_logprobs requires logprobs=true", "top_logprobs")
+        structured = self.structured()
+        if tools is not None and structured is None:
+            self._structured_field = "tools"  # a grammar error then concerns the tools
+        if structured is not None and tools is not None:
+            raise ProtocolError(f"{self._structured_field} cannot be combined with tools (tool_choice "
+                                f"{self.tool_choice!r}); send tool_choice 'none' or drop one",
+                                self._structured_field)
         mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         max_tokens = max(1, max_model_len - prompt_len) if mt is None else mt
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._params(max_tokens, logprobs)
+        return self._params(max_tokens, logprobs, vocab_size, tools or structured)
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    tools: list[Tool] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+class _as_param:
+    """Errors raised inside (ConfigError from StructuredOutputs) name `param` instead of theirs."""
+
+    def __init__(self, param: str) -> None:
+        self.param = param
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ: Any, e: BaseException | None, tb: Any) -> bool:
+        if isinstance(e, ValueError):
+            raise ProtocolError(str(e), self.param) from None
+        return False

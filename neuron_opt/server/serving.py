@@ -1,14 +1,20 @@
-"""Request -> engine -> response: tokenization, validation, streaming (SSE), usage, logprobs, metrics.
+"""Request -> engine -> response: tokenization, validation, structured outputs, tool calls, `n` samples, streaming
+(SSE), usage, logprobs, metrics.
 
-Each request gets an asyncio.Queue; the engine thread feeds it with `loop.call_soon_threadsafe`. When the
-client goes away the response task is cancelled (streaming) or a watcher notices (non-streaming), and the
-request is aborted so that its KV blocks are freed for the next request.
+A request's `n` samples are `n` engine requests sharing one asyncio.Queue of (choice index, output); the engine
+thread feeds it with `loop.call_soon_threadsafe`. The samples after the first wait for the first one's prompt and
+then take its KV blocks from the prefix cache. When the client goes away the response task is cancelled (streaming)
+or a watcher notices (non-streaming), and the unfinished samples are aborted so that their KV blocks are freed.
+
+Work that can take long runs in worker threads, never on the event loop: tokenizing prompts, rendering chat
+templates and compiling grammars (the engine thread never compiles one either: it gets them compiled).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
@@ -18,8 +24,18 @@ from typing import Any
 
 from neuron_opt.errors import NeuronOptError
 from neuron_opt.runtime.engine import Engine, RequestOutput, TokenLogprob
+from neuron_opt.runtime.sampling import SamplingParams
 from neuron_opt.server.metrics import ServerMetrics
-from neuron_opt.server.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
+from neuron_opt.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ProtocolError,
+    ServerLimits,
+    TokenizeRequest,
+)
+from neuron_opt.server.tool_parsers import ToolParser
+from neuron_opt.server.tools import ToolRequest, ToolStream, make_parser, message, render_messages
 
 
 class NotFoundError(LookupError):
@@ -36,25 +52,41 @@ class _Result:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
-    prompt_tokens: int = 0
 
 
 def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+EncodeChat = Callable[[list[dict[str, Any]], "list[dict[str, Any]] | None"], list[int]]
+
+
 class OpenAIServing:
+    """The OpenAI routes over one engine.
+
+    Args:
+        encode_chat: `(messages, tools) -> prompt ids` through the model's chat template.
+        tool_parser: the tool-call format (default: the one the chat template writes; server/tools.py).
+        limits: per-request bounds.
+    """
+
     def __init__(
         self,
         engine: Engine,
         tokenizer: Any,
-        encode_chat: Callable[[list[dict[str, str]]], list[int]],
+        encode_chat: EncodeChat,
         model_name: str,
         metrics: ServerMetrics,
         max_model_len: int,
+        *,
+        tool_parser: ToolParser | None = None,
+        limits: ServerLimits | None = None,
     ) -> None:
         self.engine, self.tokenizer, self.encode_chat = engine, tokenizer, encode_chat
         self.model_name, self.metrics, self.max_model_len = model_name, metrics, max_model_len
+        self.tool_parser = tool_parser or make_parser(None, tokenizer)
+        self.limits = limits or ServerLimits()
+        self.vocab_size = engine.runner.vocab_size
 
     # ---- shared --------------------------------------------------------------------------------------
 
@@ -62,52 +94,70 @@ class OpenAIServing:
         if name is not None and name != self.model_name:
             raise NotFoundError(f"The model `{name}` does not exist.")
 
-    def _usage(self, r: _Result) -> dict[str, int]:
-        return {
-            "prompt_tokens": r.prompt_tokens,
-            "completion_tokens": len(r.token_ids),
-            "total_tokens": r.prompt_tokens + len(r.token_ids),
-        }
+    @staticmethod
+    def _usage(n_prompt: int, results: list[_Result]) -> dict[str, int]:
+        completion = sum(len(r.token_ids) for r in results)
+        return {"prompt_tokens": n_prompt, "completion_tokens": completion, "total_tokens": n_prompt + completion}
 
     def _token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def _submit(
-        self, req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int], arrival: float
-    ) -> tuple[str, asyncio.Queue]:
-        """Validate and queue a request on the engine. Raises ContextLengthError / ConfigError (their `param`
-        naming the request's field) / QueueFullError."""
-        with _request_fields(req):
-            params = req.sampling_params(len(prompt_ids), self.max_model_len)
-            return self._enqueue(prompt_ids, params, arrival)
+    def _check_ids(self, ids: list[int], field_name: str) -> None:
+        if any(not 0 <= t < len(self.tokenizer) for t in ids):
+            raise ProtocolError(f"{field_name} token ids must be in [0, vocab size)", field_name)
 
-    def _enqueue(self, prompt_ids: list[int], params: Any, arrival: float) -> tuple[str, asyncio.Queue]:
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        rid = uuid.uuid4().hex
-        self.engine.add_request(
-            rid,
-            prompt_ids,
-            params,
-            lambda o: loop.call_soon_threadsafe(q.put_nowait, o),
-            arrival_time=arrival,
-        )
-        return rid, q
+    async def _tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        out = await asyncio.to_thread(self.tokenizer, text, add_special_tokens=add_special_tokens)
+        return list(out["input_ids"])
+
+    async def _encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        try:
+            return await asyncio.to_thread(self.encode_chat, messages, tools)
+        except Exception as e:  # jinja TemplateError and friends: the messages do not fit the template
+            raise ProtocolError(f"cannot apply the chat template: {e}", "messages") from None
+
+    async def _submit(self, req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
+                      params: SamplingParams, arrival: float) -> tuple[list[str], asyncio.Queue]:
+        """Compile the request's grammar (worker thread) and queue its `n` samples on the engine. Raises
+        ContextLengthError / ConfigError (their `param` naming the request's field) / QueueFullError; nothing stays
+        queued when any sample is refused."""
+        with _request_fields(req):
+            grammar = None if params.structured is None else await asyncio.to_thread(
+                self.engine.compile_grammar, params)
+            loop = asyncio.get_running_loop()
+            q: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+            rids: list[str] = []
+            try:
+                for i in range(req.num_samples):
+                    p = params if params.seed is None or i == 0 else dataclasses.replace(
+                        params, seed=(params.seed + i) % 2**63)
+                    rid = uuid.uuid4().hex
+                    self.engine.add_request(
+                        rid, prompt_ids, p, lambda o, i=i: loop.call_soon_threadsafe(q.put_nowait, (i, o)),
+                        arrival_time=arrival, grammar=grammar, share_prefix_with=rids[0] if rids else None)
+                    rids.append(rid)
+            except BaseException:
+                for rid in rids:
+                    self.engine.abort(rid)
+                raise
+            return rids, q
 
     async def _outputs(
-        self, rid: str, q: asyncio.Queue, arrival: float, is_disconnected: Callable[[], Any] | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield the engine's outputs for `rid`; aborts the request if the consumer stops early."""
-        finished, last, checked = False, arrival, time.monotonic()
+        self, rids: list[str], q: asyncio.Queue, arrival: float, is_disconnected: Callable[[], Any] | None = None
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yield (choice index, output) until every sample finished; aborts the unfinished ones if the consumer
+        stops early."""
+        unfinished, checked = set(range(len(rids))), time.monotonic()
+        last = [arrival] * len(rids)
         try:
-            while True:
+            while unfinished:
                 if is_disconnected is None:
-                    out = await q.get()
+                    i, out = await q.get()
                 else:  # non-streaming: nobody cancels us when the client leaves, so look every second
                     try:
-                        out = await asyncio.wait_for(q.get(), timeout=1.0)
+                        i, out = await asyncio.wait_for(q.get(), timeout=1.0)
                     except asyncio.TimeoutError:
-                        out = None
+                        i, out = -1, None
                     if time.monotonic() - checked >= 1.0:
                         if await is_disconnected():
                             return
@@ -118,38 +168,32 @@ class OpenAIServing:
                 if out.new_token_ids:
                     n = len(out.new_token_ids)  # several when speculative decoding accepted proposals
                     if out.num_output_tokens == n:  # the first output: its first token is the TTFT
-                        self.metrics.ttft.observe(now - last)
+                        self.metrics.ttft.observe(now - last[i])
                         n -= 1
                     for _ in range(n):  # the step's time spread evenly over the tokens it produced
-                        self.metrics.itl.observe((now - last) / len(out.new_token_ids))
-                    last = now
+                        self.metrics.itl.observe((now - last[i]) / len(out.new_token_ids))
+                    last[i] = now
                 if out.finished:
-                    finished = True
+                    unfinished.discard(i)
                     if out.finish_reason == "error":
                         raise EngineError(out.error or "engine error")
-                    self.metrics.request_finished(
-                        out.finish_reason or "stop",
-                        out.num_prompt_tokens,
-                        out.num_output_tokens,
-                        now - arrival,
-                    )
-                yield out
-                if finished:
-                    return
+                    self.metrics.request_finished(out.finish_reason or "stop", out.num_prompt_tokens,
+                                                  out.num_output_tokens, now - arrival)
+                yield i, out
         finally:
-            if not finished:
-                self.engine.abort(rid)
+            for i in unfinished:
+                self.engine.abort(rids[i])
 
-    async def _collect(
-        self, rid: str, q: asyncio.Queue, n_prompt: int, arrival: float, is_disconnected: Callable[[], Any]
-    ) -> _Result:
-        r = _Result(prompt_tokens=n_prompt)
-        async for out in self._outputs(rid, q, arrival, is_disconnected):
+    async def _collect(self, rids: list[str], q: asyncio.Queue, arrival: float,
+                       is_disconnected: Callable[[], Any]) -> list[_Result]:
+        results = [_Result() for _ in rids]
+        async for i, out in self._outputs(rids, q, arrival, is_disconnected):
+            r = results[i]
             r.text += out.text_delta
             r.token_ids += out.new_token_ids
             r.logprobs += out.logprobs
             r.finish_reason = out.finish_reason
-        return r
+        return results
 
     # ---- /v1/completions -----------------------------------------------------------------------------
 
@@ -171,10 +215,11 @@ class OpenAIServing:
     ) -> dict[str, Any] | AsyncIterator[str]:
         self.check_model(req.model)
         prompt = req.prompt_input()
-        ids = list(self.tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else list(prompt)
-        if any(not 0 <= t < len(self.tokenizer) for t in ids):
-            raise ProtocolError("prompt token ids must be in [0, vocab size)", "prompt")
-        rid, q = self._submit(req, ids, arrival)
+        ids = await self._tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_ids(ids, "prompt")
+        with _request_fields(req):
+            params = req.sampling_params(len(ids), self.max_model_len, self.vocab_size, self.limits)
+        rids, q = await self._submit(req, ids, params, arrival)
         head = {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
@@ -182,26 +227,16 @@ class OpenAIServing:
             "model": self.model_name,
         }
         if req.stream:
-            def choice(out: RequestOutput, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
+            def choice(i: int, out: RequestOutput, lps: list[TokenLogprob], offset: int) -> list[dict[str, Any]]:
                 lp = self._completion_logprobs(lps, offset) if req.logprobs is not None else None
-                return {"index": 0, "text": out.text_delta, "logprobs": lp, "finish_reason": out.finish_reason}
+                return [{"index": i, "text": out.text_delta, "logprobs": lp, "finish_reason": out.finish_reason}]
 
-            return self._stream(self._outputs(rid, q, arrival), head, len(ids), req, choice)
-        r = await self._collect(rid, q, len(ids), arrival, is_disconnected)
-        lp = self._completion_logprobs(r.logprobs, 0) if req.logprobs is not None else None
-        return {
-            **head,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": r.text,
-                    "logprobs": lp,
-                    "finish_reason": r.finish_reason,
-                    "stop_reason": None,
-                }
-            ],
-            "usage": self._usage(r),
-        }
+            return self._stream(self._outputs(rids, q, arrival), head, len(ids), req, choice)
+        results = await self._collect(rids, q, arrival, is_disconnected)
+        choices = [{"index": i, "text": r.text,
+                    "logprobs": self._completion_logprobs(r.logprobs, 0) if req.logprobs is not None else None,
+                    "finish_reason": r.finish_reason, "stop_reason": None} for i, r in enumerate(results)]
+        return {**head, "choices": choices, "usage": self._usage(len(ids), results)}
 
     # ---- /v1/chat/completions ------------------------------------------------------------------------
 
@@ -217,87 +252,138 @@ class OpenAIServing:
             ]
         }
 
+    async def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], ToolRequest | None]:
+        messages = req.message_dicts()
+        tools = req.tool_request(self.limits)
+        with _request_fields(req):
+            rendered, template_tools = render_messages(messages, self.tool_parser, tools)
+        return await self._encode_chat(rendered, template_tools), tools
+
     async def chat(
         self, req: ChatCompletionRequest, arrival: float, is_disconnected: Callable[[], Any]
     ) -> dict[str, Any] | AsyncIterator[str]:
         self.check_model(req.model)
-        messages = req.message_dicts()
-        try:
-            ids = self.encode_chat(messages)
-        except Exception as e:  # jinja TemplateError and friends: the messages do not fit the template
-            raise ProtocolError(f"cannot apply the chat template: {e}", "messages") from None
-        rid, q = self._submit(req, ids, arrival)
+        ids, tools = await self._chat_prompt(req)
+        active = tools is not None and tools.active
+        parser = self.tool_parser
+        with _request_fields(req):
+            params = req.sampling_params(len(ids), self.max_model_len, self.vocab_size, self.limits,
+                                         tools.structured(parser) if active and tools is not None else None)
+        if active and not parser.skip_special_tokens:  # its call marker is a special token
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        rids, q = await self._submit(req, ids, params, arrival)
         head = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": self.model_name,
         }
-        if req.stream:
-            def choice(out: RequestOutput, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
-                return {
-                    "index": 0,
-                    "delta": {"content": out.text_delta} if out.text_delta else {},
-                    "logprobs": self._chat_logprobs(lps) if req.logprobs else None,
-                    "finish_reason": out.finish_reason,
-                }
 
-            first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            return self._stream(self._outputs(rid, q, arrival), {**head, "object": "chat.completion.chunk"},
+        def finish(reason: str | None, called: bool) -> str | None:
+            return "tool_calls" if called and reason == "stop" else reason
+
+        if req.stream:
+            streams = [ToolStream(parser) for _ in rids] if active else []
+            texts = [""] * len(rids)
+
+            def choice(i: int, out: RequestOutput, lps: list[TokenLogprob], offset: int) -> list[dict[str, Any]]:
+                logprobs = self._chat_logprobs(lps) if req.logprobs else None
+                if not active:
+                    delta = {"content": out.text_delta} if out.text_delta else {}
+                    return [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": out.finish_reason}]
+                texts[i] += out.text_delta
+                deltas = streams[i].feed(texts[i], out.finished) or [{}]
+                chunks = [{"index": i, "delta": d, "logprobs": logprobs if j == 0 else None, "finish_reason": None}
+                          for j, d in enumerate(deltas)]
+                if out.finished:
+                    chunks[-1]["finish_reason"] = finish(out.finish_reason, bool(streams[i].calls))
+                return chunks
+
+            def first(i: int) -> dict[str, Any]:
+                return {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}
+
+            return self._stream(self._outputs(rids, q, arrival), {**head, "object": "chat.completion.chunk"},
                                 len(ids), req, choice, first)
-        r = await self._collect(rid, q, len(ids), arrival, is_disconnected)
-        lp = self._chat_logprobs(r.logprobs) if req.logprobs else None
-        return {
-            **head,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": r.text},
-                    "logprobs": lp,
-                    "finish_reason": r.finish_reason,
-                    "stop_reason": None,
-                }
-            ],
-            "usage": self._usage(r),
-        }
+        results = await self._collect(rids, q, arrival, is_disconnected)
+        choices = []
+        for i, r in enumerate(results):
+            msg, called = message(parser.scan(r.text, True)) if active else (
+                {"role": "assistant", "content": r.text}, False)
+            choices.append({"index": i, "message": msg,
+                            "logprobs": self._chat_logprobs(r.logprobs) if req.logprobs else None,
+                            "finish_reason": finish(r.finish_reason, called), "stop_reason": None})
+        return {**head, "choices": choices, "usage": self._usage(len(ids), results)}
 
     async def _stream(
         self,
-        outputs: AsyncIterator[RequestOutput],
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
         head: dict[str, Any],
         n_prompt: int,
         req: CompletionRequest | ChatCompletionRequest,
-        choice: Callable[[RequestOutput, list[TokenLogprob], int], dict[str, Any]],
-        first: dict[str, Any] | None = None,
+        choice: Callable[[int, RequestOutput, list[TokenLogprob], int], list[dict[str, Any]]],
+        first: Callable[[int], dict[str, Any]] | None = None,
     ) -> AsyncIterator[str]:
-        """The SSE stream of completions and chat: `first` (chat's role chunk), one chunk per text delta built
-        by `choice(output, logprobs since the last chunk, text offset)`, a usage chunk if asked, then [DONE].
-        With continuous usage every chunk also carries the usage so far."""
-        r = _Result(prompt_tokens=n_prompt)
+        """The SSE stream of completions and chat: `first(i)` (chat's role chunk) per choice, then the chunks
+        `choice(i, output, logprobs since choice i's last chunk, text offset)` builds for each output with text or
+        an end, a usage chunk if asked, then [DONE]. With continuous usage every chunk also carries the usage so
+        far."""
+        results = [_Result() for _ in range(req.num_samples)]
 
         def chunk(c: dict[str, Any]) -> str:
-            return sse({**head, "choices": [c], "usage": self._usage(r)} if req.continuous_usage
+            return sse({**head, "choices": [c], "usage": self._usage(n_prompt, results)} if req.continuous_usage
                        else {**head, "choices": [c]})
 
         try:
             if first is not None:
-                yield chunk(first)
-            async for out in outputs:
+                for i in range(len(results)):
+                    yield chunk(first(i))
+            async for i, out in outputs:
+                r = results[i]
                 r.token_ids += out.new_token_ids
                 r.logprobs += out.logprobs  # tokens whose text is held back ride along with the next chunk
                 if out.text_delta or out.finished:
-                    c = choice(out, r.logprobs, len(r.text))
+                    cs = choice(i, out, r.logprobs, len(r.text))
                     r.logprobs = []
                     r.text += out.text_delta
-                    yield chunk(c)
+                    for c in cs:
+                        yield chunk(c)
         except EngineError as e:
             yield sse(
                 {"error": {"message": str(e), "type": "InternalServerError", "param": None, "code": 500}}
             )
         else:
             if req.include_usage:
-                yield sse({**head, "choices": [], "usage": self._usage(r)})
+                yield sse({**head, "choices": [], "usage": self._usage(n_prompt, results)})
         yield "data: [DONE]\n\n"
+
+    # ---- /tokenize, /detokenize ----------------------------------------------------------------------
+
+    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's /tokenize: a prompt (special tokens added unless add_special_tokens is false), or chat messages
+        through the template (and the tools, as a chat request renders them)."""
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ProtocolError("give either prompt or messages", "prompt")
+        if req.prompt is not None:
+            ids = await self._tokenize(req.prompt, req.add_special_tokens is not False)
+        else:
+            if not req.add_generation_prompt:
+                raise ProtocolError("add_generation_prompt=false is not supported", "add_generation_prompt")
+            if req.add_special_tokens:
+                raise ProtocolError("add_special_tokens with messages is not supported (the template adds them)",
+                                    "add_special_tokens")
+            chat = ChatCompletionRequest(messages=req.messages or [], tools=req.tools)
+            ids, _ = await self._chat_prompt(chat)
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
+        return out
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        self.check_model(req.model)
+        self._check_ids(req.tokens, "tokens")
+        return {"prompt": await asyncio.to_thread(self.tokenizer.decode, req.tokens)}
 
 
 @contextlib.contextmanager

@@ -23,6 +23,8 @@ from neuron_opt.api import LLM
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 LONG = "word " * 400  # > 256 tokens: the context of the test model
 
 # (path, body: dict or raw bytes, status, substring of the message)
@@ -52,8 +54,26 @@ CASES = [
     (C, {"prompt": ["a", "b"]}, 400, "list of 2 prompts is not supported"),
     (C, {"prompt": [1, 10**9]}, 400, "token ids"),
     (C, {"prompt": "x", "foo_bar": 1}, 400, "foo_bar: unsupported parameter"),
-    (C, {"prompt": "x", "n": 2}, 400, "n=2 is not supported"),
-    (C, {"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias is not supported"),
+    (C, {"prompt": "x", "n": 0}, 400, "n: must be in [1, 16] (this server's limit), got 0"),
+    (C, {"prompt": "x", "n": 17}, 400, "n: must be in [1, 16]"),
+    (C, {"prompt": "x", "best_of": 2}, 400, "best_of > 1 is not supported"),
+    (C, {"prompt": "x", "logit_bias": {"5": 101}}, 400, "the bias of token 5 must be in [-100, 100]"),
+    (C, {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "'abc' is not a token id"),
+    (C, {"prompt": "x", "logit_bias": {"99999999": 1}}, 400, "is not a token id in [0, 49152)"),
+    (C, {"prompt": "x", "temperature": float("nan")}, 400, "temperature: must be a finite number"),
+    (C, {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "integer", "not": {"const": 1}}}}}}}, 400,
+     "JSON schema keyword 'not' at #/properties/a is not supported"),
+    (C, {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
+     "json_schema.schema is required"),
+    (C, {"prompt": "x", "structured_outputs": {"regex": "a(b"}}, 400, "regex does not compile"),
+    (C, {"prompt": "x", "structured_outputs": {"grammar": "root ::= a"}}, 400, "Rule \"a\" is not defined"),
+    (C, {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400, "give exactly one of"),
+    (C, {"prompt": "x", "structured_outputs": {"json": "{bad"}}, 400, "JSON schema is not valid JSON"),
+    (C, {"prompt": "x", "structured_outputs": {"whitespace_pattern": " "}}, 400, "whitespace_pattern: unsupported"),
+    (C, {"prompt": "x", "guided_choice": []}, 400, "choice must be a non-empty list"),
+    (C, {"prompt": "x", "guided_regex": "a", "response_format": {"type": "json_object"}}, 400,
+     "only one of response_format, guided_regex"),
     (C, {"prompt": "x", "echo": True}, 400, "echo is not supported"),
     (C, {"prompt": "x", "suffix": "end"}, 400, "suffix is not supported"),
     (
@@ -65,16 +85,33 @@ CASES = [
     (C, {"prompt": "x", "stop": [""]}, 400, "stop strings must not be empty"),
     (C, {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens: must be at most max_tokens (4)"),
     (C, {"prompt": "x", "stream": True, "stream_options": {"foo": 1}}, 400, "stream_options.foo: unsupported"),
-    (CHAT, {"messages": [{"role": "tool", "content": "42", "tool_call_id": "a"}]}, 400, "messages.0.role"),
+    (CHAT, {"messages": [{"role": "tool", "content": "42"}]}, 400, "a tool message needs tool_call_id"),
     (CHAT, {"messages": MSG, "add_generation_prompt": False}, 400, "add_generation_prompt: unsupported"),
     (CHAT, {"messages": []}, 400, "messages must not be empty"),
     (CHAT, {"prompt": "x"}, 400, "messages: Field required"),
     (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "image_url"),
-    (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools are not supported"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools.0.function: Field required"),
+    (CHAT, {"messages": MSG, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     400, "tool_choice: 'nope' is not one of the tools (get_weather)"),
+    (CHAT, {"messages": MSG, "tool_choice": "required"}, 400, "no tools were given"),
+    (CHAT, {"messages": MSG, "tools": [TOOL, TOOL]}, 400, "the name 'get_weather' is used twice"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"xs": {"type": "array", "uniqueItems": True}}}}}]}, 400,
+     "tools[0] (f): parameters: JSON schema keyword 'uniqueItems' at #/properties/xs is not supported"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "bad name!"}}]}, 400,
+     "tools.0.function.name"),
+    (CHAT, {"messages": MSG, "tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     400, "response_format cannot be combined with tools"),
+    (CHAT, {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{not json"}}]}, *MSG]}, 400,
+     "function.arguments is not JSON"),
+    (CHAT, {"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "c", "type": "function",
+            "function": {"name": "f", "arguments": "{}"}}]}]}, 400, "only assistant messages carry tool_calls"),
     (CHAT, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs requires logprobs"),
     (CHAT, {"messages": MSG, "max_completion_tokens": -4}, 400, "max_tokens: must be at least 1, got -4"),
-    (CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_object", "json_schema": {"name": "x"}}}, 400,
+     "json_schema goes with type 'json_schema'"),
     (CHAT, {"messages": MSG, "functions": []}, 400, "functions: unsupported parameter"),
 ]
 
@@ -117,12 +154,23 @@ PARAMS = [
     (CHAT, {"messages": MSG, "max_tokens": 100000}, "max_tokens"),
     (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     (CHAT, {"messages": MSG, "min_tokens": -1}, "min_tokens"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "string", "format": "phone"}}}}, "response_format"),
+    (C, {"prompt": "x", "guided_regex": "(("}, "guided_regex"),
+    (C, {"prompt": "x", "guided_json": {"type": "strang"}}, "guided_json"),
+    (C, {"prompt": "x", "structured_outputs": {"regex": "(("}}, "structured_outputs"),
+    (CHAT, {"messages": MSG, "tools": [TOOL, TOOL]}, "tools"),
+    (CHAT, {"messages": MSG, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+     "tool_choice"),
+    (C, {"prompt": "x", "logit_bias": {"1": 200}}, "logit_bias"),
+    (C, {"prompt": "x", "n": 99}, "n"),
+    (C, {"prompt": "x", "top_p": float("inf")}, "top_p"),
 ]
 
 
 @pytest.mark.parametrize("path,body,param", PARAMS, ids=[f"{i}-{c[2]}" for i, c in enumerate(PARAMS)])
 def test_error_names_the_param_at_fault(server, path, body, param):
-    r = httpx.post(server + path, json=body)
+    r = httpx.post(server + path, content=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
 
@@ -138,6 +186,7 @@ def test_param_comes_from_the_error_not_its_message():
         num_running = num_waiting = 0
         kv_usage = 0.0
         spec = None  # not speculating
+        runner = type("Runner", (), {"vocab_size": 10})
 
         def add_request(self, *a, **k):
             raise ConfigError("top_k: must not exceed max_tokens here", param="top_k")
@@ -146,13 +195,13 @@ def test_param_comes_from_the_error_not_its_message():
         def stop(self): ...
 
     class Tok:
-        def __call__(self, text):
+        def __call__(self, text, add_special_tokens=True):
             return {"input_ids": [1, 2]}
 
         def __len__(self):
             return 10
 
-    app = create_app(Engine(), Tok(), lambda m: [1], "tiny", 64)
+    app = create_app(Engine(), Tok(), lambda m, tools: [1], "tiny", 64)
     with TestClient(app) as http:
         r = http.post(C, json={"prompt": "x", "max_tokens": 3})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_k", r.json()
