@@ -292,7 +292,10 @@ class OpenAIServing:
                     delta = {"content": out.text_delta} if out.text_delta else {}
                     return [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": out.finish_reason}]
                 texts[i] += out.text_delta
-                deltas = streams[i].feed(texts[i], out.finished) or [{}]
+                deltas = streams[i].feed(texts[i], out.finished)
+                if not deltas and not out.finished:
+                    return []  # nothing to show yet (a call being written): its logprobs wait for the next chunk
+                deltas = deltas or [{}]
                 chunks = [{"index": i, "delta": d, "logprobs": logprobs if j == 0 else None, "finish_reason": None}
                           for j, d in enumerate(deltas)]
                 if out.finished:
@@ -344,7 +347,8 @@ class OpenAIServing:
                 r.logprobs += out.logprobs  # tokens whose text is held back ride along with the next chunk
                 if out.text_delta or out.finished:
                     cs = choice(i, out, r.logprobs, len(r.text))
-                    r.logprobs = []
+                    if cs:
+                        r.logprobs = []
                     r.text += out.text_delta
                     for c in cs:
                         yield chunk(c)

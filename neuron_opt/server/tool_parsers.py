@@ -24,7 +24,7 @@ from typing import Any
 
 from neuron_opt.runtime.structured import bound_schema, check_schema
 
-MAX_PARALLEL_TOOL_CALLS = 8  # calls in one reply when parallel_tool_calls is on (bounded, so small models stop)
+MAX_PARALLEL_TOOL_CALLS = 4  # calls in one reply when parallel_tool_calls is on (bounded, so small models stop)
 _WHITESPACE = 1  # most consecutive whitespace characters inside a call's arguments
 
 
