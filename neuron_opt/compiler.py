@@ -11,7 +11,6 @@ Steps
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -436,13 +435,8 @@ def _compile_one(backend: Any, model: torch.nn.Module | list[torch.nn.Module], b
                  cache_cfg: CacheConfig, key: CacheKey, cache: CompileCache | None, out_dir: Path,
                  hits: list[str], misses: dict[str, str], seconds: list[float]) -> list[str]:
     label = f"{bucket.key}/rank{key.fields['rank']}" if key.fields["rank"] != "spmd" else f"{bucket.key}/spmd"
-    cached = cache.lookup(key) if cache is not None else None
+    cached = cache.fetch(key, out_dir) if cache is not None else None  # verified copies (sha256 at store)
     if cached is not None:
-        src = cache.files_dir(key)
-        for f in cached:
-            if not (out_dir / f).exists():  # another bucket of this rank may share the file
-                (out_dir / f).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(src / f, out_dir / f)
         hits.append(label)
         return [str(f) for f in cached]
     misses[label] = cache.explain_miss(key) if cache is not None else "cache disabled"
