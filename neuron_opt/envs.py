@@ -8,3 +8,6 @@ from pathlib import Path
 CACHE_DIR = Path(os.environ.get("NEURON_OPT_CACHE_DIR", Path.home() / ".cache" / "neuron_opt"))
 # Number of torch intra-op threads per process (default: torch's choice).
 NUM_THREADS = int(os.environ["NEURON_OPT_NUM_THREADS"]) if os.environ.get("NEURON_OPT_NUM_THREADS") else None
+# Public-key files (comma-separated) an artifact must be signed by to load; unset: none required (neuron_opt.signing).
+# The --trusted-keys flag and LLM(trusted_keys=) take precedence.
+TRUSTED_KEYS = tuple(Path(p.strip()) for p in os.environ.get("NEURON_OPT_TRUSTED_KEYS", "").split(",") if p.strip())
