@@ -13,6 +13,7 @@ artifacts run on the backend they were compiled for.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,19 +65,25 @@ def check_artifact_settings(manifest: Any, *, dtype: str | None, max_model_len: 
 class LLM:
     """`dtype`, `max_model_len`, `batch_size`, `parallel`, `num_speculative_tokens` (k: verify graphs of k + 1
     tokens for speculative decoding): for a checkpoint, how to run it (defaults float32, the model's limit up to
-    2048, 1, tp=1, none); for an artifact, left unset (it fixes them) or equal to its own."""
+    2048, 1, tp=1, none); for an artifact, left unset (it fixes them) or equal to its own.
+
+    `trusted_keys`: public-key files (`neuron-opt keygen`) an artifact, and a draft artifact, must be signed by
+    (ArtifactError before anything of it loads otherwise); None: NEURON_OPT_TRUSTED_KEYS; empty: none required.
+    Checkpoints hold no code (safetensors and GGUF, never unpickled) and need no signature."""
 
     def __init__(self, model: str | Path, *, dtype: str | None = None, max_model_len: int | None = None,
                  batch_size: int | None = None, parallel: ParallelConfig | None = None,
-                 num_speculative_tokens: int | None = None) -> None:
+                 num_speculative_tokens: int | None = None,
+                 trusted_keys: Sequence[str | Path] | None = None) -> None:
         self._drafts: dict[tuple[str, int], LLM] = {}
+        self.trusted_keys = trusted_keys
         if is_artifact(model):
             from neuron_opt.artifact import load_artifact, read_manifest
 
-            check_artifact_settings(read_manifest(Path(model), verify_hashes=False), dtype=dtype,
-                                    max_model_len=max_model_len, batch_size=batch_size, parallel=parallel,
-                                    num_speculative_tokens=num_speculative_tokens)
-            loaded = load_artifact(Path(model))
+            check_artifact_settings(read_manifest(Path(model), verify_hashes=False, trusted_keys=trusted_keys),
+                                    dtype=dtype, max_model_len=max_model_len, batch_size=batch_size,
+                                    parallel=parallel, num_speculative_tokens=num_speculative_tokens)
+            loaded = load_artifact(Path(model), trusted_keys=trusted_keys)
             self.config, self.tokenizer, self.runner = loaded.model_config, loaded.tokenizer, loaded.runner
             self.dtype: str = loaded.manifest.dtype
         else:
@@ -153,7 +160,7 @@ class LLM:
         key = (str(model), max_num_seqs)
         drafts = self._drafts
         if key not in drafts:
-            draft = (LLM(model) if is_artifact(model) else
+            draft = (LLM(model, trusted_keys=self.trusted_keys) if is_artifact(model) else
                      LLM(model, dtype=self.dtype, max_model_len=self.runner.max_model_len, batch_size=max_num_seqs))
             check_draft_tokenizer(draft.tokenizer, self.tokenizer, model)
             drafts[key] = draft

@@ -8,9 +8,16 @@
       weights/rank{r}.safetensors  each rank's weight shard, stored once (never once per bucket)
       tokenizer/                tokenizer files (+ chat template)
 
+      manifest.sig              optional: the manifest's signature (neuron_opt.signing; `compile --sign-key`)
+
 Written atomically: everything goes to a temporary sibling directory that is renamed into place at the end, so a
-crash leaves either the old artifact or the new one, never half of one. Loading validates versions, hashes and
-geometry and raises `ArtifactError` naming what differs. Weights are read with safetensors only.
+crash leaves either the old artifact or the new one, never half of one. `--out` is replaced only when it is an
+artifact (or empty): any other directory is refused unless `force`, so a mistyped path deletes nothing.
+
+Loading checks, in this order, before any file of the artifact is opened for use: the signature over the manifest's
+bytes when keys are trusted; versions, digest and KV geometry; that every path the manifest names stays inside the
+artifact (no `..`, no absolute path, no symlink out) and that every graph is one of its files; no file missing
+or extra; every file's sha256. `ArtifactError` names what differs. Weights are read with safetensors only.
 """
 
 from __future__ import annotations
@@ -21,19 +28,23 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
 
 from neuron_opt.buckets import Bucket, BucketConfig
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, QuantConfig, torch_dtype
-from neuron_opt.errors import ArtifactError
+from neuron_opt.errors import ArtifactError, ConfigError
+from neuron_opt.headers import read_capped
+from neuron_opt.signing import SIGNATURE, check_signature, load_trusted_keys, sign_manifest, trusted_key_paths
 
 # 2: names of issue #17 item 13 (max_model_len, max_prompt_len, prefill_lens, decode_kv_lens); 3: block KV cache
 FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 16 << 20  # a manifest lists files and configs: kilobytes
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -103,11 +114,39 @@ class Manifest:
         return {Bucket.from_key(k): [root / f for f in fs] for k, fs in self.graphs.items()}
 
 
-class ArtifactWriter:
-    """Collects files in a temporary directory next to `out`; `commit` hashes them and renames into place."""
+def is_artifact_dir(path: Path) -> bool:
+    """Whether `path` holds one of our artifacts: a manifest.json with our format's fields (a web app's manifest.json
+    is not one)."""
+    try:
+        raw = json.loads(read_capped(Path(path) / MANIFEST, MAX_MANIFEST_BYTES, ArtifactError, "artifact"))
+    except (OSError, ValueError, ArtifactError):
+        return False
+    return isinstance(raw, dict) and {"format_version", "files", "digest"} <= set(raw)
 
-    def __init__(self, out: Path) -> None:
+
+def check_out_dir(out: Path, force: bool) -> None:
+    """`compile --out` may replace an artifact or an empty directory; another directory only with `force` (its
+    contents are then deleted), a file never. ConfigError naming the flag otherwise."""
+    out = Path(out)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ConfigError(f"--out {out}: is a file, not a directory; refusing to replace it", param="out")
+    if force or is_artifact_dir(out) or not any(out.iterdir()):
+        return
+    raise ConfigError(f"--out {out}: a non-empty directory that is not an artifact (no {MANIFEST} of ours); "
+                      "replacing it would delete its files. Choose another --out, or pass --force to replace it",
+                      param="out")
+
+
+class ArtifactWriter:
+    """Collects files in a temporary directory next to `out`; `commit` hashes them, writes the manifest (and its
+    signature, given a key) and renames into place."""
+
+    def __init__(self, out: Path, force: bool = False, signing_key: Any = None) -> None:
         self.out = Path(out).resolve()
+        self.force, self.signing_key = force, signing_key  # signing_key: an Ed25519PrivateKey, or None
+        check_out_dir(self.out, force)
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
 
@@ -124,10 +163,14 @@ class ArtifactWriter:
         manifest = Manifest(files=files, versions=versions(), **manifest_fields)
         raw = manifest.to_json()
         raw["digest"] = manifest_digest(raw)
-        with open(self.tmp / MANIFEST, "w") as f:
-            json.dump(raw, f, indent=2, sort_keys=True)
+        data = json.dumps(raw, indent=2, sort_keys=True).encode()
+        with open(self.tmp / MANIFEST, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        if self.signing_key is not None:  # over the exact bytes written, which hash every other file
+            sign_manifest(self.tmp, data, self.signing_key)
+        check_out_dir(self.out, self.force)  # again: the directory may have been filled while we compiled
         old = None
         if self.out.exists():
             old = self.out.with_name(f".{self.out.name}.old-{os.getpid()}")
@@ -144,21 +187,40 @@ def manifest_digest(raw: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def read_manifest(root: Path, verify_hashes: bool = True) -> Manifest:
+@dataclass(frozen=True)
+class VerifiedManifest:
+    manifest: Manifest
+    raw: dict[str, Any]  # the manifest as written (the bytes that were checked)
+    signature: str  # what neuron_opt.signing.check_signature found: "unsigned", or the signer and the check
+
+
+def read_manifest(root: Path, verify_hashes: bool = True,
+                  trusted_keys: Sequence[str | Path] | None = None) -> Manifest:
+    """The artifact's manifest, after every check of the module docstring (`verify_hashes=False`: all but the files'
+    sha256). `trusted_keys`: public-key files the artifact must be signed by; None: NEURON_OPT_TRUSTED_KEYS."""
+    return read_verified(root, verify_hashes, trusted_keys).manifest
+
+
+def read_verified(root: Path, verify_hashes: bool = True,
+                  trusted_keys: Sequence[str | Path] | None = None) -> VerifiedManifest:
     root = Path(root)
     mpath = root / MANIFEST
     if not mpath.exists():
         raise ArtifactError(f"{root}: not an artifact (no {MANIFEST}); create one with `neuron-opt compile`")
+    data = read_capped(mpath, MAX_MANIFEST_BYTES, ArtifactError, "artifact")
+    # the signature first, over the bytes parsed below: nothing the manifest says is used before it is checked
+    signature = check_signature(root, data, load_trusted_keys(trusted_key_paths(trusted_keys)))
     try:
-        raw = json.loads(mpath.read_text())
-    except json.JSONDecodeError as e:
+        raw = json.loads(data)
+    except (ValueError, RecursionError) as e:
         raise ArtifactError(f"{mpath}: corrupt manifest ({e})") from None
-    if raw.get("format_version") != FORMAT_VERSION:
-        raise ArtifactError(f"{mpath}: format version {raw.get('format_version')} differs from this install's "
+    if not isinstance(raw, dict) or raw.get("format_version") != FORMAT_VERSION:
+        version = raw.get("format_version") if isinstance(raw, dict) else None
+        raise ArtifactError(f"{mpath}: format version {version} differs from this install's "
                             f"{FORMAT_VERSION}; recompile the artifact")
     try:
         m = Manifest.from_json(raw)
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ArtifactError(f"{mpath}: invalid manifest ({e})") from None
     ours = versions()
     for name in ("neuron_opt", "torch"):
@@ -174,7 +236,9 @@ def read_manifest(root: Path, verify_hashes: bool = True) -> Manifest:
     if raw.get("digest") != manifest_digest(raw):
         raise ArtifactError(f"{mpath}: manifest was edited after compile (its digest does not match its content); "
                             "recompile instead of editing configs by hand")
-    on_disk = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p != root / MANIFEST}
+    check_paths(root, m)  # before any file is listed or hashed: a symlink out could point at /dev/zero
+    skip = {root / MANIFEST, root / SIGNATURE}
+    on_disk = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p not in skip}
     if missing := sorted(set(m.files) - on_disk):
         raise ArtifactError(f"{root}: missing file(s) listed in the manifest: {', '.join(missing[:5])}")
     if extra := sorted(on_disk - set(m.files)):
@@ -183,7 +247,37 @@ def read_manifest(root: Path, verify_hashes: bool = True) -> Manifest:
         for rel, digest in m.files.items():
             if sha256_file(root / rel) != digest:
                 raise ArtifactError(f"{root / rel}: sha256 does not match the manifest (file modified or corrupt)")
-    return m
+    return VerifiedManifest(m, raw, signature)
+
+
+def check_paths(root: Path, m: Manifest) -> None:
+    """Every path the manifest names resolves inside `root`: relative, without `..`, through no symlink that leads
+    out; every graph file is one of the listed files, the draft a directory with a listed manifest."""
+    real = root.resolve()
+    if not isinstance(m.files, dict) or not isinstance(m.graphs, dict):
+        raise ArtifactError(f"{root / MANIFEST}: files and graphs must be objects")
+
+    def inside(rel: Any, field: str) -> None:
+        p = PurePosixPath(rel) if isinstance(rel, str) and rel else None
+        if p is None or p.is_absolute() or ".." in p.parts:
+            raise ArtifactError(f"{root / MANIFEST}: {field} names {rel!r}, which is not a relative path inside "
+                                "the artifact (absolute, empty or with '..')")
+        if not (root / p).resolve().is_relative_to(real):
+            raise ArtifactError(f"{root / rel}: resolves to {(root / p).resolve()}, outside the artifact (a symlink "
+                                "out of it)")
+
+    for rel in m.files:
+        inside(rel, "files")
+    for key, files in m.graphs.items():
+        for rel in files:
+            inside(rel, f"graphs[{key!r}]")
+            if rel not in m.files:
+                raise ArtifactError(f"{root / MANIFEST}: graphs[{key!r}] names {rel!r}, which is not one of the "
+                                    "artifact's files")
+    if m.draft is not None:
+        inside(m.draft, "draft")
+        if f"{PurePosixPath(m.draft)}/{MANIFEST}" not in m.files:
+            raise ArtifactError(f"{root / MANIFEST}: draft {m.draft!r} is not an artifact inside this one")
 
 
 @dataclass
@@ -194,8 +288,10 @@ class LoadedArtifact:
     runner: Any  # neuron_opt.runtime.runner.ModelRunner
 
 
-def load_artifact(root: Path, verify_hashes: bool = True) -> LoadedArtifact:
-    """Validate an artifact and build a runner for it (rank processes are started for tp > 1)."""
+def load_artifact(root: Path, verify_hashes: bool = True,
+                  trusted_keys: Sequence[str | Path] | None = None) -> LoadedArtifact:
+    """Validate an artifact (`read_manifest`: with `trusted_keys`, or NEURON_OPT_TRUSTED_KEYS when None, it must be
+    signed by one of them) and build a runner for it (rank processes are started for tp > 1)."""
     from transformers import AutoTokenizer
 
     from models.build import rank_model_factory
@@ -203,7 +299,7 @@ def load_artifact(root: Path, verify_hashes: bool = True) -> LoadedArtifact:
     from neuron_opt.runtime.runner import ModelRunner
 
     root = Path(root)
-    m = read_manifest(root, verify_hashes=verify_hashes)
+    m = read_manifest(root, verify_hashes=verify_hashes, trusted_keys=trusted_keys)
     if m.backend == "neuron":  # SPMD devices before anything (transformers included) imports torch_xla
         from neuron_opt.backends.neuron import import_xla
 

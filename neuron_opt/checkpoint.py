@@ -16,6 +16,8 @@ Design decisions
   by the GGUF file's sha256, under `neuron_opt.envs.CACHE_DIR` (atomic write: temp file + os.replace).
   The tokenizer built from GGUF metadata (slow: it re-derives BPE merges) is cached the same way.
 - Validation happens at open time from file headers (cheap), so a bad checkpoint fails before any compile.
+  Headers are walked with bounds checks first (neuron_opt.headers): a crafted file fails in time and memory
+  bounded by its size, never by the counts it declares.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch
 
 from neuron_opt.config import ModelConfig
 from neuron_opt.errors import CheckpointError, UnsupportedModelError
+from neuron_opt.headers import check_gguf, read_json_capped, safetensors_header
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -156,10 +159,13 @@ def _weight_files(root: Path) -> list[Path]:
         return [single]
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            weight_map = read_json_capped(index, CheckpointError, "checkpoint")["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"checkpoint: {index} is not a valid safetensors index ({e!r})") from None
-        files = [root / name for name in sorted(set(weight_map.values()))]
+        if bad := [n for n in names if not isinstance(n, str) or Path(n).name != n]:  # a shard beside the index
+            raise CheckpointError(f"checkpoint: {index} names shard files outside its directory: {bad[:3]}")
+        files = [root / name for name in names]
         for f in files:
             if not f.is_file():
                 raise CheckpointError(f"checkpoint: {f} is missing (listed in {index.name})")
@@ -174,11 +180,13 @@ def _weight_files(root: Path) -> list[Path]:
 def _safetensors_keys(f: Path) -> set[str]:
     from safetensors import safe_open
 
+    names = set(safetensors_header(f))  # our bounded check first: sizes and offsets against the file
     try:
         with safe_open(str(f), framework="pt") as sf:
-            return set(sf.keys())
+            sf.keys()
     except Exception as e:  # SafetensorError has no stable import path; any failure means unreadable
         raise CheckpointError(f"checkpoint: {f} is not a readable safetensors file ({e})") from None
+    return names
 
 
 def _check_names(have: set[str], cfg: ModelConfig, source: Path) -> None:
@@ -276,8 +284,11 @@ def _f32(v: float) -> float:
 
 
 def _gguf_reader(path: Path) -> Any:
+    """gguf's reader, after our bounded walk of the header (neuron_opt.headers.check_gguf): the reader allocates
+    by the counts the file declares."""
     import gguf
 
+    check_gguf(path)
     try:
         return gguf.GGUFReader(str(path))
     except Exception as e:  # the reader raises ValueError/IndexError/struct errors on malformed input
@@ -473,11 +484,12 @@ def _gguf_cache(path: Path, cfg: ModelConfig, cache_dir: Path) -> tuple[Path, di
 def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
+    reader = _gguf_reader(path)  # first: transformers reads the file with gguf's reader too
     try:
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"checkpoint: cannot build a tokenizer from {path} ({e})") from None
-    template = _field(_gguf_reader(path), "tokenizer.chat_template")
+    template = _field(reader, "tokenizer.chat_template")
     if template is not None and not tok.chat_template:
         tok.chat_template = template
     return tok

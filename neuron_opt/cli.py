@@ -13,7 +13,7 @@ import sys
 
 from neuron_opt.errors import NeuronOptError
 
-COMMANDS = ("compile", "generate", "serve", "plan", "bench", "inspect")
+COMMANDS = ("compile", "generate", "serve", "plan", "bench", "inspect", "keygen")
 
 
 def build_parser() -> argparse.ArgumentParser:

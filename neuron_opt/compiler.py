@@ -11,7 +11,6 @@ Steps
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -22,13 +21,14 @@ import torch
 
 from models.build import rank_model_factory
 from neuron_opt import envs
-from neuron_opt.artifact import ArtifactWriter, Manifest, versions
+from neuron_opt.artifact import ArtifactWriter, Manifest, check_out_dir, versions
 from neuron_opt.buckets import Bucket, BucketConfig
 from neuron_opt.compile_cache import CacheKey, CompileCache
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, QuantConfig, torch_dtype
 from neuron_opt.errors import ConfigError
 from neuron_opt.kv_quant import CALIBRATION_TEXT, calibrate, fold
 from neuron_opt.quant import QuantTensor, check_uniform_layers
+from neuron_opt.signing import load_signing_key
 
 # Seconds per distinct compiled graph of a 30-layer model, before this machine has measured its own: the cpu
 # figure was measured on a 2-core AVX-512 machine (SmolLM2-135M, docs/cpu_backend.md), the neuron one is
@@ -150,6 +150,8 @@ class CompileRequest:
     quantize_lm_head: bool | None = None  # None: as `quantize auto` finds it (a GGUF's quantized head), else off
     kv_cache_dtype: str = "auto"  # auto (the compute dtype) | fp8 (e4m3, scales folded into the weights)
     speculative_model: str | None = None  # a draft model compiled alongside, into DRAFT_DIR (needs k > 0)
+    force: bool = False  # replace `out` even when it is a non-empty directory that is not an artifact
+    sign_key: Path | None = None  # an Ed25519 private key (neuron-opt keygen): the artifact is signed with it
 
 
 DRAFT_DIR = "draft"  # where a draft model's artifact lies inside its target's
@@ -165,7 +167,8 @@ def draft_request(req: CompileRequest, cache_cfg: CacheConfig, buckets: BucketCo
         prefill_buckets=tuple(buckets.prefill_lens), decode_buckets=tuple(buckets.decode_kv_lens),
         decode_batches=tuple(buckets.decode_batches),
         backend_options=req.backend_options, cache_dir=req.cache_dir, use_cache=req.use_cache,
-        block_size=req.block_size, chunked_prefill=req.chunked_prefill, prefill_batch=req.prefill_batch)
+        block_size=req.block_size, chunked_prefill=req.chunked_prefill, prefill_batch=req.prefill_batch,
+        sign_key=req.sign_key)  # signed on its own too: it is loaded as an artifact of its own
 
 
 def check_draft_request(req: CompileRequest, tokenizer: Any) -> None:
@@ -261,7 +264,9 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
     from neuron_opt.parallel.sharding import rank_shards
 
     t0 = time.perf_counter()
-    check_backend_tp(req.backend, req.parallel.tp)  # before any long work
+    check_out_dir(req.out, req.force)  # before any long work
+    signing_key = load_signing_key(req.sign_key) if req.sign_key is not None else None
+    check_backend_tp(req.backend, req.parallel.tp)
     if req.backend == "neuron":  # XLA's HLO dump and SPMD devices must be set up before anything (transformers
         from neuron_opt.backends.neuron import check_spmd_layout, import_xla  # included) imports torch_xla
 
@@ -289,7 +294,7 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
     cache = CompileCache(req.cache_dir or envs.CACHE_DIR / "compile") if req.use_cache else None
     fingerprint = ckpt.weights_fingerprint()
     code = code_fingerprint()
-    writer = ArtifactWriter(req.out)
+    writer = ArtifactWriter(req.out, req.force, signing_key)
     hits: list[str] = []
     misses: dict[str, str] = {}
     graphs: dict[str, list[str]] = {}
@@ -436,13 +441,8 @@ def _compile_one(backend: Any, model: torch.nn.Module | list[torch.nn.Module], b
                  cache_cfg: CacheConfig, key: CacheKey, cache: CompileCache | None, out_dir: Path,
                  hits: list[str], misses: dict[str, str], seconds: list[float]) -> list[str]:
     label = f"{bucket.key}/rank{key.fields['rank']}" if key.fields["rank"] != "spmd" else f"{bucket.key}/spmd"
-    cached = cache.lookup(key) if cache is not None else None
+    cached = cache.fetch(key, out_dir) if cache is not None else None  # verified copies (sha256 at store)
     if cached is not None:
-        src = cache.files_dir(key)
-        for f in cached:
-            if not (out_dir / f).exists():  # another bucket of this rank may share the file
-                (out_dir / f).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(src / f, out_dir / f)
         hits.append(label)
         return [str(f) for f in cached]
     misses[label] = cache.explain_miss(key) if cache is not None else "cache disabled"

@@ -12,12 +12,12 @@ Change a config with `dataclasses.replace`.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from neuron_opt.errors import ConfigError
+from neuron_opt.headers import read_json_capped
 
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = DTYPES + ("float8_e4m3fn",)  # fp8 e4m3: `compile --kv-cache-dtype fp8`
@@ -154,10 +154,7 @@ class ModelConfig:
             p = p / "config.json" if p.is_dir() else p
             if not p.exists():
                 raise ConfigError(f"config: {p} does not exist")
-            try:
-                hf = json.loads(p.read_text())
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"config: {p} is not valid JSON ({e})") from None
+            hf = read_json_capped(p, ConfigError, "config")  # a size cap first: it is someone else's file
         if isinstance(hf, dict):
             from transformers import AutoConfig
 

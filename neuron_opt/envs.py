@@ -10,3 +10,6 @@ CACHE_DIR = Path(os.environ.get("NEURON_OPT_CACHE_DIR", Path.home() / ".cache" /
 NUM_THREADS = int(os.environ["NEURON_OPT_NUM_THREADS"]) if os.environ.get("NEURON_OPT_NUM_THREADS") else None
 # `serve --api-key` when the flag is not given: the key every /v1/* route requires (unset or empty: no key).
 API_KEY = os.environ.get("NEURON_OPT_API_KEY") or None
+# Public-key files (comma-separated) an artifact must be signed by to load; unset: none required (neuron_opt.signing).
+# The --trusted-keys flag and LLM(trusted_keys=) take precedence.
+TRUSTED_KEYS = tuple(Path(p.strip()) for p in os.environ.get("NEURON_OPT_TRUSTED_KEYS", "").split(",") if p.strip())

@@ -1,5 +1,5 @@
 """Helpers the tests share: our eager runner for a checkpoint directory, a live server on loopback, tp ranks as
-threads of this process and the tp-against-HF check."""
+threads of this process, the tp-against-HF check, and a cpu artifact with given graph bytes (no compile)."""
 
 from __future__ import annotations
 
@@ -177,3 +177,40 @@ class ThreadRanks:
         torch._C._distributed_c10d._set_thread_isolation_mode(False)
 
 
+
+
+def cpu_artifact_with_graphs(eager_artifact: Path, out: Path, so_bytes: bytes) -> Path:
+    """A copy of an eager artifact made into a cpu one whose every graph `.so` holds `so_bytes` (the metadata beside
+    each as the cpu backend writes it, no constants; hashes and digest recomputed, unsigned): the cpu backend's load
+    path without a compile."""
+    import json
+    import shutil
+
+    from neuron_opt.artifact import MANIFEST, manifest_digest, sha256_file
+    from neuron_opt.backends.cpu import FORMAT, META_SUFFIX, SUBDIR
+    from neuron_opt.backends.cpu_graphs import graph_keys
+    from neuron_opt.buckets import Bucket
+
+    shutil.copytree(eager_artifact, out)
+    raw = json.loads((out / MANIFEST).read_text())
+    raw["backend"] = "cpu"  # options that need no C++ operator build
+    raw["backend_options"] = {"decode_attention": "fused", "int8_linear": "inductor", "moe_gather": "inductor"}
+    cache, graphs = raw["cache"], {}
+    for key in raw["graphs"]:
+        graphs[key] = []
+        for gkey in graph_keys(Bucket.from_key(key)):
+            rel = f"graphs/rank0/{SUBDIR}/{gkey}"
+            (out / rel).parent.mkdir(parents=True, exist_ok=True)
+            (out / f"{rel}.so").write_bytes(so_bytes)
+            meta = {"format": FORMAT, "torch": torch.__version__, "dtype": raw["dtype"], "key": gkey,
+                    "max_model_len": cache["max_model_len"], "so": f"{gkey}.so", "extern_ops": False, "constants": {},
+                    "kind": "layer" if gkey.startswith("layer") else "head", "num_blocks": cache["num_blocks"],
+                    "block_size": cache["block_size"]}
+            (out / f"{rel}{META_SUFFIX}").write_text(json.dumps(meta))
+            graphs[key] += [f"{rel}.so", f"{rel}{META_SUFFIX}"]
+    raw["graphs"] = graphs
+    raw["files"] = {str(p.relative_to(out)): sha256_file(p) for p in sorted(out.rglob("*"))
+                    if p.is_file() and p.name != MANIFEST}
+    raw["digest"] = manifest_digest(raw)
+    (out / MANIFEST).write_text(json.dumps(raw))
+    return out

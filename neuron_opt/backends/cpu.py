@@ -260,7 +260,11 @@ class _WeightStore:
 
 
 def _runner(so: Path, constants: dict[str, torch.Tensor]) -> Any:
-    r = torch._C._aoti.AOTIModelContainerRunnerCpu(str(so), 1)
+    try:
+        r = torch._C._aoti.AOTIModelContainerRunnerCpu(str(so), 1)
+    except RuntimeError as e:  # dlopen/dlsym: a corrupt file, another CPU architecture, not an AOTInductor graph
+        raise ArtifactError(f"{so}: cannot be loaded as a compiled graph ({str(e).strip()[:300]}); the file is "
+                            "corrupt or was compiled for another machine: recompile the artifact here") from None
     # use_inactive=False, validate_full_update=True, user_managed=True: keep our tensors, no copy
     r.update_constant_buffer(constants, False, True, True)
     return r

@@ -89,6 +89,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a backend option (repeatable; see docs/cpu_backend.md and docs/neuron_backend.md), "
                         "e.g. replay=false or compiler_args='-O2'")
     p.add_argument("--no-cache", action="store_true", help="do not use the compile cache")
+    p.add_argument("--force", action="store_true",
+                   help="replace --out even when it is a non-empty directory that is not an artifact (its contents "
+                        "are deleted); without it only an artifact or an empty directory is replaced")
+    p.add_argument("--sign-key", type=Path, default=None, metavar="KEY",
+                   help="sign the artifact with this Ed25519 private key (`neuron-opt keygen`): manifest.sig, which "
+                        "serve/generate/inspect --trusted-keys check (docs/design.md)")
     _add_parallel(p)
     p.set_defaults(func=run)
 
@@ -125,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         quantize=args.quantize, quantization_type=args.quantization_type, group_size=args.group_size,
         modules_to_not_convert=tuple(m.strip() for m in args.modules_to_not_convert.split(",") if m.strip()),
         quantize_lm_head=args.quantize_lm_head, kv_cache_dtype=args.kv_cache_dtype,
-        speculative_model=args.speculative_model)
+        speculative_model=args.speculative_model, force=args.force, sign_key=args.sign_key)
     report = compile_artifact(req)
     print(f"compile cache: {len(report.hits)} hit(s), {len(report.misses)} miss(es)")
     for label, why in report.misses.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from neuron_opt.errors import ConfigError
@@ -28,6 +29,17 @@ def sampling_params_from_args(args: argparse.Namespace):
         temperature=(args.temperature if args.temperature is not None else 1.0) if sampling else 0.0,
         top_k=args.top_k or 0, top_p=args.top_p if args.top_p is not None else 1.0, seed=args.seed,
         stop=tuple(args.stop))
+
+
+def _paths(text: str) -> tuple[Path, ...]:
+    return tuple(Path(t.strip()) for t in text.split(",") if t.strip())
+
+
+def add_trusted_keys_flag(p: argparse.ArgumentParser) -> None:
+    """`--trusted-keys` (serve, generate, inspect): the public keys an artifact must be signed by."""
+    p.add_argument("--trusted-keys", type=_paths, default=None, metavar="PUB[,PUB...]",
+                   help="public-key files (`neuron-opt keygen`); an artifact then loads only if signed by one of "
+                        "them, unedited since (default: NEURON_OPT_TRUSTED_KEYS; unset: no signature required)")
 
 
 def add_speculative_flags(p: argparse.ArgumentParser) -> None:
@@ -79,6 +91,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_sampling_flags(p)
     add_speculative_flags(p)
+    add_trusted_keys_flag(p)
     from neuron_opt.parallel.cli import add_parallel_flags
 
     add_parallel_flags(p)  # with --model: tp rank processes; an artifact's tp is fixed when it is compiled
@@ -96,9 +109,10 @@ def run(args: argparse.Namespace) -> int:
     parallel = parallel_config_from_args(args)
     if args.artifact and parallel.tp != 1:
         raise ConfigError("generate: --tp applies to --model; an artifact runs at the tp it was compiled with")
-    spec, k = speculative_from_args(args, *(bundled_speculation(args.artifact) if args.artifact else (None, None)))
+    spec, k = speculative_from_args(args, *(bundled_speculation(args.artifact, trusted_keys=args.trusted_keys)
+                                            if args.artifact else (None, None)))
     llm = LLM(args.artifact or args.model, dtype=args.dtype, parallel=None if args.artifact else parallel,
-              num_speculative_tokens=k)
+              num_speculative_tokens=k, trusted_keys=args.trusted_keys)
     ids = (llm.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat
            else list(llm.tokenizer(args.prompt)["input_ids"]))
     stats = None
@@ -120,12 +134,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def bundled_speculation(artifact: str, manifest: Any = None) -> tuple[int, str | None]:
+def bundled_speculation(artifact: str, manifest: Any = None,
+                        trusted_keys: tuple[Path, ...] | None = None) -> tuple[int, str | None]:
     """An artifact's verify k and the path of the draft compiled into it (None if none); `manifest`: its manifest
-    when already read."""
-    from pathlib import Path
-
+    when already read (else it is read, signature checked against `trusted_keys`)."""
     from neuron_opt.artifact import read_manifest
 
-    m = manifest or read_manifest(Path(artifact), verify_hashes=False)
+    m = manifest or read_manifest(Path(artifact), verify_hashes=False, trusted_keys=trusted_keys)
     return m.buckets.num_speculative_tokens, str(Path(artifact) / m.draft) if m.draft else None

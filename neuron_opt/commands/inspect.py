@@ -11,20 +11,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="show and verify an artifact's manifest")
     p.add_argument("artifact", type=Path)
     p.add_argument("--json", action="store_true", help="print the raw manifest")
+    from neuron_opt.commands.generate import add_trusted_keys_flag
+
+    add_trusted_keys_flag(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from neuron_opt.artifact import MANIFEST, read_manifest
+    from neuron_opt.artifact import read_verified
 
-    m = read_manifest(args.artifact)
-    raw = json.loads((args.artifact / MANIFEST).read_text())
+    verified = read_verified(args.artifact, trusted_keys=args.trusted_keys)
+    m, raw = verified.manifest, verified.raw  # what was verified, not a second read of the file
     if args.json:
         print(json.dumps(raw, indent=2, sort_keys=True))
         return 0
     size = sum((args.artifact / f).stat().st_size for f in m.files)
     c = m.model
     print(f"artifact: {args.artifact}  (verified: {len(m.files)} files, {size / 2**20:.1f} MiB)")
+    print(f"  signature: {verified.signature}")
     print("  versions: " + ", ".join(f"{k} {v}" for k, v in sorted(m.versions.items())))
     print(f"  model: {c.architecture}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, heads "
           f"{c.num_attention_heads}/{c.num_key_value_heads} (q/kv), vocab {c.vocab_size}, "

@@ -75,9 +75,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="with --model: compute dtype (default float32); an artifact's is fixed (given, it must match)"
     )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    from neuron_opt.commands.generate import add_speculative_flags
+    from neuron_opt.commands.generate import add_speculative_flags, add_trusted_keys_flag
 
     add_speculative_flags(p)
+    add_trusted_keys_flag(p)
     g = p.add_argument_group("scale-out (Ray Serve; pip install 'neuron-opt[cluster]')")
     g.add_argument(
         "--data-parallel", type=int, default=None, metavar="N",

@@ -44,6 +44,10 @@ def run_cluster(args: argparse.Namespace) -> int:
         value = getattr(args, field)
         if value and value != "default":
             setattr(args, field, str(Path(value).resolve()))
+    # the keys this command trusts, named explicitly for the replicas: they may not share our environment
+    from neuron_opt.signing import trusted_key_paths
+
+    args.trusted_keys = tuple(p.resolve() for p in trusted_key_paths(args.trusted_keys))
     if args.model:
         from neuron_opt.checkpoint import open_checkpoint
 

@@ -26,7 +26,7 @@ def check_args(args: argparse.Namespace) -> tuple[Any, Any, int | None]:
         return (None, *speculative_from_args(args, None))
     from neuron_opt.artifact import read_manifest
 
-    manifest = read_manifest(Path(args.artifact), verify_hashes=False)
+    manifest = read_manifest(Path(args.artifact), verify_hashes=False, trusted_keys=args.trusted_keys)
     largest = manifest.buckets.decode_batches[-1]
     if args.max_num_seqs and args.max_num_seqs > largest:
         raise ConfigError(f"--max-num-seqs: {args.max_num_seqs} exceeds the artifact's largest decode batch "
@@ -42,7 +42,8 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, Any]:
 
     _, spec, k = check_args(args)
     if args.artifact:
-        llm = LLM(args.artifact, dtype=args.dtype, max_model_len=args.max_model_len, num_speculative_tokens=k)
+        llm = LLM(args.artifact, dtype=args.dtype, max_model_len=args.max_model_len, num_speculative_tokens=k,
+                  trusted_keys=args.trusted_keys)
     else:
         llm = LLM(
             args.model, dtype=args.dtype, batch_size=args.max_num_seqs or 16, max_model_len=args.max_model_len,

@@ -1,14 +1,17 @@
-"""Artifacts: compile -> load -> generate round trip, atomic write, and tampering refused with clear errors."""
+"""Artifacts: compile -> load -> generate round trip, atomic write, tampering refused with clear errors, manifest paths
+confined to the artifact, `compile --out` replacing only an artifact, and a graph that cannot load named."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 
 import pytest
-from helpers import eager_runner
+from helpers import cpu_artifact_with_graphs, eager_runner
 
 from neuron_opt.api import LLM
-from neuron_opt.artifact import MANIFEST, manifest_digest, read_manifest
+from neuron_opt.artifact import MANIFEST, manifest_digest, read_manifest, sha256_file
 from neuron_opt.compiler import CompileRequest, compile_artifact
 from neuron_opt.config import ParallelConfig
 from neuron_opt.errors import ArtifactError, ConfigError
@@ -142,3 +145,115 @@ def test_serve_refuses_flags_an_artifact_fixed_otherwise(artifact, flags, needle
 
     assert main(["serve", str(artifact), "--port", "0", *flags]) == 2
     assert needle in capsys.readouterr().err
+
+
+def _forge(art, edit):
+    """Edit the manifest with `edit(raw)`, then recompute every file's sha256 and the digest, as a forger would."""
+    raw = json.loads((art / MANIFEST).read_text())
+    edit(raw)
+    raw["files"] = {str(p.relative_to(art)): sha256_file(p) for p in sorted(art.rglob("*"))
+                    if p.is_file() and p.name != MANIFEST}
+    raw["digest"] = manifest_digest(raw)
+    (art / MANIFEST).write_text(json.dumps(raw))
+    return art
+
+
+@pytest.mark.parametrize("path", ["../outside/evil.so", "/tmp/evil.so", "graphs/../../evil.so"])
+def test_graph_path_outside_the_artifact_is_refused(artifact, tmp_path, path):
+    """A graph the backend would load from outside the artifact (digest recomputed, no signature asked for)."""
+    art = _forge(_copy(artifact, tmp_path / "a"), lambda raw: raw["graphs"].update({"prefill_b1_s16": [path]}))
+    with pytest.raises(ArtifactError, match=r"graphs\['prefill_b1_s16'\] names .*not a relative path inside"):
+        read_manifest(art)
+
+
+def test_graph_not_among_the_files_is_refused(artifact, tmp_path):
+    art = _forge(_copy(artifact, tmp_path / "a"),
+                 lambda raw: raw["graphs"].update({"prefill_b1_s16": ["graphs/rank0/unlisted.so"]}))
+    with pytest.raises(ArtifactError, match="which is not one of the artifact's files"):
+        read_manifest(art)
+
+
+def test_file_listed_with_dotdot_or_absolute_is_refused(artifact, tmp_path):
+    art = _copy(artifact, tmp_path / "a")
+    raw = json.loads((art / MANIFEST).read_text())
+    raw["files"]["/etc/hostname"] = raw["files"].pop("weights/rank0.safetensors")
+    raw["digest"] = manifest_digest(raw)
+    (art / MANIFEST).write_text(json.dumps(raw))
+    with pytest.raises(ArtifactError, match=r"files names '/etc/hostname'"):
+        read_manifest(art)
+
+
+def test_symlink_out_of_the_artifact_is_refused_even_with_matching_hashes(artifact, tmp_path):
+    """weights/ replaced by a symlink to a copy outside: every sha256 still matches the manifest."""
+    art = _copy(artifact, tmp_path / "a")
+    shutil.copytree(art / "weights", tmp_path / "elsewhere")
+    shutil.rmtree(art / "weights")
+    os.symlink(tmp_path / "elsewhere", art / "weights")
+    with pytest.raises(ArtifactError, match=r"weights/rank0.safetensors: resolves to .*elsewhere.*outside the "
+                                            r"artifact"):
+        read_manifest(art)
+    (art / "weights").unlink()
+    (art / "weights").mkdir()
+    os.symlink(tmp_path / "elsewhere" / "rank0.safetensors", art / "weights" / "rank0.safetensors")
+    with pytest.raises(ArtifactError, match="outside the artifact"):
+        read_manifest(art)
+
+
+def test_symlink_inside_the_artifact_is_accepted(artifact, tmp_path):
+    art = _copy(artifact, tmp_path / "a")
+    (art / "weights" / "rank0.safetensors").rename(art / "tokenizer" / "w.safetensors")
+    os.symlink("../tokenizer/w.safetensors", art / "weights" / "rank0.safetensors")
+    _forge(art, lambda raw: None)
+    read_manifest(art)
+
+
+def test_draft_outside_the_artifact_is_refused(artifact, tmp_path):
+    art = _forge(_copy(artifact, tmp_path / "a"), lambda raw: raw.update(draft="../other"))
+    with pytest.raises(ArtifactError, match=r"draft names '../other'"):
+        read_manifest(art)
+
+
+def _compile_to(tiny_dir, out, **kw):
+    req = CompileRequest(model=str(tiny_dir("smollm-tok")), out=out, backend="eager", max_model_len=128,
+                         prefill_buckets=(16,), decode_buckets=(128,), use_cache=False, **kw)
+    return compile_artifact(req, log=lambda s: None, progress=False)
+
+
+def test_compile_out_onto_a_directory_that_is_not_an_artifact_is_refused(tiny_dir, tmp_path, capsys):
+    """A non-empty directory that is not an artifact (a web app's manifest.json does not make it one) is kept, file
+    for file; --force replaces it; an artifact is replaced without --force."""
+    from neuron_opt.cli import main
+
+    out = tmp_path / "project"
+    (out / "src").mkdir(parents=True)
+    (out / "src" / "main.py").write_text("print('mine')\n")
+    (out / "manifest.json").write_text('{"name": "my web app"}')
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(ConfigError, match=r"--out .*project: a non-empty directory that is not an artifact.*--force"):
+        _compile_to(tiny_dir, out)
+    argv = ["compile", "--model", str(tiny_dir("smollm-tok")), "--out", str(out), "--backend", "eager",
+            "--max-model-len", "128", "--prefill-buckets", "16", "--decode-buckets", "128", "--no-cache"]
+    assert main(argv) == 2 and "--force" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert not list(tmp_path.glob(".project*"))
+    assert main([*argv, "--force"]) == 0
+    first = read_manifest(out)
+    assert not (out / "src").exists()
+    _compile_to(tiny_dir, out, prefill_batch=1)  # an artifact: replaced
+    assert read_manifest(out).files == first.files
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
+        _compile_to(tiny_dir, tmp_path / "file", force=True)
+
+
+def test_compile_into_an_empty_directory(tiny_dir, tmp_path):
+    (tmp_path / "empty").mkdir()
+    _compile_to(tiny_dir, tmp_path / "empty")
+    read_manifest(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("so_bytes", [b"\x7fELF" + b"\0" * 60, b""], ids=["corrupt", "empty"])
+def test_graph_that_cannot_load_is_an_artifact_error_naming_it(artifact, tmp_path, so_bytes):
+    art = cpu_artifact_with_graphs(artifact, tmp_path / "cpu", so_bytes)
+    with pytest.raises(ArtifactError, match=r"graphs/rank0/cpu/layer_\w+\.so: cannot be loaded as a compiled graph"):
+        LLM(art)

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
+import stat
+from pathlib import Path
+
 import pytest
 
 from neuron_opt.compile_cache import CacheKey, CompileCache
+from neuron_opt.errors import ConfigError
 
 BASE = {"weights": "abc", "bucket": "decode_b1_s128", "dtype": "float32", "backend_options": {}, "rank": 0}
 
@@ -13,7 +19,7 @@ def _store(cache: CompileCache, fields: dict, tmp_path, content: bytes = b"graph
     src = tmp_path / "src"
     src.mkdir(exist_ok=True)
     (src / "g.so").write_bytes(content)
-    cache.store(CacheKey(fields), src, [__import__("pathlib").Path("g.so")])
+    cache.store(CacheKey(fields), src, [Path("g.so")])
 
 
 def test_hit_returns_the_stored_files(tmp_path):
@@ -48,6 +54,106 @@ def test_entry_with_a_missing_file_is_a_miss(tmp_path):
     _store(cache, BASE, tmp_path)
     (cache.files_dir(CacheKey(BASE)) / "g.so").unlink()
     assert cache.lookup(CacheKey(BASE)) is None
+
+
+def test_fetch_copies_a_verified_hit(tmp_path):
+    cache = CompileCache(tmp_path / "c")
+    _store(cache, BASE, tmp_path)
+    dest = tmp_path / "out"
+    assert cache.fetch(CacheKey(BASE), dest) == [Path("g.so")]
+    assert (dest / "g.so").read_bytes() == b"graph"
+
+
+@pytest.mark.parametrize("already_in_dest", [False, True])
+def test_poisoned_entry_is_a_miss_removed_with_a_warning_then_rewritten(already_in_dest, tmp_path, caplog):
+    """An entry whose file no longer matches the sha256 recorded when it was stored is never used: the copy is
+    undone, a warning names the entry, the miss says why, and the recompile's store writes the entry again. Also
+    when the file is already in the destination (shared with a bucket fetched before)."""
+    cache = CompileCache(tmp_path / "c")
+    _store(cache, BASE, tmp_path)
+    entry = cache.entry_dir(CacheKey(BASE))
+    (entry / "files" / "g.so").write_bytes(b"evil")
+    dest = tmp_path / "out"
+    if already_in_dest:
+        dest.mkdir()
+        (dest / "g.so").write_bytes(b"graph")
+    with caplog.at_level("WARNING", logger="neuron_opt.compile_cache"):
+        assert cache.fetch(CacheKey(BASE), dest) is None
+    assert f"cache entry {entry} failed its sha256 check (g.so" in caplog.text
+    assert cache.explain_miss(CacheKey(BASE)).startswith(f"cache entry {entry} failed its sha256 check")
+    assert not entry.exists() and (dest / "g.so").exists() == already_in_dest
+    _store(cache, BASE, tmp_path, b"graph")  # the recompile's store
+    assert cache.fetch(CacheKey(BASE), dest) == [Path("g.so")] and (dest / "g.so").read_bytes() == b"graph"
+
+
+def test_entry_without_recorded_hashes_is_a_miss_and_rewritten(tmp_path):
+    cache = CompileCache(tmp_path / "c")
+    _store(cache, BASE, tmp_path)
+    meta = cache.entry_dir(CacheKey(BASE)) / "key.json"
+    meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k != "sha256"}))
+    assert cache.fetch(CacheKey(BASE), tmp_path / "out") is None and not meta.exists()
+    _store(cache, BASE, tmp_path)
+    assert cache.fetch(CacheKey(BASE), tmp_path / "out") is not None
+
+
+def test_cache_directory_is_private(tmp_path):
+    CompileCache(tmp_path / "new" / "c")
+    assert stat.S_IMODE((tmp_path / "new" / "c").stat().st_mode) == 0o700
+    (tmp_path / "old").mkdir(mode=0o777)
+    os.chmod(tmp_path / "old", 0o777)
+    CompileCache(tmp_path / "old")
+    assert stat.S_IMODE((tmp_path / "old").stat().st_mode) == 0o700
+
+
+def test_cache_directory_of_another_user_is_refused(tmp_path):
+    if os.getuid() == 0:
+        other = tmp_path / "theirs"
+        other.mkdir()
+        os.chown(other, 65534, 65534)  # nobody
+    else:
+        other = Path("/")  # root's
+    with pytest.raises(ConfigError, match=r"compile cache: .* is owned by uid \d+, not by this user.*"
+                                          r"NEURON_OPT_CACHE_DIR"):
+        CompileCache(other)
+
+
+@pytest.mark.slow  # a cold cpu compile of its own (~45 s on 2 cores; make test-slow)
+def test_poisoned_cpu_graph_in_the_cache_is_recompiled_not_copied(tiny_dir, tmp_path, caplog):
+    """compile end to end: a cached cpu graph edited after it was stored is not copied into the next artifact; the
+    bucket is recompiled (the miss names the entry), the entry rewritten, and the artifact runs like the first."""
+    from helpers import eager_runner
+    from tiny import make_tiny
+
+    from neuron_opt.artifact import load_artifact
+    from neuron_opt.compiler import CompileRequest, compile_artifact
+
+    ckpt = make_tiny("llama-gqa2", tmp_path / "ckpt", tokenizer=True)
+
+    def compile_to(out: str):
+        req = CompileRequest(model=str(ckpt), out=tmp_path / out, backend="cpu", dtype="float32", max_model_len=32,
+                             prefill_buckets=(16,), decode_buckets=(32,), cache_dir=tmp_path / "c")
+        return compile_artifact(req, log=lambda s: None, progress=False)
+
+    compile_to("a")
+    entries = sorted((tmp_path / "c").glob("*/key.json"))
+    poisoned = next(e.parent for e in entries if "decode" in json.loads(e.read_text())["fields"]["bucket"])
+    so = next((poisoned / "files").rglob("layer_decode_b1.so"))
+    data = bytearray(so.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    so.write_bytes(bytes(data))
+    with caplog.at_level("WARNING", logger="neuron_opt.compile_cache"):
+        report = compile_to("b")
+    assert list(report.misses) == ["decode_b1_s32/rank0"] and str(poisoned) in report.misses["decode_b1_s32/rank0"]
+    assert f"cache entry {poisoned} failed its sha256 check" in caplog.text
+    assert json.loads((poisoned / "key.json").read_text())["sha256"]  # rewritten
+    from neuron_opt.runtime.generate import generate_ids
+    from neuron_opt.runtime.sampling import SamplingParams
+
+    loaded, params = load_artifact(tmp_path / "b"), SamplingParams(max_tokens=8, ignore_eos=True)
+    ref = eager_runner(ckpt, max_model_len=32, prefill_lens=[16], decode_kv_lens=[32])
+    prompt = list(range(3, 15))
+    assert (generate_ids(loaded.runner, loaded.tokenizer, prompt, params, ()).token_ids
+            == generate_ids(ref, loaded.tokenizer, prompt, params, ()).token_ids)
 
 
 @pytest.mark.slow  # a cold compile of its own (~1 min; make test-slow)
