@@ -9,12 +9,19 @@ Design decisions
   requests send compiles once. Callers that must not block (the HTTP event loop) compile in a worker thread before
   queueing the request; the engine thread never compiles a grammar the server sent it.
 - JSON Schema: a keyword the engine would not enforce is refused by name, never silently ignored
-  (`check_schema`). The open ends of a schema are bounded before it compiles (`bound_schema`), so a small model that
-  loops still closes its object: no whitespace beyond the separators `", "` and `": "`, numbers within
-  +-NUMBER_BOUND (at most 15 integer digits; xgrammar then allows at most 6 fraction digits), arrays of at most
-  MAX_ITEMS items and free-form objects of at most MAX_PROPERTIES members unless the schema says otherwise. An output
-  of the bounded schema is valid under the original. `json_object` is such a schema too: an object nested at most
-  JSON_OBJECT_DEPTH deep.
+  (`check_schema`); so are formats whose outputs it cannot guarantee to validate (where its pattern is looser than
+  the format, ours replaces it: exact days per month and leap days).
+- Where xgrammar 0.2.8 compiles something looser than the schema, we close the gap: optional groups `(...)?` in
+  patterns are spelled `(...){0,1}`, and since its length-bounded strings admit raw control characters (invalid
+  JSON), a JSON-schema request never gets a token holding one (compact JSON has no place for them). Under
+  structural tags (tool calls in a model's own format, whose free text may hold newlines) that last gap stays open
+  for strings with min/maxLength.
+- The open ends of a schema are bounded before it compiles (`bound_schema`), so a small model that loops still
+  closes its object: no whitespace beyond the separators `", "` and `": "`, numbers within +-NUMBER_BOUND (at most
+  15 integer digits; xgrammar then allows at most 6 fraction digits), arrays of at most MAX_ITEMS items and
+  free-form objects of at most MAX_PROPERTIES members unless the schema says otherwise. An output of the bounded
+  schema is valid under the original. `json_object` is such a schema too: an object nested at most
+  JSON_OBJECT_DEPTH deep, with names and strings of bounded length.
 - A request's `GrammarState` owns its matcher. The matcher ends on a stop token (EOS or the request's stop ids):
   once the grammar is complete only those are allowed, and the request ends the ordinary way. A terminated matcher
   ends the request even under ignore_eos.
@@ -40,6 +47,8 @@ MAX_ITEMS = 64  # items of an array whose schema gives no maxItems
 MAX_PROPERTIES = 32  # members of an object whose schema allows free-form properties and gives no maxProperties
 NUMBER_BOUND = 10**15 - 1  # |number| of a number/integer schema without minimum or maximum
 JSON_OBJECT_DEPTH = 4  # nesting of `json_object` (an object of values; a value may hold objects and arrays)
+JSON_OBJECT_KEY_CHARS = 64  # a `json_object` member name's length
+JSON_OBJECT_STRING_CHARS = 1024  # a `json_object` string value's length
 
 # Keywords xgrammar enforces (checked one by one: each changes the grammar and its outputs validate).
 _ENFORCED = frozenset({
@@ -53,10 +62,24 @@ _ANNOTATIONS = frozenset({
     "title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated", "readOnly",
     "writeOnly", "discriminator", "contentEncoding", "contentMediaType",
 })
-_FORMATS = frozenset({
-    "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri", "uri-reference",
-    "uri-template", "json-pointer", "relative-json-pointer",
-})
+# Formats whose every output validates: the engine's own (checked by random walks against validators), or ours where
+# its pattern is looser than the format (days past the month's end, leap days of non-leap years, leading zeros in
+# an IPv4 octet, unbounded fraction digits). Formats of unbounded text (email, hostname, uri, ...) are refused.
+_ENGINE_FORMATS = frozenset({"uuid", "ipv6", "duration"})
+_DAY = r"(0[1-9]|1[0-9]|2[0-8])"
+_YEAR = r"([1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"  # 0001-9999: year 0 is no date
+_LEAP_YEAR = r"([0-9][0-9](0[48]|[2468][048]|[13579][26])|([2468][048]|[13579][26]|0[48])00)"
+_DATE = (rf"({_YEAR}-((0[13578]|1[02])-({_DAY[1:-1]}|29|30|31)|(0[469]|11)-({_DAY[1:-1]}|29|30)|02-{_DAY})"
+         rf"|{_LEAP_YEAR}-02-29)")
+_TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\.[0-9]{1,6})?([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_FORMAT_PATTERNS = {
+    "date": f"^{_DATE}$",
+    "time": f"^{_TIME}$",
+    "date-time": f"^{_DATE}[Tt]{_TIME}$",
+    "ipv4": rf"^({_OCTET}\.){{3}}{_OCTET}$",
+}
+_FORMATS = _ENGINE_FORMATS | frozenset(_FORMAT_PATTERNS)
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> subschema
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")  # [subschema, ...]
 _SCHEMA_ONE = ("additionalProperties", "propertyNames", "items")  # a subschema (or a boolean)
@@ -82,7 +105,10 @@ def check_schema(schema: Any, where: str = "#") -> None:
                        "(one schema only); merge them into one")
         if key == "format" and value not in _FORMATS:
             raise _bad(f"JSON schema format {value!r} at {where} is not supported (supported: "
-                       f"{', '.join(sorted(_FORMATS))})")
+                       f"{', '.join(sorted(_FORMATS))}); give a pattern instead")
+        if key in ("minLength", "maxLength") and ("pattern" in schema or "format" in schema):
+            raise _bad(f"JSON schema {key!r} at {where} together with a pattern or format is not supported (it "
+                       "would not be enforced); put the length into the pattern")
         if key == "items" and isinstance(value, list):
             raise _bad(f"JSON schema 'items' as a list at {where} is not supported; use prefixItems")
         if key in _SCHEMA_MAPS:
@@ -104,6 +130,30 @@ def _types(schema: dict[str, Any]) -> set[str]:
     return {t} if isinstance(t, str) else set(t) if isinstance(t, list) else set()
 
 
+def engine_pattern(pattern: str) -> str:
+    """`pattern` with every optional group `(...)?` spelled `(...){0,1}`: the same language. xgrammar 0.2.8 reads
+    `(x[0-9]+)?` inside a JSON string as if the `x` alone were optional (it accepts "5"); `{0,1}` it reads right
+    (both checked in the tests)."""
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+        elif ch == ")" and pattern.startswith("?", i + 1):
+            out.append("){0,1}")
+            i += 3 if pattern.startswith("??", i + 1) else 2  # lazy or greedy: the same strings match
+            continue
+        out.append(ch)
+        i += 1
+    return "".join(out)
+
+
 def bound_schema(schema: Any) -> Any:
     """A copy of `schema` whose open ends are bounded (see the module docstring); its outputs are valid under
     `schema` itself."""
@@ -119,6 +169,13 @@ def bound_schema(schema: Any) -> Any:
             out[key] = bound_schema(value)
         else:
             out[key] = value
+    if out.get("format") in _FORMAT_PATTERNS:
+        out["pattern"] = _FORMAT_PATTERNS[out.pop("format")]
+
+    if isinstance(out.get("pattern"), str):
+        out["pattern"] = engine_pattern(out["pattern"])
+    if isinstance(out.get("patternProperties"), dict):
+        out["patternProperties"] = {engine_pattern(k): v for k, v in out["patternProperties"].items()}
     types = _types(out)
     if types & {"number", "integer"} and "enum" not in out and "const" not in out:
         if "minimum" not in out and "exclusiveMinimum" not in out:
@@ -134,16 +191,21 @@ def bound_schema(schema: Any) -> Any:
 
 
 def json_object_schema(depth: int = JSON_OBJECT_DEPTH) -> dict[str, Any]:
-    """Any JSON object nested at most `depth` deep, with at most MAX_PROPERTIES members per object and MAX_ITEMS
-    items per array (the bounded form of `response_format: {"type": "json_object"}`)."""
-    scalars: list[dict[str, Any]] = [{"type": "string"}, {"type": "number"}, {"type": "boolean"}, {"type": "null"}]
+    """Any JSON object nested at most `depth` deep, with at most MAX_PROPERTIES members per object, MAX_ITEMS
+    items per array, and bounded names and strings (the bounded form of `response_format: {"type":
+    "json_object"}`)."""
+    scalars: list[dict[str, Any]] = [{"type": "string", "maxLength": JSON_OBJECT_STRING_CHARS}, {"type": "number"},
+                                     {"type": "boolean"}, {"type": "null"}]
+    names = {"maxLength": JSON_OBJECT_KEY_CHARS}
+
+    def obj(values: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "object", "additionalProperties": values, "propertyNames": names}
+
     defs: dict[str, Any] = {"v0": {"anyOf": scalars}}
     for d in range(1, depth):
         inner = {"$ref": f"#/$defs/v{d - 1}"}
-        defs[f"v{d}"] = {"anyOf": [*scalars, {"type": "array", "items": inner},
-                                   {"type": "object", "additionalProperties": inner}]}
-    return bound_schema({"type": "object", "additionalProperties": {"$ref": f"#/$defs/v{depth - 1}"},
-                         "$defs": defs})
+        defs[f"v{d}"] = {"anyOf": [*scalars, {"type": "array", "items": inner}, obj(inner)]}
+    return bound_schema({**obj({"$ref": f"#/$defs/v{depth - 1}"}), "$defs": defs})
 
 
 @dataclass(frozen=True)
@@ -228,15 +290,21 @@ class GrammarCompiler:
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, tuple(eos_token_ids)
         self.cache_bytes = cache_bytes
         self._compiler: Any = None
+        self._no_controls: torch.Tensor | None = None  # bitmask row: the tokens without a raw control character
         self._lock = threading.Lock()
 
     def _xgr_compiler(self) -> Any:
         with self._lock:
             if self._compiler is None:
+                import torch
                 import xgrammar as xgr
 
                 info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=self.cache_bytes)
+                ok = torch.tensor([not any(b < 0x20 for b in t) for t in info.decoded_vocab], dtype=torch.bool)
+                ok = torch.nn.functional.pad(ok, (0, -ok.numel() % 32))
+                bits = (ok.view(-1, 32).to(torch.int64) << torch.arange(32)).sum(-1)  # [V/32] packed, LSB first
+                self._no_controls = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
             return self._compiler
 
     def compile(self, structured: StructuredOutputs) -> Any:
@@ -260,7 +328,8 @@ class GrammarCompiler:
         """A new request's grammar state (`compiled`: this compiler's result for `structured`, if already made);
         it ends on EOS or one of the request's `stop_token_ids`."""
         stops = tuple(dict.fromkeys(self.eos_token_ids + tuple(stop_token_ids)))
-        return GrammarState(compiled if compiled is not None else self.compile(structured), stops)
+        compiled = compiled if compiled is not None else self.compile(structured)
+        return GrammarState(compiled, stops, self._no_controls if structured.spec().kind == "json" else None)
 
 
 _KIND_NAMES = {"json": "JSON schema", "regex": "regex", "grammar": "grammar", "structural_tag": "structural tag"}
@@ -272,12 +341,15 @@ class GrammarState:
     Args:
         compiled: the request's compiled grammar.
         stop_token_ids: the tokens that end the request (EOS and its own stop ids): the grammar's end.
+        allow: a packed bitmask row [ceil(V / 32)] of the only tokens this request may ever take (JSON: no raw
+            control characters), or None.
     """
 
-    def __init__(self, compiled: Any, stop_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, compiled: Any, stop_token_ids: tuple[int, ...], allow: torch.Tensor | None = None) -> None:
         import xgrammar as xgr
 
         self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids) or None)
+        self._allow = allow
 
     @property
     def terminated(self) -> bool:
@@ -287,16 +359,21 @@ class GrammarState:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into `bitmask[row]` (xgrammar's packed int32 layout)."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self._allow is not None:
+            bitmask[row] &= self._allow
 
     def accept(self, token: int) -> None:
         if not self._matcher.accept_token(token):
             raise RuntimeError(f"token {token} is not allowed by the request's grammar (sampled outside its mask)")
 
+    def _allows(self, token: int) -> bool:
+        return self._allow is None or bool((int(self._allow[token // 32]) >> (token % 32)) & 1)
+
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens` (a draft) the grammar accepts in order; the state is left unchanged."""
         n = 0
         for t in tokens:
-            if self._matcher.is_terminated() or not self._matcher.accept_token(t):
+            if self._matcher.is_terminated() or not self._allows(t) or not self._matcher.accept_token(t):
                 break
             n += 1
         if n:
