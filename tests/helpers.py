@@ -214,3 +214,45 @@ def cpu_artifact_with_graphs(eager_artifact: Path, out: Path, so_bytes: bytes) -
     raw["digest"] = manifest_digest(raw)
     (out / MANIFEST).write_text(json.dumps(raw))
     return out
+
+
+_CLOSERS: dict[int, torch.Tensor] = {}
+
+
+def _closers(tok) -> torch.Tensor:
+    """Token ids of `"`, `}` and `]` (a bool mask over the vocabulary), once per tokenizer."""
+    if id(tok) not in _CLOSERS:
+        _CLOSERS[id(tok)] = torch.tensor([s in ('"', "}", "]") for s in tok.convert_ids_to_tokens(
+            list(range(len(tok))))])
+    return _CLOSERS[id(tok)]
+
+
+def grammar_walk(compiler, tok, structured, seed: int, max_steps: int = 400, skip_special_tokens: bool = True) -> str:
+    """A random reply `structured`'s grammar accepts, over the real tokenizer: at each step the end (with
+    probability 0.3 where it may end), else a random allowed token, one that closes a string, array or object with
+    probability 0.3 (so open strings do not run on for ever). Fails if the grammar allows no token or never ends."""
+    import random
+
+    import xgrammar as xgr
+
+    closers = _closers(tok)
+    eos = compiler.eos_token_ids[0]
+    state = compiler.state(structured)
+    rng = random.Random(seed)
+    bm = xgr.allocate_token_bitmask(1, len(tok))
+    ids: list[int] = []
+    for _ in range(max_steps):
+        state.fill(bm, 0)
+        bits = ((bm[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[:len(tok)].bool()
+        assert bits.any(), "the grammar allows no token"
+        can_end = bool(bits[eos])
+        bits[eos] = False
+        if rng.random() < 0.3 and bool((bits & closers).any()):
+            bits &= closers
+        pool = bits.nonzero().flatten()
+        t = eos if can_end and (not len(pool) or rng.random() < 0.3) else int(pool[rng.randrange(len(pool))])
+        state.accept(t)
+        if state.terminated:
+            return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        ids.append(t)
+    raise AssertionError(f"no end after {max_steps} tokens: {tok.decode(ids)!r}")

@@ -110,6 +110,19 @@ def _structural(fmt: dict[str, Any]) -> str:
     return json.dumps({"type": "structural_tag", "format": fmt})
 
 
+def _tagged_calls(tags: list[dict[str, Any]], marker: str, sep: str, choice: str, parallel: bool) -> str:
+    """The structural tag of calls written as `tags` (one per tool), `sep` between calls: only calls (at least one,
+    at most MAX_PARALLEL_TOOL_CALLS, one without `parallel`), or for "auto" text free of `marker` before them."""
+    one = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
+    calls = one if not parallel else {"type": "sequence", "elements": [one, {
+        "type": "repeat", "min": 0, "max": MAX_PARALLEL_TOOL_CALLS - 1,
+        "content": {"type": "sequence", "elements": [{"type": "const_string", "value": sep}, one]}}]}
+    if choice != "auto":
+        return _structural(calls)
+    return _structural({"type": "sequence", "elements": [{"type": "any_text", "excludes": [marker]},
+                                                          {"type": "optional", "content": calls}]})
+
+
 class ToolParser:
     """The interface (see the module docstring). `renders_tools`: the chat template puts the tools in the prompt."""
 
@@ -174,11 +187,7 @@ class HermesParser(MarkerParser):
     def grammar(self, tools: list[ToolSpec], choice: str, parallel: bool) -> str | None:
         tags = [_tag(f'{self.marker}\n{{"name": {json.dumps(t.name)}, "arguments": ', t, f"}}\n{self.end}")
                 for t in tools]
-        if choice == "auto":
-            return _structural({"type": "triggered_tags", "triggers": [self.marker], "tags": tags,
-                                "stop_after_first": not parallel})
-        return _structural({"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
-                            "stop_after_first": not parallel})
+        return _tagged_calls(tags, self.marker, "\n", choice, parallel)
 
 
 class Llama3JsonParser(ToolParser):
@@ -201,11 +210,7 @@ class Llama3JsonParser(ToolParser):
 
     def grammar(self, tools: list[ToolSpec], choice: str, parallel: bool) -> str | None:
         tags = [_tag(f'{{"name": {json.dumps(t.name)}, "parameters": ', t, "}") for t in tools]
-        if choice == "auto":
-            return _structural({"type": "triggered_tags", "triggers": ['{"name": '], "tags": tags,
-                                "stop_after_first": not parallel})
-        return _structural({"type": "tags_with_separator", "tags": tags, "separator": "; ", "at_least_one": True,
-                            "stop_after_first": not parallel})
+        return _tagged_calls(tags, '{"name": ', "; ", choice, parallel)
 
 
 class MistralParser(MarkerParser):
