@@ -139,10 +139,10 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> No
 
 
 async def one_request(client, url: str, index: int, prompt: list[int] | str, output_len: int,
-                      delay: float = 0.0) -> RequestResult:
+                      delay: float = 0.0, extra: dict | None = None) -> RequestResult:
     """A streamed greedy request. `prompt`: token ids for /v1/completions with `ignore_eos` (exactly `output_len`
     tokens come back), or a user message for /v1/chat/completions whose answer ends at EOS (at most
-    `output_len`)."""
+    `output_len`). `extra`: more request fields (a response_format, say)."""
     chat = isinstance(prompt, str)
     body = {
         "model": "bench",
@@ -151,6 +151,7 @@ async def one_request(client, url: str, index: int, prompt: list[int] | str, out
         "stream": True,
         "stream_options": {"include_usage": True},
     } | ({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt, "ignore_eos": True})
+    body |= extra or {}
     r = RequestResult(index)
     if delay:
         await asyncio.sleep(delay)
@@ -194,7 +195,8 @@ async def one_request(client, url: str, index: int, prompt: list[int] | str, out
 
 
 async def run_load(
-    url: str, prompts: list[list[int]] | list[str], output_len: int, concurrency: int, request_rate: float, seed: int
+    url: str, prompts: list[list[int]] | list[str], output_len: int, concurrency: int, request_rate: float, seed: int,
+    extra: dict | None = None,
 ) -> tuple[list[RequestResult], float]:
     import httpx
 
@@ -205,7 +207,7 @@ async def run_load(
 
         async def limited(i: int, p: list[int]) -> RequestResult:
             async with sem:
-                return await one_request(client, url, i, p, output_len)
+                return await one_request(client, url, i, p, output_len, extra=extra)
 
         tasks = []
         t0 = time.perf_counter()
@@ -524,6 +526,94 @@ def scenario_speculative(args: argparse.Namespace, vocab: int) -> dict[str, obje
             "plain_rounds_identical_to_first": plain_agree}
 
 
+# a schema as pydantic writes one (strings without lengths), whose answers run long (eight records), so TPOT is
+# measured over many constrained steps
+PEOPLE_SCHEMA = {"type": "object", "properties": {"people": {
+    "type": "array", "minItems": 8, "maxItems": 8, "items": {
+        "type": "object", "properties": {"name": {"type": "string"},
+                                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                         "city": {"type": "string"}},
+        "required": ["name", "age", "city"], "additionalProperties": False}}},
+    "required": ["people"], "additionalProperties": False}
+STRUCTURED_MODES = {
+    "free": {"ignore_eos": True},
+    "json_schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "people",
+                                                                               "schema": PEOPLE_SCHEMA}}},
+}
+
+
+def scenario_structured(args: argparse.Namespace, vocab: int) -> dict[str, object]:
+    """Chat requests answered freely (ignore_eos, --output-len tokens) and under a JSON schema (eight records,
+    ending with the grammar or at --output-len), on one server, at each --concurrency level, the two modes
+    alternating in order over --rounds rounds. TPOT p50 of each round; the medians' ratio is the cost of the
+    grammar per token. Every constrained answer that ended with the grammar is validated (jsonschema)."""
+    import jsonschema
+
+    prompts = [f"List eight people (name, age, city) as JSON. Batch {i}." for i in range(args.num_prompts)]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    runs: dict[str, dict[int, list[dict[str, object]]]] = {m: {c: [] for c in levels} for m in STRUCTURED_MODES}
+
+    def body(url: str) -> None:
+        for r in range(args.rounds):
+            for c in levels:
+                modes = list(STRUCTURED_MODES) if r % 2 == 0 else list(reversed(STRUCTURED_MODES))
+                for mode in modes:
+                    results, dur = asyncio.run(run_load(url, prompts, args.output_len, c, float("inf"), 0,
+                                                        STRUCTURED_MODES[mode]))
+                    s = summarize(results, dur, 0)
+                    if mode == "json_schema":
+                        s["valid"] = sum(_validates(r.text, PEOPLE_SCHEMA, jsonschema) for r in results if r.ok)
+                    s["errors"] = [x.error for x in results if x.error][:5]
+                    runs[mode][c].append(s)
+                    print(f"round {r} c={c} {mode}: TPOT p50 {s['tpot_ms']['p50']:.2f} ms, "
+                          f"{s['output_throughput']:.1f} out tok/s, {s['completed']}/{len(prompts)} ok",
+                          file=sys.stderr)
+
+    with_server(args, (args.budget_flag, str(args.max_num_batched_tokens)), body)
+    summary = {}
+    for c in levels:
+        med = {m: float(np.median([s["tpot_ms"]["p50"] for s in runs[m][c]])) for m in STRUCTURED_MODES}
+        summary[str(c)] = {
+            "tpot_p50_ms": {m: {"median": med[m], "min": min(s["tpot_ms"]["p50"] for s in runs[m][c]),
+                                "max": max(s["tpot_ms"]["p50"] for s in runs[m][c])} for m in STRUCTURED_MODES},
+            "ratio_json_schema_to_free": med["json_schema"] / med["free"],
+            "json_schema_valid": f"{sum(s['valid'] for s in runs['json_schema'][c])} of "
+                                 f"{sum(s['completed'] for s in runs['json_schema'][c])}",
+        }
+        print(f"c={c}: {json.dumps(summary[str(c)])}", file=sys.stderr)
+    return {"scenario": "structured", "model": str(args.model), "requests_per_run": len(prompts),
+            "max_tokens": args.output_len, "rounds": args.rounds, "schema": PEOPLE_SCHEMA, "runs": runs,
+            "summary": summary}
+
+
+def _validates(text: str, schema: dict, jsonschema) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), schema)
+        return True
+    except (ValueError, jsonschema.ValidationError):
+        return False
+
+
+def plot_structured(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = list(report["summary"])
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for k, mode in enumerate(STRUCTURED_MODES):
+        t = [report["summary"][c]["tpot_p50_ms"][mode] for c in levels]
+        ax.bar([i + 0.4 * k for i in range(len(levels))], [x["median"] for x in t], width=0.4, label=mode,
+               yerr=[[x["median"] - x["min"] for x in t], [x["max"] - x["median"] for x in t]], capsize=3)
+    ax.set_xticks([i + 0.2 for i in range(len(levels))], [f"{c} stream(s)" for c in levels])
+    ax.set_ylabel("TPOT p50 (ms), median of rounds")
+    ax.set_title(f"JSON schema vs free decoding ({report['machine']['cpu']})", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def plot_speculative(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -694,10 +784,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline-budget-flag", default="--max-prefill-tokens")
     p.add_argument("--rounds", type=int, default=1, help="alternations between the two setups compared")
     p.add_argument("--scenario", default="load",
-                   choices=["load", "shared-prefix", "long-prompts", "capacity", "speculative"],
+                   choices=["load", "shared-prefix", "long-prompts", "capacity", "speculative", "structured"],
                    help="load: the serving benchmark above; shared-prefix, long-prompts and capacity measure the block "
                         "KV cache (prefix caching, chunked prefill, capacity; docs/serving.md); speculative: plain "
-                        "against prompt-lookup serving on chat prompts (docs/speculative.md)")
+                        "against prompt-lookup serving on chat prompts (docs/speculative.md); structured: TPOT "
+                        "under a JSON schema against free decoding (docs/serving.md)")
     p.add_argument("--spec-workload", default="grounded", choices=["grounded", "open-ended"],
                    help="the speculative scenario's prompts (neuron_opt/bench/spec_workloads.py)")
     p.add_argument("--data-parallel", default=None, metavar="N[,N...]",
@@ -746,6 +837,11 @@ def main(argv: list[str] | None = None) -> int:
 
             rep = scenario_speculative(args, vocab) | {"note": args.note, "machine": host()}
             return write_report(args, rep, plot_speculative)
+        if args.scenario == "structured":
+            from neuron_opt.bench import machine
+
+            rep = {"machine": machine()} | scenario_structured(args, vocab) | {"note": args.note}
+            return write_report(args, rep, plot_structured)
         fn = {"shared-prefix": scenario_shared_prefix, "long-prompts": scenario_long_prompts,
               "capacity": scenario_capacity}[args.scenario]
         return write_report(args, fn(args, vocab) | {"note": args.note})
