@@ -107,15 +107,6 @@ def serving_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
-def api_key(args: argparse.Namespace) -> str | None:
-    """The key `serve` requires: --api-key, else NEURON_OPT_API_KEY, else none."""
-    from neuron_opt import envs
-
-    if args.api_key is not None and not args.api_key.strip():
-        raise ConfigError("--api-key: must not be empty (leave it out to serve without a key)", param="api_key")
-    return args.api_key or envs.API_KEY
-
-
 def run(args: argparse.Namespace) -> int:
     if bool(args.artifact) == bool(args.model):
         raise ConfigError("serve: give either an artifact directory or --model PATH|default (not both)")
@@ -134,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if envs.NUM_THREADS is None:
         torch.set_num_threads(serving_threads())
-    from neuron_opt.commands.serve_engine import build_engine, served_name
+    from neuron_opt.commands.serve_engine import api_key, build_engine, served_name
     from neuron_opt.server.tools import make_parser
 
     key = api_key(args)

@@ -12,8 +12,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from neuron_opt.commands.serve import api_key
-from neuron_opt.commands.serve_engine import build_engine, check_args, served_name
+from neuron_opt.commands.serve_engine import api_key, build_engine, check_args, served_name
 from neuron_opt.errors import ConfigError
 
 RAY_NAMESPACE = "neuron_opt"

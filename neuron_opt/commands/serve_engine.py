@@ -17,6 +17,15 @@ def served_name(args: argparse.Namespace) -> str:
     return "default" if src == "default" else Path(src).name.removesuffix(".gguf")
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key `serve` requires: --api-key, else NEURON_OPT_API_KEY, else none."""
+    from neuron_opt import envs
+
+    if args.api_key is not None and not args.api_key.strip():
+        raise ConfigError("--api-key: must not be empty (leave it out to serve without a key)", param="api_key")
+    return args.api_key or envs.API_KEY
+
+
 def check_args(args: argparse.Namespace) -> tuple[Any, Any, int | None]:
     """(artifact manifest or None, SpeculativeConfig or None, verify k or None): the flags checked against the
     artifact before anything loads (`serve --data-parallel` checks them once, before starting N replicas)."""
