@@ -1,5 +1,5 @@
-"""`neuron-opt serve --data-parallel 2`: a real local Ray (started by the command) with 2 replicas of a tiny model on
-this machine's cores, driven by the official `openai` client. Oracle: the single-sequence reference path
+"""`neuron-opt serve --data-parallel 2 --api-key KEY`: a real local Ray (started by the command) with 2 replicas of a
+tiny model on this machine's cores, driven by the official `openai` client. Oracle: the single-sequence reference path
 (`LLM.generate`) on the same checkpoint in this process. Runs with `make test-cluster` (needs the `cluster` extra).
 """
 
@@ -24,6 +24,8 @@ from neuron_opt.runtime.sampling import SamplingParams
 from neuron_opt.server.cluster import STALE_AFTER_S
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
+KEY = "sk-cluster"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +33,8 @@ def cluster(ckpt, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("cluster") / "serve.log"
     cmd = [sys.executable, "-m", "neuron_opt.cli", "serve", "--model", str(ckpt), "--data-parallel", "2",
-           "--port", str(port), "--max-num-seqs", "4", "--max-model-len", "1024", "--served-model-name", MODEL]
+           "--port", str(port), "--max-num-seqs", "4", "--max-model-len", "1024", "--served-model-name", MODEL,
+           "--api-key", KEY]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -50,7 +53,7 @@ def cluster(ckpt, tmp_path_factory):
 
 
 async def _complete(url: str, prompt: list[int], n: int) -> tuple[str, str]:
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
     raw = await client.completions.with_raw_response.create(
         model=MODEL, prompt=prompt, max_tokens=n, temperature=0, extra_body={"ignore_eos": True})
     return raw.parse().choices[0].text, raw.headers[REPLICA]
@@ -70,7 +73,7 @@ def test_greedy_answers_from_both_replicas(cluster, ref):
          and all(x > 0 for x in v.values()) and sum(v.values()) >= len(PROMPTS), 15,
          f"both replicas' request counts in /metrics, {len(PROMPTS)} in all")
 
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
     assert [m.id for m in client.models.list().data] == [MODEL]
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
@@ -79,7 +82,7 @@ def test_greedy_answers_from_both_replicas(cluster, ref):
 
 def test_streaming_through_the_router(cluster, ref):
     url, _ = cluster
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
                                             stream=True, stream_options={"include_usage": True},
                                             extra_body={"ignore_eos": True}))
@@ -89,15 +92,29 @@ def test_streaming_through_the_router(cluster, ref):
 
 def test_errors_are_openai_shaped(cluster):
     url, _ = cluster
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=0)
     assert e.value.body["param"] == "max_tokens"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="hi", max_tokens=2)
-    r = httpx.get(url + "/v1/nothing")
+    r = httpx.get(url + "/v1/nothing", headers=AUTH)
     assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
     assert httpx.get(url + "/health").status_code == 200
+
+
+def test_the_router_checks_the_api_key_and_forwards_the_agent_api(cluster):
+    url, _ = cluster
+    for path in ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        r = httpx.post(url + path, json={}) if path != "/v1/models" else httpx.get(url + path)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError", path
+    assert httpx.get(url + "/health").status_code == 200
+    tok = httpx.post(url + "/tokenize", json={"prompt": "Hello"}, headers=AUTH).json()
+    assert httpx.post(url + "/detokenize", json={"tokens": tok["tokens"]}, headers=AUTH).json()["prompt"] == "Hello"
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=0,
+                                       max_tokens=40, n=2, extra_body={"guided_choice": ["yes", "no"]})
+    assert [c.message.content in ("yes", "no") for c in r.choices] == [True, True]
 
 
 def test_client_disconnect_frees_the_slot_on_its_replica(cluster):
@@ -117,7 +134,7 @@ def test_client_disconnect_frees_the_slot_on_its_replica(cluster):
 
     before = settled()
     body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 1000, "stream": True, "ignore_eos": True}
-    with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
+    with httpx.Client(timeout=60, headers=AUTH) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         for _ in range(3):
@@ -168,7 +185,7 @@ def test_a_killed_replica_is_restarted_and_nothing_hangs(cluster, ref):
         return "ok"
 
     async def scenario() -> tuple[list[str], list[str]]:
-        async with httpx.AsyncClient(timeout=120) as client:  # streaming and non-streaming, in pairs
+        async with httpx.AsyncClient(timeout=120, headers=AUTH) as client:  # streaming and non-streaming, in pairs
             before = [asyncio.create_task((stream if i % 4 < 2 else whole)(client, i)) for i in range(len(PROMPTS))]
             while len(set(started.values())) < 2 and not all(t.done() for t in before):
                 await asyncio.sleep(0.005)
