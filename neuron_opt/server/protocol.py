@@ -328,10 +328,11 @@ class CompletionRequest(_Sampling):
         p, bound = self.prompt, limits.prompt_chars(max_model_len)
         if isinstance(p, str):
             _check_size("prompt", len(p), bound, "characters")
-        elif p and isinstance(p[0], str):
-            _check_size("prompt", sum(len(cast(str, x)) for x in p), bound, "characters")
+        elif p and isinstance(p[0], (str, list)):  # (a list of prompts: one is served, the rest refused later)
+            _check_size("prompt", sum(map(len, cast("list[str] | list[list[int]]", p))), bound,
+                        "characters" if isinstance(p[0], str) else "token ids")
         else:
-            _check_size("prompt", sum(len(x) if isinstance(x, list) else 1 for x in p), bound, "token ids")
+            _check_size("prompt", len(p), bound, "token ids")
 
     def sampling_params(self, prompt_len: int, max_model_len: int, vocab_size: int) -> SamplingParams:
         self._check_common()

@@ -99,6 +99,8 @@ HUGE = "hello world " * (4 * MB // 12)  # 4 MB of text: seconds of tokenizing
 
 
 def test_a_huge_prompt_is_refused_before_tokenizing_while_others_are_served(server):
+    """Prompts, messages and id lists far past the limits are 400 within their parse, and meanwhile another client's
+    /health and completions are answered within a second each."""
     url, _ = server
     latencies: list[float] = []
     stop = threading.Event()
