@@ -108,6 +108,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         # queues at the router (up to --max-waiting), where it goes to whichever replica frees up first
         per_replica = 2 * (args.max_num_seqs or (manifest.buckets.decode_batches[-1] if manifest else 16))
         max_in_flight = replicas * per_replica + args.max_waiting
+        params.max_waiting = per_replica  # a replica's engine admits all Serve sends it: the queue is the router's
         replica = EngineReplica.options(
             num_replicas=replicas, ray_actor_options=actor_options, max_ongoing_requests=per_replica,
             health_check_period_s=5.0,
