@@ -38,9 +38,10 @@ def eager_runner(ckpt_dir: Path, max_model_len: int = 256, max_batch: int = 1, b
 
 
 @contextlib.contextmanager
-def live_server(llm, max_num_seqs: int, runner=None, model: str = "tiny", speculative=None, draft=None, **app_kw):
+def live_server(llm, max_num_seqs: int, runner=None, model: str = "tiny", speculative=None, draft=None,
+                max_waiting: int = 1024, **app_kw):
     """Serve `llm` on a free loopback port in a background thread; yields (base_url, engine). `app_kw`: create_app's
-    options (api_key, tool_parser, limits)."""
+    keyword arguments (limits, enable_docs, api_key, ...)."""
     import socket
     import threading
     import time
@@ -55,6 +56,7 @@ def live_server(llm, max_num_seqs: int, runner=None, model: str = "tiny", specul
         llm.tokenizer,
         llm.eos_token_ids,
         max_num_seqs=max_num_seqs,
+        max_waiting=max_waiting,
         max_num_batched_tokens=64,
         speculative=speculative,
         draft=draft,

@@ -6,7 +6,9 @@ import argparse
 import logging
 import os
 
+from neuron_opt.commands.serve_engine import LIMIT_FLAGS, api_key, build_engine, served_name, server_limits
 from neuron_opt.errors import ConfigError
+from neuron_opt.server.limits import ServerLimits
 from neuron_opt.server.tool_parsers import PARSERS
 
 
@@ -59,7 +61,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="split prompts into chunks that fit the step's token budget, and serve prompts longer than the "
         "largest prefill bucket (default: on where the artifact has offset prefill buckets)",
     )
-    p.add_argument("--max-waiting", type=int, default=1024, help="queued requests before answering 503")
+    p.add_argument("--max-waiting", type=int, default=1024,
+                   help="requests queued beyond --max-num-seqs before answering 503 with Retry-After (with "
+                   "--data-parallel: queued at the router)")
     p.add_argument(
         "--api-key", default=None,
         help="require 'Authorization: Bearer KEY' on every /v1/* route and /tokenize, /detokenize (401 otherwise; "
@@ -75,6 +79,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="with --model: compute dtype (default float32); an artifact's is fixed (given, it must match)"
     )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--enable-docs", action="store_true",
+                   help="serve /docs, /redoc and /openapi.json (off by default: they describe the server to anyone)")
+    lim = p.add_argument_group("request limits (past them: 400 naming the field; defaults: docs/serving.md)")
+    for name, text in LIMIT_FLAGS.items():
+        default = getattr(ServerLimits, name)
+        lim.add_argument("--" + name.replace("_", "-"), type=int, default=default,
+                         help=text if default is None else f"{text} (default: {default})")
     from neuron_opt.commands.generate import add_speculative_flags, add_trusted_keys_flag
 
     add_speculative_flags(p)
@@ -112,6 +123,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("serve: give either an artifact directory or --model PATH|default (not both)")
     if args.max_num_seqs is not None and args.max_num_seqs < 1:
         raise ConfigError(f"--max-num-seqs: must be >= 1, got {args.max_num_seqs}")
+    if args.max_waiting < 0:
+        raise ConfigError(f"--max-waiting: must be >= 0, got {args.max_waiting}", param="max_waiting")
+    limits = server_limits(args)  # bad values fail before anything loads
     if args.data_parallel is not None or args.ray_address is not None:
         from neuron_opt.commands.serve_cluster import run_cluster
 
@@ -125,14 +139,14 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if envs.NUM_THREADS is None:
         torch.set_num_threads(serving_threads())
-    from neuron_opt.commands.serve_engine import api_key, build_engine, served_name
     from neuron_opt.server.tools import make_parser
 
     key = api_key(args)
     llm, engine = build_engine(args)
     name = served_name(args)
     app = create_app(engine, llm.tokenizer, llm.encode_chat, name, llm.runner.max_model_len, api_key=key,
-                     tool_parser=make_parser(args.tool_call_parser, llm.tokenizer))
+                     tool_parser=make_parser(args.tool_call_parser, llm.tokenizer), limits=limits,
+                     enable_docs=args.enable_docs)
     url = f"http://{args.host}:{args.port}"
     if key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: serving on {args.host} without an API key: anyone who reaches this port can use the model "

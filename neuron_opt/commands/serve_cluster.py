@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from neuron_opt.commands.serve_engine import api_key, build_engine, check_args, served_name
+from neuron_opt.commands.serve_engine import api_key, build_engine, check_args, served_name, server_limits
 from neuron_opt.errors import ConfigError
 
 RAY_NAMESPACE = "neuron_opt"
@@ -53,6 +53,10 @@ def run_cluster(args: argparse.Namespace) -> int:
         open_checkpoint(args.model)
     manifest = check_args(args)[0]
     key = api_key(args)
+    limits = server_limits(args)
+    if args.enable_docs:
+        raise ConfigError("--enable-docs: the data-parallel router serves no API docs; leave it out",
+                          param="enable_docs")
     backend, tp = ("eager", 1) if manifest is None else (manifest.backend, manifest.parallel.tp)  # --model: eager
     actor_options, threads = replica_resources(backend, tp, replicas, args.replica_cpus)
     if not args.ray_address:
@@ -88,7 +92,7 @@ def run_cluster(args: argparse.Namespace) -> int:
                                                                  in short.items()), param="data_parallel")
     from ray.serve.schema import LoggingConfig
 
-    from neuron_opt.server.cluster import APP_NAME, EngineReplica, Router, metrics_board
+    from neuron_opt.server.cluster import APP_NAME, ROUTER_SPARE_REQUESTS, EngineReplica, Router, metrics_board
 
     name = served_name(args)
     params = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
@@ -100,16 +104,20 @@ def run_cluster(args: argparse.Namespace) -> int:
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         board = metrics_board()
+        # a replica takes up to 2 x its batch: a free slot is refilled without waiting on the router, and the rest
+        # queues at the router (up to --max-waiting), where it goes to whichever replica frees up first
+        per_replica = 2 * (args.max_num_seqs or (manifest.buckets.decode_batches[-1] if manifest else 16))
+        max_in_flight = replicas * per_replica + args.max_waiting
+        params.max_waiting = per_replica  # a replica's engine admits all Serve sends it: the queue is the router's
         replica = EngineReplica.options(
-            num_replicas=replicas, ray_actor_options=actor_options,
-            # a replica takes up to 2 x its batch: a free slot is refilled without waiting on the router, and
-            # the rest queues at the router, where it goes to whichever replica frees up first
-            max_ongoing_requests=2 * (args.max_num_seqs or (manifest.buckets.decode_batches[-1] if manifest else 16)),
+            num_replicas=replicas, ray_actor_options=actor_options, max_ongoing_requests=per_replica,
             health_check_period_s=5.0,
-        ).bind(functools.partial(build_engine, params), name, board, threads, args.tool_call_parser)
+        ).bind(functools.partial(build_engine, params), name, board, threads, args.tool_call_parser, limits)
         print(f"Starting {replicas} replica(s) of {name!r} on Ray ({actor_options}, "
               f"{threads or 'default'} torch thread(s) each)...", flush=True)
-        serve.run(Router.bind(replica, board, name, key), name=APP_NAME, route_prefix="/",
+        router = Router.options(max_ongoing_requests=max_in_flight + ROUTER_SPARE_REQUESTS).bind(
+            replica, board, name, key, limits, max_in_flight)
+        serve.run(router, name=APP_NAME, route_prefix="/",
                   logging_config=LoggingConfig(log_level=args.log_level.upper(), enable_access_log=False))
         url = f"http://{args.host}:{args.port}"
         print(f"Serving {name!r} on {url}: {replicas} replica(s) behind one endpoint (Ray Serve). Try:\n"

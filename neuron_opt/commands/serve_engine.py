@@ -1,5 +1,6 @@
-"""The engine `neuron-opt serve` runs, built from its flags: shared by the single-process server
-(neuron_opt.commands.serve) and every replica of `serve --data-parallel` (neuron_opt.commands.serve_cluster)."""
+"""The engine, API key and request limits `neuron-opt serve` runs with, built from its flags: shared by the
+single-process server (neuron_opt.commands.serve) and `serve --data-parallel` (neuron_opt.commands.serve_cluster) and
+its replicas."""
 
 from __future__ import annotations
 
@@ -8,13 +9,19 @@ from pathlib import Path
 from typing import Any
 
 from neuron_opt.errors import ConfigError
+from neuron_opt.server.limits import PROMPT_CHARS_PER_TOKEN, ServerLimits
 
-
-def served_name(args: argparse.Namespace) -> str:
-    if args.served_model_name:
-        return args.served_model_name
-    src = args.artifact or args.model
-    return "default" if src == "default" else Path(src).name.removesuffix(".gguf")
+# the ServerLimits fields set by flags of the same name (--max-body-bytes -> max_body_bytes), and their help
+LIMIT_FLAGS = {
+    "max_body_bytes": "bytes of a request body; past it 413, refused while reading (also chunked bodies)",
+    "max_prompt_chars": f"characters of a prompt (chat: of all messages), checked before tokenizing; also token ids "
+    f"of a prompt given as ids (default: {PROMPT_CHARS_PER_TOKEN} x max_model_len)",
+    "max_stop_strings": "stop strings per request",
+    "max_stop_chars": "characters per stop string",
+    "max_stop_token_ids": "stop_token_ids per request",
+    "max_schema_bytes": "bytes, as JSON, of each of response_format, structured_outputs, guided_*, tools",
+    "max_messages": "chat messages per request",
+}
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -24,6 +31,18 @@ def api_key(args: argparse.Namespace) -> str | None:
     if args.api_key is not None and not args.api_key.strip():
         raise ConfigError("--api-key: must not be empty (leave it out to serve without a key)", param="api_key")
     return args.api_key or envs.API_KEY
+
+
+def server_limits(args: argparse.Namespace) -> ServerLimits:
+    """The request limits the flags set."""
+    return ServerLimits(**{name: getattr(args, name) for name in LIMIT_FLAGS})
+
+
+def served_name(args: argparse.Namespace) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    src = args.artifact or args.model
+    return "default" if src == "default" else Path(src).name.removesuffix(".gguf")
 
 
 def check_args(args: argparse.Namespace) -> tuple[Any, Any, int | None]:

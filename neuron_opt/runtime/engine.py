@@ -7,7 +7,9 @@ Threading model
 - Results go out through a per-request callback `on_output(RequestOutput)`, called on the engine thread.
   It must be cheap and thread-safe; the server passes `loop.call_soon_threadsafe(queue.put_nowait, ...)`.
 - Validation that can fail for user input (context length, queue full) runs synchronously in `add_request`,
-  in the caller's thread, so the HTTP layer can answer 400/503 before anything is queued.
+  in the caller's thread, so the HTTP layer can answer 400/503 before anything is queued. Admission has one
+  bound, checked there once: at most max_num_seqs + max_waiting requests in flight (added, not yet finished).
+  The scheduler bounds no queue of its own, so a request admitted here is never refused on the engine thread.
 
 Within a step the decodes run first (one `runner.decode` for all running sequences) and their tokens are
 emitted before the step's prefill chunks run, so streams that are already running are not delayed by new
@@ -113,7 +115,7 @@ class Engine:
         tokenizer: used for incremental detokenization and stop strings.
         eos_token_ids: tokens that end a sequence unless `ignore_eos`.
         max_num_seqs: most sequences running at once (capped by the artifact's largest decode batch).
-        max_waiting: most queued requests before `add_request` raises QueueFullError.
+        max_waiting: requests in flight beyond max_num_seqs before `add_request` raises QueueFullError.
         max_num_batched_tokens: tokens per step, decodes first, then prefill chunks (see scheduler.py).
         enable_prefix_caching, enable_chunked_prefill: None = on when the artifact has offset prefill buckets;
             True where it has none is an error.
@@ -162,7 +164,6 @@ class Engine:
         self.scheduler = Scheduler(
             seqs,
             kv,
-            max_waiting=max_waiting,
             max_num_batched_tokens=max_num_batched_tokens,
             check_fits=runner.check_fits,
             lookahead=speculative.num_speculative_tokens if speculative is not None else 0,
@@ -319,7 +320,7 @@ class Engine:
             assert cmd.seq is not None
             try:
                 self.scheduler.add(cmd.seq.request)
-            except Exception as e:  # raced past validation (queue filled meanwhile): tell the client
+            except Exception as e:  # a bug (admission and validation ran in add_request): fail this request only
                 with self._lock:
                     self._pending -= 1
                 self._emit(

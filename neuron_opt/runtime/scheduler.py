@@ -20,6 +20,9 @@ Design decisions (vLLM's policy, on our buckets)
 - A request that can never fit (prompt + max_tokens beyond the model's limit) is rejected by `validate`
   before it is queued; the check is pure, so the engine calls it in the caller's thread and the HTTP layer
   gets the error synchronously.
+- The scheduler bounds no queue: admission (how many requests may be in flight) is the engine's, checked once in
+  `Engine.add_request`, so a request the engine admitted is never refused here (the waiting queue also holds
+  requests admitted but not yet running, and preempted ones).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from neuron_opt.errors import ConfigError, QueueFullError
+from neuron_opt.errors import ConfigError
 from neuron_opt.runtime.block_manager import BlockManager
 from neuron_opt.runtime.request import Request, RequestStatus
 
@@ -91,7 +94,6 @@ class Scheduler:
     Args:
         max_num_seqs: most requests running at once (the largest decode batch).
         kv: the block pool and the features that use it.
-        max_waiting: most queued requests; `add` raises QueueFullError beyond it.
         max_num_batched_tokens: tokens per step (decodes count one each).
         check_fits: `(prompt_len, max_tokens, chunked) -> None`, raising ContextLengthError when a request can
             never run (the runner's `check_fits`).
@@ -104,7 +106,6 @@ class Scheduler:
         max_num_seqs: int,
         kv: KVConfig,
         *,
-        max_waiting: int = 1024,
         max_num_batched_tokens: int = 2048,
         check_fits: Callable[[int, int, bool], None] | None = None,
         lookahead: int = 0,
@@ -113,7 +114,7 @@ class Scheduler:
             raise ConfigError(f"max_num_seqs: must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens: must be >= 1, got {max_num_batched_tokens}")
-        self.max_num_seqs, self.max_waiting = max_num_seqs, max_waiting
+        self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens, self.kv, self.lookahead = max_num_batched_tokens, kv, lookahead
         self._check_fits = check_fits
         self.blocks = BlockManager(kv.num_blocks, kv.block_size, kv.enable_prefix_caching)
@@ -147,11 +148,6 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.validate(req.num_prompt_tokens, req.max_tokens)
-        if len(self.waiting) >= self.max_waiting:
-            raise QueueFullError(
-                f"server busy: {len(self.waiting)} requests already waiting "
-                f"(max_waiting={self.max_waiting}); retry later"
-            )
         if req.request_id in self.running or any(r.request_id == req.request_id for r in self.waiting):
             raise ConfigError(f"request_id: {req.request_id!r} is already in use")
         req.status = RequestStatus.WAITING

@@ -1,4 +1,11 @@
-"""Incremental detokenization and stop conditions (EOS, stop token ids, stop strings, max_tokens)."""
+"""Incremental detokenization and stop conditions (EOS, stop token ids, stop strings, max_tokens).
+
+A token's stop-string work is proportional to the text it could newly complete, not to the text so far: each stop
+string is searched for only from where it could first end in the new text, and the held-back tail (the longest
+suffix that could still begin a stop string) is found with one pass over at most the longest stop string's
+length, looking each candidate suffix up in the set of the stop strings' prefixes (built once per request). The
+server bounds how many stop strings a request may send and how long they may be (server/protocol.py).
+"""
 
 from __future__ import annotations
 
@@ -19,6 +26,38 @@ def stream_decoder(tokenizer: object, skip_special_tokens: bool = True) -> Any:
     except ImportError:  # tokenizers < 0.21
         return None
     return DecodeStream(skip_special_tokens=skip_special_tokens)
+
+
+@dataclass(frozen=True)
+class StopStrings:
+    """A request's stop strings and what held_back looks them up in.
+
+    Args:
+        strings: the stop strings.
+        prefixes: every non-empty proper prefix of a stop string.
+        first_chars: the stop strings' first characters (a suffix starting with another cannot begin one).
+        longest: the longest stop string's length.
+    """
+
+    strings: tuple[str, ...]
+    prefixes: frozenset[str]
+    first_chars: frozenset[str]
+    longest: int
+
+    @classmethod
+    def of(cls, strings: tuple[str, ...]) -> StopStrings:
+        return cls(strings, frozenset(s[:k] for s in strings for k in range(1, len(s))),
+                   frozenset(s[0] for s in strings if s), max(map(len, strings), default=0))
+
+
+def held_back(text: str, stops: StopStrings) -> int:
+    """Characters at the end of `text` that could still begin a stop string (not streamed yet): the longest suffix
+    of `text` that is a proper prefix of a stop string. Looks at the last `stops.longest - 1` characters only."""
+    first = max(0, len(text) - stops.longest + 1)
+    for i in range(first, len(text)):  # the longest candidate suffix first
+        if text[i] in stops.first_chars and text[i:] in stops.prefixes:
+            return len(text) - i
+    return 0
 
 
 @dataclass
@@ -43,10 +82,12 @@ class StopChecker:
     _stream: Any = field(default=None, repr=False)
     _decoded: str = ""  # what the stream has yielded so far: the decoded text of every complete character
     _stop_ids: frozenset[int] = frozenset()
+    _stops: StopStrings = field(default=StopStrings.of(()), repr=False)
 
     def __post_init__(self) -> None:
         p = self.params  # built once: a token's check is one set lookup, however many stop ids a request sends
         self._stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos_token_ids))
+        self._stops = StopStrings.of(p.stop)
         if self.incremental:
             self._stream = stream_decoder(self.tokenizer, p.skip_special_tokens)
 
@@ -78,7 +119,7 @@ class StopChecker:
         full = self._decode(token)
         if full is None:
             return ""
-        for s in p.stop:
+        for s in self._stops.strings:  # from where s could first end in the new text (held-back text is not shown)
             idx = full.find(s, max(0, len(self.text) - len(s)))
             if idx != -1:
                 full, self.finish_reason = full[:idx], "stop"
@@ -86,20 +127,9 @@ class StopChecker:
         if self.finish_reason is None and len(self.token_ids) >= p.max_tokens:
             self.finish_reason = "length"
         self.full_text = full
-        visible = full if self.finish_reason else full[: len(full) - held_back(full, p)]
+        visible = full if self.finish_reason else full[: len(full) - held_back(full, self._stops)]
         if len(visible) <= len(self.text):
             return ""
         delta = visible[len(self.text):]
         self.text = visible
         return delta
-
-
-def held_back(text: str, params: SamplingParams) -> int:
-    """Characters at the end of `text` that could still begin a stop string (not streamed yet)."""
-    keep = 0
-    for s in params.stop:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                keep = max(keep, k)
-                break
-    return keep

@@ -4,7 +4,11 @@ Design decisions
 - Bodies are parsed by us (`model_validate_json` on the raw bytes), not by FastAPI's injection, so malformed
   JSON and wrong types are 400 BadRequestError with the field named — never FastAPI's 422 or a 500.
 - User input never causes a 500: invalid parameters and over-long prompts are 400, an unknown model is 404, a
-  full queue is 503. A 500 means a bug or a failing backend, and the server stays up.
+  body past `--max-body-bytes` is 413 (refused from its Content-Length, or as soon as a chunked body passes the
+  bound: never buffered beyond it), a full queue is 503 with `Retry-After`. A 500 means a bug or a failing
+  backend; its body says only a request id, under which the details are logged, and the server stays up.
+- Every refusal is counted on `/metrics`: `neuron_opt:request_rejected_total{reason}`.
+- `/docs`, `/redoc` and `/openapi.json` are off unless `serve --enable-docs`.
 - The engine starts with the app (lifespan) and stops after uvicorn has drained in-flight requests (SIGTERM:
   uvicorn stops accepting, waits for open responses to finish, then runs the lifespan shutdown).
 - With an API key (`serve --api-key`), every `/v1/*` route and `/tokenize`, `/detokenize` need
@@ -27,17 +31,23 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from neuron_opt.errors import NeuronOptError, QueueFullError
 from neuron_opt.runtime.engine import Engine
+from neuron_opt.server.limits import ServerLimits
 from neuron_opt.server.metrics import ServerMetrics
 from neuron_opt.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     ProtocolError,
-    ServerLimits,
     TokenizeRequest,
 )
-from neuron_opt.server.serving import EncodeChat, EngineError, NotFoundError, OpenAIServing
+from neuron_opt.server.serving import EncodeChat, EngineError, NotFoundError, OpenAIServing, internal_error_message
 from neuron_opt.server.tool_parsers import ToolParser
+
+RETRY_AFTER_S = 1  # what a 503 tells the client to wait before retrying
+
+
+class BodyTooLargeError(ValueError):
+    """The request body is larger than this server takes (HTTP 413)."""
 
 
 def error_body(status: int, message: str, type_: str, param: str | None = None) -> dict[str, Any]:
@@ -72,8 +82,23 @@ def _validation_message(e: ValidationError) -> tuple[str, str | None]:
     return "; ".join(parts), param
 
 
-async def _parse(request: Request, model: type[BaseModel]) -> Any:
-    return model.model_validate_json(await request.body() or b"null")
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body, refused (BodyTooLargeError) past `max_bytes`: from its Content-Length before reading
+    anything, else (chunked) as soon as the bytes read pass the bound, so no more than that is ever held."""
+    length = request.headers.get("content-length", "")
+    if length.isascii() and length.isdigit() and (len(length) > 18 or int(length) > max_bytes):
+        raise BodyTooLargeError(f"the request body is larger than this server takes ({max_bytes} bytes)")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise BodyTooLargeError(f"the request body is larger than this server takes ({max_bytes} bytes)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _parse(request: Request, model: type[BaseModel], max_bytes: int) -> Any:
+    return model.model_validate_json(await read_body(request, max_bytes) or b"null")
 
 
 def error_payload(e: Exception) -> tuple[int, dict[str, Any]]:
@@ -90,13 +115,18 @@ def error_payload(e: Exception) -> tuple[int, dict[str, Any]]:
         return body(400, str(e), "BadRequestError", e.param)
     if isinstance(e, NotFoundError):
         return body(404, str(e), "NotFoundError", "model")
+    if isinstance(e, BodyTooLargeError):
+        return body(413, str(e), "RequestTooLargeError")
     if isinstance(e, QueueFullError):
         return body(503, str(e), "ServiceUnavailableError")
     if isinstance(e, NeuronOptError) and isinstance(e, ValueError):  # ConfigError (ranges), ContextLengthError
         return body(400, str(e), "BadRequestError", e.param)  # set where it was raised, never read off the message
-    if isinstance(e, (NeuronOptError, EngineError)):
-        return body(500, str(e), "InternalServerError")
-    return body(500, f"internal error: {type(e).__name__}: {e}", "InternalServerError")
+    return body(500, internal_error_message(e), "InternalServerError")  # never the exception's text
+
+
+def error_headers(status: int) -> dict[str, str]:
+    """The headers that go with an error status: a 503 says when to retry."""
+    return {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else {}
 
 
 async def http_error(_: Request, e: Exception) -> JSONResponse:
@@ -127,13 +157,14 @@ class ApiKeyMiddleware:
     """Answers 401 before routing when a protected route comes without the key (plain ASGI: streaming responses
     and disconnect detection pass through untouched)."""
 
-    def __init__(self, app: Any, api_key: str) -> None:
-        self.app, self.api_key = app, api_key
+    def __init__(self, app: Any, api_key: str, metrics: ServerMetrics) -> None:
+        self.app, self.api_key, self.metrics = app, api_key, metrics
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and needs_key(scope["path"]):
             auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             if not authorized(self.api_key, auth):
+                self.metrics.request_rejected(401)
                 await JSONResponse(UNAUTHORIZED, 401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -162,12 +193,14 @@ def create_app(
     api_key: str | None = None,
     tool_parser: ToolParser | None = None,
     limits: ServerLimits | None = None,
+    enable_docs: bool = False,
 ) -> FastAPI:
     """The single-process server's app. `api_key`: required on the `/v1/*` and tokenizer routes; `tool_parser`,
-    `limits`: see OpenAIServing."""
+    `limits`: see OpenAIServing; `enable_docs`: serve `/docs`, `/redoc` and `/openapi.json`."""
     metrics = engine_metrics(engine, model_name)
     serving = OpenAIServing(engine, tokenizer, encode_chat, model_name, metrics, max_model_len,
                             tool_parser=tool_parser, limits=limits)
+    max_body = serving.limits.max_body_bytes
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -175,25 +208,28 @@ def create_app(
         yield
         engine.stop()
 
-    app = FastAPI(title="neuron-opt", lifespan=lifespan)
+    app = FastAPI(title="neuron-opt", lifespan=lifespan, docs_url="/docs" if enable_docs else None,
+                  redoc_url="/redoc" if enable_docs else None, openapi_url="/openapi.json" if enable_docs else None)
     app.state.engine, app.state.serving = engine, serving
 
     async def _error(_: Request, e: Exception) -> JSONResponse:
         status, content = error_payload(e)
-        return JSONResponse(content, status)
+        metrics.request_rejected(status)
+        return JSONResponse(content, status, headers=error_headers(status))
 
-    for exc in (ValidationError, ProtocolError, NotFoundError, NeuronOptError, EngineError):
+    for exc in (ValidationError, ProtocolError, NotFoundError, BodyTooLargeError, NeuronOptError, EngineError):
         app.add_exception_handler(exc, _error)
 
     @app.exception_handler(RequestValidationError)
     async def _fastapi_validation(_: Request, e: RequestValidationError) -> JSONResponse:
+        metrics.request_rejected(400)
         return bad_request("; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()[:5]))
 
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, _error)
 
     if api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, metrics=metrics)
 
     @app.get("/health")
     async def health() -> Response:
@@ -227,21 +263,21 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         arrival = time.monotonic()
-        req = await _parse(request, CompletionRequest)
+        req = await _parse(request, CompletionRequest, max_body)
         return respond(await serving.completions(req, arrival, request.is_disconnected))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         arrival = time.monotonic()
-        req = await _parse(request, ChatCompletionRequest)
+        req = await _parse(request, ChatCompletionRequest, max_body)
         return respond(await serving.chat(req, arrival, request.is_disconnected))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        return JSONResponse(await serving.tokenize(await _parse(request, TokenizeRequest)))
+        return JSONResponse(await serving.tokenize(await _parse(request, TokenizeRequest, max_body)))
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        return JSONResponse(await serving.detokenize(await _parse(request, DetokenizeRequest)))
+        return JSONResponse(await serving.detokenize(await _parse(request, DetokenizeRequest, max_body)))
 
     return app

@@ -20,8 +20,12 @@ Design decisions
   replica's `OpenAIServing` aborts the request in its engine (its KV blocks are freed), as in one process.
 - Metrics: every replica pushes its Prometheus text to a `MetricsBoard` actor each `PUSH_PERIOD_S`; the router's
   `/metrics` merges the live replicas' metrics with a `replica` label (so they are at most that stale) and adds
-  its own (`cluster_replicas`, `cluster_retries`, `cluster_failed_streams`). A replica silent for
-  `STALE_AFTER_S` is left out (dead, or restarting).
+  its own (`cluster_replicas`, `cluster_retries`, `cluster_failed_streams`, `cluster_rejected{reason}`). A
+  replica silent for `STALE_AFTER_S` is left out (dead, or restarting).
+- Backpressure: the router holds at most `max_in_flight` requests (what the replicas take at once plus
+  `--max-waiting` queued for them); past it a request is answered 503 with `Retry-After` at once, as the single
+  server answers a full queue. The body is read with the same bound as there (`--max-body-bytes`, 413), before
+  anything is sent to a replica.
 """
 
 
@@ -41,10 +45,25 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from neuron_opt.server.app import UNAUTHORIZED, authorized, error_body, error_payload, http_error
-from neuron_opt.server.metrics import PREFIX
-from neuron_opt.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from neuron_opt.server.serving import sse
+from neuron_opt.server.app import (
+    UNAUTHORIZED,
+    BodyTooLargeError,
+    authorized,
+    error_body,
+    error_headers,
+    error_payload,
+    http_error,
+    read_body,
+)
+from neuron_opt.server.limits import ServerLimits
+from neuron_opt.server.metrics import PREFIX, REJECTION_REASONS
+from neuron_opt.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from neuron_opt.server.serving import internal_error_message, sse
 
 APP_NAME = "neuron_opt"
 PUSH_PERIOD_S = 1.0
@@ -52,6 +71,9 @@ STALE_AFTER_S = 5.0
 RETRIES = 3
 REQUEST_TIMEOUT_S = 600.0
 REPLICA_HEADER = "x-neuron-opt-replica"
+# what Serve lets the router take beyond its own bound (max_in_flight): /health, /metrics, /v1/models, and the
+# requests it answers 503 at once, so that Serve never queues what the router would refuse
+ROUTER_SPARE_REQUESTS = 256
 
 
 class MetricsBoard:
@@ -83,7 +105,7 @@ class EngineReplica:
     """One engine (the model loaded once, its tp ranks inside this replica's cores) and its OpenAI serving."""
 
     def __init__(self, make_engine: Callable[[], tuple[Any, Any]], model_name: str, board: Any,
-                 threads: int | None, tool_call_parser: str | None = None) -> None:
+                 threads: int | None, tool_call_parser: str | None = None, limits: ServerLimits | None = None) -> None:
         import torch
 
         from neuron_opt.server.app import engine_metrics
@@ -95,7 +117,8 @@ class EngineReplica:
         llm, self.engine = make_engine()
         self.metrics = engine_metrics(self.engine, model_name)
         self.serving = OpenAIServing(self.engine, llm.tokenizer, llm.encode_chat, model_name, self.metrics,
-                                     llm.runner.max_model_len, tool_parser=make_parser(tool_call_parser, llm.tokenizer))
+                                     llm.runner.max_model_len, tool_parser=make_parser(tool_call_parser, llm.tokenizer),
+                                     limits=limits)
         self.id = serve.get_replica_context().replica_id.unique_id
         self.info = {"max_model_len": llm.runner.max_model_len}  # what the router's /v1/models card needs
         self.board = board
@@ -139,6 +162,7 @@ class EngineReplica:
                 raise ValueError(f"unknown route {route!r}")
         except Exception as e:
             status, content = error_payload(e)
+            self.metrics.request_rejected(status)
             yield ("json", status, content, self.id)
             return
         if isinstance(result, dict):
@@ -172,18 +196,35 @@ def merge_metrics(texts: dict[str, str]) -> list[Any]:
     return list(merged.values())
 
 
-router_app = FastAPI(title="neuron-opt (data parallel)")
+router_app = FastAPI(title="neuron-opt (data parallel)", docs_url=None, redoc_url=None, openapi_url=None)
 router_app.add_exception_handler(StarletteHTTPException, http_error)
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000)
+class _Released(StreamingResponse):
+    """A stream that gives its router slot back once sent, or abandoned by its client."""
+
+    def __init__(self, content: AsyncIterator[str], release: Callable[[], None], headers: dict[str, str]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self.release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.release()
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
 @serve.ingress(router_app)
 class Router:
     """The OpenAI routes of the single-process server, forwarded to the least-loaded replica; with an API key, the
-    `/v1/*` and tokenizer routes check it here, before anything reaches a replica."""
+    `/v1/*` and tokenizer routes check it here, before anything reaches a replica. At most `max_in_flight` requests
+    are forwarded or waiting for a replica at once (503 past it); `limits.max_body_bytes` bounds a body (413)."""
 
-    def __init__(self, replicas: Any, board: Any, model_name: str, api_key: str | None = None) -> None:
+    def __init__(self, replicas: Any, board: Any, model_name: str, api_key: str | None = None,
+                 limits: ServerLimits | None = None, max_in_flight: int = 1024) -> None:
         self.replicas, self.board, self.model_name, self.api_key = replicas, board, model_name, api_key
+        self.limits, self.max_in_flight, self.in_flight = limits or ServerLimits(), max_in_flight, 0
         self.registry = CollectorRegistry()
         self.retries = Counter(PREFIX + "cluster_retries", "Requests re-sent because their replica died before "
                                "answering.", registry=self.registry)
@@ -191,6 +232,10 @@ class Router:
                                       "their replica died after the stream had started.", registry=self.registry)
         self.live = Gauge(PREFIX + "cluster_replicas", "Replicas that reported metrics in the last "
                           f"{STALE_AFTER_S:g} s.", registry=self.registry)
+        self.rejected = Counter(PREFIX + "cluster_rejected", "Requests the router refused (the replicas count "
+                                "theirs in request_rejected), by reason.", ["reason"], registry=self.registry)
+        for reason in REJECTION_REASONS.values():
+            self.rejected.labels(reason)
 
     async def _snapshot(self) -> dict[str, tuple[dict[str, Any], str]]:
         snap = await self.board.snapshot.remote()
@@ -201,10 +246,14 @@ class Router:
     async def health(self) -> Response:
         return Response(status_code=200 if await self._snapshot() else 503)
 
+    def _refuse(self, status: int, content: dict[str, Any]) -> Response:
+        self.rejected.labels(REJECTION_REASONS[status]).inc()
+        return JSONResponse(content, status, headers=error_headers(status))
+
     def _denied(self, request: Request) -> Response | None:
         if authorized(self.api_key, request.headers.get("authorization")):
             return None
-        return JSONResponse(UNAUTHORIZED, 401)
+        return self._refuse(401, UNAUTHORIZED)
 
     @router_app.get("/v1/models")
     async def models(self, request: Request) -> Response:
@@ -228,21 +277,47 @@ class Router:
 
     @router_app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        return self._denied(request) or await self._forward("completions", await request.body())
+        return await self._forward("completions", request)
 
     @router_app.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Response:
-        return self._denied(request) or await self._forward("chat", await request.body())
+        return await self._forward("chat", request)
 
     @router_app.post("/tokenize")
     async def tokenize(self, request: Request) -> Response:
-        return self._denied(request) or await self._forward("tokenize", await request.body())
+        return await self._forward("tokenize", request)
 
     @router_app.post("/detokenize")
     async def detokenize(self, request: Request) -> Response:
-        return self._denied(request) or await self._forward("detokenize", await request.body())
+        return await self._forward("detokenize", request)
 
-    async def _forward(self, route: str, body: bytes) -> Response:
+    async def _forward(self, route: str, request: Request) -> Response:
+        """The key, the body (bounded), a slot (503 past max_in_flight), then a replica's answer; the slot is given
+        back once the answer is sent (a stream: when it ends, or its client leaves)."""
+        if (denied := self._denied(request)) is not None:
+            return denied
+        try:
+            body = await read_body(request, self.limits.max_body_bytes)
+        except BodyTooLargeError as e:
+            return self._refuse(*error_payload(e))
+        if self.in_flight >= self.max_in_flight:
+            return self._refuse(503, error_body(503, f"server busy: {self.in_flight} requests in flight (the replicas' "
+                                                "share and --max-waiting queued); retry later",
+                                                "ServiceUnavailableError"))
+        self.in_flight += 1
+        try:
+            response = await self._send(route, body)
+        except BaseException:
+            self._release()
+            raise
+        if not isinstance(response, _Released):
+            self._release()
+        return response
+
+    def _release(self) -> None:
+        self.in_flight -= 1
+
+    async def _send(self, route: str, body: bytes) -> Response:
         sent_at = time.time()
         for attempt in range(RETRIES):
             stream = self.replicas.options(stream=True).handle.remote(route, body, sent_at)
@@ -257,18 +332,17 @@ class Router:
                 return JSONResponse(error_body(504, f"no answer from a replica in {REQUEST_TIMEOUT_S:g} s",
                                            "GatewayTimeoutError"), 504)
             except RayTaskError as e:  # a bug in the replica (errors of the request come back as a header)
-                return JSONResponse(error_body(500, f"replica error: {e.cause!r}", "InternalServerError"), 500)
+                return JSONResponse(error_body(500, internal_error_message(e), "InternalServerError"), 500)
             except asyncio.CancelledError:  # the client went away
                 stream.cancel()
                 raise
             kind, status, payload, replica = head
             headers = {REPLICA_HEADER: replica}
             if kind == "json":
-                return JSONResponse(payload, status, headers=headers)
-            return StreamingResponse(self._relay(stream), media_type="text/event-stream",
-                                     headers={**headers, "Cache-Control": "no-cache"})
+                return JSONResponse(payload, status, headers={**headers, **error_headers(status)})
+            return _Released(self._relay(stream), self._release, {**headers, "Cache-Control": "no-cache"})
         return JSONResponse(error_body(503, f"no replica answered after {RETRIES} attempts (replicas restarting?); "
-                                       "retry", "ServiceUnavailableError"), 503)
+                                       "retry", "ServiceUnavailableError"), 503, headers=error_headers(503))
 
     async def _relay(self, stream: Any) -> AsyncIterator[str]:
         try:

@@ -4,6 +4,9 @@ Latencies are measured in the server process with one monotonic clock: TTFT from
 was received to the first generated token, inter-token latency between consecutive tokens of a request, e2e
 from receipt to the last token. Running/waiting gauges read the engine at scrape time. Each app gets its own
 registry, so several servers (tests) can live in one process.
+
+Requests refused before they run are counted by reason (`request_rejected_total{reason}`): bad_request (400),
+unauthorized (401), not_found (404, an unknown model), body_too_large (413), queue_full (503).
 """
 
 from __future__ import annotations
@@ -84,6 +87,8 @@ E2E_BUCKETS = (
     7680.0,
 )
 PREFIX = "neuron_opt:"
+REJECTION_REASONS = {400: "bad_request", 401: "unauthorized", 404: "not_found", 413: "body_too_large",
+                     503: "queue_full"}
 
 
 class _SpecCollector:
@@ -165,6 +170,10 @@ class ServerMetrics:
         self.generation_tokens = labelled(Counter, "generation_tokens", "Generated tokens.")
         self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
+        self._rejected = Counter(PREFIX + "request_rejected", "Requests refused before running, by reason.",
+                                 ["model_name", "reason"], registry=self.registry)
+        for reason in REJECTION_REASONS.values():  # every reason shows, from 0
+            self._rejected.labels(model_name, reason)
         labelled(Gauge, "num_requests_running", "Requests holding KV blocks.").set_function(num_running)
         labelled(Gauge, "num_requests_waiting", "Requests queued (or preempted) for KV blocks.").set_function(
             num_waiting)
@@ -176,6 +185,12 @@ class ServerMetrics:
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generation_tokens)
         self.e2e.observe(e2e_s)
+
+    def request_rejected(self, status: int) -> None:
+        """Count a refusal answered with `status` (other statuses are not refusals: not counted)."""
+        reason = REJECTION_REASONS.get(status)
+        if reason is not None:
+            self._rejected.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -17,11 +17,15 @@ Design decisions
   `request_field` maps them back (chat's `max_completion_tokens`, `top_logprobs`).
 - Defaults follow OpenAI: temperature 1.0, completions max_tokens 16; chat max_tokens = what the context
   has left.
+- Sizes are bounded before any work that grows with them (`check_limits`, server/limits.py): the prompt's characters
+  before tokenizing, the stop strings before the engine scans them every token, the JSON of schemas, grammars and
+  tools before compiling them. Every float a request carries is finite: the sampling fields are checked by
+  SamplingParams, numbers inside schemas and tools by their JSON size check (NaN/Infinity are not JSON).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import math
 from typing import Any, Literal, cast
 
@@ -29,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from neuron_opt.runtime.sampling import SamplingParams
 from neuron_opt.runtime.structured import StructuredOutputs
+from neuron_opt.server.limits import ServerLimits
 from neuron_opt.server.tool_parsers import ToolSpec
 from neuron_opt.server.tools import ToolRequest
 
@@ -43,21 +48,6 @@ class ProtocolError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerLimits:
-    """Per-request bounds the server enforces before any work is queued (400 past them).
-
-    Args:
-        max_n: most samples per request (`n`).
-        max_logit_bias: most entries of `logit_bias`.
-        max_tools: most tools per request.
-    """
-
-    max_n: int = 16
-    max_logit_bias: int = 1024
-    max_tools: int = 128
 
 
 class StreamOptions(_Strict):
@@ -92,6 +82,15 @@ class ChatMessage(_Strict):
     function_call: None = None
     audio: None = None
     annotations: list[Any] | None = None
+
+    def num_chars(self) -> int:
+        """Characters of its text fields (what the chat template renders)."""
+        if isinstance(self.content, list):
+            n = sum(len(p.text or "") for p in self.content)
+        else:
+            n = len(self.content or "")
+        n += sum(len(c.id) + len(c.function.name) + len(c.function.arguments) for c in self.tool_calls or ())
+        return n + sum(len(x or "") for x in (self.name, self.tool_call_id, self.refusal))
 
     def text(self) -> str:
         if isinstance(self.content, str) or self.content is None:
@@ -199,12 +198,23 @@ class _Sampling(_Strict):
     def num_samples(self) -> int:
         return 1 if self.n is None else self.n
 
-    def _check_common(self, limits: ServerLimits) -> None:
+    def check_limits(self, limits: ServerLimits, max_model_len: int) -> None:
+        """The request's sizes against this server's bounds. The server calls it first, before tokenizing,
+        rendering a template, compiling a grammar or queueing anything, so a request past them costs its parse."""
         if not 1 <= self.num_samples <= limits.max_n:
             raise ProtocolError(f"n: must be in [1, {limits.max_n}] (this server's limit), got {self.n}", "n")
         if self.logit_bias and len(self.logit_bias) > limits.max_logit_bias:
             raise ProtocolError(f"logit_bias: at most {limits.max_logit_bias} entries, got {len(self.logit_bias)}",
                                 "logit_bias")
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        _check_size("stop", len(stop), limits.max_stop_strings, "stop strings")
+        _check_size("stop", max(map(len, stop), default=0), limits.max_stop_chars, "characters in a stop string")
+        _check_size("stop_token_ids", len(self.stop_token_ids or ()), limits.max_stop_token_ids, "token ids")
+        for name in ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar"):
+            _check_json(name, getattr(self, name), limits.max_schema_bytes)
+
+    def _check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise ProtocolError("Stream options can only be defined when `stream=True`.", "stream_options")
 
@@ -244,7 +254,7 @@ class _Sampling(_Strict):
     def _logit_bias(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
         out = []
         for key, bias in (self.logit_bias or {}).items():
-            if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
+            if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) < vocab_size):
                 raise ProtocolError(f"logit_bias: {key!r} is not a token id in [0, {vocab_size})", "logit_bias")
             if not math.isfinite(bias):
                 raise ProtocolError(f"logit_bias: the bias of token {key} must be finite", "logit_bias")
@@ -313,9 +323,19 @@ class CompletionRequest(_Sampling):
             raise ProtocolError("prompt must not be empty", "prompt")
         return cast("str | list[int]", p)
 
-    def sampling_params(self, prompt_len: int, max_model_len: int, vocab_size: int,
-                        limits: ServerLimits) -> SamplingParams:
-        self._check_common(limits)
+    def check_limits(self, limits: ServerLimits, max_model_len: int) -> None:
+        super().check_limits(limits, max_model_len)
+        p, bound = self.prompt, limits.prompt_chars(max_model_len)
+        if isinstance(p, str):
+            _check_size("prompt", len(p), bound, "characters")
+        elif p and isinstance(p[0], (str, list)):  # (a list of prompts: one is served, the rest refused later)
+            _check_size("prompt", sum(map(len, cast("list[str] | list[list[int]]", p))), bound,
+                        "characters" if isinstance(p[0], str) else "token ids")
+        else:
+            _check_size("prompt", len(p), bound, "token ids")
+
+    def sampling_params(self, prompt_len: int, max_model_len: int, vocab_size: int) -> SamplingParams:
+        self._check_common()
         if self.echo:
             raise ProtocolError("echo is not supported", "echo")
         if self.suffix:
@@ -336,12 +356,20 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
+    def check_limits(self, limits: ServerLimits, max_model_len: int) -> None:
+        super().check_limits(limits, max_model_len)
+        _check_size("messages", len(self.messages), limits.max_messages, "messages")
+        _check_size("messages", sum(m.num_chars() for m in self.messages), limits.prompt_chars(max_model_len),
+                    "characters in all")
+        _check_size("tools", len(self.tools or ()), limits.max_tools, "tools")
+        _check_json("tools", self.tools, limits.max_schema_bytes)
+
     def message_dicts(self) -> list[dict[str, Any]]:
         if not self.messages:
             raise ProtocolError("messages must not be empty", "messages")
         return [m.as_dict(i) for i, m in enumerate(self.messages)]
 
-    def tool_request(self, limits: ServerLimits) -> ToolRequest | None:
+    def tool_request(self) -> ToolRequest | None:
         """The request's tools and choice, checked: names unique, parameters schemas enforceable, a named choice
         among the tools."""
         tools = self.tools or []
@@ -350,8 +378,6 @@ class ChatCompletionRequest(_Sampling):
             if isinstance(choice, NamedToolChoice) or choice == "required":
                 raise ProtocolError("tool_choice: a tool must be called, but no tools were given", "tool_choice")
             return None
-        if len(tools) > limits.max_tools:
-            raise ProtocolError(f"tools: at most {limits.max_tools} tools, got {len(tools)}", "tools")
         specs, descriptions = [], {}
         for i, t in enumerate(tools):
             name = t.function.name
@@ -378,11 +404,11 @@ class ChatCompletionRequest(_Sampling):
             return self._structured_field
         return "top_logprobs" if param == "logprobs" else param
 
-    def sampling_params(self, prompt_len: int, max_model_len: int, vocab_size: int, limits: ServerLimits,
+    def sampling_params(self, prompt_len: int, max_model_len: int, vocab_size: int,
                         tools: StructuredOutputs | None = None) -> SamplingParams:
         """`tools`: the tool-call grammar, when the request's tools are enforced (it may not be combined with a
         structured output of the request's own)."""
-        self._check_common(limits)
+        self._check_common()
         if self.top_logprobs is not None and not self.logprobs:
             raise ProtocolError("top_logprobs requires logprobs=true", "top_logprobs")
         structured = self.structured()
@@ -409,10 +435,41 @@ class TokenizeRequest(_Strict):
     return_token_strs: bool = False
     tools: list[Tool] | None = None
 
+    def check_limits(self, limits: ServerLimits, max_model_len: int) -> None:
+        if self.prompt is not None:
+            _check_size("prompt", len(self.prompt), limits.prompt_chars(max_model_len), "characters")
+        if self.messages is not None:
+            ChatCompletionRequest(messages=self.messages, tools=self.tools).check_limits(limits, max_model_len)
+
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[int]
+
+    def check_limits(self, limits: ServerLimits, max_model_len: int) -> None:
+        _check_size("tokens", len(self.tokens), limits.prompt_chars(max_model_len), "token ids")
+
+
+def _check_size(name: str, size: int, bound: int, what: str) -> None:
+    if size > bound:
+        raise ProtocolError(f"{name}: at most {bound} {what} (this server's limit), got {size}", name)
+
+
+def _check_json(name: str, value: Any, bound: int) -> None:
+    """`value`, a field holding a schema, grammar or tools, is at most `bound` bytes as JSON and holds only finite
+    numbers (NaN and Infinity, which pydantic's parser accepts, are not JSON)."""
+    if value is None:
+        return
+
+    def plain(v: Any) -> Any:
+        return v.model_dump(by_alias=True, exclude_none=True) if isinstance(v, BaseModel) else v
+
+    try:
+        data = [plain(v) for v in value] if isinstance(value, list) else plain(value)
+        size = len(json.dumps(data, allow_nan=False, ensure_ascii=False).encode())
+    except ValueError:
+        raise ProtocolError(f"{name}: numbers must be finite (NaN and Infinity are not JSON)", name) from None
+    _check_size(name, size, bound, "bytes as JSON")
 
 
 class _as_param:

@@ -7,7 +7,11 @@ then take its KV blocks from the prefix cache. When the client goes away the res
 or a watcher notices (non-streaming), and the unfinished samples are aborted so that their KV blocks are freed.
 
 Work that can take long runs in worker threads, never on the event loop: tokenizing prompts, rendering chat
-templates and compiling grammars (the engine thread never compiles one either: it gets them compiled).
+templates and compiling grammars (the engine thread never compiles one either: it gets them compiled). Before any
+of it, the request's sizes are checked against the server's limits (`check_limits`: prompt characters, stop
+strings, schemas), so what that work costs is bounded before it starts.
+
+A 500 (a bug or a failing backend) tells the client only an error id; the details go to the server log under it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -25,17 +30,19 @@ from typing import Any
 from neuron_opt.errors import NeuronOptError
 from neuron_opt.runtime.engine import Engine, RequestOutput, TokenLogprob
 from neuron_opt.runtime.sampling import SamplingParams
+from neuron_opt.server.limits import ServerLimits
 from neuron_opt.server.metrics import ServerMetrics
 from neuron_opt.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     ProtocolError,
-    ServerLimits,
     TokenizeRequest,
 )
 from neuron_opt.server.tool_parsers import ToolParser
 from neuron_opt.server.tools import ToolRequest, ToolStream, make_parser, message, render_messages
+
+log = logging.getLogger(__name__)
 
 
 class NotFoundError(LookupError):
@@ -56,6 +63,13 @@ class _Result:
 
 def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def internal_error_message(e: BaseException) -> str:
+    """The message of a 500: generic, with an id under which `e` and its traceback are logged here."""
+    error_id = uuid.uuid4().hex
+    log.error("internal error, request id %s: %r", error_id, e, exc_info=e)
+    return f"Internal server error (request id {error_id}); the details are in the server's log."
 
 
 EncodeChat = Callable[[list[dict[str, Any]], "list[dict[str, Any]] | None"], list[int]]
@@ -102,8 +116,9 @@ class OpenAIServing:
     def _token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def _check_ids(self, ids: list[int], field_name: str) -> None:
-        if any(not 0 <= t < len(self.tokenizer) for t in ids):
+    def _check_ids(self, ids: list[int], field_name: str, vocab_size: int | None = None) -> None:
+        bound = len(self.tokenizer) if vocab_size is None else vocab_size
+        if any(not 0 <= t < bound for t in ids):
             raise ProtocolError(f"{field_name} token ids must be in [0, vocab size)", field_name)
 
     async def _tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -214,11 +229,13 @@ class OpenAIServing:
         self, req: CompletionRequest, arrival: float, is_disconnected: Callable[[], Any]
     ) -> dict[str, Any] | AsyncIterator[str]:
         self.check_model(req.model)
+        req.check_limits(self.limits, self.max_model_len)
+        self._check_ids(req.stop_token_ids or [], "stop_token_ids", self.vocab_size)
         prompt = req.prompt_input()
         ids = await self._tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_ids(ids, "prompt")
         with _request_fields(req):
-            params = req.sampling_params(len(ids), self.max_model_len, self.vocab_size, self.limits)
+            params = req.sampling_params(len(ids), self.max_model_len, self.vocab_size)
         rids, q = await self._submit(req, ids, params, arrival)
         head = {
             "id": f"cmpl-{uuid.uuid4().hex}",
@@ -254,7 +271,7 @@ class OpenAIServing:
 
     async def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], ToolRequest | None]:
         messages = req.message_dicts()
-        tools = req.tool_request(self.limits)
+        tools = req.tool_request()
         with _request_fields(req):
             rendered, template_tools = render_messages(messages, self.tool_parser, tools)
         return await self._encode_chat(rendered, template_tools), tools
@@ -263,11 +280,13 @@ class OpenAIServing:
         self, req: ChatCompletionRequest, arrival: float, is_disconnected: Callable[[], Any]
     ) -> dict[str, Any] | AsyncIterator[str]:
         self.check_model(req.model)
+        req.check_limits(self.limits, self.max_model_len)
+        self._check_ids(req.stop_token_ids or [], "stop_token_ids", self.vocab_size)
         ids, tools = await self._chat_prompt(req)
         active = tools is not None and tools.active
         parser = self.tool_parser
         with _request_fields(req):
-            params = req.sampling_params(len(ids), self.max_model_len, self.vocab_size, self.limits,
+            params = req.sampling_params(len(ids), self.max_model_len, self.vocab_size,
                                          tools.structured(parser) if active and tools is not None else None)
         if active and not parser.skip_special_tokens:  # its call marker is a special token
             params = dataclasses.replace(params, skip_special_tokens=False)
@@ -353,9 +372,8 @@ class OpenAIServing:
                     for c in cs:
                         yield chunk(c)
         except EngineError as e:
-            yield sse(
-                {"error": {"message": str(e), "type": "InternalServerError", "param": None, "code": 500}}
-            )
+            yield sse({"error": {"message": internal_error_message(e), "type": "InternalServerError", "param": None,
+                                 "code": 500}})
         else:
             if req.include_usage:
                 yield sse({**head, "choices": [], "usage": self._usage(n_prompt, results)})
@@ -369,6 +387,7 @@ class OpenAIServing:
         self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise ProtocolError("give either prompt or messages", "prompt")
+        req.check_limits(self.limits, self.max_model_len)
         if req.prompt is not None:
             ids = await self._tokenize(req.prompt, req.add_special_tokens is not False)
         else:
@@ -386,6 +405,7 @@ class OpenAIServing:
 
     async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         self.check_model(req.model)
+        req.check_limits(self.limits, self.max_model_len)
         self._check_ids(req.tokens, "tokens")
         return {"prompt": await asyncio.to_thread(self.tokenizer.decode, req.tokens)}
 

@@ -112,6 +112,17 @@ def test_rejections_are_synchronous(llms):
         engine.add_request("c", [5, 6], SamplingParams(max_tokens=2), lambda o: None)
 
 
+def test_every_admitted_request_runs(llms):
+    """Admission is one bound (max_num_seqs + max_waiting in flight), checked in add_request: requests admitted
+    before the engine thread drains its inbox are all queued and served, none fails on the engine thread."""
+    llm, _ = llms
+    engine = Engine(llm.runner, llm.tokenizer, llm.eos_token_ids, max_num_seqs=1, max_waiting=2)
+    p = SamplingParams(max_tokens=2, temperature=0.0)
+    outs = run_all(engine, {rid: ([5, 6], p) for rid in "abc"})
+    assert {rid: o[-1].finish_reason for rid, o in outs.items()} == {"a": "length", "b": "length", "c": "length"}
+    assert engine.num_unfinished == 0
+
+
 class FailingRunner:
     """Delegates to a real runner; prefill of a prompt starting with token 13 raises (a backend failure)."""
 

@@ -7,7 +7,7 @@ import torch
 
 from neuron_opt.errors import ConfigError
 from neuron_opt.runtime.sampling import SamplerState, SamplingParams, sample_one
-from neuron_opt.runtime.stopping import StopChecker, held_back
+from neuron_opt.runtime.stopping import StopChecker, StopStrings, held_back
 
 
 def test_greedy_is_argmax():
@@ -90,7 +90,7 @@ def test_held_back_prefix_released_when_it_does_not_match():
     sc = StopChecker(CharTok(), SamplingParams(max_tokens=50, stop=("END",)), eos_token_ids=(0,))
     out = "".join(sc.add(ord(c)) for c in "ENx")
     assert out == "ENx" and sc.finish_reason is None
-    assert held_back("abcE", SamplingParams(stop=("END",))) == 1
+    assert held_back("abcE", StopStrings.of(("END",))) == 1
 
 
 def test_eos_and_length():

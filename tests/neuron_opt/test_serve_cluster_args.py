@@ -49,6 +49,8 @@ def test_without_ray_the_flags_say_what_to_install(tiny_dir, no_ray, capsys: pyt
     (["--data-parallel", "0"], "--data-parallel: must be >= 1, got 0"),
     (["--data-parallel", "2", "--replica-cpus", "-1"], "--replica-cpus: must be > 0"),
     (["--data-parallel", "2", "--num-speculative-tokens", "3"], "--num-speculative-tokens needs"),
+    (["--data-parallel", "2", "--enable-docs"], "--enable-docs: the data-parallel router serves no API docs"),
+    (["--data-parallel", "2", "--max-body-bytes", "0"], "max_body_bytes: must be >= 1, got 0"),
 ])
 def test_bad_flags_fail_before_ray_starts(tiny_dir, no_ray, capsys: pytest.CaptureFixture[str], flags, message) -> None:
     assert main(["serve", "--model", str(tiny_dir("smollm-tok")), *flags]) == 2
