@@ -54,7 +54,8 @@ def load() -> str | None:
         except Exception as e:  # a missing compiler or ninja, a build error: say which
             _state["error"] = f"{type(e).__name__}: {e}".strip()[:2000]
             log.warning("cpu backend: the C++ operators (paged attention, int8 linear, MoE gather) could not be "
-                        "built: %s", _state["error"])
+                        "built, so graphs compile without them (decode_attention=fused, int8_linear=inductor, "
+                        "moe_gather=inductor: slower decode and verify steps): %s", _state["error"])
         return _state["error"]  # type: ignore[return-value]
 
 

@@ -3,19 +3,43 @@
 Oracle: fp64 softmax attention written out by hand on the same (cache-rounded) values. Exactness: a query's output
 is bitwise the same whatever the number of queries beside it, which is what makes a verify step's rows the decode
 step's. Then the graphs: a decode layer graph calls it through AOTInductor's proxy executor (`<key>.json`), and its
-logits match the Inductor loop nest's (`decode_attention=fused`)."""
+logits match the Inductor loop nest's (`decode_attention=fused`).
+
+The operators must build wherever a C++ compiler is (Inductor needs one for every cpu graph): a build error fails
+this module, it is never skipped. Only a machine with no compiler at all skips it, saying so. The fallback the
+backend takes where they do not build is tested in test_cpu_ops_fallback.py."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.cpp_extension import get_cxx_compiler
 
 from neuron_opt.backends import cpu_ops
 
-pytestmark = pytest.mark.skipif(cpu_ops.load() is not None, reason=f"kernel did not build: {cpu_ops.load()}")
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    """Every test here needs the operators: a build error fails them all (the error says why); no compiler skips."""
+    err = cpu_ops.load()
+    if err is not None and shutil.which(get_cxx_compiler()) is None:
+        pytest.skip(f"no C++ compiler ({get_cxx_compiler()!r} is not on PATH) to build the operators: {err}")
+    assert err is None, f"the cpu backend's C++ operators did not build with {shutil.which(get_cxx_compiler())}: {err}"
+
+
+def test_the_operators_build_and_compiles_call_them_by_default() -> None:
+    from neuron_opt.backends.cpu import CpuBackend
+
+    assert cpu_ops.load() is None
+    for op in ("paged_attention", "int8_linear", "moe_gather"):
+        assert hasattr(torch.ops.neuron_opt, op), op
+    opts = CpuBackend(torch.float32).options
+    assert [opts[k] for k in ("decode_attention", "int8_linear", "moe_gather")] == ["kernel"] * 3
+
 
 # (query heads, kv heads, head dim, block size, kv_len, queries, sliding window)
 SHAPES = [
