@@ -138,7 +138,12 @@ class CompileCache:
             if final.exists():
                 shutil.rmtree(tmp)
                 return
-            os.replace(tmp, final)
+            try:
+                os.replace(tmp, final)
+            except OSError:  # a concurrent compile of the same graph stored it since the check: keep that entry
+                if not final.exists():
+                    raise
+                shutil.rmtree(tmp)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -30,6 +30,26 @@ def test_hit_returns_the_stored_files(tmp_path):
     assert not list((tmp_path / "c").glob(".tmp-*"))
 
 
+
+def test_an_entry_stored_by_a_concurrent_compile_meanwhile_is_kept(tmp_path, monkeypatch):
+    """Two compiles of one graph (two processes, e.g. `make test`'s workers) both miss and both store: the second
+    finds the first's entry only at its rename, after its own check, and keeps that entry instead of failing."""
+    cache = CompileCache(tmp_path / "c")
+    final, real, raced = cache.entry_dir(CacheKey(BASE)), os.replace, []
+
+    def other_compile_first(src, dst):
+        if Path(dst) == final and not raced:
+            raced.append(dst)
+            _store(cache, BASE, tmp_path / "other", b"first")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", other_compile_first)
+    (tmp_path / "other").mkdir()
+    _store(cache, BASE, tmp_path, b"second")
+    assert raced and (cache.files_dir(CacheKey(BASE)) / "g.so").read_bytes() == b"first"
+    assert cache.fetch(CacheKey(BASE), tmp_path / "dest") == [Path("g.so")]
+    assert not list((tmp_path / "c").glob(".tmp-*"))
+
 def test_key_is_independent_of_field_order():
     assert CacheKey(dict(BASE)).digest == CacheKey(dict(reversed(list(BASE.items())))).digest
 
