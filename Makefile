@@ -20,11 +20,17 @@ demo: $(STAMP)
 	$(BIN)/neuron-opt generate $(ARTIFACT) --chat --prompt "What is the capital of France?"
 	$(BIN)/neuron-opt serve $(ARTIFACT) --host 127.0.0.1 --port $(PORT)
 
+# The suites run on TEST_WORKERS pytest-xdist processes (one torch thread each on 2 cores: tests/conftest.py) that
+# share Inductor's on-disk cache; worksteal keeps a module's tests on one worker except where a worker runs dry and
+# takes half of another's queue. -rs prints why each skipped test was skipped.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -rs -n $(TEST_WORKERS) --dist worksteal
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow
+	$(PYTEST) -m slow
 
 # serve --data-parallel on a real local Ray Serve (the `cluster` extra, installed into .venv on first use; ~3 min).
 test-cluster: $(STAMP)
