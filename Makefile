@@ -21,8 +21,9 @@ demo: $(STAMP)
 	$(BIN)/neuron-opt serve $(ARTIFACT) --host 127.0.0.1 --port $(PORT)
 
 # The suites run on TEST_WORKERS pytest-xdist processes (one torch thread each on 2 cores: tests/conftest.py) that
-# share Inductor's on-disk cache; worksteal keeps a module's tests on one worker except where a worker runs dry and
-# takes half of another's queue. -rs prints why each skipped test was skipped.
+# share Inductor's on-disk cache. worksteal hands each worker a contiguous run of the tests in file order, and a
+# worker that runs dry takes the back half of another's queue, so a module-scoped fixture (a compiled artifact) is
+# rarely built twice. -rs prints why each skipped test was skipped.
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -rs -n $(TEST_WORKERS) --dist worksteal
 
