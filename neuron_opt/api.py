@@ -24,6 +24,7 @@ from neuron_opt.backends.eager import EagerExecutor, load_weights
 from neuron_opt.buckets import BucketConfig
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, torch_dtype
 from neuron_opt.errors import ConfigError
+from neuron_opt.object_store import is_remote, resolve
 from neuron_opt.parallel import head_layout
 from neuron_opt.runtime.generate import GenerationOutput, generate_ids
 from neuron_opt.runtime.runner import ModelRunner
@@ -69,14 +70,19 @@ class LLM:
 
     `trusted_keys`: public-key files (`neuron-opt keygen`) an artifact, and a draft artifact, must be signed by
     (ArtifactError before anything of it loads otherwise); None: NEURON_OPT_TRUSTED_KEYS; empty: none required.
-    Checkpoints hold no code (safetensors and GGUF, never unpickled) and need no signature."""
+    Checkpoints hold no code (safetensors and GGUF, never unpickled) and need no signature.
+
+    `model` may be an artifact's s3:// URI: it is pulled once into the local artifact cache, verified, and loaded
+    from there (`s3_endpoint_url`: an S3-compatible store; default AWS_ENDPOINT_URL, else AWS S3)."""
 
     def __init__(self, model: str | Path, *, dtype: str | None = None, max_model_len: int | None = None,
                  batch_size: int | None = None, parallel: ParallelConfig | None = None,
                  num_speculative_tokens: int | None = None,
-                 trusted_keys: Sequence[str | Path] | None = None) -> None:
+                 trusted_keys: Sequence[str | Path] | None = None, s3_endpoint_url: str | None = None) -> None:
         self._drafts: dict[tuple[str, int], LLM] = {}
         self.trusted_keys = trusted_keys
+        if is_remote(model):
+            model = resolve(model, endpoint_url=s3_endpoint_url, trusted_keys=trusted_keys)
         if is_artifact(model):
             from neuron_opt.artifact import load_artifact, read_manifest
 

@@ -20,7 +20,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "compiled artifact directory, or --model PATH|default to serve a checkpoint eagerly "
         "without compiling (slower, but starts at once).",
     )
-    p.add_argument("artifact", nargs="?", help="artifact directory produced by `neuron-opt compile`")
+    p.add_argument("artifact", nargs="?", help="artifact directory produced by `neuron-opt compile`, or its s3:// URI")
     p.add_argument(
         "--model", help="instead of an artifact: HF directory, GGUF file, or 'default' (eager, no compile)"
     )
