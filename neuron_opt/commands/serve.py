@@ -95,7 +95,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--data-parallel", type=int, default=None, metavar="N",
         help="N replicas of the engine behind one endpoint, as a Ray Serve application: each replica loads the "
         "model once on its own cores (Ray resource neuron_cores = tp on Neuron, CPUs here), each request goes to the "
-        "less loaded of two sampled replicas, a replica that dies is restarted (docs/scale_out.md)",
+        "replica --routing picks, a replica that dies is restarted (docs/scale_out.md)",
+    )
+    g.add_argument(
+        "--routing", choices=["prefix", "load"], default="prefix",
+        help="how the router picks a replica: 'prefix' sends a request where its prompt's first blocks were sent "
+        "before (their KV is cached there) unless that replica is --routing-balance-threshold requests busier than "
+        "the least loaded; 'load' always takes the least loaded (default prefix)",
+    )
+    g.add_argument(
+        "--routing-balance-threshold", type=int, default=4, metavar="N",
+        help="with --routing prefix: ongoing requests a prefix's replica may have beyond the least loaded one "
+        "before the request goes to the least loaded instead (default 4)",
     )
     g.add_argument(
         "--ray-address", default=None,

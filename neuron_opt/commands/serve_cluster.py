@@ -37,6 +37,9 @@ def run_cluster(args: argparse.Namespace) -> int:
     replicas = 1 if args.data_parallel is None else args.data_parallel
     if replicas < 1:
         raise ConfigError(f"--data-parallel: must be >= 1, got {replicas}", param="data_parallel")
+    if args.routing_balance_threshold < 0:
+        raise ConfigError(f"--routing-balance-threshold: must be >= 0, got {args.routing_balance_threshold}",
+                          param="routing_balance_threshold")
     # fail here, not in N replica processes: paths absolute (a Ray worker's working directory is not ours), the
     # checkpoint or artifact readable
     for field in ("artifact", "model"):
@@ -90,9 +93,18 @@ def run_cluster(args: argparse.Namespace) -> int:
         raise ConfigError("--data-parallel: the Ray cluster lacks the resources for "
                           f"{replicas} replica(s): " + ", ".join(f"{k} needs {v:g}, has {h:g}" for k, (v, h)
                                                                  in short.items()), param="data_parallel")
+    from ray.serve.config import RequestRouterConfig
     from ray.serve.schema import LoggingConfig
 
-    from neuron_opt.server.cluster import APP_NAME, ROUTER_SPARE_REQUESTS, EngineReplica, Router, metrics_board
+    from neuron_opt.config import CacheConfig
+    from neuron_opt.server.cluster import (
+        APP_NAME,
+        ROUTER_SPARE_REQUESTS,
+        EngineReplica,
+        PrefixAffinityRouter,
+        Router,
+        metrics_board,
+    )
 
     name = served_name(args)
     params = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
@@ -109,9 +121,14 @@ def run_cluster(args: argparse.Namespace) -> int:
         per_replica = 2 * (args.max_num_seqs or (manifest.buckets.decode_batches[-1] if manifest else 16))
         max_in_flight = replicas * per_replica + args.max_waiting
         params.max_waiting = per_replica  # a replica's engine admits all Serve sends it: the queue is the router's
+        router_config = RequestRouterConfig(request_router_class=PrefixAffinityRouter, request_router_kwargs={
+            "tokenizer": {"artifact": args.artifact} if args.artifact else {"model": args.model},
+            "block_size": manifest.cache.block_size if manifest else CacheConfig.block_size,
+            "tool_call_parser": args.tool_call_parser, "policy": args.routing,
+            "balance_threshold": args.routing_balance_threshold})
         replica = EngineReplica.options(
             num_replicas=replicas, ray_actor_options=actor_options, max_ongoing_requests=per_replica,
-            health_check_period_s=5.0,
+            health_check_period_s=5.0, request_router_config=router_config,
         ).bind(functools.partial(build_engine, params), name, board, threads, args.tool_call_parser, limits)
         print(f"Starting {replicas} replica(s) of {name!r} on Ray ({actor_options}, "
               f"{threads or 'default'} torch thread(s) each)...", flush=True)
