@@ -32,7 +32,7 @@ from neuron_opt.backends.eager import load_weights_streamed
 from neuron_opt.buckets import Bucket, BucketConfig
 from neuron_opt.checkpoint import open_checkpoint
 from neuron_opt.compile_cache import CacheKey, CompileCache
-from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, QuantConfig, torch_dtype
+from neuron_opt.config import CacheConfig, KVCacheDtype, ModelConfig, ParallelConfig, QuantConfig, torch_dtype
 from neuron_opt.errors import ConfigError
 from neuron_opt.gguf_quant import native_quant, stored_tensors
 from neuron_opt.kv_quant import CALIBRATION_TEXT, calibrate, fold
@@ -126,7 +126,7 @@ class CompileRequest:
     group_size: int = 0  # int4 only; 0 = 32
     modules_to_not_convert: tuple[str, ...] = ()
     quantize_lm_head: bool | None = None  # None: as `quantize auto` finds it (a GGUF's quantized head), else off
-    kv_cache_dtype: str = "auto"  # auto (the compute dtype) | fp8 (e4m3, scales folded into the weights)
+    kv_cache_dtype: KVCacheDtype | str = KVCacheDtype.AUTO  # auto: the compute dtype; fp8: e4m3, scales folded in
     speculative_model: str | None = None  # a draft model compiled alongside, into DRAFT_DIR (needs k > 0)
     force: bool = False  # replace `out` even when it is a non-empty directory that is not an artifact
     sign_key: Path | None = None  # an Ed25519 private key (neuron-opt keygen): the artifact is signed with it
@@ -181,15 +181,14 @@ def plan_buckets(cfg: ModelConfig, req: CompileRequest) -> tuple[CacheConfig, Bu
                           f"{cfg.max_position_embeddings}")
     backend = backend_class(req.backend)
     offset_prefill = backend.resolve_offset_prefill(req.backend_options, req.offset_prefill)
-    if req.kv_cache_dtype not in ("auto", "fp8"):
-        raise ConfigError(f"kv_cache_dtype: must be auto or fp8, got {req.kv_cache_dtype!r}")
-    backend.check_kv_cache_dtype(req.backend_options, req.kv_cache_dtype)
-    if req.kv_cache_dtype == "fp8" and cfg.qk_norm:
+    kv_cache_dtype = KVCacheDtype.parse(req.kv_cache_dtype)
+    backend.check_kv_cache_dtype(req.backend_options, kv_cache_dtype)
+    if kv_cache_dtype is KVCacheDtype.FP8 and cfg.qk_norm:
         raise ConfigError(f"kv_cache_dtype: fp8 scales are folded into q_proj/k_proj, and {cfg.architecture}'s "
                           "q/k RMSNorm after them would undo the fold (K would reach the cache unscaled); compile "
                           "without --kv-cache-dtype fp8")
-    kv_dtype = "float8_e4m3fn" if req.kv_cache_dtype == "fp8" else (req.dtype or "float32")
-    cache = CacheConfig(max_batch=req.batch_size, max_model_len=max_model_len, dtype=kv_dtype,
+    cache = CacheConfig(max_batch=req.batch_size, max_model_len=max_model_len,
+                        dtype=kv_cache_dtype.storage(req.dtype or "float32"),
                         block_size=req.block_size, num_blocks=req.num_kv_blocks)
     buckets = BucketConfig.build(max_prompt_len=max_prompt_len, max_model_len=max_model_len,
                                  max_batch=req.batch_size, prefill_lens=req.prefill_buckets,
@@ -268,7 +267,7 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
         return ckpt.tensors(dtype)
 
     kv_scales = None
-    if cache_cfg.dtype == "float8_e4m3fn":
+    if cache_cfg.kv_cache_dtype is KVCacheDtype.FP8:
         kv_scales = _calibrate_kv(cfg, cache_cfg, dtype, qc, canonical(), tokenizer, ckpt.source)
         log(f"  fp8 KV cache: per-layer scales calibrated on {len(tokenizer.encode(CALIBRATION_TEXT))} tokens "
             f"(K {min(kv_scales[0]):.3g}..{max(kv_scales[0]):.3g}, V {min(kv_scales[1]):.3g}.."

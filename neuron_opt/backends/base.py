@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from neuron_opt.buckets import Bucket
-from neuron_opt.config import CacheConfig
+from neuron_opt.config import CacheConfig, KVCacheDtype, torch_dtype
 from neuron_opt.errors import ConfigError
 
 
@@ -116,8 +116,8 @@ class Backend:
         return True if asked is None else asked
 
     @classmethod
-    def check_kv_cache_dtype(cls, options: dict[str, Any], kv_cache_dtype: str) -> None:
-        """ConfigError for a KV cache dtype (`auto` or `fp8`) these options cannot run."""
+    def check_kv_cache_dtype(cls, options: dict[str, Any], kv_cache_dtype: KVCacheDtype) -> None:
+        """ConfigError for a KV cache dtype these options cannot run."""
 
     @classmethod
     def check_quant(cls, quant: Any) -> None:
@@ -189,8 +189,8 @@ def _one_rank(items: list[Any], backend: str) -> list[Any]:
 
 
 def kv_dtype(cache: CacheConfig, compute: torch.dtype) -> torch.dtype:
-    """The KV pools' dtype: fp8 e4m3 under `--kv-cache-dtype fp8`, else the compute dtype."""
-    return torch.float8_e4m3fn if cache.dtype == "float8_e4m3fn" else compute
+    """The KV pools' dtype: fp8 e4m3 under `--kv-cache-dtype fp8` (KVCacheDtype.FP8), else the compute dtype."""
+    return torch_dtype(cache.dtype) if cache.kv_cache_dtype is KVCacheDtype.FP8 else compute
 
 
 def allocate_kv(model: torch.nn.Module, cache: CacheConfig,

@@ -51,7 +51,7 @@ from safetensors.torch import save_file
 from neuron_opt.backends.base import Backend, ModelFactory, StepInputs, kv_dtype
 from neuron_opt.backends.eager import load_model_weights, model_state_for_save
 from neuron_opt.buckets import Bucket
-from neuron_opt.config import CacheConfig
+from neuron_opt.config import CacheConfig, KVCacheDtype
 from neuron_opt.errors import ArtifactError, BackendCompileError, BackendUnavailableError, ConfigError
 
 HLO_TEXT = "{key}.hlo.txt"  # per bucket, in graphs/rank{r}/
@@ -564,8 +564,8 @@ class NeuronBackend(Backend):
         return not nki if asked is None else asked
 
     @classmethod
-    def check_kv_cache_dtype(cls, options: dict[str, Any], kv_cache_dtype: str) -> None:
-        if kv_cache_dtype == "fp8" and options.get("ops") == "nki":
+    def check_kv_cache_dtype(cls, options: dict[str, Any], kv_cache_dtype: KVCacheDtype) -> None:
+        if kv_cache_dtype is KVCacheDtype.FP8 and options.get("ops") == "nki":
             raise ConfigError("kv_cache_dtype: fp8 is not read by the NKI attention kernels yet; compile without "
                               "ops=nki")
 

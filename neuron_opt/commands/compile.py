@@ -7,6 +7,7 @@ from pathlib import Path
 
 from neuron_opt.backends import BACKENDS
 from neuron_opt.commands.parallel_flags import add_parallel_flags, parallel_config_from_args
+from neuron_opt.config import KVCacheDtype
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -84,7 +85,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction, default=None,
                    help="also quantize the LM head, int8 per output channel (fp8 under --quantize fp8); default: "
                         "off, except that --quantize auto keeps a GGUF's quantized head (SmolLM2's Q8_0 table)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=[d.value for d in KVCacheDtype],
                    help="auto: the compute dtype; fp8: e4m3 with per-layer scales calibrated at compile time")
     p.add_argument("--backend-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
                    help="a backend option (repeatable; see docs/cpu_backend.md and docs/neuron_backend.md), "
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         num_kv_blocks=args.num_kv_blocks, offset_prefill=args.offset_prefill, prefill_batch=args.prefill_batch,
         quantize=args.quantize, quantization_type=args.quantization_type, group_size=args.group_size,
         modules_to_not_convert=tuple(m.strip() for m in args.modules_to_not_convert.split(",") if m.strip()),
-        quantize_lm_head=args.quantize_lm_head, kv_cache_dtype=args.kv_cache_dtype,
+        quantize_lm_head=args.quantize_lm_head, kv_cache_dtype=KVCacheDtype.parse(args.kv_cache_dtype),
         speculative_model=args.speculative_model, force=args.force, sign_key=args.sign_key)
     report = compile_artifact(req)
     print(f"compile cache: {len(report.hits)} hit(s), {len(report.misses)} miss(es)")

@@ -1,6 +1,6 @@
 """The executor layer: one factory picks how a model runs from the backend's capabilities (never its name), the
 compile units it loads are the ones compile wrote, the loader reads an artifact's manifest once, and the names of
-the compiled offset-prefill capability (old spellings still accepted)."""
+the compiled offset-prefill capability (old spellings still accepted) and of the KV cache dtype."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import torch
 
 from neuron_opt import artifact as artifact_mod
 from neuron_opt.backends import backend_class
-from neuron_opt.backends.base import CompileUnit
+from neuron_opt.backends.base import CompileUnit, kv_dtype
 from neuron_opt.backends.eager import EagerExecutor
 from neuron_opt.buckets import BucketConfig, pick_prefill
 from neuron_opt.checkpoint import open_checkpoint
 from neuron_opt.cli import build_parser
 from neuron_opt.compiler import CompileRequest, compile_artifact
+from neuron_opt.config import CacheConfig, KVCacheDtype
+from neuron_opt.errors import ConfigError
 from neuron_opt.executors import (
     RANKS,
     SINGLE,
@@ -95,3 +97,17 @@ def test_offset_prefill_keeps_the_old_manifest_key_and_flag():
                        ("--no-chunked-prefill", False)):
         assert parser.parse_args([*base, flag]).offset_prefill is want
     assert parser.parse_args(base).offset_prefill is None
+
+
+def test_the_kv_cache_dtype_is_one_enum_from_the_flag_to_the_pools():
+    assert build_parser().parse_args(["compile", "--model", "default", "--out", "x", "--kv-cache-dtype", "fp8"]
+                                     ).kv_cache_dtype == KVCacheDtype.FP8
+    assert KVCacheDtype.parse("fp8") is KVCacheDtype.FP8 and KVCacheDtype.parse(KVCacheDtype.AUTO) is KVCacheDtype.AUTO
+    with pytest.raises(ConfigError, match="kv_cache_dtype: must be auto or fp8, got 'int8'"):
+        KVCacheDtype.parse("int8")
+    fp8 = CacheConfig(dtype=KVCacheDtype.FP8.storage("bfloat16"))
+    assert fp8.dtype == "float8_e4m3fn" and fp8.kv_cache_dtype is KVCacheDtype.FP8
+    assert kv_dtype(fp8, torch.bfloat16) == torch.float8_e4m3fn
+    auto = CacheConfig(dtype=KVCacheDtype.AUTO.storage("bfloat16"))
+    assert auto.dtype == "bfloat16" and auto.kv_cache_dtype is KVCacheDtype.AUTO
+    assert kv_dtype(auto, torch.bfloat16) == torch.bfloat16
