@@ -21,6 +21,7 @@ from neuron_opt.artifact import VerifiedManifest
 from neuron_opt.config import ParallelConfig
 from neuron_opt.executors import build_model as build_model  # re-exported: eager models for tests and scripts
 from neuron_opt.executors import is_artifact, load_model
+from neuron_opt.object_store import is_remote, resolve
 from neuron_opt.runtime.generate import GenerationOutput, generate_ids
 from neuron_opt.runtime.sampling import SamplingParams
 from neuron_opt.runtime.speculative import SpecStats, SpeculativeConfig, check_draft_tokenizer
@@ -36,14 +37,20 @@ class LLM:
     (ArtifactError before anything of it loads otherwise); None: NEURON_OPT_TRUSTED_KEYS; empty: none required.
     Checkpoints hold no code (safetensors and GGUF, never unpickled) and need no signature. `verified`: the
     artifact's manifest when the caller has already read it with every check (read_verified), so it is not read
-    again (neuron_opt.executors.loader)."""
+    again (neuron_opt.executors.loader).
+
+    `model` may be an artifact's s3:// URI: it is pulled once into the local artifact cache, verified, and loaded
+    from there (`s3_endpoint_url`: an S3-compatible store; default AWS_ENDPOINT_URL, else AWS S3)."""
 
     def __init__(self, model: str | Path, *, dtype: str | None = None, max_model_len: int | None = None,
                  batch_size: int | None = None, parallel: ParallelConfig | None = None,
                  num_speculative_tokens: int | None = None,
-                 trusted_keys: Sequence[str | Path] | None = None, verified: VerifiedManifest | None = None) -> None:
+                 trusted_keys: Sequence[str | Path] | None = None, verified: VerifiedManifest | None = None,
+                 s3_endpoint_url: str | None = None) -> None:
         self._drafts: dict[tuple[str, int], LLM] = {}
         self.trusted_keys = trusted_keys
+        if is_remote(model):
+            model = resolve(model, endpoint_url=s3_endpoint_url, trusted_keys=trusted_keys)
         loaded = load_model(model, dtype=dtype, max_model_len=max_model_len, batch_size=batch_size,
                             parallel=parallel, num_speculative_tokens=num_speculative_tokens, trusted_keys=trusted_keys,
                             verified=verified)

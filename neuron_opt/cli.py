@@ -13,7 +13,7 @@ import sys
 
 from neuron_opt.errors import NeuronOptError
 
-COMMANDS = ("compile", "generate", "serve", "plan", "bench", "inspect", "keygen")
+COMMANDS = ("compile", "generate", "serve", "plan", "bench", "inspect", "keygen", "push", "pull")
 
 
 def build_parser() -> argparse.ArgumentParser:

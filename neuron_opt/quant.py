@@ -16,12 +16,11 @@ Kernels, chosen once when a graph is built (never a flag read inside forward):
   widened on chip, which is what NxDI does; the gain there is bandwidth and capacity.
 - "cpu" (the cpu backend's compiled graphs): torch's CPU weight-only kernels, fed bf16 activations:
   int8 -> aten._weight_int8pack_mm on the stored [N, K] values; int4 -> aten._weight_int4pack_mm_for_cpu on the
-  tinygemm layout (`_convert_weight_to_int4pack_for_cpu`, built at load). Their fp32-activation variants run
-  7-25x slower on an AVX2 machine than their bf16 ones (measured, docs/quantization.md), hence bf16 activations;
-  the residual stream and the layer outputs stay in the model's dtype. A one-row int8 product (batch-1 decode)
-  is instead a dot product per output row over the same int8 values, summed in fp32, which Inductor compiles
-  into the layer's own loops (with q/k/v and gate/up fused, batch-1 decode steps ran 1.54x faster than on the
-  GEMM kernel on a 2-core Zen 4, docs/quantization.md); so is every int8 product whose K is not a multiple of 16,
+  tinygemm layout (`_convert_weight_to_int4pack_for_cpu`, built at load). Their fp32-activation variants are
+  several times slower than their bf16 ones on AVX2 (docs/quantization.md), hence bf16 activations; the residual
+  stream and the layer outputs stay in the model's dtype. A one-row int8 product (batch-1 decode) is instead a
+  dot product per output row over the same int8 values, summed in fp32, which Inductor compiles into the layer's
+  own loops (faster than the GEMM kernel at one row); so is every int8 product whose K is not a multiple of 16,
   on which torch 2.13's int8 GEMM crashes. With `use_cpu_kernels(int8_kernel=True)` (the cpu backend's
   `int8_linear` "kernel") int8 products of up to INT8_KERNEL_MAX_ROWS rows, a number fixed when the graph is
   traced, call torch.ops.neuron_opt.int8_linear instead (the cpu backend's C++ operator, which the backend loads
@@ -42,9 +41,9 @@ from neuron_opt.errors import ConfigError
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 DEQUANT, CPU = "dequant", "cpu"
-# up to this many rows (decode batches, verify steps) the int8 operator is as fast as aten._weight_int8pack_mm at
-# one row and 1.0-1.6x faster from 4 to 16 on SmolLM2's shapes (docs/quantization.md); above, and wherever the row
-# count is dynamic, the graphs keep aten's GEMM
+# up to this many rows (decode batches, verify steps) the int8 operator reuses each widened weight across the
+# rows, where aten._weight_int8pack_mm's time grows with the rows (docs/quantization.md); above, and wherever the
+# row count is dynamic, the graphs keep aten's GEMM
 INT8_KERNEL_MAX_ROWS = 16
 
 

@@ -59,6 +59,7 @@ PLACEHOLDERS = {
     "NAME": "smollm2",
     "N": "4",
     "ADDR": "auto",  # a Ray cluster address
+    "KEY": "sk-local",  # an API key
 }
 
 @dataclass(frozen=True)

@@ -68,9 +68,9 @@ def _parse_options(options: dict[str, Any] | None, dtype: torch.dtype) -> dict[s
     only matter for dtypes below fp32.
     decode_attention: "kernel" (torch.ops.neuron_opt.paged_attention, C++ built at first use: cpu_ops; the default
     where it builds, with a warning and "fused" where it does not), "fused" (cpu_graphs.DecodeAttention's Inductor
-    loop nest) or "sdpa" (aten's flash attention, as prefill). Measured against "fused" (bf16/fp32/int8/MoE, batch 1
-    and 16, docs/cpu_backend.md "Paged attention kernel"): verify steps 7-38% faster, batch-16 decode 15%, batch-1
-    decode from 4% slower at 100 positions (fp32, MoE) to 10% faster at 400 (int8).
+    loop nest) or "sdpa" (aten's flash attention, as prefill). Against "fused" (docs/cpu_backend.md, "Paged
+    attention kernel"): verify steps and batched decode faster; batch-1 decode about even, slightly slower only
+    at short contexts in fp32 and MoE graphs.
     int8_linear: "kernel" (int8 weight-only products of up to quant.INT8_KERNEL_MAX_ROWS rows on
     torch.ops.neuron_opt.int8_linear, cpu_ops; the default where it builds, else "inductor") or "inductor" (one
     row: a dot-product loop Inductor fuses into the layer; more rows: aten._weight_int8pack_mm). Measured in place
@@ -81,8 +81,8 @@ def _parse_options(options: dict[str, Any] | None, dtype: torch.dtype) -> dict[s
     fuse_projections: "on" (q/k/v and gate/up as one GEMM each, see cpu_graphs.inductor_options) or "off".
     one_row_gemm: the gemm of layer graphs whose GEMMs have one row (batch-1 decode, one-token prefill); "same"
     (as `gemm`) or a gemm choice. bf16 default "cpp": at one row Inductor's C++ template ran batch-1 bf16 decode
-    1.46-1.58x faster than oneDNN on a Zen 4 (torch 2.13), while at batch 8 oneDNN ran 2.3x faster than the
-    template; the executor then holds the weights in both packings (docs/cpu_backend.md).
+    faster than oneDNN (torch 2.13), while at batch 8 oneDNN ran faster than the template; the executor then
+    holds the weights in both packings (docs/cpu_backend.md).
     exact_verify: "on" (verify graphs compute each row as the decode graph of their batch does: its GEMM choice,
     DecodeAttention per query; the fp32-logits head either way; verify logits are then bitwise the decode step's)
     or "off" (SDPA over the queries, `gemm`: cheaper, close but not equal below fp32). With
@@ -228,8 +228,8 @@ class CpuBackend(Backend):
         # fp32 logits: Inductor's C++ GEMM template accumulates in fp32 and, with the head's `.float()` fused into
         # its epilogue, stores the accumulator as is (no bf16 rounding). A row's logits came out bitwise the same at
         # 1 and k + 1 rows, so a batch-1 verify head scores each row as the decode head does (test_speculative
-        # checks it on the CPU it runs on). Every head takes it: up to 36 rows it also ran faster than oneDNN
-        # (1.1-2.2 ms against 1.5-2.2), at 144 (16 x 9) slower (8.0 against 5.4 ms; docs/cpu_backend.md)
+        # checks it on the CPU it runs on). Every head takes it: up to a few tens of rows it also ran faster than
+        # oneDNN, at 144 (16 x 9) slower (docs/cpu_backend.md)
         fp32_logits = (self.options["logits"] == "fp32" and self.dtype != torch.float32
                        and "quant" not in model.lm_head._modules)
         int8_kernel = self._int8_kernel(model.lm_head)
@@ -279,7 +279,7 @@ class _WeightStore:
 
     oneDNN weights are packed once, for M = 1, whatever M hint the graph was compiled with: oneDNN chooses a
     layout per M, so prefill, decode and each batch size would each hold a copy, yet the M=1 layout runs every
-    M as fast as the graph's own (bf16, SmolLM2 shapes, M 1..512: within noise, docs/cpu_backend.md) and a
+    M as fast as the graph's own (bf16, SmolLM2 shapes, M 1..512, docs/cpu_backend.md) and a
     layout oneDNN did not expect would only cost a reorder, never a wrong result.
     """
 

@@ -1,25 +1,23 @@
 """What the cpu backend compiles: one decoder layer per (phase, batch[, q_len]), and the LM head per row count.
 
-Design decisions (measured; see docs/cpu_backend.md)
-- Regional compilation. A bucket's whole 30-layer model takes ~90 s to compile on 2 busy cores; one layer
-  takes ~20 s and the same .so serves every layer (each layer gets its own AOTI container holding that
-  layer's weights). Decode speed is the same or better: 30 calls into a container cost ~0.3 ms per token.
+Design decisions (see docs/cpu_backend.md)
+- Regional compilation. One layer compiles in a fraction of a whole model's time and the same .so serves every
+  layer (each layer gets its own AOTI container holding that layer's weights). Decode speed is the same or
+  better: a call into a container per layer costs little next to the step.
 - KV length is a dynamic dimension: the block tables' width (blocks per row). Within a phase and batch, buckets
   differ only in the attention's KV length (and a prefill in its token count, also dynamic), so one graph
   serves them all: the default bucket set needs 5 layer graphs + 4 heads, not one model per bucket. The
   executor pads a one-block table with a null-block column (masked: it lies beyond every query's position), so
   the dimension is never 1 (export specialises sizes 0 and 1). The block pools are whole, static-shape inputs.
 - bf16: the residual stream between layers (and the norms reading it) stays fp32; only GEMM inputs/weights
-  and the KV cache are bf16. Teacher-forced greedy agreement with HF fp32 (SmolLM2-135M, 256 tokens, HF
-  eager): all-bf16 0.973, fp32 residual 0.980, bf16 weights with all activations fp32 0.996: the loss
-  comes from activation rounding, not from the weights. With fp32 batch-1 logits too (HeadGraph) the compiled
-  bf16 graphs reach 0.992.
+  and the KV cache are bf16. In teacher-forced greedy agreement with HF fp32, the loss comes from rounding
+  activations, not from the bf16 weights; fp32 logits (HeadGraph) remove most of the rest.
 - The LM head graph takes the already-gathered last hidden states [B, H], so it depends only on B (a verify
   bucket scores every position: B * q_len rows).
 - Rope and attention run in fp32 when the model runs in bf16: the executor passes fp32 rope tables, so q and k
   come out of rope in fp32 (one bf16 rounding fewer for q; K/V are rounded once, into the bf16 cache). Also
-  faster: aten's CPU flash attention does its bf16 q.k and p.v products with MKL's bf16 gemv, 0.39 ms per layer
-  at one query (kv 512, 1 thread) against 0.07 ms for fp32. Decode graphs use `DecodeAttention` instead.
+  faster: aten's CPU flash attention does its bf16 q.k and p.v products with MKL's bf16 gemv, slower than the
+  fp32 path. Decode graphs use `DecodeAttention` instead.
 """
 
 from __future__ import annotations
@@ -59,10 +57,9 @@ class DecodeAttention(TorchOps):
     `rows_as_decode` (verify graphs under the cpu backend's exact_verify): queries longer than 1 take the same loop
     with the queries as one more broadcast dimension, so each query's output is bitwise a decode step's.
 
-    Why: aten's CPU flash attention does one gemv per head (MKL), after a gathered copy of K/V per layer; at
-    KV 512 the fused loop made bf16 decode 6-14% faster in two A/B runs (docs/cpu_backend.md). Gathering the
-    blocks into a [B, n_kv, kv_len, D] view first cost 12-40% of a batch-16 decode step against reading them in
-    place (docs/cpu_backend.md).
+    Why: aten's CPU flash attention does one gemv per head (MKL), after a gathered copy of K/V per layer; the
+    fused loop made bf16 decode faster at longer contexts. Gathering the blocks into a [B, n_kv, kv_len, D] view
+    first made batched decode steps slower than reading them in place (docs/cpu_backend.md).
     """
 
     def __init__(self, inner: Any, rows_as_decode: bool = False, kernel: bool = False) -> None:
@@ -171,8 +168,8 @@ class HeadGraph(nn.Module):
     The GEMM's output goes to fp32. Compiled with the C++ GEMM template (the cpu backend's heads below fp32 with
     `logits` "fp32"), that `.float()` is fused into the template's epilogue, which stores its fp32 accumulator without
     rounding: fp32 logits of the bf16-rounded normed state and the bf16 weights, at GEMM speed. That matters: logits
-    of magnitude 16-32 rounded to bf16 (steps of 0.125) create argmax ties; teacher-forced agreement with HF fp32
-    lost 4 of 256 tokens to it (docs/cpu_backend.md). A oneDNN GEMM returns bf16, rounded, then widened.
+    of magnitude 16-32 rounded to bf16 (steps of 0.125) create argmax ties, which cost teacher-forced agreement
+    with HF fp32 (docs/cpu_backend.md). A oneDNN GEMM returns bf16, rounded, then widened.
     """
 
     def __init__(self, norm: nn.Module, lm_head: nn.Module, dtype: torch.dtype, int8_kernel: bool = False) -> None:
@@ -254,18 +251,18 @@ def inductor_options(gemm: str, fuse_projections: bool = True, quantized: bool =
     - "aten": plain AOTI; weights stay in their HF layout, GEMMs call aten.
 
     Every choice also fuses GEMMs that read the same input (q/k/v, gate/up: `cpp.enable_concat_linear`): fewer,
-    larger GEMM calls; bf16 decode +12% at batch 1 (docs/cpu_backend.md). The fused weight is a row concatenation
+    larger GEMM calls, and faster bf16 batch-1 decode (docs/cpu_backend.md). The fused weight is a row concatenation
     of the projections (a `ConstantRecipe` with several sources), still built once at load.
 
     `quantized` (graphs with int8/int4 weights): one-row int8 GEMMs are dot-product loops Inductor generates
     (neuron_opt.quant), and Inductor inlines their input, the normed activation, into those loops, recomputing the
-    RMSNorm once per output row (the int8 decode step ran 2.2x slower than with the activation stored);
+    RMSNorm once per output row (the int8 decode step ran far slower than with the activation stored);
     `realize_opcount_threshold` 4 stores any pointwise result of more than 4 ops that reads several buffers.
 
     `decode_attention` (bf16 dense decode and verify layer graphs, `DecodeAttention`): threshold 8. Inductor (default
     30) otherwise inlines the rotary embedding of the query into the score loop, recomputing it for every cached
-    position; stored once, bf16 batch-1 decode ran 7-9% faster and the exact verify (9 queries) 10-22%, more at
-    longer contexts (docs/cpu_backend.md). 4 there made the verify 10x slower: it stores broadcast products.
+    position; stored once, bf16 batch-1 decode and the exact verify ran faster, more at longer contexts
+    (docs/cpu_backend.md). 4 there made the verify many times slower: it stores broadcast products.
     """
     opts: dict[str, Any] = {"aot_inductor.package": True, "aot_inductor.package_constants_in_so": False,
                             "cpp.enable_concat_linear": fuse_projections}
@@ -288,9 +285,8 @@ def has_moe_block(module: nn.Module) -> bool:
 
 def _bf16_dense_decode_attention(module: nn.Module) -> bool:
     """Whether `module` holds bf16 weights, attends with DecodeAttention and has no MoE block. The lower
-    realization threshold (inductor_options) was measured a gain there only: in fp32 it made decode at KV 1024 7%
-    slower and the verify 18%, and a bf16 MoE decode step (the random Mixtral) 1.4-1.5x slower
-    (docs/cpu_backend.md)."""
+    realization threshold (inductor_options) was measured a gain there only: in fp32 it made decode and verify
+    slower, and so it did a bf16 MoE decode step (the random Mixtral; docs/cpu_backend.md)."""
     return (any(p.dtype == torch.bfloat16 for p in module.parameters())
             and any(isinstance(ops := getattr(m, "ops", None), DecodeAttention) and not ops.kernel
                     for m in module.modules())

@@ -240,8 +240,8 @@ class DeviceProgram:
 
     Two ways to run a step, with equal results (tested bit for bit):
     - traced (`run_traced`, the reference): torch-xla records the model's ops into IR, hashes the graph, finds
-      the compiled executable and runs it. Recording costs host time every step (about 35 ms for the 30-layer
-      default model on this machine, more than executing it on the XLA CPU device: docs/neuron_backend.md).
+      the compiled executable and runs it. Recording costs host time every step (for the 30-layer default
+      model, more than executing it on the XLA CPU device: docs/neuron_backend.md).
     - replayed (`replay`, after `prepare`): the graph is traced once per bucket and compiled with the KV caches as
       buffer donors; each step passes the new step inputs and the current caches to the cached executable by
       hash (`_run_cached_graph`, what torch-xla's dynamo bridge does), and the donated caches come back as

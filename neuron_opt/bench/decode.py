@@ -298,8 +298,8 @@ def _measure_one(system: str, batch: int, opts: dict, reference: tuple[list[int]
 
 
 def _in_fresh_process(fn, *args):  # noqa: ANN001, ANN202
-    """Run fn(*args) in a new process: each system starts from a clean heap and thread pool (measured: a
-    system run after HF in the same process lost up to 20% to the allocator state HF left behind)."""
+    """Run fn(*args) in a new process: each system starts from a clean heap and thread pool (a system run
+    after HF in the same process ran slower, from the allocator state HF left behind)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from neuron_opt.backends import BACKENDS
@@ -36,7 +37,9 @@ def _option(text: str) -> tuple[str, object]:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compile", help="compile a checkpoint into an artifact (one graph per shape bucket)")
     p.add_argument("--model", required=True, help="HF checkpoint directory, GGUF file, or 'default'")
-    p.add_argument("--out", required=True, type=Path, help="artifact directory to write (atomically)")
+    p.add_argument("--out", required=True,
+                   help="artifact directory to write (atomically), or an s3:// URI: compiled locally, then uploaded "
+                        "(the manifest last) and kept in the local artifact cache")
     p.add_argument("--backend", default="cpu", choices=BACKENDS)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="compute dtype (default: bfloat16 on CPUs with native bf16 and on Neuron, else float32)")
@@ -94,6 +97,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true",
                    help="replace --out even when it is a non-empty directory that is not an artifact (its contents "
                         "are deleted); without it only an artifact or an empty directory is replaced")
+    from neuron_opt.commands.generate import add_s3_endpoint_flag
+
+    add_s3_endpoint_flag(p)
     p.add_argument("--sign-key", type=Path, default=None, metavar="KEY",
                    help="sign the artifact with this Ed25519 private key (`neuron-opt keygen`): manifest.sig, which "
                         "serve/generate/inspect --trusted-keys check (docs/design.md)")
@@ -102,10 +108,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from neuron_opt import object_store
     from neuron_opt.compiler import CompileRequest, compile_artifact
 
+    remote = object_store.is_remote(args.out)
+    if remote:  # a bad URI or an occupied prefix fails now, not after the compile
+        object_store.check_destination(args.out, endpoint_url=args.s3_endpoint_url, force=args.force)
+    out = object_store.staging_dir() if remote else Path(args.out)
     req = CompileRequest(
-        model=args.model, out=args.out, backend=args.backend, dtype=args.dtype, batch_size=args.batch_size,
+        model=args.model, out=out, backend=args.backend, dtype=args.dtype, batch_size=args.batch_size,
         max_prompt_len=args.max_prompt_len, max_model_len=args.max_model_len, prefill_buckets=args.prefill_buckets,
         decode_buckets=args.decode_buckets, decode_batches=args.decode_batches,
         parallel=parallel_config_from_args(args),
@@ -120,5 +131,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"compile cache: {len(report.hits)} hit(s), {len(report.misses)} miss(es)")
     for label, why in report.misses.items():
         print(f"  miss {label}: {why}")
-    print(f"artifact written to {args.out} in {report.seconds:.1f} s")
+    if not remote:
+        print(f"artifact written to {args.out} in {report.seconds:.1f} s")
+        return 0
+    try:
+        loc = object_store.push(out, args.out, endpoint_url=args.s3_endpoint_url, force=args.force)
+    except BaseException:
+        print(f"the compiled artifact stays at {out}; upload it with `neuron-opt push {out} {args.out}`",
+              file=sys.stderr)
+        raise
+    local = object_store.adopt(out)
+    print(f"artifact compiled in {report.seconds:.1f} s, uploaded to {loc} (local copy: {local})")
     return 0

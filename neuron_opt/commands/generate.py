@@ -37,10 +37,33 @@ def _paths(text: str) -> tuple[Path, ...]:
 
 
 def add_trusted_keys_flag(p: argparse.ArgumentParser) -> None:
-    """`--trusted-keys` (serve, generate, inspect): the public keys an artifact must be signed by."""
+    """The flags of loading an artifact (serve, generate, inspect): `--trusted-keys`, the public keys it must be
+    signed by, and `--s3-endpoint-url`, the store an s3:// artifact is pulled from."""
     p.add_argument("--trusted-keys", type=_paths, default=None, metavar="PUB[,PUB...]",
                    help="public-key files (`neuron-opt keygen`); an artifact then loads only if signed by one of "
                         "them, unedited since (default: NEURON_OPT_TRUSTED_KEYS; unset: no signature required)")
+    add_s3_endpoint_flag(p)
+
+
+def add_s3_endpoint_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--s3-endpoint-url", default=None, metavar="URL",
+                   help="for s3:// artifacts: an S3-compatible store's endpoint (default: AWS_ENDPOINT_URL, else "
+                        "AWS S3); credentials come from boto3's usual chain")
+
+
+def resolve_artifact_arg(args: argparse.Namespace) -> None:
+    """An s3:// `args.artifact` pulled into the local artifact cache (once; neuron_opt.object_store) and replaced
+    by the local copy's path; the URI stays in `args.artifact_source`. Called again in another process (a Ray
+    replica on another node), it pulls there too."""
+    from neuron_opt.object_store import is_remote, resolve
+
+    source = getattr(args, "artifact_source", None) or args.artifact
+    if not source or not is_remote(source):
+        return
+    if args.artifact and not is_remote(args.artifact) and Path(args.artifact).is_dir():
+        return
+    args.artifact_source = source
+    args.artifact = str(resolve(source, endpoint_url=args.s3_endpoint_url, trusted_keys=args.trusted_keys))
 
 
 def add_speculative_flags(p: argparse.ArgumentParser) -> None:
@@ -83,7 +106,7 @@ def speculative_from_args(args: argparse.Namespace, compiled_k: int | None, bund
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text for one prompt")
-    p.add_argument("artifact", nargs="?", help="artifact directory produced by `neuron-opt compile`")
+    p.add_argument("artifact", nargs="?", help="artifact directory produced by `neuron-opt compile`, or its s3:// URI")
     p.add_argument("--model", help="instead of an artifact: HF directory, GGUF file, or 'default' (eager)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -100,6 +123,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if bool(args.artifact) == bool(args.model):
         raise ConfigError("generate: give either an artifact directory or --model PATH|default (not both)")
+    resolve_artifact_arg(args)
     from neuron_opt.api import LLM
 
     params = sampling_params_from_args(args)

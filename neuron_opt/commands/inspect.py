@@ -9,7 +9,7 @@ from pathlib import Path
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="show and verify an artifact's manifest")
-    p.add_argument("artifact", type=Path)
+    p.add_argument("artifact", help="artifact directory, or its s3:// URI (pulled into the local artifact cache)")
     p.add_argument("--json", action="store_true", help="print the raw manifest")
     from neuron_opt.commands.generate import add_trusted_keys_flag
 
@@ -19,7 +19,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from neuron_opt.artifact import read_verified
+    from neuron_opt.commands.generate import resolve_artifact_arg
 
+    resolve_artifact_arg(args)
+    args.artifact = Path(args.artifact)
     verified = read_verified(args.artifact, trusted_keys=args.trusted_keys)
     m, raw = verified.manifest, verified.raw  # what was verified, not a second read of the file
     if args.json:

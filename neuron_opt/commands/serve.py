@@ -20,7 +20,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "compiled artifact directory, or --model PATH|default to serve a checkpoint eagerly "
         "without compiling (slower, but starts at once).",
     )
-    p.add_argument("artifact", nargs="?", help="artifact directory produced by `neuron-opt compile`")
+    p.add_argument("artifact", nargs="?", help="artifact directory produced by `neuron-opt compile`, or its s3:// URI")
     p.add_argument(
         "--model", help="instead of an artifact: HF directory, GGUF file, or 'default' (eager, no compile)"
     )
@@ -112,9 +112,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def serving_threads() -> int:
     """torch threads for `serve` when NEURON_OPT_NUM_THREADS is unset: the usable cores minus one, left to the HTTP
-    event loop. Measured on 2 cores (bf16 artifact, in 128 / out 64): with both cores given to torch, the event
-    loop preempts an OpenMP worker mid-step and the step waits for it; one torch thread gave 73.8 vs 51.6 tok/s
-    for one stream (TPOT 12.4 vs 18.6 ms) and 280 vs 267 tok/s for 16, at a higher TTFT (docs/serving.md)."""
+    event loop. With every core given to torch, the event loop preempts an OpenMP worker mid-step and the step
+    waits for it; on 2 cores one torch thread gave more output tokens/s than two, at a higher TTFT
+    (docs/serving.md)."""
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 

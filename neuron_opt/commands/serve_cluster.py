@@ -41,7 +41,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     # checkpoint or artifact readable
     for field in ("artifact", "model"):
         value = getattr(args, field)
-        if value and value != "default":
+        if value and value != "default" and not value.startswith("s3://"):  # s3://: pulled by check_args
             setattr(args, field, str(Path(value).resolve()))
     # the keys this command trusts, named explicitly for the replicas: they may not share our environment
     from neuron_opt.signing import trusted_key_paths

@@ -41,8 +41,8 @@ def server_limits(args: argparse.Namespace) -> ServerLimits:
 def served_name(args: argparse.Namespace) -> str:
     if args.served_model_name:
         return args.served_model_name
-    src = args.artifact or args.model
-    return "default" if src == "default" else Path(src).name.removesuffix(".gguf")
+    src = getattr(args, "artifact_source", None) or args.artifact or args.model
+    return "default" if src == "default" else Path(src.rstrip("/")).name.removesuffix(".gguf")
 
 
 def check_args(args: argparse.Namespace, verify_hashes: bool = True) -> tuple[Any, Any, int | None]:
@@ -50,8 +50,9 @@ def check_args(args: argparse.Namespace, verify_hashes: bool = True) -> tuple[An
     against the artifact before anything loads (`serve --data-parallel` checks them once, before starting N
     replicas, without hashing the files: `verify_hashes=False`). The manifest is read once, here; the loader
     takes it as read."""
-    from neuron_opt.commands.generate import bundled_speculation, speculative_from_args
+    from neuron_opt.commands.generate import bundled_speculation, resolve_artifact_arg, speculative_from_args
 
+    resolve_artifact_arg(args)  # an s3:// artifact pulled here, in the process that loads it
     if not args.artifact:
         return (None, *speculative_from_args(args, None))
     from neuron_opt.artifact import read_verified

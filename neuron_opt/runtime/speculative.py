@@ -70,7 +70,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     method: str = "ngram"
     prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 1  # single-token matches too: measured better than 2 (docs/speculative.md)
+    prompt_lookup_min: int = 1  # single-token matches too: measured better than 2 (scripts/bench_spec.py)
     adaptive: bool = True  # speculate only in steps where the measured acceptance says it pays
     model: str | None = None  # the draft model (method "draft_model" only)
 
