@@ -17,50 +17,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from models.build import model_class
-from neuron_opt.backends.eager import EagerExecutor, load_weights
-from neuron_opt.buckets import BucketConfig
-from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, torch_dtype
-from neuron_opt.errors import ConfigError
+from neuron_opt.artifact import VerifiedManifest
+from neuron_opt.config import ParallelConfig
+from neuron_opt.executors import build_model as build_model  # re-exported: eager models for tests and scripts
+from neuron_opt.executors import is_artifact, load_model
 from neuron_opt.object_store import is_remote, resolve
-from neuron_opt.parallel import head_layout
 from neuron_opt.runtime.generate import GenerationOutput, generate_ids
-from neuron_opt.runtime.runner import ModelRunner
 from neuron_opt.runtime.sampling import SamplingParams
 from neuron_opt.runtime.speculative import SpecStats, SpeculativeConfig, check_draft_tokenizer
 from neuron_opt.runtime.structured import GrammarCompiler
-
-
-def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], max_model_len: int,
-                dtype: torch.dtype) -> torch.nn.Module:
-    """A single-rank model with the given (canonical, HF-named) weights."""
-    model = model_class(cfg.architecture)(cfg, head_layout(cfg, ParallelConfig()), max_model_len)
-    load_weights(model, state_dict, "checkpoint")
-    return model.to(dtype).eval()
-
-
-def is_artifact(path: str | Path) -> bool:
-    return Path(path).is_dir() and (Path(path) / "manifest.json").exists()
-
-
-def check_artifact_settings(manifest: Any, *, dtype: str | None, max_model_len: int | None, batch_size: int | None,
-                            parallel: ParallelConfig | None, num_speculative_tokens: int | None = None) -> None:
-    """An artifact fixes its dtype, KV length, batch size and parallel layout when it is compiled: a value asked
-    for here must be the artifact's, else a ConfigError says which and how to get it (never ignored)."""
-    m = manifest
-    fixed = {"dtype": (dtype, m.dtype, "--dtype"),
-             "max_model_len": (max_model_len, m.cache.max_model_len, "--max-model-len"),
-             "batch_size": (batch_size, m.cache.max_batch, "--batch-size"),
-             "parallel": (parallel, m.parallel, "--tp and the layout flags"),
-             "num_speculative_tokens": (num_speculative_tokens, m.buckets.num_speculative_tokens,
-                                        "--num-speculative-tokens")}
-    for name, (asked, has, flag) in fixed.items():
-        if asked is not None and asked != has:
-            raise ConfigError(f"{name}: this artifact was compiled with {name}={has!r}, not {asked!r}; an artifact's "
-                              f"{name} is fixed at compile time: recompile with `neuron-opt compile ... {flag}`, "
-                              f"or leave {name} unset to use the artifact's", param=name)
 
 
 class LLM:
@@ -70,7 +35,9 @@ class LLM:
 
     `trusted_keys`: public-key files (`neuron-opt keygen`) an artifact, and a draft artifact, must be signed by
     (ArtifactError before anything of it loads otherwise); None: NEURON_OPT_TRUSTED_KEYS; empty: none required.
-    Checkpoints hold no code (safetensors and GGUF, never unpickled) and need no signature.
+    Checkpoints hold no code (safetensors and GGUF, never unpickled) and need no signature. `verified`: the
+    artifact's manifest when the caller has already read it with every check (read_verified), so it is not read
+    again (neuron_opt.executors.loader).
 
     `model` may be an artifact's s3:// URI: it is pulled once into the local artifact cache, verified, and loaded
     from there (`s3_endpoint_url`: an S3-compatible store; default AWS_ENDPOINT_URL, else AWS S3)."""
@@ -78,40 +45,17 @@ class LLM:
     def __init__(self, model: str | Path, *, dtype: str | None = None, max_model_len: int | None = None,
                  batch_size: int | None = None, parallel: ParallelConfig | None = None,
                  num_speculative_tokens: int | None = None,
-                 trusted_keys: Sequence[str | Path] | None = None, s3_endpoint_url: str | None = None) -> None:
+                 trusted_keys: Sequence[str | Path] | None = None, verified: VerifiedManifest | None = None,
+                 s3_endpoint_url: str | None = None) -> None:
         self._drafts: dict[tuple[str, int], LLM] = {}
         self.trusted_keys = trusted_keys
         if is_remote(model):
             model = resolve(model, endpoint_url=s3_endpoint_url, trusted_keys=trusted_keys)
-        if is_artifact(model):
-            from neuron_opt.artifact import load_artifact, read_manifest
-
-            check_artifact_settings(read_manifest(Path(model), verify_hashes=False, trusted_keys=trusted_keys),
-                                    dtype=dtype, max_model_len=max_model_len, batch_size=batch_size,
-                                    parallel=parallel, num_speculative_tokens=num_speculative_tokens)
-            loaded = load_artifact(Path(model), trusted_keys=trusted_keys)
-            self.config, self.tokenizer, self.runner = loaded.model_config, loaded.tokenizer, loaded.runner
-            self.dtype: str = loaded.manifest.dtype
-        else:
-            from neuron_opt.checkpoint import open_checkpoint
-
-            ckpt = open_checkpoint(model)
-            dtype, batch_size = dtype or "float32", batch_size or 1
-            self.config, self.dtype = ckpt.config, dtype
-            self.tokenizer = ckpt.tokenizer()
-            max_model_len = max_model_len or min(self.config.max_position_embeddings, 2048)
-            cache = CacheConfig(max_batch=batch_size, max_model_len=max_model_len, dtype=dtype)
-            buckets = BucketConfig.build(max_prompt_len=max_model_len, max_model_len=max_model_len,
-                                         max_batch=batch_size, num_speculative_tokens=num_speculative_tokens or 0)
-            if parallel is not None and parallel.tp > 1:  # tp eager rank processes (neuron_opt.parallel)
-                from neuron_opt.parallel.executor import tp_executor_from_state_dict
-
-                executor: Any = tp_executor_from_state_dict(self.config, ckpt.state_dict(), parallel, cache,
-                                                            dtype=dtype)
-            else:
-                torch_model = build_model(self.config, ckpt.state_dict(), max_model_len, torch_dtype(dtype))
-                executor = EagerExecutor(torch_model, cache)
-            self.runner = ModelRunner(executor, buckets, cache, self.config.vocab_size)
+        loaded = load_model(model, dtype=dtype, max_model_len=max_model_len, batch_size=batch_size,
+                            parallel=parallel, num_speculative_tokens=num_speculative_tokens, trusted_keys=trusted_keys,
+                            verified=verified)
+        self.config, self.tokenizer, self.runner = loaded.model_config, loaded.tokenizer, loaded.runner
+        self.dtype: str = loaded.dtype
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
 
     @property

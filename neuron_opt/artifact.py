@@ -18,6 +18,7 @@ Loading checks, in this order, before any file of the artifact is opened for use
 bytes when keys are trusted; versions, digest and KV geometry; that every path the manifest names stays inside the
 artifact (no `..`, no absolute path, no symlink out) and that every graph is one of its files; no file missing
 or extra; every file's sha256. `ArtifactError` names what differs. Weights are read with safetensors only.
+Loading itself (tokenizer, executor, runner) is neuron_opt.executors' `load_model`.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ from typing import Any
 import torch
 
 from neuron_opt.buckets import Bucket, BucketConfig
-from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, QuantConfig, torch_dtype
+from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, QuantConfig
 from neuron_opt.errors import ArtifactError, ConfigError
 from neuron_opt.headers import read_capped
+from neuron_opt.parallel import head_layout
 from neuron_opt.signing import SIGNATURE, check_signature, load_trusted_keys, sign_manifest, trusted_key_paths
 
 # 2: names of issue #17 item 13 (max_model_len, max_prompt_len, prefill_lens, decode_kv_lens); 3: block KV cache
@@ -64,8 +66,6 @@ def versions() -> dict[str, str]:
 
 
 def kv_geometry(model_cfg: ModelConfig, par: ParallelConfig, cache: CacheConfig) -> dict[str, Any]:
-    from neuron_opt.parallel import head_layout
-
     lay = head_layout(model_cfg, par)
     return {"layers": model_cfg.num_hidden_layers, "num_blocks": cache.num_blocks, "block_size": cache.block_size,
             "positions_per_block_per_rank": lay.block_positions(cache.block_size),
@@ -192,6 +192,7 @@ class VerifiedManifest:
     manifest: Manifest
     raw: dict[str, Any]  # the manifest as written (the bytes that were checked)
     signature: str  # what neuron_opt.signing.check_signature found: "unsigned", or the signer and the check
+    files_verified: bool = True  # every file's sha256 was checked (read_verified's verify_hashes)
 
 
 def read_manifest(root: Path, verify_hashes: bool = True,
@@ -247,7 +248,7 @@ def read_verified(root: Path, verify_hashes: bool = True,
         for rel, digest in m.files.items():
             if sha256_file(root / rel) != digest:
                 raise ArtifactError(f"{root / rel}: sha256 does not match the manifest (file modified or corrupt)")
-    return VerifiedManifest(m, raw, signature)
+    return VerifiedManifest(m, raw, signature, verify_hashes)
 
 
 def check_paths(root: Path, m: Manifest) -> None:
@@ -278,55 +279,3 @@ def check_paths(root: Path, m: Manifest) -> None:
         inside(m.draft, "draft")
         if f"{PurePosixPath(m.draft)}/{MANIFEST}" not in m.files:
             raise ArtifactError(f"{root / MANIFEST}: draft {m.draft!r} is not an artifact inside this one")
-
-
-@dataclass
-class LoadedArtifact:
-    manifest: Manifest
-    model_config: ModelConfig
-    tokenizer: Any
-    runner: Any  # neuron_opt.runtime.runner.ModelRunner
-
-
-def load_artifact(root: Path, verify_hashes: bool = True,
-                  trusted_keys: Sequence[str | Path] | None = None) -> LoadedArtifact:
-    """Validate an artifact (`read_manifest`: with `trusted_keys`, or NEURON_OPT_TRUSTED_KEYS when None, it must be
-    signed by one of them) and build a runner for it (rank processes are started for tp > 1)."""
-    from transformers import AutoTokenizer
-
-    from models.build import rank_model_factory
-    from neuron_opt.backends import get_backend
-    from neuron_opt.runtime.runner import ModelRunner
-
-    root = Path(root)
-    m = read_manifest(root, verify_hashes=verify_hashes, trusted_keys=trusted_keys)
-    if m.backend == "neuron":  # SPMD devices before anything (transformers included) imports torch_xla
-        from neuron_opt.backends.neuron import import_xla
-
-        import_xla(devices=m.parallel.tp)
-    tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
-    dtype = torch_dtype(m.dtype)
-    if m.parallel.tp == 1:
-        backend = get_backend(m.backend, dtype, m.backend_options)
-        files = {b: [f for f in fs if f.relative_to(root).parts[:2] == ("graphs", "rank0")]
-                 for b, fs in m.bucket_files(root).items()}
-        executor = backend.load(files, root / "weights" / "rank0.safetensors",
-                                rank_model_factory(m.model, m.parallel, m.cache, 0, dtype, quant=m.quant), m.cache)
-    elif m.backend == "neuron":  # every rank in one SPMD program, collectives inside the graph
-        from neuron_opt.parallel import ParallelContext
-
-        backend = get_backend(m.backend, dtype, m.backend_options, tp=m.parallel.tp)
-        files = {b: [f for f in fs if f.relative_to(root).parts[:2] == ("graphs", "spmd")]
-                 for b, fs in m.bucket_files(root).items()}
-        comm = backend.rank_collectives(m.parallel.tp, 1)
-        factories = [rank_model_factory(m.model, m.parallel, m.cache, r, dtype,
-                                        ParallelContext(m.parallel.tp, r, comm, m.parallel.sequence_parallel),
-                                        quant=m.quant)
-                     for r in range(m.parallel.tp)]
-        executor = backend.load(files, [root / "weights" / f"rank{r}.safetensors" for r in range(m.parallel.tp)],
-                                factories, m.cache)
-    else:
-        from neuron_opt.parallel.executor import launch_tp_executor
-
-        executor = launch_tp_executor(root, m)
-    return LoadedArtifact(m, m.model, tokenizer, ModelRunner(executor, m.buckets, m.cache, m.model.vocab_size))

@@ -3,7 +3,7 @@
 - Prefill buckets cover prompt length: powers of two from a minimum (default 128) up to the max context, plus the
   max context itself, or an explicit list. A prompt of n tokens runs in the smallest bucket with seq >= n
   (a 256-token prompt runs in the 256 bucket).
-- Offset prefill buckets (`chunked_prefill`, on by default): a prefill of S tokens that starts after tokens
+- Offset prefill buckets (`offset_prefill`, on by default): a prefill of S tokens that starts after tokens
   already in the cache (a cached prefix, or the earlier chunks of a long prompt) attends over more positions
   than it has tokens: one bucket per (S, kv_len) with S a prefill length and kv_len a decode length > S. On the
   cpu backend they share the prefill graph (dynamic shapes) and cost nothing; the neuron backend compiles each.
@@ -108,7 +108,7 @@ class BucketConfig:
     decode_kv_lens: tuple[int, ...]
     prefill_batch: int = 1
     verify_len: int = 0  # q_len of the verify buckets (num_speculative_tokens + 1); 0: no verify graphs
-    chunked_prefill: bool = True  # offset prefill buckets: prefix caching and chunked prefill need them
+    offset_prefill: bool = True  # offset prefill buckets: prefix caching and chunked prefill need them
 
     def __post_init__(self) -> None:
         for name in ("prefill_lens", "decode_batches", "decode_kv_lens"):
@@ -126,14 +126,14 @@ class BucketConfig:
     def build(cls, *, max_prompt_len: int, max_model_len: int, max_batch: int, min_prefill: int = 128,
               min_decode: int = 128, prefill_lens: Sequence[int] | None = None,
               decode_kv_lens: Sequence[int] | None = None, decode_batches: Sequence[int] | None = None,
-              num_speculative_tokens: int = 0, chunked_prefill: bool = True,
+              num_speculative_tokens: int = 0, offset_prefill: bool = True,
               prefill_batch: int = 1) -> BucketConfig:
         """Default bucket set, or explicit lists (validated against the limits).
 
         max_prompt_len: the longest prompt (the largest prefill bucket by default). max_model_len: the most tokens
         one sequence holds, prompt + generated: the KV cache length per sequence, and the largest decode bucket
         (explicit decode buckets must reach it, so that the two are one number). num_speculative_tokens k > 0
-        adds a verify bucket of k + 1 tokens per row for every decode bucket. chunked_prefill adds the offset
+        adds a verify bucket of k + 1 tokens per row for every decode bucket. offset_prefill adds the offset
         prefill buckets (module docstring)."""
         if max_prompt_len > max_model_len:
             raise ConfigError(f"max_prompt_len: {max_prompt_len} exceeds max_model_len={max_model_len} (the KV "
@@ -158,11 +158,11 @@ class BucketConfig:
         if num_speculative_tokens < 0:
             raise ConfigError(f"num_speculative_tokens: must be >= 0, got {num_speculative_tokens}")
         return cls(tuple(pf), tuple(bb), tuple(dc), prefill_batch, verify_len=num_speculative_tokens + 1
-                   if num_speculative_tokens else 0, chunked_prefill=chunked_prefill)
+                   if num_speculative_tokens else 0, offset_prefill=offset_prefill)
 
     def buckets(self) -> list[Bucket]:
         pre = [Bucket(PREFILL, self.prefill_batch, s) for s in self.prefill_lens]
-        if self.chunked_prefill:
+        if self.offset_prefill:
             pre += [Bucket(PREFILL, self.prefill_batch, k, s) for s in self.prefill_lens for k in self.decode_kv_lens
                     if k > s]
         dec = [Bucket(DECODE, b, s) for b in self.decode_batches for s in self.decode_kv_lens]
@@ -177,12 +177,14 @@ class BucketConfig:
     def to_dict(self) -> dict[str, list[int] | int]:
         return {"prefill_lens": list(self.prefill_lens), "decode_batches": list(self.decode_batches),
                 "decode_kv_lens": list(self.decode_kv_lens), "prefill_batch": self.prefill_batch,
-                "verify_len": self.verify_len, "chunked_prefill": self.chunked_prefill}
+                "verify_len": self.verify_len, "offset_prefill": self.offset_prefill}
 
     @classmethod
     def from_dict(cls, d: dict) -> BucketConfig:
+        """`chunked_prefill`: the key's name in manifests written before `offset_prefill`, read the same."""
+        offset = d.get("offset_prefill", d.get("chunked_prefill", False))
         return cls(tuple(d["prefill_lens"]), tuple(d["decode_batches"]), tuple(d["decode_kv_lens"]),
-                   int(d.get("prefill_batch", 1)), int(d.get("verify_len", 0)), bool(d.get("chunked_prefill", False)))
+                   int(d.get("prefill_batch", 1)), int(d.get("verify_len", 0)), bool(offset))
 
 
 def smallest_fitting(n: int, sizes: Iterable[int]) -> int | None:
@@ -204,8 +206,8 @@ def pick_prefill(num_tokens: int, cfg: BucketConfig, start: int = 0) -> Bucket:
             "recompile with a larger --max-prompt-len or --prefill-buckets")
     if start == 0:
         return Bucket(PREFILL, cfg.prefill_batch, s)
-    if not cfg.chunked_prefill:
-        raise BucketOverflowError("this artifact has no offset prefill buckets (compiled with --no-chunked-prefill); "
+    if not cfg.offset_prefill:
+        raise BucketOverflowError("this artifact has no offset prefill buckets (compiled with --no-offset-prefill); "
                                   "prefix caching and chunked prefill need them")
     k = smallest_fitting(max(s, start + num_tokens), cfg.decode_kv_lens)
     if k is None:

@@ -11,6 +11,8 @@ Steps
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -18,33 +20,34 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
+import models.llama
 from models.build import rank_model_factory
 from neuron_opt import envs
 from neuron_opt.artifact import ArtifactWriter, Manifest, check_out_dir, versions
+from neuron_opt.backends import backend_class, get_backend
+from neuron_opt.backends.base import Backend
+from neuron_opt.backends.eager import load_weights_streamed
 from neuron_opt.buckets import Bucket, BucketConfig
+from neuron_opt.checkpoint import open_checkpoint
 from neuron_opt.compile_cache import CacheKey, CompileCache
-from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, QuantConfig, torch_dtype
+from neuron_opt.config import CacheConfig, KVCacheDtype, ModelConfig, ParallelConfig, QuantConfig, torch_dtype
 from neuron_opt.errors import ConfigError
+from neuron_opt.gguf_quant import native_quant, stored_tensors
 from neuron_opt.kv_quant import CALIBRATION_TEXT, calibrate, fold
-from neuron_opt.quant import QuantTensor, check_uniform_layers
+from neuron_opt.parallel import ParallelContext, head_layout
+from neuron_opt.parallel.sharding import rank_shards
+from neuron_opt.planner import format_plan_table
+from neuron_opt.quant import QuantTensor
+from neuron_opt.runtime.speculative import check_draft_tokenizer
 from neuron_opt.signing import load_signing_key
 
-# Seconds per distinct compiled graph of a 30-layer model, before this machine has measured its own: the cpu
-# figure was measured on a 2-core AVX-512 machine (SmolLM2-135M, docs/cpu_backend.md), the neuron one is
-# neuronx-cc's order of magnitude. Every cold compile records this machine's figure (`record_compile_speed`);
-# the plan table uses it from then on and says which it used.
-EST_SECONDS_PER_GRAPH = {"eager": 0.0, "cpu": 15.0, "neuron": 300.0}
+# Seconds per distinct compiled graph of a 30-layer model: each backend's `est_seconds_per_graph` until this
+# machine has measured its own. Every cold compile records this machine's figure (`record_compile_speed`); the
+# plan table uses it from then on and says which it used.
 TIMINGS = "compile_seconds.json"  # in the compile cache directory: seconds per graph per 30 layers, by target
 
-
-def compile_target(backend: str) -> str:
-    """What compile speed depends on besides the model: the backend, and for neuron the PJRT device."""
-    import sys
-
-    if backend == "neuron" and "torch_xla" in sys.modules:
-        return f"neuron/{sys.modules['torch_xla'].runtime.device_type()}"
-    return backend
 
 
 def _graph_units(cfg: ModelConfig, buckets: BucketConfig, backend: str, tp: int) -> float:
@@ -53,8 +56,6 @@ def _graph_units(cfg: ModelConfig, buckets: BucketConfig, backend: str, tp: int)
 
 
 def measured_seconds_per_graph(timings_dir: Path, target: str) -> float | None:
-    import json
-
     try:
         return float(json.loads((Path(timings_dir) / TIMINGS).read_text())[target])
     except (OSError, ValueError, KeyError, TypeError):
@@ -62,8 +63,6 @@ def measured_seconds_per_graph(timings_dir: Path, target: str) -> float | None:
 
 
 def record_compile_speed(timings_dir: Path, target: str, seconds_per_unit: float) -> None:
-    import json
-
     path = Path(timings_dir) / TIMINGS
     try:
         table = json.loads(path.read_text())
@@ -77,15 +76,8 @@ def record_compile_speed(timings_dir: Path, target: str, seconds_per_unit: float
 
 
 def distinct_graphs(buckets: BucketConfig, backend: str) -> int:
-    """Graphs a backend actually compiles: the cpu backend shares one dynamic-KV layer graph per (phase, batch,
-    q_len) and one LM-head graph per row count (verify buckets a head of their own); other backends compile one
-    graph per bucket."""
-    bs = buckets.buckets()
-    if backend == "cpu":
-        from neuron_opt.backends.cpu_graphs import graph_keys
-
-        return len({k for b in bs for k in graph_keys(b)})
-    return len(bs)
+    """Graphs a backend actually compiles per rank (the cpu backend shares graphs between buckets)."""
+    return backend_class(backend).distinct_graphs(buckets)
 
 
 def code_fingerprint() -> str:
@@ -94,10 +86,6 @@ def code_fingerprint() -> str:
 
     Part of every compile-cache key, so editing the model or a backend never reuses a graph compiled from the old
     code (the package version alone does not change between commits)."""
-    import hashlib
-
-    import models.llama
-
     here = Path(__file__).parent  # neuron_opt/
     roots = [Path(models.llama.__file__).parent, here / "backends", here / "parallel", here / "quant.py"]
     h = hashlib.sha256()
@@ -108,18 +96,8 @@ def code_fingerprint() -> str:
     return h.hexdigest()[:16]
 
 
-def cpu_has_native_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
-
-
 def default_dtype(backend: str) -> str:
-    if backend == "cpu":
-        return "bfloat16" if cpu_has_native_bf16() else "float32"
-    return "bfloat16" if backend == "neuron" else "float32"
+    return backend_class(backend).default_dtype()
 
 
 @dataclass(frozen=True)
@@ -141,14 +119,14 @@ class CompileRequest:
     num_speculative_tokens: int = 0  # k > 0: verify graphs of k + 1 tokens (speculative decoding)
     block_size: int = 32  # KV cache block (positions)
     num_kv_blocks: int = 0  # 0: enough for batch_size sequences of max_model_len (CacheConfig)
-    chunked_prefill: bool | None = None  # offset prefill buckets (prefix caching, chunked prefill); None: auto
+    offset_prefill: bool | None = None  # offset prefill buckets (prefix caching, chunked prefill); None: auto
     prefill_batch: int = 1
     quantize: str | None = None  # int8 | int4 | fp8 | auto (a GGUF's own precision class); None: none
     quantization_type: str = ""  # QuantConfig.quantization_type; "" = the method's default
     group_size: int = 0  # int4 only; 0 = 32
     modules_to_not_convert: tuple[str, ...] = ()
     quantize_lm_head: bool | None = None  # None: as `quantize auto` finds it (a GGUF's quantized head), else off
-    kv_cache_dtype: str = "auto"  # auto (the compute dtype) | fp8 (e4m3, scales folded into the weights)
+    kv_cache_dtype: KVCacheDtype | str = KVCacheDtype.AUTO  # auto: the compute dtype; fp8: e4m3, scales folded in
     speculative_model: str | None = None  # a draft model compiled alongside, into DRAFT_DIR (needs k > 0)
     force: bool = False  # replace `out` even when it is a non-empty directory that is not an artifact
     sign_key: Path | None = None  # an Ed25519 private key (neuron-opt keygen): the artifact is signed with it
@@ -167,24 +145,21 @@ def draft_request(req: CompileRequest, cache_cfg: CacheConfig, buckets: BucketCo
         prefill_buckets=tuple(buckets.prefill_lens), decode_buckets=tuple(buckets.decode_kv_lens),
         decode_batches=tuple(buckets.decode_batches),
         backend_options=req.backend_options, cache_dir=req.cache_dir, use_cache=req.use_cache,
-        block_size=req.block_size, chunked_prefill=req.chunked_prefill, prefill_batch=req.prefill_batch,
+        block_size=req.block_size, offset_prefill=req.offset_prefill, prefill_batch=req.prefill_batch,
         sign_key=req.sign_key)  # signed on its own too: it is loaded as an artifact of its own
 
 
 def check_draft_request(req: CompileRequest, tokenizer: Any) -> None:
     """Refuse a draft model the target (whose tokenizer is given) could not use, before any long work."""
-    from neuron_opt.checkpoint import open_checkpoint
-    from neuron_opt.runtime.speculative import check_draft_tokenizer
-
     if not req.speculative_model:
         return
     if req.num_speculative_tokens < 1:
         raise ConfigError("--speculative-model: the target needs verify graphs for the draft's proposals; add "
                           "--num-speculative-tokens K", param="speculative_model")
-    if req.backend == "neuron" and req.parallel.tp > 1:
-        raise ConfigError("--speculative-model: a draft beside a tp > 1 neuron program is not supported yet (one "
-                          "process runs one SPMD device set); compile the draft separately and run it eagerly, or "
-                          "use --speculative-method ngram", param="speculative_model")
+    if backend_class(req.backend).spmd and req.parallel.tp > 1:
+        raise ConfigError(f"--speculative-model: a draft beside a tp > 1 {req.backend} program is not supported yet "
+                          "(one process runs one SPMD device set); compile the draft separately and run it eagerly, "
+                          "or use --speculative-method ngram", param="speculative_model")
     check_draft_tokenizer(open_checkpoint(req.speculative_model).tokenizer(), tokenizer, req.speculative_model)
 
 
@@ -204,75 +179,52 @@ def plan_buckets(cfg: ModelConfig, req: CompileRequest) -> tuple[CacheConfig, Bu
     if max_model_len > cfg.max_position_embeddings:
         raise ConfigError(f"max_model_len: {max_model_len} exceeds the model's max_position_embeddings="
                           f"{cfg.max_position_embeddings}")
-    # the neuron backend's NKI kernels pick causal flash attention for a prefill whose tokens equal its KV length,
-    # which an offset prefill can also be: no offset buckets with ops=nki
-    nki = req.backend == "neuron" and req.backend_options.get("ops") == "nki"
-    if req.chunked_prefill and nki:
-        raise ConfigError("chunked_prefill: the neuron backend's ops=nki runs prefill kernels that assume a prompt "
-                          "from position 0; compile with --no-chunked-prefill (prefix caching and chunked prefill "
-                          "then stay off) or without ops=nki")
-    chunked = not nki if req.chunked_prefill is None else req.chunked_prefill
-    if req.kv_cache_dtype not in ("auto", "fp8"):
-        raise ConfigError(f"kv_cache_dtype: must be auto or fp8, got {req.kv_cache_dtype!r}")
-    if req.kv_cache_dtype == "fp8" and nki:
-        raise ConfigError("kv_cache_dtype: fp8 is not read by the NKI attention kernels yet; compile without "
-                          "ops=nki")
-    if req.kv_cache_dtype == "fp8" and cfg.qk_norm:
+    backend = backend_class(req.backend)
+    offset_prefill = backend.resolve_offset_prefill(req.backend_options, req.offset_prefill)
+    kv_cache_dtype = KVCacheDtype.parse(req.kv_cache_dtype)
+    backend.check_kv_cache_dtype(req.backend_options, kv_cache_dtype)
+    if kv_cache_dtype is KVCacheDtype.FP8 and cfg.qk_norm:
         raise ConfigError(f"kv_cache_dtype: fp8 scales are folded into q_proj/k_proj, and {cfg.architecture}'s "
                           "q/k RMSNorm after them would undo the fold (K would reach the cache unscaled); compile "
                           "without --kv-cache-dtype fp8")
-    kv_dtype = "float8_e4m3fn" if req.kv_cache_dtype == "fp8" else (req.dtype or "float32")
-    cache = CacheConfig(max_batch=req.batch_size, max_model_len=max_model_len, dtype=kv_dtype,
+    cache = CacheConfig(max_batch=req.batch_size, max_model_len=max_model_len,
+                        dtype=kv_cache_dtype.storage(req.dtype or "float32"),
                         block_size=req.block_size, num_blocks=req.num_kv_blocks)
     buckets = BucketConfig.build(max_prompt_len=max_prompt_len, max_model_len=max_model_len,
                                  max_batch=req.batch_size, prefill_lens=req.prefill_buckets,
                                  decode_kv_lens=req.decode_buckets, decode_batches=req.decode_batches,
                                  num_speculative_tokens=req.num_speculative_tokens,
-                                 chunked_prefill=chunked, prefill_batch=req.prefill_batch)
+                                 offset_prefill=offset_prefill, prefill_batch=req.prefill_batch)
     return cache, buckets
 
 
 def format_plan(cfg: ModelConfig, par: ParallelConfig, cache: CacheConfig, buckets: BucketConfig,
                 backend: str, dtype: str, timings_dir: Path | None = None) -> str:
     """The planner's table (memory per rank, fit, buckets) plus the graph count and compile-time estimate."""
-    from neuron_opt.planner import format_plan_table
-
-    instance = par.instance if (backend == "neuron" and par.instance) else "cpu"
+    cls = backend_class(backend)
     graphs = buckets.buckets()
-    n = distinct_graphs(buckets, backend)
-    target = compile_target(backend)
+    n = cls.distinct_graphs(buckets)
+    target = cls.compile_target()
     measured = measured_seconds_per_graph(timings_dir, target) if timings_dir is not None else None
-    per_unit = measured if measured is not None else EST_SECONDS_PER_GRAPH.get(backend, 60.0)
+    per_unit = measured if measured is not None else cls.est_seconds_per_graph
     est = per_unit * _graph_units(cfg, buckets, backend, par.tp)
     source = (f"measured on this machine: {per_unit:.1f} s per 30-layer graph" if measured is not None else
               "not yet measured on this machine (the first cold compile measures it)")
     return "\n".join([
-        format_plan_table(cfg, par, cache, buckets, instance=instance, dtype=dtype,
-                          compile_ranks_held=par.tp if backend == "neuron" else 1),
+        format_plan_table(cfg, par, cache, buckets, instance=cls.plan_instance(par), dtype=dtype,
+                          compile_ranks_held=len(cls.compile_units(par.tp)[0].ranks)),
         f"  backend {backend}: {len(graphs)} bucket(s), {n} distinct graph(s) per rank x {par.tp} rank(s); "
         f"estimated compile time with a cold cache: {est / 60:.1f} min ({source})",
     ])
 
 
 def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, progress: bool = True) -> CompileReport:
-    from tqdm import tqdm
-
-    from neuron_opt.backends import check_backend_tp, get_backend
-    from neuron_opt.backends.eager import load_weights_streamed
-    from neuron_opt.checkpoint import open_checkpoint
-    from neuron_opt.parallel import ParallelContext, head_layout
-    from neuron_opt.parallel.sharding import rank_shards
-
     t0 = time.perf_counter()
     check_out_dir(req.out, req.force)  # before any long work
     signing_key = load_signing_key(req.sign_key) if req.sign_key is not None else None
-    check_backend_tp(req.backend, req.parallel.tp)
-    if req.backend == "neuron":  # XLA's HLO dump and SPMD devices must be set up before anything (transformers
-        from neuron_opt.backends.neuron import check_spmd_layout, import_xla  # included) imports torch_xla
-
-        if req.parallel.tp > 1:
-            check_spmd_layout(req.parallel, 1)  # flash decoding is checked once the head layout is known
-        import_xla(dump=True, devices=req.parallel.tp)
+    backend_cls = backend_class(req.backend)
+    backend_cls.check_parallel(req.parallel)  # flash decoding is checked once the head layout is known
+    backend_cls.prepare(req.parallel.tp, for_compile=True)  # before anything (transformers too) loads a runtime
     ckpt = open_checkpoint(req.model)
     cfg = ckpt.config
     tokenizer = ckpt.tokenizer()
@@ -286,10 +238,7 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
     log(format_plan(cfg, par, cache_cfg, buckets, req.backend, qc.method or dtype_name, timings_dir))
     dtype = torch_dtype(dtype_name)
     lay = head_layout(cfg, par)
-    if req.backend == "neuron" and par.tp > 1:  # before the runtime starts: a layout error is a config error
-        from neuron_opt.backends.neuron import check_spmd_layout
-
-        check_spmd_layout(par, lay.kv_seq_shards)
+    backend_cls.check_parallel(par, lay.kv_seq_shards)  # before any device model: a layout error is a config error
     backend = get_backend(req.backend, dtype, req.backend_options, for_compile=True, tp=par.tp)
     cache = CompileCache(req.cache_dir or envs.CACHE_DIR / "compile") if req.use_cache else None
     fingerprint = ckpt.weights_fingerprint()
@@ -314,13 +263,11 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
     def canonical() -> Any:
         """The checkpoint's tensors one at a time: GGUF int4 linears as stored when kept, else floats."""
         if stored:
-            from neuron_opt.gguf_quant import stored_tensors
-
             return stored_tensors(ckpt, dtype)
         return ckpt.tensors(dtype)
 
     kv_scales = None
-    if cache_cfg.dtype == "float8_e4m3fn":
+    if cache_cfg.kv_cache_dtype is KVCacheDtype.FP8:
         kv_scales = _calibrate_kv(cfg, cache_cfg, dtype, qc, canonical(), tokenizer, ckpt.source)
         log(f"  fp8 KV cache: per-layer scales calibrated on {len(tokenizer.encode(CALIBRATION_TEXT))} tokens "
             f"(K {min(kv_scales[0]):.3g}..{max(kv_scales[0]):.3g}, V {min(kv_scales[1]):.3g}.."
@@ -336,36 +283,30 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
         shards = (pair for name, t in tensors  # GGUF blocks kept as stored: tp 1 only (resolve_quant)
                   for pair in ([(name, t)] if isinstance(t, QuantTensor) else rank_shards(name, t, cfg, lay, rank)))
         load_weights_streamed(model, shards, f"{ckpt.source} (rank {rank} shard)")
-        if req.backend == "cpu":
-            check_uniform_layers(model)
+        backend.check_model(model)
         return model
 
-    # a backend whose graphs hold the collectives builds every rank into one SPMD program (neuron: XLA ops);
-    # the others compile rank by rank. A unit: (its cache-key rank, the ranks it holds, its graph directory)
-    spmd = par.tp > 1 and hasattr(backend, "rank_collectives")
-    comm = backend.rank_collectives(par.tp, lay.kv_seq_shards) if spmd else None
-    units = ([("spmd", list(range(par.tp)), "graphs/spmd")] if spmd else
-             [(r, [r], f"graphs/rank{r}") for r in range(par.tp)])  # one rank's graphs may share files
+    # a backend whose graphs hold the collectives builds every rank into one SPMD program (one unit, the ranks
+    # built with its collectives); the others compile rank by rank (one rank's graphs may share files)
+    units = backend.compile_units(par.tp)
+    comm = backend.rank_collectives(par.tp, lay.kv_seq_shards)
     try:
-        for unit, ranks, rel_dir in units:
-            models = [build_rank(r, comm) for r in ranks]
-            for r, model in zip(ranks, models, strict=True):  # saved first: a device program takes host weights
+        for unit in units:
+            models = [build_rank(r, comm) for r in unit.ranks]
+            for r, model in zip(unit.ranks, models, strict=True):  # saved first: a device program takes host weights
                 backend.save_weights(model, writer.path(f"weights/rank{r}.safetensors"))
-            target = models if spmd else models[0]
-            desc = f"compile tp={par.tp} (SPMD)" if spmd else f"compile rank {unit}"
+            desc = f"compile tp={par.tp} (SPMD)" if len(unit.ranks) > 1 else f"compile rank {unit.key}"
             bar = tqdm(buckets.buckets(), desc=desc, unit="graph", disable=not progress)
             for bucket in bar:
                 bar.set_postfix_str(bucket.key)
-                files = _compile_one(backend, target, bucket, cache_cfg, key_for(bucket, unit), cache,
-                                     writer.path(rel_dir), hits, misses, compile_seconds)
-                graphs.setdefault(bucket.key, []).extend(f"{rel_dir}/{f}" for f in files)
-            del models, target, model  # before the next unit builds its models
-        if hasattr(backend, "finish_compile"):
-            backend.finish_compile()
-        if not hits and misses and req.backend != "eager":  # a cold compile: this machine's speed, for the plan
-            units = _graph_units(cfg, buckets, req.backend, par.tp)
-            record_compile_speed(timings_dir, compile_target(req.backend),
-                                 sum(compile_seconds) / units)
+                files = _compile_one(backend, models, bucket, cache_cfg, key_for(bucket, unit.key), cache,
+                                     writer.path(unit.graph_dir), hits, misses, compile_seconds)
+                graphs.setdefault(bucket.key, []).extend(f"{unit.graph_dir}/{f}" for f in files)
+            del models, model  # before the next unit builds its models
+        backend.finish_compile()
+        if not hits and misses and backend.compiles_graphs:  # a cold compile: this machine's speed, for the plan
+            record_compile_speed(timings_dir, backend_cls.compile_target(),
+                                 sum(compile_seconds) / _graph_units(cfg, buckets, req.backend, par.tp))
         tokenizer.save_pretrained(writer.path("tokenizer"))
         if req.speculative_model:  # inside this artifact before it commits: both land, or neither
             log(f"draft model {req.speculative_model} -> {DRAFT_DIR}/")
@@ -391,8 +332,6 @@ def resolve_quant(req: CompileRequest, ckpt: Any) -> tuple[QuantConfig, bool]:
     explicit method quantizes the float weights at compile time; so does int4 with another group size or type
     than the file's. Stored blocks are per output channel, so any tp could shard them; compile keeps them only at
     tp=1 (at tp>1 the float weights are sharded and quantized per rank)."""
-    from neuron_opt.gguf_quant import native_quant
-
     if req.quantize is None:
         if req.modules_to_not_convert or req.quantization_type or req.group_size or req.quantize_lm_head:
             raise ConfigError("quantization_type/group_size/modules_to_not_convert/quantize_lm_head: need --quantize")
@@ -413,11 +352,7 @@ def resolve_quant(req: CompileRequest, ckpt: Any) -> tuple[QuantConfig, bool]:
     else:
         qc = QuantConfig(req.quantize, req.quantization_type, req.group_size, tuple(req.modules_to_not_convert),
                          lm_head=bool(req.quantize_lm_head))
-    if qc.method == "fp8" and req.backend == "cpu":
-        raise ConfigError("quantize: fp8 weights have no CPU kernel; use --quantize int8 or int4 on the cpu "
-                          "backend (fp8 is a device format: --backend neuron, or eager for a reference)")
-    if qc.lm_head and req.backend == "cpu" and qc.method == "fp8":
-        raise ConfigError("quantize_lm_head: fp8 has no CPU kernel")
+    backend_class(req.backend).check_quant(qc)
     keep = (native.source == "gguf" and qc.method == native.method and qc.group_size == native.group_size
             and qc.quantization_type == native.quantization_type and req.parallel.tp == 1)
     return (dataclasses.replace(qc, source="gguf" if keep else ""), keep)
@@ -426,8 +361,6 @@ def resolve_quant(req: CompileRequest, ckpt: Any) -> tuple[QuantConfig, bool]:
 def _calibrate_kv(cfg: ModelConfig, cache_cfg: CacheConfig, dtype: torch.dtype, qc: QuantConfig, tensors: Any,
                   tokenizer: Any, source: Any) -> tuple[list[float], list[float]]:
     """Per-layer fp8 KV scales from the tp=1 model as it will run (quantized if asked), in `dtype`."""
-    from neuron_opt.backends.eager import load_weights_streamed
-
     calib_cache = dataclasses.replace(cache_cfg, dtype=str(dtype).removeprefix("torch."), max_batch=1,
                                       num_blocks=0)
     model = rank_model_factory(cfg, ParallelConfig(), calib_cache, 0, dtype, quant=qc)()
@@ -437,7 +370,7 @@ def _calibrate_kv(cfg: ModelConfig, cache_cfg: CacheConfig, dtype: torch.dtype, 
     return calibrate(model, ids, cache_cfg.block_size)
 
 
-def _compile_one(backend: Any, model: torch.nn.Module | list[torch.nn.Module], bucket: Bucket,
+def _compile_one(backend: Backend, models: list[torch.nn.Module], bucket: Bucket,
                  cache_cfg: CacheConfig, key: CacheKey, cache: CompileCache | None, out_dir: Path,
                  hits: list[str], misses: dict[str, str], seconds: list[float]) -> list[str]:
     label = f"{bucket.key}/rank{key.fields['rank']}" if key.fields["rank"] != "spmd" else f"{bucket.key}/spmd"
@@ -447,7 +380,7 @@ def _compile_one(backend: Any, model: torch.nn.Module | list[torch.nn.Module], b
         return [str(f) for f in cached]
     misses[label] = cache.explain_miss(key) if cache is not None else "cache disabled"
     t0 = time.perf_counter()
-    files = [Path(f) for f in backend.compile_bucket(model, bucket, cache_cfg, out_dir)]
+    files = [Path(f) for f in backend.compile_unit(models, bucket, cache_cfg, out_dir)]
     seconds.append(time.perf_counter() - t0)
     if cache is not None and files:
         cache.store(key, out_dir, files)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,31 @@ from neuron_opt.errors import ConfigError
 from neuron_opt.headers import read_json_capped
 
 DTYPES = ("float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = DTYPES + ("float8_e4m3fn",)  # fp8 e4m3: `compile --kv-cache-dtype fp8`
+FP8_STORAGE = "float8_e4m3fn"  # the stored dtype of KVCacheDtype.FP8
+KV_CACHE_DTYPES = DTYPES + (FP8_STORAGE,)  # what CacheConfig.dtype holds: the KV pools' stored dtype
+
+
+class KVCacheDtype(str, Enum):
+    """The KV cache dtype asked for, one name from the CLI (`compile --kv-cache-dtype`) to the kernels.
+
+    AUTO stores K and V in the compute dtype; FP8 in float8 e4m3 with per-layer scales calibrated at compile time
+    and folded into the weights (neuron_opt.kv_quant). `storage` names the stored dtype, which is what
+    `CacheConfig.dtype` holds (so manifests keep their `cache.dtype`); `CacheConfig.kv_cache_dtype` reads it back.
+    """
+
+    AUTO = "auto"
+    FP8 = "fp8"
+
+    def storage(self, compute: str) -> str:
+        """The KV pools' dtype name for a model computing in `compute`."""
+        return FP8_STORAGE if self is KVCacheDtype.FP8 else compute
+
+    @classmethod
+    def parse(cls, value: Any) -> KVCacheDtype:
+        try:
+            return cls(value)
+        except ValueError:
+            raise ConfigError(f"kv_cache_dtype: must be {' or '.join(d.value for d in cls)}, got {value!r}") from None
 QUANT_METHODS = ("int8", "int4", "fp8")
 QUANT_TYPES = ("per_channel_symmetric", "per_tensor_symmetric", "group_asymmetric", "group_symmetric")
 
@@ -374,6 +399,11 @@ class CacheConfig:
         _check(self.num_blocks >= self.blocks_per_sequence + 1, "num_blocks",
                f"must hold at least one sequence of max_model_len={self.max_model_len} ("
                f"{self.blocks_per_sequence} blocks of {self.block_size}) plus the null block, got {self.num_blocks}")
+
+    @property
+    def kv_cache_dtype(self) -> KVCacheDtype:
+        """FP8 when the pools are stored in fp8, else AUTO (the compute dtype)."""
+        return KVCacheDtype.FP8 if self.dtype == FP8_STORAGE else KVCacheDtype.AUTO
 
     @property
     def blocks_per_sequence(self) -> int:

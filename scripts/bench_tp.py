@@ -5,7 +5,7 @@ For each configuration it starts the rank processes once, then measures
   decode: --decode-steps greedy steps at batch 1, with full-logit gathering and with top-1 candidates
           (vocab-parallel sampling), tokens/s = steps / seconds;
 and reads the ranks' counted collectives for one prefill and one decode step (payload bytes and ring-model
-wire bytes per rank, per token), checked against the formula in neuron_opt.parallel.comm_cost.
+wire bytes per rank, per token), checked against the formula in neuron_opt.planner.collectives.
 tp=1 runs the eager executor in this process (no collectives).
 
 Configurations: the default model (SmolLM2-135M, 9 q / 3 kv heads) at tp 1/2/3, plain and sequence-parallel;
@@ -31,10 +31,10 @@ from neuron_opt.backends.eager import EagerExecutor
 from neuron_opt.buckets import BucketConfig, pick_decode, pick_prefill
 from neuron_opt.checkpoint import open_checkpoint
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
-from neuron_opt.parallel.comm_cost import expected_calls, summarize
-from neuron_opt.parallel.executor import tp_executor_from_state_dict
-from neuron_opt.parallel.launcher import default_threads
+from neuron_opt.executors.launcher import default_threads
+from neuron_opt.executors.tp import tp_executor_from_state_dict
 from neuron_opt.parallel.sharding import head_layout, layout_cost
+from neuron_opt.planner.collectives import expected_calls, summarize
 from neuron_opt.runtime.runner import DecodeRow, ModelRunner
 
 

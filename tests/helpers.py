@@ -16,9 +16,9 @@ from neuron_opt.backends.base import StepInputs
 from neuron_opt.backends.eager import EagerExecutor
 from neuron_opt.buckets import BucketConfig
 from neuron_opt.config import CacheConfig, ModelConfig
+from neuron_opt.executors.launcher import RankSpec
+from neuron_opt.executors.worker import _build, _finish
 from neuron_opt.parallel.collectives import TorchCollectives
-from neuron_opt.parallel.launcher import RankSpec
-from neuron_opt.parallel.worker import _build, _finish
 from neuron_opt.runtime.generate import generate_ids
 from neuron_opt.runtime.runner import DecodeRow, ModelRunner
 from neuron_opt.runtime.sampling import SamplingParams

@@ -14,7 +14,7 @@ ALL-CAPS placeholders (`ARTIFACT`, `N`) -- is a synopsis. It expands into comman
 check: the required part alone, plus each optional group alone, plus every group at once, for every alternative
 (placeholders take the stand-ins in PLACEHOLDERS; `[...]`, "more flags", is dropped). So a synopsis may show only
 flags that exist, with values they accept, in combinations that work: `compile ... [--backend cpu|eager|neuron]
-... [--tp 2]` fails, because the default cpu backend compiles tp=1 only (`check_backend_tp`). Everything else
+... [--tp 2]` fails, because the default cpu backend compiles tp=1 only (`Backend.check_parallel`). Everything else
 is an example and must pass as written.
 
 Inline `code` spans in prose that name a command (`neuron-opt SUB`, `make TARGET`, `python scripts/X.py`) are
@@ -230,16 +230,15 @@ def model_config(model: str) -> Any:
 
 def dry_compile(req: compiler.CompileRequest, log: Any = print, progress: bool = True) -> SimpleNamespace:
     """compile_artifact up to where graphs would be built: checkpoint config, buckets, head layout, backend tp."""
-    from neuron_opt.backends import check_backend_tp
-    from neuron_opt.backends.neuron import check_spmd_layout
+    from neuron_opt.backends import backend_class
     from neuron_opt.parallel import head_layout
 
     cfg = model_config(req.model)
     compiler.plan_buckets(cfg, req)
     lay = head_layout(cfg, req.parallel)
-    check_backend_tp(req.backend, req.parallel.tp)  # what compile_artifact checks first
-    if req.backend == "neuron" and req.parallel.tp > 1:
-        check_spmd_layout(req.parallel, lay.kv_seq_shards)
+    backend = backend_class(req.backend)
+    backend.check_parallel(req.parallel)  # what compile_artifact checks first
+    backend.check_parallel(req.parallel, lay.kv_seq_shards)  # and once the head layout is known
     return SimpleNamespace(hits=[], misses={}, seconds=0.0)
 
 
@@ -361,7 +360,7 @@ CHECKS = (
     Check(r"neuron-opt plan\b", "run for real through neuron_opt.cli.main (config only, < 1 s); must exit 0",
           check_plan),
     Check(r"neuron-opt compile\b", "the CLI parser, then the real `compile` command with compile_artifact "
-          "replaced by a dry run: checkpoint config, bucket plan, head layout, backend tp (check_backend_tp)",
+          "replaced by a dry run: checkpoint config, bucket plan, head layout, backend tp (Backend.check_parallel)",
           check_compile),
     Check(r"neuron-opt (inspect|generate|serve)\b", "the CLI parser; an artifact argument must be the --out of a "
           "compile documented in the same file", check_artifact_command),

@@ -1,8 +1,9 @@
-"""The one narrow interface every backend implements.
+"""The one narrow interface every backend implements (`Backend`), and what its executors run (`Executor`).
 
-A backend turns a model (one rank's shard) into per-bucket graphs on disk at compile time, and at load time into
-an `Executor` that runs a bucket's graph on named inputs. The executor owns the KV caches; every bucket's graph
-reads and writes the same cache buffers.
+A backend turns a compile unit's model (one rank's shard, or every rank of one SPMD program) into per-bucket
+graphs on disk at compile time, and at load time into an `Executor` that runs a bucket's graph on named inputs.
+The executor owns the KV caches; every bucket's graph reads and writes the same cache buffers. `Backend` states
+every capability the compiler and the executor factory use, so neither branches on a backend's name.
 """
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
 from neuron_opt.buckets import Bucket
-from neuron_opt.config import CacheConfig
+from neuron_opt.config import CacheConfig, KVCacheDtype, torch_dtype
+from neuron_opt.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,11 @@ class StepInputs:
 
 
 class Executor(Protocol):
+    """Runs a bucket's graph on named inputs; owns the KV caches (empty lists where they live in other processes).
+
+    An executor whose ranks can sample on their vocabulary shards says so with `gathers_candidates = True`; its
+    `run` then also takes `candidates=K` (the runner passes it only then: neuron_opt.parallel.vocab)."""
+
     k_caches: list[torch.Tensor]
     v_caches: list[torch.Tensor]
 
@@ -45,23 +52,145 @@ class Executor(Protocol):
 ModelFactory = Callable[[], torch.nn.Module]
 
 
-class Backend(Protocol):
-    name: str
+@dataclass(frozen=True)
+class CompileUnit:
+    """What one compile (and, at load, one executor) holds: one rank, or every rank as one SPMD program.
+
+    key: the compile-cache key's rank (the rank, or "spmd"); ranks: the ranks it holds, in order; graph_dir: its
+    graphs' directory in the artifact."""
+
+    key: int | str
+    ranks: tuple[int, ...]
+    graph_dir: str
+
+
+class Backend:
+    """What every backend provides to the compiler and to the executor factory (neuron_opt.executors).
+
+    Class-level capabilities are known before a backend is built (building the neuron backend starts the device
+    runtime): the compile-time checks, the plan's estimates and how ranks map to compile units. The defaults are
+    those of a backend that compiles one graph per bucket and rank, with no collectives inside its graphs.
+
+    Attributes:
+        name: the `--backend` name, also the manifest's.
+        spmd: the graphs hold the collectives, so every rank is compiled and run as one program (one compile
+            unit, one executor in this process); otherwise each rank compiles alone and tp > 1 runs as rank
+            processes with gloo collectives between the ops of the eager model.
+        compiles_graphs: whether `compile_bucket` compiles anything (the compile speed is measured only then).
+        est_seconds_per_graph: the plan's compile-time estimate per 30-layer graph until this machine measured
+            its own (compiler.record_compile_speed).
+        targets_instance: the plan sizes the memory of `--instance` (else of this CPU host).
+    """
+
+    name: ClassVar[str] = ""
+    spmd: ClassVar[bool] = False
+    compiles_graphs: ClassVar[bool] = True
+    est_seconds_per_graph: ClassVar[float] = 60.0
+    targets_instance: ClassVar[bool] = False
+
+    # -- class-level: before the backend is built --------------------------------------------------------------
+
+    @classmethod
+    def create(cls, dtype: torch.dtype, options: dict[str, Any] | None, for_compile: bool, tp: int) -> Backend:
+        """The backend for one compile unit of `tp` ranks (`for_compile`: to compile, not only to load). A backend
+        that is not `spmd` holds one rank whatever the tp: each rank has its own."""
+        return cls(dtype, options)  # type: ignore[call-arg]
+
+    @classmethod
+    def default_dtype(cls) -> str:
+        """The compute dtype when `--dtype` is not given."""
+        return "float32"
+
+    @classmethod
+    def check_parallel(cls, par: Any, kv_seq_shards: int = 1) -> None:
+        """ConfigError for a parallel layout this backend does not build (`kv_seq_shards`: flash decoding's
+        KV sequence shards, once the head layout is known)."""
+
+    @classmethod
+    def prepare(cls, tp: int, for_compile: bool) -> None:
+        """Whatever must happen before anything else in the process imports the device runtime."""
+
+    @classmethod
+    def resolve_offset_prefill(cls, options: dict[str, Any], asked: bool | None) -> bool:
+        """Whether offset prefill buckets are compiled: `asked`, or the default (on) when None."""
+        return True if asked is None else asked
+
+    @classmethod
+    def check_kv_cache_dtype(cls, options: dict[str, Any], kv_cache_dtype: KVCacheDtype) -> None:
+        """ConfigError for a KV cache dtype these options cannot run."""
+
+    @classmethod
+    def check_quant(cls, quant: Any) -> None:
+        """ConfigError for a weight quantization (QuantConfig) this backend has no kernel for."""
+
+    @classmethod
+    def compile_target(cls) -> str:
+        """What compile speed depends on besides the model (the key of the measured speeds)."""
+        return cls.name
+
+    @classmethod
+    def distinct_graphs(cls, buckets: Any) -> int:
+        """Graphs compiled per rank for a BucketConfig (one per bucket unless buckets share graphs)."""
+        return len(buckets.buckets())
+
+    @classmethod
+    def plan_instance(cls, par: Any) -> str:
+        """The instance whose memory the plan table checks."""
+        return par.instance if (cls.targets_instance and par.instance) else "cpu"
+
+    @classmethod
+    def compile_units(cls, tp: int) -> list[CompileUnit]:
+        """How `tp` ranks are compiled and loaded: one SPMD unit, or one unit per rank."""
+        if cls.spmd and tp > 1:
+            return [CompileUnit("spmd", tuple(range(tp)), "graphs/spmd")]
+        return [CompileUnit(r, (r,), f"graphs/rank{r}") for r in range(tp)]
+
+    # -- a built backend ---------------------------------------------------------------------------------------
+
+    def rank_collectives(self, tp: int, kv_group_size: int) -> Any:
+        """The collectives every rank model of one unit is built with; None where each rank compiles alone."""
+        return None
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        """ConfigError for a built rank model these graphs cannot hold (called once its weights are in)."""
 
     def compile_bucket(self, model: torch.nn.Module, bucket: Bucket, cache: CacheConfig, out_dir: Path) -> list[Path]:
-        ...
+        """One rank's graph(s) for `bucket`, written under `out_dir`; their paths relative to it."""
+        raise NotImplementedError
+
+    def compile_unit(self, models: list[torch.nn.Module], bucket: Bucket, cache: CacheConfig,
+                     out_dir: Path) -> list[Path]:
+        """A compile unit's graph(s) for `bucket` (its rank models in rank order)."""
+        (model,) = _one_rank(models, self.name)
+        return self.compile_bucket(model, bucket, cache, out_dir)
+
+    def finish_compile(self) -> None:
+        """Release what compiling held (device models) once every unit is compiled."""
 
     def save_weights(self, model: torch.nn.Module, path: Path) -> None:
-        ...
+        raise NotImplementedError
 
     def load(self, graph_files: dict[Bucket, list[Path]], weights_path: Path, model_factory: ModelFactory,
              cache: CacheConfig) -> Executor:
-        ...
+        """One rank's executor: its model built by `model_factory`, weights from `weights_path`."""
+        raise NotImplementedError
+
+    def load_unit(self, graph_files: dict[Bucket, list[Path]], weights_paths: list[Path],
+                  model_factories: list[ModelFactory], cache: CacheConfig) -> Executor:
+        """A compile unit's executor (its ranks' weights and model factories in rank order)."""
+        (path,), (factory,) = _one_rank(weights_paths, self.name), _one_rank(model_factories, self.name)
+        return self.load(graph_files, path, factory, cache)
+
+
+def _one_rank(items: list[Any], backend: str) -> list[Any]:
+    if len(items) != 1:
+        raise ConfigError(f"backend: the {backend} backend compiles and loads one rank at a time, got {len(items)}")
+    return items
 
 
 def kv_dtype(cache: CacheConfig, compute: torch.dtype) -> torch.dtype:
-    """The KV pools' dtype: fp8 e4m3 under `--kv-cache-dtype fp8`, else the compute dtype."""
-    return torch.float8_e4m3fn if cache.dtype == "float8_e4m3fn" else compute
+    """The KV pools' dtype: fp8 e4m3 under `--kv-cache-dtype fp8` (KVCacheDtype.FP8), else the compute dtype."""
+    return torch_dtype(cache.dtype) if cache.kv_cache_dtype is KVCacheDtype.FP8 else compute
 
 
 def allocate_kv(model: torch.nn.Module, cache: CacheConfig,

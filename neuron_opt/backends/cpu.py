@@ -24,8 +24,8 @@ import torch
 from safetensors.torch import save_file
 
 from models.llama import rope_tables
-from neuron_opt.backends import check_backend_tp, cpu_ops
-from neuron_opt.backends.base import ModelFactory, StepInputs, allocate_kv
+from neuron_opt.backends import cpu_ops
+from neuron_opt.backends.base import Backend, ModelFactory, StepInputs, allocate_kv
 from neuron_opt.backends.cpu_constants import ConstantRecipe, build_constant
 from neuron_opt.backends.cpu_graphs import (
     HeadGraph,
@@ -43,7 +43,7 @@ from neuron_opt.backends.eager import load_model_weights, model_state_for_save
 from neuron_opt.buckets import DECODE, VERIFY, Bucket
 from neuron_opt.config import CacheConfig
 from neuron_opt.errors import ArtifactError, BackendCompileError, ConfigError
-from neuron_opt.quant import quantized_modules
+from neuron_opt.quant import check_uniform_layers, quantized_modules
 
 # 2: recipes name several sources (fused projections), heads may take their weight as an input; 3: max_model_len;
 # 4: block KV cache (slot mapping and block tables); 6: no head takes its weight as an input (bf16 heads are C++
@@ -125,8 +125,48 @@ def check_dtype_supported(dtype: torch.dtype) -> None:
             "--dtype float32 (the default on this CPU), or --backend eager for bf16 without compiled graphs")
 
 
-class CpuBackend:
+def check_tp(tp: int) -> None:
+    """cpu graphs are single-rank (tp > 1 runs as gloo ranks: eager)."""
+    if tp != 1:
+        raise ConfigError(f"backend: the cpu backend compiles tp=1 only, got --tp {tp}; use --backend eager (gloo "
+                          "rank processes) or --backend neuron (one SPMD program) for tp > 1")
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
+
+
+class CpuBackend(Backend):
     name = "cpu"
+    # measured on a 2-core AVX-512 machine (SmolLM2-135M, docs/cpu_backend.md)
+    est_seconds_per_graph = 15.0
+
+    @classmethod
+    def default_dtype(cls) -> str:
+        return "bfloat16" if cpu_has_native_bf16() else "float32"
+
+    @classmethod
+    def check_parallel(cls, par: Any, kv_seq_shards: int = 1) -> None:
+        check_tp(par.tp)
+
+    @classmethod
+    def check_quant(cls, quant: Any) -> None:
+        if quant.method == "fp8":
+            raise ConfigError("quantize: fp8 weights have no CPU kernel; use --quantize int8 or int4 on the cpu "
+                              "backend (fp8 is a device format: --backend neuron, or eager for a reference)")
+
+    @classmethod
+    def distinct_graphs(cls, buckets: Any) -> int:
+        """One dynamic-KV layer graph per (phase, batch, q_len) and one LM-head graph per row count (verify
+        buckets a head of their own)."""
+        return len({k for b in buckets.buckets() for k in graph_keys(b)})
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        check_uniform_layers(model)
 
     def __init__(self, dtype: torch.dtype, options: dict[str, Any] | None = None) -> None:
         check_dtype_supported(dtype)
@@ -138,7 +178,7 @@ class CpuBackend:
 
     def compile_bucket(self, model: torch.nn.Module, bucket: Bucket, cache: CacheConfig, out_dir: Path) -> list[Path]:
         """Write (or reuse) the bucket's layer graph and head graph; returns their paths relative to out_dir."""
-        check_backend_tp(self.name, model.pctx.tp)
+        check_tp(model.pctx.tp)
         layer_key, head_key = graph_keys(bucket)
         files = self._graph(model, out_dir, layer_key, lambda so: self._compile_layer(model, bucket, cache, so))
         files += self._graph(model, out_dir, head_key, lambda so: self._compile_head(model, bucket, so))
@@ -282,6 +322,8 @@ class _HeadCall:
 
 class CpuExecutor:
     """Runs a bucket: eager embedding -> layer containers -> head container. Owns the KV block pools."""
+
+    gathers_candidates = False
 
     def __init__(self, model: torch.nn.Module, graph_files: dict[Bucket, list[Path]], cache: CacheConfig,
                  dtype: torch.dtype, residual_dtype: torch.dtype, rope_dtype: torch.dtype) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from neuron_opt.backends.base import ModelFactory, StepInputs, allocate_kv
+from neuron_opt.backends.base import Backend, ModelFactory, StepInputs, allocate_kv
 from neuron_opt.buckets import Bucket
 from neuron_opt.config import CacheConfig
 from neuron_opt.quant import QuantTensor, quantized_modules
@@ -92,6 +92,8 @@ def load_model_weights(model: torch.nn.Module, path: Path) -> None:
 
 
 class EagerExecutor:
+    gathers_candidates = False
+
     def __init__(self, model: torch.nn.Module, cache: CacheConfig) -> None:
         self.model = model.eval()
         dtype = next(model.parameters()).dtype
@@ -102,8 +104,12 @@ class EagerExecutor:
         return self.model(*inputs.arrays(), self.k_caches, self.v_caches, bucket.kv_len, bucket.generates)
 
 
-class EagerBackend:
+class EagerBackend(Backend):
+    """Nothing to compile: each rank's graph is its eager model (tp > 1: gloo rank processes)."""
+
     name = "eager"
+    compiles_graphs = False
+    est_seconds_per_graph = 0.0
 
     def __init__(self, dtype: torch.dtype = torch.float32, options: dict | None = None) -> None:
         self.dtype = dtype

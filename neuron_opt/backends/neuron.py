@@ -48,10 +48,10 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from neuron_opt.backends.base import ModelFactory, StepInputs, kv_dtype
+from neuron_opt.backends.base import Backend, ModelFactory, StepInputs, kv_dtype
 from neuron_opt.backends.eager import load_model_weights, model_state_for_save
 from neuron_opt.buckets import Bucket
-from neuron_opt.config import CacheConfig
+from neuron_opt.config import CacheConfig, KVCacheDtype
 from neuron_opt.errors import ArtifactError, BackendCompileError, BackendUnavailableError, ConfigError
 
 HLO_TEXT = "{key}.hlo.txt"  # per bucket, in graphs/rank{r}/
@@ -502,6 +502,8 @@ class NeuronExecutor:
     A step moves the step inputs in and the logits out; weights and KV caches stay on the device.
     """
 
+    gathers_candidates = False
+
     def __init__(self, ranks: DeviceRank | SpmdRanks) -> None:
         self.ranks = ranks
         self.buckets: dict[Bucket, Replay | None] = {}  # None: run traced
@@ -523,10 +525,56 @@ class NeuronExecutor:
         return out.float()
 
 
-class NeuronBackend:
+class NeuronBackend(Backend):
     """The device path. `tp` > 1 builds every rank into one SPMD program over `tp` XLA devices."""
 
     name = "neuron"
+    spmd = True
+    est_seconds_per_graph = 300.0  # neuronx-cc's order of magnitude
+    targets_instance = True
+
+    @classmethod
+    def create(cls, dtype: torch.dtype, options: dict[str, Any] | None, for_compile: bool, tp: int) -> NeuronBackend:
+        return cls(dtype, options, dump=for_compile, tp=tp)
+
+    @classmethod
+    def default_dtype(cls) -> str:
+        return "bfloat16"
+
+    @classmethod
+    def check_parallel(cls, par: Any, kv_seq_shards: int = 1) -> None:
+        if par.tp > 1:
+            check_spmd_layout(par, kv_seq_shards)
+
+    @classmethod
+    def prepare(cls, tp: int, for_compile: bool) -> None:
+        """XLA's HLO dump (compile) and the SPMD devices must be set up before anything (transformers included)
+        imports torch_xla."""
+        import_xla(dump=for_compile, devices=tp)
+
+    @classmethod
+    def resolve_offset_prefill(cls, options: dict[str, Any], asked: bool | None) -> bool:
+        # the NKI kernels pick causal flash attention for a prefill whose tokens equal its KV length, which an
+        # offset prefill can also be: no offset buckets with ops=nki
+        nki = options.get("ops") == "nki"
+        if asked and nki:
+            raise ConfigError("offset_prefill: the neuron backend's ops=nki runs prefill kernels that assume a "
+                              "prompt from position 0; compile with --no-offset-prefill (prefix caching and chunked "
+                              "prefill then stay off) or without ops=nki")
+        return not nki if asked is None else asked
+
+    @classmethod
+    def check_kv_cache_dtype(cls, options: dict[str, Any], kv_cache_dtype: KVCacheDtype) -> None:
+        if kv_cache_dtype is KVCacheDtype.FP8 and options.get("ops") == "nki":
+            raise ConfigError("kv_cache_dtype: fp8 is not read by the NKI attention kernels yet; compile without "
+                              "ops=nki")
+
+    @classmethod
+    def compile_target(cls) -> str:
+        """The backend and the PJRT device (once torch_xla is imported)."""
+        if "torch_xla" in sys.modules:
+            return f"neuron/{sys.modules['torch_xla'].runtime.device_type()}"
+        return cls.name
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16, options: dict[str, Any] | None = None,
                  dump: bool = False, tp: int = 1) -> None:
@@ -554,9 +602,7 @@ class NeuronBackend:
             os.environ["NEURON_CC_FLAGS"] = " ".join([*self.opts.compiler_args, f"--cache_dir={cache_dir}"])
             os.environ["NEURON_COMPILE_CACHE_URL"] = str(cache_dir)
 
-    def _device_model(self, model: torch.nn.Module | list[torch.nn.Module],
-                      cache: CacheConfig) -> DeviceRank | SpmdRanks:
-        models = model if isinstance(model, list) else [model]
+    def _device_model(self, models: list[torch.nn.Module], cache: CacheConfig) -> DeviceRank | SpmdRanks:
         if self.opts.ops == "nki":
             from neuron_opt.backends.nki_device import DeviceKernelOps, set_ops
 
@@ -570,11 +616,14 @@ class NeuronBackend:
         check_spmd_layout(models[0].pctx, models[0].layout.kv_seq_shards)
         return SpmdRanks(models, cache, self.xla, self.comm)
 
-    def compile_bucket(self, model: torch.nn.Module | list[torch.nn.Module], bucket: Bucket, cache: CacheConfig,
-                       out_dir: Path) -> list[Path]:
+    def compile_bucket(self, model: torch.nn.Module, bucket: Bucket, cache: CacheConfig, out_dir: Path) -> list[Path]:
+        return self.compile_unit([model], bucket, cache, out_dir)
+
+    def compile_unit(self, models: list[torch.nn.Module], bucket: Bucket, cache: CacheConfig,
+                     out_dir: Path) -> list[Path]:
         """Compiles `bucket`'s step on the device model and writes the HLO XLA compiled for it.
 
-        `model`: the rank model (tp=1) or every rank's model, in rank order (tp > 1: one SPMD program). The
+        `models`: every rank's model, in rank order (tp > 1: one SPMD program). The
         graph is compiled exactly as `load` will compile it (for replay, or run once on the null block when
         traced), so errors surface here and, on a NeuronCore, its NEFF lands in the artifact's Neuron compile
         cache.
@@ -583,9 +632,9 @@ class NeuronBackend:
             raise ConfigError("neuron backend: construct it with dump=True to compile (XLA's HLO dump)")
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        key = id(model[0] if isinstance(model, list) else model)
+        key = id(models[0])
         if key not in self._ranks:
-            self._ranks = {key: self._device_model(model, cache)}  # one device model at a time
+            self._ranks = {key: self._device_model(models, cache)}  # one device model at a time
         ranks = self._ranks[key]
         self._set_compiler_env(out_dir / NEURON_CACHE)
         # the same compile `load` makes, so a NeuronCore's NEFF cache entry is the one used
@@ -616,16 +665,18 @@ class NeuronBackend:
     def finish_compile(self) -> None:
         self._ranks.clear()
 
-    def load(self, graph_files: dict[Bucket, list[Path]], weights_path: Path | list[Path],
-             model_factory: ModelFactory | list[ModelFactory], cache: CacheConfig) -> NeuronExecutor:
+    def load(self, graph_files: dict[Bucket, list[Path]], weights_path: Path, model_factory: ModelFactory,
+             cache: CacheConfig) -> NeuronExecutor:
+        return self.load_unit(graph_files, [weights_path], [model_factory], cache)
+
+    def load_unit(self, graph_files: dict[Bucket, list[Path]], weights_paths: list[Path],
+                  model_factories: list[ModelFactory], cache: CacheConfig) -> NeuronExecutor:
         """Places the weights on the device once and compiles (NeuronCore: loads) every bucket's graph now.
 
-        tp > 1: `weights_path` and `model_factory` are lists in rank order; every rank's model must be built
-        with `rank_collectives()`."""
-        paths = weights_path if isinstance(weights_path, list) else [weights_path]
-        factories = model_factory if isinstance(model_factory, list) else [model_factory]
+        `weights_paths`, `model_factories`: every rank's, in rank order; at tp > 1 every rank's model must be
+        built with `rank_collectives()`."""
         models = []
-        for path, factory in zip(paths, factories, strict=True):
+        for path, factory in zip(weights_paths, model_factories, strict=True):
             m = factory()
             load_model_weights(m, Path(path))
             models.append(m.to(self.dtype).eval())
@@ -634,7 +685,7 @@ class NeuronBackend:
                 raise ArtifactError(f"bucket {bucket.key}: no HLO among {[str(f) for f in files]}")
         if graph_files:
             self._set_compiler_env(Path(next(iter(graph_files.values()))[0]).parent / NEURON_CACHE)
-        ranks = self._device_model(models if self.tp > 1 else models[0], cache)
+        ranks = self._device_model(models, cache)
         executor = NeuronExecutor(ranks)
         for bucket in sorted(graph_files, key=lambda b: b.key):  # every graph ready before the first request
             _, executor.buckets[bucket] = ranks.compile_for(bucket, cache.block_size, self.replay)

@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 from neuron_opt.backends import BACKENDS
+from neuron_opt.commands.parallel_flags import add_parallel_flags, parallel_config_from_args
+from neuron_opt.config import KVCacheDtype
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -64,10 +66,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="KV blocks in the pool, the null block included (default: batch size x blocks of one "
                         "max_model_len sequence + 1); fewer serve mixed lengths in less memory, more keep more "
                         "prefixes cached")
-    p.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+    p.add_argument("--offset-prefill", "--chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the offset prefill buckets (a prefill after cached tokens) that prefix caching, "
                         "chunked prefill and preemption need (default: on, except with the neuron backend's "
-                        "ops=nki, whose kernels assume a prompt from position 0)")
+                        "ops=nki, whose kernels assume a prompt from position 0; --chunked-prefill: old spelling)")
     p.add_argument("--prefill-batch", type=int, default=1, metavar="N",
                    help="prompts (or chunks) prefilled together in one graph call (default 1)")
     p.add_argument("--quantize", default=None, choices=["int8", "int4", "fp8", "auto"],
@@ -86,7 +88,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction, default=None,
                    help="also quantize the LM head, int8 per output channel (fp8 under --quantize fp8); default: "
                         "off, except that --quantize auto keeps a GGUF's quantized head (SmolLM2's Q8_0 table)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=[d.value for d in KVCacheDtype],
                    help="auto: the compute dtype; fp8: e4m3 with per-layer scales calibrated at compile time")
     p.add_argument("--backend-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
                    help="a backend option (repeatable; see docs/cpu_backend.md and docs/neuron_backend.md), "
@@ -101,27 +103,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sign-key", type=Path, default=None, metavar="KEY",
                    help="sign the artifact with this Ed25519 private key (`neuron-opt keygen`): manifest.sig, which "
                         "serve/generate/inspect --trusted-keys check (docs/design.md)")
-    _add_parallel(p)
-    p.set_defaults(func=run)
-
-
-def _add_parallel(p: argparse.ArgumentParser) -> None:
-    try:
-        from neuron_opt.parallel.cli import add_parallel_flags
-    except ImportError:
-        p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-        return
     add_parallel_flags(p)
-
-
-def _parallel_config(args: argparse.Namespace):
-    try:
-        from neuron_opt.parallel.cli import parallel_config_from_args
-    except ImportError:
-        from neuron_opt.config import ParallelConfig
-
-        return ParallelConfig(tp=args.tp)
-    return parallel_config_from_args(args)
+    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -135,13 +118,14 @@ def run(args: argparse.Namespace) -> int:
     req = CompileRequest(
         model=args.model, out=out, backend=args.backend, dtype=args.dtype, batch_size=args.batch_size,
         max_prompt_len=args.max_prompt_len, max_model_len=args.max_model_len, prefill_buckets=args.prefill_buckets,
-        decode_buckets=args.decode_buckets, decode_batches=args.decode_batches, parallel=_parallel_config(args),
+        decode_buckets=args.decode_buckets, decode_batches=args.decode_batches,
+        parallel=parallel_config_from_args(args),
         backend_options=dict(args.backend_option), use_cache=not args.no_cache,
         num_speculative_tokens=args.num_speculative_tokens, block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks, chunked_prefill=args.chunked_prefill, prefill_batch=args.prefill_batch,
+        num_kv_blocks=args.num_kv_blocks, offset_prefill=args.offset_prefill, prefill_batch=args.prefill_batch,
         quantize=args.quantize, quantization_type=args.quantization_type, group_size=args.group_size,
         modules_to_not_convert=tuple(m.strip() for m in args.modules_to_not_convert.split(",") if m.strip()),
-        quantize_lm_head=args.quantize_lm_head, kv_cache_dtype=args.kv_cache_dtype,
+        quantize_lm_head=args.quantize_lm_head, kv_cache_dtype=KVCacheDtype.parse(args.kv_cache_dtype),
         speculative_model=args.speculative_model, force=args.force, sign_key=args.sign_key)
     report = compile_artifact(req)
     print(f"compile cache: {len(report.hits)} hit(s), {len(report.misses)} miss(es)")

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from neuron_opt.commands.parallel_flags import add_parallel_flags, parallel_config_from_args
 from neuron_opt.errors import ConfigError
 
 
@@ -115,8 +116,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_sampling_flags(p)
     add_speculative_flags(p)
     add_trusted_keys_flag(p)
-    from neuron_opt.parallel.cli import add_parallel_flags
-
     add_parallel_flags(p)  # with --model: tp rank processes; an artifact's tp is fixed when it is compiled
     p.set_defaults(func=run)
 
@@ -128,15 +127,18 @@ def run(args: argparse.Namespace) -> int:
     from neuron_opt.api import LLM
 
     params = sampling_params_from_args(args)
-    from neuron_opt.parallel.cli import parallel_config_from_args
-
     parallel = parallel_config_from_args(args)
     if args.artifact and parallel.tp != 1:
         raise ConfigError("generate: --tp applies to --model; an artifact runs at the tp it was compiled with")
-    spec, k = speculative_from_args(args, *(bundled_speculation(args.artifact, trusted_keys=args.trusted_keys)
-                                            if args.artifact else (None, None)))
+    verified = None
+    if args.artifact:  # read once, every check: the loader takes it as read
+        from neuron_opt.artifact import read_verified
+
+        verified = read_verified(Path(args.artifact), trusted_keys=args.trusted_keys)
+    spec, k = speculative_from_args(args, *(bundled_speculation(args.artifact, verified.manifest)
+                                            if verified is not None else (None, None)))
     llm = LLM(args.artifact or args.model, dtype=args.dtype, parallel=None if args.artifact else parallel,
-              num_speculative_tokens=k, trusted_keys=args.trusted_keys)
+              num_speculative_tokens=k, trusted_keys=args.trusted_keys, verified=verified)
     ids = (llm.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat
            else list(llm.tokenizer(args.prompt)["input_ids"]))
     stats = None
@@ -158,11 +160,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def bundled_speculation(artifact: str, manifest: Any = None,
-                        trusted_keys: tuple[Path, ...] | None = None) -> tuple[int, str | None]:
-    """An artifact's verify k and the path of the draft compiled into it (None if none); `manifest`: its manifest
-    when already read (else it is read, signature checked against `trusted_keys`)."""
-    from neuron_opt.artifact import read_manifest
-
-    m = manifest or read_manifest(Path(artifact), verify_hashes=False, trusted_keys=trusted_keys)
-    return m.buckets.num_speculative_tokens, str(Path(artifact) / m.draft) if m.draft else None
+def bundled_speculation(artifact: str, manifest: Any) -> tuple[int, str | None]:
+    """An artifact's verify k and the path of the draft compiled into it (None if none), from its manifest."""
+    return manifest.buckets.num_speculative_tokens, str(Path(artifact) / manifest.draft) if manifest.draft else None

@@ -54,7 +54,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
         help="reuse the KV blocks of prompt prefixes computed before (default: on where the artifact has offset "
-        "prefill buckets, i.e. unless compiled with --no-chunked-prefill)",
+        "prefill buckets, i.e. unless compiled with --no-offset-prefill)",
     )
     p.add_argument(
         "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,

@@ -45,22 +45,25 @@ def served_name(args: argparse.Namespace) -> str:
     return "default" if src == "default" else Path(src.rstrip("/")).name.removesuffix(".gguf")
 
 
-def check_args(args: argparse.Namespace) -> tuple[Any, Any, int | None]:
-    """(artifact manifest or None, SpeculativeConfig or None, verify k or None): the flags checked against the
-    artifact before anything loads (`serve --data-parallel` checks them once, before starting N replicas)."""
+def check_args(args: argparse.Namespace, verify_hashes: bool = True) -> tuple[Any, Any, int | None]:
+    """(the artifact's VerifiedManifest or None, SpeculativeConfig or None, verify k or None): the flags checked
+    against the artifact before anything loads (`serve --data-parallel` checks them once, before starting N
+    replicas, without hashing the files: `verify_hashes=False`). The manifest is read once, here; the loader
+    takes it as read."""
     from neuron_opt.commands.generate import bundled_speculation, resolve_artifact_arg, speculative_from_args
 
     resolve_artifact_arg(args)  # an s3:// artifact pulled here, in the process that loads it
     if not args.artifact:
         return (None, *speculative_from_args(args, None))
-    from neuron_opt.artifact import read_manifest
+    from neuron_opt.artifact import read_verified
 
-    manifest = read_manifest(Path(args.artifact), verify_hashes=False, trusted_keys=args.trusted_keys)
+    verified = read_verified(Path(args.artifact), verify_hashes=verify_hashes, trusted_keys=args.trusted_keys)
+    manifest = verified.manifest
     largest = manifest.buckets.decode_batches[-1]
     if args.max_num_seqs and args.max_num_seqs > largest:
         raise ConfigError(f"--max-num-seqs: {args.max_num_seqs} exceeds the artifact's largest decode batch "
                           f"({largest}); compile it with --batch-size {args.max_num_seqs}", param="max_num_seqs")
-    return (manifest, *speculative_from_args(args, *bundled_speculation(args.artifact, manifest)))
+    return (verified, *speculative_from_args(args, *bundled_speculation(args.artifact, manifest)))
 
 
 def build_engine(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -69,10 +72,10 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, Any]:
     from neuron_opt.api import LLM
     from neuron_opt.runtime.engine import Engine
 
-    _, spec, k = check_args(args)
+    verified, spec, k = check_args(args)
     if args.artifact:
         llm = LLM(args.artifact, dtype=args.dtype, max_model_len=args.max_model_len, num_speculative_tokens=k,
-                  trusted_keys=args.trusted_keys)
+                  trusted_keys=args.trusted_keys, verified=verified)
     else:
         llm = LLM(
             args.model, dtype=args.dtype, batch_size=args.max_num_seqs or 16, max_model_len=args.max_model_len,

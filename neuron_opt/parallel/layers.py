@@ -6,7 +6,7 @@
 - VocabParallelEmbedding: rows [V/tp, H]; out-of-shard ids contribute zeros, then all-reduce (or
   reduce-scatter along the sequence).
 - The LM head is a ColumnParallelLinear over the (padded) vocabulary; the executor gathers logits or top-k
-  candidates (neuron_opt.parallel.worker).
+  candidates (neuron_opt.executors.worker).
 
 Sequence-parallel activations are [B, S_pad/tp, H] where S_pad rounds S up to a multiple of tp: the padding
 is on activations only (zero rows), never on tokens, so no extra positions are written to the KV cache.

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from neuron_opt.config import ModelConfig
 from neuron_opt.parallel.sharding import HeadLayout
+from neuron_opt.planner.collectives import layer_collectives
 from neuron_opt.planner.hardware import Instance
 from neuron_opt.planner.memory import dtype_bytes, weight_bytes, weight_count
 from neuron_opt.planner.moe import expert_step
@@ -109,9 +110,8 @@ def _collectives(
         wire = 2 * (lay.tp - 1) / lay.tp * message / inst.dma_bw_per_chip
     else:  # hierarchical: reduce inside each chip, ring over chips (each chip sends 2 (c-1)/c of the message)
         wire = 2 * (chips - 1) / chips * message / inst.link_bw_per_chip
-    n = 2 * cfg.num_hidden_layers
-    if lay.kv_seq_shards > 1:  # flash decoding merges partial softmax results in the KV group once per layer
-        n += cfg.num_hidden_layers
+    # per layer: two all-reduces, and under flash decoding the merge of partial softmax results in the KV group
+    n = cfg.num_hidden_layers * len(layer_collectives(lay, sequence_parallel=False))
     hops = inst.ring_steps(chips) * hop_latency
     return n * (eff.collective_latency_s + wire + hops) + eff.collective_latency_s
 

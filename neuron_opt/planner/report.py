@@ -6,7 +6,7 @@ from dataclasses import replace
 from typing import Any
 
 from neuron_opt.buckets import PREFILL, VERIFY, BucketConfig
-from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
+from neuron_opt.config import CacheConfig, KVCacheDtype, ModelConfig, ParallelConfig
 from neuron_opt.planner.hardware import GB, GiB, get_instance
 from neuron_opt.planner.memory import layout_overhead, weight_bytes
 from neuron_opt.planner.moe import ep_choices, gather_until, moe_line
@@ -250,7 +250,7 @@ def format_plan_table(
     inst = get_instance(instance)
     dep = Deployment(
         par.tp, cache.max_batch, buckets.prefill_lens[-1], cache.max_model_len, dtype or cache.dtype,
-        "fp8" if cache.dtype == "float8_e4m3fn" else cache.dtype,
+        cache.kv_cache_dtype.value if cache.kv_cache_dtype is KVCacheDtype.FP8 else cache.dtype,
         compile_ranks_held,
     )
     return "\n".join(plan_lines(cfg, evaluate(cfg, inst, dep, par=par, buckets=buckets)))

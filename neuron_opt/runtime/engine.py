@@ -156,7 +156,7 @@ class Engine:
             self.proposer: Proposer = (
                 NgramProposer(speculative.prompt_lookup_max, speculative.prompt_lookup_min) if draft is None
                 else self._draft_proposer(draft, seqs))
-        offset = runner.buckets.chunked_prefill
+        offset = runner.buckets.offset_prefill
         cache = runner.cache
         kv = KVConfig(cache.num_blocks, cache.block_size, cache.max_model_len, runner.max_prompt_len,
                       offset if enable_prefix_caching is None else enable_prefix_caching,

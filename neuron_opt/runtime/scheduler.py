@@ -85,7 +85,7 @@ class KVConfig:
         for flag in ("enable_prefix_caching", "enable_chunked_prefill"):
             if getattr(self, flag) and not self.offset_prefill:
                 raise ConfigError(f"{flag}: this model has no offset prefill buckets (compiled with "
-                                  "--no-chunked-prefill); recompile without it, or turn the feature off")
+                                  "--no-offset-prefill); recompile without it, or turn the feature off")
 
 
 class Scheduler:

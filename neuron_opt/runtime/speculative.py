@@ -205,7 +205,7 @@ class DraftModelProposer:
             self.slot[request_id] = self._free.pop()
             self.known[request_id] = []
         c = min(_common_prefix(self.known[request_id], ids), len(ids) - 1)
-        if len(ids) - c > CATCH_UP_DECODES and not self.runner.buckets.chunked_prefill:
+        if len(ids) - c > CATCH_UP_DECODES and not self.runner.buckets.offset_prefill:
             c = 0  # no offset prefill buckets: a long catch-up prefills the whole sequence again
         if _by_prefill(c, len(ids) - c) and len(ids) - c > self.runner.max_prompt_len:
             return None  # longer than one prefill call of the draft reaches

@@ -21,11 +21,11 @@ from neuron_opt.backends.eager import load_weights
 from neuron_opt.buckets import BucketConfig, pick_decode, pick_prefill
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
 from neuron_opt.errors import ConfigError
+from neuron_opt.executors.launcher import RankSpec, write_rank_weights
+from neuron_opt.executors.tp import tp_executor_from_state_dict
 from neuron_opt.parallel import SINGLE, ParallelContext
-from neuron_opt.parallel.comm_cost import expected_calls
-from neuron_opt.parallel.executor import tp_executor_from_state_dict
-from neuron_opt.parallel.launcher import RankSpec, write_rank_weights
 from neuron_opt.parallel.sharding import head_layout, shard_state_dict, shard_tensor
+from neuron_opt.planner.collectives import expected_calls
 from neuron_opt.runtime.runner import DecodeRow, ModelRunner
 
 MOE = ["mixtral", "qwen2-moe", "qwen3-moe"]
@@ -196,8 +196,9 @@ def test_hybrid_artifact_from_compile_matches_hf(tmp_path, capsys):
     from safetensors import safe_open
     from tiny import make_tiny
 
-    from neuron_opt.artifact import load_artifact, read_manifest
+    from neuron_opt.artifact import read_manifest
     from neuron_opt.compiler import CompileRequest, compile_artifact
+    from neuron_opt.executors import load_model
 
     d = make_tiny("mixtral", tmp_path / "ckpt", tokenizer=True)  # the same weights as tiny_dir's (seed 0)
     cfg = ModelConfig.from_hf(d)
@@ -216,7 +217,7 @@ def test_hybrid_artifact_from_compile_matches_hf(tmp_path, capsys):
         prefix = "model.layers.0.block_sparse_moe."
         assert f.get_slice(prefix + "experts.gate_up_proj").get_shape() == [4, 2 * I, H]  # experts 4-7, whole
         assert f.get_slice(prefix + "experts_decode.gate_up_proj").get_shape() == [8, I, H]  # all 8, half each
-    loaded = load_artifact(art)
+    loaded = load_model(art)
     try:
         check_tp_against_hf(loaded.runner.executor, cfg, load_hf(d))
     finally:

@@ -139,5 +139,5 @@ def test_offset_prefill_buckets_cover_every_prefill_after_cached_tokens(pf, dc, 
     assert b.tokens >= n and b.kv_len >= start + n and b.kv_len >= b.tokens
     assert not [s for s in pf if n <= s < b.tokens] and not [k for k in dc if max(b.tokens, start + n) <= k < b.kv_len]
     with pytest.raises(BucketOverflowError, match="no offset prefill buckets"):
-        pick_prefill(n, BucketConfig(tuple(pf), (1,), tuple(dc), chunked_prefill=False), start)
+        pick_prefill(n, BucketConfig(tuple(pf), (1,), tuple(dc), offset_prefill=False), start)
     assert Bucket.from_key(b.key) == b

@@ -144,8 +144,8 @@ def test_poisoned_cpu_graph_in_the_cache_is_recompiled_not_copied(tiny_dir, tmp_
     from helpers import eager_runner
     from tiny import make_tiny
 
-    from neuron_opt.artifact import load_artifact
     from neuron_opt.compiler import CompileRequest, compile_artifact
+    from neuron_opt.executors import load_model
 
     ckpt = make_tiny("llama-gqa2", tmp_path / "ckpt", tokenizer=True)
 
@@ -169,7 +169,7 @@ def test_poisoned_cpu_graph_in_the_cache_is_recompiled_not_copied(tiny_dir, tmp_
     from neuron_opt.runtime.generate import generate_ids
     from neuron_opt.runtime.sampling import SamplingParams
 
-    loaded, params = load_artifact(tmp_path / "b"), SamplingParams(max_tokens=8, ignore_eos=True)
+    loaded, params = load_model(tmp_path / "b"), SamplingParams(max_tokens=8, ignore_eos=True)
     ref = eager_runner(ckpt, max_model_len=32, prefill_lens=[16], decode_kv_lens=[32])
     prompt = list(range(3, 15))
     assert (generate_ids(loaded.runner, loaded.tokenizer, prompt, params, ()).token_ids
@@ -214,8 +214,8 @@ def test_other_weights_of_the_same_architecture_reuse_every_graph(tmp_path):
     from helpers import eager_runner
     from tiny import make_tiny
 
-    from neuron_opt.artifact import load_artifact
     from neuron_opt.compiler import CompileRequest, compile_artifact
+    from neuron_opt.executors import load_model
 
     def compile_seed(seed: int):
         ckpt = make_tiny("llama-gqa2", tmp_path / f"ckpt{seed}", seed=seed, tokenizer=True)
@@ -226,9 +226,9 @@ def test_other_weights_of_the_same_architecture_reuse_every_graph(tmp_path):
     compile_seed(0)
     ckpt, report = compile_seed(1)
     assert report.hits and not report.misses
-    assert report.manifest.source["weights_sha256"] != load_artifact(tmp_path / "art0").manifest.source[
+    assert report.manifest.source["weights_sha256"] != load_model(tmp_path / "art0").manifest.source[
         "weights_sha256"]
     prompt = list(range(3, 15))
-    got = load_artifact(tmp_path / "art1").runner.prefill(0, prompt)
+    got = load_model(tmp_path / "art1").runner.prefill(0, prompt)
     want = eager_runner(ckpt, max_model_len=32, prefill_lens=[16], decode_kv_lens=[32]).prefill(0, prompt)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

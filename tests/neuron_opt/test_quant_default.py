@@ -18,9 +18,9 @@ import math
 import pytest
 import torch
 
-from neuron_opt.artifact import load_artifact
 from neuron_opt.bench.decode import PERPLEXITY_TEXT, hf_reference, teacher_forced_agreement
 from neuron_opt.compiler import CompileRequest, compile_artifact
+from neuron_opt.executors import load_model
 from neuron_opt.runtime.runner import DecodeRow
 
 pytestmark = pytest.mark.slow
@@ -60,7 +60,7 @@ def test_default_model_quantized_against_hf_fp32(quantize, hf, tmp_path):
     out = tmp_path / quantize
     compile_artifact(CompileRequest(model="default", out=out, backend="cpu", dtype="float32", quantize=quantize,
                                     max_model_len=512, batch_size=1), log=lambda s: None, progress=False)
-    runner = load_artifact(out).runner
+    runner = load_model(out).runner
     floor, ppl_tol = CASES[quantize]
     prompt, ref = hf_reference(model, tok, 256)
     assert teacher_forced_agreement(runner, prompt, ref) >= floor

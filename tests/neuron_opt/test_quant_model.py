@@ -16,11 +16,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from neuron_opt.artifact import load_artifact, read_manifest
+from neuron_opt.artifact import read_manifest
 from neuron_opt.backends.cpu import onednn_bf16_supported
 from neuron_opt.compiler import CompileRequest, compile_artifact
 from neuron_opt.config import ParallelConfig
 from neuron_opt.errors import ConfigError
+from neuron_opt.executors import load_model
 from neuron_opt.parallel import head_layout
 from neuron_opt.planner.memory import weight_bytes
 from neuron_opt.runtime.runner import DecodeRow
@@ -55,7 +56,7 @@ def build(ckpt, tmp_path_factory):
 
 def logits(art: Path) -> torch.Tensor:
     """Prompt logits, then 20 teacher-forced decode steps: [21, V]."""
-    r = load_artifact(art).runner
+    r = load_model(art).runner
     out = [r.prefill(0, PROMPT)]
     for i, t in enumerate(FORCED):
         out.append(r.decode([DecodeRow(0, t, len(PROMPT) + i)])[0])
@@ -86,7 +87,7 @@ def test_cpu_int8_kernels_with_fp8_kv_match_the_eager_reference(build):
     with safe_open(str(cpu / "weights" / "rank0.safetensors"), framework="pt") as f:
         assert f.get_tensor("model.layers.0.mlp.up_proj.quant.qweight").dtype == torch.int8
         assert "model.layers.0.mlp.up_proj.weight" not in f.keys()
-    runner = load_artifact(cpu).runner
+    runner = load_model(cpu).runner
     assert runner.executor.k_caches[0].dtype == torch.float8_e4m3fn
     ref = logits(eager)
     assert rel_err(logits(cpu), ref) < 0.03

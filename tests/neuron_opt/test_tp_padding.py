@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 from tiny import load_hf
 
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
-from neuron_opt.parallel.executor import tp_executor_from_state_dict
-from neuron_opt.parallel.launcher import RankSpec, write_rank_weights
+from neuron_opt.executors.launcher import RankSpec, write_rank_weights
+from neuron_opt.executors.tp import tp_executor_from_state_dict
 from neuron_opt.parallel.sharding import MHA, head_layout, shard_state_dict
 
 MAX_LEN = 64

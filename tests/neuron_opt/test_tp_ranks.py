@@ -22,8 +22,8 @@ from tiny import load_hf
 from neuron_opt.buckets import BucketConfig, pick_decode, pick_prefill
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
 from neuron_opt.errors import RankFailedError
-from neuron_opt.parallel.comm_cost import expected_calls
-from neuron_opt.parallel.executor import tp_executor_from_state_dict
+from neuron_opt.executors.tp import tp_executor_from_state_dict
+from neuron_opt.planner.collectives import expected_calls
 from neuron_opt.runtime.generate import generate_ids
 from neuron_opt.runtime.runner import DecodeRow, ModelRunner
 from neuron_opt.runtime.sampling import SamplingParams

@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file
 
 from models.llama import LlamaForCausalLM
+from neuron_opt.commands.parallel_flags import add_parallel_flags, parallel_config_from_args
 from neuron_opt.config import ModelConfig, ParallelConfig
 from neuron_opt.errors import ConfigError
-from neuron_opt.parallel.cli import add_parallel_flags, parallel_config_from_args
 from neuron_opt.parallel.sharding import head_layout, head_sources, layout_cost, shard_state_dict
 from neuron_opt.parallel.vocab import candidates_needed, scatter_candidates
 from neuron_opt.runtime.sampling import SamplerState, SamplingParams, sample_one

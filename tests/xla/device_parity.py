@@ -29,9 +29,9 @@ def main(ckpt: Path, out: Path, tp: int, k: int = 0, ep: int = 1, ep_decode: int
     import_xla(dump=True, devices=tp)
     from helpers import eager_runner
 
-    from neuron_opt.artifact import load_artifact
     from neuron_opt.compiler import CompileRequest, compile_artifact
     from neuron_opt.config import ParallelConfig
+    from neuron_opt.executors import load_model
     from neuron_opt.runtime.runner import DecodeRow, VerifyRow
 
     par = ParallelConfig(tp=tp, ep=ep, ep_decode=ep_decode or None)
@@ -39,7 +39,7 @@ def main(ckpt: Path, out: Path, tp: int, k: int = 0, ep: int = 1, ep_decode: int
                                     prefill_buckets=(16, 32), decode_buckets=(16, 32), parallel=par, use_cache=False,
                                     num_speculative_tokens=k),
                      log=lambda s: None, progress=False)
-    loaded = load_artifact(out)
+    loaded = load_model(out)
     runner = loaded.runner
     ranks = runner.executor.ranks  # what the device holds: every rank's weights and KV caches
     params = getattr(ranks, "params", None) or dict(ranks.model.named_parameters())

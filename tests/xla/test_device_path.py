@@ -18,11 +18,12 @@ import torch_xla.debug.metrics as met
 from helpers import eager_runner
 from tiny import make_tiny
 
-from neuron_opt.artifact import load_artifact, read_manifest
+from neuron_opt.artifact import read_manifest
 from neuron_opt.backends.neuron import hlo_summary
 from neuron_opt.compiler import CompileRequest, compile_artifact
 from neuron_opt.config import ParallelConfig
 from neuron_opt.errors import ConfigError
+from neuron_opt.executors import load_model
 from neuron_opt.runtime.runner import DecodeRow
 
 pytestmark = pytest.mark.xla
@@ -79,7 +80,7 @@ def teacher_forced(runner, ref, steps: int = 16) -> tuple[list[float], list[str]
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_tp1_logits_equal_eager_through_prefill_and_16_decode_steps(variant, ckpt, tmp_path):
     art = compile_tiny(ckpt(variant), tmp_path / "art")
-    runner = load_artifact(art).runner
+    runner = load_model(art).runner
     diffs, buckets = teacher_forced(runner, eager_runner(ckpt(variant), max_model_len=32, prefill_lens=[16, 32],
                                                          decode_kv_lens=[16, 32]))
     assert buckets[0] == "prefill_b1_s16" and "decode_b1_s16" in buckets and buckets[-1] == "decode_b1_s32"
@@ -93,7 +94,7 @@ def test_block_tables_and_a_prefill_after_a_shared_prefix_equal_eager(variant, c
     Oracles: the eager model doing the same steps, and B computed from scratch in eager (prefix reuse changes
     nothing)."""
     art = compile_tiny(ckpt(variant), tmp_path / "art", block_size=8, batch_size=2)
-    runner = load_artifact(art).runner
+    runner = load_model(art).runner
     kw = dict(max_model_len=32, max_batch=2, block_size=8, prefill_lens=[16, 32], decode_kv_lens=[16, 32])
     ref, scratch = eager_runner(ckpt(variant), **kw), eager_runner(ckpt(variant), **kw)
     a_prompt = [(7 * i + 3) % 200 + 3 for i in range(20)]
@@ -205,7 +206,7 @@ def _traffic() -> tuple[float, float]:
 def test_a_decode_step_moves_only_ids_in_and_logits_out_at_any_kv_length(replay, ckpt, tmp_path):
     art = compile_tiny(ckpt("llama-gqa2"), tmp_path / "art", max_model_len=256, prefill_buckets=(16,),
                        decode_buckets=(16, 256), backend_options={"replay": replay})
-    runner = load_artifact(art).runner
+    runner = load_model(art).runner
     V = runner.vocab_size
     runner.prefill(0, list(range(3, 15)))
     moved = {}
@@ -228,7 +229,7 @@ def test_a_decode_step_moves_only_ids_in_and_logits_out_at_any_kv_length(replay,
 def test_no_recompilation_after_warm_up_over_a_64_token_generation(replay, ckpt, tmp_path):
     art = compile_tiny(ckpt("llama-gqa2"), tmp_path / "art", max_model_len=128, prefill_buckets=(16,),
                        decode_buckets=(32, 64, 128), backend_options={"replay": replay})
-    runner = load_artifact(art).runner  # load compiles (on a NeuronCore: loads) every bucket's graph
+    runner = load_model(art).runner  # load compiles (on a NeuronCore: loads) every bucket's graph
     compiles = met.metric_data("CompileTime")[0]
     uncached = met.counter_value("UncachedCompile")
     seen = set()
@@ -246,7 +247,7 @@ def test_no_recompilation_after_warm_up_over_a_64_token_generation(replay, ckpt,
 def test_weights_are_placed_on_the_device_once_and_the_planner_counts_what_is_held(variant, ckpt, tmp_path):
     art = compile_tiny(ckpt(variant), tmp_path / "art", batch_size=2)
     o0, _ = _traffic()
-    loaded = load_artifact(art)  # places the weights and compiles every bucket (3 prefill incl. the offset one
+    loaded = load_model(art)  # places the weights and compiles every bucket (3 prefill incl. the offset one
     # of 16 tokens over 32, decode b1 and b2 at 16 and 32)
     o1, _ = _traffic()
     ranks = loaded.runner.executor.ranks
@@ -261,7 +262,7 @@ def test_weights_are_placed_on_the_device_once_and_the_planner_counts_what_is_he
 def test_replayed_steps_equal_traced_steps_bit_for_bit(variant, ckpt, tmp_path):
     """The fast path (each bucket's executable replayed by hash, caches donated) against the reference (the model's
     ops recorded every step), on the same compiled shapes: identical logits, prefill and 16 decode steps."""
-    runners = [load_artifact(compile_tiny(ckpt(variant), tmp_path / f"art-{r}", backend_options={"replay": r})).runner
+    runners = [load_model(compile_tiny(ckpt(variant), tmp_path / f"art-{r}", backend_options={"replay": r})).runner
                for r in (True, False)]
     assert isinstance(runners[0].executor.buckets[runners[0].buckets.buckets()[0]], object)
     assert all(v is not None for v in runners[0].executor.buckets.values())  # replayed
@@ -300,7 +301,7 @@ def test_a_tp2_artifact_cannot_load_into_a_one_device_process(ckpt, tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     with pytest.raises(ConfigError, match="one SPMD program over 2 XLA devices.*fresh process"):
-        load_artifact(tmp_path / "art")
+        load_model(tmp_path / "art")
 
 
 def test_torch_and_device_logits_agree_through_the_api(ckpt, tmp_path):
@@ -390,7 +391,7 @@ def test_ops_nki_on_the_xla_cpu_device_uses_the_torch_op_at_every_call_site_and_
         assert {c["op"] for c in choices} == {"attention", "rms_norm"}
         assert all(c["kernel"] is None and c["reason"] == "the CPU device has no NKI runtime" for c in choices)
     assert not any(f.endswith(".kernels.json") for fs in read_manifest(arts["torch"]).graphs.values() for f in fs)
-    runners = [load_artifact(arts[o]).runner for o in ("nki", "torch")]
+    runners = [load_model(arts[o]).runner for o in ("nki", "torch")]
     prompt = list(range(3, 15))
     assert torch.equal(runners[0].prefill(0, prompt), runners[1].prefill(0, prompt))
     assert main(["inspect", str(arts["nki"])]) == 0

@@ -15,8 +15,9 @@ import pytest
 import torch
 from tiny import make_tiny
 
-from neuron_opt.artifact import load_artifact, read_manifest
+from neuron_opt.artifact import read_manifest
 from neuron_opt.compiler import CompileRequest, compile_artifact
+from neuron_opt.executors import load_model
 from neuron_opt.runtime.runner import DecodeRow
 
 pytestmark = pytest.mark.xla
@@ -52,7 +53,7 @@ def test_low_bit_weights_and_fp8_kv_on_the_device_equal_eager(quantize, kv, ckpt
     kw = dict(quantize=quantize, kv_cache_dtype=kv)
     dev = _compile(ckpt, tmp_path / "dev", "neuron", **kw)
     ref = _compile(ckpt, tmp_path / "ref", "eager", **kw)
-    loaded = load_artifact(dev)
+    loaded = load_model(dev)
     ranks = loaded.runner.executor.ranks
     held = {n: p.dtype for n, p in ranks.model.named_parameters()}
     if quantize:
@@ -61,7 +62,7 @@ def test_low_bit_weights_and_fp8_kv_on_the_device_equal_eager(quantize, kv, ckpt
         assert "model.layers.0.mlp.up_proj.weight" not in held
     want_kv = torch.float8_e4m3fn if kv == "fp8" else torch.float32
     assert all(c.dtype == want_kv for c in [*ranks.k_caches, *ranks.v_caches])
-    diffs = _teacher_forced(loaded.runner, load_artifact(ref).runner)
+    diffs = _teacher_forced(loaded.runner, load_model(ref).runner)
     assert max(diffs) < 1e-4, diffs
     m = read_manifest(dev)
     text = (dev / f"graphs/rank0/{m.buckets.buckets()[-1].key}.hlo.txt").read_text()

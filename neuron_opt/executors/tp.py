@@ -28,10 +28,10 @@ from neuron_opt.backends.base import StepInputs
 from neuron_opt.buckets import Bucket
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
 from neuron_opt.errors import RankFailedError
+from neuron_opt.executors.launcher import RankSpec, default_threads, free_port, write_rank_weights
+from neuron_opt.executors.worker import rank_main, step_arrays
 from neuron_opt.parallel.collectives import CollectiveCall
-from neuron_opt.parallel.launcher import RankSpec, default_threads, free_port, write_rank_weights
 from neuron_opt.parallel.vocab import scatter_candidates
-from neuron_opt.parallel.worker import rank_main, step_arrays
 
 
 class TPExecutor:

@@ -1,4 +1,5 @@
-"""Collective bytes per step and per token, from a formula (checked against the counted calls in tests).
+"""The planner's one collective model: the calls of a step, their bytes per step and per token, from a formula
+(checked against the counted calls in tests; the latency model counts its per-layer collectives from it).
 
 `expected_calls` lists, in issue order, the collectives one rank makes for one step of a bucket, using the
 same payload convention as `neuron_opt.parallel.collectives` (all_reduce: the tensor; all_gather: the gathered
@@ -19,7 +20,26 @@ from dataclasses import dataclass
 from neuron_opt.buckets import Bucket
 from neuron_opt.config import ModelConfig, ParallelConfig
 from neuron_opt.parallel.collectives import CollectiveCall
-from neuron_opt.parallel.sharding import head_layout
+from neuron_opt.parallel.sharding import HeadLayout, head_layout
+
+
+def layer_collectives(lay: HeadLayout, sequence_parallel: bool) -> list[str]:
+    """The collectives one decoder layer issues, in order: under plain TP an all-reduce after the attention's
+    and after the MLP's row-parallel linear; sequence parallel turns each into an all-gather before the column
+    layers and a reduce-scatter after the row ones; flash decoding adds one group all-gather of the partial
+    softmax results (max, sum) in the KV group. None at tp=1."""
+    if lay.tp == 1:
+        return []
+    ops = []
+    if sequence_parallel:
+        ops.append("all_gather")
+    if lay.kv_seq_shards > 1:
+        ops.append("group_all_gather")
+    ops.append("reduce_scatter" if sequence_parallel else "all_reduce")
+    if sequence_parallel:
+        ops.append("all_gather")
+    ops.append("reduce_scatter" if sequence_parallel else "all_reduce")
+    return ops
 
 
 def expected_calls(
@@ -37,19 +57,11 @@ def expected_calls(
     padded = B * (-(-S // tp) * tp) * H * act_bytes
     calls = [CollectiveCall("reduce_scatter", padded, tp) if sp else CollectiveCall("all_reduce", full, tp)]
     g = lay.kv_seq_shards
+    payload = {"all_gather": padded, "reduce_scatter": padded, "all_reduce": full,
+               "group_all_gather": g * B * lay.n_heads_local * S * 2 * act_bytes}
     for _ in range(cfg.num_hidden_layers):
-        if sp:
-            calls.append(CollectiveCall("all_gather", padded, tp))
-        if g > 1:
-            calls.append(CollectiveCall("group_all_gather", g * B * lay.n_heads_local * S * 2 * act_bytes, g))
-        calls.append(
-            CollectiveCall("reduce_scatter", padded, tp) if sp else CollectiveCall("all_reduce", full, tp)
-        )
-        if sp:
-            calls.append(CollectiveCall("all_gather", padded, tp))
-        calls.append(
-            CollectiveCall("reduce_scatter", padded, tp) if sp else CollectiveCall("all_reduce", full, tp)
-        )
+        calls += [CollectiveCall(op, payload[op], g if op == "group_all_gather" else tp)
+                  for op in layer_collectives(lay, sp)]
     if sp:
         calls.append(CollectiveCall("all_reduce", B * H * act_bytes, tp))
     if candidates is None:

@@ -10,6 +10,7 @@ import argparse
 
 from neuron_opt.config import ParallelConfig
 from neuron_opt.errors import ConfigError
+from neuron_opt.planner.hardware import check_tp
 
 
 def add_parallel_flags(p: argparse.ArgumentParser) -> None:
@@ -74,8 +75,6 @@ def check_instance(par: ParallelConfig) -> None:
     """Raise ConfigError listing the allowed degrees if `par.tp` is not offered by `par.instance`."""
     if par.instance is None:
         return
-    from neuron_opt.planner.hardware import check_tp
-
     try:
         check_tp(par.instance, par.tp)
     except ConfigError as e:

@@ -21,10 +21,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from models.build import apply_quant_layout, model_class
 from neuron_opt.backends.base import StepInputs, kv_dtype
+from neuron_opt.backends.eager import load_model_weights
+from neuron_opt.executors.launcher import RankSpec
 from neuron_opt.parallel.collectives import TorchCollectives
 from neuron_opt.parallel.context import Collectives, ParallelContext
-from neuron_opt.parallel.launcher import RankSpec
 from neuron_opt.parallel.vocab import gather_candidates, gather_full, mask_padded_vocab
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,9 +52,6 @@ def _join_group(rank: int, tp: int, port: int, spec: RankSpec) -> TorchCollectiv
 
 
 def _build(rank: int, spec: RankSpec, comm: Collectives) -> Any:
-    from models.build import apply_quant_layout, model_class
-    from neuron_opt.backends.eager import load_model_weights
-
     par = spec.parallel
     pctx = ParallelContext(par.tp, rank, comm, sequence_parallel=par.sequence_parallel)
     model = model_class(spec.model.architecture)(spec.model, spec.layout, spec.cache.max_model_len, pctx)

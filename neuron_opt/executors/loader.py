@@ -1,0 +1,102 @@
+"""The one loader: a model path (artifact or checkpoint) -> manifest, tokenizer and runner.
+
+An artifact's manifest is read and verified once (neuron_opt.artifact.read_verified: signature, versions, digest,
+KV geometry, paths, every file's sha256); a caller that has already verified it (`serve` and `generate` check
+their flags against it first) passes it in, and it is not read again. The settings asked for are checked against
+it before anything loads; then the tokenizer, then the executor (executors.factory.create_executor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from neuron_opt.artifact import Manifest, VerifiedManifest, read_verified
+from neuron_opt.buckets import BucketConfig
+from neuron_opt.checkpoint import open_checkpoint
+from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
+from neuron_opt.errors import ConfigError
+from neuron_opt.executors.factory import ArtifactSpec, CheckpointSpec, create_executor, prepare
+from neuron_opt.runtime.runner import ModelRunner
+
+
+@dataclass
+class LoadedModel:
+    manifest: Manifest | None  # None: a checkpoint, run eagerly
+    model_config: ModelConfig
+    tokenizer: Any
+    runner: ModelRunner
+    dtype: str  # the compute dtype
+
+
+def is_artifact(path: str | Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / "manifest.json").exists()
+
+
+def check_artifact_settings(manifest: Manifest, *, dtype: str | None, max_model_len: int | None,
+                            batch_size: int | None, parallel: ParallelConfig | None,
+                            num_speculative_tokens: int | None = None) -> None:
+    """An artifact fixes its dtype, KV length, batch size and parallel layout when it is compiled: a value asked
+    for here must be the artifact's, else a ConfigError says which and how to get it (never ignored)."""
+    m = manifest
+    fixed = {"dtype": (dtype, m.dtype, "--dtype"),
+             "max_model_len": (max_model_len, m.cache.max_model_len, "--max-model-len"),
+             "batch_size": (batch_size, m.cache.max_batch, "--batch-size"),
+             "parallel": (parallel, m.parallel, "--tp and the layout flags"),
+             "num_speculative_tokens": (num_speculative_tokens, m.buckets.num_speculative_tokens,
+                                        "--num-speculative-tokens")}
+    for name, (asked, has, flag) in fixed.items():
+        if asked is not None and asked != has:
+            raise ConfigError(f"{name}: this artifact was compiled with {name}={has!r}, not {asked!r}; an artifact's "
+                              f"{name} is fixed at compile time: recompile with `neuron-opt compile ... {flag}`, "
+                              f"or leave {name} unset to use the artifact's", param=name)
+
+
+def load_model(model: str | Path, *, dtype: str | None = None, max_model_len: int | None = None,
+               batch_size: int | None = None, parallel: ParallelConfig | None = None,
+               num_speculative_tokens: int | None = None, trusted_keys: Sequence[str | Path] | None = None,
+               verified: VerifiedManifest | None = None) -> LoadedModel:
+    """An artifact directory (`verified`: its manifest, already read with every check) or a checkpoint (HF
+    directory, GGUF file, "default"), ready to run; `verified` is read again only if its files' sha256 were not
+    checked.
+
+    For a checkpoint the settings say how to run it (defaults float32, the model's limit up to 2048, batch 1,
+    tp=1, no verify buckets); for an artifact each is left unset or equal to the artifact's own. `trusted_keys`:
+    the public keys an artifact must be signed by (None: NEURON_OPT_TRUSTED_KEYS)."""
+    settings = dict(dtype=dtype, max_model_len=max_model_len, batch_size=batch_size, parallel=parallel,
+                    num_speculative_tokens=num_speculative_tokens)
+    if is_artifact(model):
+        return _load_artifact(Path(model), verified, trusted_keys, settings)
+    return _load_checkpoint(model, **settings)
+
+
+def _load_artifact(root: Path, verified: VerifiedManifest | None, trusted_keys: Sequence[str | Path] | None,
+                   settings: dict[str, Any]) -> LoadedModel:
+    if verified is None or not verified.files_verified:
+        verified = read_verified(root, trusted_keys=trusted_keys)
+    m = verified.manifest
+    check_artifact_settings(m, **settings)
+    spec = ArtifactSpec(root, m)
+    prepare(spec)  # before transformers (the tokenizer) may import a device runtime
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
+    runner = ModelRunner(create_executor(spec), m.buckets, m.cache, m.model.vocab_size)
+    return LoadedModel(m, m.model, tokenizer, runner, m.dtype)
+
+
+def _load_checkpoint(model: str | Path, *, dtype: str | None, max_model_len: int | None, batch_size: int | None,
+                     parallel: ParallelConfig | None, num_speculative_tokens: int | None) -> LoadedModel:
+    ckpt = open_checkpoint(model)
+    dtype, batch_size = dtype or "float32", batch_size or 1
+    cfg = ckpt.config
+    tokenizer = ckpt.tokenizer()
+    max_model_len = max_model_len or min(cfg.max_position_embeddings, 2048)
+    cache = CacheConfig(max_batch=batch_size, max_model_len=max_model_len, dtype=dtype)
+    buckets = BucketConfig.build(max_prompt_len=max_model_len, max_model_len=max_model_len, max_batch=batch_size,
+                                 num_speculative_tokens=num_speculative_tokens or 0)
+    spec = CheckpointSpec(cfg, ckpt.state_dict(), parallel or ParallelConfig(), cache, dtype)
+    runner = ModelRunner(create_executor(spec), buckets, cache, cfg.vocab_size)
+    return LoadedModel(None, cfg, tokenizer, runner, dtype)
