@@ -19,13 +19,27 @@ from typing import Any
 
 from neuron_opt.artifact import VerifiedManifest
 from neuron_opt.config import ParallelConfig
+from neuron_opt.errors import ConfigError
+from neuron_opt.executors import LoadedModel, is_artifact, load_model
 from neuron_opt.executors import build_model as build_model  # re-exported: eager models for tests and scripts
-from neuron_opt.executors import is_artifact, load_model
 from neuron_opt.object_store import is_remote, resolve
-from neuron_opt.runtime.generate import GenerationOutput, generate_ids
+from neuron_opt.runtime.engine import Engine, encode_chat
+from neuron_opt.runtime.output import GenerationOutput, RequestOutput, collect, model_eos_token_ids
 from neuron_opt.runtime.sampling import SamplingParams
 from neuron_opt.runtime.speculative import SpecStats, SpeculativeConfig, check_draft_tokenizer
 from neuron_opt.runtime.structured import GrammarCompiler
+
+
+def load_draft(model: str | Path, target: LoadedModel, max_num_seqs: int,
+               trusted_keys: Sequence[str | Path] | None = None) -> LoadedModel:
+    """The draft model for speculative decoding with `target`: an artifact as compiled (its batch size and
+    max_model_len must cover the engine's: the Engine checks), or a checkpoint run eagerly in the target's dtype
+    with a KV slot for each of `max_num_seqs` sequences at the target's max_model_len. Its tokenizer must be the
+    target's (ConfigError otherwise)."""
+    draft = (load_model(model, trusted_keys=trusted_keys) if is_artifact(model) else
+             load_model(model, dtype=target.dtype, max_model_len=target.runner.max_model_len, batch_size=max_num_seqs))
+    check_draft_tokenizer(draft.tokenizer, target.tokenizer, model)
+    return draft
 
 
 class LLM:
@@ -40,81 +54,108 @@ class LLM:
     again (neuron_opt.executors.loader).
 
     `model` may be an artifact's s3:// URI: it is pulled once into the local artifact cache, verified, and loaded
-    from there (`s3_endpoint_url`: an S3-compatible store; default AWS_ENDPOINT_URL, else AWS S3)."""
+    from there (`s3_endpoint_url`: an S3-compatible store; default AWS_ENDPOINT_URL, else AWS S3).
+
+
+    Generation is the serving engine's (runtime/engine.py), stepped in the calling thread: each call builds an
+    `Engine` over this model's runner (no model work: the scheduler's block tables, the sampler and output state)
+    with the call's requests, and steps it until every one has finished. Each prompt is prefilled in one call (no
+    chunked prefill: a prompt longer than the largest prefill bucket is refused, ContextLengthError) and no KV is
+    shared between prompts or calls (no prefix caching), so a prompt's output does not depend on the others.
+    Requests beyond the runner's largest decode batch wait for a free sequence slot."""
 
     def __init__(self, model: str | Path, *, dtype: str | None = None, max_model_len: int | None = None,
                  batch_size: int | None = None, parallel: ParallelConfig | None = None,
                  num_speculative_tokens: int | None = None,
                  trusted_keys: Sequence[str | Path] | None = None, verified: VerifiedManifest | None = None,
                  s3_endpoint_url: str | None = None) -> None:
-        self._drafts: dict[tuple[str, int], LLM] = {}
-        self.trusted_keys = trusted_keys
         if is_remote(model):
             model = resolve(model, endpoint_url=s3_endpoint_url, trusted_keys=trusted_keys)
-        loaded = load_model(model, dtype=dtype, max_model_len=max_model_len, batch_size=batch_size,
-                            parallel=parallel, num_speculative_tokens=num_speculative_tokens, trusted_keys=trusted_keys,
-                            verified=verified)
-        self.config, self.tokenizer, self.runner = loaded.model_config, loaded.tokenizer, loaded.runner
-        self.dtype: str = loaded.dtype
+        self._adopt(load_model(model, dtype=dtype, max_model_len=max_model_len, batch_size=batch_size,
+                               parallel=parallel, num_speculative_tokens=num_speculative_tokens,
+                               trusted_keys=trusted_keys, verified=verified), trusted_keys)
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedModel, trusted_keys: Sequence[str | Path] | None = None) -> LLM:
+        """An LLM over a model already loaded (`load_model`); `trusted_keys`: what its draft artifacts need."""
+        llm = cls.__new__(cls)
+        llm._adopt(loaded, trusted_keys)
+        return llm
+
+    def _adopt(self, loaded: LoadedModel, trusted_keys: Sequence[str | Path] | None) -> None:
+        self.loaded = loaded
+        self.config, self.tokenizer, self.runner, self.dtype = (loaded.model_config, loaded.tokenizer, loaded.runner,
+                                                                loaded.dtype)
+        self._drafts: dict[tuple[str, int], LLM] = {}
+        self.trusted_keys = trusted_keys
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        ids = set(self.config.eos_token_ids)
-        if getattr(self.tokenizer, "eos_token_id", None) is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return tuple(sorted(ids))
+        return model_eos_token_ids(self.config.eos_token_ids, self.tokenizer)
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The prompt of a conversation through the model's chat template (`tools`: OpenAI tool definitions, for
         templates that render them)."""
-        kw = {"tools": tools} if tools else {}
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kw)
-        ids = out["input_ids"] if hasattr(out, "keys") else out
-        return list(ids)
+        return encode_chat(self.tokenizer, messages, tools)
+
+    def _run(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
+             speculative: SpeculativeConfig | None) -> tuple[list[GenerationOutput], SpecStats]:
+        """Every prompt through one engine, stepped here until all have finished; their outputs in prompt order and
+        the engine's speculation counters. A request that fails raises its error (after the others finish)."""
+        if len(prompts) != len(params):
+            raise ConfigError(f"params: {len(params)} sampling parameters for {len(prompts)} prompts; give one, or "
+                              "one per prompt", param="params")
+        seqs = max(1, min(len(prompts), self.runner.buckets.decode_batches[-1]))
+        draft = None
+        if speculative is not None and speculative.model is not None:
+            draft = self.draft(speculative.model, seqs).runner
+        engine = Engine(self.runner, self.tokenizer, self.eos_token_ids, max_num_seqs=seqs,
+                        max_waiting=len(prompts), enable_prefix_caching=False, enable_chunked_prefill=False,
+                        speculative=speculative, draft=draft, grammars=self.grammars)
+        outs: list[list[RequestOutput]] = [[] for _ in prompts]
+        for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+            engine.add_request(str(i), list(ids), p, outs[i].append)
+        while engine.num_unfinished:
+            engine.step()
+        for o in outs:
+            last = o[-1]
+            if last.finish_reason == "error":
+                if last.exception is not None:
+                    raise last.exception
+                raise RuntimeError(f"generation failed: {last.error}")
+        return [collect(ids, o) for ids, o in zip(prompts, outs, strict=True)], engine.spec_stats
 
     def generate_ids(self, prompt_ids: list[int], params: SamplingParams | None = None) -> GenerationOutput:
-        params = params or SamplingParams()
-        grammar = None if params.structured is None else self.grammars.state(params.structured, params.stop_token_ids)
-        return generate_ids(self.runner, self.tokenizer, prompt_ids, params, self.eos_token_ids, grammar=grammar)
+        return self._run([prompt_ids], [params or SamplingParams()], None)[0][0]
+
+    def generate_batch(self, prompts: Sequence[Sequence[int]],
+                       params: SamplingParams | Sequence[SamplingParams] | None = None,
+                       speculative: SpeculativeConfig | None = None) -> list[GenerationOutput]:
+        """Many prompts (token ids) batched through the engine (continuous batching: up to the runner's largest
+        decode batch at once); `params`: one for all, or one per prompt; `speculative`: speculative decoding for
+        all of them. Each output is what `generate_ids` gives its prompt alone (greedy: the same tokens up to the
+        rounding differences between batch sizes of the graphs; seeded: the same samples)."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        return self._run(prompts, params, speculative)[0]
 
     def generate_ids_speculative(self, prompt_ids: list[int], params: SamplingParams | None,
                                  speculative: SpeculativeConfig) -> tuple[GenerationOutput, SpecStats]:
-        """One sequence through the serving engine with speculative decoding (stepped here, no thread): greedy
-        output equals `generate_ids`'; also returns the engine's speculation counters. A draft model
-        (`speculative.model`) is loaded on first use and kept for later calls."""
-        from neuron_opt.runtime.engine import Engine, RequestOutput
-
-        params = params or SamplingParams()
-        draft = self.draft(speculative.model, 1).runner if speculative.model is not None else None
-        engine = Engine(self.runner, self.tokenizer, self.eos_token_ids, max_num_seqs=1, speculative=speculative,
-                        draft=draft)
-        outs: list[RequestOutput] = []
-        engine.add_request("0", list(prompt_ids), params, outs.append)
-        while engine.num_unfinished:
-            engine.step()
-        last = outs[-1]
-        if last.finish_reason == "error":
-            raise RuntimeError(f"generation failed: {last.error}")
-        tokens = [t for o in outs for t in o.new_token_ids]
-        logprobs = [lp.logprob for o in outs for lp in o.logprobs]
-        text = "".join(o.text_delta for o in outs)
-        return (GenerationOutput(list(prompt_ids), tokens, text, last.finish_reason or "stop", logprobs),
-                engine.spec_stats)
+        """One sequence with speculative decoding: greedy output equals `generate_ids`'; also returns the
+        engine's speculation counters. A draft model (`speculative.model`) is loaded on first use and kept for
+        later calls."""
+        outs, stats = self._run([prompt_ids], [params or SamplingParams()], speculative)
+        return outs[0], stats
 
     def draft(self, model: str | Path, max_num_seqs: int) -> LLM:
-        """The draft model for speculative decoding with this one (kept per path): an artifact as compiled (its
-        batch size and max_model_len must cover the engine's), or a checkpoint run eagerly in this model's dtype
-        with a KV slot for each of `max_num_seqs` sequences at this model's max_model_len. Its tokenizer must be
-        this model's (ConfigError otherwise)."""
+        """The draft model for speculative decoding with this one (kept per path and `max_num_seqs`: `load_draft`).
+        Its tokenizer must be this model's (ConfigError otherwise)."""
         key = (str(model), max_num_seqs)
-        drafts = self._drafts
-        if key not in drafts:
-            draft = (LLM(model, trusted_keys=self.trusted_keys) if is_artifact(model) else
-                     LLM(model, dtype=self.dtype, max_model_len=self.runner.max_model_len, batch_size=max_num_seqs))
-            check_draft_tokenizer(draft.tokenizer, self.tokenizer, model)
-            drafts[key] = draft
-        return drafts[key]
+        if key not in self._drafts:
+            self._drafts[key] = LLM.from_loaded(load_draft(model, self.loaded, max_num_seqs, self.trusted_keys),
+                                                self.trusted_keys)
+        return self._drafts[key]
 
     def generate(self, prompt: str, params: SamplingParams | None = None) -> GenerationOutput:
         ids = self.tokenizer(prompt)["input_ids"]

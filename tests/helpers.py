@@ -259,3 +259,10 @@ def grammar_walk(compiler, tok, structured, seed: int, max_steps: int = 400, ski
             return tok.decode(ids, skip_special_tokens=skip_special_tokens)
         ids.append(t)
     raise AssertionError(f"no end after {max_steps} tokens: {tok.decode(ids)!r}")
+
+
+def reference_generate(llm, prompt_ids, params: SamplingParams):
+    """`llm`'s prompt through the single-sequence reference loop (runtime/generate.py) on its runner, in KV slot 0:
+    the oracle the engine (and so `LLM.generate_ids`) is compared against."""
+    grammar = None if params.structured is None else llm.grammars.state(params.structured, params.stop_token_ids)
+    return generate_ids(llm.runner, llm.tokenizer, list(prompt_ids), params, llm.eos_token_ids, grammar=grammar)

@@ -15,6 +15,7 @@ USERS = (*LIBRARY, "scripts")
 ALLOWED = {
     "__getattr__": "module-level lazy attributes (neuron_opt.LLM): Python calls it",
     "NkiSimOps": "the eager whole-model check of the NKI kernels (the reference for ops=nki's kernel choice)",
+    "generate_ids": "runtime/generate.py's single-sequence reference loop: the oracle the engine is tested against",
 }
 # modules whose public names are an API others' code calls (the NKI front end kernels are written against)
 API_MODULES = ("neuron_opt/nki_sim/language.py", "neuron_opt/nki_sim/isa.py")

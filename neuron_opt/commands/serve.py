@@ -153,10 +153,10 @@ def run(args: argparse.Namespace) -> int:
     from neuron_opt.server.tools import make_parser
 
     key = api_key(args)
-    llm, engine = build_engine(args)
+    engine = build_engine(args)
     name = served_name(args)
-    app = create_app(engine, llm.tokenizer, llm.encode_chat, name, llm.runner.max_model_len, api_key=key,
-                     tool_parser=make_parser(args.tool_call_parser, llm.tokenizer), limits=limits,
+    app = create_app(engine, engine.tokenizer, engine.encode_chat, name, engine.runner.max_model_len, api_key=key,
+                     tool_parser=make_parser(args.tool_call_parser, engine.tokenizer), limits=limits,
                      enable_docs=args.enable_docs)
     url = f"http://{args.host}:{args.port}"
     if key is None and args.host not in ("127.0.0.1", "localhost", "::1"):

@@ -66,29 +66,28 @@ def check_args(args: argparse.Namespace, verify_hashes: bool = True) -> tuple[An
     return (verified, *speculative_from_args(args, *bundled_speculation(args.artifact, manifest)))
 
 
-def build_engine(args: argparse.Namespace) -> tuple[Any, Any]:
-    """The `LLM` and the (not yet started) `Engine` that `serve` runs, from its flags; `serve --data-parallel` calls
-    it in every replica process."""
-    from neuron_opt.api import LLM
+def build_engine(args: argparse.Namespace) -> Any:
+    """The (not yet started) `Engine` that `serve` runs, from its flags: the model loaded (`api.load_model`), the
+    engine built over its runner; `serve --data-parallel` calls it in every replica process."""
+    from neuron_opt.api import load_draft, load_model
     from neuron_opt.runtime.engine import Engine
+    from neuron_opt.runtime.output import model_eos_token_ids
 
     verified, spec, k = check_args(args)
     if args.artifact:
-        llm = LLM(args.artifact, dtype=args.dtype, max_model_len=args.max_model_len, num_speculative_tokens=k,
-                  trusted_keys=args.trusted_keys, verified=verified)
+        model = load_model(args.artifact, dtype=args.dtype, max_model_len=args.max_model_len,
+                           num_speculative_tokens=k, trusted_keys=args.trusted_keys, verified=verified)
     else:
-        llm = LLM(
-            args.model, dtype=args.dtype, batch_size=args.max_num_seqs or 16, max_model_len=args.max_model_len,
-            num_speculative_tokens=k,
-        )
+        model = load_model(args.model, dtype=args.dtype, batch_size=args.max_num_seqs or 16,
+                           max_model_len=args.max_model_len, num_speculative_tokens=k)
     draft = None
     if spec is not None and spec.model is not None:  # a KV slot in the draft for every sequence the engine runs
-        largest = llm.runner.buckets.decode_batches[-1]
-        draft = llm.draft(spec.model, min(args.max_num_seqs or largest, largest)).runner
-    engine = Engine(
-        llm.runner,
-        llm.tokenizer,
-        llm.eos_token_ids,
+        largest = model.runner.buckets.decode_batches[-1]
+        draft = load_draft(spec.model, model, min(args.max_num_seqs or largest, largest), args.trusted_keys).runner
+    return Engine(
+        model.runner,
+        model.tokenizer,
+        model_eos_token_ids(model.model_config.eos_token_ids, model.tokenizer),
         max_num_seqs=args.max_num_seqs,
         max_waiting=args.max_waiting,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -97,4 +96,3 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, Any]:
         speculative=spec,
         draft=draft,
     )
-    return llm, engine

@@ -1,26 +1,18 @@
-"""Reference generation loop for one sequence: prefill, then decode until a stop condition.
+"""The reference generation loop, for one sequence: prefill, then decode until a stop condition.
 
-The serving engine batches many sequences; this loop is the simple path the CLI's `generate` and the tests use,
-built from the same runner, sampler and stop checker.
+No production path runs it: `LLM`, `generate` and `serve` all generate through the engine (runtime/engine.py).
+It is the oracle the engine's tests compare against (STYLE 11: a reference path beside the fast one), kept as
+plain as the job allows: one sequence in one KV slot, `sample_one` per token, the same `StopChecker`; no
+scheduler, no block tables, no batching, no speculation.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
+from neuron_opt.runtime.output import GenerationOutput
 from neuron_opt.runtime.runner import DecodeRow, ModelRunner
 from neuron_opt.runtime.sampling import SamplerState, SamplingParams, candidates_needed, sample_one
 from neuron_opt.runtime.stopping import StopChecker
 from neuron_opt.runtime.structured import GrammarState
-
-
-@dataclass
-class GenerationOutput:
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    logprobs: list[float] = field(default_factory=list)
 
 
 def generate_ids(runner: ModelRunner, tokenizer: object, prompt_ids: list[int], params: SamplingParams,

@@ -32,6 +32,11 @@ the target model agrees with (plus one token of its own).
   are measured at a batch bucket, one verify step and then one plain step measure them; after `explore_every` plain
   steps in a row one verify step re-measures the acceptance (a draft's is seen only when it verifies), and each
   such step that the rule then still refuses doubles the gap to the next (up to `max_explore_gap`).
+- The engine's side (`SpeculativeDecoding`, one per engine): each decode step it budgets every row (at most k,
+  none past the request's max_tokens or the verify graph's reach), proposes, trims a grammar's proposals to what
+  the grammar allows, and asks the controller (`plan` -> `SpecStep`); after the graph call it accepts each verify
+  row (`accept`) and feeds the measurements back. The engine does the rest: the graph call, sampling a plain
+  step's rows, output processing.
 """
 
 from __future__ import annotations
@@ -46,7 +51,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from neuron_opt.buckets import pick_decode
 from neuron_opt.errors import ConfigError
+from neuron_opt.runtime.request import Request
 from neuron_opt.runtime.runner import DecodeRow, ModelRunner, PrefillRow
 from neuron_opt.runtime.sampling import (
     SampleResult,
@@ -56,6 +63,8 @@ from neuron_opt.runtime.sampling import (
     sample_one,
     sampling_logits,
 )
+from neuron_opt.runtime.scheduler import DecodeWork
+from neuron_opt.runtime.structured import GrammarState
 
 log = logging.getLogger(__name__)
 
@@ -393,3 +402,129 @@ class SpecController:
 
     def forget(self, request_id: str) -> None:
         self.acceptance.pop(request_id, None)
+
+
+@dataclass(frozen=True)
+class SpecStep:
+    """What one decode step of the engine runs: a verify of `proposals` (request id -> tokens; rows without any
+    ride along with their single token) or a plain decode (`verify` False; prompt lookup's proposals are still
+    there, to measure acceptance against the sampled token)."""
+
+    verify: bool
+    proposals: dict[str, list[int]]
+    batch: int  # the decode batch bucket of the step: what the cost ratio is kept per
+    skipped: bool  # it could have verified; the controller chose a plain decode
+
+
+class SpeculativeDecoding:
+    """The engine's speculative policy: per decode step, what each row may use of a proposal, the proposals, the
+    controller's verify-or-decode choice (`plan`); then the acceptance of a verify row (`accept`) and the
+    measurements the controller learns from. Holds the proposer, the controller and the counters (`stats`).
+
+    Args:
+        config: the speculative settings.
+        runner: the target's runner (must have verify graphs of k + 1 tokens).
+        draft: the draft model's runner, for the draft_model method (and only for it).
+        max_num_seqs: sequences the engine runs at once (the draft needs a KV slot for each).
+    """
+
+    def __init__(self, config: SpeculativeConfig, runner: ModelRunner, draft: ModelRunner | None,
+                 max_num_seqs: int) -> None:
+        k = config.num_speculative_tokens
+        if runner.verify_len != k + 1:
+            have = runner.verify_len - 1 if runner.verify_len else 0
+            raise ConfigError(
+                f"num_speculative_tokens: {k} needs verify graphs of {k + 1} tokens; this model has "
+                + (f"them for {have} (use --num-speculative-tokens {have})" if have
+                   else "none (compile with --num-speculative-tokens K)"), param="num_speculative_tokens")
+        if (draft is not None) != (config.method == "draft_model"):
+            raise ConfigError("speculative_model: a draft runner goes with the draft_model method, and only with it",
+                              param="speculative_model")
+        self.config, self.runner = config, runner
+        self.controller = SpecController(k, config.adaptive)
+        self.proposer: Proposer = (NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min) if draft is None
+                                   else self._draft_proposer(draft, max_num_seqs))
+        self.stats = SpecStats()
+
+    def _draft_proposer(self, draft: ModelRunner, seqs: int) -> DraftModelProposer:
+        """The draft must hold a KV slot per running sequence and reach every position the target does."""
+        prop = DraftModelProposer(draft)
+        target = self.runner
+        if draft.vocab_size != target.vocab_size:
+            raise ConfigError(f"speculative_model: the draft's vocabulary has {draft.vocab_size} tokens, the "
+                              f"target's {target.vocab_size}; a draft model must share the target's tokenizer",
+                              param="speculative_model")
+        if prop.num_slots < seqs:
+            raise ConfigError(f"speculative_model: the draft holds KV for {prop.num_slots} sequence(s), the engine "
+                              f"runs up to {seqs}; compile the draft with --batch-size {seqs} (or lower "
+                              "--max-num-seqs)", param="speculative_model")
+        if draft.max_model_len < target.max_model_len:
+            raise ConfigError(f"speculative_model: the draft's max_model_len is {draft.max_model_len}, the target's "
+                              f"{target.max_model_len}; compile the draft with --max-model-len "
+                              f"{target.max_model_len}", param="speculative_model")
+        return prop
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.config.num_speculative_tokens
+
+    def _budget(self, d: DecodeWork, req: Request) -> int:
+        """How many tokens the sequence could use from a proposal: at most k, none past its max_tokens or the
+        verify graph's reach into the KV cache."""
+        k = min(self.controller.num_speculative_tokens, req.max_tokens - len(req.output_token_ids) - 1)
+        return 0 if k < 1 or d.position + self.runner.verify_len > self.runner.max_model_len else k
+
+    def _propose(self, decodes: Sequence[DecodeWork], reqs: Sequence[Request],
+                 grammars: Sequence[GrammarState | None], budget: dict[str, int]) -> dict[str, list[int]]:
+        items = [(d.request_id, r.prompt_token_ids + r.output_token_ids, budget[d.request_id])
+                 for d, r in zip(decodes, reqs, strict=True)]
+        out = {rid: p for (rid, _, _), p in zip(items, self.proposer.propose_batch(items), strict=True)}
+        for d, grammar in zip(decodes, grammars, strict=True):  # a grammar's request verifies only what it allows
+            p = out[d.request_id]
+            if grammar is not None and p:
+                out[d.request_id] = p[:grammar.valid_prefix(p)]
+        return out
+
+    def plan(self, decodes: Sequence[DecodeWork], reqs: Sequence[Request],
+             grammars: Sequence[GrammarState | None]) -> SpecStep:
+        """The step for these running sequences (`reqs`, `grammars`: each row's request and grammar state or
+        None). Prompt lookup proposes first and the controller decides on what it found; a draft model costs graph
+        calls, so the controller decides on the lengths it could propose and a plain step asks it for nothing."""
+        batch = pick_decode(len(decodes), max(d.position for d in decodes), self.runner.buckets).batch
+        budget = {d.request_id: self._budget(d, r) for d, r in zip(decodes, reqs, strict=True)}
+        if self.proposer.cheap:
+            proposals = self._propose(decodes, reqs, grammars, budget)
+            verify = self.controller.should_verify({r: len(p) for r, p in proposals.items()}, batch)
+            return SpecStep(verify, proposals, batch, not verify and any(proposals.values()))
+        verify = self.controller.should_verify(budget, batch)
+        proposals = self._propose(decodes, reqs, grammars, budget) if verify else {}
+        return SpecStep(verify and any(proposals.values()), proposals, batch, not verify and any(budget.values()))
+
+    def observe_step(self, step: SpecStep, seconds: float) -> None:
+        """The step ran in `seconds` (proposing and the graph call)."""
+        self.controller.observe_step("verify" if step.verify else "decode", step.batch, seconds)
+        if step.verify:
+            self.stats.verify_steps += 1
+        elif step.skipped:
+            self.stats.skipped_steps += 1
+
+    def accept(self, request_id: str, logits: torch.Tensor, draft: list[int], state: SamplerState,
+               banned_for: list[tuple[int, ...]]) -> list[SampleResult]:
+        """`accept` for one verify row, counted in the stats and the request's acceptance estimate."""
+        results = accept(logits, draft, state, banned_for)
+        if draft:
+            st = self.stats
+            st.drafts, st.draft_tokens, st.accepted_tokens = (st.drafts + 1, st.draft_tokens + len(draft),
+                                                              st.accepted_tokens + len(results) - 1)
+            self.controller.observe_acceptance(request_id, len(results) - 1, len(draft))
+        return results
+
+    def observe_decoded(self, request_id: str, draft: list[int], token: int) -> None:
+        """A plain step sampled `token` where `draft` was proposed: the first proposal's acceptance, for free."""
+        if draft:
+            self.controller.observe_acceptance(request_id, int(token == draft[0]), 1)
+
+    def forget(self, request_id: str) -> None:
+        """The request finished: drop its acceptance estimate and the proposer's state (a draft's KV slot)."""
+        self.controller.forget(request_id)
+        self.proposer.forget(request_id)

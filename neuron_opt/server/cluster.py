@@ -118,7 +118,7 @@ async def _never_disconnected() -> bool:
 class EngineReplica:
     """One engine (the model loaded once, its tp ranks inside this replica's cores) and its OpenAI serving."""
 
-    def __init__(self, make_engine: Callable[[], tuple[Any, Any]], model_name: str, board: Any,
+    def __init__(self, make_engine: Callable[[], Any], model_name: str, board: Any,
                  threads: int | None, tool_call_parser: str | None = None, limits: ServerLimits | None = None) -> None:
         import torch
 
@@ -128,13 +128,13 @@ class EngineReplica:
 
         if threads is not None:
             torch.set_num_threads(threads)
-        llm, self.engine = make_engine()
-        self.metrics = engine_metrics(self.engine, model_name)
-        self.serving = OpenAIServing(self.engine, llm.tokenizer, llm.encode_chat, model_name, self.metrics,
-                                     llm.runner.max_model_len, tool_parser=make_parser(tool_call_parser, llm.tokenizer),
-                                     limits=limits)
+        self.engine = engine = make_engine()
+        self.metrics = engine_metrics(engine, model_name)
+        self.serving = OpenAIServing(engine, engine.tokenizer, engine.encode_chat, model_name, self.metrics,
+                                     engine.runner.max_model_len,
+                                     tool_parser=make_parser(tool_call_parser, engine.tokenizer), limits=limits)
         self.id = serve.get_replica_context().replica_id.unique_id
-        self.info = {"max_model_len": llm.runner.max_model_len}  # what the router's /v1/models card needs
+        self.info = {"max_model_len": engine.runner.max_model_len}  # what the router's /v1/models card needs
         self.board = board
         self.engine.start()
         self._push()

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from neuron_opt.errors import NeuronOptError
-from neuron_opt.runtime.engine import Engine, RequestOutput, TokenLogprob
+from neuron_opt.runtime.engine import Engine
+from neuron_opt.runtime.output import RequestOutput, TokenLogprob
 from neuron_opt.runtime.sampling import SamplingParams
 from neuron_opt.server.limits import ServerLimits
 from neuron_opt.server.metrics import ServerMetrics

@@ -1,6 +1,6 @@
 """Engine tests on a tiny random model with the real tokenizer: batched continuous decoding must give every
-request exactly what the single-sequence reference loop (`LLM.generate_ids`) gives it, greedy and seeded
-sampling alike.
+request exactly what the single-sequence reference loop (runtime/generate.py, `helpers.reference_generate`) gives
+it, greedy and seeded sampling alike; so must `LLM`'s generation methods, which step an engine themselves.
 
 The engine is stepped synchronously here (`engine.step()`, no thread), so the tests are deterministic.
 """
@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import reference_generate
 
-from neuron_opt.api import LLM
-from neuron_opt.errors import ContextLengthError, QueueFullError
+from neuron_opt.api import LLM, LoadedModel
+from neuron_opt.errors import ConfigError, ContextLengthError, QueueFullError
 from neuron_opt.runtime.engine import Engine, RequestOutput
 from neuron_opt.runtime.sampling import SamplingParams
 
@@ -57,7 +58,7 @@ def test_batched_outputs_match_single_sequence_reference(llms):
     # chunked prefill: prompts that do not fit what is left of a step's 16 tokens run as several chunks
     assert engine.stats.prefills > 7 and engine.num_unfinished == 0 and engine.kv_usage == 0
     for i in range(7):
-        want = ref.generate_ids(ids[i], params[i])
+        want = reference_generate(ref, ids[i], params[i])
         got = outs[str(i)]
         assert [t for o in got for t in o.new_token_ids] == want.token_ids, i
         assert "".join(o.text_delta for o in got) == want.text
@@ -69,10 +70,10 @@ def test_batched_outputs_match_single_sequence_reference(llms):
 def test_stop_strings_and_logprobs_match_reference(llms):
     llm, ref = llms
     ids = list(llm.tokenizer("The list goes on and on")["input_ids"])
-    full = ref.generate_ids(ids, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)).text
+    full = reference_generate(ref, ids, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)).text
     stop = full[len(full) // 2 : len(full) // 2 + 3]  # a string the greedy continuation is known to contain
     params = SamplingParams(max_tokens=12, temperature=0.0, stop=(stop,), logprobs=3)
-    want = ref.generate_ids(ids, params)
+    want = reference_generate(ref, ids, params)
     engine = Engine(llm.runner, llm.tokenizer, llm.eos_token_ids)
     got = run_all(engine, {"a": (ids, params)})["a"]
     assert (
@@ -97,7 +98,7 @@ def test_abort_frees_slot_for_the_next_request(llms):
 
     outs = run_all(engine, {"a": (ids, long), "b": (ids, short)}, on_step=cancel_a)
     assert outs["a"][-1].finish_reason == "abort" and len(outs["a"]) < 10
-    assert [t for o in outs["b"] for t in o.new_token_ids] == ref.generate_ids(ids, short).token_ids
+    assert [t for o in outs["b"] for t in o.new_token_ids] == reference_generate(ref, ids, short).token_ids
     assert engine.kv_usage == 0 and engine.num_unfinished == 0
 
 
@@ -144,7 +145,7 @@ def test_runner_failure_fails_only_that_request(llms):
     p = SamplingParams(max_tokens=6, temperature=0.0)
     outs = run_all(engine, {"bad": ([13, 14, 15], p), "good": ([20, 21, 22], p)})
     assert outs["bad"][-1].finish_reason == "error" and "simulated backend failure" in outs["bad"][-1].error
-    assert [t for o in outs["good"] for t in o.new_token_ids] == ref.generate_ids([20, 21, 22], p).token_ids
+    assert [t for o in outs["good"] for t in o.new_token_ids] == reference_generate(ref, [20, 21, 22], p).token_ids
     assert engine.kv_usage == 0
 
 
@@ -166,4 +167,39 @@ def test_background_thread_serves_and_stops(llms):
     assert done.wait(30)
     engine.stop()
     assert not engine.is_alive()
-    assert [t for o in outs for t in o.new_token_ids] == ref.generate_ids([30, 31], p).token_ids
+    assert [t for o in outs for t in o.new_token_ids] == reference_generate(ref, [30, 31], p).token_ids
+
+
+def test_llm_generation_steps_an_engine_and_equals_the_reference(llms):
+    """`LLM.generate_batch`: 7 prompts on a batch-4 model (three wait for a free sequence), greedy, seeded, with
+    penalties, a stop string and logprobs; each output equals the reference loop's for its prompt alone, and
+    `generate_ids` gives a prompt what the batch gave it."""
+    llm, ref = llms
+    ids = [list(llm.tokenizer(f"Request number {i} says" + " hello" * i)["input_ids"]) for i in range(7)]
+    full = reference_generate(ref, ids[5], SamplingParams(max_tokens=12, ignore_eos=True)).text
+    params = [SamplingParams(max_tokens=5 + 3 * i) if i % 2 == 0 else
+              SamplingParams(max_tokens=12, temperature=0.8, top_k=50, top_p=0.9, seed=100 + i, logprobs=2)
+              for i in range(7)]
+    params[3] = SamplingParams(max_tokens=10, presence_penalty=1.0, frequency_penalty=0.5, logprobs=0)
+    params[5] = SamplingParams(max_tokens=12, stop=(full[len(full) // 2: len(full) // 2 + 3],), ignore_eos=True)
+    got = llm.generate_batch(ids, params)
+    for i in range(7):
+        want = reference_generate(ref, ids[i], params[i])
+        assert (got[i].token_ids, got[i].text, got[i].finish_reason) == \
+            (want.token_ids, want.text, want.finish_reason), i
+        assert got[i].logprobs == pytest.approx(want.logprobs, abs=1e-5) and got[i].prompt_token_ids == ids[i]
+    assert got[5].finish_reason == "stop" and len(got[3].logprobs) == len(got[3].token_ids)
+    assert llm.generate_ids(ids[1], params[1]).token_ids == got[1].token_ids
+
+
+def test_llm_refuses_and_raises_as_the_engine_does(llms):
+    """A prompt beyond the largest prefill bucket is refused before anything runs (no chunked prefill in `LLM`);
+    a failed runner call raises its own exception after the other requests finish."""
+    llm, _ = llms
+    with pytest.raises(ContextLengthError, match="maximum context length is 128 tokens"):
+        llm.generate_ids([5] * 129, SamplingParams(max_tokens=1))
+    with pytest.raises(ConfigError, match="2 sampling parameters for 1 prompts"):
+        llm.generate_batch([[5, 6]], [SamplingParams(), SamplingParams()])
+    failing = LLM.from_loaded(LoadedModel(llm.config, llm.tokenizer, FailingRunner(llm.runner), llm.dtype))
+    with pytest.raises(RuntimeError, match="simulated backend failure"):
+        failing.generate_batch([[20, 21, 22], [13, 14, 15]], SamplingParams(max_tokens=6))

@@ -1,15 +1,16 @@
 """The engine on the block KV cache: prefix caching, chunked prefill and preemption change no output.
 
-Oracle: the single-sequence reference loop (`LLM.generate_ids`, whole prompts, no cache sharing) on the same
-tiny model (fp32, the real tokenizer). Every request of a workload with a long shared prefix must get exactly
-the reference's tokens with prefix caching and chunked prefill on or off, and when the block pool is too small
-for the workload (requests are preempted and recomputed).
+Oracle: the single-sequence reference loop (runtime/generate.py via `helpers.reference_generate`, whole prompts, no
+cache sharing) on the same tiny model (fp32, the real tokenizer). Every request of a workload with a long shared
+prefix must get exactly the reference's tokens with prefix caching and chunked prefill on or off, and when the block
+pool is too small for the workload (requests are preempted and recomputed).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers import reference_generate
 
 from neuron_opt.api import LLM, build_model
 from neuron_opt.backends.eager import EagerExecutor
@@ -35,7 +36,7 @@ def setup(tiny_dir):
                for i in range(6)]
     params = [SamplingParams(max_tokens=14, min_tokens=14, temperature=0.0) for _ in range(5)]
     params.append(SamplingParams(max_tokens=14, min_tokens=14, temperature=0.9, top_k=40, seed=7))
-    want = [ref.generate_ids(p, sp).token_ids for p, sp in zip(prompts, params, strict=True)]
+    want = [reference_generate(ref, p, sp).token_ids for p, sp in zip(prompts, params, strict=True)]
     yield model, ref, prompts, params, want
     torch.set_num_threads(threads)
 
@@ -102,7 +103,7 @@ def test_prompts_beyond_the_largest_prefill_bucket_are_served_by_chunks(setup):
     long_prompt = prompts[0] * 2  # > 64, the largest prefill bucket
     sp = SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0)
     engine = engine_for(model, ref)
-    assert run(engine, [long_prompt], [sp]) == [ref.generate_ids(long_prompt, sp).token_ids]
+    assert run(engine, [long_prompt], [sp]) == [reference_generate(ref, long_prompt, sp).token_ids]
     off = engine_for(model, ref, enable_chunked_prefill=False)
     with pytest.raises(Exception, match="maximum context length is 64"):
         off.add_request("x", long_prompt, sp, lambda o: None)

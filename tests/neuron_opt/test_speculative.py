@@ -2,9 +2,9 @@
 serving engine.
 
 Oracles: sequential decode steps of the same runner (verify logits), the non-speculative reference loop
-(`LLM.generate_ids`: greedy output must be identical token for token), and the target distribution itself
-(rejection sampling must preserve it: a chi-square test at a stated significance level); for the draft model's
-proposals, the draft's own non-speculative greedy continuation.
+(runtime/generate.py via `helpers.reference_generate`: greedy output must be identical token for token), and the
+target distribution itself (rejection sampling must preserve it: a chi-square test at a stated significance
+level); for the draft model's proposals, the draft's own non-speculative greedy continuation.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from helpers import reference_generate
 
 from neuron_opt.api import LLM
 from neuron_opt.backends.cpu import onednn_bf16_supported
@@ -142,7 +143,7 @@ def test_greedy_output_is_identical_to_non_speculative_greedy(llms, adaptive):
                     speculative=SpeculativeConfig(K, adaptive=adaptive))
     outs = _run(engine, {str(i): (p, params[i]) for i, p in enumerate(prompts)})
     for i, p in enumerate(prompts):
-        want = ref.generate_ids(p, params[i])
+        want = reference_generate(ref, p, params[i])
         got = outs[str(i)]
         assert [t for o in got for t in o.new_token_ids] == want.token_ids, i
         assert "".join(o.text_delta for o in got) == want.text
@@ -153,13 +154,25 @@ def test_greedy_output_is_identical_to_non_speculative_greedy(llms, adaptive):
     assert st.accepted_tokens <= st.draft_tokens and st.mean_accepted_length > 1.0
 
 
+def test_llm_batched_speculative_generation_equals_the_reference(llms):
+    """`LLM.generate_batch(..., speculative=)`: the prompts batched through one speculating engine, each output
+    the non-speculative reference's, with proposals verified."""
+    llm, ref = llms
+    prompts = _grounded_prompts(llm)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    got = llm.generate_batch(prompts, params, speculative=SpeculativeConfig(K, adaptive=False))
+    assert [g.token_ids for g in got] == [reference_generate(ref, p, params).token_ids for p in prompts]
+    _, stats = llm.generate_ids_speculative(prompts[0], params, SpeculativeConfig(K, adaptive=False))
+    assert stats.verify_steps > 0
+
+
 def test_stop_strings_cut_accepted_tokens(llms):
     llm, ref = llms
     prompt = _grounded_prompts(llm)[0]
-    full = ref.generate_ids(prompt, SamplingParams(max_tokens=30, ignore_eos=True)).text
+    full = reference_generate(ref, prompt, SamplingParams(max_tokens=30, ignore_eos=True)).text
     stop = full[len(full) // 2: len(full) // 2 + 3]
     params = SamplingParams(max_tokens=30, stop=(stop,), ignore_eos=True)
-    want = ref.generate_ids(prompt, params)
+    want = reference_generate(ref, prompt, params)
     out, _ = llm.generate_ids_speculative(prompt, params, SpeculativeConfig(K, adaptive=False))
     assert (out.token_ids, out.text, out.finish_reason) == (want.token_ids, want.text, want.finish_reason)
 
@@ -258,7 +271,7 @@ def test_cpu_compiled_verify_graphs_match_eager_and_keep_greedy_exact(tiny_dir, 
            "0", "--json"]
     assert main(cli + ["--speculative-method", "draft_model"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    plain = ref.generate_ids(list(ref.tokenizer(prompt_text)["input_ids"]), SamplingParams(max_tokens=20))
+    plain = reference_generate(ref, list(ref.tokenizer(prompt_text)["input_ids"]), SamplingParams(max_tokens=20))
     assert doc["token_ids"] == plain.token_ids and doc["speculative"]["verify_steps"] > 0
     # graphs compiled: layers prefill, decode, verify (batch 1); heads for 1 and 4 rows
     assert distinct_graphs(buckets, "cpu") == 5
@@ -271,7 +284,7 @@ def test_cpu_compiled_verify_graphs_match_eager_and_keep_greedy_exact(tiny_dir, 
     prompt = _grounded_prompts(llm)[1]
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     out, stats = compiled.generate_ids_speculative(prompt, params, SpeculativeConfig(K, adaptive=False))
-    assert out.token_ids == ref.generate_ids(prompt, params).token_ids and stats.accepted_tokens > 0
+    assert out.token_ids == reference_generate(ref, prompt, params).token_ids and stats.accepted_tokens > 0
     with pytest.raises(ConfigError, match="num_speculative_tokens=3"):
         LLM(tmp_path / "art", num_speculative_tokens=2)
 
@@ -311,7 +324,7 @@ def test_bf16_exact_verify_rows_are_bitwise_the_decode_steps_logits(tiny_dir, tm
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     for prompt in _grounded_prompts(compiled):
         out, stats = compiled.generate_ids_speculative(prompt, params, SpeculativeConfig(K, adaptive=False))
-        assert out.token_ids == compiled.generate_ids(prompt, params).token_ids
+        assert out.token_ids == reference_generate(compiled, prompt, params).token_ids
         assert stats.accepted_tokens > 0
 
 
@@ -353,7 +366,7 @@ def test_tp2_rank_processes_verify_like_one_rank(tiny_dir):
         prompt = [1, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
         params = SamplingParams(max_tokens=16, ignore_eos=True)
         out, stats = tp.generate_ids_speculative(prompt, params, SpeculativeConfig(K, adaptive=False))
-        assert out.token_ids == one.generate_ids(prompt, params).token_ids and stats.verify_steps > 0
+        assert out.token_ids == reference_generate(one, prompt, params).token_ids and stats.verify_steps > 0
     finally:
         tp.runner.executor.close()
 
@@ -367,7 +380,7 @@ def test_server_streams_speculative_output_and_reports_it_in_metrics(llms):
 
     llm, ref = llms
     messages = [{"role": "user", "content": "one two three four five one two three four five one two three"}]
-    want = ref.generate_ids(ref.encode_chat(messages), SamplingParams(max_tokens=24)).text
+    want = reference_generate(ref, ref.encode_chat(messages), SamplingParams(max_tokens=24)).text
     with live_server(llm, max_num_seqs=4, speculative=SpeculativeConfig(K, adaptive=False)) as (url, engine):
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         chunks = client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0,
@@ -402,7 +415,7 @@ def test_draft_proposals_are_the_drafts_greedy_continuation_after_any_history(ll
     prop = DraftModelProposer(LLM(draft_dir, batch_size=4, max_model_len=128).runner)
 
     def greedy(ids: list[int], n: int) -> list[int]:
-        return ref.generate_ids(ids, SamplingParams(max_tokens=n, ignore_eos=True)).token_ids
+        return reference_generate(ref, ids, SamplingParams(max_tokens=n, ignore_eos=True)).token_ids
 
     a, b = _grounded_prompts(llm)[:2]
     got = prop.propose_batch([("a", a, 4), ("b", b, 2)])
@@ -431,7 +444,7 @@ def test_greedy_with_a_draft_model_is_identical_to_non_speculative_greedy(llms, 
     engine = Engine(llm.runner, llm.tokenizer, llm.eos_token_ids, speculative=spec, draft=draft.runner)
     outs = _run(engine, {str(i): (p, params[i]) for i, p in enumerate(prompts)})
     for i, p in enumerate(prompts):
-        want = ref.generate_ids(p, params[i])
+        want = reference_generate(ref, p, params[i])
         got = outs[str(i)]
         assert [t for o in got for t in o.new_token_ids] == want.token_ids, i
         assert got[-1].finish_reason == want.finish_reason
@@ -448,7 +461,7 @@ def test_the_target_as_its_own_draft_has_every_proposal_accepted(llms, tiny_dir)
     params = SamplingParams(max_tokens=33, ignore_eos=True)
     out, st = llm.generate_ids_speculative(prompt, params, SpeculativeConfig(
         K, "draft_model", adaptive=False, model=str(tiny_dir("smollm-tok"))))
-    assert out.token_ids == ref.generate_ids(prompt, params).token_ids
+    assert out.token_ids == reference_generate(ref, prompt, params).token_ids
     assert st.accepted_tokens == st.draft_tokens > 0
     assert st.verify_steps == 8  # 33 tokens: 1 from prefill, then 8 verifies of k + 1 = 4
 
@@ -517,14 +530,15 @@ def test_serve_flags_build_a_draft_engine_and_concurrent_streams_equal_plain_gre
     args = build_parser().parse_args(["serve", "--model", str(tiny_dir("smollm-tok")), "--max-num-seqs", "3",
                                       "--max-model-len", "128", "--speculative-model", str(draft_dir),
                                       "--num-speculative-tokens", str(K)])
-    _, built = build_engine(args)
+    built = build_engine(args)
     assert isinstance(built.proposer, DraftModelProposer) and built.proposer.num_slots == 3
     assert built.spec.method == "draft_model" and built.spec.num_speculative_tokens == K
 
     llm, ref = llms
     prompts = [llm.tokenizer.decode(p) for p in _grounded_prompts(llm)]
     lengths = [20, 9, 14, 17]
-    want = [ref.generate_ids(list(llm.tokenizer(p)["input_ids"]), SamplingParams(max_tokens=n, ignore_eos=True)).text
+    want = [reference_generate(ref, list(llm.tokenizer(p)["input_ids"]),
+                               SamplingParams(max_tokens=n, ignore_eos=True)).text
             for p, n in zip(prompts, lengths, strict=True)]
     spec = SpeculativeConfig(K, "draft_model", adaptive=False, model=str(draft_dir))
     with live_server(llm, max_num_seqs=4, speculative=spec, draft=llm.draft(draft_dir, 4).runner) as (url, engine):

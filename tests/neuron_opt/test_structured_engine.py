@@ -1,11 +1,11 @@
 """Structured outputs in the serving engine: constrained and unconstrained rows in one batch, with prefix caching,
 chunked prefill, preemption and speculative decoding; `n` siblings; logit_bias.
 
-Oracles: the single-sequence reference loop (`LLM.generate_ids`, which masks with the same grammar one token at a
-time) for every request of a mixed batch, so unconstrained rows are untouched by their neighbours' masks and
-constrained rows are the same under every engine feature; `jsonschema` / `re` for the constrained texts. The model
-is the tiny random one with the real tokenizer: its text is noise, so the schemas bound every string (and the
-grammar must end every request).
+Oracles: the single-sequence reference loop (runtime/generate.py via `helpers.reference_generate`, which masks with
+the same grammar one token at a time) for every request of a mixed batch, so unconstrained rows are untouched by
+their neighbours' masks and constrained rows are the same under every engine feature; `jsonschema` / `re` for the
+constrained texts. The model is the tiny random one with the real tokenizer: its text is noise, so the schemas bound
+every string (and the grammar must end every request).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import re
 import jsonschema
 import pytest
 import torch
-from helpers import eager_runner
+from helpers import eager_runner, reference_generate
 
 from neuron_opt.api import LLM, build_model
 from neuron_opt.backends.eager import EagerExecutor
@@ -51,7 +51,7 @@ def setup(tiny_dir):
         SamplingParams(max_tokens=10, temperature=0.8, top_k=20, seed=5, ignore_eos=True),
         SamplingParams(max_tokens=8, structured=StructuredOutputs(choice=("alpha", "beta", "gamma delta"))),
     ]
-    want = [ref.generate_ids(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    want = [reference_generate(ref, p, sp) for p, sp in zip(prompts, params, strict=True)]
     yield ref, prompts, params, want
     torch.set_num_threads(threads)
 
@@ -113,17 +113,17 @@ def test_constrained_and_free_rows_in_one_batch_equal_the_reference(setup, featu
 def test_a_grammar_ends_the_request_even_when_eos_is_ignored(setup):
     ref, prompts, _, _ = setup
     sp = SamplingParams(max_tokens=20, ignore_eos=True, structured=StructuredOutputs(choice=("yes", "no")))
-    out = ref.generate_ids(prompts[0], sp)
+    out = reference_generate(ref, prompts[0], sp)
     assert out.text in ("yes", "no") and out.finish_reason == "stop"
 
 
 def test_logit_bias_bans_and_forces_tokens(setup):
     ref, prompts, _, _ = setup
-    free = ref.generate_ids(prompts[1], SamplingParams(max_tokens=8, ignore_eos=True))
-    banned = ref.generate_ids(prompts[1], SamplingParams(max_tokens=8, ignore_eos=True,
+    free = reference_generate(ref, prompts[1], SamplingParams(max_tokens=8, ignore_eos=True))
+    banned = reference_generate(ref, prompts[1], SamplingParams(max_tokens=8, ignore_eos=True,
                                                          logit_bias=tuple((t, -100.0) for t in set(free.token_ids))))
     assert not set(banned.token_ids) & set(free.token_ids)
-    forced = ref.generate_ids(prompts[1], SamplingParams(max_tokens=4, ignore_eos=True, temperature=1.0, seed=0,
+    forced = reference_generate(ref, prompts[1], SamplingParams(max_tokens=4, ignore_eos=True, temperature=1.0, seed=0,
                                                          logit_bias=((42, 100.0),)))
     assert forced.token_ids == [42] * 4
 
@@ -139,7 +139,7 @@ def test_n_siblings_wait_for_the_first_prompt_and_reuse_its_blocks(setup):
     while engine.num_unfinished:
         engine.step()
     tokens = {rid: [t for o in out for t in o.new_token_ids] for rid, out in outs.items()}
-    assert tokens["s0"] == tokens["s1"] == tokens["s2"] == ref.generate_ids(prompts[0], sp).token_ids
+    assert tokens["s0"] == tokens["s1"] == tokens["s2"] == reference_generate(ref, prompts[0], sp).token_ids
     full_blocks = len(prompts[0]) // BS
     assert engine.prefix_cache_stats.hits >= 2 * full_blocks * BS  # both siblings took the prompt's full blocks
     assert engine.stats.prefills == 3

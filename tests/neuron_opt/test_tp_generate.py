@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from helpers import reference_generate
 
 from neuron_opt.api import LLM
 from neuron_opt.config import ParallelConfig
@@ -47,6 +48,6 @@ def test_engine_on_tp_ranks_equals_single_sequence_tp1(tiny_dir):
                 break
         for i in range(3):
             got = [t for o in outs[str(i)] for t in o.new_token_ids]
-            assert got == ref.generate_ids(prompts[i], params[i]).token_ids
+            assert got == reference_generate(ref, prompts[i], params[i]).token_ids
     finally:
         tp.runner.executor.close()
