@@ -55,7 +55,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "granite": ("GraniteConfig", dict(num_attention_heads=4, num_key_value_heads=2, embedding_multiplier=12.0,
                                       residual_multiplier=0.22, attention_multiplier=0.2, logits_scaling=8.0)),
     "smollm3": ("SmolLM3Config", dict(num_attention_heads=4, num_key_value_heads=2, no_rope_layers=[1, 0],
-                                      use_sliding_window=True, sliding_window=6, tie_word_embeddings=True, pad_token_id=0)),
+                                      use_sliding_window=True, sliding_window=6, tie_word_embeddings=True,
+                                      pad_token_id=0)),
 }
 FAMILIES = ["qwen3", "gemma2", "gemma3", "olmo2", "granite", "smollm3"]
 # Variants with the default model's vocabulary: make_tiny saves its real tokenizer (and chat template) beside them,

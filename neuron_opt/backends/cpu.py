@@ -32,6 +32,7 @@ from neuron_opt.backends.cpu_graphs import (
     LayerGraph,
     compile_graph,
     graph_keys,
+    has_capped_score_gemm,
     has_moe_block,
     head_rows,
     layer_example,
@@ -230,6 +231,8 @@ def layer_gemm(layer: torch.nn.Module, gemm: str, moe_gathered: bool = False) ->
     if quantized_modules(layer):
         return "aten"
     if has_moe_block(layer) and not moe_gathered:
+        return "aten"
+    if has_capped_score_gemm(layer):  # soft-capped scores as batched GEMMs (Gemma 2 prefill): no template for them
         return "aten"
     return gemm
 

@@ -308,6 +308,19 @@ def has_moe_block(module: nn.Module) -> bool:
     return any(isinstance(m, SparseMoeBlock) for m in module.modules())
 
 
+def has_capped_score_gemm(module: nn.Module) -> bool:
+    """Whether `module` computes soft-capped attention scores as batched GEMMs (TorchOps.attention with a softcap:
+    Gemma 2's prefill graphs; decode and exact-verify graphs cap inside DecodeAttention's loop or the C++ kernel).
+    Inductor's C++ GEMM template has no batched GEMM, so these graphs compile with gemm "aten" (cpu.layer_gemm),
+    as MoE graphs do."""
+    for m in module.modules():
+        if isinstance(m, Attention) and m.softcap is not None:
+            ops = m.ops
+            if not (isinstance(ops, DecodeAttention) and (ops.rows_as_decode or ops.kernel)):
+                return True
+    return False
+
+
 def _bf16_dense_decode_attention(module: nn.Module) -> bool:
     """Whether `module` holds bf16 weights, attends with DecodeAttention and has no MoE block. The lower
     realization threshold (inductor_options) was measured a gain there only: in fp32 it made decode at KV 1024 7%
