@@ -66,6 +66,9 @@ WITH_TOKENIZER: dict[str, tuple[str, dict[str, Any]]] = {
                                        hidden_size=72, tie_word_embeddings=True)),
     "smollm-tok-1layer": ("LlamaConfig", dict(vocab_size=49152, num_attention_heads=9, num_key_value_heads=3,
                                               hidden_size=72, tie_word_embeddings=True, num_hidden_layers=1)),
+    "gemma2-tok": ("Gemma2Config", dict(vocab_size=49152, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
+                                        final_logit_softcapping=2.5, sliding_window=6, tie_word_embeddings=True)),
     "mixtral-tok": ("MixtralConfig", dict(vocab_size=49152, num_attention_heads=4, num_key_value_heads=2,
                                           num_local_experts=8, num_experts_per_tok=2, intermediate_size=40)),
 }

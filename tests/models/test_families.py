@@ -219,3 +219,77 @@ def test_bad_options_name_the_field(tiny_dir):
                                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
     with pytest.raises(ConfigError, match="^rope_parameters.rope_type:"):
         ModelConfig.from_hf(hf)
+
+
+CONFIGS = __import__("pathlib").Path(__file__).resolve().parents[2] / "docs" / "configs"
+# published parameter counts (model cards / safetensors indexes); the rest are checked against HF's own model only
+PUBLISHED = {"qwen3-8b": 8_190_735_360, "gemma-2-2b": 2_614_341_888, "gemma-3-1b": 999_885_952,
+             "smollm3-3b": 3_075_098_624}
+
+
+@pytest.mark.parametrize("name", ["qwen3-8b", "gemma-2-2b", "gemma-3-1b", "olmo-2-7b", "granite-3.1-2b",
+                                  "smollm3-3b"])
+def test_published_configs_plan_the_checkpoint_sizes(name):
+    """`plan`'s weight sizes are HF's parameter count (its model built on the meta device from the same config.json)
+    in the planned dtype."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from neuron_opt.planner.memory import weight_bytes
+
+    raw = json.loads((CONFIGS / f"{name}.json").read_text())
+    cfg = ModelConfig.from_hf(raw)
+    d = dict(raw)
+    hf_cfg = AutoConfig.for_model(d.pop("model_type"), **d)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(hf_cfg)
+    count = sum(p.numel() for p in hf.parameters())  # a tied table once
+    assert cfg.num_parameters() == count
+    if name in PUBLISHED:
+        assert count == PUBLISHED[name]
+    assert weight_bytes(cfg, head_layout(cfg, ParallelConfig()), "bfloat16") == 2 * count
+
+
+def test_plan_cli_on_a_published_gemma_config(capsys):
+    from neuron_opt.cli import main
+
+    assert main(["plan", "--model", str(CONFIGS / "gemma-2-2b.json"), "--instance", "inf2.xlarge", "--tp", "2"]) in (0, 1)
+    out = capsys.readouterr().out
+    assert "Gemma2ForCausalLM (2.61 B params)" in out
+
+
+# A chat template in the form Gemma's checkpoints ship (turns between <start_of_turn> and <end_of_turn>, the
+# assistant's role named "model", a system message refused by the template itself), written for this test.
+TURN_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\\n' + m['content'] + "
+    "'<end_of_turn>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}")
+
+
+def test_a_family_chat_template_is_used_as_is_through_the_server(tmp_path):
+    import httpx
+    from helpers import live_server
+    from transformers import AutoTokenizer
+
+    from neuron_opt.api import LLM
+
+    ck = make_tiny("gemma2-tok", tmp_path / "ck")
+    tok = AutoTokenizer.from_pretrained(ck)
+    tok.chat_template = TURN_TEMPLATE
+    tok.save_pretrained(ck)
+    llm = LLM(ck, batch_size=2, max_model_len=128)
+    msgs = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "again"}]
+    want = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    assert llm.encode_chat(msgs) == want
+    with live_server(llm, max_num_seqs=2) as (url, _):
+        r = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": msgs, "max_tokens": 4},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(want)
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                       json={"model": "tiny", "messages": [{"role": "system", "content": "x"}, *msgs]})
+        assert r.status_code == 400 and "System role not supported" in r.text
