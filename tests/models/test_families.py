@@ -254,7 +254,8 @@ def test_published_configs_plan_the_checkpoint_sizes(name):
 def test_plan_cli_on_a_published_gemma_config(capsys):
     from neuron_opt.cli import main
 
-    assert main(["plan", "--model", str(CONFIGS / "gemma-2-2b.json"), "--instance", "inf2.xlarge", "--tp", "2"]) in (0, 1)
+    argv = ["plan", "--model", str(CONFIGS / "gemma-2-2b.json"), "--instance", "inf2.xlarge", "--tp", "2"]
+    assert main(argv) in (0, 1)
     out = capsys.readouterr().out
     assert "Gemma2ForCausalLM (2.61 B params)" in out
 
