@@ -3,9 +3,11 @@ with every option on: random norm weights, soft-capping, sliding windows of 6 po
 layers, multipliers; tests/tiny.py).
 
 tp 1 eager parity (prefill + 16 decode logits within 1e-4, 32 greedy tokens) runs for every variant in
-tests/models/test_llama_parity.py. Here: tp 2 and tp 3 (query heads padded 4 -> 6, KV heads expanded) as rank
-threads against HF; the cpu backend's compiled graphs against HF (one artifact per family: the layer graphs are
-the slow part); the shards and parameter counts; the config errors.
+tests/models/test_llama_parity.py, the device path in tests/xla/test_device_families.py. Here: tp 2 and tp 3
+(query heads padded 4 -> 6, KV heads expanded) as rank threads against HF, OLMo 2 under flash decoding as rank
+processes; the cpu backend's compiled graphs against HF (one artifact per family: the layer graphs are the slow
+part, so Gemma 2, which switches on the most options, is in the default tier and the others are slow); the shards,
+parameter counts and published configs; a chat template through the server; the config errors.
 """
 
 from __future__ import annotations
@@ -165,6 +167,7 @@ def test_cpu_graphs_match_hf(variant, tmp_path):
     _compiled_greedy_matches_hf(variant, tmp_path, "fused")
 
 
+@pytest.mark.slow
 def test_gemma2_fused_decode_attention_matches_hf(tmp_path):
     """The Inductor loop nest (decode_attention=fused) caps its scores too."""
     _compiled_greedy_matches_hf("gemma2", tmp_path, "fused")
