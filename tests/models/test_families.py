@@ -82,11 +82,12 @@ def test_shards_hold_what_the_planner_counts(variant, tp, flash, tiny_dir):
 
 
 @pytest.mark.parametrize("variant", FAMILIES)
-@pytest.mark.parametrize("tp", [2, 3])
-def test_rank_threads_match_hf(variant, tp, tiny_dir, tmp_path):
+@pytest.mark.parametrize("tp, sp", [(2, False), (3, False), (2, True)])
+def test_rank_threads_match_hf(variant, tp, sp, tiny_dir, tmp_path):
+    """sp: sequence parallelism (norms and residuals on each rank's chunk of a prefill's positions)."""
     d = tiny_dir(variant)
     cfg = ModelConfig.from_hf(d)
-    par = ParallelConfig(tp=tp)
+    par = ParallelConfig(tp=tp, sequence_parallel=sp)
     if tp == 3:
         assert head_layout(cfg, par).strategy == MHA  # 4 query heads padded to 6, one KV copy per query head
     cache = CacheConfig(max_batch=2, max_model_len=MAX_LEN)
@@ -297,3 +298,26 @@ def test_a_family_chat_template_is_used_as_is_through_the_server(tmp_path):
         r = httpx.post(f"{url}/v1/chat/completions", timeout=60,
                        json={"model": "tiny", "messages": [{"role": "system", "content": "x"}, *msgs]})
         assert r.status_code == 400 and "System role not supported" in r.text
+
+
+def test_kernel_call_sites_take_the_torch_op_for_soft_capping_with_the_reason():
+    from models.llama import TorchOps
+    from neuron_opt.backends.nki_device import DeviceKernelOps, choose_attention, choose_paged_attention
+    from neuron_opt.backends.nki_ops import NkiSimOps
+
+    c = choose_attention(1, 4, 2, 1, 32, 128, torch.bfloat16, None, "NEURON", softcap=50.0)
+    assert c.kernel is None and "soft-capping 50.0" in c.reason
+    c = choose_paged_attention(1, 4, 2, 1, 8, 16, 2, 128, torch.bfloat16, torch.bfloat16, None, "NEURON", 50.0)
+    assert c.kernel is None and "soft-capping 50.0" in c.reason
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 1, 16, generator=g) * 4, torch.randn(1, 2, 8, 16, generator=g),
+               torch.randn(1, 2, 8, 16, generator=g))
+    mask, pos = torch.ones(1, 1, 8, dtype=torch.bool), torch.tensor([[7]])
+    want = TorchOps().attention(q, k, v, pos, mask, 0.25, softcap=2.0)
+    assert (want - TorchOps().attention(q, k, v, pos, mask, 0.25)).abs().max() > 1e-3  # the cap bites
+    torch.testing.assert_close(NkiSimOps().attention(q, k, v, pos, mask, 0.25, softcap=2.0), want)
+    ops = DeviceKernelOps("CPU", None)
+    torch.testing.assert_close(ops.attention(q, k, v, pos, mask, 0.25, softcap=2.0), want)
+    x, w = torch.randn(3, 16, generator=g), torch.randn(16, generator=g) * 0.1
+    torch.testing.assert_close(ops.rms_norm_offset(x, w, 1e-6, 1.0), TorchOps().rms_norm_offset(x, w, 1e-6, 1.0))
+    assert [c["op"] for c in ops.take_choices()] == ["attention", "rms_norm"]
