@@ -1,4 +1,7 @@
-"""Llama family: Llama 2/3, Mistral (sliding window), Qwen2 (q/k/v bias), SmolLM2 (tied embeddings).
+"""Llama family: Llama 2/3, Mistral (sliding window), Qwen2 (q/k/v bias), SmolLM2 (tied embeddings), and the
+families that are this decoder with options (ModelConfig; docs/models.md): Qwen3 (per-head q/k norms), Gemma 2/3
+((1 + w) norms before and after each branch, GeGLU, scaled embeddings, soft-capping, sliding and global layers, a
+local rope base), OLMo 2 (post-norms, q/k norms over all heads), Granite 3 (multipliers), SmolLM3 (NoPE layers).
 
 One top-down file: rope -> norm -> attention -> MLP -> block -> model -> HF weight-name map.
 
@@ -20,6 +23,10 @@ Design decisions
 - KV caches are explicit inputs, mutated in place; an AOT compiler sees them as graph inputs rather than
   module buffers (see docs/design.md on pytorch#165444).
 - Only the hidden state at `last_index` goes through the LM head: prefill never computes [S, V] logits.
+- Per-layer differences are inputs or options, never other classes: a layer without rotary embeddings (SmolLM3)
+  gets the identity table (cos 1, sin 0: x * 1 + rotated * 0 is x exactly), a sliding layer of Gemma 3 the local
+  table, so every layer runs the same code and a compiled layer graph serves them all (the cpu backend also passes
+  the window of a model whose layers mix windows as an input: `window`).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from neuron_opt.config import ModelConfig
+from neuron_opt.config import ModelConfig, norm_roles
 from neuron_opt.parallel import (
     SINGLE,
     ColumnParallelLinear,
@@ -44,14 +51,17 @@ from neuron_opt.parallel import (
 from neuron_opt.parallel.layers import seq_gather
 
 
-def rope_tables(cfg: ModelConfig, max_model_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_model_len, D] in fp32, computed exactly as transformers does (same inv_freq)."""
-    rope = cfg.rope
+def rope_tables(cfg: ModelConfig, max_model_len: int,
+                rope: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_model_len, D] in fp32, computed exactly as transformers does (same inv_freq), for
+    `rope` (default: cfg.rope; Gemma 3's sliding layers: cfg.rope_local_parameters)."""
+    rope = cfg.rope if rope is None else rope
     rope_type = rope.get("rope_type", "default")
     D = cfg.head_dim
     scaling = 1.0
     if rope_type == "default":
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+        theta = float(rope.get("rope_theta", 10000.0))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
     else:
         from transformers import LlamaConfig
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -65,6 +75,52 @@ def rope_tables(cfg: ModelConfig, max_model_len: int) -> tuple[torch.Tensor, tor
     freqs = torch.outer(pos, inv_freq)  # [max_model_len, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [max_model_len, D]
     return emb.cos() * scaling, emb.sin() * scaling
+
+
+def model_rope_tables(cfg: ModelConfig, max_model_len: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The fp32 tables the layers of `cfg` use, by kind (ModelConfig.layer_rope): "global", and "local" for a
+    Gemma 3-style rope of its own on sliding layers. NoPE layers ("none") use `layer_rope_inputs`' identity."""
+    tables = {"global": rope_tables(cfg, max_model_len)}
+    if cfg.rope_local_parameters:
+        tables["local"] = rope_tables(cfg, max_model_len, dict(cfg.rope_local_parameters))
+    return tables
+
+
+def layer_rope_inputs(cfg: ModelConfig, tables: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                      positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (cos, sin) [B, S, 1, D] at `positions` [B, S] in `dtype`: its kind's table rows, or for a
+    layer without rotary embeddings ones and zeros (the identity rotation, exact). Layers of one kind share the
+    tensors."""
+    rows = {}
+    for kind, (cos, sin) in tables.items():
+        rows[kind] = (cos[positions].to(dtype)[:, :, None, :], sin[positions].to(dtype)[:, :, None, :])
+    kinds = [cfg.layer_rope(i) for i in range(cfg.num_hidden_layers)]
+    if "none" in kinds:
+        c, _ = rows["global"]
+        rows["none"] = (torch.ones_like(c), torch.zeros_like(c))
+    return [rows[k] for k in kinds]
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap), as transformers writes it (Gemma 2's attention scores and logits)."""
+    return torch.tanh(x / cap) * cap
+
+
+def finish_logits(logits: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The LM head's fp32 logits divided by cfg.logits_scaling (Granite), then soft-capped (Gemma 2); the identity
+    else. Elementwise, so a rank's vocabulary shard is finished alone."""
+    if cfg.logits_scaling != 1.0:
+        logits = logits / cfg.logits_scaling
+    if cfg.final_logit_softcapping is not None:
+        logits = soft_cap(logits, cfg.final_logit_softcapping)
+    return logits
+
+
+def window_input(cfg: ModelConfig, layer: int, max_model_len: int) -> torch.Tensor:
+    """Layer `layer`'s window as a compiled graph's input (1-element int64): its sliding window, or max_model_len
+    for a layer that attends to all positions (no position is that far back)."""
+    w = cfg.layer_window(layer)
+    return torch.tensor([max_model_len if w is None else min(w, max_model_len)], dtype=torch.int64)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -109,37 +165,94 @@ class TorchOps:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return weight * xf.to(dtype)
 
+    def rms_norm_offset(self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+        """RMSNorm scaled by (offset + weight) (Gemma: 1 + w), in fp32 as transformers computes it. Written as
+        xn * w + offset * xn: no op on the weight alone, which a freezing compiler would fold into a constant that
+        is no longer the parameter (neuron_opt.backends.cpu_constants matches constants to parameters)."""
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (xf * weight + offset * xf).to(dtype)
+
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                  mask: torch.Tensor, scale: float) -> torch.Tensor:
+                  mask: torch.Tensor, scale: float, softcap: float | None = None) -> torch.Tensor:
         """q [B, n_heads, S, D], keys/values [B, n_kv, kv_len, D], positions [B, S] of the queries,
-        mask [B, S, kv_len] (True = visible: causality and any sliding window) -> [B, n_heads, S, D]."""
+        mask [B, S, kv_len] (True = visible: causality and any sliding window) -> [B, n_heads, S, D].
+        `softcap`: scores -> softcap * tanh(scores / softcap) before the mask (SDPA has no such step: the scores
+        are then written out)."""
         gqa = bool(q.shape[1] != keys.shape[1])  # static per graph; bool(): jit.trace sizes are tensors
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], scale=scale,
-                                              enable_gqa=gqa)  # [B, n_heads, S, D]
+        if softcap is None:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], scale=scale,
+                                                  enable_gqa=gqa)  # [B, n_heads, S, D]
+        g = q.shape[1] // keys.shape[1]
+        if gqa:
+            keys, values = keys.repeat_interleave(g, dim=1), values.repeat_interleave(g, dim=1)
+        scores = soft_cap(q @ keys.transpose(-1, -2) * scale, softcap)  # [B, n_heads, S, kv_len]
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))
+        p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return p @ values  # [B, n_heads, S, D]
 
     def attention_blocks(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                         scale: float) -> torch.Tensor:
+                         scale: float, softcap: float | None = None) -> torch.Tensor:
         """`attention` over each row's blocks: k_cache/v_cache [num_blocks, n_kv, block_size, D], block_tables
         [B, nb], mask [B, S, kv_len] with kv_len <= nb * block_size. This default gathers the rows' first kv_len
         positions and calls `attention`; ops that read the blocks in place override it."""
         kv_len = mask.shape[-1]
         keys = read_blocks(k_cache, block_tables, kv_len).to(q.dtype)  # [B, n_kv, kv_len, D]
         values = read_blocks(v_cache, block_tables, kv_len).to(q.dtype)  # [B, n_kv, kv_len, D]
-        return self.attention(q, keys, values, positions, mask, scale)
+        return self.attention(q, keys, values, positions, mask, scale, softcap=softcap)
 
 
 TORCH_OPS = TorchOps()
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden: int, eps: float, ops: TorchOps = TORCH_OPS) -> None:
+    """RMSNorm scaled by the weight, or by (offset + weight) where the checkpoint stores the difference (Gemma)."""
+
+    def __init__(self, hidden: int, eps: float, ops: TorchOps = TORCH_OPS, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden), requires_grad=False)
-        self.eps, self.ops = eps, ops
+        self.eps, self.ops, self.offset = eps, ops, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset:
+            return self.ops.rms_norm_offset(x, self.weight, self.eps, self.offset)
         return self.ops.rms_norm(x, self.weight, self.eps)
+
+
+class FullWidthRMSNorm(nn.Module):
+    """OLMo 2's q/k norm: one RMS over all heads' features of q (or k), [B, S, n * D], not per head.
+
+    Under tp a rank holds some heads, so it sums its squares and one all-reduce of [B, S, 1] adds the ranks'.
+    Layouts that hold a source head several times (replicated or expanded KV heads, flash decoding's groups) hold
+    every head the same number of times (`copies`), and zero padding heads add nothing, so the sum / copies is
+    the sum over the model's heads; the mean divides by their count (`width`). The weight is this rank's heads'
+    part of the [n * D] vector (parallel.sharding picks it head by head, as q/k rows)."""
+
+    def __init__(self, local: int, width: int, copies: int, eps: float, pctx: ParallelContext) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(local), requires_grad=False)
+        self.width, self.copies, self.eps, self.pctx = width, copies, eps, pctx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        ss = xf.pow(2).sum(-1, keepdim=True)  # [B, S, 1]
+        if self.pctx.tp > 1:
+            ss = self.pctx.comm.all_reduce(ss)
+            if self.copies > 1:
+                ss = ss / self.copies
+        xf = xf * torch.rsqrt(ss / self.width + self.eps)
+        return (self.weight * xf).to(dtype)  # transformers' Olmo2RMSNorm: the product in fp32, then the cast
+
+
+def head_copies(cfg: ModelConfig, lay: HeadLayout, which: int) -> int:
+    """How many times the layout holds source head 0 of q (which=0) or k/v (which=1) over all ranks (every
+    source head is held as often: FullWidthRMSNorm)."""
+    from neuron_opt.parallel.sharding import head_sources
+
+    return sum(head_sources(cfg, lay, r)[which].count(0) for r in range(lay.tp))
 
 
 class Attention(nn.Module):
@@ -156,12 +269,14 @@ class Attention(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, lay: HeadLayout, pctx: ParallelContext,
-                 ops: TorchOps = TORCH_OPS) -> None:
+                 ops: TorchOps = TORCH_OPS, layer: int = 0) -> None:
         super().__init__()
         H, D = cfg.hidden_size, cfg.head_dim
         self.n_heads, self.n_kv, self.D = lay.n_heads_local, lay.n_kv_local, D
         self.ops = ops
-        self.window = cfg.sliding_window
+        self.window = cfg.layer_window(layer)
+        self.scale = cfg.softmax_scale
+        self.softcap = cfg.attn_logit_softcapping
         self.pctx = pctx
         self.kv_groups = lay.kv_seq_shards  # g: 1 unless kv-seq-shard
         self.group_rank = pctx.rank % lay.kv_seq_shards
@@ -169,30 +284,40 @@ class Attention(nn.Module):
         self.k_proj = ColumnParallelLinear(H, self.n_kv * D, cfg.attention_bias, pctx)
         self.v_proj = ColumnParallelLinear(H, self.n_kv * D, cfg.attention_bias, pctx)
         self.o_proj = RowParallelLinear(self.n_heads * D, H, cfg.o_bias, pctx)
-        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's D features of q and k, before rope
-            self.q_norm = RMSNorm(D, cfg.rms_norm_eps, ops)
-            self.k_norm = RMSNorm(D, cfg.rms_norm_eps, ops)
-        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm_full:  # OLMo 2: RMSNorm over all heads' features of q and of k, before rope
+            self.q_norm = FullWidthRMSNorm(self.n_heads * D, cfg.num_attention_heads * D, head_copies(cfg, lay, 0),
+                                           cfg.rms_norm_eps, pctx)
+            self.k_norm = FullWidthRMSNorm(self.n_kv * D, cfg.num_key_value_heads * D, head_copies(cfg, lay, 1),
+                                           cfg.rms_norm_eps, pctx)
+        elif cfg.qk_norm:  # Qwen3, Gemma 3: RMSNorm over each head's D features of q and k, before rope
+            self.q_norm = RMSNorm(D, cfg.rms_norm_eps, ops, cfg.norm_offset)
+            self.k_norm = RMSNorm(D, cfg.rms_norm_eps, ops, cfg.norm_offset)
+        self.qk_norm, self.qk_norm_full = cfg.qk_norm, cfg.qk_norm_full
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, kv_len: int, seq_sharded: bool = False) -> torch.Tensor:
+                v_cache: torch.Tensor, kv_len: int, seq_sharded: bool = False,
+                window: torch.Tensor | None = None) -> torch.Tensor:
+        """`window`: this layer's sliding window as a 1-element int64 tensor, in place of the built-in one (a
+        compiled graph that serves layers of several windows; a window >= the longest sequence is none)."""
         B, S = positions.shape
         if seq_sharded:
             x = seq_gather(x, self.pctx, S)  # [B, S, H] from [B, S_pad/tp, H]
         qkv = self._modules.get("qkv_proj")  # set once, at build time (fuse_quantized_projections)
         q, k, v = qkv(x) if qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        if self.qk_norm_full:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, S, self.n_heads, self.D)  # [B, S, n_heads, D]
         k = k.view(B, S, self.n_kv, self.D)  # [B, S, n_kv, D]
         v = v.view(B, S, self.n_kv, self.D)  # [B, S, n_kv, D]
-        if self.qk_norm:
+        if self.qk_norm and not self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.kv_groups > 1:
             out = self._seq_shard_attention(q, k, v, positions, slot_mapping, block_tables, k_cache, v_cache,
-                                             kv_len)
+                                             kv_len, window)
         else:
-            out = self._attention(q, k, v, positions, slot_mapping, block_tables, k_cache, v_cache, kv_len)
+            out = self._attention(q, k, v, positions, slot_mapping, block_tables, k_cache, v_cache, kv_len, window)
         # rope tables wider than x (fp32 tables under bf16 weights) make rope and attention run wide; o_proj
         # takes x's dtype again
         out = out.to(x.dtype).transpose(1, 2).reshape(B, S, self.n_heads * self.D)  # [B, S, n_heads*D]
@@ -206,24 +331,30 @@ class Attention(nn.Module):
             self.qkv_proj = FusedLinears(projs)
             del self.q_proj, self.k_proj, self.v_proj
 
-    def _mask(self, key_pos: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _mask(self, key_pos: torch.Tensor, positions: torch.Tensor,
+              window: torch.Tensor | None = None) -> torch.Tensor:
         mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, S, kv]
-        if self.window is not None:
+        if window is not None:
+            mask = mask & (key_pos[None, None, :] > positions[:, :, None] - window)
+        elif self.window is not None:
             mask = mask & (key_pos[None, None, :] > positions[:, :, None] - self.window)
         return mask
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                    slot_mapping: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, kv_len: int) -> torch.Tensor:
+                   v_cache: torch.Tensor, kv_len: int, window: torch.Tensor | None = None) -> torch.Tensor:
         write_blocks(k_cache, slot_mapping, k)
         write_blocks(v_cache, slot_mapping, v)
-        mask = self._mask(torch.arange(kv_len, device=q.device), positions)  # [B, S, kv_len]
+        mask = self._mask(torch.arange(kv_len, device=q.device), positions, window)  # [B, S, kv_len]
+        if self.softcap is None:  # the call every existing op implements as it did
+            return self.ops.attention_blocks(q.transpose(1, 2), k_cache, v_cache, block_tables, positions, mask,
+                                             self.scale)  # [B, n_heads, S, D]
         return self.ops.attention_blocks(q.transpose(1, 2), k_cache, v_cache, block_tables, positions, mask,
-                                         1.0 / math.sqrt(self.D))  # [B, n_heads, S, D]
+                                         self.scale, softcap=self.softcap)  # [B, n_heads, S, D]
 
     def _seq_shard_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                              slot_mapping: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
-                             v_cache: torch.Tensor, kv_len: int) -> torch.Tensor:
+                             v_cache: torch.Tensor, kv_len: int, window: torch.Tensor | None = None) -> torch.Tensor:
         g, j = self.kv_groups, self.group_rank
         per = k_cache.shape[2]  # this rank's positions per block: block_size / g
         bs = per * g
@@ -237,8 +368,13 @@ class Attention(nn.Module):
         values = read_blocks(v_cache, block_tables[:, :nb], nb * per).to(q.dtype)  # [B, 1, nb*per, D]
         blk = torch.arange(nb, device=q.device)[:, None] * bs
         key_pos = (blk + torch.arange(per, device=q.device)[None, :] * g + j).flatten()  # each local entry's position
-        mask = self._mask(key_pos, positions) & (key_pos < kv_len)[None, None]  # [B, S, nb*per]
-        scores = q.transpose(1, 2) @ keys.transpose(-1, -2) / math.sqrt(self.D)  # [B, n_heads, S, kv_local]
+        mask = self._mask(key_pos, positions, window) & (key_pos < kv_len)[None, None]  # [B, S, nb*per]
+        if self.softcap is None and self.scale == 1.0 / math.sqrt(self.D):
+            scores = q.transpose(1, 2) @ keys.transpose(-1, -2) / math.sqrt(self.D)  # [B, n_heads, S, kv_local]
+        else:
+            scores = q.transpose(1, 2) @ keys.transpose(-1, -2) * self.scale
+            if self.softcap is not None:
+                scores = soft_cap(scores, self.softcap)
         scores = scores.masked_fill(~mask[:, None], float("-inf"))
         m = scores.amax(-1)  # [B, n_heads, S]; -inf where none of this rank's positions is visible
         m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
@@ -259,6 +395,7 @@ class MLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(H, I, cfg.mlp_bias, pctx)
         self.up_proj = ColumnParallelLinear(H, I, cfg.mlp_bias, pctx)
         self.down_proj = RowParallelLinear(I, H, cfg.mlp_bias, pctx)
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # GeGLU (Gemma); else SwiGLU. Both give 0 at 0: padding
 
     def forward(self, x: torch.Tensor, seq_sharded: bool = False) -> torch.Tensor:
         if seq_sharded:
@@ -266,7 +403,8 @@ class MLP(nn.Module):
             x = self.pctx.comm.all_gather(x, dim=1)  # [B, S_pad, H] from [B, S_pad/tp, H]
         gate_up = self._modules.get("gate_up_proj")  # set once, at build time (fuse_quantized_projections)
         gate, up = gate_up(x) if gate_up is not None else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(F.silu(gate) * up, scatter_seq=seq_sharded)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up, scatter_seq=seq_sharded)
 
     def fuse_quantized_projections(self) -> None:
         """gate/up as one weight-only GEMM (`gate_up_proj`), as Attention does for q/k/v."""
@@ -280,33 +418,62 @@ class MLP(nn.Module):
 MlpFactory = Callable[[ModelConfig, HeadLayout, ParallelContext], tuple[str, nn.Module]]
 
 
+# the checkpoint's name of a decoder layer's RMSNorm by role (config.norm_roles) and norm layout: Llama's
+# `post_attention_layernorm` is the MLP's input norm, Gemma's and OLMo 2's the attention output's
+NORM_NAMES = {
+    "pre": {"attn_in": "input_layernorm", "mlp_in": "post_attention_layernorm"},
+    "sandwich": {"attn_in": "input_layernorm", "attn_out": "post_attention_layernorm",
+                 "mlp_in": "pre_feedforward_layernorm", "mlp_out": "post_feedforward_layernorm"},
+    "post": {"attn_out": "post_attention_layernorm", "mlp_out": "post_feedforward_layernorm"},
+}
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, lay: HeadLayout, pctx: ParallelContext,
-                 ops: TorchOps = TORCH_OPS, mlp_factory: MlpFactory | None = None) -> None:
+                 ops: TorchOps = TORCH_OPS, mlp_factory: MlpFactory | None = None, layer: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.self_attn = Attention(cfg, lay, pctx, ops)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.norms = {role: NORM_NAMES[cfg.norm_layout][role] for role in norm_roles(cfg.norm_layout)}
+
+        def add_norm(role: str) -> None:  # registered in the order the layer applies them
+            if role in self.norms:
+                self.add_module(self.norms[role], RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, cfg.norm_offset))
+
+        add_norm("attn_in")
+        self.self_attn = Attention(cfg, lay, pctx, ops, layer)
+        add_norm("attn_out")
+        add_norm("mlp_in")
         # the feed-forward block under the checkpoint's name for it (a dense MLP: `mlp`)
         self.mlp_name, mlp = mlp_factory(cfg, lay, pctx) if mlp_factory else ("mlp", MLP(cfg, lay, pctx))
         self.add_module(self.mlp_name, mlp)
+        add_norm("mlp_out")
+        self.residual_multiplier = cfg.residual_multiplier
+
+    def _norm(self, role: str, x: torch.Tensor) -> torch.Tensor:
+        name = self.norms.get(role)
+        return x if name is None else getattr(self, name)(x)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, kv_len: int, seq_sharded: bool = False, decode: bool = False) -> torch.Tensor:
+                v_cache: torch.Tensor, kv_len: int, seq_sharded: bool = False, decode: bool = False,
+                window: torch.Tensor | None = None) -> torch.Tensor:
         # `decode`: a token-generation step (decode or verify graph), for a feed-forward block that lays its
         # weights out per phase (models.moe under a hybrid expert layout); a dense MLP has one layout.
         # under sequence parallelism x is this rank's [B, S_pad/tp, H] chunk: norms and residuals run on it.
         # x may be a wider residual stream than the layer's weights (fp32 under bf16 weights: the compiled cpu
         # graphs do this for accuracy, see neuron_opt/backends/cpu_graphs.py): norms run on it, each branch's
         # input takes the weights' dtype and its output comes back to x's. Same dtype: the casts are no-ops.
-        dt = self.input_layernorm.weight.dtype
-        x = x + self.self_attn(self.input_layernorm(x).to(dt), cos, sin, positions, slot_mapping, block_tables,
-                               k_cache, v_cache, kv_len, seq_sharded).to(x.dtype)
+        # Norm layouts (ModelConfig.norm_layout): a role without a norm passes its tensor through.
+        dt = getattr(self, next(iter(self.norms.values()))).weight.dtype
+        a = self.self_attn(self._norm("attn_in", x).to(dt), cos, sin, positions, slot_mapping, block_tables,
+                           k_cache, v_cache, kv_len, seq_sharded, window)
+        x = x + self._residual(self._norm("attn_out", a)).to(x.dtype)
         mlp = getattr(self, self.mlp_name)
-        h = self.post_attention_layernorm(x).to(dt)
+        h = self._norm("mlp_in", x).to(dt)
         out = mlp(h, seq_sharded, decode) if getattr(mlp, "per_phase", False) else mlp(h, seq_sharded)
-        return x + out.to(x.dtype)
+        return x + self._residual(self._norm("mlp_out", out)).to(x.dtype)
+
+    def _residual(self, branch: torch.Tensor) -> torch.Tensor:
+        return branch if self.residual_multiplier == 1.0 else branch * self.residual_multiplier
 
 
 class Backbone(nn.Module):
@@ -316,9 +483,9 @@ class Backbone(nn.Module):
                  ops: TorchOps = TORCH_OPS, mlp_factory: MlpFactory | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(lay.vocab_local, cfg.hidden_size, pctx)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, lay, pctx, ops, mlp_factory)
-                                    for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, lay, pctx, ops, mlp_factory, i)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, cfg.norm_offset)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -331,9 +498,12 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ColumnParallelLinear(cfg.hidden_size, lay.vocab_local, False, pctx)
         self.tie_weights()
         with torch.device("cpu"):  # real tables even when the module is built on the meta device (models/build.py)
-            cos, sin = rope_tables(cfg, max_model_len)
-        self.register_buffer("rope_cos", cos, persistent=False)  # [max_model_len, D]
-        self.register_buffer("rope_sin", sin, persistent=False)  # [max_model_len, D]
+            tables = model_rope_tables(cfg, max_model_len)
+        self.register_buffer("rope_cos", tables["global"][0], persistent=False)  # [max_model_len, D]
+        self.register_buffer("rope_sin", tables["global"][1], persistent=False)  # [max_model_len, D]
+        if "local" in tables:  # Gemma 3's sliding layers
+            self.register_buffer("rope_cos_local", tables["local"][0], persistent=False)
+            self.register_buffer("rope_sin_local", tables["local"][1], persistent=False)
 
     def tie_weights(self) -> None:
         """Tied embeddings: the LM head is the embedding tensor. Call again after moving the model to a device
@@ -354,14 +524,25 @@ class LlamaForCausalLM(nn.Module):
         `decode`: a token-generation step (a decode or verify bucket), static per graph like the shapes."""
         B, S = input_ids.shape
         sp = self.pctx.seq_sharded(S)  # static per bucket: a prefill graph is sequence-parallel or not
-        x = self.model.embed_tokens(input_ids, scatter_seq=sp)  # [B, S, H] ([B, S_pad/tp, H] if sp)
-        cos = self.rope_cos[positions].to(x.dtype)[:, :, None, :]  # [B, S, 1, D]
-        sin = self.rope_sin[positions].to(x.dtype)[:, :, None, :]  # [B, S, 1, D]
+        x = self.scale_embeddings(self.model.embed_tokens(input_ids, scatter_seq=sp))  # [B, S, H] ([B, S_pad/tp, H])
+        tables = {"global": (self.rope_cos, self.rope_sin)}
+        if self.cfg.rope_local_parameters:
+            tables["local"] = (self.rope_cos_local, self.rope_sin_local)
+        ropes = layer_rope_inputs(self.cfg, tables, positions, x.dtype)  # each [B, S, 1, D]
         for i, layer in enumerate(self.model.layers):
+            cos, sin = ropes[i]
             x = layer(x, cos, sin, positions, slot_mapping, block_tables, k_caches[i], v_caches[i], kv_len, sp,
                       decode)
         x = self._last_rows(x, last_index, sp)  # [B, H] or [B, T, H]
-        return self.lm_head(self.model.norm(x)).float()  # [B, V/tp] or [B, T, V/tp]
+        return self.finish_logits(self.lm_head(self.model.norm(x)).float())  # [B, V/tp] or [B, T, V/tp]
+
+    def scale_embeddings(self, x: torch.Tensor) -> torch.Tensor:
+        """Embedding rows times cfg.embedding_multiplier (Gemma: sqrt(hidden), Granite); the identity else."""
+        m = self.cfg.embedding_multiplier
+        return x if m == 1.0 else x * m
+
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return finish_logits(logits, self.cfg)
 
 
     def _last_rows(self, x: torch.Tensor, last_index: torch.Tensor, sp: bool) -> torch.Tensor:
@@ -390,9 +571,10 @@ def expected_weight_names(cfg: ModelConfig, mlp_names: Callable[[ModelConfig, st
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not cfg.tie_word_embeddings:
         names.append("lm_head.weight")
+    norms = [NORM_NAMES[cfg.norm_layout][role] for role in norm_roles(cfg.norm_layout)]
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [p + f"{norm}.weight" for norm in norms]
         for proj in ("q", "k", "v"):
             names.append(p + f"self_attn.{proj}_proj.weight")
             if cfg.attention_bias:

@@ -9,6 +9,13 @@ _FAMILIES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
+    # the same decoder with per-family options (ModelConfig: norms, multipliers, soft-capping, layer types)
+    "Qwen3ForCausalLM": "llama",
+    "Gemma2ForCausalLM": "llama",
+    "Gemma3ForCausalLM": "llama",
+    "Olmo2ForCausalLM": "llama",
+    "GraniteForCausalLM": "llama",
+    "SmolLM3ForCausalLM": "llama",
     "MixtralForCausalLM": "moe",
     "Qwen2MoeForCausalLM": "moe",
     "Qwen3MoeForCausalLM": "moe",

@@ -240,12 +240,14 @@ def _hf_tokenizer(root: Path) -> PreTrainedTokenizerBase:
 _GGUF_ARCHS: dict[str, tuple[str, str, bool]] = {
     "llama": ("LlamaForCausalLM", "llama", True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", False),  # + per-head q/k norms (attn_q_norm, attn_k_norm)
 }
 
 _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
 _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -398,6 +400,7 @@ def _gguf_config(reader: Any, path: Path) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in tensors,
         o_bias="blk.0.attn_output.bias" in tensors,
         mlp_bias="blk.0.ffn_gate.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
     )

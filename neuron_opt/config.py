@@ -12,6 +12,7 @@ Change a config with `dataclasses.replace`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -47,6 +48,10 @@ class KVCacheDtype(str, Enum):
         except ValueError:
             raise ConfigError(f"kv_cache_dtype: must be {' or '.join(d.value for d in cls)}, got {value!r}") from None
 QUANT_METHODS = ("int8", "int4", "fp8")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate activation: SwiGLU (Llama) or GeGLU (Gemma)
+LAYER_TYPES = ("full_attention", "sliding_attention")
+NORM_LAYOUTS = ("pre", "sandwich", "post")
 QUANT_TYPES = ("per_channel_symmetric", "per_tensor_symmetric", "group_asymmetric", "group_symmetric")
 
 
@@ -99,6 +104,27 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    # Per-family options (docs/models.md); every default is Llama's behaviour.
+    # layer_types: per layer "full_attention" or "sliding_attention" (Gemma 2/3, Qwen3, SmolLM3: sliding layers
+    # attend to the last `sliding_window` positions, full ones to all); () = every layer attends with
+    # `sliding_window` (None: all positions), as Mistral does.
+    layer_types: tuple[str, ...] = ()
+    # rotary embedding of the sliding layers when it differs from the full layers' (Gemma 3's local base); ()
+    # = rope_parameters
+    rope_local_parameters: tuple[tuple[str, Any], ...] = ()
+    nope_layers: tuple[int, ...] = ()  # layers without rotary embeddings (SmolLM3's no_rope_layers flags = 0)
+    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): Gemma stores w for (1 + w)
+    # where the decoder's RMSNorms sit: "pre" (Llama: before attention and MLP), "sandwich" (Gemma 2/3: before and
+    # after each), "post" (OLMo 2: after each, on the branch output, before the residual add)
+    norm_layout: str = "pre"
+    qk_norm_full: bool = False  # the q/k norms span all heads' features (OLMo 2), not each head's head_dim
+    embedding_multiplier: float = 1.0  # embeddings times this (Gemma: sqrt(hidden_size); Granite)
+    residual_multiplier: float = 1.0  # each branch's output times this before the residual add (Granite)
+    attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar
+    # ** -0.5; Granite: attention_multiplier)
+    logits_scaling: float = 1.0  # logits divided by this (Granite)
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) before the mask (Gemma 2)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -107,13 +133,17 @@ class ModelConfig:
         _check(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
                f"{self.num_key_value_heads} does not divide num_attention_heads={self.num_attention_heads}")
         _check(self.head_dim % 2 == 0, "head_dim", f"must be even for rotary embeddings, got {self.head_dim}")
-        _check(self.hidden_act == "silu", "hidden_act", f"only 'silu' is supported, got {self.hidden_act!r}")
+        _check(self.hidden_act in HIDDEN_ACTS, "hidden_act",
+               f"must be one of {', '.join(HIDDEN_ACTS)}, got {self.hidden_act!r}")
+        _check(not (self.num_experts and self.hidden_act != "silu"), "hidden_act",
+               f"mixture-of-experts blocks are SwiGLU (silu); {self.hidden_act!r} is not supported with num_experts")
         _check(self.sliding_window is None or self.sliding_window > 0, "sliding_window",
                f"must be positive or None, got {self.sliding_window}")
         rope_type = self.rope.get("rope_type", "default")
-        _check(rope_type in ("default", "linear", "llama3", "yarn"), "rope_parameters.rope_type",
-               f"{rope_type!r} is not supported (supported: default, linear, llama3, yarn); 'dynamic' changes "
+        _check(rope_type in ROPE_TYPES, "rope_parameters.rope_type",
+               f"{rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)}); 'dynamic' changes "
                "the rotary table with sequence length, which fixed-shape compiled buckets cannot express")
+        self._check_family_options()
         if self.num_experts:
             _check(0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok",
                    f"must be in 1..num_experts={self.num_experts}, got {self.num_experts_per_tok}")
@@ -122,6 +152,56 @@ class ModelConfig:
         else:
             _check(not (self.num_experts_per_tok or self.shared_expert_intermediate_size), "num_experts",
                    "num_experts_per_tok / shared_expert_intermediate_size need num_experts > 0")
+
+    def _check_family_options(self) -> None:
+        L = self.num_hidden_layers
+        if self.layer_types:
+            _check(len(self.layer_types) == L, "layer_types",
+                   f"has {len(self.layer_types)} entries for num_hidden_layers={L}")
+            bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            _check(not bad, "layer_types", f"unknown layer types {bad}; supported: {', '.join(LAYER_TYPES)}")
+            _check(self.sliding_window is not None or "sliding_attention" not in self.layer_types, "sliding_window",
+                   "layer_types has sliding_attention layers but no sliding_window is given")
+        if self.rope_local_parameters:
+            local = dict(self.rope_local_parameters).get("rope_type", "default")
+            _check(local in ROPE_TYPES, "rope_local_parameters.rope_type",
+                   f"{local!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+            _check("sliding_attention" in self.layer_types, "rope_local_parameters",
+                   "a rotary embedding for sliding layers needs layer_types with sliding_attention layers")
+        bad_layers = [i for i in self.nope_layers if not 0 <= i < L]
+        _check(not bad_layers, "nope_layers", f"layers {bad_layers} do not exist (num_hidden_layers={L})")
+        _check(self.norm_layout in NORM_LAYOUTS, "norm_layout",
+               f"must be one of {', '.join(NORM_LAYOUTS)}, got {self.norm_layout!r}")
+        _check(self.qk_norm or not self.qk_norm_full, "qk_norm_full", "needs qk_norm")
+        for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+            _check(float(getattr(self, name)) > 0, name, f"must be positive, got {getattr(self, name)!r}")
+        for name in ("attention_scale", "attn_logit_softcapping", "final_logit_softcapping"):
+            v = getattr(self, name)
+            _check(v is None or float(v) > 0, name, f"must be positive or None, got {v!r}")
+
+    def layer_window(self, i: int) -> int | None:
+        """The sliding window of layer `i` (None: it attends to every earlier position)."""
+        if self.layer_types and self.layer_types[i] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def mixed_windows(self) -> bool:
+        """Whether some layers slide and others do not (a compiled layer graph then takes the window as input)."""
+        return len({self.layer_window(i) for i in range(self.num_hidden_layers)}) > 1
+
+    def layer_rope(self, i: int) -> str:
+        """Which rotary table layer `i` uses: "global" (rope_parameters), "local" (rope_local_parameters: Gemma 3's
+        sliding layers) or "none" (SmolLM3's NoPE layers)."""
+        if i in self.nope_layers:
+            return "none"
+        if self.rope_local_parameters and self.layer_window(i) is not None:
+            return "local"
+        return "global"
+
+    @property
+    def softmax_scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim) if self.attention_scale is None else float(self.attention_scale)
 
     @property
     def is_moe(self) -> bool:
@@ -149,9 +229,9 @@ class ModelConfig:
         if self.o_bias:
             attn += H
         if self.qk_norm:
-            attn += 2 * D
+            attn += (nq + nkv) * D if self.qk_norm_full else 2 * D
         mlp = self._mlp_parameters()
-        per_layer = attn + mlp + 2 * H
+        per_layer = attn + mlp + H * len(norm_roles(self.norm_layout))
         head = 0 if self.tie_word_embeddings else V * H
         return L * per_layer + V * H + H + head
 
@@ -197,24 +277,40 @@ class ModelConfig:
         from models.registry import family_for
 
         archs = getattr(hf, "architectures", None) or []
-        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                                       "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
-                                       "qwen2_moe": "Qwen2MoeForCausalLM",
-                                       "qwen3_moe": "Qwen3MoeForCausalLM"}.get(hf.model_type, hf.model_type)
+        arch = archs[0] if archs else _DEFAULT_ARCHS.get(hf.model_type, hf.model_type)
         family_for(arch)  # raises UnsupportedModelError with the supported list
         n_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // n_heads
         rope = dict(getattr(hf, "rope_parameters", None) or {})
+        local: dict[str, Any] = {}
+        if "full_attention" in rope or "sliding_attention" in rope:  # per layer type (Gemma 3)
+            local = dict(rope.get("sliding_attention") or {})
+            rope = dict(rope.get("full_attention") or {})
         rope.setdefault("rope_theta", float(getattr(hf, "rope_theta", 10000.0)))
         rope.setdefault("rope_type", "default")
+        if local:
+            local.setdefault("rope_type", "default")
+            if local == rope:
+                local = {}
         eos = hf.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         is_qwen2 = hf.model_type in ("qwen2", "qwen2_moe")  # q/k/v bias (Qwen2-MoE: `qkv_bias`), no o bias
         attention_bias = bool(getattr(hf, "qkv_bias", True)) if is_qwen2 else bool(getattr(hf, "attention_bias", False))
         sliding = getattr(hf, "sliding_window", None)
-        if hf.model_type.startswith("qwen") and not getattr(hf, "use_sliding_window", False):
+        mt = hf.model_type
+        if (mt.startswith("qwen") or mt == "smollm3") and not getattr(hf, "use_sliding_window", False):
             sliding = None
+        layer_types: tuple[str, ...] = ()
+        if mt in _PER_LAYER_WINDOWS and sliding is not None and getattr(hf, "layer_types", None):
+            layer_types = tuple(hf.layer_types)
+            if "sliding_attention" not in layer_types:
+                sliding, layer_types = None, ()
+            elif "full_attention" not in layer_types:
+                layer_types = ()  # every layer slides: the model-wide window
+        if not layer_types:
+            local = {}  # no sliding layers of their own: one rotary table
         moe = _moe_fields(hf)
+        fam = _family_fields(hf)
         return cls(
             architecture=arch,
             model_type=hf.model_type,
@@ -233,25 +329,73 @@ class ModelConfig:
             o_bias=bool(getattr(hf, "attention_bias", False)) and not is_qwen2,
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             sliding_window=sliding,
-            hidden_act=getattr(hf, "hidden_act", "silu"),
+            hidden_act=getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu"),
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=eos_ids,
-            qk_norm=hf.model_type == "qwen3_moe",
+            qk_norm=mt in ("qwen3_moe", "qwen3", "gemma3_text", "olmo2"),
+            layer_types=layer_types,
+            rope_local_parameters=tuple(sorted((k, _freeze(v)) for k, v in local.items())),
             **moe,
+            **fam,
         )
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["rope_parameters"] = self.rope
+        d["rope_local_parameters"] = dict(self.rope_local_parameters)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["layer_types"] = list(self.layer_types)
+        d["nope_layers"] = list(self.nope_layers)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         d = dict(d)
-        d["rope_parameters"] = tuple(sorted((k, _freeze(v)) for k, v in d["rope_parameters"].items()))
-        d["eos_token_ids"] = tuple(d["eos_token_ids"])
+        for key in ("rope_parameters", "rope_local_parameters"):
+            if key in d:
+                d[key] = tuple(sorted((k, _freeze(v)) for k, v in d[key].items()))
+        for key in ("eos_token_ids", "layer_types", "nope_layers"):
+            if key in d:
+                d[key] = tuple(d[key])
         return cls(**d)
+
+
+_DEFAULT_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                  "gemma3_text": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM",
+                  "smollm3": "SmolLM3ForCausalLM"}
+# model types whose sliding window applies to the layers `layer_types` marks sliding_attention only (transformers'
+# Mistral and Qwen2 apply theirs to every layer)
+_PER_LAYER_WINDOWS = ("qwen3", "gemma2", "gemma3_text", "smollm3")
+
+
+def norm_roles(layout: str) -> tuple[str, ...]:
+    """The decoder layer's RMSNorms under `layout` (ModelConfig.norm_layout), in order, by role: attn_in / mlp_in
+    normalise a branch's input, attn_out / mlp_out its output."""
+    return {"pre": ("attn_in", "mlp_in"), "sandwich": ("attn_in", "attn_out", "mlp_in", "mlp_out"),
+            "post": ("attn_out", "mlp_out")}[layout]
+
+
+def _family_fields(hf: Any) -> dict[str, Any]:
+    """The per-family options of a transformers config (ModelConfig's fields after norm_topk_prob)."""
+    mt = hf.model_type
+    out: dict[str, Any] = {}
+    if mt in ("gemma2", "gemma3_text"):
+        out.update(norm_offset=1.0, norm_layout="sandwich", embedding_multiplier=float(hf.hidden_size) ** 0.5,
+                   attention_scale=float(hf.query_pre_attn_scalar) ** -0.5,
+                   attn_logit_softcapping=getattr(hf, "attn_logit_softcapping", None),
+                   final_logit_softcapping=getattr(hf, "final_logit_softcapping", None))
+    elif mt == "olmo2":
+        out.update(norm_layout="post", qk_norm_full=True)
+    elif mt == "granite":
+        out.update(embedding_multiplier=float(hf.embedding_multiplier),
+                   residual_multiplier=float(hf.residual_multiplier),
+                   attention_scale=float(hf.attention_multiplier), logits_scaling=float(hf.logits_scaling))
+    elif mt == "smollm3":
+        flags = list(getattr(hf, "no_rope_layers", None) or [])
+        out.update(nope_layers=tuple(i for i, use_rope in enumerate(flags) if not use_rope))
+    return out
 
 
 def _moe_fields(hf: Any) -> dict[str, Any]:

@@ -39,7 +39,26 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
                                          shared_expert_intermediate_size=37, norm_topk_prob=False)),
     "qwen3-moe": ("Qwen3MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
                                          num_experts_per_tok=2, moe_intermediate_size=21, norm_topk_prob=True)),
+    # families on the same decoder with options (docs/models.md); every option on, windows (6) shorter than the
+    # parity tests' texts
+    "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                                  use_sliding_window=True, sliding_window=6, max_window_layers=1)),
+    "gemma2": ("Gemma2Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+                                    attn_logit_softcapping=4.0, final_logit_softcapping=2.5, sliding_window=6,
+                                    tie_word_embeddings=True)),
+    "gemma3": ("Gemma3TextConfig", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=True,
+        rope_parameters={"full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1e6),
+                         "sliding_attention": dict(rope_type="default", rope_theta=1e4)})),
+    "olmo2": ("Olmo2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "granite": ("GraniteConfig", dict(num_attention_heads=4, num_key_value_heads=2, embedding_multiplier=12.0,
+                                      residual_multiplier=0.22, attention_multiplier=0.2, logits_scaling=8.0)),
+    "smollm3": ("SmolLM3Config", dict(num_attention_heads=4, num_key_value_heads=2, no_rope_layers=[1, 0],
+                                      use_sliding_window=True, sliding_window=6, tie_word_embeddings=True,
+                                      pad_token_id=0)),
 }
+FAMILIES = ["qwen3", "gemma2", "gemma3", "olmo2", "granite", "smollm3"]
 # Variants with the default model's vocabulary: make_tiny saves its real tokenizer (and chat template) beside them,
 # so CLI / API / server tests run end to end on a model that is fast.
 WITH_TOKENIZER: dict[str, tuple[str, dict[str, Any]]] = {
@@ -47,6 +66,9 @@ WITH_TOKENIZER: dict[str, tuple[str, dict[str, Any]]] = {
                                        hidden_size=72, tie_word_embeddings=True)),
     "smollm-tok-1layer": ("LlamaConfig", dict(vocab_size=49152, num_attention_heads=9, num_key_value_heads=3,
                                               hidden_size=72, tie_word_embeddings=True, num_hidden_layers=1)),
+    "gemma2-tok": ("Gemma2Config", dict(vocab_size=49152, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
+                                        final_logit_softcapping=2.5, sliding_window=6, tie_word_embeddings=True)),
     "mixtral-tok": ("MixtralConfig", dict(vocab_size=49152, num_attention_heads=4, num_key_value_heads=2,
                                           num_local_experts=8, num_experts_per_tok=2, intermediate_size=40)),
 }

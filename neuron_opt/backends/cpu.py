@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from models.llama import rope_tables
+from models.llama import layer_rope_inputs, model_rope_tables, window_input
 from neuron_opt.backends import cpu_ops
 from neuron_opt.backends.base import Backend, ModelFactory, StepInputs, allocate_kv
 from neuron_opt.backends.cpu_constants import ConstantRecipe, build_constant
@@ -32,6 +32,7 @@ from neuron_opt.backends.cpu_graphs import (
     LayerGraph,
     compile_graph,
     graph_keys,
+    has_capped_score_gemm,
     has_moe_block,
     head_rows,
     layer_example,
@@ -207,7 +208,7 @@ class CpuBackend(Backend):
         if kernel or int8_kernel or moe_kernel:
             cpu_ops.ensure(f"cpu layer graph for {bucket.key}", BackendCompileError)
         layer = LayerGraph(model.model.layers[0], self.dtype, decode_attention, bucket.generates, exact, kernel,
-                           int8_kernel, moe_kernel)
+                           int8_kernel, moe_kernel, window_input=model.cfg.mixed_windows)
         gemm = self.options["gemm"]
         if (bucket.num_tokens == 1 or (exact and bucket.batch == 1)) and self.options["one_row_gemm"] != "same":
             gemm = self.options["one_row_gemm"]
@@ -235,7 +236,7 @@ class CpuBackend(Backend):
         int8_kernel = self._int8_kernel(model.lm_head)
         if int8_kernel:
             cpu_ops.ensure(f"cpu head graph for {rows} rows", BackendCompileError)
-        head = HeadGraph(model.model.norm, model.lm_head, self.dtype, int8_kernel)
+        head = HeadGraph(model.model.norm, model.lm_head, self.dtype, int8_kernel, model.cfg)
         args = (torch.randn(rows, model.cfg.hidden_size).to(self.residual_dtype),)
         gemm = "cpp" if fp32_logits else self.options["gemm"]
         recipes = compile_graph(head, args, None, layer_gemm(head, gemm), so, f"cpu head graph for {rows} rows")
@@ -270,6 +271,8 @@ def layer_gemm(layer: torch.nn.Module, gemm: str, moe_gathered: bool = False) ->
     if quantized_modules(layer):
         return "aten"
     if has_moe_block(layer) and not moe_gathered:
+        return "aten"
+    if has_capped_score_gemm(layer):  # soft-capped scores as batched GEMMs (Gemma 2 prefill): no template for them
         return "aten"
     return gemm
 
@@ -349,7 +352,11 @@ class CpuExecutor:
         self._routes = {b: (runners[graph_keys(b)[0]], runners[graph_keys(b)[1]][0]) for b in graph_files}
         self._embed = self._embedding(model, store)
         # from the config, in fp32: the model's buffers went to `dtype` with it
-        self.rope_cos, self.rope_sin = rope_tables(model.cfg, model.max_model_len)  # [max_model_len, D] each
+        self.cfg = model.cfg
+        self.rope = model_rope_tables(model.cfg, model.max_model_len)  # kind -> [max_model_len, D] each
+        # a model whose layers mix windows passes each layer's window to the shared layer graph (LayerGraph)
+        self.windows = [window_input(model.cfg, i, model.max_model_len) for i in range(n_layers)] \
+            if model.cfg.mixed_windows else None
         self.k_caches, self.v_caches = allocate_kv(model, cache, dtype)
         # user_managed constants: the containers keep raw pointers, so we must keep the tensors alive. The model
         # and its unpacked GEMM weights are not referenced past this point and are freed with it.
@@ -409,11 +416,14 @@ class CpuExecutor:
         elif tables.shape[1] == 1:
             tables = torch.cat([tables, torch.zeros_like(tables)], dim=1)
         x = self._embed(inputs.input_ids).to(self.residual_dtype)  # [B, S, H]
-        cos = self.rope_cos[pos].to(self.rope_dtype)[:, :, None, :]  # [B, S, 1, D]
-        sin = self.rope_sin[pos].to(self.rope_dtype)[:, :, None, :]  # [B, S, 1, D]
+        if self.cfg.embedding_multiplier != 1.0:
+            x = x * self.cfg.embedding_multiplier
+        ropes = layer_rope_inputs(self.cfg, self.rope, pos, self.rope_dtype)  # per layer, [B, S, 1, D] each
         ks, vs = self.k_caches, self.v_caches
         for i, layer in enumerate(layers):
-            x = layer.run([x, cos, sin, pos, slots, tables, ks[i], vs[i]])[0]
+            cos, sin = ropes[i]
+            window = [] if self.windows is None else [self.windows[i]]
+            x = layer.run([x, cos, sin, pos, slots, tables, ks[i], vs[i], *window])[0]
         rows = torch.arange(x.shape[0])
         if inputs.last_index.dim() == 2:  # verify: every position of every row, [B, q, H] -> [B, q, V]
             B, q = inputs.last_index.shape

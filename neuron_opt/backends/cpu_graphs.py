@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.export import Dim
 
-from models.llama import MLP, Attention, TorchOps
+from models.llama import MLP, Attention, TorchOps, finish_logits, soft_cap
 from models.moe import Experts, SparseMoeBlock
 from neuron_opt.backends import cpu_ops
 from neuron_opt.backends.base import kv_dtype
@@ -70,16 +70,25 @@ class DecodeAttention(TorchOps):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.inner.rms_norm(x, weight, eps)
 
+    def rms_norm_offset(self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+        return self.inner.rms_norm_offset(x, weight, eps, offset)
+
     def attention_blocks(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                         scale: float) -> torch.Tensor:
+                         scale: float, softcap: float | None = None) -> torch.Tensor:
         B, n_heads, S, D = q.shape
         if self.kernel and (S == 1 or self.rows_as_decode):  # the C++ kernel: fp32 q, a query's output independent of S
+            if softcap is not None:  # the same kernel with its scores capped (cap * tanh(s / cap))
+                return cpu_ops.paged_attention_softcap(q.float(), k_cache, v_cache, block_tables, mask, scale,
+                                                       softcap).to(q.dtype)
             return cpu_ops.paged_attention(q.float(), k_cache, v_cache, block_tables, mask, scale).to(q.dtype)
         if S != 1 and self.rows_as_decode:
-            return self._queries_as_decode(q, k_cache, v_cache, block_tables, mask, scale)
+            return self._queries_as_decode(q, k_cache, v_cache, block_tables, mask, scale, softcap)
         if S != 1:
-            return self.inner.attention_blocks(q, k_cache, v_cache, block_tables, positions, mask, scale)
+            if softcap is None:
+                return self.inner.attention_blocks(q, k_cache, v_cache, block_tables, positions, mask, scale)
+            return self.inner.attention_blocks(q, k_cache, v_cache, block_tables, positions, mask, scale,
+                                               softcap=softcap)
         nb = block_tables.shape[1]
         n_kv, per = k_cache.shape[1], k_cache.shape[2]
         g = n_heads // n_kv
@@ -90,6 +99,8 @@ class DecodeAttention(TorchOps):
         values = v_cache[block_tables].to(q.dtype)
         qg = q.view(B, 1, n_kv, g, 1, D)
         scores = (qg * keys[:, :, :, None]).sum(-1) * scale  # [B, nb, n_kv, g, per]
+        if softcap is not None:
+            scores = soft_cap(scores, softcap)
         scores = scores.masked_fill(~visible, float("-inf"))
         m = scores.amax(dim=(1, 4), keepdim=True)  # [B, 1, n_kv, g, 1]
         p = torch.exp(scores - m)
@@ -99,7 +110,7 @@ class DecodeAttention(TorchOps):
 
     @staticmethod
     def _queries_as_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                           mask: torch.Tensor, scale: float) -> torch.Tensor:
+                           mask: torch.Tensor, scale: float, softcap: float | None = None) -> torch.Tensor:
         """S queries per row (a verify step) in the one-query loop's form, the queries one more broadcast
         dimension beside the GQA group's: each score, softmax sum and output is reduced over the same dimensions
         in the same loop as a decode step's, and K/V are read once for all S queries."""
@@ -114,6 +125,8 @@ class DecodeAttention(TorchOps):
         values = v_cache[block_tables].to(q.dtype)[:, :, :, None, None]
         qg = q.view(B, 1, n_kv, g, S, 1, D)
         scores = (qg * keys).sum(-1) * scale  # [B, nb, n_kv, g, S, per]
+        if softcap is not None:
+            scores = soft_cap(scores, softcap)
         scores = scores.masked_fill(~visible, float("-inf"))
         m = scores.amax(dim=(1, 5), keepdim=True)  # [B, 1, n_kv, g, S, 1]
         p = torch.exp(scores - m)
@@ -142,8 +155,11 @@ class LayerGraph(nn.Module):
 
     def __init__(self, layer: nn.Module, dtype: torch.dtype, decode_attention: bool, decode: bool,
                  rows_as_decode: bool = False, kernel: bool = False, int8_kernel: bool = False,
-                 moe_kernel: bool = False) -> None:
+                 moe_kernel: bool = False, window_input: bool = False) -> None:
         super().__init__()
+        # a model whose layers mix sliding windows (ModelConfig.mixed_windows): the window is the graph's last input
+        # (1-element int64; the executor passes each layer's), so one graph serves every layer
+        self.window_input = window_input
         self.decode = decode  # a token-generation graph (decode, verify): models.llama.DecoderLayer's `decode`
         self.layer = copy.deepcopy(layer).to(dtype)
         use_cpu_layout(self.layer, int8_kernel)
@@ -156,10 +172,10 @@ class LayerGraph(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor) -> torch.Tensor:
+                v_cache: torch.Tensor, window: torch.Tensor | None = None) -> torch.Tensor:
         kv_len = block_tables.shape[1] * k_cache.shape[2]  # every position the blocks hold
         return self.layer(x, cos, sin, positions, slot_mapping, block_tables, k_cache, v_cache, kv_len,
-                          decode=self.decode)
+                          decode=self.decode, window=window if self.window_input else None)
 
 
 class HeadGraph(nn.Module):
@@ -172,8 +188,10 @@ class HeadGraph(nn.Module):
     with HF fp32 (docs/cpu_backend.md). A oneDNN GEMM returns bf16, rounded, then widened.
     """
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module, dtype: torch.dtype, int8_kernel: bool = False) -> None:
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, dtype: torch.dtype, int8_kernel: bool = False,
+                 cfg: Any = None) -> None:
         super().__init__()
+        self.cfg = cfg  # the model's ModelConfig: logits scaling and soft-capping after the head (finish_logits)
         # in `dtype`, leaving the caller's modules as they are: a copy of each that converting would change (a large
         # head already in `dtype` is not copied), and of a quantized head, which moves to the CPU kernels' layouts
         def converts(m: nn.Module) -> bool:
@@ -190,7 +208,8 @@ class HeadGraph(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)  # x may be an fp32 residual: then h is fp32
-        return self.lm_head(h.to(self.norm.weight.dtype)).float()
+        logits = self.lm_head(h.to(self.norm.weight.dtype)).float()
+        return logits if self.cfg is None else finish_logits(logits, self.cfg)
 
 
 def head_rows(bucket: Bucket) -> int:
@@ -232,11 +251,14 @@ def layer_example(model: nn.Module, bucket: Bucket, cache: CacheConfig, dtype: t
     slots = tables[:, -1:] * bs + positions % bs
     args = (torch.randn(B, S, H).to(residual_dtype), torch.randn(B, S, 1, D).to(rope_dtype),
             torch.randn(B, S, 1, D).to(rope_dtype), positions, slots, tables, k, v)
+    extra: tuple[None, ...] = ()
+    if model.cfg.mixed_windows:  # LayerGraph's window input
+        args, extra = (*args, torch.tensor([cache.max_model_len], dtype=torch.int64)), (None,)
     blocks = Dim("blocks", min=2, max=max(3, cache.blocks_per_sequence))  # min < max, even for one-block lengths
     if not static_tokens(bucket):
         t = Dim("tokens", min=2, max=cache.max_model_len)
-        return args, ({1: t}, {1: t}, {1: t}, {1: t}, {1: t}, {1: blocks}, None, None)
-    return args, (None, None, None, None, None, {1: blocks}, None, None)
+        return args, ({1: t}, {1: t}, {1: t}, {1: t}, {1: t}, {1: blocks}, None, None, *extra)
+    return args, (None, None, None, None, None, {1: blocks}, None, None, *extra)
 
 
 def inductor_options(gemm: str, fuse_projections: bool = True, quantized: bool = False,
@@ -281,6 +303,19 @@ def has_moe_block(module: nn.Module) -> bool:
     """Whether `module` holds a mixture-of-experts block (its graphs keep Inductor's defaults: cpu.layer_gemm,
     inductor_options)."""
     return any(isinstance(m, SparseMoeBlock) for m in module.modules())
+
+
+def has_capped_score_gemm(module: nn.Module) -> bool:
+    """Whether `module` computes soft-capped attention scores as batched GEMMs (TorchOps.attention with a softcap:
+    Gemma 2's prefill graphs; decode and exact-verify graphs cap inside DecodeAttention's loop or the C++ kernel).
+    Inductor's C++ GEMM template has no batched GEMM, so these graphs compile with gemm "aten" (cpu.layer_gemm),
+    as MoE graphs do."""
+    for m in module.modules():
+        if isinstance(m, Attention) and m.softcap is not None:
+            ops = m.ops
+            if not (isinstance(ops, DecodeAttention) and (ops.rows_as_decode or ops.kernel)):
+                return True
+    return False
 
 
 def _bf16_dense_decode_attention(module: nn.Module) -> bool:

@@ -75,6 +75,11 @@ def _register_fake() -> None:
           mask: torch.Tensor, scale: float) -> torch.Tensor:
         return q.new_empty(q.shape)
 
+    @torch.library.register_fake("neuron_opt::paged_attention_softcap")
+    def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+          mask: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+        return q.new_empty(q.shape)
+
     @torch.library.register_fake("neuron_opt::int8_linear")
     def _(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
@@ -91,6 +96,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     [num_blocks, n_kv, block_size, D] (float32, bfloat16 or float8_e4m3fn), block_tables [B, nb] int64, mask
     [B, S, kv_len] bool; [B, H, S, D] float32. A query's output does not depend on S."""
     return torch.ops.neuron_opt.paged_attention(q, k_cache, v_cache, block_tables, mask, scale)
+
+
+def paged_attention_softcap(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                            mask: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """`paged_attention` with each score s capped to softcap * tanh(s / softcap) before the mask (Gemma 2's
+    attention logit soft-capping; softcap > 0)."""
+    return torch.ops.neuron_opt.paged_attention_softcap(q, k_cache, v_cache, block_tables, mask, scale, softcap)
 
 
 def int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

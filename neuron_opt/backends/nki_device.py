@@ -11,7 +11,9 @@ facts that are static per graph (shapes, dtype, the model's sliding window, the 
   - `rmsnorm` for the norms.
 - Everywhere else the call uses the torch op, each time with a reason recorded:
   - the XLA CPU device, which has no NKI runtime;
-  - a sliding window (the kernels apply a plain causal mask);
+  - a sliding window (the kernels apply a plain causal mask); a model whose layers mix windows (Gemma 2/3) takes the
+    torch op in every layer, the model-wide window being what the call sites are told;
+  - attention logit soft-capping (Gemma 2: the kernels do not cap the scores);
   - a call outside a kernel's contract (the kernel's own `_check` says which limit).
 
 The contract check reuses each kernel's `_check`. It runs on zero-memory arrays (`np.broadcast_to`) of the
@@ -62,7 +64,7 @@ def _shaped(shape: tuple[int, ...], dtype: torch.dtype) -> np.ndarray:
 
 
 def choose_attention(B: int, n_heads: int, n_kv: int, S: int, kv_len: int, D: int, dtype: torch.dtype,
-                     window: int | None, device_type: str) -> KernelChoice:
+                     window: int | None, device_type: str, softcap: float | None = None) -> KernelChoice:
     """The implementation of one attention call site: q [B, n_heads, S, D] over kv_len cache positions."""
     shape = f"q [{B}, {n_heads}, {S}, {D}], kv [{B}, {n_kv}, {kv_len}, {D}], {str(dtype).removeprefix('torch.')}"
 
@@ -73,6 +75,8 @@ def choose_attention(B: int, n_heads: int, n_kv: int, S: int, kv_len: int, D: in
         return torch_op(f"the {device_type} device has no NKI runtime")
     if window is not None:
         return torch_op(f"sliding window {window}: the kernels apply a plain causal mask")
+    if softcap is not None:
+        return torch_op(f"attention logit soft-capping {softcap}: the kernels do not cap the scores")
     try:
         if S == 1:
             from kernels_nki import decode_attention
@@ -94,7 +98,7 @@ def choose_attention(B: int, n_heads: int, n_kv: int, S: int, kv_len: int, D: in
 
 def choose_paged_attention(B: int, n_heads: int, n_kv: int, S: int, num_blocks: int, block_len: int,
                            max_blocks: int, D: int, dtype: torch.dtype, cache_dtype: torch.dtype,
-                           window: int | None, device_type: str) -> KernelChoice | None:
+                           window: int | None, device_type: str, softcap: float | None = None) -> KernelChoice | None:
     """The implementation of an attention call site over block pools `[num_blocks, n_kv, block_len, D]` and
     tables `[B, max_blocks]`: the paged decode kernel, a reason not to, or None for a step that is not a decode
     (prefill call sites gather the blocks and choose with `choose_attention`)."""
@@ -107,6 +111,9 @@ def choose_paged_attention(B: int, n_heads: int, n_kv: int, S: int, num_blocks: 
     if window is not None:
         return KernelChoice("attention", shape, None, f"sliding window {window}: the kernels apply a plain "
                                                       "causal mask")
+    if softcap is not None:
+        return KernelChoice("attention", shape, None, f"attention logit soft-capping {softcap}: the kernels do "
+                                                      "not cap the scores")
     if cache_dtype != dtype:
         return KernelChoice("attention", shape, None, f"a {str(cache_dtype).removeprefix('torch.')} cache: the "
                                                       "kernel reads the compute dtype")
@@ -218,14 +225,19 @@ class DeviceKernelOps(TorchOps):
         args, kwargs = rms_norm_kernel_call(x, weight, eps)
         return _kernel("rmsnorm")(*args, **kwargs).reshape(x.shape)
 
+    def rms_norm_offset(self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+        """Gemma's (offset + w) norms: the rmsnorm kernel (or the torch op, as `rms_norm` chooses) on the weight
+        plus the offset, added on the device (no compiled constant stands for the parameter there)."""
+        return self.rms_norm(x, weight + offset, eps)
+
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                  mask: torch.Tensor, scale: float) -> torch.Tensor:
+                  mask: torch.Tensor, scale: float, softcap: float | None = None) -> torch.Tensor:
         B, n_heads, S, D = q.shape
         c = choose_attention(B, n_heads, keys.shape[1], S, keys.shape[2], D, q.dtype, self.window,
-                             self.device_type)
+                             self.device_type, softcap)
         self.choices[c] = None
         if c.kernel is None:
-            return super().attention(q, keys, values, positions, mask, scale)
+            return super().attention(q, keys, values, positions, mask, scale, softcap=softcap)
         grid, args, kwargs = attention_kernel_call(c.kernel, q, keys.to(q.dtype), values.to(q.dtype), positions,
                                                    scale)
         return attention_from_kernel(c.kernel, _kernel(c.kernel)[grid](*args, **kwargs), q.shape)
@@ -233,14 +245,16 @@ class DeviceKernelOps(TorchOps):
 
     def attention_blocks(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                         scale: float) -> torch.Tensor:
+                         scale: float, softcap: float | None = None) -> torch.Tensor:
         B, n_heads, S, D = q.shape
         c = choose_paged_attention(B, n_heads, k_cache.shape[1], S, k_cache.shape[0], k_cache.shape[2],
-                                   block_tables.shape[1], D, q.dtype, k_cache.dtype, self.window, self.device_type)
+                                   block_tables.shape[1], D, q.dtype, k_cache.dtype, self.window, self.device_type,
+                                   softcap)
         if c is not None:
             self.choices[c] = None
         if c is None or c.kernel is None:  # gather the blocks; `attention` then chooses (and records) for prefill
-            return super().attention_blocks(q, k_cache, v_cache, block_tables, positions, mask, scale)
+            return super().attention_blocks(q, k_cache, v_cache, block_tables, positions, mask, scale,
+                                            softcap=softcap)
         grid, args, kwargs = paged_attention_kernel_call(q, k_cache, v_cache, block_tables, positions, scale)
         return attention_from_kernel(c.kernel, _kernel(c.kernel)[grid](*args, **kwargs), q.shape)
 

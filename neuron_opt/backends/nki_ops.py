@@ -64,7 +64,10 @@ class NkiSimOps(TorchOps):
         positions: torch.Tensor,
         mask: torch.Tensor,
         scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
+        if softcap is not None:  # the kernels do not cap scores: the torch op (the reference)
+            return TorchOps.attention(self, q, keys, values, positions, mask, scale, softcap=softcap)
         B, _, S, _ = q.shape
         kv_len = keys.shape[2]
         j = torch.arange(kv_len)
@@ -96,7 +99,11 @@ class NkiSimOps(TorchOps):
         positions: torch.Tensor,
         mask: torch.Tensor,
         scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
+        if softcap is not None:  # the kernels do not cap scores: the torch op over the gathered blocks
+            return TorchOps.attention_blocks(self, q, k_cache, v_cache, block_tables, positions, mask, scale,
+                                             softcap=softcap)
         if not (self.paged and q.shape[2] == 1):
             return super().attention_blocks(q, k_cache, v_cache, block_tables, positions, mask, scale)
         lengths = self._decode_lengths(positions, mask)

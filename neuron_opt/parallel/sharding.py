@@ -4,7 +4,7 @@ A rule per weight name (Megatron layout):
   column   : split dim 0 (q/k/v, gate/up, LM head)  -- output features; no collective
   row      : split dim 1 (o, down)                   -- input features; one all-reduce after
   vocab    : split dim 0 of the embedding table      -- out-of-shard ids give zeros; one all-reduce after
-  replicate: norms, row-parallel biases
+  replicate: norms, row-parallel biases (OLMo 2's q/k norms span all heads: picked head by head, as q/k rows)
 
 Attention weights are not chunked blindly: `head_sources` says, per rank, which source head each local head
 is (or None for a zero padding head), and q/k/v rows and o columns are gathered head by head. That one
@@ -308,6 +308,9 @@ def shard_tensor(name: str, w: torch.Tensor, cfg: ModelConfig, lay: HeadLayout, 
         w = _pick_heads(w, head_sources(cfg, lay, rank)[1], D)
     elif name.endswith("o_proj.weight"):  # columns of this rank's heads: [H, nql*D]
         w = _pick_heads(w.t().contiguous(), head_sources(cfg, lay, rank)[0], D).t()
+    elif cfg.qk_norm_full and re.fullmatch(r".*\.self_attn\.[qk]_norm\.weight", name):
+        # OLMo 2's norms over all heads' features [n * D]: this rank's heads' parts, as the q/k rows
+        w = _pick_heads(w, head_sources(cfg, lay, rank)[0 if name.endswith("q_norm.weight") else 1], D)
     elif rule in (COLUMN, VOCAB):
         if name in ("lm_head.weight", "model.embed_tokens.weight"):
             w = _pad_dim(w, 0, lay.vocab_padded)

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from neuron_opt.buckets import BucketConfig
-from neuron_opt.config import ModelConfig
+from neuron_opt.config import ModelConfig, norm_roles
 from neuron_opt.errors import ConfigError
 from neuron_opt.parallel.sharding import HeadLayout
 from neuron_opt.planner.hardware import GiB, Instance
@@ -77,11 +77,11 @@ def weight_count(cfg: ModelConfig, lay: HeadLayout) -> WeightCount:
             experts += expert_elements(cfg, lay.decode_layout())
     linear = H * q + 2 * H * kv + q * H + 3 * H * inter  # q, k, v, o, gate, up, down
     out_ch = q + 2 * kv + H + 2 * inter + H
-    other = 2 * H  # input and post-attention RMSNorm
+    other = H * len(norm_roles(cfg.norm_layout))  # the layer's RMSNorms (2; Gemma's sandwich: 4)
     if cfg.is_moe:
         other += cfg.num_experts * H + (H if cfg.shared_expert_intermediate_size else 0)  # router, shared gate
     if cfg.qk_norm:
-        other += 2 * D
+        other += q + kv if cfg.qk_norm_full else 2 * D  # OLMo 2: over this rank's heads; else one head's D
     if cfg.attention_bias:
         other += q + 2 * kv  # column-parallel biases are split
     if cfg.o_bias:

@@ -36,7 +36,8 @@ from neuron_opt.parallel.sharding import head_layout
 _TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-            "post_attention_layernorm": "ffn_norm"}
+            "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attn_q_norm",
+            "self_attn.k_norm": "attn_k_norm"}
 
 
 REAL_CACHE_DIR = envs.CACHE_DIR
@@ -240,6 +241,27 @@ def test_directory_errors(tiny_dir, tmp_path):
     (tmp_path / "x.gguf").write_bytes(b"PK\x03\x04 not gguf")
     with pytest.raises(CheckpointError, match="x.gguf"):
         open_checkpoint(tmp_path / "x.gguf")
+
+
+def test_gguf_qwen3_roundtrip_reads_the_qk_norms(tiny_dir, tmp_path):
+    """llama.cpp's qwen3 architecture: unpermuted q/k rows and per-head q/k norms. Its files carry no sliding
+    window, so the config is the checkpoint's without one and the logits are compared on a prompt shorter than the
+    window."""
+    import dataclasses
+
+    d = tiny_dir("qwen3")
+    ck = open_checkpoint(write_gguf(d, tmp_path / "m.gguf", "qwen3"))
+    assert ck.config == dataclasses.replace(ModelConfig.from_hf(d), sliding_window=None, layer_types=())
+    sd = ck.state_dict()
+    ref = load_file(str(d / "model.safetensors"))
+    ref.pop("lm_head.weight", None)  # tied
+    assert sorted(sd) == sorted(ref) and "model.layers.0.self_attn.q_norm.weight" in sd
+    for name, t in ref.items():
+        assert torch.equal(sd[name], t.float()), name
+    ids = torch.tensor([[1, 17, 42, 99, 5]])  # within the window (6)
+    with torch.no_grad():
+        expected = load_hf(d)(ids).logits[0, -1]
+    torch.testing.assert_close(our_logits(ck.config, sd, ids), expected, atol=1e-4, rtol=0)
 
 
 def test_unknown_architecture_lists_supported(tiny_dir, tmp_path):

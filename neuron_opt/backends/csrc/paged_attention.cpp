@@ -4,6 +4,7 @@
 // q [B, H, S, D] float32 (S queries per row: 1 for decode, k + 1 for a verify step); k_cache, v_cache
 // [num_blocks, n_kv, block_size, D] float32, bfloat16 or float8_e4m3fn; block_tables [B, nb] int64; mask [B, S, Tm] bool (position t
 // of row b visible to query s; positions >= Tm are not); returns softmax(q k^T * scale) v per head, [B, H, S, D] fp32.
+// paged_attention_softcap: the same with each score s capped to softcap * tanh(s / softcap) before the mask (Gemma 2).
 //
 // Every query row goes through the same sequence of floating-point operations whatever S is and whichever rows it
 // shares a pass with, so a verify step's rows are bitwise the decode step's (the exact verify of
@@ -99,10 +100,14 @@ inline void pv_pass(const CacheT* const* vrows, int64_t nblk, int64_t per, int64
 }
 
 // scores of RS query rows against the chunk's K (transposed, [D, cpad]): for each pair of position vectors, one
-// chain of FMAs over d per row and lane, then * scale; rows [0, nr) stored to out (row stride cpad)
+// chain of FMAs over d per row and lane, then * scale (then capped when cap > 0); rows [0, nr) stored to out (row
+// stride cpad)
+inline Vec capped(const Vec& s, float cap) {
+  return cap > 0.f ? (s / Vec(cap)).tanh() * Vec(cap) : s;
+}
 template <typename CacheT, int RS>
 inline void score_pass(const CacheT* kt, int64_t cpad, int64_t lpad, int64_t D, const float* const* qr, float scale,
-                       int64_t nr, float* out) {
+                       float cap, int64_t nr, float* out) {
   constexpr int64_t W = Vec::size();
   for (int64_t p = 0; p < lpad; p += 2 * W) {
     Vec a0[RS], a1[RS];
@@ -119,15 +124,15 @@ inline void score_pass(const CacheT* kt, int64_t cpad, int64_t lpad, int64_t D, 
       }
     }
     for (int64_t r = 0; r < nr; ++r) {
-      (a0[r] * Vec(scale)).store(out + r * cpad + p);
-      (a1[r] * Vec(scale)).store(out + r * cpad + p + W);
+      capped(a0[r] * Vec(scale), cap).store(out + r * cpad + p);
+      capped(a1[r] * Vec(scale), cap).store(out + r * cpad + p + W);
     }
   }
 }
 
 template <typename CacheT>
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& block_tables, const at::Tensor& mask, double scale_d) {
+                  const at::Tensor& block_tables, const at::Tensor& mask, double scale_d, double cap_d) {
   const int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3);
   const int64_t n_kv = k_cache.size(1), per = k_cache.size(2), n_blocks = k_cache.size(0);
   const int64_t g = H / n_kv, nb = block_tables.size(1), Tm = mask.size(2);
@@ -138,6 +143,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   const int64_t n_chunks = (nb + bpc - 1) / bpc;
   const int64_t R = g * S;
   const float scale = static_cast<float>(scale_d);
+  const float cap = static_cast<float>(cap_d);
   const float ninf = -std::numeric_limits<float>::infinity();
   auto qc = q.contiguous();
   auto kc = k_cache.contiguous();
@@ -193,9 +199,9 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         const int64_t nr = std::min(rs, R - r0);
         float* out_rows = sc + r0 * cpad;
         if (rs == 8)
-          score_pass<CacheT, 8>(kt, cpad, lpad, D, qr, scale, nr, out_rows);
+          score_pass<CacheT, 8>(kt, cpad, lpad, D, qr, scale, cap, nr, out_rows);
         else
-          score_pass<CacheT, 4>(kt, cpad, lpad, D, qr, scale, nr, out_rows);
+          score_pass<CacheT, 4>(kt, cpad, lpad, D, qr, scale, cap, nr, out_rows);
         r0 += rs;
       }
       // softmax over the chunk (masked positions -inf)
@@ -293,8 +299,9 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 
 }  // namespace
 
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& block_tables, const at::Tensor& mask, double scale) {
+at::Tensor paged_attention_softcap_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                        const at::Tensor& block_tables, const at::Tensor& mask, double scale,
+                                        double softcap) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat, "paged_attention: q must be float32 [B, H, S, D], got ",
               q.scalar_type(), " ", q.sizes());
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
@@ -310,16 +317,35 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(mask.dim() == 3 && mask.size(0) == B && mask.size(1) == S && mask.scalar_type() == at::kBool,
               "paged_attention: mask must be bool [B, S, kv_len], got ", mask.scalar_type(), " ", mask.sizes());
   switch (k_cache.scalar_type()) {
-    case at::kFloat: return attend<float>(q, k_cache, v_cache, block_tables, mask, scale);
-    case at::kBFloat16: return attend<c10::BFloat16>(q, k_cache, v_cache, block_tables, mask, scale);
-    case at::kFloat8_e4m3fn: return attend<c10::Float8_e4m3fn>(q, k_cache, v_cache, block_tables, mask, scale);
+    case at::kFloat: return attend<float>(q, k_cache, v_cache, block_tables, mask, scale, softcap);
+    case at::kBFloat16: return attend<c10::BFloat16>(q, k_cache, v_cache, block_tables, mask, scale, softcap);
+    case at::kFloat8_e4m3fn:
+      return attend<c10::Float8_e4m3fn>(q, k_cache, v_cache, block_tables, mask, scale, softcap);
     default:
       TORCH_CHECK(false, "paged_attention: cache dtype ", k_cache.scalar_type(),
                   " not supported (float32, bfloat16, float8_e4m3fn)");
   }
 }
 
+at::Tensor paged_attention_softcap(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& block_tables, const at::Tensor& mask, double scale,
+                                   double softcap) {
+  TORCH_CHECK(softcap > 0, "paged_attention_softcap: softcap must be positive, got ", softcap);
+  return paged_attention_softcap_impl(q, k_cache, v_cache, block_tables, mask, scale, softcap);
+}
+
+// softcap 0: no cap (the same code path, `capped` returns the score)
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& mask, double scale) {
+  return paged_attention_softcap_impl(q, k_cache, v_cache, block_tables, mask, scale, 0.0);
+}
+
 TORCH_LIBRARY(neuron_opt, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor mask, float scale) -> Tensor");
+  m.def("paged_attention_softcap(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor mask, "
+        "float scale, float softcap) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(neuron_opt, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(neuron_opt, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("paged_attention_softcap", &paged_attention_softcap);
+}
