@@ -22,8 +22,8 @@ Design decisions:
   as a prompt of its own length: its attention over the earlier positions is not counted (an underestimate for
   the later chunks of a long prompt).
 - Runs of steps that only decode are priced in one move (every step of the run costs the same until a sequence
-  finishes, a request can be admitted, or the decode length bucket changes), so thousands of requests take a
-  fraction of a second.
+  finishes, a request can be admitted, or the decode length bucket changes): the work grows with the number of
+  requests and prefill steps, not with the number of generated tokens.
 - Arrivals: `together` (all at t = 0, the C prompts of a batch), or `poisson` (seeded exponential gaps at a mean
   rate, POISSON_REQUESTS requests, the same draws on every run). Percentiles are nearest-rank: the p-th of n
   values is the ceil(p n)-th smallest. TPOT percentiles are over every inter-token gap of every request (each
@@ -60,8 +60,8 @@ class Arrival:
 
     kind: str = "together"
     rate: float | None = None
-    requests: int = POISSON_REQUESTS  # poisson only: how many arrivals are simulated
-    seed: int = POISSON_SEED
+    requests: int | None = None  # poisson only: how many arrivals are simulated (None: POISSON_REQUESTS)
+    seed: int = POISSON_SEED  # poisson only
 
     def __post_init__(self) -> None:
         if self.kind not in ARRIVALS:
@@ -69,10 +69,11 @@ class Arrival:
         if self.kind == "poisson" and (self.rate is None or not self.rate > 0 or math.isinf(self.rate)):
             raise ConfigError(f"rate: poisson arrivals need a finite rate > 0 requests/s, got {self.rate}",
                               param="rate")
-        if self.kind == "together" and self.rate is not None:
-            raise ConfigError("rate: only poisson arrivals have a rate (together: the requests arrive at once)",
-                              param="rate")
-        if self.requests < 1:
+        if self.kind == "together" and (self.rate is not None or self.requests is not None
+                                        or self.seed != POISSON_SEED):
+            raise ConfigError("rate: only poisson arrivals have a rate, a request count and a seed (together: the "
+                              "--concurrency requests arrive at once)", param="rate")
+        if self.requests is not None and self.requests < 1:
             raise ConfigError(f"requests: must be >= 1, got {self.requests}", param="requests")
 
     def times(self, concurrency: int) -> list[float]:
@@ -82,7 +83,7 @@ class Arrival:
         assert self.rate is not None
         rng = random.Random(self.seed)
         t, out = 0.0, []
-        for _ in range(self.requests):
+        for _ in range(self.requests or POISSON_REQUESTS):
             out.append(t)
             t += rng.expovariate(self.rate)
         return out

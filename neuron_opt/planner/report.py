@@ -203,7 +203,8 @@ def _latency_json(plan: Plan) -> dict[str, Any]:
         "step_tpot_ms": _ms(plan.tpot.total if plan.tpot else None),
     }
     out["queue"] = None if q is None else {
-        "arrival": q.arrival.kind, "rate": q.arrival.rate, "requests": q.requests, "seed": q.arrival.seed,
+        "arrival": q.arrival.kind, "rate": q.arrival.rate, "requests": q.requests,
+        "seed": q.arrival.seed if q.arrival.kind == "poisson" else None,
         "max_num_seqs": q.policy.max_num_seqs, "max_num_batched_tokens": q.policy.max_num_batched_tokens,
         "prefill_batch": q.policy.prefill_batch, "chunked_prefill": q.policy.chunked, "saturated": q.saturated}
     return out

@@ -161,5 +161,9 @@ def test_bad_arrivals_are_refused_naming_the_field() -> None:
         qm.Arrival("together", rate=2.0)
     with pytest.raises(ConfigError, match="arrival"):
         qm.Arrival("bursty")
+    with pytest.raises(ConfigError, match="together"):
+        qm.Arrival("together", requests=3)
+    with pytest.raises(ConfigError, match="requests"):
+        qm.Arrival("poisson", rate=1.0, requests=0)
     with pytest.raises(ConfigError, match="max_num_batched_tokens"):
         qm.Policy(max_num_seqs=1, max_prefill_len=128, max_num_batched_tokens=0)
