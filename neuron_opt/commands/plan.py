@@ -17,7 +17,8 @@ from neuron_opt.config import ModelConfig
 from neuron_opt.errors import ConfigError
 from neuron_opt.planner.hardware import get_instance, known_instances
 from neuron_opt.planner.memory import KV_DTYPES, WEIGHT_DTYPES
-from neuron_opt.planner.recommend import Traffic, candidates, rank
+from neuron_opt.planner.queueing import ARRIVALS, POISSON_REQUESTS, Arrival
+from neuron_opt.planner.recommend import Traffic, candidates, rank, with_queue
 from neuron_opt.planner.report import (
     alternatives_table,
     ep_table,
@@ -50,6 +51,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--batch-size", type=int, default=None, help="KV slots / decode batch (default: --concurrency)"
     )
     p.add_argument("--concurrency", type=int, default=1, help="concurrent requests the traffic shape assumes")
+    p.add_argument(
+        "--arrival", choices=ARRIVALS, default=None,
+        help="how requests arrive for the TTFT/TPOT percentiles: 'together' (the --concurrency prompts at once; "
+             f"the default without --rate) or 'poisson' ({POISSON_REQUESTS} seeded arrivals at --rate, served by "
+             "--batch-size slots; the default with --rate)",
+    )
+    p.add_argument("--rate", type=float, default=None, help="poisson arrivals: mean requests per second")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048,
+        help="the scheduler's tokens per engine step the percentiles assume (serve's flag of the same name)",
+    )
+    p.add_argument(
+        "--prefill-batch", type=int, default=1, metavar="N",
+        help="prompts (or chunks) prefilled together in one graph call (compile's flag of the same name)",
+    )
     p.add_argument("--input-len", type=int, default=512, help="prompt tokens of a typical request")
     p.add_argument("--output-len", type=int, default=512, help="generated tokens of a typical request")
     p.add_argument(
@@ -96,6 +112,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_model_config(args.model)
     inst = get_instance(args.instance)
     traffic = Traffic(args.input_len, args.output_len, args.concurrency)
+    arrival = Arrival(args.arrival or ("poisson" if args.rate is not None else "together"), args.rate)
+    if args.max_num_batched_tokens < 1:
+        raise ConfigError(f"--max-num-batched-tokens: must be >= 1, got {args.max_num_batched_tokens}",
+                          param="max_num_batched_tokens")
     batch = args.batch_size or args.concurrency
     max_model_len = args.max_model_len or args.input_len + args.output_len
     max_prompt_len = args.max_prompt_len or min(args.input_len, max_model_len)
@@ -112,9 +132,11 @@ def run(args: argparse.Namespace) -> int:
             kv_dtype=args.kv_dtype,
             ep=args.ep,
             ep_decode=args.ep_decode,
+            prefill_batch=args.prefill_batch,
         ),
         traffic,
     )
+    plans = [with_queue(cfg, p, traffic, arrival, args.max_num_batched_tokens) for p in plans]
     best = plans[0]
     scale = None
     if inst.family != "cpu":

@@ -3,6 +3,7 @@
 - hardware.py: sourced instance table, tp validation (`check_tp`, `get_instance`).
 - memory.py: bytes per NeuronCore (weights, KV, scratch, reserve) and host RAM.
 - latency.py: TTFT / TPOT from FLOPs, bytes, collectives and fixed overheads.
+- queueing.py: TTFT / TPOT percentiles under load: the scheduler's policy replayed over arrivals.
 - recommend.py: evaluate one deployment, rank the alternatives for a traffic shape.
 - report.py: text and JSON renderings; `format_plan_table` for `compile`.
 """

@@ -23,6 +23,7 @@ from neuron_opt.planner.hardware import Instance, check_tp
 from neuron_opt.planner.latency import StepTime, decode_time, prefill_time
 from neuron_opt.planner.memory import KV_DTYPES, QUANTIZED, WEIGHT_DTYPES, MemoryPlan, plan_memory
 from neuron_opt.planner.moe import ep_choices
+from neuron_opt.planner.queueing import Arrival, Policy, QueueEstimate, bucket_clock, estimate
 
 RECOMMEND_SLACK = 0.10
 HYBRID_MIN_GAIN = 0.02  # a hybrid expert layout must cut end-to-end latency by this much (it holds experts twice)
@@ -43,21 +44,26 @@ class Deployment:
     ep: int | None = None  # MoE expert-parallel degree; None: the fastest (chosen in `evaluate`), 1 if dense
     # MoE: token-generation graphs' degree (ParallelConfig.ep_decode); None: `ep`'s when ep is given, else chosen
     ep_decode: int | None = None
+    prefill_batch: int = 1  # prompts (or chunks) per prefill graph call (compile --prefill-batch)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "batch", "max_prompt_len", "max_model_len"):
+        for name in ("tp", "batch", "max_prompt_len", "max_model_len", "prefill_batch"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.max_prompt_len > self.max_model_len:
             raise ConfigError(f"max_prompt_len: {self.max_prompt_len} exceeds max_model_len={self.max_model_len}")
         if self.dtype not in WEIGHT_DTYPES:
             raise ConfigError(f"dtype: {self.dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}")
+        if self.prefill_batch > self.batch:
+            raise ConfigError(f"prefill_batch: {self.prefill_batch} exceeds the batch size ({self.batch})",
+                              param="prefill_batch")
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"kv_dtype: {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
 
     def buckets(self) -> BucketConfig:
         return BucketConfig.build(
-            max_prompt_len=self.max_prompt_len, max_model_len=self.max_model_len, max_batch=self.batch
+            max_prompt_len=self.max_prompt_len, max_model_len=self.max_model_len, max_batch=self.batch,
+            prefill_batch=self.prefill_batch,
         )
 
 
@@ -89,6 +95,7 @@ class Plan:
     decode_bucket: Bucket | None = None
     ttft: StepTime | None = None  # None on cpu or without a traffic shape
     tpot: StepTime | None = None
+    queue: QueueEstimate | None = None  # TTFT / TPOT percentiles under load (`with_queue`); None until asked
 
     @property
     def fits(self) -> bool:
@@ -162,12 +169,14 @@ def evaluate(
             cfg,
             lay,
             inst,
-            Deployment(dep.tp, b, dep.max_prompt_len, dep.max_model_len, dep.dtype, dep.kv_dtype),
+            Deployment(dep.tp, b, dep.max_prompt_len, dep.max_model_len, dep.dtype, dep.kv_dtype,
+                       prefill_batch=min(dep.prefill_batch, b)),
             fixed,
         ).fits
 
     def fits_length(n: int) -> bool:
-        d = Deployment(dep.tp, dep.batch, min(dep.max_prompt_len, n), n, dep.dtype, dep.kv_dtype)
+        d = Deployment(dep.tp, dep.batch, min(dep.max_prompt_len, n), n, dep.dtype, dep.kv_dtype,
+                       prefill_batch=dep.prefill_batch)
         return _memory(cfg, lay, inst, d, fixed).fits
 
     plan = Plan(
@@ -238,6 +247,7 @@ def candidates(
     kv_dtype: str = "bfloat16",
     ep: int | None = None,
     ep_decode: int | None = None,
+    prefill_batch: int = 1,
 ) -> list[Plan]:
     """Every (tp, dtype) on the instance, evaluated (any tp shards any model: widths tp does not divide are
     zero-padded, neuron_opt.parallel.sharding). MoE: each tp at its fastest expert layout (`_choose_ep`), or at
@@ -254,7 +264,7 @@ def candidates(
     for d in dtypes:
         for t in degrees:
             out.append(evaluate(cfg, inst, Deployment(t, batch, max_prompt_len, max_model_len, d, kv_dtype, ep=ep,
-                                                          ep_decode=ep_decode),
+                                                          ep_decode=ep_decode, prefill_batch=prefill_batch),
                                 traffic))
     if dtype is None and any(p.fits and p.deployment.dtype not in QUANTIZED for p in out):
         out = [p for p in out if p.deployment.dtype not in QUANTIZED]
@@ -281,3 +291,19 @@ def rank(plans: list[Plan], traffic: Traffic) -> list[Plan]:
     ]
     pick = min(peers, key=lambda p: (p.deployment.tp, e2e(p)))
     return [pick] + [p for p in ordered if p is not pick]
+
+
+def with_queue(cfg: ModelConfig, plan: Plan, traffic: Traffic, arrival: Arrival,
+               max_num_batched_tokens: int = 2048) -> Plan:
+    """The plan with its TTFT / TPOT percentiles under `arrival` (planner.queueing): `traffic.concurrency` requests
+    together, or Poisson arrivals, served by our scheduler with `plan`'s decode slots, buckets and prefill batch
+    and a token budget of `max_num_batched_tokens` per step. Unchanged where latency is not modelled (cpu)."""
+    if plan.ttft is None:
+        return plan
+    b, d = plan.buckets, plan.deployment
+    policy = Policy(max_num_seqs=b.decode_batches[-1], max_prefill_len=b.prefill_lens[-1],
+                    max_num_batched_tokens=max_num_batched_tokens, prefill_batch=b.prefill_batch,
+                    chunked=b.chunked_prefill)
+    clock = bucket_clock(cfg, plan.layout, plan.instance, b, dtype=d.dtype, kv_dtype=d.kv_dtype)
+    q = estimate(policy, clock, arrival, traffic.concurrency, traffic.input_len, traffic.output_len)
+    return replace(plan, queue=q)

@@ -10,6 +10,7 @@ from neuron_opt.config import CacheConfig, KVCacheDtype, ModelConfig, ParallelCo
 from neuron_opt.planner.hardware import GB, GiB, get_instance
 from neuron_opt.planner.memory import layout_overhead, weight_bytes
 from neuron_opt.planner.moe import ep_choices, gather_until, moe_line
+from neuron_opt.planner.queueing import QueueEstimate
 from neuron_opt.planner.recommend import Deployment, Plan, Traffic, evaluate
 from neuron_opt.planner.scale_out import TARGETS, Split, recommend_split
 
@@ -72,9 +73,24 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
         )
         if band is not None:
             lines.append(f"  {band.line()}")
+        if plan.queue is not None:
+            lines.append(f"  {queue_line(plan.queue)}")
     elif inst.family == "cpu":
         lines.append("  latency: not modelled on cpu (measure with `neuron-opt bench`)")
     return lines
+
+
+def queue_line(q: QueueEstimate) -> str:
+    """TTFT / TPOT percentiles under load, with the arrivals and the scheduler policy they assume."""
+    arrivals = (f"{q.requests} requests together" if q.arrival.kind == "together"
+                else f"{q.requests} Poisson arrivals at {q.arrival.rate:g}/s (seed {q.arrival.seed})")
+    tpot = "" if q.tpot_p50 is None else f"; TPOT p50 {1e3 * q.tpot_p50:.2f} ms, p99 {1e3 * (q.tpot_p99 or 0):.2f} ms"
+    p = q.policy
+    return (f"under load ({arrivals}; {p.max_num_seqs} slots, {p.max_num_batched_tokens} tokens per step, prefill "
+            f"batch {p.prefill_batch}, chunked prefill {'on' if p.chunked else 'off'}): TTFT p50 "
+            f"{1e3 * q.ttft_p50:.1f} ms, p99 {1e3 * q.ttft_p99:.1f} ms{tpot}"
+            + ("; SATURATED: requests arrive faster than this deployment serves them, the queue grows without "
+               "bound (the percentiles grow with the number of requests simulated)" if q.saturated else ""))
 
 
 def ep_table(cfg: ModelConfig, plan: Plan, traffic: Traffic) -> list[str]:
@@ -174,6 +190,26 @@ def _band_json(plan: Plan) -> dict[str, Any] | None:
     }
 
 
+def _latency_json(plan: Plan) -> dict[str, Any]:
+    """TTFT / TPOT in ms: the p50 (and p99) under the plan's arrivals when it has a queue estimate, else one step
+    on an idle instance (p99 then None), with the single-request step figures alongside."""
+    q = plan.queue
+    out: dict[str, Any] = {
+        "ttft_ms": _ms(q.ttft_p50 if q else plan.ttft.total if plan.ttft else None),
+        "tpot_ms": _ms(q.tpot_p50 if q and q.tpot_p50 is not None else plan.tpot.total if plan.tpot else None),
+        "ttft_p99_ms": _ms(q.ttft_p99 if q else None),
+        "tpot_p99_ms": _ms(q.tpot_p99 if q else None),
+        "step_ttft_ms": _ms(plan.ttft.total if plan.ttft else None),
+        "step_tpot_ms": _ms(plan.tpot.total if plan.tpot else None),
+    }
+    out["queue"] = None if q is None else {
+        "arrival": q.arrival.kind, "rate": q.arrival.rate, "requests": q.requests,
+        "seed": q.arrival.seed if q.arrival.kind == "poisson" else None,
+        "max_num_seqs": q.policy.max_num_seqs, "max_num_batched_tokens": q.policy.max_num_batched_tokens,
+        "prefill_batch": q.policy.prefill_batch, "chunked_prefill": q.policy.chunked, "saturated": q.saturated}
+    return out
+
+
 def _overhead_json(cfg: ModelConfig, plan: Plan) -> dict[str, Any]:
     over = layout_overhead(cfg, plan.layout, plan.deployment.dtype)
     return {
@@ -189,8 +225,7 @@ def plan_json(cfg: ModelConfig, plan: Plan, alternatives: list[Plan] | None = No
         "fits": m.fits,
         "per_core_memory_gb": round(m.total / GB, 3),
         "per_core_capacity_gb": round(m.capacity / GB, 3),
-        "ttft_ms": _ms(plan.ttft.total if plan.ttft else None),
-        "tpot_ms": _ms(plan.tpot.total if plan.tpot else None),
+        **_latency_json(plan),
         "error_band": _band_json(plan),
         "tp": d.tp,
         "batch_size": d.batch,

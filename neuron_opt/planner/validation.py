@@ -20,11 +20,12 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from neuron_opt.buckets import powers_of_two, smallest_fitting
+from neuron_opt.buckets import BucketConfig, powers_of_two, smallest_fitting
 from neuron_opt.config import ModelConfig, ParallelConfig
 from neuron_opt.parallel.sharding import head_layout
 from neuron_opt.planner.hardware import get_instance
 from neuron_opt.planner.latency import DEFAULT_EFFICIENCY, Efficiency, decode_time, prefill_time
+from neuron_opt.planner.queueing import Arrival, Policy, QueueEstimate, bucket_clock, estimate
 
 
 def _llama(
@@ -397,3 +398,50 @@ def error_band(family: str, coverage: float = 0.8) -> ErrorBand | None:
         return a[min(len(a) - 1, math.ceil(coverage * len(a)) - 1)]
 
     return ErrorBand(family, len(rows), coverage, quantile(ttft), quantile(tpot))
+
+
+def batched_rows(rows: list[Row]) -> list[Row]:
+    """The published batched rows (batch 4 or 8, transformers-neuronx, 128-8192 input tokens): the batch's prompts
+    arrive together and wait for each other's prefill."""
+    return [r for r in rows if r.batch in (4, 8) and r.source in (TNX_INF2, TNX_TRN1)
+            and 128 <= r.input_len <= 8192 and r.ttft_ms is not None]
+
+
+def predict_queue(row: Row) -> QueueEstimate:
+    """The row's TTFT / TPOT percentiles from the queue model (planner.queueing) under its stack's policy: the
+    `row.batch` prompts arrive together, are admitted whole (no chunking) and prefilled `row.prefill_batch` per
+    graph call (transformers-neuronx: the whole batch in one call), on the row's bucketed graphs."""
+    cfg, inst = models()[row.model], get_instance(row.instance)
+    lay = head_layout(cfg, ParallelConfig(tp=row.tp))
+    lens = powers_of_two(128, row.seq) if row.bucketed else [row.seq]
+    buckets = BucketConfig.build(max_prompt_len=row.seq, max_model_len=row.seq, max_batch=row.batch,
+                                 prefill_lens=lens, decode_kv_lens=lens, decode_batches=[row.batch],
+                                 prefill_batch=row.prefill_batch, chunked_prefill=False)
+    clock = bucket_clock(cfg, lay, inst, buckets, dtype=row.dtype, flash_from=row.flash_from)
+    policy = Policy(max_num_seqs=row.batch, max_prefill_len=row.seq, max_num_batched_tokens=row.batch * row.seq,
+                    prefill_batch=row.prefill_batch, chunked=False)
+    return estimate(policy, clock, Arrival(), row.batch, row.input_len, row.output_len)
+
+
+def queue_markdown(rows: list[Row]) -> str:
+    """The batched-TTFT table of docs/planner.md (queue model, prompts arriving together), then one summary line
+    for the held-out rows and one for the rows the constants were fitted on."""
+    lines = ["| Model | Instance | BS | Seq | In/Out | TTFT pub | TTFT p50 pred | TTFT p99 pred | err (p50) | "
+             "TPOT pub | TPOT p50 pred | err | Set |", "|" + "---|" * 13]
+    errs: dict[bool, tuple[list[float], list[float]]] = {True: ([], []), False: ([], [])}
+    for r in batched_rows(rows):
+        q = predict_queue(r)
+        ttft, tpot = 1e3 * q.ttft_p50, 1e3 * (q.tpot_p50 or 0.0)
+        assert r.ttft_ms is not None
+        e_ttft, e_tpot = _err(ttft, r.ttft_ms), _err(tpot, r.tpot_ms)
+        errs[is_fit_row(r)][0].append(e_ttft)
+        errs[is_fit_row(r)][1].append(e_tpot)
+        lines.append(f"| {r.model} | {r.instance} | {r.batch} | {r.seq} | {r.input_len}/{r.output_len} | "
+                     f"{r.ttft_ms:.1f} | {ttft:.1f} | {1e3 * q.ttft_p99:.1f} | {e_ttft:+.0f}% | {r.tpot_ms:.2f} | "
+                     f"{tpot:.2f} | {e_tpot:+.0f}% | {row_set(r)} |")
+    lines.append("")
+    for fitted, label in ((False, "held-out batched rows"), (True, "fitted batched rows")):
+        ttft_e, tpot_e = errs[fitted]
+        if ttft_e:
+            lines.append(f"- {label}: TTFT {_within(ttft_e, 35)}; TPOT {_within(tpot_e, 25)}")
+    return "\n".join(lines)

@@ -124,3 +124,32 @@ def test_format_plan_table_for_compile() -> None:
     cpu = format_plan_table(cfg, ParallelConfig(tp=1), cache, buckets, "cpu", dtype="float32")
     assert "per rank (host RAM shared by all ranks)" in cpu and "not modelled on cpu" in cpu
     assert f"{4 * 8_030_261_248 / 2**30:8.2f}" in cpu  # float32 weights, unsharded
+
+
+def test_json_queue_percentiles(config_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--json: ttft_ms / tpot_ms are the p50 under the arrivals (prompts together by default), with p99s; with
+    --rate, seeded Poisson arrivals (the same output twice)."""
+    base = ["plan", "--model", str(config_path), "--instance", "inf2.48xlarge", "--tp", "24", "--input-len", "1024",
+            "--output-len", "128", "--json"]
+    assert main([*base, "--concurrency", "8"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["queue"]["arrival"] == "together" and out["queue"]["requests"] == 8
+    # 8 prompts of 1024 with 2048 tokens per step: two prompts per step, so the 4th waits for the 3rd and 4th pair
+    assert out["ttft_p99_ms"] > out["ttft_ms"] > 2 * out["step_ttft_ms"]
+    assert main([*base, "--concurrency", "1"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert one["ttft_ms"] == one["ttft_p99_ms"] == one["step_ttft_ms"]
+    assert abs(one["tpot_ms"] - one["step_tpot_ms"]) <= 0.25 * one["step_tpot_ms"]
+    assert main([*base, "--concurrency", "8", "--rate", "1.5"]) == 0
+    a = json.loads(capsys.readouterr().out)
+    assert main([*base, "--concurrency", "8", "--arrival", "poisson", "--rate", "1.5"]) == 0
+    assert json.loads(capsys.readouterr().out) == a
+    assert a["queue"]["arrival"] == "poisson" and a["queue"]["requests"] == 2000 and not a["queue"]["saturated"]
+
+
+def test_bad_arrival_flags_are_usage_errors(config_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["plan", "--model", str(config_path), "--instance", "inf2.48xlarge", "--tp", "24"]
+    assert main([*base, "--arrival", "poisson"]) == 2
+    assert "rate" in capsys.readouterr().err
+    assert main([*base, "--arrival", "together", "--rate", "2"]) == 2
+    assert "rate" in capsys.readouterr().err
