@@ -54,7 +54,7 @@ LLAMACPP_NO_AMX := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON 
 LLAMACPP_CMAKE_ARGS ?= $(if $(shell grep -m1 -o -w amx_tile /proc/cpuinfo),$(LLAMACPP_NO_AMX),-DGGML_NATIVE=ON)
 
 bench: $(STAMP) $(LLAMACPP_STAMP)
-	@echo "make bench: about BENCH_ESTIMATE minutes on 2 cores with BENCH_ROUNDS=5 (decode DECODE_ESTIMATE, serving SERVE_ESTIMATE); keep the machine otherwise idle"
+	@echo "make bench: about $$((5 + 4 * $(BENCH_ROUNDS))) minutes on 2 cores (decode ~$$((3 + 3 * $(BENCH_ROUNDS))), serving ~$$((2 + $(BENCH_ROUNDS))), $(BENCH_ROUNDS) rounds each); keep the machine otherwise idle until it ends"
 	$(BIN)/python scripts/bench_decode.py --systems $(BENCH_DECODE_SYSTEMS) --batches 1,8 --steps 64 \
 		--threads $(BENCH_THREADS) --repeats $(BENCH_ROUNDS) $(BENCH_FLAGS) --out docs/bench/record_decode.json
 	$(BIN)/python scripts/plot_bench.py docs/bench/record_decode.json --out docs/bench/record_decode.png

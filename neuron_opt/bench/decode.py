@@ -5,7 +5,8 @@ formats (systems llamacpp-f32/-bf16/-f16/-q8_0/-q4_1, batch 1 only; see neuron_o
 
 Every system runs in its own fresh process and decodes the same prompts greedily for the same number of steps;
 only decode steps are timed (prefill excluded). `--repeats` rounds run every system once each, interleaved, so all
-see the same drift of the machine; a row reports the median of its rounds with their min and max. Reported:
+see the same drift of the machine; a row reports the median of its rounds with their min and max. A compiled
+system's artifact is compiled in its first round and loaded from disk in the later ones. Reported:
 tokens/s, ratio to HF eager fp32, and model-bandwidth utilisation (MBU): bytes a decode step must read (weights +
 the KV positions it attends over) x steps/s, over the memory-read bandwidth probed in the same process right
 after the timed steps.
@@ -206,15 +207,18 @@ def quantized_step_bytes(cfg, method: str, compute: torch.dtype, batch: int, kv_
 
 def compiled_runner(model: str, backend: str, dtype: str, batch: int, out: Path, max_model_len: int,
                     quantize: str | None = None):
-    from neuron_opt.api import LLM
+    """The runner of the artifact at `out`, compiled there first unless an earlier round of the run did (later
+    rounds load it, as a user loads a compiled artifact, instead of compiling it again from the cache)."""
+    from neuron_opt.api import LLM, is_artifact
     from neuron_opt.compiler import CompileRequest, compile_artifact
 
     # decode buckets: the default set (KV lengths 128, 256, ... max_model_len), as `neuron-opt compile` builds it, so
     # each step attends over the smallest bucket that holds its context, like HF attends over the real length
-    compile_artifact(CompileRequest(model=model, out=out, backend=backend, dtype=dtype, batch_size=batch,
-                                    max_model_len=max_model_len, prefill_buckets=(PROMPT_LEN, 128),
-                                    decode_batches=(batch,), quantize=quantize,
-                                    quantize_lm_head=True if quantize else None), progress=True)
+    if not is_artifact(out):
+        compile_artifact(CompileRequest(model=model, out=out, backend=backend, dtype=dtype, batch_size=batch,
+                                        max_model_len=max_model_len, prefill_buckets=(PROMPT_LEN, 128),
+                                        decode_batches=(batch,), quantize=quantize,
+                                        quantize_lm_head=True if quantize else None), progress=True)
     return LLM(out).runner
 
 
@@ -293,14 +297,14 @@ def _measure_one(system: str, batch: int, opts: dict, reference: tuple[list[int]
         dtype = default_dtype("cpu")
     else:
         dtype = {"cpu-fp32": "float32", "cpu-bf16": "bfloat16"}[system]
-    with tempfile.TemporaryDirectory() as d:
-        runner = compiled_runner(opts["model"], "cpu", dtype, batch, Path(d) / "a", opts["max_model_len"], quantize)
-        tps = bench_runner(runner, batch, steps, cfg.vocab_size)
-        nbytes = (quantized_step_bytes(cfg, quantize, getattr(torch, dtype), batch, kv_len) if quantize else
-                  step_bytes(cfg, getattr(torch, dtype), batch, kv_len))
-        r = Result("neuron_opt-cpu-compiled", quantize or dtype, batch, tps, steps, nbytes,
-                   agreement_vs_hf_fp32=agreement(runner),
-                   active_bytes=active_bytes(cfg, getattr(torch, dtype), batch, kv_len))
+    out = Path(opts["artifacts"]) / f"{system}-b{batch}"  # the run's own directory, removed when the run ends
+    runner = compiled_runner(opts["model"], "cpu", dtype, batch, out, opts["max_model_len"], quantize)
+    tps = bench_runner(runner, batch, steps, cfg.vocab_size)
+    nbytes = (quantized_step_bytes(cfg, quantize, getattr(torch, dtype), batch, kv_len) if quantize else
+              step_bytes(cfg, getattr(torch, dtype), batch, kv_len))
+    r = Result("neuron_opt-cpu-compiled", quantize or dtype, batch, tps, steps, nbytes,
+               agreement_vs_hf_fp32=agreement(runner),
+               active_bytes=active_bytes(cfg, getattr(torch, dtype), batch, kv_len))
     return {"result": asdict(r)}
 
 
@@ -457,6 +461,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, systems: list[str], llamacpp_systems: list[str]) -> int:
+    with tempfile.TemporaryDirectory(prefix="bench-decode-") as artifacts:  # compiled once per run, loaded per round
+        return _run_in(args, systems, llamacpp_systems, artifacts)
+
+
+def _run_in(args: argparse.Namespace, systems: list[str], llamacpp_systems: list[str], artifacts: str) -> int:
     log = (lambda s: print(s, flush=True)) if not args.json else (lambda s: None)
     record = RunRecord(args.require_idle)  # idle check, machine and bandwidth probe, before anything of ours runs
     if args.threads:
@@ -464,7 +473,8 @@ def _run(args: argparse.Namespace, systems: list[str], llamacpp_systems: list[st
     threads = args.threads or torch.get_num_threads()
     batches = [int(b) for b in args.batches.split(",")]
     opts = {"model": args.model, "steps": args.steps, "max_model_len": args.max_model_len, "threads": args.threads,
-            "agreement_tokens": args.agreement_tokens, "llamacpp_flash_attn": args.llamacpp_flash_attn == "on"}
+            "agreement_tokens": args.agreement_tokens, "llamacpp_flash_attn": args.llamacpp_flash_attn == "on",
+            "artifacts": artifacts}
     llamacpp_info = None
     if llamacpp_systems:
         from neuron_opt.bench.llamacpp import build_info
