@@ -38,16 +38,35 @@ test-cluster: $(STAMP)
 	$(BIN)/python -c "import ray.serve" 2>/dev/null || $(BIN)/python -m pip install -q -e '.[serve,dev,cluster]'
 	$(BIN)/python -m pytest -q -m cluster tests/cluster
 
-# The runs of record in docs/benchmarks.md (about 25 minutes on 2 cores).
-bench: $(STAMP)
-	$(BIN)/python scripts/bench_decode.py --systems hf,eager,cpu-fp32,cpu-bf16 --batches 1,8 --steps 64 --threads 2 \
-		--repeats 3 --out docs/bench/decode.json
-	$(BIN)/python scripts/plot_bench.py docs/bench/decode.json --out docs/bench/decode.png
+# The runs of record behind the README's tables, in one go (docs/benchmarks.md, "How a run of record is taken"):
+# decode at batch 1 and 8 (HF, our cpu fp32/bf16/int8/int4, llama.cpp F32/BF16/F16/Q8_0/Q4_1 at batch 1), then the
+# serving benchmark, BENCH_ROUNDS interleaved rounds each (medians with min-max). Run it on an otherwise idle
+# machine: every script checks and records that; BENCH_FLAGS=--require-idle makes them refuse a busy one.
+BENCH_ROUNDS ?= 5
+BENCH_THREADS ?= $(shell nproc)
+BENCH_FLAGS ?=
+BENCH_DECODE_SYSTEMS := hf,cpu-fp32,cpu-bf16,cpu-int8,cpu-int4,llamacpp-f32,llamacpp-bf16,llamacpp-f16,llamacpp-q8_0,llamacpp-q4_1
+# llama-cpp-python from its sdist with this CPU's instruction sets; on AMX CPUs without llama.cpp's AMX matmuls,
+# which crash there (docs/quantization.md). Built once (several minutes).
+LLAMACPP_STAMP := $(VENV)/.llamacpp-installed
+LLAMACPP_NO_AMX := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+	-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
+LLAMACPP_CMAKE_ARGS ?= $(if $(shell grep -m1 -o -w amx_tile /proc/cpuinfo),$(LLAMACPP_NO_AMX),-DGGML_NATIVE=ON)
+
+bench: $(STAMP) $(LLAMACPP_STAMP)
+	@echo "make bench: about $$((5 + 4 * $(BENCH_ROUNDS))) minutes on 2 cores (decode ~$$((3 + 3 * $(BENCH_ROUNDS))), serving ~$$((2 + $(BENCH_ROUNDS))), $(BENCH_ROUNDS) rounds each); keep the machine otherwise idle until it ends"
+	$(BIN)/python scripts/bench_decode.py --systems $(BENCH_DECODE_SYSTEMS) --batches 1,8 --steps 64 \
+		--threads $(BENCH_THREADS) --repeats $(BENCH_ROUNDS) $(BENCH_FLAGS) --out docs/bench/record_decode.json
+	$(BIN)/python scripts/plot_bench.py docs/bench/record_decode.json --out docs/bench/record_decode.png
 	$(BIN)/neuron-opt compile --model default --out artifacts/bench16 --backend cpu --dtype bfloat16 --batch-size 16 \
 		--max-model-len 512
 	$(BIN)/python scripts/bench_serve.py --model artifacts/bench16 --num-prompts 32 --input-len 128 --output-len 64 \
-		--concurrency 1,16 --max-num-seqs 16 --hf-num-prompts 6 --hf-attn eager,sdpa --check-streams 64 \
-		--out docs/bench_serve.json --plot docs/bench_serve.png
+		--concurrency 1,16 --max-num-seqs 16 --hf-num-prompts 4 --hf-attn eager,sdpa --check-streams 64 \
+		--rounds $(BENCH_ROUNDS) $(BENCH_FLAGS) --out docs/bench/record_serve.json --plot docs/bench/record_serve.png
+
+$(LLAMACPP_STAMP): $(STAMP)
+	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" $(BIN)/python -m pip install -q --no-binary llama-cpp-python -e '.[llamacpp]'
+	touch $(LLAMACPP_STAMP)
 
 # The device path (--backend neuron) on torch-xla's CPU device: its own venv with torch 2.9 + torch-xla 2.9 (the
 # framework layer of torch-neuronx 2.9; torch 2.9 from PyPI is the ~7 GB CUDA build), reused between runs.

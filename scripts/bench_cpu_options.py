@@ -100,8 +100,10 @@ def main() -> int:
             times[name].append(block(ex))
     rows = [{"variant": n, "median_tok_s": statistics.median(t), "best_tok_s": max(t)} for n, t in times.items()]
     if args.json:
-        print(json.dumps({"kv": args.kv, "batch": args.batch, "threads": torch.get_num_threads(), "results": rows},
-                         indent=2))
+        from neuron_opt.bench import machine
+
+        print(json.dumps({"machine": machine(), "kv": args.kv, "batch": args.batch,
+                          "threads": torch.get_num_threads(), "results": rows}, indent=2))
     else:
         print(f"decode batch {args.batch}, KV bucket {args.kv}, {torch.get_num_threads()} threads")
         for r in rows:

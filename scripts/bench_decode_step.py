@@ -5,6 +5,8 @@ between versions of this repository: run it from each checkout (`PYTHONPATH=<che
 checkout compiled, alternating, in fresh processes.
 
     python scripts/bench_decode_step.py ARTIFACT --batches 1,16 --positions 100,400 --json
+
+--json prints {bucket key: median ms of one graph call, ..., "machine": {CPU, ISA, cores, bandwidth, ...}}.
 """
 
 from __future__ import annotations
@@ -67,7 +69,12 @@ def main(argv: list[str] | None = None) -> int:
                     times[bucket.key].append(time.perf_counter() - t0)
             for key, ts in times.items():
                 out[key] = round(1e3 * sorted(ts)[len(ts) // 2], 3)  # median ms
-    print(json.dumps(out) if args.json else "  ".join(f"{k}: {v} ms" for k, v in out.items()))
+    if args.json:
+        from neuron_opt.bench import machine
+
+        print(json.dumps(out | {"machine": machine()}))
+    else:
+        print("  ".join(f"{k}: {v} ms" for k, v in out.items()))
     return 0
 
 

@@ -9,7 +9,13 @@
    (sequentially, same server): nothing lost, duplicated or mixed.
 4. Baseline: HF transformers `generate` (greedy, same prompts, EOS disabled, fp32) serving the requests one
    after another in this process, from the same checkpoint (the default GGUF goes through transformers'
-   GGUF loader).
+   GGUF loader), loaded and warmed up once.
+5. Rounds (`--rounds`): every concurrency level on the server, then the HF baseline, again and again while the
+   server stays up (idle between its loads): every figure is the median of the rounds, throughput with its min
+   and max, and the ratio to HF is taken per round as well.
+
+Every report records the machine (CPU model, ISA flags, cores, a bandwidth probe, torch) and whether it was idle
+before and during the run (neuron_opt.bench.RunRecord); `--require-idle` refuses a busy machine.
 
 Metric definitions follow vLLM (vllm/benchmarks/serve.py): TTFT = first token chunk - send;
 TPOT = (latency - TTFT) / (output tokens - 1) per request; ITL = every gap between consecutive chunks;
@@ -35,6 +41,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from neuron_opt.bench import MachineBusyError, RunRecord, rounds_summary  # noqa: E402 (after the sys.path line)
 
 
 @dataclass
@@ -225,9 +234,9 @@ async def run_load(
 # ---- HF transformers baseline --------------------------------------------------------------------
 
 
-def hf_baseline(
-    model: str, prompts: list[list[int]], output_len: int, attn: str
-) -> tuple[list[RequestResult], float]:
+def hf_baseline(model: str, attn: str):  # noqa: ANN201
+    """HF transformers with `attn` attention, loaded and warmed up: a function serving prompts one after another,
+    (prompts, output_len) -> (results, wall seconds)."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.generation.streamers import BaseStreamer
@@ -261,21 +270,40 @@ def hf_baseline(
                 x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, streamer=streamer
             )
 
-    gen(prompts[0], 2)  # warm-up
-    results = []
-    t_start = time.perf_counter()
-    for i, ids in enumerate(prompts):
-        st = Times()
-        t0 = time.perf_counter()
-        out = gen(ids, output_len, st)
-        r = RequestResult(i, ok=True, latency=time.perf_counter() - t0, output_tokens=out.shape[1] - len(ids))
-        r.ttft = st.t[1] - t0  # the first put() is the prompt, the second the first new token
-        r.itl = list(np.diff(st.t[1:]))
-        results.append(r)
-    return results, time.perf_counter() - t_start
+    gen(list(range(100, 132)), 2)  # warm-up
+
+    def serve(prompts: list[list[int]], output_len: int) -> tuple[list[RequestResult], float]:
+        results = []
+        t_start = time.perf_counter()
+        for i, ids in enumerate(prompts):
+            st = Times()
+            t0 = time.perf_counter()
+            out = gen(ids, output_len, st)
+            r = RequestResult(i, ok=True, latency=time.perf_counter() - t0, output_tokens=out.shape[1] - len(ids))
+            r.ttft = st.t[1] - t0  # the first put() is the prompt, the second the first new token
+            r.itl = list(np.diff(st.t[1:]))
+            results.append(r)
+        return results, time.perf_counter() - t_start
+
+    return serve
 
 
 # ---- main ----------------------------------------------------------------------------------------
+
+
+def over_rounds(rounds: list[dict[str, object]]) -> dict[str, object]:
+    """One setup's rounds (summarize() each) as one figure: output throughput the median of the rounds with their
+    min and max, every other rate and latency percentile the median of the rounds'; counts summed."""
+    thr = rounds_summary([r["output_throughput"] for r in rounds])
+    out: dict[str, object] = {"rounds": rounds, "output_throughput": thr["median"],
+                              "output_throughput_min": thr["min"], "output_throughput_max": thr["max"],
+                              "completed": sum(r["completed"] for r in rounds),
+                              "failed": sum(r["failed"] for r in rounds)}
+    for key in ("request_throughput", "total_token_throughput", "duration_s"):
+        out[key] = float(np.median([r[key] for r in rounds]))
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        out[key] = {p: float(np.median([r[key][p] for r in rounds])) for p in rounds[0][key]}
+    return out
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -318,11 +346,14 @@ def plot(report: dict, path: Path) -> None:
     ]
     colors = ["tab:blue"] * len(engine) + ["tab:gray"] * len(hf)
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, values, title in (
-        (a, [r["output_throughput"] for r in engine + hf], "Output throughput (tokens/s)"),
-        (b, [r["tpot_ms"]["p50"] for r in engine + hf], "TPOT p50 (ms)"),
+    thr = [r["output_throughput"] for r in engine + hf]
+    span = [[v - r.get("output_throughput_min", v) for v, r in zip(thr, engine + hf, strict=True)],
+            [r.get("output_throughput_max", v) - v for v, r in zip(thr, engine + hf, strict=True)]]
+    for ax, values, err, title in (
+        (a, thr, span, f"Output throughput (tokens/s), median of {report.get('rounds', 1)} rounds (min-max)"),
+        (b, [r["tpot_ms"]["p50"] for r in engine + hf], None, "TPOT p50 (ms), median of the rounds"),
     ):
-        bars = ax.bar(names, values, color=colors)
+        bars = ax.bar(names, values, color=colors, yerr=err, capsize=3)
         ax.bar_label(bars, fmt="%.1f", fontsize=8)
         ax.set_title(title)
     cfg = report["config"]
@@ -752,8 +783,11 @@ def ab_versions(args: argparse.Namespace, prompts: list[list[int]], concurrency:
             "throughput_ratio": best["ours"]["output_throughput"] / best["baseline"]["output_throughput"]}
 
 
-def write_report(args: argparse.Namespace, report: dict, plot_fn=None) -> int:
-    """The report as JSON at --out (and on stdout with --json), its plot at --plot when the run has one."""
+def write_report(args: argparse.Namespace, report: dict, plot_fn=None, record: RunRecord | None = None) -> int:
+    """The report as JSON at --out (and on stdout with --json), its plot at --plot when the run has one; with the
+    machine and its idleness over the run (`record`)."""
+    if record is not None:
+        report = record.finish() | report
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     if plot_fn is not None and args.plot:
@@ -790,7 +824,12 @@ def main(argv: list[str] | None = None) -> int:
                         "alternating with ours (an A/B between versions in one run)")
     p.add_argument("--baseline-model", default=None, help="the artifact --baseline-source serves")
     p.add_argument("--baseline-budget-flag", default="--max-prefill-tokens")
-    p.add_argument("--rounds", type=int, default=1, help="alternations between the two setups compared")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="rounds: alternations between the setups compared (load: the server's levels and the HF "
+                        "baseline; figures are the medians of the rounds)")
+    p.add_argument("--require-idle", action="store_true",
+                   help="refuse to run, or to write the report, when the machine is not idle (other processes busy "
+                        "on the cores, a high load average) instead of recording a warning in it")
     p.add_argument("--scenario", default="load",
                    choices=["load", "shared-prefix", "long-prompts", "capacity", "speculative", "structured"],
                    help="load: the serving benchmark above; shared-prefix, long-prompts and capacity measure the block "
@@ -830,61 +869,85 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     args = p.parse_args(argv)
 
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
+    try:
+        return run(args)
+    except MachineBusyError as e:
+        print(f"bench_serve: {e}", file=sys.stderr)
+        return 3
+
+
+def run(args: argparse.Namespace) -> int:
     from neuron_opt.api import is_artifact
     from neuron_opt.checkpoint import open_checkpoint
 
+    record = RunRecord(args.require_idle)  # idle check, machine and bandwidth probe, before the run
     hf_model = args.hf_model or ("default" if is_artifact(args.model) else args.model)
     vocab = open_checkpoint(hf_model).config.vocab_size
     if args.data_parallel:
         rep = scenario_data_parallel(args, vocab) | {"note": args.note, "config": {k: str(v) for k, v in
                                                                                     vars(args).items()}}
-        return write_report(args, rep, plot_data_parallel)
+        return write_report(args, rep, plot_data_parallel, record)
     if args.scenario != "load":
         if args.scenario == "speculative":
-            from neuron_opt.bench import host
-
-            rep = scenario_speculative(args, vocab) | {"note": args.note, "machine": host()}
-            return write_report(args, rep, plot_speculative)
+            rep = scenario_speculative(args, vocab) | {"note": args.note}
+            return write_report(args, rep, plot_speculative, record)
         if args.scenario == "structured":
-            from neuron_opt.bench import machine
-
-            rep = {"machine": machine()} | scenario_structured(args, vocab) | {"note": args.note}
-            return write_report(args, rep, plot_structured)
+            rep = scenario_structured(args, vocab) | {"note": args.note}
+            return write_report(args, rep, plot_structured, record)
         fn = {"shared-prefix": scenario_shared_prefix, "long-prompts": scenario_long_prompts,
               "capacity": scenario_capacity}[args.scenario]
-        return write_report(args, fn(args, vocab) | {"note": args.note})
+        return write_report(args, fn(args, vocab) | {"note": args.note}, record=record)
+    if args.baseline_source is not None:
+        prompts = make_prompts(args.num_prompts, args.input_len, vocab, args.seed)
+        budget = (args.budget_flag, str(args.max_num_batched_tokens))
+        return write_report(args, ab_versions(args, prompts, int(args.concurrency.split(",")[-1]), budget),
+                            record=record)
+    return write_report(args, scenario_load(args, vocab, hf_model), plot, record)
+
+
+def _load_round(url: str, args: argparse.Namespace, prompts: list[list[int]], levels: list[int], rnd: int,
+                engine: dict[int, list[dict]], hf: dict, hf_prompts: list[list[int]],
+                hf_runs: dict[str, list[dict]]) -> None:
+    """One round of the load scenario: every concurrency level on the server, then every HF baseline."""
+    for c in levels:
+        results, dur = asyncio.run(run_load(url, prompts, args.output_len, c, args.request_rate, args.seed))
+        s = summarize(results, dur, args.input_len) | {"concurrency": c, "round": rnd}
+        s["errors"] = [r.error for r in results if r.error][:5]
+        engine[c].append(s)
+        print(f"round {rnd} engine c={c}: {s['output_throughput']:.1f} out tok/s, TPOT p50 "
+              f"{s['tpot_ms']['p50']:.1f} ms, TTFT p50 {s['ttft_ms']['p50']:.0f} ms, "
+              f"{s['completed']}/{len(results)} ok", file=sys.stderr)
+    for attn, serve in hf.items():
+        results, dur = serve(hf_prompts, args.output_len)
+        hf_runs[attn].append(summarize(results, dur, args.input_len) | {"round": rnd})
+        print(f"round {rnd} HF sequential ({attn}): {hf_runs[attn][-1]['output_throughput']:.1f} out tok/s",
+              file=sys.stderr)
+
+
+def scenario_load(args: argparse.Namespace, vocab: int, hf_model: str) -> dict[str, object]:
+    """The serving benchmark: --rounds rounds of every --concurrency level on one server and of the HF baseline
+    (each attention of --hf-attn) in this process, alternating; medians of the rounds (over_rounds)."""
     prompts = make_prompts(args.num_prompts, args.input_len, vocab, args.seed)
     levels = [int(c) for c in args.concurrency.split(",")]
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    budget = (args.budget_flag, str(args.max_num_batched_tokens))
-    if args.baseline_source is not None:
-        return write_report(args, ab_versions(args, prompts, levels[-1], budget))
-    proc = start_server(args, port, budget)
-    config = vars(args) | {"hf_model": hf_model, "request_rate": str(args.request_rate),
-                           "baseline_source": None}
+    hf = {} if args.no_hf else {attn: hf_baseline(hf_model, attn) for attn in args.hf_attn.split(",")}
+    hf_prompts = prompts[: args.hf_num_prompts] if args.hf_num_prompts else prompts
+    engine: dict[int, list[dict]] = {c: [] for c in levels}
+    hf_runs: dict[str, list[dict]] = {attn: [] for attn in hf}
     report: dict[str, object] = {
-        "config": config,
-        "provisional_note": args.note,
-        "engine": [],
+        "config": vars(args) | {"hf_model": hf_model, "request_rate": str(args.request_rate), "baseline_source": None},
+        "provisional_note": args.note, "rounds": args.rounds,
         "threads": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "NEURON_OPT_NUM_THREADS")},
     }
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(args, port, (args.budget_flag, str(args.max_num_batched_tokens)))
     try:
         wait_healthy(url, proc)
         asyncio.run(run_load(url, prompts[:1], 4, 1, float("inf"), args.seed))  # warm-up
-        for c in levels:
-            results, dur = asyncio.run(
-                run_load(url, prompts, args.output_len, c, args.request_rate, args.seed)
-            )
-            s = summarize(results, dur, args.input_len) | {"concurrency": c}
-            s["errors"] = [r.error for r in results if r.error][:5]
-            report["engine"].append(s)
-            print(
-                f"engine c={c}: {s['output_throughput']:.1f} out tok/s, "
-                f"TPOT p50 {s['tpot_ms']['p50']:.1f} ms, TTFT p50 {s['ttft_ms']['p50']:.0f} ms, "
-                f"{s['completed']}/{len(results)} ok",
-                file=sys.stderr,
-            )
+        for rnd in range(1, args.rounds + 1):
+            _load_round(url, args, prompts, levels, rnd, engine, hf, hf_prompts, hf_runs)
         if args.check_streams:
             report["check"] = check_streams(
                 url, args.check_streams, args.check_input_len, args.check_output_len, vocab, args.seed
@@ -892,24 +955,26 @@ def main(argv: list[str] | None = None) -> int:
             print(f"check: {report['check']}", file=sys.stderr)
     finally:
         stop_server(proc)
-    if not args.no_hf:
-        base = prompts[: args.hf_num_prompts] if args.hf_num_prompts else prompts
-        runs = []
-        for attn in args.hf_attn.split(","):
-            results, dur = hf_baseline(hf_model, base, args.output_len, attn)
-            runs.append(summarize(results, dur, args.input_len) | {"num_prompts": len(base), "attn": attn})
-            print(f"HF sequential ({attn}): {runs[-1]['output_throughput']:.1f} out tok/s", file=sys.stderr)
-        report["hf_runs"] = runs
-        report["hf"] = max(runs, key=lambda r: r["output_throughput"])  # compare against the fastest baseline
+    report["engine"] = [over_rounds(engine[c]) | {"concurrency": c} for c in levels]
+    for s in report["engine"]:
+        s["errors"] = [e for r in s["rounds"] for e in r["errors"]][:5]
+        print(f"engine c={s['concurrency']}: {s['output_throughput']:.1f} out tok/s (rounds "
+              f"{s['output_throughput_min']:.1f}-{s['output_throughput_max']:.1f}), TPOT p50 "
+              f"{s['tpot_ms']['p50']:.1f} ms, TTFT p50 {s['ttft_ms']['p50']:.0f} ms", file=sys.stderr)
+    if hf:
+        report["hf_runs"] = [over_rounds(hf_runs[a]) | {"num_prompts": len(hf_prompts), "attn": a} for a in hf]
+        report["hf"] = max(report["hf_runs"], key=lambda r: r["output_throughput"])  # the fastest baseline
         hf_thr = report["hf"]["output_throughput"]
+        # per round: against that round's fastest HF baseline
+        best_hf = [max(hf_runs[a][i]["output_throughput"] for a in hf) for i in range(args.rounds)]
         for s in report["engine"]:
             s["speedup_vs_hf"] = s["output_throughput"] / hf_thr
-        print(
-            f"HF sequential (best: {report['hf']['attn']}): {hf_thr:.1f} out tok/s, "
-            f"TPOT p50 {report['hf']['tpot_ms']['p50']:.1f} ms",
-            file=sys.stderr,
-        )
-    return write_report(args, report, plot)
+            s["speedup_vs_hf_rounds"] = [r["output_throughput"] / b for r, b in zip(s["rounds"], best_hf,
+                                                                                    strict=True)]
+        print(f"HF sequential (best: {report['hf']['attn']}): {hf_thr:.1f} out tok/s (rounds "
+              f"{report['hf']['output_throughput_min']:.1f}-{report['hf']['output_throughput_max']:.1f}), "
+              f"TPOT p50 {report['hf']['tpot_ms']['p50']:.1f} ms", file=sys.stderr)
+    return report
 
 
 if __name__ == "__main__":

@@ -15,8 +15,14 @@ makes up after its answer, which nothing grounds. Greedy outputs are identical i
 work); in bfloat16 the verify graph's GEMMs (k + 1 rows) round differently from the decode graph's (1 row), so a
 near-tie can flip and the texts diverge from there (`first_divergence`; the token counts then differ too).
 Batch 1 runs `LLM.generate_ids` (plain) and the engine (speculative); batch > 1 runs the engine for all three,
-every request admitted at once. The peer in the same run: HF transformers eager (fp32)
-with and without its own prompt lookup (`generate(prompt_lookup_num_tokens=k)`) on the grounded prompts, batch 1.
+every request admitted at once. The peer in the same run: HF transformers eager with and without its own prompt
+lookup (`generate(prompt_lookup_num_tokens=k)`) on the grounded prompts at batch 1 (when --batches has 1), in the
+artifact's dtype and in fp32 (`--hf-dtype`). HF's modes are taken like ours: warmed up, interleaved with our modes
+in every one of the `--repeats` rounds, the best round reported.
+
+The machine is checked for idleness before the run and watched over it (neuron_opt.bench); the JSON records the
+machine (CPU model, ISA flags, cores, a bandwidth probe, torch) and the verdict; `--require-idle` refuses a busy
+machine.
 
     python scripts/bench_spec.py --artifact artifacts/spec --out docs/bench/spec.json --plot docs/bench/spec.png
 """
@@ -32,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from neuron_opt.bench import host  # noqa: E402 (after the sys.path line)
+from neuron_opt.bench import MachineBusyError, RunRecord  # noqa: E402 (after the sys.path line)
 from neuron_opt.bench.spec_workloads import GROUNDED, OPEN  # noqa: E402
 
 
@@ -59,7 +65,9 @@ def run_engine(llm, prompts, params, spec, draft=None):
     return toks, dt, engine.spec_stats
 
 
-def bench_ours(args, llm, name, prompts, batch):
+def bench_ours(args, llm, name, prompts, batch, peers=()):
+    """Our modes on `prompts` at `batch`, and `peers` ((mode, fn(prompt ids) -> (tokens, seconds)), HF's) in
+    the same rounds: best of --repeats rounds per mode, modes interleaved within each round."""
     from neuron_opt.runtime.sampling import SamplingParams
     from neuron_opt.runtime.speculative import SpeculativeConfig
 
@@ -94,12 +102,17 @@ def bench_ours(args, llm, name, prompts, batch):
                 agg = st if agg is None or st is None else _add(agg, st)
             if mode not in best or total < best[mode][0]:
                 best[mode] = (total, all_toks, agg)
+        for mode, fn in peers:
+            toks, total = fn(ids)
+            if mode not in best or total < best[mode][0]:
+                best[mode] = (total, toks, None)
+    dtype = llm.runner.cache.dtype
     for mode, _ in modes:
         seconds, toks, stats = best[mode]
         n = sum(len(t) for t in toks)
         results[mode] = toks
-        row = {"workload": name, "batch": batch, "mode": mode, "k": k, "output_tokens": n,
-               "seconds": round(seconds, 3), "tok_s": round(n / seconds, 2)}
+        row = {"workload": name, "batch": batch, "mode": mode, "dtype": dtype, "k": k, "output_tokens": n,
+               "seconds": round(seconds, 3), "tok_s": round(n / seconds, 2), "rounds": args.repeats}
         if stats is not None:
             row.update(verify_steps=stats.verify_steps, drafts=stats.drafts, draft_tokens=stats.draft_tokens,
                        accepted_tokens=stats.accepted_tokens, skipped_steps=stats.skipped_steps,
@@ -111,6 +124,14 @@ def bench_ours(args, llm, name, prompts, batch):
         # where each request's tokens first differ from plain decoding's (None: identical)
         r["first_divergence"] = [_divergence(x, y) for x, y in zip(results[r["mode"]], results["plain"], strict=True)]
         r["speedup_vs_plain"] = round(r["tok_s"] / rows[0]["tok_s"], 3)
+    for mode, _fn in peers:
+        seconds, toks, _stats = best[mode]
+        n = sum(len(t) for t in toks)
+        hf_k = k if "prompt-lookup" in mode else 0
+        rows.append({"workload": name, "batch": batch, "mode": mode, "dtype": mode.rsplit("-", 1)[1], "k": hf_k,
+                     "output_tokens": n, "seconds": round(seconds, 3), "tok_s": round(n / seconds, 2),
+                     "rounds": args.repeats, "speedup_vs_plain": round(n / seconds / rows[0]["tok_s"], 3)})
+        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -130,8 +151,9 @@ def _add(a, b):
     return out
 
 
-def bench_hf(args, llm, prompts, k):
-    """HF transformers eager fp32, greedy, batch 1, with and without prompt lookup (its own implementation)."""
+def hf_peers(args, dtypes: list[str], k: int):
+    """HF transformers eager, greedy, batch 1, with and without prompt lookup (its own implementation), once per
+    dtype: [(mode, fn(prompt ids) -> (generated ids per prompt, seconds))], each model loaded and warmed up."""
     import torch
     import transformers
 
@@ -139,22 +161,27 @@ def bench_hf(args, llm, prompts, k):
 
     path = default_model_path()
     tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                              dtype=torch.float32).eval()
-    ids = [llm.encode_chat([{"role": "user", "content": p}]) for p in prompts]
-    rows = []
-    for mode, extra in (("hf-plain", {}), ("hf-prompt-lookup", {"prompt_lookup_num_tokens": k})):
-        n, t0 = 0, time.perf_counter()
-        for p in ids:
-            with torch.no_grad():
-                out = model.generate(torch.tensor([p]), max_new_tokens=args.max_tokens, do_sample=False,
+    peers = []
+    for dtype in dtypes:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                  dtype=getattr(torch, dtype)).eval()
+
+        def gen(p: list[int], n: int, extra: dict, model=model) -> list[int]:
+            with torch.inference_mode():
+                out = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False,
                                      pad_token_id=tok.eos_token_id, **extra)
-            n += out.shape[1] - len(p)
-        dt = time.perf_counter() - t0
-        rows.append({"workload": "grounded", "batch": 1, "mode": mode, "k": k if extra else 0, "output_tokens": n,
-                     "seconds": round(dt, 3), "tok_s": round(n / dt, 2)})
-        print(json.dumps(rows[-1]), flush=True)
-    return rows
+            return out[0, len(p):].tolist()
+
+        for mode, extra in (("hf-plain", {}), ("hf-prompt-lookup", {"prompt_lookup_num_tokens": k})):
+            gen(tok.encode("Hello"), 4, extra)  # warm-up: first-call allocations and lazy initialisation
+
+            def timed(ids: list[list[int]], gen=gen, extra=extra) -> tuple[list[list[int]], float]:
+                t0 = time.perf_counter()
+                toks = [gen(p, args.max_tokens, extra) for p in ids]
+                return toks, time.perf_counter() - t0
+
+            peers.append((f"{mode}-{dtype}", timed))
+    return peers
 
 
 def plot(doc, out: Path) -> None:
@@ -176,7 +203,8 @@ def plot(doc, out: Path) -> None:
             ax.text(i, r["tok_s"], f"{r['tok_s'] / plain:.2f}x", ha="center", va="bottom", fontsize=8)
         ax.set_title(f"{w}, batch {b}")
         ax.set_ylabel("output tokens/s")
-    fig.suptitle(f"speculative decoding, {doc['artifact']} ({doc['machine']})", fontsize=9)
+    fig.suptitle(f"speculative decoding, {doc['artifact']} ({doc['machine']['cpu']}, {doc['threads']} threads)",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
@@ -186,9 +214,15 @@ def main() -> int:
     ap.add_argument("--artifact", required=True, help="an artifact compiled with --num-speculative-tokens K")
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=3, help="best of N per mode, modes interleaved (default 3)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="best of N per mode, modes (HF's too) interleaved (default 3)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
+    ap.add_argument("--hf-dtype", choices=("artifact", "float32", "both"), default="both",
+                    help="the HF peer's dtype: the artifact's, float32, or both (default; one when they are equal)")
+    ap.add_argument("--require-idle", action="store_true",
+                    help="refuse to run, or to write results, when the machine is not idle (else: a warning in "
+                         "the JSON)")
     ap.add_argument("--speculative-model", default=None, metavar="PATH|ARTIFACT",
                     help="also time a draft model's proposals (modes draft-adaptive, draft-always)")
     ap.add_argument("--modes", type=lambda s: s.split(","), default=None,
@@ -197,8 +231,19 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
+    try:
+        return run(args)
+    except MachineBusyError as e:
+        print(f"bench_spec: {e}", file=sys.stderr)
+        return 3
+
+
+def run(args) -> int:
     import torch
 
+    record = RunRecord(args.require_idle)
     if args.threads:
         torch.set_num_threads(args.threads)
     from neuron_opt.api import LLM
@@ -206,14 +251,17 @@ def main() -> int:
     llm = LLM(args.artifact)
     if not llm.runner.verify_len:
         raise SystemExit(f"{args.artifact} has no verify graphs: compile it with --num-speculative-tokens K")
+    dtype = llm.runner.cache.dtype
+    hf_dtypes = {"artifact": [dtype], "float32": ["float32"], "both": list(dict.fromkeys([dtype, "float32"]))}
+    batches = [int(x) for x in args.batches.split(",")]
+    k = llm.runner.buckets.num_speculative_tokens
+    peers = [] if args.no_hf or 1 not in batches else hf_peers(args, hf_dtypes[args.hf_dtype], k)
     results = []
-    for b in [int(x) for x in args.batches.split(",")]:
+    for b in batches:
         for name, prompts in (("grounded", GROUNDED), ("open-ended", OPEN)):
-            results += bench_ours(args, llm, name, prompts, b)
-    if not args.no_hf:
-        results += bench_hf(args, llm, GROUNDED, llm.runner.buckets.num_speculative_tokens)
-    doc = {"artifact": str(args.artifact), "machine": f"{host()}, {torch.get_num_threads()} threads",
-           "dtype": llm.runner.cache.dtype, "max_tokens": args.max_tokens, "results": results}
+            results += bench_ours(args, llm, name, prompts, b, peers if (name, b) == ("grounded", 1) else ())
+    doc = {"artifact": str(args.artifact), **record.finish(), "threads": torch.get_num_threads(),
+           "dtype": dtype, "max_tokens": args.max_tokens, "repeats": args.repeats, "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1))
     if args.plot:

@@ -182,8 +182,10 @@ def main() -> int:
             if not args.json:
                 print(json.dumps(row), flush=True)
     if args.json:
+        from neuron_opt.bench import machine
+
         json.dump(
-            {"prompt_len": args.prompt_len, "decode_steps": args.decode_steps, "rows": rows},
+            {"machine": machine(), "prompt_len": args.prompt_len, "decode_steps": args.decode_steps, "rows": rows},
             sys.stdout,
             indent=1,
         )

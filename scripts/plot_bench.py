@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Plot scripts/bench_decode.py's JSON: tokens/s per system and batch, ratio to HF eager above each bar."""
+"""Plot scripts/bench_decode.py's JSON: tokens/s per system and batch (the median of the rounds, a bar from the
+slowest to the fastest round), ratio to HF eager above each bar."""
 
 from __future__ import annotations
 
@@ -29,19 +30,23 @@ def main() -> int:
         sel = {f"{r['system']} {r['dtype']}": r for r in rows if r["batch"] == b}
         names = [s for s in systems if s in sel]
         vals = [sel[s]["tok_s"] for s in names]
-        bars = ax.bar(range(len(names)), vals, color=["#888" if "transformers" in s else "#2a7" for s in names])
-        for bar, s in zip(bars, names, strict=True):
+        lo = [v - (sel[s].get("tok_s_min") or v) for s, v in zip(names, vals, strict=True)]  # older JSON: no span
+        hi = [(sel[s].get("tok_s_max") or v) - v for s, v in zip(names, vals, strict=True)]
+        bars = ax.bar(range(len(names)), vals, yerr=[lo, hi], capsize=3,
+                      color=["#888" if "transformers" in s else "#c73" if "llama" in s else "#2a7" for s in names])
+        for bar, s, up in zip(bars, names, hi, strict=True):
             ratio = sel[s].get("ratio_vs_hf")
             if ratio:
-                ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{ratio:.2f}x", ha="center",
+                ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height() + up, f"{ratio:.2f}x", ha="center",
                         va="bottom", fontsize=8)
         ax.set_xticks(range(len(names)), [n.replace("neuron_opt-", "").replace("transformers-", "HF ")
                                           for n in names], rotation=30, ha="right", fontsize=8)
         ax.set_title(f"decode, batch {b}")
-        ax.set_ylabel("tokens/s")
+        ax.set_ylabel(f"tokens/s, median of {doc.get('repeats', 1)} rounds (min-max)")
     model = str(doc.get("model", "default"))
     name = args.title or ("SmolLM2-135M" if model == "default" else Path(model).name)
-    fig.suptitle(f"{name} decode on {doc.get('threads')} CPU threads (read bandwidth "
+    cpu = doc.get("machine", {}).get("cpu_model") or doc.get("cpu", "")
+    fig.suptitle(f"{name} decode on {doc.get('threads')} threads of {cpu} (read bandwidth "
                  f"{doc['mem_bw_gbs']:.0f} GB/s)", fontsize=10)
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)

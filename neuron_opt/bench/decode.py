@@ -1,40 +1,57 @@
 """Decode throughput, side by side in one run: HF transformers (the peer) vs neuron_opt eager and compiled.
 
-Also, optionally, llama.cpp (llama-cpp-python, `neuron-opt[llamacpp]`) on the checkpoint's GGUF in four storage
-formats (systems llamacpp-f32/-f16/-q8_0/-q4_1, batch 1 only; see neuron_opt.bench.llamacpp).
+Also, optionally, llama.cpp (llama-cpp-python, `neuron-opt[llamacpp]`) on the checkpoint's GGUF in five storage
+formats (systems llamacpp-f32/-bf16/-f16/-q8_0/-q4_1, batch 1 only; see neuron_opt.bench.llamacpp).
 
 Every system runs in its own fresh process and decodes the same prompts greedily for the same number of steps;
-only decode steps are timed
-(prefill excluded). Reported: tokens/s, ratio to HF eager fp32, and model-bandwidth utilisation (MBU): bytes a
-decode step must read (weights + the KV positions it attends over) x steps/s, over the memory-read bandwidth
-probed in the same process right after the timed steps.
+only decode steps are timed (prefill excluded). `--repeats` rounds run every system once each, interleaved, so all
+see the same drift of the machine; a row reports the median of its rounds with their min and max. A compiled
+system's artifact is compiled in its first round and loaded from disk in the later ones. Reported:
+tokens/s, ratio to HF eager fp32, and model-bandwidth utilisation (MBU): bytes a decode step must read (weights +
+the KV positions it attends over) x steps/s, over the memory-read bandwidth probed in the same process right
+after the timed steps.
+
+The run checks that the machine is idle before it starts and watches the other processes' CPU use over every
+round (neuron_opt.bench.idle_check, CpuWatch): a busy verdict is recorded in the JSON with a warning, and
+`--require-idle` refuses to start (or stops) instead.
 
 Mixture-of-experts models (`--model random-moe`, neuron_opt.bench.random_moe, or any MoE checkpoint): a step reads
 the experts it selects (neuron_opt.planner.moe: min(batch x top-k, experts) of them per layer), so bytes per step
 count those; `active_bytes` is the bound a token cannot go below, the active parameters' bytes (plus its KV).
 
-JSON: {"mem_bw_gbs": x, "results": [{"system", "dtype", "batch", "tok_s", "ratio_vs_hf", "mbu"}, ...], ...}
+JSON: {"mem_bw_gbs": x, "machine": {cpu_model, isa, cores, mem_bw_gbs, torch, ...}, "idle": {start, rounds,
+warnings}, "llamacpp": {version, system_info, flash_attn, omp_wait_policy} | null,
+"results": [{"system", "dtype", "batch", "tok_s" (median), "tok_s_min", "tok_s_max", "runs_tok_s", "ratio_vs_hf",
+"mbu"}, ...], ...}
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
-import platform
+import os
 import statistics
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from neuron_opt.bench import CpuWatch, MachineBusyError, RunRecord, host, read_bandwidth_gbs, rounds_summary
 from neuron_opt.bench.llamacpp import LlamaCppMissingError, import_llama_cpp
 
 PROMPT_LEN = 32
 SYSTEMS = ("hf", "hf-compile", "eager", "cpu-fp32", "cpu-bf16", "cpu-int8", "cpu-int4",
-           "llamacpp-f32", "llamacpp-f16", "llamacpp-q8_0", "llamacpp-q4_1")  # llamacpp-<GGUF storage format>
+           "llamacpp-f32", "llamacpp-bf16", "llamacpp-f16", "llamacpp-q8_0",
+           "llamacpp-q4_1")  # llamacpp-<GGUF storage format>
+# removed from a llama.cpp process's environment: it runs with libgomp's default wait policy, as its users run it
+LLAMACPP_UNSET_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 @dataclass
@@ -45,24 +62,15 @@ class Result:
     tok_s: float
     steps: int
     bytes_per_step: float
-    ratio_vs_hf: float | None = None
+    ratio_vs_hf: float | None = None  # median against HF eager's median (same batch)
+    ratio_vs_hf_runs: list[float] | None = None  # round i against HF eager's round i
     mbu: float | None = None
     agreement_vs_hf_fp32: float | None = None  # teacher-forced greedy agreement over --agreement-tokens
     runs_tok_s: list[float] | None = None  # every round's tok/s (--repeats); tok_s is their median
+    tok_s_min: float | None = None  # the slowest and fastest round
+    tok_s_max: float | None = None
     mem_bw_gbs: float | None = None  # read bandwidth probed in the same process right after the timed steps
     active_bytes: float | None = None  # MoE: active parameters' bytes per token (+ its KV), the bytes bound
-
-
-def measure_read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """GB/s of a streaming read (sum over a buffer far larger than the caches), best of `repeats`."""
-    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
-    x.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best / 1e9
 
 
 def _prompts(batch: int, vocab: int) -> list[list[int]]:
@@ -199,15 +207,18 @@ def quantized_step_bytes(cfg, method: str, compute: torch.dtype, batch: int, kv_
 
 def compiled_runner(model: str, backend: str, dtype: str, batch: int, out: Path, max_model_len: int,
                     quantize: str | None = None):
-    from neuron_opt.api import LLM
+    """The runner of the artifact at `out`, compiled there first unless an earlier round of the run did (later
+    rounds load it, as a user loads a compiled artifact, instead of compiling it again from the cache)."""
+    from neuron_opt.api import LLM, is_artifact
     from neuron_opt.compiler import CompileRequest, compile_artifact
 
     # decode buckets: the default set (KV lengths 128, 256, ... max_model_len), as `neuron-opt compile` builds it, so
     # each step attends over the smallest bucket that holds its context, like HF attends over the real length
-    compile_artifact(CompileRequest(model=model, out=out, backend=backend, dtype=dtype, batch_size=batch,
-                                    max_model_len=max_model_len, prefill_buckets=(PROMPT_LEN, 128),
-                                    decode_batches=(batch,), quantize=quantize,
-                                    quantize_lm_head=True if quantize else None), progress=True)
+    if not is_artifact(out):
+        compile_artifact(CompileRequest(model=model, out=out, backend=backend, dtype=dtype, batch_size=batch,
+                                        max_model_len=max_model_len, prefill_buckets=(PROMPT_LEN, 128),
+                                        decode_batches=(batch,), quantize=quantize,
+                                        quantize_lm_head=True if quantize else None), progress=True)
     return LLM(out).runner
 
 
@@ -216,7 +227,7 @@ def _measure(system: str, batch: int, opts: dict, reference: tuple[list[int], li
     percent within minutes, so each result's MBU is taken against the bandwidth of its own moment)."""
     out = _measure_one(system, batch, opts, reference)
     if "result" in out:
-        out["result"]["mem_bw_gbs"] = measure_read_bandwidth()
+        out["result"]["mem_bw_gbs"] = read_bandwidth_gbs()
     return out
 
 
@@ -233,7 +244,7 @@ def _measure_llamacpp(system: str, ckpt, opts: dict,
     storage, steps, cfg = system.removeprefix("llamacpp-"), opts["steps"], ckpt.config
     path = llamacpp.storage_gguf(ckpt.source, ckpt.weights_fingerprint(), storage, envs.CACHE_DIR)
     n_ctx = max(PROMPT_LEN + steps + 2, sum(map(len, reference)) if reference else 0)
-    llm = llamacpp.load(path, n_ctx, opts["threads"] or torch.get_num_threads())
+    llm = llamacpp.load(path, n_ctx, opts["threads"] or torch.get_num_threads(), opts["llamacpp_flash_attn"])
     tps = llamacpp.bench_llamacpp(llm, _prompts(1, cfg.vocab_size)[0], steps)
     agree = llamacpp.teacher_forced_agreement(llm, *reference) if reference else None
     nbytes = llamacpp.tensor_bytes(path) + kv_bytes(cfg, 2, 1, PROMPT_LEN + steps)
@@ -286,32 +297,43 @@ def _measure_one(system: str, batch: int, opts: dict, reference: tuple[list[int]
         dtype = default_dtype("cpu")
     else:
         dtype = {"cpu-fp32": "float32", "cpu-bf16": "bfloat16"}[system]
-    with tempfile.TemporaryDirectory() as d:
-        runner = compiled_runner(opts["model"], "cpu", dtype, batch, Path(d) / "a", opts["max_model_len"], quantize)
-        tps = bench_runner(runner, batch, steps, cfg.vocab_size)
-        nbytes = (quantized_step_bytes(cfg, quantize, getattr(torch, dtype), batch, kv_len) if quantize else
-                  step_bytes(cfg, getattr(torch, dtype), batch, kv_len))
-        r = Result("neuron_opt-cpu-compiled", quantize or dtype, batch, tps, steps, nbytes,
-                   agreement_vs_hf_fp32=agreement(runner),
-                   active_bytes=active_bytes(cfg, getattr(torch, dtype), batch, kv_len))
+    out = Path(opts["artifacts"]) / f"{system}-b{batch}"  # the run's own directory, removed when the run ends
+    runner = compiled_runner(opts["model"], "cpu", dtype, batch, out, opts["max_model_len"], quantize)
+    tps = bench_runner(runner, batch, steps, cfg.vocab_size)
+    nbytes = (quantized_step_bytes(cfg, quantize, getattr(torch, dtype), batch, kv_len) if quantize else
+              step_bytes(cfg, getattr(torch, dtype), batch, kv_len))
+    r = Result("neuron_opt-cpu-compiled", quantize or dtype, batch, tps, steps, nbytes,
+               agreement_vs_hf_fp32=agreement(runner),
+               active_bytes=active_bytes(cfg, getattr(torch, dtype), batch, kv_len))
     return {"result": asdict(r)}
 
 
-def _in_fresh_process(fn, *args):  # noqa: ANN001, ANN202
-    """Run fn(*args) in a new process: each system starts from a clean heap and thread pool (a system run
-    after HF in the same process ran slower, from the allocator state HF left behind)."""
+@contextlib.contextmanager
+def _env_without(names: tuple[str, ...]) -> Iterator[None]:
+    """os.environ without `names` inside the block (a process spawned there inherits that), restored after."""
+    saved = {n: os.environ.pop(n) for n in names if n in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def _in_fresh_process(fn, *args, unset_env: tuple[str, ...] = ()):  # noqa: ANN001, ANN202
+    """Run fn(*args) in a new process, whose environment lacks `unset_env`: each system starts from a clean heap
+    and thread pool (a system run after HF in the same process ran slower, from the allocator state HF left behind)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with _env_without(unset_env), ProcessPoolExecutor(max_workers=1,
+                                                      mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(fn, *args).result()
 
 
-def _survive(fn, *args) -> tuple[dict | None, str | None]:  # noqa: ANN001
+def _survive(fn, *args, unset_env: tuple[str, ...] = ()) -> tuple[dict | None, str | None]:  # noqa: ANN001
     """`_in_fresh_process(fn, *args)`: (its result, None), or (None, why) when that process died (a segfault in a
     peer's native code must not take the other systems' results with it)."""
     try:
-        return _in_fresh_process(fn, *args), None
+        return _in_fresh_process(fn, *args, unset_env=unset_env), None
     except BrokenProcessPool:
         return None, "its process died (a crash in native code, e.g. a signal)"
 
@@ -327,7 +349,7 @@ def _llamacpp_systems(ap: argparse.ArgumentParser, systems: list[str]) -> list[s
     return asked
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default",
                     help="a checkpoint (HF directory, .gguf, 'default'), or 'random-moe': a random 8-expert top-2 "
@@ -337,13 +359,86 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--systems", default="hf,hf-compile,eager,cpu-fp32,cpu-bf16",
                     help="comma list of: " + ", ".join(SYSTEMS))
     ap.add_argument("--max-model-len", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="threads of every system, llama.cpp's included (default: torch's, the usable cores)")
     ap.add_argument("--agreement-tokens", type=int, default=256,
                     help="teacher-forced greedy agreement with HF fp32 over this many tokens (batch-1 rows; 0: skip)")
     ap.add_argument("--repeats", type=int, default=1,
-                    help="rounds of every system (fresh processes, interleaved); tok/s is the median of the rounds")
+                    help="rounds of every system (fresh processes, interleaved); tok/s is the median of the rounds, "
+                         "with their min and max")
+    ap.add_argument("--llamacpp-flash-attn", choices=("on", "off"), default="on",
+                    help="llama.cpp's flash attention (default on: what llama.cpp's own default, auto, picks on the "
+                         "CPU)")
+    ap.add_argument("--require-idle", action="store_true",
+                    help="refuse to start, or stop, when the machine is not idle (other processes busy on the "
+                         "cores, a high load average) instead of recording a warning in the JSON")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    return ap
+
+
+def _summarize(runs: dict[str, list[Result]]) -> list[Result]:
+    """One Result per system from its rounds: tok/s the median with min and max, MBU and bandwidth medians."""
+    out = []
+    for rs in runs.values():
+        r = rs[0]
+        r.runs_tok_s = [x.tok_s for x in rs]
+        s = rounds_summary(r.runs_tok_s)
+        r.tok_s, r.tok_s_min, r.tok_s_max = s["median"], s["min"], s["max"]
+        r.mbu = statistics.median(x.bytes_per_step * (x.tok_s / x.batch) / (x.mem_bw_gbs * 1e9) for x in rs)
+        r.mem_bw_gbs = statistics.median(x.mem_bw_gbs for x in rs)
+        out.append(r)
+    hf = next((r for r in out if r.system == "transformers-eager"), None)
+    for r in out:
+        r.ratio_vs_hf = r.tok_s / hf.tok_s if hf else None
+        if hf and len(hf.runs_tok_s) == len(r.runs_tok_s):  # rounds are interleaved: round i against round i
+            r.ratio_vs_hf_runs = [a / b for a, b in zip(r.runs_tok_s, hf.runs_tok_s, strict=True)]
+    return out
+
+
+def _round(batch: int, rep: int, systems: list[str], skip: set[str], failed: dict[str, str], opts: dict,
+           reference: tuple[list[int], list[int]] | None, runs: dict[str, list[Result]], log) -> None:  # noqa: ANN001
+    """One round at `batch`: every system once, in SYSTEMS order, each in a fresh process."""
+    for system in SYSTEMS:
+        if system in systems and system not in skip and system not in failed:
+            unset = LLAMACPP_UNSET_ENV if system.startswith("llamacpp-") else ()
+            out, why = _survive(_measure, system, batch, opts, reference if rep == 0 else None, unset_env=unset)
+            if out is None:  # reported and left out of later rounds; the rest still runs
+                failed[system] = f"batch {batch}, round {rep + 1}: {why}; no result"
+                log(f"{system}: {failed[system]}")
+                continue
+            r = Result(**out["result"])
+            runs.setdefault(system, []).append(r)
+            log(f"{r.system + ' ' + r.dtype:40s} b={batch} round {rep + 1} {r.tok_s:7.1f} tok/s")
+
+
+def _watched(batch: int, rep: int, record: RunRecord, fn) -> None:  # noqa: ANN001
+    """fn() while the other processes' CPU use is watched; the round's verdict (and any warning) into `record`."""
+    watch = CpuWatch()
+    fn()
+    rnd = {"batch": batch, "round": rep + 1, **watch.stop()}
+    record.idle.setdefault("rounds", []).append(rnd)
+    record.check(rnd, f"during batch {batch}, round {rep + 1}")
+
+
+def _print_table(results: list[Result], failed: dict[str, str], bw: float) -> None:
+    print(f"\nmemory read bandwidth: up to {bw:.1f} GB/s; MBU is against the probe run beside each result")
+    moe = any(r.active_bytes for r in results)
+    print(f"{'system':30s} {'dtype':9s} {'batch':>5s} {'tok/s':>8s} {'(min-max)':>15s} {'vs HF':>6s} {'MBU':>6s} "
+          f"{'agree':>6s}" + ("  read/token vs active bound" if moe else ""))
+    for r in results:
+        ratio = f"{r.ratio_vs_hf:.2f}x" if r.ratio_vs_hf else "-"
+        agree = f"{r.agreement_vs_hf_fp32:.3f}" if r.agreement_vs_hf_fp32 is not None else "-"
+        extra = f"  {r.bytes_per_step / r.batch / r.active_bytes:.2f}x" if r.active_bytes else ""
+        span = f"({r.tok_s_min:.1f}-{r.tok_s_max:.1f})"
+        print(f"{r.system:30s} {r.dtype:9s} {r.batch:5d} {r.tok_s:8.1f} {span:>15s} {ratio:>6s} {r.mbu:6.1%} "
+              f"{agree:>6s}" + extra)
+    for system, why in failed.items():
+        print(f"{system:30s} failed: {why}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
@@ -357,12 +452,34 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
     llamacpp_systems = _llamacpp_systems(ap, systems)
+    try:
+        return _run(args, systems, llamacpp_systems)
+    except MachineBusyError as e:
+        print(f"bench decode: {e}", file=sys.stderr)
+        return 3
+
+
+def _run(args: argparse.Namespace, systems: list[str], llamacpp_systems: list[str]) -> int:
+    with tempfile.TemporaryDirectory(prefix="bench-decode-") as artifacts:  # compiled once per run, loaded per round
+        return _run_in(args, systems, llamacpp_systems, artifacts)
+
+
+def _run_in(args: argparse.Namespace, systems: list[str], llamacpp_systems: list[str], artifacts: str) -> int:
+    log = (lambda s: print(s, flush=True)) if not args.json else (lambda s: None)
+    record = RunRecord(args.require_idle)  # idle check, machine and bandwidth probe, before anything of ours runs
     if args.threads:
         torch.set_num_threads(args.threads)
+    threads = args.threads or torch.get_num_threads()
     batches = [int(b) for b in args.batches.split(",")]
     opts = {"model": args.model, "steps": args.steps, "max_model_len": args.max_model_len, "threads": args.threads,
-            "agreement_tokens": args.agreement_tokens}
-    log = (lambda s: print(s, flush=True)) if not args.json else (lambda s: None)
+            "agreement_tokens": args.agreement_tokens, "llamacpp_flash_attn": args.llamacpp_flash_attn == "on",
+            "artifacts": artifacts}
+    llamacpp_info = None
+    if llamacpp_systems:
+        from neuron_opt.bench.llamacpp import build_info
+
+        llamacpp_info = build_info() | {"threads": threads, "flash_attn": opts["llamacpp_flash_attn"],
+                                        "omp_wait_policy": "unset (libgomp's default)"}
     reference = None
     if args.agreement_tokens and 1 in batches and set(systems) - {"hf", "hf-compile"}:
         reference = _in_fresh_process(_measure, "reference", 1, opts, None)["reference"]
@@ -380,46 +497,22 @@ def main(argv: list[str] | None = None) -> int:
         if skip:
             log(f"{','.join(llamacpp_systems)}: b={batch} skipped, llama.cpp is measured at batch 1 only")
         for rep in range(args.repeats):  # rounds: every system once per round, so all see the same drift
-            for system in SYSTEMS:
-                if system in systems and system not in skip and system not in failed:
-                    out, why = _survive(_measure, system, batch, opts, reference if rep == 0 else None)
-                    if out is None:  # reported and left out of later rounds; the rest still runs
-                        failed[system] = f"batch {batch}, round {rep + 1}: {why}; no result"
-                        log(f"{system}: {failed[system]}")
-                        continue
-                    r = Result(**out["result"])
-                    runs.setdefault(system, []).append(r)
-                    log(f"{r.system + ' ' + r.dtype:40s} b={batch} {r.tok_s:7.1f} tok/s")
-        for rs in runs.values():
-            r = rs[0]
-            r.runs_tok_s = [x.tok_s for x in rs]
-            r.tok_s = statistics.median(r.runs_tok_s)
-            r.mbu = statistics.median(x.bytes_per_step * (x.tok_s / x.batch) / (x.mem_bw_gbs * 1e9) for x in rs)
-            r.mem_bw_gbs = statistics.median(x.mem_bw_gbs for x in rs)
-            results.append(r)
+            _watched(batch, rep, record, functools.partial(_round, batch, rep, systems, skip, failed, opts,
+                                                           reference, runs, log))
+        results += _summarize(runs)
     bw = max((r.mem_bw_gbs for r in results), default=0.0)  # the best of the probes run beside each result
-    for r in results:
-        base = next((x.tok_s for x in results if x.system == "transformers-eager" and x.batch == r.batch), None)
-        r.ratio_vs_hf = r.tok_s / base if base else None
-    doc = {"mem_bw_gbs": bw, "model": str(args.model), "threads": args.threads or torch.get_num_threads(),
-           "repeats": args.repeats,
-           "cpu": platform.processor() or platform.machine(), "torch": torch.__version__, "prompt_len": PROMPT_LEN,
-           "steps": args.steps, "results": [asdict(r) for r in results], "failed": failed}
+    doc = {"mem_bw_gbs": bw, "model": str(args.model), "threads": threads, "repeats": args.repeats,
+           "cpu": host(), **record.finish(), "llamacpp": llamacpp_info,
+           "env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "NEURON_OPT_NUM_THREADS")},
+           "torch": torch.__version__, "prompt_len": PROMPT_LEN, "steps": args.steps,
+           "results": [asdict(r) for r in results], "failed": failed}
     if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=2))
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
-        print(f"\nmemory read bandwidth: up to {bw:.1f} GB/s; MBU is against the probe run beside each result")
-        moe = any(r.active_bytes for r in results)
-        print(f"{'system':30s} {'dtype':9s} {'batch':>5s} {'tok/s':>8s} {'vs HF':>6s} {'MBU':>6s} {'agree':>6s}"
-              + ("  read/token vs active bound" if moe else ""))
-        for r in results:
-            ratio = f"{r.ratio_vs_hf:.2f}x" if r.ratio_vs_hf else "-"
-            agree = f"{r.agreement_vs_hf_fp32:.3f}" if r.agreement_vs_hf_fp32 is not None else "-"
-            extra = f"  {r.bytes_per_step / r.batch / r.active_bytes:.2f}x" if r.active_bytes else ""
-            print(f"{r.system:30s} {r.dtype:9s} {r.batch:5d} {r.tok_s:8.1f} {ratio:>6s} {r.mbu:6.1%} {agree:>6s}"
-                  + extra)
-        for system, why in failed.items():
-            print(f"{system:30s} failed: {why}")
+        _print_table(results, failed, bw)
+        for w in doc["idle"]["warnings"]:
+            print(f"warning: {w}")
     return 1 if failed else 0

@@ -3,16 +3,24 @@
 Design decisions:
 - Storage formats come from llama.cpp's own quantizer (`llama_model_quantize`), so each file is laid out exactly
   as llama.cpp would write it, and "q4_1" is the GGUF as shipped, untouched.
-- The default model ships as Q4_1 (its token embedding, tied to the output projection, as Q8_0). F32, F16 and
-  Q8_0 files made from it are *requantized* (`allow_requantize`): they hold the Q4_1-rounded weights in a wider
-  format (F32/F16: the same values, more bytes; Q8_0: those values rounded once more to 8 bits). They are not the
-  original fp32/bf16 model; what they measure is llama.cpp's decode speed per storage format.
+- The default model ships as Q4_1 (its token embedding, tied to the output projection, as Q8_0). F32, BF16, F16
+  and Q8_0 files made from it are *requantized* (`allow_requantize`): they hold the Q4_1-rounded weights in a
+  wider format (F32/BF16/F16: the same values, more bytes; Q8_0: those values rounded once more to 8 bits). They
+  are not the original fp32/bf16 model; what they measure is llama.cpp's decode speed per storage format.
+- Each of our widths is compared with llama.cpp's own format of that width: our bf16 with llama.cpp's BF16 (its
+  CPU kernels use avx512_bf16 where the CPU has it), and F16 beside it as a second 16-bit row.
+- llama.cpp runs as its users run it: the same thread count as our systems, flash attention on (llama.cpp's own
+  default, `-fa auto`, turns it on for the CPU backend; llama-cpp-python's default is off), and OpenMP's wait
+  policy left unset (libgomp's default: spin briefly at a barrier, then sleep). The benchmark removes
+  OMP_WAIT_POLICY from the llama.cpp processes' environment, whatever the caller set for ours.
 - Only the decode steps are timed, one token per `llama_decode` call with greedy argmax fed back, like the
   other systems. Batch 1 only: llama-cpp-python's `Llama` drives one sequence, and the benchmark skips batch > 1
   rather than timing a hand-written multi-sequence `llama_batch` loop that no llama.cpp user runs this way.
 - llama.cpp's threads spin-wait at every graph barrier (libgomp's `omp barrier`): when other processes take the
-  cores, a preempted thread stalls the rest. Measured with 2 threads on 2 busy vCPUs: 1.6 tok/s, against 35 with
-  OMP_WAIT_POLICY=passive and 42 with 1 thread. Its rows mean something only on an otherwise idle machine.
+  cores, a preempted thread stalls the rest and its throughput collapses. Its rows mean something only on an
+  otherwise idle machine, which the benchmark checks and records (neuron_opt.bench.RunRecord).
+- The JSON records llama-cpp-python's version (which pins the llama.cpp it vendors) and llama.cpp's system info
+  (the instruction sets it was built with, OpenMP, repacking): `build_info`.
 - llama-cpp-python is an optional extra (`neuron-opt[llamacpp]`); it is imported only here, inside functions.
 """
 
@@ -28,7 +36,8 @@ from typing import Any
 import numpy as np
 
 # storage name -> llama.cpp ftype constant in `llama_cpp`; "q4_1" is the shipped file, not requantized
-REQUANT_FTYPES = {"f32": "LLAMA_FTYPE_ALL_F32", "f16": "LLAMA_FTYPE_MOSTLY_F16", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
+REQUANT_FTYPES = {"f32": "LLAMA_FTYPE_ALL_F32", "bf16": "LLAMA_FTYPE_MOSTLY_BF16", "f16": "LLAMA_FTYPE_MOSTLY_F16",
+                  "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
 INSTALL_HINT = ("CMAKE_ARGS=\"-DGGML_NATIVE=ON\" pip install --no-binary llama-cpp-python 'neuron-opt[llamacpp]' "
                 "(built from the sdist with native CPU flags)")
 
@@ -91,11 +100,20 @@ def tensor_bytes(path: Path) -> int:
     return sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
 
 
-def load(path: Path, n_ctx: int, threads: int) -> Any:
-    """A `llama_cpp.Llama` on `path`, CPU, `threads` threads for decode and prompt alike, last-token logits only."""
+def load(path: Path, n_ctx: int, threads: int, flash_attn: bool = True) -> Any:
+    """A `llama_cpp.Llama` on `path`, CPU, `threads` threads for decode and prompt alike, last-token logits only,
+    flash attention on (llama.cpp's default on the CPU) unless `flash_attn` is False."""
     llama_cpp = import_llama_cpp()
     return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                           n_batch=max(n_ctx, 32), verbose=False, logits_all=False)
+                           n_batch=max(n_ctx, 32), verbose=False, logits_all=False, flash_attn=flash_attn)
+
+
+def build_info() -> dict[str, str]:
+    """llama-cpp-python's version (it pins the vendored llama.cpp) and llama.cpp's system info: the instruction
+    sets its CPU backend was built with (AVX2, AVX512, AVX512_BF16, AMX_INT8, ...), OpenMP, repacking."""
+    llama_cpp = import_llama_cpp()
+    return {"llama_cpp_python": llama_cpp.__version__,
+            "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip()}
 
 
 def _next_token(llm: Any, tokens: list[int]) -> int:
