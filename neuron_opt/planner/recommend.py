@@ -303,7 +303,7 @@ def with_queue(cfg: ModelConfig, plan: Plan, traffic: Traffic, arrival: Arrival,
     b, d = plan.buckets, plan.deployment
     policy = Policy(max_num_seqs=b.decode_batches[-1], max_prefill_len=b.prefill_lens[-1],
                     max_num_batched_tokens=max_num_batched_tokens, prefill_batch=b.prefill_batch,
-                    chunked=b.chunked_prefill)
+                    chunked=b.offset_prefill)
     clock = bucket_clock(cfg, plan.layout, plan.instance, b, dtype=d.dtype, kv_dtype=d.kv_dtype)
     q = estimate(policy, clock, arrival, traffic.concurrency, traffic.input_len, traffic.output_len)
     return replace(plan, queue=q)

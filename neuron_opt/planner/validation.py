@@ -416,7 +416,7 @@ def predict_queue(row: Row) -> QueueEstimate:
     lens = powers_of_two(128, row.seq) if row.bucketed else [row.seq]
     buckets = BucketConfig.build(max_prompt_len=row.seq, max_model_len=row.seq, max_batch=row.batch,
                                  prefill_lens=lens, decode_kv_lens=lens, decode_batches=[row.batch],
-                                 prefill_batch=row.prefill_batch, chunked_prefill=False)
+                                 prefill_batch=row.prefill_batch, offset_prefill=False)
     clock = bucket_clock(cfg, lay, inst, buckets, dtype=row.dtype, flash_from=row.flash_from)
     policy = Policy(max_num_seqs=row.batch, max_prefill_len=row.seq, max_num_batched_tokens=row.batch * row.seq,
                     prefill_batch=row.prefill_batch, chunked=False)

@@ -200,6 +200,7 @@ def test_llm_refuses_and_raises_as_the_engine_does(llms):
         llm.generate_ids([5] * 129, SamplingParams(max_tokens=1))
     with pytest.raises(ConfigError, match="2 sampling parameters for 1 prompts"):
         llm.generate_batch([[5, 6]], [SamplingParams(), SamplingParams()])
-    failing = LLM.from_loaded(LoadedModel(llm.config, llm.tokenizer, FailingRunner(llm.runner), llm.dtype))
+    failing = LLM.from_loaded(LoadedModel(manifest=None, model_config=llm.config, tokenizer=llm.tokenizer,
+                                          runner=FailingRunner(llm.runner), dtype=llm.dtype))
     with pytest.raises(RuntimeError, match="simulated backend failure"):
         failing.generate_batch([[20, 21, 22], [13, 14, 15]], SamplingParams(max_tokens=6))
