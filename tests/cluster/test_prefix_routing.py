@@ -84,7 +84,7 @@ def test_prefix_routing_keeps_a_single_replicas_hit_rate(ckpt, ref, tmp_path):
 
     port = free_port()
     cmd = [sys.executable, "-m", "neuron_opt.cli", "serve", *flags, "--port", str(port), "--data-parallel", "2",
-           "--routing", "prefix"]
+           "--routing", "prefix", "--routing-balance-threshold", "16"]  # a wave of 16 at once: affinity holds
     two = _start(cmd, tmp_path / "two.log")
     url = f"http://127.0.0.1:{port}"
     try:
