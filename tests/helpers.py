@@ -266,3 +266,13 @@ def reference_generate(llm, prompt_ids, params: SamplingParams):
     the oracle the engine (and so `LLM.generate_ids`) is compared against."""
     grammar = None if params.structured is None else llm.grammars.state(params.structured, params.stop_token_ids)
     return generate_ids(llm.runner, llm.tokenizer, list(prompt_ids), params, llm.eos_token_ids, grammar=grammar)
+
+
+def compile_tiny_eager(tiny_dir, out: Path, sign_key=None) -> Path:
+    """The tiny tokenizer checkpoint compiled for the eager backend (one prefill and one decode bucket)."""
+    from neuron_opt.compiler import CompileRequest, compile_artifact
+
+    req = CompileRequest(model=str(tiny_dir("smollm-tok")), out=out, backend="eager", max_model_len=128,
+                         prefill_buckets=(16,), decode_buckets=(128,), use_cache=False, sign_key=sign_key)
+    compile_artifact(req, log=lambda s: None, progress=False)
+    return out

@@ -60,3 +60,18 @@ def replica_pids() -> list[int]:
 
 def reference(ref, prompt: list[int], n: int) -> str:
     return ref.generate_ids(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)).text
+
+
+def stop_serve(proc) -> None:
+    """SIGTERM to a `serve` command, SIGKILL to its process group after 90 s; its replicas must be gone."""
+    import os
+    import signal
+    import subprocess
+
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert not replica_pids(), "replica processes outlived `serve`"

@@ -18,7 +18,18 @@ import openai
 import pytest
 
 pytest.importorskip("ray", reason="Ray Serve is the `cluster` extra: pip install 'neuron-opt[cluster]'")
-from cluster_helpers import MODEL, PROMPTS, REPLICA, free_port, metrics, reference, replica_pids, replicas, wait
+from cluster_helpers import (
+    MODEL,
+    PROMPTS,
+    REPLICA,
+    free_port,
+    metrics,
+    reference,
+    replica_pids,
+    replicas,
+    stop_serve,
+    wait,
+)
 
 from neuron_opt.runtime.sampling import SamplingParams
 from neuron_opt.server.cluster import STALE_AFTER_S
@@ -43,13 +54,7 @@ def cluster(ckpt, tmp_path_factory):
         assert proc.poll() is None, log.read_text()[-3000:]
         yield url, proc
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        assert not replica_pids(), "replica processes outlived `serve`"
+        stop_serve(proc)
 
 
 async def _complete(url: str, prompt: list[int], n: int) -> tuple[str, str]:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import subprocess
 import sys
 
@@ -20,7 +18,7 @@ import openai
 import pytest
 
 pytest.importorskip("ray", reason="Ray Serve is the `cluster` extra: pip install 'neuron-opt[cluster]'")
-from cluster_helpers import MODEL, free_port, metrics, reference, replicas, wait
+from cluster_helpers import MODEL, free_port, metrics, reference, replicas, stop_serve, wait
 
 from neuron_opt.config import CacheConfig
 from neuron_opt.server.cluster import PrefixKeys
@@ -41,15 +39,6 @@ WAVES = [[group_prompt(g, i) for g in range(GROUPS)] for i in range(PER_GROUP)]
 def _start(cmd: list[str], log) -> subprocess.Popen:
     with open(log, "w") as f:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(90)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def _run_waves(url: str) -> list[list[str]]:
@@ -79,7 +68,7 @@ def test_prefix_routing_keeps_a_single_replicas_hit_rate(ckpt, ref, tmp_path):
         single_texts = _run_waves(url)
         single = _hit_rate(url, "neuron_opt:prefix_cache_hit_rate")
     finally:
-        _stop(one)
+        stop_serve(one)
     assert single > 0.5  # waves 2-4 find their group's 3 blocks
 
     port = free_port()
@@ -101,7 +90,7 @@ def test_prefix_routing_keeps_a_single_replicas_hit_rate(ckpt, ref, tmp_path):
         routed = {replica: v for (name, replica), v in m.items() if name == "neuron_opt:cluster_routed_total"}
         assert sum(routed.values()) == GROUPS * PER_GROUP and len(routed) == 2, routed
     finally:
-        _stop(two)
+        stop_serve(two)
 
 
 def test_router_keys_equal_the_engines_prefix_keys(ref):

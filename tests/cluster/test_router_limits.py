@@ -6,8 +6,6 @@ and it serves no API docs. One replica of a tiny model on a local Ray started by
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +14,7 @@ import httpx
 import pytest
 
 pytest.importorskip("ray", reason="Ray Serve is the `cluster` extra: pip install 'neuron-opt[cluster]'")
-from cluster_helpers import MODEL, PROMPTS, free_port, metrics, replica_pids, replicas, wait
+from cluster_helpers import MODEL, PROMPTS, free_port, metrics, replicas, stop_serve, wait
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
@@ -37,13 +35,7 @@ def router(ckpt, tmp_path_factory):
         assert proc.poll() is None, log.read_text()[-3000:]
         yield url
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        assert not replica_pids(), "replica processes outlived `serve`"
+        stop_serve(proc)
 
 
 def rejected(url: str) -> dict[str, float]:

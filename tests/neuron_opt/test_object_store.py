@@ -12,12 +12,12 @@ import json
 import socket
 
 import pytest
+from helpers import compile_tiny_eager
 
 from neuron_opt import envs, object_store
 from neuron_opt.api import LLM
 from neuron_opt.artifact import MANIFEST, manifest_digest
 from neuron_opt.cli import main
-from neuron_opt.compiler import CompileRequest, compile_artifact
 from neuron_opt.errors import ArtifactError, ConfigError
 from neuron_opt.runtime.sampling import SamplingParams
 from neuron_opt.signing import generate_keypair
@@ -56,16 +56,11 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "cache" / "artifacts"
 
 
-def _compile(tiny_dir, out, sign_key=None):
-    req = CompileRequest(model=str(tiny_dir("smollm-tok")), out=out, backend="eager", max_model_len=128,
-                         prefill_buckets=(16,), decode_buckets=(128,), use_cache=False, sign_key=sign_key)
-    compile_artifact(req, log=lambda s: None, progress=False)
-    return out
 
 
 @pytest.fixture(scope="module")
 def art(tiny_dir, tmp_path_factory):
-    return _compile(tiny_dir, tmp_path_factory.mktemp("art") / "art")
+    return compile_tiny_eager(tiny_dir, tmp_path_factory.mktemp("art") / "art")
 
 
 def _keys(s3, prefix):
@@ -141,7 +136,7 @@ def test_replace_needs_force_and_deletes_only_what_the_old_manifest_listed(art, 
 
 def test_signature_checked_before_any_download(tiny_dir, endpoint, cache, tmp_path):
     ours, theirs = generate_keypair(tmp_path / "ours"), generate_keypair(tmp_path / "theirs")
-    signed = _compile(tiny_dir, tmp_path / "signed", ours[0])
+    signed = compile_tiny_eager(tiny_dir, tmp_path / "signed", ours[0])
     uri = f"s3://{BUCKET}/signed"
     object_store.push(signed, uri, endpoint_url=endpoint, progress=False)
     s3 = object_store.client(endpoint)

@@ -10,7 +10,7 @@ import json
 import stat
 
 import pytest
-from helpers import cpu_artifact_with_graphs
+from helpers import compile_tiny_eager, cpu_artifact_with_graphs
 
 from neuron_opt import envs
 from neuron_opt.api import LLM
@@ -29,21 +29,16 @@ def keys(tmp_path_factory):
     return {name: generate_keypair(root / name) for name in ("ours", "theirs")}
 
 
-def _compile(tiny_dir, out, sign_key=None):
-    req = CompileRequest(model=str(tiny_dir("smollm-tok")), out=out, backend="eager", max_model_len=128,
-                         prefill_buckets=(16,), decode_buckets=(128,), use_cache=False, sign_key=sign_key)
-    compile_artifact(req, log=lambda s: None, progress=False)
-    return out
 
 
 @pytest.fixture(scope="module")
 def signed(tiny_dir, keys, tmp_path_factory):
-    return _compile(tiny_dir, tmp_path_factory.mktemp("signed") / "art", keys["ours"][0])
+    return compile_tiny_eager(tiny_dir, tmp_path_factory.mktemp("signed") / "art", keys["ours"][0])
 
 
 @pytest.fixture(scope="module")
 def unsigned(tiny_dir, tmp_path_factory):
-    return _compile(tiny_dir, tmp_path_factory.mktemp("unsigned") / "art")
+    return compile_tiny_eager(tiny_dir, tmp_path_factory.mktemp("unsigned") / "art")
 
 
 def _copy(src, dst):
