@@ -161,3 +161,19 @@ def test_llamacpp_processes_run_without_omp_wait_policy(monkeypatch: pytest.Monk
     assert _in_fresh_process(os.getenv, "OMP_WAIT_POLICY", unset_env=LLAMACPP_UNSET_ENV) is None
     assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"  # restored in this process
     assert _in_fresh_process(os.getenv, "OMP_WAIT_POLICY") == "PASSIVE"
+
+
+def test_idle_check_waits_for_a_trailing_load_average(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the load average over the bar while no other process runs (work that just ended): the check waits for
+    it to fall instead of calling the machine busy; a load that does not fall is a verdict after settle_s."""
+    readings = iter([(1.2, 0.5, 0.2), (0.9, 0.5, 0.2), (0.3, 0.5, 0.2)])
+    monkeypatch.setattr(bench.os, "getloadavg", lambda: next(readings))
+    monkeypatch.setattr(bench.time, "sleep", lambda s: None)
+    monkeypatch.setattr(bench, "CpuWatch", lambda: type("W", (), {"stop": lambda self: {
+        "seconds": 2.0, "other_cores": 0.0, "busy": []}})())
+    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: {0, 1})
+    rec = bench.idle_check(sample_s=0.01)
+    assert rec["idle"] and rec["settled_s"] > 0 and rec["load_average"][0] == 0.3
+    monkeypatch.setattr(bench.os, "getloadavg", lambda: (1.2, 0.5, 0.2))
+    rec = bench.idle_check(sample_s=0.01, settle_s=20.0)
+    assert not rec["idle"] and "load average 1.20" in rec["reasons"][0] and rec["settled_s"] >= 20.0
