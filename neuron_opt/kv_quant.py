@@ -48,16 +48,18 @@ _PROJ = re.compile(r"model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.(weight|bia
 def calibrate(model: torch.nn.Module, token_ids: list[int], block_size: int) -> tuple[list[float], list[float]]:
     """Per-layer (s_k, s_v) from one prefill of `token_ids` through the tp=1 `model` (KV pools in its dtype)."""
     layers = model.model.layers
-    D = model.cfg.head_dim
+    D, R = model.cfg.head_dim, model.cfg.rotary_dim
     amax_k = [0.0] * len(layers)
     amax_v = [0.0] * len(layers)
 
     def hook(i: int, which: str) -> Callable[..., None]:
         def fn(_mod: Any, _inp: Any, out: torch.Tensor) -> None:
             x = out.detach().float().view(*out.shape[:-1], -1, D)  # [B, S, n_kv, D]
-            if which == "k":  # rope rotates pairs (i, i + D/2): their norm bounds both rotated values
-                half = D // 2
-                bound = (x[..., :half].square() + x[..., half:].square()).sqrt().amax().item()
+            if which == "k":  # rope rotates pairs (i, i + R/2) of the first R features: their norm bounds both
+                half = R // 2  # rotated values; features past R (partial rotary) pass through
+                bound = (x[..., :half].square() + x[..., half:R].square()).sqrt().amax().item()
+                if R < D:
+                    bound = max(bound, x[..., R:].abs().amax().item())
                 amax_k[i] = max(amax_k[i], bound)
             else:
                 amax_v[i] = max(amax_v[i], x.abs().amax().item())
