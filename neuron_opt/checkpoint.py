@@ -209,13 +209,6 @@ def _check_names(have: set[str], cfg: ModelConfig, source: Path) -> None:
         raise CheckpointError(f"checkpoint: {source} does not match its config: {'; '.join(parts)}")
 
 
-def expected_names(cfg: ModelConfig) -> list[str]:
-    """The canonical names of `cfg`'s weights (what `Checkpoint.state_dict` holds)."""
-    from models.build import weight_names
-
-    return weight_names(cfg)
-
-
 def stored_names(cfg: ModelConfig) -> list[str]:
     """The names an HF checkpoint of `cfg` stores: the canonical ones, or fused projections (Phi-3's qkv_proj,
     gate_up_proj) in place of their parts."""
