@@ -236,3 +236,26 @@ def test_bad_options_name_the_field(tiny_dir, tmp_path):
     save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="model.layers.0.mlp.gate_up_proj.weight has 191 rows"):
         open_checkpoint(d).state_dict()
+
+
+def test_fp8_kv_calibration_bounds_partially_rotated_keys(tiny_dir):
+    """kv_quant's key bound: rope rotates pairs (i, i + 6) of the first 12 features and passes the other 4 through;
+    the calibrated scale covers every rotated key at every position, with both factor sets."""
+    from models.llama import apply_rope, model_rope_tables
+    from neuron_opt.kv_quant import HEADROOM, calibrate
+    from neuron_opt.quant import FP8_MAX
+
+    d = tiny_dir("phi3-long")
+    cfg = ModelConfig.from_hf(d)
+    model = eager_runner(d, max_model_len=MAX_LEN).executor.model
+    keys = []
+    hook = model.model.layers[0].self_attn.k_proj.register_forward_hook(lambda m, i, out: keys.append(out))
+    tokens = [(5 * i + 3) % 250 + 3 for i in range(20)]
+    try:
+        s_k, _ = calibrate(model, tokens, 32)
+    finally:
+        hook.remove()
+    k = keys[0].view(1, -1, cfg.num_key_value_heads, cfg.head_dim)  # [1, S, n_kv, D]
+    rotated = [apply_rope(k, cos[p].view(1, 1, 1, -1), sin[p].view(1, 1, 1, -1)).abs().amax().item()
+               for cos, sin in model_rope_tables(cfg, MAX_LEN).values() for p in range(MAX_LEN)]
+    assert max(rotated) <= s_k[0] * FP8_MAX / HEADROOM * (1 + 1e-5)
