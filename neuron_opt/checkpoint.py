@@ -8,7 +8,8 @@ Design decisions
 - Weights are read only with `safetensors` and `gguf` (never unpickled): `.bin` checkpoints are refused with
   a message saying how to convert them.
 - "Canonical" means: HF names, the layout `models/llama.py` loads with no renaming, and no `lm_head.weight`
-  when embeddings are tied (the model ties the two parameters itself).
+  when embeddings are tied (the model ties the two parameters itself). Projections a checkpoint stores fused (Phi-3's
+  qkv_proj, gate_up_proj) are split into their canonical parts as they are read (models.llama.split_fused).
 - GGUF: llama.cpp's converter permutes the rows of Llama q/k projections so that rotary pairs are
   interleaved (GPT-J style). We undo that here, so everything downstream sees one (HF, rotate-half) layout.
   Qwen2 GGUFs are written without the permutation, so none is undone for them.
