@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from models.llama import LlamaForCausalLM, expected_weight_names
+from models.llama import LlamaForCausalLM, checkpoint_weight_names, expected_weight_names
+from models.llama import split_fused as split_fused  # re-exported: neuron_opt.checkpoint splits fused weights
 from models.moe import MoeForCausalLM, moe_weight_names
 from models.registry import family_for
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, QuantConfig
@@ -28,6 +29,12 @@ def model_class(architecture: str) -> type:
 def weight_names(cfg: ModelConfig) -> list[str]:
     """The checkpoint names a model of `cfg` loads (HF names)."""
     return moe_weight_names(cfg) if cfg.is_moe else expected_weight_names(cfg)
+
+
+def stored_weight_names(cfg: ModelConfig) -> list[str]:
+    """The names the checkpoint of `cfg` stores: `weight_names`, with fused projections (Phi-3) under their fused
+    names (models.llama.split_fused turns them into the canonical ones)."""
+    return checkpoint_weight_names(cfg, weight_names(cfg))
 
 
 def apply_quant_layout(model: torch.nn.Module, qc: QuantConfig | None) -> None:

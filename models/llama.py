@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from neuron_opt.config import ModelConfig, norm_roles
+from neuron_opt.errors import CheckpointError
 from neuron_opt.parallel import (
     SINGLE,
     ColumnParallelLinear,
@@ -51,49 +52,94 @@ from neuron_opt.parallel import (
 from neuron_opt.parallel.layers import seq_gather
 
 
-def rope_tables(cfg: ModelConfig, max_model_len: int,
-                rope: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_model_len, D] in fp32, computed exactly as transformers does (same inv_freq), for
-    `rope` (default: cfg.rope; Gemma 3's sliding layers: cfg.rope_local_parameters)."""
+def rope_tables(cfg: ModelConfig, max_model_len: int, rope: dict | None = None,
+                factors: str = "short_factor") -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_model_len, R] in fp32 (R = cfg.rotary_dim: the features rope rotates), computed exactly
+    as transformers does (same inv_freq, cos/sin times the attention factor), for `rope` (default: cfg.rope;
+    Gemma 3's sliding layers: cfg.rope_local_parameters). `factors`: longrope's factor set ("short_factor" or
+    "long_factor")."""
     rope = cfg.rope if rope is None else rope
     rope_type = rope.get("rope_type", "default")
-    D = cfg.head_dim
+    R = cfg.rotary_dim
     scaling = 1.0
     if rope_type == "default":
         theta = float(rope.get("rope_theta", 10000.0))
-        inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, R, 2, dtype=torch.int64).float() / R))
+    elif rope_type == "longrope":
+        inv_freq, scaling = longrope_inv_freq(cfg, rope, factors)
     else:
         from transformers import LlamaConfig
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         hf = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
-                         head_dim=D, max_position_embeddings=cfg.max_position_embeddings,
+                         head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
                          rope_parameters=rope)
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
         inv_freq = inv_freq.float()
+        if inv_freq.numel() != R // 2:
+            raise ValueError(f"rope {rope_type}: {inv_freq.numel()} frequencies for {R} rotary features")
     pos = torch.arange(max_model_len, dtype=torch.float32)
-    freqs = torch.outer(pos, inv_freq)  # [max_model_len, D/2]
-    emb = torch.cat([freqs, freqs], dim=-1)  # [max_model_len, D]
+    freqs = torch.outer(pos, inv_freq)  # [max_model_len, R/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [max_model_len, R]
     return emb.cos() * scaling, emb.sin() * scaling
 
 
+def longrope_inv_freq(cfg: ModelConfig, rope: dict, factors: str) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3): the default frequencies over R rotary features, each divided by its factor of the set
+    `factors`; one attention factor for both sets: `attention_factor`, else sqrt(1 + ln(s) / ln(original length))
+    with s = `factor`, else max_position_embeddings / original length (1 when s <= 1)."""
+    R = cfg.rotary_dim
+    orig = int(rope["original_max_position_embeddings"])
+    s = rope.get("factor") or cfg.max_position_embeddings / orig
+    attn = rope.get("attention_factor")
+    if attn is None:
+        attn = 1.0 if s <= 1.0 else math.sqrt(1 + math.log(s) / math.log(orig))
+    theta = float(rope.get("rope_theta", 10000.0))
+    ext = torch.tensor(rope[factors], dtype=torch.float32)
+    return 1.0 / (ext * theta ** (torch.arange(0, R, 2, dtype=torch.int64).float() / R)), float(attn)
+
+
 def model_rope_tables(cfg: ModelConfig, max_model_len: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """The fp32 tables the layers of `cfg` use, by kind (ModelConfig.layer_rope): "global", and "local" for a
-    Gemma 3-style rope of its own on sliding layers. NoPE layers ("none") use `layer_rope_inputs`' identity."""
+    """The fp32 tables the layers of `cfg` use, by kind (ModelConfig.layer_rope): "global", "local" for a
+    Gemma 3-style rope of its own on sliding layers, and "long" for longrope's long factors (then "global" holds
+    the short ones; `layer_rope_inputs` picks per row). NoPE layers ("none") use `layer_rope_inputs`' identity."""
     tables = {"global": rope_tables(cfg, max_model_len)}
     if cfg.rope_local_parameters:
         tables["local"] = rope_tables(cfg, max_model_len, dict(cfg.rope_local_parameters))
+    if cfg.rope.get("rope_type") == "longrope":
+        tables["long"] = rope_tables(cfg, max_model_len, factors="long_factor")
     return tables
 
 
+def long_rope_rows(cfg: ModelConfig, positions: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:
+    """[B] bool: the rows of a step that rotate with longrope's long factors. As transformers decides per forward
+    call from its highest position (long when it is past original_max_position_embeddings, for every token of the
+    call), we decide per row from the row's highest real position in this step: the position at `last_index`
+    ([B], or [B, T] for a verify step: the highest of them). Padding positions are never read."""
+    B = positions.shape[0]
+    last = positions.gather(1, last_index.reshape(B, -1).to(torch.int64)).amax(1)  # [B]
+    return last >= int(cfg.rope["original_max_position_embeddings"])  # seq_len = last + 1 > original
+
+
 def layer_rope_inputs(cfg: ModelConfig, tables: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                      positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each layer's (cos, sin) [B, S, 1, D] at `positions` [B, S] in `dtype`: its kind's table rows, or for a
+                      positions: torch.Tensor, dtype: torch.dtype,
+                      last_index: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (cos, sin) [B, S, 1, R] at `positions` [B, S] in `dtype`: its kind's table rows, or for a
     layer without rotary embeddings ones and zeros (the identity rotation, exact). Layers of one kind share the
-    tensors."""
+    tensors. With longrope tables ("long"), each row takes the short or the long rows (`long_rope_rows`, which
+    needs the step's `last_index`)."""
     rows = {}
     for kind, (cos, sin) in tables.items():
-        rows[kind] = (cos[positions].to(dtype)[:, :, None, :], sin[positions].to(dtype)[:, :, None, :])
+        if kind != "long":
+            rows[kind] = (cos[positions].to(dtype)[:, :, None, :], sin[positions].to(dtype)[:, :, None, :])
+    if "long" in tables:
+        if last_index is None:
+            raise ValueError("longrope tables: the step's last_index decides which factors each row uses")
+        use = long_rope_rows(cfg, positions, last_index)[:, None, None, None]  # [B, 1, 1, 1]
+        lc, ls = tables["long"]
+        c, s = rows["global"]
+        rows["global"] = (torch.where(use, lc[positions].to(dtype)[:, :, None, :], c),
+                          torch.where(use, ls[positions].to(dtype)[:, :, None, :], s))
     kinds = [cfg.layer_rope(i) for i in range(cfg.num_hidden_layers)]
     if "none" in kinds:
         c, _ = rows["global"]
@@ -124,7 +170,11 @@ def window_input(cfg: ModelConfig, layer: int, max_model_len: int) -> torch.Tens
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, S, n, D]; cos/sin [B, S, 1, D]. Rotate-half convention (HF Llama)."""
+    """x [B, S, n, D]; cos/sin [B, S, 1, R], R <= D. Rotate-half convention (HF Llama) over the first R features;
+    the other D - R pass through (partial rotary: Phi-4-mini)."""
+    R = cos.shape[-1]
+    if R < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :R], cos, sin), x[..., R:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
@@ -499,11 +549,14 @@ class LlamaForCausalLM(nn.Module):
         self.tie_weights()
         with torch.device("cpu"):  # real tables even when the module is built on the meta device (models/build.py)
             tables = model_rope_tables(cfg, max_model_len)
-        self.register_buffer("rope_cos", tables["global"][0], persistent=False)  # [max_model_len, D]
-        self.register_buffer("rope_sin", tables["global"][1], persistent=False)  # [max_model_len, D]
+        self.register_buffer("rope_cos", tables["global"][0], persistent=False)  # [max_model_len, R]
+        self.register_buffer("rope_sin", tables["global"][1], persistent=False)  # [max_model_len, R]
         if "local" in tables:  # Gemma 3's sliding layers
             self.register_buffer("rope_cos_local", tables["local"][0], persistent=False)
             self.register_buffer("rope_sin_local", tables["local"][1], persistent=False)
+        if "long" in tables:  # longrope's long factors (Phi-3)
+            self.register_buffer("rope_cos_long", tables["long"][0], persistent=False)
+            self.register_buffer("rope_sin_long", tables["long"][1], persistent=False)
 
     def tie_weights(self) -> None:
         """Tied embeddings: the LM head is the embedding tensor. Call again after moving the model to a device
@@ -528,7 +581,9 @@ class LlamaForCausalLM(nn.Module):
         tables = {"global": (self.rope_cos, self.rope_sin)}
         if self.cfg.rope_local_parameters:
             tables["local"] = (self.rope_cos_local, self.rope_sin_local)
-        ropes = layer_rope_inputs(self.cfg, tables, positions, x.dtype)  # each [B, S, 1, D]
+        if hasattr(self, "rope_cos_long"):
+            tables["long"] = (self.rope_cos_long, self.rope_sin_long)
+        ropes = layer_rope_inputs(self.cfg, tables, positions, x.dtype, last_index)  # each [B, S, 1, R]
         for i, layer in enumerate(self.model.layers):
             cos, sin = ropes[i]
             x = layer(x, cos, sin, positions, slot_mapping, block_tables, k_caches[i], v_caches[i], kv_len, sp,
@@ -595,3 +650,44 @@ def dense_mlp_names(cfg: ModelConfig, prefix: str) -> list[str]:
         if cfg.mlp_bias:
             names.append(prefix + f"mlp.{proj}_proj.bias")
     return names
+
+
+def fused_weight_names(cfg: ModelConfig) -> dict[str, list[str]]:
+    """Checkpoint name -> the canonical names its rows split into, in row order, for a checkpoint that stores
+    projections fused (cfg.fused_projections, Phi-3: `qkv_proj` = q rows, then k, then v; `gate_up_proj` = gate
+    rows, then up); {} otherwise."""
+    if not cfg.fused_projections:
+        return {}
+    kinds = ["weight", "bias"] if cfg.attention_bias else ["weight"]
+    mlp_kinds = ["weight", "bias"] if cfg.mlp_bias else ["weight"]
+    out: dict[str, list[str]] = {}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for k in kinds:
+            out[p + f"self_attn.qkv_proj.{k}"] = [p + f"self_attn.{x}_proj.{k}" for x in "qkv"]
+        for k in mlp_kinds:
+            out[p + f"mlp.gate_up_proj.{k}"] = [p + f"mlp.gate_proj.{k}", p + f"mlp.up_proj.{k}"]
+    return out
+
+
+def checkpoint_weight_names(cfg: ModelConfig, names: list[str]) -> list[str]:
+    """`names` (canonical) as the checkpoint stores them: each fused group once, under its fused name."""
+    part_of = {c: f for f, parts in fused_weight_names(cfg).items() for c in parts}
+    return list(dict.fromkeys(part_of.get(n, n) for n in names))
+
+
+def split_fused(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A checkpoint tensor as canonical (name, tensor) pairs: a fused projection's rows split into its parts
+    (fused_weight_names), any other tensor as it is."""
+    parts = fused_weight_names(cfg).get(name)
+    if parts is None:
+        return [(name, tensor)]
+    D = cfg.head_dim
+    if len(parts) == 3:
+        sizes = [cfg.num_attention_heads * D, cfg.num_key_value_heads * D, cfg.num_key_value_heads * D]
+    else:
+        sizes = [cfg.intermediate_size, cfg.intermediate_size]
+    if tensor.shape[0] != sum(sizes):
+        raise CheckpointError(f"checkpoint: {name} has {tensor.shape[0]} rows; its parts {parts} need "
+                              f"{' + '.join(map(str, sizes))}")
+    return [(n, t.contiguous()) for n, t in zip(parts, torch.split(tensor, sizes, dim=0), strict=True)]

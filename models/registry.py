@@ -16,6 +16,7 @@ _FAMILIES: dict[str, str] = {
     "Olmo2ForCausalLM": "llama",
     "GraniteForCausalLM": "llama",
     "SmolLM3ForCausalLM": "llama",
+    "Phi3ForCausalLM": "llama",  # Phi-3, Phi-3.5-mini, Phi-4-mini: fused projections split at load, longrope
     "MixtralForCausalLM": "moe",
     "Qwen2MoeForCausalLM": "moe",
     "Qwen3MoeForCausalLM": "moe",

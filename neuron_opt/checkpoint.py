@@ -8,7 +8,8 @@ Design decisions
 - Weights are read only with `safetensors` and `gguf` (never unpickled): `.bin` checkpoints are refused with
   a message saying how to convert them.
 - "Canonical" means: HF names, the layout `models/llama.py` loads with no renaming, and no `lm_head.weight`
-  when embeddings are tied (the model ties the two parameters itself).
+  when embeddings are tied (the model ties the two parameters itself). Projections a checkpoint stores fused (Phi-3's
+  qkv_proj, gate_up_proj) are split into their canonical parts as they are read (models.llama.split_fused).
 - GGUF: llama.cpp's converter permutes the rows of Llama q/k projections so that rotary pairs are
   interleaved (GPT-J style). We undo that here, so everything downstream sees one (HF, rotate-half) layout.
   Qwen2 GGUFs are written without the permutation, so none is undone for them.
@@ -79,18 +80,22 @@ class Checkpoint:
         """
         from safetensors import safe_open
 
+        from models.build import split_fused
+
         if self.format == "hf":
             files = _weight_files(self.source)
         else:
             from neuron_opt import envs
 
             files = [_gguf_cache_file(self.source, self.config, envs.CACHE_DIR)]
-        wanted = set(expected_names(self.config)) - skip
+        stored = set(stored_names(self.config))
         for f in files:
             with safe_open(str(f), framework="pt") as sf:
                 for name in sf.keys():
-                    if name in wanted:
-                        yield name, sf.get_tensor(name).to(dtype)
+                    if name in stored:  # a fused projection (Phi-3) yields its canonical parts
+                        for part, t in split_fused(self.config, name, sf.get_tensor(name)):
+                            if part not in skip:
+                                yield part, t.to(dtype)
 
     def tokenizer(self) -> PreTrainedTokenizerBase:
         """The checkpoint's tokenizer, with its chat template when the source has one."""
@@ -193,8 +198,8 @@ def _check_names(have: set[str], cfg: ModelConfig, source: Path) -> None:
     have = {n for n in have if not _IGNORED.fullmatch(n)}
     if cfg.tie_word_embeddings:
         have.discard("lm_head.weight")  # tied: the model reuses embed_tokens; the copy is redundant
-    expected = set(expected_names(cfg))
-    missing = [n for n in expected_names(cfg) if n not in have]
+    expected = set(stored_names(cfg))
+    missing = [n for n in stored_names(cfg) if n not in have]
     extra = sorted(have - expected)
     if missing or extra:
         parts = []
@@ -205,10 +210,12 @@ def _check_names(have: set[str], cfg: ModelConfig, source: Path) -> None:
         raise CheckpointError(f"checkpoint: {source} does not match its config: {'; '.join(parts)}")
 
 
-def expected_names(cfg: ModelConfig) -> list[str]:
-    from models.build import weight_names
+def stored_names(cfg: ModelConfig) -> list[str]:
+    """The names an HF checkpoint of `cfg` stores: the canonical ones, or fused projections (Phi-3's qkv_proj,
+    gate_up_proj) in place of their parts."""
+    from models.build import stored_weight_names
 
-    return weight_names(cfg)
+    return stored_weight_names(cfg)
 
 
 def _hf_state_dict(root: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -220,8 +227,10 @@ def _hf_state_dict(root: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
             sd.update(load_file(str(f)))
         except Exception as e:
             raise CheckpointError(f"checkpoint: {f} is not a readable safetensors file ({e})") from None
-    wanted = set(expected_names(cfg))
-    return {k: v for k, v in sd.items() if k in wanted}
+    from models.build import split_fused
+
+    stored = set(stored_names(cfg))
+    return {part: t for k, v in sd.items() if k in stored for part, t in split_fused(cfg, k, v)}
 
 
 def _hf_tokenizer(root: Path) -> PreTrainedTokenizerBase:

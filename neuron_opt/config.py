@@ -48,7 +48,7 @@ class KVCacheDtype(str, Enum):
         except ValueError:
             raise ConfigError(f"kv_cache_dtype: must be {' or '.join(d.value for d in cls)}, got {value!r}") from None
 QUANT_METHODS = ("int8", "int4", "fp8")
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate activation: SwiGLU (Llama) or GeGLU (Gemma)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 NORM_LAYOUTS = ("pre", "sandwich", "post")
@@ -125,6 +125,10 @@ class ModelConfig:
     logits_scaling: float = 1.0  # logits divided by this (Granite)
     attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) before the mask (Gemma 2)
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    # the checkpoint stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` (Phi-3); they are split into
+    # the canonical q/k/v_proj and gate/up_proj at load (neuron_opt.checkpoint), so sharding and every backend see
+    # the canonical names
+    fused_projections: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -143,6 +147,7 @@ class ModelConfig:
         _check(rope_type in ROPE_TYPES, "rope_parameters.rope_type",
                f"{rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)}); 'dynamic' changes "
                "the rotary table with sequence length, which fixed-shape compiled buckets cannot express")
+        self._check_rope()
         self._check_family_options()
         if self.num_experts:
             _check(0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok",
@@ -152,6 +157,30 @@ class ModelConfig:
         else:
             _check(not (self.num_experts_per_tok or self.shared_expert_intermediate_size), "num_experts",
                    "num_experts_per_tok / shared_expert_intermediate_size need num_experts > 0")
+
+    def _check_rope(self) -> None:
+        rope = self.rope
+        f = rope.get("partial_rotary_factor", 1.0)
+        _check(isinstance(f, (int, float)) and 0 < f <= 1, "rope_parameters.partial_rotary_factor",
+               f"must be in (0, 1], got {f!r}")
+        _check(self.rotary_dim >= 2 and self.rotary_dim % 2 == 0, "rope_parameters.partial_rotary_factor",
+               f"head_dim={self.head_dim} x {f} gives {self.rotary_dim} rotary features; it must be even and >= 2")
+        if rope.get("rope_type") != "longrope":
+            return
+        orig = rope.get("original_max_position_embeddings")
+        _check(isinstance(orig, int) and orig > 0, "rope_parameters.original_max_position_embeddings",
+               f"longrope needs a positive integer, got {orig!r}")
+        for name in ("short_factor", "long_factor"):
+            v = rope.get(name)
+            _check(isinstance(v, (tuple, list)) and len(v) == self.rotary_dim // 2
+                   and all(isinstance(x, (int, float)) and x > 0 for x in v), f"rope_parameters.{name}",
+                   f"longrope needs {self.rotary_dim // 2} positive numbers (one per rotary pair), got {v!r}")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Features of each head that rope rotates (the first ones; Phi-4-mini: 0.75 of head_dim); the rest pass
+        through."""
+        return int(self.head_dim * self.rope.get("partial_rotary_factor", 1.0))
 
     def _check_family_options(self) -> None:
         L = self.num_hidden_layers
@@ -173,6 +202,8 @@ class ModelConfig:
         _check(self.norm_layout in NORM_LAYOUTS, "norm_layout",
                f"must be one of {', '.join(NORM_LAYOUTS)}, got {self.norm_layout!r}")
         _check(self.qk_norm or not self.qk_norm_full, "qk_norm_full", "needs qk_norm")
+        _check(not (self.fused_projections and self.num_experts), "fused_projections",
+               "fused gate_up_proj checkpoints are dense; a mixture of experts has no such projection")
         for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
             _check(float(getattr(self, name)) > 0, name, f"must be positive, got {getattr(self, name)!r}")
         for name in ("attention_scale", "attn_logit_softcapping", "final_logit_softcapping"):
@@ -288,6 +319,10 @@ class ModelConfig:
             rope = dict(rope.get("full_attention") or {})
         rope.setdefault("rope_theta", float(getattr(hf, "rope_theta", 10000.0)))
         rope.setdefault("rope_type", "default")
+        if rope["rope_type"] == "su":  # longrope's earlier name (Phi-3 configs)
+            rope["rope_type"] = "longrope"
+        if rope["rope_type"] == "longrope":
+            rope.pop("type", None)  # the old key beside rope_type (transformers keeps both)
         if local:
             local.setdefault("rope_type", "default")
             if local == rope:
@@ -364,7 +399,7 @@ _DEFAULT_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", 
                   "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                   "gemma3_text": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM",
-                  "smollm3": "SmolLM3ForCausalLM"}
+                  "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 # model types whose sliding window applies to the layers `layer_types` marks sliding_attention only (transformers'
 # Mistral and Qwen2 apply theirs to every layer)
 _PER_LAYER_WINDOWS = ("qwen3", "gemma2", "gemma3_text", "smollm3")
@@ -395,6 +430,8 @@ def _family_fields(hf: Any) -> dict[str, Any]:
     elif mt == "smollm3":
         flags = list(getattr(hf, "no_rope_layers", None) or [])
         out.update(nope_layers=tuple(i for i, use_rope in enumerate(flags) if not use_rope))
+    elif mt == "phi3":
+        out.update(fused_projections=True)
     return out
 
 

@@ -11,9 +11,10 @@ offsets exactly), so the fold works on canonical or stored-quantized tensors ali
 
 Calibration: the tp=1 model runs one prefill of a fixed text (`CALIBRATION_TEXT`, about 300 tokens) in the
 compute dtype; forward hooks on k_proj and v_proj record, per layer, max |V| and a bound on max |rope(K)| (per
-rotary pair, sqrt(k_i^2 + k_{i+D/2}^2): rope never exceeds it, at any position). The scale maps that maximum to
-FP8_MAX / HEADROOM, leaving 4x for activations larger than the text produced; anything beyond e4m3's range is
-clamped when written (models.llama.write_blocks). Relative precision does not depend on the scale (3 mantissa
+rotary pair, sqrt(k_i^2 + k_{i+R/2}^2) over the R rotated features, times the rope tables' attention factor (yarn,
+longrope); |k_i| for features past R (partial rotary): rope never exceeds it, at any position). The scale maps that
+maximum to FP8_MAX / HEADROOM, leaving 4x for activations larger than the text produced; anything beyond e4m3's
+range is clamped when written (models.llama.write_blocks). Relative precision does not depend on the scale (3 mantissa
 bits) except for values far below the maximum, which e4m3's subnormals absorb.
 """
 
@@ -48,16 +49,21 @@ _PROJ = re.compile(r"model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.(weight|bia
 def calibrate(model: torch.nn.Module, token_ids: list[int], block_size: int) -> tuple[list[float], list[float]]:
     """Per-layer (s_k, s_v) from one prefill of `token_ids` through the tp=1 `model` (KV pools in its dtype)."""
     layers = model.model.layers
-    D = model.cfg.head_dim
+    D, R = model.cfg.head_dim, model.cfg.rotary_dim
+    # the rope tables carry an attention factor (yarn, longrope: cos/sin times it; cos at position 0 is it): a
+    # rotated pair's values reach its norm times the largest factor
+    gain = max(float(b[0].abs().max()) for n, b in model.named_buffers() if n.startswith("rope_cos"))
     amax_k = [0.0] * len(layers)
     amax_v = [0.0] * len(layers)
 
     def hook(i: int, which: str) -> Callable[..., None]:
         def fn(_mod: Any, _inp: Any, out: torch.Tensor) -> None:
             x = out.detach().float().view(*out.shape[:-1], -1, D)  # [B, S, n_kv, D]
-            if which == "k":  # rope rotates pairs (i, i + D/2): their norm bounds both rotated values
-                half = D // 2
-                bound = (x[..., :half].square() + x[..., half:].square()).sqrt().amax().item()
+            if which == "k":  # rope rotates pairs (i, i + R/2) of the first R features: their norm (times the
+                half = R // 2  # attention factor) bounds both rotated values; features past R pass through
+                bound = gain * (x[..., :half].square() + x[..., half:R].square()).sqrt().amax().item()
+                if R < D:
+                    bound = max(bound, x[..., R:].abs().amax().item())
                 amax_k[i] = max(amax_k[i], bound)
             else:
                 amax_v[i] = max(amax_v[i], x.abs().amax().item())

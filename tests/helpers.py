@@ -9,7 +9,6 @@ import threading
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from neuron_opt.api import build_model
 from neuron_opt.backends.base import StepInputs
@@ -26,10 +25,10 @@ from neuron_opt.runtime.sampling import SamplingParams
 
 def eager_runner(ckpt_dir: Path, max_model_len: int = 256, max_batch: int = 1, block_size: int = 32,
                  **bucket_kw) -> ModelRunner:
+    from neuron_opt.checkpoint import open_checkpoint
+
     cfg = ModelConfig.from_hf(ckpt_dir)
-    sd = load_file(str(ckpt_dir / "model.safetensors"))
-    if cfg.tie_word_embeddings:
-        sd.pop("lm_head.weight", None)
+    sd = open_checkpoint(ckpt_dir).state_dict()  # canonical: no tied lm_head, fused projections split (Phi-3)
     model = build_model(cfg, sd, max_model_len, torch.float32)
     cache = CacheConfig(max_batch=max_batch, max_model_len=max_model_len, block_size=block_size)
     buckets = BucketConfig.build(max_prompt_len=max_model_len, max_model_len=max_model_len, max_batch=max_batch,

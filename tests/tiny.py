@@ -7,6 +7,19 @@ from typing import Any
 
 import torch
 
+
+def _phi3(original: int) -> tuple[str, dict[str, Any]]:
+    """Phi-3 with every option on: fused qkv_proj / gate_up_proj, a sliding window (6) on every layer, partial
+    rotary (0.75 of head_dim 16: 12 features, 6 pairs) and longrope (short and long factors; its attention factor
+    from max_position_embeddings / `original`)."""
+    return ("Phi3Config", dict(
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=6, pad_token_id=0,
+        original_max_position_embeddings=original,
+        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
+                             short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                             long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 9.0])))
+
+
 # variant name -> (HF config class name, overrides). Small enough to run in milliseconds.
 BASE: dict[str, Any] = dict(vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                             max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=False)
@@ -57,8 +70,13 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "smollm3": ("SmolLM3Config", dict(num_attention_heads=4, num_key_value_heads=2, no_rope_layers=[1, 0],
                                       use_sliding_window=True, sliding_window=6, tie_word_embeddings=True,
                                       pad_token_id=0)),
+    # the short factors only: the parity tests' texts stay below the original length (256)
+    "phi3": _phi3(256),
 }
 FAMILIES = ["qwen3", "gemma2", "gemma3", "olmo2", "granite", "smollm3"]
+# Texts cross original_max_position_embeddings (12): transformers switches to the long factors for a whole forward
+# call once its highest position passes it, so the oracle is HF stepped as generate steps it (tests/models/test_phi3.py)
+LONGROPE: dict[str, tuple[str, dict[str, Any]]] = {"phi3-long": _phi3(12)}
 # Variants with the default model's vocabulary: make_tiny saves its real tokenizer (and chat template) beside them,
 # so CLI / API / server tests run end to end on a model that is fast.
 WITH_TOKENIZER: dict[str, tuple[str, dict[str, Any]]] = {
@@ -79,7 +97,7 @@ def make_tiny(variant: str, out: Path, seed: int = 0, tokenizer: bool = False) -
     (token ids beyond the variant's vocabulary are simply never used)."""
     import transformers
 
-    cls_name, overrides = {**VARIANTS, **WITH_TOKENIZER}[variant]
+    cls_name, overrides = {**VARIANTS, **LONGROPE, **WITH_TOKENIZER}[variant]
     cfg = getattr(transformers, cls_name)(**{**BASE, **overrides}, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

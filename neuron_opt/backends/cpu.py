@@ -353,7 +353,7 @@ class CpuExecutor:
         self._embed = self._embedding(model, store)
         # from the config, in fp32: the model's buffers went to `dtype` with it
         self.cfg = model.cfg
-        self.rope = model_rope_tables(model.cfg, model.max_model_len)  # kind -> [max_model_len, D] each
+        self.rope = model_rope_tables(model.cfg, model.max_model_len)  # kind -> [max_model_len, R] each
         # a model whose layers mix windows passes each layer's window to the shared layer graph (LayerGraph)
         self.windows = [window_input(model.cfg, i, model.max_model_len) for i in range(n_layers)] \
             if model.cfg.mixed_windows else None
@@ -418,7 +418,8 @@ class CpuExecutor:
         x = self._embed(inputs.input_ids).to(self.residual_dtype)  # [B, S, H]
         if self.cfg.embedding_multiplier != 1.0:
             x = x * self.cfg.embedding_multiplier
-        ropes = layer_rope_inputs(self.cfg, self.rope, pos, self.rope_dtype)  # per layer, [B, S, 1, D] each
+        ropes = layer_rope_inputs(self.cfg, self.rope, pos, self.rope_dtype,
+                                  inputs.last_index)  # per layer, [B, S, 1, R] each
         ks, vs = self.k_caches, self.v_caches
         for i, layer in enumerate(layers):
             cos, sin = ropes[i]

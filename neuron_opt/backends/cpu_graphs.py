@@ -241,7 +241,7 @@ def layer_example(model: nn.Module, bucket: Bucket, cache: CacheConfig, dtype: t
                   residual_dtype: torch.dtype, rope_dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], Any]:
     """Example inputs of the layer graph for `bucket`, and its dynamic_shapes spec."""
     B, S = bucket.batch, bucket.tokens
-    H, D = model.cfg.hidden_size, model.cfg.head_dim
+    H, R = model.cfg.hidden_size, model.cfg.rotary_dim  # rope tables: the rotated features only
     bs = cache.block_size
     nb = max(2, -(-bucket.kv_len // bs))
     k = torch.zeros(model.kv_shape(cache.num_blocks, bs), dtype=kv_dtype(cache, dtype))
@@ -249,8 +249,8 @@ def layer_example(model: nn.Module, bucket: Bucket, cache: CacheConfig, dtype: t
     positions = torch.arange(nb * bs - S, nb * bs).expand(B, S).contiguous()
     tables = (torch.arange(B * nb).view(B, nb) % (cache.num_blocks - 1)) + 1
     slots = tables[:, -1:] * bs + positions % bs
-    args = (torch.randn(B, S, H).to(residual_dtype), torch.randn(B, S, 1, D).to(rope_dtype),
-            torch.randn(B, S, 1, D).to(rope_dtype), positions, slots, tables, k, v)
+    args = (torch.randn(B, S, H).to(residual_dtype), torch.randn(B, S, 1, R).to(rope_dtype),
+            torch.randn(B, S, 1, R).to(rope_dtype), positions, slots, tables, k, v)
     extra: tuple[None, ...] = ()
     if model.cfg.mixed_windows:  # LayerGraph's window input
         args, extra = (*args, torch.tensor([cache.max_model_len], dtype=torch.int64)), (None,)

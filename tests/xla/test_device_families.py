@@ -1,5 +1,6 @@
 """The model families on the neuron backend's device path (torch-xla's CPU device; tests/xla): every option of
-Qwen3, Gemma 2, Gemma 3, OLMo 2, Granite 3 and SmolLM3 traced into the static bucket graphs, logits against the
+Qwen3, Gemma 2, Gemma 3, OLMo 2, Granite 3, SmolLM3 and Phi-3 (longrope switching to its long factors at position 12,
+partial rotary, fused checkpoint projections) traced into the static bucket graphs, logits against the
 eager reference (itself checked against HF in tests/models), at tp 1 and as one SPMD program at tp 2."""
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ def ckpt(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("variant", FAMILIES)
+ALL = [*FAMILIES, "phi3-long"]
+
+
+@pytest.mark.parametrize("variant", ALL)
 def test_tp1_logits_equal_eager(variant, ckpt, tmp_path):
     art = compile_tiny(ckpt(variant), tmp_path / "art")
     runner = load_model(art).runner
@@ -42,7 +46,7 @@ def test_tp1_logits_equal_eager(variant, ckpt, tmp_path):
     assert "decode_b1_s32" in buckets  # past the windows (6) and across both decode buckets
 
 
-@pytest.mark.parametrize("variant", FAMILIES)
+@pytest.mark.parametrize("variant", ALL)
 def test_tp2_one_spmd_program_equals_eager(variant, ckpt, tmp_path):
     out = subprocess.run([sys.executable, str(HERE / "device_parity.py"), str(ckpt(variant)), str(tmp_path / "art"),
                           "2"], capture_output=True, text=True, timeout=600)

@@ -1,0 +1,261 @@
+"""Phi-3 / Phi-3.5-mini / Phi-4-mini (`Phi3ForCausalLM`) against HF transformers: fused qkv_proj / gate_up_proj
+split at load, partial rotary, a sliding window on every layer, longrope's short and long factors (tests/tiny.py's
+phi3 variants).
+
+transformers picks longrope's factor set per forward call: the long one, for every token of the call, once the
+call's highest position is past original_max_position_embeddings. The oracle here is therefore HF stepped as its
+generate steps (one call for the prompt, then one per token, with its cache), and the texts cross the original
+length (12) in a prefill (a 16-token prompt) and in decode (a 9-token prompt), the two in one batch. tp 1 eager
+parity against HF's full forward (short factors only) runs in tests/models/test_llama_parity.py, the device path
+in tests/xla/test_device_families.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import NoTok, ThreadRanks, eager_runner
+from safetensors.torch import load_file, save_file
+from tiny import load_hf, make_tiny
+
+from neuron_opt.checkpoint import open_checkpoint
+from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
+from neuron_opt.errors import CheckpointError, ConfigError
+from neuron_opt.runtime.runner import DecodeRow, ModelRunner
+
+MAX_LEN = 64
+CONFIGS = Path(__file__).resolve().parents[2] / "docs" / "configs"
+
+
+def hf_stepwise_logits(hf, ids: list[int], n: int) -> torch.Tensor:
+    """HF's next-token logits the way generate computes them: the first `n` tokens in one call, then each further
+    token in a call of its own over the cache. [1 + len(ids) - n, V]."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=hf.config)
+    with torch.no_grad():
+        out = [hf(torch.tensor([ids[:n]]), cache=cache, use_cache=True).logits[0, -1]]
+        for t in range(n, len(ids)):
+            out.append(hf(torch.tensor([[ids[t]]]), cache=cache, use_cache=True).logits[0, -1])
+    return torch.stack(out)
+
+
+def check_stepwise_against_hf(runner: ModelRunner, hf, batched: bool = True) -> None:
+    """Prompts of 9 and 16 tokens (the original length is 12), 6 decode steps teacher-forced (logits within 1e-4;
+    `batched`: both rows in one step, so one row is on the short factors while the other is on the long ones),
+    then 16 greedy tokens identical to HF's generate from a 5-token prompt (switching at position 12)."""
+    from neuron_opt.runtime.generate import generate_ids
+    from neuron_opt.runtime.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(5)
+    prompts, steps = (9, 16), 6
+    seqs = [torch.randint(3, hf.config.vocab_size, (n + steps,), generator=g).tolist() for n in prompts]
+    refs = [hf_stepwise_logits(hf, s, n) for s, n in zip(seqs, prompts, strict=True)]
+    groups = [[0, 1]] if batched else [[0], [1]]
+    for group in groups:
+        for slot in group:
+            n = prompts[slot]
+            torch.testing.assert_close(runner.prefill(slot, seqs[slot][:n]), refs[slot][0], atol=1e-4, rtol=0)
+        for step in range(steps):
+            got = runner.decode([DecodeRow(slot, seqs[slot][prompts[slot] + step], prompts[slot] + step)
+                                 for slot in group])
+            for row, slot in enumerate(group):
+                torch.testing.assert_close(got[row], refs[slot][step + 1], atol=1e-4, rtol=0)
+    prompt, n = [1, 17, 42, 99, 5], 16
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+    assert generate_ids(runner, NoTok(), prompt, SamplingParams(max_tokens=n, min_tokens=n), (2,)).token_ids == want
+
+
+def test_options_are_read_from_the_hf_config(tiny_dir):
+    cfg = ModelConfig.from_hf(tiny_dir("phi3-long"))
+    assert cfg.architecture == "Phi3ForCausalLM" and cfg.fused_projections
+    assert (cfg.head_dim, cfg.rotary_dim) == (16, 12)
+    rope = cfg.rope
+    assert rope["rope_type"] == "longrope" and rope["original_max_position_embeddings"] == 12
+    assert rope["short_factor"] == (1.0, 1.1, 1.3, 1.6, 2.0, 2.5) and len(rope["long_factor"]) == 6
+    assert [cfg.layer_window(i) for i in range(2)] == [6, 6] and not cfg.mixed_windows
+    assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg  # a manifest's copy comes back
+    # the factor set's earlier name, "su", as older Phi-3 configs write it in rope_scaling
+    raw = json.loads((tiny_dir("phi3-long") / "config.json").read_text())
+    rope_raw = raw.pop("rope_parameters")
+    raw["rope_scaling"] = {**{k: v for k, v in rope_raw.items() if k != "rope_type"}, "type": "su"}
+    assert ModelConfig.from_hf(raw).rope == rope
+
+
+def test_fused_weights_split_into_the_canonical_names(tiny_dir):
+    from models.build import stored_weight_names, weight_names
+    from neuron_opt.parallel.sharding import head_layout
+    from neuron_opt.planner.memory import weight_count
+
+    d = tiny_dir("phi3")
+    cfg = ModelConfig.from_hf(d)
+    stored = load_file(str(d / "model.safetensors"))
+    assert set(stored_weight_names(cfg)) == set(stored)
+    sd = open_checkpoint(d).state_dict()
+    assert set(sd) == set(weight_names(cfg))
+    qkv = stored["model.layers.1.self_attn.qkv_proj.weight"]  # q rows (4 heads x 16), then k, then v (2 x 16)
+    torch.testing.assert_close(sd["model.layers.1.self_attn.k_proj.weight"], qkv[64:96], atol=0, rtol=0)
+    gate_up = stored["model.layers.0.mlp.gate_up_proj.weight"]  # gate rows, then up
+    torch.testing.assert_close(sd["model.layers.0.mlp.up_proj.weight"], gate_up[96:], atol=0, rtol=0)
+    streamed = dict(open_checkpoint(d).tensors())  # compile's tensor-by-tensor read splits the same way
+    assert streamed.keys() == sd.keys() and all(torch.equal(streamed[k], sd[k]) for k in sd)
+    hf = load_hf(d)
+    assert cfg.num_parameters() == sum(p.numel() for p in hf.parameters())
+    assert weight_count(cfg, head_layout(cfg, ParallelConfig())).total == cfg.num_parameters()
+
+
+def test_rope_tables_equal_hf_on_both_sides_of_the_original_length(tiny_dir):
+    """Our short and long tables (partial rotary: 12 of 16 features, times longrope's attention factor) are what
+    HF's rotary embedding gives for a call that stays within 12 positions and for one that goes past them."""
+    from models.llama import model_rope_tables
+
+    d = tiny_dir("phi3-long")
+    cfg = ModelConfig.from_hf(d)
+    tables = model_rope_tables(cfg, MAX_LEN)
+    rotary = load_hf(d).model.rotary_emb
+    x = torch.zeros(1, dtype=torch.float32)
+    for n, kind in ((12, "global"), (13, "long")):
+        cos, sin = rotary(x, torch.arange(n)[None])
+        torch.testing.assert_close(tables[kind][0][:n], cos[0], atol=1e-6, rtol=0)
+        torch.testing.assert_close(tables[kind][1][:n], sin[0], atol=1e-6, rtol=0)
+    assert (tables["global"][0] - tables["long"][0]).abs().max() > 1e-2  # the two sets differ
+
+
+def test_eager_matches_hf_stepped_across_the_original_length(tiny_dir):
+    d = tiny_dir("phi3-long")
+    check_stepwise_against_hf(eager_runner(d, max_model_len=MAX_LEN, max_batch=2), load_hf(d))
+
+
+@pytest.mark.parametrize("tp, sp", [(2, False), (3, False), (2, True)])
+def test_rank_threads_match_hf(tp, sp, tiny_dir, tmp_path):
+    """tp 3: 4 query heads padded to 6 (MHA layout); the fused rows split before sharding."""
+    from helpers import _buckets
+
+    from neuron_opt.executors.launcher import RankSpec, write_rank_weights
+    from neuron_opt.parallel.sharding import MHA, head_layout
+
+    d = tiny_dir("phi3-long")
+    cfg = ModelConfig.from_hf(d)
+    par = ParallelConfig(tp=tp, sequence_parallel=sp)
+    if tp == 3:
+        assert head_layout(cfg, par).strategy == MHA
+    cache = CacheConfig(max_batch=2, max_model_len=MAX_LEN)
+    write_rank_weights(open_checkpoint(d).state_dict(), cfg, par, tmp_path)
+    ranks = ThreadRanks(RankSpec(cfg, par, cache, str(tmp_path)))
+    try:
+        check_stepwise_against_hf(ModelRunner(ranks, _buckets(), cache, cfg.vocab_size), load_hf(d))
+    finally:
+        ranks.close()
+
+
+@pytest.mark.slow
+def test_cpu_graphs_match_hf_stepped_across_the_original_length(tmp_path):
+    """The compiled artifact: the rope tables are host inputs of the layer graphs (partial: 12 features), picked
+    per row and step; one prefill bucket (16) holds the 9-token prompt (padding positions past 12 must not switch
+    it to the long factors) and the 16-token one (long)."""
+    from neuron_opt.api import LLM
+    from neuron_opt.compiler import CompileRequest, compile_artifact
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny graphs: thread barriers cost more than they save
+    try:
+        ck = make_tiny("phi3-long", tmp_path / "ck", tokenizer=True)
+        out = tmp_path / "art"
+        req = CompileRequest(model=str(ck), out=out, backend="cpu", dtype="float32", max_model_len=MAX_LEN,
+                             batch_size=2, prefill_buckets=(16,), decode_buckets=(MAX_LEN,), decode_batches=(2,),
+                             cache_dir=tmp_path / "cache", backend_options={"decode_attention": "fused"})
+        compile_artifact(req, log=lambda s: None, progress=False)
+        check_stepwise_against_hf(LLM(out).runner, load_hf(ck))
+    finally:
+        torch.set_num_threads(threads)
+
+
+# published parameter counts (model cards / safetensors indexes)
+PUBLISHED = {"phi-3-mini-4k": 3_821_079_552, "phi-3.5-mini": 3_821_079_552, "phi-4-mini": 3_836_021_760}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_configs_plan_the_checkpoint_sizes(name):
+    """`plan`'s weight sizes are HF's parameter count (its model built on the meta device from the same
+    config.json) in the planned dtype, and the checkpoint's published count."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from neuron_opt.parallel.sharding import head_layout
+    from neuron_opt.planner.memory import weight_bytes
+
+    raw = json.loads((CONFIGS / f"{name}.json").read_text())
+    cfg = ModelConfig.from_hf(raw)
+    d = dict(raw)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(d.pop("model_type"), **d))
+    count = sum(p.numel() for p in hf.parameters())
+    assert cfg.num_parameters() == count == PUBLISHED[name]
+    assert weight_bytes(cfg, head_layout(cfg, ParallelConfig()), "bfloat16") == 2 * count
+    if name == "phi-4-mini":
+        assert (cfg.rotary_dim, cfg.tie_word_embeddings) == (96, True)
+
+
+def test_plan_cli_on_a_published_phi_config(capsys):
+    from neuron_opt.cli import main
+
+    argv = ["plan", "--model", str(CONFIGS / "phi-3.5-mini.json"), "--instance", "inf2.xlarge", "--tp", "2"]
+    assert main(argv) in (0, 1)
+    assert "Phi3ForCausalLM (3.82 B params)" in capsys.readouterr().out
+
+
+def test_bad_options_name_the_field(tiny_dir, tmp_path):
+    cfg = ModelConfig.from_hf(tiny_dir("phi3-long"))
+    rope = cfg.rope
+
+    def with_rope(**change):
+        return dict(rope_parameters=tuple(sorted({**rope, **change}.items())))
+
+    bad = [
+        (with_rope(long_factor=(1.0, 2.0)), "rope_parameters.long_factor"),
+        (with_rope(short_factor=(1.0, 1.0, 1.0, 1.0, 1.0, -1.0)), "rope_parameters.short_factor"),
+        (with_rope(original_max_position_embeddings=None), "rope_parameters.original_max_position_embeddings"),
+        (with_rope(partial_rotary_factor=0.0), "rope_parameters.partial_rotary_factor"),
+        (with_rope(partial_rotary_factor=1.5), "rope_parameters.partial_rotary_factor"),
+        (with_rope(partial_rotary_factor=0.0625), "rope_parameters.partial_rotary_factor"),  # 1 rotary feature
+        (with_rope(rope_type="su"), "rope_parameters.rope_type"),  # from_hf renames it; a manifest never has it
+        (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8), "fused_projections"),
+    ]
+    for change, field in bad:
+        with pytest.raises(ConfigError, match=f"^{field}:"):
+            dataclasses.replace(cfg, **change)
+    # a fused tensor whose rows do not add up to its parts is named
+    d = make_tiny("phi3", tmp_path / "ck")
+    sd = load_file(str(d / "model.safetensors"))
+    sd["model.layers.0.mlp.gate_up_proj.weight"] = sd["model.layers.0.mlp.gate_up_proj.weight"][:-1]
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="model.layers.0.mlp.gate_up_proj.weight has 191 rows"):
+        open_checkpoint(d).state_dict()
+
+
+def test_fp8_kv_calibration_bounds_partially_rotated_keys(tiny_dir):
+    """kv_quant's key bound: rope rotates pairs (i, i + 6) of the first 12 features and passes the other 4 through;
+    the calibrated scale covers every rotated key at every position, with both factor sets."""
+    from models.llama import apply_rope, model_rope_tables
+    from neuron_opt.kv_quant import HEADROOM, calibrate
+    from neuron_opt.quant import FP8_MAX
+
+    d = tiny_dir("phi3-long")
+    cfg = ModelConfig.from_hf(d)
+    model = eager_runner(d, max_model_len=MAX_LEN).executor.model
+    keys = []
+    hook = model.model.layers[0].self_attn.k_proj.register_forward_hook(lambda m, i, out: keys.append(out))
+    tokens = [(5 * i + 3) % 250 + 3 for i in range(20)]
+    try:
+        s_k, _ = calibrate(model, tokens, 32)
+    finally:
+        hook.remove()
+    k = keys[0].view(1, -1, cfg.num_key_value_heads, cfg.head_dim)  # [1, S, n_kv, D]
+    rotated = [apply_rope(k, cos[p].view(1, 1, 1, -1), sin[p].view(1, 1, 1, -1)).abs().amax().item()
+               for cos, sin in model_rope_tables(cfg, MAX_LEN).values() for p in range(MAX_LEN)]
+    assert max(rotated) <= s_k[0] * FP8_MAX / HEADROOM * (1 + 1e-5)
