@@ -92,10 +92,10 @@ def _parse_options(options: dict[str, Any] | None, dtype: torch.dtype) -> dict[s
     """
     opts = {"gemm": "onednn" if dtype == torch.bfloat16 else "cpp", "attention": "fp32", "residual": "fp32",
             "decode_attention": "fused", "logits": "fp32", "fuse_projections": "on",
-            "one_row_gemm": "cpp" if dtype == torch.bfloat16 else "same", "exact_verify": "on"}
+            "one_row_gemm": "same", "exact_verify": "on"}
     choices = {"gemm": GEMM_CHOICES, "attention": PRECISION_CHOICES, "residual": PRECISION_CHOICES,
                "decode_attention": DECODE_ATTENTION_CHOICES, "logits": PRECISION_CHOICES,
-               "fuse_projections": ("on", "off"), "one_row_gemm": ("same", *GEMM_CHOICES),
+               "fuse_projections": ("on", "off"), "one_row_gemm": ("same", "kernel", *GEMM_CHOICES),
                "exact_verify": ("on", "off"), "int8_linear": ("kernel", "inductor"),
                "moe_gather": ("kernel", "inductor")}
     for name, fallback in (("decode_attention", "fused"), ("int8_linear", "inductor"), ("moe_gather", "inductor")):
@@ -107,6 +107,10 @@ def _parse_options(options: dict[str, Any] | None, dtype: torch.dtype) -> dict[s
         if v not in choices[k]:
             raise ConfigError(f"backend options: {k} must be one of {choices[k]}, got {v!r}")
         opts[k] = v
+    if opts["one_row_gemm"] == "kernel" and dtype != torch.bfloat16:
+        raise ConfigError(f"backend options: one_row_gemm=kernel computes bf16 weights only (the C++ operator "
+                          f"bf16_linear); this artifact's dtype is {str(dtype).removeprefix('torch.')}: use "
+                          "one_row_gemm=same or a gemm choice")
     return opts
 
 
@@ -207,11 +211,15 @@ class CpuBackend(Backend):
         moe_kernel = self.options["moe_gather"] == "kernel" and has_moe_block(model.model.layers[0])
         if kernel or int8_kernel or moe_kernel:
             cpu_ops.ensure(f"cpu layer graph for {bucket.key}", BackendCompileError)
-        layer = LayerGraph(model.model.layers[0], self.dtype, decode_attention, bucket.generates, exact, kernel,
-                           int8_kernel, moe_kernel, window_input=model.cfg.mixed_windows)
         gemm = self.options["gemm"]
         if (bucket.num_tokens == 1 or (exact and bucket.batch == 1)) and self.options["one_row_gemm"] != "same":
             gemm = self.options["one_row_gemm"]
+        linear_kernel = gemm == "kernel"
+        if linear_kernel:  # the operator takes the weights as held: the graph is compiled without freezing
+            cpu_ops.ensure(f"cpu layer graph for {bucket.key}", BackendCompileError)
+            gemm = "aten"
+        layer = LayerGraph(model.model.layers[0], self.dtype, decode_attention, bucket.generates, exact, kernel,
+                           int8_kernel, moe_kernel, window_input=model.cfg.mixed_windows, linear_kernel=linear_kernel)
         # with every expert product on the operator (static token counts) no batched GEMM is left in the graph
         gathered = moe_kernel and static_tokens(bucket)
         recipes = compile_graph(layer, args, dyn, layer_gemm(layer, gemm, gathered), so,

@@ -45,6 +45,7 @@ from neuron_opt.backends.cpu_constants import (
 from neuron_opt.buckets import PREFILL, VERIFY, Bucket
 from neuron_opt.config import CacheConfig
 from neuron_opt.errors import BackendCompileError
+from neuron_opt.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from neuron_opt.quant import quantized_modules, use_cpu_kernels
 
 
@@ -135,6 +136,64 @@ class DecodeAttention(TorchOps):
         return out.view(B, n_heads, S, D)
 
 
+class KernelLinears(nn.Module):
+    """Float linears that read the same input (q/k/v, gate/up) as ONE torch.ops.neuron_opt.bf16_linear call
+    (cpu_ops), whose fp32 output is rounded to the input's dtype and split back into theirs, in order:
+    `forward(x)` -> (y_1, ..., y_n). The linears stay where they are (their weights keep their names, so the graph's
+    constants are the model's tensors as held: no packing, no concatenated copy); this module only refers to them.
+    """
+
+    def __init__(self, linears: list[nn.Module]) -> None:
+        super().__init__()
+        self.__dict__["parts"] = list(linears)  # not submodules: no second name for their weights
+        self.sizes = [lin.weight.shape[0] for lin in linears]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = torch.ops.neuron_opt.bf16_linear(x.reshape(-1, x.shape[-1]), [lin.weight for lin in self.parts])
+        y = y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
+        outs = y.split(self.sizes, dim=-1)
+        return tuple(o if lin.bias is None else o + lin.bias for o, lin in zip(outs, self.parts, strict=True))
+
+
+def _kernel_matmul(self: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`_Linear._matmul` on torch.ops.neuron_opt.bf16_linear (one float linear of a kernel-GEMM graph)."""
+    y = torch.ops.neuron_opt.bf16_linear(x.reshape(-1, x.shape[-1]), [self.weight])
+    y = y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
+    return y if bias is None else y + bias
+
+
+_KERNEL_CLASSES: dict[type, type] = {}
+
+
+def use_linear_kernel(module: nn.Module) -> int:
+    """Put every bf16 float linear of `module` (a layer copy being compiled) on torch.ops.neuron_opt.bf16_linear:
+    q/k/v and gate/up as one call each (KernelLinears), the others one call each (their class swapped for a
+    subclass whose `_matmul` calls the operator). Quantized linears are left as they are. Returns how many linears
+    it moved."""
+    def floats(linears: list[Any]) -> bool:
+        return all(isinstance(lin, (ColumnParallelLinear, RowParallelLinear)) and "quant" not in lin._modules
+                   and lin.weight.dtype == torch.bfloat16 for lin in linears)
+
+    moved = 0
+    for m in list(module.modules()):
+        if isinstance(m, Attention) and "qkv_proj" not in m._modules:
+            projs = [m.q_proj, m.k_proj, m.v_proj]
+            if floats(projs):
+                m.qkv_proj = KernelLinears(projs)
+        elif isinstance(m, MLP) and "gate_up_proj" not in m._modules:
+            projs = [m.gate_proj, m.up_proj]
+            if floats(projs):
+                m.gate_up_proj = KernelLinears(projs)
+    for m in list(module.modules()):
+        if floats([m]) and type(m) not in _KERNEL_CLASSES.values():
+            cls = type(m)
+            if cls not in _KERNEL_CLASSES:
+                _KERNEL_CLASSES[cls] = type(f"Kernel{cls.__name__}", (cls,), {"_matmul": _kernel_matmul})
+            m.__class__ = _KERNEL_CLASSES[cls]
+            moved += 1
+    return moved
+
+
 def use_cpu_layout(module: nn.Module, int8_kernel: bool = False) -> None:
     """The cpu backend's form of a model or layer, the same at compile and at load (graph constants are named by
     it): quantized q/k/v and gate/up fused into one GEMM each, then every quantized linear on torch's CPU
@@ -155,7 +214,7 @@ class LayerGraph(nn.Module):
 
     def __init__(self, layer: nn.Module, dtype: torch.dtype, decode_attention: bool, decode: bool,
                  rows_as_decode: bool = False, kernel: bool = False, int8_kernel: bool = False,
-                 moe_kernel: bool = False, window_input: bool = False) -> None:
+                 moe_kernel: bool = False, window_input: bool = False, linear_kernel: bool = False) -> None:
         super().__init__()
         # a model whose layers mix sliding windows (ModelConfig.mixed_windows): the window is the graph's last input
         # (1-element int64; the executor passes each layer's), so one graph serves every layer
@@ -169,6 +228,8 @@ class LayerGraph(nn.Module):
         if decode_attention:
             attn = self.layer.self_attn
             attn.ops = DecodeAttention(attn.ops, rows_as_decode, kernel)
+        if linear_kernel:  # bf16 float linears on cpu_ops' bf16_linear (the cpu backend's one_row_gemm "kernel")
+            use_linear_kernel(self.layer)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,

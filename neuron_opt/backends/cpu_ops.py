@@ -11,6 +11,7 @@ load both call `load()`; an artifact whose graphs call it cannot run without it 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
@@ -21,7 +22,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / f for f in ("paged_attention.cpp", "int8_linear.cpp", "moe_gather.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / f
+           for f in ("paged_attention.cpp", "int8_linear.cpp", "moe_gather.cpp", "bf16_linear.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -45,8 +47,10 @@ def load() -> str | None:
             bin_dir = str(Path(sys.executable).parent)
             if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
                 os.environ["PATH"] = os.environ.get("PATH", "") + os.pathsep + bin_dir
-            # one build per torch version (torch's extension cache does not key on it; the ABI differs)
-            name = "neuron_opt_cpu_ops_" + "".join(c if c.isalnum() else "_" for c in torch.__version__)
+            # one build per torch version (torch's extension cache does not key on it; the ABI differs) and per
+            # source text (checkouts with different sources would otherwise rebuild one shared directory in turn)
+            digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES)).hexdigest()[:12]
+            name = "neuron_opt_cpu_ops_" + "".join(c if c.isalnum() else "_" for c in torch.__version__) + "_" + digest
             load_extension(name=name, sources=[str(s) for s in SOURCES], extra_cflags=_flags(),
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
             _register_fake()
@@ -84,6 +88,10 @@ def _register_fake() -> None:
     def _(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
 
+    @torch.library.register_fake("neuron_opt::bf16_linear")
+    def _(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
+        return x.new_empty((x.shape[0], sum(w.shape[0] for w in ws)), dtype=torch.float32)
+
     @torch.library.register_fake("neuron_opt::moe_gather")
     def _(t: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
           weights: torch.Tensor) -> torch.Tensor:
@@ -109,6 +117,13 @@ def int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.
     """x [M, K] (float32 or bfloat16) times the int8 weight w [N, K] with per-row scale [N] (csrc/int8_linear.cpp):
     [M, N] float32, each sum in fp32 over k in order of W-lane vectors; a row's result does not depend on M."""
     return torch.ops.neuron_opt.int8_linear(x, w, scale)
+
+
+def bf16_linear(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
+    """x [M, K] (float32 or bfloat16) times each bf16 weight [N_i, K] of `ws` (csrc/bf16_linear.cpp): [M, sum N_i]
+    float32, the weights' outputs side by side, each sum in fp32 over k in order of W-lane vectors; a row's result
+    does not depend on M."""
+    return torch.ops.neuron_opt.bf16_linear(x, ws)
 
 
 def moe_gather(t: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,

@@ -35,7 +35,7 @@ def test_the_operators_build_and_compiles_call_them_by_default() -> None:
     from neuron_opt.backends.cpu import CpuBackend
 
     assert cpu_ops.load() is None
-    for op in ("paged_attention", "int8_linear", "moe_gather"):
+    for op in ("paged_attention", "int8_linear", "moe_gather", "bf16_linear"):
         assert hasattr(torch.ops.neuron_opt, op), op
     opts = CpuBackend(torch.float32).options
     assert [opts[k] for k in ("decode_attention", "int8_linear", "moe_gather")] == ["kernel"] * 3
@@ -216,6 +216,57 @@ def test_int8_linear_refuses_bad_arguments_with_the_argument_named() -> None:
     for args, needle in bad:
         with pytest.raises(RuntimeError, match=needle):
             cpu_ops.int8_linear(*args)
+
+
+# bf16_linear: (M, K, output features of each weight). K not a multiple of the vector width (13, 72) exercises the
+# scalar tail, feature counts not multiples of the 4-feature tile (7, 30, 1) short tiles at each weight's end
+BF16_LINEAR_SHAPES = [(1, 576, (576, 192, 192)), (1, 13, (7,)), (3, 72, (30, 1)), (5, 1536, (33,)), (9, 128, (8, 12)),
+                      (16, 96, (12, 4, 5))]
+
+
+def _bf16_linear_case(shape, x_dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    M, K, ns = shape
+    x = torch.randn(M, K, generator=g).to(x_dtype)
+    return x, [torch.randn(n, K, generator=g).to(torch.bfloat16) for n in ns]
+
+
+@pytest.mark.parametrize("shape", BF16_LINEAR_SHAPES)
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_bf16_linear_matches_an_fp64_reference(shape, x_dtype: torch.dtype) -> None:
+    x, ws = _bf16_linear_case(shape, x_dtype)
+    got = cpu_ops.bf16_linear(x, ws)
+    assert got.dtype == torch.float32 and got.shape == (shape[0], sum(shape[2]))
+    ref = torch.cat([x.double() @ w.double().T for w in ws], dim=1)
+    # fp32 sums of K exact products (bf16 x bf16 fits fp32): bound the error by K * eps * the terms' magnitudes
+    bound = shape[1] * 2.0 ** -23 * torch.cat([x.double().abs() @ w.double().abs().T for w in ws], dim=1)
+    assert bool(((got.double() - ref).abs() <= bound + 1e-30).all())
+
+
+@pytest.mark.parametrize("shape", BF16_LINEAR_SHAPES)
+def test_a_bf16_linear_rows_result_does_not_depend_on_the_rows_or_weights_beside_it(shape) -> None:
+    """Row m alone equals row m of the M-row call (bf16 verify rows are then the decode step's), and each weight's
+    columns equal that weight called alone."""
+    x, ws = _bf16_linear_case(shape, torch.bfloat16, seed=1)
+    together = cpu_ops.bf16_linear(x, ws)
+    for m in range(x.shape[0]):
+        assert torch.equal(cpu_ops.bf16_linear(x[m:m + 1], ws), together[m:m + 1]), f"row {m}"
+    assert torch.equal(torch.cat([cpu_ops.bf16_linear(x, [w]) for w in ws], dim=1), together)
+
+
+def test_bf16_linear_refuses_bad_arguments_with_the_argument_named() -> None:
+    x, ws = _bf16_linear_case((2, 32, (8,)), torch.float32)
+    bad = [
+        ((x.half(), ws), "x must be float32 or bfloat16"),
+        ((x[None], ws), "x must be float32 or bfloat16"),
+        ((x, []), "no weights"),
+        ((x, [ws[0].float()]), "weights must be bfloat16"),
+        ((x[:, :16], ws), "x has 16 input features, a weight has 32"),
+    ]
+    for args, needle in bad:
+        with pytest.raises(RuntimeError, match=needle):
+            cpu_ops.bf16_linear(*args)
+    assert cpu_ops.bf16_linear(x[:0], ws).shape == (0, 8)
 
 
 # moe_gather: (T, H, I, E, k, dtype). H and I not multiples of the vector width (40, 24, 100, 36) exercise the
