@@ -3,6 +3,8 @@
 - Prefill buckets cover prompt length: powers of two from a minimum (default 128) up to the max context, plus the
   max context itself, or an explicit list. A prompt of n tokens runs in the smallest bucket with seq >= n
   (a 256-token prompt runs in the 256 bucket).
+- Backends whose prefill graphs take any token count (the cpu backend) run a prompt at its length rounded up to
+  their granularity instead (`pick_prefill`'s `granularity`); the compiled lengths still bound it.
 - Offset prefill buckets (`offset_prefill`, on by default): a prefill of S tokens that starts after tokens
   already in the cache (a cached prefix, or the earlier chunks of a long prompt) attends over more positions
   than it has tokens: one bucket per (S, kv_len) with S a prefill length and kv_len a decode length > S. On the
@@ -193,17 +195,25 @@ def smallest_fitting(n: int, sizes: Iterable[int]) -> int | None:
     return min(fits) if fits else None
 
 
-def pick_prefill(num_tokens: int, cfg: BucketConfig, start: int = 0) -> Bucket:
+def pick_prefill(num_tokens: int, cfg: BucketConfig, start: int = 0, granularity: int = 0) -> Bucket:
     """Bucket for `num_tokens` prompt tokens at positions start, start + 1, ...: the smallest prefill length that
     holds them, over the smallest decode length that reaches start + num_tokens when the prefill starts after
-    cached tokens (an offset bucket, or the plain one when that length is the prefill length itself)."""
+    cached tokens (an offset bucket, or the plain one when that length is the prefill length itself).
+
+    `granularity` g > 0: the backend runs prefills of any length from 2 up to its compiled ones (the cpu backend's
+    prefill layer graph has a dynamic token count), so the length is `num_tokens` rounded up to a multiple of g (at
+    least 2), never beyond the compiled prefill length that fits; 0: the compiled lengths only."""
     if num_tokens < 1:
         raise ValueError("a prompt needs at least one token")
+    if granularity < 0:
+        raise ValueError(f"granularity: must be >= 0, got {granularity}")
     s = smallest_fitting(num_tokens, cfg.prefill_lens)
     if s is None:
         raise BucketOverflowError(
             f"prompt of {num_tokens} tokens exceeds the largest prefill bucket ({cfg.prefill_lens[-1]}); "
             "recompile with a larger --max-prompt-len or --prefill-buckets")
+    if granularity:
+        s = min(s, max(2, -(-num_tokens // granularity) * granularity))
     if start == 0:
         return Bucket(PREFILL, cfg.prefill_batch, s)
     if not cfg.offset_prefill:

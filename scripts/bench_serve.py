@@ -938,7 +938,8 @@ def scenario_load(args: argparse.Namespace, vocab: int, hf_model: str) -> dict[s
     report: dict[str, object] = {
         "config": vars(args) | {"hf_model": hf_model, "request_rate": str(args.request_rate), "baseline_source": None},
         "provisional_note": args.note, "rounds": args.rounds,
-        "threads": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "NEURON_OPT_NUM_THREADS")},
+        "threads": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "NEURON_OPT_NUM_THREADS",
+                                                   "NEURON_OPT_THREAD_POLICY", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")},
     }
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -39,7 +39,10 @@ class Executor(Protocol):
     """Runs a bucket's graph on named inputs; owns the KV caches (empty lists where they live in other processes).
 
     An executor whose ranks can sample on their vocabulary shards says so with `gathers_candidates = True`; its
-    `run` then also takes `candidates=K` (the runner passes it only then: neuron_opt.parallel.vocab)."""
+    `run` then also takes `candidates=K` (the runner passes it only then: neuron_opt.parallel.vocab). An executor
+    whose prefill graphs take any token count says so with `prefill_granularity = g` (g > 0): the runner then pads a
+    prefill to a multiple of g rather than to a compiled prefill length (buckets.pick_prefill), and `run` gets
+    prefill buckets of those lengths."""
 
     k_caches: list[torch.Tensor]
     v_caches: list[torch.Tensor]

@@ -43,7 +43,7 @@ from neuron_opt.backends.cpu_graphs import (
 from neuron_opt.backends.eager import load_model_weights, model_state_for_save
 from neuron_opt.buckets import DECODE, VERIFY, Bucket
 from neuron_opt.config import CacheConfig
-from neuron_opt.errors import ArtifactError, BackendCompileError, ConfigError
+from neuron_opt.errors import ArtifactError, BackendCompileError, BucketOverflowError, ConfigError
 from neuron_opt.quant import check_uniform_layers, quantized_modules
 
 # 2: recipes name several sources (fused projections), heads may take their weight as an input; 3: max_model_len;
@@ -332,9 +332,16 @@ class _HeadCall:
 
 
 class CpuExecutor:
-    """Runs a bucket: eager embedding -> layer containers -> head container. Owns the KV block pools."""
+    """Runs a bucket: eager embedding -> layer containers -> head container. Owns the KV block pools.
+
+    Any bucket whose graphs the artifact has runs, compiled for it or not: a prefill of any token count from 2 up
+    runs on its batch's dynamic prefill graph (`graph_keys`). The runner therefore pads prefills to a multiple of
+    `prefill_granularity` tokens instead of a compiled prefill length: a 150-token prompt runs as 160 tokens, not
+    256 (docs/cpu_backend.md, "Prefill at the prompt's length"). 16 rather than 1 keeps the GEMMs' row counts to
+    a few shapes (oneDNN builds and caches a kernel per shape) at a waste of under 16 tokens a prefill."""
 
     gathers_candidates = False
+    prefill_granularity = 16
 
     def __init__(self, model: torch.nn.Module, graph_files: dict[Bucket, list[Path]], cache: CacheConfig,
                  dtype: torch.dtype, residual_dtype: torch.dtype, rope_dtype: torch.dtype) -> None:
@@ -357,7 +364,9 @@ class CpuExecutor:
                 head = _runner(so, {c: store.get(tuple(("model." if s.startswith("norm.") else "") + s
                                                        for s in r.sources), r) for c, r in recipes.items()})
                 runners[meta["key"]] = [_HeadCall(head)]
-        self._routes = {b: (runners[graph_keys(b)[0]], runners[graph_keys(b)[1]][0]) for b in graph_files}
+        # by graph keys, not buckets: buckets that share graphs share routes, and a prefill length between the
+        # compiled ones finds its batch's dynamic graph
+        self._routes = {graph_keys(b): (runners[graph_keys(b)[0]], runners[graph_keys(b)[1]][0]) for b in graph_files}
         self._embed = self._embedding(model, store)
         # from the config, in fp32: the model's buffers went to `dtype` with it
         self.cfg = model.cfg
@@ -413,7 +422,11 @@ class CpuExecutor:
 
     @torch.no_grad()
     def run(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
-        layers, head = self._routes[bucket]
+        route = self._routes.get(graph_keys(bucket))
+        if route is None:
+            raise BucketOverflowError(f"bucket {bucket.key}: this artifact has no cpu graphs for it (graphs for: "
+                                      f"{sorted({k for keys in self._routes for k in keys})})")
+        layers, head = route
         pos, slots, tables = inputs.positions, inputs.slot_mapping, inputs.block_tables
         # the KV length is dynamic here: attend over the blocks the step's positions reach, not the bucket's (the
         # bucket bounds the shape; positions past them are masked anyway). At least 2: the graphs' block dimension

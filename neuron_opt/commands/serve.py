@@ -8,6 +8,7 @@ import os
 
 from neuron_opt.commands.serve_engine import LIMIT_FLAGS, api_key, build_engine, served_name, server_limits
 from neuron_opt.errors import ConfigError
+from neuron_opt.runtime.threads import ThreadPolicy
 from neuron_opt.server.limits import ServerLimits
 from neuron_opt.server.tool_parsers import PARSERS
 
@@ -121,12 +122,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def serving_threads() -> int:
-    """torch threads for `serve` when NEURON_OPT_NUM_THREADS is unset: the usable cores minus one, left to the HTTP
-    event loop. With every core given to torch, the event loop preempts an OpenMP worker mid-step and the step
-    waits for it; on 2 cores one torch thread gave more output tokens/s than two, at a higher TTFT
-    (docs/serving.md)."""
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+def thread_policy() -> ThreadPolicy:
+    """`serve`'s torch threads when NEURON_OPT_NUM_THREADS is unset: the policy NEURON_OPT_THREAD_POLICY names, over
+    the cores this process may use (runtime/threads.py; by default the cores minus one, one left to the HTTP event
+    loop: docs/serving.md, "Threads")."""
+    from neuron_opt import envs
+
+    return ThreadPolicy(envs.THREAD_POLICY, len(os.sched_getaffinity(0)))
+
+
+def threads_note(policy: ThreadPolicy) -> str:
+    from neuron_opt import envs
+
+    if envs.NUM_THREADS is not None:
+        return f"{envs.NUM_THREADS} torch thread(s) from NEURON_OPT_NUM_THREADS"
+    if policy.varies:
+        return (f"torch threads by the {policy.name!r} policy: {policy.base} to {policy.cores}; "
+                "NEURON_OPT_NUM_THREADS or NEURON_OPT_THREAD_POLICY override")
+    return (f"{policy.base} torch thread(s), {policy.name!r} policy; NEURON_OPT_NUM_THREADS or "
+            "NEURON_OPT_THREAD_POLICY override")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -148,12 +162,16 @@ def run(args: argparse.Namespace) -> int:
     from neuron_opt.server.app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    policy = thread_policy()  # a bad NEURON_OPT_THREAD_POLICY fails before the model loads
     if envs.NUM_THREADS is None:
-        torch.set_num_threads(serving_threads())
+        torch.set_num_threads(policy.base)
     from neuron_opt.server.tools import make_parser
 
     key = api_key(args)
     engine = build_engine(args)
+    # the policy follows each graph call where the model runs in this process (tp > 1 ranks set their own counts)
+    if envs.NUM_THREADS is None and policy.varies and engine.runner.executor.k_caches:
+        engine.runner.thread_policy = policy
     name = served_name(args)
     app = create_app(engine, engine.tokenizer, engine.encode_chat, name, engine.runner.max_model_len, api_key=key,
                      tool_parser=make_parser(args.tool_call_parser, engine.tokenizer), limits=limits,
@@ -164,8 +182,7 @@ def run(args: argparse.Namespace) -> int:
               "(give --api-key, and put TLS in front: docs/scale_out.md)", flush=True)
     auth = "" if key is None else " -H 'Authorization: Bearer <key>'"
     print(
-        f"Serving {name!r} on {url} ({engine.max_num_seqs} sequences at once, {torch.get_num_threads()} torch "
-        f"thread(s); NEURON_OPT_NUM_THREADS overrides). Try:\n"
+        f"Serving {name!r} on {url} ({engine.max_num_seqs} sequences at once, {threads_note(policy)}). Try:\n"
         f"  curl {url}/v1/chat/completions{auth} -H 'Content-Type: application/json' -d "
         f'\'{{"model": "{name}", "messages": [{{"role": "user", "content": '
         f'"What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}\'',

@@ -87,11 +87,22 @@ class _Command:
 
 @dataclass
 class EngineStats:
+    """Counters of the engine thread. Seconds are wall time on it, summed over steps: `graph_s` in the runner's
+    graph calls (input building included; with speculative decoding, the proposer's planning too), `sample_s` in
+    sampling, `output_s` in output processing (detokenizing, stop checks, the callbacks); the rest of
+    `sum(step_times)` is scheduling and glue. `prefill_tokens`: prompt tokens prefilled; `prefill_graph_tokens`:
+    tokens the prefill graphs ran (rows x tokens of their buckets), so their difference is padding."""
+
     steps: int = 0
     decode_rows: int = 0
     prefills: int = 0  # prefill chunks run
     preemptions: int = 0
     step_times: list[float] = field(default_factory=list)
+    graph_s: float = 0.0
+    sample_s: float = 0.0
+    output_s: float = 0.0
+    prefill_tokens: int = 0
+    prefill_graph_tokens: int = 0
 
 
 class Engine:
@@ -342,6 +353,7 @@ class Engine:
         """Prefill chunks in one graph call; the chunks that end a request's tokens sample its next token."""
         rows = [PrefillRow(p.blocks, p.token_ids, p.start) for p in group]
         sampled = [p.request_id for p in group if p.last]
+        t0 = time.perf_counter()
         try:
             logits = self.runner.prefill_rows(rows, candidates=self._candidates(sampled) if sampled else 1)
         except Exception as e:
@@ -349,6 +361,11 @@ class Engine:
             for p in group:
                 self._fail(p.request_id, f"prefill failed: {e}", e)
             return
+        st = self.stats
+        st.graph_s += time.perf_counter() - t0
+        st.prefill_tokens += sum(len(p.token_ids) for p in group)
+        if self.runner.last_bucket is not None:
+            st.prefill_graph_tokens += self.runner.last_bucket.num_tokens
         for p in group:
             if not p.last:
                 self.scheduler.update_prefill(p.request_id, len(p.token_ids))
@@ -372,6 +389,7 @@ class Engine:
             else:
                 logits = self.runner.decode([DecodeRow(d.blocks, d.token, d.position) for d in decodes],
                                             candidates=self._candidates(ids))
+            self.stats.graph_s += time.perf_counter() - t0
         except Exception as e:
             what = "verify" if step is not None and step.verify else "decode"
             log.error("%s failed:\n%s", what, traceback.format_exc())
@@ -411,12 +429,16 @@ class Engine:
     def _update(self, request_ids: list[str], logits: torch.Tensor) -> list[int]:
         """Sample each request's next token from its row of `logits` [len(request_ids), V] in one batch and
         deliver it. Returns the tokens."""
+        t0 = time.perf_counter()
         seqs = [self._seqs[rid] for rid in request_ids]
         banned = [self.outputs.banned(rid) for rid in request_ids]
         results = sample_batch(logits, [seq.state for seq in seqs], banned)
+        t1 = time.perf_counter()
         for rid, seq, res in zip(request_ids, seqs, results, strict=True):
             seq.state.observe(res.token)
             self._deliver(rid, [res], seq.state.grammar_done)
+        self.stats.sample_s += t1 - t0
+        self.stats.output_s += time.perf_counter() - t1
         return [res.token for res in results]
 
     def _deliver(self, request_id: str, results: Sequence[SampleResult], grammar_done: bool) -> None:

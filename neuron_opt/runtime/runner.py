@@ -1,6 +1,8 @@
 """Model runner: picks the bucket, pads inputs to its shape, runs the graph, returns logits.
 
-Prefill vs decode is decided here, once, by the bucket choice. A sequence's KV lives in the blocks it is given
+Prefill vs decode is decided here, once, by the bucket choice. A prefill runs at the compiled prefill length that
+fits, or, on executors that say they run any prefill length (`prefill_granularity` g > 0: the cpu backend), at
+its length rounded up to a multiple of g. A sequence's KV lives in the blocks it is given
 (its block table, from the scheduler's block manager); callers without a block manager name a slot number
 instead, which stands for a fixed range of blocks (`slot_blocks`: the contiguous layout of the default pool).
 Padding rules:
@@ -21,6 +23,7 @@ from neuron_opt.backends.base import Executor, StepInputs
 from neuron_opt.buckets import Bucket, BucketConfig, pick_decode, pick_prefill, pick_verify
 from neuron_opt.config import CacheConfig
 from neuron_opt.errors import BucketOverflowError, ContextLengthError
+from neuron_opt.runtime.threads import ThreadPolicy
 
 Blocks = int | Sequence[int]  # a sequence's block table, or a slot number (slot_blocks)
 
@@ -56,6 +59,11 @@ class ModelRunner:
     def __init__(self, executor: Executor, buckets: BucketConfig, cache: CacheConfig, vocab_size: int) -> None:
         self.executor, self.buckets, self.cache, self.vocab_size = executor, buckets, cache, vocab_size
         self.last_bucket: Bucket | None = None
+        # tokens a prefill is padded to a multiple of, on executors that run any prefill length (0: the compiled
+        # prefill lengths only; buckets.pick_prefill)
+        self.prefill_granularity = int(getattr(executor, "prefill_granularity", 0))
+        # torch threads per graph call (`serve`'s thread policy: runtime/threads.py); None: left as they are
+        self.thread_policy: ThreadPolicy | None = None
 
     @property
     def max_prompt_len(self) -> int:
@@ -109,6 +117,8 @@ class ModelRunner:
 
     def _run(self, bucket: Bucket, inputs: StepInputs, candidates: int | None) -> torch.Tensor:
         self.last_bucket = bucket
+        if self.thread_policy is not None:
+            self.thread_policy.apply(bucket)
         if candidates is not None and getattr(self.executor, "gathers_candidates", False):
             # vocab-parallel TP: ranks send only their top-`candidates` logits (see neuron_opt.parallel.vocab)
             return self.executor.run(bucket, inputs, candidates=candidates)
@@ -128,7 +138,8 @@ class ModelRunner:
         if not rows or len(rows) > self.buckets.prefill_batch:
             raise ValueError(f"prefill takes 1..{self.buckets.prefill_batch} rows, got {len(rows)}")
         # the longest row's tokens, from the latest start: every row's last position lies within the KV length
-        bucket = pick_prefill(max(len(r.tokens) for r in rows), self.buckets, max(r.start for r in rows))
+        bucket = pick_prefill(max(len(r.tokens) for r in rows), self.buckets, max(r.start for r in rows),
+                              self.prefill_granularity)
         B, S = bucket.batch, bucket.tokens
         ids = torch.zeros(B, S, dtype=torch.long)
         pos = torch.zeros(B, S, dtype=torch.long)

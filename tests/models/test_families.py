@@ -125,7 +125,7 @@ def _compiled_greedy_matches_hf(variant: str, tmp_path, decode_attention: str) -
         ck = make_tiny(variant, tmp_path / "ck", tokenizer=True)
         out = tmp_path / "art"
         req = CompileRequest(model=str(ck), out=out, backend="cpu", dtype="float32", max_model_len=MAX_LEN,
-                             prefill_buckets=(16,), decode_buckets=(MAX_LEN,), cache_dir=tmp_path / "cache",
+                             prefill_buckets=(16, MAX_LEN), decode_buckets=(MAX_LEN,), cache_dir=tmp_path / "cache",
                              backend_options={"decode_attention": decode_attention})
         compile_artifact(req, log=lambda s: None, progress=False)
         llm = LLM(out)
@@ -149,6 +149,16 @@ def _compiled_greedy_matches_hf(variant: str, tmp_path, decode_attention: str) -
                 return ""
 
         assert generate_ids(runner, NoTok(), prompt, SamplingParams(max_tokens=20, min_tokens=20),
+                            (2,)).token_ids == want
+        # a prompt between the compiled prefill lengths (16, 64) runs at its length rounded up to the executor's
+        # granularity (37 -> 48 tokens), not at 64
+        prompt = torch.randint(3, hf.config.vocab_size, (37,), generator=g).tolist()
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                               pad_token_id=0)[0, len(prompt):].tolist()
+        runner.prefill(0, prompt)
+        assert runner.last_bucket.tokens == 48 == -(-37 // runner.prefill_granularity) * runner.prefill_granularity
+        assert generate_ids(runner, NoTok(), prompt, SamplingParams(max_tokens=12, min_tokens=12),
                             (2,)).token_ids == want
     finally:
         torch.set_num_threads(threads)

@@ -21,7 +21,7 @@ from neuron_opt.backends.cpu import CpuBackend, CpuExecutor, onednn_bf16_support
 from neuron_opt.backends.cpu_constants import pack_weight
 from neuron_opt.buckets import DECODE, PREFILL, Bucket
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
-from neuron_opt.errors import ArtifactError, BackendCompileError, ConfigError
+from neuron_opt.errors import ArtifactError, BackendCompileError, BucketOverflowError, ConfigError
 from neuron_opt.parallel import head_layout
 
 CFG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=261, hidden_size=64, intermediate_size=96,
@@ -151,6 +151,26 @@ def test_batched_decode_past_512_in_the_large_kv_bucket(executor: CpuExecutor) -
     got = executor.run(Bucket(DECODE, 2, 32), decode_inputs([7, 8], [7, 4], [0, 1], 32))
     want = ref.run(Bucket(DECODE, 2, 32), decode_inputs([7, 8], [7, 4], [0, 1], 32))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("n", [2, 7, 23, 45])
+def test_prefills_of_lengths_never_compiled_run_on_the_dynamic_graph_and_match_eager(executor: CpuExecutor,
+                                                                                     n: int) -> None:
+    """The executor runs a prefill of any token count >= 2 (the runner's prefill_granularity relies on it): a prompt
+    of n tokens in a bucket of exactly n (none compiled: 16 and 32 are), logits and K/V against eager."""
+    assert executor.prefill_granularity > 0
+    reset(executor)
+    ref = Eager(make_model(7))
+    prompt = torch.randint(3, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(100 + n)).tolist()
+    bucket = Bucket(PREFILL, 1, n)
+    inp = prefill_inputs(prompt, bucket, 1)
+    torch.testing.assert_close(executor.run(bucket, inp), ref.run(bucket, inp), rtol=1e-4, atol=1e-4)
+    assert_kv_equal(executor, ref)
+
+
+def test_a_bucket_without_graphs_is_refused_by_name(executor: CpuExecutor) -> None:
+    with pytest.raises(BucketOverflowError, match="prefill_b4_s32: this artifact has no cpu graphs"):
+        executor.run(Bucket(PREFILL, 4, 32), prefill_inputs([5, 6], Bucket(PREFILL, 1, 32), 1))
 
 
 def test_offset_and_two_row_prefills_match_eager(executor: CpuExecutor) -> None:

@@ -141,3 +141,36 @@ def test_offset_prefill_buckets_cover_every_prefill_after_cached_tokens(pf, dc, 
     with pytest.raises(BucketOverflowError, match="no offset prefill buckets"):
         pick_prefill(n, BucketConfig(tuple(pf), (1,), tuple(dc), offset_prefill=False), start)
     assert Bucket.from_key(b.key) == b
+
+
+def test_granular_prefill_pads_to_the_granularity_not_the_bucket():
+    cfg = BucketConfig.build(max_prompt_len=512, max_model_len=512, max_batch=1)
+    assert pick_prefill(155, cfg, granularity=16) == Bucket(PREFILL, 1, 160)  # 256 without
+    assert pick_prefill(160, cfg, granularity=16) == Bucket(PREFILL, 1, 160)
+    assert pick_prefill(1, cfg, granularity=16) == Bucket(PREFILL, 1, 16)
+    assert pick_prefill(1, cfg, granularity=1) == Bucket(PREFILL, 1, 2)  # the dynamic graphs' least token count
+    assert pick_prefill(150, cfg, start=100, granularity=16) == Bucket(PREFILL, 1, 256, 160)
+    with pytest.raises(ValueError, match="granularity"):
+        pick_prefill(5, cfg, granularity=-1)
+    with pytest.raises(BucketOverflowError, match="largest prefill bucket"):
+        pick_prefill(513, cfg, granularity=16)
+
+
+@given(st.lists(st.integers(1, 600), min_size=1, max_size=5, unique=True),
+       st.lists(st.integers(1, 2048), min_size=1, max_size=5, unique=True), st.integers(1, 600), st.integers(0, 2048),
+       st.sampled_from([1, 8, 16, 32]))
+def test_granular_prefill_holds_the_tokens_within_the_compiled_bucket(pf, dc, n, start, g):
+    """With a granularity g the prefill length is n rounded up to a multiple of g (at least 2), capped by the compiled
+    bucket that fits n; its KV length is the smallest decode length reaching it (or the prefill length from 0)."""
+    pf, dc = sorted(pf), sorted(dc)
+    cfg = BucketConfig(tuple(pf), (1,), tuple(dc))
+    fits = [p for p in pf if p >= n]
+    want = min(fits[0], max(2, -(-n // g) * g)) if fits else None
+    reach = [k for k in dc if want is not None and k >= max(want, start + n)]
+    if want is None or (start and not reach):
+        with pytest.raises(BucketOverflowError):
+            pick_prefill(n, cfg, start, g)
+        return
+    b = pick_prefill(n, cfg, start, g)
+    assert b.tokens == want and b.batch == 1 and n <= b.tokens <= fits[0]
+    assert b.kv_len == (want if start == 0 else reach[0])

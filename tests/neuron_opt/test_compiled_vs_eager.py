@@ -44,6 +44,21 @@ def test_prompt_lengths_around_every_prefill_bucket(runners, n):
     assert got == generate_ids(ref, llm.tokenizer, _prompt(n), params, ()).token_ids
 
 
+@pytest.mark.parametrize("n", [3, 37, 47])
+def test_prompt_lengths_between_the_buckets_run_at_their_length_and_equal_eager(runners, n):
+    """The cpu executor runs prefills at the prompt's length rounded up to its granularity (37 and 47 tokens: 48,
+    not the 64 bucket); the eager reference pads to the compiled buckets: the tokens must not differ."""
+    llm, ref, _ = runners
+    runner = llm.runner
+    g = runner.prefill_granularity
+    assert g == 16 and ref.prefill_granularity == 0
+    runner.prefill(0, _prompt(n))
+    assert runner.last_bucket.tokens == max(2, -(-n // g) * g) and (n < 33 or runner.last_bucket.tokens < 64)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    got = llm.generate_ids(_prompt(n), params).token_ids
+    assert got == generate_ids(ref, llm.tokenizer, _prompt(n), params, ()).token_ids
+
+
 def test_positions_past_512_cross_every_decode_bucket(runners):
     llm, ref, _ = runners
     params = SamplingParams(max_tokens=560, ignore_eos=True)

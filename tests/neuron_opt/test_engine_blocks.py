@@ -89,6 +89,27 @@ def test_batched_prefill_runs_several_chunks_per_call_and_changes_no_output(setu
     assert max(calls) == 3 and engine.runner.last_bucket is not None
 
 
+def test_waiting_prompts_share_a_prefill_step_and_change_no_output(setup):
+    """Prompts added together are prefilled in one engine step (each has its first token after it), in graph calls
+    of up to the prefill batch rows, and every request gets the reference's tokens."""
+    model, ref, prompts, params, want = setup
+    n = 4  # the engine's max_num_seqs (its largest decode batch)
+    for prefill_batch, calls_per_step in ((1, [1, 1, 1, 1]), (3, [3, 1])):
+        engine = engine_for(model, ref, prefill_batch=prefill_batch, max_num_batched_tokens=2048)
+        calls: list[int] = []
+        inner = engine.runner.prefill_rows
+        engine.runner.prefill_rows = lambda rows, candidates=None, inner=inner, calls=calls: (
+            calls.append(len(rows)) or inner(rows, candidates))
+        got: dict[int, list[int]] = {i: [] for i in range(n)}
+        for i in range(n):
+            engine.add_request(str(i), prompts[i], params[i], lambda o, i=i, got=got: got[i].extend(o.new_token_ids))
+        engine.step()
+        assert calls == calls_per_step and all(len(t) == 1 for t in got.values())
+        while engine.step():
+            pass
+        assert [got[i] for i in range(n)] == want[:n] and calls == calls_per_step
+
+
 def test_preempted_requests_finish_with_the_same_tokens(setup):
     model, ref, prompts, params, want = setup
     # room for three prompts and a block (of 4 running): as they decode, the newest are preempted and recomputed

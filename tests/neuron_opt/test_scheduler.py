@@ -87,6 +87,26 @@ def test_all_running_sequences_decode_together_and_new_ones_join():
     assert len({b for t in tables for b in t}) == sum(len(t) for t in tables)  # no block shared
 
 
+def test_several_waiting_prompts_share_one_prefill_step_with_the_running_decodes():
+    """Prompts that arrive while others decode are all admitted in the next step, as far as the token budget
+    goes (decodes first): one step prefills them together, none waits for another's step."""
+    s = Scheduler(8, kv(num_blocks=600, max_model_len=256, max_prefill_len=256), max_num_batched_tokens=2048)
+    s.add(req("a", n_prompt=150, max_tokens=20))
+    assert run_step(s) == ([], ["a"])
+    for i in range(6):
+        s.add(req(f"w{i}", n_prompt=150 + i, max_tokens=20, first=1000 * (i + 1)))
+    out = s.schedule()
+    assert [d.request_id for d in out.decodes] == ["a"]
+    assert [(p.request_id, p.start, len(p.token_ids), p.last) for p in out.prefills] == \
+        [(f"w{i}", 0, 150 + i, True) for i in range(6)]
+    s2 = Scheduler(8, kv(num_blocks=200, max_model_len=256, max_prefill_len=256), max_num_batched_tokens=400)
+    for i in range(4):
+        s2.add(req(f"w{i}", n_prompt=150, max_tokens=20, first=1000 * (i + 1)))
+    # a budget of 400: two whole prompts and a chunk of the third in the first step
+    assert [(p.request_id, len(p.token_ids), p.last) for p in s2.schedule().prefills] == \
+        [("w0", 150, True), ("w1", 150, True), ("w2", 100, False)]
+
+
 def test_max_num_seqs_queueing_and_reuse():
     s = Scheduler(2, kv())
     for rid, mt in (("a", 1), ("b", 3), ("c", 2)):
