@@ -68,8 +68,8 @@ bench: $(STAMP) $(LLAMACPP_STAMP)
 # int8 artifacts against llama-server on BF16 and Q8_0 files of the same GGUF, 1/4/8/16 streams, ~150- and
 # ~1,500-token prompts, 128 tokens out, BENCH_ROUNDS interleaved rounds, one server alive at a time. llama-server
 # and llama-quantize are built once from the llama.cpp that the installed llama-cpp-python vendors, with
-# LLAMACPP_CMAKE_ARGS, into the cache directory (~/.cache/neuron_opt/llamacpp-server). About 12 minutes a round on
-# 2 cores (the estimate is printed after the first round); keep the machine otherwise idle until it ends.
+# LLAMACPP_CMAKE_ARGS, into the cache directory (~/.cache/neuron_opt/llamacpp-server). The run prints its estimated
+# duration after the first round; keep the machine otherwise idle until it ends.
 PEER_COMPILE := --backend cpu --batch-size 16 --max-model-len 2048
 
 bench-serve-llamacpp: $(STAMP) $(LLAMACPP_STAMP)
