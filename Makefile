@@ -13,7 +13,7 @@ ARTIFACT ?= artifacts/smollm2
 DEMO_FLAGS ?= --backend cpu --batch-size 8 --max-model-len 2048
 PORT ?= 8000
 
-.PHONY: demo test test-slow test-xla test-cluster bench lint setup setup-xla
+.PHONY: demo test test-slow test-xla test-cluster bench bench-serve-llamacpp lint setup setup-xla
 
 demo: $(STAMP)
 	$(BIN)/neuron-opt compile --model default --out $(ARTIFACT) $(DEMO_FLAGS)
@@ -63,6 +63,22 @@ bench: $(STAMP) $(LLAMACPP_STAMP)
 	$(BIN)/python scripts/bench_serve.py --model artifacts/bench16 --num-prompts 32 --input-len 128 --output-len 64 \
 		--concurrency 1,16 --max-num-seqs 16 --hf-num-prompts 4 --hf-attn eager,sdpa --check-streams 64 \
 		--rounds $(BENCH_ROUNDS) $(BENCH_FLAGS) --out docs/bench/record_serve.json --plot docs/bench/record_serve.png
+
+# Serving against llama.cpp's own server (docs/benchmarks.md, "Serving against llama.cpp's server"): our bf16 and
+# int8 artifacts against llama-server on BF16 and Q8_0 files of the same GGUF, 1/4/8/16 streams, ~150- and
+# ~1,500-token prompts, 128 tokens out, BENCH_ROUNDS interleaved rounds, one server alive at a time. llama-server
+# and llama-quantize are built once from the llama.cpp that the installed llama-cpp-python vendors, with
+# LLAMACPP_CMAKE_ARGS, into the cache directory (~/.cache/neuron_opt/llamacpp-server). The run prints its estimated
+# duration after the first round; keep the machine otherwise idle until it ends.
+PEER_COMPILE := --backend cpu --batch-size 16 --max-model-len 2048
+
+bench-serve-llamacpp: $(STAMP) $(LLAMACPP_STAMP)
+	$(BIN)/neuron-opt compile --model default --out artifacts/peer-bf16 $(PEER_COMPILE) --dtype bfloat16
+	$(BIN)/neuron-opt compile --model default --out artifacts/peer-int8 $(PEER_COMPILE) --quantize int8 --quantize-lm-head
+	$(BIN)/python scripts/bench_serve.py --scenario peer --pair bf16=artifacts/peer-bf16 --pair int8=artifacts/peer-int8 \
+		--concurrency 1,4,8,16 --prompt-lens 150,1500 --num-prompts 8 --output-len 128 --max-num-seqs 16 \
+		--rounds $(BENCH_ROUNDS) --llamacpp-cmake-args="$(LLAMACPP_CMAKE_ARGS)" $(BENCH_FLAGS) \
+		--out docs/bench/record_serve_llamacpp.json --plot docs/bench/record_serve_llamacpp.png
 
 $(LLAMACPP_STAMP): $(STAMP)
 	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" $(BIN)/python -m pip install -q --no-binary llama-cpp-python -e '.[llamacpp]'

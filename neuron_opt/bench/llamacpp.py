@@ -30,6 +30,7 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,14 +83,17 @@ def requantize(src_gguf: Path, dst: Path, ftype: str) -> None:
         Path(tmp).unlink(missing_ok=True)
 
 
-def storage_gguf(src_gguf: Path, fingerprint: str, storage: str, cache_dir: Path) -> Path:
+def storage_gguf(src_gguf: Path, fingerprint: str, storage: str, cache_dir: Path,
+                 quantize: Callable[[Path, Path, str], None] | None = None) -> Path:
     """The GGUF holding `src_gguf`'s weights in `storage`: "q4_1" is the file itself; a key of REQUANT_FTYPES is
-    requantized once and cached under `cache_dir/llamacpp`, named by the source's sha256 `fingerprint` and format."""
+    requantized once and cached under `cache_dir/llamacpp`, named by the source's sha256 `fingerprint` and format.
+    `quantize(src, dst, storage)` writes the file (default `requantize`, llama-cpp-python's in-process quantizer;
+    the serving benchmark passes the `llama-quantize` binary it built from the same llama.cpp)."""
     if storage == "q4_1":
         return src_gguf
     dst = cache_dir / "llamacpp" / f"{fingerprint[:40]}-{storage}.gguf"
     if not dst.is_file():
-        requantize(src_gguf, dst, storage)
+        (quantize or requantize)(src_gguf, dst, storage)
     return dst
 
 
