@@ -50,7 +50,8 @@ def start_store() -> tuple[object, str]:
     """moto's S3 server on a free loopback port, with credentials of its own in this process's environment."""
     from moto.server import ThreadedMotoServer
 
-    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"})
+    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+                       "AWS_DEFAULT_REGION": "us-east-1"})
     for name in ("AWS_ENDPOINT_URL", "AWS_PROFILE"):
         os.environ.pop(name, None)
     port = free_port()
