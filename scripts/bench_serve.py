@@ -842,6 +842,9 @@ def scenario_routing(args: argparse.Namespace, vocab: int) -> dict[str, object]:
             "workload": {"prefix_groups": args.prefix_groups, "group_requests": args.group_requests,
                          "prefix_len": args.prefix_len, "tail_len": args.input_len, "output_len": args.output_len,
                          "concurrency": concurrency, "request_rate": str(args.request_rate),
+                         # every later request of a group finding its whole prefix cached, and nothing else
+                         "ideal_hit_rate": (args.group_requests - 1) * args.prefix_len
+                         / (args.group_requests * len(prompts[0])),
                          "order": "waves: the i-th request of every group, groups shuffled per wave"},
             "balance_threshold": args.routing_balance_threshold, "rounds": args.rounds, "runs": runs,
             "summary": summary}
