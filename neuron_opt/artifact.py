@@ -18,6 +18,9 @@ Loading checks, in this order, before any file of the artifact is opened for use
 bytes when keys are trusted; versions, digest and KV geometry; that every path the manifest names stays inside the
 artifact (no `..`, no absolute path, no symlink out) and that every graph is one of its files; no file missing
 or extra; every file's sha256. `ArtifactError` names what differs. Weights are read with safetensors only.
+Within one process a file is hashed once per manifest: a later check skips a file whose stamp (device, inode,
+size, mtime, ctime) has not changed since it was hashed, unless it changed within RACY_NS of the stamp (docs/
+scale_out.md, "Each file is hashed once per process").
 Loading itself (tokenizer, executor, runner) is neuron_opt.executors' `load_model`.
 """
 
@@ -29,6 +32,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -245,10 +249,57 @@ def read_verified(root: Path, verify_hashes: bool = True,
     if extra := sorted(on_disk - set(m.files)):
         raise ArtifactError(f"{root}: file(s) not listed in the manifest: {', '.join(extra[:5])}")
     if verify_hashes:
+        key = _hashed_key(root, data)
+        known = _HASHED.get(key, {})
+        stamps: dict[str, tuple[int, ...]] = {}
         for rel, digest in m.files.items():
+            before = _stamp(root / rel)
+            if before is not None and known.get(rel) == before:  # hashed by this process, unchanged since
+                stamps[rel] = before
+                continue
             if sha256_file(root / rel) != digest:
                 raise ArtifactError(f"{root / rel}: sha256 does not match the manifest (file modified or corrupt)")
+            if before is not None and _stamp(root / rel) == before:  # not written to while it was hashed
+                stamps[rel] = before
+        _HASHED[key] = stamps
     return VerifiedManifest(m, raw, signature, verify_hashes)
+
+
+# Files whose sha256 this process has checked against a manifest, per (resolved artifact root, sha256 of the
+# manifest's bytes): each file's stamp (_stamp) when it was checked. read_verified hashes a file again unless its
+# stamp is still the same, so a pulled artifact (hashed while it downloads, or by pull's check of a cached copy)
+# is not hashed a second time by the loader in the same process. Per process only: nothing is written to disk.
+_HASHED: dict[tuple[str, str], dict[str, tuple[int, ...]]] = {}
+# A stamp is only kept for a file whose last change is this much older than the stamp: a write within the
+# filesystem's timestamp granularity of the last one may leave mtime and ctime unchanged (git's "racily clean").
+RACY_NS = 2_000_000_000
+
+
+def _now_ns() -> int:
+    return time.time_ns()
+
+
+def _hashed_key(root: Path, manifest_bytes: bytes) -> tuple[str, str]:
+    return str(Path(root).resolve()), hashlib.sha256(manifest_bytes).hexdigest()
+
+
+def _stamp(path: Path) -> tuple[int, ...] | None:
+    """(device, inode, size, mtime, ctime) in ns, or None when the file changed too recently to be told apart from
+    a later write (RACY_NS). ctime changes on every write, truncation, rename onto the path's inode and utime call
+    and cannot be set back by the user, so an unchanged stamp means unchanged bytes short of a filesystem that
+    does not keep these times."""
+    st = path.stat()
+    if max(st.st_mtime_ns, st.st_ctime_ns) > _now_ns() - RACY_NS:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def record_hashed(root: Path, manifest_bytes: bytes, files: Sequence[str]) -> None:
+    """`files` of the artifact at `root` (manifest bytes `manifest_bytes`) were just checked against the manifest's
+    sha256 by the caller (object_store.pull hashes each file as it downloads): a later read_verified in this
+    process skips them while their stamps stay the same."""
+    stamps = {rel: st for rel in files if (st := _stamp(Path(root) / rel)) is not None}
+    _HASHED.setdefault(_hashed_key(root, manifest_bytes), {}).update(stamps)
 
 
 def check_paths(root: Path, m: Manifest) -> None:

@@ -15,7 +15,8 @@ Contracts
   bytes>`), atomically (a temporary sibling renamed into place), and is then loaded like any local artifact, with
   every check of `neuron_opt.artifact`. The key is the hash of the manifest's bytes, which hold every file's
   hash: a cached copy answers the same manifest only. A later pull of the same manifest verifies the cached copy
-  and downloads nothing.
+  and downloads nothing. Files hashed by the pull (as they download, or the cached copy's) are not hashed again by
+  the loader in the same process while they stay unchanged (`neuron_opt.artifact.record_hashed`, read_verified).
 - Credentials come from boto3's usual chain (environment, profile, instance role); the endpoint from
   `endpoint_url` (`--s3-endpoint-url`), else boto3's own `AWS_ENDPOINT_URL`.
 - On the neuron backend the NEFFs live inside the artifact (`graphs/*/neuron_cache/`), so they travel with it and
@@ -36,7 +37,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from neuron_opt import envs
-from neuron_opt.artifact import FORMAT_VERSION, MANIFEST, MAX_MANIFEST_BYTES, read_verified, versions
+from neuron_opt.artifact import FORMAT_VERSION, MANIFEST, MAX_MANIFEST_BYTES, read_verified, record_hashed, versions
 from neuron_opt.errors import ArtifactError, ConfigError
 from neuron_opt.signing import SIGNATURE, check_signature, load_trusted_keys, trusted_key_paths
 
@@ -262,6 +263,8 @@ def pull(uri: str, *, endpoint_url: str | None = None, trusted_keys: Sequence[st
             if not dest.is_dir():
                 raise
             # a concurrent pull of the same manifest landed first: its copy is the same bytes
+        else:
+            record_hashed(dest, data, list(files))  # hashed while downloading: the loader need not hash again
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest

@@ -764,6 +764,127 @@ def plot_data_parallel(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def routing_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
+    """--prefix-groups groups of --group-requests requests: each group's own --prefix-len-token system prompt,
+    then a distinct --input-len-token tail per request; in waves (the i-th request of every group, group order
+    shuffled per wave), so each group's first request finds its prefix nowhere and the later ones find it where
+    the router sent the first."""
+    rng = np.random.default_rng(args.seed)
+    systems = make_prompts(args.prefix_groups, args.prefix_len, vocab, args.seed + 1)
+    tails = make_prompts(args.prefix_groups * args.group_requests, args.input_len, vocab, args.seed + 2)
+    prompts = []
+    for i in range(args.group_requests):
+        for g in rng.permutation(args.prefix_groups):
+            prompts.append(systems[g] + tails[i * args.prefix_groups + g])
+    return prompts
+
+
+def _routing_run(url: str, args: argparse.Namespace, prompts: list[list[int]], concurrency: int,
+                 vocab: int) -> dict[str, object]:
+    """One load of the routing workload on a started server: latency figures, and the prefix-cache hit rate over
+    this load alone (the replicas' hits / queries counters before and after, in prompt tokens)."""
+    from neuron_opt.bench.cluster import routed, router_metrics, summed, wait_counted
+
+    warm = make_prompts(4, 16, vocab, args.seed + 3)  # first calls of each replica; no prefix of the workload
+    asyncio.run(run_load(url, warm, 2, len(warm), float("inf"), 0))
+    before = wait_counted(url, len(warm))
+    reasons_before = router_metrics(url, "reason")
+    results, dur = asyncio.run(run_load(url, prompts, args.output_len, concurrency, args.request_rate, args.seed))
+    after = wait_counted(url, len(warm) + len(results))
+    reasons_after = router_metrics(url, "reason")
+    hits = summed(after, "prefix_cache_hits_total") - summed(before, "prefix_cache_hits_total")
+    queries = summed(after, "prefix_cache_queries_total") - summed(before, "prefix_cache_queries_total")
+    name = "neuron_opt:cluster_routed_total"
+    return summarize(results, dur, len(prompts[0])) | {
+        "prefix_cache_hits": hits, "prefix_cache_queries": queries,
+        "prefix_hit_rate": hits / queries if queries else 0.0,
+        "routed": {r: n - routed(before).get(r, 0.0) for r, n in routed(after).items()},
+        "routed_by_reason": {reason: n - reasons_before.get((name, reason), 0.0)
+                             for (n_, reason), n in reasons_after.items() if n_ == name},
+        "errors": [r.error for r in results if r.error][:5]}
+
+
+def scenario_routing(args: argparse.Namespace, vocab: int) -> dict[str, object]:
+    """`serve --data-parallel N --routing P` for each policy P of --routing, and one single-process server (the
+    hit rate one replica keeps), on the prefix-group workload (routing_prompts), alternating --rounds times: the
+    cluster's prefix-cache hit rate and TTFT per policy in the same run; medians of the rounds."""
+    n = int(args.data_parallel)
+    policies = args.routing.split(",")
+    prompts = routing_prompts(args, vocab)
+    concurrency = int(args.concurrency.split(",")[0])
+    sized = argparse.Namespace(**{**vars(args), "input_len": len(prompts[0])})  # start_server's max model len
+    budget = (args.budget_flag, str(args.max_num_batched_tokens), "--enable-prefix-caching")
+    threshold = (() if args.routing_balance_threshold is None else
+                 ("--routing-balance-threshold", str(args.routing_balance_threshold)))
+    modes = [("single", ())] + [(f"dp{n}-{p}", ("--data-parallel", str(n), "--routing", p, *threshold))
+                                for p in policies]
+    runs: dict[str, list[dict[str, object]]] = {m: [] for m, _ in modes}
+    for _ in range(args.rounds):
+        for mode, flags in modes:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            proc = start_server(sized, port, (*budget, *flags))
+            try:
+                wait_healthy(url, proc)
+                if flags:
+                    wait_replicas(url, proc, n)
+                r = _routing_run(url, args, prompts, concurrency, vocab)
+            finally:
+                stop_server(proc, timeout=120)
+            runs[mode].append(r)
+            print(f"{mode}: prefix hit rate {r['prefix_hit_rate']:.3f}, TTFT p50 {r['ttft_ms']['p50']:.0f} ms, "
+                  f"{r['completed']}/{len(prompts)} ok, routed {r['routed']}", file=sys.stderr)
+    summary = {m: {"prefix_hit_rate": float(np.median([r["prefix_hit_rate"] for r in rs])),
+                   "prefix_hit_rate_min": min(r["prefix_hit_rate"] for r in rs),
+                   "prefix_hit_rate_max": max(r["prefix_hit_rate"] for r in rs),
+                   "ttft_p50_ms": float(np.median([r["ttft_ms"]["p50"] for r in rs])),
+                   "ttft_p50_ms_min": min(r["ttft_ms"]["p50"] for r in rs),
+                   "ttft_p50_ms_max": max(r["ttft_ms"]["p50"] for r in rs),
+                   "ttft_p99_ms": float(np.median([r["ttft_ms"]["p99"] for r in rs])),
+                   "output_throughput": float(np.median([r["output_throughput"] for r in rs])),
+                   "completed": sum(r["completed"] for r in rs), "failed": sum(r["failed"] for r in rs)}
+               for m, rs in runs.items()}
+    single = summary["single"]["prefix_hit_rate"]
+    for s in summary.values():
+        s["hit_rate_vs_single"] = s["prefix_hit_rate"] / single if single else None
+    return {"scenario": "routing", "data_parallel": n, "cores": len(os.sched_getaffinity(0)),
+            "workload": {"prefix_groups": args.prefix_groups, "group_requests": args.group_requests,
+                         "prefix_len": args.prefix_len, "tail_len": args.input_len, "output_len": args.output_len,
+                         "concurrency": concurrency, "request_rate": str(args.request_rate),
+                         # every later request of a group finding its whole prefix cached, and nothing else
+                         "ideal_hit_rate": (args.group_requests - 1) * args.prefix_len
+                         / (args.group_requests * len(prompts[0])),
+                         "order": "waves: the i-th request of every group, groups shuffled per wave"},
+            "balance_threshold": args.routing_balance_threshold, "rounds": args.rounds, "runs": runs,
+            "summary": summary}
+
+
+def plot_routing(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(report["summary"])
+    labels = ["single process" if m == "single" else f"dp{report['data_parallel']} --routing {m.split('-', 1)[1]}"
+              for m in modes]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, key, title in ((axes[0], "prefix_hit_rate", "prefix-cache hit rate (prompt tokens)"),
+                           (axes[1], "ttft_p50_ms", "TTFT p50 (ms)")):
+        vals = [report["summary"][m][key] for m in modes]
+        lo = [v - report["summary"][m][f"{key}_min"] for m, v in zip(modes, vals, strict=True)]
+        hi = [report["summary"][m][f"{key}_max"] - v for m, v in zip(modes, vals, strict=True)]
+        ax.bar(labels, vals, yerr=[lo, hi], capsize=4, color=["#888", "#2a7", "#c52", "#27c"][: len(modes)])
+        ax.set_title(title)
+        ax.tick_params(axis="x", labelsize=8)
+    w = report["workload"]
+    fig.suptitle(f"{w['prefix_groups']} prefix groups x {w['group_requests']} requests, {w['prefix_len']}-token "
+                 f"prefix + {w['tail_len']}-token tail, {report['cores']} cores (median of {report['rounds']} "
+                 "rounds, min-max bars)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def ab_versions(args: argparse.Namespace, prompts: list[list[int]], concurrency: int,
                 budget: tuple[str, str]) -> dict[str, object]:
     """The same load on this checkout and on `--baseline-source`, alternating `--rounds` times (the machine's
@@ -1041,6 +1162,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="the load on the single-process server and on `serve --data-parallel N` for each N (Ray "
                         "Serve, the `cluster` extra), alternating --rounds times; ratios to the single process "
                         "(docs/scale_out.md)")
+    p.add_argument("--routing", default=None, metavar="POLICY[,POLICY...]",
+                   help="with --data-parallel N (one N): the routing scenario, `serve --data-parallel N --routing P` "
+                        "for each policy (prefix, load) and a single-process server on --prefix-groups groups of "
+                        "--group-requests requests, each a group's --prefix-len-token prefix and an --input-len-token "
+                        "tail: the cluster's prefix-cache hit rate and TTFT per policy (docs/scale_out.md)")
+    p.add_argument("--prefix-groups", type=int, default=16)
+    p.add_argument("--group-requests", type=int, default=4)
+    p.add_argument("--prefix-len", type=int, default=512)
+    p.add_argument("--routing-balance-threshold", type=int, default=None,
+                   help="passed to serve (default: serve's)")
     p.add_argument(
         "--check-streams", type=int, default=64, help="concurrent streams for the correctness check (0: skip)"
     )
@@ -1073,6 +1204,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--rounds must be >= 1")
     if args.scenario == "peer":
         check_peer_args(p, args)
+    if args.routing is not None:
+        if not args.data_parallel or not args.data_parallel.isdigit() or int(args.data_parallel) < 2:
+            p.error("--routing: needs --data-parallel N with one N >= 2")
+        if not args.routing or any(x not in ("prefix", "load") for x in args.routing.split(",")):
+            p.error(f"--routing: a comma-separated list of prefix, load; got {args.routing!r}")
+        for name in ("prefix_groups", "group_requests", "prefix_len", "input_len"):
+            if getattr(args, name) < 1:
+                p.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     try:
         return run(args)
     except MachineBusyError as e:
@@ -1091,6 +1230,9 @@ def run(args: argparse.Namespace) -> int:
         from neuron_opt.bench.llamacpp_server import plot as plot_peer
 
         return write_report(args, scenario_peer(args, vocab, record) | {"note": args.note}, plot_peer, record)
+    if args.routing:
+        rep = scenario_routing(args, vocab) | {"note": args.note, "config": {k: str(v) for k, v in vars(args).items()}}
+        return write_report(args, rep, plot_routing, record)
     if args.data_parallel:
         rep = scenario_data_parallel(args, vocab) | {"note": args.note, "config": {k: str(v) for k, v in
                                                                                     vars(args).items()}}

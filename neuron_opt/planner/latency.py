@@ -6,7 +6,7 @@ A step (one graph execution, prefill or decode) costs
     + [prefill, scores materialised] score elements * eff.attention_score_s
     + n_collectives * (eff.collective_latency_s + ring bytes / link bandwidth)
     + [prefill] 2 * layers * ring_steps(chips) * eff.prefill_hop_latency_s
-    + eff.step_overhead_s
+    + eff.step_overhead_s + [prefill] (batch - 1) * eff.prefill_row_s
 
 per rank (every rank does the same work under Megatron TP). Compute and HBM traffic overlap (engines and
 DMA run concurrently); collectives are on the critical path between layers (the next layer needs the
@@ -27,8 +27,8 @@ reduced sum).
 - Weight-only quantization (int8/fp8) halves weight bytes but not FLOPs: weights are dequantized to bfloat16
   before TensorE, so the bfloat16 peak applies.
 
-The six constants (`Efficiency`) are named and justified in docs/planner.md. `hbm` is taken from AWS's
-NKI performance guide; the other five are calibrated once, jointly, on the Llama-3 inf2.48xlarge rows of AWS's
+The seven constants (`Efficiency`) are named and justified in docs/planner.md. `hbm` is taken from AWS's
+NKI performance guide; the other six are calibrated once, jointly, on the Llama-3 inf2.48xlarge rows of AWS's
 published tables and then held fixed for every other model, instance and stack (neuron_opt.planner.validation:
 the fit, the held-out rows and their errors).
 """
@@ -59,6 +59,9 @@ class Efficiency:
         prefill_hop_latency_s: extra cost per chip-to-chip ring step of a prefill all-reduce, whose
             megabyte messages travel every hop of the ring in turn (calibrated; decode's kilobyte messages
             are covered by collective_latency_s).
+        attention_score_s: elementwise work per materialised score element per rank (calibrated).
+        prefill_row_s: fixed cost of each prompt row of a prefill call beyond the first, whatever its length
+            (calibrated on the batched fit rows; docs/planner.md, "Batched rows").
     """
 
     hbm: float = 0.6
@@ -67,6 +70,7 @@ class Efficiency:
     step_overhead_s: float = 3.75e-3
     prefill_hop_latency_s: float = 12e-6
     attention_score_s: float = 9e-11
+    prefill_row_s: float = 2e-3
 
 
 DEFAULT_EFFICIENCY = Efficiency()
@@ -153,7 +157,7 @@ def prefill_time(
         compute=flops / (inst.bf16_flops_per_core * eff.tensor) + scores,
         memory=weight_bytes(cfg, lay, dtype) / (inst.hbm_bw_per_core * eff.hbm),
         collective=_collectives(cfg, lay, inst, tokens, eff, eff.prefill_hop_latency_s),
-        overhead=eff.step_overhead_s,
+        overhead=eff.step_overhead_s + (batch - 1) * eff.prefill_row_s,
     )
 
 

@@ -269,6 +269,8 @@ FIT_GRID: dict[str, list[float]] = {
     "prefill_hop_latency_s": [2e-6 * k for k in range(0, 21)],
     "attention_score_s": [0.0] + [1e-11 * k for k in range(1, 41)],
 }
+# The second stage's constant: the cost of each prompt row of a prefill call beyond the first.
+ROW_GRID: list[float] = [0.25e-3 * k for k in range(0, 41)]
 
 
 def fit_loss(rows: list[Row], eff: Efficiency) -> float:
@@ -282,9 +284,13 @@ def fit_loss(rows: list[Row], eff: Efficiency) -> float:
 
 
 def fit(rows: list[Row], start: Efficiency = DEFAULT_EFFICIENCY) -> Efficiency:
-    """The calibrated constants minimising `fit_loss` over `rows`, by coordinate descent on FIT_GRID: each
-    constant in turn takes its best grid value with the others held, until a full pass changes nothing."""
-    best, best_loss = start, fit_loss(rows, start)
+    """The calibrated constants minimising `fit_loss` over `rows`, in two stages. First the step model's constants
+    (FIT_GRID), with no per-row prefill cost: coordinate descent, each constant in turn taking its best grid value
+    with the others held, until a full pass changes nothing. Then `prefill_row_s` (ROW_GRID) with those held: the
+    residual the step model leaves on the batched rows (batch-1 rows do not depend on it), so no batch-1
+    prediction moves when it is added."""
+    best = dataclasses.replace(start, prefill_row_s=0.0)
+    best_loss = fit_loss(rows, best)
     changed = True
     while changed:
         changed = False
@@ -294,7 +300,7 @@ def fit(rows: list[Row], start: Efficiency = DEFAULT_EFFICIENCY) -> Efficiency:
                 loss = fit_loss(rows, eff)
                 if loss < best_loss - 1e-9:
                     best, best_loss, changed = eff, loss, True
-    return best
+    return min((dataclasses.replace(best, prefill_row_s=v) for v in ROW_GRID), key=lambda e: fit_loss(rows, e))
 
 
 def table(rows: list[Row]) -> list[dict]:

@@ -8,6 +8,7 @@ import time
 
 import httpx
 
+from neuron_opt.bench.cluster import router_metrics as metrics
 from neuron_opt.runtime.sampling import SamplingParams
 
 MODEL = "tiny"
@@ -19,20 +20,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def metrics(url: str) -> dict[tuple[str, str], float]:
-    """{(metric name, replica): value} of the router's merged /metrics (samples summed over other labels)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    r = httpx.get(url + "/metrics", timeout=10)
-    r.raise_for_status()  # while the app deploys, Ray's proxy answers 404 with a text of its own
-    out: dict[tuple[str, str], float] = {}
-    for fam in text_string_to_metric_families(r.text):
-        for s in fam.samples:
-            key = (s.name, s.labels.get("replica", ""))
-            out[key] = out.get(key, 0.0) + s.value
-    return out
 
 
 def replicas(url: str, name: str = "neuron_opt:num_requests_running") -> dict[str, float]:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import socket
+import time
 
 import pytest
 from helpers import compile_tiny_eager
@@ -132,6 +134,62 @@ def test_replace_needs_force_and_deletes_only_what_the_old_manifest_listed(art, 
     keys = _keys(s3, prefix)
     assert prefix + "weights/stale.bin" not in keys and prefix + "notes.txt" in keys
     assert _local_files(object_store.pull(uri, endpoint_url=endpoint, progress=False)) == _local_files(art)
+
+
+@pytest.fixture
+def hashed(monkeypatch):
+    """The files neuron_opt.artifact hashes with sha256_file (a fresh per-process memo; files look 10 s old
+    unless a test says otherwise)."""
+    from neuron_opt import artifact
+
+    seen: list[str] = []
+    real_hash, real_now = artifact.sha256_file, artifact._now_ns
+    monkeypatch.setattr(artifact, "_HASHED", {})
+    monkeypatch.setattr(artifact, "sha256_file", lambda path, *a: seen.append(path.name) or real_hash(path, *a))
+    monkeypatch.setattr(artifact, "_now_ns", lambda: real_now() + 10 * 10**9)
+    return seen
+
+
+def test_a_pulled_copy_is_hashed_once_per_process_until_a_file_changes(art, endpoint, cache, hashed):
+    from neuron_opt import artifact
+
+    files = sorted(json.loads((art / MANIFEST).read_bytes())["files"])
+    uri = f"s3://{BUCKET}/once"
+    object_store.push(art, uri, endpoint_url=endpoint, progress=False)  # verifies the local artifact first
+    artifact.read_verified(art)
+    assert sorted(hashed) == sorted(p.rsplit("/", 1)[-1] for p in files)  # once, not twice
+    hashed.clear()
+    local = object_store.pull(uri, endpoint_url=endpoint, progress=False)  # cold: hashed as it downloads
+    assert artifact.read_verified(local).files_verified and hashed == []
+    artifact._HASHED.clear()  # a new process with a warm cache: pull checks the cached copy, the loader does not
+    assert object_store.pull(uri, endpoint_url=endpoint, progress=False) == local
+    assert len(hashed) == len(files)
+    hashed.clear()
+    artifact.read_verified(local)
+    assert hashed == []
+    # one byte changed in place, the size and the mtime as before: the ctime differs, so it is hashed again
+    w = local / "weights" / "rank0.safetensors"
+    st = w.stat()
+    time.sleep(0.05)  # past the filesystem's timestamp granularity
+    data = bytearray(w.read_bytes())
+    data[-1] ^= 0xFF
+    w.write_bytes(bytes(data))
+    os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(ArtifactError, match=r"rank0\.safetensors: sha256 does not match"):
+        artifact.read_verified(local)
+    assert hashed == ["rank0.safetensors"]
+
+
+def test_a_file_changed_within_the_racy_window_is_hashed_again(art, hashed, monkeypatch):
+    from neuron_opt import artifact
+
+    artifact.read_verified(art)
+    n = len(hashed)
+    monkeypatch.setattr(artifact, "RACY_NS", 10**15)  # every file changed "just now": no stamp is trusted
+    artifact._HASHED.clear()
+    artifact.read_verified(art)
+    artifact.read_verified(art)
+    assert len(hashed) == 3 * n
 
 
 def test_signature_checked_before_any_download(tiny_dir, endpoint, cache, tmp_path):

@@ -128,6 +128,23 @@ def test_prefill_hop_latency_is_paid_per_layer_all_reduce_per_ring_step() -> Non
     assert dec == decode_time(cfg, lay, inst, batch=1, kv_len=256, dtype="int8", kv_dtype="bfloat16", eff=no_hops)
 
 
+def test_the_per_row_prefill_cost_is_paid_by_rows_beyond_the_first_and_fitted_after_the_step_constants() -> None:
+    cfg, inst = v.models()["Llama-3-8B"], get_instance("inf2.48xlarge")
+    lay = head_layout(cfg, ParallelConfig(tp=24))
+    none = dataclasses.replace(DEFAULT_EFFICIENCY, prefill_row_s=0.0)
+    assert DEFAULT_EFFICIENCY.prefill_row_s > 0
+    for batch, seq in ((1, 128), (8, 128), (8, 2048)):
+        with_rows = prefill_time(cfg, lay, inst, batch=batch, seq=seq, dtype="int8").total
+        without = prefill_time(cfg, lay, inst, batch=batch, seq=seq, dtype="int8", eff=none).total
+        assert with_rows - without == pytest.approx((batch - 1) * DEFAULT_EFFICIENCY.prefill_row_s)
+    dec = decode_time(cfg, lay, inst, batch=8, kv_len=256, dtype="int8", kv_dtype="bfloat16")
+    assert dec == decode_time(cfg, lay, inst, batch=8, kv_len=256, dtype="int8", kv_dtype="bfloat16", eff=none)
+    # the first stage ignores the per-row cost it starts from: the step constants are the batch-1 model's
+    assert v.fit(v.FIT_ROWS, dataclasses.replace(DEFAULT_EFFICIENCY, prefill_row_s=5e-3)) == DEFAULT_EFFICIENCY
+    # batch-1 rows cannot see it: fitting them alone leaves it at the grid's first value
+    assert v.fit([r for r in v.FIT_ROWS if r.batch == 1]).prefill_row_s == v.ROW_GRID[0]
+
+
 def test_batched_rows_through_the_queue_model() -> None:
     """The published batched rows (batch 4/8, 128-8192 input tokens), held out apart from the fitted ones: under
     transformers-neuronx's policy the batch is prefilled in one call, so every prompt's TTFT is that call (p50 =
