@@ -14,16 +14,21 @@ import torch
 from models.llama import LlamaForCausalLM, checkpoint_weight_names, expected_weight_names
 from models.llama import split_fused as split_fused  # re-exported: neuron_opt.checkpoint splits fused weights
 from models.moe import MoeForCausalLM, moe_weight_names
+from models.pooling import LlamaEmbeddingModel
 from models.registry import family_for
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, QuantConfig
 from neuron_opt.parallel import ParallelContext, head_layout
 from neuron_opt.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 _CLASSES: dict[str, type] = {"llama": LlamaForCausalLM, "moe": MoeForCausalLM}
+# embedding models (ModelConfig.pooling): the family's decoder with a pooling step for a head (models.pooling)
+_EMBEDDING_CLASSES: dict[str, type] = {"llama": LlamaEmbeddingModel}
 
 
-def model_class(architecture: str) -> type:
-    return _CLASSES[family_for(architecture)]
+def model_class(cfg: ModelConfig) -> type:
+    """The class that builds a model of `cfg`: its family's, the embedding variant when `cfg` pools."""
+    family = family_for(cfg.architecture)
+    return _EMBEDDING_CLASSES[family] if cfg.is_embedding else _CLASSES[family]
 
 
 def weight_names(cfg: ModelConfig) -> list[str]:
@@ -63,7 +68,7 @@ def rank_model_factory(cfg: ModelConfig, par: ParallelConfig, cache: CacheConfig
     def make() -> torch.nn.Module:
         ctx = pctx if pctx is not None else ParallelContext(par.tp, rank, sequence_parallel=par.sequence_parallel)
         with torch.device("meta"):  # parameters take no memory yet; the rope tables are built on the CPU
-            model = model_class(cfg.architecture)(cfg, head_layout(cfg, par), cache.max_model_len, ctx)
+            model = model_class(cfg)(cfg, head_layout(cfg, par), cache.max_model_len, ctx)
             apply_quant_layout(model, quant)
         model = model.to(dtype)  # meta parameters change dtype for free; buffers are cast as before
         materialize_parameters(model)

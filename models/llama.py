@@ -575,6 +575,19 @@ class LlamaForCausalLM(nn.Module):
         """Run one step; returns this rank's fp32 logits [B, V/tp] at `last_index` [B] of each row, or
         [B, T, V/tp] at every index of a [B, T] `last_index` (a verify step scores all its positions).
         `decode`: a token-generation step (a decode or verify bucket), static per graph like the shapes."""
+        x, sp = self.hidden_states(input_ids, positions, slot_mapping, block_tables, k_caches, v_caches, kv_len,
+                                   decode, last_index)
+        x = self._last_rows(x, last_index, sp)  # [B, H] or [B, T, H]
+        return self.finish_logits(self.lm_head(self.model.norm(x)).float())  # [B, V/tp] or [B, T, V/tp]
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                      block_tables: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                      kv_len: int, decode: bool = False, last_index: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, bool]:
+        """The decoder's output before the final norm, [B, S, H] (sequence-parallel: this rank's [B, S_pad/tp, H]
+        chunk), and whether it is sequence-parallel; the LM head (`forward`) or a pooling step
+        (models.pooling) takes it from there. `last_index`: the step's last real positions, which pick longrope's
+        factors per row (layer_rope_inputs)."""
         B, S = input_ids.shape
         sp = self.pctx.seq_sharded(S)  # static per bucket: a prefill graph is sequence-parallel or not
         x = self.scale_embeddings(self.model.embed_tokens(input_ids, scatter_seq=sp))  # [B, S, H] ([B, S_pad/tp, H])
@@ -588,8 +601,7 @@ class LlamaForCausalLM(nn.Module):
             cos, sin = ropes[i]
             x = layer(x, cos, sin, positions, slot_mapping, block_tables, k_caches[i], v_caches[i], kv_len, sp,
                       decode)
-        x = self._last_rows(x, last_index, sp)  # [B, H] or [B, T, H]
-        return self.finish_logits(self.lm_head(self.model.norm(x)).float())  # [B, V/tp] or [B, T, V/tp]
+        return x, sp
 
     def scale_embeddings(self, x: torch.Tensor) -> torch.Tensor:
         """Embedding rows times cfg.embedding_multiplier (Gemma: sqrt(hidden), Granite); the identity else."""
@@ -624,7 +636,7 @@ def expected_weight_names(cfg: ModelConfig, mlp_names: Callable[[ModelConfig, st
     the dense MLP; models.moe passes its sparse block's)."""
     mlp_names = mlp_names or dense_mlp_names
     names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not cfg.tie_word_embeddings:
+    if not cfg.tie_word_embeddings and not cfg.is_embedding:  # an embedding model pools instead (models.pooling)
         names.append("lm_head.weight")
     norms = [NORM_NAMES[cfg.norm_layout][role] for role in norm_roles(cfg.norm_layout)]
     for i in range(cfg.num_hidden_layers):

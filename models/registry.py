@@ -21,15 +21,28 @@ _FAMILIES: dict[str, str] = {
     "Qwen2MoeForCausalLM": "moe",
     "Qwen3MoeForCausalLM": "moe",
 }
+# The bare decoders (no LM head; their checkpoints usually name weights without `model.`): embedding models only
+# (`compile --task embed`, docs/embeddings.md)
+_BARE: dict[str, str] = {
+    "LlamaModel": "llama",
+    "MistralModel": "llama",
+    "Qwen2Model": "llama",
+    "Qwen3Model": "llama",
+}
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_FAMILIES)
+    return sorted(_FAMILIES) + [f"{a} (embeddings only)" for a in sorted(_BARE)]
+
+
+def is_bare_model(architecture: str) -> bool:
+    """A bare decoder (`Qwen3Model`, ...): no LM head, weights named without `model.`; embedding models only."""
+    return architecture in _BARE
 
 
 def family_for(architecture: str) -> str:
     try:
-        return _FAMILIES[architecture]
+        return _FAMILIES[architecture] if architecture in _FAMILIES else _BARE[architecture]
     except KeyError:
         raise UnsupportedModelError(
             f"architecture {architecture!r} is not supported; supported: {', '.join(supported_architectures())}"

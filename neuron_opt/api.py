@@ -30,6 +30,25 @@ from neuron_opt.runtime.speculative import SpecStats, SpeculativeConfig, check_d
 from neuron_opt.runtime.structured import GrammarCompiler
 
 
+def embedding_inputs(inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+                     tokenizer: Any) -> list[list[int]]:
+    """`LLM.embed`'s inputs as token id lists: a text, texts (tokenized with the tokenizer's special tokens, as
+    sentence-transformers does), token ids, or lists of token ids."""
+    if isinstance(inputs, str):
+        inputs = [inputs]
+    items = list(inputs)
+    if not items:
+        raise ConfigError("inputs: give at least one text or token id list", param="inputs")
+    if all(isinstance(t, int) for t in items):
+        return [[int(t) for t in items]]  # type: ignore[union-attr]
+    if all(isinstance(t, str) for t in items):
+        return [list(tokenizer(t)["input_ids"]) for t in items]  # type: ignore[arg-type]
+    if all(not isinstance(t, str) and all(isinstance(i, int) for i in t) for t in items):  # type: ignore[union-attr]
+        return [[int(i) for i in t] for t in items]  # type: ignore[union-attr]
+    raise ConfigError("inputs: a text, a list of texts, a list of token ids or a list of token id lists (not a mix)",
+                      param="inputs")
+
+
 def load_draft(model: str | Path, target: LoadedModel, max_num_seqs: int,
                trusted_keys: Sequence[str | Path] | None = None) -> LoadedModel:
     """The draft model for speculative decoding with `target`: an artifact as compiled (its batch size and
@@ -156,6 +175,37 @@ class LLM:
             self._drafts[key] = LLM.from_loaded(load_draft(model, self.loaded, max_num_seqs, self.trusted_keys),
                                                 self.trusted_keys)
         return self._drafts[key]
+
+    def embed(self, inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]) -> list[list[float]]:
+        """Embeddings of an embedding model (`compile --task embed`, or a sentence-transformers checkpoint): one
+        vector per input, in order. `inputs`: a text, texts, token ids, or lists of token ids; texts are tokenized
+        as sentence-transformers does (the tokenizer's special tokens added), and no prompt is prepended. The inputs
+        run through one engine, up to the prefill batch per graph call (mixed lengths padded to the call's
+        bucket); each vector is what that input gives alone."""
+        return [v.tolist() for v in self.embed_tensors(inputs)]
+
+    def embed_tensors(self, inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]) -> list[Any]:
+        """`embed`, each vector an fp32 torch tensor [hidden_size]."""
+        if not self.runner.embeds:
+            raise ConfigError("embed: this model generates text; compile the checkpoint with --task embed",
+                              param="model")
+        batch = embedding_inputs(inputs, self.tokenizer)
+        V = self.config.vocab_size
+        if bad := [t for ids in batch for t in ids if not 0 <= t < V]:
+            raise ConfigError(f"inputs: token ids {bad[:5]} are outside the vocabulary (0..{V - 1})", param="inputs")
+        seqs = max(1, min(len(batch), self.runner.buckets.decode_batches[-1]))
+        engine = Engine(self.runner, self.tokenizer, self.eos_token_ids, max_num_seqs=seqs, max_waiting=len(batch))
+        outs: list[list[RequestOutput]] = [[] for _ in batch]
+        for i, ids in enumerate(batch):
+            engine.add_embedding_request(str(i), ids, outs[i].append)
+        while engine.num_unfinished:
+            engine.step()
+        for o in outs:
+            if o[-1].finish_reason == "error":
+                if o[-1].exception is not None:
+                    raise o[-1].exception
+                raise RuntimeError(f"embedding failed: {o[-1].error}")
+        return [o[-1].embedding for o in outs]
 
     def generate(self, prompt: str, params: SamplingParams | None = None) -> GenerationOutput:
         ids = self.tokenizer(prompt)["input_ids"]

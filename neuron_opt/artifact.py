@@ -102,11 +102,22 @@ class Manifest:
             "kv_geometry": kv_geometry(self.model, self.parallel, self.cache), "graphs": self.graphs,
             "source": self.source, "files": self.files, "quant": dataclasses.asdict(self.quant),
             **({"draft": self.draft} if self.draft is not None else {}),
+            **({"task": "embed", "pooling": self.model.pooling} if self.model.is_embedding else {}),
         }
+
+    @property
+    def task(self) -> str:
+        """"embed" (an embedding model: pooled vectors) or "generate"."""
+        return "embed" if self.model.is_embedding else "generate"
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Manifest:
-        return cls(model=ModelConfig.from_dict(d["model"]), parallel=ParallelConfig(**d["parallel"]),
+        model = ModelConfig.from_dict(d["model"])
+        task, pooling = d.get("task", "generate"), d.get("pooling")
+        if (task, pooling) != (("embed", model.pooling) if model.is_embedding else ("generate", None)):
+            raise ArtifactError(f"manifest: task {task!r} with pooling {pooling!r} disagrees with its model's "
+                                f"pooling {model.pooling!r}; the manifest was edited: recompile")
+        return cls(model=model, parallel=ParallelConfig(**d["parallel"]),
                    cache=CacheConfig(**d["cache"]), buckets=BucketConfig.from_dict(d["buckets"]),
                    backend=d["backend"], dtype=d["dtype"], backend_options=d.get("backend_options", {}),
                    graphs=d["graphs"], files=d["files"], versions=d["versions"], source=d.get("source", {}),

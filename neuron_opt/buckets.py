@@ -111,6 +111,9 @@ class BucketConfig:
     prefill_batch: int = 1
     verify_len: int = 0  # q_len of the verify buckets (num_speculative_tokens + 1); 0: no verify graphs
     offset_prefill: bool = True  # offset prefill buckets: prefix caching and chunked prefill need them
+    # an embedding model's buckets: prefill graphs from position 0 only (no decode, verify or offset prefill
+    # graphs); decode_batches still bounds the sequences in flight, decode_kv_lens the sequence length
+    prefill_only: bool = False
 
     def __post_init__(self) -> None:
         for name in ("prefill_lens", "decode_batches", "decode_kv_lens"):
@@ -123,20 +126,23 @@ class BucketConfig:
             raise ConfigError(f"num_speculative_tokens: {self.verify_len - 1} needs verify graphs of "
                               f"{self.verify_len} tokens, which must be >= 2 and fit the smallest decode bucket "
                               f"({self.decode_kv_lens[0]})")
+        if self.prefill_only and (self.verify_len or self.offset_prefill):
+            raise ConfigError("prefill_only: an embedding model compiles prefill graphs from position 0 only (no "
+                              "--num-speculative-tokens, no offset prefill buckets)")
 
     @classmethod
     def build(cls, *, max_prompt_len: int, max_model_len: int, max_batch: int, min_prefill: int = 128,
               min_decode: int = 128, prefill_lens: Sequence[int] | None = None,
               decode_kv_lens: Sequence[int] | None = None, decode_batches: Sequence[int] | None = None,
               num_speculative_tokens: int = 0, offset_prefill: bool = True,
-              prefill_batch: int = 1) -> BucketConfig:
+              prefill_batch: int = 1, prefill_only: bool = False) -> BucketConfig:
         """Default bucket set, or explicit lists (validated against the limits).
 
         max_prompt_len: the longest prompt (the largest prefill bucket by default). max_model_len: the most tokens
         one sequence holds, prompt + generated: the KV cache length per sequence, and the largest decode bucket
         (explicit decode buckets must reach it, so that the two are one number). num_speculative_tokens k > 0
         adds a verify bucket of k + 1 tokens per row for every decode bucket. offset_prefill adds the offset
-        prefill buckets (module docstring)."""
+        prefill buckets (module docstring). prefill_only: an embedding model's (the field's comment)."""
         if max_prompt_len > max_model_len:
             raise ConfigError(f"max_prompt_len: {max_prompt_len} exceeds max_model_len={max_model_len} (the KV "
                               "cache length)")
@@ -160,10 +166,12 @@ class BucketConfig:
         if num_speculative_tokens < 0:
             raise ConfigError(f"num_speculative_tokens: must be >= 0, got {num_speculative_tokens}")
         return cls(tuple(pf), tuple(bb), tuple(dc), prefill_batch, verify_len=num_speculative_tokens + 1
-                   if num_speculative_tokens else 0, offset_prefill=offset_prefill)
+                   if num_speculative_tokens else 0, offset_prefill=offset_prefill, prefill_only=prefill_only)
 
     def buckets(self) -> list[Bucket]:
         pre = [Bucket(PREFILL, self.prefill_batch, s) for s in self.prefill_lens]
+        if self.prefill_only:
+            return pre
         if self.offset_prefill:
             pre += [Bucket(PREFILL, self.prefill_batch, k, s) for s in self.prefill_lens for k in self.decode_kv_lens
                     if k > s]
@@ -179,14 +187,16 @@ class BucketConfig:
     def to_dict(self) -> dict[str, list[int] | int]:
         return {"prefill_lens": list(self.prefill_lens), "decode_batches": list(self.decode_batches),
                 "decode_kv_lens": list(self.decode_kv_lens), "prefill_batch": self.prefill_batch,
-                "verify_len": self.verify_len, "offset_prefill": self.offset_prefill}
+                "verify_len": self.verify_len, "offset_prefill": self.offset_prefill,
+                **({"prefill_only": True} if self.prefill_only else {})}
 
     @classmethod
     def from_dict(cls, d: dict) -> BucketConfig:
         """`chunked_prefill`: the key's name in manifests written before `offset_prefill`, read the same."""
         offset = d.get("offset_prefill", d.get("chunked_prefill", False))
         return cls(tuple(d["prefill_lens"]), tuple(d["decode_batches"]), tuple(d["decode_kv_lens"]),
-                   int(d.get("prefill_batch", 1)), int(d.get("verify_len", 0)), bool(offset))
+                   int(d.get("prefill_batch", 1)), int(d.get("verify_len", 0)), bool(offset),
+                   bool(d.get("prefill_only", False)))
 
 
 def smallest_fitting(n: int, sizes: Iterable[int]) -> int | None:

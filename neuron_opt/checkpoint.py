@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from neuron_opt.config import ModelConfig
+from neuron_opt.embeddings import with_sentence_transformers
 from neuron_opt.errors import CheckpointError, UnsupportedModelError
 from neuron_opt.headers import check_gguf, read_json_capped, safetensors_header
 
@@ -58,11 +59,14 @@ class Checkpoint:
     config: ModelConfig
     source: Path  # the HF directory or the .gguf file
     format: str  # "hf" | "gguf"
+    # what the HF files' names lack of the canonical ones: "model." for a bare decoder's (`Qwen3Model`, as
+    # sentence-transformers saves embedding models: `embed_tokens.weight`, `layers.0. ...`, `norm.weight`)
+    name_prefix: str = ""
 
     def state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """Canonical weights (HF names; no lm_head when tied), cast to `dtype`."""
         if self.format == "hf":
-            sd = _hf_state_dict(self.source, self.config)
+            sd = _hf_state_dict(self.source, self.config, self.name_prefix)
         else:
             from neuron_opt import envs
 
@@ -89,11 +93,12 @@ class Checkpoint:
 
             files = [_gguf_cache_file(self.source, self.config, envs.CACHE_DIR)]
         stored = set(stored_names(self.config))
+        prefix = self.name_prefix if self.format == "hf" else ""  # the GGUF cache holds canonical names
         for f in files:
             with safe_open(str(f), framework="pt") as sf:
                 for name in sf.keys():
-                    if name in stored:  # a fused projection (Phi-3) yields its canonical parts
-                        for part, t in split_fused(self.config, name, sf.get_tensor(name)):
+                    if prefix + name in stored:  # a fused projection (Phi-3) yields its canonical parts
+                        for part, t in split_fused(self.config, prefix + name, sf.get_tensor(name)):
                             if part not in skip:
                                 yield part, t.to(dtype)
 
@@ -151,11 +156,13 @@ def _open_hf(root: Path) -> Checkpoint:
         raise CheckpointError(f"checkpoint: {cfg_file} is missing; a Hugging Face checkpoint directory needs "
                               "config.json next to its model.safetensors")
     cfg = ModelConfig.from_hf(cfg_file)  # UnsupportedModelError for unknown architectures
+    cfg = with_sentence_transformers(cfg, root)  # an embedding model's pooling (neuron_opt.embeddings)
     names: set[str] = set()
     for f in _weight_files(root):
         names |= _safetensors_keys(f)
-    _check_names(names, cfg, root)
-    return Checkpoint(config=cfg, source=root, format="hf")
+    prefix = "model." if "embed_tokens.weight" in names else ""  # a bare decoder's names (Checkpoint.name_prefix)
+    _check_names({prefix + n for n in names}, cfg, root)
+    return Checkpoint(config=cfg, source=root, format="hf", name_prefix=prefix)
 
 
 def _weight_files(root: Path) -> list[Path]:
@@ -196,8 +203,9 @@ def _safetensors_keys(f: Path) -> set[str]:
 
 def _check_names(have: set[str], cfg: ModelConfig, source: Path) -> None:
     have = {n for n in have if not _IGNORED.fullmatch(n)}
-    if cfg.tie_word_embeddings:
-        have.discard("lm_head.weight")  # tied: the model reuses embed_tokens; the copy is redundant
+    if cfg.tie_word_embeddings or cfg.is_embedding:
+        # tied: the model reuses embed_tokens, the copy is redundant; an embedding model has no LM head to load
+        have.discard("lm_head.weight")
     expected = set(stored_names(cfg))
     missing = [n for n in stored_names(cfg) if n not in have]
     extra = sorted(have - expected)
@@ -218,7 +226,7 @@ def stored_names(cfg: ModelConfig) -> list[str]:
     return stored_weight_names(cfg)
 
 
-def _hf_state_dict(root: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def _hf_state_dict(root: Path, cfg: ModelConfig, prefix: str = "") -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     sd: dict[str, torch.Tensor] = {}
@@ -230,7 +238,7 @@ def _hf_state_dict(root: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     from models.build import split_fused
 
     stored = set(stored_names(cfg))
-    return {part: t for k, v in sd.items() if k in stored for part, t in split_fused(cfg, k, v)}
+    return {part: t for k, v in sd.items() if prefix + k in stored for part, t in split_fused(cfg, prefix + k, v)}
 
 
 def _hf_tokenizer(root: Path) -> PreTrainedTokenizerBase:

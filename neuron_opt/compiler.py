@@ -33,6 +33,8 @@ from neuron_opt.buckets import Bucket, BucketConfig
 from neuron_opt.checkpoint import open_checkpoint
 from neuron_opt.compile_cache import CacheKey, CompileCache
 from neuron_opt.config import CacheConfig, KVCacheDtype, ModelConfig, ParallelConfig, QuantConfig, torch_dtype
+from neuron_opt.embeddings import describe as describe_task
+from neuron_opt.embeddings import resolve_task
 from neuron_opt.errors import ConfigError
 from neuron_opt.gguf_quant import native_quant, stored_tensors
 from neuron_opt.kv_quant import CALIBRATION_TEXT, calibrate, fold
@@ -130,6 +132,11 @@ class CompileRequest:
     speculative_model: str | None = None  # a draft model compiled alongside, into DRAFT_DIR (needs k > 0)
     force: bool = False  # replace `out` even when it is a non-empty directory that is not an artifact
     sign_key: Path | None = None  # an Ed25519 private key (neuron-opt keygen): the artifact is signed with it
+    # generate | embed; None: embed for a sentence-transformers checkpoint or a bare decoder (neuron_opt.embeddings)
+    task: str | None = None
+    pooling: str | None = None  # embed: last | mean | cls, overriding the checkpoint's
+    normalize: bool | None = None  # embed: L2-normalise the pooled vector; None: the checkpoint's (else on)
+    matryoshka_dims: tuple[int, ...] | None = None  # embed: sizes a request may truncate to (`dimensions`)
 
 
 DRAFT_DIR = "draft"  # where a draft model's artifact lies inside its target's
@@ -171,7 +178,32 @@ class CompileReport:
     seconds: float
 
 
+def check_embed_request(cfg: ModelConfig, req: CompileRequest) -> None:
+    """Refuse what an embedding model's compile cannot hold: it runs prompts from position 0 and pools them, so
+    it has no decode, verify or offset prefill graphs, no draft, no LM head and no KV cache beyond a prompt's."""
+    if not cfg.is_embedding:
+        return
+    refused = {"decode_buckets": req.decode_buckets, "decode_batches": req.decode_batches,
+               "num_speculative_tokens": req.num_speculative_tokens, "speculative_model": req.speculative_model,
+               "offset_prefill": req.offset_prefill, "quantize_lm_head": req.quantize_lm_head,
+               "kv_cache_dtype": KVCacheDtype.parse(req.kv_cache_dtype) is KVCacheDtype.FP8}
+    for name, value in refused.items():
+        if value:
+            raise ConfigError(f"{name}: an embedding model (--task embed) compiles prefill graphs with a pooling "
+                              "step only; drop the option", param=name)
+    if req.max_model_len and req.max_prompt_len and req.max_model_len != req.max_prompt_len:
+        raise ConfigError(f"max_model_len: an embedding model holds its input only, so max_model_len is the longest "
+                          f"input; got --max-model-len {req.max_model_len} and --max-prompt-len "
+                          f"{req.max_prompt_len}; give one", param="max_model_len")
+    if req.backend == "neuron":
+        raise ConfigError("backend: embedding models are built for the cpu and eager backends (the neuron "
+                          "backend's pooled graphs are not built yet)", param="backend")
+
+
 def plan_buckets(cfg: ModelConfig, req: CompileRequest) -> tuple[CacheConfig, BucketConfig]:
+    if cfg.is_embedding:  # prefill graphs only, the KV cache one input long (check_embed_request)
+        length = req.max_prompt_len or req.max_model_len or min(cfg.max_position_embeddings, 2048)
+        req = dataclasses.replace(req, max_prompt_len=length, max_model_len=length, offset_prefill=False)
     # the largest decode bucket is the sequence length when only the buckets are given
     max_model_len = req.max_model_len or (max(req.decode_buckets) if req.decode_buckets
                                           else min(cfg.max_position_embeddings, 2048))
@@ -194,7 +226,8 @@ def plan_buckets(cfg: ModelConfig, req: CompileRequest) -> tuple[CacheConfig, Bu
                                  max_batch=req.batch_size, prefill_lens=req.prefill_buckets,
                                  decode_kv_lens=req.decode_buckets, decode_batches=req.decode_batches,
                                  num_speculative_tokens=req.num_speculative_tokens,
-                                 offset_prefill=offset_prefill, prefill_batch=req.prefill_batch)
+                                 offset_prefill=offset_prefill, prefill_batch=req.prefill_batch,
+                                 prefill_only=cfg.is_embedding)
     return cache, buckets
 
 
@@ -226,7 +259,9 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
     backend_cls.check_parallel(req.parallel)  # flash decoding is checked once the head layout is known
     backend_cls.prepare(req.parallel.tp, for_compile=True)  # before anything (transformers too) loads a runtime
     ckpt = open_checkpoint(req.model)
-    cfg = ckpt.config
+    cfg = resolve_task(ckpt.config, req.task, req.pooling, req.normalize, req.matryoshka_dims)
+    ckpt = dataclasses.replace(ckpt, config=cfg)  # its weight names follow the task (an embedding model: no head)
+    check_embed_request(cfg, req)
     tokenizer = ckpt.tokenizer()
     check_draft_request(req, tokenizer)
     dtype_name = req.dtype or default_dtype(req.backend)
@@ -235,7 +270,11 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
     par = req.parallel
     timings_dir = req.cache_dir or envs.CACHE_DIR / "compile"
     qc, stored = resolve_quant(req, ckpt)
+    if cfg.is_embedding and qc.lm_head:  # `--quantize auto` of a GGUF whose head is quantized: no head here
+        qc = dataclasses.replace(qc, lm_head=False)
     log(format_plan(cfg, par, cache_cfg, buckets, req.backend, qc.method or dtype_name, timings_dir))
+    if cfg.is_embedding:
+        log(f"  {describe_task(cfg)}")
     dtype = torch_dtype(dtype_name)
     lay = head_layout(cfg, par)
     backend_cls.check_parallel(par, lay.kv_seq_shards)  # before any device model: a layout error is a config error

@@ -52,6 +52,7 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate activation: SwiGLU (Llama) or GeGLU (Gemma)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 NORM_LAYOUTS = ("pre", "sandwich", "post")
+POOLING_MODES = ("last", "mean", "cls")  # ModelConfig.pooling: an embedding model's pooling step
 QUANT_TYPES = ("per_channel_symmetric", "per_tensor_symmetric", "group_asymmetric", "group_symmetric")
 
 
@@ -129,6 +130,13 @@ class ModelConfig:
     # the canonical q/k/v_proj and gate/up_proj at load (neuron_opt.checkpoint), so sharding and every backend see
     # the canonical names
     fused_projections: bool = False
+    # Embedding models (docs/embeddings.md). pooling None: a generation model (its LM head gives logits); "last",
+    # "mean" or "cls": the final norm's hidden states pooled into one vector per sequence (no LM head), then
+    # L2-normalised when normalize_embeddings. matryoshka_dims: the sizes a request may truncate the vector to
+    # (`dimensions`); () = none. Set from a sentence-transformers checkpoint or `compile --task embed`.
+    pooling: str | None = None
+    normalize_embeddings: bool = False
+    matryoshka_dims: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -149,6 +157,7 @@ class ModelConfig:
                "the rotary table with sequence length, which fixed-shape compiled buckets cannot express")
         self._check_rope()
         self._check_family_options()
+        self._check_embedding()
         if self.num_experts:
             _check(0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok",
                    f"must be in 1..num_experts={self.num_experts}, got {self.num_experts_per_tok}")
@@ -210,6 +219,21 @@ class ModelConfig:
             v = getattr(self, name)
             _check(v is None or float(v) > 0, name, f"must be positive or None, got {v!r}")
 
+    def _check_embedding(self) -> None:
+        _check(self.pooling is None or self.pooling in POOLING_MODES, "pooling",
+               f"must be one of {', '.join(POOLING_MODES)}, got {self.pooling!r}")
+        _check(self.pooling is None or not self.num_experts, "pooling",
+               "embedding models of mixture-of-experts architectures are not supported")
+        _check(self.pooling is not None or not (self.normalize_embeddings or self.matryoshka_dims),
+               "normalize_embeddings", "normalization and matryoshka_dims belong to embedding models (pooling)")
+        bad = [d for d in self.matryoshka_dims if not 1 <= int(d) <= self.hidden_size]
+        _check(not bad, "matryoshka_dims", f"{bad} are not in 1..hidden_size={self.hidden_size}")
+
+    @property
+    def is_embedding(self) -> bool:
+        """An embedding model: pooled vectors, no LM head (`pooling`)."""
+        return self.pooling is not None
+
     def layer_window(self, i: int) -> int | None:
         """The sliding window of layer `i` (None: it attends to every earlier position)."""
         if self.layer_types and self.layer_types[i] != "sliding_attention":
@@ -263,7 +287,7 @@ class ModelConfig:
             attn += (nq + nkv) * D if self.qk_norm_full else 2 * D
         mlp = self._mlp_parameters()
         per_layer = attn + mlp + H * len(norm_roles(self.norm_layout))
-        head = 0 if self.tie_word_embeddings else V * H
+        head = 0 if self.tie_word_embeddings or self.is_embedding else V * H  # an embedding model has no head
         return L * per_layer + V * H + H + head
 
     def active_parameters(self) -> int:
@@ -381,6 +405,7 @@ class ModelConfig:
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["layer_types"] = list(self.layer_types)
         d["nope_layers"] = list(self.nope_layers)
+        d["matryoshka_dims"] = list(self.matryoshka_dims)
         return d
 
     @classmethod
@@ -389,7 +414,7 @@ class ModelConfig:
         for key in ("rope_parameters", "rope_local_parameters"):
             if key in d:
                 d[key] = tuple(sorted((k, _freeze(v)) for k, v in d[key].items()))
-        for key in ("eos_token_ids", "layer_types", "nope_layers"):
+        for key in ("eos_token_ids", "layer_types", "nope_layers", "matryoshka_dims"):
             if key in d:
                 d[key] = tuple(d[key])
         return cls(**d)

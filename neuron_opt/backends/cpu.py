@@ -30,6 +30,7 @@ from neuron_opt.backends.cpu_constants import ConstantRecipe, build_constant
 from neuron_opt.backends.cpu_graphs import (
     HeadGraph,
     LayerGraph,
+    PoolGraph,
     compile_graph,
     graph_keys,
     has_capped_score_gemm,
@@ -37,6 +38,7 @@ from neuron_opt.backends.cpu_graphs import (
     head_rows,
     layer_example,
     op_calls_file,
+    pool_example,
     static_tokens,
     use_cpu_layout,
 )
@@ -184,8 +186,11 @@ class CpuBackend(Backend):
     def compile_bucket(self, model: torch.nn.Module, bucket: Bucket, cache: CacheConfig, out_dir: Path) -> list[Path]:
         """Write (or reuse) the bucket's layer graph and head graph; returns their paths relative to out_dir."""
         check_tp(model.pctx.tp)
-        layer_key, head_key = graph_keys(bucket)
+        layer_key, head_key = graph_keys(bucket, model.cfg.is_embedding)
         files = self._graph(model, out_dir, layer_key, lambda so: self._compile_layer(model, bucket, cache, so))
+        if model.cfg.is_embedding:  # the pooling step where the LM head would be
+            pool = self._graph(model, out_dir, head_key, lambda so: self._compile_pool(model, bucket, cache, so))
+            return files + pool
         files += self._graph(model, out_dir, head_key, lambda so: self._compile_head(model, bucket, so))
         return files
 
@@ -249,6 +254,14 @@ class CpuBackend(Backend):
         gemm = "cpp" if fp32_logits else self.options["gemm"]
         recipes = compile_graph(head, args, None, layer_gemm(head, gemm), so, f"cpu head graph for {rows} rows")
         return {"kind": "head", "batch": rows, "constants": {k: r.to_dict() for k, r in recipes.items()}}
+
+    def _compile_pool(self, model: torch.nn.Module, bucket: Bucket, cache: CacheConfig, so: Path) -> dict[str, Any]:
+        """An embedding model's pool graph (cpu_graphs.PoolGraph) for a prefill bucket's batch and token kind."""
+        graph = PoolGraph(model.model.norm, self.dtype, model.cfg)
+        args, dyn = pool_example(model.cfg, bucket, cache, self.residual_dtype)
+        recipes = compile_graph(graph, args, dyn, layer_gemm(graph, self.options["gemm"]), so,
+                                f"cpu pool graph for {bucket.key}")
+        return {"kind": "pool", "batch": bucket.batch, "constants": {k: r.to_dict() for k, r in recipes.items()}}
 
     def save_weights(self, model: torch.nn.Module, path: Path) -> None:
         # quantized weights keep their stored dtypes (fp8 values, fp32 scales)
@@ -322,13 +335,13 @@ def _runner(so: Path, constants: dict[str, torch.Tensor]) -> Any:
 
 
 class _HeadCall:
-    """A head container as a function of the rows' hidden states."""
+    """A head container as a function of the rows' hidden states (a pool graph's: and their last indices)."""
 
     def __init__(self, runner: Any) -> None:
         self.runner = runner
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.runner.run([x])[0]
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.runner.run(list(inputs))[0]
 
 
 class CpuExecutor:
@@ -349,7 +362,8 @@ class CpuExecutor:
         n_layers = len(model.model.layers)
         tensors = {**dict(model.state_dict()), **dict(model.named_buffers())}
         store = _WeightStore(tensors)
-        metas = self._read_metas(graph_files, cache, dtype, model.max_model_len)
+        self.pooled = model.cfg.is_embedding  # an embedding model: pool graphs return [B, H] embeddings
+        metas = self._read_metas(graph_files, cache, dtype, model.max_model_len, self.pooled)
         if any(m["extern_ops"] for m in metas.values()):  # the graphs call our C++ operators: load them first
             cpu_ops.ensure("this artifact's cpu graphs", ArtifactError)
         runners: dict[str, list[Any]] = {}
@@ -366,7 +380,8 @@ class CpuExecutor:
                 runners[meta["key"]] = [_HeadCall(head)]
         # by graph keys, not buckets: buckets that share graphs share routes, and a prefill length between the
         # compiled ones finds its batch's dynamic graph
-        self._routes = {graph_keys(b): (runners[graph_keys(b)[0]], runners[graph_keys(b)[1]][0]) for b in graph_files}
+        keys = {b: graph_keys(b, self.pooled) for b in graph_files}
+        self._routes = {k: (runners[k[0]], runners[k[1]][0]) for k in keys.values()}
         self._embed = self._embedding(model, store)
         # from the config, in fp32: the model's buffers went to `dtype` with it
         self.cfg = model.cfg
@@ -381,12 +396,13 @@ class CpuExecutor:
 
     @staticmethod
     def _read_metas(graph_files: dict[Bucket, list[Path]], cache: CacheConfig, dtype: torch.dtype,
-                    max_model_len: int) -> dict[Path, dict[str, Any]]:
+                    max_model_len: int, pooled: bool = False) -> dict[Path, dict[str, Any]]:
         metas: dict[Path, dict[str, Any]] = {}
         for bucket, files in graph_files.items():
             keys = {Path(f).name.removesuffix(META_SUFFIX) for f in files if str(f).endswith(META_SUFFIX)}
-            if set(graph_keys(bucket)) - keys:
-                raise ArtifactError(f"cpu graphs for {bucket.key}: expected {graph_keys(bucket)}, found {sorted(keys)}")
+            want = graph_keys(bucket, pooled)
+            if set(want) - keys:
+                raise ArtifactError(f"cpu graphs for {bucket.key}: expected {want}, found {sorted(keys)}")
             for f in files:
                 f = Path(f)
                 if not f.name.endswith(META_SUFFIX) or f in metas:
@@ -422,7 +438,7 @@ class CpuExecutor:
 
     @torch.no_grad()
     def run(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
-        route = self._routes.get(graph_keys(bucket))
+        route = self._routes.get(graph_keys(bucket, self.pooled))
         if route is None:
             raise BucketOverflowError(f"bucket {bucket.key}: this artifact has no cpu graphs for it (graphs for: "
                                       f"{sorted({k for keys in self._routes for k in keys})})")
@@ -446,6 +462,8 @@ class CpuExecutor:
             cos, sin = ropes[i]
             window = [] if self.windows is None else [self.windows[i]]
             x = layer.run([x, cos, sin, pos, slots, tables, ks[i], vs[i], *window])[0]
+        if self.pooled:  # the final norm and the pooling over every row: [B, S, H] -> [B, H]
+            return head(x, inputs.last_index)
         rows = torch.arange(x.shape[0])
         if inputs.last_index.dim() == 2:  # verify: every position of every row, [B, q, H] -> [B, q, V]
             B, q = inputs.last_index.shape

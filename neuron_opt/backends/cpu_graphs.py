@@ -34,6 +34,7 @@ from torch.export import Dim
 
 from models.llama import MLP, Attention, TorchOps, finish_logits, soft_cap
 from models.moe import Experts, SparseMoeBlock
+from models.pooling import pool
 from neuron_opt.backends import cpu_ops
 from neuron_opt.backends.base import kv_dtype
 from neuron_opt.backends.cpu_constants import (
@@ -273,6 +274,33 @@ class HeadGraph(nn.Module):
         return logits if self.cfg is None else finish_logits(logits, self.cfg)
 
 
+class PoolGraph(nn.Module):
+    """An embedding model's head (models.pooling): the final norm over every row of the layers' output [B, S, H]
+    and the pooling step at `last_index` [B] -> fp32 embeddings [B, H]. One per prefill graph's batch and token
+    kind (the token count is dynamic like the layer graph's)."""
+
+    def __init__(self, norm: nn.Module, dtype: torch.dtype, cfg: Any) -> None:
+        super().__init__()
+        self.cfg = cfg  # the model's ModelConfig: its pooling mode and normalisation
+        if any(p.dtype != dtype for p in norm.parameters()):
+            norm = copy.deepcopy(norm)
+        self.norm = norm.to(dtype)
+
+    def forward(self, x: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:
+        return pool(self.norm(x), last_index, self.cfg)  # x may be the fp32 residual: the norm then runs in fp32
+
+
+def pool_example(cfg: Any, bucket: Bucket, cache: CacheConfig,
+                 residual_dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], Any]:
+    """Example inputs of the pool graph for a prefill `bucket`, and its dynamic_shapes spec (the layer graph's
+    token dimension)."""
+    B, S = bucket.batch, bucket.tokens
+    args = (torch.randn(B, S, cfg.hidden_size).to(residual_dtype), torch.full((B,), S - 1, dtype=torch.int64))
+    if static_tokens(bucket):
+        return args, None
+    return args, ({1: Dim("tokens", min=2, max=cache.max_model_len)}, None)
+
+
 def head_rows(bucket: Bucket) -> int:
     """Rows the LM head scores: one per batch row, q_len per row for a verify bucket."""
     return bucket.batch * (bucket.q_len if bucket.phase == VERIFY else 1)
@@ -284,9 +312,10 @@ def static_tokens(bucket: Bucket) -> bool:
     return not (bucket.phase == PREFILL and bucket.tokens >= 2)
 
 
-def graph_keys(bucket: Bucket) -> tuple[str, str]:
+def graph_keys(bucket: Bucket, pooled: bool = False) -> tuple[str, str]:
     """(layer graph key, head graph key) for a bucket. The KV length is always dynamic; a prefill's token count is
-    too, except for one-token prefills (no dynamic dim of size 1), which get their own static graph."""
+    too, except for one-token prefills (no dynamic dim of size 1), which get their own static graph. `pooled`: an
+    embedding model, whose head is a pool graph (PoolGraph) over every row of the prefill."""
     if bucket.phase == VERIFY:
         layer = f"layer_verify_b{bucket.batch}_q{bucket.q_len}"
     elif bucket.phase == PREFILL:
@@ -295,6 +324,8 @@ def graph_keys(bucket: Bucket) -> tuple[str, str]:
         layer = f"layer_decode_b{bucket.batch}"
     if bucket.phase == VERIFY:
         return layer, f"head_verify_b{bucket.batch}_q{bucket.q_len}"
+    if pooled:
+        return layer, layer.replace("layer_prefill", "pool")
     return layer, f"head_b{head_rows(bucket)}"
 
 

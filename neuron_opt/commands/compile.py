@@ -90,6 +90,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "off, except that --quantize auto keeps a GGUF's quantized head (SmolLM2's Q8_0 table)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=[d.value for d in KVCacheDtype],
                    help="auto: the compute dtype; fp8: e4m3 with per-layer scales calibrated at compile time")
+    emb = p.add_argument_group("embedding models (docs/embeddings.md)")
+    emb.add_argument("--task", default=None, choices=["generate", "embed"],
+                     help="generate: an LM head, text generation; embed: prefill graphs that pool the final hidden "
+                          "states into one vector per input (/v1/embeddings, LLM.embed). Default: embed for a "
+                          "sentence-transformers checkpoint (modules.json) or a bare decoder (Qwen3Model, ...), "
+                          "else generate")
+    emb.add_argument("--pooling", default=None, choices=["last", "mean", "cls"],
+                     help="embed: the pooling step (default: the checkpoint's sentence-transformers Pooling module)")
+    emb.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                     help="embed: L2-normalise the pooled vector (default: as the checkpoint's Normalize module says; "
+                          "on for a checkpoint without sentence-transformers files)")
+    emb.add_argument("--matryoshka-dims", type=_int_list, default=None, metavar="DIMS",
+                     help="embed: the sizes a request's `dimensions` may truncate the vector to (a model trained "
+                          "for it, e.g. 32,64,128,256,512,1024); default: none")
     p.add_argument("--backend-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
                    help="a backend option (repeatable; see docs/cpu_backend.md and docs/neuron_backend.md), "
                         "e.g. replay=false or compiler_args='-O2'")
@@ -126,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
         quantize=args.quantize, quantization_type=args.quantization_type, group_size=args.group_size,
         modules_to_not_convert=tuple(m.strip() for m in args.modules_to_not_convert.split(",") if m.strip()),
         quantize_lm_head=args.quantize_lm_head, kv_cache_dtype=KVCacheDtype.parse(args.kv_cache_dtype),
-        speculative_model=args.speculative_model, force=args.force, sign_key=args.sign_key)
+        speculative_model=args.speculative_model, force=args.force, sign_key=args.sign_key, task=args.task,
+        pooling=args.pooling, normalize=args.normalize, matryoshka_dims=args.matryoshka_dims)
     report = compile_artifact(req)
     print(f"compile cache: {len(report.hits)} hit(s), {len(report.misses)} miss(es)")
     for label, why in report.misses.items():

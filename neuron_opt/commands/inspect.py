@@ -20,6 +20,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from neuron_opt.artifact import read_verified
     from neuron_opt.commands.generate import resolve_artifact_arg
+    from neuron_opt.embeddings import describe as describe_task
 
     resolve_artifact_arg(args)
     args.artifact = Path(args.artifact)
@@ -52,7 +53,11 @@ def run(args: argparse.Namespace) -> int:
           f"max_model_len {m.cache.max_model_len}, decode batch up to {m.cache.max_batch}")
     print(f"  KV geometry: {raw['kv_geometry']}")
     print(f"  prefill buckets: {list(m.buckets.prefill_lens)}")
-    print(f"  decode buckets: batch {list(m.buckets.decode_batches)} x kv {list(m.buckets.decode_kv_lens)}")
+    if m.buckets.prefill_only:
+        print(f"  {describe_task(m.model)} (prefill graphs only; at most {m.buckets.decode_batches[-1]} inputs in "
+              "flight)")
+    else:
+        print(f"  decode buckets: batch {list(m.buckets.decode_batches)} x kv {list(m.buckets.decode_kv_lens)}")
     print(f"  graphs: {len(m.graphs)}")
     if m.backend == "neuron":  # what each bucket's HLO promises: donated KV, collectives, nothing host-bound
         from neuron_opt.backends.neuron import hlo_summary

@@ -181,11 +181,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: serving on {args.host} without an API key: anyone who reaches this port can use the model "
               "(give --api-key, and put TLS in front: docs/scale_out.md)", flush=True)
     auth = "" if key is None else " -H 'Authorization: Bearer <key>'"
+    route, body = (("embeddings", '"input": ["What is the capital of France?"]') if engine.embeds else
+                   ("chat/completions", '"messages": [{"role": "user", "content": "What is the capital of France?"}]'
+                    ', "max_tokens": 32, "temperature": 0'))
     print(
         f"Serving {name!r} on {url} ({engine.max_num_seqs} sequences at once, {threads_note(policy)}). Try:\n"
-        f"  curl {url}/v1/chat/completions{auth} -H 'Content-Type: application/json' -d "
-        f'\'{{"model": "{name}", "messages": [{{"role": "user", "content": '
-        f'"What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}\'',
+        f"  curl {url}/v1/{route}{auth} -H 'Content-Type: application/json' -d "
+        f'\'{{"model": "{name}", {body}}}\'',
         flush=True,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=120)

@@ -61,7 +61,7 @@ class CheckpointSpec:
 def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], max_model_len: int,
                 dtype: torch.dtype) -> torch.nn.Module:
     """A single-rank model with the given (canonical, HF-named) weights."""
-    model = model_class(cfg.architecture)(cfg, head_layout(cfg, ParallelConfig()), max_model_len)
+    model = model_class(cfg)(cfg, head_layout(cfg, ParallelConfig()), max_model_len)
     load_weights(model, state_dict, "checkpoint")
     return model.to(dtype).eval()
 

@@ -17,6 +17,7 @@ from neuron_opt.artifact import Manifest, VerifiedManifest, read_verified
 from neuron_opt.buckets import BucketConfig
 from neuron_opt.checkpoint import open_checkpoint
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
+from neuron_opt.embeddings import resolve_task
 from neuron_opt.errors import ConfigError
 from neuron_opt.executors.factory import ArtifactSpec, CheckpointSpec, create_executor, prepare
 from neuron_opt.runtime.runner import ModelRunner
@@ -83,7 +84,7 @@ def _load_artifact(root: Path, verified: VerifiedManifest | None, trusted_keys: 
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
-    runner = ModelRunner(create_executor(spec), m.buckets, m.cache, m.model.vocab_size)
+    runner = ModelRunner(create_executor(spec), m.buckets, m.cache, m.model.vocab_size, m.model.matryoshka_dims)
     return LoadedModel(m, m.model, tokenizer, runner, m.dtype)
 
 
@@ -91,12 +92,13 @@ def _load_checkpoint(model: str | Path, *, dtype: str | None, max_model_len: int
                      parallel: ParallelConfig | None, num_speculative_tokens: int | None) -> LoadedModel:
     ckpt = open_checkpoint(model)
     dtype, batch_size = dtype or "float32", batch_size or 1
-    cfg = ckpt.config
+    cfg = resolve_task(ckpt.config)  # a sentence-transformers checkpoint is an embedding model (prefill only)
     tokenizer = ckpt.tokenizer()
     max_model_len = max_model_len or min(cfg.max_position_embeddings, 2048)
     cache = CacheConfig(max_batch=batch_size, max_model_len=max_model_len, dtype=dtype)
     buckets = BucketConfig.build(max_prompt_len=max_model_len, max_model_len=max_model_len, max_batch=batch_size,
-                                 num_speculative_tokens=num_speculative_tokens or 0)
+                                 num_speculative_tokens=num_speculative_tokens or 0,
+                                 offset_prefill=not cfg.is_embedding, prefill_only=cfg.is_embedding)
     spec = CheckpointSpec(cfg, ckpt.state_dict(), parallel or ParallelConfig(), cache, dtype)
-    runner = ModelRunner(create_executor(spec), buckets, cache, cfg.vocab_size)
+    runner = ModelRunner(create_executor(spec), buckets, cache, cfg.vocab_size, cfg.matryoshka_dims)
     return LoadedModel(None, cfg, tokenizer, runner, dtype)

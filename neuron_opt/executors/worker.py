@@ -54,7 +54,7 @@ def _join_group(rank: int, tp: int, port: int, spec: RankSpec) -> TorchCollectiv
 def _build(rank: int, spec: RankSpec, comm: Collectives) -> Any:
     par = spec.parallel
     pctx = ParallelContext(par.tp, rank, comm, sequence_parallel=par.sequence_parallel)
-    model = model_class(spec.model.architecture)(spec.model, spec.layout, spec.cache.max_model_len, pctx)
+    model = model_class(spec.model)(spec.model, spec.layout, spec.cache.max_model_len, pctx)
     apply_quant_layout(model, spec.quant)
     load_model_weights(model, Path(spec.weights_dir) / f"rank{rank}.safetensors")
     return model.to(DTYPES[spec.dtype]).eval()
@@ -64,7 +64,10 @@ def _finish(
     local: torch.Tensor, rank: int, spec: RankSpec, comm: TorchCollectives, candidates: int | None
 ) -> Any:
     """This rank's logits [rows, V/tp] (a verify step's [B, q, V/tp] flattened to B * q rows) -> rank 0's
-    gathered logits or candidates."""
+    gathered logits or candidates. An embedding model's output is the whole pooled [B, H] on every rank: rank 0's
+    is sent as it is."""
+    if spec.model.is_embedding:
+        return local.numpy() if rank == 0 else None
     local = mask_padded_vocab(local.reshape(-1, local.shape[-1]), rank, spec.model.vocab_size)
     if candidates is None:
         full = gather_full(local, comm)

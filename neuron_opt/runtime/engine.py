@@ -144,6 +144,9 @@ class Engine:
         if speculative is None and draft is not None:
             raise ConfigError("speculative_model: a draft runner goes with the draft_model method, and only with it",
                               param="speculative_model")
+        if runner.embeds and speculative is not None:
+            raise ConfigError("speculative: an embedding model generates no tokens", param="speculative")
+        self.embeds = runner.embeds  # an embedding model: requests come through add_embedding_request
         self.spec = speculative
         self.speculation = None if speculative is None else SpeculativeDecoding(speculative, runner, draft, seqs)
         offset = runner.buckets.offset_prefill
@@ -239,6 +242,23 @@ class Engine:
             share_prefix_with: a request queued before this one with the same prompt (a sibling sample of `n`):
                 this one is admitted after that one's prompt has K/V, so it takes its blocks from the prefix cache.
         """
+        if self.embeds:
+            raise ConfigError("this model is an embedding model (compiled with --task embed): it computes embeddings "
+                              "(/v1/embeddings, LLM.embed), not text", param="model")
+        self._submit(request_id, prompt_token_ids, params, on_output, arrival_time, grammar, share_prefix_with)
+
+    def add_embedding_request(self, request_id: str, prompt_token_ids: list[int],
+                              on_output: Callable[[RequestOutput], object], arrival_time: float | None = None) -> None:
+        """Queue an embedding request (an embedding model's engine only): one prefill of the whole input, whose
+        pooled vector comes back in a finished RequestOutput's `embedding`. Raises like `add_request`."""
+        if not self.embeds:
+            raise ConfigError("this model generates text: it has no pooling step for embeddings; compile the "
+                              "checkpoint with --task embed", param="model")
+        self._submit(request_id, prompt_token_ids, SamplingParams(max_tokens=1), on_output, arrival_time)
+
+    def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                on_output: Callable[[RequestOutput], object], arrival_time: float | None = None, grammar: Any = None,
+                share_prefix_with: str | None = None) -> None:
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped after an internal error: {self.error!r}")
         self.scheduler.validate(len(prompt_token_ids), params.max_tokens)
@@ -351,6 +371,9 @@ class Engine:
 
     def _prefill(self, group: tuple[PrefillWork, ...]) -> None:
         """Prefill chunks in one graph call; the chunks that end a request's tokens sample its next token."""
+        if self.embeds:
+            self._embed(group)
+            return
         rows = [PrefillRow(p.blocks, p.token_ids, p.start) for p in group]
         sampled = [p.request_id for p in group if p.last]
         t0 = time.perf_counter()
@@ -371,6 +394,22 @@ class Engine:
                 self.scheduler.update_prefill(p.request_id, len(p.token_ids))
         if sampled:
             self._update(sampled, logits[[i for i, p in enumerate(group) if p.last]])
+
+    def _embed(self, group: tuple[PrefillWork, ...]) -> None:
+        """Embedding requests' inputs in one graph call (each whole: an embedding model has no chunked prefill or
+        prefix cache); each request finishes with its pooled vector."""
+        try:
+            vectors = self.runner.embed_rows([PrefillRow(p.blocks, p.token_ids, p.start) for p in group])
+        except Exception as e:
+            log.error("embedding failed:\n%s", traceback.format_exc())
+            for p in group:
+                self._fail(p.request_id, f"embedding failed: {e}", e)
+            return
+        for i, p in enumerate(group):
+            n = self._seqs[p.request_id].request.num_prompt_tokens
+            out = RequestOutput(p.request_id, (), "", n, 0, True, "stop", time=time.monotonic(), embedding=vectors[i])
+            self._release(p.request_id)
+            self.outputs.send_output(out)
 
     def _decode_or_verify(self, decodes: tuple[DecodeWork, ...]) -> None:
         """One graph call for every running sequence: a plain decode, or, when speculating and the policy says it

@@ -55,6 +55,8 @@ class RequestOutput:
     time: float = 0.0  # time.monotonic() when the token was produced
     # the runner's exception behind an "error" (for a caller in this process; never sent over the wire)
     exception: BaseException | None = field(default=None, repr=False, compare=False)
+    # an embedding request's pooled vector, fp32 [H] (a torch tensor), in its one finished output
+    embedding: Any = field(default=None, repr=False, compare=False)
 
 
 @dataclass

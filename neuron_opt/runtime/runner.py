@@ -22,7 +22,7 @@ import torch
 from neuron_opt.backends.base import Executor, StepInputs
 from neuron_opt.buckets import Bucket, BucketConfig, pick_decode, pick_prefill, pick_verify
 from neuron_opt.config import CacheConfig
-from neuron_opt.errors import BucketOverflowError, ContextLengthError
+from neuron_opt.errors import BucketOverflowError, ConfigError, ContextLengthError
 from neuron_opt.runtime.threads import ThreadPolicy
 
 Blocks = int | Sequence[int]  # a sequence's block table, or a slot number (slot_blocks)
@@ -56,14 +56,22 @@ class VerifyRow:
 
 
 class ModelRunner:
-    def __init__(self, executor: Executor, buckets: BucketConfig, cache: CacheConfig, vocab_size: int) -> None:
+    def __init__(self, executor: Executor, buckets: BucketConfig, cache: CacheConfig, vocab_size: int,
+                 matryoshka_dims: tuple[int, ...] = ()) -> None:
+        """`matryoshka_dims`: an embedding model's sizes its vectors may be truncated to (ModelConfig's)."""
         self.executor, self.buckets, self.cache, self.vocab_size = executor, buckets, cache, vocab_size
+        self.matryoshka_dims = tuple(matryoshka_dims)
         self.last_bucket: Bucket | None = None
         # tokens a prefill is padded to a multiple of, on executors that run any prefill length (0: the compiled
         # prefill lengths only; buckets.pick_prefill)
         self.prefill_granularity = int(getattr(executor, "prefill_granularity", 0))
         # torch threads per graph call (`serve`'s thread policy: runtime/threads.py); None: left as they are
         self.thread_policy: ThreadPolicy | None = None
+
+    @property
+    def embeds(self) -> bool:
+        """An embedding model's runner: its graphs return pooled vectors (`embed_rows`), not logits."""
+        return self.buckets.prefill_only
 
     @property
     def max_prompt_len(self) -> int:
@@ -82,7 +90,10 @@ class ModelRunner:
         if prompt_len > limit:
             raise ContextLengthError(
                 f"This model's maximum context length is {limit} tokens. However, your request has "
-                f"{prompt_len} input tokens. Please reduce the length of the input.")
+                f"{prompt_len} input tokens. Please reduce the length of the input.", param="input"
+                if self.embeds else None)
+        if self.embeds:  # an embedding request generates nothing: its input is all it holds
+            return
         if prompt_len + max_tokens > self.max_model_len:
             raise ContextLengthError(
                 f"'max_tokens' is too large: {max_tokens}. This model's maximum context length is "
@@ -135,6 +146,22 @@ class ModelRunner:
     def prefill_rows(self, rows: Sequence[PrefillRow], candidates: int | None = None) -> torch.Tensor:
         """Several prompts (or chunks) in one graph call, up to the prefill batch; fp32 logits [len(rows), V] of
         each row's last token."""
+        if self.embeds:
+            raise ConfigError("this is an embedding model: it returns pooled vectors (embed_rows), not logits")
+        bucket, inputs = self._prefill_inputs(rows)
+        return self._run(bucket, inputs, candidates)[: len(rows), : self.vocab_size]
+
+    def embed_rows(self, rows: Sequence[PrefillRow]) -> torch.Tensor:
+        """An embedding model's inputs in one graph call, up to the prefill batch, each whole and from position 0
+        (the pooling sees every token of it); their fp32 embeddings [len(rows), H]."""
+        if not self.embeds:
+            raise ConfigError("this is a generation model: it has no pooling step; compile with --task embed")
+        if any(r.start for r in rows):
+            raise ValueError("an embedding row starts at position 0 (its whole input in one call)")
+        bucket, inputs = self._prefill_inputs(rows)
+        return self._run(bucket, inputs, None)[: len(rows)]
+
+    def _prefill_inputs(self, rows: Sequence[PrefillRow]) -> tuple[Bucket, StepInputs]:
         if not rows or len(rows) > self.buckets.prefill_batch:
             raise ValueError(f"prefill takes 1..{self.buckets.prefill_batch} rows, got {len(rows)}")
         # the longest row's tokens, from the latest start: every row's last position lies within the KV length
@@ -155,8 +182,7 @@ class ModelRunner:
             slots[i, :n] = torch.tensor([self._slot(blocks, p) for p in range(r.start, r.start + n)])
             last[i] = n - 1
             tables.append(blocks)
-        inputs = StepInputs(ids, pos, slots, self._tables(tables, B, bucket.kv_len), last)
-        return self._run(bucket, inputs, candidates)[: len(rows), : self.vocab_size]
+        return bucket, StepInputs(ids, pos, slots, self._tables(tables, B, bucket.kv_len), last)
 
     def decode(self, rows: list[DecodeRow], candidates: int | None = None) -> torch.Tensor:
         """One token per row at its position; returns fp32 logits [len(rows), V]."""

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from neuron_opt.errors import NeuronOptError, QueueFullError
 from neuron_opt.runtime.engine import Engine
+from neuron_opt.server.embeddings import EmbeddingRequest, EmbeddingServing
 from neuron_opt.server.limits import ServerLimits
 from neuron_opt.server.metrics import ServerMetrics
 from neuron_opt.server.protocol import (
@@ -271,6 +272,14 @@ def create_app(
         arrival = time.monotonic()
         req = await _parse(request, ChatCompletionRequest, max_body)
         return respond(await serving.chat(req, arrival, request.is_disconnected))
+
+    embeddings = EmbeddingServing(serving)
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(request: Request) -> Response:
+        arrival = time.monotonic()
+        req = await _parse(request, EmbeddingRequest, max_body)
+        return JSONResponse(await embeddings.create(req, arrival))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

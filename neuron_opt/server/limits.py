@@ -30,6 +30,7 @@ class ServerLimits:
         max_schema_bytes: most bytes, as JSON, of each of `response_format`, `structured_outputs`, `guided_*` and
             `tools`.
         max_messages: most chat messages.
+        max_embedding_inputs: most inputs of one `/v1/embeddings` request (OpenAI's bound: 2048).
     """
 
     max_n: int = 16
@@ -42,6 +43,7 @@ class ServerLimits:
     max_stop_token_ids: int = 256
     max_schema_bytes: int = 256 * 2**10
     max_messages: int = 1024
+    max_embedding_inputs: int = 2048
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -109,6 +109,12 @@ class OpenAIServing:
         if name is not None and name != self.model_name:
             raise NotFoundError(f"The model `{name}` does not exist.")
 
+    def check_generates(self) -> None:
+        """A text route on an embedding model is a 400 naming `model` (server/embeddings.py serves it)."""
+        if self.engine.embeds:
+            raise ProtocolError("this model is an embedding model (compiled with --task embed): it serves "
+                                "/v1/embeddings, not text generation", "model")
+
     @staticmethod
     def _usage(n_prompt: int, results: list[_Result]) -> dict[str, int]:
         completion = sum(len(r.token_ids) for r in results)
@@ -230,6 +236,7 @@ class OpenAIServing:
         self, req: CompletionRequest, arrival: float, is_disconnected: Callable[[], Any]
     ) -> dict[str, Any] | AsyncIterator[str]:
         self.check_model(req.model)
+        self.check_generates()
         req.check_limits(self.limits, self.max_model_len)
         self._check_ids(req.stop_token_ids or [], "stop_token_ids", self.vocab_size)
         prompt = req.prompt_input()
@@ -281,6 +288,7 @@ class OpenAIServing:
         self, req: ChatCompletionRequest, arrival: float, is_disconnected: Callable[[], Any]
     ) -> dict[str, Any] | AsyncIterator[str]:
         self.check_model(req.model)
+        self.check_generates()
         req.check_limits(self.limits, self.max_model_len)
         self._check_ids(req.stop_token_ids or [], "stop_token_ids", self.vocab_size)
         ids, tools = await self._chat_prompt(req)

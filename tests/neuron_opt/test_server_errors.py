@@ -186,6 +186,7 @@ def test_param_comes_from_the_error_not_its_message():
         num_running = num_waiting = 0
         kv_usage = 0.0
         spec = None  # not speculating
+        embeds = False  # a generation model's engine
         runner = type("Runner", (), {"vocab_size": 10})
 
         def add_request(self, *a, **k):
@@ -210,7 +211,7 @@ def test_param_comes_from_the_error_not_its_message():
 def test_wrong_route_and_method_are_openai_shaped(server):
     r = httpx.get(server + "/v1/completions")
     assert r.status_code == 405 and r.json()["error"]["code"] == 405
-    r = httpx.post(server + "/v1/embeddings", json={})
+    r = httpx.post(server + "/v1/audio/transcriptions", json={})
     assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
 
 

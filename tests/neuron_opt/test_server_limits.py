@@ -264,6 +264,7 @@ class FakeEngine:
     num_running = num_waiting = 0
     kv_usage = 0.0
     spec = None
+    embeds = False  # a generation model's engine
     runner = SimpleNamespace(vocab_size=10)
     prefix_cache_stats = SimpleNamespace(queries=0, hits=0, hit_rate=0.0)
     stats = SimpleNamespace(preemptions=0)
