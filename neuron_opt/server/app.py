@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from neuron_opt.errors import NeuronOptError, QueueFullError
 from neuron_opt.runtime.engine import Engine
 from neuron_opt.server.limits import ServerLimits
+from neuron_opt.server.lora_routes import add_lora_routes, lora_cards
 from neuron_opt.server.metrics import ServerMetrics
 from neuron_opt.server.protocol import (
     ChatCompletionRequest,
@@ -180,6 +181,7 @@ def engine_metrics(engine: Engine, model_name: str) -> ServerMetrics:
         (lambda: engine.spec_stats) if engine.spec is not None else None,
         lambda: engine.prefix_cache_stats,
         lambda: engine.stats.preemptions,
+        engine.loras,
     )
 
 
@@ -247,7 +249,9 @@ def create_app(
             "max_model_len": max_model_len,
             "permission": [],
         }
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card, *lora_cards(engine, model_name, max_model_len)]}
+
+    add_lora_routes(app, engine, model_name, lambda request, model: _parse(request, model, max_body))
 
     @app.get("/metrics")
     async def prometheus() -> Response:
