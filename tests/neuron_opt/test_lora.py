@@ -116,6 +116,7 @@ def test_mixed_batch_equals_peft_on_tp2_ranks(qwen):
         llm.runner.executor.close()
 
 
+@pytest.mark.slow
 def test_mixed_batch_equals_peft_on_cpu_graphs(qwen, tmp_path):
     """The cpu backend's compiled layer graphs take the stacks and slots as inputs; the manifest records the
     capacity, and the loaded artifact serves every adapter with no recompile."""
