@@ -181,7 +181,7 @@ def engine_metrics(engine: Engine, model_name: str) -> ServerMetrics:
         (lambda: engine.spec_stats) if engine.spec is not None else None,
         lambda: engine.prefix_cache_stats,
         lambda: engine.stats.preemptions,
-        engine.loras,
+        getattr(engine, "loras", None),
     )
 
 

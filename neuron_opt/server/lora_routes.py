@@ -29,27 +29,27 @@ class LoadLoraAdapterRequest(BaseModel):
 class UnloadLoraAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     lora_name: str = Field(min_length=1, max_length=256)
-    lora_int_id: int | None = None  # vLLM's field, accepted and unused: adapters are named
 
 
 def lora_cards(engine: Any, model_name: str, max_model_len: int) -> list[dict[str, Any]]:
     """A card per registered adapter, after the base model's, with `parent` the base (as vLLM lists them)."""
-    if engine.loras is None:
+    loras = getattr(engine, "loras", None)  # None: a model without LoRA (or an engine stand-in without the field)
+    if loras is None:
         return []
     now = int(time.time())
     return [{"id": name, "object": "model", "created": now, "owned_by": "neuron-opt", "root": name,
-             "parent": model_name, "max_model_len": max_model_len, "permission": []}
-            for name in engine.loras.names()]
+             "parent": model_name, "max_model_len": max_model_len, "permission": []} for name in loras.names()]
 
 
 def add_lora_routes(app: FastAPI, engine: Any, model_name: str, parse: Any) -> None:
     """`parse(request, model)`: the app's bounded JSON body parser."""
 
     def manager() -> Any:
-        if engine.loras is None:
+        loras = getattr(engine, "loras", None)
+        if loras is None:
             raise ConfigError("lora: this model was compiled without --enable-lora; it serves no adapters",
                               param="lora_name")
-        return engine.loras
+        return loras
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> PlainTextResponse:
