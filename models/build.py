@@ -17,6 +17,8 @@ from models.moe import MoeForCausalLM, moe_weight_names
 from models.pooling import LlamaEmbeddingModel
 from models.registry import family_for
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, QuantConfig
+from neuron_opt.errors import ConfigError
+from neuron_opt.lora.config import LoraConfig
 from neuron_opt.parallel import ParallelContext, head_layout
 from neuron_opt.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -55,21 +57,35 @@ def apply_quant_layout(model: torch.nn.Module, qc: QuantConfig | None) -> None:
         model.lm_head.quantize_as(qc.head_config())
 
 
+def apply_lora_capacity(model: torch.nn.Module, lora: LoraConfig | None) -> None:
+    """Give a model the LoRA capacity its graphs take adapters for (`model.lora_config`; neuron_opt.lora).
+    Dense models only: a mixture-of-experts model is refused (ConfigError naming the flag)."""
+    if lora is None:
+        return
+    if model.cfg.is_moe:
+        raise ConfigError("enable_lora: LoRA adapters are served on dense models only, not on mixture-of-experts "
+                          f"models ({model.cfg.architecture})", param="enable_lora")
+    model.lora_config = lora
+
+
 def rank_model_factory(cfg: ModelConfig, par: ParallelConfig, cache: CacheConfig, rank: int,
                        dtype: torch.dtype, pctx: Any = None,
-                       quant: QuantConfig | None = None) -> Callable[[], torch.nn.Module]:
+                       quant: QuantConfig | None = None,
+                       lora: LoraConfig | None = None) -> Callable[[], torch.nn.Module]:
     """A zero-argument factory for rank `rank`'s model skeleton in `dtype`, its parameters allocated once in
     `dtype` and left uninitialised: the caller loads the weights (building in fp32 and casting would hold the
     rank's weights 3x over for a moment, which is what compile's host RAM is planned on).
 
     `pctx`: the rank's ParallelContext (its collectives); default: no collectives, the layouts of `par`.
-    `quant`: the decoder linears hold quantized weights (models.build.apply_quant_layout)."""
+    `quant`: the decoder linears hold quantized weights (models.build.apply_quant_layout).
+    `lora`: the model takes LoRA adapters of this capacity (apply_lora_capacity)."""
 
     def make() -> torch.nn.Module:
         ctx = pctx if pctx is not None else ParallelContext(par.tp, rank, sequence_parallel=par.sequence_parallel)
         with torch.device("meta"):  # parameters take no memory yet; the rope tables are built on the CPU
             model = model_class(cfg)(cfg, head_layout(cfg, par), cache.max_model_len, ctx)
             apply_quant_layout(model, quant)
+            apply_lora_capacity(model, lora)
         model = model.to(dtype)  # meta parameters change dtype for free; buffers are cast as before
         materialize_parameters(model)
         return model.eval()

@@ -40,6 +40,7 @@ from torch import nn
 
 from neuron_opt.config import ModelConfig, norm_roles
 from neuron_opt.errors import CheckpointError
+from neuron_opt.lora.ops import LayerLora, LoraInputs
 from neuron_opt.parallel import (
     SINGLE,
     ColumnParallelLinear,
@@ -347,14 +348,17 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, kv_len: int, seq_sharded: bool = False,
-                window: torch.Tensor | None = None) -> torch.Tensor:
+                window: torch.Tensor | None = None, lora: LayerLora | None = None) -> torch.Tensor:
         """`window`: this layer's sliding window as a 1-element int64 tensor, in place of the built-in one (a
-        compiled graph that serves layers of several windows; a window >= the longest sequence is none)."""
+        compiled graph that serves layers of several windows; a window >= the longest sequence is none).
+        `lora`: the rows' adapter terms on q/k/v/o (neuron_opt.lora.ops), added to the base projections."""
         B, S = positions.shape
         if seq_sharded:
             x = seq_gather(x, self.pctx, S)  # [B, S, H] from [B, S_pad/tp, H]
         qkv = self._modules.get("qkv_proj")  # set once, at build time (fuse_quantized_projections)
         q, k, v = qkv(x) if qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        if lora is not None:
+            q, k, v = lora.add("q_proj", x, q), lora.add("k_proj", x, k), lora.add("v_proj", x, v)
         if self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, S, self.n_heads, self.D)  # [B, S, n_heads, D]
@@ -371,6 +375,8 @@ class Attention(nn.Module):
         # rope tables wider than x (fp32 tables under bf16 weights) make rope and attention run wide; o_proj
         # takes x's dtype again
         out = out.to(x.dtype).transpose(1, 2).reshape(B, S, self.n_heads * self.D)  # [B, S, n_heads*D]
+        if lora is not None:  # a row-parallel term: this rank's partial joins the base layer's all-reduce
+            return self.o_proj(out, scatter_seq=seq_sharded, delta=lora.delta("o_proj", out))
         return self.o_proj(out, scatter_seq=seq_sharded)
 
     def fuse_quantized_projections(self) -> None:
@@ -447,13 +453,18 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(I, H, cfg.mlp_bias, pctx)
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # GeGLU (Gemma); else SwiGLU. Both give 0 at 0: padding
 
-    def forward(self, x: torch.Tensor, seq_sharded: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seq_sharded: bool = False, lora: LayerLora | None = None) -> torch.Tensor:
         if seq_sharded:
             # padded rows ride along: they are reduce-scattered back into the padding and never read
             x = self.pctx.comm.all_gather(x, dim=1)  # [B, S_pad, H] from [B, S_pad/tp, H]
         gate_up = self._modules.get("gate_up_proj")  # set once, at build time (fuse_quantized_projections)
         gate, up = gate_up(x) if gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        if lora is not None:
+            gate, up = lora.add("gate_proj", x, gate), lora.add("up_proj", x, up)
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        if lora is not None:
+            h = act * up
+            return self.down_proj(h, scatter_seq=seq_sharded, delta=lora.delta("down_proj", h))
         return self.down_proj(act * up, scatter_seq=seq_sharded)
 
     def fuse_quantized_projections(self) -> None:
@@ -505,7 +516,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, kv_len: int, seq_sharded: bool = False, decode: bool = False,
-                window: torch.Tensor | None = None) -> torch.Tensor:
+                window: torch.Tensor | None = None, lora: LayerLora | None = None) -> torch.Tensor:
         # `decode`: a token-generation step (decode or verify graph), for a feed-forward block that lays its
         # weights out per phase (models.moe under a hybrid expert layout); a dense MLP has one layout.
         # under sequence parallelism x is this rank's [B, S_pad/tp, H] chunk: norms and residuals run on it.
@@ -513,13 +524,19 @@ class DecoderLayer(nn.Module):
         # graphs do this for accuracy, see neuron_opt/backends/cpu_graphs.py): norms run on it, each branch's
         # input takes the weights' dtype and its output comes back to x's. Same dtype: the casts are no-ops.
         # Norm layouts (ModelConfig.norm_layout): a role without a norm passes its tensor through.
+        # `lora`: the rows' adapter terms (neuron_opt.lora.ops) on the attention and dense MLP projections
         dt = getattr(self, next(iter(self.norms.values()))).weight.dtype
         a = self.self_attn(self._norm("attn_in", x).to(dt), cos, sin, positions, slot_mapping, block_tables,
-                           k_cache, v_cache, kv_len, seq_sharded, window)
+                           k_cache, v_cache, kv_len, seq_sharded, window, lora)
         x = x + self._residual(self._norm("attn_out", a)).to(x.dtype)
         mlp = getattr(self, self.mlp_name)
         h = self._norm("mlp_in", x).to(dt)
-        out = mlp(h, seq_sharded, decode) if getattr(mlp, "per_phase", False) else mlp(h, seq_sharded)
+        if lora is not None and not isinstance(mlp, MLP):
+            raise ValueError("LoRA adapters apply to dense MLPs only, not to a mixture-of-experts block")
+        if lora is not None:
+            out = mlp(h, seq_sharded, lora)
+        else:
+            out = mlp(h, seq_sharded, decode) if getattr(mlp, "per_phase", False) else mlp(h, seq_sharded)
         return x + self._residual(self._norm("mlp_out", out)).to(x.dtype)
 
     def _residual(self, branch: torch.Tensor) -> torch.Tensor:
@@ -539,6 +556,9 @@ class Backbone(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # the LoRA capacity its graphs take adapters for (neuron_opt.lora.LoraConfig), set by models.build; None: none
+    lora_config = None
+
     def __init__(self, cfg: ModelConfig, lay: HeadLayout, max_model_len: int,
                  pctx: ParallelContext = SINGLE, ops: TorchOps = TORCH_OPS,
                  mlp_factory: MlpFactory | None = None) -> None:
@@ -571,19 +591,21 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 block_tables: torch.Tensor, last_index: torch.Tensor, k_caches: list[torch.Tensor],
-                v_caches: list[torch.Tensor], kv_len: int, decode: bool = False) -> torch.Tensor:
+                v_caches: list[torch.Tensor], kv_len: int, decode: bool = False,
+                lora: LoraInputs | None = None) -> torch.Tensor:
         """Run one step; returns this rank's fp32 logits [B, V/tp] at `last_index` [B] of each row, or
         [B, T, V/tp] at every index of a [B, T] `last_index` (a verify step scores all its positions).
-        `decode`: a token-generation step (a decode or verify bucket), static per graph like the shapes."""
+        `decode`: a token-generation step (a decode or verify bucket), static per graph like the shapes.
+        `lora`: the adapter stacks and each row's slot (neuron_opt.lora.ops; None: the base model only)."""
         x, sp = self.hidden_states(input_ids, positions, slot_mapping, block_tables, k_caches, v_caches, kv_len,
-                                   decode, last_index)
+                                   decode, last_index, lora)
         x = self._last_rows(x, last_index, sp)  # [B, H] or [B, T, H]
         return self.finish_logits(self.lm_head(self.model.norm(x)).float())  # [B, V/tp] or [B, T, V/tp]
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                       block_tables: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                      kv_len: int, decode: bool = False, last_index: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, bool]:
+                      kv_len: int, decode: bool = False, last_index: torch.Tensor | None = None,
+                      lora: LoraInputs | None = None) -> tuple[torch.Tensor, bool]:
         """The decoder's output before the final norm, [B, S, H] (sequence-parallel: this rank's [B, S_pad/tp, H]
         chunk), and whether it is sequence-parallel; the LM head (`forward`) or a pooling step
         (models.pooling) takes it from there. `last_index`: the step's last real positions, which pick longrope's
@@ -599,8 +621,12 @@ class LlamaForCausalLM(nn.Module):
         ropes = layer_rope_inputs(self.cfg, tables, positions, x.dtype, last_index)  # each [B, S, 1, R]
         for i, layer in enumerate(self.model.layers):
             cos, sin = ropes[i]
-            x = layer(x, cos, sin, positions, slot_mapping, block_tables, k_caches[i], v_caches[i], kv_len, sp,
-                      decode)
+            if lora is not None:
+                x = layer(x, cos, sin, positions, slot_mapping, block_tables, k_caches[i], v_caches[i], kv_len, sp,
+                          decode, lora=lora.layer(i))
+            else:
+                x = layer(x, cos, sin, positions, slot_mapping, block_tables, k_caches[i], v_caches[i], kv_len, sp,
+                          decode)
         return x, sp
 
     def scale_embeddings(self, x: torch.Tensor) -> torch.Tensor:

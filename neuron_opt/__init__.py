@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):  # lazy: importing neuron_opt must not import torch
@@ -12,6 +12,10 @@ def __getattr__(name: str):  # lazy: importing neuron_opt must not import torch
         from neuron_opt.api import LLM
 
         return LLM
+    if name == "LoRARequest":
+        from neuron_opt.lora.registry import LoRARequest
+
+        return LoRARequest
     if name == "SamplingParams":
         from neuron_opt.runtime.sampling import SamplingParams
 

@@ -9,6 +9,12 @@ artifacts run on the backend they were compiled for.
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(max_tokens=32))
     print(out.text)
+
+LoRA adapters (docs/lora.md): an artifact compiled with `--enable-lora` (or a checkpoint with `lora=LoraConfig(...)`)
+runs each call's prompts under an adapter, vLLM-style:
+
+    llm = LLM("artifact-dir")
+    out = llm.generate("...", lora_request=LoRARequest("sql", "/path/to/peft-adapter"))
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from neuron_opt.config import ParallelConfig
 from neuron_opt.errors import ConfigError
 from neuron_opt.executors import LoadedModel, is_artifact, load_model
 from neuron_opt.executors import build_model as build_model  # re-exported: eager models for tests and scripts
+from neuron_opt.lora.config import LoraConfig
+from neuron_opt.lora.registry import LoraManager, LoRARequest
 from neuron_opt.object_store import is_remote, resolve
 from neuron_opt.runtime.engine import Engine, encode_chat
 from neuron_opt.runtime.output import GenerationOutput, RequestOutput, collect, model_eos_token_ids
@@ -87,12 +95,12 @@ class LLM:
                  batch_size: int | None = None, parallel: ParallelConfig | None = None,
                  num_speculative_tokens: int | None = None,
                  trusted_keys: Sequence[str | Path] | None = None, verified: VerifiedManifest | None = None,
-                 s3_endpoint_url: str | None = None) -> None:
+                 s3_endpoint_url: str | None = None, lora: LoraConfig | None = None) -> None:
         if is_remote(model):
             model = resolve(model, endpoint_url=s3_endpoint_url, trusted_keys=trusted_keys)
         self._adopt(load_model(model, dtype=dtype, max_model_len=max_model_len, batch_size=batch_size,
                                parallel=parallel, num_speculative_tokens=num_speculative_tokens,
-                               trusted_keys=trusted_keys, verified=verified), trusted_keys)
+                               trusted_keys=trusted_keys, verified=verified, lora=lora), trusted_keys)
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, trusted_keys: Sequence[str | Path] | None = None) -> LLM:
@@ -108,6 +116,29 @@ class LLM:
         self._drafts: dict[tuple[str, int], LLM] = {}
         self.trusted_keys = trusted_keys
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
+        self.loras = LoraManager(self.runner.executor, self.config) if self.runner.lora_config is not None else None
+        self._lora_paths: dict[str, str] = {}
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Register `request.lora_path` under `request.lora_name` (validated now; ConfigError naming the field).
+        Registering the same name and path again does nothing; the name with another path is refused."""
+        if self.loras is None:
+            raise ConfigError("lora_request: this model takes no LoRA adapters (compile it with --enable-lora, or "
+                              "give a checkpoint lora=LoraConfig(...))", param="lora_request")
+        if request.lora_name in self.loras:
+            if self._lora_paths.get(request.lora_name) != str(request.lora_path):
+                raise ConfigError(f"lora_request: {request.lora_name!r} is registered with another path "
+                                  f"({self._lora_paths.get(request.lora_name)})", param="lora_request")
+            return
+        self.loras.register(request.lora_name, request.lora_path)
+        self._lora_paths[request.lora_name] = str(request.lora_path)
+
+    def remove_lora(self, name: str) -> None:
+        """Forget a registered adapter (KeyError when unknown)."""
+        if self.loras is None:
+            raise KeyError(name)
+        self.loras.unregister(name)
+        self._lora_paths.pop(name, None)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -119,22 +150,31 @@ class LLM:
         return encode_chat(self.tokenizer, messages, tools)
 
     def _run(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
-             speculative: SpeculativeConfig | None) -> tuple[list[GenerationOutput], SpecStats]:
+             speculative: SpeculativeConfig | None,
+             loras: Sequence[LoRARequest | None] | None = None) -> tuple[list[GenerationOutput], SpecStats]:
         """Every prompt through one engine, stepped here until all have finished; their outputs in prompt order and
-        the engine's speculation counters. A request that fails raises its error (after the others finish)."""
+        the engine's speculation counters. A request that fails raises its error (after the others finish).
+        `loras`: each prompt's adapter (None: the base model)."""
         if len(prompts) != len(params):
             raise ConfigError(f"params: {len(params)} sampling parameters for {len(prompts)} prompts; give one, or "
                               "one per prompt", param="params")
+        loras = list(loras) if loras is not None else [None] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ConfigError(f"lora_request: {len(loras)} adapters for {len(prompts)} prompts; give one, or one per "
+                              "prompt", param="lora_request")
+        for lr in loras:
+            if lr is not None:
+                self.add_lora(lr)
         seqs = max(1, min(len(prompts), self.runner.buckets.decode_batches[-1]))
         draft = None
         if speculative is not None and speculative.model is not None:
             draft = self.draft(speculative.model, seqs).runner
         engine = Engine(self.runner, self.tokenizer, self.eos_token_ids, max_num_seqs=seqs,
                         max_waiting=len(prompts), enable_prefix_caching=False, enable_chunked_prefill=False,
-                        speculative=speculative, draft=draft, grammars=self.grammars)
+                        speculative=speculative, draft=draft, grammars=self.grammars, loras=self.loras)
         outs: list[list[RequestOutput]] = [[] for _ in prompts]
-        for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
-            engine.add_request(str(i), list(ids), p, outs[i].append)
+        for i, (ids, p, lr) in enumerate(zip(prompts, params, loras, strict=True)):
+            engine.add_request(str(i), list(ids), p, outs[i].append, lora=lr.lora_name if lr is not None else None)
         while engine.num_unfinished:
             engine.step()
         for o in outs:
@@ -145,19 +185,24 @@ class LLM:
                 raise RuntimeError(f"generation failed: {last.error}")
         return [collect(ids, o) for ids, o in zip(prompts, outs, strict=True)], engine.spec_stats
 
-    def generate_ids(self, prompt_ids: list[int], params: SamplingParams | None = None) -> GenerationOutput:
-        return self._run([prompt_ids], [params or SamplingParams()], None)[0][0]
+    def generate_ids(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                     lora_request: LoRARequest | None = None) -> GenerationOutput:
+        return self._run([prompt_ids], [params or SamplingParams()], None, [lora_request])[0][0]
 
     def generate_batch(self, prompts: Sequence[Sequence[int]],
                        params: SamplingParams | Sequence[SamplingParams] | None = None,
-                       speculative: SpeculativeConfig | None = None) -> list[GenerationOutput]:
+                       speculative: SpeculativeConfig | None = None,
+                       lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                       ) -> list[GenerationOutput]:
         """Many prompts (token ids) batched through the engine (continuous batching: up to the runner's largest
         decode batch at once); `params`: one for all, or one per prompt; `speculative`: speculative decoding for
         all of them. Each output is what `generate_ids` gives its prompt alone (greedy: the same tokens up to the
         rounding differences between batch sizes of the graphs; seeded: the same samples)."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
-        return self._run(prompts, params, speculative)[0]
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(prompts)
+        return self._run(prompts, params, speculative, lora_request)[0]
 
     def generate_ids_speculative(self, prompt_ids: list[int], params: SamplingParams | None,
                                  speculative: SpeculativeConfig) -> tuple[GenerationOutput, SpecStats]:
@@ -207,9 +252,11 @@ class LLM:
                 raise RuntimeError(f"embedding failed: {o[-1].error}")
         return [o[-1].embedding for o in outs]
 
-    def generate(self, prompt: str, params: SamplingParams | None = None) -> GenerationOutput:
+    def generate(self, prompt: str, params: SamplingParams | None = None,
+                 lora_request: LoRARequest | None = None) -> GenerationOutput:
         ids = self.tokenizer(prompt)["input_ids"]
-        return self.generate_ids(list(ids), params)
+        return self.generate_ids(list(ids), params, lora_request)
 
-    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None) -> GenerationOutput:
-        return self.generate_ids(self.encode_chat(messages), params)
+    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
+             lora_request: LoRARequest | None = None) -> GenerationOutput:
+        return self.generate_ids(self.encode_chat(messages), params, lora_request)

@@ -44,6 +44,7 @@ from neuron_opt.buckets import Bucket, BucketConfig
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, QuantConfig
 from neuron_opt.errors import ArtifactError, ConfigError
 from neuron_opt.headers import read_capped
+from neuron_opt.lora.config import LoraConfig
 from neuron_opt.parallel import head_layout
 from neuron_opt.signing import SIGNATURE, check_signature, load_trusted_keys, sign_manifest, trusted_key_paths
 
@@ -93,6 +94,7 @@ class Manifest:
     source: dict[str, Any]
     quant: QuantConfig = QuantConfig()  # weight-only quantization of the decoder linears (none by default)
     draft: str | None = None  # a draft model's artifact compiled alongside (a directory in this one), if any
+    lora: LoraConfig | None = None  # the LoRA capacity its graphs take adapters for (compile --enable-lora)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -103,6 +105,7 @@ class Manifest:
             "source": self.source, "files": self.files, "quant": dataclasses.asdict(self.quant),
             **({"draft": self.draft} if self.draft is not None else {}),
             **({"task": "embed", "pooling": self.model.pooling} if self.model.is_embedding else {}),
+            **({"lora": self.lora.to_dict()} if self.lora is not None else {}),
         }
 
     @property
@@ -123,7 +126,8 @@ class Manifest:
                    graphs=d["graphs"], files=d["files"], versions=d["versions"], source=d.get("source", {}),
                    quant=QuantConfig(**{**d.get("quant", {}),
                                         "modules_to_not_convert": tuple(d.get("quant", {}).get(
-                                            "modules_to_not_convert", ()))}), draft=d.get("draft"))
+                                            "modules_to_not_convert", ()))}), draft=d.get("draft"),
+                   lora=LoraConfig.from_dict(d["lora"]) if d.get("lora") is not None else None)
 
     def bucket_files(self, root: Path) -> dict[Bucket, list[Path]]:
         return {Bucket.from_key(k): [root / f for f in fs] for k, fs in self.graphs.items()}

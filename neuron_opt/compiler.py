@@ -38,6 +38,7 @@ from neuron_opt.embeddings import resolve_task
 from neuron_opt.errors import ConfigError
 from neuron_opt.gguf_quant import native_quant, stored_tensors
 from neuron_opt.kv_quant import CALIBRATION_TEXT, calibrate, fold
+from neuron_opt.lora.config import LoraConfig
 from neuron_opt.parallel import ParallelContext, head_layout
 from neuron_opt.parallel.sharding import rank_shards
 from neuron_opt.planner import format_plan_table
@@ -137,6 +138,7 @@ class CompileRequest:
     pooling: str | None = None  # embed: last | mean | cls, overriding the checkpoint's
     normalize: bool | None = None  # embed: L2-normalise the pooled vector; None: the checkpoint's (else on)
     matryoshka_dims: tuple[int, ...] | None = None  # embed: sizes a request may truncate to (`dimensions`)
+    lora: LoraConfig | None = None  # compile --enable-lora: graphs that take LoRA adapters (neuron_opt.lora)
 
 
 DRAFT_DIR = "draft"  # where a draft model's artifact lies inside its target's
@@ -265,13 +267,14 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
     tokenizer = ckpt.tokenizer()
     check_draft_request(req, tokenizer)
     dtype_name = req.dtype or default_dtype(req.backend)
-    req = CompileRequest(**{**asdict(req), "dtype": dtype_name, "parallel": req.parallel})
+    req = CompileRequest(**{**asdict(req), "dtype": dtype_name, "parallel": req.parallel, "lora": req.lora})
     cache_cfg, buckets = plan_buckets(cfg, req)
     par = req.parallel
     timings_dir = req.cache_dir or envs.CACHE_DIR / "compile"
     qc, stored = resolve_quant(req, ckpt)
     if cfg.is_embedding and qc.lm_head:  # `--quantize auto` of a GGUF whose head is quantized: no head here
         qc = dataclasses.replace(qc, lm_head=False)
+    check_lora_request(req, cfg)
     log(format_plan(cfg, par, cache_cfg, buckets, req.backend, qc.method or dtype_name, timings_dir))
     if cfg.is_embedding:
         log(f"  {describe_task(cfg)}")
@@ -297,6 +300,7 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
             "cache": asdict(cache_cfg), "bucket": bucket.key, "rank": rank, "backend": req.backend,
             "backend_options": req.backend_options, "dtype": dtype_name, "versions": versions(),
             "code": code, "quant": asdict(qc),
+            **({"lora": req.lora.to_dict()} if req.lora is not None else {}),
         })
 
     def canonical() -> Any:
@@ -317,7 +321,7 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
         this rank's weights plus one tensor in flight, never the checkpoint; planner.memory.plan_memory).
         Quantized layers quantize each tensor as it arrives; fp8 KV scales are folded in first (kv_quant)."""
         pctx = None if comm is None else ParallelContext(par.tp, rank, comm, par.sequence_parallel)
-        model = rank_model_factory(cfg, par, cache_cfg, rank, dtype, pctx, quant=qc)()
+        model = rank_model_factory(cfg, par, cache_cfg, rank, dtype, pctx, quant=qc, lora=req.lora)()
         tensors = canonical() if kv_scales is None else fold(canonical(), *kv_scales)
         shards = (pair for name, t in tensors  # GGUF blocks kept as stored: tp 1 only (resolve_quant)
                   for pair in ([(name, t)] if isinstance(t, QuantTensor) else rank_shards(name, t, cfg, lay, rank)))
@@ -356,11 +360,23 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
             model=cfg, parallel=par, cache=cache_cfg, buckets=buckets, backend=req.backend, dtype=dtype_name,
             backend_options=req.backend_options, graphs=graphs, quant=qc,
             source={"model": str(ckpt.source), "format": ckpt.format, "weights_sha256": fingerprint},
-            draft=DRAFT_DIR if req.speculative_model else None))
+            draft=DRAFT_DIR if req.speculative_model else None, lora=req.lora))
     except BaseException:
         writer.abort()
         raise
     return CompileReport(manifest, hits, misses, time.perf_counter() - t0)
+
+
+def check_lora_request(req: CompileRequest, cfg: Any) -> None:
+    """`--enable-lora` needs a backend whose graphs take adapters and a dense model (ConfigError otherwise)."""
+    if req.lora is None:
+        return
+    if not backend_class(req.backend).supports_lora:
+        raise ConfigError(f"enable_lora: the {req.backend} backend does not take LoRA adapters yet; use --backend "
+                          "cpu or eager", param="enable_lora")
+    if cfg.is_moe:
+        raise ConfigError(f"enable_lora: LoRA adapters are served on dense models only, not on {cfg.architecture}",
+                          param="enable_lora")
 
 
 def resolve_quant(req: CompileRequest, ckpt: Any) -> tuple[QuantConfig, bool]:

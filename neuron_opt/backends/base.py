@@ -29,6 +29,9 @@ class StepInputs:
     slot_mapping: torch.Tensor  # [B, S] where each token's K/V go: block * block_size + offset; pads: 0 (null)
     block_tables: torch.Tensor  # [B, nb] each row's blocks in logical order, padded with the null block 0
     last_index: torch.Tensor  # [B] index along S whose logits are returned; verify steps: [B, S], every index
+    # [B] each row's LoRA adapter slot (0: the base model; padding rows 0), for models compiled with a LoRA
+    # capacity (neuron_opt.lora); None otherwise. Not one of `arrays()`: only LoRA graphs take it
+    lora_slots: torch.Tensor | None = None
 
     def arrays(self) -> tuple[torch.Tensor, ...]:
         """The five inputs in the order every graph takes them."""
@@ -46,6 +49,8 @@ class Executor(Protocol):
 
     k_caches: list[torch.Tensor]
     v_caches: list[torch.Tensor]
+    # Executors of a model compiled with a LoRA capacity also have `lora_config` (neuron_opt.lora.LoraConfig),
+    # `load_lora(slot, adapter)` and `clear_lora(slot)`: they write every rank's shard of the adapter's slot
 
     def run(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
         """fp32 logits [B, V_local] of the rows' `last_index` tokens ([B, S, V_local] for a verify step)."""
@@ -82,6 +87,7 @@ class Backend:
         compiles_graphs: whether `compile_bucket` compiles anything (the compile speed is measured only then).
         est_seconds_per_graph: the plan's compile-time estimate per 30-layer graph until this machine measured
             its own (compiler.record_compile_speed).
+        supports_lora: its graphs take LoRA adapter stacks and slots as inputs (`compile --enable-lora`).
         targets_instance: the plan sizes the memory of `--instance` (else of this CPU host).
     """
 
@@ -90,6 +96,7 @@ class Backend:
     compiles_graphs: ClassVar[bool] = True
     est_seconds_per_graph: ClassVar[float] = 60.0
     targets_instance: ClassVar[bool] = False
+    supports_lora: ClassVar[bool] = False
 
     # -- class-level: before the backend is built --------------------------------------------------------------
 

@@ -46,6 +46,8 @@ from neuron_opt.backends.eager import load_model_weights, model_state_for_save
 from neuron_opt.buckets import DECODE, VERIFY, Bucket
 from neuron_opt.config import CacheConfig
 from neuron_opt.errors import ArtifactError, BackendCompileError, BucketOverflowError, ConfigError
+from neuron_opt.lora.adapter import load_into_slot
+from neuron_opt.lora.ops import stacks_for
 from neuron_opt.quant import check_uniform_layers, quantized_modules
 
 # 2: recipes name several sources (fused projections), heads may take their weight as an input; 3: max_model_len;
@@ -151,6 +153,7 @@ class CpuBackend(Backend):
     name = "cpu"
     # measured on a 2-core AVX-512 machine (SmolLM2-135M, docs/cpu_backend.md)
     est_seconds_per_graph = 15.0
+    supports_lora = True
 
     @classmethod
     def default_dtype(cls) -> str:
@@ -216,6 +219,7 @@ class CpuBackend(Backend):
         moe_kernel = self.options["moe_gather"] == "kernel" and has_moe_block(model.model.layers[0])
         if kernel or int8_kernel or moe_kernel:
             cpu_ops.ensure(f"cpu layer graph for {bucket.key}", BackendCompileError)
+        lora = model.lora_config
         gemm = self.options["gemm"]
         if (bucket.num_tokens == 1 or (exact and bucket.batch == 1)) and self.options["one_row_gemm"] != "same":
             gemm = self.options["one_row_gemm"]
@@ -224,13 +228,15 @@ class CpuBackend(Backend):
             cpu_ops.ensure(f"cpu layer graph for {bucket.key}", BackendCompileError)
             gemm = "aten"
         layer = LayerGraph(model.model.layers[0], self.dtype, decode_attention, bucket.generates, exact, kernel,
-                           int8_kernel, moe_kernel, window_input=model.cfg.mixed_windows, linear_kernel=linear_kernel)
+                           int8_kernel, moe_kernel, window_input=model.cfg.mixed_windows or lora is not None,
+                           linear_kernel=linear_kernel, lora_targets=lora.target_modules if lora is not None else ())
         # with every expert product on the operator (static token counts) no batched GEMM is left in the graph
         gathered = moe_kernel and static_tokens(bucket)
         recipes = compile_graph(layer, args, dyn, layer_gemm(layer, gemm, gathered), so,
                                 f"cpu layer graph for {bucket.key}", self.options["fuse_projections"] == "on")
         return {"kind": "layer", "phase": bucket.phase, "batch": bucket.batch, "num_blocks": cache.num_blocks,
-                "block_size": cache.block_size, "constants": {k: r.to_dict() for k, r in recipes.items()}}
+                "block_size": cache.block_size, "constants": {k: r.to_dict() for k, r in recipes.items()},
+                "lora": lora.to_dict() if lora is not None else None}
 
     def _int8_kernel(self, module: torch.nn.Module) -> bool:
         """Whether `module`'s graph computes its int8 products on cpu_ops' int8_linear."""
@@ -344,8 +350,17 @@ class _HeadCall:
         return self.runner.run(list(inputs))[0]
 
 
+class _ModelShape:
+    """What sharding an adapter needs of a rank model (neuron_opt.lora.adapter.load_into_slot), without its
+    weights."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.cfg, self.layout, self.lora_config, self.pctx = model.cfg, model.layout, model.lora_config, model.pctx
+
+
 class CpuExecutor:
-    """Runs a bucket: eager embedding -> layer containers -> head container. Owns the KV block pools.
+    """Runs a bucket: eager embedding -> layer containers -> head container. Owns the KV block pools (and, with a
+    LoRA capacity, the adapter stacks: `load_lora`, `clear_lora`).
 
     Any bucket whose graphs the artifact has runs, compiled for it or not: a prefill of any token count from 2 up
     runs on its batch's dynamic prefill graph (`graph_keys`). The runner therefore pads prefills to a multiple of
@@ -363,7 +378,8 @@ class CpuExecutor:
         tensors = {**dict(model.state_dict()), **dict(model.named_buffers())}
         store = _WeightStore(tensors)
         self.pooled = model.cfg.is_embedding  # an embedding model: pool graphs return [B, H] embeddings
-        metas = self._read_metas(graph_files, cache, dtype, model.max_model_len, self.pooled)
+        lora = model.lora_config
+        metas = self._read_metas(graph_files, cache, dtype, model.max_model_len, self.pooled, lora)
         if any(m["extern_ops"] for m in metas.values()):  # the graphs call our C++ operators: load them first
             cpu_ops.ensure("this artifact's cpu graphs", ArtifactError)
         runners: dict[str, list[Any]] = {}
@@ -388,15 +404,20 @@ class CpuExecutor:
         self.rope = model_rope_tables(model.cfg, model.max_model_len)  # kind -> [max_model_len, R] each
         # a model whose layers mix windows passes each layer's window to the shared layer graph (LayerGraph)
         self.windows = [window_input(model.cfg, i, model.max_model_len) for i in range(n_layers)] \
-            if model.cfg.mixed_windows else None
+            if model.cfg.mixed_windows or lora is not None else None
         self.k_caches, self.v_caches = allocate_kv(model, cache, dtype)
+        # LoRA: the adapter stacks, graph inputs of every layer container (neuron_opt.lora.ops); the model is kept
+        # only as the description `load_lora` shards adapters by (its weights are dropped below)
+        self.lora_config = lora
+        self.lora_stacks = stacks_for(model, dtype)
+        self._lora_model = _ModelShape(model) if lora is not None else None
         # user_managed constants: the containers keep raw pointers, so we must keep the tensors alive. The model
         # and its unpacked GEMM weights are not referenced past this point and are freed with it.
         self.constants = store.built
 
     @staticmethod
     def _read_metas(graph_files: dict[Bucket, list[Path]], cache: CacheConfig, dtype: torch.dtype,
-                    max_model_len: int, pooled: bool = False) -> dict[Path, dict[str, Any]]:
+                    max_model_len: int, pooled: bool = False, lora: Any = None) -> dict[Path, dict[str, Any]]:
         metas: dict[Path, dict[str, Any]] = {}
         for bucket, files in graph_files.items():
             keys = {Path(f).name.removesuffix(META_SUFFIX) for f in files if str(f).endswith(META_SUFFIX)}
@@ -411,7 +432,8 @@ class CpuExecutor:
                 want = {"format": FORMAT, "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."),
                         "max_model_len": max_model_len}
                 if meta["kind"] == "layer":
-                    want.update(num_blocks=cache.num_blocks, block_size=cache.block_size)
+                    want.update(num_blocks=cache.num_blocks, block_size=cache.block_size,
+                                lora=lora.to_dict() if lora is not None else None)
                 bad = {k: (meta.get(k), v) for k, v in want.items() if meta.get(k) != v}
                 if bad:
                     raise ArtifactError(f"{f}: compiled for a different setup (artifact, here): {bad}; recompile")
@@ -436,6 +458,13 @@ class CpuExecutor:
             return lambda ids: blocks[ids // bn, :, ids % bn, :].reshape(*ids.shape, H)  # [B, S, H]
         return lambda ids: torch.nn.functional.embedding(ids, w)
 
+    def load_lora(self, slot: int, adapter: Any) -> None:
+        load_into_slot(self.lora_stacks, slot, adapter, self._lora_model)  # type: ignore[arg-type]
+
+    def clear_lora(self, slot: int) -> None:
+        assert self.lora_stacks is not None
+        self.lora_stacks.clear_slot(slot)
+
     @torch.no_grad()
     def run(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
         route = self._routes.get(graph_keys(bucket, self.pooled))
@@ -457,10 +486,13 @@ class CpuExecutor:
             x = x * self.cfg.embedding_multiplier
         ropes = layer_rope_inputs(self.cfg, self.rope, pos, self.rope_dtype,
                                   inputs.last_index)  # per layer, [B, S, 1, R] each
+        lora_slots = inputs.lora_slots if inputs.lora_slots is not None else torch.zeros(x.shape[0], dtype=torch.long)
         ks, vs = self.k_caches, self.v_caches
         for i, layer in enumerate(layers):
             cos, sin = ropes[i]
             window = [] if self.windows is None else [self.windows[i]]
+            if self.lora_stacks is not None:
+                window = [*window, lora_slots, *self.lora_stacks.layer_tensors(i)]
             x = layer.run([x, cos, sin, pos, slots, tables, ks[i], vs[i], *window])[0]
         if self.pooled:  # the final norm and the pooling over every row: [B, S, H] -> [B, H]
             return head(x, inputs.last_index)

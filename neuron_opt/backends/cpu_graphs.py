@@ -14,6 +14,10 @@ Design decisions (see docs/cpu_backend.md)
   activations, not from the bf16 weights; fp32 logits (HeadGraph) remove most of the rest.
 - The LM head graph takes the already-gathered last hidden states [B, H], so it depends only on B (a verify
   bucket scores every position: B * q_len rows).
+- LoRA (a model with `lora_config`, neuron_opt.lora): the layer graph takes the window (every LoRA graph does), the
+  rows' adapter slots and a tuple of the layer's A/B stacks as inputs, so loading an adapter writes tensors and
+  recompiles nothing; the per-row product is the broadcast-and-sum form (neuron_opt.lora.ops), which Inductor
+  fuses into loops (the C++ GEMM template has no batched GEMM).
 - Rope and attention run in fp32 when the model runs in bf16: the executor passes fp32 rope tables, so q and k
   come out of rope in fp32 (one bf16 rounding fewer for q; K/V are rounded once, into the bf16 cache). Also
   faster: aten's CPU flash attention does its bf16 q.k and p.v products with MKL's bf16 gemv, slower than the
@@ -46,6 +50,7 @@ from neuron_opt.backends.cpu_constants import (
 from neuron_opt.buckets import PREFILL, VERIFY, Bucket
 from neuron_opt.config import CacheConfig
 from neuron_opt.errors import BackendCompileError
+from neuron_opt.lora.ops import LayerLora, stacks_for
 from neuron_opt.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from neuron_opt.quant import quantized_modules, use_cpu_kernels
 
@@ -215,8 +220,12 @@ class LayerGraph(nn.Module):
 
     def __init__(self, layer: nn.Module, dtype: torch.dtype, decode_attention: bool, decode: bool,
                  rows_as_decode: bool = False, kernel: bool = False, int8_kernel: bool = False,
-                 moe_kernel: bool = False, window_input: bool = False, linear_kernel: bool = False) -> None:
+                 moe_kernel: bool = False, window_input: bool = False, linear_kernel: bool = False,
+                 lora_targets: tuple[str, ...] = ()) -> None:
         super().__init__()
+        # LoRA: after the window (always an input then) the rows' slots [B], then a tuple of the target modules'
+        # A and B stacks
+        self.lora_targets = lora_targets
         # a model whose layers mix sliding windows (ModelConfig.mixed_windows): the window is the graph's last input
         # (1-element int64; the executor passes each layer's), so one graph serves every layer
         self.window_input = window_input
@@ -234,10 +243,16 @@ class LayerGraph(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, window: torch.Tensor | None = None) -> torch.Tensor:
+                v_cache: torch.Tensor, window: torch.Tensor | None = None, lora_slots: torch.Tensor | None = None,
+                lora_stacks: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
         kv_len = block_tables.shape[1] * k_cache.shape[2]  # every position the blocks hold
+        lora = None
+        if self.lora_targets:
+            assert lora_slots is not None
+            lora = LayerLora(lora_slots, {m: (lora_stacks[2 * j], lora_stacks[2 * j + 1])
+                                          for j, m in enumerate(self.lora_targets)}, loop=True)
         return self.layer(x, cos, sin, positions, slot_mapping, block_tables, k_cache, v_cache, kv_len,
-                          decode=self.decode, window=window if self.window_input else None)
+                          decode=self.decode, window=window if self.window_input else None, lora=lora)
 
 
 class HeadGraph(nn.Module):
@@ -343,9 +358,14 @@ def layer_example(model: nn.Module, bucket: Bucket, cache: CacheConfig, dtype: t
     slots = tables[:, -1:] * bs + positions % bs
     args = (torch.randn(B, S, H).to(residual_dtype), torch.randn(B, S, 1, R).to(rope_dtype),
             torch.randn(B, S, 1, R).to(rope_dtype), positions, slots, tables, k, v)
-    extra: tuple[None, ...] = ()
-    if model.cfg.mixed_windows:  # LayerGraph's window input
+    extra: tuple[Any, ...] = ()
+    stacks = stacks_for(model, dtype)
+    if model.cfg.mixed_windows or stacks is not None:  # LayerGraph's window input (LoRA graphs always take it)
         args, extra = (*args, torch.tensor([cache.max_model_len], dtype=torch.int64)), (None,)
+    if stacks is not None:  # LayerGraph's LoRA inputs: the rows' slots, then the layer's stacks (random: no folding)
+        lora_slots = torch.arange(B, dtype=torch.int64) % (stacks.max_loras + 1)
+        tensors = tuple(torch.randn(t.shape).to(dtype) for t in stacks.layer_tensors(0))
+        args, extra = (*args, lora_slots, tensors), (*extra, None, tuple(None for _ in tensors))
     blocks = Dim("blocks", min=2, max=max(3, cache.blocks_per_sequence))  # min < max, even for one-block lengths
     if not static_tokens(bucket):
         t = Dim("tokens", min=2, max=cache.max_model_len)

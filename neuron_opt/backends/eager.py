@@ -11,6 +11,8 @@ from safetensors.torch import load_file, save_file
 from neuron_opt.backends.base import Backend, ModelFactory, StepInputs, allocate_kv
 from neuron_opt.buckets import Bucket
 from neuron_opt.config import CacheConfig
+from neuron_opt.lora.adapter import LoraAdapter, load_into_slot
+from neuron_opt.lora.ops import LoraInputs, stacks_for
 from neuron_opt.quant import QuantTensor, quantized_modules
 
 
@@ -92,16 +94,30 @@ def load_model_weights(model: torch.nn.Module, path: Path) -> None:
 
 
 class EagerExecutor:
+    """The model run eagerly; with a LoRA capacity (`model.lora_config`) it holds the adapter stacks too."""
+
     gathers_candidates = False
 
     def __init__(self, model: torch.nn.Module, cache: CacheConfig) -> None:
         self.model = model.eval()
         dtype = next(model.parameters()).dtype
         self.k_caches, self.v_caches = allocate_kv(model, cache, dtype)
+        self.lora_config = getattr(model, "lora_config", None)
+        self.lora_stacks = stacks_for(model, dtype)
 
     @torch.inference_mode()
     def run(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
+        if self.lora_stacks is not None and inputs.lora_slots is not None:
+            return self.model(*inputs.arrays(), self.k_caches, self.v_caches, bucket.kv_len, bucket.generates,
+                              lora=LoraInputs(self.lora_stacks, inputs.lora_slots))
         return self.model(*inputs.arrays(), self.k_caches, self.v_caches, bucket.kv_len, bucket.generates)
+
+    def load_lora(self, slot: int, adapter: LoraAdapter) -> None:
+        load_into_slot(self.lora_stacks, slot, adapter, self.model)
+
+    def clear_lora(self, slot: int) -> None:
+        assert self.lora_stacks is not None
+        self.lora_stacks.clear_slot(slot)
 
 
 class EagerBackend(Backend):
@@ -110,6 +126,7 @@ class EagerBackend(Backend):
     name = "eager"
     compiles_graphs = False
     est_seconds_per_graph = 0.0
+    supports_lora = True
 
     def __init__(self, dtype: torch.dtype = torch.float32, options: dict | None = None) -> None:
         self.dtype = dtype

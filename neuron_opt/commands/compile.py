@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 from neuron_opt.backends import BACKENDS
+from neuron_opt.commands.lora_flags import add_compile_flags as add_lora_flags
+from neuron_opt.commands.lora_flags import lora_config_from_args
 from neuron_opt.commands.parallel_flags import add_parallel_flags, parallel_config_from_args
 from neuron_opt.config import KVCacheDtype
 
@@ -118,6 +120,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="sign the artifact with this Ed25519 private key (`neuron-opt keygen`): manifest.sig, which "
                         "serve/generate/inspect --trusted-keys check (docs/design.md)")
     add_parallel_flags(p)
+    add_lora_flags(p)
     p.set_defaults(func=run)
 
 
@@ -141,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
         modules_to_not_convert=tuple(m.strip() for m in args.modules_to_not_convert.split(",") if m.strip()),
         quantize_lm_head=args.quantize_lm_head, kv_cache_dtype=KVCacheDtype.parse(args.kv_cache_dtype),
         speculative_model=args.speculative_model, force=args.force, sign_key=args.sign_key, task=args.task,
-        pooling=args.pooling, normalize=args.normalize, matryoshka_dims=args.matryoshka_dims)
+        pooling=args.pooling, normalize=args.normalize, matryoshka_dims=args.matryoshka_dims,
+        lora=lora_config_from_args(args))
     report = compile_artifact(req)
     print(f"compile cache: {len(report.hits)} hit(s), {len(report.misses)} miss(es)")
     for label, why in report.misses.items():

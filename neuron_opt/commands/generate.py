@@ -113,6 +113,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="with --model: eager compute dtype (default float32); an artifact's is fixed at compile")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--lora", default=None, metavar="PATH",
+                   help="run under this PEFT LoRA adapter (an artifact compiled with --enable-lora, or --model)")
     add_sampling_flags(p)
     add_speculative_flags(p)
     add_trusted_keys_flag(p)
@@ -137,13 +139,22 @@ def run(args: argparse.Namespace) -> int:
         verified = read_verified(Path(args.artifact), trusted_keys=args.trusted_keys)
     spec, k = speculative_from_args(args, *(bundled_speculation(args.artifact, verified.manifest)
                                             if verified is not None else (None, None)))
+    lora = None
+    if args.lora is not None:
+        from neuron_opt.lora.adapter import capacity_for
+        from neuron_opt.lora.registry import LoRARequest
+
+        if spec is not None:
+            raise ConfigError("--lora: not with speculative decoding yet", param="lora")
+        lora = LoRARequest("adapter", args.lora)
     llm = LLM(args.artifact or args.model, dtype=args.dtype, parallel=None if args.artifact else parallel,
-              num_speculative_tokens=k, trusted_keys=args.trusted_keys, verified=verified)
+              num_speculative_tokens=k, trusted_keys=args.trusted_keys, verified=verified,
+              lora=capacity_for(args.lora) if lora is not None and not args.artifact else None)
     ids = (llm.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat
            else list(llm.tokenizer(args.prompt)["input_ids"]))
     stats = None
     if spec is None:
-        out = llm.generate_ids(ids, params)
+        out = llm.generate_ids(ids, params, lora)
     else:
         out, stats = llm.generate_ids_speculative(ids, params, spec)
     if args.json:

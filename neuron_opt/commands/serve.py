@@ -79,6 +79,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--dtype", default=None, choices=["float32", "bfloat16"],
         help="with --model: compute dtype (default float32); an artifact's is fixed (given, it must match)"
     )
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="PEFT LoRA adapters served by name (request `model`), for an artifact compiled with "
+                        "--enable-lora; more load at run time: POST /v1/load_lora_adapter (docs/lora.md)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument("--enable-docs", action="store_true",
                    help="serve /docs, /redoc and /openapi.json (off by default: they describe the server to anyone)")

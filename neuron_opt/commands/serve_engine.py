@@ -8,6 +8,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from neuron_opt.commands.lora_flags import parse_lora_modules
 from neuron_opt.errors import ConfigError
 from neuron_opt.server.limits import PROMPT_CHARS_PER_TOKEN, ServerLimits
 
@@ -85,7 +86,7 @@ def build_engine(args: argparse.Namespace) -> Any:
     if spec is not None and spec.model is not None:  # a KV slot in the draft for every sequence the engine runs
         largest = model.runner.buckets.decode_batches[-1]
         draft = load_draft(spec.model, model, min(args.max_num_seqs or largest, largest), args.trusted_keys).runner
-    return Engine(
+    engine = Engine(
         model.runner,
         model.tokenizer,
         model_eos_token_ids(model.model_config.eos_token_ids, model.tokenizer),
@@ -97,3 +98,10 @@ def build_engine(args: argparse.Namespace) -> Any:
         speculative=spec,
         draft=draft,
     )
+    modules = parse_lora_modules(getattr(args, "lora_modules", None))
+    if modules and engine.loras is None:
+        raise ConfigError("--lora-modules: this model takes no adapters (compile it with --enable-lora)",
+                          param="lora_modules")
+    for name, path in modules.items():
+        engine.loras.register(name, path)
+    return engine

@@ -21,12 +21,13 @@ from typing import Any
 
 import torch
 
-from models.build import model_class, rank_model_factory
+from models.build import apply_lora_capacity, model_class, rank_model_factory
 from neuron_opt.backends import backend_class, get_backend
 from neuron_opt.backends.base import Backend, Executor
 from neuron_opt.backends.eager import EagerBackend, EagerExecutor, load_weights
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, torch_dtype
 from neuron_opt.executors.tp import launch_tp_executor, tp_executor_from_state_dict
+from neuron_opt.lora.config import LoraConfig
 from neuron_opt.parallel import ParallelContext, head_layout
 
 SINGLE, SPMD, RANKS = "single", "spmd", "ranks"
@@ -56,12 +57,14 @@ class CheckpointSpec:
     parallel: ParallelConfig
     cache: CacheConfig
     dtype: str = "float32"
+    lora: LoraConfig | None = None  # a LoRA capacity: the model takes adapters (neuron_opt.lora)
 
 
 def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], max_model_len: int,
-                dtype: torch.dtype) -> torch.nn.Module:
-    """A single-rank model with the given (canonical, HF-named) weights."""
+                dtype: torch.dtype, lora: LoraConfig | None = None) -> torch.nn.Module:
+    """A single-rank model with the given (canonical, HF-named) weights (`lora`: its LoRA capacity)."""
     model = model_class(cfg)(cfg, head_layout(cfg, ParallelConfig()), max_model_len)
+    apply_lora_capacity(model, lora)
     load_weights(model, state_dict, "checkpoint")
     return model.to(dtype).eval()
 
@@ -90,7 +93,7 @@ def create_executor(spec: ArtifactSpec | CheckpointSpec) -> Executor:
     comm = backend.rank_collectives(tp, head_layout(m.model, m.parallel).kv_seq_shards)
     contexts = [None if comm is None else ParallelContext(tp, r, comm, m.parallel.sequence_parallel)
                 for r in unit.ranks]
-    factories = [rank_model_factory(m.model, m.parallel, m.cache, r, dtype, ctx, quant=m.quant)
+    factories = [rank_model_factory(m.model, m.parallel, m.cache, r, dtype, ctx, quant=m.quant, lora=m.lora)
                  for r, ctx in zip(unit.ranks, contexts, strict=True)]
     where = tuple(unit.graph_dir.split("/"))
     files = {b: [f for f in fs if f.relative_to(root).parts[:len(where)] == where]
@@ -101,6 +104,7 @@ def create_executor(spec: ArtifactSpec | CheckpointSpec) -> Executor:
 
 def _checkpoint_executor(spec: CheckpointSpec) -> Executor:
     if executor_kind(EagerBackend, spec.parallel.tp) == RANKS:
-        return tp_executor_from_state_dict(spec.config, spec.state_dict, spec.parallel, spec.cache, dtype=spec.dtype)
-    model = build_model(spec.config, spec.state_dict, spec.cache.max_model_len, torch_dtype(spec.dtype))
+        return tp_executor_from_state_dict(spec.config, spec.state_dict, spec.parallel, spec.cache, dtype=spec.dtype,
+                                           lora=spec.lora)
+    model = build_model(spec.config, spec.state_dict, spec.cache.max_model_len, torch_dtype(spec.dtype), spec.lora)
     return EagerExecutor(model, spec.cache)

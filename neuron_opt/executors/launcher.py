@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, QuantConfig
+from neuron_opt.lora.config import LoraConfig
 from neuron_opt.parallel.sharding import HeadLayout, head_layout, shard_state_dict
 
 
@@ -37,6 +38,7 @@ class RankSpec:
     collective_timeout_s: float = 60.0
     threads_per_rank: int = 1
     quant: QuantConfig | None = None  # quantized decoder linears (models.build.apply_quant_layout)
+    lora: LoraConfig | None = None  # the LoRA capacity (models.build.apply_lora_capacity): adapter stacks per rank
 
     @property
     def layout(self) -> HeadLayout:

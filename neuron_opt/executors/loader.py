@@ -20,6 +20,7 @@ from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
 from neuron_opt.embeddings import resolve_task
 from neuron_opt.errors import ConfigError
 from neuron_opt.executors.factory import ArtifactSpec, CheckpointSpec, create_executor, prepare
+from neuron_opt.lora.config import LoraConfig
 from neuron_opt.runtime.runner import ModelRunner
 
 
@@ -38,7 +39,7 @@ def is_artifact(path: str | Path) -> bool:
 
 def check_artifact_settings(manifest: Manifest, *, dtype: str | None, max_model_len: int | None,
                             batch_size: int | None, parallel: ParallelConfig | None,
-                            num_speculative_tokens: int | None = None) -> None:
+                            num_speculative_tokens: int | None = None, lora: LoraConfig | None = None) -> None:
     """An artifact fixes its dtype, KV length, batch size and parallel layout when it is compiled: a value asked
     for here must be the artifact's, else a ConfigError says which and how to get it (never ignored)."""
     m = manifest
@@ -47,7 +48,8 @@ def check_artifact_settings(manifest: Manifest, *, dtype: str | None, max_model_
              "batch_size": (batch_size, m.cache.max_batch, "--batch-size"),
              "parallel": (parallel, m.parallel, "--tp and the layout flags"),
              "num_speculative_tokens": (num_speculative_tokens, m.buckets.num_speculative_tokens,
-                                        "--num-speculative-tokens")}
+                                        "--num-speculative-tokens"),
+             "lora": (lora, m.lora, "--enable-lora --max-loras --max-lora-rank --lora-target-modules")}
     for name, (asked, has, flag) in fixed.items():
         if asked is not None and asked != has:
             raise ConfigError(f"{name}: this artifact was compiled with {name}={has!r}, not {asked!r}; an artifact's "
@@ -58,16 +60,17 @@ def check_artifact_settings(manifest: Manifest, *, dtype: str | None, max_model_
 def load_model(model: str | Path, *, dtype: str | None = None, max_model_len: int | None = None,
                batch_size: int | None = None, parallel: ParallelConfig | None = None,
                num_speculative_tokens: int | None = None, trusted_keys: Sequence[str | Path] | None = None,
-               verified: VerifiedManifest | None = None) -> LoadedModel:
+               verified: VerifiedManifest | None = None, lora: LoraConfig | None = None) -> LoadedModel:
     """An artifact directory (`verified`: its manifest, already read with every check) or a checkpoint (HF
     directory, GGUF file, "default"), ready to run; `verified` is read again only if its files' sha256 were not
     checked.
 
     For a checkpoint the settings say how to run it (defaults float32, the model's limit up to 2048, batch 1,
     tp=1, no verify buckets); for an artifact each is left unset or equal to the artifact's own. `trusted_keys`:
-    the public keys an artifact must be signed by (None: NEURON_OPT_TRUSTED_KEYS)."""
+    the public keys an artifact must be signed by (None: NEURON_OPT_TRUSTED_KEYS). `lora`: a checkpoint's LoRA
+    capacity (neuron_opt.lora; default none); an artifact's, unset or equal to the one it was compiled with."""
     settings = dict(dtype=dtype, max_model_len=max_model_len, batch_size=batch_size, parallel=parallel,
-                    num_speculative_tokens=num_speculative_tokens)
+                    num_speculative_tokens=num_speculative_tokens, lora=lora)
     if is_artifact(model):
         return _load_artifact(Path(model), verified, trusted_keys, settings)
     return _load_checkpoint(model, **settings)
@@ -84,12 +87,13 @@ def _load_artifact(root: Path, verified: VerifiedManifest | None, trusted_keys: 
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
-    runner = ModelRunner(create_executor(spec), m.buckets, m.cache, m.model.vocab_size, m.model.matryoshka_dims)
+    runner = ModelRunner(create_executor(spec), m.buckets, m.cache, m.model.vocab_size, m.model)
     return LoadedModel(m, m.model, tokenizer, runner, m.dtype)
 
 
 def _load_checkpoint(model: str | Path, *, dtype: str | None, max_model_len: int | None, batch_size: int | None,
-                     parallel: ParallelConfig | None, num_speculative_tokens: int | None) -> LoadedModel:
+                     parallel: ParallelConfig | None, num_speculative_tokens: int | None,
+                     lora: LoraConfig | None = None) -> LoadedModel:
     ckpt = open_checkpoint(model)
     dtype, batch_size = dtype or "float32", batch_size or 1
     cfg = resolve_task(ckpt.config)  # a sentence-transformers checkpoint is an embedding model (prefill only)
@@ -99,6 +103,6 @@ def _load_checkpoint(model: str | Path, *, dtype: str | None, max_model_len: int
     buckets = BucketConfig.build(max_prompt_len=max_model_len, max_model_len=max_model_len, max_batch=batch_size,
                                  num_speculative_tokens=num_speculative_tokens or 0,
                                  offset_prefill=not cfg.is_embedding, prefill_only=cfg.is_embedding)
-    spec = CheckpointSpec(cfg, ckpt.state_dict(), parallel or ParallelConfig(), cache, dtype)
-    runner = ModelRunner(create_executor(spec), buckets, cache, cfg.vocab_size, cfg.matryoshka_dims)
+    spec = CheckpointSpec(cfg, ckpt.state_dict(), parallel or ParallelConfig(), cache, dtype, lora)
+    runner = ModelRunner(create_executor(spec), buckets, cache, cfg.vocab_size, cfg)
     return LoadedModel(None, cfg, tokenizer, runner, dtype)

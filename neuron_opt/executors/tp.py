@@ -30,6 +30,7 @@ from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
 from neuron_opt.errors import RankFailedError
 from neuron_opt.executors.launcher import RankSpec, default_threads, free_port, write_rank_weights
 from neuron_opt.executors.worker import rank_main, step_arrays
+from neuron_opt.lora.config import LoraConfig
 from neuron_opt.parallel.collectives import CollectiveCall
 from neuron_opt.parallel.vocab import scatter_candidates
 
@@ -76,7 +77,8 @@ class TPExecutor:
             candidates: None gathers the full logits. K gathers only each rank's top-K and returns -inf
                 everywhere else (exact for greedy and top-k <= K sampling; see neuron_opt.parallel.vocab).
         """
-        msg = ("run", bucket, step_arrays(inputs), candidates)
+        slots = None if inputs.lora_slots is None else inputs.lora_slots.contiguous().numpy()
+        msg = ("run", bucket, step_arrays(inputs), candidates, slots)
         out = self._call(msg, f"step {bucket.key}")
         if candidates is None:
             logits = torch.from_numpy(out)
@@ -90,6 +92,18 @@ class TPExecutor:
             )
         # a verify step scores every position: the ranks send B * q rows
         return logits.view(*inputs.last_index.shape, -1)
+
+    @property
+    def lora_config(self) -> Any:
+        """The ranks' LoRA capacity (neuron_opt.lora.LoraConfig), None when they take no adapters."""
+        return self.spec.lora
+
+    def load_lora(self, slot: int, adapter: Any) -> None:
+        """Every rank writes its shard of `adapter` (neuron_opt.lora.adapter.LoraAdapter) into `slot`."""
+        self._call(("lora", slot, adapter), f"lora slot {slot}")
+
+    def clear_lora(self, slot: int) -> None:
+        self._call(("lora", slot, None), f"lora slot {slot}")
 
     def collective_calls(self) -> list[CollectiveCall]:
         """Collective calls rank 0 made since the last reset (every rank makes the same ones)."""
@@ -177,6 +191,7 @@ def tp_executor_from_state_dict(
     weights_dir: Path | None = None,
     dtype: str = "float32",
     collective_timeout_s: float = 60.0,
+    lora: LoraConfig | None = None,
 ) -> TPExecutor:
     """Shard a canonical state dict to weights_dir/rank{r}.safetensors and start the ranks.
 
@@ -184,10 +199,11 @@ def tp_executor_from_state_dict(
     its shard (ranks read weights only at start-up)."""
     if weights_dir is not None:
         write_rank_weights(sd, cfg, par, weights_dir)
-        spec = RankSpec(cfg, par, cache, str(weights_dir), dtype, collective_timeout_s, default_threads(par.tp))
+        spec = RankSpec(cfg, par, cache, str(weights_dir), dtype, collective_timeout_s, default_threads(par.tp),
+                        lora=lora)
         return TPExecutor(spec)
     with tempfile.TemporaryDirectory(prefix="neuron-opt-tp-") as tmp:
-        return tp_executor_from_state_dict(cfg, sd, par, cache, Path(tmp), dtype, collective_timeout_s)
+        return tp_executor_from_state_dict(cfg, sd, par, cache, Path(tmp), dtype, collective_timeout_s, lora)
 
 
 def launch_tp_executor(root: Path, manifest: Any) -> TPExecutor:
@@ -195,5 +211,5 @@ def launch_tp_executor(root: Path, manifest: Any) -> TPExecutor:
     the model eagerly with gloo collectives."""
     m = manifest
     spec = RankSpec(m.model, m.parallel, m.cache, str(Path(root) / "weights"), m.dtype,
-                    threads_per_rank=default_threads(m.parallel.tp), quant=m.quant)
+                    threads_per_rank=default_threads(m.parallel.tp), quant=m.quant, lora=m.lora)
     return TPExecutor(spec)

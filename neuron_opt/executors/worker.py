@@ -4,6 +4,8 @@ Protocol over the rank's pipe (driver -> rank, then one reply rank -> driver):
   ("run", bucket, arrays, candidates)  -> ("ok", result)   rank 0's result is the finished logits, others None
   ("calls",)                           -> ("ok", [CollectiveCall, ...]) counted since the last reset
   ("reset",)                           -> ("ok", None)
+  ("lora", slot, adapter | None)       -> ("ok", None)   this rank's shard of the adapter written into the slot
+                                                        (None: the slot cleared)
   ("stop",)                            -> ("ok", None), then the rank leaves the group and exits
 Any exception -> ("error", traceback text), and the rank exits with code 1. A closed pipe (driver gone) ends
 the loop. Collectives time out after `collective_timeout_s`, so a peer that dies mid-step cannot hang a rank.
@@ -21,10 +23,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from models.build import apply_quant_layout, model_class
+from models.build import apply_lora_capacity, apply_quant_layout, model_class
 from neuron_opt.backends.base import StepInputs, kv_dtype
 from neuron_opt.backends.eager import load_model_weights
 from neuron_opt.executors.launcher import RankSpec
+from neuron_opt.lora.adapter import load_into_slot
+from neuron_opt.lora.ops import LoraInputs, stacks_for
 from neuron_opt.parallel.collectives import TorchCollectives
 from neuron_opt.parallel.context import Collectives, ParallelContext
 from neuron_opt.parallel.vocab import gather_candidates, gather_full, mask_padded_vocab
@@ -56,6 +60,7 @@ def _build(rank: int, spec: RankSpec, comm: Collectives) -> Any:
     pctx = ParallelContext(par.tp, rank, comm, sequence_parallel=par.sequence_parallel)
     model = model_class(spec.model)(spec.model, spec.layout, spec.cache.max_model_len, pctx)
     apply_quant_layout(model, spec.quant)
+    apply_lora_capacity(model, spec.lora)
     load_model_weights(model, Path(spec.weights_dir) / f"rank{rank}.safetensors")
     return model.to(DTYPES[spec.dtype]).eval()
 
@@ -87,6 +92,7 @@ def rank_main(rank: int, port: int, spec: RankSpec, conn: Connection) -> None:
         L = spec.model.num_hidden_layers
         k_caches = [torch.zeros(shape, dtype=dtype) for _ in range(L)]
         v_caches = [torch.zeros(shape, dtype=dtype) for _ in range(L)]
+        stacks = stacks_for(model, DTYPES[spec.dtype])
         conn.send(("ok", "ready"))
         while True:
             try:
@@ -94,11 +100,24 @@ def rank_main(rank: int, port: int, spec: RankSpec, conn: Connection) -> None:
             except EOFError:  # the driver is gone
                 break
             if msg[0] == "run":
-                _, bucket, arrays, candidates = msg
+                _, bucket, arrays, candidates = msg[:4]
+                slots = msg[4] if len(msg) > 4 else None
                 inputs = StepInputs(*(torch.from_numpy(a) for a in arrays))
+                lora = None if stacks is None or slots is None else LoraInputs(stacks, torch.from_numpy(slots))
                 with torch.inference_mode():
-                    local = model(*inputs.arrays(), k_caches, v_caches, bucket.kv_len, bucket.generates)
+                    if lora is not None:
+                        local = model(*inputs.arrays(), k_caches, v_caches, bucket.kv_len, bucket.generates,
+                                      lora=lora)
+                    else:
+                        local = model(*inputs.arrays(), k_caches, v_caches, bucket.kv_len, bucket.generates)
                     conn.send(("ok", _finish(local.float(), rank, spec, comm, candidates)))
+            elif msg[0] == "lora":
+                _, slot, adapter = msg
+                if adapter is None:
+                    stacks.clear_slot(slot)
+                else:
+                    load_into_slot(stacks, slot, adapter, model)
+                conn.send(("ok", None))
             elif msg[0] == "calls":
                 conn.send(("ok", list(comm.counter.calls)))
             elif msg[0] == "reset":

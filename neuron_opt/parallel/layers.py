@@ -119,8 +119,12 @@ class RowParallelLinear(_Linear):
         """This rank's un-reduced product (no bias): what the all-reduce sums."""
         return self._matmul(x, None)
 
-    def forward(self, x: torch.Tensor, scatter_seq: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, scatter_seq: bool = False, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """`delta`: a term of this rank's to add to its partial sum before the reduction (a LoRA adapter's
+        row-parallel product: neuron_opt.lora.ops)."""
         partial = self.partial(x)
+        if delta is not None:
+            partial = partial + delta.to(partial.dtype)
         y = seq_scatter(partial, self.pctx) if scatter_seq else self.pctx.comm.all_reduce(partial)
         return y if self.bias is None else y + self.bias
 

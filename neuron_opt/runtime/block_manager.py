@@ -12,6 +12,8 @@ Design decisions
   findable until it is handed out again, so a prefix outlives the request that computed it; a sequence's
   blocks are freed tail first, so its prefix's head, the part other prompts are likeliest to share, is evicted
   last. Taking a cached block out of the queue (a hit) or handing it out (eviction) is O(1).
+- A salt (a LoRA adapter's identity, neuron_opt.lora) seeds the first block's hash, so K/V computed under one
+  adapter is found only by requests under the same adapter; no salt: the base model's chain, as before.
 - A block is never written while shared: a prefix hit covers only full blocks, and it stops before the last
   prompt token (which must be computed for its logits), so a sequence only ever writes blocks it owns alone.
 - `allocate` is all or nothing: it either gives a sequence every block it asked for or changes nothing, so
@@ -84,13 +86,13 @@ class BlockManager:
     def table(self, seq_id: str) -> list[int]:
         return self.tables[seq_id]
 
-    def cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+    def cached_prefix(self, token_ids: Sequence[int], salt: bytes | None = None) -> list[int]:
         """Blocks holding the longest cached prefix of `token_ids` (full blocks only, and never the block that
-        holds the last token, whose logits must be computed). Looks, changes nothing."""
+        holds the last token, whose logits must be computed) computed under `salt`. Looks, changes nothing."""
         if not self.enable_prefix_caching:
             return []
         out: list[int] = []
-        parent: bytes | None = None
+        parent: bytes | None = salt
         for i in range((len(token_ids) - 1) // self.block_size):
             h = hash_block(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
             b = self.cached.get(h)
@@ -143,15 +145,16 @@ class BlockManager:
         """Whether `commit` with `num_computed` would hash a block."""
         return self.enable_prefix_caching and num_computed // self.block_size > len(self.hashes[seq_id])
 
-    def commit(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:
-        """`seq_id` now holds K/V for its first `num_computed` tokens (`token_ids`, at least that many): every
-        block that became full is hashed and, when no other block holds the same prefix, made findable."""
+    def commit(self, seq_id: str, token_ids: Sequence[int], num_computed: int, salt: bytes | None = None) -> None:
+        """`seq_id` now holds K/V for its first `num_computed` tokens (`token_ids`, at least that many), computed
+        under `salt`: every block that became full is hashed and, when no other block holds the same prefix, made
+        findable."""
         if not self.enable_prefix_caching:
             return
         table, hashes = self.tables[seq_id], self.hashes[seq_id]
         bs = self.block_size
         for i in range(len(hashes), num_computed // bs):
-            h = hash_block(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs])
+            h = hash_block(hashes[-1] if hashes else salt, token_ids[i * bs:(i + 1) * bs])
             hashes.append(h)
             b = table[i]
             if self.block_hash[b] is None and h not in self.cached:

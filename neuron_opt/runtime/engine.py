@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from neuron_opt.errors import ConfigError, NeuronOptError, QueueFullError
+from neuron_opt.lora.registry import LoraManager
 from neuron_opt.runtime.output import OutputProcessor, RequestOutput, send
 from neuron_opt.runtime.request import Request
 from neuron_opt.runtime.runner import DecodeRow, ModelRunner, PrefillRow, VerifyRow
@@ -121,6 +122,8 @@ class Engine:
         draft: the draft model's runner, for `speculative.method == "draft_model"` (and only for it).
         grammars: the model's GrammarCompiler, to share its cache of compiled grammars with other engines of the
             same model; None: the engine's own.
+        loras: the model's LoRA adapters and slots (neuron_opt.lora.registry.LoraManager), shared with other
+            engines of the model; None: the engine's own when the model has a LoRA capacity.
     """
 
     def __init__(
@@ -137,6 +140,7 @@ class Engine:
         speculative: SpeculativeConfig | None = None,
         draft: ModelRunner | None = None,
         grammars: GrammarCompiler | None = None,
+        loras: LoraManager | None = None,
     ) -> None:
         self.runner, self.tokenizer, self.eos_token_ids = runner, tokenizer, tuple(eos_token_ids)
         largest = runner.buckets.decode_batches[-1]
@@ -161,6 +165,10 @@ class Engine:
             check_fits=runner.check_fits,
             lookahead=speculative.num_speculative_tokens if speculative is not None else 0,
         )
+        if loras is None and runner.lora_config is not None:
+            loras = LoraManager(runner.executor, runner.model_config)
+        self.loras = loras
+        self.scheduler.lora = loras
         self.max_waiting = max_waiting
         self.stats = EngineStats()
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids)  # engine thread only
@@ -234,6 +242,7 @@ class Engine:
         arrival_time: float | None = None,
         grammar: Any = None,
         share_prefix_with: str | None = None,
+        lora: str | None = None,
     ) -> None:
         """Queue a request. Raises ContextLengthError / ConfigError / QueueFullError synchronously.
 
@@ -241,11 +250,12 @@ class Engine:
             grammar: `compile_grammar(params)`'s result when the caller compiled it already (else compiled here).
             share_prefix_with: a request queued before this one with the same prompt (a sibling sample of `n`):
                 this one is admitted after that one's prompt has K/V, so it takes its blocks from the prefix cache.
+            lora: the name of a registered LoRA adapter to run under (`loras`); None: the base model.
         """
         if self.embeds:
             raise ConfigError("this model is an embedding model (compiled with --task embed): it computes embeddings "
                               "(/v1/embeddings, LLM.embed), not text", param="model")
-        self._submit(request_id, prompt_token_ids, params, on_output, arrival_time, grammar, share_prefix_with)
+        self._submit(request_id, prompt_token_ids, params, on_output, arrival_time, grammar, share_prefix_with, lora)
 
     def add_embedding_request(self, request_id: str, prompt_token_ids: list[int],
                               on_output: Callable[[RequestOutput], object], arrival_time: float | None = None) -> None:
@@ -258,15 +268,25 @@ class Engine:
 
     def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 on_output: Callable[[RequestOutput], object], arrival_time: float | None = None, grammar: Any = None,
-                share_prefix_with: str | None = None) -> None:
+                share_prefix_with: str | None = None, lora: str | None = None) -> None:
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped after an internal error: {self.error!r}")
         self.scheduler.validate(len(prompt_token_ids), params.max_tokens)
         state = None
         if params.structured is not None:
             state = self.grammars.state(params.structured, params.stop_token_ids, grammar)
+        salt = None
+        if lora is not None:
+            if self.loras is None:
+                raise ConfigError("lora: this model was compiled without --enable-lora", param="model")
+            try:
+                salt = self.loras.begin_request(lora)
+            except KeyError:
+                raise ConfigError(f"lora: no adapter named {lora!r} is loaded", param="model") from None
         with self._lock:
             if self._pending >= self.scheduler.max_num_seqs + self.max_waiting:
+                if lora is not None:
+                    self.loras.end_request(lora)  # type: ignore[union-attr]
                 raise QueueFullError(
                     f"server busy: {self._pending} requests in flight "
                     f"({self.scheduler.max_num_seqs} running + {self.max_waiting} waiting); retry later"
@@ -278,6 +298,8 @@ class Engine:
             params.max_tokens,
             arrival_time if arrival_time is not None else time.monotonic(),
             share_prefix_with=share_prefix_with,
+            lora_name=lora,
+            cache_salt=salt,
         )
         seq = _Sequence(req, SamplerState.create(params, state))
         self._inbox.put(_Command("add", request_id, seq, params, on_output))
@@ -326,6 +348,8 @@ class Engine:
             except Exception as e:  # a bug (admission and validation ran in add_request): fail this request only
                 with self._lock:
                     self._pending -= 1
+                if cmd.seq.request.lora_name is not None and self.loras is not None:
+                    self.loras.end_request(cmd.seq.request.lora_name)
                 send(cmd.on_output, RequestOutput(cmd.request_id, (), "", cmd.seq.request.num_prompt_tokens, 0, True,
                                                   "error", error=str(e), time=time.monotonic(), exception=e))
                 return
@@ -374,7 +398,7 @@ class Engine:
         if self.embeds:
             self._embed(group)
             return
-        rows = [PrefillRow(p.blocks, p.token_ids, p.start) for p in group]
+        rows = [PrefillRow(p.blocks, p.token_ids, p.start, p.lora_slot) for p in group]
         sampled = [p.request_id for p in group if p.last]
         t0 = time.perf_counter()
         try:
@@ -423,10 +447,11 @@ class Engine:
                 seqs = [self._seqs[rid] for rid in ids]
                 step = spec.plan(decodes, [s.request for s in seqs], [s.state.grammar for s in seqs])
             if step is not None and step.verify:
-                rows = [VerifyRow(d.blocks, (d.token, *step.proposals[d.request_id]), d.position) for d in decodes]
+                rows = [VerifyRow(d.blocks, (d.token, *step.proposals[d.request_id]), d.position, d.lora_slot)
+                        for d in decodes]
                 logits = self.runner.verify(rows, candidates=self._candidates(ids))
             else:
-                logits = self.runner.decode([DecodeRow(d.blocks, d.token, d.position) for d in decodes],
+                logits = self.runner.decode([DecodeRow(d.blocks, d.token, d.position, d.lora_slot) for d in decodes],
                                             candidates=self._candidates(ids))
             self.stats.graph_s += time.perf_counter() - t0
         except Exception as e:
@@ -492,8 +517,10 @@ class Engine:
 
     def _release(self, request_id: str) -> None:
         """Forget a finished request: its blocks, its speculative state, its place among those in flight."""
-        del self._seqs[request_id]
+        seq = self._seqs.pop(request_id)
         self.scheduler.finish(request_id)
+        if seq.request.lora_name is not None and self.loras is not None:
+            self.loras.end_request(seq.request.lora_name)
         if self.speculation is not None:
             self.speculation.forget(request_id)
         with self._lock:

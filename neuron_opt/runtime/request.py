@@ -32,6 +32,11 @@ class Request:
     # a request with the same prompt queued before this one (a sibling sample of `n`): admitted after that one's
     # prompt has its K/V, so its full blocks come from the prefix cache
     share_prefix_with: str | None = None
+    # LoRA (neuron_opt.lora): the adapter's name (None: the base model), the slot it runs in while running (0:
+    # none held), and its prefix-cache salt (block hashes under one adapter never match another's)
+    lora_name: str | None = None
+    lora_slot: int = 0
+    cache_salt: bytes | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

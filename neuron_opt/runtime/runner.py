@@ -10,12 +10,15 @@ Padding rules:
   at max_model_len - 1) and their outputs are dropped. Block tables are padded with the null block, whose
   logical positions lie beyond the row's tokens (masked for every real query).
 - missing batch rows: one token at position 0 over the null block.
+Each row may name a LoRA adapter slot (`lora_slot`, neuron_opt.lora; 0: the base model), which becomes the step's
+`lora_slots` for executors of a model with a LoRA capacity; padding rows take slot 0.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,6 +36,7 @@ class DecodeRow:
     blocks: Blocks
     token: int
     position: int
+    lora_slot: int = 0
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class PrefillRow:
     blocks: Blocks
     tokens: tuple[int, ...]
     start: int = 0
+    lora_slot: int = 0
 
 
 @dataclass(frozen=True)
@@ -53,14 +58,18 @@ class VerifyRow:
     blocks: Blocks
     tokens: tuple[int, ...]
     position: int
+    lora_slot: int = 0
 
 
 class ModelRunner:
+    """`model_config`: the model's ModelConfig where the caller has it (LoRA adapters are checked against it; an
+    embedding model's `matryoshka_dims`, the sizes its vectors may be truncated to, come from it)."""
+
     def __init__(self, executor: Executor, buckets: BucketConfig, cache: CacheConfig, vocab_size: int,
-                 matryoshka_dims: tuple[int, ...] = ()) -> None:
-        """`matryoshka_dims`: an embedding model's sizes its vectors may be truncated to (ModelConfig's)."""
+                 model_config: Any = None) -> None:
         self.executor, self.buckets, self.cache, self.vocab_size = executor, buckets, cache, vocab_size
-        self.matryoshka_dims = tuple(matryoshka_dims)
+        self.model_config = model_config
+        self.matryoshka_dims = tuple(getattr(model_config, "matryoshka_dims", ()))
         self.last_bucket: Bucket | None = None
         # tokens a prefill is padded to a multiple of, on executors that run any prefill length (0: the compiled
         # prefill lengths only; buckets.pick_prefill)
@@ -126,6 +135,21 @@ class ModelRunner:
             tables[i, : len(use)] = torch.tensor(use, dtype=torch.long)
         return tables
 
+    @property
+    def lora_config(self) -> Any:
+        """The model's LoRA capacity (neuron_opt.lora.LoraConfig), None when it takes no adapters."""
+        return getattr(self.executor, "lora_config", None)
+
+    def _lora_slots(self, rows: Sequence[Any], batch: int) -> torch.Tensor | None:
+        """The step's per-row adapter slots [batch] (padding rows 0), None for a model without LoRA."""
+        if self.lora_config is None:
+            if any(r.lora_slot for r in rows):
+                raise ValueError("a row names a LoRA slot, but this model was compiled without --enable-lora")
+            return None
+        slots = torch.zeros(batch, dtype=torch.long)
+        slots[: len(rows)] = torch.tensor([r.lora_slot for r in rows], dtype=torch.long)
+        return slots
+
     def _run(self, bucket: Bucket, inputs: StepInputs, candidates: int | None) -> torch.Tensor:
         self.last_bucket = bucket
         if self.thread_policy is not None:
@@ -182,7 +206,14 @@ class ModelRunner:
             slots[i, :n] = torch.tensor([self._slot(blocks, p) for p in range(r.start, r.start + n)])
             last[i] = n - 1
             tables.append(blocks)
-        return bucket, StepInputs(ids, pos, slots, self._tables(tables, B, bucket.kv_len), last)
+    """`model_config`: the model's ModelConfig where the caller has it (LoRA adapters are checked against it; an
+    embedding model's `matryoshka_dims`, the sizes its vectors may be truncated to, come from it)."""
+
+    def __init__(self, executor: Executor, buckets: BucketConfig, cache: CacheConfig, vocab_size: int,
+                 model_config: Any = None) -> None:
+        self.executor, self.buckets, self.cache, self.vocab_size = executor, buckets, cache, vocab_size
+        self.model_config = model_config
+        self.matryoshka_dims = tuple(getattr(model_config, "matryoshka_dims", ()))
 
     def decode(self, rows: list[DecodeRow], candidates: int | None = None) -> torch.Tensor:
         """One token per row at its position; returns fp32 logits [len(rows), V]."""
@@ -196,7 +227,8 @@ class ModelRunner:
             blocks = self._blocks(r.blocks)
             ids[i, 0], pos[i, 0], slots[i, 0] = r.token, r.position, self._slot(blocks, r.position)
             tables.append(blocks)
-        inputs = StepInputs(ids, pos, slots, self._tables(tables, B, bucket.kv_len), torch.zeros(B, dtype=torch.long))
+        inputs = StepInputs(ids, pos, slots, self._tables(tables, B, bucket.kv_len), torch.zeros(B, dtype=torch.long),
+                            self._lora_slots(rows, B))
         return self._run(bucket, inputs, candidates)[: len(rows), : self.vocab_size]
 
     @property
@@ -225,5 +257,5 @@ class ModelRunner:
             slots[i, :n] = torch.tensor([self._slot(blocks, r.position + j) for j in range(n)])
             tables.append(blocks)
         inputs = StepInputs(ids, pos, slots, self._tables(tables, B, bucket.kv_len),
-                            torch.arange(q).expand(B, q).contiguous())
+                            torch.arange(q).expand(B, q).contiguous(), self._lora_slots(rows, B))
         return self._run(bucket, inputs, candidates)[: len(rows), :, : self.vocab_size]

@@ -17,6 +17,9 @@ Design decisions (vLLM's policy, on our buckets)
   them again (prompt and generated tokens, in chunks) and continues where it stopped. No request is lost and
   its client sees nothing but a pause. Artifacts without offset prefill buckets cannot resume a sequence
   mid-way, so there a request reserves blocks for its prompt + max_tokens at admission and is never preempted.
+- LoRA (`lora`, neuron_opt.lora.registry.LoraManager): a request under an adapter takes a slot when it is admitted
+  (waiting, FCFS, while none is free) and gives it back when it finishes or is preempted; its prefix-cache
+  blocks are salted with the adapter's identity.
 - A request that can never fit (prompt + max_tokens beyond the model's limit) is rejected by `validate`
   before it is queued; the check is pure, so the engine calls it in the caller's thread and the HTTP layer
   gets the error synchronously.
@@ -30,6 +33,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from neuron_opt.errors import ConfigError
 from neuron_opt.runtime.block_manager import BlockManager
@@ -46,6 +50,7 @@ class PrefillWork:
     token_ids: tuple[int, ...]
     start: int = 0
     last: bool = True
+    lora_slot: int = 0
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,7 @@ class DecodeWork:
     blocks: tuple[int, ...]
     token: int
     position: int
+    lora_slot: int = 0
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,7 @@ class Scheduler:
             never run (the runner's `check_fits`).
         lookahead: extra positions every decoding sequence holds blocks for (speculative tokens verified in
             one step).
+        lora: the adapter slots (`acquire(name) -> slot | None`, `release(slot)`), for requests under an adapter.
     """
 
     def __init__(
@@ -109,6 +116,7 @@ class Scheduler:
         max_num_batched_tokens: int = 2048,
         check_fits: Callable[[int, int, bool], None] | None = None,
         lookahead: int = 0,
+        lora: Any = None,
     ) -> None:
         if max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs: must be >= 1, got {max_num_seqs}")
@@ -117,6 +125,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens, self.kv, self.lookahead = max_num_batched_tokens, kv, lookahead
         self._check_fits = check_fits
+        self.lora = lora
         self.blocks = BlockManager(kv.num_blocks, kv.block_size, kv.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: OrderedDict[str, Request] = OrderedDict()  # admission order = decode row order
@@ -167,7 +176,8 @@ class Scheduler:
             need = min(req.num_computed_tokens + 1 + self.lookahead, self.kv.max_model_len)
             if not self._allocate_or_preempt(req, need, preempted, scheduled):
                 continue
-            decodes.append(DecodeWork(rid, tuple(self.blocks.table(rid)), req.last_token, req.num_computed_tokens))
+            decodes.append(DecodeWork(rid, tuple(self.blocks.table(rid)), req.last_token, req.num_computed_tokens,
+                                      req.lora_slot))
             scheduled.add(rid)
             budget -= 1
         prefills: list[PrefillWork] = []
@@ -185,7 +195,12 @@ class Scheduler:
             req = self.waiting[0]
             if self._prompt_pending(req.share_prefix_with):
                 break  # a sibling sample: its prompt's blocks will be in the prefix cache after this step
-            prefix = self.blocks.cached_prefix(req.prompt_token_ids + req.output_token_ids)
+            if req.lora_name is not None and not req.lora_slot:
+                slot = self.lora.acquire(req.lora_name) if self.lora is not None else None
+                if slot is None:
+                    break  # every adapter slot is in use: wait, as for blocks
+                req.lora_slot = slot
+            prefix = self.blocks.cached_prefix(req.prompt_token_ids + req.output_token_ids, req.cache_salt)
             computed = len(prefix) * self.kv.block_size
             remaining = req.num_tokens - computed
             if chunked or remaining > self.kv.max_prefill_len:  # the latter: a preempted sequence, resumed
@@ -220,7 +235,7 @@ class Scheduler:
         start = req.num_computed_tokens
         tokens = (req.prompt_token_ids + req.output_token_ids)[start:start + chunk]
         return PrefillWork(req.request_id, tuple(self.blocks.table(req.request_id)), tuple(tokens), start,
-                           start + chunk == req.num_tokens)
+                           start + chunk == req.num_tokens, req.lora_slot)
 
     def _allocate_or_preempt(self, req: Request, num_tokens: int, preempted: list[str], scheduled: set[str]) -> bool:
         """Blocks for `num_tokens` of a running request, preempting the newest running requests not yet
@@ -233,8 +248,14 @@ class Scheduler:
                 return False
         return True
 
+    def _release_lora(self, req: Request) -> None:
+        if req.lora_slot and self.lora is not None:
+            self.lora.release(req.lora_slot)
+        req.lora_slot = 0
+
     def _preempt(self, req: Request) -> None:
         self.blocks.free_sequence(req.request_id)
+        self._release_lora(req)
         del self.running[req.request_id]
         req.num_computed_tokens, req.status = 0, RequestStatus.WAITING
         self.waiting.appendleft(req)
@@ -244,7 +265,8 @@ class Scheduler:
         """A prefill chunk that did not reach the last token ran: its tokens now have K/V."""
         req = self.running[request_id]
         req.num_computed_tokens += num_tokens
-        self.blocks.commit(request_id, req.prompt_token_ids + req.output_token_ids, req.num_computed_tokens)
+        self.blocks.commit(request_id, req.prompt_token_ids + req.output_token_ids, req.num_computed_tokens,
+                           req.cache_salt)
 
     def update(self, request_id: str, token: int) -> Request:
         """Record the token sampled from the last computed position: everything before it now has K/V."""
@@ -252,7 +274,8 @@ class Scheduler:
         req.num_computed_tokens = req.num_tokens
         req.output_token_ids.append(token)
         if self.blocks.has_new_full_block(request_id, req.num_computed_tokens):  # (skips the list copy otherwise)
-            self.blocks.commit(request_id, req.prompt_token_ids + req.output_token_ids, req.num_computed_tokens)
+            self.blocks.commit(request_id, req.prompt_token_ids + req.output_token_ids, req.num_computed_tokens,
+                               req.cache_salt)
         return req
 
     def finish(self, request_id: str) -> Request | None:
@@ -261,10 +284,12 @@ class Scheduler:
         req = self.running.pop(request_id, None)
         if req is not None:
             self.blocks.free_sequence(request_id)
+            self._release_lora(req)
         else:
             req = next((r for r in self.waiting if r.request_id == request_id), None)
             if req is None:
                 return None
             self.waiting.remove(req)
+            self._release_lora(req)  # a request may hold its adapter's slot while it waits for blocks
         req.status = RequestStatus.FINISHED
         return req

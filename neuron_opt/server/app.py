@@ -33,6 +33,7 @@ from neuron_opt.errors import NeuronOptError, QueueFullError
 from neuron_opt.runtime.engine import Engine
 from neuron_opt.server.embeddings import EmbeddingRequest, EmbeddingServing
 from neuron_opt.server.limits import ServerLimits
+from neuron_opt.server.lora_routes import add_lora_routes, lora_cards
 from neuron_opt.server.metrics import ServerMetrics
 from neuron_opt.server.protocol import (
     ChatCompletionRequest,
@@ -181,6 +182,7 @@ def engine_metrics(engine: Engine, model_name: str) -> ServerMetrics:
         (lambda: engine.spec_stats) if engine.spec is not None else None,
         lambda: engine.prefix_cache_stats,
         lambda: engine.stats.preemptions,
+        getattr(engine, "loras", None),
     )
 
 
@@ -248,7 +250,9 @@ def create_app(
             "max_model_len": max_model_len,
             "permission": [],
         }
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card, *lora_cards(engine, model_name, max_model_len)]}
+
+    add_lora_routes(app, engine, model_name, lambda request, model: _parse(request, model, max_body))
 
     @app.get("/metrics")
     async def prometheus() -> Response:

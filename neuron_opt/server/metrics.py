@@ -150,6 +150,7 @@ class ServerMetrics:
         spec_stats: Callable[[], Any] | None = None,
         prefix_stats: Callable[[], Any] | None = None,
         preemptions: Callable[[], int] = lambda: 0,
+        loras: Any = None,
     ) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
@@ -177,6 +178,14 @@ class ServerMetrics:
         labelled(Gauge, "num_requests_running", "Requests holding KV blocks.").set_function(num_running)
         labelled(Gauge, "num_requests_waiting", "Requests queued (or preempted) for KV blocks.").set_function(
             num_waiting)
+        # LoRA (neuron_opt.lora): requests by adapter ("" = the base model), adapters registered and in slots
+        self._lora_requests = Counter(PREFIX + "lora_requests", "Requests queued, by LoRA adapter (empty: the base "
+                                      "model).", ["model_name", "lora_name"], registry=self.registry)
+        if loras is not None:
+            labelled(Gauge, "lora_adapters_loaded", "LoRA adapters registered (loaded by name).").set_function(
+                lambda: len(loras.names()))
+            labelled(Gauge, "lora_adapters_resident", "LoRA adapters held in the model's adapter slots.") \
+                .set_function(lambda: loras.num_resident)
         labelled(Gauge, "kv_cache_usage_perc", "Fraction of KV blocks held by sequences (0-1).").set_function(
             kv_usage)
 
@@ -185,6 +194,10 @@ class ServerMetrics:
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generation_tokens)
         self.e2e.observe(e2e_s)
+
+    def lora_request(self, lora_name: str | None) -> None:
+        """Count a queued request under its adapter (None: the base model)."""
+        self._lora_requests.labels(self.model_name, lora_name or "").inc()
 
     def request_rejected(self, status: int) -> None:
         """Count a refusal answered with `status` (other statuses are not refusals: not counted)."""

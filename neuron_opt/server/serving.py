@@ -105,9 +105,14 @@ class OpenAIServing:
 
     # ---- shared --------------------------------------------------------------------------------------
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise NotFoundError(f"The model `{name}` does not exist.")
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter `name` picks (None: the base model); NotFoundError for a name that is neither."""
+        if name is None or name == self.model_name:
+            return None
+        loras = getattr(self.engine, "loras", None)
+        if loras is not None and name in loras:
+            return name
+        raise NotFoundError(f"The model `{name}` does not exist.")
 
     def check_generates(self) -> None:
         """A text route on an embedding model is a 400 naming `model` (server/embeddings.py serves it)."""
@@ -139,7 +144,8 @@ class OpenAIServing:
             raise ProtocolError(f"cannot apply the chat template: {e}", "messages") from None
 
     async def _submit(self, req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
-                      params: SamplingParams, arrival: float) -> tuple[list[str], asyncio.Queue]:
+                      params: SamplingParams, arrival: float,
+                      lora: str | None = None) -> tuple[list[str], asyncio.Queue]:
         """Compile the request's grammar (worker thread) and queue its `n` samples on the engine. Raises
         ContextLengthError / ConfigError (their `param` naming the request's field) / QueueFullError; nothing stays
         queued when any sample is refused."""
@@ -156,7 +162,9 @@ class OpenAIServing:
                     rid = uuid.uuid4().hex
                     self.engine.add_request(
                         rid, prompt_ids, p, lambda o, i=i: loop.call_soon_threadsafe(q.put_nowait, (i, o)),
-                        arrival_time=arrival, grammar=grammar, share_prefix_with=rids[0] if rids else None)
+                        arrival_time=arrival, grammar=grammar, share_prefix_with=rids[0] if rids else None,
+                        **({"lora": lora} if lora is not None else {}))
+                    self.metrics.lora_request(lora)
                     rids.append(rid)
             except BaseException:
                 for rid in rids:
@@ -235,7 +243,7 @@ class OpenAIServing:
     async def completions(
         self, req: CompletionRequest, arrival: float, is_disconnected: Callable[[], Any]
     ) -> dict[str, Any] | AsyncIterator[str]:
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         self.check_generates()
         req.check_limits(self.limits, self.max_model_len)
         self._check_ids(req.stop_token_ids or [], "stop_token_ids", self.vocab_size)
@@ -244,12 +252,12 @@ class OpenAIServing:
         self._check_ids(ids, "prompt")
         with _request_fields(req):
             params = req.sampling_params(len(ids), self.max_model_len, self.vocab_size)
-        rids, q = await self._submit(req, ids, params, arrival)
+        rids, q = await self._submit(req, ids, params, arrival, lora)
         head = {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
             "created": int(time.time()),
-            "model": self.model_name,
+            "model": lora or self.model_name,
         }
         if req.stream:
             def choice(i: int, out: RequestOutput, lps: list[TokenLogprob], offset: int) -> list[dict[str, Any]]:
@@ -287,7 +295,7 @@ class OpenAIServing:
     async def chat(
         self, req: ChatCompletionRequest, arrival: float, is_disconnected: Callable[[], Any]
     ) -> dict[str, Any] | AsyncIterator[str]:
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         self.check_generates()
         req.check_limits(self.limits, self.max_model_len)
         self._check_ids(req.stop_token_ids or [], "stop_token_ids", self.vocab_size)
@@ -299,12 +307,12 @@ class OpenAIServing:
                                          tools.structured(parser) if active and tools is not None else None)
         if active and not parser.skip_special_tokens:  # its call marker is a special token
             params = dataclasses.replace(params, skip_special_tokens=False)
-        rids, q = await self._submit(req, ids, params, arrival)
+        rids, q = await self._submit(req, ids, params, arrival, lora)
         head = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": self.model_name,
+            "model": lora or self.model_name,
         }
 
         def finish(reason: str | None, called: bool) -> str | None:

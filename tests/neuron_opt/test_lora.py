@@ -1,0 +1,369 @@
+"""Multi-LoRA serving against HF transformers + PEFT: adapters made with peft in the test (random A, non-zero B,
+so each changes the greedy text), run in one mixed batch together with base-model rows (eager, tp=2 ranks, cpu
+graphs); bad adapters refused with the field named; slot eviction; prefix-cache isolation between adapters."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import load_hf, make_tiny
+
+from neuron_opt.api import LLM
+from neuron_opt.config import ModelConfig, ParallelConfig
+from neuron_opt.errors import ConfigError
+from neuron_opt.lora.adapter import read_adapter
+from neuron_opt.lora.config import LoraConfig
+from neuron_opt.lora.registry import LoRARequest
+from neuron_opt.runtime.sampling import SamplingParams
+
+peft = pytest.importorskip("peft")
+
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+PROMPTS = [[5, 9, 13, 2, 44, 71, 8], [17, 3, 99, 120, 6], [30, 31, 32, 33, 34, 35, 36, 37, 38], [250, 11, 7]]
+
+
+def make_adapter(base: Path, out: Path, r: int, alpha: float, targets: list[str] | str, seed: int,
+                 rslora: bool = False, **extra) -> Path:
+    """A PEFT LoRA adapter of `base` with random A and B (B non-zero), saved as PEFT saves it."""
+    torch.manual_seed(seed)
+    cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, lora_dropout=0.0,
+                          use_rslora=rslora, **extra)
+    model = peft.get_peft_model(load_hf(base), cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(out)
+    return out
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens of an HF (or PEFT) model, full forward each step: the oracle."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def peft_model(base: Path, adapter: Path):
+    return peft.PeftModel.from_pretrained(load_hf(base), adapter).eval()
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """A tiny Qwen2 (q/k/v biases) with a tokenizer, and three adapters: all projections at rank 8, attention only
+    at rank 4 with rsLoRA, MLP only (by regex) at rank 2."""
+    root = tmp_path_factory.mktemp("lora-qwen")
+    base = make_tiny("qwen2", root / "base", tokenizer=True)
+    adapters = {
+        "all8": make_adapter(base, root / "all8", 8, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                         "up_proj", "down_proj"], 1),
+        "attn4": make_adapter(base, root / "attn4", 4, 8, ["q_proj", "k_proj", "v_proj", "o_proj"], 2, rslora=True),
+        "mlp2": make_adapter(base, root / "mlp2", 2, 4, r".*\.mlp\.(gate|up|down)_proj", 3),
+    }
+    refs = {None: [hf_greedy(load_hf(base).eval(), p, GREEDY.max_tokens) for p in PROMPTS]}
+    for name, path in adapters.items():
+        pm = peft_model(base, path)
+        refs[name] = [hf_greedy(pm, p, GREEDY.max_tokens) for p in PROMPTS]
+    return base, adapters, refs
+
+
+def _mixed(adapters: dict[str, Path]) -> list[str | None]:
+    return ["all8", None, "attn4", "mlp2"]
+
+
+def _check_mixed(llm: LLM, adapters: dict[str, Path], refs: dict) -> None:
+    names = _mixed(adapters)
+    reqs = [LoRARequest(n, str(adapters[n])) if n else None for n in names]
+    outs = llm.generate_batch(PROMPTS, GREEDY, lora_request=reqs)
+    for i, (name, out) in enumerate(zip(names, outs, strict=True)):
+        assert out.token_ids == refs[name][i], (name, i)
+
+
+def test_adapters_change_the_greedy_text(qwen):
+    _, _, refs = qwen
+    for name in ("all8", "attn4", "mlp2"):
+        assert refs[name] != refs[None], name  # otherwise the oracle test below could not fail
+
+
+def test_merged_model_agrees_with_peft(qwen):
+    """The oracle's own check: PEFT's unmerged forward and its merged weights give the same greedy tokens."""
+    base, adapters, refs = qwen
+    merged = peft_model(base, adapters["all8"]).merge_and_unload()
+    assert [hf_greedy(merged, p, GREEDY.max_tokens) for p in PROMPTS] == refs["all8"]
+
+
+def test_mixed_batch_equals_peft_eager(qwen):
+    base, adapters, refs = qwen
+    llm = LLM(base, batch_size=4, max_model_len=64, lora=LoraConfig(max_loras=3, max_lora_rank=8))
+    _check_mixed(llm, adapters, refs)
+    # and each row alone gives the same tokens as in the mixed batch
+    assert llm.generate_ids(PROMPTS[0], GREEDY, LoRARequest("all8", str(adapters["all8"]))).token_ids == \
+        refs["all8"][0]
+
+
+def test_mixed_batch_equals_peft_on_tp2_ranks(qwen):
+    base, adapters, refs = qwen
+    llm = LLM(base, batch_size=4, max_model_len=64, parallel=ParallelConfig(tp=2),
+              lora=LoraConfig(max_loras=3, max_lora_rank=8))
+    try:
+        _check_mixed(llm, adapters, refs)
+    finally:
+        llm.runner.executor.close()
+
+
+@pytest.mark.slow
+def test_mixed_batch_equals_peft_on_cpu_graphs(qwen, tmp_path):
+    """The cpu backend's compiled layer graphs take the stacks and slots as inputs; the manifest records the
+    capacity, and the loaded artifact serves every adapter with no recompile."""
+    from neuron_opt.artifact import read_verified
+    from neuron_opt.compiler import CompileRequest, compile_artifact
+
+    base, adapters, refs = qwen
+    req = CompileRequest(model=str(base), out=tmp_path / "art", backend="cpu", dtype="float32", batch_size=4,
+                         max_model_len=64, prefill_buckets=(16,), decode_buckets=(64,), decode_batches=(4,),
+                         offset_prefill=False, use_cache=False, lora=LoraConfig(max_loras=3, max_lora_rank=8))
+    compile_artifact(req, log=lambda s: None, progress=False)
+    assert read_verified(tmp_path / "art").manifest.lora == LoraConfig(3, 8)
+    llm = LLM(tmp_path / "art")
+    _check_mixed(llm, adapters, refs)
+    with pytest.raises(ConfigError, match="lora: this artifact was compiled with"):
+        LLM(tmp_path / "art", lora=LoraConfig(3, 16))
+
+
+def test_head_padding_tp2_smollm_shape(tmp_path):
+    """9 query / 3 KV heads at tp=2: query heads padded with zero heads, KV heads expanded (mha): the adapter's B
+    rows are picked head by head, the padding heads' rows zero."""
+    base = make_tiny("smollm-tok-1layer", tmp_path / "base")
+    adapter = make_adapter(base, tmp_path / "a", 4, 8, ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"], 5)
+    ref = hf_greedy(peft_model(base, adapter), PROMPTS[0], GREEDY.max_tokens)
+    llm = LLM(base, batch_size=2, max_model_len=64, parallel=ParallelConfig(tp=2),
+              lora=LoraConfig(max_loras=1, max_lora_rank=4))
+    try:
+        outs = llm.generate_batch(PROMPTS[:2], GREEDY, lora_request=[LoRARequest("a", str(adapter)), None])
+        assert outs[0].token_ids == ref
+        assert outs[1].token_ids == hf_greedy(load_hf(base).eval(), PROMPTS[1], GREEDY.max_tokens)
+    finally:
+        llm.runner.executor.close()
+
+
+def test_more_adapters_than_slots_evicts_least_recently_used(qwen):
+    """One slot, three adapters and the base in one call: rows under another adapter wait until the slot's
+    sequence finishes, and every row still equals PEFT."""
+    base, adapters, refs = qwen
+    llm = LLM(base, batch_size=4, max_model_len=64, lora=LoraConfig(max_loras=1, max_lora_rank=8))
+    _check_mixed(llm, adapters, refs)
+    assert llm.loras.stats.loads == 3 and llm.loras.stats.evictions == 2
+    assert llm.loras.num_resident == 1
+    # the resident adapter is reused without a load
+    llm.generate_ids(PROMPTS[3], GREEDY, LoRARequest("mlp2", str(adapters["mlp2"])))
+    assert llm.loras.stats.loads == 3
+
+
+def test_slot_manager_never_evicts_a_slot_in_use(qwen):
+    base, adapters, _ = qwen
+    llm = LLM(base, max_model_len=64, lora=LoraConfig(max_loras=2, max_lora_rank=8))
+    m = llm.loras
+    for name in ("all8", "attn4", "mlp2"):
+        m.register(name, adapters[name])
+    a, b = m.acquire("all8"), m.acquire("attn4")
+    assert {a, b} == {1, 2}
+    assert m.acquire("mlp2") is None  # both slots run sequences
+    m.release(a)
+    assert m.acquire("mlp2") == a  # the free one, all8's
+    assert m.acquire("attn4") == b  # still resident
+    with pytest.raises(ConfigError, match="already loaded"):
+        m.register("mlp2", adapters["mlp2"])
+    m.begin_request("attn4")
+    with pytest.raises(ConfigError, match="in use"):
+        m.unregister("attn4")
+
+
+def test_prefix_cache_is_keyed_by_adapter(qwen):
+    """The same 40-token prompt under the base, adapter A, A again, and B: only A's second run finds cached
+    blocks, and every output equals PEFT's."""
+    from neuron_opt.runtime.engine import Engine
+
+    base, adapters, _ = qwen
+    llm = LLM(base, batch_size=4, max_model_len=64, lora=LoraConfig(max_loras=2, max_lora_rank=8))
+    llm.add_lora(LoRARequest("all8", str(adapters["all8"])))
+    llm.add_lora(LoRARequest("attn4", str(adapters["attn4"])))
+    engine = Engine(llm.runner, llm.tokenizer, llm.eos_token_ids, loras=llm.loras, enable_prefix_caching=True)
+    prompt = [(7 * i + 3) % 250 + 3 for i in range(40)]
+    refs = {None: hf_greedy(load_hf(base).eval(), prompt, 4)}
+    for name in ("all8", "attn4"):
+        refs[name] = hf_greedy(peft_model(base, adapters[name]), prompt, 4)
+    hits = []
+    for i, name in enumerate([None, "all8", "all8", "attn4", None]):
+        before = engine.prefix_cache_stats.hits
+        out: list = []
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=4, ignore_eos=True), out.append, lora=name)
+        while engine.num_unfinished:
+            engine.step()
+        assert [t for o in out for t in o.new_token_ids] == refs[name], name
+        hits.append(engine.prefix_cache_stats.hits - before)
+    assert hits[0] == 0 and hits[1] == 0 and hits[2] > 0 and hits[3] == 0 and hits[4] > 0
+
+
+def test_unknown_adapter_is_refused_at_add_request(qwen):
+    from neuron_opt.runtime.engine import Engine
+
+    base, _, _ = qwen
+    llm = LLM(base, max_model_len=64, lora=LoraConfig(max_loras=1, max_lora_rank=8))
+    engine = Engine(llm.runner, llm.tokenizer, llm.eos_token_ids, loras=llm.loras)
+    with pytest.raises(ConfigError, match="no adapter named 'nope'"):
+        engine.add_request("0", [1, 2, 3], GREEDY, lambda o: None, lora="nope")
+    assert engine.num_unfinished == 0
+
+
+# ---- bad adapters ------------------------------------------------------------------------------------------
+
+
+def _edit_config(src: Path, dst: Path, **changes) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    conf = json.loads((dst / "adapter_config.json").read_text())
+    conf.update(changes)
+    (dst / "adapter_config.json").write_text(json.dumps(conf))
+    return dst
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(bias="all"), "bias"),
+    (dict(modules_to_save=["lm_head"]), "modules_to_save"),
+    (dict(use_dora=True), "use_dora"),
+    (dict(rank_pattern={"q_proj": 2}), "rank_pattern"),
+    (dict(peft_type="IA3"), "peft_type"),
+    (dict(r="8"), "r: must be a positive integer"),
+    (dict(lora_alpha=None), "lora_alpha"),
+    (dict(target_modules=["q_proj"]), "target_modules"),  # the file holds more modules than the config names
+])
+def test_bad_adapter_configs_are_refused_naming_the_field(qwen, tmp_path, changes, match):
+    base, adapters, _ = qwen
+    bad = _edit_config(adapters["all8"], tmp_path / "bad", **changes)
+    with pytest.raises(ConfigError, match=match):
+        read_adapter(bad, ModelConfig.from_hf(base), LoraConfig(2, 8))
+
+
+def test_rank_above_the_compiled_maximum_is_refused(qwen):
+    base, adapters, _ = qwen
+    with pytest.raises(ConfigError, match="rank 8 exceeds .*--max-lora-rank 4"):
+        read_adapter(adapters["all8"], ModelConfig.from_hf(base), LoraConfig(2, 4))
+
+
+def test_target_module_not_compiled_is_refused(qwen):
+    base, adapters, _ = qwen
+    lc = LoraConfig(2, 8, ("q_proj", "v_proj"))
+    with pytest.raises(ConfigError, match="targets k_proj, which this artifact was not compiled for"):
+        read_adapter(adapters["attn4"], ModelConfig.from_hf(base), lc)
+
+
+def test_adapter_of_another_base_shape_is_refused(qwen, tmp_path):
+    base, _, _ = qwen
+    other = make_tiny("llama-mqa", tmp_path / "other")  # one KV head: k/v projections of another width
+    adapter = make_adapter(other, tmp_path / "a", 4, 8, ["k_proj"], 0)
+    with pytest.raises(ConfigError, match=r"shape \[16, 4\].*needs \[32, 4\]"):
+        read_adapter(adapter, ModelConfig.from_hf(base), LoraConfig(2, 8))
+
+
+def test_missing_or_pickled_weights_are_refused(qwen, tmp_path):
+    base, adapters, _ = qwen
+    cfg = ModelConfig.from_hf(base)
+    bad = _edit_config(adapters["all8"], tmp_path / "bad")
+    (bad / "adapter_model.safetensors").rename(bad / "adapter_model.bin")
+    with pytest.raises(ConfigError, match="adapter_model.bin is a pickle"):
+        read_adapter(bad, cfg, LoraConfig(2, 8))
+    with pytest.raises(ConfigError, match="not a directory"):
+        read_adapter(tmp_path / "nowhere", cfg, LoraConfig(2, 8))
+
+
+def test_a_bad_adapter_leaves_nothing_registered(qwen, tmp_path):
+    base, adapters, _ = qwen
+    llm = LLM(base, max_model_len=64, lora=LoraConfig(max_loras=1, max_lora_rank=4))
+    with pytest.raises(ConfigError, match="exceeds"):
+        llm.add_lora(LoRARequest("big", str(adapters["all8"])))
+    assert llm.loras.names() == [] and llm.loras.num_resident == 0
+
+
+def test_lora_config_is_validated():
+    with pytest.raises(ConfigError, match="max_loras"):
+        LoraConfig(0, 8)
+    with pytest.raises(ConfigError, match="max_lora_rank"):
+        LoraConfig(1, 0)
+    with pytest.raises(ConfigError, match="lora_target_modules"):
+        LoraConfig(1, 8, ("q_proj", "lm_head"))
+
+
+def test_a_model_without_lora_refuses_adapters(qwen):
+    base, adapters, _ = qwen
+    llm = LLM(base, max_model_len=64)
+    with pytest.raises(ConfigError, match="takes no LoRA adapters"):
+        llm.generate_ids(PROMPTS[0], GREEDY, LoRARequest("a", str(adapters["all8"])))
+
+
+# ---- server ------------------------------------------------------------------------------------------------
+
+
+def test_openai_client_selects_adapters_by_model_and_loads_at_run_time(qwen, tmp_path):
+    import httpx
+    import openai
+    from helpers import live_server
+
+    base, adapters, _ = qwen
+    llm = LLM(base, batch_size=4, max_model_len=64, lora=LoraConfig(max_loras=1, max_lora_rank=8))
+    want = {n: llm.generate_ids(PROMPTS[0], GREEDY, LoRARequest(n, str(adapters[n])) if n else None).text
+            for n in (None, "all8", "mlp2")}
+    assert len(set(want.values())) == 3
+    bad = _edit_config(adapters["all8"], tmp_path / "bad", bias="all")
+    with live_server(llm, 4) as (url, engine):
+        engine.loras.register("mlp2", adapters["mlp2"])  # as `serve --lora-modules mlp2=...` does
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny", "mlp2"]
+        r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "all8", "lora_path": str(adapters["all8"])})
+        assert r.status_code == 200, r.text
+        r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "broken", "lora_path": str(bad)})
+        assert r.status_code == 400 and "bias" in r.json()["error"]["message"]
+        cards = client.models.list().data
+        assert [m.id for m in cards] == ["tiny", "mlp2", "all8"]
+        assert cards[2].model_dump()["parent"] == "tiny"
+
+        def text(model: str) -> str:
+            return client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+
+        assert text("all8") == want["all8"]  # one slot: the two adapters take turns in it
+        assert text("mlp2") == want["mlp2"]
+        assert text("tiny") == want[None]
+        with pytest.raises(openai.NotFoundError):
+            text("broken")
+        metrics = httpx.get(url + "/metrics").text
+        assert 'neuron_opt:lora_requests_total{lora_name="all8",model_name="tiny"} 1.0' in metrics
+        assert "neuron_opt:lora_adapters_loaded" in metrics
+        r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "all8"})
+        assert r.status_code == 200
+        assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "all8"}).status_code == 404
+        with pytest.raises(openai.NotFoundError):
+            text("all8")
+
+
+def test_lora_flags():
+    import argparse
+
+    from neuron_opt.commands.lora_flags import add_compile_flags, lora_config_from_args, parse_lora_modules
+
+    p = argparse.ArgumentParser()
+    add_compile_flags(p)
+    assert lora_config_from_args(p.parse_args([])) is None
+    assert lora_config_from_args(p.parse_args(["--enable-lora", "--max-loras", "4", "--max-lora-rank", "32",
+                                               "--lora-target-modules", "v_proj", "q_proj"])) == \
+        LoraConfig(4, 32, ("q_proj", "v_proj"))
+    with pytest.raises(ConfigError, match="--max-loras: needs --enable-lora"):
+        lora_config_from_args(p.parse_args(["--max-loras", "2"]))
+    assert parse_lora_modules(["a=/x", "b=/y=z"]) == {"a": "/x", "b": "/y=z"}
+    with pytest.raises(ConfigError, match="expected name=path"):
+        parse_lora_modules(["a"])
