@@ -206,14 +206,8 @@ class ModelRunner:
             slots[i, :n] = torch.tensor([self._slot(blocks, p) for p in range(r.start, r.start + n)])
             last[i] = n - 1
             tables.append(blocks)
-    """`model_config`: the model's ModelConfig where the caller has it (LoRA adapters are checked against it; an
-    embedding model's `matryoshka_dims`, the sizes its vectors may be truncated to, come from it)."""
-
-    def __init__(self, executor: Executor, buckets: BucketConfig, cache: CacheConfig, vocab_size: int,
-                 model_config: Any = None) -> None:
-        self.executor, self.buckets, self.cache, self.vocab_size = executor, buckets, cache, vocab_size
-        self.model_config = model_config
-        self.matryoshka_dims = tuple(getattr(model_config, "matryoshka_dims", ()))
+        return bucket, StepInputs(ids, pos, slots, self._tables(tables, B, bucket.kv_len), last,
+                                  self._lora_slots(rows, B))
 
     def decode(self, rows: list[DecodeRow], candidates: int | None = None) -> torch.Tensor:
         """One token per row at its position; returns fp32 logits [len(rows), V]."""
