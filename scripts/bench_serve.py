@@ -223,7 +223,9 @@ async def run_load(
 
     rng = np.random.default_rng(seed)
     sem = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    # a fresh connection per request (no keep-alive), for every server alike: llama-server closes a kept-alive
+    # connection after a few requests, and a request sent on it as it closes fails without a response
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
 
         async def limited(i: int, p: list[int]) -> RequestResult:
