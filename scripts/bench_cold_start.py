@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -36,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from neuron_opt.bench import MachineBusyError, RunRecord, rounds_summary  # noqa: E402 (after the sys.path line)
+from neuron_opt.bench.cluster import stop_process_group  # noqa: E402
 
 BUCKET = "bench"
 MODES = ("local", "s3_cold", "s3_warm")
@@ -95,12 +95,7 @@ def first_answer(source: str, endpoint: str, cache_dir: Path, timeout: float) ->
             raise SystemExit(f"serve {source}: the first request got HTTP {r.status_code}: {r.text[:200]}")
         return {"health_s": healthy, "first_answer_s": answered}
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_process_group(proc, 60)
 
 
 def timed(fn) -> float:

@@ -8,6 +8,9 @@ for the replicas' `request_success_total` to reach it (`wait_counted`).
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import time
 
 PREFIX = "neuron_opt:"
@@ -50,3 +53,14 @@ def wait_counted(url: str, requests: float, timeout: float = 30.0) -> dict[tuple
             raise TimeoutError(f"the replicas' metrics counted {summed(m, 'request_success_total'):.0f} of "
                                f"{requests:.0f} requests after {timeout:g} s")
         time.sleep(0.5)
+
+
+def stop_process_group(proc: subprocess.Popen, timeout_s: float) -> None:
+    """Stop a command started in its own process group (`serve`, with its Ray processes): SIGTERM, then SIGKILL to
+    the whole group if it has not exited after `timeout_s` seconds."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

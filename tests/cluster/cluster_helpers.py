@@ -9,6 +9,7 @@ import time
 import httpx
 
 from neuron_opt.bench.cluster import router_metrics as metrics
+from neuron_opt.bench.cluster import stop_process_group
 from neuron_opt.runtime.sampling import SamplingParams
 
 MODEL = "tiny"
@@ -51,14 +52,5 @@ def reference(ref, prompt: list[int], n: int) -> str:
 
 def stop_serve(proc) -> None:
     """SIGTERM to a `serve` command, SIGKILL to its process group after 90 s; its replicas must be gone."""
-    import os
-    import signal
-    import subprocess
-
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(90)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    stop_process_group(proc, 90)
     assert not replica_pids(), "replica processes outlived `serve`"
