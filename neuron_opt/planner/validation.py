@@ -1,8 +1,10 @@
 """The latency model against published measurements: the rows, which of them fit the constants, the errors.
 
 Published rows are AWS's and Hugging Face's public measurements (each row names its source; the AWS benchmark
-CSVs are in the aws-neuron-sdk repository, see shared/reference/peers.md §8). Every row is predicted with the
-same constants (`neuron_opt.planner.latency.DEFAULT_EFFICIENCY`); nothing is tuned per row. scripts/
+CSVs are in the aws-neuron-sdk repository, see shared/reference/peers.md §8; optimum-neuron's inf2 benchmark
+pages are read from their charts' value labels, `ON_PAGES`). Every row is predicted with the same constants
+(`neuron_opt.planner.latency.DEFAULT_EFFICIENCY`) and its stack's documented configuration (bucketing, rows per
+prefill call, flash attention); nothing is tuned per row. scripts/
 validate_planner.py prints the table of docs/planner.md and re-runs the fit; `neuron-opt plan` prints the
 held-out error band (`error_band`) next to its TTFT and TPOT.
 
@@ -104,6 +106,14 @@ class Row:
     bucketed: bool = True  # False: graphs compiled at the full length only (optimum-neuron)
     neuron: str | None = None  # Neuron SDK release of the measurement, where the source states it
     flash_from: int | None = None  # prefill length from which the stack runs a flash-attention kernel
+    # prompts that arrive at once and whose first tokens are measured (None: `batch`, a full batch submitted
+    # together); 1 where one user sends one request at a time. TTFT waits for all of their prefill calls.
+    together: int | None = None
+
+    @property
+    def prompts(self) -> int:
+        """How many prompts arrive together (`together`, default the batch)."""
+        return self.batch if self.together is None else self.together
 
 
 BF16, V180, V181 = "bfloat16", "2.18.0", "2.18.1"
@@ -188,7 +198,9 @@ ROWS = [
     Row("CodeLlama-13b", "trn1.32xlarge", 32, 4, 16384, 8192, 8192, 4626.17, 21.1, BF16, TNX_TRN1, 4, neuron=V180),
     Row("Llama-3.3-70B", "trn2.48xlarge", 64, 1, 12800, 10000, 1500, 814.2, 19.6, BF16, NXDI_TRN2, 1, flash_from=512),
     Row("Llama-3.1-405B", "trn2.48xlarge", 64, 1, 12800, 10000, 1500, 2442.0, 37.9, BF16, NXDI_TRN2, 1, flash_from=512),
-    Row("Llama-3.1-8B", "trn2.48xlarge", 4, 32, 4096, 1500, 250, 197.2, 22.14, BF16, ON_TRN2, 1, False, flash_from=512),
+    # one user at a time (sync): a single prompt in flight, whatever the compiled batch
+    Row("Llama-3.1-8B", "trn2.48xlarge", 4, 32, 4096, 1500, 250, 197.2, 22.14, BF16, ON_TRN2, 1, False, flash_from=512,
+        together=1),
     Row(
         "Llama-3.1-8B",
         "inf2.48xlarge",
@@ -203,9 +215,67 @@ ROWS = [
         "optimum-neuron chunked-prefill study, standard prefill + on-device sampling, sync",
         1,
         False,
+        together=1,
     ),
-    Row("Llama-3.1-8B", "trn2.48xlarge", 8, 2, 1024, 512, 128, 51.07, 10.52, BF16, VN_TRN2, 1, flash_from=512),
+    # measured at max-concurrency 2 (docs/planner.md, "Where it misses"); predicted as one prompt alone
+    Row("Llama-3.1-8B", "trn2.48xlarge", 8, 2, 1024, 512, 128, 51.07, 10.52, BF16, VN_TRN2, 1, flash_from=512,
+        together=1),
 ]
+
+# optimum-neuron's inf2 benchmark pages (huggingface.co/docs/optimum-neuron/benchmarks/inferentia-*; repository
+# huggingface/optimum-neuron, docs/source/benchmarks/<page>.mdx with the charts docs/assets/benchmarks/<page>/
+# ttft.png and latency.png). Each figure below is a bar label of those charts: TTFT in seconds rounded to 0.1 s,
+# inter-token latency in ms rounded to 1 ms. The measurement (benchmark/text-generation/benchmark.py at the same
+# commit): `batch` copies of one prompt of `input_len` tokens submitted together to `generate`; TTFT = the time of
+# a generate call producing one token, inter-token latency = (the time of a 256-token generate - TTFT) / 256;
+# input lengths 256, 512, ..., 1792 in that order, without a warm-up call, so the 256-token figure includes the
+# first call's warm-up. SDK: optimum/neuron/version.py `__sdk_version__` at the commit. Configuration (optimum-
+# neuron source at the commit): for batch > 1 the model is compiled for continuous batching, whose prefill graph
+# takes ONE row (transformers-neuronx `context_batch_sizes = [1]`, looped over the rows by
+# `_context_dynamic_batching`; NxD backend `ctx_batch_size = 1`, looped in the decoder wrapper's `forward`) at ONE
+# length, the compiled sequence length (transformers-neuronx `context_length_estimate = [sequence_length]`; NxD
+# backend `enable_bucketing=False`): every row is padded to 4096 tokens and prefilled alone. Flash attention:
+# transformers-neuronx 2.19 runs its flash kernel for single-row context graphs of >= 4096 tokens (2.18 has
+# none); the NxD backend enables it automatically from 4096 tokens on inf2.
+ON_TNX = "optimum-neuron inf2 benchmark page (transformers-neuronx backend)"
+ON_NXD = "optimum-neuron inf2 benchmark page (NxD backend)"
+ON_INPUTS = (256, 512, 768, 1024, 1280, 1536, 1792)
+ON_PAGES = {  # page: (model, tp, commit, SDK, backend source, flash_from, {batch: (TTFT s, inter-token ms)})
+    "inferentia-llama2-13b": ("Llama-2-13b", 8, "707fff4f", "2.18.0", ON_TNX, None, {
+        4: ((2.7, 2.7, 2.7, 2.7, 2.7, 2.7, 2.8), (34, 34, 34, 34, 34, 34, 34)),
+        8: ((5.4, 5.4, 5.5, 5.5, 5.5, 5.5, 5.6), (40, 40, 40, 40, 40, 40, 40))}),
+    "inferentia-mistral-v2": ("Mistral-7B-v0.2", 8, "707fff4f", "2.18.0", ON_TNX, None, {
+        4: ((1.6, 1.6, 1.6, 1.6, 1.6, 1.7, 1.7), (12, 12, 12, 12, 12, 12, 12)),
+        8: ((3.4, 3.3, 3.3, 3.3, 3.4, 3.4, 3.4), (14, 14, 14, 14, 15, 15, 15))}),
+    "inferentia-llama2-7b": ("Llama-2-7b", 12, "278d76c1", "2.19.1", ON_TNX, 4096, {
+        4: ((1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0), (14, 14, 14, 14, 14, 14, 14)),
+        8: ((1.9, 1.9, 1.9, 1.9, 1.9, 1.9, 1.9), (18, 18, 18, 18, 18, 18, 18))}),
+    "inferentia-llama3-8b": ("Llama-3-8B", 8, "278d76c1", "2.19.1", ON_TNX, 4096, {
+        4: ((1.1, 1.1, 1.1, 1.1, 1.1, 1.1, 1.1), (13, 13, 13, 13, 13, 13, 13)),
+        8: ((2.2, 2.2, 2.2, 2.2, 2.2, 2.2, 2.2), (15, 15, 15, 15, 15, 15, 15))}),
+    "inferentia-llama3.1-8b": ("Llama-3.1-8B", 8, "9d371f56", "2.24.0", ON_NXD, 4096, {
+        4: ((1.6, 1.2, 1.2, 1.2, 1.2, 1.2, 1.2), (11, 12, 12, 12, 13, 13, 13)),
+        8: ((2.7, 2.3, 2.3, 2.3, 2.3, 2.4, 2.4), (14, 16, 16, 16, 16, 16, 16))}),
+    # checkpoint deepseek-ai/DeepSeek-R1-Distill-Llama-70B: the Llama-3.3-70B architecture
+    "inferentia-llama3.3-70b": ("Llama-3.3-70B", 24, "2bb1c707", "2.24.0", ON_NXD, 4096, {
+        4: ((4.7, 4.2, 4.2, 4.2, 4.3, 4.3, 4.3), (36, 37, 37, 37, 37, 30, 37)),
+        8: ((8.8, 8.4, 8.5, 8.5, 8.5, 8.6, 8.6), (44, 44, 44, 44, 44, 44, 44))}),
+}
+
+
+def _on_rows() -> list[Row]:
+    """The optimum-neuron pages' batch-4 and batch-8 figures as rows: 4096-token graphs (not bucketed), one row
+    per prefill call, 256 generated tokens."""
+    out = []
+    for model, tp, _commit, sdk, source, flash_from, figures in ON_PAGES.values():
+        for batch, (ttfts, itls) in figures.items():
+            for n, ttft, itl in zip(ON_INPUTS, ttfts, itls, strict=True):
+                out.append(Row(model, "inf2.48xlarge", tp, batch, 4096, n, 256, 1e3 * ttft, float(itl), BF16,
+                               source, 1, False, neuron=sdk, flash_from=flash_from))
+    return out
+
+
+ROWS += _on_rows()
 
 
 FIT_MODELS = ("Llama-3-8B", "Llama-3-70B")
@@ -216,19 +286,22 @@ def is_fit_row(row: Row) -> bool:
     Llama-3-8B and Llama-3-70B on inf2.48xlarge fit the constants (`--fit`). Held out, never seen by the fit:
     every other model on inf2 (Llama-2-7b/13b/70b, Mistral-7B, CodeLlama-13b), every row on trn1 (another
     instance, a 4x4 torus instead of a 12-chip ring) and every row from other stacks (NxDI, optimum-neuron, the
-    vLLM Neuron plugin; trn2 and inf2)."""
+    vLLM Neuron plugin; trn2 and inf2), the optimum-neuron inf2 benchmark pages' rows included."""
     return row.instance == "inf2.48xlarge" and row.source == TNX_INF2 and row.model in FIT_MODELS
 
 
 def row_set(row: Row) -> str:
     """Which set a row belongs to: the fit, or the held-out group it tests (another model on the fitted
-    instance, another instance family with the same SDK, another software stack)."""
+    instance, another instance family with the same SDK, optimum-neuron's inf2 benchmark pages, another software
+    stack)."""
     if is_fit_row(row):
         return "fit"
     if row.source == TNX_INF2:
         return "held out: other models, inf2"
     if row.source == TNX_TRN1:
         return "held out: trn1"
+    if row.source in (ON_TNX, ON_NXD):
+        return "held out: optimum-neuron inf2 pages"
     return "held out: other stacks"
 
 
@@ -237,7 +310,9 @@ HELD_OUT_ROWS = [r for r in ROWS if not is_fit_row(r)]
 
 
 def predict(row: Row, eff: Efficiency = DEFAULT_EFFICIENCY) -> tuple[float, float]:
-    """(TTFT ms, TPOT ms) for a row. TPOT is taken at the median output token (p50 of per-token latency)."""
+    """(TTFT ms, TPOT ms) for a row. TTFT: the row's prompts (`Row.prompts`) arrive together and are prefilled
+    `prefill_batch` rows per call, one call after another, so each first token comes after all the calls (the
+    closed form of `predict_queue`). TPOT is taken at the median output token (p50 of per-token latency)."""
     cfg, inst = models()[row.model], get_instance(row.instance)
     lay = head_layout(cfg, ParallelConfig(tp=row.tp))
     if row.bucketed:
@@ -250,10 +325,11 @@ def predict(row: Row, eff: Efficiency = DEFAULT_EFFICIENCY) -> tuple[float, floa
     ttft = prefill_time(
         cfg, lay, inst, batch=row.prefill_batch, seq=prefill_seq, dtype=row.dtype, eff=eff, flash=flash
     )
+    calls = -(-row.prompts // row.prefill_batch)
     tpot = decode_time(
         cfg, lay, inst, batch=row.batch, kv_len=kv_len, dtype=row.dtype, kv_dtype="bfloat16", eff=eff
     )
-    return 1e3 * ttft.total, 1e3 * tpot.total
+    return 1e3 * calls * ttft.total, 1e3 * tpot.total
 
 
 def _err(pred: float, meas: float) -> float:
@@ -406,17 +482,30 @@ def error_band(family: str, coverage: float = 0.8) -> ErrorBand | None:
     return ErrorBand(family, len(rows), coverage, quantile(ttft), quantile(tpot))
 
 
+BATCHED_SOURCES = (TNX_INF2, TNX_TRN1, ON_TNX, ON_NXD)
+
+
 def batched_rows(rows: list[Row]) -> list[Row]:
-    """The published batched rows (batch 4 or 8, transformers-neuronx, 128-8192 input tokens): the batch's prompts
-    arrive together and wait for each other's prefill."""
-    return [r for r in rows if r.batch in (4, 8) and r.source in (TNX_INF2, TNX_TRN1)
+    """The published batched rows (batch 4 or 8, 128-8192 input tokens, the batch's prompts submitted together):
+    AWS's transformers-neuronx benchmark CSVs and optimum-neuron's inf2 benchmark pages. The prompts arrive
+    together and wait for each other's prefill."""
+    return [r for r in rows if r.batch in (4, 8) and r.source in BATCHED_SOURCES and r.prompts == r.batch
             and 128 <= r.input_len <= 8192 and r.ttft_ms is not None]
+
+
+def batched_group(row: Row) -> str:
+    """The source a batched row is reported under: AWS's CSVs (fitted and held-out rows apart) or the page's
+    backend."""
+    if row.source in (TNX_INF2, TNX_TRN1):
+        return "fitted batched rows" if is_fit_row(row) else "held out, AWS benchmark CSVs (transformers-neuronx)"
+    return f"held out, {row.source}"
 
 
 def predict_queue(row: Row) -> QueueEstimate:
     """The row's TTFT / TPOT percentiles from the queue model (planner.queueing) under its stack's policy: the
-    `row.batch` prompts arrive together, are admitted whole (no chunking) and prefilled `row.prefill_batch` per
-    graph call (transformers-neuronx: the whole batch in one call), on the row's bucketed graphs."""
+    `row.prompts` prompts arrive together, are admitted whole (no chunking) and prefilled `row.prefill_batch` per
+    graph call (transformers-neuronx as AWS's benchmarks ran it: the whole batch in one call; optimum-neuron's
+    continuous-batching graphs: one row per call), on the row's graphs (bucketed, or the compiled length only)."""
     cfg, inst = models()[row.model], get_instance(row.instance)
     lay = head_layout(cfg, ParallelConfig(tp=row.tp))
     lens = powers_of_two(128, row.seq) if row.bucketed else [row.seq]
@@ -426,28 +515,32 @@ def predict_queue(row: Row) -> QueueEstimate:
     clock = bucket_clock(cfg, lay, inst, buckets, dtype=row.dtype, flash_from=row.flash_from)
     policy = Policy(max_num_seqs=row.batch, max_prefill_len=row.seq, max_num_batched_tokens=row.batch * row.seq,
                     prefill_batch=row.prefill_batch, chunked=False)
-    return estimate(policy, clock, Arrival(), row.batch, row.input_len, row.output_len)
+    return estimate(policy, clock, Arrival(), row.prompts, row.input_len, row.output_len)
 
 
 def queue_markdown(rows: list[Row]) -> str:
-    """The batched-TTFT table of docs/planner.md (queue model, prompts arriving together), then one summary line
-    for the held-out rows and one for the rows the constants were fitted on."""
-    lines = ["| Model | Instance | BS | Seq | In/Out | TTFT pub | TTFT p50 pred | TTFT p99 pred | err (p50) | "
-             "TPOT pub | TPOT p50 pred | err | Set |", "|" + "---|" * 13]
-    errs: dict[bool, tuple[list[float], list[float]]] = {True: ([], []), False: ([], [])}
+    """The batched-TTFT table of docs/planner.md (queue model, prompts arriving together), then the summary lines:
+    every held-out row, each source's held-out rows apart, and the rows the constants were fitted on."""
+    lines = ["| Model | Instance | tp | BS | Seq | In/Out | TTFT pub | TTFT p50 pred | TTFT p99 pred | err (p50) | "
+             "TPOT pub | TPOT p50 pred | err | Set | Source |", "|" + "---|" * 15]
+    errs: dict[str, tuple[list[float], list[float]]] = {"held-out batched rows, all sources": ([], [])}
     for r in batched_rows(rows):
         q = predict_queue(r)
         ttft, tpot = 1e3 * q.ttft_p50, 1e3 * (q.tpot_p50 or 0.0)
         assert r.ttft_ms is not None
         e_ttft, e_tpot = _err(ttft, r.ttft_ms), _err(tpot, r.tpot_ms)
-        errs[is_fit_row(r)][0].append(e_ttft)
-        errs[is_fit_row(r)][1].append(e_tpot)
-        lines.append(f"| {r.model} | {r.instance} | {r.batch} | {r.seq} | {r.input_len}/{r.output_len} | "
+        groups = [batched_group(r)] + ([] if is_fit_row(r) else ["held-out batched rows, all sources"])
+        for g in groups:
+            errs.setdefault(g, ([], []))
+            errs[g][0].append(e_ttft)
+            errs[g][1].append(e_tpot)
+        lines.append(f"| {r.model} | {r.instance} | {r.tp} | {r.batch} | {r.seq} | {r.input_len}/{r.output_len} | "
                      f"{r.ttft_ms:.1f} | {ttft:.1f} | {1e3 * q.ttft_p99:.1f} | {e_ttft:+.0f}% | {r.tpot_ms:.2f} | "
-                     f"{tpot:.2f} | {e_tpot:+.0f}% | {row_set(r)} |")
+                     f"{tpot:.2f} | {e_tpot:+.0f}% | {row_set(r)} | {r.source}{' ' + r.neuron if r.neuron else ''} |")
     lines.append("")
-    for fitted, label in ((False, "held-out batched rows"), (True, "fitted batched rows")):
-        ttft_e, tpot_e = errs[fitted]
-        if ttft_e:
-            lines.append(f"- {label}: TTFT {_within(ttft_e, 35)}; TPOT {_within(tpot_e, 25)}")
+    order = ["held-out batched rows, all sources", "held out, AWS benchmark CSVs (transformers-neuronx)",
+             f"held out, {ON_TNX}", f"held out, {ON_NXD}", "fitted batched rows"]
+    for label in sorted(errs, key=order.index):
+        ttft_e, tpot_e = errs[label]
+        lines.append(f"- {label}: TTFT {_within(ttft_e, 35)}; TPOT {_within(tpot_e, 25)}")
     return "\n".join(lines)

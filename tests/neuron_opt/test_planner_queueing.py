@@ -125,6 +125,19 @@ def test_together_in_one_batched_prefill_every_prompt_waits_for_the_whole_batch(
     assert est.ttft_p50 == est.ttft_p99 == pytest.approx(clock.prefill(8, 300))
 
 
+def test_together_admitted_whole_one_row_per_call_every_prompt_waits_for_every_row() -> None:
+    """optimum-neuron's continuous-batching policy (its benchmark rows in the validation): the batch is admitted
+    in one step and prefilled one row per call, so every prompt's first token comes after all the rows' calls."""
+    clock = toy_clock()
+    policy = qm.Policy(max_num_seqs=8, max_prefill_len=512, max_num_batched_tokens=8 * 512, prefill_batch=1,
+                       chunked=False)
+    est = check_against_scheduler(policy, clock, qm.Arrival(), 8, 300, 30)
+    assert est.ttft_p50 == est.ttft_p99 == pytest.approx(8 * clock.prefill(1, 300))
+    # four of eight slots' prompts: four calls, not eight
+    est = check_against_scheduler(policy, clock, qm.Arrival(), 4, 300, 30)
+    assert est.ttft_p50 == pytest.approx(4 * clock.prefill(1, 300))
+
+
 @pytest.mark.parametrize("chunked,budget,prefill_batch", [(True, 512, 1), (True, 256, 2), (False, 1024, 1)])
 def test_poisson_arrivals_agree_with_the_scheduler(chunked: bool, budget: int, prefill_batch: int) -> None:
     policy = qm.Policy(max_num_seqs=4, max_prefill_len=512, max_num_batched_tokens=budget,
