@@ -11,8 +11,10 @@ allocator enforces, so an input too large for a kernel is a `KernelArgumentError
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+from neuron_opt.errors import KernelArgumentError
 from neuron_opt.nki_sim import get_target
 from neuron_opt.nki_sim.runtime import DEFAULT_TARGET
 
@@ -29,7 +31,7 @@ except Exception:  # noqa: BLE001 - placeholders raise Exception, not ImportErro
 
     HAVE_SDK = False
 
-__all__ = ["DEFAULT_TARGET", "HAVE_SDK", "nisa", "nki", "nl", "sbuf_capacity", "simulate"]
+__all__ = ["DEFAULT_TARGET", "HAVE_SDK", "check_softcap", "nisa", "nki", "nl", "sbuf_capacity", "simulate"]
 
 
 def simulate(kernel: Any, *arrays: Any, **kwargs: Any) -> Any:
@@ -52,3 +54,11 @@ def sbuf_capacity(target: str = DEFAULT_TARGET) -> int:
     Host wrappers check against the simulator's default target (trn1; inf2 has the same figure, trn2 more).
     """
     return get_target(target).sbuf_usable_bytes_per_partition
+
+
+def check_softcap(what: str, softcap: float | None) -> None:
+    """An attention kernel's soft-cap (scaled scores x -> softcap * tanh(x / softcap)): a finite number > 0, or None
+    for none."""
+    if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
+        raise KernelArgumentError(f"{what}: softcap must be a finite number > 0 (or None: no capping), got "
+                                  f"{softcap!r}")

@@ -46,6 +46,11 @@ past = max(pos - len + 1, 0) over `[128, chunks, G]` (an iota of the positions a
 1 - len broadcast to the partitions once per program); a TensorE matmul `(NEG * I)^T @ past` adds NEG * past into
 the score tile. A split entirely past the length gets m_s <= -1e30 and merge weight exactly 0.
 
+Soft-capping (`softcap` = c > 0, Gemma 2: each scaled score x becomes c * tanh(x / c)): one ScalarE pass turns a
+split's raw scores in PSUM into t = tanh(scale / c * s) in place, before the length mask is added (tanh would map a
+masked -1e30 back to -1); every later step, the merge included, takes c where it took the softmax scale, since
+the softmax of c * t is what remains.
+
 Engines: on NeuronCore-v2 VectorE shares the PSUM port with ScalarE and the SBUF port with GpSimd (the cost
 model serializes them, docs/nki_simulator.md). Per split the vector engines do a handful of instructions of
 chunks * G elements each, so the kernel is bound by its DMA (K^T and V, long runs: see V's order).
@@ -93,7 +98,7 @@ from typing import Any
 
 import numpy as np
 
-from kernels_nki._nki import DEFAULT_TARGET, nisa, nki, nl, sbuf_capacity, simulate
+from kernels_nki._nki import DEFAULT_TARGET, check_softcap, nisa, nki, nl, sbuf_capacity, simulate
 from neuron_opt.errors import KernelArgumentError
 
 P_CHUNK = 128  # positions per P@V matmul (contraction on partitions)
@@ -110,8 +115,9 @@ SBUF_WORKING_SET = 8 * 1024
 
 
 @nki.jit
-def decode_attention_kernel(q, k_t, v, lengths, softmax_scale=1.0, split_size=1024):
-    """Launch as `decode_attention_kernel[B, n_kv_heads](q, k_t, v, lengths, softmax_scale=..., ...)`."""
+def decode_attention_kernel(q, k_t, v, lengths, softmax_scale=1.0, split_size=1024, softcap=0.0):
+    """Launch as `decode_attention_kernel[B, n_kv_heads](q, k_t, v, lengths, softmax_scale=..., ...)`.
+    `softcap` > 0: scaled scores x -> softcap * tanh(x / softcap) before the softmax (module docstring)."""
     n_b, n_kv, g, d = q.shape
     s_max = k_t.shape[3]
     out = nl.ndarray((n_b, n_kv, g, d), dtype=q.dtype, buffer=nl.shared_hbm)
@@ -122,10 +128,11 @@ def decode_attention_kernel(q, k_t, v, lengths, softmax_scale=1.0, split_size=10
     per_k = _splits_per_k_load(split_size)
 
     n = split_size // P_CHUNK  # V rows per partition and split
-    consts = _prologue(q, lengths, b, kvh, g, n, mm_dtype)
+    exp_scale, cap_scale = _scales(softmax_scale, softcap)
+    consts = (*_prologue(q, lengths, b, kvh, g, n, mm_dtype), cap_scale)
 
     m_all, l_all, o_all = _partials(g, n_splits, d)
-    args = (consts, v, b, kvh, m_all, l_all, o_all, d, softmax_scale, mm_dtype)
+    args = (consts, v, b, kvh, m_all, l_all, o_all, d, exp_scale, mm_dtype)
     chunk = per_k * split_size  # K^T positions per DMA: [D, chunk], whole splits
     n_kc = s_max // chunk
     for kc in nl.affine_range(n_kc):  # full chunks: independent, identical bodies (rolled)
@@ -148,12 +155,13 @@ def decode_attention_kernel(q, k_t, v, lengths, softmax_scale=1.0, split_size=10
         if rest % split_size:
             _split(n_kc * per_k + n_sp, c0, n_sp * split_size, rest % split_size, k_sb, None, 0, *args)
 
-    _merge(m_all, l_all, o_all, n_splits, d, softmax_scale, out, b, kvh)
+    _merge(m_all, l_all, o_all, n_splits, d, exp_scale, out, b, kvh)
     return out
 
 
 @nki.jit
-def paged_decode_attention_kernel(q, k_cache, v_cache, block_tables, lengths, softmax_scale=1.0, split_size=2048):
+def paged_decode_attention_kernel(q, k_cache, v_cache, block_tables, lengths, softmax_scale=1.0, split_size=2048,
+                                  softcap=0.0):
     """Decode attention reading the KV cache through a block table (`run_paged`). Launch as
     `paged_decode_attention_kernel[B, n_kv_heads](q, k_cache, v_cache, block_tables, lengths, ...)`.
 
@@ -176,20 +184,31 @@ def paged_decode_attention_kernel(q, k_cache, v_cache, block_tables, lengths, so
     n_splits = (max_blocks + nb - 1) // nb
     n_full = max_blocks // nb
 
-    consts = _prologue(q, lengths, b, kvh, g, block_len, mm_dtype)
+    exp_scale, cap_scale = _scales(softmax_scale, softcap)
+    consts = (*_prologue(q, lengths, b, kvh, g, block_len, mm_dtype), cap_scale)
     # the table row in one DMA (one run) onto one partition, as fp32 (block ids < 2^24 are exact) so that each
     # split can turn its nb entries to one per partition with a TensorE transpose (`_paged_split`)
     tbl = nisa.tensor_copy(nl.load(block_tables[nl.ds(b, 1), :]), dtype=nl.float32)  # [1, max_blocks]
 
     m_all, l_all, o_all = _partials(g, n_splits, d)
-    args = (consts, v_cache, b, kvh, m_all, l_all, o_all, d, softmax_scale, mm_dtype)
+    args = (consts, v_cache, b, kvh, m_all, l_all, o_all, d, exp_scale, mm_dtype)
     for sp in nl.affine_range(n_full):  # whole splits: independent, identical bodies (rolled)
         _paged_split(sp, sp * nb, nb, block_len, tbl, k_cache, *args)
     if n_full < n_splits:  # the table's tail: fewer blocks, peeled
         _paged_split(n_full, n_full * nb, max_blocks - n_full * nb, block_len, tbl, k_cache, *args)
 
-    _merge(m_all, l_all, o_all, n_splits, d, softmax_scale, out, b, kvh)
+    _merge(m_all, l_all, o_all, n_splits, d, exp_scale, out, b, kvh)
     return out
+
+
+def _scales(softmax_scale, softcap):
+    """(the scale the softmax's exp and the merge take, the scale of the tanh before them or 0.0 for none).
+
+    Soft-capped, the scores become t = tanh(softmax_scale / softcap * s) and the softmax is that of softcap * t:
+    the kernel's steps unchanged with softcap for the scale."""
+    if softcap:
+        return softcap, softmax_scale / softcap
+    return softmax_scale, 0.0
 
 
 def _paged_split(sp, first, nb, block_len, tbl, k_cache, consts, v_cache, b, kvh, m_all, l_all, o_all, d,
@@ -212,8 +231,9 @@ def _paged_split(sp, first, nb, block_len, tbl, k_cache, consts, v_cache, b, kvh
 
 
 def _prologue(q, lengths, b, kvh, g, max_chunks, mm_dtype):
-    """Per-program constants for `_split`: (q^T [D, G], 1 - len on every partition [128, 1], NEG * I [128, 128],
-    ones [G, 128] fp32, the head selector [G, max_chunks, G] fp32 (1 where the first and last index agree)).
+    """Per-program constants for `_split` (the kernels add the soft-cap's tanh scale, 0.0 for none): (q^T [D, G],
+    1 - len on every partition [128, 1], NEG * I [128, 128], ones [G, 128] fp32, the head selector
+    [G, max_chunks, G] fp32 (1 where the first and last index agree)).
 
     q comes as [G, D], one descriptor per head, and is transposed on TensorE to the [D, G] moving operand
     (loading [D, G] directly would cost one descriptor of G elements per partition)."""
@@ -281,7 +301,7 @@ def _split(sp, c0, k_off, sw, k_sb, v_sb, v_off, consts, v, b, kvh, m_all, l_all
 
     Writes the split's row max, row sum and unnormalised output into column sp of m_all / l_all / o_all.
     """
-    q_sb, len_col, neg_eye, ones_g, sel = consts
+    q_sb, len_col, neg_eye, ones_g, sel, cap_scale = consts
     g = q_sb.shape[1]
     s0 = c0 + k_off
     if v_sb is None:  # the natural tail: partition q holds positions q * nf + j (j < nf), then the tail chunk
@@ -301,6 +321,8 @@ def _split(sp, c0, k_off, sw, k_sb, v_sb, v_off, consts, v, b, kvh, m_all, l_all
     for j in nl.static_range(n_ch):
         cols, cw = chunks[j]
         s_ps[0:cw, j * g:(j + 1) * g] = nisa.nc_matmul(cols, q_sb)  # [cw, G]
+    if cap_scale:  # soft-capping: t = tanh(scale / cap * s) in place (ScalarE), before the mask is added
+        s_ps[...] = nisa.activation(nl.tanh, s_ps, scale=cap_scale, dtype=nl.float32)
     # positions on (partition, chunk), the same for each head; past the length -> +NEG (at least)
     pos = nl.ndarray((parts, n_ch, g), dtype=nl.float32, buffer=nl.sbuf)
     if nf:
@@ -451,7 +473,8 @@ def _check_sbuf(s_max: int, d: int, split_size: int, target: str) -> None:
 
 
 def run(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.ndarray, *,
-        softmax_scale: float | None = None, split_size: int | None = None) -> np.ndarray:
+        softmax_scale: float | None = None, split_size: int | None = None,
+        softcap: float | None = None) -> np.ndarray:
     """Runs the kernel on logical layouts (simulator here, the SDK's NKI where installed).
 
     Args:
@@ -461,6 +484,7 @@ def run(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.nda
         lengths: `[B]` integers in [1, S_max].
         softmax_scale: Defaults to `1 / sqrt(D)`.
         split_size: Cache positions per flash-decoding split; default `default_split(G)` (1024 up to G = 64).
+        softcap: Soft-cap the scaled scores, x -> softcap * tanh(x / softcap) (> 0); None: not.
 
     Returns:
         `[B, n_heads, D]` in q's dtype.
@@ -474,6 +498,7 @@ def run(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.nda
         shaped = q.ndim == 3 and k_cache.ndim == 4 and k_cache.shape[1] > 0
         split_size = default_split(max(1, q.shape[1] // k_cache.shape[1]) if shaped else 1)
     _check(q, k_cache, v_cache, lengths, split_size)
+    check_softcap("decode_attention", softcap)
     b, n_heads, d = q.shape
     n_kv = k_cache.shape[1]
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
@@ -482,7 +507,7 @@ def run(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, lengths: np.nda
     lens = lengths.astype(np.int32).reshape(b, 1)  # [B, 1]
     v_k = np.ascontiguousarray(v_kernel_layout(v_cache, split_size))  # rows in the kernel's order
     out = simulate(decode_attention_kernel[b, n_kv], q_g, k_t, v_k, lens,
-                   softmax_scale=scale, split_size=split_size)
+                   softmax_scale=scale, split_size=split_size, softcap=float(softcap or 0.0))
     return np.asarray(out).reshape(b, n_heads, d)  # [B, n_kv, G, D] -> [B, n_heads, D]
 
 
@@ -553,7 +578,7 @@ def paged_sbuf_bytes(s_max: int, d: int, block_len: int, split_size: int) -> int
 
 def run_paged(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
               lengths: np.ndarray, *, softmax_scale: float | None = None,
-              split_size: int | None = None) -> np.ndarray:
+              split_size: int | None = None, softcap: float | None = None) -> np.ndarray:
     """Runs the paged kernel (simulator here, the SDK's NKI where installed).
 
     Args:
@@ -565,6 +590,7 @@ def run_paged(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tab
         lengths: `[B]` integers in [1, max_blocks * block_len].
         softmax_scale: Defaults to `1 / sqrt(D)`.
         split_size: Positions per flash-decoding split, a whole number of blocks; `default_paged_split`.
+        softcap: Soft-cap the scaled scores, x -> softcap * tanh(x / softcap) (> 0); None: not.
 
     Returns:
         `[B, n_heads, D]` in q's dtype.
@@ -576,13 +602,15 @@ def run_paged(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tab
     block_tables = np.asarray(block_tables)
     split = default_paged_split(k_cache.shape[2]) if split_size is None else int(split_size)
     _check_paged(q, k_cache, v_cache, block_tables, lengths, split)
+    check_softcap("paged decode_attention", softcap)
     b, n_heads, d = q.shape
     n_kv = k_cache.shape[1]
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     q_g = np.ascontiguousarray(q.reshape(b, n_kv, n_heads // n_kv, d))
     out = simulate(paged_decode_attention_kernel[b, n_kv], q_g, np.ascontiguousarray(k_cache),
                    np.ascontiguousarray(v_cache), np.ascontiguousarray(block_tables, dtype=np.int32),
-                   lengths.astype(np.int32).reshape(b, 1), softmax_scale=scale, split_size=split)
+                   lengths.astype(np.int32).reshape(b, 1), softmax_scale=scale, split_size=split,
+                   softcap=float(softcap or 0.0))
     return np.asarray(out).reshape(b, n_heads, d)
 
 

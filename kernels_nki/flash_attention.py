@@ -60,6 +60,12 @@ Pseudocode (per program, per query group [q0, q0 + 512)):
     where VectorE shares the PSUM port with ScalarE and the SBUF port with GpSimd, the four passes over the
     scores (copy, max, exp, P^T eviction) need ~800 ns of VectorE and ScalarE: ~45% at best (docs/kernels.md).
 
+Soft-capping (`softcap` = c > 0, Gemma 2's attention logit soft-capping: each scaled score x becomes
+c * tanh(x / c)): the ScalarE pass that copies a score sub-tile out of PSUM applies tanh with scale sc / c instead
+of the identity, so the capped scores cost no extra pass; the exp then takes c where it took sc (exp(c * t - c *
+m) over t = tanh(sc * s / c)). The causal mask of a diagonal sub-tile is added after the tanh, to the SBUF copy of
+the qr own-key columns (one VectorE add), not in PSUM: tanh would map a masked -1e30 back to -1.
+
 Constraints: D <= 128; q, k, v share one dtype (float32 or bfloat16; matmuls run in that dtype, softmax
 statistics in float32). SBUF per partition (`sbuf_bytes`) is about 44 KiB for bf16, D = 128, whatever S.
 """
@@ -71,7 +77,7 @@ from typing import Any
 
 import numpy as np
 
-from kernels_nki._nki import nisa, nki, nl, simulate
+from kernels_nki._nki import check_softcap, nisa, nki, nl, simulate
 from neuron_opt.errors import KernelArgumentError
 
 Q_TILE = 128  # query rows per tile: the partition count of the score tile
@@ -84,8 +90,11 @@ EVICT_VECTOR = (13, 16)  # of every 16 P^T evictions, 13 on VectorE, 3 on Scalar
 
 
 @nki.jit
-def flash_attention_kernel(q_t, k_t, v, causal=True, softmax_scale=1.0):
-    """Launch as `flash_attention_kernel[B, n_kv_heads, G](q_t, k_t, v, causal=..., softmax_scale=...)`."""
+def flash_attention_kernel(q_t, k_t, v, causal=True, softmax_scale=1.0, softcap=0.0):
+    """Launch as `flash_attention_kernel[B, n_kv_heads, G](q_t, k_t, v, causal=..., softmax_scale=..., softcap=...)`.
+
+    `softcap` > 0: the scaled scores are soft-capped, x -> softcap * tanh(x / softcap), before the mask and the
+    softmax (Gemma 2's attention logit soft-capping); 0: not."""
     _, n_heads, d, s = q_t.shape
     group = n_heads // k_t.shape[1]
     out = nl.ndarray((q_t.shape[0], n_heads, s, d), dtype=q_t.dtype, buffer=nl.shared_hbm)
@@ -94,7 +103,10 @@ def flash_attention_kernel(q_t, k_t, v, causal=True, softmax_scale=1.0):
     h = kvh * group + nl.program_id(2)
     mm_dtype = q_t.dtype
     masks = _causal_masks(mm_dtype) if causal else None
-    args = (q_t, k_t, v, out, b, h, kvh, s, d, masks, softmax_scale, mm_dtype)
+    # soft-capping: the scores tile leaves PSUM as t = tanh(scale / cap * s) (the copy's ScalarE pass, with tanh
+    # for its function), and the softmax takes exp(cap * t - cap * m): the same steps with cap for the scale
+    exp_scale, cap_scale = (softcap, softmax_scale / softcap) if softcap else (softmax_scale, 0.0)
+    args = (q_t, k_t, v, out, b, h, kvh, s, d, masks, exp_scale, cap_scale, mm_dtype)
     rows = Q_GROUP * Q_TILE
     n_groups = (s + rows - 1) // rows
     if causal:
@@ -125,7 +137,7 @@ def _causal_masks(mm_dtype):
     return ident, tri
 
 
-def _query_group(q0, q_t, k_t, v, out, b, h, kvh, s, d, masks, scale, mm_dtype):
+def _query_group(q0, q_t, k_t, v, out, b, h, kvh, s, d, masks, scale, cap_scale, mm_dtype):
     """Queries [q0, q0 + up to Q_GROUP * 128): stream the keys they attend to, then normalise and store."""
     n_rows = min(Q_GROUP * Q_TILE, s - q0)
     tiles = [(t * Q_TILE, min(Q_TILE, n_rows - t * Q_TILE)) for t in range((n_rows + Q_TILE - 1) // Q_TILE)]
@@ -137,7 +149,7 @@ def _query_group(q0, q_t, k_t, v, out, b, h, kvh, s, d, masks, scale, mm_dtype):
     o = nl.zeros((len(tiles), nl.par_dim(Q_TILE), d + 1), dtype=nl.float32, buffer=nl.sbuf)
     kend = q0 if masks is not None else s  # keys every member sees in full
     n_full = kend // K_BLOCK
-    state = (q_sb, tiles, st, o, d, scale, mm_dtype)
+    state = (q_sb, tiles, st, o, d, scale, cap_scale, mm_dtype)
     for j in nl.sequential_range(n_full):
         kv = _load_kv(k_t, v, b, kvh, j * K_BLOCK, K_BLOCK, d, mm_dtype)
         _block_steps(kv, K_BLOCK, tiles, state)
@@ -210,11 +222,14 @@ def _load_kv(k_t, v, b, kvh, k0, n, d, mm_dtype):
     return k_blk, v_blk, False
 
 
-def _scores(t, kv, ko, widths, diag, q_sb, tiles, st, o, d, scale, mm_dtype):
+def _scores(t, kv, ko, widths, diag, q_sb, tiles, st, o, d, scale, cap_scale, mm_dtype):
     """First half of one online-softmax step of member tile t over keys [ko, ko + sum(widths)) of `kv`
     (`_load_kv`): the scores in SBUF (fp32) and the new running max. Returns (scores, nbias, alpha).
 
     `diag` is None, or `(masks, r)`: the last sub-tile's columns [r, r + qr) are t's own keys (causal mask).
+    `cap_scale` > 0 (soft-capping): the copy out of PSUM is tanh(cap_scale * s) instead, and the causal mask is
+    added after it, to the SBUF copy (VectorE; the diagonal's columns only): tanh would turn a masked score back
+    into -1.
 
     The scores leave PSUM once: ScalarE copies each sub-tile to SBUF, and the row max (VectorE) and the exp
     (ScalarE) read that copy. On NeuronCore-v2 VectorE and ScalarE share one PSUM port, so every pass over PSUM
@@ -231,11 +246,20 @@ def _scores(t, kv, ko, widths, diag, q_sb, tiles, st, o, d, scale, mm_dtype):
         k0, w = ko + c * K_TILE, widths[c]
         s_ps = nl.ndarray((nl.par_dim(qr), K_TILE), dtype=nl.float32, buffer=nl.psum)
         s_ps[:, 0:w] = nisa.nc_matmul(q_tile, k_blk[:, k0:k0 + w])  # [qr, w] = q^T k
-        if diag is not None and c == n_sub - 1:
+        masked = diag is not None and c == n_sub - 1
+        if masked:
             (ident, tri), r = diag
             rc = r - k0
+        if masked and not cap_scale:
             s_ps[:, rc:rc + qr] += nisa.nc_matmul(ident[0:qr, 0:qr], tri[0:qr, 0:qr])  # += mask
-        s_sb[:, c * K_TILE:c * K_TILE + w] = nisa.activation(nl.copy, s_ps[:, 0:w], dtype=nl.float32)
+        if cap_scale:
+            s_sb[:, c * K_TILE:c * K_TILE + w] = nisa.activation(nl.tanh, s_ps[:, 0:w], scale=cap_scale,
+                                                                 dtype=nl.float32)
+            if masked:
+                own = s_sb[:, c * K_TILE + rc:c * K_TILE + rc + qr]
+                own[...] = nisa.tensor_tensor(own, tri[0:qr, 0:qr], nl.add, dtype=nl.float32)
+        else:
+            s_sb[:, c * K_TILE:c * K_TILE + w] = nisa.activation(nl.copy, s_ps[:, 0:w], dtype=nl.float32)
         stt[:, 1 + c:2 + c] = nisa.tensor_reduce(nl.maximum, s_sb[:, c * K_TILE:c * K_TILE + w], axis=(1,),
                                                  keepdims=True)
     m_new = nisa.tensor_reduce(nl.maximum, stt[:, 0:1 + n_sub], axis=(1,), keepdims=True)  # [old | sub maxes]
@@ -245,7 +269,7 @@ def _scores(t, kv, ko, widths, diag, q_sb, tiles, st, o, d, scale, mm_dtype):
     return s_sb, nbias, alpha
 
 
-def _softmax_pv(t, kv, ko, widths, diag, s_sb, nbias, alpha, q_sb, tiles, st, o, d, scale, mm_dtype):
+def _softmax_pv(t, kv, ko, widths, diag, s_sb, nbias, alpha, q_sb, tiles, st, o, d, scale, cap_scale, mm_dtype):
     """Second half of the step `_scores` began: P, P @ [V | 1], and o = alpha * o + pv (in place)."""
     _, v_blk, interleaved = kv
     qr = tiles[t][1]
@@ -341,7 +365,7 @@ def sbuf_bytes(d: int, dtype: Any) -> int:
 
 
 def run(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool = True,
-        softmax_scale: float | None = None) -> np.ndarray:
+        softmax_scale: float | None = None, softcap: float | None = None) -> np.ndarray:
     """Runs the kernel on logical layouts (simulator here, the SDK's NKI where installed).
 
     Args:
@@ -350,21 +374,23 @@ def run(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool = True,
         v: `[B, n_kv_heads, S, D]`, same dtype.
         causal: Mask keys after each query.
         softmax_scale: Defaults to `1 / sqrt(D)`.
+        softcap: Soft-cap the scaled scores, x -> softcap * tanh(x / softcap) (> 0); None: not.
 
     Returns:
         `[B, n_heads, S, D]` in q's dtype.
 
     Raises:
-        KernelArgumentError: Shapes or dtypes the kernel does not support.
+        KernelArgumentError: Shapes or dtypes the kernel does not support, or a softcap <= 0.
     """
     _check(q, k, v)
+    check_softcap("flash_attention", softcap)
     b, n_heads, _, d = q.shape
     n_kv = k.shape[1]
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     q_t = np.ascontiguousarray(q.transpose(0, 1, 3, 2))  # [B, n_heads, D, S]
     k_t = np.ascontiguousarray(k.transpose(0, 1, 3, 2))  # [B, n_kv_heads, D, S]
     out = simulate(flash_attention_kernel[b, n_kv, n_heads // n_kv], q_t, k_t, np.ascontiguousarray(v),
-                   causal=causal, softmax_scale=scale)
+                   causal=causal, softmax_scale=scale, softcap=float(softcap or 0.0))
     return np.asarray(out)
 
 

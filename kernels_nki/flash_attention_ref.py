@@ -6,8 +6,9 @@ import numpy as np
 
 
 def flash_attention_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool = True,
-                        softmax_scale: float | None = None, query_rows: np.ndarray | None = None) -> np.ndarray:
-    """softmax(scale * q @ k^T [+ causal mask]) @ v, with grouped KV heads.
+                        softmax_scale: float | None = None, query_rows: np.ndarray | None = None,
+                        softcap: float | None = None) -> np.ndarray:
+    """softmax(cap(scale * q @ k^T) [+ causal mask]) @ v, with grouped KV heads.
 
     Args:
         q: `[B, n_heads, S, D]`.
@@ -17,6 +18,7 @@ def flash_attention_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: 
         softmax_scale: Defaults to `1 / sqrt(D)`.
         query_rows: Only these query positions (sorted or not), for sequences whose full score matrix would
             not fit in memory.
+        softcap: cap(x) = softcap * tanh(x / softcap) (Gemma 2's soft-capping); None: cap(x) = x.
 
     Returns:
         `[B, n_heads, S, D]` float64, or `[B, n_heads, len(query_rows), D]`.
@@ -29,6 +31,8 @@ def flash_attention_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: 
     kf = np.repeat(k.astype(np.float64), group, axis=1)  # [B, n_heads, S, D]
     vf = np.repeat(v.astype(np.float64), group, axis=1)  # [B, n_heads, S, D]
     scores = scale * np.einsum("bhqd,bhkd->bhqk", qf, kf)  # [B, n_heads, rows, S]
+    if softcap is not None:
+        scores = softcap * np.tanh(scores / softcap)
     if causal:
         future = np.arange(s)[None, :] > rows[:, None]
         scores = np.where(future, -np.inf, scores)

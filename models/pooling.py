@@ -33,8 +33,9 @@ def pool_mask(last_index: torch.Tensor, rows: int, mode: str, offset: int | torc
         sel = pos[None, :] == last_index[:, None]
     elif mode == "mean":
         sel = pos[None, :] <= last_index[:, None]
-    elif mode == "cls":
-        sel = (pos == 0)[None, :].expand(last_index.shape[0], rows)
+    elif mode == "cls":  # the input's first row (written against last_index like the others: a device graph's
+        # inputs are all parameters of it, neuron_opt.backends.neuron.DeviceProgram.prepare)
+        sel = (pos[None, :] == 0) & (pos[None, :] <= last_index[:, None])
     else:
         raise ValueError(f"pooling: unknown mode {mode!r}")
     return sel.to(torch.float32)  # [B, rows]

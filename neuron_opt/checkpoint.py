@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -93,12 +94,14 @@ class Checkpoint:
 
             files = [_gguf_cache_file(self.source, self.config, envs.CACHE_DIR)]
         stored = set(stored_names(self.config))
-        prefix = self.name_prefix if self.format == "hf" else ""  # the GGUF cache holds canonical names
         for f in files:
             with safe_open(str(f), framework="pt") as sf:
                 for name in sf.keys():
-                    if prefix + name in stored:  # a fused projection (Phi-3) yields its canonical parts
-                        for part, t in split_fused(self.config, prefix + name, sf.get_tensor(name)):
+                    if self.format == "gguf":  # its cache holds the canonical names (gguf_state_dict)
+                        if name not in skip:
+                            yield name, sf.get_tensor(name).to(dtype)
+                    elif self.name_prefix + name in stored:  # a fused projection (Phi-3) yields its parts
+                        for part, t in split_fused(self.config, self.name_prefix + name, sf.get_tensor(name)):
                             if part not in skip:
                                 yield part, t.to(dtype)
 
@@ -258,6 +261,9 @@ _GGUF_ARCHS: dict[str, tuple[str, str, bool]] = {
     "llama": ("LlamaForCausalLM", "llama", True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),  # + per-head q/k norms (attn_q_norm, attn_k_norm)
+    # Phi-3 / 3.5 / 4-mini: fused attn_qkv and ffn_up (gate rows, then up), partial rotary, longrope's factor sets
+    # as the tensors rope_factors_long / rope_factors_short (read into the config, not weights)
+    "phi3": ("Phi3ForCausalLM", "phi3", False),
 }
 
 _GGUF_LAYER_NAMES = {
@@ -266,14 +272,26 @@ _GGUF_LAYER_NAMES = {
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
+# the names an architecture's layers use differently (HF's fused names: models.llama.split_fused splits them)
+_GGUF_ARCH_LAYER_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
 _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# tensors that hold config values, not weights (the architectures whose config reads them: _gguf_config)
+_GGUF_CONFIG_TENSORS = {"phi3": ("rope_factors_long.weight", "rope_factors_short.weight")}
 
 
-def gguf_to_hf_name(name: str) -> str:
-    """GGUF tensor name -> HF name, e.g. `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+def gguf_weight_tensors(reader: Any) -> list[Any]:
+    """A GGUF file's weight tensors: all of them but the config values some architectures store as tensors."""
+    skip = _GGUF_CONFIG_TENSORS.get(_field(reader, "general.architecture"), ())
+    return [t for t in reader.tensors if t.name not in skip]
+
+
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str:
+    """GGUF tensor name -> HF name, e.g. `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; under
+    `arch` "phi3", the fused `blk.3.attn_qkv.weight` -> `model.layers.3.self_attn.qkv_proj.weight`."""
+    layer_names = {**_GGUF_LAYER_NAMES, **_GGUF_ARCH_LAYER_NAMES.get(arch, {})}
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
-    if m and m.group(2) in _GGUF_LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in layer_names:
+        return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
     m = re.fullmatch(r"(\w+)\.(weight|bias)", name)
     if m and m.group(1) in _GGUF_TOP_NAMES:
         return f"{_GGUF_TOP_NAMES[m.group(1)]}.{m.group(2)}"
@@ -333,8 +351,9 @@ def _gguf_meta_cached(path: Path, cache_dir: Path) -> tuple[ModelConfig, set[str
         pass  # absent or damaged: rebuild
     reader = _gguf_reader(path)
     cfg = _gguf_config(reader, path)
+    arch = _field(reader, "general.architecture")
     try:
-        names = {gguf_to_hf_name(t.name) for t in reader.tensors}
+        names = {gguf_to_hf_name(t.name, arch) for t in gguf_weight_tensors(reader)}
     except CheckpointError as e:
         raise CheckpointError(f"checkpoint: {path}: {e}") from None
     fresh = {"config": cfg.to_dict(), "names": sorted(names)}
@@ -385,8 +404,11 @@ def _gguf_config(reader: Any, path: Path) -> ModelConfig:
         n_kv = n_kv[0]
     head_dim = int(key("attention.key_length", hidden // n_heads))
     rope_dim = int(key("rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
+    rope = dict(_gguf_rope(key))
+    if rope_dim != head_dim and arch != "phi3":
         raise CheckpointError(f"checkpoint: {path} uses partial rotary ({rope_dim} of {head_dim} dims)")
+    if arch == "phi3":  # as HF's Phi3Config always states it (Phi-4-mini: 0.75, the first features rotate)
+        rope["partial_rotary_factor"] = rope_dim / head_dim
     if "rope_freqs.weight" in tensors:
         raise CheckpointError(f"checkpoint: {path} carries a rope_freqs tensor (Llama-3 style rope scaling), "
                               "which we do not map back to rope_parameters; use the HF safetensors directory")
@@ -400,6 +422,12 @@ def _gguf_config(reader: Any, path: Path) -> ModelConfig:
         raise CheckpointError(f"checkpoint: {path} says vocab {vocab} but token_embd.weight has "
                               f"{int(embd.shape[-1])} rows")
     eos = [_field(reader, k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+    family: dict[str, Any] = {}
+    window = None
+    if arch == "phi3":
+        rope.update(_gguf_longrope(key, tensors, path, int(key("context_length", 2048))))
+        window = int(key("attention.sliding_window", 0)) or None  # llama.cpp writes 0 for none (Phi-4-mini)
+        family.update(fused_projections=True)
     return ModelConfig(
         architecture=hf_arch,
         model_type=model_type,
@@ -412,7 +440,8 @@ def _gguf_config(reader: Any, path: Path) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=_f32(key("attention.layer_norm_rms_epsilon", 1e-6)),
         max_position_embeddings=int(key("context_length", 2048)),
-        rope_parameters=_gguf_rope(key),
+        rope_parameters=tuple(sorted(rope.items())),
+        sliding_window=window,
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
         o_bias="blk.0.attn_output.bias" in tensors,
@@ -420,7 +449,34 @@ def _gguf_config(reader: Any, path: Path) -> ModelConfig:
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+        **family,
     )
+
+
+def _gguf_longrope(key: Any, tensors: dict[str, Any], path: Path, max_positions: int) -> dict[str, Any]:
+    """A phi3 file's longrope parameters (HF's `rope_parameters` keys), {} for a file without rope factors.
+
+    llama.cpp's converter writes the factor sets as the tensors rope_factors_short / rope_factors_long (float32,
+    one factor per rotary pair), the original length as rope.scaling.original_context_length, and the attention
+    factor it computed (rope.scaling.attn_factor); an attention factor other than the one HF derives from the two
+    lengths (sqrt(1 + ln(s) / ln(original)), s = context / original) is kept as `attention_factor`."""
+    names = ("rope_factors_short.weight", "rope_factors_long.weight")
+    if not any(n in tensors for n in names):
+        return {}
+    missing = [n for n in names if n not in tensors]
+    orig = key("rope.scaling.original_context_length")
+    if missing or orig is None:
+        raise CheckpointError(f"checkpoint: {path} has longrope factors but no "
+                              f"{missing[0] if missing else 'phi3.rope.scaling.original_context_length'}")
+    out: dict[str, Any] = {"rope_type": "longrope", "original_max_position_embeddings": int(orig)}
+    for name, hf_name in zip(names, ("short_factor", "long_factor"), strict=True):
+        out[hf_name] = tuple(_f32(x) for x in np.asarray(tensors[name].data, dtype=np.float32).reshape(-1))
+    attn = key("rope.scaling.attn_factor")
+    s = max_positions / int(orig)
+    derived = 1.0 if s <= 1.0 else math.sqrt(1 + math.log(s) / math.log(int(orig)))
+    if attn is not None and not math.isclose(float(attn), derived, rel_tol=1e-6):
+        out["attention_factor"] = _f32(attn)
+    return out
 
 
 def _gguf_rope(key: Any) -> tuple[tuple[str, Any], ...]:
@@ -444,14 +500,18 @@ def _gguf_rope(key: Any) -> tuple[tuple[str, Any], ...]:
 
 
 def gguf_state_dict(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Read and dequantize every tensor of a GGUF file into canonical fp32 HF-named tensors (no cache)."""
+    """Read and dequantize every weight of a GGUF file into canonical fp32 HF-named tensors (fused projections
+    split; no cache)."""
     import gguf
 
+    from models.build import split_fused
+
     reader = _gguf_reader(path)
-    permuted = _GGUF_ARCHS[_field(reader, "general.architecture")][2]
+    arch = _field(reader, "general.architecture")
+    permuted = _GGUF_ARCHS[arch][2]
     sd: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        name = gguf_to_hf_name(t.name)
+    for t in gguf_weight_tensors(reader):
+        name = gguf_to_hf_name(t.name, arch)
         try:
             w = gguf.quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError:
@@ -464,7 +524,7 @@ def gguf_state_dict(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
             x = unpermute_qk(x, cfg.num_attention_heads)
         elif permuted and ".self_attn.k_proj." in name:
             x = unpermute_qk(x, cfg.num_key_value_heads)
-        sd[name] = x
+        sd.update(split_fused(cfg, name, x))  # a fused projection (phi3) as its canonical parts
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     return sd

@@ -197,9 +197,6 @@ def check_embed_request(cfg: ModelConfig, req: CompileRequest) -> None:
         raise ConfigError(f"max_model_len: an embedding model holds its input only, so max_model_len is the longest "
                           f"input; got --max-model-len {req.max_model_len} and --max-prompt-len "
                           f"{req.max_prompt_len}; give one", param="max_model_len")
-    if req.backend == "neuron":
-        raise ConfigError("backend: embedding models are built for the cpu and eager backends (the neuron "
-                          "backend's pooled graphs are not built yet)", param="backend")
 
 
 def plan_buckets(cfg: ModelConfig, req: CompileRequest) -> tuple[CacheConfig, BucketConfig]:

@@ -19,29 +19,41 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from neuron_opt.checkpoint import _GGUF_ARCHS, Checkpoint, _field, _gguf_reader, gguf_to_hf_name, unpermute_qk
+from neuron_opt.checkpoint import (
+    _GGUF_ARCHS,
+    Checkpoint,
+    _field,
+    _gguf_reader,
+    gguf_to_hf_name,
+    gguf_weight_tensors,
+    unpermute_qk,
+)
 from neuron_opt.config import QuantConfig
 from neuron_opt.quant import QuantTensor, pack_int4
 
 _LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_FUSED = ("qkv_proj", "gate_up_proj")  # phi3's fused linears: their blocks span two or three of ours
 # GGUF type -> (QuantConfig fields) for files whose decoder linears all share it
 _NATIVE = {"Q4_0": ("int4", "group_symmetric", 32), "Q4_1": ("int4", "group_asymmetric", 32),
            "Q8_0": ("int8", "per_channel_symmetric", 0)}
 
 
 def _linear_types(reader: object) -> dict[str, str]:
-    """HF name -> GGUF type name of every decoder linear weight."""
+    """HF name -> GGUF type name of every decoder linear weight (fused ones under their fused names)."""
     out = {}
-    for t in reader.tensors:  # type: ignore[attr-defined]
-        name = gguf_to_hf_name(t.name)
-        if name.endswith(".weight") and name.rsplit(".", 2)[-2] in _LINEAR:
+    arch = _field(reader, "general.architecture")
+    for t in gguf_weight_tensors(reader):
+        name = gguf_to_hf_name(t.name, arch)
+        if name.endswith(".weight") and name.rsplit(".", 2)[-2] in (*_LINEAR, *_FUSED):
             out[name] = t.tensor_type.name
     return out
 
 
 def native_quant(ckpt: Checkpoint) -> QuantConfig:
     """The quantization a checkpoint ships with (`--quantize auto`): int4 for Q4_0/Q4_1 files, int8 for Q8_0,
-    none for float files, HF checkpoints, or GGUF files whose linears mix types."""
+    none for float files, HF checkpoints, or GGUF files whose linears mix types. A file with fused projections
+    (phi3) gets the method of its type, but its blocks are not kept as stored (`source` ""): its linears are
+    dequantized, split and quantized again at compile time."""
     if ckpt.format != "gguf":
         return QuantConfig()
     reader = _gguf_reader(ckpt.source)
@@ -52,7 +64,8 @@ def native_quant(ckpt: Checkpoint) -> QuantConfig:
     # the LM head (`output`, or the tied `token_embd`) shipped quantized too: keep it quantized (int8 per channel)
     head = {t.name: t.tensor_type.name for t in reader.tensors if t.name in ("output.weight", "token_embd.weight")}
     head_quantized = head.get("output.weight", head.get("token_embd.weight")) in _NATIVE
-    return QuantConfig(method, qtype, group, source="gguf" if method == "int4" else "", lm_head=head_quantized)
+    kept = method == "int4" and not ckpt.config.fused_projections
+    return QuantConfig(method, qtype, group, source="gguf" if kept else "", lm_head=head_quantized)
 
 
 def q4_block_tensor(data: np.ndarray, kind: str, rows: int, cols: int) -> QuantTensor:
@@ -81,11 +94,12 @@ def _unpermute(t: QuantTensor, n_heads: int) -> QuantTensor:
 def stored_tensors(ckpt: Checkpoint, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
     """`ckpt.tensors(dtype)`, except that Q4_0/Q4_1 decoder linears come as QuantTensor, read as stored."""
     reader = _gguf_reader(ckpt.source)
-    permuted = _GGUF_ARCHS[_field(reader, "general.architecture")][2]
+    arch = _field(reader, "general.architecture")
+    permuted = _GGUF_ARCHS[arch][2]
     cfg = ckpt.config
     native = {}
-    for t in reader.tensors:
-        name = gguf_to_hf_name(t.name)
+    for t in gguf_weight_tensors(reader):
+        name = gguf_to_hf_name(t.name, arch)
         if t.tensor_type.name in ("Q4_0", "Q4_1") and name.rsplit(".", 2)[-2] in _LINEAR:
             native[name] = t
     for name, t in native.items():

@@ -16,6 +16,8 @@ Design decisions (docs/neuron_backend.md has the sources and the alternatives we
   index_put (a scatter in the HLO) and reads each row's blocks through its block table (a gather); torch-xla
   donates the cache buffers of every step (`buffer_donor` in the HLO module, InputOutputAliasCount in its
   metrics), so a step moves only ids/positions/slot mapping/block tables in and [B, V] logits out.
+- Embedding models (`--task embed`, models/pooling.py): prefill buckets only, whose graph ends in the pooling step
+  (final norm, masked sum, division, L2 norm) where the LM head was; the step's output is [B, H] fp32 vectors.
 - Artifact: every bucket's HLO (text and HloModuleProto, exactly what XLA compiled, as XLA's dump writes it
   "before optimizations"): graphs/rank0/ at tp=1, one SPMD module per bucket in graphs/spmd/ at tp > 1. That
   is the input neuronx-cc compiles. On a NeuronCore the Neuron compile
@@ -406,7 +408,11 @@ class SpmdRanks(DeviceProgram):
         return out.global_tensor
 
     def host_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [B, V_padded] ([B, q, V_padded] for verify): the ranks' vocabulary shards side by side."""
+        """fp32 logits [B, V_padded] ([B, q, V_padded] for verify): the ranks' vocabulary shards side by side. An
+        embedding model's output is its pooled vectors [B, H], whole on every rank (after the decoder's last
+        all-reduce): rank 0's."""
+        if self.skeleton.cfg.is_embedding:
+            return logits.cpu()[0]  # [tp, B, H] -> [B, H]
         host = logits.cpu()  # [tp, B, (q,) V/tp]
         return host.movedim(0, -2).reshape(*host.shape[1:-1], -1)
 
@@ -434,7 +440,8 @@ class DeviceRank(DeviceProgram):
         self.xla = xla
         self.device = xla.device()
         dtype = next(model.parameters()).dtype
-        if model.cfg.tie_word_embeddings:  # .to(xla) unties: the LM head would be moved as a second copy
+        # .to(xla) unties: the LM head would be moved as a second copy (an embedding model has no head)
+        if model.cfg.tie_word_embeddings and not model.cfg.is_embedding:
             model.lm_head.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
         self.model = model.eval().to(self.device)  # the one host -> device copy of the weights
         self.model.tie_weights()
@@ -446,7 +453,8 @@ class DeviceRank(DeviceProgram):
         xla.sync()  # materialise weights and caches now, not inside the first step's graph
 
     def trace_step(self, bucket: Bucket, step: list[torch.Tensor]) -> torch.Tensor:
-        """Records one step into the pending lazy graph; returns the device logits [B, V] fp32."""
+        """Records one step into the pending lazy graph; returns the device logits [B, V] fp32 (an embedding
+        model: its pooled vectors [B, H] fp32)."""
         with torch.no_grad():
             return self.model(*step, self.k_caches, self.v_caches, bucket.kv_len, bucket.generates)
 

@@ -9,11 +9,11 @@ facts that are static per graph (shapes, dtype, the model's sliding window, the 
   - the paged `decode_attention` for a decode step: it reads the layer's KV block pools through the rows' block
     tables in place (`attention_blocks`), where the torch op gathers the blocks first (`read_blocks`);
   - `rmsnorm` for the norms.
+  Attention logit soft-capping (Gemma 2) is the kernels' own `softcap` argument (a tanh on the scores tile).
 - Everywhere else the call uses the torch op, each time with a reason recorded:
   - the XLA CPU device, which has no NKI runtime;
   - a sliding window (the kernels apply a plain causal mask); a model whose layers mix windows (Gemma 2/3) takes the
     torch op in every layer, the model-wide window being what the call sites are told;
-  - attention logit soft-capping (Gemma 2: the kernels do not cap the scores);
   - a call outside a kernel's contract (the kernel's own `_check` says which limit).
 
 The contract check reuses each kernel's `_check`. It runs on zero-memory arrays (`np.broadcast_to`) of the
@@ -65,8 +65,10 @@ def _shaped(shape: tuple[int, ...], dtype: torch.dtype) -> np.ndarray:
 
 def choose_attention(B: int, n_heads: int, n_kv: int, S: int, kv_len: int, D: int, dtype: torch.dtype,
                      window: int | None, device_type: str, softcap: float | None = None) -> KernelChoice:
-    """The implementation of one attention call site: q [B, n_heads, S, D] over kv_len cache positions."""
+    """The implementation of one attention call site: q [B, n_heads, S, D] over kv_len cache positions, its
+    scores soft-capped at `softcap` when given (the kernels' `softcap`; part of the recorded shape)."""
     shape = f"q [{B}, {n_heads}, {S}, {D}], kv [{B}, {n_kv}, {kv_len}, {D}], {str(dtype).removeprefix('torch.')}"
+    shape += f", softcap {softcap:g}" if softcap is not None else ""
 
     def torch_op(reason: str) -> KernelChoice:
         return KernelChoice("attention", shape, None, reason)
@@ -75,8 +77,6 @@ def choose_attention(B: int, n_heads: int, n_kv: int, S: int, kv_len: int, D: in
         return torch_op(f"the {device_type} device has no NKI runtime")
     if window is not None:
         return torch_op(f"sliding window {window}: the kernels apply a plain causal mask")
-    if softcap is not None:
-        return torch_op(f"attention logit soft-capping {softcap}: the kernels do not cap the scores")
     try:
         if S == 1:
             from kernels_nki import decode_attention
@@ -106,14 +106,12 @@ def choose_paged_attention(B: int, n_heads: int, n_kv: int, S: int, num_blocks: 
         return None
     shape = (f"q [{B}, {n_heads}, 1, {D}], blocks [{num_blocks}, {n_kv}, {block_len}, {D}], tables [{B}, "
              f"{max_blocks}], {str(dtype).removeprefix('torch.')}")
+    shape += f", softcap {softcap:g}" if softcap is not None else ""
     if device_type != KERNEL_DEVICE:
         return KernelChoice("attention", shape, None, f"the {device_type} device has no NKI runtime")
     if window is not None:
         return KernelChoice("attention", shape, None, f"sliding window {window}: the kernels apply a plain "
                                                       "causal mask")
-    if softcap is not None:
-        return KernelChoice("attention", shape, None, f"attention logit soft-capping {softcap}: the kernels do "
-                                                      "not cap the scores")
     if cache_dtype != dtype:
         return KernelChoice("attention", shape, None, f"a {str(cache_dtype).removeprefix('torch.')} cache: the "
                                                       "kernel reads the compute dtype")
@@ -131,10 +129,12 @@ def choose_paged_attention(B: int, n_heads: int, n_kv: int, S: int, num_blocks: 
 
 
 def paged_attention_kernel_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                block_tables: torch.Tensor, positions: torch.Tensor,
-                                scale: float) -> tuple[tuple[int, ...], tuple[Any, ...], dict[str, Any]]:
+                                block_tables: torch.Tensor, positions: torch.Tensor, scale: float,
+                                softcap: float | None = None) -> tuple[tuple[int, ...], tuple[Any, ...],
+                                                                       dict[str, Any]]:
     """(grid, inputs, compile-time kwargs) of the paged decode kernel for q [B, n_heads, 1, D] over the pools
-    [num_blocks, n_kv, block_len, D] as they are (no copy) and the rows' block tables [B, max_blocks]."""
+    [num_blocks, n_kv, block_len, D] as they are (no copy) and the rows' block tables [B, max_blocks];
+    `softcap`: the scores' soft-cap (None: none)."""
     from kernels_nki.decode_attention import default_paged_split
 
     B, n_heads, _, D = q.shape
@@ -142,7 +142,7 @@ def paged_attention_kernel_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     q_g = q[:, :, 0].reshape(B, n_kv, n_heads // n_kv, D).contiguous()  # [B, n_kv, G, D]
     lengths = (positions[:, :1] + 1).to(torch.int32)  # [B, 1]: keys [0, position] of each row
     return ((B, n_kv), (q_g, k_cache, v_cache, block_tables.to(torch.int32), lengths),
-            dict(softmax_scale=scale, split_size=default_paged_split(block_len)))
+            dict(softmax_scale=scale, split_size=default_paged_split(block_len), softcap=float(softcap or 0.0)))
 
 
 def choose_rms_norm(N: int, H: int, dtype: torch.dtype, device_type: str) -> KernelChoice:
@@ -159,17 +159,19 @@ def choose_rms_norm(N: int, H: int, dtype: torch.dtype, device_type: str) -> Ker
 
 
 def attention_kernel_call(kernel: str, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                          positions: torch.Tensor, scale: float) -> tuple[tuple[int, ...], tuple[Any, ...],
-                                                                           dict[str, Any]]:
+                          positions: torch.Tensor, scale: float,
+                          softcap: float | None = None) -> tuple[tuple[int, ...], tuple[Any, ...], dict[str, Any]]:
     """(grid, inputs, compile-time kwargs) of the kernel call for q [B, n_heads, S, D], keys/values
-    [B, n_kv, kv_len, D] in the kernels' own layouts (as their `run` wrappers lay numpy arrays out)."""
+    [B, n_kv, kv_len, D] in the kernels' own layouts (as their `run` wrappers lay numpy arrays out); `softcap`:
+    the scores' soft-cap (None: none)."""
+    cap = float(softcap or 0.0)
     B, n_heads, S, D = q.shape
     n_kv = keys.shape[1]
     if kernel == "flash_attention":
         q_t = q.transpose(2, 3).contiguous()  # [B, n_heads, D, S]
         k_t = keys.transpose(2, 3).contiguous()  # [B, n_kv, D, S]
         return (B, n_kv, n_heads // n_kv), (q_t, k_t, values.contiguous()), dict(causal=True,
-                                                                                  softmax_scale=scale)
+                                                                                  softmax_scale=scale, softcap=cap)
     if kernel == "decode_attention":
         G = n_heads // n_kv
         q_g = q[:, :, 0].reshape(B, n_kv, G, D).contiguous()  # [B, n_kv, G, D]
@@ -179,7 +181,7 @@ def attention_kernel_call(kernel: str, q: torch.Tensor, keys: torch.Tensor, valu
 
         split = default_split(G)
         v_k = v_kernel_layout(values, split).contiguous()  # [B, n_kv, kv_len, D] in the kernel's row order
-        return (B, n_kv), (q_g, k_t, v_k, lengths), dict(softmax_scale=scale, split_size=split)
+        return (B, n_kv), (q_g, k_t, v_k, lengths), dict(softmax_scale=scale, split_size=split, softcap=cap)
     raise ValueError(f"no attention kernel {kernel!r}")
 
 
@@ -239,7 +241,7 @@ class DeviceKernelOps(TorchOps):
         if c.kernel is None:
             return super().attention(q, keys, values, positions, mask, scale, softcap=softcap)
         grid, args, kwargs = attention_kernel_call(c.kernel, q, keys.to(q.dtype), values.to(q.dtype), positions,
-                                                   scale)
+                                                   scale, softcap)
         return attention_from_kernel(c.kernel, _kernel(c.kernel)[grid](*args, **kwargs), q.shape)
 
 
@@ -255,7 +257,8 @@ class DeviceKernelOps(TorchOps):
         if c is None or c.kernel is None:  # gather the blocks; `attention` then chooses (and records) for prefill
             return super().attention_blocks(q, k_cache, v_cache, block_tables, positions, mask, scale,
                                             softcap=softcap)
-        grid, args, kwargs = paged_attention_kernel_call(q, k_cache, v_cache, block_tables, positions, scale)
+        grid, args, kwargs = paged_attention_kernel_call(q, k_cache, v_cache, block_tables, positions, scale,
+                                                         softcap)
         return attention_from_kernel(c.kernel, _kernel(c.kernel)[grid](*args, **kwargs), q.shape)
 
 

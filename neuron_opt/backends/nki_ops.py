@@ -10,6 +10,7 @@ Which kernel runs is decided by the step's shape, as the runner builds steps:
   rows' block tables, read in place; with `paged=False` the rows' blocks are gathered first (`read_blocks`) and
   `decode_attention.run` takes the contiguous cache. Lengths = position + 1 (keys [0, position] of the row);
 - prefill from position 0 (S == kv_len, positions 0..S-1 on every row): causal `flash_attention.run`.
+Soft-capped scores (Gemma 2's `softcap`) are the kernels' own `softcap` argument.
 Anything else (a sliding window, a prompt continuing from a cached prefix) is refused with
 `KernelArgumentError`: the mask must be exactly the one the kernel applies, which is checked on every call.
 """
@@ -66,8 +67,6 @@ class NkiSimOps(TorchOps):
         scale: float,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        if softcap is not None:  # the kernels do not cap scores: the torch op (the reference)
-            return TorchOps.attention(self, q, keys, values, positions, mask, scale, softcap=softcap)
         B, _, S, _ = q.shape
         kv_len = keys.shape[2]
         j = torch.arange(kv_len)
@@ -76,14 +75,15 @@ class NkiSimOps(TorchOps):
             from kernels_nki import decode_attention
 
             out = decode_attention.run(
-                _np(q[:, :, 0]), _np(keys), _np(values), lengths.numpy(), softmax_scale=scale
+                _np(q[:, :, 0]), _np(keys), _np(values), lengths.numpy(), softmax_scale=scale, softcap=softcap
             )  # [B, n_heads, D]
             return _torch(out, q)[:, :, None]  # [B, n_heads, 1, D]
         if S == kv_len and bool((positions == torch.arange(S)[None]).all()):
             self._check_mask(mask, (j[None, :] <= j[:, None])[None].expand(B, S, S), "prefill")
             from kernels_nki import flash_attention
 
-            out = flash_attention.run(_np(q), _np(keys), _np(values), causal=True, softmax_scale=scale)
+            out = flash_attention.run(_np(q), _np(keys), _np(values), causal=True, softmax_scale=scale,
+                                      softcap=softcap)
             return _torch(out, q)  # [B, n_heads, S, D]
         raise KernelArgumentError(
             f"NkiSimOps.attention: no kernel for a step of {S} tokens over {kv_len} KV "
@@ -101,17 +101,15 @@ class NkiSimOps(TorchOps):
         scale: float,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        if softcap is not None:  # the kernels do not cap scores: the torch op over the gathered blocks
-            return TorchOps.attention_blocks(self, q, k_cache, v_cache, block_tables, positions, mask, scale,
-                                             softcap=softcap)
         if not (self.paged and q.shape[2] == 1):
-            return super().attention_blocks(q, k_cache, v_cache, block_tables, positions, mask, scale)
+            return super().attention_blocks(q, k_cache, v_cache, block_tables, positions, mask, scale,
+                                            softcap=softcap)
         lengths = self._decode_lengths(positions, mask)
         from kernels_nki import decode_attention
 
         out = decode_attention.run_paged(
             _np(q[:, :, 0]), _np(k_cache.to(q.dtype)), _np(v_cache.to(q.dtype)), block_tables.numpy(),
-            lengths.numpy(), softmax_scale=scale,
+            lengths.numpy(), softmax_scale=scale, softcap=softcap,
         )  # [B, n_heads, D]
         return _torch(out, q)[:, :, None]  # [B, n_heads, 1, D]
 

@@ -12,7 +12,9 @@ Design decisions:
 - Tied embeddings share one tensor on device: counted once.
 - The KV cache is a block pool sized for `batch` sequences of `max_model_len` (CacheConfig.num_blocks, plus one
   null block that padded tokens write; counted as part of the batch's blocks here), [num_blocks, n_kv_local,
-  block_size, D] for K and V in every layer.
+  block_size, D] for K and V in every layer. That is what the runtime allocates, sliding-window layers included;
+  `kv_cache_window` says beside it what those layers would need if each held only its window
+  (`window_kv_bytes`), a figure for the layout, not the one `fits` uses.
 - Scratch is the live activation set of the largest graph (one graph runs at a time and the compiler reuses
   buffers layer to layer). Attention scores are counted as materialised in float32 because our graphs do not
   use a flash-attention kernel; this is an upper bound when one is used.
@@ -168,6 +170,21 @@ def kv_bytes(cfg: ModelConfig, lay: HeadLayout, num_blocks: int, block_size: int
     )
 
 
+def window_kv_bytes(cfg: ModelConfig, lay: HeadLayout, batch: int, max_model_len: int, block_size: int,
+                    kv_dtype: str) -> int:
+    """One rank's KV if every sliding-window layer held only the blocks its window can touch: ceil(window /
+    block_size) + 1 per sequence (a window of positions straddles a block boundary), at most the sequence's
+    ceil(max_model_len / block_size); full-attention layers hold the whole sequence, as in the pool the runtime
+    allocates (`kv_bytes`), and each layer keeps the null block. Equal to that pool for a model without windows."""
+    per_layer_block = kv_bytes(cfg, lay, 1, block_size, kv_dtype) // cfg.num_hidden_layers  # K and V, one block
+    per_seq = -(-max_model_len // block_size)
+    blocks = 0
+    for i in range(cfg.num_hidden_layers):
+        w = cfg.layer_window(i)
+        blocks += batch * (per_seq if w is None else min(per_seq, -(-w // block_size) + 1)) + 1
+    return blocks * per_layer_block
+
+
 def graph_scratch_bytes(
     cfg: ModelConfig, lay: HeadLayout, batch: int, q_len: int, kv_len: int, act_bytes: int
 ) -> int:
@@ -218,6 +235,9 @@ class MemoryPlan:
     capacity: int  # per rank
     host_needed: int
     host_capacity: int
+    # KV if sliding-window layers held only their window (window_kv_bytes; = kv_cache without windows): reported,
+    # not planned on (the runtime allocates kv_cache)
+    kv_cache_window: int = 0
 
     @property
     def total(self) -> int:
@@ -272,4 +292,5 @@ def plan_memory(
         capacity=capacity,
         host_needed=host,
         host_capacity=inst.host_ram,
+        kv_cache_window=window_kv_bytes(cfg, lay, batch, max_model_len, block_size, kv_dtype),
     )

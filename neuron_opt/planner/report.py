@@ -55,6 +55,11 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
         + f"; decode batches {list(b.decode_batches)}"
         f" x lengths {list(b.decode_kv_lens)}{verify[0]} ({len(graphs)} graphs{verify[1]})",
     ]
+    sliding = sum(cfg.layer_window(i) is not None for i in range(cfg.num_hidden_layers))
+    if sliding and m.kv_cache_window < m.kv_cache:
+        lines.insert(4, f"    {'  (KV if sliding layers held windows)':<38}{_gib(m.kv_cache_window)}  ({sliding} of "
+                        f"{cfg.num_hidden_layers} layers slide over {cfg.sliding_window} positions; not built: the "
+                        "runtime allocates every position in every layer, as planned)")
     over = layout_overhead(cfg, lay, d.dtype)
     if over.padded:
         lines.insert(1, f"  {over.line()}")
@@ -246,6 +251,7 @@ def plan_json(cfg: ModelConfig, plan: Plan, alternatives: list[Plan] | None = No
         "memory_bytes": {
             "weights": m.weights,
             "kv_cache": m.kv_cache,
+            "kv_cache_window": m.kv_cache_window,
             "scratch": m.scratch,
             "reserve": m.reserve,
             "total": m.total,

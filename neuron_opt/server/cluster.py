@@ -13,7 +13,8 @@ Design decisions
   conversation's history find its KV blocks cached. Unless that replica has more than `balance_threshold` ongoing
   requests beyond the least loaded one (SGLang's rule): then, and for a prompt with no remembered block, the least
   loaded replica (`--routing load`: always). The router remembers at most `ROUTED_BLOCKS` keys (LRU) and forgets a
-  replica's keys when it dies.
+  replica's keys when it dies. `/v1/embeddings`, `/tokenize` and `/detokenize` have no keys (an embedding input
+  uses no prefix cache: it is pooled whole in one call) and go by load.
 - A replica is the single-process server's engine and `OpenAIServing` unchanged; it answers
   `handle(route, body)` with a stream whose first item is a header `(kind, status, payload, replica_id)`: kind
   "json" carries the whole answer (or the OpenAI-shaped error, from `app.error_payload`), kind "sse" is followed
@@ -123,6 +124,7 @@ class EngineReplica:
         import torch
 
         from neuron_opt.server.app import engine_metrics
+        from neuron_opt.server.embeddings import EmbeddingServing
         from neuron_opt.server.serving import OpenAIServing
         from neuron_opt.server.tools import make_parser
 
@@ -133,6 +135,7 @@ class EngineReplica:
         self.serving = OpenAIServing(engine, engine.tokenizer, engine.encode_chat, model_name, self.metrics,
                                      engine.runner.max_model_len,
                                      tool_parser=make_parser(tool_call_parser, engine.tokenizer), limits=limits)
+        self.embeddings = EmbeddingServing(self.serving)
         self.id = serve.get_replica_context().replica_id.unique_id
         self.info = {"max_model_len": engine.runner.max_model_len}  # what the router's /v1/models card needs
         self.board = board
@@ -168,6 +171,10 @@ class EngineReplica:
             elif route == "chat":
                 result = await self.serving.chat(
                     ChatCompletionRequest.model_validate_json(body or b"null"), arrival, _never_disconnected)
+            elif route == "embeddings":
+                from neuron_opt.server.embeddings import EmbeddingRequest
+
+                result = await self.embeddings.create(EmbeddingRequest.model_validate_json(body or b"null"), arrival)
             elif route == "tokenize":
                 result = await self.serving.tokenize(TokenizeRequest.model_validate_json(body or b"null"))
             elif route == "detokenize":
@@ -450,6 +457,10 @@ class Router:
     @router_app.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Response:
         return await self._forward("chat", request)
+
+    @router_app.post("/v1/embeddings")
+    async def embeddings(self, request: Request) -> Response:
+        return await self._forward("embeddings", request)
 
     @router_app.post("/tokenize")
     async def tokenize(self, request: Request) -> Response:

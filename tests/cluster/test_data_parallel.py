@@ -119,10 +119,14 @@ def test_errors_are_openai_shaped(cluster):
 
 def test_the_router_checks_the_api_key_and_forwards_the_agent_api(cluster):
     url, _ = cluster
-    for path in ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+    for path in ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize",
+                 "/detokenize"):
         r = httpx.post(url + path, json={}) if path != "/v1/models" else httpx.get(url + path)
         assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError", path
     assert httpx.get(url + "/health").status_code == 200
+    # a generation model's replicas answer /v1/embeddings as one process does: a 400 naming `model`
+    r = httpx.post(url + "/v1/embeddings", json={"model": MODEL, "input": "Hello"}, headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
     tok = httpx.post(url + "/tokenize", json={"prompt": "Hello"}, headers=AUTH).json()
     assert httpx.post(url + "/detokenize", json={"tokens": tok["tokens"]}, headers=AUTH).json()["prompt"] == "Hello"
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)

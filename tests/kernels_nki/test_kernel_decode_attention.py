@@ -76,6 +76,36 @@ def test_matches_reference(b, n_heads, n_kv, s_max, d, split, dtype):
     np.testing.assert_allclose(out.astype(np.float64), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+# (B, n_heads, n_kv_heads, S_max, D, split_size, dtype): splits past a length (the last row's length is 1), GQA,
+# a short tail split, a full K chunk then a tail
+SOFTCAP_CASES = [
+    (2, 4, 2, 300, 64, 128, "float32"),
+    (3, 8, 1, 129, 32, 128, "bfloat16"),
+    (2, 6, 3, 777, 64, 256, "float32"),
+    (2, 4, 2, 4096 + 300, 16, 512, "float32"),
+]
+
+
+@pytest.mark.parametrize("b,n_heads,n_kv,s_max,d,split,dtype", SOFTCAP_CASES)
+def test_soft_capped_scores_match_reference(b, n_heads, n_kv, s_max, d, split, dtype):
+    """cap * tanh(x / cap) on the scaled scores before the softmax (Gemma 2); scale 1 and a cap of 2 change
+    every row (checked on the reference), and the merge of the splits takes the cap for its scale."""
+    rng = np.random.default_rng(s_max * 5 + d)
+    dt = DTYPES[dtype]
+    q = rng.standard_normal((b, n_heads, d)).astype(dt)
+    k = rng.standard_normal((b, n_kv, s_max, d)).astype(dt)
+    v = rng.standard_normal((b, n_kv, s_max, d)).astype(dt)
+    lengths = rng.integers(1, s_max + 1, size=b)
+    lengths[0], lengths[-1] = s_max, 1
+    out = decode_attention.run(q, k, v, lengths, split_size=split, softmax_scale=1.0, softcap=2.0)
+    ref = decode_attention_ref(q, k, v, lengths, softmax_scale=1.0, softcap=2.0)
+    np.testing.assert_allclose(out.astype(np.float64), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    uncapped = decode_attention_ref(q, k, v, lengths, softmax_scale=1.0)
+    assert np.abs(uncapped[0] - ref[0]).max() > 0.1
+    with pytest.raises(KernelArgumentError, match="softcap"):
+        decode_attention.run(q, k, v, lengths, split_size=split, softcap=-2.0)
+
+
 @pytest.mark.parametrize("s_max,split", [(4096, 1024), (4096 + 300, 512), (2 * 4096 + 130, 128), (500, 256)])
 def test_v_kernel_layout_is_the_row_order_the_kernel_reads(s_max, split):
     """Row r of the kernel's V is cache position order[r]; in a full K chunk partition q's rows of every split

@@ -80,6 +80,38 @@ def test_custom_scale_and_large_logits():
     np.testing.assert_allclose(out, flash_attention_ref(q, k, v, causal=True, softmax_scale=2.0), atol=1e-4)
 
 
+# (B, n_heads, n_kv_heads, S, D, causal, dtype, K_BLOCK): the causal diagonal (its mask added after the tanh), a
+# query tile past 512 keys, GQA, bf16, and key blocks shrunk so that the online-softmax rescale runs on capped scores
+SOFTCAP_CASES = [
+    (1, 2, 1, 200, 64, True, "float32", 2048),
+    (2, 4, 2, 100, 64, True, "bfloat16", 2048),
+    (1, 1, 1, 77, 32, False, "float32", 2048),
+    (1, 3, 1, 600, 32, True, "float32", 2048),
+    (1, 1, 1, 700, 64, True, "float32", 512),
+    (1, 2, 2, 600, 32, False, "bfloat16", 512),
+]
+
+
+@pytest.mark.parametrize("b,n_heads,n_kv,s,d,causal,dtype,k_block", SOFTCAP_CASES)
+def test_soft_capped_scores_match_reference(monkeypatch, b, n_heads, n_kv, s, d, causal, dtype, k_block):
+    """Gemma 2's soft-capping, cap * tanh(x / cap) on the scaled scores: scale 1 makes the scores large (std
+    sqrt(D)) so that a cap of 2 changes every row's softmax (checked on the reference)."""
+    monkeypatch.setattr(flash_attention, "K_BLOCK", k_block)
+    q, k, v = _inputs(b, n_heads, n_kv, s, d, dtype, seed=s * 13 + d)
+    out = flash_attention.run(q, k, v, causal=causal, softmax_scale=1.0, softcap=2.0)
+    ref = flash_attention_ref(q, k, v, causal=causal, softmax_scale=1.0, softcap=2.0)
+    np.testing.assert_allclose(out.astype(np.float64), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    uncapped = flash_attention_ref(q, k, v, causal=causal, softmax_scale=1.0)
+    assert np.abs(uncapped - ref).max() > 0.1
+
+
+@pytest.mark.parametrize("softcap", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_softcap_that_is_not_a_positive_number_is_refused(softcap):
+    q, k, v = _inputs(1, 1, 1, 8, 16, "float32", seed=0)
+    with pytest.raises(KernelArgumentError, match="softcap"):
+        flash_attention.run(q, k, v, softcap=softcap)
+
+
 @pytest.mark.parametrize("k_block,s,causal,dtype", [
     (512, 700, True, "float32"), (512, 600, False, "bfloat16"),
     (1024, 1100, True, "bfloat16"), (1024, 1030, False, "float32"),

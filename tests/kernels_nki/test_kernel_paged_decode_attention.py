@@ -68,6 +68,24 @@ def test_matches_reference(b, n_heads, n_kv, block_len, max_blocks, d, split, dt
     np.testing.assert_allclose(out.astype(np.float64), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("b,n_heads,n_kv,block_len,max_blocks,d,split,dtype", [
+    (2, 4, 2, 16, 10, 64, None, "float32"),
+    (1, 8, 1, 8, 300, 128, None, "float32"),  # 3 splits, the last one short
+    (2, 6, 3, 8, 129, 64, None, "bfloat16"),
+])
+def test_soft_capped_scores_match_reference(b, n_heads, n_kv, block_len, max_blocks, d, split, dtype):
+    """cap * tanh(x / cap) on the scaled scores (Gemma 2), read through the block table: scale 1 and a cap of 2
+    change the result (checked on the reference)."""
+    rng = np.random.default_rng(max_blocks * 3 + d)
+    q, k, v, tables, lengths = _case(rng, b, n_heads, n_kv, block_len, max_blocks, d, DTYPES[dtype],
+                                     shared=max_blocks // 3)
+    out = decode_attention.run_paged(q, k, v, tables, lengths, split_size=split, softmax_scale=1.0, softcap=2.0)
+    ref = paged_decode_attention_ref(q, k, v, tables, lengths, softmax_scale=1.0, softcap=2.0)
+    np.testing.assert_allclose(out.astype(np.float64), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    uncapped = paged_decode_attention_ref(q, k, v, tables, lengths, softmax_scale=1.0)
+    assert np.abs(uncapped[0] - ref[0]).max() > 0.1
+
+
 def test_paged_equals_the_contiguous_kernel_on_the_same_cache():
     """The same positions as a contiguous cache and as blocks: both kernels agree (fp32)."""
     rng = np.random.default_rng(3)

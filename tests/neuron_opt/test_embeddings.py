@@ -24,41 +24,7 @@ from neuron_opt.errors import ArtifactError, ConfigError
 from neuron_opt.runtime.runner import ModelRunner, PrefillRow
 
 st = pytest.importorskip("sentence_transformers")
-
-TEXTS = ["The capital of France is Paris.", "Hi", "Embeddings map text to vectors that a retrieval system compares "
-         "by cosine similarity, so that similar meanings sit close together.", "tiny", "one two three four five"]
-
-
-def make_st_model(out, family: str, pooling: str, normalize: bool, seed: int = 0):
-    """A tiny random bare decoder (`Qwen3Model` / `LlamaModel`) with the default model's tokenizer, saved as a
-    sentence-transformers model: Transformer, Pooling(`pooling`), Normalize when `normalize`. Returns (dir, model)."""
-    import transformers
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer import modules as models
-
-    tok = open_checkpoint("default").tokenizer()
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    # without a chat template: sentence-transformers >= 6 would render texts through it (which we refuse)
-    tok.chat_template = None
-    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
-                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    cfg = (transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=True) if family == "qwen3" else
-           transformers.LlamaConfig(**common, tie_word_embeddings=False))
-    torch.manual_seed(seed)
-    base = transformers.AutoModel.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():  # HF initialises norms to ones: randomise them so the oracle sees them
-        for name, p in base.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(1.0, 0.1)
-    base.save_pretrained(out / "base")
-    tok.save_pretrained(out / "base")
-    mods = [models.Transformer(str(out / "base"), max_seq_length=256),
-            models.Pooling(64, pooling_mode=pooling)] + ([models.Normalize()] if normalize else [])
-    model = SentenceTransformer(modules=mods, device="cpu")
-    model.save(str(out / "st"))
-    return out / "st", model
+from st_models import TEXTS, assert_same, make_st_model, reference  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -69,19 +35,6 @@ def qwen3_last(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llama_mean(tmp_path_factory):
     return make_st_model(tmp_path_factory.mktemp("st-llama"), "llama", "mean", False, seed=1)
-
-
-def reference(model, texts) -> torch.Tensor:
-    return model.encode(texts, convert_to_tensor=True, batch_size=len(texts)).float()
-
-
-def assert_same(got, ref: torch.Tensor, exact: bool = True) -> None:
-    got = torch.as_tensor(np.asarray(got, dtype=np.float32))
-    assert got.shape == ref.shape
-    cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1)
-    assert float(cos.min()) >= 0.999, cos
-    if exact:  # fp32 eager: the same numbers up to summation order
-        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
 def test_sentence_transformers_checkpoint_is_an_embedding_model(qwen3_last, llama_mean):

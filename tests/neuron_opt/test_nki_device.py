@@ -36,6 +36,10 @@ F32 = torch.float32
     ((1, 4, 2, 32768, 32768, 128, torch.bfloat16, None, "NEURON"), "flash_attention", "prefill from position 0"),
     ((1, 4, 2, 1, 600000, 128, torch.bfloat16, None, "NEURON"), None, "SBUF bytes per partition"),
     ((1, 9, 3, 128, 128, 64, F32, None, "CPU"), None, "the CPU device has no NKI runtime"),
+    # soft-capped scores (Gemma 2): the kernels cap them themselves
+    ((1, 9, 3, 128, 128, 64, F32, None, "NEURON", 50.0), "flash_attention", "prefill from position 0"),
+    ((4, 8, 2, 1, 512, 128, torch.bfloat16, None, "NEURON", 50.0), "decode_attention", "decode step"),
+    ((1, 4, 2, 128, 128, 64, F32, 8, "NEURON", 50.0), None, "sliding window 8"),
 ])
 def test_attention_call_sites_pick_a_kernel_only_within_its_contract(args, kernel, reason):
     c = choose_attention(*args)
@@ -103,6 +107,7 @@ BF16 = torch.bfloat16
     ((2, 9, 3, 1, 64, 32, 20, 64, F32, F32, None, "NEURON"), "paged_decode_attention", "block table"),
     ((2, 9, 3, 1, 64, 128, 20, 64, F32, F32, None, "NEURON"), "paged_decode_attention", "block table"),
     ((2, 9, 3, 1, 64, 256, 20, 64, F32, F32, None, "NEURON"), None, "block_len * G = 256 * 3 > 512"),
+    ((2, 9, 3, 1, 64, 16, 20, 64, F32, F32, None, "NEURON", 30.0), "paged_decode_attention", "block table"),
 ])
 def test_decode_call_sites_over_block_pools_pick_the_paged_kernel_within_its_contract(args, kernel, reason):
     c = choose_paged_attention(*args)
@@ -151,3 +156,39 @@ def test_on_a_device_without_nki_block_attention_gathers_and_says_why():
     assert [c["shape"].split("]")[0] for c in choices] == ["q [2, 4, 1, 32"] * 2  # the paged site, then the gather's
     assert "blocks [11, 2, 16, 32]" in choices[0]["shape"] and "kv [2, 2, 64, 32]" in choices[1]["shape"]
     assert all(c["kernel"] is None and "no NKI runtime" in c["reason"] for c in choices)
+
+
+@pytest.mark.parametrize("B, n_heads, n_kv, S, kv_len, D", [(1, 4, 2, 128, 128, 32), (2, 6, 3, 1, 256, 32)])
+def test_soft_capped_device_calls_through_the_kernels_equal_torch_ops(B, n_heads, n_kv, S, kv_len, D):
+    """A soft-capped call site (Gemma 2) picks the kernel, hands it the cap, and the kernel's result on the
+    simulator equals TorchOps' capped attention (which differs from the uncapped one)."""
+    torch.manual_seed(1)
+    q = torch.randn(B, n_heads, S, D)
+    keys, values = torch.randn(B, n_kv, kv_len, D), torch.randn(B, n_kv, kv_len, D)
+    positions = (torch.arange(S)[None].expand(B, S) if S > 1 else torch.tensor([[100], [kv_len - 1]])[:B])
+    scale, cap = 0.5, 2.0
+    c = choose_attention(B, n_heads, n_kv, S, kv_len, D, F32, None, "NEURON", cap)
+    assert c.kernel is not None and "softcap 2" in c.shape, c
+    grid, args, kwargs = attention_kernel_call(c.kernel, q, keys, values, positions, scale, cap)
+    assert kwargs["softcap"] == cap
+    out = simulate(_kernel(c.kernel)[grid], *(a.numpy() for a in args), **kwargs)
+    got = attention_from_kernel(c.kernel, torch.from_numpy(np.asarray(out)), q.shape)
+    mask = _causal(positions, kv_len)
+    want = TorchOps().attention(q, keys, values, positions, mask, scale, softcap=cap)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    assert (want - TorchOps().attention(q, keys, values, positions, mask, scale)).abs().max() > 0.1
+
+
+def test_soft_capped_paged_device_call_through_the_kernel_equals_torch_ops():
+    k, v, tables = _pools(2, 3, 16, 20, 32, seed=2)
+    q, positions = torch.randn(2, 6, 1, 32), torch.tensor([[319], [40]])
+    scale, cap = 0.5, 2.0
+    c = choose_paged_attention(2, 6, 3, 1, k.shape[0], 16, 20, 32, F32, F32, None, "NEURON", cap)
+    assert c.kernel == "paged_decode_attention" and "softcap 2" in c.shape, c
+    grid, args, kwargs = paged_attention_kernel_call(q, k, v, tables, positions, scale, cap)
+    out = simulate(_kernel("paged_decode_attention")[grid], *(a.numpy() for a in args), **kwargs)
+    got = attention_from_kernel("paged_decode_attention", torch.from_numpy(np.asarray(out)), q.shape)
+    mask = _causal(positions, 320)
+    want = TorchOps().attention_blocks(q, k, v, tables, positions, mask, scale, softcap=cap)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    assert (want - TorchOps().attention_blocks(q, k, v, tables, positions, mask, scale)).abs().max() > 0.1

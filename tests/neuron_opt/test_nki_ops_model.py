@@ -71,3 +71,39 @@ def test_nki_ops_refuse_a_mask_their_kernels_do_not_apply(tiny_dir):
             torch.ones(1, 2, 8, dtype=torch.bool),
             0.25,
         )
+
+
+def test_nki_ops_cap_the_scores_in_the_kernels(monkeypatch):
+    """Soft-capped attention (Gemma 2) runs the kernels with their `softcap` (prefill, contiguous and paged
+    decode), equal to TorchOps' capped attention; no call falls back to the torch op."""
+    from kernels_nki import decode_attention, flash_attention
+    from models.llama import TorchOps
+    from neuron_opt.backends.nki_ops import NkiSimOps
+
+    calls: list[tuple[str, float]] = []
+    for module, name in ((flash_attention, "run"), (decode_attention, "run"), (decode_attention, "run_paged")):
+        real = getattr(module, name)
+
+        def record(*a, _real=real, _name=f"{module.__name__}.{name}", **kw):
+            calls.append((_name, kw["softcap"]))
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(module, name, record)
+    torch.manual_seed(0)
+    cap, scale = 1.5, 0.5
+    q, k, v = torch.randn(1, 4, 16, 16), torch.randn(1, 2, 16, 16), torch.randn(1, 2, 16, 16)
+    pos = torch.arange(16)[None]
+    mask = (torch.arange(16)[None, :] <= torch.arange(16)[:, None])[None]
+    for ops in (NkiSimOps(paged=False), NkiSimOps(paged=True)):
+        got = ops.attention(q, k, v, pos, mask, scale, softcap=cap)
+        torch.testing.assert_close(got, TorchOps().attention(q, k, v, pos, mask, scale, softcap=cap), atol=1e-4,
+                                   rtol=0)
+        k_pool, v_pool = k[0].reshape(2, 2, 8, 16).transpose(0, 1), v[0].reshape(2, 2, 8, 16).transpose(0, 1)
+        tables, dpos = torch.tensor([[0, 1]]), torch.tensor([[11]])
+        dmask = (torch.arange(16) <= 11)[None, None]
+        got = ops.attention_blocks(q[:, :, :1], k_pool, v_pool, tables, dpos, dmask, scale, softcap=cap)
+        want = TorchOps().attention_blocks(q[:, :, :1], k_pool, v_pool, tables, dpos, dmask, scale, softcap=cap)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    names = [n for n, _ in calls]
+    assert all(c == cap for _, c in calls) and names.count("kernels_nki.flash_attention.run") == 2
+    assert "kernels_nki.decode_attention.run" in names and "kernels_nki.decode_attention.run_paged" in names

@@ -9,7 +9,7 @@ import torch
 from neuron_opt.config import ModelConfig, ParallelConfig
 from neuron_opt.parallel.sharding import head_layout, shard_state_dict
 from neuron_opt.planner import Deployment, evaluate, get_instance
-from neuron_opt.planner.memory import RUNTIME_RESERVE, kv_bytes, weight_bytes, weight_count
+from neuron_opt.planner.memory import RUNTIME_RESERVE, kv_bytes, weight_bytes, weight_count, window_kv_bytes
 
 _LLAMA = {
     "model_type": "llama",
@@ -179,6 +179,39 @@ def test_kv_cache_bytes_llama3_8b() -> None:
     # flash decoding at tp 32: each KV head split along the sequence over 4 ranks: 8 of every 32-block's positions
     fd = head_layout(cfg, ParallelConfig(tp=32, flash_decoding=True))
     assert kv_bytes(cfg, fd, 2 * 128 + 1, 32, "bfloat16") == (2 * 4096 + 32) // 4 * 16 * 1024
+
+
+@pytest.mark.parametrize("name, sliding, window", [("gemma-2-2b", 13, 4096), ("gemma-3-1b", 22, 512)])
+def test_sliding_layers_need_only_their_window_of_kv(name: str, sliding: int, window: int) -> None:
+    """The published Gemma 2/3 configs (docs/configs): the KV their sliding layers would need holding only their
+    window (blocks of 32: window / 32 + 1 per sequence, a window straddling a block boundary), beside the pool the
+    runtime allocates, which the plan keeps using."""
+    import json
+    from pathlib import Path
+
+    from neuron_opt.planner.report import plan_lines
+
+    raw = json.loads((Path(__file__).resolve().parents[2] / "docs" / "configs" / f"{name}.json").read_text())
+    cfg = ModelConfig.from_hf(raw)
+    L = cfg.num_hidden_layers
+    assert sum(cfg.layer_window(i) is not None for i in range(L)) == sliding and cfg.sliding_window == window
+    lay = head_layout(cfg, ParallelConfig())
+    per_block = 2 * 32 * cfg.num_key_value_heads * cfg.head_dim * 2  # K and V of one block of one layer, bf16
+    batch, length = 4, 8192
+    full = batch * length // 32 + 1  # a layer's blocks: every position of every sequence, and the null block
+    windowed = batch * (window // 32 + 1) + 1
+    want = ((L - sliding) * full + sliding * windowed) * per_block
+    assert window_kv_bytes(cfg, lay, batch, length, 32, "bfloat16") == want
+    plan = evaluate(cfg, get_instance("trn1.2xlarge"), Deployment(1, batch, 1024, length))
+    assert plan.memory.kv_cache == L * full * per_block  # what the runtime allocates, planned as before
+    assert plan.memory.kv_cache_window == want < plan.memory.kv_cache
+    assert any("KV if sliding layers held windows" in line for line in plan_lines(cfg, plan))
+    # sequences no longer than a window: the sliding layers hold them whole, like the full layers
+    assert window_kv_bytes(cfg, lay, batch, 256, 32, "bfloat16") == kv_bytes(cfg, lay, batch * 8 + 1, 32, "bfloat16")
+    dense = ModelConfig.from_hf(LLAMA3_8B)  # no window: the allocated pool
+    dense_lay = head_layout(dense, ParallelConfig())
+    assert window_kv_bytes(dense, dense_lay, batch, length, 32, "bfloat16") == kv_bytes(dense, dense_lay, full, 32,
+                                                                                        "bfloat16")
 
 
 def test_fit_matches_aws_sizing_examples() -> None:
