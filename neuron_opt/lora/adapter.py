@@ -262,4 +262,4 @@ def capacity_for(path: str | Path) -> LoraConfig:
     if not isinstance(r, int) or isinstance(r, bool) or r < 1:
         raise _bad(Path(path), "r", f"must be a positive integer, got {r!r}")
     ranks = _patterns(Path(path), conf, "rank_pattern", rank=True).values()
-    return LoraConfig(1, max(r, *ranks))
+    return LoraConfig(1, max([r, *ranks]))

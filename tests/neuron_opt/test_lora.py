@@ -545,3 +545,24 @@ def test_plan_flags_add_adapter_memory_and_step_time(tmp_path, capsys):
     assert lora["step_tpot_ms"] > plain["step_tpot_ms"] and lora["step_ttft_ms"] > plain["step_ttft_ms"]
     assert main([*args[:-1], "--max-lora-rank", "16", "--lora-target-modules", "q_proj", "v_proj"]) in (0, 1)
     assert "LoRA stacks (1 x rank 16)" in capsys.readouterr().out
+
+
+def test_cli_generate_lora_with_speculative_decoding_matches_plain(tiny_dir, tmp_path, capsys):
+    """`generate --model DIR --lora PATH --speculative-method ngram`: the adapter's plain greedy tokens (PEFT's),
+    with verify steps taken (a tiny model with the default model's vocabulary: the prompt is text)."""
+    from neuron_opt.cli import main
+
+    base = tiny_dir("smollm-tok")
+    adapter = make_adapter(base, tmp_path / "a", 4, 8, ["q_proj", "v_proj", "o_proj", "up_proj"], 9)
+    prompt = "abc abc abc abc abc abc"
+    cmd = ["generate", "--model", str(base), "--lora", str(adapter), "--prompt", prompt,
+           "--max-new-tokens", "12", "--temperature", "0", "--json"]
+    assert main(cmd) == 0
+    plain = json.loads(capsys.readouterr().out)
+    n = len(plain["token_ids"])  # up to 12: the text may end at EOS
+    assert n and plain["token_ids"] == hf_greedy(peft_model(base, adapter), plain["prompt_token_ids"], n)
+    assert plain["token_ids"] != hf_greedy(load_hf(base), plain["prompt_token_ids"], n)
+    assert main([*cmd, "--speculative-method", "ngram", "--num-speculative-tokens", "3",
+                 "--no-speculative-adaptive"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["token_ids"] == plain["token_ids"] and spec["speculative"]["verify_steps"] > 0
