@@ -13,7 +13,7 @@ ARTIFACT ?= artifacts/smollm2
 DEMO_FLAGS ?= --backend cpu --batch-size 8 --max-model-len 2048
 PORT ?= 8000
 
-.PHONY: demo test test-slow test-xla test-cluster bench bench-serve-llamacpp lint setup setup-xla
+.PHONY: demo test test-slow test-xla test-cluster bench bench-serve-llamacpp bench-lora lint setup setup-xla
 
 demo: $(STAMP)
 	$(BIN)/neuron-opt compile --model default --out $(ARTIFACT) $(DEMO_FLAGS)
@@ -79,6 +79,19 @@ bench-serve-llamacpp: $(STAMP) $(LLAMACPP_STAMP)
 		--concurrency 1,4,8,16 --prompt-lens 150,1500 --num-prompts 8 --output-len 128 --max-num-seqs 16 \
 		--rounds $(BENCH_ROUNDS) --llamacpp-cmake-args="$(LLAMACPP_CMAKE_ARGS)" $(BENCH_FLAGS) \
 		--out docs/bench/record_serve_llamacpp.json --plot docs/bench/record_serve_llamacpp.png
+
+# Multi-LoRA serving (docs/benchmarks.md, "Multi-LoRA serving"): one bf16 artifact of the default model compiled
+# for 4 adapter slots of rank 16 on every projection, 4 random rank-16 PEFT adapters made by the script and loaded
+# at run time; the base model alone against a mix over the adapters and the base, 1 and 8 streams, BENCH_ROUNDS
+# interleaved rounds. Keep the machine otherwise idle until it ends.
+LORA_COMPILE := --backend cpu --dtype bfloat16 --batch-size 8 --max-model-len 512 --enable-lora --max-loras 4 \
+	--max-lora-rank 16
+
+bench-lora: $(STAMP)
+	$(BIN)/neuron-opt compile --model default --out artifacts/lora16 $(LORA_COMPILE)
+	$(BIN)/python scripts/bench_serve.py --scenario lora --model artifacts/lora16 --lora-adapters 4 --lora-rank 16 \
+		--num-prompts 32 --input-len 128 --output-len 64 --concurrency 1,8 --max-num-seqs 8 \
+		--rounds $(BENCH_ROUNDS) $(BENCH_FLAGS) --out docs/bench/record_serve_lora.json --plot docs/bench/record_serve_lora.png
 
 $(LLAMACPP_STAMP): $(STAMP)
 	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" $(BIN)/python -m pip install -q --no-binary llama-cpp-python -e '.[llamacpp]'

@@ -205,11 +205,13 @@ class LLM:
         return self._run(prompts, params, speculative, lora_request)[0]
 
     def generate_ids_speculative(self, prompt_ids: list[int], params: SamplingParams | None,
-                                 speculative: SpeculativeConfig) -> tuple[GenerationOutput, SpecStats]:
+                                 speculative: SpeculativeConfig,
+                                 lora_request: LoRARequest | None = None) -> tuple[GenerationOutput, SpecStats]:
         """One sequence with speculative decoding: greedy output equals `generate_ids`'; also returns the
         engine's speculation counters. A draft model (`speculative.model`) is loaded on first use and kept for
-        later calls."""
-        outs, stats = self._run([prompt_ids], [params or SamplingParams()], speculative)
+        later calls. Under a LoRA adapter the target verifies with the adapter and the draft proposes without it
+        (a draft model takes no adapters): the output is still `generate_ids`' under the adapter."""
+        outs, stats = self._run([prompt_ids], [params or SamplingParams()], speculative, [lora_request])
         return outs[0], stats
 
     def draft(self, model: str | Path, max_num_seqs: int) -> LLM:

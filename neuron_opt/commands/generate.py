@@ -144,8 +144,6 @@ def run(args: argparse.Namespace) -> int:
         from neuron_opt.lora.adapter import capacity_for
         from neuron_opt.lora.registry import LoRARequest
 
-        if spec is not None:
-            raise ConfigError("--lora: not with speculative decoding yet", param="lora")
         lora = LoRARequest("adapter", args.lora)
     llm = LLM(args.artifact or args.model, dtype=args.dtype, parallel=None if args.artifact else parallel,
               num_speculative_tokens=k, trusted_keys=args.trusted_keys, verified=verified,
@@ -156,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     if spec is None:
         out = llm.generate_ids(ids, params, lora)
     else:
-        out, stats = llm.generate_ids_speculative(ids, params, spec)
+        out, stats = llm.generate_ids_speculative(ids, params, spec, lora)
     if args.json:
         doc = {"prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids, "text": out.text,
                "finish_reason": out.finish_reason}

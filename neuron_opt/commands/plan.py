@@ -15,6 +15,7 @@ from pathlib import Path
 
 from neuron_opt.config import ModelConfig
 from neuron_opt.errors import ConfigError
+from neuron_opt.lora.config import TARGET_MODULES, LoraConfig
 from neuron_opt.planner.hardware import get_instance, known_instances
 from neuron_opt.planner.memory import KV_DTYPES, WEIGHT_DTYPES
 from neuron_opt.planner.queueing import ARRIVALS, POISSON_REQUESTS, Arrival
@@ -91,8 +92,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--data-parallel", type=int, default=None, metavar="N",
         help="replicas of the model on the instance (default: as many as fit, for each tp)",
     )
+    p.add_argument("--max-loras", type=int, default=None, metavar="N",
+                   help="LoRA adapter slots (compile --enable-lora --max-loras; default 1 when another LoRA flag is "
+                        "given): their stacks in the memory fit, the adapter product in the step time")
+    p.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
+                   help="largest LoRA rank (compile's flag; default 16 when another LoRA flag is given)")
+    p.add_argument("--lora-target-modules", nargs="+", default=None, metavar="NAME",
+                   help=f"linears with an adapter path (compile's flag; default all: {' '.join(TARGET_MODULES)})")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
+
+
+def lora_from_args(args: argparse.Namespace) -> LoraConfig | None:
+    """The LoRA capacity planned for: None unless one of the LoRA flags is given."""
+    if args.max_loras is None and args.max_lora_rank is None and args.lora_target_modules is None:
+        return None
+    return LoraConfig(1 if args.max_loras is None else args.max_loras,
+                      16 if args.max_lora_rank is None else args.max_lora_rank,
+                      tuple(args.lora_target_modules or TARGET_MODULES))
 
 
 def load_model_config(model: str) -> ModelConfig:
@@ -119,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     batch = args.batch_size or args.concurrency
     max_model_len = args.max_model_len or args.input_len + args.output_len
     max_prompt_len = args.max_prompt_len or min(args.input_len, max_model_len)
+    lora = lora_from_args(args)
     plans = rank(
         candidates(
             cfg,
@@ -133,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
             ep=args.ep,
             ep_decode=args.ep_decode,
             prefill_batch=args.prefill_batch,
+            lora=lora,
         ),
         traffic,
     )
@@ -142,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
     if inst.family != "cpu":
         scale = splits(cfg, inst, traffic, max_prompt_len=max_prompt_len, max_model_len=max_model_len,
                        batch=args.batch_size, replicas=args.data_parallel,
-                       dtypes=tuple(sorted({p.deployment.dtype for p in plans})), kv_dtype=args.kv_dtype)
+                       dtypes=tuple(sorted({p.deployment.dtype for p in plans})), kv_dtype=args.kv_dtype,
+                       lora=lora)
         if args.tp is not None:
             scale = [s for s in scale if s.tp == args.tp]
     elif args.data_parallel is not None:

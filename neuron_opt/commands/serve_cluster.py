@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from neuron_opt.commands.lora_flags import parse_lora_modules
 from neuron_opt.commands.serve_engine import api_key, build_engine, check_args, served_name, server_limits
 from neuron_opt.errors import ConfigError
 
@@ -31,6 +32,24 @@ def replica_resources(backend: str, tp: int, replicas: int, replica_cpus: float 
         return {"num_cpus": replica_cpus or 1, "resources": {"neuron_cores": tp}}, None
     cpus = replica_cpus or max(1, len(os.sched_getaffinity(0)) // replicas)
     return {"num_cpus": cpus}, max(1, int(cpus))
+
+
+def lora_modules(args: argparse.Namespace, manifest: Any) -> dict[str, str]:
+    """`--lora-modules` checked here, not in N replicas: the model takes adapters and each one reads; their paths
+    made absolute in `args` (a Ray worker's working directory is not ours). Returns {name: absolute path}."""
+    modules = parse_lora_modules(getattr(args, "lora_modules", None))
+    if not modules:
+        return {}
+    if manifest is None or manifest.lora is None:
+        raise ConfigError("--lora-modules: this model takes no adapters (compile it with --enable-lora)",
+                          param="lora_modules")
+    from neuron_opt.lora.adapter import read_adapter
+
+    modules = {name: str(Path(path).resolve()) for name, path in modules.items()}
+    for path in modules.values():
+        read_adapter(path, manifest.model, manifest.lora)
+    args.lora_modules = [f"{name}={path}" for name, path in modules.items()]
+    return modules
 
 
 def run_cluster(args: argparse.Namespace) -> int:
@@ -56,6 +75,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         open_checkpoint(args.model)
     verified = check_args(args, verify_hashes=False)[0]  # each replica verifies the files as it loads them
     manifest = None if verified is None else verified.manifest
+    adapters = lora_modules(args, manifest)
     key = api_key(args)
     limits = server_limits(args)
     if args.enable_docs:
@@ -117,6 +137,8 @@ def run_cluster(args: argparse.Namespace) -> int:
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         board = metrics_board()
+        for adapter, path in adapters.items():  # the adapter set every replica serves (cluster.py, "LoRA adapters")
+            ray.get(board.set_adapter.remote(adapter, path))
         # a replica takes up to 2 x its batch: a free slot is refilled without waiting on the router, and the rest
         # queues at the router (up to --max-waiting), where it goes to whichever replica frees up first
         per_replica = 2 * (args.max_num_seqs or (manifest.buckets.decode_batches[-1] if manifest else 16))

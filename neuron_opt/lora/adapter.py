@@ -2,12 +2,17 @@
 then zero-padded to the compiled rank and sharded per rank the way the base layer is.
 
 Accepted (docs/lora.md): a directory with `adapter_config.json` (peft_type LORA, `r`, `lora_alpha`,
-`use_rslora`, `target_modules` as names or a regex, `fan_in_fan_out`, `bias` "none") and
-`adapter_model.safetensors` (`base_model.model.<module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r],
-float32 / bfloat16 / float16). Refused, each with the field named: other bias modes, `modules_to_save`, DoRA,
-per-module `rank_pattern` / `alpha_pattern`, embedding or LM-head adapters, a rank above the compiled maximum, a
-module the artifact was not compiled to adapt, a shape that is not the base layer's. Nothing is kept of an adapter
-that fails: it is read whole and checked before any slot is written.
+`use_rslora`, `target_modules` as names or a regex, per-module `rank_pattern` / `alpha_pattern`, `fan_in_fan_out`,
+`bias` "none") and `adapter_model.safetensors` (`base_model.model.<module>.lora_A.weight` [r, in] and
+`.lora_B.weight` [out, r], float32 / bfloat16 / float16). Refused, each with the field named: other bias modes,
+`modules_to_save`, DoRA, embedding or LM-head adapters, a rank above the compiled maximum, a module the artifact
+was not compiled to adapt, a shape that is not the base layer's. Nothing is kept of an adapter that fails: it is
+read whole and checked before any slot is written.
+
+Per-module ranks and alphas resolve as PEFT resolves them: a module takes the value of the first pattern key
+(in the file's order) that matches the end of its name at a dot boundary (the key is a regex), else `r` /
+`lora_alpha`; its scale is its alpha / its rank (/ sqrt(rank) with `use_rslora`), and its A and B are zero-padded
+from its own rank to the compiled one.
 
 Sharding (Megatron, as `neuron_opt.parallel.sharding` does the base weights): a column-parallel linear
 (q/k/v, gate/up) keeps A whole and takes its rows of B (head padding and KV replication alike: padded heads' rows
@@ -47,6 +52,7 @@ def _bad(path: Path, field: str, msg: str) -> ConfigError:
 @dataclass(frozen=True)
 class LoraAdapter:
     """A validated adapter, unsharded: (layer, module) -> (A [r, in], B [out, r] with the scale folded in), fp32.
+    `rank`: the largest of its modules' ranks; `scale`: the scale of a module without a pattern (`r`, `lora_alpha`).
 
     `digest`: sha256 of its weights file, which keys its prefix-cache blocks (the same file under two names shares
     them, a different file never does)."""
@@ -64,6 +70,32 @@ def _targets_module(spec: Any, key: str) -> bool:
     if isinstance(spec, str):
         return spec == "all-linear" or re.fullmatch(spec, key) is not None
     return any(key == t or key.endswith("." + t) for t in spec)
+
+
+def _patterns(path: Path, conf: dict[str, Any], field: str, rank: bool) -> dict[str, int | float]:
+    """PEFT's `rank_pattern` or `alpha_pattern`: {module-name regex: positive integer rank | finite alpha}."""
+    pat = conf.get(field) or {}
+    if not isinstance(pat, dict):
+        raise _bad(path, field, f"must be an object mapping module names to values, got {pat!r}")
+    for key, value in pat.items():
+        try:
+            re.compile(key)
+        except re.error as e:
+            raise _bad(path, field, f"key {key!r} is not a valid regex ({e})") from None
+        if rank and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise _bad(path, field, f"{key!r}: a rank must be a positive integer, got {value!r}")
+        if not rank and (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)):
+            raise _bad(path, field, f"{key!r}: an alpha must be a finite number, got {value!r}")
+    return pat
+
+
+def _pattern_value(pat: dict[str, int | float], module: str, default: int | float) -> tuple[int | float, str | None]:
+    """The value of the first key of `pat` matching the end of `module` at a dot boundary (PEFT's
+    get_pattern_key), with that key; `default` and None when none matches."""
+    for key, value in pat.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value, key
+    return default, None
 
 
 def read_adapter(path: str | Path, cfg: ModelConfig, lora: LoraConfig) -> LoraAdapter:
@@ -94,7 +126,7 @@ def read_adapter(path: str | Path, cfg: ModelConfig, lora: LoraConfig) -> LoraAd
         raise _bad(path, "r", f"must be a positive integer, got {r!r}")
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
         raise _bad(path, "lora_alpha", f"must be a finite number, got {alpha!r}")
-    if r > lora.max_lora_rank:
+    if r > lora.max_lora_rank and not conf.get("rank_pattern"):  # else checked per module, below
         raise _bad(path, "r", f"rank {r} exceeds this artifact's --max-lora-rank {lora.max_lora_rank}; recompile "
                    f"with --max-lora-rank {r} or more")
     if conf.get("bias", "none") != "none":
@@ -105,9 +137,8 @@ def read_adapter(path: str | Path, cfg: ModelConfig, lora: LoraConfig) -> LoraAd
                    "not supported (they are full weights, not a low-rank term)")
     if conf.get("use_dora"):
         raise _bad(path, "use_dora", "DoRA adapters are not supported")
-    for field in ("rank_pattern", "alpha_pattern"):
-        if conf.get(field):
-            raise _bad(path, field, "per-module ranks or alphas are not supported yet")
+    rank_pattern = _patterns(path, conf, "rank_pattern", rank=True)
+    alpha_pattern = _patterns(path, conf, "alpha_pattern", rank=False)
     rslora = conf.get("use_rslora", False)
     if not isinstance(rslora, bool):
         raise _bad(path, "use_rslora", f"must be true or false, got {rslora!r}")
@@ -119,7 +150,11 @@ def read_adapter(path: str | Path, cfg: ModelConfig, lora: LoraConfig) -> LoraAd
     spec = conf.get("target_modules")
     if not (isinstance(spec, str) or (isinstance(spec, list) and all(isinstance(t, str) for t in spec))):
         raise _bad(path, "target_modules", f"must be a list of module names or a regex string, got {spec!r}")
-    scale = alpha / math.sqrt(r) if rslora else alpha / r
+
+    def scale_of(rank: int, a: float) -> float:
+        return a / math.sqrt(rank) if rslora else a / rank
+
+    scale = scale_of(r, alpha)
 
     size = weights_path.stat().st_size
     if size > MAX_ADAPTER_BYTES:
@@ -130,6 +165,7 @@ def read_adapter(path: str | Path, cfg: ModelConfig, lora: LoraConfig) -> LoraAd
         raise ConfigError(str(e), param="lora_path") from None
     shapes = full_shapes(cfg)
     found: dict[tuple[int, str], dict[str, str]] = {}
+    module_scale: dict[tuple[int, str], float] = {}
     for name, entry in header.items():
         m = _KEY.fullmatch(name)
         if m is None:
@@ -149,12 +185,18 @@ def read_adapter(path: str | Path, cfg: ModelConfig, lora: LoraConfig) -> LoraAd
         if entry["dtype"] not in _FLOAT_DTYPES:
             raise _bad(path, WEIGHTS_FILE, f"tensor {name!r} is {entry['dtype']}; adapters are float32, bfloat16 or "
                        "float16")
+        r_m, key = _pattern_value(rank_pattern, module, r)
+        where = f" (rank_pattern {key!r})" if key is not None else ""
+        if r_m > lora.max_lora_rank:
+            raise _bad(path, "r" if key is None else "rank_pattern", f"{module}: rank {r_m}{where} exceeds this "
+                       f"artifact's --max-lora-rank {lora.max_lora_rank}; recompile with --max-lora-rank {r_m} or more")
         in_f, out_f = shapes[module_name]
-        want = [r, in_f] if ab == "A" else [out_f, r]
+        want = [r_m, in_f] if ab == "A" else [out_f, r_m]
         if list(entry["shape"]) != want:
             raise _bad(path, WEIGHTS_FILE, f"tensor {name!r} has shape {entry['shape']}, the base model's "
-                       f"{module_name} with r={r} needs {want} (an adapter trained on another base model?)")
+                       f"{module_name} with r={r_m}{where} needs {want} (an adapter trained on another base model?)")
         found.setdefault((layer, module_name), {})[ab] = name
+        module_scale[(layer, module_name)] = scale_of(r_m, _pattern_value(alpha_pattern, module, alpha)[0])
     if not found:
         raise _bad(path, WEIGHTS_FILE, "holds no LoRA weights")
     for (layer, module_name), parts in found.items():
@@ -167,12 +209,13 @@ def read_adapter(path: str | Path, cfg: ModelConfig, lora: LoraConfig) -> LoraAd
     tensors = load_file(str(weights_path))
     weights = {}
     for key, parts in sorted(found.items()):
-        a, b = tensors[parts["A"]].float(), tensors[parts["B"]].float() * scale
+        a, b = tensors[parts["A"]].float(), tensors[parts["B"]].float() * module_scale[key]
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise _bad(path, WEIGHTS_FILE, f"layer {key[0]} {key[1]}: holds non-finite values")
         weights[key] = (a.contiguous(), b.contiguous())
     targets = tuple(t for t in TARGET_MODULES if any(k[1] == t for k in weights))
-    return LoraAdapter(str(path), r, float(scale), targets, weights, hashlib.sha256(data).hexdigest())
+    rank = max(a.shape[0] for a, _ in weights.values())
+    return LoraAdapter(str(path), rank, float(scale), targets, weights, hashlib.sha256(data).hexdigest())
 
 
 def _pad_rank(a: torch.Tensor, b: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,9 +255,11 @@ def capacity_for(path: str | Path) -> LoraConfig:
     if not conf_path.is_file():
         raise _bad(Path(path), CONFIG_FILE, "missing")
     try:
-        r = read_json_capped(conf_path, CheckpointError, "lora adapter").get("r")
+        conf = read_json_capped(conf_path, CheckpointError, "lora adapter")
+        r = conf.get("r")
     except (CheckpointError, AttributeError) as e:
         raise _bad(Path(path), CONFIG_FILE, f"unreadable ({e})") from None
     if not isinstance(r, int) or isinstance(r, bool) or r < 1:
         raise _bad(Path(path), "r", f"must be a positive integer, got {r!r}")
-    return LoraConfig(1, r)
+    ranks = _patterns(Path(path), conf, "rank_pattern", rank=True).values()
+    return LoraConfig(1, max([r, *ranks]))

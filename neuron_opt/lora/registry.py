@@ -106,6 +106,16 @@ class LoraManager:
         with self._lock:
             return name in self._adapters
 
+    def in_use(self) -> list[str]:
+        """The adapters that requests queued or running use (they cannot be unregistered now)."""
+        with self._lock:
+            return [name for name, n in self._inflight.items() if n > 0]
+
+    def path_of(self, name: str) -> str:
+        """The directory the adapter `name` was read from (KeyError when unknown)."""
+        with self._lock:
+            return self._adapters[name].path
+
     @property
     def num_resident(self) -> int:
         with self._lock:

@@ -24,6 +24,8 @@ reduced sum).
   activations in bfloat16, plus one gather of sampling candidates after the vocab-parallel LM head (latency
   only). The all-reduce is modelled hierarchically: cores of a chip reduce through the chip's DMA engines,
   then a ring over the c chips sends 2 (c - 1) / c of the message through each chip's NeuronLink.
+- LoRA adapters (`lora`, compile --enable-lora): the per-row adapter products' FLOPs and the adapter slices each
+  row reads (neuron_opt.planner.lora.bgmv_step) join the compute and memory terms.
 - Weight-only quantization (int8/fp8) halves weight bytes but not FLOPs: weights are dequantized to bfloat16
   before TensorE, so the bfloat16 peak applies.
 
@@ -38,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from neuron_opt.config import ModelConfig
+from neuron_opt.lora.config import LoraConfig
 from neuron_opt.parallel.sharding import HeadLayout
 from neuron_opt.planner.collectives import layer_collectives
 from neuron_opt.planner.hardware import Instance
@@ -120,6 +123,16 @@ def _collectives(
     return n * (eff.collective_latency_s + wire + hops) + eff.collective_latency_s
 
 
+def _lora(cfg: ModelConfig, lay: HeadLayout, lora: LoraConfig | None, rows: int, tokens: int,
+          dtype: str) -> tuple[float, int]:
+    """The adapter products' (FLOPs, bytes) of a step (none without a LoRA capacity)."""
+    if lora is None:
+        return 0.0, 0
+    from neuron_opt.planner.lora import bgmv_step
+
+    return bgmv_step(cfg, lay, lora, rows=rows, tokens=tokens, act_bytes=4 if dtype == "float32" else 2)
+
+
 def _attention_flops(cfg: ModelConfig, lay: HeadLayout, batch: int, q_len: int, kv_len: int) -> float:
     return 4.0 * batch * cfg.num_hidden_layers * lay.n_heads_local * q_len * kv_len * lay.head_dim
 
@@ -140,6 +153,7 @@ def prefill_time(
     dtype: str,
     eff: Efficiency = DEFAULT_EFFICIENCY,
     flash: bool = False,
+    lora: LoraConfig | None = None,
 ) -> StepTime:
     """One prefill graph of `batch` rows padded to `seq` tokens (the bucket, not the prompt length).
 
@@ -153,9 +167,10 @@ def prefill_time(
     if cfg.is_moe:  # prefill graphs run every local expert on every token (planner.moe)
         flops += expert_step(cfg, lay, tokens, dense=True)[1]
     scores = 0.0 if flash else _score_time(cfg, lay, batch, seq, seq, eff)
+    lora_flops, lora_bytes = _lora(cfg, lay, lora, batch, tokens, dtype)
     return StepTime(
-        compute=flops / (inst.bf16_flops_per_core * eff.tensor) + scores,
-        memory=weight_bytes(cfg, lay, dtype) / (inst.hbm_bw_per_core * eff.hbm),
+        compute=(flops + lora_flops) / (inst.bf16_flops_per_core * eff.tensor) + scores,
+        memory=(weight_bytes(cfg, lay, dtype) + lora_bytes) / (inst.hbm_bw_per_core * eff.hbm),
         collective=_collectives(cfg, lay, inst, tokens, eff, eff.prefill_hop_latency_s),
         overhead=eff.step_overhead_s + (batch - 1) * eff.prefill_row_s,
     )
@@ -171,6 +186,7 @@ def decode_time(
     dtype: str,
     kv_dtype: str,
     eff: Efficiency = DEFAULT_EFFICIENCY,
+    lora: LoraConfig | None = None,
 ) -> StepTime:
     """One decode graph: `batch` rows (the batch bucket) each attending over `kv_len` positions (the length
     bucket)."""
@@ -185,9 +201,10 @@ def decode_time(
         read, expert_flops = expert_step(cfg, lay, batch)
         weights += (read - n.experts) * dtype_bytes(dtype)
         flops += expert_flops
+    lora_flops, lora_bytes = _lora(cfg, lay, lora, batch, batch, dtype)
     return StepTime(
-        compute=flops / (inst.bf16_flops_per_core * eff.tensor),
-        memory=(weights + kv) / (inst.hbm_bw_per_core * eff.hbm),
+        compute=(flops + lora_flops) / (inst.bf16_flops_per_core * eff.tensor),
+        memory=(weights + kv + lora_bytes) / (inst.hbm_bw_per_core * eff.hbm),
         collective=_collectives(cfg, lay, inst, batch, eff),
         overhead=eff.step_overhead_s,
     )

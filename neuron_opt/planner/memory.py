@@ -18,6 +18,8 @@ Design decisions:
 - Scratch is the live activation set of the largest graph (one graph runs at a time and the compiler reuses
   buffers layer to layer). Attention scores are counted as materialised in float32 because our graphs do not
   use a flash-attention kernel; this is an upper bound when one is used.
+- LoRA adapter stacks (`lora`: compile --enable-lora's capacity) are counted as the executor allocates them
+  (neuron_opt.planner.lora).
 - RUNTIME_RESERVE is held back per core for what the model does not allocate: the Neuron runtime's own
   buffers, instruction streams of every loaded graph, DMA descriptor rings and collective buffers.
   docs/planner.md justifies 1 GiB.
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from neuron_opt.buckets import BucketConfig
 from neuron_opt.config import ModelConfig, norm_roles
 from neuron_opt.errors import ConfigError
+from neuron_opt.lora.config import LoraConfig
 from neuron_opt.parallel.sharding import HeadLayout
 from neuron_opt.planner.hardware import GiB, Instance
 
@@ -238,10 +241,11 @@ class MemoryPlan:
     # KV if sliding-window layers held only their window (window_kv_bytes; = kv_cache without windows): reported,
     # not planned on (the runtime allocates kv_cache)
     kv_cache_window: int = 0
+    lora: int = 0  # LoRA adapter stacks (compile --enable-lora)
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.scratch + self.reserve
+        return self.weights + self.kv_cache + self.scratch + self.reserve + self.lora
 
     @property
     def fits(self) -> bool:
@@ -264,14 +268,21 @@ def plan_memory(
     kv_dtype: str,
     compile_ranks_held: int = 1,
     block_size: int = 32,
+    lora: LoraConfig | None = None,
 ) -> MemoryPlan:
     """Memory plan of one rank for a deployment (batch sequences of max_model_len in the KV block pool, plus the
     null block: CacheConfig's default pool).
 
     `compile_ranks_held`: rank models the compile process holds at once (1: rank by rank, the cpu/eager
-    backends; tp: the neuron backend's one SPMD program)."""
+    backends; tp: the neuron backend's one SPMD program). `lora`: the LoRA capacity whose adapter stacks each
+    rank holds (None: none)."""
     w = weight_bytes(cfg, lay, dtype)
     act = 4 if dtype == "float32" else 2  # activations run in bfloat16 unless the whole model is float32
+    adapters = 0
+    if lora is not None:
+        from neuron_opt.planner.lora import adapter_bytes
+
+        adapters = adapter_bytes(cfg, lay, lora, act)  # the stacks are in the compute dtype
     kv = kv_bytes(cfg, lay, batch * -(-max_model_len // block_size) + 1, block_size, kv_dtype)
     scratch = scratch_bytes(cfg, lay, buckets, act)
     if inst.shared_memory:
@@ -293,4 +304,5 @@ def plan_memory(
         host_needed=host,
         host_capacity=inst.host_ram,
         kv_cache_window=window_kv_bytes(cfg, lay, batch, max_model_len, block_size, kv_dtype),
+        lora=adapters,
     )

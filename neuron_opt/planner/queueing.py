@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from neuron_opt.buckets import BucketConfig, pick_decode, smallest_fitting
 from neuron_opt.config import ModelConfig
 from neuron_opt.errors import ConfigError
+from neuron_opt.lora.config import LoraConfig
 from neuron_opt.parallel.sharding import HeadLayout
 from neuron_opt.planner.hardware import Instance
 from neuron_opt.planner.latency import decode_time, prefill_time
@@ -270,11 +271,12 @@ def estimate(policy: Policy, clock: StepClock, arrival: Arrival, concurrency: in
 
 def bucket_clock(cfg: ModelConfig, lay: HeadLayout, inst: Instance, buckets: BucketConfig, *, dtype: str,
                  kv_dtype: str = "bfloat16", flash_from: int | None = None,
-                 prefill_buckets: Sequence[int] | None = None) -> StepClock:
+                 prefill_buckets: Sequence[int] | None = None, lora: LoraConfig | None = None) -> StepClock:
     """The planner's step-time model as a clock: a call costs its bucket's `prefill_time` / `decode_time` (the
     decode layout's for decode graphs). `flash_from`: prefill lengths from which the stack runs a flash-attention
     kernel (None: never, our default graphs). `prefill_buckets`: the prefill lengths of a stack whose chunks are
-    padded to other lengths than `buckets` (validation rows); default `buckets.prefill_lens`."""
+    padded to other lengths than `buckets` (validation rows); default `buckets.prefill_lens`. `lora`: the LoRA
+    capacity the graphs carry (None: none)."""
     lens = tuple(prefill_buckets or buckets.prefill_lens)
     dec_lay = lay.decode_layout()
     decode_cache: dict[tuple[int, int], float] = {}
@@ -285,7 +287,7 @@ def bucket_clock(cfg: ModelConfig, lay: HeadLayout, inst: Instance, buckets: Buc
         key = (b.batch, b.kv_len)
         if key not in decode_cache:
             decode_cache[key] = decode_time(cfg, dec_lay, inst, batch=b.batch, kv_len=b.kv_len, dtype=dtype,
-                                            kv_dtype=kv_dtype).total
+                                            kv_dtype=kv_dtype, lora=lora).total
         return decode_cache[key]
 
     def prefill(rows: int, tokens: int) -> float:
@@ -296,7 +298,7 @@ def bucket_clock(cfg: ModelConfig, lay: HeadLayout, inst: Instance, buckets: Buc
         if key not in prefill_cache:
             flash = flash_from is not None and seq >= flash_from
             prefill_cache[key] = prefill_time(cfg, lay, inst, batch=buckets.prefill_batch, seq=seq, dtype=dtype,
-                                              flash=flash).total
+                                              flash=flash, lora=lora).total
         return prefill_cache[key]
 
     return StepClock(decode, prefill)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from neuron_opt.buckets import Bucket, BucketConfig, pick_decode, pick_prefill
 from neuron_opt.config import ModelConfig, ParallelConfig
 from neuron_opt.errors import ConfigError
+from neuron_opt.lora.config import LoraConfig
 from neuron_opt.parallel.sharding import HeadLayout, head_layout
 from neuron_opt.planner.hardware import Instance, check_tp
 from neuron_opt.planner.latency import StepTime, decode_time, prefill_time
@@ -45,6 +46,7 @@ class Deployment:
     # MoE: token-generation graphs' degree (ParallelConfig.ep_decode); None: `ep`'s when ep is given, else chosen
     ep_decode: int | None = None
     prefill_batch: int = 1  # prompts (or chunks) per prefill graph call (compile --prefill-batch)
+    lora: LoraConfig | None = None  # LoRA adapter capacity (compile --enable-lora); None: none
 
     def __post_init__(self) -> None:
         for name in ("tp", "batch", "max_prompt_len", "max_model_len", "prefill_batch"):
@@ -130,6 +132,7 @@ def _memory(
         dtype=dep.dtype,
         kv_dtype=dep.kv_dtype,
         compile_ranks_held=dep.tp if dep.compile_ranks_held is None else dep.compile_ranks_held,
+        lora=dep.lora,
     )
 
 
@@ -170,13 +173,13 @@ def evaluate(
             lay,
             inst,
             Deployment(dep.tp, b, dep.max_prompt_len, dep.max_model_len, dep.dtype, dep.kv_dtype,
-                       prefill_batch=min(dep.prefill_batch, b)),
+                       prefill_batch=min(dep.prefill_batch, b), lora=dep.lora),
             fixed,
         ).fits
 
     def fits_length(n: int) -> bool:
         d = Deployment(dep.tp, dep.batch, min(dep.max_prompt_len, n), n, dep.dtype, dep.kv_dtype,
-                       prefill_batch=dep.prefill_batch)
+                       prefill_batch=dep.prefill_batch, lora=dep.lora)
         return _memory(cfg, lay, inst, d, fixed).fits
 
     plan = Plan(
@@ -201,9 +204,10 @@ def evaluate(
     )
     if inst.family == "cpu":
         return replace(plan, prefill_bucket=pre, decode_bucket=dec)
-    ttft = prefill_time(cfg, lay, inst, batch=pre.batch, seq=pre.kv_len, dtype=dep.dtype)
+    ttft = prefill_time(cfg, lay, inst, batch=pre.batch, seq=pre.kv_len, dtype=dep.dtype, lora=dep.lora)
     tpot = decode_time(  # decode graphs apply the decode layout's experts (a hybrid layout's second copy)
-        cfg, lay.decode_layout(), inst, batch=dec.batch, kv_len=dec.kv_len, dtype=dep.dtype, kv_dtype=dep.kv_dtype
+        cfg, lay.decode_layout(), inst, batch=dec.batch, kv_len=dec.kv_len, dtype=dep.dtype, kv_dtype=dep.kv_dtype,
+        lora=dep.lora,
     )
     return replace(plan, prefill_bucket=pre, decode_bucket=dec, ttft=ttft, tpot=tpot)
 
@@ -248,10 +252,12 @@ def candidates(
     ep: int | None = None,
     ep_decode: int | None = None,
     prefill_batch: int = 1,
+    lora: LoraConfig | None = None,
 ) -> list[Plan]:
     """Every (tp, dtype) on the instance, evaluated (any tp shards any model: widths tp does not divide are
     zero-padded, neuron_opt.parallel.sharding). MoE: each tp at its fastest expert layout (`_choose_ep`), or at
-    `ep` / `ep_decode` (then only the degrees they divide)."""
+    `ep` / `ep_decode` (then only the degrees they divide). `lora`: the LoRA adapter capacity every candidate
+    carries."""
     if tp is not None:
         check_tp(inst, tp)
     degrees = (tp,) if tp is not None else inst.tp_degrees
@@ -264,7 +270,8 @@ def candidates(
     for d in dtypes:
         for t in degrees:
             out.append(evaluate(cfg, inst, Deployment(t, batch, max_prompt_len, max_model_len, d, kv_dtype, ep=ep,
-                                                          ep_decode=ep_decode, prefill_batch=prefill_batch),
+                                                          ep_decode=ep_decode, prefill_batch=prefill_batch,
+                                                          lora=lora),
                                 traffic))
     if dtype is None and any(p.fits and p.deployment.dtype not in QUANTIZED for p in out):
         out = [p for p in out if p.deployment.dtype not in QUANTIZED]
@@ -304,6 +311,6 @@ def with_queue(cfg: ModelConfig, plan: Plan, traffic: Traffic, arrival: Arrival,
     policy = Policy(max_num_seqs=b.decode_batches[-1], max_prefill_len=b.prefill_lens[-1],
                     max_num_batched_tokens=max_num_batched_tokens, prefill_batch=b.prefill_batch,
                     chunked=b.offset_prefill)
-    clock = bucket_clock(cfg, plan.layout, plan.instance, b, dtype=d.dtype, kv_dtype=d.kv_dtype)
+    clock = bucket_clock(cfg, plan.layout, plan.instance, b, dtype=d.dtype, kv_dtype=d.kv_dtype, lora=d.lora)
     q = estimate(policy, clock, arrival, traffic.concurrency, traffic.input_len, traffic.output_len)
     return replace(plan, queue=q)

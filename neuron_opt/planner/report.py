@@ -44,6 +44,8 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
         f"    {'weights':<38}{_gib(m.weights)}",
         f"    {f'KV cache ({d.batch} x {d.max_model_len} positions)':<38}{_gib(m.kv_cache)}",
         f"    {'scratch (largest graph)':<38}{_gib(m.scratch)}",
+        *([f"    {f'LoRA stacks ({d.lora.max_loras} x rank {d.lora.max_lora_rank})':<38}{_gib(m.lora)}"]
+          if d.lora is not None else []),
         f"    {'runtime reserve':<38}{_gib(m.reserve)}",
         f"    {'total / capacity':<38}{_gib(m.total)} / {m.capacity / GiB:.2f}  -> "
         + ("fits" if m.fits else "DOES NOT FIT"),
@@ -248,11 +250,13 @@ def plan_json(cfg: ModelConfig, plan: Plan, alternatives: list[Plan] | None = No
             "gather_below_batch": gather_until(cfg, plan.layout.decode_layout()),
             "active_parameters": cfg.active_parameters()},
         "padding": _overhead_json(cfg, plan),
+        "lora": None if d.lora is None else d.lora.to_dict(),
         "memory_bytes": {
             "weights": m.weights,
             "kv_cache": m.kv_cache,
             "kv_cache_window": m.kv_cache_window,
             "scratch": m.scratch,
+            "lora": m.lora,
             "reserve": m.reserve,
             "total": m.total,
             "capacity": m.capacity,

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from neuron_opt.config import ModelConfig
 from neuron_opt.errors import ConfigError
+from neuron_opt.lora.config import LoraConfig
 from neuron_opt.planner.hardware import Instance
 from neuron_opt.planner.memory import QUANTIZED
 from neuron_opt.planner.recommend import RECOMMEND_SLACK, Deployment, Plan, Traffic, evaluate
@@ -77,6 +78,7 @@ def splits(
     replicas: int | None = None,
     dtypes: tuple[str, ...] = ("bfloat16",),
     kv_dtype: str = "bfloat16",
+    lora: LoraConfig | None = None,
 ) -> list[Split]:
     """Every tp degree of the instance (with `replicas` fixed, those that leave room for them), each replicated
     over the cores, for each dtype.
@@ -91,6 +93,7 @@ def splits(
         replicas: fix the replica count (default: as many as the cores hold).
         dtypes: weight dtypes to try.
         kv_dtype: KV cache dtype.
+        lora: the LoRA adapter capacity each replica carries (None: none).
     """
     if inst.family == "cpu":
         raise ConfigError("data-parallel splits: latency is not modelled on cpu; give a Neuron --instance")
@@ -104,7 +107,8 @@ def splits(
                 continue
             streams = -(-traffic.concurrency // n)
             share = Traffic(traffic.input_len, traffic.output_len, streams)
-            dep = Deployment(tp, max(batch or streams, streams), max_prompt_len, max_model_len, dtype, kv_dtype)
+            dep = Deployment(tp, max(batch or streams, streams), max_prompt_len, max_model_len, dtype, kv_dtype,
+                             lora=lora)
             out.append(Split(evaluate(cfg, inst, dep, share), n, streams, min(n, traffic.concurrency)))
     if replicas is not None and not out:
         raise ConfigError(f"--data-parallel {replicas}: {inst.name} has {inst.cores} NeuronCores, fewer than "

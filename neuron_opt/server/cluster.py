@@ -30,6 +30,15 @@ Design decisions
   `/metrics` merges the live replicas' metrics with a `replica` label (so they are at most that stale) and adds
   its own (`cluster_replicas`, `cluster_retries`, `cluster_failed_streams`, `cluster_rejected{reason}`). A
   replica silent for `STALE_AFTER_S` is left out (dead, or restarting).
+- LoRA adapters (docs/lora.md): every replica serves the same adapters, the set the `MetricsBoard` actor holds
+  (name -> path; `--lora-modules` seed it). `POST /v1/load_lora_adapter` on the router has one replica read and
+  check the adapter (a bad one is its 400, and nothing changes), adds it to the set, and answers once every live
+  replica reports that it holds the new set (each reconciles its engine's adapters with the set before each
+  metrics push, and once before it takes requests, so a restarted replica serves them too). An adapter some
+  replica cannot read is taken out of the set again and the answer is a 400 naming that replica.
+  `POST /v1/unload_lora_adapter` is a 404 for a name not in the set, a 400 while a replica reports requests using
+  it (as in one process), else it leaves the set and the answer waits for every replica to drop it (one whose
+  requests started meanwhile drops it when they finish). At most `LORA_SYNC_TIMEOUT_S` of waiting: then a 504.
 - Backpressure: the router holds at most `max_in_flight` requests (what the replicas take at once plus
   `--max-waiting` queued for them); past it a request is answered 503 with `Retry-After` at once, as the single
   server answers a full queue. The body is read with the same bound as there (`--max-body-bytes`, 413), before
@@ -39,16 +48,18 @@ Design decisions
 
 import asyncio
 import importlib
+import logging
 import threading
 import time
 from collections import Counter as Tally
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import ray
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
@@ -58,6 +69,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from neuron_opt.errors import ConfigError
 from neuron_opt.runtime.block_manager import hash_block
 from neuron_opt.server.app import (
     UNAUTHORIZED,
@@ -70,6 +82,7 @@ from neuron_opt.server.app import (
     read_body,
 )
 from neuron_opt.server.limits import ServerLimits
+from neuron_opt.server.lora_routes import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from neuron_opt.server.metrics import PREFIX, REJECTION_REASONS
 from neuron_opt.server.protocol import (
     ChatCompletionRequest,
@@ -77,8 +90,10 @@ from neuron_opt.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from neuron_opt.server.serving import internal_error_message, sse
+from neuron_opt.server.serving import NotFoundError, internal_error_message, sse
 from neuron_opt.server.tools import make_parser, render_messages
+
+log = logging.getLogger(__name__)
 
 APP_NAME = "neuron_opt"
 PUSH_PERIOD_S = 1.0
@@ -89,14 +104,30 @@ REPLICA_HEADER = "x-neuron-opt-replica"
 # what Serve lets the router take beyond its own bound (max_in_flight): /health, /metrics, /v1/models, and the
 # requests it answers 503 at once, so that Serve never queues what the router would refuse
 ROUTER_SPARE_REQUESTS = 256
+LORA_SYNC_TIMEOUT_S = 60.0  # what a load or unload waits for every replica to hold the new adapter set
 
 
 class MetricsBoard:
-    """Latest metrics text and model-card facts of each replica, by replica id (a Ray actor; `metrics_board()`
-    starts it)."""
+    """Latest metrics text and model-card facts of each replica, by replica id, and the LoRA adapters every replica
+    serves (name -> path, with a version that each change raises) (a Ray actor; `metrics_board()` starts it)."""
 
     def __init__(self) -> None:
         self.entries: dict[str, tuple[float, dict[str, Any], str]] = {}
+        self.adapters: dict[str, str] = {}
+        self.adapters_version = 0
+
+    def set_adapter(self, name: str, path: str) -> int:
+        self.adapters[name] = path
+        self.adapters_version += 1
+        return self.adapters_version
+
+    def drop_adapter(self, name: str) -> int:
+        self.adapters.pop(name, None)
+        self.adapters_version += 1
+        return self.adapters_version
+
+    def adapter_set(self) -> tuple[int, dict[str, str]]:
+        return self.adapters_version, dict(self.adapters)
 
     def put(self, replica: str, info: dict[str, Any], text: str) -> None:
         self.entries[replica] = (time.monotonic(), info, text)
@@ -139,13 +170,62 @@ class EngineReplica:
         self.id = serve.get_replica_context().replica_id.unique_id
         self.info = {"max_model_len": engine.runner.max_model_len}  # what the router's /v1/models card needs
         self.board = board
+        self._lora_version = -1  # the adapter set this engine holds (module docstring, "LoRA adapters")
+        self._lora_errors: dict[str, tuple[str, str]] = {}  # name -> (path, why this replica could not load it)
+        self._sync_adapters()  # before Serve routes requests here
         self.engine.start()
         self._push()
         self._stop = threading.Event()
         threading.Thread(target=self._push_loop, name="metrics-push", daemon=True).start()
 
+    def _sync_adapters(self) -> None:
+        """Register the board's adapters in this engine and unregister the others; the info pushed with the metrics
+        says which set version this engine holds, the adapters it could not load, and those requests use."""
+        loras = self.engine.loras
+        if loras is None:
+            return
+        version, wanted = ray.get(self.board.adapter_set.remote())
+        wanted = {name: str(Path(path)) for name, path in wanted.items()}
+        complete = True
+        for name in loras.names():
+            if wanted.get(name) != loras.path_of(name):
+                try:
+                    loras.unregister(name)
+                except KeyError:
+                    pass
+                except ConfigError:  # requests in flight use it: dropped at a later push, once they have finished
+                    complete = False
+        self._lora_errors = {n: e for n, e in self._lora_errors.items() if wanted.get(n) == e[0]}
+        for name, path in wanted.items():
+            if name in loras or name in self._lora_errors:
+                continue
+            try:
+                loras.register(name, path)
+            except ConfigError as e:
+                self._lora_errors[name] = (path, str(e))
+        if complete:
+            self._lora_version = version
+        self.info = {**self.info, "lora_version": self._lora_version, "lora_busy": loras.in_use(),
+                     "lora_errors": {n: msg for n, (_, msg) in self._lora_errors.items()}}
+
     def _push(self) -> None:
+        try:
+            self._sync_adapters()
+        except Exception:  # noqa: BLE001 -- the board restarting, say: the next push tries again
+            log.exception("LoRA adapter sync failed")
         self.board.put.remote(self.id, self.info, self.metrics.render().decode())
+
+    def _check_adapter(self, body: bytes) -> dict[str, str]:
+        """Read and check the adapter a load request names, registering nothing (the router's first step)."""
+        from neuron_opt.lora.adapter import read_adapter
+
+        req = LoadLoraAdapterRequest.model_validate_json(body or b"null")
+        loras = self.engine.loras
+        if loras is None:
+            raise ConfigError("lora: this model was compiled without --enable-lora; it serves no adapters",
+                              param="lora_name")
+        read_adapter(req.lora_path, loras.model_config, loras.config)
+        return {"lora_name": req.lora_name, "lora_path": req.lora_path}
 
     def _push_loop(self) -> None:
         while not self._stop.wait(PUSH_PERIOD_S):
@@ -179,6 +259,8 @@ class EngineReplica:
                 result = await self.serving.tokenize(TokenizeRequest.model_validate_json(body or b"null"))
             elif route == "detokenize":
                 result = await self.serving.detokenize(DetokenizeRequest.model_validate_json(body or b"null"))
+            elif route == "check_lora":
+                result = await asyncio.to_thread(self._check_adapter, body)
             else:
                 raise ValueError(f"unknown route {route!r}")
         except Exception as e:
@@ -233,6 +315,11 @@ def routing_families(replica_families: list[Any]) -> list[Any]:
     rate.add_metric([], totals["prefix_cache_hits"] / totals["prefix_cache_queries"]
                     if totals["prefix_cache_queries"] else 0.0)
     return [routed, rate]
+
+
+def _error(e: Exception) -> JSONResponse:
+    status, content = error_payload(e)
+    return JSONResponse(content, status, headers=error_headers(status))
 
 
 router_app = FastAPI(title="neuron-opt (data parallel)", docs_url=None, redoc_url=None, openapi_url=None)
@@ -410,6 +497,7 @@ class Router:
                                 "theirs in request_rejected), by reason.", ["reason"], registry=self.registry)
         for reason in REJECTION_REASONS.values():
             self.rejected.labels(reason)
+        self._lora_lock = asyncio.Lock()  # one adapter load or unload at a time
 
     async def _snapshot(self) -> dict[str, tuple[dict[str, Any], str]]:
         snap = await self.board.snapshot.remote()
@@ -437,9 +525,88 @@ class Router:
         if not snap:
             return JSONResponse(error_body(503, "no replica is up yet", "ServiceUnavailableError"), 503)
         info = next(iter(snap.values()))[0]
-        card = {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "neuron-opt",
+        now = int(time.time())
+        card = {"id": self.model_name, "object": "model", "created": now, "owned_by": "neuron-opt",
                 "root": self.model_name, "parent": None, "max_model_len": info["max_model_len"], "permission": []}
-        return JSONResponse({"object": "list", "data": [card]})
+        _, adapters = await self.board.adapter_set.remote()
+        cards = [{**card, "id": name, "root": name, "parent": self.model_name} for name in adapters]
+        return JSONResponse({"object": "list", "data": [card, *cards]})
+
+    @router_app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """Every replica's, or none's (module docstring, "LoRA adapters")."""
+        if (denied := self._denied(request)) is not None:
+            return denied
+        async with self._lora_lock:
+            try:
+                body = await read_body(request, self.limits.max_body_bytes)
+                req = LoadLoraAdapterRequest.model_validate_json(body or b"null")
+                if req.lora_name == self.model_name:
+                    raise ConfigError(f"lora_name: {req.lora_name!r} is the base model's name", param="lora_name")
+                if not Path(req.lora_path).is_absolute():
+                    raise ConfigError(f"lora_path: {req.lora_path!r} is relative; give an absolute path (the replicas "
+                                      "do not share the server's working directory)", param="lora_path")
+                _, adapters = await self.board.adapter_set.remote()
+                if req.lora_name in adapters:
+                    raise ConfigError(f"lora_name: an adapter named {req.lora_name!r} is already loaded",
+                                      param="lora_name")
+            except Exception as e:  # noqa: BLE001 -- answered in the OpenAI shape, as a replica answers
+                return _error(e)
+            checked = await self._send("check_lora", body)  # one replica reads it: its 400 for a bad adapter
+            if checked.status_code != 200:
+                return checked
+            version = await self.board.set_adapter.remote(req.lora_name, req.lora_path)
+            try:
+                failed = await self._await_adapters(version, req.lora_name)
+            except TimeoutError as e:
+                await self.board.drop_adapter.remote(req.lora_name)
+                return JSONResponse(error_body(504, str(e), "GatewayTimeoutError"), 504)
+            if failed:
+                await self.board.drop_adapter.remote(req.lora_name)
+                return _error(ConfigError("; ".join(f"replica {r}: {msg}" for r, msg in failed), param="lora_path"))
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @router_app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        if (denied := self._denied(request)) is not None:
+            return denied
+        async with self._lora_lock:
+            try:
+                body = await read_body(request, self.limits.max_body_bytes)
+                req = UnloadLoraAdapterRequest.model_validate_json(body or b"null")
+                _, adapters = await self.board.adapter_set.remote()
+                if req.lora_name not in adapters:
+                    raise NotFoundError(f"The lora adapter `{req.lora_name}` cannot be found.")
+                busy = sorted(r for r, (info, _) in (await self._snapshot()).items()
+                              if req.lora_name in info.get("lora_busy", ()))
+                if busy:
+                    raise ConfigError(f"lora_name: adapter {req.lora_name!r} is in use by requests on replica(s) "
+                                      f"{', '.join(busy)}; unload it once they finish", param="lora_name")
+            except Exception as e:  # noqa: BLE001 -- answered in the OpenAI shape, as a replica answers
+                return _error(e)
+            version = await self.board.drop_adapter.remote(req.lora_name)
+            try:
+                await self._await_adapters(version, None)
+            except TimeoutError as e:
+                return JSONResponse(error_body(504, f"{e}; the adapter is out of the set, and the replicas still "
+                                               "holding it drop it once their requests under it finish",
+                                               "GatewayTimeoutError"), 504)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+    async def _await_adapters(self, version: int, name: str | None) -> list[tuple[str, str]]:
+        """Until every live replica holds adapter set `version`; the (replica, reason) of those that could not
+        load adapter `name`. TimeoutError after LORA_SYNC_TIMEOUT_S."""
+        deadline = time.monotonic() + LORA_SYNC_TIMEOUT_S
+        while True:
+            snap = await self._snapshot()
+            synced = {r: info for r, (info, _) in snap.items() if info.get("lora_version", -1) >= version}
+            if snap and len(synced) == len(snap):
+                return sorted((r, info["lora_errors"][name]) for r, info in synced.items()
+                              if name is not None and name in info.get("lora_errors", {}))
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replica(s) {', '.join(sorted(set(snap) - set(synced)))} did not apply the adapter "
+                                   f"change in {LORA_SYNC_TIMEOUT_S:g} s")
+            await asyncio.sleep(PUSH_PERIOD_S / 4)
 
     @router_app.get("/metrics")
     async def metrics(self) -> Response:

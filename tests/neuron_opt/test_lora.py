@@ -367,3 +367,202 @@ def test_lora_flags():
     assert parse_lora_modules(["a=/x", "b=/y=z"]) == {"a": "/x", "b": "/y=z"}
     with pytest.raises(ConfigError, match="expected name=path"):
         parse_lora_modules(["a"])
+
+
+# ---- per-module ranks and alphas, quantized bases, speculative decoding -------------------------------------
+
+
+def test_rank_and_alpha_patterns_equal_peft(qwen, tmp_path):
+    """PEFT's rank_pattern / alpha_pattern (by module name, and by one layer's module as a regex): each module's own
+    rank zero-padded to the compiled rank, its own alpha in its scale; greedy tokens equal PEFT's."""
+    base, _, refs = qwen
+    adapter = make_adapter(base, tmp_path / "pat", 4, 8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                          "up_proj", "down_proj"], 7,
+                           rank_pattern={"q_proj": 2, r"layers\.1\.mlp\.down_proj": 6},
+                           alpha_pattern={"v_proj": 3.0, "gate_proj": 32})
+    conf = json.loads((adapter / "adapter_config.json").read_text())
+    assert conf["rank_pattern"] and conf["alpha_pattern"]  # PEFT saved them: the oracle runs them
+    pm = peft_model(base, adapter)
+    refs_pat = [hf_greedy(pm, p, GREEDY.max_tokens) for p in PROMPTS[:2]]
+    assert refs_pat[0] != refs[None][0]
+    a = read_adapter(adapter, ModelConfig.from_hf(base), LoraConfig(1, 8))
+    assert a.rank == 6 and a.weights[(0, "q_proj")][0].shape[0] == 2 and a.weights[(1, "down_proj")][0].shape[0] == 6
+    assert a.weights[(0, "down_proj")][0].shape[0] == 4
+    llm = LLM(base, batch_size=2, max_model_len=64, lora=LoraConfig(max_loras=1, max_lora_rank=8))
+    outs = llm.generate_batch(PROMPTS[:2], GREEDY, lora_request=LoRARequest("pat", str(adapter)))
+    assert [o.token_ids for o in outs] == refs_pat
+    # a pattern's rank above the compiled maximum is refused naming the field, though r itself fits
+    with pytest.raises(ConfigError, match=r"rank_pattern: model\.layers\.1\.mlp\.down_proj: rank 6 .*exceeds"):
+        read_adapter(adapter, ModelConfig.from_hf(base), LoraConfig(1, 4))
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(rank_pattern={"q_proj": 0}), "rank_pattern: 'q_proj': a rank must be a positive integer"),
+    (dict(rank_pattern=["q_proj"]), "rank_pattern: must be an object"),
+    (dict(alpha_pattern={"q_proj": "x"}), "alpha_pattern: 'q_proj': an alpha must be a finite number"),
+    (dict(alpha_pattern={"(q_proj": 2}), "alpha_pattern: key '\\(q_proj' is not a valid regex"),
+])
+def test_bad_patterns_are_refused_naming_the_field(qwen, tmp_path, changes, match):
+    base, adapters, _ = qwen
+    bad = _edit_config(adapters["all8"], tmp_path / "bad", **changes)
+    with pytest.raises(ConfigError, match=match):
+        read_adapter(bad, ModelConfig.from_hf(base), LoraConfig(2, 8))
+
+
+def _dequantized_hf(base: Path, art: Path):
+    """The oracle's base model: HF's model of `base` with each linear the artifact stores quantized replaced by its
+    dequantized weight (neuron_opt.quant.dequantize of the stored parts)."""
+    from safetensors import safe_open
+
+    from neuron_opt.artifact import read_manifest
+    from neuron_opt.quant import QuantTensor, dequantize
+
+    method = read_manifest(art).quant.method
+    hf = load_hf(base).eval()
+    sd = hf.state_dict()
+    replaced = 0
+    with safe_open(str(art / "weights" / "rank0.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        for key in sorted(k for k in keys if k.endswith(".quant.qweight")):
+            prefix = key.removesuffix(".quant.qweight")
+            offset = f.get_tensor(prefix + ".quant.offset") if prefix + ".quant.offset" in keys else None
+            w = dequantize(QuantTensor(method, f.get_tensor(key), f.get_tensor(prefix + ".quant.scale"), offset))
+            assert sd[prefix + ".weight"].shape == w.shape, prefix
+            sd[prefix + ".weight"] = w
+            replaced += 1
+    assert replaced == 7 * hf.config.num_hidden_layers  # every projection of every layer is quantized
+    hf.load_state_dict(sd)
+    return hf
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_base_with_float_adapters_equals_peft_on_the_dequantized_base(qwen, tmp_path, method):
+    """An artifact compiled with --quantize and --enable-lora serves fp32 adapters: greedy tokens of every row of a
+    mixed batch equal PEFT's over HF's model holding the artifact's dequantized weights."""
+    from neuron_opt.compiler import CompileRequest, compile_artifact
+
+    base, adapters, _ = qwen
+    art = tmp_path / "art"
+    compile_artifact(CompileRequest(model=str(base), out=art, backend="eager", dtype="float32", batch_size=4,
+                                    max_model_len=64, prefill_buckets=(16,), decode_buckets=(64,), quantize=method,
+                                    use_cache=False, lora=LoraConfig(max_loras=3, max_lora_rank=8)),
+                     log=lambda s: None, progress=False)
+    deq = _dequantized_hf(base, art)
+    refs = {None: [hf_greedy(deq, p, GREEDY.max_tokens) for p in PROMPTS]}
+    for name in ("all8", "attn4", "mlp2"):
+        pm = peft.PeftModel.from_pretrained(_dequantized_hf(base, art), adapters[name]).eval()
+        refs[name] = [hf_greedy(pm, p, GREEDY.max_tokens) for p in PROMPTS]
+        assert refs[name] != refs[None], name  # the adapter changes the quantized model's text
+    _check_mixed(LLM(art), adapters, refs)
+
+
+def test_speculative_decoding_under_adapters_equals_plain_greedy(qwen):
+    """Prompt lookup and a draft model (the base checkpoint, which runs without adapters) propose; the target
+    verifies under each row's adapter: greedy tokens equal PEFT's, in a mixed batch and one sequence at a time,
+    with verify steps taken."""
+    from neuron_opt.runtime.speculative import SpeculativeConfig
+
+    base, adapters, _ = qwen
+    prompts = [[5, 9, 13, 5, 9, 13, 5, 9, 13, 5], [17, 3, 17, 3, 17, 3, 17], [30, 31, 32, 30, 31, 32, 30, 31],
+               [250, 11, 7, 250, 11, 7, 250]]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    names = _mixed(adapters)
+    refs = [hf_greedy(peft_model(base, adapters[n]) if n else load_hf(base).eval(), p, params.max_tokens)
+            for n, p in zip(names, prompts, strict=True)]
+    reqs = [LoRARequest(n, str(adapters[n])) if n else None for n in names]
+    llm = LLM(base, batch_size=4, max_model_len=64, num_speculative_tokens=3,
+              lora=LoraConfig(max_loras=3, max_lora_rank=8))
+    for spec in (SpeculativeConfig(3, "ngram", adaptive=False),
+                 SpeculativeConfig(3, "draft_model", adaptive=False, model=str(base))):
+        outs = llm.generate_batch(prompts, params, speculative=spec, lora_request=reqs)
+        assert [o.token_ids for o in outs] == refs, spec.method
+        verified = 0
+        for p, r, ref in zip(prompts, reqs, refs, strict=True):
+            out, stats = llm.generate_ids_speculative(p, params, spec, r)
+            assert out.token_ids == ref, (spec.method, r)
+            verified += stats.verify_steps
+        assert verified > 0, spec.method  # the verify graphs ran under the adapters
+
+
+# ---- plan --max-loras --max-lora-rank ----------------------------------------------------------------------
+
+
+def test_plan_counts_the_adapter_stacks_an_artifact_holds(qwen, tmp_path):
+    """The planner's adapter bytes (and plan_memory's share of them) equal the bytes of the stacks the loaded
+    artifact's executor holds: bf16, three slots, three target modules."""
+    from neuron_opt.artifact import read_manifest
+    from neuron_opt.compiler import CompileRequest, compile_artifact
+    from neuron_opt.parallel import head_layout
+    from neuron_opt.planner.hardware import get_instance
+    from neuron_opt.planner.lora import adapter_bytes
+    from neuron_opt.planner.memory import plan_memory
+
+    base, _, _ = qwen
+    art = tmp_path / "art"
+    compile_artifact(CompileRequest(model=str(base), out=art, backend="eager", dtype="bfloat16", batch_size=2,
+                                    max_model_len=64, prefill_buckets=(16,), decode_buckets=(64,), use_cache=False,
+                                    lora=LoraConfig(3, 8, ("q_proj", "v_proj", "down_proj"))),
+                     log=lambda s: None, progress=False)
+    m = read_manifest(art)
+    stacks = LLM(art).runner.executor.lora_stacks
+    held = sum(t.numel() * t.element_size() for i in range(m.model.num_hidden_layers)
+               for t in stacks.layer_tensors(i))
+    lay = head_layout(m.model, ParallelConfig())
+    assert held > 0 and adapter_bytes(m.model, lay, m.lora, 2) == held
+    buckets = LLM(art).runner.buckets
+    with_lora = plan_memory(m.model, lay, get_instance("cpu"), buckets, batch=2, max_model_len=64, dtype="bfloat16",
+                            kv_dtype="bfloat16", lora=m.lora)
+    without = plan_memory(m.model, lay, get_instance("cpu"), buckets, batch=2, max_model_len=64, dtype="bfloat16",
+                          kv_dtype="bfloat16")
+    assert with_lora.lora == held and with_lora.total - without.total == held
+
+
+def test_plan_flags_add_adapter_memory_and_step_time(tmp_path, capsys):
+    """`plan --max-loras 4 --max-lora-rank 16` on Llama-3-8B's shape at tp 2: the stacks (counted here by hand: 5
+    slots x 32 layers x rank 16 x the seven projections' in + out features per rank) join the memory total, and
+    the adapter product makes both steps slower."""
+    from neuron_opt.cli import main
+
+    conf = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "vocab_size": 128256, "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(conf))
+    args = ["plan", "--model", str(tmp_path / "config.json"), "--instance", "inf2.xlarge", "--tp", "2",
+            "--batch-size", "8", "--input-len", "256", "--output-len", "256", "--json"]
+    assert main(args) in (0, 1)
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*args, "--max-loras", "4", "--max-lora-rank", "16"]) in (0, 1)
+    lora = json.loads(capsys.readouterr().out)
+    # per rank: q 4096 -> 2048, k and v 4096 -> 512, o 2048 -> 4096, gate and up 4096 -> 7168, down 7168 -> 4096
+    per_layer = (4096 + 2048) + 2 * (4096 + 512) + (2048 + 4096) + 2 * (4096 + 7168) + (7168 + 4096)
+    want = 5 * 32 * 16 * per_layer * 2
+    assert plain["memory_bytes"]["lora"] == 0 and plain["lora"] is None
+    assert lora["memory_bytes"]["lora"] == want
+    assert lora["memory_bytes"]["total"] - plain["memory_bytes"]["total"] == want
+    assert lora["lora"] == {"max_loras": 4, "max_lora_rank": 16,
+                            "target_modules": list(LoraConfig(1, 1).target_modules)}
+    assert lora["step_tpot_ms"] > plain["step_tpot_ms"] and lora["step_ttft_ms"] > plain["step_ttft_ms"]
+    assert main([*args[:-1], "--max-lora-rank", "16", "--lora-target-modules", "q_proj", "v_proj"]) in (0, 1)
+    assert "LoRA stacks (1 x rank 16)" in capsys.readouterr().out
+
+
+def test_cli_generate_lora_with_speculative_decoding_matches_plain(tiny_dir, tmp_path, capsys):
+    """`generate --model DIR --lora PATH --speculative-method ngram`: the adapter's plain greedy tokens (PEFT's),
+    with verify steps taken (a tiny model with the default model's vocabulary: the prompt is text)."""
+    from neuron_opt.cli import main
+
+    base = tiny_dir("smollm-tok")
+    adapter = make_adapter(base, tmp_path / "a", 4, 8, ["q_proj", "v_proj", "o_proj", "up_proj"], 9)
+    prompt = "abc abc abc abc abc abc"
+    cmd = ["generate", "--model", str(base), "--lora", str(adapter), "--prompt", prompt,
+           "--max-new-tokens", "12", "--temperature", "0", "--json"]
+    assert main(cmd) == 0
+    plain = json.loads(capsys.readouterr().out)
+    n = len(plain["token_ids"])  # up to 12: the text may end at EOS
+    assert n and plain["token_ids"] == hf_greedy(peft_model(base, adapter), plain["prompt_token_ids"], n)
+    assert plain["token_ids"] != hf_greedy(load_hf(base), plain["prompt_token_ids"], n)
+    assert main([*cmd, "--speculative-method", "ngram", "--num-speculative-tokens", "3",
+                 "--no-speculative-adaptive"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["token_ids"] == plain["token_ids"] and spec["speculative"]["verify_steps"] > 0
