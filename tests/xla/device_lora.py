@@ -56,6 +56,10 @@ def main(base: Path, out: Path, tp: int, adapters: list[Path]) -> dict:
     for names in runs:
         outs = llm.generate_batch(PROMPTS[:len(names)], greedy, lora_request=[reqs[n] if n else None for n in names])
         tokens.append([[n, o.token_ids] for n, o in zip(names, outs, strict=True)])
+    import torch_xla
+
+    stacks = llm.runner.executor.ranks.lora.tensors()  # after the writes: still sharded as allocated (tp > 1)
+    shardings = sorted({torch_xla._XLAC._get_xla_sharding_spec(t) for t in stacks})
     m = read_manifest(out)
     hlo = {key: hlo_summary((out / next(f for f in files if f.endswith(".hlo.txt"))).read_text())
            for key, files in m.graphs.items()}
@@ -64,7 +68,7 @@ def main(base: Path, out: Path, tp: int, adapters: list[Path]) -> dict:
     return {"tokens": tokens, "new_compiles": met.metric_data("CompileTime")[0] - compiles,
             "new_uncached": (met.counter_value("UncachedCompile") or 0) - (uncached or 0),
             "evictions": llm.loras.stats.evictions, "loads": llm.loras.stats.loads, "hlo": hlo,
-            "headers": layouts, "lora": m.lora.to_dict() if m.lora is not None else None}
+            "headers": layouts, "stack_shardings": shardings, "lora": m.lora.to_dict() if m.lora is not None else None}
 
 
 if __name__ == "__main__":

@@ -63,11 +63,13 @@ def llama(tmp_path_factory):
     return base, adapters, refs
 
 
-def check(res: dict, refs: dict) -> None:
+def check(res: dict, refs: dict, tp: int) -> None:
     for run in res["tokens"]:
         for row, (name, toks) in enumerate(run):
             assert toks == refs[name][row], (name, row, run)
-    assert res["new_compiles"] == 0 and res["new_uncached"] == 0  # adapter loads and evictions compile nothing
+    assert res["new_uncached"] == 0  # adapter loads and evictions compile nothing
+    if tp == 1:  # traced SPMD steps (tp > 1) time each cache lookup as a compile too: only the count above tells
+        assert res["new_compiles"] == 0
     assert res["loads"] == 4 and res["evictions"] == 2
     assert res["lora"] == {"max_loras": 2, "max_lora_rank": 8, "target_modules": TARGETS}
 
@@ -83,14 +85,14 @@ def tp1(llama, tmp_path_factory):
 def test_tp1_mixed_batch_equals_peft_and_slot_writes_compile_nothing(llama, tp1):
     base, _, refs = llama
     res, _ = tp1
-    check(res, refs)
+    check(res, refs, 1)
     cfg = json.loads((base / "config.json").read_text())
     H, L = cfg["hidden_size"], cfg["num_hidden_layers"]
     for key, facts in res["hlo"].items():
         assert facts["donated"] == 2 * L, key  # the KV caches only: the stacks are read, never written by a step
         assert not facts["host_ops"] and not facts["dynamic_shapes"], key
         # the stacks are parameters (A of q_proj: [N + 1, R, H]), not constants folded into the graph
-        assert "f32[3,8,%d]" % H in res["headers"][key], key
+        assert f"f32[3,8,{H}]" in res["headers"][key], key
 
 
 def test_serve_on_a_neuron_lora_artifact_selects_adapters_by_model(llama, tp1):
@@ -134,7 +136,8 @@ def test_tp2_one_spmd_program_serves_adapters_like_peft(llama, tmp_path):
                           *map(str, adapters)], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    check(res, refs)
+    check(res, refs, 2)
+    assert res["stack_shardings"] == ["{devices=[2,1,1,1]0,1}"]  # rank r's shard on device r, after every write
     L = json.loads((base / "config.json").read_text())["num_hidden_layers"]
     for key, facts in res["hlo"].items():
         assert facts["collectives"] == {"all-reduce": 2 * L + 1}, key
