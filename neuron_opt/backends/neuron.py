@@ -52,9 +52,11 @@ from safetensors.torch import save_file
 
 from neuron_opt.backends.base import Backend, ModelFactory, StepInputs, kv_dtype
 from neuron_opt.backends.eager import load_model_weights, model_state_for_save
+from neuron_opt.backends.neuron_lora import DeviceLora
 from neuron_opt.buckets import Bucket
 from neuron_opt.config import CacheConfig, KVCacheDtype
 from neuron_opt.errors import ArtifactError, BackendCompileError, BackendUnavailableError, ConfigError
+from neuron_opt.lora.ops import LoraInputs
 
 HLO_TEXT = "{key}.hlo.txt"  # per bucket, in graphs/rank{r}/
 HLO_PROTO = "{key}.hlo.pb"
@@ -227,9 +229,10 @@ def check_spmd_layout(par: Any, kv_seq_shards: int) -> None:
 
 @dataclass
 class Replay:
-    """One bucket's compiled graph, replayed without retracing: XLA parameter i is the step input or KV cache
-    at `sources[i]` (an index into [*step inputs, *k_caches, *v_caches], StepInputs.arrays), or, where that is
-    None, the fixed device tensor `fixed[i]` (a weight, a rope table, a scalar constant)."""
+    """One bucket's compiled graph, replayed without retracing: XLA parameter i is the step input, KV cache or
+    LoRA stack at `sources[i]` (an index into [*step inputs, *k_caches, *v_caches, *lora stacks],
+    DeviceProgram.step_tensors and DeviceLora.tensors), or, where that is None, the fixed device tensor `fixed[i]`
+    (a weight, a rope table, a scalar constant)."""
 
     graph_hash: Any
     name: str
@@ -254,13 +257,22 @@ class DeviceProgram:
     v_caches: list[torch.Tensor]
     xla: ModuleType
     device: Any
+    lora: DeviceLora | None = None  # a model with a LoRA capacity: its adapter stacks (neuron_lora.py)
 
     def trace(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
         return self.trace_step(bucket, self.step_tensors(inputs))
 
     def step_tensors(self, inputs: StepInputs) -> list[torch.Tensor]:
+        """The step's device inputs: StepInputs.arrays, then (LoRA) the rows' adapter slots [B] (0: base)."""
+        arrays = list(inputs.arrays())
+        if self.lora is not None:
+            B = inputs.input_ids.shape[0]
+            arrays.append(inputs.lora_slots if inputs.lora_slots is not None else torch.zeros(B, dtype=torch.long))
         # int32 ids: what neuronx-cc handles best (NxDI converts int64 inputs the same way)
-        return [t.to(torch.int32).to(self.device) for t in inputs.arrays()]
+        return [t.to(torch.int32).to(self.device) for t in arrays]
+
+    def lora_tensors(self) -> list[torch.Tensor]:
+        return [] if self.lora is None else self.lora.tensors()
 
     def trace_step(self, bucket: Bucket, step: list[torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
@@ -296,7 +308,7 @@ class DeviceProgram:
         caches = [*self.k_caches, *self.v_caches]
         step = self.step_tensors(warm_up_inputs(bucket, block_size))
         self.xla.sync()  # the step inputs become device data, like every later step's
-        args = step + caches
+        args = step + caches + self.lora_tensors()  # the LoRA stacks: parameters, read only (not donated)
         arg_ids = [X._xla_get_tensor_id(t) for t in args]
         saved = [X._get_tensors_xla_device_data_node([c])[1][0] for c in caches]  # their buffers, for after
         for t in caches:  # on the device data itself, before the trace replaces it with IR
@@ -326,9 +338,10 @@ class DeviceProgram:
     def replay(self, r: Replay, inputs: StepInputs) -> torch.Tensor:
         X = self.xla._XLAC
         step = self.step_tensors(inputs)
-        args = [*step, *self.k_caches, *self.v_caches]
-        for t in args[len(step):]:
+        caches = [*self.k_caches, *self.v_caches]
+        for t in caches:
             X._set_buffer_donation(t, True)
+        args = [*step, *caches, *self.lora_tensors()]
         out = X._run_cached_graph(r.graph_hash, [args[s] if s is not None else v
                                                  for s, v in zip(r.sources, r.fixed, strict=True)])
         L = len(self.k_caches)
@@ -370,6 +383,8 @@ class SpmdRanks(DeviceProgram):
         L = len(self.skeleton.model.layers)
         self.k_caches = [self._shard(torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(L)]
         self.v_caches = [self._shard(torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(L)]
+        if getattr(self.skeleton, "lora_config", None) is not None:  # every rank's shard of each stack, sharded
+            self.lora = DeviceLora(models, models[0].model.embed_tokens.weight.dtype, xla, self.device, self._shard)
         for m in models:  # the host copies of the weights are no longer needed
             for p in m.parameters():
                 p.data = torch.empty(0, dtype=p.dtype)
@@ -393,11 +408,15 @@ class SpmdRanks(DeviceProgram):
         ks = [self._enter(c) for c in self.k_caches]  # [1, num_blocks, n_kv, per block, D]: this device's pool
         vs = [self._enter(c) for c in self.v_caches]
         self.comm.rank_tensor = self._enter(self.rank_ids)  # [1] int32: this device's rank
+        kwargs: dict[str, Any] = {}
+        if self.lora is not None:  # this device's [N + 1, ...] shard of each stack; step[5]: the rows' slots
+            kwargs["lora"] = LoraInputs(self.lora.view(lambda t: self._enter(t)[0]), step[5])  # type: ignore[arg-type]
+            step = step[:5]
         try:
             with torch.no_grad():
                 logits = torch.func.functional_call(
                     self.skeleton, {**params, **bufs},
-                    (*step, [k[0] for k in ks], [v[0] for v in vs], bucket.kv_len, bucket.generates))
+                    (*step, [k[0] for k in ks], [v[0] for v in vs], bucket.kv_len, bucket.generates), kwargs)
         finally:
             self.comm.rank_tensor = None
         for full, local in zip([*self.k_caches, *self.v_caches], [*ks, *vs], strict=True):
@@ -451,11 +470,16 @@ class DeviceRank(DeviceProgram):
         self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(L)]
         self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(L)]
         xla.sync()  # materialise weights and caches now, not inside the first step's graph
+        if getattr(model, "lora_config", None) is not None:
+            self.lora = DeviceLora([model], model.model.embed_tokens.weight.dtype, xla, self.device)
 
     def trace_step(self, bucket: Bucket, step: list[torch.Tensor]) -> torch.Tensor:
         """Records one step into the pending lazy graph; returns the device logits [B, V] fp32 (an embedding
         model: its pooled vectors [B, H] fp32)."""
         with torch.no_grad():
+            if self.lora is not None:  # step[5]: the rows' slots
+                return self.model(*step[:5], self.k_caches, self.v_caches, bucket.kv_len, bucket.generates,
+                                  lora=LoraInputs(self.lora.view(), step[5]))  # type: ignore[arg-type]
             return self.model(*step, self.k_caches, self.v_caches, bucket.kv_len, bucket.generates)
 
 
@@ -517,6 +541,21 @@ class NeuronExecutor:
         self.buckets: dict[Bucket, Replay | None] = {}  # None: run traced
 
     @property
+    def lora_config(self) -> Any:
+        """The LoRA capacity the graphs take adapters for (neuron_opt.lora.LoraConfig); None: no adapters."""
+        return None if self.ranks.lora is None else self.ranks.lora.config
+
+    def load_lora(self, slot: int, adapter: Any) -> None:
+        """Writes every rank's shard of `adapter` (neuron_opt.lora.adapter.LoraAdapter) into `slot` on the device,
+        in place; compiles nothing (neuron_lora.py)."""
+        assert self.ranks.lora is not None
+        self.ranks.lora.write(slot, adapter)
+
+    def clear_lora(self, slot: int) -> None:
+        assert self.ranks.lora is not None
+        self.ranks.lora.write(slot, None)
+
+    @property
     def k_caches(self) -> list[torch.Tensor]:
         return self.ranks.k_caches
 
@@ -538,6 +577,7 @@ class NeuronBackend(Backend):
 
     name = "neuron"
     spmd = True
+    supports_lora = True  # adapter stacks as device state, written in place (neuron_lora.py)
     est_seconds_per_graph = 300.0  # neuronx-cc's order of magnitude
     targets_instance = True
 
@@ -641,10 +681,10 @@ class NeuronBackend(Backend):
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         key = id(models[0])
+        self._set_compiler_env(out_dir / NEURON_CACHE)  # before the device model: its LoRA slot-write graph too
         if key not in self._ranks:
             self._ranks = {key: self._device_model(models, cache)}  # one device model at a time
         ranks = self._ranks[key]
-        self._set_compiler_env(out_dir / NEURON_CACHE)
         # the same compile `load` makes, so a NeuronCore's NEFF cache entry is the one used
         name, _ = ranks.compile_for(bucket, cache.block_size, self.replay)
         d = _DUMP["dir"]

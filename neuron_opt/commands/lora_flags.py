@@ -11,7 +11,8 @@ from neuron_opt.lora.config import TARGET_MODULES, LoraConfig
 
 def add_compile_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-lora", action="store_true",
-                   help="compile graphs that take LoRA adapters at run time (docs/lora.md); cpu and eager backends")
+                   help="compile graphs that take LoRA adapters at run time (docs/lora.md); cpu, eager and neuron "
+                        "backends")
     p.add_argument("--max-loras", type=int, default=None, metavar="N",
                    help="adapters resident at once (slots; default 1); more may be registered, swapped in on demand")
     p.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
