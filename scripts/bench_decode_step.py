@@ -7,6 +7,8 @@ checkout compiled, alternating, in fresh processes.
     python scripts/bench_decode_step.py ARTIFACT --batches 1,16 --positions 100,400 --json
 
 --json prints {bucket key: median ms of one graph call, ..., "machine": {CPU, ISA, cores, bandwidth, ...}}.
+`--breakdown` adds "<bucket key>:split": the median ms of a step's layer graph calls, its head call and the rest
+(the embedding, rope tables, row gather and Python of `executor.run`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,47 @@ import argparse
 import json
 import sys
 import time
+
+
+def split(executor, bucket, inputs, repeats: int) -> dict[str, float]:  # noqa: ANN001
+    """Median ms per step of (the layer graph calls, the head call, the rest of `executor.run`) for a cpu executor:
+    its routes' containers are wrapped in timers for the measurement and put back after."""
+    spent = {"layers": 0.0, "head": 0.0}
+
+    class Timed:
+        def __init__(self, inner, kind: str) -> None:  # noqa: ANN001
+            self.inner, self.kind = inner, kind
+
+        def run(self, *a):  # noqa: ANN002, ANN202
+            t = time.perf_counter()
+            try:
+                return self.inner.run(*a)
+            finally:
+                spent[self.kind] += time.perf_counter() - t
+
+        def __call__(self, *a):  # noqa: ANN002, ANN204
+            t = time.perf_counter()
+            try:
+                return self.inner(*a)
+            finally:
+                spent[self.kind] += time.perf_counter() - t
+
+    routes = executor._routes
+    executor._routes = {k: ([Timed(r, "layers") for r in layers], Timed(head, "head"))
+                        for k, (layers, head) in routes.items()}
+    rows: dict[str, list[float]] = {"layers": [], "head": [], "rest": []}
+    try:
+        for _ in range(repeats):
+            spent.update(layers=0.0, head=0.0)
+            t0 = time.perf_counter()
+            executor.run(bucket, inputs)
+            total = time.perf_counter() - t0
+            rows["layers"].append(spent["layers"])
+            rows["head"].append(spent["head"])
+            rows["rest"].append(total - spent["layers"] - spent["head"])
+    finally:
+        executor._routes = routes
+    return {k: round(1e3 * sorted(v)[len(v) // 2], 3) for k, v in rows.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--verify", action="store_true", help="also time the verify graphs (artifact compiled with "
                                                           "--num-speculative-tokens K)")
+    p.add_argument("--breakdown", action="store_true", help="also split each step into its layer graph calls, its "
+                                                             "head call and the rest (embedding, rope, Python)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
@@ -69,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
                     times[bucket.key].append(time.perf_counter() - t0)
             for key, ts in times.items():
                 out[key] = round(1e3 * sorted(ts)[len(ts) // 2], 3)  # median ms
+            if args.breakdown:
+                for bucket, inputs in steps:
+                    out[bucket.key + ":split"] = split(runner.executor, bucket, inputs, args.repeats)
     if args.json:
         from neuron_opt.bench import machine
 

@@ -85,9 +85,11 @@ def _parse_options(options: dict[str, Any] | None, dtype: torch.dtype) -> dict[s
     broadcast-and-sum loop of models.moe.Experts.gather, fused by Inductor). Measured in docs/moe.md.
     fuse_projections: "on" (q/k/v and gate/up as one GEMM each, see cpu_graphs.inductor_options) or "off".
     one_row_gemm: the gemm of layer graphs whose GEMMs have one row (batch-1 decode, one-token prefill); "same"
-    (as `gemm`) or a gemm choice. bf16 default "cpp": at one row Inductor's C++ template ran batch-1 bf16 decode
-    faster than oneDNN (torch 2.13), while at batch 8 oneDNN ran faster than the template; the executor then
-    holds the weights in both packings (docs/cpu_backend.md).
+    (as `gemm`, the default), "kernel" (bf16 only: those GEMMs on torch.ops.neuron_opt.bf16_linear, cpu_ops, the
+    weights as held) or a gemm choice (the executor then holds the layer weights in two packings;
+    docs/cpu_backend.md).
+    head_gemm: the GEMM of heads with fp32 logits below fp32 (`logits` "fp32"): "cpp" (Inductor's C++ template,
+    the default) or "kernel" (bf16 only: torch.ops.neuron_opt.bf16_linear on the head weight as held).
     exact_verify: "on" (verify graphs compute each row as the decode graph of their batch does: its GEMM choice,
     DecodeAttention per query; the fp32-logits head either way; verify logits are then bitwise the decode step's)
     or "off" (SDPA over the queries, `gemm`: cheaper, close but not equal below fp32). With
@@ -96,10 +98,11 @@ def _parse_options(options: dict[str, Any] | None, dtype: torch.dtype) -> dict[s
     """
     opts = {"gemm": "onednn" if dtype == torch.bfloat16 else "cpp", "attention": "fp32", "residual": "fp32",
             "decode_attention": "fused", "logits": "fp32", "fuse_projections": "on",
-            "one_row_gemm": "same", "exact_verify": "on"}
+            "one_row_gemm": "same", "head_gemm": "cpp", "exact_verify": "on"}
     choices = {"gemm": GEMM_CHOICES, "attention": PRECISION_CHOICES, "residual": PRECISION_CHOICES,
                "decode_attention": DECODE_ATTENTION_CHOICES, "logits": PRECISION_CHOICES,
                "fuse_projections": ("on", "off"), "one_row_gemm": ("same", "kernel", *GEMM_CHOICES),
+               "head_gemm": ("cpp", "kernel"),
                "exact_verify": ("on", "off"), "int8_linear": ("kernel", "inductor"),
                "moe_gather": ("kernel", "inductor")}
     for name, fallback in (("decode_attention", "fused"), ("int8_linear", "inductor"), ("moe_gather", "inductor")):
@@ -115,6 +118,13 @@ def _parse_options(options: dict[str, Any] | None, dtype: torch.dtype) -> dict[s
         raise ConfigError(f"backend options: one_row_gemm=kernel computes bf16 weights only (the C++ operator "
                           f"bf16_linear); this artifact's dtype is {str(dtype).removeprefix('torch.')}: use "
                           "one_row_gemm=same or a gemm choice")
+    if opts["head_gemm"] == "kernel" and dtype != torch.bfloat16:
+        raise ConfigError(f"backend options: head_gemm=kernel computes bf16 weights only (the C++ operator "
+                          f"bf16_linear); this artifact's dtype is {str(dtype).removeprefix('torch.')}: use "
+                          "head_gemm=cpp")
+    if opts["head_gemm"] == "kernel" and opts["logits"] != "fp32":
+        raise ConfigError("backend options: head_gemm=kernel computes fp32 logits; logits=dtype takes the `gemm` "
+                          "kernel's rounded logits instead: drop one of the two")
     return opts
 
 
@@ -255,9 +265,14 @@ class CpuBackend(Backend):
         int8_kernel = self._int8_kernel(model.lm_head)
         if int8_kernel:
             cpu_ops.ensure(f"cpu head graph for {rows} rows", BackendCompileError)
-        head = HeadGraph(model.model.norm, model.lm_head, self.dtype, int8_kernel, model.cfg)
+        # head_gemm "kernel": the fp32 logits on cpu_ops' bf16_linear, fp32 sums unrounded like the template's, at
+        # any row count (a row's logits do not depend on the rows beside it: exact verify holds at every batch)
+        linear_kernel = fp32_logits and self.options["head_gemm"] == "kernel"
+        if linear_kernel:
+            cpu_ops.ensure(f"cpu head graph for {rows} rows", BackendCompileError)
+        head = HeadGraph(model.model.norm, model.lm_head, self.dtype, int8_kernel, model.cfg, linear_kernel)
         args = (torch.randn(rows, model.cfg.hidden_size).to(self.residual_dtype),)
-        gemm = "cpp" if fp32_logits else self.options["gemm"]
+        gemm = "aten" if linear_kernel else "cpp" if fp32_logits else self.options["gemm"]
         recipes = compile_graph(head, args, None, layer_gemm(head, gemm), so, f"cpu head graph for {rows} rows")
         return {"kind": "head", "batch": rows, "constants": {k: r.to_dict() for k, r in recipes.items()}}
 

@@ -266,8 +266,11 @@ class HeadGraph(nn.Module):
     """
 
     def __init__(self, norm: nn.Module, lm_head: nn.Module, dtype: torch.dtype, int8_kernel: bool = False,
-                 cfg: Any = None) -> None:
+                 cfg: Any = None, linear_kernel: bool = False) -> None:
         super().__init__()
+        # a bf16 float head on cpu_ops' bf16_linear, whose fp32 output is the logits as summed (not rounded): the
+        # cpu backend's head_gemm "kernel"
+        self.linear_kernel = linear_kernel
         self.cfg = cfg  # the model's ModelConfig: logits scaling and soft-capping after the head (finish_logits)
         # in `dtype`, leaving the caller's modules as they are: a copy of each that converting would change (a large
         # head already in `dtype` is not copied), and of a quantized head, which moves to the CPU kernels' layouts
@@ -285,7 +288,12 @@ class HeadGraph(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)  # x may be an fp32 residual: then h is fp32
-        logits = self.lm_head(h.to(self.norm.weight.dtype)).float()
+        h = h.to(self.norm.weight.dtype)
+        if self.linear_kernel:
+            logits = torch.ops.neuron_opt.bf16_linear(h.reshape(-1, h.shape[-1]), [self.lm_head.weight])
+            logits = logits.view(*h.shape[:-1], logits.shape[-1])  # models.llama's lm_head has no bias
+        else:
+            logits = self.lm_head(h).float()
         return logits if self.cfg is None else finish_logits(logits, self.cfg)
 
 

@@ -22,8 +22,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / f
-           for f in ("paged_attention.cpp", "int8_linear.cpp", "moe_gather.cpp", "bf16_linear.cpp")]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / f for f in ("paged_attention.cpp", "int8_linear.cpp", "moe_gather.cpp", "bf16_linear.cpp")]
+HEADERS = [CSRC / "gemv_tiles.h"]  # included by the sources: part of the build's digest
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -49,7 +50,7 @@ def load() -> str | None:
                 os.environ["PATH"] = os.environ.get("PATH", "") + os.pathsep + bin_dir
             # one build per torch version (torch's extension cache does not key on it; the ABI differs) and per
             # source text (checkouts with different sources would otherwise rebuild one shared directory in turn)
-            digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES)).hexdigest()[:12]
+            digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS)).hexdigest()[:12]
             name = "neuron_opt_cpu_ops_" + "".join(c if c.isalnum() else "_" for c in torch.__version__) + "_" + digest
             load_extension(name=name, sources=[str(s) for s in SOURCES], extra_cflags=_flags(),
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
@@ -92,6 +93,10 @@ def _register_fake() -> None:
     def _(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
         return x.new_empty((x.shape[0], sum(w.shape[0] for w in ws)), dtype=torch.float32)
 
+    @torch.library.register_fake("neuron_opt::bf16_linear_path")
+    def _(x: torch.Tensor, ws: list[torch.Tensor], path: str) -> torch.Tensor:
+        return x.new_empty((x.shape[0], sum(w.shape[0] for w in ws)), dtype=torch.float32)
+
     @torch.library.register_fake("neuron_opt::moe_gather")
     def _(t: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
           weights: torch.Tensor) -> torch.Tensor:
@@ -121,9 +126,21 @@ def int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.
 
 def bf16_linear(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
     """x [M, K] (float32 or bfloat16) times each bf16 weight [N_i, K] of `ws` (csrc/bf16_linear.cpp): [M, sum N_i]
-    float32, the weights' outputs side by side, each sum in fp32 over k in order of W-lane vectors; a row's result
-    does not depend on M."""
+    float32, the weights' outputs side by side, each sum in fp32 over k in vector steps; a row's result does not
+    depend on M. The path is the first of `bf16_linear_paths(x)`."""
     return torch.ops.neuron_opt.bf16_linear(x, ws)
+
+
+def bf16_linear_path(x: torch.Tensor, ws: list[torch.Tensor], path: str) -> torch.Tensor:
+    """`bf16_linear` on a named path: "avx512_bf16" (a bf16 x on a CPU with avx512_bf16: VDPBF16PS dot products of
+    bf16 pairs into fp32 lanes) or "fma" (the weights widened to fp32, FMAs; any x, the build's vector ISA). A path
+    that this CPU or x's dtype cannot run raises."""
+    return torch.ops.neuron_opt.bf16_linear_path(x, ws, path)
+
+
+def bf16_linear_paths(x: torch.Tensor) -> list[str]:
+    """The paths of `bf16_linear` this CPU runs for an x of x's dtype, the one `bf16_linear` takes first."""
+    return list(torch.ops.neuron_opt.bf16_linear_paths(x))
 
 
 def moe_gather(t: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,

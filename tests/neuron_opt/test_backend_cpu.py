@@ -19,6 +19,7 @@ from models.llama import LlamaForCausalLM
 from neuron_opt.backends.base import StepInputs, allocate_kv
 from neuron_opt.backends.cpu import CpuBackend, CpuExecutor, onednn_bf16_supported
 from neuron_opt.backends.cpu_constants import pack_weight
+from neuron_opt.backends.cpu_graphs import graph_keys
 from neuron_opt.buckets import DECODE, PREFILL, Bucket
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
 from neuron_opt.errors import ArtifactError, BackendCompileError, BucketOverflowError, ConfigError
@@ -382,6 +383,41 @@ def test_bf16_logits_dtype_option_keeps_the_gemm_kernels_rounded_logits(tmp_path
     assert [k[1].op for k in ex.constants if k[0] == ("lm_head.weight",)] == ["onednn"]
     got = ex.run(bucket, decode_inputs([11], [0], [1], 32))
     assert torch.equal(got, got.bfloat16().float())
+
+
+@NEEDS_ONEDNN_BF16
+def test_bf16_head_gemm_kernel_keeps_fp32_logits_on_the_operator(tmp_path: Path) -> None:
+    """`head_gemm=kernel` (with `one_row_gemm=kernel`): every head calls cpu_ops' bf16_linear on the head weight as
+    held (no template packing; the tied embedding reads the table itself), its logits fp32 sums (not widened bf16)
+    within bf16 rounding of the eager model, a row's logits the same at batch 1 and 2; other dtypes and
+    `logits=dtype` refuse it."""
+    backend = CpuBackend(torch.bfloat16, {"one_row_gemm": "kernel", "head_gemm": "kernel"})
+    buckets = (Bucket(DECODE, 1, 32), Bucket(PREFILL, 1, 16), Bucket(DECODE, 2, 32))
+    files = {b: [tmp_path / f for f in backend.compile_bucket(make_model(0, torch.bfloat16), b, CACHE, tmp_path)]
+             for b in buckets}
+    backend.save_weights(make_model(7, torch.bfloat16), tmp_path / "w.safetensors")
+    ex = backend.load(files, tmp_path / "w.safetensors", lambda: make_model(1, torch.bfloat16), CACHE)
+    assert [k[1].op for k in ex.constants if k[0] == ("lm_head.weight",)] == ["identity"]  # bound as held
+    for rows in (1, 2):
+        calls = json.loads((tmp_path / "cpu" / f"head_b{rows}.json").read_text())["nodes"]
+        assert [n["node"]["target"] for n in calls] == ["neuron_opt::bf16_linear"]
+    model = make_model(7, torch.bfloat16)
+    k, v = allocate_kv(model, CACHE, torch.bfloat16)
+    for pos in range(4):
+        inp = decode_inputs([11 + pos], [pos], [1], 32)
+        got = ex.run(buckets[0], inp)
+        with torch.no_grad():
+            want = model(*inp.arrays(), k, v, 32)
+        torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
+        assert (got != got.bfloat16().float()).any()
+    # the head alone at 1 and 2 rows: the row's logits bitwise the same
+    head1, head2 = (ex._routes[graph_keys(b)][1] for b in (buckets[0], buckets[2]))
+    x = torch.randn(2, CFG.hidden_size)
+    assert torch.equal(head1(x[:1]), head2(x)[:1])
+    with pytest.raises(ConfigError, match="head_gemm=kernel computes bf16 weights only"):
+        CpuBackend(torch.float32, {"head_gemm": "kernel"})
+    with pytest.raises(ConfigError, match="head_gemm=kernel computes fp32 logits"):
+        CpuBackend(torch.bfloat16, {"head_gemm": "kernel", "logits": "dtype"})
 
 
 @pytest.mark.parametrize("n_heads,n_kv,window", [(4, 2, None), (6, 2, 5), (3, 3, None), (4, 1, 7)])

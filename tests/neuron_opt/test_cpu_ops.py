@@ -41,6 +41,17 @@ def test_the_operators_build_and_compiles_call_them_by_default() -> None:
     assert [opts[k] for k in ("decode_attention", "int8_linear", "moe_gather")] == ["kernel"] * 3
 
 
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="needs Linux's /proc/self/maps")
+def test_the_operators_share_torchs_openmp_runtime() -> None:
+    """The operators link libgomp.so.1 (-fopenmp); the loader resolves that name to the copy torch loaded, so one
+    OpenMP runtime (one thread pool, one spin-wait) serves torch, the AOTInductor graphs and the operators."""
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    ours = {line.split()[-1] for line in maps if "neuron_opt_cpu_ops" in line}
+    omp = {line.split()[-1] for line in maps if any(n in line for n in ("libgomp", "libiomp", "libomp"))}
+    assert ours, "the operators' library is not mapped"
+    assert len(omp) == 1, f"more than one OpenMP runtime mapped: {sorted(omp)}"
+
+
 # (query heads, kv heads, head dim, block size, kv_len, queries, sliding window)
 SHAPES = [
     (9, 3, 64, 32, 500, 9, None),  # SmolLM2's attention, a k = 8 verify at position ~500
@@ -219,9 +230,12 @@ def test_int8_linear_refuses_bad_arguments_with_the_argument_named() -> None:
 
 
 # bf16_linear: (M, K, output features of each weight). K not a multiple of the vector width (13, 72) exercises the
-# scalar tail, feature counts not multiples of the 4-feature tile (7, 30, 1) short tiles at each weight's end
+# fma path's scalar tail and the avx512_bf16 path's masked last step (13 < 32, 72 = 2 x 32 + 8), feature counts not
+# multiples of the 4-feature tile (7, 30, 1) short tiles at each weight's end
 BF16_LINEAR_SHAPES = [(1, 576, (576, 192, 192)), (1, 13, (7,)), (3, 72, (30, 1)), (5, 1536, (33,)), (9, 128, (8, 12)),
-                      (16, 96, (12, 4, 5))]
+                      (16, 96, (12, 4, 5)), (2, 33, (9,))]
+# every path of the operator; a test of a path this CPU does not run says so and skips (the fma path runs anywhere)
+BF16_LINEAR_PATHS = ["avx512_bf16", "fma"]
 
 
 def _bf16_linear_case(shape, x_dtype: torch.dtype, seed: int = 0):
@@ -231,27 +245,49 @@ def _bf16_linear_case(shape, x_dtype: torch.dtype, seed: int = 0):
     return x, [torch.randn(n, K, generator=g).to(torch.bfloat16) for n in ns]
 
 
+def _runs(path: str, x_dtype: torch.dtype) -> None:
+    runs = cpu_ops.bf16_linear_paths(torch.empty(0, dtype=x_dtype))
+    assert "fma" in runs, runs
+    if path not in runs:
+        pytest.skip(f"bf16_linear path {path} does not run for {x_dtype} x on this CPU (it runs {runs})")
+
+
+@pytest.mark.parametrize("path", BF16_LINEAR_PATHS)
 @pytest.mark.parametrize("shape", BF16_LINEAR_SHAPES)
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
-def test_bf16_linear_matches_an_fp64_reference(shape, x_dtype: torch.dtype) -> None:
+def test_bf16_linear_matches_an_fp64_reference(shape, x_dtype: torch.dtype, path: str) -> None:
+    _runs(path, x_dtype)
     x, ws = _bf16_linear_case(shape, x_dtype)
-    got = cpu_ops.bf16_linear(x, ws)
+    got = cpu_ops.bf16_linear_path(x, ws, path)
     assert got.dtype == torch.float32 and got.shape == (shape[0], sum(shape[2]))
     ref = torch.cat([x.double() @ w.double().T for w in ws], dim=1)
     # fp32 sums of K exact products (bf16 x bf16 fits fp32): bound the error by K * eps * the terms' magnitudes
     bound = shape[1] * 2.0 ** -23 * torch.cat([x.double().abs() @ w.double().abs().T for w in ws], dim=1)
     assert bool(((got.double() - ref).abs() <= bound + 1e-30).all())
+    # and torch's own product in fp32 (x @ W.T), within fp32 summation error
+    torch.testing.assert_close(got, torch.cat([x.float() @ w.float().T for w in ws], dim=1), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_bf16_linear_takes_the_first_path_this_cpu_runs(x_dtype: torch.dtype) -> None:
+    """avx512_bf16 for a bf16 x wherever the CPU has it, fma otherwise (an fp32 x always: its values are not bf16)."""
+    x, ws = _bf16_linear_case((3, 72, (30, 1)), x_dtype)
+    paths = cpu_ops.bf16_linear_paths(x)
+    assert paths[-1] == "fma" and (x_dtype == torch.bfloat16 or paths == ["fma"]), paths
+    assert torch.equal(cpu_ops.bf16_linear(x, ws), cpu_ops.bf16_linear_path(x, ws, paths[0]))
+
+
+@pytest.mark.parametrize("path", BF16_LINEAR_PATHS)
 @pytest.mark.parametrize("shape", BF16_LINEAR_SHAPES)
-def test_a_bf16_linear_rows_result_does_not_depend_on_the_rows_or_weights_beside_it(shape) -> None:
+def test_a_bf16_linear_rows_result_does_not_depend_on_the_rows_or_weights_beside_it(shape, path: str) -> None:
     """Row m alone equals row m of the M-row call (bf16 verify rows are then the decode step's), and each weight's
     columns equal that weight called alone."""
+    _runs(path, torch.bfloat16)
     x, ws = _bf16_linear_case(shape, torch.bfloat16, seed=1)
-    together = cpu_ops.bf16_linear(x, ws)
+    together = cpu_ops.bf16_linear_path(x, ws, path)
     for m in range(x.shape[0]):
-        assert torch.equal(cpu_ops.bf16_linear(x[m:m + 1], ws), together[m:m + 1]), f"row {m}"
-    assert torch.equal(torch.cat([cpu_ops.bf16_linear(x, [w]) for w in ws], dim=1), together)
+        assert torch.equal(cpu_ops.bf16_linear_path(x[m:m + 1], ws, path), together[m:m + 1]), f"row {m}"
+    assert torch.equal(torch.cat([cpu_ops.bf16_linear_path(x, [w], path) for w in ws], dim=1), together)
 
 
 def test_bf16_linear_refuses_bad_arguments_with_the_argument_named() -> None:
@@ -267,6 +303,15 @@ def test_bf16_linear_refuses_bad_arguments_with_the_argument_named() -> None:
         with pytest.raises(RuntimeError, match=needle):
             cpu_ops.bf16_linear(*args)
     assert cpu_ops.bf16_linear(x[:0], ws).shape == (0, 8)
+    with pytest.raises(RuntimeError, match="path must be avx512_bf16 or fma, got 'amx'"):
+        cpu_ops.bf16_linear_path(x, ws, "amx")
+    with pytest.raises(RuntimeError, match="path avx512_bf16 takes a bfloat16 x, got Float"):
+        cpu_ops.bf16_linear_path(x, ws, "avx512_bf16")
+    if "avx512_bf16" in cpu_ops.bf16_linear_paths(x.bfloat16()):
+        assert cpu_ops.bf16_linear_path(x[:0].bfloat16(), ws, "avx512_bf16").shape == (0, 8)
+    else:
+        with pytest.raises(RuntimeError, match="does not run on this CPU"):
+            cpu_ops.bf16_linear_path(x.bfloat16(), ws, "avx512_bf16")
 
 
 # moe_gather: (T, H, I, E, k, dtype). H and I not multiples of the vector width (40, 24, 100, 36) exercise the

@@ -329,6 +329,31 @@ def test_bf16_exact_verify_rows_are_bitwise_the_decode_steps_logits(tiny_dir, tm
 
 
 @pytest.mark.slow  # ~60 s; the operator's row independence is tested bitwise in test_cpu_ops.py
+@pytest.mark.skipif(not onednn_bf16_supported(), reason="bf16 cpu graphs need oneDNN bf16 (AVX-512 BW/VL/DQ or "
+                    "AVX-NE-CONVERT); the cpu backend refuses bf16 on this CPU")
+def test_bf16_exact_verify_on_the_linear_operator_is_bitwise_the_decode_steps_logits(tiny_dir, tmp_path):
+    """bf16 with one_row_gemm=kernel and head_gemm=kernel: the batch-1 decode and verify layers' GEMMs and every
+    head run on cpu_ops' bf16_linear, whose rows do not depend on the rows beside them, so a verify row's logits are
+    bitwise the decode step's (and fp32 sums, not widened bf16)."""
+    from neuron_opt.compiler import CompileRequest, compile_artifact
+
+    req = CompileRequest(model=str(tiny_dir("smollm-tok")), out=tmp_path / "kernel", backend="cpu",
+                         dtype="bfloat16", batch_size=1, max_model_len=128, prefill_buckets=(16, 64),
+                         decode_buckets=(128,), cache_dir=tmp_path / "cache", num_speculative_tokens=K,
+                         backend_options={"one_row_gemm": "kernel", "head_gemm": "kernel"})
+    compile_artifact(req, log=lambda s: None, progress=False)
+    seq = [1, 17, 42, 99, 5, 123, 7, 300, 301, 302, 303]
+    runner = LLM(tmp_path / "kernel").runner
+    runner.prefill((1,), seq[:6])
+    ref = [runner.decode([DecodeRow((1,), seq[i], i)])[0] for i in range(6, 10)]
+    runner.prefill((2,), seq[:6])
+    got = runner.verify([VerifyRow((2,), tuple(seq[6:10]), 6)])[0]
+    for j in range(K + 1):
+        assert torch.equal(got[j], ref[j]), f"row {j}: {(got[j] - ref[j]).abs().max()}"
+        assert not torch.equal(ref[j], ref[j].bfloat16().float())
+
+
+@pytest.mark.slow  # ~60 s; the operator's row independence is tested bitwise in test_cpu_ops.py
 def test_int8_exact_verify_rows_are_bitwise_the_decode_steps_logits(tiny_dir, tmp_path):
     """int8 weights with an int8 head (fp32 compute, any CPU): every int8 product of the decode and verify graphs
     runs on torch.ops.neuron_opt.int8_linear, whose rows do not depend on the rows beside them, so a verify row's
