@@ -65,9 +65,11 @@ class NkiSimOps(TorchOps):
         mask: torch.Tensor,
         scale: float,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if softcap is not None:  # the kernels do not cap scores: the torch op (the reference)
-            return TorchOps.attention(self, q, keys, values, positions, mask, scale, softcap=softcap)
+        if softcap is not None or sinks is not None:  # the kernels neither cap scores nor take sink logits: the
+            return TorchOps.attention(self, q, keys, values, positions, mask, scale, softcap=softcap,  # torch op
+                                      sinks=sinks)
         B, _, S, _ = q.shape
         kv_len = keys.shape[2]
         j = torch.arange(kv_len)
@@ -100,10 +102,11 @@ class NkiSimOps(TorchOps):
         mask: torch.Tensor,
         scale: float,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if softcap is not None:  # the kernels do not cap scores: the torch op over the gathered blocks
+        if softcap is not None or sinks is not None:  # no kernel caps scores or takes sinks: the torch op over the
             return TorchOps.attention_blocks(self, q, k_cache, v_cache, block_tables, positions, mask, scale,
-                                             softcap=softcap)
+                                             softcap=softcap, sinks=sinks)  # gathered blocks
         if not (self.paged and q.shape[2] == 1):
             return super().attention_blocks(q, k_cache, v_cache, block_tables, positions, mask, scale)
         lengths = self._decode_lengths(positions, mask)
