@@ -6,13 +6,13 @@ and which therefore imports no model code) so that the import graph stays a DAG.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from models.llama import LlamaForCausalLM, checkpoint_weight_names, expected_weight_names
-from models.llama import split_fused as split_fused  # re-exported: neuron_opt.checkpoint splits fused weights
+from models import gpt_oss
+from models.llama import LlamaForCausalLM, checkpoint_weight_names, expected_weight_names, split_fused
 from models.moe import MoeForCausalLM, moe_weight_names
 from models.pooling import LlamaEmbeddingModel
 from models.registry import family_for
@@ -40,8 +40,20 @@ def weight_names(cfg: ModelConfig) -> list[str]:
 
 def stored_weight_names(cfg: ModelConfig) -> list[str]:
     """The names the checkpoint of `cfg` stores: `weight_names`, with fused projections (Phi-3) under their fused
-    names (models.llama.split_fused turns them into the canonical ones)."""
+    names and GPT-OSS's experts as its stacked tensors (`split_stored` turns both into the canonical ones)."""
+    if cfg.model_type == "gpt_oss":
+        return gpt_oss.stored_names(cfg, weight_names(cfg))
     return checkpoint_weight_names(cfg, weight_names(cfg))
+
+
+def split_stored(cfg: ModelConfig, name: str, tensor: torch.Tensor,
+                 read: Callable[[str], torch.Tensor] | None = None) -> Iterable[tuple[str, torch.Tensor]]:
+    """A stored tensor as canonical (name, tensor) pairs (neuron_opt.checkpoint calls this on every tensor it
+    reads): Phi-3's fused projections split (models.llama.split_fused), GPT-OSS's stacked experts one per expert,
+    MXFP4 dequantized with the scales `read(name)` returns (models.gpt_oss.split_stored)."""
+    if cfg.model_type == "gpt_oss":
+        return gpt_oss.split_stored(cfg, name, tensor, read)
+    return split_fused(cfg, name, tensor)
 
 
 def apply_quant_layout(model: torch.nn.Module, qc: QuantConfig | None) -> None:

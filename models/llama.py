@@ -170,6 +170,15 @@ def window_input(cfg: ModelConfig, layer: int, max_model_len: int) -> torch.Tens
     return torch.tensor([max_model_len if w is None else min(w, max_model_len)], dtype=torch.int64)
 
 
+def sink_softmax(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention probabilities with sinks (GPT-OSS), fp32: the softmax over each row's masked scores [B, n, S, kv]
+    and its head's sink logit (`sinks` [n]), the sink's column dropped, so a row's probabilities sum to less than
+    one by the sink's share."""
+    s = scores.float()
+    sink = sinks.float().view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+    return torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, S, n, D]; cos/sin [B, S, 1, R], R <= D. Rotate-half convention (HF Llama) over the first R features;
     the other D - R pass through (partial rotary: Phi-4-mini)."""
@@ -226,33 +235,42 @@ class TorchOps:
         return (xf * weight + offset * xf).to(dtype)
 
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                  mask: torch.Tensor, scale: float, softcap: float | None = None) -> torch.Tensor:
+                  mask: torch.Tensor, scale: float, softcap: float | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, n_heads, S, D], keys/values [B, n_kv, kv_len, D], positions [B, S] of the queries,
         mask [B, S, kv_len] (True = visible: causality and any sliding window) -> [B, n_heads, S, D].
-        `softcap`: scores -> softcap * tanh(scores / softcap) before the mask (SDPA has no such step: the scores
-        are then written out)."""
+        `softcap`: scores -> softcap * tanh(scores / softcap) before the mask; `sinks` [n_heads]: each head's sink
+        logit joins its softmax (sink_softmax). SDPA has neither step: the scores are then written out."""
         gqa = bool(q.shape[1] != keys.shape[1])  # static per graph; bool(): jit.trace sizes are tensors
-        if softcap is None:
+        if softcap is None and sinks is None:
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], scale=scale,
                                                   enable_gqa=gqa)  # [B, n_heads, S, D]
         g = q.shape[1] // keys.shape[1]
         if gqa:
             keys, values = keys.repeat_interleave(g, dim=1), values.repeat_interleave(g, dim=1)
-        scores = soft_cap(q @ keys.transpose(-1, -2) * scale, softcap)  # [B, n_heads, S, kv_len]
+        scores = q @ keys.transpose(-1, -2) * scale  # [B, n_heads, S, kv_len]
+        if softcap is not None:
+            scores = soft_cap(scores, softcap)
         scores = scores.masked_fill(~mask[:, None], float("-inf"))
-        p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        if sinks is None:
+            p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        else:
+            p = sink_softmax(scores, sinks).to(q.dtype)
         return p @ values  # [B, n_heads, S, D]
 
     def attention_blocks(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                         scale: float, softcap: float | None = None) -> torch.Tensor:
+                         scale: float, softcap: float | None = None,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
         """`attention` over each row's blocks: k_cache/v_cache [num_blocks, n_kv, block_size, D], block_tables
         [B, nb], mask [B, S, kv_len] with kv_len <= nb * block_size. This default gathers the rows' first kv_len
         positions and calls `attention`; ops that read the blocks in place override it."""
         kv_len = mask.shape[-1]
         keys = read_blocks(k_cache, block_tables, kv_len).to(q.dtype)  # [B, n_kv, kv_len, D]
         values = read_blocks(v_cache, block_tables, kv_len).to(q.dtype)  # [B, n_kv, kv_len, D]
-        return self.attention(q, keys, values, positions, mask, scale, softcap=softcap)
+        if sinks is None:
+            return self.attention(q, keys, values, positions, mask, scale, softcap=softcap)
+        return self.attention(q, keys, values, positions, mask, scale, softcap=softcap, sinks=sinks)
 
 
 TORCH_OPS = TorchOps()
@@ -344,6 +362,10 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(D, cfg.rms_norm_eps, ops, cfg.norm_offset)
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps, ops, cfg.norm_offset)
         self.qk_norm, self.qk_norm_full = cfg.qk_norm, cfg.qk_norm_full
+        if cfg.attention_sinks:  # GPT-OSS: one logit per local query head (zero for a padding head)
+            self.sinks = nn.Parameter(torch.zeros(self.n_heads), requires_grad=False)
+        else:
+            self.sinks = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
@@ -402,6 +424,9 @@ class Attention(nn.Module):
         write_blocks(k_cache, slot_mapping, k)
         write_blocks(v_cache, slot_mapping, v)
         mask = self._mask(torch.arange(kv_len, device=q.device), positions, window)  # [B, S, kv_len]
+        if self.sinks is not None:
+            return self.ops.attention_blocks(q.transpose(1, 2), k_cache, v_cache, block_tables, positions, mask,
+                                             self.scale, softcap=self.softcap, sinks=self.sinks)
         if self.softcap is None:  # the call every existing op implements as it did
             return self.ops.attention_blocks(q.transpose(1, 2), k_cache, v_cache, block_tables, positions, mask,
                                              self.scale)  # [B, n_heads, S, D]
@@ -439,7 +464,12 @@ class Attention(nn.Module):
         ms = torch.stack([m, p.sum(-1)], dim=-1)  # [B, n_heads, S, 2]
         every = self.pctx.comm.group_all_gather(ms[None], dim=0)  # [g, B, n_heads, S, 2]
         big_m = every[..., 0].amax(0)  # [B, n_heads, S]; finite: each query sees its own position
+        if self.sinks is not None:  # the sink joins the group's softmax once: every rank adds it to the same sum
+            sink = self.sinks.to(big_m.dtype).view(1, -1, 1)
+            big_m = torch.maximum(big_m, sink)
         total = (every[..., 1] * torch.exp(every[..., 0] - big_m)).sum(0)  # [B, n_heads, S]
+        if self.sinks is not None:
+            total = total + torch.exp(sink - big_m)
         return o * (torch.exp(m - big_m) / total)[..., None]  # [B, n_heads, S, D]
 
 
@@ -675,6 +705,8 @@ def expected_weight_names(cfg: ModelConfig, mlp_names: Callable[[ModelConfig, st
         names.append(p + "self_attn.o_proj.weight")
         if cfg.o_bias:
             names.append(p + "self_attn.o_proj.bias")
+        if cfg.attention_sinks:
+            names.append(p + "self_attn.sinks")
         if cfg.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         names += mlp_names(cfg, p)

@@ -66,16 +66,26 @@ def _tracing() -> bool:
 
 
 class Router(nn.Module):
-    """HF's `gate`: logits = x W^T in x's dtype, softmax in fp32, top k, optional renormalisation."""
+    """HF's `gate` (GPT-OSS: `router`): logits = x W^T (+ b: router_bias) in x's dtype, softmax in fp32, top k,
+    optional renormalisation; or (router_topk_softmax, GPT-OSS) the top k logits, then a softmax over those k."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size), requires_grad=False)
+        if cfg.router_bias:
+            self.bias = nn.Parameter(torch.empty(cfg.num_experts), requires_grad=False)
+        else:
+            self.bias = None
         self.top_k, self.renormalise = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.topk_softmax = cfg.router_topk_softmax
 
     def forward(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """t [T, H] -> (weights [T, k] fp32, expert ids [T, k])."""
-        probs = torch.softmax(F.linear(t, self.weight).float(), dim=-1)  # [T, E]
+        logits = F.linear(t, self.weight, self.bias)  # [T, E]
+        if self.topk_softmax:
+            top, ids = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(top.float(), dim=-1), ids
+        probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalise:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -83,16 +93,43 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """This rank's experts, stacked: gate_up_proj [E_local, 2 * I_local, H], down_proj [E_local, H, I_local]."""
+    """This rank's experts, stacked: gate_up_proj [E_local, 2 * I_local, H], down_proj [E_local, H, I_local];
+    with expert_bias (GPT-OSS) gate_up_proj_bias [E_local, 2 * I_local] and down_proj_bias [E_local, H] (a rank
+    holds an expert's down bias only if it is the first of the expert's moe_tp ranks, zeros else: the group's
+    partial sums then add it once). The activation is SwiGLU, or GPT-OSS's clamped form (`act`)."""
 
     def __init__(self, cfg: ModelConfig, lay: HeadLayout) -> None:
         super().__init__()
         E, H, I = lay.experts_local, cfg.hidden_size, lay.moe_intermediate_local
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(E, H, I), requires_grad=False)
+        if cfg.expert_bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * I), requires_grad=False)
+            self.down_proj_bias = nn.Parameter(torch.empty(E, H), requires_grad=False)
+        else:
+            self.gate_up_proj_bias = self.down_proj_bias = None
+        self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
         # traced gather as torch.ops.neuron_opt.moe_gather (the cpu backend's C++ operator, which that backend loads
         # before tracing and sets this for; its `moe_gather` option)
         self.kernel = False
+
+    @property
+    def kernel_limit(self) -> str | None:
+        """Why cpu_ops' moe_gather cannot apply these experts (None: it can): it computes silu(gate) * up products
+        without biases."""
+        if self.gate_up_proj_bias is not None or self.limit is not None:
+            return "expert biases and the clamped SwiGLU (GPT-OSS): moe_gather has neither"
+        return None
+
+    def act(self, h: torch.Tensor, I: int) -> torch.Tensor:
+        """h [..., 2I] (gate features, then up) -> [..., I]: silu(gate) * up, or with swiglu_limit GPT-OSS's
+        (up + 1) * g * sigmoid(alpha * g), g = gate clamped above at the limit, up clamped to [-limit, limit]
+        (zero gate and up give zero: padded features stay zero)."""
+        if self.limit is None:
+            return F.silu(h[..., :I]) * h[..., I:]
+        gate = h[..., :I].clamp(max=self.limit)
+        up = h[..., I:].clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
     def gather(self, t: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, local: torch.Tensor,
                traced: bool) -> torch.Tensor:
@@ -103,20 +140,28 @@ class Experts(nn.Module):
         form would materialise each selected expert's products; at most E_local - 1 pairs take this path), skipping
         the pairs whose expert another rank holds."""
         I = self.down_proj.shape[2]
+        bu, bd = self.gate_up_proj_bias, self.down_proj_bias
         if traced and self.kernel:  # the same sums, each selected expert's weights streamed once
+            if self.kernel_limit is not None:
+                raise ValueError(f"moe_gather kernel: {self.kernel_limit}")
             return torch.ops.neuron_opt.moe_gather(t, self.gate_up_proj, self.down_proj, ids, weights)
         if not traced:
             out = torch.zeros(t.shape, dtype=torch.float32, device=t.device)
             for i, j in local.nonzero().tolist():
                 e = int(ids[i, j])
-                h = F.linear(t[i], self.gate_up_proj[e])  # [2I]
-                out[i] += weights[i, j] * F.linear(F.silu(h[:I]) * h[I:], self.down_proj[e]).float()
+                h = F.linear(t[i], self.gate_up_proj[e], None if bu is None else bu[e])  # [2I]
+                y = F.linear(self.act(h, I), self.down_proj[e], None if bd is None else bd[e])
+                out[i] += weights[i, j] * y.float()
             return out
         # products and sums in fp32 (as a GEMM accumulates; a compiler may round a low-precision product before the
         # sum otherwise); a fused loop converts each weight as it reads it, so the bytes read stay the stored ones
         h = (self.gate_up_proj[ids].float() * t.float()[:, None, None, :]).sum(-1)  # [T, k, 2I]
-        a = (F.silu(h[..., :I]) * h[..., I:]).to(t.dtype).float()  # [T, k, I], rounded as the eager path rounds
+        if bu is not None:
+            h = h + bu[ids].float()
+        a = self.act(h, I).to(t.dtype).float()  # [T, k, I], rounded as the eager path rounds
         y = (self.down_proj[ids].float() * a[:, :, None, :]).sum(-1)  # [T, k, H]
+        if bd is not None:
+            y = y + bd[ids].float()
         return (y * weights[..., None]).sum(1)  # [T, H] fp32
 
     def grouped(self, t: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -127,8 +172,13 @@ class Experts(nn.Module):
         offs = torch.cumsum(torch.bincount(key, minlength=E + 1)[:E], 0).to(torch.int32)  # [E] group ends
         xs = t[order // k]  # [T*k, H]
         h = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs)  # [T*k, 2I]
-        a = F.silu(h[:, :I]) * h[:, I:]
+        expert = key[order].clamp(max=E - 1)  # each sorted row's expert (rows of other ranks' experts: dropped)
+        if self.gate_up_proj_bias is not None:
+            h = h + self.gate_up_proj_bias[expert]
+        a = self.act(h, I)
         y = torch._grouped_mm(a, self.down_proj.transpose(1, 2), offs)  # [T*k, H]; rows past offs[-1] unset
+        if self.down_proj_bias is not None:
+            y = y + self.down_proj_bias[expert]
         w = weights.flatten()[order]
         y = torch.where(local.flatten()[order][:, None], y.float() * w[:, None], 0.0)
         return torch.zeros(t.shape[0], t.shape[1], dtype=torch.float32).index_add_(0, order // k, y)
@@ -137,8 +187,12 @@ class Experts(nn.Module):
         """Every local expert on every token, combined with a [T, E_local] weight matrix zero off the top k."""
         E, I = self.down_proj.shape[0], self.down_proj.shape[2]
         h = torch.einsum("th,eih->tei", t, self.gate_up_proj)  # [T, E, 2I]
-        a = F.silu(h[..., :I]) * h[..., I:]  # [T, E, I]
+        if self.gate_up_proj_bias is not None:
+            h = h + self.gate_up_proj_bias
+        a = self.act(h, I)  # [T, E, I]
         y = torch.einsum("tei,ehi->teh", a, self.down_proj)  # [T, E, H]
+        if self.down_proj_bias is not None:
+            y = y + self.down_proj_bias
         dense_w = torch.zeros(t.shape[0], E, dtype=torch.float32, device=t.device).scatter_add(1, ids, weights)
         return torch.einsum("teh,te->th", y.float(), dense_w)  # [T, H] fp32
 
@@ -158,8 +212,8 @@ class SharedExpert(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """The sparse MLP of one decoder layer on this rank (HF names: `gate`, `experts`, `shared_expert`,
-    `shared_expert_gate`).
+    """The sparse MLP of one decoder layer on this rank (HF names: `gate` (GPT-OSS: `router`), `experts`,
+    `shared_expert`, `shared_expert_gate`).
 
     Under a hybrid layout (HeadLayout.hybrid) `experts_decode` holds the experts a second time, laid out for
     `ep_decode` groups, and token-generation steps (decode, verify) apply that copy; prefill steps apply
@@ -170,7 +224,8 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, lay: HeadLayout, pctx: ParallelContext) -> None:
         super().__init__()
         self.pctx, self.lay = pctx, lay
-        self.gate = Router(cfg)
+        self.router_name = router_name(cfg)
+        self.add_module(self.router_name, Router(cfg))
         self.experts = Experts(cfg, lay)
         self.lay_decode = lay.decode_layout()  # `lay` itself unless hybrid
         if lay.hybrid:
@@ -192,7 +247,7 @@ class SparseMoeBlock(nn.Module):
             x = self.pctx.comm.all_gather(x, dim=1)  # [B, S_pad, H] from [B, S_pad/tp, H]
         B, S, H = x.shape
         t = x.reshape(B * S, H)
-        weights, ids = self.gate(t)  # [T, k]
+        weights, ids = getattr(self, self.router_name)(t)  # [T, k]
         lay, experts = (self.lay_decode, self.experts_decode) if decode and self.lay.hybrid else \
             (self.lay, self.experts)
         E = lay.experts_local
@@ -240,6 +295,7 @@ class MoeForCausalLM(LlamaForCausalLM):
                 return None
             lay = lay.decode_layout()
         prefix, j, part = m.group(1), int(m.group(2)), EXPERT_PARTS[m.group(3)]
+        suffix = "_bias" if m.group(4) == "bias" else ""  # GPT-OSS's expert biases: [E_local, 2I] and [E_local, H]
         held = lay.expert_range(self.pctx.rank)
         if j not in held:
             raise ValueError(f"{name}: expert {j} is not one of this rank's experts {held.start}..{held.stop - 1} "
@@ -247,20 +303,26 @@ class MoeForCausalLM(LlamaForCausalLM):
         slot = j - held.start
         I = lay.moe_intermediate_local
         if part == "down":
-            return f"{prefix}.down_proj", (slot,)
-        return f"{prefix}.gate_up_proj", (slot, slice(0, I) if part == "gate" else slice(I, 2 * I))
+            return f"{prefix}.down_proj{suffix}", (slot,)
+        return f"{prefix}.gate_up_proj{suffix}", (slot, slice(0, I) if part == "gate" else slice(I, 2 * I))
 
 
 def moe_module_name(cfg: ModelConfig) -> str:
     return "block_sparse_moe" if cfg.model_type == "mixtral" else "mlp"
 
 
+def router_name(cfg: ModelConfig) -> str:
+    return "router" if cfg.model_type == "gpt_oss" else "gate"
+
+
 def expected_moe_names(cfg: ModelConfig, prefix: str) -> list[str]:
-    """A sparse layer's checkpoint names under `prefix` (e.g. `model.layers.3.`)."""
+    """A sparse layer's canonical names under `prefix` (e.g. `model.layers.3.`): one tensor per expert and
+    projection (GPT-OSS stores them stacked, per layer: models.gpt_oss splits them into these at load)."""
     mod = prefix + moe_module_name(cfg) + "."
     parts = ("w1", "w2", "w3") if cfg.model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-    names = [mod + "gate.weight"]
-    names += [f"{mod}experts.{j}.{p}.weight" for j in range(cfg.num_experts) for p in parts]
+    kinds = ("weight", "bias") if cfg.expert_bias else ("weight",)
+    names = [mod + router_name(cfg) + ".weight"] + ([mod + router_name(cfg) + ".bias"] if cfg.router_bias else [])
+    names += [f"{mod}experts.{j}.{p}.{kind}" for j in range(cfg.num_experts) for p in parts for kind in kinds]
     if cfg.shared_expert_intermediate_size:
         names += [f"{mod}shared_expert.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
         names.append(mod + "shared_expert_gate.weight")

@@ -20,6 +20,8 @@ _FAMILIES: dict[str, str] = {
     "MixtralForCausalLM": "moe",
     "Qwen2MoeForCausalLM": "moe",
     "Qwen3MoeForCausalLM": "moe",
+    # attention sinks, a biased router, clamped SwiGLU experts with biases, MXFP4 experts dequantized at load
+    "GptOssForCausalLM": "moe",
 }
 # The bare decoders (no LM head; their checkpoints usually name weights without `model.`): embedding models only
 # (`compile --task embed`, docs/embeddings.md)

@@ -9,7 +9,8 @@ Design decisions
   a message saying how to convert them.
 - "Canonical" means: HF names, the layout `models/llama.py` loads with no renaming, and no `lm_head.weight`
   when embeddings are tied (the model ties the two parameters itself). Projections a checkpoint stores fused (Phi-3's
-  qkv_proj, gate_up_proj) are split into their canonical parts as they are read (models.llama.split_fused).
+  qkv_proj, gate_up_proj) are split into their canonical parts as they are read, and GPT-OSS's stacked experts
+  (MXFP4 blocks dequantized with their scales) into one tensor per expert (models.build.split_stored).
 - GGUF: llama.cpp's converter permutes the rows of Llama q/k projections so that rotary pairs are
   interleaved (GPT-J style). We undo that here, so everything downstream sees one (HF, rotate-half) layout.
   Qwen2 GGUFs are written without the permutation, so none is undone for them.
@@ -85,7 +86,7 @@ class Checkpoint:
         """
         from safetensors import safe_open
 
-        from models.build import split_fused
+        from models.build import split_stored
 
         if self.format == "hf":
             files = _weight_files(self.source)
@@ -94,14 +95,26 @@ class Checkpoint:
 
             files = [_gguf_cache_file(self.source, self.config, envs.CACHE_DIR)]
         stored = set(stored_names(self.config))
+        prefix = self.name_prefix if self.format == "hf" else ""  # the GGUF cache holds canonical names
+        where: dict[str, Path] = {}  # stored name -> its file, for a tensor read with another (MXFP4 scales)
+        for f in files:
+            with safe_open(str(f), framework="pt") as sf:
+                where.update((prefix + name, f) for name in sf.keys())
+
+        def read(name: str) -> torch.Tensor:
+            if name not in where:
+                raise CheckpointError(f"checkpoint: {name} is missing")
+            with safe_open(str(where[name]), framework="pt") as sf:
+                return sf.get_tensor(name[len(prefix):])
+
         for f in files:
             with safe_open(str(f), framework="pt") as sf:
                 for name in sf.keys():
                     if self.format == "gguf":  # its cache holds the canonical names (gguf_state_dict)
                         if name not in skip:
                             yield name, sf.get_tensor(name).to(dtype)
-                    elif self.name_prefix + name in stored:  # a fused projection (Phi-3) yields its parts
-                        for part, t in split_fused(self.config, self.name_prefix + name, sf.get_tensor(name)):
+                    elif prefix + name in stored:  # a fused or stacked tensor yields its canonical parts
+                        for part, t in split_stored(self.config, prefix + name, sf.get_tensor(name), read):
                             if part not in skip:
                                 yield part, t.to(dtype)
 
@@ -238,10 +251,17 @@ def _hf_state_dict(root: Path, cfg: ModelConfig, prefix: str = "") -> dict[str, 
             sd.update(load_file(str(f)))
         except Exception as e:
             raise CheckpointError(f"checkpoint: {f} is not a readable safetensors file ({e})") from None
-    from models.build import split_fused
+    from models.build import split_stored
 
     stored = set(stored_names(cfg))
-    return {part: t for k, v in sd.items() if prefix + k in stored for part, t in split_fused(cfg, prefix + k, v)}
+
+    def read(name: str) -> torch.Tensor:
+        if name[len(prefix):] not in sd:
+            raise CheckpointError(f"checkpoint: {name} is missing")
+        return sd[name[len(prefix):]]
+
+    return {part: t for k, v in sd.items() if prefix + k in stored
+            for part, t in split_stored(cfg, prefix + k, v, read)}
 
 
 def _hf_tokenizer(root: Path) -> PreTrainedTokenizerBase:

@@ -130,6 +130,19 @@ class ModelConfig:
     # the canonical q/k/v_proj and gate/up_proj at load (neuron_opt.checkpoint), so sharding and every backend see
     # the canonical names
     fused_projections: bool = False
+    # GPT-OSS (docs/models.md): a learned logit per query head joins each row's softmax and takes its share of the
+    # probability without a value (attention_sinks); the router has a bias and takes the top k of its logits, then
+    # a softmax over those k (router_bias, router_topk_softmax); each expert's projections have biases
+    # (expert_bias) and apply the clamped SwiGLU (up + 1) * g * sigmoid(swiglu_alpha * g), g = gate clamped above
+    # at swiglu_limit, up clamped to [-limit, limit] (swiglu_limit None: silu(gate) * up); experts_mxfp4: the
+    # checkpoint stores the expert projections as MXFP4 blocks and scales, dequantized at load (models.gpt_oss)
+    attention_sinks: bool = False
+    router_bias: bool = False
+    router_topk_softmax: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float | None = None
+    experts_mxfp4: bool = False
     # Embedding models (docs/embeddings.md). pooling None: a generation model (its LM head gives logits); "last",
     # "mean" or "cls": the final norm's hidden states pooled into one vector per sequence (no LM head), then
     # L2-normalised when normalize_embeddings. matryoshka_dims: the sizes a request may truncate the vector to
@@ -213,6 +226,17 @@ class ModelConfig:
         _check(self.qk_norm or not self.qk_norm_full, "qk_norm_full", "needs qk_norm")
         _check(not (self.fused_projections and self.num_experts), "fused_projections",
                "fused gate_up_proj checkpoints are dense; a mixture of experts has no such projection")
+        for name in ("router_bias", "router_topk_softmax", "expert_bias", "experts_mxfp4"):
+            _check(not getattr(self, name) or self.num_experts, name, "applies to mixture-of-experts models only "
+                   "(num_experts > 0)")
+        _check((self.swiglu_limit is None) == (self.swiglu_alpha is None), "swiglu_limit",
+               f"the clamped SwiGLU needs both swiglu_limit and swiglu_alpha, got {self.swiglu_limit!r} and "
+               f"{self.swiglu_alpha!r}")
+        if self.swiglu_limit is not None:
+            _check(self.num_experts > 0, "swiglu_limit", "the clamped SwiGLU applies to experts (num_experts > 0)")
+            _check(float(self.swiglu_limit) > 0 and float(self.swiglu_alpha) > 0, "swiglu_limit",
+                   f"swiglu_limit and swiglu_alpha must be positive, got {self.swiglu_limit!r} and "
+                   f"{self.swiglu_alpha!r}")
         for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
             _check(float(getattr(self, name)) > 0, name, f"must be positive, got {getattr(self, name)!r}")
         for name in ("attention_scale", "attn_logit_softcapping", "final_logit_softcapping"):
@@ -285,6 +309,8 @@ class ModelConfig:
             attn += H
         if self.qk_norm:
             attn += (nq + nkv) * D if self.qk_norm_full else 2 * D
+        if self.attention_sinks:
+            attn += nq
         mlp = self._mlp_parameters()
         per_layer = attn + mlp + H * len(norm_roles(self.norm_layout))
         head = 0 if self.tie_word_embeddings or self.is_embedding else V * H  # an embedding model has no head
@@ -295,7 +321,12 @@ class ModelConfig:
         if not self.is_moe:
             return self.num_parameters()
         idle = self.num_experts - self.num_experts_per_tok
-        return self.num_parameters() - self.num_hidden_layers * idle * 3 * self.hidden_size * self.moe_intermediate_size
+        return self.num_parameters() - self.num_hidden_layers * idle * self.expert_parameters()
+
+    def expert_parameters(self) -> int:
+        """One expert's parameters: gate, up and down projections, and their biases (GPT-OSS)."""
+        H, I = self.hidden_size, self.moe_intermediate_size
+        return 3 * H * I + (2 * I + H if self.expert_bias else 0)
 
     def _mlp_parameters(self) -> int:
         H = self.hidden_size
@@ -303,8 +334,8 @@ class ModelConfig:
             I = self.intermediate_size
             return 3 * H * I + (2 * I + H if self.mlp_bias else 0)
         shared = self.shared_expert_intermediate_size
-        return self.num_experts * (3 * H * self.moe_intermediate_size + H) + \
-            (3 * H * shared + H if shared else 0)
+        router = self.num_experts * H + (self.num_experts if self.router_bias else 0)
+        return self.num_experts * self.expert_parameters() + router + (3 * H * shared + H if shared else 0)
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
@@ -424,10 +455,10 @@ _DEFAULT_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", 
                   "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                   "gemma3_text": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM",
-                  "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                  "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 # model types whose sliding window applies to the layers `layer_types` marks sliding_attention only (transformers'
 # Mistral and Qwen2 apply theirs to every layer)
-_PER_LAYER_WINDOWS = ("qwen3", "gemma2", "gemma3_text", "smollm3")
+_PER_LAYER_WINDOWS = ("qwen3", "gemma2", "gemma3_text", "smollm3", "gpt_oss")
 
 
 def norm_roles(layout: str) -> tuple[str, ...]:
@@ -457,6 +488,15 @@ def _family_fields(hf: Any) -> dict[str, Any]:
         out.update(nope_layers=tuple(i for i, use_rope in enumerate(flags) if not use_rope))
     elif mt == "phi3":
         out.update(fused_projections=True)
+    elif mt == "gpt_oss":
+        quant = getattr(hf, "quantization_config", None) or {}
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+        if method not in (None, "mxfp4"):
+            raise ConfigError(f"quantization_config.quant_method: {method!r} is not supported for gpt_oss "
+                              "checkpoints; supported: mxfp4 (as published) or none (float experts)")
+        out.update(attention_sinks=True, router_bias=True, router_topk_softmax=True, expert_bias=True,
+                   swiglu_limit=float(hf.swiglu_limit), swiglu_alpha=float(getattr(hf, "swiglu_alpha", 1.702)),
+                   experts_mxfp4=method == "mxfp4")
     return out
 
 
@@ -473,12 +513,14 @@ def _moe_fields(hf: Any) -> dict[str, Any]:
                           f"(decoder_sparse_step={step}, mlp_only_layers={getattr(hf, 'mlp_only_layers', [])}); "
                           "models that mix dense and MoE layers are not supported, only all-MoE ones")
     mixtral = hf.model_type == "mixtral"
+    width = hf.model_type in ("mixtral", "gpt_oss")  # intermediate_size is each expert's width
     return dict(
         num_experts=experts,
         num_experts_per_tok=int(hf.num_experts_per_tok),
-        moe_intermediate_size=int(hf.intermediate_size if mixtral else hf.moe_intermediate_size),
+        moe_intermediate_size=int(hf.intermediate_size if width else hf.moe_intermediate_size),
         shared_expert_intermediate_size=int(getattr(hf, "shared_expert_intermediate_size", 0) or 0),
-        norm_topk_prob=True if mixtral else bool(getattr(hf, "norm_topk_prob", False)),
+        # GPT-OSS's softmax over the top k logits is the renormalised top k of the softmax over all
+        norm_topk_prob=True if mixtral or hf.model_type == "gpt_oss" else bool(getattr(hf, "norm_topk_prob", False)),
     )
 
 

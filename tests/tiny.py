@@ -72,6 +72,15 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
                                       pad_token_id=0)),
     # the short factors only: the parity tests' texts stay below the original length (256)
     "phi3": _phi3(256),
+    # GPT-OSS: attention sinks (randomised in make_tiny), a window of 4 on the sliding layer, YaRN past its original
+    # length (8), biases everywhere, 8 experts top 2 with the clamped SwiGLU at a limit (0.1) the tiny weights cross,
+    # an expert width (32: MXFP4 groups) that tp 3 pads
+    "gpt-oss": ("GptOssConfig", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+        intermediate_size=32, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        swiglu_limit=0.1, pad_token_id=0,
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                             original_max_position_embeddings=8, truncate=False))),
 }
 FAMILIES = ["qwen3", "gemma2", "gemma3", "olmo2", "granite", "smollm3"]
 # Texts cross original_max_position_embeddings (12): transformers switches to the long factors for a whole forward
@@ -108,6 +117,8 @@ def make_tiny(variant: str, out: Path, seed: int = 0, tokenizer: bool = False) -
                 p.normal_(1.0, 0.1)
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.05)
+            elif name.endswith("sinks"):  # GPT-OSS: sink logits that take a real share of each softmax
+                p.normal_(0.0, 1.0)
     model.save_pretrained(out)
     if variant in WITH_TOKENIZER:
         from neuron_opt.checkpoint import open_checkpoint

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from models.llama import layer_rope_inputs, model_rope_tables, window_input
+from models.moe import Experts
 from neuron_opt.backends import cpu_ops
 from neuron_opt.backends.base import Backend, ModelFactory, StepInputs, allocate_kv
 from neuron_opt.backends.cpu_constants import ConstantRecipe, build_constant
@@ -224,9 +225,12 @@ class CpuBackend(Backend):
         args, dyn = layer_example(model, bucket, cache, self.dtype, self.residual_dtype, self.rope_dtype)
         exact = bucket.phase == VERIFY and self.options["exact_verify"] == "on"
         decode_attention = (bucket.phase == DECODE or exact) and self.options["decode_attention"] != "sdpa"
-        kernel = decode_attention and self.options["decode_attention"] == "kernel"
+        torch_ops = torch_op_reasons(model, self.options, decode_attention)  # C++ operators a feature rules out
+        kernel = decode_attention and self.options["decode_attention"] == "kernel" and \
+            "decode_attention" not in torch_ops
         int8_kernel = self._int8_kernel(model.model.layers[0])
-        moe_kernel = self.options["moe_gather"] == "kernel" and has_moe_block(model.model.layers[0])
+        moe_kernel = self.options["moe_gather"] == "kernel" and has_moe_block(model.model.layers[0]) and \
+            "moe_gather" not in torch_ops
         if kernel or int8_kernel or moe_kernel:
             cpu_ops.ensure(f"cpu layer graph for {bucket.key}", BackendCompileError)
         lora = model.lora_config
@@ -246,7 +250,7 @@ class CpuBackend(Backend):
                                 f"cpu layer graph for {bucket.key}", self.options["fuse_projections"] == "on")
         return {"kind": "layer", "phase": bucket.phase, "batch": bucket.batch, "num_blocks": cache.num_blocks,
                 "block_size": cache.block_size, "constants": {k: r.to_dict() for k, r in recipes.items()},
-                "lora": lora.to_dict() if lora is not None else None}
+                "lora": lora.to_dict() if lora is not None else None, "torch_ops": torch_ops}
 
     def _int8_kernel(self, module: torch.nn.Module) -> bool:
         """Whether `module`'s graph computes its int8 products on cpu_ops' int8_linear."""
@@ -297,6 +301,25 @@ class CpuBackend(Backend):
         use_cpu_layout(model)  # the layouts the graphs were compiled on (LayerGraph does the same)
         return CpuExecutor(model.to(self.dtype).eval(), graph_files, cache, self.dtype, self.residual_dtype,
                            self.rope_dtype)
+
+
+# why a decode graph of a model with attention sinks attends in DecodeAttention's loop nest, not the C++ kernel
+SINKS_NOT_ON_KERNEL = "attention sinks (GPT-OSS): the C++ paged attention kernel has no sink logit"
+
+
+def torch_op_reasons(model: torch.nn.Module, options: dict[str, Any], decode_attention: bool) -> dict[str, str]:
+    """The C++ operators (by option name) that the options ask for but a feature of `model` rules out, each with the
+    reason; those call sites take the torch form instead (DecodeAttention's loop nest, Experts.gather's broadcast
+    loop). Recorded in each layer graph's metadata (`torch_ops`)."""
+    out = {}
+    if decode_attention and options["decode_attention"] == "kernel" and model.cfg.attention_sinks:
+        out["decode_attention"] = SINKS_NOT_ON_KERNEL
+    layer = model.model.layers[0]
+    if options["moe_gather"] == "kernel" and has_moe_block(layer):
+        limit = next(m.kernel_limit for m in layer.modules() if isinstance(m, Experts))
+        if limit is not None:
+            out["moe_gather"] = limit
+    return out
 
 
 def layer_gemm(layer: torch.nn.Module, gemm: str, moe_gathered: bool = False) -> str:

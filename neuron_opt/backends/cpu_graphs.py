@@ -82,16 +82,22 @@ class DecodeAttention(TorchOps):
 
     def attention_blocks(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                         scale: float, softcap: float | None = None) -> torch.Tensor:
+                         scale: float, softcap: float | None = None,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """`sinks` [n_heads] (GPT-OSS): each head's sink logit joins its softmax. The C++ kernel has no sink
+        logit: with sinks the loop nest computes every step (cpu backend: `SINKS_NOT_ON_KERNEL`)."""
         B, n_heads, S, D = q.shape
-        if self.kernel and (S == 1 or self.rows_as_decode):  # the C++ kernel: fp32 q, a query's output independent of S
-            if softcap is not None:  # the same kernel with its scores capped (cap * tanh(s / cap))
+        if self.kernel and sinks is None and (S == 1 or self.rows_as_decode):  # the C++ kernel: fp32 q, a query's
+            if softcap is not None:  # output independent of S; the same kernel with its scores capped
                 return cpu_ops.paged_attention_softcap(q.float(), k_cache, v_cache, block_tables, mask, scale,
                                                        softcap).to(q.dtype)
             return cpu_ops.paged_attention(q.float(), k_cache, v_cache, block_tables, mask, scale).to(q.dtype)
         if S != 1 and self.rows_as_decode:
-            return self._queries_as_decode(q, k_cache, v_cache, block_tables, mask, scale, softcap)
+            return self._queries_as_decode(q, k_cache, v_cache, block_tables, mask, scale, softcap, sinks)
         if S != 1:
+            if sinks is not None:
+                return self.inner.attention_blocks(q, k_cache, v_cache, block_tables, positions, mask, scale,
+                                                   softcap=softcap, sinks=sinks)
             if softcap is None:
                 return self.inner.attention_blocks(q, k_cache, v_cache, block_tables, positions, mask, scale)
             return self.inner.attention_blocks(q, k_cache, v_cache, block_tables, positions, mask, scale,
@@ -110,14 +116,21 @@ class DecodeAttention(TorchOps):
             scores = soft_cap(scores, softcap)
         scores = scores.masked_fill(~visible, float("-inf"))
         m = scores.amax(dim=(1, 4), keepdim=True)  # [B, 1, n_kv, g, 1]
+        if sinks is not None:  # the sink logit joins the max and the sum, with no value
+            sink = sinks.to(scores.dtype).view(1, 1, n_kv, g, 1)
+            m = torch.maximum(m, sink)
         p = torch.exp(scores - m)
         out = (p[..., None] * values[:, :, :, None]).sum(dim=(1, 4))  # [B, n_kv, g, D]
-        out = out / p.sum(dim=(1, 4))[..., None]
+        total = p.sum(dim=(1, 4))  # [B, n_kv, g]
+        if sinks is not None:
+            total = total + torch.exp(sink - m)[:, 0, :, :, 0]
+        out = out / total[..., None]
         return out.view(B, n_heads, 1, D)
 
     @staticmethod
     def _queries_as_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                           mask: torch.Tensor, scale: float, softcap: float | None = None) -> torch.Tensor:
+                           mask: torch.Tensor, scale: float, softcap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
         """S queries per row (a verify step) in the one-query loop's form, the queries one more broadcast
         dimension beside the GQA group's: each score, softmax sum and output is reduced over the same dimensions
         in the same loop as a decode step's, and K/V are read once for all S queries."""
@@ -136,9 +149,15 @@ class DecodeAttention(TorchOps):
             scores = soft_cap(scores, softcap)
         scores = scores.masked_fill(~visible, float("-inf"))
         m = scores.amax(dim=(1, 5), keepdim=True)  # [B, 1, n_kv, g, S, 1]
+        if sinks is not None:
+            sink = sinks.to(scores.dtype).view(1, 1, n_kv, g, 1, 1)
+            m = torch.maximum(m, sink)
         p = torch.exp(scores - m)
         out = (p[..., None] * values).sum(dim=(1, 5))  # [B, n_kv, g, S, D]
-        out = out / p.sum(dim=(1, 5))[..., None]
+        total = p.sum(dim=(1, 5))  # [B, n_kv, g, S]
+        if sinks is not None:
+            total = total + torch.exp(sink - m)[:, 0, :, :, :, 0]
+        out = out / total[..., None]
         return out.view(B, n_heads, S, D)
 
 
@@ -426,12 +445,12 @@ def has_moe_block(module: nn.Module) -> bool:
 
 
 def has_capped_score_gemm(module: nn.Module) -> bool:
-    """Whether `module` computes soft-capped attention scores as batched GEMMs (TorchOps.attention with a softcap:
-    Gemma 2's prefill graphs; decode and exact-verify graphs cap inside DecodeAttention's loop or the C++ kernel).
-    Inductor's C++ GEMM template has no batched GEMM, so these graphs compile with gemm "aten" (cpu.layer_gemm),
-    as MoE graphs do."""
+    """Whether `module` computes soft-capped attention scores, or scores with sinks, as batched GEMMs
+    (TorchOps.attention with a softcap or sinks: Gemma 2's and GPT-OSS's prefill graphs; decode and exact-verify
+    graphs cap inside DecodeAttention's loop or the C++ kernel). Inductor's C++ GEMM template has no batched GEMM,
+    so these graphs compile with gemm "aten" (cpu.layer_gemm), as MoE graphs do."""
     for m in module.modules():
-        if isinstance(m, Attention) and m.softcap is not None:
+        if isinstance(m, Attention) and (m.softcap is not None or m.sinks is not None):
             ops = m.ops
             if not (isinstance(ops, DecodeAttention) and (ops.rows_as_decode or ops.kernel)):
                 return True

@@ -63,8 +63,12 @@ def _shaped(shape: tuple[int, ...], dtype: torch.dtype) -> np.ndarray:
     return np.broadcast_to(np.zeros((), _np_dtype(dtype)), shape)
 
 
+SINKS_REASON = "attention sinks: the kernels' softmax has no sink logit"
+
+
 def choose_attention(B: int, n_heads: int, n_kv: int, S: int, kv_len: int, D: int, dtype: torch.dtype,
-                     window: int | None, device_type: str, softcap: float | None = None) -> KernelChoice:
+                     window: int | None, device_type: str, softcap: float | None = None,
+                     sinks: bool = False) -> KernelChoice:
     """The implementation of one attention call site: q [B, n_heads, S, D] over kv_len cache positions, its
     scores soft-capped at `softcap` when given (the kernels' `softcap`; part of the recorded shape)."""
     shape = f"q [{B}, {n_heads}, {S}, {D}], kv [{B}, {n_kv}, {kv_len}, {D}], {str(dtype).removeprefix('torch.')}"
@@ -77,6 +81,8 @@ def choose_attention(B: int, n_heads: int, n_kv: int, S: int, kv_len: int, D: in
         return torch_op(f"the {device_type} device has no NKI runtime")
     if window is not None:
         return torch_op(f"sliding window {window}: the kernels apply a plain causal mask")
+    if sinks:
+        return torch_op(SINKS_REASON)
     try:
         if S == 1:
             from kernels_nki import decode_attention
@@ -98,7 +104,8 @@ def choose_attention(B: int, n_heads: int, n_kv: int, S: int, kv_len: int, D: in
 
 def choose_paged_attention(B: int, n_heads: int, n_kv: int, S: int, num_blocks: int, block_len: int,
                            max_blocks: int, D: int, dtype: torch.dtype, cache_dtype: torch.dtype,
-                           window: int | None, device_type: str, softcap: float | None = None) -> KernelChoice | None:
+                           window: int | None, device_type: str, softcap: float | None = None,
+                           sinks: bool = False) -> KernelChoice | None:
     """The implementation of an attention call site over block pools `[num_blocks, n_kv, block_len, D]` and
     tables `[B, max_blocks]`: the paged decode kernel, a reason not to, or None for a step that is not a decode
     (prefill call sites gather the blocks and choose with `choose_attention`)."""
@@ -112,6 +119,8 @@ def choose_paged_attention(B: int, n_heads: int, n_kv: int, S: int, num_blocks: 
     if window is not None:
         return KernelChoice("attention", shape, None, f"sliding window {window}: the kernels apply a plain "
                                                       "causal mask")
+    if sinks:
+        return KernelChoice("attention", shape, None, SINKS_REASON)
     if cache_dtype != dtype:
         return KernelChoice("attention", shape, None, f"a {str(cache_dtype).removeprefix('torch.')} cache: the "
                                                       "kernel reads the compute dtype")
@@ -233,13 +242,14 @@ class DeviceKernelOps(TorchOps):
         return self.rms_norm(x, weight + offset, eps)
 
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                  mask: torch.Tensor, scale: float, softcap: float | None = None) -> torch.Tensor:
+                  mask: torch.Tensor, scale: float, softcap: float | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
         B, n_heads, S, D = q.shape
         c = choose_attention(B, n_heads, keys.shape[1], S, keys.shape[2], D, q.dtype, self.window,
-                             self.device_type, softcap)
+                             self.device_type, softcap, sinks is not None)
         self.choices[c] = None
         if c.kernel is None:
-            return super().attention(q, keys, values, positions, mask, scale, softcap=softcap)
+            return super().attention(q, keys, values, positions, mask, scale, softcap=softcap, sinks=sinks)
         grid, args, kwargs = attention_kernel_call(c.kernel, q, keys.to(q.dtype), values.to(q.dtype), positions,
                                                    scale, softcap)
         return attention_from_kernel(c.kernel, _kernel(c.kernel)[grid](*args, **kwargs), q.shape)
@@ -247,16 +257,17 @@ class DeviceKernelOps(TorchOps):
 
     def attention_blocks(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                         scale: float, softcap: float | None = None) -> torch.Tensor:
+                         scale: float, softcap: float | None = None,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
         B, n_heads, S, D = q.shape
         c = choose_paged_attention(B, n_heads, k_cache.shape[1], S, k_cache.shape[0], k_cache.shape[2],
                                    block_tables.shape[1], D, q.dtype, k_cache.dtype, self.window, self.device_type,
-                                   softcap)
+                                   softcap, sinks is not None)
         if c is not None:
             self.choices[c] = None
         if c is None or c.kernel is None:  # gather the blocks; `attention` then chooses (and records) for prefill
             return super().attention_blocks(q, k_cache, v_cache, block_tables, positions, mask, scale,
-                                            softcap=softcap)
+                                            softcap=softcap, sinks=sinks)
         grid, args, kwargs = paged_attention_kernel_call(q, k_cache, v_cache, block_tables, positions, scale,
                                                          softcap)
         return attention_from_kernel(c.kernel, _kernel(c.kernel)[grid](*args, **kwargs), q.shape)

@@ -66,7 +66,10 @@ class NkiSimOps(TorchOps):
         mask: torch.Tensor,
         scale: float,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if sinks is not None:  # the kernels take no sink logits: the torch op
+            return TorchOps.attention(self, q, keys, values, positions, mask, scale, softcap=softcap, sinks=sinks)
         B, _, S, _ = q.shape
         kv_len = keys.shape[2]
         j = torch.arange(kv_len)
@@ -100,7 +103,11 @@ class NkiSimOps(TorchOps):
         mask: torch.Tensor,
         scale: float,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if sinks is not None:  # no kernel takes sink logits: the torch op over the gathered blocks
+            return TorchOps.attention_blocks(self, q, k_cache, v_cache, block_tables, positions, mask, scale,
+                                             softcap=softcap, sinks=sinks)
         if not (self.paged and q.shape[2] == 1):
             return super().attention_blocks(q, k_cache, v_cache, block_tables, positions, mask, scale,
                                             softcap=softcap)

@@ -28,6 +28,10 @@ the result is unchanged), the vocabulary to ceil(V / tp) rows per rank (padded l
 sampling), and query heads as under `mha` above. The plan prints what was padded and what it costs
 (neuron_opt.planner.memory.layout_overhead).
 
+Attention sinks (GPT-OSS, one logit per query head) are picked head by head as the q rows are. Expert biases
+(GPT-OSS): gate/up biases are split as their rows are; an expert's down bias is held by the first rank of its group
+(zeros on the others), so the group's partial sums add it once.
+
 Mixture of experts (`ParallelConfig.ep`, NxDI's moe_ep_degree): the tp ranks form `ep` groups of `moe_tp = tp / ep`
 consecutive ranks. Group e holds experts [e * E / ep, (e + 1) * E / ep) whole, stacked as `experts.gate_up_proj`
 [E / ep, 2 * I_local, H] and `experts.down_proj` [E / ep, H, I_local]; within the group each expert's MLP is split
@@ -56,8 +60,9 @@ from neuron_opt.config import ModelConfig, ParallelConfig
 from neuron_opt.errors import ConfigError
 
 COLUMN, ROW, VOCAB, REPLICATE, EXPERT = "column", "row", "vocab", "replicate", "expert"
-# one expert's projection as checkpoints store it (Mixtral: w1 gate, w3 up, w2 down; Qwen-MoE: *_proj)
-EXPERT_NAME = r"(.*\.(?:block_sparse_moe|mlp)\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight"
+# one expert's projection as checkpoints store it (Mixtral: w1 gate, w3 up, w2 down; Qwen-MoE: *_proj; GPT-OSS's
+# stacked tensors are split into these names at load, biases included: models.gpt_oss)
+EXPERT_NAME = r"(.*\.(?:block_sparse_moe|mlp)\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.(weight|bias)"
 # the second copy of an expert under a hybrid layout (HeadLayout.hybrid): `...experts_decode.{j}.{part}.weight`
 DECODE_EXPERT_NAME = EXPERT_NAME.replace(r"\.experts)", r"\.experts_decode)")
 EXPERT_PARTS = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
@@ -299,13 +304,17 @@ def shard_tensor(name: str, w: torch.Tensor, cfg: ModelConfig, lay: HeadLayout, 
         if j not in lay.expert_range(rank):
             return None
         part = EXPERT_PARTS[m.group(3)]  # type: ignore[union-attr]
-        dim = 1 if part == "down" else 0  # down [H, I]: its input features
+        if part == "down" and m.group(4) == "bias":  # [H], added once per expert: by the group's first rank
+            return (w if rank % lay.moe_tp == 0 else torch.zeros_like(w)).contiguous()
+        dim = 1 if part == "down" else 0  # down [H, I]: its input features; gate/up biases [I]: dim 0
         w = _pad_dim(w, dim, lay.moe_intermediate_local * lay.moe_tp)
         return w.chunk(lay.moe_tp, dim=dim)[rank % lay.moe_tp].contiguous() if lay.moe_tp > 1 else w.contiguous()
     if re.fullmatch(r".*\.q_proj\.(weight|bias)", name):
         w = _pick_heads(w, head_sources(cfg, lay, rank)[0], D)
     elif re.fullmatch(r".*\.[kv]_proj\.(weight|bias)", name):
         w = _pick_heads(w, head_sources(cfg, lay, rank)[1], D)
+    elif name.endswith("self_attn.sinks"):  # GPT-OSS: one logit per query head, picked as q's heads (zero: padding)
+        w = _pick_heads(w, head_sources(cfg, lay, rank)[0], 1)
     elif name.endswith("o_proj.weight"):  # columns of this rank's heads: [H, nql*D]
         w = _pick_heads(w.t().contiguous(), head_sources(cfg, lay, rank)[0], D).t()
     elif cfg.qk_norm_full and re.fullmatch(r".*\.self_attn\.[qk]_norm\.weight", name):

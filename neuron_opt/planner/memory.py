@@ -44,6 +44,7 @@ INT4_GROUP = 32  # compile's default int4 group size (QuantConfig)
 RUNTIME_RESERVE = 1 * GiB  # per NeuronCore; see docs/planner.md "Runtime reserve"
 CPU_RESERVE = 2 * GiB  # operating system + Python + torch on the cpu pseudo-instance
 HOST_BASELINE = 2 * GiB  # Python + torch + tokenizer in the compile process
+PLAN_BLOCK_SIZE = 32  # the KV block size plans assume (CacheConfig's default)
 
 
 def dtype_bytes(dtype: str, what: str = "dtype") -> int:
@@ -85,6 +86,9 @@ def weight_count(cfg: ModelConfig, lay: HeadLayout) -> WeightCount:
     other = H * len(norm_roles(cfg.norm_layout))  # the layer's RMSNorms (2; Gemma's sandwich: 4)
     if cfg.is_moe:
         other += cfg.num_experts * H + (H if cfg.shared_expert_intermediate_size else 0)  # router, shared gate
+        other += cfg.num_experts if cfg.router_bias else 0
+    if cfg.attention_sinks:
+        other += lay.n_heads_local  # one logit per local query head (GPT-OSS)
     if cfg.qk_norm:
         other += q + kv if cfg.qk_norm_full else 2 * D  # OLMo 2: over this rank's heads; else one head's D
     if cfg.attention_bias:
@@ -111,6 +115,17 @@ def weight_bytes(cfg: ModelConfig, lay: HeadLayout, dtype: str) -> int:
     if dtype in QUANTIZED:
         return n.linear + 4 * n.linear_out_channels + 2 * n.other
     return b * n.total
+
+
+def checkpoint_bytes(cfg: ModelConfig) -> int:
+    """Bytes of the tensors a published checkpoint of `cfg` stores: bfloat16, except MXFP4 expert weights
+    (ModelConfig.experts_mxfp4: half a byte per weight plus a one-byte scale per 32). What the checkpoint's files
+    hold; compile dequantizes MXFP4 to the weight dtype (`weight_bytes` counts that)."""
+    n = cfg.num_parameters()
+    if not cfg.experts_mxfp4:
+        return 2 * n
+    w = cfg.num_hidden_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    return 2 * (n - w) + w // 2 + w // 32
 
 
 @dataclass(frozen=True)
@@ -267,7 +282,7 @@ def plan_memory(
     dtype: str,
     kv_dtype: str,
     compile_ranks_held: int = 1,
-    block_size: int = 32,
+    block_size: int = PLAN_BLOCK_SIZE,
     lora: LoraConfig | None = None,
 ) -> MemoryPlan:
     """Memory plan of one rank for a deployment (batch sequences of max_model_len in the KV block pool, plus the

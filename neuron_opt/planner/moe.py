@@ -31,8 +31,12 @@ TENSOR_TILE = 128  # TensorE partition rows: expert slices narrower than this wa
 
 
 def expert_elements(cfg: ModelConfig, lay: HeadLayout) -> int:
-    """Expert weight elements one rank holds (every layer)."""
-    return cfg.num_hidden_layers * lay.experts_local * 3 * cfg.hidden_size * lay.moe_intermediate_local
+    """Expert weight elements one rank holds (every layer), biases included (GPT-OSS: gate/up biases split as their
+    rows, the down bias [H] held by every rank, zeros on all but an expert's first)."""
+    per_expert = 3 * cfg.hidden_size * lay.moe_intermediate_local
+    if cfg.expert_bias:
+        per_expert += 2 * lay.moe_intermediate_local + cfg.hidden_size
+    return cfg.num_hidden_layers * lay.experts_local * per_expert
 
 
 def experts_read(cfg: ModelConfig, lay: HeadLayout, tokens: int, dense: bool = False) -> int:

@@ -8,7 +8,11 @@ from typing import Any
 from neuron_opt.buckets import PREFILL, VERIFY, BucketConfig
 from neuron_opt.config import CacheConfig, KVCacheDtype, ModelConfig, ParallelConfig
 from neuron_opt.planner.hardware import GB, GiB, get_instance
-from neuron_opt.planner.memory import layout_overhead, weight_bytes
+from neuron_opt.planner.memory import (
+    checkpoint_bytes,
+    layout_overhead,
+    weight_bytes,
+)
 from neuron_opt.planner.moe import ep_choices, gather_until, moe_line
 from neuron_opt.planner.queueing import QueueEstimate
 from neuron_opt.planner.recommend import Deployment, Plan, Traffic, evaluate
@@ -67,6 +71,9 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
         lines.insert(1, f"  {over.line()}")
     if cfg.is_moe:
         lines.insert(1, f"  {moe_line(cfg, lay, cpu=inst.family == 'cpu')}")
+    if cfg.experts_mxfp4:
+        lines.insert(1, f"  checkpoint: {checkpoint_bytes(cfg) / 1e9:.2f} GB as stored (MXFP4 experts), "
+                        f"dequantized to {d.dtype} at load")
     if plan.ttft is not None and plan.tpot is not None and plan.prefill_bucket and plan.decode_bucket:
         from neuron_opt.planner.validation import error_band  # the published rows: loaded only to print latency
 
