@@ -1,6 +1,6 @@
 """Model construction: architecture -> class, and one rank's model skeleton (weights are loaded by the caller).
 
-Separate from `models.registry` (the supported-architecture table, which `neuron_opt.config` validates against
+Separate from `neuron_opt.architectures` (the supported-architecture table, which `neuron_opt.config` validates against
 and which therefore imports no model code) so that the import graph stays a DAG.
 """
 
@@ -15,7 +15,7 @@ from models.llama import LlamaForCausalLM, checkpoint_weight_names, expected_wei
 from models.llama import split_fused as split_fused  # re-exported: neuron_opt.checkpoint splits fused weights
 from models.moe import MoeForCausalLM, moe_weight_names
 from models.pooling import LlamaEmbeddingModel
-from models.registry import family_for
+from neuron_opt.architectures import family_for
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, QuantConfig
 from neuron_opt.errors import ConfigError
 from neuron_opt.lora.config import LoraConfig

@@ -362,7 +362,7 @@ def _atomic_write(dest: Path, write: Callable[[Path], object]) -> None:
 def _gguf_config(reader: Any, path: Path) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in _GGUF_ARCHS:
-        from models.registry import supported_architectures
+        from neuron_opt.architectures import supported_architectures
 
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} in {path} is not supported; supported GGUF architectures: "

@@ -325,11 +325,11 @@ class ModelConfig:
             try:
                 hf = AutoConfig.for_model(model_type, **d)
             except ValueError as e:
-                from models.registry import supported_architectures
+                from neuron_opt.architectures import supported_architectures
 
                 raise ConfigError(f"config: unknown model_type {model_type!r} ({e}); supported architectures: "
                                   f"{', '.join(supported_architectures())}") from None
-        from models.registry import family_for
+        from neuron_opt.architectures import family_for
 
         archs = getattr(hf, "architectures", None) or []
         arch = archs[0] if archs else _DEFAULT_ARCHS.get(hf.model_type, hf.model_type)
