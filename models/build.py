@@ -1,7 +1,7 @@
 """Model construction: architecture -> class, and one rank's model skeleton (weights are loaded by the caller).
 
-Separate from `neuron_opt.architectures` (the supported-architecture table, which `neuron_opt.config` validates against
-and which therefore imports no model code) so that the import graph stays a DAG.
+The supported-architecture table itself is `neuron_opt.architectures`, below both this package and
+`neuron_opt.config` (which validates a checkpoint's architecture against it), so the packages depend one way.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from neuron_opt.architectures import family_for, supported_architectures
 from neuron_opt.errors import ConfigError
 from neuron_opt.headers import read_json_capped
 
@@ -325,12 +326,8 @@ class ModelConfig:
             try:
                 hf = AutoConfig.for_model(model_type, **d)
             except ValueError as e:
-                from neuron_opt.architectures import supported_architectures
-
                 raise ConfigError(f"config: unknown model_type {model_type!r} ({e}); supported architectures: "
                                   f"{', '.join(supported_architectures())}") from None
-        from neuron_opt.architectures import family_for
-
         archs = getattr(hf, "architectures", None) or []
         arch = archs[0] if archs else _DEFAULT_ARCHS.get(hf.model_type, hf.model_type)
         family_for(arch)  # raises UnsupportedModelError with the supported list
