@@ -28,7 +28,6 @@ from neuron_opt import envs
 from neuron_opt.artifact import ArtifactWriter, Manifest, check_out_dir, versions
 from neuron_opt.backends import backend_class, get_backend
 from neuron_opt.backends.base import Backend
-from neuron_opt.backends.eager import load_weights_streamed
 from neuron_opt.buckets import Bucket, BucketConfig
 from neuron_opt.checkpoint import open_checkpoint
 from neuron_opt.compile_cache import CacheKey, CompileCache
@@ -45,6 +44,7 @@ from neuron_opt.planner import format_plan_table
 from neuron_opt.quant import QuantTensor
 from neuron_opt.runtime.speculative import check_draft_tokenizer
 from neuron_opt.signing import load_signing_key
+from neuron_opt.weights import load_weights_streamed
 
 # Seconds per distinct compiled graph of a 30-layer model: each backend's `est_seconds_per_graph` until this
 # machine has measured its own. Every cold compile records this machine's figure (`record_compile_speed`); the

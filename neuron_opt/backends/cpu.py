@@ -42,13 +42,13 @@ from neuron_opt.backends.cpu_graphs import (
     static_tokens,
     use_cpu_layout,
 )
-from neuron_opt.backends.eager import load_model_weights, model_state_for_save
 from neuron_opt.buckets import DECODE, VERIFY, Bucket
 from neuron_opt.config import CacheConfig
 from neuron_opt.errors import ArtifactError, BackendCompileError, BucketOverflowError, ConfigError
 from neuron_opt.lora.adapter import load_into_slot
 from neuron_opt.lora.ops import stacks_for
 from neuron_opt.quant import check_uniform_layers, quantized_modules
+from neuron_opt.weights import load_model_weights, model_state_for_save
 
 # 2: recipes name several sources (fused projections), heads may take their weight as an input; 3: max_model_len;
 # 4: block KV cache (slot mapping and block tables); 6: no head takes its weight as an input (bf16 heads are C++

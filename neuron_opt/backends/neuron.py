@@ -49,10 +49,10 @@ import torch
 from safetensors.torch import save_file
 
 from neuron_opt.backends.base import Backend, ModelFactory, StepInputs, kv_dtype
-from neuron_opt.backends.eager import load_model_weights, model_state_for_save
 from neuron_opt.buckets import Bucket
 from neuron_opt.config import CacheConfig, KVCacheDtype
 from neuron_opt.errors import ArtifactError, BackendCompileError, BackendUnavailableError, ConfigError
+from neuron_opt.weights import load_model_weights, model_state_for_save
 
 HLO_TEXT = "{key}.hlo.txt"  # per bucket, in graphs/rank{r}/
 HLO_PROTO = "{key}.hlo.pb"
