@@ -35,9 +35,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import gguf
 import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
+from models.build import split_fused, stored_weight_names
+from neuron_opt import envs
+from neuron_opt.architectures import supported_architectures
 from neuron_opt.config import ModelConfig
 from neuron_opt.embeddings import with_sentence_transformers
 from neuron_opt.errors import CheckpointError, UnsupportedModelError
@@ -68,8 +74,6 @@ class Checkpoint:
         if self.format == "hf":
             sd = _hf_state_dict(self.source, self.config, self.name_prefix)
         else:
-            from neuron_opt import envs
-
             sd = _gguf_state_dict_cached(self.source, self.config, envs.CACHE_DIR)
         return {k: v.to(dtype) for k, v in sd.items()}
 
@@ -82,15 +86,9 @@ class Checkpoint:
         a GGUF file is read from its dequantized fp32 cache, built on first use (that first build holds the
         whole fp32 model once). Names in `skip` are not read (neuron_opt.gguf_quant reads those as stored).
         """
-        from safetensors import safe_open
-
-        from models.build import split_fused
-
         if self.format == "hf":
             files = _weight_files(self.source)
         else:
-            from neuron_opt import envs
-
             files = [_gguf_cache_file(self.source, self.config, envs.CACHE_DIR)]
         stored = set(stored_names(self.config))
         prefix = self.name_prefix if self.format == "hf" else ""  # the GGUF cache holds canonical names
@@ -106,8 +104,6 @@ class Checkpoint:
         """The checkpoint's tokenizer, with its chat template when the source has one."""
         if self.format == "hf":
             return _hf_tokenizer(self.source)
-        from neuron_opt import envs
-
         return _gguf_tokenizer_cached(self.source, envs.CACHE_DIR)
 
     def weights_fingerprint(self) -> str:
@@ -190,8 +186,6 @@ def _weight_files(root: Path) -> list[Path]:
 
 
 def _safetensors_keys(f: Path) -> set[str]:
-    from safetensors import safe_open
-
     names = set(safetensors_header(f))  # our bounded check first: sizes and offsets against the file
     try:
         with safe_open(str(f), framework="pt") as sf:
@@ -221,27 +215,23 @@ def _check_names(have: set[str], cfg: ModelConfig, source: Path) -> None:
 def stored_names(cfg: ModelConfig) -> list[str]:
     """The names an HF checkpoint of `cfg` stores: the canonical ones, or fused projections (Phi-3's qkv_proj,
     gate_up_proj) in place of their parts."""
-    from models.build import stored_weight_names
-
     return stored_weight_names(cfg)
 
 
 def _hf_state_dict(root: Path, cfg: ModelConfig, prefix: str = "") -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     sd: dict[str, torch.Tensor] = {}
     for f in _weight_files(root):
         try:
             sd.update(load_file(str(f)))
         except Exception as e:
             raise CheckpointError(f"checkpoint: {f} is not a readable safetensors file ({e})") from None
-    from models.build import split_fused
-
     stored = set(stored_names(cfg))
     return {part: t for k, v in sd.items() if prefix + k in stored for part, t in split_fused(cfg, prefix + k, v)}
 
 
 def _hf_tokenizer(root: Path) -> PreTrainedTokenizerBase:
+    # transformers when a tokenizer is built, not with this module: importing it may import a device runtime,
+    # which the neuron backend must set up first (executors.loader)
     from transformers import AutoTokenizer
 
     try:
@@ -305,8 +295,6 @@ def _f32(v: float) -> float:
 def _gguf_reader(path: Path) -> Any:
     """gguf's reader, after our bounded walk of the header (neuron_opt.headers.check_gguf): the reader allocates
     by the counts the file declares."""
-    import gguf
-
     check_gguf(path)
     try:
         return gguf.GGUFReader(str(path))
@@ -315,8 +303,6 @@ def _gguf_reader(path: Path) -> Any:
 
 
 def _open_gguf(path: Path) -> Checkpoint:
-    from neuron_opt import envs
-
     cfg, names = _gguf_meta_cached(path, envs.CACHE_DIR)
     _check_names(names, cfg, path)
     return Checkpoint(config=cfg, source=path, format="gguf")
@@ -362,8 +348,6 @@ def _atomic_write(dest: Path, write: Callable[[Path], object]) -> None:
 def _gguf_config(reader: Any, path: Path) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in _GGUF_ARCHS:
-        from neuron_opt.architectures import supported_architectures
-
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} in {path} is not supported; supported GGUF architectures: "
             f"{', '.join(sorted(_GGUF_ARCHS))} (HF: {', '.join(supported_architectures())})")
@@ -445,8 +429,6 @@ def _gguf_rope(key: Any) -> tuple[tuple[str, Any], ...]:
 
 def gguf_state_dict(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Read and dequantize every tensor of a GGUF file into canonical fp32 HF-named tensors (no cache)."""
-    import gguf
-
     reader = _gguf_reader(path)
     permuted = _GGUF_ARCHS[_field(reader, "general.architecture")][2]
     sd: dict[str, torch.Tensor] = {}
@@ -472,8 +454,6 @@ def gguf_state_dict(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
 
 def _gguf_state_dict_cached(path: Path, cfg: ModelConfig, cache_dir: Path) -> dict[str, torch.Tensor]:
     """`gguf_state_dict`, memoised on disk as fp32 safetensors keyed by the file's sha256."""
-    from safetensors.torch import load_file
-
     cached, sd = _gguf_cache(path, cfg, cache_dir)
     return sd if sd is not None else load_file(str(cached))
 
@@ -485,9 +465,6 @@ def _gguf_cache_file(path: Path, cfg: ModelConfig, cache_dir: Path) -> Path:
 
 def _gguf_cache(path: Path, cfg: ModelConfig, cache_dir: Path) -> tuple[Path, dict[str, torch.Tensor] | None]:
     """(cache file, the state dict if it had to be built now: None when the file was already there and valid)."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     cached = cache_dir / "gguf" / f"{_fingerprint((path,))[:40]}-{_CACHE_VERSION}.safetensors"
     if cached.is_file():
         try:
@@ -502,7 +479,7 @@ def _gguf_cache(path: Path, cfg: ModelConfig, cache_dir: Path) -> tuple[Path, di
 
 
 def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # as in _hf_tokenizer
 
     reader = _gguf_reader(path)  # first: transformers reads the file with gguf's reader too
     try:
@@ -517,7 +494,7 @@ def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
 
 def _gguf_tokenizer_cached(path: Path, cache_dir: Path) -> PreTrainedTokenizerBase:
     """`_gguf_tokenizer`, saved once with `save_pretrained` (loading tokenizer.json is ~10x faster)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # as in _hf_tokenizer
 
     cached = cache_dir / "tokenizers" / f"{_fingerprint((path,))[:40]}-{_CACHE_VERSION}"
     if cached.is_dir():

@@ -317,6 +317,8 @@ class ModelConfig:
                 raise ConfigError(f"config: {p} does not exist")
             hf = read_json_capped(p, ConfigError, "config")  # a size cap first: it is someone else's file
         if isinstance(hf, dict):
+            # transformers here, not at the top: the CLI's parser imports this module, and importing transformers
+            # may import a device runtime (executors.loader)
             from transformers import AutoConfig
 
             d = dict(hf)

@@ -26,10 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from neuron_opt.buckets import BucketConfig
-from neuron_opt.config import ModelConfig, norm_roles
+from neuron_opt.config import ModelConfig, ParallelConfig, norm_roles
 from neuron_opt.errors import ConfigError
-from neuron_opt.parallel.sharding import HeadLayout
+from neuron_opt.parallel.sharding import HeadLayout, head_layout
 from neuron_opt.planner.hardware import GiB, Instance
+from neuron_opt.planner.moe import expert_elements
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1}  # int4: see below
 WEIGHT_DTYPES = ("bfloat16", "float16", "float32", "fp8", "int8", "int4")
@@ -70,8 +71,6 @@ def weight_count(cfg: ModelConfig, lay: HeadLayout) -> WeightCount:
     q, kv, inter = lay.n_heads_local * D, lay.n_kv_local * D, lay.intermediate_local
     experts = 0
     if cfg.is_moe:  # the dense MLP is replaced: experts (planner.moe), a shared expert, the router
-        from neuron_opt.planner.moe import expert_elements
-
         inter, experts = lay.shared_intermediate_local, expert_elements(cfg, lay)
         if lay.hybrid:  # token-generation graphs' own copy of the experts
             experts += expert_elements(cfg, lay.decode_layout())
@@ -125,9 +124,6 @@ class LayoutOverhead:
 
 def layout_overhead(cfg: ModelConfig, lay: HeadLayout, dtype: str) -> LayoutOverhead:
     """Padding (MLP features, query heads, vocabulary) and KV-head replication of `lay`, with their cost."""
-    from neuron_opt.config import ParallelConfig
-    from neuron_opt.parallel.sharding import head_layout
-
     even = head_layout(cfg, ParallelConfig(tp=1))
     padded = []
     if cfg.is_moe:
