@@ -44,10 +44,12 @@ from safetensors.torch import load_file, save_file
 from models.build import split_fused, stored_weight_names
 from neuron_opt import envs
 from neuron_opt.architectures import supported_architectures
-from neuron_opt.config import ModelConfig
+from neuron_opt.config import ModelConfig, QuantConfig
 from neuron_opt.embeddings import with_sentence_transformers
 from neuron_opt.errors import CheckpointError, UnsupportedModelError
+from neuron_opt.gguf_quant import LINEARS, native_config, q4_block_tensor
 from neuron_opt.headers import check_gguf, read_json_capped, safetensors_header
+from neuron_opt.quant import QuantTensor
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -84,7 +86,7 @@ class Checkpoint:
         `compile` streams these into each rank's model, so its host RAM holds the rank's weights plus one
         tensor in flight, never the whole checkpoint. safetensors files are read tensor by tensor (memory-mapped);
         a GGUF file is read from its dequantized fp32 cache, built on first use (that first build holds the
-        whole fp32 model once). Names in `skip` are not read (neuron_opt.gguf_quant reads those as stored).
+        whole fp32 model once). Names in `skip` are not read (`stored_tensors` reads those as stored).
         """
         if self.format == "hf":
             files = _weight_files(self.source)
@@ -450,6 +452,54 @@ def gguf_state_dict(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     return sd
+
+
+def _linear_types(reader: Any) -> dict[str, str]:
+    """HF name -> GGUF type name of every decoder linear weight."""
+    out = {}
+    for t in reader.tensors:
+        name = gguf_to_hf_name(t.name)
+        if name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEARS:
+            out[name] = t.tensor_type.name
+    return out
+
+
+def native_quant(ckpt: Checkpoint) -> QuantConfig:
+    """The quantization a checkpoint ships with (`--quantize auto`; neuron_opt.gguf_quant.native_config): none for
+    HF checkpoints."""
+    if ckpt.format != "gguf":
+        return QuantConfig()
+    reader = _gguf_reader(ckpt.source)
+    head = {t.name: t.tensor_type.name for t in reader.tensors if t.name in ("output.weight", "token_embd.weight")}
+    return native_config(set(_linear_types(reader).values()), head.get("output.weight", head.get("token_embd.weight")))
+
+
+def _unpermute_quant(t: QuantTensor, n_heads: int) -> QuantTensor:
+    """llama.cpp's q/k row permutation undone on every part (rows are output channels in each)."""
+    assert t.offset is not None
+    return QuantTensor(t.method, unpermute_qk(t.qweight, n_heads).contiguous(),
+                       unpermute_qk(t.scale, n_heads).contiguous(), unpermute_qk(t.offset, n_heads).contiguous())
+
+
+def stored_tensors(ckpt: Checkpoint, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+    """`ckpt.tensors(dtype)`, except that Q4_0/Q4_1 decoder linears come as QuantTensor, read as stored."""
+    reader = _gguf_reader(ckpt.source)
+    permuted = _GGUF_ARCHS[_field(reader, "general.architecture")][2]
+    cfg = ckpt.config
+    native = {}
+    for t in reader.tensors:
+        name = gguf_to_hf_name(t.name)
+        if t.tensor_type.name in ("Q4_0", "Q4_1") and name.rsplit(".", 2)[-2] in LINEARS:
+            native[name] = t
+    for name, t in native.items():
+        rows, cols = int(t.shape[1]), int(t.shape[0])  # GGUF lists dims fastest-first
+        q = q4_block_tensor(t.data, t.tensor_type.name, rows, cols)
+        if permuted and ".self_attn.q_proj." in name:
+            q = _unpermute_quant(q, cfg.num_attention_heads)
+        elif permuted and ".self_attn.k_proj." in name:
+            q = _unpermute_quant(q, cfg.num_key_value_heads)
+        yield name, q
+    yield from ckpt.tensors(dtype, skip=frozenset(native))
 
 
 def _gguf_state_dict_cached(path: Path, cfg: ModelConfig, cache_dir: Path) -> dict[str, torch.Tensor]:

@@ -29,13 +29,12 @@ from neuron_opt.artifact import ArtifactWriter, Manifest, check_out_dir, version
 from neuron_opt.backends import backend_class, get_backend
 from neuron_opt.backends.base import Backend
 from neuron_opt.buckets import Bucket, BucketConfig
-from neuron_opt.checkpoint import open_checkpoint
+from neuron_opt.checkpoint import native_quant, open_checkpoint, stored_tensors
 from neuron_opt.compile_cache import CacheKey, CompileCache
 from neuron_opt.config import CacheConfig, KVCacheDtype, ModelConfig, ParallelConfig, QuantConfig, torch_dtype
 from neuron_opt.embeddings import describe as describe_task
 from neuron_opt.embeddings import resolve_task
 from neuron_opt.errors import ConfigError
-from neuron_opt.gguf_quant import native_quant, stored_tensors
 from neuron_opt.kv_quant import CALIBRATION_TEXT, calibrate, fold
 from neuron_opt.lora.config import LoraConfig
 from neuron_opt.parallel import ParallelContext, head_layout
@@ -382,7 +381,7 @@ def check_lora_request(req: CompileRequest, cfg: Any) -> None:
 def resolve_quant(req: CompileRequest, ckpt: Any) -> tuple[QuantConfig, bool]:
     """(the QuantConfig `req` asks for, whether a GGUF's int4 linears are kept as stored).
 
-    `--quantize auto` takes the checkpoint's own precision class (neuron_opt.gguf_quant.native_quant): a Q4_0/Q4_1
+    `--quantize auto` takes the checkpoint's own precision class (neuron_opt.checkpoint.native_quant): a Q4_0/Q4_1
     GGUF keeps its blocks as they are, a Q8_0 one becomes per-channel int8, anything else stays unquantized. An
     explicit method quantizes the float weights at compile time; so does int4 with another group size or type
     than the file's. Stored blocks are per output channel, so any tp could shard them; compile keeps them only at

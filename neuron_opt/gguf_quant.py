@@ -14,45 +14,26 @@ int8 per channel; the embedding lookup, norms and anything else stay dequantized
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import torch
 
-from neuron_opt.checkpoint import _GGUF_ARCHS, Checkpoint, _field, _gguf_reader, gguf_to_hf_name, unpermute_qk
 from neuron_opt.config import QuantConfig
 from neuron_opt.quant import QuantTensor, pack_int4
 
-_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # GGUF type -> (QuantConfig fields) for files whose decoder linears all share it
 _NATIVE = {"Q4_0": ("int4", "group_symmetric", 32), "Q4_1": ("int4", "group_asymmetric", 32),
            "Q8_0": ("int8", "per_channel_symmetric", 0)}
 
 
-def _linear_types(reader: object) -> dict[str, str]:
-    """HF name -> GGUF type name of every decoder linear weight."""
-    out = {}
-    for t in reader.tensors:  # type: ignore[attr-defined]
-        name = gguf_to_hf_name(t.name)
-        if name.endswith(".weight") and name.rsplit(".", 2)[-2] in _LINEAR:
-            out[name] = t.tensor_type.name
-    return out
-
-
-def native_quant(ckpt: Checkpoint) -> QuantConfig:
-    """The quantization a checkpoint ships with (`--quantize auto`): int4 for Q4_0/Q4_1 files, int8 for Q8_0,
-    none for float files, HF checkpoints, or GGUF files whose linears mix types."""
-    if ckpt.format != "gguf":
+def native_config(linear_types: set[str], head_type: str | None) -> QuantConfig:
+    """The quantization a GGUF file ships with (`--quantize auto`), from the GGUF types of its decoder linears and
+    of its LM head (`output`, or the tied `token_embd`): int4 for Q4_0/Q4_1, int8 for Q8_0, none for float files
+    or files whose linears mix types. A head shipped quantized is kept quantized (int8 per channel)."""
+    if len(linear_types) != 1 or next(iter(linear_types)) not in _NATIVE:
         return QuantConfig()
-    reader = _gguf_reader(ckpt.source)
-    types = set(_linear_types(reader).values())
-    if len(types) != 1 or next(iter(types)) not in _NATIVE:
-        return QuantConfig()
-    method, qtype, group = _NATIVE[next(iter(types))]
-    # the LM head (`output`, or the tied `token_embd`) shipped quantized too: keep it quantized (int8 per channel)
-    head = {t.name: t.tensor_type.name for t in reader.tensors if t.name in ("output.weight", "token_embd.weight")}
-    head_quantized = head.get("output.weight", head.get("token_embd.weight")) in _NATIVE
-    return QuantConfig(method, qtype, group, source="gguf" if method == "int4" else "", lm_head=head_quantized)
+    method, qtype, group = _NATIVE[next(iter(linear_types))]
+    return QuantConfig(method, qtype, group, source="gguf" if method == "int4" else "", lm_head=head_type in _NATIVE)
 
 
 def q4_block_tensor(data: np.ndarray, kind: str, rows: int, cols: int) -> QuantTensor:
@@ -69,31 +50,3 @@ def q4_block_tensor(data: np.ndarray, kind: str, rows: int, cols: int) -> QuantT
     u = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [N, groups, 32]: elements 0..15, then 16..31
     packed = pack_int4(torch.from_numpy(u.reshape(rows, cols)))
     return QuantTensor("int4", packed, torch.from_numpy(d), torch.from_numpy(np.ascontiguousarray(offset)))
-
-
-def _unpermute(t: QuantTensor, n_heads: int) -> QuantTensor:
-    """llama.cpp's q/k row permutation undone on every part (rows are output channels in each)."""
-    assert t.offset is not None
-    return QuantTensor(t.method, unpermute_qk(t.qweight, n_heads).contiguous(),
-                       unpermute_qk(t.scale, n_heads).contiguous(), unpermute_qk(t.offset, n_heads).contiguous())
-
-
-def stored_tensors(ckpt: Checkpoint, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
-    """`ckpt.tensors(dtype)`, except that Q4_0/Q4_1 decoder linears come as QuantTensor, read as stored."""
-    reader = _gguf_reader(ckpt.source)
-    permuted = _GGUF_ARCHS[_field(reader, "general.architecture")][2]
-    cfg = ckpt.config
-    native = {}
-    for t in reader.tensors:
-        name = gguf_to_hf_name(t.name)
-        if t.tensor_type.name in ("Q4_0", "Q4_1") and name.rsplit(".", 2)[-2] in _LINEAR:
-            native[name] = t
-    for name, t in native.items():
-        rows, cols = int(t.shape[1]), int(t.shape[0])  # GGUF lists dims fastest-first
-        q = q4_block_tensor(t.data, t.tensor_type.name, rows, cols)
-        if permuted and ".self_attn.q_proj." in name:
-            q = _unpermute(q, cfg.num_attention_heads)
-        elif permuted and ".self_attn.k_proj." in name:
-            q = _unpermute(q, cfg.num_key_value_heads)
-        yield name, q
-    yield from ckpt.tensors(dtype, skip=frozenset(native))
