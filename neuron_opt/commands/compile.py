@@ -7,7 +7,6 @@ import json
 import sys
 from pathlib import Path
 
-from neuron_opt import object_store
 from neuron_opt.backends import BACKENDS
 from neuron_opt.commands.generate import add_s3_endpoint_flag
 from neuron_opt.commands.lora_flags import add_compile_flags as add_lora_flags
@@ -124,7 +123,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # here, not at the top: the CLI parses without loading the compiler (models, backends, transformers)
+    # here, not at the top: the CLI parses without loading the compiler (models, backends, transformers) or the
+    # artifact readers (cryptography)
+    from neuron_opt import object_store
     from neuron_opt.compiler import CompileRequest, compile_artifact
 
     remote = object_store.is_remote(args.out)

@@ -8,12 +8,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from neuron_opt.artifact import read_verified
 from neuron_opt.commands.parallel_flags import add_parallel_flags, parallel_config_from_args
 from neuron_opt.errors import ConfigError
 from neuron_opt.lora.adapter import capacity_for
 from neuron_opt.lora.registry import LoRARequest
-from neuron_opt.object_store import is_remote, resolve
 from neuron_opt.runtime.sampling import SamplingParams
 from neuron_opt.runtime.speculative import SpeculativeConfig
 
@@ -59,6 +57,8 @@ def resolve_artifact_arg(args: argparse.Namespace) -> None:
     """An s3:// `args.artifact` pulled into the local artifact cache (once; neuron_opt.object_store) and replaced
     by the local copy's path; the URI stays in `args.artifact_source`. Called again in another process (a Ray
     replica on another node), it pulls there too."""
+    from neuron_opt.object_store import is_remote, resolve  # here: the CLI parses without cryptography
+
     source = getattr(args, "artifact_source", None) or args.artifact
     if not source or not is_remote(source):
         return
@@ -134,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("generate: --tp applies to --model; an artifact runs at the tp it was compiled with")
     verified = None
     if args.artifact:  # read once, every check: the loader takes it as read
+        from neuron_opt.artifact import read_verified  # here: the CLI parses without cryptography
+
         verified = read_verified(Path(args.artifact), trusted_keys=args.trusted_keys)
     spec, k = speculative_from_args(args, *(bundled_speculation(args.artifact, verified.manifest)
                                             if verified is not None else (None, None)))

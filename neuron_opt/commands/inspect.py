@@ -6,7 +6,6 @@ import argparse
 import json
 from pathlib import Path
 
-from neuron_opt.artifact import read_verified
 from neuron_opt.commands.generate import add_trusted_keys_flag, resolve_artifact_arg
 from neuron_opt.embeddings import describe as describe_task
 
@@ -20,6 +19,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from neuron_opt.artifact import read_verified  # here: the CLI parses without the artifact readers (cryptography)
+
     resolve_artifact_arg(args)
     args.artifact = Path(args.artifact)
     verified = read_verified(args.artifact, trusted_keys=args.trusted_keys)

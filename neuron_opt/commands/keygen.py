@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from neuron_opt.signing import generate_keypair
-
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("keygen", help="make an Ed25519 key pair to sign artifacts with")
@@ -17,6 +15,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from neuron_opt.signing import generate_keypair  # here: the CLI parses without cryptography
+
     private, public, fingerprint = generate_keypair(args.out)
     print(f"private key: {private} (keep it secret: `neuron-opt compile --sign-key {private}`)")
     print(f"public key:  {public} (give it to those who load the artifacts: `--trusted-keys {public}`)")

@@ -8,9 +8,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from neuron_opt.artifact import check_out_dir
 from neuron_opt.commands.generate import add_trusted_keys_flag
-from neuron_opt.object_store import pull
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -26,6 +24,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # here: the CLI parses without the artifact readers (cryptography)
+    from neuron_opt.artifact import check_out_dir
+    from neuron_opt.object_store import pull
+
     if args.out is not None:
         check_out_dir(args.out, args.force)  # before the download
     local = pull(args.uri, endpoint_url=args.s3_endpoint_url, trusted_keys=args.trusted_keys)

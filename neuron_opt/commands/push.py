@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 from neuron_opt.commands.generate import add_s3_endpoint_flag
-from neuron_opt.object_store import push
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,6 +19,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from neuron_opt.object_store import push  # here: the CLI parses without the artifact readers (cryptography)
+
     loc = push(args.artifact, args.uri, endpoint_url=args.s3_endpoint_url, force=args.force)
     print(f"uploaded {args.artifact} to {loc}")
     return 0

@@ -15,7 +15,6 @@ from typing import Any
 from neuron_opt.commands.serve_engine import api_key, build_engine, check_args, served_name, server_limits
 from neuron_opt.config import CacheConfig
 from neuron_opt.errors import ConfigError
-from neuron_opt.signing import trusted_key_paths
 
 RAY_NAMESPACE = "neuron_opt"
 
@@ -49,6 +48,8 @@ def run_cluster(args: argparse.Namespace) -> int:
         if value and value != "default" and not value.startswith("s3://"):  # s3://: pulled by check_args
             setattr(args, field, str(Path(value).resolve()))
     # the keys this command trusts, named explicitly for the replicas: they may not share our environment
+    from neuron_opt.signing import trusted_key_paths  # here: the CLI parses without cryptography
+
     args.trusted_keys = tuple(p.resolve() for p in trusted_key_paths(args.trusted_keys))
     if args.model:
         from neuron_opt.checkpoint import open_checkpoint  # here: the CLI parses without the checkpoint readers

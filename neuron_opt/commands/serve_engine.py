@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from neuron_opt import envs
-from neuron_opt.artifact import read_verified
 from neuron_opt.commands.generate import bundled_speculation, resolve_artifact_arg, speculative_from_args
 from neuron_opt.commands.lora_flags import parse_lora_modules
 from neuron_opt.errors import ConfigError
@@ -56,6 +55,8 @@ def check_args(args: argparse.Namespace, verify_hashes: bool = True) -> tuple[An
     resolve_artifact_arg(args)  # an s3:// artifact pulled here, in the process that loads it
     if not args.artifact:
         return (None, *speculative_from_args(args, None))
+    from neuron_opt.artifact import read_verified  # here: the CLI parses without the artifact readers (cryptography)
+
     verified = read_verified(Path(args.artifact), verify_hashes=verify_hashes, trusted_keys=args.trusted_keys)
     manifest = verified.manifest
     largest = manifest.buckets.decode_batches[-1]
