@@ -47,9 +47,9 @@ from neuron_opt.architectures import supported_architectures
 from neuron_opt.config import ModelConfig, QuantConfig
 from neuron_opt.embeddings import with_sentence_transformers
 from neuron_opt.errors import CheckpointError, UnsupportedModelError
-from neuron_opt.gguf_quant import LINEARS, native_config, q4_block_tensor
 from neuron_opt.headers import check_gguf, read_json_capped, safetensors_header
-from neuron_opt.quant import QuantTensor
+from neuron_opt.quant.gguf import LINEARS, native_config, q4_block_tensor
+from neuron_opt.quant.weights import QuantTensor
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -465,7 +465,7 @@ def _linear_types(reader: Any) -> dict[str, str]:
 
 
 def native_quant(ckpt: Checkpoint) -> QuantConfig:
-    """The quantization a checkpoint ships with (`--quantize auto`; neuron_opt.gguf_quant.native_config): none for
+    """The quantization a checkpoint ships with (`--quantize auto`; neuron_opt.quant.gguf.native_config): none for
     HF checkpoints."""
     if ckpt.format != "gguf":
         return QuantConfig()

@@ -35,12 +35,12 @@ from neuron_opt.config import CacheConfig, KVCacheDtype, ModelConfig, ParallelCo
 from neuron_opt.embeddings import describe as describe_task
 from neuron_opt.embeddings import resolve_task
 from neuron_opt.errors import ConfigError
-from neuron_opt.kv_quant import CALIBRATION_TEXT, calibrate, fold
 from neuron_opt.lora.config import LoraConfig
 from neuron_opt.parallel import ParallelContext, head_layout
 from neuron_opt.parallel.sharding import rank_shards
 from neuron_opt.planner import format_plan_table
-from neuron_opt.quant import QuantTensor
+from neuron_opt.quant.kv import CALIBRATION_TEXT, calibrate, fold
+from neuron_opt.quant.weights import QuantTensor
 from neuron_opt.runtime.speculative import check_draft_tokenizer
 from neuron_opt.signing import load_signing_key
 from neuron_opt.weights import load_weights_streamed
@@ -89,7 +89,7 @@ def code_fingerprint() -> str:
     Part of every compile-cache key, so editing the model or a backend never reuses a graph compiled from the old
     code (the package version alone does not change between commits)."""
     here = Path(__file__).parent  # neuron_opt/
-    roots = [Path(models.llama.__file__).parent, here / "backends", here / "parallel", here / "quant.py"]
+    roots = [Path(models.llama.__file__).parent, here / "backends", here / "parallel", here / "quant" / "weights.py"]
     h = hashlib.sha256()
     for root in roots:
         for f in sorted([*root.rglob("*.py"), *root.rglob("*.cpp")]) if root.is_dir() else [root]:

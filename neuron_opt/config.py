@@ -31,7 +31,7 @@ class KVCacheDtype(str, Enum):
     """The KV cache dtype asked for, one name from the CLI (`compile --kv-cache-dtype`) to the kernels.
 
     AUTO stores K and V in the compute dtype; FP8 in float8 e4m3 with per-layer scales calibrated at compile time
-    and folded into the weights (neuron_opt.kv_quant). `storage` names the stored dtype, which is what
+    and folded into the weights (neuron_opt.quant.kv). `storage` names the stored dtype, which is what
     `CacheConfig.dtype` holds (so manifests keep their `cache.dtype`); `CacheConfig.kv_cache_dtype` reads it back.
     """
 
@@ -522,7 +522,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """Weight-only quantization of the decoder's seven linear projections (neuron_opt.quant has the formats).
+    """Weight-only quantization of the decoder's seven linear projections (neuron_opt.quant.weights has the formats).
 
     `method` None: no quantization. int8 and fp8 (e4m3) take `per_channel_symmetric` (default) or
     `per_tensor_symmetric`; int4 takes `group_asymmetric` (default: a scale and an offset per group of

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from neuron_opt.quant import QuantTensor, quantized_modules
+from neuron_opt.quant.weights import QuantTensor, quantized_modules
 
 
 def model_state_for_save(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -193,7 +193,7 @@ def active_bytes(cfg, dtype: torch.dtype, batch: int, kv_len: int) -> float | No
 
 
 def quantized_step_bytes(cfg, method: str, compute: torch.dtype, batch: int, kv_len: int) -> float:
-    """Bytes a decode step reads with the decoder linears in `method`'s stored format (neuron_opt.quant: the
+    """Bytes a decode step reads with the decoder linears in `method`'s stored format (neuron_opt.quant.weights: the
     planner's count), the LM head in int8 per channel, and the rest (norms) in the compute dtype; the embedding
     table is not read beyond one row."""
     lay = head_layout(cfg, ParallelConfig())

@@ -5,7 +5,7 @@ Design decisions:
 - Weights are counted from the per-rank `HeadLayout` (neuron_opt.parallel.sharding), so head padding, KV-head
   replication (replicate-kv / mha) and vocabulary padding cost exactly what the sharded checkpoint stores.
   At tp=1 with no padding the count equals `ModelConfig.num_parameters()` (tested).
-- Quantized weights are weight-only, counted exactly as `compile --quantize` stores them (neuron_opt.quant):
+- Quantized weights are weight-only, counted exactly as `compile --quantize` stores them (neuron_opt.quant.weights):
   `int8` and `fp8` hold the seven decoder linears in 1 byte per element plus one float32 scale per output
   channel; `int4` in half a byte per element plus a float32 scale and offset per group of INT4_GROUP input
   features (compile's default group size). Embeddings, LM head, norms and biases stay bfloat16.

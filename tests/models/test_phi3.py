@@ -242,8 +242,8 @@ def test_fp8_kv_calibration_bounds_partially_rotated_keys(tiny_dir):
     """kv_quant's key bound: rope rotates pairs (i, i + 6) of the first 12 features and passes the other 4 through;
     the calibrated scale covers every rotated key at every position, with both factor sets."""
     from models.llama import apply_rope, model_rope_tables
-    from neuron_opt.kv_quant import HEADROOM, calibrate
-    from neuron_opt.quant import FP8_MAX
+    from neuron_opt.quant.kv import HEADROOM, calibrate
+    from neuron_opt.quant.weights import FP8_MAX
 
     d = tiny_dir("phi3-long")
     cfg = ModelConfig.from_hf(d)

@@ -2,7 +2,7 @@
 
 GGUF's Q4_0 and Q4_1 blocks hold 32 consecutive input features of one row: an fp16 scale d (and, for Q4_1, an fp16
 minimum m) and 16 bytes of nibbles (byte i: element i in the low nibble, element i + 16 in the high). That is
-our int4 format with group_size 32 (neuron_opt.quant): scale = d, offset = m (Q4_1) or -8 d (Q4_0), values
+our int4 format with group_size 32 (neuron_opt.quant.weights): scale = d, offset = m (Q4_1) or -8 d (Q4_0), values
 unchanged; only the nibbles are reordered. No value goes through fp32 and back, so the model runs with exactly
 the weights the file ships.
 
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from neuron_opt.config import QuantConfig
-from neuron_opt.quant import QuantTensor, pack_int4
+from neuron_opt.quant.weights import QuantTensor, pack_int4
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # GGUF type -> (QuantConfig fields) for files whose decoder linears all share it
