@@ -318,7 +318,7 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
     def build_rank(rank: int, comm: Any) -> torch.nn.Module:
         """The rank's model in `dtype`, its weights streamed from the checkpoint one tensor at a time (host RAM:
         this rank's weights plus one tensor in flight, never the checkpoint; planner.memory.plan_memory).
-        Quantized layers quantize each tensor as it arrives; fp8 KV scales are folded in first (kv_quant)."""
+        Quantized layers quantize each tensor as it arrives; fp8 KV scales are folded in first (quant.kv)."""
         pctx = None if comm is None else ParallelContext(par.tp, rank, comm, par.sequence_parallel)
         model = rank_model_factory(cfg, par, cache_cfg, rank, dtype, pctx, quant=qc, lora=req.lora)()
         tensors = canonical() if kv_scales is None else fold(canonical(), *kv_scales)

@@ -239,7 +239,7 @@ def test_bad_options_name_the_field(tiny_dir, tmp_path):
 
 
 def test_fp8_kv_calibration_bounds_partially_rotated_keys(tiny_dir):
-    """kv_quant's key bound: rope rotates pairs (i, i + 6) of the first 12 features and passes the other 4 through;
+    """quant.kv's key bound: rope rotates pairs (i, i + 6) of the first 12 features and passes the other 4 through;
     the calibrated scale covers every rotated key at every position, with both factor sets."""
     from models.llama import apply_rope, model_rope_tables
     from neuron_opt.quant.kv import HEADROOM, calibrate
