@@ -1,7 +1,7 @@
 """Model construction: architecture -> class, and one rank's model skeleton (weights are loaded by the caller).
 
-Separate from `models.registry` (the supported-architecture table, which `neuron_opt.config` validates against
-and which therefore imports no model code) so that the import graph stays a DAG.
+The supported-architecture table itself is `neuron_opt.architectures`, below both this package and
+`neuron_opt.config` (which validates a checkpoint's architecture against it), so the packages depend one way.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from models import gpt_oss
 from models.llama import LlamaForCausalLM, checkpoint_weight_names, expected_weight_names, split_fused
 from models.moe import MoeForCausalLM, moe_weight_names
 from models.pooling import LlamaEmbeddingModel
-from models.registry import family_for
+from neuron_opt.architectures import family_for
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, QuantConfig
 from neuron_opt.errors import ConfigError
 from neuron_opt.lora.config import LoraConfig

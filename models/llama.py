@@ -195,7 +195,7 @@ def write_blocks(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tenso
     (advanced indices around a slice: the value is [B, S, n_kv, D])."""
     per = cache.shape[2]
     if cache.dtype == torch.float8_e4m3fn:  # an fp8 cache (its scales are folded into the weights,
-        x = x.clamp(-448.0, 448.0)  # neuron_opt.kv_quant): saturate, as a cast past e4m3's range gives NaN
+        x = x.clamp(-448.0, 448.0)  # neuron_opt.quant.kv): saturate, as a cast past e4m3's range gives NaN
     cache[slot_mapping // per, :, slot_mapping % per] = x.to(cache.dtype)
 
 

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+import neuron_opt
 from neuron_opt.buckets import Bucket, BucketConfig
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, QuantConfig
 from neuron_opt.errors import ArtifactError, ConfigError
@@ -63,9 +64,7 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 
 def versions() -> dict[str, str]:
-    import transformers
-
-    import neuron_opt
+    import transformers  # here: importing transformers may import a device runtime (executors.loader)
 
     return {"neuron_opt": neuron_opt.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
 

@@ -33,17 +33,25 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import gguf
 import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
-from neuron_opt.config import ModelConfig
+from models.build import split_fused, split_stored, stored_weight_names
+from neuron_opt import envs
+from neuron_opt.architectures import supported_architectures
+from neuron_opt.config import ModelConfig, QuantConfig
 from neuron_opt.embeddings import with_sentence_transformers
 from neuron_opt.errors import CheckpointError, UnsupportedModelError
 from neuron_opt.headers import check_gguf, read_json_capped, safetensors_header
+from neuron_opt.quant.gguf import FUSED_LINEARS, LINEARS, native_config, q4_block_tensor
+from neuron_opt.quant.weights import QuantTensor
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -70,8 +78,6 @@ class Checkpoint:
         if self.format == "hf":
             sd = _hf_state_dict(self.source, self.config, self.name_prefix)
         else:
-            from neuron_opt import envs
-
             sd = _gguf_state_dict_cached(self.source, self.config, envs.CACHE_DIR)
         return {k: v.to(dtype) for k, v in sd.items()}
 
@@ -82,17 +88,11 @@ class Checkpoint:
         `compile` streams these into each rank's model, so its host RAM holds the rank's weights plus one
         tensor in flight, never the whole checkpoint. safetensors files are read tensor by tensor (memory-mapped);
         a GGUF file is read from its dequantized fp32 cache, built on first use (that first build holds the
-        whole fp32 model once). Names in `skip` are not read (neuron_opt.gguf_quant reads those as stored).
+        whole fp32 model once). Names in `skip` are not read (`stored_tensors` reads those as stored).
         """
-        from safetensors import safe_open
-
-        from models.build import split_stored
-
         if self.format == "hf":
             files = _weight_files(self.source)
         else:
-            from neuron_opt import envs
-
             files = [_gguf_cache_file(self.source, self.config, envs.CACHE_DIR)]
         stored = set(stored_names(self.config))
         prefix = self.name_prefix if self.format == "hf" else ""  # the GGUF cache holds canonical names
@@ -122,8 +122,6 @@ class Checkpoint:
         """The checkpoint's tokenizer, with its chat template when the source has one."""
         if self.format == "hf":
             return _hf_tokenizer(self.source)
-        from neuron_opt import envs
-
         return _gguf_tokenizer_cached(self.source, envs.CACHE_DIR)
 
     def weights_fingerprint(self) -> str:
@@ -206,8 +204,6 @@ def _weight_files(root: Path) -> list[Path]:
 
 
 def _safetensors_keys(f: Path) -> set[str]:
-    from safetensors import safe_open
-
     names = set(safetensors_header(f))  # our bounded check first: sizes and offsets against the file
     try:
         with safe_open(str(f), framework="pt") as sf:
@@ -237,22 +233,16 @@ def _check_names(have: set[str], cfg: ModelConfig, source: Path) -> None:
 def stored_names(cfg: ModelConfig) -> list[str]:
     """The names an HF checkpoint of `cfg` stores: the canonical ones, or fused projections (Phi-3's qkv_proj,
     gate_up_proj) in place of their parts."""
-    from models.build import stored_weight_names
-
     return stored_weight_names(cfg)
 
 
 def _hf_state_dict(root: Path, cfg: ModelConfig, prefix: str = "") -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     sd: dict[str, torch.Tensor] = {}
     for f in _weight_files(root):
         try:
             sd.update(load_file(str(f)))
         except Exception as e:
             raise CheckpointError(f"checkpoint: {f} is not a readable safetensors file ({e})") from None
-    from models.build import split_stored
-
     stored = set(stored_names(cfg))
 
     def read(name: str) -> torch.Tensor:
@@ -265,6 +255,8 @@ def _hf_state_dict(root: Path, cfg: ModelConfig, prefix: str = "") -> dict[str, 
 
 
 def _hf_tokenizer(root: Path) -> PreTrainedTokenizerBase:
+    # transformers when a tokenizer is built, not with this module: importing it may import a device runtime,
+    # which the neuron backend must set up first (executors.loader)
     from transformers import AutoTokenizer
 
     try:
@@ -343,8 +335,6 @@ def _f32(v: float) -> float:
 def _gguf_reader(path: Path) -> Any:
     """gguf's reader, after our bounded walk of the header (neuron_opt.headers.check_gguf): the reader allocates
     by the counts the file declares."""
-    import gguf
-
     check_gguf(path)
     try:
         return gguf.GGUFReader(str(path))
@@ -353,8 +343,6 @@ def _gguf_reader(path: Path) -> Any:
 
 
 def _open_gguf(path: Path) -> Checkpoint:
-    from neuron_opt import envs
-
     cfg, names = _gguf_meta_cached(path, envs.CACHE_DIR)
     _check_names(names, cfg, path)
     return Checkpoint(config=cfg, source=path, format="gguf")
@@ -401,8 +389,6 @@ def _atomic_write(dest: Path, write: Callable[[Path], object]) -> None:
 def _gguf_config(reader: Any, path: Path) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in _GGUF_ARCHS:
-        from models.registry import supported_architectures
-
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} in {path} is not supported; supported GGUF architectures: "
             f"{', '.join(sorted(_GGUF_ARCHS))} (HF: {', '.join(supported_architectures())})")
@@ -522,10 +508,6 @@ def _gguf_rope(key: Any) -> tuple[tuple[str, Any], ...]:
 def gguf_state_dict(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Read and dequantize every weight of a GGUF file into canonical fp32 HF-named tensors (fused projections
     split; no cache)."""
-    import gguf
-
-    from models.build import split_fused
-
     reader = _gguf_reader(path)
     arch = _field(reader, "general.architecture")
     permuted = _GGUF_ARCHS[arch][2]
@@ -550,10 +532,62 @@ def gguf_state_dict(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return sd
 
 
+def _linear_types(reader: Any) -> dict[str, str]:
+    """HF name -> GGUF type name of every decoder linear weight (fused ones under their fused names)."""
+    out = {}
+    arch = _field(reader, "general.architecture")
+    for t in gguf_weight_tensors(reader):
+        name = gguf_to_hf_name(t.name, arch)
+        if name.endswith(".weight") and name.rsplit(".", 2)[-2] in (*LINEARS, *FUSED_LINEARS):
+            out[name] = t.tensor_type.name
+    return out
+
+
+def native_quant(ckpt: Checkpoint) -> QuantConfig:
+    """The quantization a checkpoint ships with (`--quantize auto`; neuron_opt.quant.gguf.native_config): none for
+    HF checkpoints. A file with fused projections (phi3) gets the method of its type, but its blocks are not kept as
+    stored (`source` ""): its linears are dequantized, split and quantized again at compile time."""
+    if ckpt.format != "gguf":
+        return QuantConfig()
+    reader = _gguf_reader(ckpt.source)
+    head = {t.name: t.tensor_type.name for t in reader.tensors if t.name in ("output.weight", "token_embd.weight")}
+    qc = native_config(set(_linear_types(reader).values()), head.get("output.weight", head.get("token_embd.weight")))
+    if ckpt.config.fused_projections and qc.source:
+        qc = replace(qc, source="")
+    return qc
+
+
+def _unpermute_quant(t: QuantTensor, n_heads: int) -> QuantTensor:
+    """llama.cpp's q/k row permutation undone on every part (rows are output channels in each)."""
+    assert t.offset is not None
+    return QuantTensor(t.method, unpermute_qk(t.qweight, n_heads).contiguous(),
+                       unpermute_qk(t.scale, n_heads).contiguous(), unpermute_qk(t.offset, n_heads).contiguous())
+
+
+def stored_tensors(ckpt: Checkpoint, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+    """`ckpt.tensors(dtype)`, except that Q4_0/Q4_1 decoder linears come as QuantTensor, read as stored."""
+    reader = _gguf_reader(ckpt.source)
+    arch = _field(reader, "general.architecture")
+    permuted = _GGUF_ARCHS[arch][2]
+    cfg = ckpt.config
+    native = {}
+    for t in gguf_weight_tensors(reader):
+        name = gguf_to_hf_name(t.name, arch)
+        if t.tensor_type.name in ("Q4_0", "Q4_1") and name.rsplit(".", 2)[-2] in LINEARS:
+            native[name] = t
+    for name, t in native.items():
+        rows, cols = int(t.shape[1]), int(t.shape[0])  # GGUF lists dims fastest-first
+        q = q4_block_tensor(t.data, t.tensor_type.name, rows, cols)
+        if permuted and ".self_attn.q_proj." in name:
+            q = _unpermute_quant(q, cfg.num_attention_heads)
+        elif permuted and ".self_attn.k_proj." in name:
+            q = _unpermute_quant(q, cfg.num_key_value_heads)
+        yield name, q
+    yield from ckpt.tensors(dtype, skip=frozenset(native))
+
+
 def _gguf_state_dict_cached(path: Path, cfg: ModelConfig, cache_dir: Path) -> dict[str, torch.Tensor]:
     """`gguf_state_dict`, memoised on disk as fp32 safetensors keyed by the file's sha256."""
-    from safetensors.torch import load_file
-
     cached, sd = _gguf_cache(path, cfg, cache_dir)
     return sd if sd is not None else load_file(str(cached))
 
@@ -565,9 +599,6 @@ def _gguf_cache_file(path: Path, cfg: ModelConfig, cache_dir: Path) -> Path:
 
 def _gguf_cache(path: Path, cfg: ModelConfig, cache_dir: Path) -> tuple[Path, dict[str, torch.Tensor] | None]:
     """(cache file, the state dict if it had to be built now: None when the file was already there and valid)."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     cached = cache_dir / "gguf" / f"{_fingerprint((path,))[:40]}-{_CACHE_VERSION}.safetensors"
     if cached.is_file():
         try:
@@ -582,7 +613,7 @@ def _gguf_cache(path: Path, cfg: ModelConfig, cache_dir: Path) -> tuple[Path, di
 
 
 def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # as in _hf_tokenizer
 
     reader = _gguf_reader(path)  # first: transformers reads the file with gguf's reader too
     try:
@@ -597,7 +628,7 @@ def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
 
 def _gguf_tokenizer_cached(path: Path, cache_dir: Path) -> PreTrainedTokenizerBase:
     """`_gguf_tokenizer`, saved once with `save_pretrained` (loading tokenizer.json is ~10x faster)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # as in _hf_tokenizer
 
     cached = cache_dir / "tokenizers" / f"{_fingerprint((path,))[:40]}-{_CACHE_VERSION}"
     if cached.is_dir():

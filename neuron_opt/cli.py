@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 
+from neuron_opt import envs
 from neuron_opt.errors import NeuronOptError
 
 COMMANDS = ("compile", "generate", "serve", "plan", "bench", "inspect", "keygen", "push", "pull")
@@ -33,8 +34,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from neuron_opt import envs
-
     if envs.NUM_THREADS:
         import torch
 

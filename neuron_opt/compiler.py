@@ -28,23 +28,22 @@ from neuron_opt import envs
 from neuron_opt.artifact import ArtifactWriter, Manifest, check_out_dir, versions
 from neuron_opt.backends import backend_class, get_backend
 from neuron_opt.backends.base import Backend
-from neuron_opt.backends.eager import load_weights_streamed
 from neuron_opt.buckets import Bucket, BucketConfig
-from neuron_opt.checkpoint import open_checkpoint
+from neuron_opt.checkpoint import native_quant, open_checkpoint, stored_tensors
 from neuron_opt.compile_cache import CacheKey, CompileCache
 from neuron_opt.config import CacheConfig, KVCacheDtype, ModelConfig, ParallelConfig, QuantConfig, torch_dtype
 from neuron_opt.embeddings import describe as describe_task
 from neuron_opt.embeddings import resolve_task
 from neuron_opt.errors import ConfigError
-from neuron_opt.gguf_quant import native_quant, stored_tensors
-from neuron_opt.kv_quant import CALIBRATION_TEXT, calibrate, fold
 from neuron_opt.lora.config import LoraConfig
 from neuron_opt.parallel import ParallelContext, head_layout
 from neuron_opt.parallel.sharding import rank_shards
 from neuron_opt.planner import format_plan_table
-from neuron_opt.quant import QuantTensor
+from neuron_opt.quant.kv import CALIBRATION_TEXT, calibrate, fold
+from neuron_opt.quant.weights import QuantTensor
 from neuron_opt.runtime.speculative import check_draft_tokenizer
 from neuron_opt.signing import load_signing_key
+from neuron_opt.weights import load_weights_streamed
 
 # Seconds per distinct compiled graph of a 30-layer model: each backend's `est_seconds_per_graph` until this
 # machine has measured its own. Every cold compile records this machine's figure (`record_compile_speed`); the
@@ -90,7 +89,7 @@ def code_fingerprint() -> str:
     Part of every compile-cache key, so editing the model or a backend never reuses a graph compiled from the old
     code (the package version alone does not change between commits)."""
     here = Path(__file__).parent  # neuron_opt/
-    roots = [Path(models.llama.__file__).parent, here / "backends", here / "parallel", here / "quant.py"]
+    roots = [Path(models.llama.__file__).parent, here / "backends", here / "parallel", here / "quant" / "weights.py"]
     h = hashlib.sha256()
     for root in roots:
         for f in sorted([*root.rglob("*.py"), *root.rglob("*.cpp")]) if root.is_dir() else [root]:
@@ -316,7 +315,7 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
     def build_rank(rank: int, comm: Any) -> torch.nn.Module:
         """The rank's model in `dtype`, its weights streamed from the checkpoint one tensor at a time (host RAM:
         this rank's weights plus one tensor in flight, never the checkpoint; planner.memory.plan_memory).
-        Quantized layers quantize each tensor as it arrives; fp8 KV scales are folded in first (kv_quant)."""
+        Quantized layers quantize each tensor as it arrives; fp8 KV scales are folded in first (quant.kv)."""
         pctx = None if comm is None else ParallelContext(par.tp, rank, comm, par.sequence_parallel)
         model = rank_model_factory(cfg, par, cache_cfg, rank, dtype, pctx, quant=qc, lora=req.lora)()
         tensors = canonical() if kv_scales is None else fold(canonical(), *kv_scales)
@@ -379,7 +378,7 @@ def check_lora_request(req: CompileRequest, cfg: Any) -> None:
 def resolve_quant(req: CompileRequest, ckpt: Any) -> tuple[QuantConfig, bool]:
     """(the QuantConfig `req` asks for, whether a GGUF's int4 linears are kept as stored).
 
-    `--quantize auto` takes the checkpoint's own precision class (neuron_opt.gguf_quant.native_quant): a Q4_0/Q4_1
+    `--quantize auto` takes the checkpoint's own precision class (neuron_opt.checkpoint.native_quant): a Q4_0/Q4_1
     GGUF keeps its blocks as they are, a Q8_0 one becomes per-channel int8, anything else stays unquantized. An
     explicit method quantizes the float weights at compile time; so does int4 with another group size or type
     than the file's. Stored blocks are per output channel, so any tp could shard them; compile keeps them only at

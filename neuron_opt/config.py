@@ -18,6 +18,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from neuron_opt.architectures import family_for, supported_architectures
 from neuron_opt.errors import ConfigError
 from neuron_opt.headers import read_json_capped
 
@@ -30,7 +31,7 @@ class KVCacheDtype(str, Enum):
     """The KV cache dtype asked for, one name from the CLI (`compile --kv-cache-dtype`) to the kernels.
 
     AUTO stores K and V in the compute dtype; FP8 in float8 e4m3 with per-layer scales calibrated at compile time
-    and folded into the weights (neuron_opt.kv_quant). `storage` names the stored dtype, which is what
+    and folded into the weights (neuron_opt.quant.kv). `storage` names the stored dtype, which is what
     `CacheConfig.dtype` holds (so manifests keep their `cache.dtype`); `CacheConfig.kv_cache_dtype` reads it back.
     """
 
@@ -347,6 +348,8 @@ class ModelConfig:
                 raise ConfigError(f"config: {p} does not exist")
             hf = read_json_capped(p, ConfigError, "config")  # a size cap first: it is someone else's file
         if isinstance(hf, dict):
+            # transformers here, not at the top: the CLI's parser imports this module, and importing transformers
+            # may import a device runtime (executors.loader)
             from transformers import AutoConfig
 
             d = dict(hf)
@@ -356,12 +359,8 @@ class ModelConfig:
             try:
                 hf = AutoConfig.for_model(model_type, **d)
             except ValueError as e:
-                from models.registry import supported_architectures
-
                 raise ConfigError(f"config: unknown model_type {model_type!r} ({e}); supported architectures: "
                                   f"{', '.join(supported_architectures())}") from None
-        from models.registry import family_for
-
         archs = getattr(hf, "architectures", None) or []
         arch = archs[0] if archs else _DEFAULT_ARCHS.get(hf.model_type, hf.model_type)
         family_for(arch)  # raises UnsupportedModelError with the supported list
@@ -565,7 +564,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """Weight-only quantization of the decoder's seven linear projections (neuron_opt.quant has the formats).
+    """Weight-only quantization of the decoder's seven linear projections (neuron_opt.quant.weights has the formats).
 
     `method` None: no quantization. int8 and fp8 (e4m3) take `per_channel_symmetric` (default) or
     `per_tensor_symmetric`; int4 takes `group_asymmetric` (default: a scale and an offset per group of

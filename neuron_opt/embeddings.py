@@ -22,7 +22,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from models.registry import is_bare_model
+from neuron_opt.architectures import is_bare_model
 from neuron_opt.config import POOLING_MODES, ModelConfig
 from neuron_opt.errors import ConfigError
 from neuron_opt.headers import read_json_capped

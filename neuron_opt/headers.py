@@ -182,7 +182,7 @@ def _skip_value(c: _Cursor, vtype: int, what: str, depth: int = 0) -> None:
 def check_gguf(path: Path) -> None:
     """Walk a GGUF file's header (counts, metadata, tensor infos) and check every declared size and offset against
     the file, before gguf's reader allocates anything by them. CheckpointError naming the field otherwise."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # here: the CLI's parser imports this module
 
     if os.stat(path).st_size < 24:  # magic, version, two counts (and mmap refuses an empty file)
         raise CheckpointError(f"checkpoint: {path} is not a valid GGUF file: shorter than its 24-byte header")

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from tqdm import tqdm
+
 from neuron_opt import envs
 from neuron_opt.artifact import FORMAT_VERSION, MANIFEST, MAX_MANIFEST_BYTES, read_verified, record_hashed, versions
 from neuron_opt.errors import ArtifactError, ConfigError
@@ -80,7 +82,7 @@ def parse_s3(uri: str, param: str = "artifact") -> S3Location:
 
 def client(endpoint_url: str | None = None) -> Any:
     """A boto3 S3 client: the usual credential chain; `endpoint_url`, else AWS_ENDPOINT_URL, else AWS's."""
-    try:
+    try:  # boto3 and botocore: the `s3` extra, imported where a client is made or its errors are read
         import boto3
         from botocore.config import Config
     except ImportError:
@@ -152,8 +154,6 @@ def staging_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
 def push(local: str | os.PathLike[str], uri: str, *, endpoint_url: str | None = None, force: bool = False,
          progress: bool = True, on_file: Callable[[str], None] | None = None) -> S3Location:
     """Upload the artifact at `local` to `uri` (module docstring). `on_file(rel)` is called after each file."""
-    from tqdm import tqdm
-
     local = Path(local)
     verified = read_verified(local, verify_hashes=True, trusted_keys=())  # never upload a corrupt artifact
     loc = parse_s3(uri, "out")
@@ -222,8 +222,6 @@ def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
 def pull(uri: str, *, endpoint_url: str | None = None, trusted_keys: Sequence[str | Path] | None = None,
          cache_dir: str | os.PathLike[str] | None = None, verify_hashes: bool = True, progress: bool = True) -> Path:
     """The local copy of the artifact at `uri`, downloaded once into the artifact cache (module docstring)."""
-    from tqdm import tqdm
-
     loc = parse_s3(uri)
     s3 = client(endpoint_url)
     data = _get_small(s3, loc, MANIFEST, MAX_MANIFEST_BYTES)

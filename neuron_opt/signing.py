@@ -31,6 +31,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from neuron_opt import envs
 from neuron_opt.errors import ArtifactError, ConfigError
 from neuron_opt.headers import read_capped
 
@@ -128,8 +129,6 @@ def trusted_key_paths(paths: Sequence[str | Path] | None) -> tuple[Path, ...]:
     """The keys to trust: `paths` when given (an empty sequence trusts none), else NEURON_OPT_TRUSTED_KEYS."""
     if paths is not None:
         return tuple(Path(p) for p in paths)
-    from neuron_opt import envs
-
     return envs.TRUSTED_KEYS
 
 

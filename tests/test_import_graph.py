@@ -123,21 +123,9 @@ def package_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
     return graph
 
 
-# package ties not yet one-way, each with its reason; a tie that is gone must leave this table (checked below)
-KNOWN_TIES = {
-    ("models", "neuron_opt.config"): "ModelConfig.from_hf checks the architecture against models.registry (the "
-    "family table), whose models build on ModelConfig: the table is to move below both with the model-family work",
-}
-
-
 def test_packages_depend_one_way():
-    """No two packages import each other, directly or through others (models -> config, never back), except the
-    ties in KNOWN_TIES, each of which must still exist."""
-    modules = our_modules()
-    graph = package_graph(modules)
-    for a, b in KNOWN_TIES:
-        assert b in graph[a] and a in graph[b], f"{a} <-> {b} is one-way now: remove it from KNOWN_TIES"
-        graph[b].discard(a)
+    """No two packages import each other, directly or through others (models -> config, never back)."""
+    graph = package_graph(our_modules())
     found = cycles(graph)
     detail = "\n".join(" <-> ".join(c) + ": " + "; ".join(f"{a} -> {sorted(graph[a] & set(c))}" for a in c)
                        for c in found)

@@ -17,6 +17,7 @@ BACKENDS = ("eager", "cpu", "neuron")
 
 def backend_class(name: str) -> type[Backend]:
     """The class of backend `name` (importing it imports no device runtime)."""
+    # each backend's module only when its name is asked for: the CLI's parser imports this package
     if name == "eager":
         from neuron_opt.backends.eager import EagerBackend
 

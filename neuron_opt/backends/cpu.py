@@ -43,13 +43,13 @@ from neuron_opt.backends.cpu_graphs import (
     static_tokens,
     use_cpu_layout,
 )
-from neuron_opt.backends.eager import load_model_weights, model_state_for_save
 from neuron_opt.buckets import DECODE, VERIFY, Bucket
 from neuron_opt.config import CacheConfig
 from neuron_opt.errors import ArtifactError, BackendCompileError, BucketOverflowError, ConfigError
 from neuron_opt.lora.adapter import load_into_slot
 from neuron_opt.lora.ops import stacks_for
-from neuron_opt.quant import check_uniform_layers, quantized_modules
+from neuron_opt.quant.weights import check_uniform_layers, quantized_modules
+from neuron_opt.weights import load_model_weights, model_state_for_save
 
 # 2: recipes name several sources (fused projections), heads may take their weight as an input; 3: max_model_len;
 # 4: block KV cache (slot mapping and block tables); 6: no head takes its weight as an input (bf16 heads are C++
@@ -326,7 +326,7 @@ def layer_gemm(layer: torch.nn.Module, gemm: str, moe_gathered: bool = False) ->
     """Quantized graphs (layers or heads) compile with gemm "aten", i.e. without freezing:
     - int4: torch's int4 CPU kernel is an extern call either way, and Inductor's freezing path fails on its
       constants' module paths (torch 2.13: "no attribute 'layer.self_attn...'");
-    - int8: one-row GEMMs are a fused dot-product loop over the int8 weight (neuron_opt.quant), and freezing would
+    - int8: one-row GEMMs are a fused dot-product loop over the int8 weight (quant.weights), and freezing would
       constant-fold its int8 -> fp32 widening into an fp32 copy of the weight (4x the bytes read).
     MoE layers too: the C++ GEMM template has no batched GEMM, which the dense expert path is (Inductor: "No
     choices to select"; adding ATEN to the autotuner would make the choice timing-based), and freezing hands the

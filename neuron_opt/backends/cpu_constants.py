@@ -118,7 +118,7 @@ def capture_constants() -> Iterator[dict[str, torch.Tensor]]:
     Wraps `AotCodeCompiler.compile`, which receives the lowered graph right before writing the C++ wrapper;
     `graph.constants` minus folded ones is exactly the set `update_constant_buffer` expects.
     """
-    from torch._inductor import codecache
+    from torch._inductor import codecache  # here: only a compile needs Inductor; loading a graph does not
 
     out: dict[str, torch.Tensor] = {}
     original = codecache.AotCodeCompiler.compile.__func__  # type: ignore[attr-defined]

@@ -52,7 +52,7 @@ from neuron_opt.config import CacheConfig
 from neuron_opt.errors import BackendCompileError
 from neuron_opt.lora.ops import LayerLora, stacks_for
 from neuron_opt.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from neuron_opt.quant import quantized_modules, use_cpu_kernels
+from neuron_opt.quant.weights import quantized_modules, use_cpu_kernels
 
 
 class DecodeAttention(TorchOps):
@@ -222,7 +222,7 @@ def use_linear_kernel(module: nn.Module) -> int:
 def use_cpu_layout(module: nn.Module, int8_kernel: bool = False) -> None:
     """The cpu backend's form of a model or layer, the same at compile and at load (graph constants are named by
     it): quantized q/k/v and gate/up fused into one GEMM each, then every quantized linear on torch's CPU
-    weight-only kernels (neuron_opt.quant); with `int8_kernel`, int8 products of few rows on cpu_ops' int8_linear."""
+    weight-only kernels (quant.weights); with `int8_kernel`, int8 products of few rows on cpu_ops' int8_linear."""
     for m in list(module.modules()):
         if isinstance(m, (Attention, MLP)):
             m.fuse_quantized_projections()
@@ -416,7 +416,7 @@ def inductor_options(gemm: str, fuse_projections: bool = True, quantized: bool =
     of the projections (a `ConstantRecipe` with several sources), still built once at load.
 
     `quantized` (graphs with int8/int4 weights): one-row int8 GEMMs are dot-product loops Inductor generates
-    (neuron_opt.quant), and Inductor inlines their input, the normed activation, into those loops, recomputing the
+    (quant.weights), and Inductor inlines their input, the normed activation, into those loops, recomputing the
     RMSNorm once per output row (the int8 decode step ran far slower than with the activation stored);
     `realize_opcount_threshold` 4 stores any pointwise result of more than 4 ops that reads several buffers.
 

@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 
 import torch
+from torch._inductor.cpu_vec_isa import pick_vec_isa
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +31,6 @@ _state: dict[str, object] = {}
 
 
 def _flags() -> list[str]:
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
     isa = pick_vec_isa()
     return ["-O3", "-fopenmp", *str(isa.build_arch_flags()).split(), *[f"-D{m}" for m in isa.build_macro()]]
 
@@ -42,6 +41,7 @@ def load() -> str | None:
         if "error" in _state:
             return _state["error"]  # type: ignore[return-value]
         try:
+            # torch's extension builder (setuptools) only when the operators are built, not with this module
             from torch.utils.cpp_extension import load as load_extension
 
             # ninja from this environment's bin directory when it is not on PATH (a venv run without activating it)

@@ -38,7 +38,10 @@ Design decisions (docs/neuron_backend.md has the sources and the alternatives we
 from __future__ import annotations
 
 import atexit
+import json
 import os
+import re
+import shlex
 import shutil
 import sys
 import tempfile
@@ -47,16 +50,18 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
 from neuron_opt.backends.base import Backend, ModelFactory, StepInputs, kv_dtype
-from neuron_opt.backends.eager import load_model_weights, model_state_for_save
 from neuron_opt.backends.neuron_lora import DeviceLora
 from neuron_opt.buckets import Bucket
 from neuron_opt.config import CacheConfig, KVCacheDtype
 from neuron_opt.errors import ArtifactError, BackendCompileError, BackendUnavailableError, ConfigError
 from neuron_opt.lora.ops import LoraInputs
+from neuron_opt.parallel.collectives import CollectiveCounter
+from neuron_opt.weights import load_model_weights, model_state_for_save
 
 HLO_TEXT = "{key}.hlo.txt"  # per bucket, in graphs/rank{r}/
 HLO_PROTO = "{key}.hlo.pb"
@@ -152,8 +157,6 @@ class NeuronOptions:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> NeuronOptions:
-        import shlex
-
         d = dict(d or {})
         if "target" in d:
             raise ConfigError(
@@ -187,8 +190,6 @@ class SpmdCollectives:
     """
 
     def __init__(self, tp: int) -> None:
-        from neuron_opt.parallel.collectives import CollectiveCounter
-
         self.tp = tp
         self.groups = [list(range(tp))]
         self.counter = CollectiveCounter()
@@ -361,7 +362,6 @@ class SpmdRanks(DeviceProgram):
 
     def __init__(self, models: list[torch.nn.Module], cache: CacheConfig, xla: ModuleType,
                  comm: SpmdCollectives) -> None:
-        import numpy as np
         import torch_xla.distributed.spmd as xs
 
         tp = len(models)
@@ -507,8 +507,6 @@ def hlo_summary(text: str) -> dict[str, Any]:
     collectives: count per kind; custom_calls: targets; host_ops: any op that talks to the host mid-graph;
     dynamic_shapes: bounded-dynamic dimensions (`<=N`), which the Neuron compiler needs none of.
     """
-    import re
-
     header = text.split("\n", 1)[0]
     donor = re.search(r"buffer_donor=\{(.*?)\}, entry_computation_layout", header)
     layout = re.search(r"entry_computation_layout=\{\((.*)\)->", header)
@@ -651,7 +649,7 @@ class NeuronBackend(Backend):
             os.environ["NEURON_COMPILE_CACHE_URL"] = str(cache_dir)
 
     def _device_model(self, models: list[torch.nn.Module], cache: CacheConfig) -> DeviceRank | SpmdRanks:
-        if self.opts.ops == "nki":
+        if self.opts.ops == "nki":  # after import_xla: the NKI kernels import the Neuron SDK where installed
             from neuron_opt.backends.nki_device import DeviceKernelOps, set_ops
 
             self.kernel_ops = DeviceKernelOps(self.device_type, models[0].cfg.sliding_window)
@@ -697,8 +695,6 @@ class NeuronBackend(Backend):
         shutil.copyfile(protos[-1], dst_proto)
         files = [dst_text.relative_to(out_dir), dst_proto.relative_to(out_dir)]
         if self.kernel_ops is not None:  # what each attention / norm call site of this graph runs, and why
-            import json
-
             (out_dir / KERNELS.format(key=bucket.key)).write_text(
                 json.dumps(self.kernel_ops.take_choices(), indent=1))
             files.append(Path(KERNELS.format(key=bucket.key)))

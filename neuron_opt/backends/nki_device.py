@@ -27,13 +27,17 @@ The choices of a bucket's graph are written beside its HLO (`<bucket>.kernels.js
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import torch
 
+from kernels_nki import decode_attention, flash_attention, rmsnorm
+from kernels_nki.decode_attention import default_paged_split, default_split, v_kernel_layout
 from models.llama import TorchOps
 from neuron_opt.errors import KernelArgumentError
 
@@ -52,8 +56,6 @@ class KernelChoice:
 
 def _np_dtype(dtype: torch.dtype) -> Any:
     if dtype == torch.bfloat16:
-        import ml_dtypes
-
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(str(dtype).removeprefix("torch."))
 
@@ -85,15 +87,11 @@ def choose_attention(B: int, n_heads: int, n_kv: int, S: int, kv_len: int, D: in
         return torch_op(SINKS_REASON)
     try:
         if S == 1:
-            from kernels_nki import decode_attention
-
             decode_attention._check(_shaped((B, n_heads, D), dtype), _shaped((B, n_kv, kv_len, D), dtype),
                                     _shaped((B, n_kv, kv_len, D), dtype), np.full(B, kv_len),
                                     decode_attention.default_split(n_heads // n_kv))
             return KernelChoice("attention", shape, "decode_attention", "decode step")
         if S == kv_len:
-            from kernels_nki import flash_attention
-
             flash_attention._check(_shaped((B, n_heads, S, D), dtype), _shaped((B, n_kv, S, D), dtype),
                                    _shaped((B, n_kv, S, D), dtype))
             return KernelChoice("attention", shape, "flash_attention", "prefill from position 0, causal")
@@ -124,8 +122,6 @@ def choose_paged_attention(B: int, n_heads: int, n_kv: int, S: int, num_blocks: 
     if cache_dtype != dtype:
         return KernelChoice("attention", shape, None, f"a {str(cache_dtype).removeprefix('torch.')} cache: the "
                                                       "kernel reads the compute dtype")
-    from kernels_nki import decode_attention
-
     pool = _shaped((num_blocks, n_kv, block_len, D), dtype)
     try:
         decode_attention._check_paged(_shaped((B, n_heads, D), dtype), pool, pool,
@@ -144,8 +140,6 @@ def paged_attention_kernel_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     """(grid, inputs, compile-time kwargs) of the paged decode kernel for q [B, n_heads, 1, D] over the pools
     [num_blocks, n_kv, block_len, D] as they are (no copy) and the rows' block tables [B, max_blocks];
     `softcap`: the scores' soft-cap (None: none)."""
-    from kernels_nki.decode_attention import default_paged_split
-
     B, n_heads, _, D = q.shape
     n_kv, block_len = k_cache.shape[1], k_cache.shape[2]
     q_g = q[:, :, 0].reshape(B, n_kv, n_heads // n_kv, D).contiguous()  # [B, n_kv, G, D]
@@ -158,8 +152,6 @@ def choose_rms_norm(N: int, H: int, dtype: torch.dtype, device_type: str) -> Ker
     shape = f"x [{N}, {H}], {str(dtype).removeprefix('torch.')}"
     if device_type != KERNEL_DEVICE:
         return KernelChoice("rms_norm", shape, None, f"the {device_type} device has no NKI runtime")
-    from kernels_nki import rmsnorm
-
     try:
         rmsnorm._check(_shaped((N, H), dtype), _shaped((H,), dtype), None)
     except KernelArgumentError as e:
@@ -186,8 +178,6 @@ def attention_kernel_call(kernel: str, q: torch.Tensor, keys: torch.Tensor, valu
         q_g = q[:, :, 0].reshape(B, n_kv, G, D).contiguous()  # [B, n_kv, G, D]
         k_t = keys.transpose(2, 3).contiguous()  # [B, n_kv, D, kv_len]
         lengths = (positions[:, :1] + 1).to(torch.int32)  # [B, 1]: keys [0, position] of each row
-        from kernels_nki.decode_attention import default_split, v_kernel_layout
-
         split = default_split(G)
         v_k = v_kernel_layout(values, split).contiguous()  # [B, n_kv, kv_len, D] in the kernel's row order
         return (B, n_kv), (q_g, k_t, v_k, lengths), dict(softmax_scale=scale, split_size=split, softcap=cap)
@@ -208,8 +198,6 @@ def rms_norm_kernel_call(x: torch.Tensor, weight: torch.Tensor, eps: float) -> t
 
 
 def _kernel(name: str) -> Any:
-    import importlib
-
     module = "decode_attention" if name == "paged_decode_attention" else name
     return getattr(importlib.import_module(f"kernels_nki.{module}"), f"{name}_kernel")
 

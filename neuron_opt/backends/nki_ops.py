@@ -17,17 +17,17 @@ Anything else (a sliding window, a prompt continuing from a cached prefix) is re
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import torch
 
+from kernels_nki import decode_attention, flash_attention, rmsnorm
 from models.llama import TorchOps
 from neuron_opt.errors import KernelArgumentError
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
     if t.dtype == torch.bfloat16:
-        import ml_dtypes
-
         return t.detach().contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return t.detach().contiguous().numpy()
 
@@ -50,8 +50,6 @@ class NkiSimOps(TorchOps):
         self.paged = paged
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        from kernels_nki import rmsnorm
-
         H = x.shape[-1]
         w = weight.to(x.dtype)
         out = rmsnorm.run(_np(x.reshape(-1, H)), _np(w), eps)  # [N, H]
@@ -75,16 +73,12 @@ class NkiSimOps(TorchOps):
         j = torch.arange(kv_len)
         if S == 1:
             lengths = self._decode_lengths(positions, mask)
-            from kernels_nki import decode_attention
-
             out = decode_attention.run(
                 _np(q[:, :, 0]), _np(keys), _np(values), lengths.numpy(), softmax_scale=scale, softcap=softcap
             )  # [B, n_heads, D]
             return _torch(out, q)[:, :, None]  # [B, n_heads, 1, D]
         if S == kv_len and bool((positions == torch.arange(S)[None]).all()):
             self._check_mask(mask, (j[None, :] <= j[:, None])[None].expand(B, S, S), "prefill")
-            from kernels_nki import flash_attention
-
             out = flash_attention.run(_np(q), _np(keys), _np(values), causal=True, softmax_scale=scale,
                                       softcap=softcap)
             return _torch(out, q)  # [B, n_heads, S, D]
@@ -112,8 +106,6 @@ class NkiSimOps(TorchOps):
             return super().attention_blocks(q, k_cache, v_cache, block_tables, positions, mask, scale,
                                             softcap=softcap)
         lengths = self._decode_lengths(positions, mask)
-        from kernels_nki import decode_attention
-
         out = decode_attention.run_paged(
             _np(q[:, :, 0]), _np(k_cache.to(q.dtype)), _np(v_cache.to(q.dtype)), block_tables.numpy(),
             lengths.numpy(), softmax_scale=scale, softcap=softcap,

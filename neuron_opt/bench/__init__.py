@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 # The machine is busy when, over the sample, processes outside the benchmark's own tree used this many cores
 # together, or when the 1-minute load average exceeds this share of the usable cores.
@@ -53,8 +55,6 @@ def host() -> str:
 
 def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
     """GB/s of a streaming read (a sum over a buffer far larger than the caches), best of `repeats`."""
-    import torch
-
     x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
     x.sum()
     best = float("inf")
@@ -69,8 +69,6 @@ def machine(bandwidth_gib: float | None = 1.0) -> dict[str, object]:
     """What a benchmark's JSON records of the machine: CPU model, the ISA flags that change our kernels (and
     llama.cpp's), usable cores, memory, the load average now, torch's version, and the read bandwidth probed over
     a `bandwidth_gib` buffer (None: no probe)."""
-    import torch
-
     flags: set[str] = set()
     try:
         line = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))

@@ -19,7 +19,7 @@ PREFIX = "neuron_opt:"
 def router_metrics(url: str, label: str = "replica") -> dict[tuple[str, str], float]:
     """{(sample name, value of `label`): value} of the router's merged /metrics (samples summed over the other
     labels; samples without `label` under "")."""
-    import httpx
+    import httpx  # the `serve` extra, as the router this reads
     from prometheus_client.parser import text_string_to_metric_families
 
     r = httpx.get(url + "/metrics", timeout=10)

@@ -31,20 +31,35 @@ import argparse
 import contextlib
 import functools
 import json
+import multiprocessing
 import os
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import transformers
+from transformers import DynamicCache, StaticCache
 
-from neuron_opt.bench import CpuWatch, MachineBusyError, RunRecord, host, read_bandwidth_gbs, rounds_summary
-from neuron_opt.bench.llamacpp import LlamaCppMissingError, import_llama_cpp
+from neuron_opt import envs
+from neuron_opt.api import LLM, is_artifact
+from neuron_opt.backends.cpu import onednn_bf16_supported
+from neuron_opt.bench import CpuWatch, MachineBusyError, RunRecord, host, llamacpp, read_bandwidth_gbs, rounds_summary
+from neuron_opt.bench.llamacpp import LlamaCppMissingError, build_info, import_llama_cpp
+from neuron_opt.bench.random_moe import random_moe_dir
+from neuron_opt.checkpoint import CheckpointError, open_checkpoint
+from neuron_opt.compiler import CompileRequest, compile_artifact, default_dtype
+from neuron_opt.config import ParallelConfig
+from neuron_opt.parallel import head_layout
+from neuron_opt.planner.memory import weight_bytes, weight_count
+from neuron_opt.planner.moe import expert_step
+from neuron_opt.runtime.runner import DecodeRow
 
 PROMPT_LEN = 32
 SYSTEMS = ("hf", "hf-compile", "eager", "cpu-fp32", "cpu-bf16", "cpu-int8", "cpu-int4",
@@ -80,8 +95,6 @@ def _prompts(batch: int, vocab: int) -> list[list[int]]:
 
 def bench_runner(runner, batch: int, steps: int, vocab: int) -> float:
     """tok/s of `steps` batched greedy decode steps through a neuron_opt ModelRunner."""
-    from neuron_opt.runtime.runner import DecodeRow
-
     toks = [int(runner.prefill(slot, p).argmax()) for slot, p in enumerate(_prompts(batch, vocab))]
     pos = PROMPT_LEN
     for _ in range(2):  # warm-up
@@ -95,8 +108,6 @@ def bench_runner(runner, batch: int, steps: int, vocab: int) -> float:
 
 def bench_hf(model, batch: int, steps: int, vocab: int, static_compile: bool = False) -> float:
     """tok/s of HF transformers decoding with its KV cache (DynamicCache, or StaticCache + torch.compile)."""
-    from transformers import DynamicCache, StaticCache
-
     ids = torch.tensor(_prompts(batch, vocab))
     with torch.inference_mode():
         if static_compile:
@@ -144,8 +155,6 @@ def hf_reference(hf, tokenizer, n_tokens: int) -> tuple[list[int], list[int]]:
 def teacher_forced_agreement(runner, prompt: list[int], ref: list[int]) -> float:
     """Fraction of positions where the runner's greedy next token equals the reference's, when fed the reference
     sequence (teacher forcing: one early near-tie flip does not derail the rest of the comparison)."""
-    from neuron_opt.runtime.runner import DecodeRow
-
     agree = int(int(runner.prefill(0, prompt).argmax()) == ref[0])
     for i in range(len(ref) - 1):
         logits = runner.decode([DecodeRow(0, ref[i], len(prompt) + i)])[0]
@@ -170,11 +179,6 @@ def step_bytes(cfg, dtype: torch.dtype, batch: int, kv_len: int) -> float:
     esz = torch.finfo(dtype).bits // 8
     weights = cfg.num_parameters() - _embedding_not_read(cfg, batch)
     if cfg.is_moe:
-        from neuron_opt.config import ParallelConfig
-        from neuron_opt.parallel import head_layout
-        from neuron_opt.planner.memory import weight_count
-        from neuron_opt.planner.moe import expert_step
-
         lay = head_layout(cfg, ParallelConfig())
         weights += expert_step(cfg, lay, batch)[0] - weight_count(cfg, lay).experts
     return weights * esz + kv_bytes(cfg, esz, batch, kv_len)
@@ -189,13 +193,9 @@ def active_bytes(cfg, dtype: torch.dtype, batch: int, kv_len: int) -> float | No
 
 
 def quantized_step_bytes(cfg, method: str, compute: torch.dtype, batch: int, kv_len: int) -> float:
-    """Bytes a decode step reads with the decoder linears in `method`'s stored format (neuron_opt.quant: the
+    """Bytes a decode step reads with the decoder linears in `method`'s stored format (neuron_opt.quant.weights: the
     planner's count), the LM head in int8 per channel, and the rest (norms) in the compute dtype; the embedding
     table is not read beyond one row."""
-    from neuron_opt.config import ParallelConfig
-    from neuron_opt.parallel import head_layout
-    from neuron_opt.planner.memory import weight_bytes, weight_count
-
     lay = head_layout(cfg, ParallelConfig())
     esz = torch.finfo(compute).bits // 8
     n = weight_count(cfg, lay)
@@ -209,9 +209,6 @@ def compiled_runner(model: str, backend: str, dtype: str, batch: int, out: Path,
                     quantize: str | None = None):
     """The runner of the artifact at `out`, compiled there first unless an earlier round of the run did (later
     rounds load it, as a user loads a compiled artifact, instead of compiling it again from the cache)."""
-    from neuron_opt.api import LLM, is_artifact
-    from neuron_opt.compiler import CompileRequest, compile_artifact
-
     # decode buckets: the default set (KV lengths 128, 256, ... max_model_len), as `neuron-opt compile` builds it, so
     # each step attends over the smallest bucket that holds its context, like HF attends over the real length
     if not is_artifact(out):
@@ -235,10 +232,6 @@ def _measure_llamacpp(system: str, ckpt, opts: dict,
                       reference: tuple[list[int], list[int]] | None) -> Result:
     """One llama.cpp row (batch 1): the checkpoint's GGUF in the system's storage format, requantized by llama.cpp
     and cached on first use. Weight bytes per step are the file's tensor bytes; its KV cache is f16."""
-    from neuron_opt import envs
-    from neuron_opt.bench import llamacpp
-    from neuron_opt.checkpoint import CheckpointError
-
     if ckpt.format != "gguf":
         raise CheckpointError(f"{system}: llama.cpp needs a GGUF checkpoint; {ckpt.source} is a HF directory")
     storage, steps, cfg = system.removeprefix("llamacpp-"), opts["steps"], ckpt.config
@@ -254,11 +247,6 @@ def _measure_llamacpp(system: str, ckpt, opts: dict,
 def _measure_one(system: str, batch: int, opts: dict, reference: tuple[list[int], list[int]] | None) -> dict:
     """One (system, batch) measurement; runs in a fresh process (see main). Returns the Result as a dict, plus
     the HF fp32 reference continuation when this job computed it."""
-    import transformers
-
-    from neuron_opt.api import LLM
-    from neuron_opt.checkpoint import open_checkpoint
-
     if opts["threads"]:
         torch.set_num_threads(opts["threads"])
     ckpt = open_checkpoint(opts["model"])
@@ -292,8 +280,6 @@ def _measure_one(system: str, batch: int, opts: dict, reference: tuple[list[int]
     quantize = {"cpu-int8": "int8", "cpu-int4": "int4"}.get(system)
     if quantize:  # compute in the cpu backend's default dtype; int4: group 32 (a Q4_0/Q4_1 GGUF's blocks as stored);
         # the LM head int8 per channel in both, as in llama.cpp's files (their output tensor is Q8_0)
-        from neuron_opt.compiler import default_dtype
-
         dtype = default_dtype("cpu")
     else:
         dtype = {"cpu-fp32": "float32", "cpu-bf16": "bfloat16"}[system]
@@ -321,9 +307,6 @@ def _env_without(names: tuple[str, ...]) -> Iterator[None]:
 def _in_fresh_process(fn, *args, unset_env: tuple[str, ...] = ()):  # noqa: ANN001, ANN202
     """Run fn(*args) in a new process, whose environment lacks `unset_env`: each system starts from a clean heap
     and thread pool (a system run after HF in the same process ran slower, from the allocator state HF left behind)."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
     with _env_without(unset_env), ProcessPoolExecutor(max_workers=1,
                                                       mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(fn, *args).result()
@@ -443,9 +426,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
     if args.model == "random-moe":
-        from neuron_opt import envs
-        from neuron_opt.bench.random_moe import random_moe_dir
-
         args.model = str(random_moe_dir(envs.CACHE_DIR))
     systems = args.systems.split(",")
     unknown = sorted(set(systems) - set(SYSTEMS))
@@ -476,16 +456,12 @@ def _run_in(args: argparse.Namespace, systems: list[str], llamacpp_systems: list
             "artifacts": artifacts}
     llamacpp_info = None
     if llamacpp_systems:
-        from neuron_opt.bench.llamacpp import build_info
-
         llamacpp_info = build_info() | {"threads": threads, "flash_attn": opts["llamacpp_flash_attn"],
                                         "omp_wait_policy": "unset (libgomp's default)"}
     reference = None
     if args.agreement_tokens and 1 in batches and set(systems) - {"hf", "hf-compile"}:
         reference = _in_fresh_process(_measure, "reference", 1, opts, None)["reference"]
     if "cpu-bf16" in systems:
-        from neuron_opt.backends.cpu import onednn_bf16_supported
-
         if not onednn_bf16_supported():  # refused by the cpu backend on this CPU: say so, measure the rest
             log("cpu-bf16: skipped, oneDNN has no bf16 GEMMs on this CPU (no AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
             systems = [s for s in systems if s != "cpu-bf16"]

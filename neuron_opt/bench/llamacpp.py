@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gguf import GGUFReader
 
 # storage name -> llama.cpp ftype constant in `llama_cpp`; "q4_1" is the shipped file, not requantized
 REQUANT_FTYPES = {"f32": "LLAMA_FTYPE_ALL_F32", "bf16": "LLAMA_FTYPE_MOSTLY_BF16", "f16": "LLAMA_FTYPE_MOSTLY_F16",
@@ -99,8 +100,6 @@ def storage_gguf(src_gguf: Path, fingerprint: str, storage: str, cache_dir: Path
 
 def tensor_bytes(path: Path) -> int:
     """Bytes of the GGUF's tensor data (what one decode step reads of the weights, the embedding included)."""
-    from gguf import GGUFReader
-
     return sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
 
 

@@ -25,6 +25,7 @@ Design decisions:
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import re
@@ -158,11 +159,9 @@ def default_cmake_args(flags: set[str] | None = None) -> tuple[str, ...]:
 
 def installed_llama_cpp_python() -> str | None:
     """The installed llama-cpp-python's version, None without it."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
-        return version("llama-cpp-python")
-    except PackageNotFoundError:
+        return importlib.metadata.version("llama-cpp-python")
+    except importlib.metadata.PackageNotFoundError:
         return None
 
 
@@ -361,7 +360,7 @@ def _span(s: dict) -> str:
 def plot(report: dict, path: Path) -> None:
     """One row per (pair, prompt length), columns output tok/s, TTFT p50 and TPOT p50 against the streams; ours
     and llama.cpp as two lines, the rounds' min-max as error bars."""
-    import matplotlib
+    import matplotlib  # the `dev` extra: only plotting needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

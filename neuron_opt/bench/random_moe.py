@@ -12,6 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import transformers
+
+from neuron_opt.checkpoint import open_checkpoint
 
 NAME = "random-moe"
 CONFIG = dict(vocab_size=49152, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
@@ -22,10 +25,6 @@ VERSION = 1  # bump when CONFIG or the seed changes: a new directory
 
 def random_moe_dir(cache_dir: Path) -> Path:
     """The checkpoint directory, written on first use (config.json last: a half-written one is redone)."""
-    import transformers
-
-    from neuron_opt.checkpoint import open_checkpoint
-
     out = Path(cache_dir) / f"{NAME}-v{VERSION}"
     if (out / "config.json").is_file():
         return out

@@ -21,7 +21,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.name == "decode":
-        from neuron_opt.bench.decode import main
+        from neuron_opt.bench.decode import main  # here: the CLI parses without loading the benchmark's systems
 
         return main(args.rest)
     script = Path(__file__).resolve().parents[2] / "scripts" / f"bench_{args.name}.py"

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 from neuron_opt.backends import BACKENDS
+from neuron_opt.commands.generate import add_s3_endpoint_flag
 from neuron_opt.commands.lora_flags import add_compile_flags as add_lora_flags
 from neuron_opt.commands.lora_flags import lora_config_from_args
 from neuron_opt.commands.parallel_flags import add_parallel_flags, parallel_config_from_args
@@ -25,8 +27,6 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def _option(text: str) -> tuple[str, object]:
     """KEY=VALUE; VALUE is read as JSON where it parses (true, 3, ["-O2"]), else kept as a string."""
-    import json
-
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
@@ -113,8 +113,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true",
                    help="replace --out even when it is a non-empty directory that is not an artifact (its contents "
                         "are deleted); without it only an artifact or an empty directory is replaced")
-    from neuron_opt.commands.generate import add_s3_endpoint_flag
-
     add_s3_endpoint_flag(p)
     p.add_argument("--sign-key", type=Path, default=None, metavar="KEY",
                    help="sign the artifact with this Ed25519 private key (`neuron-opt keygen`): manifest.sig, which "
@@ -125,6 +123,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # here, not at the top: the CLI parses without loading the compiler (models, backends, transformers) or the
+    # artifact readers (cryptography)
     from neuron_opt import object_store
     from neuron_opt.compiler import CompileRequest, compile_artifact
 

@@ -10,6 +10,10 @@ from typing import Any
 
 from neuron_opt.commands.parallel_flags import add_parallel_flags, parallel_config_from_args
 from neuron_opt.errors import ConfigError
+from neuron_opt.lora.adapter import capacity_for
+from neuron_opt.lora.registry import LoRARequest
+from neuron_opt.runtime.sampling import SamplingParams
+from neuron_opt.runtime.speculative import SpeculativeConfig
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -21,9 +25,7 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
-def sampling_params_from_args(args: argparse.Namespace):
-    from neuron_opt.runtime.sampling import SamplingParams
-
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
     sampling = any(v is not None for v in (args.temperature, args.top_k, args.top_p, args.seed))
     return SamplingParams(
         max_tokens=args.max_new_tokens,
@@ -55,7 +57,7 @@ def resolve_artifact_arg(args: argparse.Namespace) -> None:
     """An s3:// `args.artifact` pulled into the local artifact cache (once; neuron_opt.object_store) and replaced
     by the local copy's path; the URI stays in `args.artifact_source`. Called again in another process (a Ray
     replica on another node), it pulls there too."""
-    from neuron_opt.object_store import is_remote, resolve
+    from neuron_opt.object_store import is_remote, resolve  # here: the CLI parses without cryptography
 
     source = getattr(args, "artifact_source", None) or args.artifact
     if not source or not is_remote(source):
@@ -89,8 +91,6 @@ def speculative_from_args(args: argparse.Namespace, compiled_k: int | None, bund
     """(SpeculativeConfig or None, k the model needs verify graphs for or None). `compiled_k`: an artifact's k
     (0: none), None for a checkpoint; `bundled_draft`: the draft compiled into the artifact, the draft_model
     method's default."""
-    from neuron_opt.runtime.speculative import SpeculativeConfig
-
     method = args.speculative_method or ("draft_model" if args.speculative_model else None)
     draft = args.speculative_model or (bundled_draft if method == "draft_model" else None)
     if method is None:
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     if bool(args.artifact) == bool(args.model):
         raise ConfigError("generate: give either an artifact directory or --model PATH|default (not both)")
     resolve_artifact_arg(args)
-    from neuron_opt.api import LLM
+    from neuron_opt.api import LLM  # here, not at the top: the CLI parses without loading the model path
 
     params = sampling_params_from_args(args)
     parallel = parallel_config_from_args(args)
@@ -134,16 +134,13 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("generate: --tp applies to --model; an artifact runs at the tp it was compiled with")
     verified = None
     if args.artifact:  # read once, every check: the loader takes it as read
-        from neuron_opt.artifact import read_verified
+        from neuron_opt.artifact import read_verified  # here: the CLI parses without cryptography
 
         verified = read_verified(Path(args.artifact), trusted_keys=args.trusted_keys)
     spec, k = speculative_from_args(args, *(bundled_speculation(args.artifact, verified.manifest)
                                             if verified is not None else (None, None)))
     lora = None
     if args.lora is not None:
-        from neuron_opt.lora.adapter import capacity_for
-        from neuron_opt.lora.registry import LoRARequest
-
         lora = LoRARequest("adapter", args.lora)
     llm = LLM(args.artifact or args.model, dtype=args.dtype, parallel=None if args.artifact else parallel,
               num_speculative_tokens=k, trusted_keys=args.trusted_keys, verified=verified,

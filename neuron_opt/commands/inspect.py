@@ -6,21 +6,20 @@ import argparse
 import json
 from pathlib import Path
 
+from neuron_opt.commands.generate import add_trusted_keys_flag, resolve_artifact_arg
+from neuron_opt.embeddings import describe as describe_task
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="show and verify an artifact's manifest")
     p.add_argument("artifact", help="artifact directory, or its s3:// URI (pulled into the local artifact cache)")
     p.add_argument("--json", action="store_true", help="print the raw manifest")
-    from neuron_opt.commands.generate import add_trusted_keys_flag
-
     add_trusted_keys_flag(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from neuron_opt.artifact import read_verified
-    from neuron_opt.commands.generate import resolve_artifact_arg
-    from neuron_opt.embeddings import describe as describe_task
+    from neuron_opt.artifact import read_verified  # here: the CLI parses without the artifact readers (cryptography)
 
     resolve_artifact_arg(args)
     args.artifact = Path(args.artifact)
@@ -60,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  decode buckets: batch {list(m.buckets.decode_batches)} x kv {list(m.buckets.decode_kv_lens)}")
     print(f"  graphs: {len(m.graphs)}")
     if m.backend == "neuron":  # what each bucket's HLO promises: donated KV, collectives, nothing host-bound
-        from neuron_opt.backends.neuron import hlo_summary
+        from neuron_opt.backends.neuron import hlo_summary  # here: only a neuron artifact needs the backend
 
         for key, files in sorted(m.graphs.items()):
             for f in (f for f in files if f.endswith(".hlo.txt")):

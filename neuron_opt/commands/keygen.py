@@ -15,7 +15,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from neuron_opt.signing import generate_keypair
+    from neuron_opt.signing import generate_keypair  # here: the CLI parses without cryptography
 
     private, public, fingerprint = generate_keypair(args.out)
     print(f"private key: {private} (keep it secret: `neuron-opt compile --sign-key {private}`)")

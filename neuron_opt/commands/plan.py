@@ -120,7 +120,7 @@ def load_model_config(model: str) -> ModelConfig:
         path.suffix == ".json" or (path.is_dir() and (path / "config.json").is_file())
     ):
         return ModelConfig.from_hf(path)
-    from neuron_opt.checkpoint import open_checkpoint
+    from neuron_opt.checkpoint import open_checkpoint  # here: the CLI parses without the checkpoint readers
 
     return open_checkpoint(model).config
 

@@ -8,10 +8,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from neuron_opt.commands.generate import add_trusted_keys_flag
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from neuron_opt.commands.generate import add_trusted_keys_flag
-
     p = sub.add_parser("pull", help="download an artifact from S3 (or an S3-compatible store), verified")
     p.add_argument("uri", help="s3://bucket/prefix of the artifact")
     p.add_argument("--out", type=Path, default=None,
@@ -24,6 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # here: the CLI parses without the artifact readers (cryptography)
     from neuron_opt.artifact import check_out_dir
     from neuron_opt.object_store import pull
 

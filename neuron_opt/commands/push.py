@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from neuron_opt.commands.generate import add_s3_endpoint_flag
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from neuron_opt.commands.generate import add_s3_endpoint_flag
-
     p = sub.add_parser("push", help="upload an artifact to S3 (or an S3-compatible store)")
     p.add_argument("artifact", help="artifact directory")
     p.add_argument("uri", help="s3://bucket/prefix to upload it to")
@@ -19,7 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from neuron_opt.object_store import push
+    from neuron_opt.object_store import push  # here: the CLI parses without the artifact readers (cryptography)
 
     loc = push(args.artifact, args.uri, endpoint_url=args.s3_endpoint_url, force=args.force)
     print(f"uploaded {args.artifact} to {loc}")

@@ -6,11 +6,17 @@ import argparse
 import logging
 import os
 
+import torch
+
+from neuron_opt import envs
+from neuron_opt.commands.generate import add_speculative_flags, add_trusted_keys_flag
+from neuron_opt.commands.serve_cluster import run_cluster
 from neuron_opt.commands.serve_engine import LIMIT_FLAGS, api_key, build_engine, served_name, server_limits
 from neuron_opt.errors import ConfigError
 from neuron_opt.runtime.threads import ThreadPolicy
 from neuron_opt.server.limits import ServerLimits
 from neuron_opt.server.tool_parsers import PARSERS
+from neuron_opt.server.tools import make_parser
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -90,8 +96,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default = getattr(ServerLimits, name)
         lim.add_argument("--" + name.replace("_", "-"), type=int, default=default,
                          help=text if default is None else f"{text} (default: {default})")
-    from neuron_opt.commands.generate import add_speculative_flags, add_trusted_keys_flag
-
     add_speculative_flags(p)
     add_trusted_keys_flag(p)
     g = p.add_argument_group("scale-out (Ray Serve; pip install 'neuron-opt[cluster]')")
@@ -129,14 +133,10 @@ def thread_policy() -> ThreadPolicy:
     """`serve`'s torch threads when NEURON_OPT_NUM_THREADS is unset: the policy NEURON_OPT_THREAD_POLICY names, over
     the cores this process may use (runtime/threads.py; by default the cores minus one, one left to the HTTP event
     loop: docs/serving.md, "Threads")."""
-    from neuron_opt import envs
-
     return ThreadPolicy(envs.THREAD_POLICY, len(os.sched_getaffinity(0)))
 
 
 def threads_note(policy: ThreadPolicy) -> str:
-    from neuron_opt import envs
-
     if envs.NUM_THREADS is not None:
         return f"{envs.NUM_THREADS} torch thread(s) from NEURON_OPT_NUM_THREADS"
     if policy.varies:
@@ -155,21 +155,16 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-waiting: must be >= 0, got {args.max_waiting}", param="max_waiting")
     limits = server_limits(args)  # bad values fail before anything loads
     if args.data_parallel is not None or args.ray_address is not None:
-        from neuron_opt.commands.serve_cluster import run_cluster
-
         return run_cluster(args)
-    import torch
+    # the `serve` extra (fastapi, uvicorn): imported once serving starts, so the CLI parses without them
     import uvicorn
 
-    from neuron_opt import envs
     from neuron_opt.server.app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     policy = thread_policy()  # a bad NEURON_OPT_THREAD_POLICY fails before the model loads
     if envs.NUM_THREADS is None:
         torch.set_num_threads(policy.base)
-    from neuron_opt.server.tools import make_parser
-
     key = api_key(args)
     engine = build_engine(args)
     # the policy follows each graph call where the model runs in this process (tp > 1 ranks set their own counts)

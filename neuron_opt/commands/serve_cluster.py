@@ -14,6 +14,7 @@ from typing import Any
 
 from neuron_opt.commands.lora_flags import parse_lora_modules
 from neuron_opt.commands.serve_engine import api_key, build_engine, check_args, served_name, server_limits
+from neuron_opt.config import CacheConfig
 from neuron_opt.errors import ConfigError
 
 RAY_NAMESPACE = "neuron_opt"
@@ -66,11 +67,11 @@ def run_cluster(args: argparse.Namespace) -> int:
         if value and value != "default" and not value.startswith("s3://"):  # s3://: pulled by check_args
             setattr(args, field, str(Path(value).resolve()))
     # the keys this command trusts, named explicitly for the replicas: they may not share our environment
-    from neuron_opt.signing import trusted_key_paths
+    from neuron_opt.signing import trusted_key_paths  # here: the CLI parses without cryptography
 
     args.trusted_keys = tuple(p.resolve() for p in trusted_key_paths(args.trusted_keys))
     if args.model:
-        from neuron_opt.checkpoint import open_checkpoint
+        from neuron_opt.checkpoint import open_checkpoint  # here: the CLI parses without the checkpoint readers
 
         open_checkpoint(args.model)
     verified = check_args(args, verify_hashes=False)[0]  # each replica verifies the files as it loads them
@@ -117,8 +118,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     from ray.serve.config import RequestRouterConfig
     from ray.serve.schema import LoggingConfig
 
-    from neuron_opt.config import CacheConfig
-    from neuron_opt.server.cluster import (
+    from neuron_opt.server.cluster import (  # on Ray (the `cluster` extra), as the two above
         APP_NAME,
         ROUTER_SPARE_REQUESTS,
         EngineReplica,

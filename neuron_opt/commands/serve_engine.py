@@ -8,6 +8,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from neuron_opt import envs
+from neuron_opt.commands.generate import bundled_speculation, resolve_artifact_arg, speculative_from_args
 from neuron_opt.commands.lora_flags import parse_lora_modules
 from neuron_opt.errors import ConfigError
 from neuron_opt.server.limits import PROMPT_CHARS_PER_TOKEN, ServerLimits
@@ -28,8 +30,6 @@ LIMIT_FLAGS = {
 
 def api_key(args: argparse.Namespace) -> str | None:
     """The key `serve` requires: --api-key, else NEURON_OPT_API_KEY, else none."""
-    from neuron_opt import envs
-
     if args.api_key is not None and not args.api_key.strip():
         raise ConfigError("--api-key: must not be empty (leave it out to serve without a key)", param="api_key")
     return args.api_key or envs.API_KEY
@@ -52,12 +52,10 @@ def check_args(args: argparse.Namespace, verify_hashes: bool = True) -> tuple[An
     against the artifact before anything loads (`serve --data-parallel` checks them once, before starting N
     replicas, without hashing the files: `verify_hashes=False`). The manifest is read once, here; the loader
     takes it as read."""
-    from neuron_opt.commands.generate import bundled_speculation, resolve_artifact_arg, speculative_from_args
-
     resolve_artifact_arg(args)  # an s3:// artifact pulled here, in the process that loads it
     if not args.artifact:
         return (None, *speculative_from_args(args, None))
-    from neuron_opt.artifact import read_verified
+    from neuron_opt.artifact import read_verified  # here: the CLI parses without the artifact readers (cryptography)
 
     verified = read_verified(Path(args.artifact), verify_hashes=verify_hashes, trusted_keys=args.trusted_keys)
     manifest = verified.manifest
@@ -71,6 +69,7 @@ def check_args(args: argparse.Namespace, verify_hashes: bool = True) -> tuple[An
 def build_engine(args: argparse.Namespace) -> Any:
     """The (not yet started) `Engine` that `serve` runs, from its flags: the model loaded (`api.load_model`), the
     engine built over its runner; `serve --data-parallel` calls it in every replica process."""
+    # here, not at the top: the CLI parses without loading the model path (executors, engine, transformers)
     from neuron_opt.api import load_draft, load_model
     from neuron_opt.runtime.engine import Engine
     from neuron_opt.runtime.output import model_eos_token_ids

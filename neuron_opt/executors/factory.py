@@ -24,11 +24,12 @@ import torch
 from models.build import apply_lora_capacity, model_class, rank_model_factory
 from neuron_opt.backends import backend_class, get_backend
 from neuron_opt.backends.base import Backend, Executor
-from neuron_opt.backends.eager import EagerBackend, EagerExecutor, load_weights
+from neuron_opt.backends.eager import EagerBackend, EagerExecutor
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, torch_dtype
 from neuron_opt.executors.tp import launch_tp_executor, tp_executor_from_state_dict
 from neuron_opt.lora.config import LoraConfig
 from neuron_opt.parallel import ParallelContext, head_layout
+from neuron_opt.weights import load_weights
 
 SINGLE, SPMD, RANKS = "single", "spmd", "ranks"
 

@@ -25,13 +25,13 @@ import torch.distributed as dist
 
 from models.build import apply_lora_capacity, apply_quant_layout, model_class
 from neuron_opt.backends.base import StepInputs, kv_dtype
-from neuron_opt.backends.eager import load_model_weights
 from neuron_opt.executors.launcher import RankSpec
 from neuron_opt.lora.adapter import load_into_slot
 from neuron_opt.lora.ops import LoraInputs, stacks_for
 from neuron_opt.parallel.collectives import TorchCollectives
 from neuron_opt.parallel.context import Collectives, ParallelContext
 from neuron_opt.parallel.vocab import gather_candidates, gather_full, mask_padded_vocab
+from neuron_opt.weights import load_model_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
 from neuron_opt.config import ModelConfig
 from neuron_opt.errors import CheckpointError, ConfigError
@@ -203,8 +204,6 @@ def read_adapter(path: str | Path, cfg: ModelConfig, lora: LoraConfig) -> LoraAd
         if set(parts) != {"A", "B"}:
             raise _bad(path, WEIGHTS_FILE, f"layer {layer} {module_name}: has lora_{''.join(parts)} without its "
                        f"lora_{'B' if 'A' in parts else 'A'}")
-    from safetensors.torch import load_file
-
     data = weights_path.read_bytes()
     tensors = load_file(str(weights_path))
     weights = {}

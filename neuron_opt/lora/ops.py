@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from neuron_opt.lora.config import module_shapes
+
 
 def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
                loop: bool = False) -> torch.Tensor:
@@ -121,7 +123,5 @@ def stacks_for(model: torch.nn.Module, dtype: torch.dtype) -> LoraStacks | None:
     lc = getattr(model, "lora_config", None)
     if lc is None:
         return None
-    from neuron_opt.lora.config import module_shapes
-
     return LoraStacks(module_shapes(model.cfg, model.layout), lc.target_modules, len(model.model.layers),
                       lc.max_loras, lc.max_lora_rank, dtype)

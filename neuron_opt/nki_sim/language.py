@@ -13,6 +13,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from neuron_opt.nki_sim.core import dtypes as _dt
@@ -47,8 +48,6 @@ class _FInfo:
     """`nl.fp32.min` & co: the most negative finite value, as kernels use for -inf-like fills."""
 
     def __init__(self, dtype: np.dtype) -> None:
-        import ml_dtypes
-
         fi = ml_dtypes.finfo(dtype)
         self.min = float(fi.min)
         self.max = float(fi.max)

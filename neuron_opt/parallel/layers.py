@@ -21,7 +21,7 @@ from torch import nn
 
 from neuron_opt.config import QuantConfig
 from neuron_opt.parallel.context import ParallelContext
-from neuron_opt.quant import DEQUANT, QuantizedWeight, concat_rows
+from neuron_opt.quant.weights import DEQUANT, QuantizedWeight, concat_rows
 
 
 def seq_scatter(x: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
@@ -39,7 +39,7 @@ def seq_gather(x: torch.Tensor, pctx: ParallelContext, seq: int) -> torch.Tensor
 
 class _Linear(nn.Module):
     """The weight of a parallel linear: a float `weight`, or, once `quantize_as` has run, a `quant` submodule
-    (neuron_opt.quant.QuantizedWeight) in its place. Chosen when the model is built."""
+    (neuron_opt.quant.weights.QuantizedWeight) in its place. Chosen when the model is built."""
 
     weight: nn.Parameter
 
@@ -70,7 +70,7 @@ class FusedLinears(nn.Module):
     """Quantized column-parallel linears that read the same input (q/k/v, gate/up), as ONE weight-only GEMM whose
     output is split back into theirs, in order: `forward(x)` -> (y_1, ..., y_n).
 
-    Built from loaded linears in their stored format (neuron_opt.quant.concat_rows: exact). Float projections
+    Built from loaded linears in their stored format (neuron_opt.quant.weights.concat_rows: exact). Float projections
     need none of this: Inductor's concat-linear pass fuses their GEMMs; it does not fuse torch's weight-only
     kernels (int8: never fires; int4: fails on bf16 graphs in torch 2.13), so the cpu backend fuses quantized
     ones here (models.llama: `fuse_quantized_projections`).

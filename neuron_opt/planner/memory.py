@@ -5,7 +5,7 @@ Design decisions:
 - Weights are counted from the per-rank `HeadLayout` (neuron_opt.parallel.sharding), so head padding, KV-head
   replication (replicate-kv / mha) and vocabulary padding cost exactly what the sharded checkpoint stores.
   At tp=1 with no padding the count equals `ModelConfig.num_parameters()` (tested).
-- Quantized weights are weight-only, counted exactly as `compile --quantize` stores them (neuron_opt.quant):
+- Quantized weights are weight-only, counted exactly as `compile --quantize` stores them (neuron_opt.quant.weights):
   `int8` and `fp8` hold the seven decoder linears in 1 byte per element plus one float32 scale per output
   channel; `int4` in half a byte per element plus a float32 scale and offset per group of INT4_GROUP input
   features (compile's default group size). Embeddings, LM head, norms and biases stay bfloat16.
@@ -30,11 +30,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from neuron_opt.buckets import BucketConfig
-from neuron_opt.config import ModelConfig, norm_roles
+from neuron_opt.config import ModelConfig, ParallelConfig, norm_roles
 from neuron_opt.errors import ConfigError
 from neuron_opt.lora.config import LoraConfig
-from neuron_opt.parallel.sharding import HeadLayout
+from neuron_opt.parallel.sharding import HeadLayout, head_layout
 from neuron_opt.planner.hardware import GiB, Instance
+from neuron_opt.planner.moe import expert_elements
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1}  # int4: see below
 WEIGHT_DTYPES = ("bfloat16", "float16", "float32", "fp8", "int8", "int4")
@@ -76,8 +77,6 @@ def weight_count(cfg: ModelConfig, lay: HeadLayout) -> WeightCount:
     q, kv, inter = lay.n_heads_local * D, lay.n_kv_local * D, lay.intermediate_local
     experts = 0
     if cfg.is_moe:  # the dense MLP is replaced: experts (planner.moe), a shared expert, the router
-        from neuron_opt.planner.moe import expert_elements
-
         inter, experts = lay.shared_intermediate_local, expert_elements(cfg, lay)
         if lay.hybrid:  # token-generation graphs' own copy of the experts
             experts += expert_elements(cfg, lay.decode_layout())
@@ -145,9 +144,6 @@ class LayoutOverhead:
 
 def layout_overhead(cfg: ModelConfig, lay: HeadLayout, dtype: str) -> LayoutOverhead:
     """Padding (MLP features, query heads, vocabulary) and KV-head replication of `lay`, with their cost."""
-    from neuron_opt.config import ParallelConfig
-    from neuron_opt.parallel.sharding import head_layout
-
     even = head_layout(cfg, ParallelConfig(tp=1))
     padded = []
     if cfg.is_moe:

@@ -17,6 +17,7 @@ from neuron_opt.planner.moe import ep_choices, gather_until, moe_line
 from neuron_opt.planner.queueing import QueueEstimate
 from neuron_opt.planner.recommend import Deployment, Plan, Traffic, evaluate
 from neuron_opt.planner.scale_out import TARGETS, Split, recommend_split
+from neuron_opt.planner.validation import error_band
 
 
 def _gib(n: int) -> str:
@@ -75,8 +76,6 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
         lines.insert(1, f"  checkpoint: {checkpoint_bytes(cfg) / 1e9:.2f} GB as stored (MXFP4 experts), "
                         f"dequantized to {d.dtype} at load")
     if plan.ttft is not None and plan.tpot is not None and plan.prefill_bucket and plan.decode_bucket:
-        from neuron_opt.planner.validation import error_band  # the published rows: loaded only to print latency
-
         band = error_band(inst.family)
         ttft_pm = "" if band is None else f" +-{band.ttft_pct:.0f}%"
         tpot_pm = "" if band is None else f" +-{band.tpot_pct:.0f}%"
@@ -190,8 +189,6 @@ def split_json(split: Split, output_len: int) -> dict[str, Any]:
 
 def _band_json(plan: Plan) -> dict[str, Any] | None:
     """The held-out error of the latency model on this instance family (None: no latency, or no rows)."""
-    from neuron_opt.planner.validation import error_band
-
     band = error_band(plan.instance.family) if plan.ttft is not None else None
     if band is None:
         return None

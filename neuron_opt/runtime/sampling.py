@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from neuron_opt.errors import ConfigError
+from neuron_opt.parallel.vocab import candidates_needed as needed
 from neuron_opt.runtime.structured import GrammarState, StructuredOutputs, apply_grammar_masks
 
 MAX_LOGIT_BIAS = 100.0  # |bias| per token, as OpenAI bounds it
@@ -257,8 +258,6 @@ def sample_batch(logits: torch.Tensor, states: list[SamplerState],
 
 def candidates_needed(params: SamplingParams, n_banned: int = 0) -> int | None:
     """Top logits per rank this request's sampling needs (None: the full distribution), for vocab-parallel TP."""
-    from neuron_opt.parallel.vocab import candidates_needed as needed
-
     return needed(params.greedy, params.top_k, params.top_p,
                   params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.needs_full_logits,
                   params.logprobs is not None, n_banned)

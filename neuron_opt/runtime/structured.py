@@ -295,7 +295,7 @@ class GrammarCompiler:
 
     def _xgr_compiler(self) -> Any:
         with self._lock:
-            if self._compiler is None:
+            if self._compiler is None:  # xgrammar (and torch) on first use: the CLI's parser imports this module
                 import torch
                 import xgrammar as xgr
 

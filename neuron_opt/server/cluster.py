@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -69,18 +70,21 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from neuron_opt.checkpoint import open_checkpoint
 from neuron_opt.errors import ConfigError
 from neuron_opt.runtime.block_manager import hash_block
 from neuron_opt.server.app import (
     UNAUTHORIZED,
     BodyTooLargeError,
     authorized,
+    engine_metrics,
     error_body,
     error_headers,
     error_payload,
     http_error,
     read_body,
 )
+from neuron_opt.server.embeddings import EmbeddingServing
 from neuron_opt.server.limits import ServerLimits
 from neuron_opt.server.lora_routes import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from neuron_opt.server.metrics import PREFIX, REJECTION_REASONS
@@ -90,7 +94,7 @@ from neuron_opt.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from neuron_opt.server.serving import NotFoundError, internal_error_message, sse
+from neuron_opt.server.serving import NotFoundError, OpenAIServing, internal_error_message, sse
 from neuron_opt.server.tools import make_parser, render_messages
 
 log = logging.getLogger(__name__)
@@ -152,13 +156,6 @@ class EngineReplica:
 
     def __init__(self, make_engine: Callable[[], Any], model_name: str, board: Any,
                  threads: int | None, tool_call_parser: str | None = None, limits: ServerLimits | None = None) -> None:
-        import torch
-
-        from neuron_opt.server.app import engine_metrics
-        from neuron_opt.server.embeddings import EmbeddingServing
-        from neuron_opt.server.serving import OpenAIServing
-        from neuron_opt.server.tools import make_parser
-
         if threads is not None:
             torch.set_num_threads(threads)
         self.engine = engine = make_engine()
@@ -396,13 +393,10 @@ ROUTING = RoutingStats()
 def load_tokenizer(source: dict[str, str]) -> Any:
     """The tokenizer the replicas use: an artifact's (`{"artifact": dir}`) or a checkpoint's (`{"model": spec}`)."""
     if "artifact" in source:
-        from pathlib import Path
-
+        # transformers here, not at the top: a replica sets up its device runtime before importing it
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(Path(source["artifact"]) / "tokenizer")
-    from neuron_opt.checkpoint import open_checkpoint
-
     return open_checkpoint(source["model"]).tokenizer
 
 

@@ -17,7 +17,6 @@ from tiny import load_hf
 
 from models.build import rank_model_factory
 from models.moe import CPU_GRAPH, DENSE, DEVICE, EAGER, GATHER, GROUPED, SparseMoeBlock, moe_strategy
-from neuron_opt.backends.eager import load_weights
 from neuron_opt.buckets import BucketConfig, pick_decode, pick_prefill
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
 from neuron_opt.errors import ConfigError
@@ -27,6 +26,7 @@ from neuron_opt.parallel import SINGLE, ParallelContext
 from neuron_opt.parallel.sharding import head_layout, shard_state_dict, shard_tensor
 from neuron_opt.planner.collectives import expected_calls
 from neuron_opt.runtime.runner import DecodeRow, ModelRunner
+from neuron_opt.weights import load_weights
 
 MOE = ["mixtral", "qwen2-moe", "qwen3-moe"]
 

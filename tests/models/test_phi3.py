@@ -178,7 +178,7 @@ def test_gguf_phi3_reads_the_fused_weights_and_longrope_and_generates_hf_tokens(
     from neuron_opt.api import build_model
     from neuron_opt.backends.eager import EagerExecutor
     from neuron_opt.buckets import BucketConfig
-    from neuron_opt.gguf_quant import native_quant
+    from neuron_opt.checkpoint import native_quant
 
     monkeypatch.setattr(envs, "CACHE_DIR", tmp_path / "cache")
     d = tiny_dir("phi3-long")
@@ -335,11 +335,11 @@ def test_bad_options_name_the_field(tiny_dir, tmp_path):
 
 
 def test_fp8_kv_calibration_bounds_partially_rotated_keys(tiny_dir):
-    """kv_quant's key bound: rope rotates pairs (i, i + 6) of the first 12 features and passes the other 4 through;
+    """quant.kv's key bound: rope rotates pairs (i, i + 6) of the first 12 features and passes the other 4 through;
     the calibrated scale covers every rotated key at every position, with both factor sets."""
     from models.llama import apply_rope, model_rope_tables
-    from neuron_opt.kv_quant import HEADROOM, calibrate
-    from neuron_opt.quant import FP8_MAX
+    from neuron_opt.quant.kv import HEADROOM, calibrate
+    from neuron_opt.quant.weights import FP8_MAX
 
     d = tiny_dir("phi3-long")
     cfg = ModelConfig.from_hf(d)

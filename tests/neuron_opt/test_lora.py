@@ -415,7 +415,7 @@ def _dequantized_hf(base: Path, art: Path):
     from safetensors import safe_open
 
     from neuron_opt.artifact import read_manifest
-    from neuron_opt.quant import QuantTensor, dequantize
+    from neuron_opt.quant.weights import QuantTensor, dequantize
 
     method = read_manifest(art).quant.method
     hf = load_hf(base).eval()

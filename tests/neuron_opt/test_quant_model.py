@@ -165,7 +165,7 @@ def test_fold_alone_is_exact(ckpt, tmp_path):
     from safetensors.torch import save_file
 
     from neuron_opt.checkpoint import open_checkpoint
-    from neuron_opt.kv_quant import fold
+    from neuron_opt.quant.kv import fold
 
     folded = tmp_path / "folded"
     shutil.copytree(ckpt, folded, ignore=shutil.ignore_patterns("*.safetensors"))

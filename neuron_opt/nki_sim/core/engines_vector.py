@@ -22,7 +22,7 @@ from neuron_opt.nki_sim.core.errors import (
     ShapeError,
     SimulatorError,
 )
-from neuron_opt.nki_sim.core.instr import check_same_partitions, operand, result, values
+from neuron_opt.nki_sim.core.instr import check_same_partitions, new_tile, operand, result, values
 from neuron_opt.nki_sim.core.memory import Buffer
 from neuron_opt.nki_sim.core.tile import Tile
 
@@ -469,8 +469,6 @@ def memset(
     par_axis: int = 0,
 ) -> Tile:
     """Allocate and fill (nl.zeros/ones/full, nisa.memset); PSUM memsets on VectorE, SBUF on GpSimd."""
-    from neuron_opt.nki_sim.core.instr import new_tile
-
     ctx = current()
     dt = dtypes.normalize(dtype)
     t = new_tile(

@@ -15,7 +15,7 @@ from neuron_opt.nki_sim.core.errors import SimulatorError
 
 
 def _erf(x: np.ndarray) -> np.ndarray:
-    import torch  # numpy has no erf; torch is a project dependency
+    import torch  # numpy has no erf; imported here so that the simulator itself imports without torch
 
     return torch.special.erf(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))).numpy()
 

@@ -1,4 +1,7 @@
-"""Explicit registry: HF `architectures[0]` -> model family. Unknown names fail with the supported list."""
+"""Explicit registry: HF `architectures[0]` -> model family. Unknown names fail with the supported list.
+
+Data only, importing neither `neuron_opt.config` (which checks a checkpoint's architecture against it) nor `models`
+(whose `build.py` maps a family to its classes): both depend on it, so the packages stay one-way."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from neuron_opt.quant import FP8_MAX, QuantTensor, scale_quant
+from neuron_opt.quant.weights import FP8_MAX, QuantTensor, scale_quant
 
 HEADROOM = 4.0
 CALIBRATION_TEXT = (
