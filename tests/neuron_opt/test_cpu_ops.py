@@ -11,8 +11,11 @@ backend takes where they do not build is tested in test_cpu_ops_fallback.py."""
 
 from __future__ import annotations
 
+import ast
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,12 +47,22 @@ def test_the_operators_build_and_compiles_call_them_by_default() -> None:
 @pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="needs Linux's /proc/self/maps")
 def test_the_operators_share_torchs_openmp_runtime() -> None:
     """The operators link libgomp.so.1 (-fopenmp); the loader resolves that name to the copy torch loaded, so one
-    OpenMP runtime (one thread pool, one spin-wait) serves torch, the AOTInductor graphs and the operators."""
-    maps = Path("/proc/self/maps").read_text().splitlines()
-    ours = {line.split()[-1] for line in maps if "neuron_opt_cpu_ops" in line}
-    omp = {line.split()[-1] for line in maps if any(n in line for n in ("libgomp", "libiomp", "libomp"))}
+    OpenMP runtime (one thread pool, one spin-wait) serves torch, the AOTInductor graphs and the operators. Checked
+    in a fresh process holding torch and the operators only: other libraries a test worker has imported may map
+    their own private copies (scikit-learn's wheel vendors a renamed libgomp), which our operators cannot bind to."""
+    code = (
+        "from pathlib import Path\n"
+        "from neuron_opt.backends import cpu_ops\n"
+        "assert cpu_ops.load() is None\n"
+        "maps = Path('/proc/self/maps').read_text().splitlines()\n"
+        "print(sorted({l.split()[-1] for l in maps if 'neuron_opt_cpu_ops' in l}))\n"
+        "print(sorted({l.split()[-1] for l in maps if any(n in l for n in ('libgomp', 'libiomp', 'libomp'))}))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    ours, omp = (ast.literal_eval(line) for line in r.stdout.splitlines()[-2:])
     assert ours, "the operators' library is not mapped"
-    assert len(omp) == 1, f"more than one OpenMP runtime mapped: {sorted(omp)}"
+    assert len(omp) == 1, f"more than one OpenMP runtime mapped: {omp}"
 
 
 # (query heads, kv heads, head dim, block size, kv_len, queries, sliding window)
