@@ -99,6 +99,7 @@ from typing import Any
 import numpy as np
 
 from kernels_nki._nki import DEFAULT_TARGET, check_softcap, nisa, nki, nl, sbuf_capacity, simulate
+from neuron_opt import nki_sim
 from neuron_opt.errors import KernelArgumentError
 
 P_CHUNK = 128  # positions per P@V matmul (contraction on partitions)
@@ -451,7 +452,7 @@ def v_kernel_layout(v: Any, split_size: int) -> Any:
         return head
     if isinstance(v, np.ndarray):
         return np.concatenate([head, v[:, :, cut:]], axis=2)
-    import torch
+    import torch  # here: the kernels import without torch (numpy on the simulator); only a tensor brings it
 
     return torch.cat([head, v[:, :, cut:]], dim=2)
 
@@ -618,8 +619,6 @@ def estimate_paged(b: int, n_heads: int, n_kv_heads: int, s_max: int, d: int, *,
                    split_size: int | None = None, target: str = "trn1", dtype: Any = None) -> Any:
     """Count-only cost Report of the paged kernel for one decode step over `s_max` positions per sequence
     (s_max / block_len table entries each, blocks of a pool of B * that size)."""
-    from neuron_opt import nki_sim
-
     dt = nl.bfloat16 if dtype is None else dtype
     split = default_paged_split(block_len) if split_size is None else split_size
     g = n_heads // n_kv_heads
@@ -642,8 +641,6 @@ def estimate(b: int, n_heads: int, n_kv_heads: int, s_max: int, d: int, *, split
     Raises:
         KernelArgumentError: A cache too long for SBUF at this split_size on `target` (`max_cache_len`).
     """
-    from neuron_opt import nki_sim
-
     dt = nl.bfloat16 if dtype is None else dtype
     _check_sbuf(s_max, d, split_size, target)
     g = n_heads // n_kv_heads

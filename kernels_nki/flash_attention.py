@@ -78,6 +78,7 @@ from typing import Any
 import numpy as np
 
 from kernels_nki._nki import check_softcap, nisa, nki, nl, simulate
+from neuron_opt import nki_sim
 from neuron_opt.errors import KernelArgumentError
 
 Q_TILE = 128  # query rows per tile: the partition count of the score tile
@@ -408,8 +409,6 @@ def estimate(b: int, n_heads: int, n_kv_heads: int, s: int, d: int, *, causal: b
         The simulator's `Report` (latency, per-engine busy time, TensorE utilisation).
 
     """
-    from neuron_opt import nki_sim
-
     dt = nl.bfloat16 if dtype is None else dtype
     grid = flash_attention_kernel[b, n_kv_heads, n_heads // n_kv_heads]
     _, rep = nki_sim.simulate_kernel(grid, nki_sim.ShapeDtype((b, n_heads, d, s), dt),

@@ -39,6 +39,7 @@ import numpy as np
 
 # `_nki` picks the real SDK when it imports, else neuron_opt.nki_sim (same names).
 from kernels_nki._nki import HAVE_SDK, nisa, nki, nl, sbuf_capacity
+from neuron_opt import nki_sim
 from neuron_opt.errors import KernelArgumentError
 
 DEFAULT_TILES = (16, 2, 8)  # (tiles_m, tiles_n, tiles_k): the nki-samples configuration measured on trn1
@@ -185,8 +186,6 @@ def estimate(
     dtype: Any = None,
 ) -> Any:
     """Count-only cost report of the kernel for `[m, k] @ [k, n]` (shapes must be block multiples)."""
-    from neuron_opt import nki_sim
-
     dt = nl.bfloat16 if dtype is None else dtype
     _check_sbuf(m, tiles, dt, target)
     tm, tn, tk = tiles

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from kernels_nki._nki import nisa, nki, nl, simulate
+from neuron_opt import nki_sim
 from neuron_opt.errors import KernelArgumentError
 
 ROWS = 128  # tokens per tile (partitions)
@@ -107,8 +108,6 @@ def run(x: np.ndarray, weight: np.ndarray, eps: float,
 
 def estimate(n: int, h: int, *, residual: bool = False, target: str = "trn1", dtype: Any = None) -> Any:
     """Count-only cost Report of the simulator (no values computed)."""
-    from neuron_opt import nki_sim
-
     dt = nl.bfloat16 if dtype is None else dtype
     args = [nki_sim.ShapeDtype((n, h), dt), nki_sim.ShapeDtype((1, h), dt)]
     if residual:

@@ -51,6 +51,7 @@ from neuron_opt.parallel import (
     VocabParallelEmbedding,
 )
 from neuron_opt.parallel.layers import seq_gather
+from neuron_opt.parallel.sharding import head_sources
 
 
 def rope_tables(cfg: ModelConfig, max_model_len: int, rope: dict | None = None,
@@ -68,7 +69,8 @@ def rope_tables(cfg: ModelConfig, max_model_len: int, rope: dict | None = None,
         inv_freq = 1.0 / (theta ** (torch.arange(0, R, 2, dtype=torch.int64).float() / R))
     elif rope_type == "longrope":
         inv_freq, scaling = longrope_inv_freq(cfg, rope, factors)
-    else:
+    else:  # transformers here, not at the top: importing it may import a device runtime, which the neuron
+        # backend sets up first (executors.loader); models are built after that
         from transformers import LlamaConfig
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -319,8 +321,6 @@ class FullWidthRMSNorm(nn.Module):
 def head_copies(cfg: ModelConfig, lay: HeadLayout, which: int) -> int:
     """How many times the layout holds source head 0 of q (which=0) or k/v (which=1) over all ranks (every
     source head is held as often: FullWidthRMSNorm)."""
-    from neuron_opt.parallel.sharding import head_sources
-
     return sum(head_sources(cfg, lay, r)[which].count(0) for r in range(lay.tp))
 
 

@@ -30,7 +30,7 @@ Design decisions
             every local expert on every token, weighted by a [T, E_local] matrix that is zero off the top k. Reads
             each expert once and computes E_local / k times the routed FLOPs; exact (the zero weights drop the rest).
             On a NeuronCore, decode is bound by bytes, so from T * k >= E_local reading every expert once is the
-            cheaper side; a CPU core is not (measured: dense decode at batch 8 ran at half of gather's tok/s),
+            cheaper side; a CPU core is not (measured: dense decode at batch 8 ran slower than gather),
             so cpu decode graphs keep gathering.
   The plan (neuron_opt.planner.moe) models the device rule.
 """

@@ -49,7 +49,8 @@ from neuron_opt.lora.config import LoraConfig
 from neuron_opt.parallel import head_layout
 from neuron_opt.signing import SIGNATURE, check_signature, load_trusted_keys, sign_manifest, trusted_key_paths
 
-# 2: names of issue #17 item 13 (max_model_len, max_prompt_len, prefill_lens, decode_kv_lens); 3: block KV cache
+# format 2: the names of docs/structure.md, "Names" (max_model_len, max_prompt_len, prefill_lens,
+# decode_kv_lens); 3: block KV cache
 FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 16 << 20  # a manifest lists files and configs: kilobytes

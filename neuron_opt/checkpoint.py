@@ -627,7 +627,8 @@ def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
 
 
 def _gguf_tokenizer_cached(path: Path, cache_dir: Path) -> PreTrainedTokenizerBase:
-    """`_gguf_tokenizer`, saved once with `save_pretrained` (loading tokenizer.json is ~10x faster)."""
+    """`_gguf_tokenizer`, saved once with `save_pretrained` (loading tokenizer.json is faster than converting the
+    GGUF's vocabulary again)."""
     from transformers import AutoTokenizer  # as in _hf_tokenizer
 
     cached = cache_dir / "tokenizers" / f"{_fingerprint((path,))[:40]}-{_CACHE_VERSION}"

@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+import torch
+
 from neuron_opt import envs
 from neuron_opt.errors import NeuronOptError
 
@@ -35,8 +37,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if envs.NUM_THREADS:
-        import torch
-
         torch.set_num_threads(envs.NUM_THREADS)
     try:
         return int(args.func(args) or 0)

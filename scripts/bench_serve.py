@@ -389,7 +389,7 @@ def plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-# ---- block KV cache scenarios (issue 13) ---------------------------------------------------------
+# ---- block KV cache scenarios --------------------------------------------------------------------
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""Every shell command in README.md and docs/*.md runs as written (issue #17).
+"""Every shell command in README.md and docs/*.md runs as written.
 
 Commands come from fenced ```bash blocks: backslash-continued lines are joined, comment-only lines skipped,
 trailing `# comments` dropped (shlex, so a `#` inside quotes stays), `&&` splits a line into commands, and an env

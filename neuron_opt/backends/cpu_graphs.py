@@ -407,8 +407,8 @@ def inductor_options(gemm: str, fuse_projections: bool = True, quantized: bool =
     - "cpp": freezing + max_autotune restricted to the C++ GEMM template; weights become blocked constants
       (fastest fp32 decode here: the template's micro-kernels beat aten's gemv 2-3x).
     - "onednn": freezing without autotune; weights become oneDNN-packed constants and GEMMs call oneDNN
-      (fastest bf16 above one row; at one row the template is, so bf16 one-row graphs use it: the cpu backend's
-      `one_row_gemm` option).
+      (the bf16 default, one-row graphs included; the cpu backend's `one_row_gemm` option puts one-row graphs on
+      another choice or on the bf16_linear operator: docs/cpu_backend.md).
     - "aten": plain AOTI; weights stay in their HF layout, GEMMs call aten.
 
     Every choice also fuses GEMMs that read the same input (q/k/v, gate/up: `cpp.enable_concat_linear`): fewer,

@@ -16,6 +16,7 @@ from neuron_opt.commands.lora_flags import parse_lora_modules
 from neuron_opt.commands.serve_engine import api_key, build_engine, check_args, served_name, server_limits
 from neuron_opt.config import CacheConfig
 from neuron_opt.errors import ConfigError
+from neuron_opt.lora.adapter import read_adapter
 
 RAY_NAMESPACE = "neuron_opt"
 
@@ -44,8 +45,6 @@ def lora_modules(args: argparse.Namespace, manifest: Any) -> dict[str, str]:
     if manifest is None or manifest.lora is None:
         raise ConfigError("--lora-modules: this model takes no adapters (compile it with --enable-lora)",
                           param="lora_modules")
-    from neuron_opt.lora.adapter import read_adapter
-
     modules = {name: str(Path(path).resolve()) for name, path in modules.items()}
     for path in modules.values():
         read_adapter(path, manifest.model, manifest.lora)

@@ -44,6 +44,7 @@ from neuron_opt.lora.config import LoraConfig
 from neuron_opt.parallel.sharding import HeadLayout
 from neuron_opt.planner.collectives import layer_collectives
 from neuron_opt.planner.hardware import Instance
+from neuron_opt.planner.lora import bgmv_step
 from neuron_opt.planner.memory import dtype_bytes, weight_bytes, weight_count
 from neuron_opt.planner.moe import expert_step
 
@@ -128,8 +129,6 @@ def _lora(cfg: ModelConfig, lay: HeadLayout, lora: LoraConfig | None, rows: int,
     """The adapter products' (FLOPs, bytes) of a step (none without a LoRA capacity)."""
     if lora is None:
         return 0.0, 0
-    from neuron_opt.planner.lora import bgmv_step
-
     return bgmv_step(cfg, lay, lora, rows=rows, tokens=tokens, act_bytes=4 if dtype == "float32" else 2)
 
 

@@ -35,6 +35,7 @@ from neuron_opt.errors import ConfigError
 from neuron_opt.lora.config import LoraConfig
 from neuron_opt.parallel.sharding import HeadLayout, head_layout
 from neuron_opt.planner.hardware import GiB, Instance
+from neuron_opt.planner.lora import adapter_bytes
 from neuron_opt.planner.moe import expert_elements
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1}  # int4: see below
@@ -291,8 +292,6 @@ def plan_memory(
     act = 4 if dtype == "float32" else 2  # activations run in bfloat16 unless the whole model is float32
     adapters = 0
     if lora is not None:
-        from neuron_opt.planner.lora import adapter_bytes
-
         adapters = adapter_bytes(cfg, lay, lora, act)  # the stacks are in the compute dtype
     kv = kv_bytes(cfg, lay, batch * -(-max_model_len // block_size) + 1, block_size, kv_dtype)
     scratch = scratch_bytes(cfg, lay, buckets, act)

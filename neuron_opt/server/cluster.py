@@ -72,6 +72,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from neuron_opt.checkpoint import open_checkpoint
 from neuron_opt.errors import ConfigError
+from neuron_opt.lora.adapter import read_adapter
 from neuron_opt.runtime.block_manager import hash_block
 from neuron_opt.server.app import (
     UNAUTHORIZED,
@@ -84,7 +85,7 @@ from neuron_opt.server.app import (
     http_error,
     read_body,
 )
-from neuron_opt.server.embeddings import EmbeddingServing
+from neuron_opt.server.embeddings import EmbeddingRequest, EmbeddingServing
 from neuron_opt.server.limits import ServerLimits
 from neuron_opt.server.lora_routes import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from neuron_opt.server.metrics import PREFIX, REJECTION_REASONS
@@ -214,8 +215,6 @@ class EngineReplica:
 
     def _check_adapter(self, body: bytes) -> dict[str, str]:
         """Read and check the adapter a load request names, registering nothing (the router's first step)."""
-        from neuron_opt.lora.adapter import read_adapter
-
         req = LoadLoraAdapterRequest.model_validate_json(body or b"null")
         loras = self.engine.loras
         if loras is None:
@@ -249,8 +248,6 @@ class EngineReplica:
                 result = await self.serving.chat(
                     ChatCompletionRequest.model_validate_json(body or b"null"), arrival, _never_disconnected)
             elif route == "embeddings":
-                from neuron_opt.server.embeddings import EmbeddingRequest
-
                 result = await self.embeddings.create(EmbeddingRequest.model_validate_json(body or b"null"), arrival)
             elif route == "tokenize":
                 result = await self.serving.tokenize(TokenizeRequest.model_validate_json(body or b"null"))

@@ -107,7 +107,7 @@ def test_max_model_len_is_the_largest_decode_bucket():
 
 
 def test_retired_names_do_not_come_back():
-    """The names issue #17 item 13 replaced (docs/structure.md, "Names") appear nowhere in the code, except as the
+    """The names that docs/structure.md's "Names" replaced appear nowhere in the code, except as the
     CLI's accepted old spellings (and pydantic's own `Field(max_length=)`, a string bound)."""
     import re
     from pathlib import Path
