@@ -327,7 +327,8 @@ def test_onednn_weights_packed_once_for_every_m_hint() -> None:
 @NEEDS_ONEDNN_BF16
 @pytest.mark.parametrize("options", [
     pytest.param({}, id="default"),  # oneDNN for every graph (one_row_gemm "same")
-    pytest.param({"one_row_gemm": "kernel"}, id="one_row_kernel"),  # cpu_ops' bf16_linear for the batch-1 graph
+    # cpu_ops' bf16_linear for the batch-1 graph (its numerics: test_cpu_ops.py; ~80 s of compile: make test-slow)
+    pytest.param({"one_row_gemm": "kernel"}, id="one_row_kernel", marks=pytest.mark.slow),
     pytest.param({"one_row_gemm": "cpp"}, id="one_row_cpp", marks=pytest.mark.slow),  # the C++ template there
     pytest.param({"gemm": "cpp"}, id="cpp", marks=pytest.mark.slow)])
 def test_bf16_decode_matches_eager(tmp_path: Path, options: dict[str, str]) -> None:
@@ -371,6 +372,7 @@ def test_bf16_decode_matches_eager(tmp_path: Path, options: dict[str, str]) -> N
 
 
 @NEEDS_ONEDNN_BF16
+@pytest.mark.slow  # a non-default option; ~25 s of compile
 def test_bf16_logits_dtype_option_keeps_the_gemm_kernels_rounded_logits(tmp_path: Path) -> None:
     """`logits=dtype`: the head is the `gemm` kernel's (oneDNN) GEMM, its logits bf16 values widened, and no
     template packing of the head is built; the default (fp32) is the previous test."""
@@ -386,6 +388,7 @@ def test_bf16_logits_dtype_option_keeps_the_gemm_kernels_rounded_logits(tmp_path
 
 
 @NEEDS_ONEDNN_BF16
+@pytest.mark.slow  # a non-default option; ~65 s of compile
 def test_bf16_head_gemm_kernel_keeps_fp32_logits_on_the_operator(tmp_path: Path) -> None:
     """`head_gemm=kernel` (with `one_row_gemm=kernel`): every head calls cpu_ops' bf16_linear on the head weight as
     held (no template packing; the tied embedding reads the table itself), its logits fp32 sums (not widened bf16)

@@ -207,6 +207,7 @@ def test_compile_time_estimate_comes_from_this_machines_last_cold_compile(tiny_d
     assert float(shown.group(1)) == pytest.approx(seconds * units / 60, abs=0.051)
 
 
+@pytest.mark.slow  # ~65 s: two full compiles
 def test_other_weights_of_the_same_architecture_reuse_every_graph(tmp_path):
     """A fine-tuned checkpoint (same config, other weights) hits the cache for every graph, and its artifact
     computes with its own weights: logits equal the eager model of that checkpoint."""

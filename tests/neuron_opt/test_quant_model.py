@@ -145,7 +145,7 @@ def test_cpu_int4_kernels_match_the_eager_reference(build):
 
 @pytest.mark.skipif(not onednn_bf16_supported(), reason="bf16 cpu graphs need oneDNN bf16 (AVX-512 BW/VL/DQ or "
                     "AVX-NE-CONVERT); the cpu backend refuses them on this CPU")
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", pytest.param("int4", marks=pytest.mark.slow)])  # int4: ~60 s, slow tier
 def test_cpu_bf16_quantized_graphs_match_the_eager_reference(build, method):
     """bf16 compute, the cpu backend's default dtype where oneDNN has bf16 (and so what `compile --quantize auto`
     builds there): its graphs take bf16 activations as they come, fuse q/k/v and gate/up into one weight-only GEMM

@@ -291,6 +291,7 @@ def test_cpu_compiled_verify_graphs_match_eager_and_keep_greedy_exact(tiny_dir, 
 
 @pytest.mark.skipif(not onednn_bf16_supported(), reason="bf16 cpu graphs need oneDNN bf16 (AVX-512 BW/VL/DQ or "
                     "AVX-NE-CONVERT); the cpu backend refuses bf16 on this CPU")
+@pytest.mark.slow  # ~70 s of bf16 compiles; fp32 verify graphs against eager stay in the default suite
 def test_bf16_exact_verify_rows_are_bitwise_the_decode_steps_logits(tiny_dir, tmp_path):
     """bf16 (the cpu backend's exact_verify, on by default): a verify row runs the decode step's computation (its
     GEMM kernel, its attention loop, its fp32-logits template head: the same rows at 1 and k + 1), so its logits are
