@@ -420,13 +420,19 @@ def inductor_options(gemm: str, fuse_projections: bool = True, quantized: bool =
     RMSNorm once per output row (the int8 decode step ran far slower than with the activation stored);
     `realize_opcount_threshold` 4 stores any pointwise result of more than 4 ops that reads several buffers.
 
+    Every constant stays a graph constant (`always_keep_tensor_constants`): by default Inductor writes the values of
+    a one-dimensional constant of up to 8 elements into the generated code, which would compile in the placeholder
+    copy's random values (cpu_constants.placeholder_copy) where the model's tensor belongs, and no recipe would
+    bind the real one at load. GPT-OSS's sinks (one per local query head) and router bias (one per expert) are
+    such tensors in small models, and at tp where a rank holds 8 heads or fewer.
+
     `decode_attention` (bf16 dense decode and verify layer graphs, `DecodeAttention`): threshold 8. Inductor (default
     30) otherwise inlines the rotary embedding of the query into the score loop, recomputing it for every cached
     position; stored once, bf16 batch-1 decode and the exact verify ran faster, more at longer contexts
     (docs/cpu_backend.md). 4 there made the verify many times slower: it stores broadcast products.
     """
     opts: dict[str, Any] = {"aot_inductor.package": True, "aot_inductor.package_constants_in_so": False,
-                            "cpp.enable_concat_linear": fuse_projections}
+                            "cpp.enable_concat_linear": fuse_projections, "always_keep_tensor_constants": True}
     if quantized:
         opts["realize_opcount_threshold"] = 4
     elif decode_attention:

@@ -267,6 +267,37 @@ def test_constants_matched_to_concatenated_and_packed_sources(rows: list[int], b
         match_constants({"bad": packed + 1}, named, "test")
 
 
+@pytest.mark.parametrize("gemm", ["aten", "cpp"])
+def test_small_parameters_are_bound_at_load_not_written_into_the_code(gemm: str, tmp_path: Path) -> None:
+    """Inductor writes a one-dimensional constant of up to 8 values into the generated code unless it is told to
+    keep it: compiled on the placeholder copy, the graph would carry random values where such a tensor belongs
+    (GPT-OSS's sinks and router bias in small models). Every parameter gets a recipe, and the graph run on
+    other weights than the ones it was compiled with equals the module."""
+    from neuron_opt.backends.cpu import _runner
+    from neuron_opt.backends.cpu_constants import build_constant
+    from neuron_opt.backends.cpu_graphs import compile_graph
+
+    class Small(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 8)  # a bias of 8 values
+            self.gain = torch.nn.Parameter(torch.randn(8), requires_grad=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * self.gain
+
+    torch.manual_seed(0)
+    module = Small().eval()
+    recipes = compile_graph(module, (torch.randn(3, 16),), None, gemm, tmp_path / "g.so", "test")
+    assert {s for r in recipes.values() for s in r.sources} == {"lin.weight", "lin.bias", "gain"}
+    tensors = dict(module.state_dict())
+    runner = _runner(tmp_path / "g.so", {c: build_constant([tensors[s] for s in r.sources], r)
+                                         for c, r in recipes.items()})
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(runner.run([x])[0], module(x))
+
+
 def test_load_rejects_mismatched_setup(compiled: tuple[Path, dict[Bucket, list[Path]], CpuBackend]) -> None:
     out, files, backend = compiled
     with pytest.raises(ArtifactError, match="num_blocks"):
