@@ -423,8 +423,8 @@ def inductor_options(gemm: str, fuse_projections: bool = True, quantized: bool =
     Every constant stays a graph constant (`always_keep_tensor_constants`): by default Inductor writes the values of
     a one-dimensional constant of up to 8 elements into the generated code, which would compile in the placeholder
     copy's random values (cpu_constants.placeholder_copy) where the model's tensor belongs, and no recipe would
-    bind the real one at load. GPT-OSS's sinks (one per local query head) and router bias (one per expert) are
-    such tensors in small models, and at tp where a rank holds 8 heads or fewer.
+    bind the real one at load. GPT-OSS's sinks (one per query head) and router bias (one per expert) are such
+    tensors in models with 8 heads or experts or fewer.
 
     `decode_attention` (bf16 dense decode and verify layer graphs, `DecodeAttention`): threshold 8. Inductor (default
     30) otherwise inlines the rotary embedding of the query into the score loop, recomputing it for every cached
