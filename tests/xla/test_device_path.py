@@ -139,7 +139,7 @@ def test_tp2_one_spmd_program_equals_eager(variant, ckpt, tmp_path):
 
 
 @pytest.mark.parametrize("variant, ep, ep_decode, k", [("mixtral", 1, 0, 0), ("qwen2-moe", 2, 0, 0),
-                                                       ("qwen2-moe", 2, 1, 2)])
+                                                       ("qwen2-moe", 2, 1, 2), ("gpt-oss", 2, 1, 2)])
 def test_moe_tp2_one_spmd_program_equals_eager(variant, ep, ep_decode, k, ckpt, tmp_path):
     """MoE at tp=2 as one SPMD program: every expert split over both cores (ep 1), or four whole experts per core
     (ep 2: each core's expert range from its rank id inside the program). Still one all-reduce per attention and
@@ -148,7 +148,8 @@ def test_moe_tp2_one_spmd_program_equals_eager(variant, ep, ep_decode, k, ckpt, 
     Hybrid (ep 2 prefill, `ep_decode` 1): the device holds both copies of the experts (the planner's bytes), and
     each graph reads one: prefill graphs the [4, 2I, H] whole experts, decode and verify graphs the [8, 2I/2, H]
     split ones (per core; the program's parameters stack them over the cores), seen in the graphs' HLO
-    parameters."""
+    parameters. GPT-OSS in that layout: each expert's down bias added once per layout (the ep 2 copy: on the core
+    holding the expert; the ep 1 copy: on the first of the two cores splitting it)."""
     out = subprocess.run([sys.executable, str(HERE / "device_parity.py"), str(ckpt(variant)), str(tmp_path / "art"),
                           "2", str(k), str(ep), str(ep_decode)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
