@@ -86,11 +86,12 @@ def _parse_options(options: dict[str, Any] | None, dtype: torch.dtype) -> dict[s
     broadcast-and-sum loop of models.moe.Experts.gather, fused by Inductor). Measured in docs/moe.md.
     fuse_projections: "on" (q/k/v and gate/up as one GEMM each, see cpu_graphs.inductor_options) or "off".
     one_row_gemm: the gemm of layer graphs whose GEMMs have one row (batch-1 decode, one-token prefill); "same"
-    (as `gemm`, the default), "kernel" (bf16 only: those GEMMs on torch.ops.neuron_opt.bf16_linear, cpu_ops, the
-    weights as held) or a gemm choice (the executor then holds the layer weights in two packings;
-    docs/cpu_backend.md).
-    head_gemm: the GEMM of heads with fp32 logits below fp32 (`logits` "fp32"): "cpp" (Inductor's C++ template,
-    the default) or "kernel" (bf16 only: torch.ops.neuron_opt.bf16_linear on the head weight as held).
+    (as `gemm`; the default below bf16's and where the operators do not build), "kernel" (bf16 only: those GEMMs
+    on torch.ops.neuron_opt.bf16_linear, cpu_ops, the weights as held; bf16's default where the operators build)
+    or a gemm choice (the executor then holds the layer weights in two packings; docs/cpu_backend.md).
+    head_gemm: the GEMM of heads with fp32 logits below fp32 (`logits` "fp32"): "cpp" (Inductor's C++ template)
+    or "kernel" (bf16 only: torch.ops.neuron_opt.bf16_linear on the head weight as held; bf16's default where the
+    operators build and `logits` is "fp32").
     exact_verify: "on" (verify graphs compute each row as the decode graph of their batch does: its GEMM choice,
     DecodeAttention per query; the fp32-logits head either way; verify logits are then bitwise the decode step's)
     or "off" (SDPA over the queries, `gemm`: cheaper, close but not equal below fp32). With
@@ -109,6 +110,11 @@ def _parse_options(options: dict[str, Any] | None, dtype: torch.dtype) -> dict[s
     for name, fallback in (("decode_attention", "fused"), ("int8_linear", "inductor"), ("moe_gather", "inductor")):
         if name not in (options or {}):
             opts[name] = "kernel" if cpu_ops.load() is None else fallback
+    if dtype == torch.bfloat16 and cpu_ops.load() is None:  # bf16_linear where it builds (docs/cpu_backend.md)
+        if "one_row_gemm" not in (options or {}):
+            opts["one_row_gemm"] = "kernel"
+        if "head_gemm" not in (options or {}) and (options or {}).get("logits", "fp32") == "fp32":
+            opts["head_gemm"] = "kernel"
     for k, v in (options or {}).items():
         if k not in choices:
             raise ConfigError(f"backend options: unknown cpu option {k!r}; known: {sorted(choices)}")
