@@ -2,11 +2,12 @@
 
 `serve` runs the model on the engine thread while the HTTP event loop (and, on a benchmark machine, the client)
 needs a core now and then. Policies (`NEURON_OPT_THREAD_POLICY`; a fixed `NEURON_OPT_NUM_THREADS` overrides any):
-- "reserve" (the default): cores - 1 for every call, one core left to the event loop (docs/serving.md, "Threads").
+- "reserve": cores - 1 for every call, one core left to the event loop (docs/serving.md, "Threads").
 - "all": every core for every call.
-- "adaptive": every core for prefills (compute-bound: they gain the most from a core and lose the least when the
-  event loop preempts a worker for a moment) and for generation calls of at least `ADAPTIVE_MIN_ROWS` rows;
-  cores - 1 for one-row decode steps, the latency-bound case where one core for the event loop paid off.
+- "adaptive" (the default): every core for prefills (compute-bound: they gain the most from a core and lose the
+  least when the event loop preempts a worker for a moment) and for generation calls of at least
+  `ADAPTIVE_MIN_ROWS` rows; cores - 1 for one-row decode steps, the latency-bound case where one core for the
+  event loop paid off.
 
 The count is set on the thread that runs the step, just before a call whose count differs from the last:
 `torch.set_num_threads` sets the calling thread's OpenMP thread count, and each thread's parallel regions (aten,

@@ -231,7 +231,7 @@ def _free_port() -> int:
 
 def test_serve_cli_prints_curl_and_sigterm_drains(tiny_dir):
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "NEURON_OPT_NUM_THREADS"}
+    env = {k: v for k, v in os.environ.items() if k not in ("NEURON_OPT_NUM_THREADS", "NEURON_OPT_THREAD_POLICY")}
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -256,8 +256,12 @@ def test_serve_cli_prints_curl_and_sigterm_drains(tiny_dir):
         url = f"http://127.0.0.1:{port}"
         banner = proc.stdout.readline() + proc.stdout.readline()
         assert f"curl {url}/v1/chat/completions" in banner, banner
-        # NEURON_OPT_NUM_THREADS unset: one core is left to the event loop
-        assert f"{max(1, len(os.sched_getaffinity(0)) - 1)} torch thread(s)" in banner, banner
+        # NEURON_OPT_NUM_THREADS unset: the default policy's counts (adaptive: one core left to the event loop in
+        # one-row decode steps, every core otherwise)
+        cores = len(os.sched_getaffinity(0))
+        want = (f"torch threads by the 'adaptive' policy: {cores - 1} to {cores}" if cores > 1
+                else "1 torch thread(s), 'adaptive' policy")
+        assert want in banner, banner
         deadline = time.monotonic() + 120
         while True:
             assert proc.poll() is None and time.monotonic() < deadline, "server did not come up"
