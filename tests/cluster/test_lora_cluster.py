@@ -14,12 +14,11 @@ import sys
 
 import httpx
 import pytest
-import torch
 
 pytest.importorskip("ray", reason="Ray Serve is the `cluster` extra: pip install 'neuron-opt[cluster]'")
 peft = pytest.importorskip("peft")
 from cluster_helpers import MODEL, PROMPTS, REPLICA, free_port, replicas, stop_serve, wait  # noqa: E402
-from tiny import load_hf  # noqa: E402
+from peft_adapters import make_adapter  # noqa: E402
 
 from neuron_opt.api import LLM  # noqa: E402
 from neuron_opt.lora.config import LoraConfig  # noqa: E402
@@ -28,18 +27,6 @@ from neuron_opt.runtime.sampling import SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 N = 8
-
-
-def _adapter(base, out, seed: int, targets: list[str]):
-    torch.manual_seed(seed)
-    model = peft.get_peft_model(load_hf(base), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
-                                                                init_lora_weights=False, lora_dropout=0.0))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.3)
-    model.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +38,8 @@ def lora_cluster(ckpt, tmp_path_factory):
     compile_artifact(CompileRequest(model=str(ckpt), out=art, backend="eager", dtype="float32", batch_size=4,
                                     max_model_len=128, prefill_buckets=(16,), decode_buckets=(128,), use_cache=False,
                                     lora=LoraConfig(max_loras=2, max_lora_rank=4)), log=lambda s: None, progress=False)
-    adapters = {"a": _adapter(ckpt, root / "a", 1, ["q_proj", "v_proj", "down_proj"]),
-                "b": _adapter(ckpt, root / "b", 2, ["k_proj", "o_proj", "gate_proj", "up_proj"])}
+    adapters = {"a": make_adapter(ckpt, root / "a", 4, 8, ["q_proj", "v_proj", "down_proj"], 1),
+                "b": make_adapter(ckpt, root / "b", 4, 8, ["k_proj", "o_proj", "gate_proj", "up_proj"], 2)}
     llm = LLM(art)
     params = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)
     want = {name: [llm.generate_ids(p, params, LoRARequest(name, str(adapters[name])) if name else None).text

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from tiny import load_hf, make_tiny
 
 from neuron_opt.api import LLM
@@ -20,33 +19,10 @@ from neuron_opt.lora.registry import LoRARequest
 from neuron_opt.runtime.sampling import SamplingParams
 
 peft = pytest.importorskip("peft")
+from peft_adapters import hf_greedy, make_adapter  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 9, 13, 2, 44, 71, 8], [17, 3, 99, 120, 6], [30, 31, 32, 33, 34, 35, 36, 37, 38], [250, 11, 7]]
-
-
-def make_adapter(base: Path, out: Path, r: int, alpha: float, targets: list[str] | str, seed: int,
-                 rslora: bool = False, **extra) -> Path:
-    """A PEFT LoRA adapter of `base` with random A and B (B non-zero), saved as PEFT saves it."""
-    torch.manual_seed(seed)
-    cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, lora_dropout=0.0,
-                          use_rslora=rslora, **extra)
-    model = peft.get_peft_model(load_hf(base), cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.3)
-    model.save_pretrained(out)
-    return out
-
-
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """Greedy tokens of an HF (or PEFT) model, full forward each step: the oracle."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 def peft_model(base: Path, adapter: Path):

@@ -11,37 +11,17 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from tiny import load_hf, make_tiny
 
 pytestmark = pytest.mark.xla
 peft = pytest.importorskip("peft")
+from peft_adapters import hf_greedy, make_adapter  # noqa: E402
+
 HERE = Path(__file__).parent
 sys.path.append(str(HERE))
 import device_lora  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def make_adapter(base: Path, out: Path, r: int, alpha: float, targets: list[str] | str, seed: int) -> Path:
-    """A PEFT LoRA adapter of `base` with random A and B (B non-zero), saved as PEFT saves it."""
-    torch.manual_seed(seed)
-    cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, lora_dropout=0.0)
-    model = peft.get_peft_model(load_hf(base), cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.3)
-    model.save_pretrained(out)
-    return out
-
-
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 @pytest.fixture(scope="module")
