@@ -4,7 +4,12 @@ Serve's replica processes."""
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 
@@ -54,3 +59,20 @@ def stop_serve(proc) -> None:
     """SIGTERM to a `serve` command, SIGKILL to its process group after 90 s; its replicas must be gone."""
     stop_process_group(proc, 90)
     assert not replica_pids(), "replica processes outlived `serve`"
+
+
+@contextmanager
+def serve_replicas(args: list[str], log: Path, n: int = 2) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`neuron-opt serve ARGS --data-parallel n` on a free port, its output in `log`: (url, process) once the router
+    lists n replicas; the process group is stopped on exit."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "neuron_opt.cli", "serve", *args, "--data-parallel", str(n), "--port", str(port)]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait(lambda: proc.poll() is not None or len(replicas(url)) == n, 240, f"{n} replicas up")
+        assert proc.poll() is None, log.read_text()[-3000:]
+        yield url, proc
+    finally:
+        stop_serve(proc)

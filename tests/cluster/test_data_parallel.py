@@ -9,8 +9,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
@@ -22,12 +20,11 @@ from cluster_helpers import (
     MODEL,
     PROMPTS,
     REPLICA,
-    free_port,
     metrics,
     reference,
     replica_pids,
     replicas,
-    stop_serve,
+    serve_replicas,
     wait,
 )
 
@@ -41,20 +38,10 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def cluster(ckpt, tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("cluster") / "serve.log"
-    cmd = [sys.executable, "-m", "neuron_opt.cli", "serve", "--model", str(ckpt), "--data-parallel", "2",
-           "--port", str(port), "--max-num-seqs", "4", "--max-model-len", "1024", "--served-model-name", MODEL,
-           "--api-key", KEY]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait(lambda: proc.poll() is not None or len(replicas(url)) == 2, 240, "2 replicas up")
-        assert proc.poll() is None, log.read_text()[-3000:]
+    args = ["--model", str(ckpt), "--max-num-seqs", "4", "--max-model-len", "1024", "--served-model-name", MODEL,
+            "--api-key", KEY]
+    with serve_replicas(args, tmp_path_factory.mktemp("cluster") / "serve.log") as (url, proc):
         yield url, proc
-    finally:
-        stop_serve(proc)
 
 
 async def _complete(url: str, prompt: list[int], n: int) -> tuple[str, str]:

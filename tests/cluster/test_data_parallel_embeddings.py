@@ -6,15 +6,13 @@ process. A real local Ray started by the command. Runs with `make test-cluster` 
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 
 import openai
 import pytest
 
 pytest.importorskip("ray", reason="Ray Serve is the `cluster` extra: pip install 'neuron-opt[cluster]'")
 pytest.importorskip("sentence_transformers")
-from cluster_helpers import MODEL, REPLICA, free_port, replicas, stop_serve, wait
+from cluster_helpers import MODEL, REPLICA, serve_replicas, wait
 from st_models import TEXTS, assert_same, make_st_model, reference
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
@@ -27,19 +25,9 @@ def st_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(st_model, tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("cluster") / "serve.log"
-    cmd = [sys.executable, "-m", "neuron_opt.cli", "serve", "--model", str(st_model[0]), "--data-parallel", "2",
-           "--port", str(port), "--max-num-seqs", "4", "--max-model-len", "256", "--served-model-name", MODEL]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait(lambda: proc.poll() is not None or len(replicas(url)) == 2, 240, "2 replicas up")
-        assert proc.poll() is None, log.read_text()[-3000:]
+    args = ["--model", str(st_model[0]), "--max-num-seqs", "4", "--max-model-len", "256", "--served-model-name", MODEL]
+    with serve_replicas(args, tmp_path_factory.mktemp("cluster") / "serve.log") as (url, _):
         yield url
-    finally:
-        stop_serve(proc)
 
 
 async def _embed(url: str, texts: list[str]) -> tuple[list[list[float]], str]:

@@ -9,15 +9,13 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import subprocess
-import sys
 
 import httpx
 import pytest
 
 pytest.importorskip("ray", reason="Ray Serve is the `cluster` extra: pip install 'neuron-opt[cluster]'")
 peft = pytest.importorskip("peft")
-from cluster_helpers import MODEL, PROMPTS, REPLICA, free_port, replicas, stop_serve, wait  # noqa: E402
+from cluster_helpers import MODEL, PROMPTS, REPLICA, serve_replicas, wait  # noqa: E402
 from peft_adapters import make_adapter  # noqa: E402
 
 from neuron_opt.api import LLM  # noqa: E402
@@ -45,19 +43,9 @@ def lora_cluster(ckpt, tmp_path_factory):
     want = {name: [llm.generate_ids(p, params, LoRARequest(name, str(adapters[name])) if name else None).text
                    for p in PROMPTS] for name in (None, "a", "b")}
     assert want["a"] != want[None] and want["b"] != want[None]  # each adapter changes the text
-    port = free_port()
-    log = root / "serve.log"
-    cmd = [sys.executable, "-m", "neuron_opt.cli", "serve", str(art), "--data-parallel", "2", "--port", str(port),
-           "--max-num-seqs", "4", "--served-model-name", MODEL, "--lora-modules", f"a={adapters['a']}"]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait(lambda: proc.poll() is not None or len(replicas(url)) == 2, 240, "2 replicas up")
-        assert proc.poll() is None, log.read_text()[-3000:]
+    args = [str(art), "--max-num-seqs", "4", "--served-model-name", MODEL, "--lora-modules", f"a={adapters['a']}"]
+    with serve_replicas(args, root / "serve.log") as (url, _):
         yield url, adapters, want, root
-    finally:
-        stop_serve(proc)
 
 
 async def _texts(url: str, model: str) -> list[tuple[int, str, str]]:
