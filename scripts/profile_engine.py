@@ -109,23 +109,18 @@ def main(argv: list[str] | None = None) -> int:
     from neuron_opt.api import LLM
     from neuron_opt.commands.serve import thread_policy
     from neuron_opt.runtime.engine import Engine
+    from neuron_opt.runtime.threads import hand_threads_to_engine
 
-    policy = None
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    elif envs.NUM_THREADS is not None:
-        torch.set_num_threads(envs.NUM_THREADS)
-    else:
-        policy = thread_policy()
-        torch.set_num_threads(policy.base)
+    policy = None if args.threads is not None or envs.NUM_THREADS is not None else thread_policy()
+    threads = args.threads or envs.NUM_THREADS or policy.threads
+    torch.set_num_threads(threads)
     llm = LLM(args.artifact)
     if args.prefill_granularity is not None:
         if args.prefill_granularity and not llm.runner.prefill_granularity:
             p.error("--prefill-granularity: this artifact's executor runs only its compiled prefill lengths")
         llm.runner.prefill_granularity = args.prefill_granularity
-    if policy is not None and policy.varies:
-        llm.runner.thread_policy = policy
     engine = Engine(llm.runner, llm.tokenizer, llm.eos_token_ids, max_num_batched_tokens=2048)
+    hand_threads_to_engine(engine.runners, threads)  # as `serve` does
     engine.start()
     levels = []
     try:
@@ -137,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         engine.stop()
     doc = {"artifact": str(args.artifact), "input_len": args.input_len, "output_len": args.output_len,
-           "threads": args.threads, "policy": None if policy is None else policy.name,
+           "threads": threads, "policy": None if policy is None else policy.name,
            "prefill_granularity": llm.runner.prefill_granularity,
            "env": {k: os.environ.get(k) for k in ("NEURON_OPT_NUM_THREADS", "NEURON_OPT_THREAD_POLICY",
                                                   "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")},
@@ -146,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(doc, indent=2))
         return 0
     print(f"{args.artifact}: {args.input_len}-token prompts, {args.output_len} tokens each; "
-          f"policy {doc['policy']}, threads {args.threads}, prefill granularity {doc['prefill_granularity']}, "
+          f"policy {doc['policy']}, threads {threads}, prefill granularity {doc['prefill_granularity']}, "
           f"load average {doc['loadavg_1m']:.2f}")
     for r in levels:
         print(f"{r['streams']:>3} streams: {r['output_tok_s']:7.1f} tok/s  TTFT p50 {r['ttft_p50_ms']:7.1f} ms  "

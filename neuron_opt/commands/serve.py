@@ -13,7 +13,7 @@ from neuron_opt.commands.generate import add_speculative_flags, add_trusted_keys
 from neuron_opt.commands.serve_cluster import run_cluster
 from neuron_opt.commands.serve_engine import LIMIT_FLAGS, api_key, build_engine, served_name, server_limits
 from neuron_opt.errors import ConfigError
-from neuron_opt.runtime.threads import ThreadPolicy
+from neuron_opt.runtime.threads import ThreadPolicy, hand_threads_to_engine
 from neuron_opt.server.limits import ServerLimits
 from neuron_opt.server.tool_parsers import PARSERS
 from neuron_opt.server.tools import make_parser
@@ -131,18 +131,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def thread_policy() -> ThreadPolicy:
     """`serve`'s torch threads when NEURON_OPT_NUM_THREADS is unset: the policy NEURON_OPT_THREAD_POLICY names, over
-    the cores this process may use (runtime/threads.py; by default the cores minus one, one left to the HTTP event
-    loop: docs/serving.md, "Threads")."""
+    the cores this process may use (runtime/threads.py; by default every core: docs/serving.md, "Threads")."""
     return ThreadPolicy(envs.THREAD_POLICY, len(os.sched_getaffinity(0)))
 
 
 def threads_note(policy: ThreadPolicy) -> str:
     if envs.NUM_THREADS is not None:
         return f"{envs.NUM_THREADS} torch thread(s) from NEURON_OPT_NUM_THREADS"
-    if policy.varies:
-        return (f"torch threads by the {policy.name!r} policy: {policy.base} to {policy.cores}; "
-                "NEURON_OPT_NUM_THREADS or NEURON_OPT_THREAD_POLICY override")
-    return (f"{policy.base} torch thread(s), {policy.name!r} policy; NEURON_OPT_NUM_THREADS or "
+    return (f"{policy.threads} torch thread(s), {policy.name!r} policy; NEURON_OPT_NUM_THREADS or "
             "NEURON_OPT_THREAD_POLICY override")
 
 
@@ -163,13 +159,11 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     policy = thread_policy()  # a bad NEURON_OPT_THREAD_POLICY fails before the model loads
-    if envs.NUM_THREADS is None:
-        torch.set_num_threads(policy.base)
+    threads = envs.NUM_THREADS or policy.threads
+    torch.set_num_threads(threads)  # loading uses them too
     key = api_key(args)
     engine = build_engine(args)
-    # the policy follows each graph call where the model runs in this process (tp > 1 ranks set their own counts)
-    if envs.NUM_THREADS is None and policy.varies and engine.runner.executor.k_caches:
-        engine.runner.thread_policy = policy
+    hand_threads_to_engine(engine.runners, threads)
     name = served_name(args)
     app = create_app(engine, engine.tokenizer, engine.encode_chat, name, engine.runner.max_model_len, api_key=key,
                      tool_parser=make_parser(args.tool_call_parser, engine.tokenizer), limits=limits,

@@ -195,6 +195,12 @@ class Engine:
         return self.speculation.proposer if self.speculation is not None else None
 
     @property
+    def runners(self) -> tuple[ModelRunner, ...]:
+        """The runners whose graph calls this engine's thread makes: the model's, and a draft model's."""
+        draft = getattr(self.proposer, "runner", None)
+        return (self.runner,) if draft is None else (self.runner, draft)
+
+    @property
     def num_running(self) -> int:
         return self.scheduler.num_running
 

@@ -26,7 +26,6 @@ from neuron_opt.backends.base import Executor, StepInputs
 from neuron_opt.buckets import Bucket, BucketConfig, pick_decode, pick_prefill, pick_verify
 from neuron_opt.config import CacheConfig
 from neuron_opt.errors import BucketOverflowError, ConfigError, ContextLengthError
-from neuron_opt.runtime.threads import ThreadPolicy
 
 Blocks = int | Sequence[int]  # a sequence's block table, or a slot number (slot_blocks)
 
@@ -74,8 +73,9 @@ class ModelRunner:
         # tokens a prefill is padded to a multiple of, on executors that run any prefill length (0: the compiled
         # prefill lengths only; buckets.pick_prefill)
         self.prefill_granularity = int(getattr(executor, "prefill_granularity", 0))
-        # torch threads per graph call (`serve`'s thread policy: runtime/threads.py); None: left as they are
-        self.thread_policy: ThreadPolicy | None = None
+        # torch threads of each graph call, set on the calling thread (`serve`'s engine thread: runtime/threads.py);
+        # None: left as they are
+        self.num_threads: int | None = None
 
     @property
     def embeds(self) -> bool:
@@ -152,8 +152,8 @@ class ModelRunner:
 
     def _run(self, bucket: Bucket, inputs: StepInputs, candidates: int | None) -> torch.Tensor:
         self.last_bucket = bucket
-        if self.thread_policy is not None:
-            self.thread_policy.apply(bucket)
+        if self.num_threads is not None and torch.get_num_threads() != self.num_threads:
+            torch.set_num_threads(self.num_threads)
         if candidates is not None and getattr(self.executor, "gathers_candidates", False):
             # vocab-parallel TP: ranks send only their top-`candidates` logits (see neuron_opt.parallel.vocab)
             return self.executor.run(bucket, inputs, candidates=candidates)

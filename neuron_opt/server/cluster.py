@@ -74,6 +74,7 @@ from neuron_opt.checkpoint import open_checkpoint
 from neuron_opt.errors import ConfigError
 from neuron_opt.lora.adapter import read_adapter
 from neuron_opt.runtime.block_manager import hash_block
+from neuron_opt.runtime.threads import hand_threads_to_engine
 from neuron_opt.server.app import (
     UNAUTHORIZED,
     BodyTooLargeError,
@@ -160,6 +161,8 @@ class EngineReplica:
         if threads is not None:
             torch.set_num_threads(threads)
         self.engine = engine = make_engine()
+        if threads is not None:  # the engine thread takes them; this thread frees its OpenMP workers
+            hand_threads_to_engine(engine.runners, threads)
         self.metrics = engine_metrics(engine, model_name)
         self.serving = OpenAIServing(engine, engine.tokenizer, engine.encode_chat, model_name, self.metrics,
                                      engine.runner.max_model_len,

@@ -256,11 +256,8 @@ def test_serve_cli_prints_curl_and_sigterm_drains(tiny_dir):
         url = f"http://127.0.0.1:{port}"
         banner = proc.stdout.readline() + proc.stdout.readline()
         assert f"curl {url}/v1/chat/completions" in banner, banner
-        # NEURON_OPT_NUM_THREADS unset: the default policy's counts (adaptive: one core left to the event loop in
-        # one-row decode steps, every core otherwise)
-        cores = len(os.sched_getaffinity(0))
-        want = (f"torch threads by the 'adaptive' policy: {cores - 1} to {cores}" if cores > 1
-                else "1 torch thread(s), 'adaptive' policy")
+        # NEURON_OPT_NUM_THREADS unset: the default policy's count (all: every core for every graph call)
+        want = f"{len(os.sched_getaffinity(0))} torch thread(s), 'all' policy"
         assert want in banner, banner
         deadline = time.monotonic() + 120
         while True:

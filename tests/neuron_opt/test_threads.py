@@ -1,7 +1,12 @@
-"""serve's thread policy (runtime/threads.py): the torch thread count of each graph call, set on the calling thread
-by the runner; a bad policy name is refused before anything loads."""
+"""serve's thread policy and OpenMP threads (runtime/threads.py): the torch thread count of each graph call, set on
+the calling thread by the runner; the loading thread's OpenMP workers freed once the engine thread takes over; a bad
+policy name refused before anything loads."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,23 +15,18 @@ from neuron_opt.buckets import DECODE, PREFILL, Bucket, BucketConfig
 from neuron_opt.config import CacheConfig
 from neuron_opt.errors import ConfigError
 from neuron_opt.runtime.runner import DecodeRow, ModelRunner
-from neuron_opt.runtime.threads import ADAPTIVE_MIN_ROWS, ThreadPolicy
+from neuron_opt.runtime.threads import ThreadPolicy
 
 
 @pytest.mark.parametrize("cores", [1, 2, 4])
-def test_threads_per_call_for_each_policy(cores):
-    one, many, pre = Bucket(DECODE, 1, 64), Bucket(DECODE, ADAPTIVE_MIN_ROWS, 64), Bucket(PREFILL, 1, 32)
-    reserve, all_, adaptive = (ThreadPolicy(n, cores) for n in ("reserve", "all", "adaptive"))
-    free = max(1, cores - 1)
-    assert [reserve.threads_for(b) for b in (one, many, pre)] == [free] * 3 and not reserve.varies
-    assert [all_.threads_for(b) for b in (one, many, pre)] == [cores] * 3 and all_.base == cores
-    assert [adaptive.threads_for(b) for b in (one, many, pre)] == [free, cores, cores]
-    assert adaptive.base == free and adaptive.varies == (cores > 1)
+def test_threads_of_each_policy(cores):
+    assert ThreadPolicy("all", cores).threads == cores
+    assert ThreadPolicy("reserve", cores).threads == max(1, cores - 1)
 
 
 def test_an_unknown_policy_names_the_variable():
-    with pytest.raises(ConfigError, match=r"NEURON_OPT_THREAD_POLICY: must be one of \['reserve', 'all', 'adaptive'\]"):
-        ThreadPolicy("fast", 2)
+    with pytest.raises(ConfigError, match=r"NEURON_OPT_THREAD_POLICY: must be one of \['all', 'reserve'\]"):
+        ThreadPolicy("adaptive", 2)
 
 
 class Recorder:
@@ -41,7 +41,7 @@ class Recorder:
         return torch.zeros(bucket.batch, 8)
 
 
-def test_the_runner_sets_each_calls_threads_on_the_calling_thread():
+def test_the_runner_sets_its_count_on_the_calling_thread():
     threads = torch.get_num_threads()
     try:
         cache = CacheConfig(max_batch=4, max_model_len=64, block_size=8)
@@ -49,14 +49,43 @@ def test_the_runner_sets_each_calls_threads_on_the_calling_thread():
         ex = Recorder()
         runner = ModelRunner(ex, buckets, cache, 8)
         torch.set_num_threads(1)
-        runner.prefill(0, [3, 4, 5])  # no policy: the count is left as it is
-        runner.thread_policy = ThreadPolicy("adaptive", 3)
+        runner.prefill(0, [3, 4, 5])  # no count: left as it is
+        runner.num_threads = 3
         runner.prefill(0, [3, 4, 5])
+        torch.set_num_threads(2)  # another caller changed this thread's count between calls
         runner.decode([DecodeRow(0, 6, 3)])
-        runner.decode([DecodeRow(0, 7, 4), DecodeRow(1, 7, 0)])
-        assert ex.seen == [(PREFILL, 1, 1), (PREFILL, 1, 3), (DECODE, 1, 2), (DECODE, 2, 3)]
+        assert ex.seen == [(PREFILL, 1, 1), (PREFILL, 1, 3), (DECODE, 1, 3)]
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in Linux's /proc/self/task")
+def test_the_loading_thread_frees_its_openmp_workers_for_the_engine_thread():
+    """In a fresh process (whose threads are known): the main thread runs a parallel region on 3 threads (its pool:
+    2 workers), hands over, and an engine thread runs one on 3. The process then holds the engine thread's team only:
+    libgomp counts every pool's workers, and cuts its spin-wait while they outnumber the cores."""
+    code = (
+        "import os, threading, torch\n"
+        "from neuron_opt.runtime.threads import hand_threads_to_engine\n"
+        "def tasks(): return len(os.listdir('/proc/self/task'))\n"
+        "x = torch.rand(1 << 22)\n"
+        "torch.set_num_threads(3)\n"
+        "before = tasks(); (x * 2).sum(); loaded = tasks()\n"
+        "hand_threads_to_engine([], 3)\n"
+        "handed = tasks()\n"
+        "def step():\n"
+        "    torch.set_num_threads(3); (x * 2).sum(); print(before, loaded, handed, tasks(), torch.get_num_threads())\n"
+        "t = threading.Thread(target=step); t.start(); t.join()\n"
+        "print(torch.get_num_threads())\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    (before, loaded, handed, stepping, engine_threads), (main_threads,) = (
+        [int(v) for v in line.split()] for line in r.stdout.splitlines()[-2:])
+    assert loaded == before + 2, "the main thread's parallel region started no pool of 2 workers"
+    assert handed == before, "the main thread's workers are still there"
+    assert stepping == before + 1 + 2, "expected the engine thread and its 2 workers only"
+    assert (engine_threads, main_threads) == (3, 1)
 
 
 def test_serve_refuses_a_bad_policy_before_loading(monkeypatch):
