@@ -81,6 +81,11 @@ def _parse_options(options: dict[str, Any] | None, dtype: torch.dtype) -> dict[s
     torch.ops.neuron_opt.int8_linear, cpu_ops; the default where it builds, else "inductor") or "inductor" (one
     row: a dot-product loop Inductor fuses into the layer; more rows: aten._weight_int8pack_mm). Measured in place
     (docs/quantization.md): see there.
+    int8_gemm: int8 weight-only products of more rows than `int8_linear`'s (prefills): "widened"
+    (torch.ops.neuron_opt.int8_linear_widened, cpu_ops: the weight widened to bf16 once per call, one bf16 GEMM
+    over every row; the default where the operators build and the CPU has native bf16) or "aten"
+    (aten._weight_int8pack_mm, which widens the weight for each row: 2-3x slower at 160 to 1,500 rows on an
+    AVX-512 bf16 CPU, docs/quantization.md; the default elsewhere, where a bf16 GEMM is emulated).
     moe_gather: "kernel" (a sparse MoE block's selected experts, in graphs with a static token count, on
     torch.ops.neuron_opt.moe_gather, cpu_ops; the default where it builds, else "inductor") or "inductor" (the
     broadcast-and-sum loop of models.moe.Experts.gather, fused by Inductor). Measured in docs/moe.md.
@@ -105,11 +110,13 @@ def _parse_options(options: dict[str, Any] | None, dtype: torch.dtype) -> dict[s
                "decode_attention": DECODE_ATTENTION_CHOICES, "logits": PRECISION_CHOICES,
                "fuse_projections": ("on", "off"), "one_row_gemm": ("same", "kernel", *GEMM_CHOICES),
                "head_gemm": ("cpp", "kernel"),
-               "exact_verify": ("on", "off"), "int8_linear": ("kernel", "inductor"),
+               "exact_verify": ("on", "off"), "int8_linear": ("kernel", "inductor"), "int8_gemm": ("widened", "aten"),
                "moe_gather": ("kernel", "inductor")}
     for name, fallback in (("decode_attention", "fused"), ("int8_linear", "inductor"), ("moe_gather", "inductor")):
         if name not in (options or {}):
             opts[name] = "kernel" if cpu_ops.load() is None else fallback
+    if "int8_gemm" not in (options or {}):
+        opts["int8_gemm"] = "widened" if cpu_ops.load() is None and cpu_has_native_bf16() else "aten"
     if dtype == torch.bfloat16 and cpu_ops.load() is None:  # bf16_linear where it builds (docs/cpu_backend.md)
         if "one_row_gemm" not in (options or {}):
             opts["one_row_gemm"] = "kernel"
@@ -164,6 +171,10 @@ def cpu_has_native_bf16() -> bool:
     except OSError:
         return False
     return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
+
+
+def has_int8(module: torch.nn.Module) -> bool:
+    return any(m.method == "int8" for m in quantized_modules(module).values())
 
 
 class CpuBackend(Backend):
@@ -235,9 +246,10 @@ class CpuBackend(Backend):
         kernel = decode_attention and self.options["decode_attention"] == "kernel" and \
             "decode_attention" not in torch_ops
         int8_kernel = self._int8_kernel(model.model.layers[0])
+        int8_widened = self.options["int8_gemm"] == "widened" and has_int8(model.model.layers[0])
         moe_kernel = self.options["moe_gather"] == "kernel" and has_moe_block(model.model.layers[0]) and \
             "moe_gather" not in torch_ops
-        if kernel or int8_kernel or moe_kernel:
+        if kernel or int8_kernel or int8_widened or moe_kernel:
             cpu_ops.ensure(f"cpu layer graph for {bucket.key}", BackendCompileError)
         lora = model.lora_config
         gemm = self.options["gemm"]
@@ -249,7 +261,8 @@ class CpuBackend(Backend):
             gemm = "aten"
         layer = LayerGraph(model.model.layers[0], self.dtype, decode_attention, bucket.generates, exact, kernel,
                            int8_kernel, moe_kernel, window_input=model.cfg.mixed_windows or lora is not None,
-                           linear_kernel=linear_kernel, lora_targets=lora.target_modules if lora is not None else ())
+                           linear_kernel=linear_kernel, lora_targets=lora.target_modules if lora is not None else (),
+                           int8_widened=int8_widened)
         # with every expert product on the operator (static token counts) no batched GEMM is left in the graph
         gathered = moe_kernel and static_tokens(bucket)
         recipes = compile_graph(layer, args, dyn, layer_gemm(layer, gemm, gathered), so,
@@ -260,8 +273,7 @@ class CpuBackend(Backend):
 
     def _int8_kernel(self, module: torch.nn.Module) -> bool:
         """Whether `module`'s graph computes its int8 products on cpu_ops' int8_linear."""
-        return self.options["int8_linear"] == "kernel" and any(
-            m.method == "int8" for m in quantized_modules(module).values())
+        return self.options["int8_linear"] == "kernel" and has_int8(module)
 
     def _compile_head(self, model: torch.nn.Module, bucket: Bucket, so: Path) -> dict[str, Any]:
         rows = head_rows(bucket)

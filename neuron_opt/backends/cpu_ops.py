@@ -1,7 +1,8 @@
 """The cpu backend's C++ operators (`torch.ops.neuron_opt.*`), built on first use for this machine's CPU.
 
 `paged_attention` (csrc/paged_attention.cpp) is the attention of the decode and verify layer graphs, and
-`int8_linear` (csrc/int8_linear.cpp) the int8 weight-only product of graphs with few rows, and `moe_gather`
+`int8_linear` (csrc/int8_linear.cpp) the int8 weight-only product of graphs with few rows (`int8_linear_widened`
+that of prefills, where the CPU has native bf16), and `moe_gather`
 (csrc/moe_gather.cpp) a sparse MoE block's selected experts: AOTInductor calls them
 from the compiled graph through its proxy executor (the graph's `<key>.json` beside its `.so`). They are built
 with torch's extension builder (ninja, the C++ compiler Inductor uses anyway) and the vector ISA flags Inductor picks
@@ -89,6 +90,10 @@ def _register_fake() -> None:
     def _(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
 
+    @torch.library.register_fake("neuron_opt::int8_linear_widened")
+    def _(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
+
     @torch.library.register_fake("neuron_opt::bf16_linear")
     def _(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
         return x.new_empty((x.shape[0], sum(w.shape[0] for w in ws)), dtype=torch.float32)
@@ -122,6 +127,12 @@ def int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.
     """x [M, K] (float32 or bfloat16) times the int8 weight w [N, K] with per-row scale [N] (csrc/int8_linear.cpp):
     [M, N] float32, each sum in fp32 over k in order of W-lane vectors; a row's result does not depend on M."""
     return torch.ops.neuron_opt.int8_linear(x, w, scale)
+
+
+def int8_linear_widened(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`int8_linear` for many rows (prefills): w widened to x's dtype once per call, then aten's GEMM (oneDNN's
+    bf16 GEMM for bf16 x), fp32 accumulation, scaled in fp32; [M, N] float32."""
+    return torch.ops.neuron_opt.int8_linear_widened(x, w, scale)
 
 
 def bf16_linear(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:

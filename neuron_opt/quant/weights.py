@@ -25,6 +25,9 @@ Kernels, chosen once when a graph is built (never a flag read inside forward):
   `int8_linear` "kernel") int8 products of up to INT8_KERNEL_MAX_ROWS rows, a number fixed when the graph is
   traced, call torch.ops.neuron_opt.int8_linear instead (the cpu backend's C++ operator, which the backend loads
   before tracing): the same fp32 sums, at the memory's speed, and a row's result independent of the row count.
+  With `use_cpu_kernels(int8_widened=True)` (the cpu backend's `int8_gemm` "widened") the products of more rows
+  (prefills) call torch.ops.neuron_opt.int8_linear_widened: W widened to bf16 once per call, then one bf16 GEMM
+  over every row (aten's, oneDNN's where the CPU has native bf16), where aten's int8 GEMM widens W for each row.
   fp8 weights have no CPU kernel: compile refuses them on cpu.
 """
 
@@ -163,6 +166,7 @@ class QuantizedWeight(nn.Module):
         self.group_size = group_size if method == "int4" else in_features
         self.kernel = DEQUANT
         self.int8_kernel = False  # torch.ops.neuron_opt.int8_linear for few rows (use_cpu_kernels)
+        self.int8_widened = False  # torch.ops.neuron_opt.int8_linear_widened for more (use_cpu_kernels)
         groups = in_features // self.group_size
         qdtype = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "int4": torch.uint8}[method]
         qk = in_features // 2 if method == "int4" else in_features
@@ -209,10 +213,12 @@ class QuantizedWeight(nn.Module):
             return torch.nn.functional.linear(x, self.qweight.to(x.dtype)) * self.scale.view(-1).to(x.dtype)
         return torch.nn.functional.linear(x, dequantize(self.stored(), x.dtype))
 
-    def use_cpu_kernels(self, int8_kernel: bool = False) -> None:
+    def use_cpu_kernels(self, int8_kernel: bool = False, int8_widened: bool = False) -> None:
         """Replace the stored format with the CPU kernels' layouts (bf16 scales; int4 in the tinygemm layout).
-        int8_kernel: int8 products of few rows call torch.ops.neuron_opt.int8_linear (see the module's doc)."""
+        int8_kernel: int8 products of few rows call torch.ops.neuron_opt.int8_linear; int8_widened: those of more
+        rows call torch.ops.neuron_opt.int8_linear_widened (see the module's doc)."""
         self.int8_kernel = int8_kernel and self.method == "int8"
+        self.int8_widened = int8_widened and self.method == "int8"
         if self.kernel == CPU:
             return
         if self.method == "fp8":
@@ -243,6 +249,8 @@ class QuantizedWeight(nn.Module):
         rows = x2.shape[0]
         if self.int8_kernel and isinstance(rows, int) and rows <= INT8_KERNEL_MAX_ROWS:  # static and few
             y = torch.ops.neuron_opt.int8_linear(x2, self.qweight, self.cpu_scale)  # [M, N] fp32
+        elif self.int8_widened and not (isinstance(rows, int) and rows <= INT8_KERNEL_MAX_ROWS):  # dynamic or many
+            y = torch.ops.neuron_opt.int8_linear_widened(x2, self.qweight, self.cpu_scale)  # [M, N] fp32
         elif self.method == "int8" and (rows == 1 or self.in_features % 16):
             y = (x2.float()[:, None, :] * self.qweight.float()[None]).sum(-1) * self.cpu_scale.float()  # [M, N]
         elif self.method == "int8":
@@ -258,9 +266,9 @@ def quantized_modules(model: nn.Module) -> dict[str, QuantizedWeight]:
     return {name.removesuffix(".quant"): m for name, m in model.named_modules() if isinstance(m, QuantizedWeight)}
 
 
-def use_cpu_kernels(model: nn.Module, int8_kernel: bool = False) -> None:
+def use_cpu_kernels(model: nn.Module, int8_kernel: bool = False, int8_widened: bool = False) -> None:
     for m in quantized_modules(model).values():
-        m.use_cpu_kernels(int8_kernel)
+        m.use_cpu_kernels(int8_kernel, int8_widened)
 
 
 def check_uniform_layers(model: nn.Module) -> None:

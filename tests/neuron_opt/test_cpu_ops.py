@@ -38,7 +38,7 @@ def test_the_operators_build_and_compiles_call_them_by_default() -> None:
     from neuron_opt.backends.cpu import CpuBackend
 
     assert cpu_ops.load() is None
-    for op in ("paged_attention", "int8_linear", "moe_gather", "bf16_linear"):
+    for op in ("paged_attention", "int8_linear", "int8_linear_widened", "moe_gather", "bf16_linear"):
         assert hasattr(torch.ops.neuron_opt, op), op
     opts = CpuBackend(torch.float32).options
     assert [opts[k] for k in ("decode_attention", "int8_linear", "moe_gather")] == ["kernel"] * 3
@@ -212,6 +212,19 @@ def test_int8_linear_matches_an_fp64_reference(shape, x_dtype: torch.dtype, scal
     assert bool(((got.double() - ref).abs() <= bound + 1e-30).all())
 
 
+@pytest.mark.parametrize("shape", [(17, 960, 576), (160, 30, 72), (40, 33, 13), (2, 64, 1536)])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_int8_linear_widened_matches_an_fp64_reference(shape, x_dtype: torch.dtype) -> None:
+    """The many-row form: the GEMM's fp32 sums, rounded to x's dtype, then scaled in fp32."""
+    x, w, scale = _linear_case(shape, x_dtype, torch.bfloat16)
+    got = cpu_ops.int8_linear_widened(x, w, scale)
+    assert got.dtype == torch.float32 and got.shape == (shape[0], shape[1])
+    acc = x.double() @ w.double().T
+    rounding = 2.0 ** -8 if x_dtype == torch.bfloat16 else 2.0 ** -23  # of the GEMM's output, in x's dtype
+    bound = (shape[2] * 2.0 ** -23 * (x.double().abs() @ w.double().abs().T) + rounding * acc.abs()) * scale.double()
+    assert bool(((got.double() - acc * scale.double()).abs() <= 1.01 * bound + 1e-30).all())
+
+
 @pytest.mark.parametrize("shape", LINEAR_SHAPES)
 def test_an_int8_linear_rows_result_does_not_depend_on_the_rows_beside_it(shape) -> None:
     """What keeps int8 verify rows bitwise the decode step's: row m alone equals row m of the M-row call."""
@@ -237,9 +250,10 @@ def test_int8_linear_refuses_bad_arguments_with_the_argument_named() -> None:
         ((x, w, scale[:4]), "scale must be float32 or bfloat16 \\[N\\] with N = 8"),
         ((x, w, scale.half()), "scale must be float32 or bfloat16"),
     ]
-    for args, needle in bad:
-        with pytest.raises(RuntimeError, match=needle):
-            cpu_ops.int8_linear(*args)
+    for op in (cpu_ops.int8_linear, cpu_ops.int8_linear_widened):
+        for args, needle in bad:
+            with pytest.raises(RuntimeError, match=needle):
+                op(*args)
 
 
 # bf16_linear: (M, K, output features of each weight). K not a multiple of the vector width (13, 72) exercises the

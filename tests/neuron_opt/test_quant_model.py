@@ -10,6 +10,7 @@ against the eager reference with the same stored weights: 0.006 (int8), 0.008 (i
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from neuron_opt.artifact import read_manifest
-from neuron_opt.backends.cpu import onednn_bf16_supported
+from neuron_opt.backends.cpu import cpu_has_native_bf16, onednn_bf16_supported
 from neuron_opt.compiler import CompileRequest, compile_artifact
 from neuron_opt.config import ParallelConfig
 from neuron_opt.errors import ConfigError
@@ -89,6 +90,12 @@ def test_cpu_int8_kernels_with_fp8_kv_match_the_eager_reference(build):
         assert "model.layers.0.mlp.up_proj.weight" not in f.keys()
     runner = load_model(cpu).runner
     assert runner.executor.k_caches[0].dtype == torch.float8_e4m3fn
+    # the prefill graph's int8 products: widened to one bf16 GEMM where the CPU has native bf16, else aten's kernel
+    prefill = [f for f in (cpu / "graphs" / "rank0" / "cpu").glob("layer_prefill_*.json") if ".meta" not in f.name]
+    assert prefill
+    for f in prefill:
+        targets = {n["node"]["target"] for n in json.loads(f.read_text())["nodes"]}
+        assert ("neuron_opt::int8_linear_widened" in targets) == cpu_has_native_bf16(), (f.name, targets)
     ref = logits(eager)
     assert rel_err(logits(cpu), ref) < 0.03
     assert rel_err(ref, logits(build("fp32"))) < 0.08
@@ -98,8 +105,6 @@ def test_cpu_int8_kernels_with_fp8_kv_match_the_eager_reference(build):
 def test_cpu_int8_operator_and_inductor_forms_agree(build):
     """int8 products of few rows (decode, the one-row head) call torch.ops.neuron_opt.int8_linear by default; the
     `int8_linear=inductor` graphs (Inductor's dot-product loop, aten's int8 GEMM) compute the same logits."""
-    import json
-
     kw = dict(quantize="int8", kv_cache_dtype="fp8")
     kernel = build("cpu-int8-kv", "cpu", **kw)
     inductor = build("cpu-int8-kv-inductor", "cpu", backend_options={"int8_linear": "inductor"}, **kw)

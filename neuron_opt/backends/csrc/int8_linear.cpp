@@ -10,6 +10,9 @@
 // the call: every (m, n) is one chain of FMAs over k = 0..K-1 in W-lane steps, then a fixed horizontal sum, then the
 // scale. So a speculative verify step's rows are bitwise the decode step's. Work is split across threads by output
 // features only.
+//
+// int8_linear_widened (torch.ops.neuron_opt.int8_linear_widened, same arguments and result) is the many-row
+// product of prefills: see its comment below.
 #include <torch/extension.h>
 
 #include "gemv_tiles.h"
@@ -35,16 +38,20 @@ struct WidenI8 {
 
 }  // namespace
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "int8_linear: x must be float32 or bfloat16 [M, K], got ", x.scalar_type(), " ", x.sizes());
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar, "int8_linear: w must be int8 [N, K], got ",
-              w.scalar_type(), " ", w.sizes());
-  TORCH_CHECK(w.size(1) == x.size(1), "int8_linear: x has ", x.size(1), " input features, w has ", w.size(1));
+static void check_args(const char* op, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16), op,
+              ": x must be float32 or bfloat16 [M, K], got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar, op, ": w must be int8 [N, K], got ", w.scalar_type(), " ",
+              w.sizes());
+  TORCH_CHECK(w.size(1) == x.size(1), op, ": x has ", x.size(1), " input features, w has ", w.size(1));
   TORCH_CHECK(scale.dim() == 1 && scale.size(0) == w.size(0) &&
                   (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kBFloat16),
-              "int8_linear: scale must be float32 or bfloat16 [N] with N = ", w.size(0), ", got ",
-              scale.scalar_type(), " ", scale.sizes());
+              op, ": scale must be float32 or bfloat16 [N] with N = ", w.size(0), ", got ", scale.scalar_type(), " ",
+              scale.sizes());
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+  check_args("int8_linear", x, w, scale);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor wc = w.contiguous();
@@ -56,5 +63,20 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return y;
 }
 
-TORCH_LIBRARY_FRAGMENT(neuron_opt, m) { m.def("int8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor"); }
-TORCH_LIBRARY_IMPL(neuron_opt, CPU, m) { m.impl("int8_linear", &int8_linear); }
+// Many rows (a prefill): W widened to x's dtype once per call (int8 values are exact in bf16), then one aten GEMM
+// over every row (oneDNN's, with fp32 accumulation), scaled per output feature in fp32. Widening costs N * K
+// conversions, against M * N * K multiply-adds that run at the bf16 GEMM's speed instead of the per-row one.
+at::Tensor int8_linear_widened(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+  check_args("int8_linear_widened", x, w, scale);
+  const at::Tensor y = at::linear(x.contiguous(), w.to(x.scalar_type()));
+  return y.to(at::kFloat).mul_(scale.to(at::kFloat));
+}
+
+TORCH_LIBRARY_FRAGMENT(neuron_opt, m) {
+  m.def("int8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor");
+  m.def("int8_linear_widened(Tensor x, Tensor w, Tensor scale) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(neuron_opt, CPU, m) {
+  m.impl("int8_linear", &int8_linear);
+  m.impl("int8_linear_widened", &int8_linear_widened);
+}
