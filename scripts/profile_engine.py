@@ -6,7 +6,8 @@ streams of distinct prompts, and per step the wall time in the graph calls, samp
 the process's CPU seconds per output token (every thread: OpenMP workers waiting by spinning count).
 
     python scripts/profile_engine.py ARTIFACT --streams 1,8 --input-len 155 --output-len 64 --json
-    NEURON_OPT_THREAD_POLICY=adaptive python scripts/profile_engine.py ARTIFACT --streams 1,8
+    NEURON_OPT_THREAD_POLICY=reserve python scripts/profile_engine.py ARTIFACT --streams 1,8
+    python scripts/profile_engine.py ARTIFACT --streams 1 --keep-loading-workers   # as `serve` ran before the hand-over
 
 Without --threads the torch threads follow `serve`'s policy (NEURON_OPT_NUM_THREADS, NEURON_OPT_THREAD_POLICY).
 
@@ -95,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-granularity", type=int, default=None,
                    help="pad prefills to a multiple of this many tokens (0: to the compiled prefill buckets, as on "
                         "backends without dynamic prefill graphs; default: the executor's own)")
+    p.add_argument("--keep-loading-workers", action="store_true",
+                   help="skip the hand-over of threads to the engine (runtime/threads.hand_threads_to_engine): the "
+                        "loading thread keeps its OpenMP workers and the engine thread its inherited count, to measure "
+                        "what the hand-over is for (docs/serving.md, \"Threads\")")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -120,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--prefill-granularity: this artifact's executor runs only its compiled prefill lengths")
         llm.runner.prefill_granularity = args.prefill_granularity
     engine = Engine(llm.runner, llm.tokenizer, llm.eos_token_ids, max_num_batched_tokens=2048)
-    hand_threads_to_engine(engine.runners, threads)  # as `serve` does
+    if not args.keep_loading_workers:
+        hand_threads_to_engine(engine.runners, threads)  # as `serve` does
     engine.start()
     levels = []
     try:
@@ -133,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.stop()
     doc = {"artifact": str(args.artifact), "input_len": args.input_len, "output_len": args.output_len,
            "threads": threads, "policy": None if policy is None else policy.name,
+           "keep_loading_workers": args.keep_loading_workers,
            "prefill_granularity": llm.runner.prefill_granularity,
            "env": {k: os.environ.get(k) for k in ("NEURON_OPT_NUM_THREADS", "NEURON_OPT_THREAD_POLICY",
                                                   "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")},
