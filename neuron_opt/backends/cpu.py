@@ -29,6 +29,7 @@ from neuron_opt.backends import cpu_ops
 from neuron_opt.backends.base import Backend, ModelFactory, StepInputs, allocate_kv
 from neuron_opt.backends.cpu_constants import ConstantRecipe, build_constant
 from neuron_opt.backends.cpu_graphs import (
+    PREFILL_SPLIT_STEP,
     HeadGraph,
     LayerGraph,
     PoolGraph,
@@ -43,7 +44,7 @@ from neuron_opt.backends.cpu_graphs import (
     static_tokens,
     use_cpu_layout,
 )
-from neuron_opt.buckets import DECODE, VERIFY, Bucket
+from neuron_opt.buckets import DECODE, PREFILL, VERIFY, Bucket
 from neuron_opt.config import CacheConfig
 from neuron_opt.errors import ArtifactError, BackendCompileError, BucketOverflowError, ConfigError
 from neuron_opt.lora.adapter import load_into_slot
@@ -60,6 +61,7 @@ META_SUFFIX = ".meta.json"
 GEMM_CHOICES = ("cpp", "onednn", "aten")
 PRECISION_CHOICES = ("fp32", "dtype")
 DECODE_ATTENTION_CHOICES = ("kernel", "fused", "sdpa")
+PREFILL_ATTENTION_PARTS = 4  # PrefillAttention's parts: 4 and 8 measured even at 1,504 tokens, 2 slower
 ONEDNN_SHARED_BATCH = 1  # the M hint of every oneDNN-packed weight (see _WeightStore)
 SUBDIR = "cpu"
 
@@ -97,6 +99,9 @@ def _parse_options(options: dict[str, Any] | None, dtype: torch.dtype) -> dict[s
     head_gemm: the GEMM of heads with fp32 logits below fp32 (`logits` "fp32"): "cpp" (Inductor's C++ template)
     or "kernel" (bf16 only: torch.ops.neuron_opt.bf16_linear on the head weight as held; bf16's default where the
     operators build and `logits` is "fp32").
+    prefill_attention: attention of batch-1 prefill layer graphs: "split" (cpu_graphs.PrefillAttention: the queries
+    in PREFILL_ATTENTION_PARTS parts, each over the keys its last query sees, so most of the masked causal half is
+    not computed) or "whole" (one SDPA over every key, the reference).
     exact_verify: "on" (verify graphs compute each row as the decode graph of their batch does: its GEMM choice,
     DecodeAttention per query; the fp32-logits head either way; verify logits are then bitwise the decode step's)
     or "off" (SDPA over the queries, `gemm`: cheaper, close but not equal below fp32). With
@@ -105,13 +110,13 @@ def _parse_options(options: dict[str, Any] | None, dtype: torch.dtype) -> dict[s
     """
     opts = {"gemm": "onednn" if dtype == torch.bfloat16 else "cpp", "attention": "fp32", "residual": "fp32",
             "decode_attention": "fused", "logits": "fp32", "fuse_projections": "on",
-            "one_row_gemm": "same", "head_gemm": "cpp", "exact_verify": "on"}
+            "one_row_gemm": "same", "head_gemm": "cpp", "exact_verify": "on", "prefill_attention": "split"}
     choices = {"gemm": GEMM_CHOICES, "attention": PRECISION_CHOICES, "residual": PRECISION_CHOICES,
                "decode_attention": DECODE_ATTENTION_CHOICES, "logits": PRECISION_CHOICES,
                "fuse_projections": ("on", "off"), "one_row_gemm": ("same", "kernel", *GEMM_CHOICES),
                "head_gemm": ("cpp", "kernel"),
                "exact_verify": ("on", "off"), "int8_linear": ("kernel", "inductor"), "int8_gemm": ("widened", "aten"),
-               "moe_gather": ("kernel", "inductor")}
+               "moe_gather": ("kernel", "inductor"), "prefill_attention": ("split", "whole")}
     for name, fallback in (("decode_attention", "fused"), ("int8_linear", "inductor"), ("moe_gather", "inductor")):
         if name not in (options or {}):
             opts[name] = "kernel" if cpu_ops.load() is None else fallback
@@ -239,7 +244,12 @@ class CpuBackend(Backend):
         return list(self._done[memo])
 
     def _compile_layer(self, model: torch.nn.Module, bucket: Bucket, cache: CacheConfig, so: Path) -> dict[str, Any]:
-        args, dyn = layer_example(model, bucket, cache, self.dtype, self.residual_dtype, self.rope_dtype)
+        # batch-1 prefills attend in parts over the keys each part sees (PrefillAttention); the executor keeps its
+        # contract (CpuExecutor.run)
+        split = (bucket.phase == PREFILL and bucket.batch == 1 and not static_tokens(bucket)
+                 and cache.max_model_len > PREFILL_SPLIT_STEP and self.options["prefill_attention"] == "split")
+        parts = PREFILL_ATTENTION_PARTS if split else 0
+        args, dyn = layer_example(model, bucket, cache, self.dtype, self.residual_dtype, self.rope_dtype, split)
         exact = bucket.phase == VERIFY and self.options["exact_verify"] == "on"
         decode_attention = (bucket.phase == DECODE or exact) and self.options["decode_attention"] != "sdpa"
         torch_ops = torch_op_reasons(model, self.options, decode_attention)  # C++ operators a feature rules out
@@ -262,14 +272,15 @@ class CpuBackend(Backend):
         layer = LayerGraph(model.model.layers[0], self.dtype, decode_attention, bucket.generates, exact, kernel,
                            int8_kernel, moe_kernel, window_input=model.cfg.mixed_windows or lora is not None,
                            linear_kernel=linear_kernel, lora_targets=lora.target_modules if lora is not None else (),
-                           int8_widened=int8_widened)
+                           int8_widened=int8_widened, prefill_parts=parts)
         # with every expert product on the operator (static token counts) no batched GEMM is left in the graph
         gathered = moe_kernel and static_tokens(bucket)
         recipes = compile_graph(layer, args, dyn, layer_gemm(layer, gemm, gathered), so,
                                 f"cpu layer graph for {bucket.key}", self.options["fuse_projections"] == "on")
         return {"kind": "layer", "phase": bucket.phase, "batch": bucket.batch, "num_blocks": cache.num_blocks,
                 "block_size": cache.block_size, "constants": {k: r.to_dict() for k, r in recipes.items()},
-                "lora": lora.to_dict() if lora is not None else None, "torch_ops": torch_ops}
+                "lora": lora.to_dict() if lora is not None else None, "torch_ops": torch_ops,
+                "prefill_parts": parts}
 
     def _int8_kernel(self, module: torch.nn.Module) -> bool:
         """Whether `module`'s graph computes its int8 products on cpu_ops' int8_linear."""
@@ -439,6 +450,8 @@ class CpuExecutor:
         if any(m["extern_ops"] for m in metas.values()):  # the graphs call our C++ operators: load them first
             cpu_ops.ensure("this artifact's cpu graphs", ArtifactError)
         runners: dict[str, list[Any]] = {}
+        # layer graphs that attend in parts (PrefillAttention): run() keeps their contract
+        self._split = {m["key"] for m in metas.values() if m.get("prefill_parts")}
         for path, meta in metas.items():
             so = path.with_name(meta["so"])
             recipes = {c: ConstantRecipe.from_dict(d) for c, d in meta["constants"].items()}
@@ -458,6 +471,7 @@ class CpuExecutor:
         # from the config, in fp32: the model's buffers went to `dtype` with it
         self.cfg = model.cfg
         self.rope = model_rope_tables(model.cfg, model.max_model_len)  # kind -> [max_model_len, R] each
+        self.max_model_len = model.max_model_len
         # a model whose layers mix windows passes each layer's window to the shared layer graph (LayerGraph)
         self.windows = [window_input(model.cfg, i, model.max_model_len) for i in range(n_layers)] \
             if model.cfg.mixed_windows or lora is not None else None
@@ -521,6 +535,25 @@ class CpuExecutor:
         assert self.lora_stacks is not None
         self.lora_stacks.clear_slot(slot)
 
+    def _split_inputs(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+                      tables: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A split prefill graph's inputs (cpu_graphs.PrefillAttention): the tokens padded to a multiple of
+        PREFILL_SPLIT_STEP (the null slot, positions continuing, capped as the runner caps them), the block table
+        padded with null blocks to cover the first position plus the tokens. The padded rows' outputs are never
+        read (the head takes each row's last real token)."""
+        S = ids.shape[1]
+        pad = -S % PREFILL_SPLIT_STEP
+        if pad:
+            ids = torch.nn.functional.pad(ids, (0, pad))
+            slots = torch.nn.functional.pad(slots, (0, pad))
+            more = (pos[:, -1:] + torch.arange(1, pad + 1)).clamp(max=self.max_model_len - 1)
+            pos = torch.cat([pos, more], dim=1)
+        bs = self.k_caches[0].shape[2]
+        need = -(-(int(pos[:, 0].max()) + S + pad) // bs)
+        if tables.shape[1] < need:
+            tables = torch.nn.functional.pad(tables, (0, need - tables.shape[1]))  # null blocks: masked keys
+        return ids, pos, slots, tables
+
     @torch.no_grad()
     def run(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
         route = self._routes.get(graph_keys(bucket, self.pooled))
@@ -537,7 +570,10 @@ class CpuExecutor:
             tables = tables[:, :max(reach, 2)].contiguous()  # AOTI containers read inputs with contiguous strides
         elif tables.shape[1] == 1:
             tables = torch.cat([tables, torch.zeros_like(tables)], dim=1)
-        x = self._embed(inputs.input_ids).to(self.residual_dtype)  # [B, S, H]
+        ids = inputs.input_ids
+        if graph_keys(bucket, self.pooled)[0] in self._split:  # PrefillAttention's contract
+            ids, pos, slots, tables = self._split_inputs(ids, pos, slots, tables)
+        x = self._embed(ids).to(self.residual_dtype)  # [B, S, H]
         if self.cfg.embedding_multiplier != 1.0:
             x = x * self.cfg.embedding_multiplier
         ropes = layer_rope_inputs(self.cfg, self.rope, pos, self.rope_dtype,

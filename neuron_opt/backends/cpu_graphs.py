@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.export import Dim
 
-from models.llama import MLP, Attention, TorchOps, finish_logits, soft_cap
+from models.llama import MLP, Attention, TorchOps, finish_logits, read_blocks, soft_cap
 from models.moe import Experts, SparseMoeBlock
 from models.pooling import pool
 from neuron_opt.backends import cpu_ops
@@ -53,6 +53,56 @@ from neuron_opt.errors import BackendCompileError
 from neuron_opt.lora.ops import LayerLora, stacks_for
 from neuron_opt.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from neuron_opt.quant.weights import quantized_modules, use_cpu_kernels
+
+PREFILL_SPLIT_STEP = 16  # a split prefill graph's token count is a multiple of this (the executor pads to it)
+
+
+class PrefillAttention(TorchOps):
+    """Model ops for batch-1 prefill graphs: the queries in `parts` equal consecutive parts, each attending only the
+    keys its last query can see, so most of the causal upper triangle is never computed (aten's CPU flash attention
+    skips it only under `is_causal`, and the graph's mask also carries prefix offsets and windows). Part j holds
+    queries [j*S/parts, (j+1)*S/parts) and reads keys [0, kv_len - S + (j+1)*S/parts); the mask, sliced alike,
+    still decides what each query sees, so the result is the whole attention's.
+
+    Contract, kept by `CpuExecutor.run`: the row's first position plus S is at most kv_len (its query i then sits
+    at a position below kv_len - S + i + 1), and S is a multiple of PREFILL_SPLIT_STEP (the graph's token dimension
+    is declared so: parts of 0 or 1 rows would make export specialise). The executor pads the tokens to the step
+    and the block table with null blocks to the row's first position plus S; keys beyond max_model_len are masked
+    for every query.
+
+    Why: at 1,504 tokens (SmolLM2-135M, fp32 attention, 2 threads) one layer's attention took 35.7 ms whole and 24.5
+    ms in 4 parts (8 parts: 24.7, 2 parts: 29.1); at 160 tokens the two were even (docs/cpu_backend.md)."""
+
+    def __init__(self, inner: Any, parts: int) -> None:
+        if parts < 2 or PREFILL_SPLIT_STEP % parts:
+            raise ValueError(f"PrefillAttention: parts must be >= 2 and divide {PREFILL_SPLIT_STEP}, got {parts}")
+        self.inner, self.parts = inner, parts
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.inner.rms_norm(x, weight, eps)
+
+    def rms_norm_offset(self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+        return self.inner.rms_norm_offset(x, weight, eps, offset)
+
+    def attention_blocks(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                         scale: float, softcap: float | None = None,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
+        kv_len, S = mask.shape[-1], q.shape[2]
+        torch._check(kv_len >= S)  # the contract (checked by the executor); lets export bound the key slices
+        keys = read_blocks(k_cache, block_tables, kv_len).to(q.dtype)  # [B, n_kv, kv_len, D]
+        values = read_blocks(v_cache, block_tables, kv_len).to(q.dtype)
+        extra: dict[str, Any] = {} if softcap is None else {"softcap": softcap}
+        if sinks is not None:
+            extra["sinks"] = sinks
+        n = S // self.parts
+        outs = []
+        for j in range(self.parts):
+            i0, i1 = j * n, (j + 1) * n
+            kb = kv_len - S + i1
+            outs.append(self.inner.attention(q[:, :, i0:i1], keys[:, :, :kb], values[:, :, :kb], positions[:, i0:i1],
+                                             mask[:, i0:i1, :kb], scale, **extra))
+        return torch.cat(outs, dim=2)  # [B, n_heads, S, D]
 
 
 class DecodeAttention(TorchOps):
@@ -235,13 +285,14 @@ class LayerGraph(nn.Module):
 
     The residual stream x and the rope tables come in the dtypes the executor chooses (fp32 for accuracy under
     bf16 weights: models.llama.DecoderLayer and Attention handle the mix). Decode graphs attend with
-    `DecodeAttention`. Holds a copy of `layer`; the caller's model is left as it is.
+    `DecodeAttention`, batch-1 prefill graphs given `prefill_parts` with `PrefillAttention`. Holds a copy of
+    `layer`; the caller's model is left as it is.
     """
 
     def __init__(self, layer: nn.Module, dtype: torch.dtype, decode_attention: bool, decode: bool,
                  rows_as_decode: bool = False, kernel: bool = False, int8_kernel: bool = False,
                  moe_kernel: bool = False, window_input: bool = False, linear_kernel: bool = False,
-                 lora_targets: tuple[str, ...] = (), int8_widened: bool = False) -> None:
+                 lora_targets: tuple[str, ...] = (), int8_widened: bool = False, prefill_parts: int = 0) -> None:
         super().__init__()
         # LoRA: after the window (always an input then) the rows' slots [B], then a tuple of the target modules'
         # A and B stacks
@@ -258,6 +309,9 @@ class LayerGraph(nn.Module):
         if decode_attention:
             attn = self.layer.self_attn
             attn.ops = DecodeAttention(attn.ops, rows_as_decode, kernel)
+        elif prefill_parts:  # a batch-1 prefill graph: attention in parts (PrefillAttention)
+            attn = self.layer.self_attn
+            attn.ops = PrefillAttention(attn.ops, prefill_parts)
         if linear_kernel:  # bf16 float linears on cpu_ops' bf16_linear (the cpu backend's one_row_gemm "kernel")
             use_linear_kernel(self.layer)
 
@@ -372,13 +426,23 @@ def graph_keys(bucket: Bucket, pooled: bool = False) -> tuple[str, str]:
     return layer, f"head_b{head_rows(bucket)}"
 
 
+def split_extra_blocks(cache: CacheConfig) -> int:
+    """Null blocks a split prefill graph's table may hold beyond a sequence's: the padding to PREFILL_SPLIT_STEP
+    tokens past max_model_len (PrefillAttention's contract)."""
+    return -(-(PREFILL_SPLIT_STEP - 1) // cache.block_size)
+
+
 def layer_example(model: nn.Module, bucket: Bucket, cache: CacheConfig, dtype: torch.dtype,
-                  residual_dtype: torch.dtype, rope_dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], Any]:
-    """Example inputs of the layer graph for `bucket`, and its dynamic_shapes spec."""
+                  residual_dtype: torch.dtype, rope_dtype: torch.dtype,
+                  split: bool = False) -> tuple[tuple[torch.Tensor, ...], Any]:
+    """Example inputs of the layer graph for `bucket`, and its dynamic_shapes spec. `split`: a PrefillAttention
+    graph, whose token count is a multiple of PREFILL_SPLIT_STEP and whose table may hold split_extra_blocks more."""
     B, S = bucket.batch, bucket.tokens
+    if split:  # at least two steps: export specialises a dimension whose example is 1
+        S = max(2, -(-S // PREFILL_SPLIT_STEP)) * PREFILL_SPLIT_STEP
     H, R = model.cfg.hidden_size, model.cfg.rotary_dim  # rope tables: the rotated features only
     bs = cache.block_size
-    nb = max(2, -(-bucket.kv_len // bs))
+    nb = max(2, -(-max(bucket.kv_len, S) // bs))
     k = torch.zeros(model.kv_shape(cache.num_blocks, bs), dtype=kv_dtype(cache, dtype))
     v = torch.zeros(model.kv_shape(cache.num_blocks, bs), dtype=kv_dtype(cache, dtype))
     positions = torch.arange(nb * bs - S, nb * bs).expand(B, S).contiguous()
@@ -394,7 +458,11 @@ def layer_example(model: nn.Module, bucket: Bucket, cache: CacheConfig, dtype: t
         lora_slots = torch.arange(B, dtype=torch.int64) % (stacks.max_loras + 1)
         tensors = tuple(torch.randn(t.shape).to(dtype) for t in stacks.layer_tensors(0))
         args, extra = (*args, lora_slots, tensors), (*extra, None, tuple(None for _ in tensors))
-    blocks = Dim("blocks", min=2, max=max(3, cache.blocks_per_sequence))  # min < max, even for one-block lengths
+    extra_blocks = split_extra_blocks(cache) if split else 0
+    blocks = Dim("blocks", min=2, max=max(3, cache.blocks_per_sequence + extra_blocks))  # min < max, always
+    if split:
+        t = PREFILL_SPLIT_STEP * Dim("steps", min=1, max=-(-cache.max_model_len // PREFILL_SPLIT_STEP))
+        return args, ({1: t}, {1: t}, {1: t}, {1: t}, {1: t}, {1: blocks}, None, None, *extra)
     if not static_tokens(bucket):
         t = Dim("tokens", min=2, max=cache.max_model_len)
         return args, ({1: t}, {1: t}, {1: t}, {1: t}, {1: t}, {1: blocks}, None, None, *extra)

@@ -205,6 +205,28 @@ def test_offset_and_two_row_prefills_match_eager(executor: CpuExecutor) -> None:
     assert_kv_equal(executor, ref)
 
 
+def test_batch1_prefills_attend_in_parts_even_with_a_tail_past_max_model_len(
+        compiled: tuple[Path, dict[Bucket, list[Path]], CpuBackend], executor: CpuExecutor) -> None:
+    """Batch-1 prefill graphs attend in parts (cpu_graphs.PrefillAttention), batched ones whole. A prefill of 5
+    tokens ending at the last position, padded to 16 as the runner pads (positions capped at max_model_len - 1):
+    the executor extends its table with a null block so every part sees its keys; logits and K/V against eager."""
+    out, _, _ = compiled
+    metas = {m["key"]: m for m in (json.loads(f.read_text()) for f in out.rglob("*.json")) if "key" in m}
+    assert metas["layer_prefill_b1_dyn"]["prefill_parts"] == 4
+    assert metas["layer_prefill_b2_dyn"]["prefill_parts"] == 0
+    reset(executor)
+    ref = Eager(make_model(7))
+    start, n, bucket = MAX_LEN - 5, 5, Bucket(PREFILL, 1, 1024, 16)
+    ids = torch.zeros(1, 16, dtype=torch.int64)
+    ids[0, :n] = torch.arange(20, 20 + n)
+    flat = torch.zeros(1, 16, dtype=torch.int64)
+    flat[0, :n] = torch.tensor([b * BS + o for b, o in (where(2, p) for p in range(start, start + n))])
+    pos = torch.arange(start, start + 16).clamp(max=MAX_LEN - 1)[None]
+    inp = StepInputs(ids, pos, flat, tables([2], MAX_LEN), torch.tensor([n - 1]))
+    torch.testing.assert_close(executor.run(bucket, inp), ref.run(bucket, inp), rtol=1e-4, atol=1e-4)
+    assert_kv_equal(executor, ref)
+
+
 def test_weights_are_bound_at_load_and_held_once(compiled: tuple[Path, dict[Bucket, list[Path]], CpuBackend],
                                                  executor: CpuExecutor) -> None:
     out, files, _ = compiled
