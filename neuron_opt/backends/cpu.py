@@ -556,7 +556,8 @@ class CpuExecutor:
 
     @torch.no_grad()
     def run(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
-        route = self._routes.get(graph_keys(bucket, self.pooled))
+        keys = graph_keys(bucket, self.pooled)
+        route = self._routes.get(keys)
         if route is None:
             raise BucketOverflowError(f"bucket {bucket.key}: this artifact has no cpu graphs for it (graphs for: "
                                       f"{sorted({k for keys in self._routes for k in keys})})")
@@ -571,7 +572,7 @@ class CpuExecutor:
         elif tables.shape[1] == 1:
             tables = torch.cat([tables, torch.zeros_like(tables)], dim=1)
         ids = inputs.input_ids
-        if graph_keys(bucket, self.pooled)[0] in self._split:  # PrefillAttention's contract
+        if keys[0] in self._split:  # PrefillAttention's contract
             ids, pos, slots, tables = self._split_inputs(ids, pos, slots, tables)
         x = self._embed(ids).to(self.residual_dtype)  # [B, S, H]
         if self.cfg.embedding_multiplier != 1.0:

@@ -57,7 +57,20 @@ from neuron_opt.quant.weights import quantized_modules, use_cpu_kernels
 PREFILL_SPLIT_STEP = 16  # a split prefill graph's token count is a multiple of this (the executor pads to it)
 
 
-class PrefillAttention(TorchOps):
+class WrappedOps(TorchOps):
+    """Model ops that replace a layer's attention and delegate its norms to the ops they wrap (`inner`)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.inner.rms_norm(x, weight, eps)
+
+    def rms_norm_offset(self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+        return self.inner.rms_norm_offset(x, weight, eps, offset)
+
+
+class PrefillAttention(WrappedOps):
     """Model ops for batch-1 prefill graphs: the queries in `parts` equal consecutive parts, each attending only the
     keys its last query can see, so most of the causal upper triangle is never computed (aten's CPU flash attention
     skips it only under `is_causal`, and the graph's mask also carries prefix offsets and windows). Part j holds
@@ -76,13 +89,8 @@ class PrefillAttention(TorchOps):
     def __init__(self, inner: Any, parts: int) -> None:
         if parts < 2 or PREFILL_SPLIT_STEP % parts:
             raise ValueError(f"PrefillAttention: parts must be >= 2 and divide {PREFILL_SPLIT_STEP}, got {parts}")
-        self.inner, self.parts = inner, parts
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return self.inner.rms_norm(x, weight, eps)
-
-    def rms_norm_offset(self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
-        return self.inner.rms_norm_offset(x, weight, eps, offset)
+        super().__init__(inner)
+        self.parts = parts
 
     def attention_blocks(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
@@ -105,7 +113,7 @@ class PrefillAttention(TorchOps):
         return torch.cat(outs, dim=2)  # [B, n_heads, S, D]
 
 
-class DecodeAttention(TorchOps):
+class DecodeAttention(WrappedOps):
     """Model ops for decode graphs (one query per row): attention written as broadcast products and sums that
     Inductor fuses into one loop nest reading the KV cache once (the GQA group's query heads share each K/V
     row), in the dtype of q. Norms delegate to `inner`; queries longer than 1 use `inner.attention_blocks`
@@ -120,15 +128,9 @@ class DecodeAttention(TorchOps):
     """
 
     def __init__(self, inner: Any, rows_as_decode: bool = False, kernel: bool = False) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.rows_as_decode = rows_as_decode
         self.kernel = kernel  # torch.ops.neuron_opt.paged_attention (cpu_ops) instead of the Inductor loop nest
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return self.inner.rms_norm(x, weight, eps)
-
-    def rms_norm_offset(self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
-        return self.inner.rms_norm_offset(x, weight, eps, offset)
 
     def attention_blocks(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
