@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from neuron_opt.artifact import VerifiedManifest
-from neuron_opt.config import ParallelConfig
+from neuron_opt.config import ModelConfig, ParallelConfig
+from neuron_opt.embeddings import text_ids
 from neuron_opt.errors import ConfigError
 from neuron_opt.executors import LoadedModel, is_artifact, load_model
 from neuron_opt.executors import build_model as build_model  # re-exported: eager models for tests and scripts
@@ -39,9 +40,9 @@ from neuron_opt.runtime.structured import GrammarCompiler
 
 
 def embedding_inputs(inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
-                     tokenizer: Any) -> list[list[int]]:
-    """`LLM.embed`'s inputs as token id lists: a text, texts (tokenized with the tokenizer's special tokens, as
-    sentence-transformers does), token ids, or lists of token ids."""
+                     tokenizer: Any, cfg: ModelConfig) -> list[list[int]]:
+    """`LLM.embed`'s inputs as token id lists: a text, texts (tokenized as sentence-transformers does:
+    `embeddings.text_ids`), token ids, or lists of token ids."""
     if isinstance(inputs, str):
         inputs = [inputs]
     items = list(inputs)
@@ -50,7 +51,7 @@ def embedding_inputs(inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequ
     if all(isinstance(t, int) for t in items):
         return [[int(t) for t in items]]  # type: ignore[union-attr]
     if all(isinstance(t, str) for t in items):
-        return [list(tokenizer(t)["input_ids"]) for t in items]  # type: ignore[arg-type]
+        return [text_ids(cfg, tokenizer, t) for t in items]  # type: ignore[arg-type]
     if all(not isinstance(t, str) and all(isinstance(i, int) for i in t) for t in items):  # type: ignore[union-attr]
         return [[int(i) for i in t] for t in items]  # type: ignore[union-attr]
     raise ConfigError("inputs: a text, a list of texts, a list of token ids or a list of token id lists (not a mix)",
@@ -236,7 +237,7 @@ class LLM:
         if not self.runner.embeds:
             raise ConfigError("embed: this model generates text; compile the checkpoint with --task embed",
                               param="model")
-        batch = embedding_inputs(inputs, self.tokenizer)
+        batch = embedding_inputs(inputs, self.tokenizer, self.config)
         V = self.config.vocab_size
         if bad := [t for ids in batch for t in ids if not 0 <= t < V]:
             raise ConfigError(f"inputs: token ids {bad[:5]} are outside the vocabulary (0..{V - 1})", param="inputs")

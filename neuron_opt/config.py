@@ -151,6 +151,10 @@ class ModelConfig:
     pooling: str | None = None
     normalize_embeddings: bool = False
     matryoshka_dims: tuple[int, ...] = ()
+    # how an embedding model's texts become tokens (neuron_opt.embeddings.text_ids): None, as they are; "flat" or
+    # "structured", one user message through the chat template with embedding_template_kwargs (a JSON object)
+    embedding_messages: str | None = None
+    embedding_template_kwargs: str = ""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -251,6 +255,10 @@ class ModelConfig:
                "embedding models of mixture-of-experts architectures are not supported")
         _check(self.pooling is not None or not (self.normalize_embeddings or self.matryoshka_dims),
                "normalize_embeddings", "normalization and matryoshka_dims belong to embedding models (pooling)")
+        _check(self.embedding_messages in (None, "flat", "structured"), "embedding_messages",
+               f"must be flat or structured, got {self.embedding_messages!r}")
+        _check(self.pooling is not None or not (self.embedding_messages or self.embedding_template_kwargs),
+               "embedding_messages", "a chat-template rendering of texts belongs to embedding models (pooling)")
         bad = [d for d in self.matryoshka_dims if not 1 <= int(d) <= self.hidden_size]
         _check(not bad, "matryoshka_dims", f"{bad} are not in 1..hidden_size={self.hidden_size}")
 

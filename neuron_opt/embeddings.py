@@ -8,9 +8,14 @@ Design decisions
 - A checkpoint directory with sentence-transformers files (`modules.json`) says how it pools: the Transformer
   module at the directory's root, then one Pooling module (`1_Pooling/config.json`: exactly one of the cls, mean
   or last-token modes), then optionally Normalize. Any other module (Dense, a second Transformer, ...) or pooling
-  mode (max, weighted mean, mean over sqrt(len), a mean that excludes the prompt), or texts rendered through a chat
-  template first (sentence-transformers >= 6's `message` modality), is refused naming the field:
+  mode (max, weighted mean, mean over sqrt(len), a mean that excludes the prompt) is refused naming the field:
   computing a vector other than the checkpoint's would be a silent error.
+- A Transformer module with sentence-transformers >= 6's `message` modality (saved when the tokenizer has a chat
+  template) renders each text as one user message through the chat template before tokenizing, as
+  sentence-transformers encodes it: the message format (`flat`: the text as the content; `structured`: one text
+  part) and the saved `processing_kwargs.chat_template` go into the ModelConfig (`embedding_messages`,
+  `embedding_template_kwargs`), so an artifact renders texts the same way (`text_ids`). Size kwargs (truncation,
+  max_length, padding) are not kept: an input is never truncated, one past the model's bound is refused.
 - The task is resolved once, before anything is built: `resolve_task` returns the ModelConfig a compile or a load
   builds (pooling set for embeddings, None for generation), so everything downstream (the model class, its
   weight names, the compile-cache key, the manifest) follows from the config alone.
@@ -19,6 +24,7 @@ Design decisions
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +41,10 @@ _TRANSFORMER, _POOLING, _NORMALIZE = "Transformer", "Pooling", "Normalize"
 # the Pooling config's modes (`pooling_mode`: a name or a list; older files: one `pooling_mode_<name>` flag each)
 # -> our pooling; every other mode is refused
 _ST_MODES = {"lasttoken": "last", "mean": "mean", "cls": "cls"}
+MESSAGE_FORMATS = ("flat", "structured")
+# apply_chat_template's size and output arguments, and sentence-transformers' own flag for restoring a truncated
+# render's suffix: none changes an input that is not truncated, and we never truncate
+_SIZE_KWARGS = frozenset({"padding", "truncation", "max_length", "return_tensors", "restore_suffix"})
 _ST_LEGACY = {"pooling_mode_lasttoken": "lasttoken", "pooling_mode_mean_tokens": "mean",
               "pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
               "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
@@ -46,6 +56,8 @@ class SentenceTransformerSpec:
 
     pooling: str
     normalize: bool
+    messages: str | None = None  # MESSAGE_FORMATS: texts go through the chat template first; None: tokenized as is
+    template_kwargs: str = ""  # apply_chat_template's keyword arguments then, a JSON object ("": none)
 
 
 def _read_json(path: Path) -> Any:
@@ -70,10 +82,7 @@ def read_sentence_transformers(root: Path) -> SentenceTransformerSpec | None:
         raise ConfigError(f"{root / MODULES}: the Transformer module must be the checkpoint directory itself "
                           f"(path ''), got {modules[0].get('path')!r}", param="modules")
     bert = root / "sentence_bert_config.json"  # the Transformer module's: how it turns a text into tokens
-    modality = (_read_json(bert) if bert.is_file() else {}).get("modality_config") or {}
-    if "message" in modality:
-        raise ConfigError(f"{bert}: modality_config 'message' (texts rendered through the chat template before "
-                          "tokenizing) is not supported: we tokenize texts as they are", param="modality_config")
+    messages, template_kwargs = _message_modality(bert, _read_json(bert) if bert.is_file() else {})
     pool_dir = str(modules[1].get("path", ""))
     if not pool_dir or Path(pool_dir).name != pool_dir:
         raise ConfigError(f"{root / MODULES}: the Pooling module's path {pool_dir!r} is not a subdirectory name")
@@ -91,7 +100,50 @@ def read_sentence_transformers(root: Path) -> SentenceTransformerSpec | None:
     if pool.get("include_prompt", True) is False:
         raise ConfigError(f"{cfg_file}: include_prompt false (a mean that leaves out an instruction prefix) is not "
                           "supported", param="include_prompt")
-    return SentenceTransformerSpec(_ST_MODES[modes[0]], len(modules) == 3)
+    return SentenceTransformerSpec(_ST_MODES[modes[0]], len(modules) == 3, messages, template_kwargs)
+
+
+def _message_modality(bert: Path, cfg: Any) -> tuple[str | None, str]:
+    """The Transformer module's message format and chat-template kwargs as a JSON object (None, "" without the
+    `message` modality)."""
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{bert}: expected a JSON object")
+    modality = cfg.get("modality_config") or {}
+    if not isinstance(modality, dict):
+        raise ConfigError(f"{bert}: modality_config must be an object", param="modality_config")
+    if "message" not in modality:
+        return None, ""
+    entry = modality["message"] if isinstance(modality["message"], dict) else {}
+    fmt = entry.get("format")
+    if fmt not in MESSAGE_FORMATS:
+        raise ConfigError(f"{bert}: modality_config.message.format {fmt!r}; supported: {', '.join(MESSAGE_FORMATS)} "
+                          "(sentence-transformers >= 6 saves the one it inferred)", param="modality_config")
+    processing = cfg.get("processing_kwargs") or {}
+    chat = processing.get("chat_template") or {} if isinstance(processing, dict) else None
+    if not isinstance(chat, dict) or not all(isinstance(k, str) for k in chat):
+        raise ConfigError(f"{bert}: processing_kwargs.chat_template must be an object", param="processing_kwargs")
+    kwargs = {k: v for k, v in chat.items() if k not in _SIZE_KWARGS}
+    if "tokenize" in kwargs or "return_dict" in kwargs:
+        raise ConfigError(f"{bert}: processing_kwargs.chat_template may not set tokenize or return_dict",
+                          param="processing_kwargs")
+    return fmt, json.dumps(kwargs, sort_keys=True) if kwargs else ""
+
+
+def text_ids(cfg: ModelConfig | None, tokenizer: Any, text: str) -> list[int]:
+    """An embedding input's token ids as sentence-transformers makes them: the text with the tokenizer's special
+    tokens, or (a checkpoint with the `message` modality) the text as one user message rendered through the chat
+    template with the checkpoint's kwargs."""
+    messages = getattr(cfg, "embedding_messages", None)  # a runner built without its ModelConfig: as they are
+    if messages is None:
+        return list(tokenizer(text)["input_ids"])
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("the model renders embedding inputs through the chat template (sentence-transformers' "
+                          "message modality), but its tokenizer has none", param="chat_template")
+    content: Any = text if messages == "flat" else [{"type": "text", "text": text}]
+    kwargs = json.loads(cfg.embedding_template_kwargs) if cfg.embedding_template_kwargs else {}
+    out = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=True, return_dict=True,
+                                        **kwargs)
+    return list(out["input_ids"])
 
 
 def resolve_task(cfg: ModelConfig, task: str | None = None, pooling: str | None = None,
@@ -113,7 +165,8 @@ def resolve_task(cfg: ModelConfig, task: str | None = None, pooling: str | None 
         if bare:
             raise ConfigError(f"task: {cfg.architecture} is a bare decoder without an LM head; it can only be "
                               "compiled as an embedding model (--task embed)", param="task")
-        return dataclasses.replace(cfg, pooling=None, normalize_embeddings=False, matryoshka_dims=())
+        return dataclasses.replace(cfg, pooling=None, normalize_embeddings=False, matryoshka_dims=(),
+                                   embedding_messages=None, embedding_template_kwargs="")
     mode = pooling if pooling is not None else cfg.pooling
     if mode is None:
         raise ConfigError(f"pooling: {cfg.architecture} declares no pooling (no sentence-transformers "
@@ -128,7 +181,8 @@ def with_sentence_transformers(cfg: ModelConfig, root: Path) -> ModelConfig:
     spec = read_sentence_transformers(root)
     if spec is None:
         return cfg
-    return dataclasses.replace(cfg, pooling=spec.pooling, normalize_embeddings=spec.normalize)
+    return dataclasses.replace(cfg, pooling=spec.pooling, normalize_embeddings=spec.normalize,
+                               embedding_messages=spec.messages, embedding_template_kwargs=spec.template_kwargs)
 
 
 def describe(cfg: ModelConfig) -> str:

@@ -13,9 +13,13 @@ TEXTS = ["The capital of France is Paris.", "Hi", "Embeddings map text to vector
          "by cosine similarity, so that similar meanings sit close together.", "tiny", "one two three four five"]
 
 
-def make_st_model(out, family: str, pooling: str, normalize: bool, seed: int = 0):
+def make_st_model(out, family: str, pooling: str, normalize: bool, seed: int = 0, chat_template: bool = False,
+                  template_kwargs: dict | None = None):
     """A tiny random bare decoder (`Qwen3Model` / `LlamaModel`) with the default model's tokenizer, saved as a
-    sentence-transformers model: Transformer, Pooling(`pooling`), Normalize when `normalize`. Returns (dir, model)."""
+    sentence-transformers model: Transformer, Pooling(`pooling`), Normalize when `normalize`. `chat_template`: the
+    tokenizer keeps its chat template, so sentence-transformers >= 6 saves the `message` modality and renders every
+    text through the template (with `template_kwargs` as its saved chat-template processing kwargs). Returns
+    (dir, model)."""
     import transformers
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer import modules as models
@@ -23,8 +27,8 @@ def make_st_model(out, family: str, pooling: str, normalize: bool, seed: int = 0
     tok = open_checkpoint("default").tokenizer()
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    # without a chat template: sentence-transformers >= 6 would render texts through it (which we refuse)
-    tok.chat_template = None
+    if not chat_template:  # sentence-transformers >= 6 renders texts through a tokenizer's chat template
+        tok.chat_template = None
     common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
@@ -38,7 +42,8 @@ def make_st_model(out, family: str, pooling: str, normalize: bool, seed: int = 0
                 p.normal_(1.0, 0.1)
     base.save_pretrained(out / "base")
     tok.save_pretrained(out / "base")
-    mods = [models.Transformer(str(out / "base"), max_seq_length=256),
+    kwargs = {"processing_kwargs": {"chat_template": template_kwargs}} if template_kwargs else {}
+    mods = [models.Transformer(str(out / "base"), max_seq_length=256, **kwargs),
             models.Pooling(64, pooling_mode=pooling)] + ([models.Normalize()] if normalize else [])
     model = SentenceTransformer(modules=mods, device="cpu")
     model.save(str(out / "st"))

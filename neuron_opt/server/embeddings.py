@@ -5,8 +5,9 @@ Design decisions
 - `input` is a string, a list of strings, a list of token ids or a list of id lists (OpenAI's four forms); each
   item is one engine request (a prefill-only sequence that finishes with its pooled vector), so a request's items
   are batched with every other request's under the same scheduler, up to the prefill batch per graph call.
-- Texts are tokenized with the tokenizer's special tokens, as sentence-transformers does; no prompt or instruction
-  is prepended (the client sends it as part of the text).
+- Texts are tokenized as sentence-transformers does (`embeddings.text_ids`: with the tokenizer's special tokens,
+  or through the chat template for a checkpoint with the `message` modality); no prompt or instruction is
+  prepended (the client sends it as part of the text).
 - `dimensions` truncates each vector to its first `dimensions` entries and L2-normalises it again. Only a model
   trained for it gives meaningful truncated vectors (Matryoshka), and a checkpoint does not say so in its files:
   the sizes are declared at compile time (`compile --matryoshka-dims`), and any other value is a 400.
@@ -27,6 +28,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from neuron_opt.embeddings import text_ids
 from neuron_opt.runtime.output import RequestOutput
 from neuron_opt.server.protocol import ProtocolError, _Strict
 from neuron_opt.server.serving import EngineError, OpenAIServing
@@ -102,7 +104,8 @@ class EmbeddingServing:
         items = self._check(req)
         prompts: list[list[int]] = []
         for item in items:
-            ids = await s._tokenize(item) if isinstance(item, str) else list(item)
+            ids = (await asyncio.to_thread(text_ids, s.engine.runner.model_config, s.tokenizer, item)
+                   if isinstance(item, str) else list(item))
             s._check_ids(ids, "input")
             prompts.append(ids)
         loop = asyncio.get_running_loop()

@@ -19,7 +19,7 @@ from neuron_opt.buckets import BucketConfig
 from neuron_opt.checkpoint import open_checkpoint
 from neuron_opt.compiler import CompileRequest, compile_artifact
 from neuron_opt.config import CacheConfig, ParallelConfig
-from neuron_opt.embeddings import read_sentence_transformers, resolve_task
+from neuron_opt.embeddings import read_sentence_transformers, resolve_task, text_ids
 from neuron_opt.errors import ArtifactError, ConfigError
 from neuron_opt.runtime.runner import ModelRunner, PrefillRow
 
@@ -54,6 +54,39 @@ def test_llm_embed_equals_sentence_transformers(which, request):
     ids = [llm.tokenizer(t)["input_ids"] for t in TEXTS[:2]]
     assert_same(llm.embed(ids), reference(model, TEXTS[:2]))  # token id lists give the texts' vectors
     assert_same(llm.embed(ids[0]), reference(model, TEXTS[:1]))
+
+
+@pytest.fixture(scope="module")
+def qwen3_message(tmp_path_factory):
+    """sentence-transformers >= 6 with a tokenizer that has a chat template: texts are rendered as a user message
+    through it (the `message` modality), here with a template kwarg saved beside it."""
+    return make_st_model(tmp_path_factory.mktemp("st-msg"), "qwen3", "lasttoken", True, seed=2, chat_template=True,
+                         template_kwargs={"add_generation_prompt": True})
+
+
+def test_message_modality_renders_the_chat_template(qwen3_message, tmp_path):
+    """Texts go through the chat template as sentence-transformers renders them, in LLM.embed, in a compiled
+    artifact (the rendering kept in its ModelConfig) and behind /v1/embeddings with the `openai` client."""
+    openai = pytest.importorskip("openai")
+    from helpers import live_server
+
+    d, model = qwen3_message
+    spec = read_sentence_transformers(d)
+    assert (spec.messages, json.loads(spec.template_kwargs)) == ("flat", {"add_generation_prompt": True})
+    ref = reference(model, TEXTS)
+    llm = LLM(str(d), batch_size=4)
+    ids = text_ids(llm.config, llm.tokenizer, TEXTS[0])
+    assert ids == model.preprocess([TEXTS[0]])["input_ids"][0].tolist()  # the template's tokens, and its kwarg's
+    assert_same(llm.embed(TEXTS), ref)
+    out = tmp_path / "art"
+    compile_artifact(CompileRequest(model=str(d), out=out, backend="eager", batch_size=4, max_prompt_len=128,
+                                    use_cache=False), log=lambda s: None, progress=False)
+    art = LLM(str(out))
+    assert art.config.embedding_messages == "flat"
+    assert_same(art.embed(TEXTS), ref)
+    with live_server(art, 4) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        assert_same([e.embedding for e in client.embeddings.create(model="tiny", input=TEXTS).data], ref)
 
 
 def test_compiled_artifact_batches_mixed_lengths(qwen3_last, tmp_path, monkeypatch):
@@ -234,9 +267,15 @@ def test_refusals(qwen3_last, tmp_path, tiny_dir):
             read_sentence_transformers(d)
         modules_file.write_text(saved_modules)
         (d / "sentence_bert_config.json").write_text(json.dumps({"modality_config": {"text": {}, "message": {}}}))
-        with pytest.raises(ConfigError) as e:
+        with pytest.raises(ConfigError, match="format") as e:  # the message format is one sentence-transformers saves
             read_sentence_transformers(d)
         assert e.value.param == "modality_config"
+        message = {"modality_config": {"message": {"format": "flat"}},
+                   "processing_kwargs": {"chat_template": {"tokenize": False}}}
+        (d / "sentence_bert_config.json").write_text(json.dumps(message))
+        with pytest.raises(ConfigError, match="tokenize") as e:
+            read_sentence_transformers(d)
+        assert e.value.param == "processing_kwargs"
     finally:
         (d / "sentence_bert_config.json").write_text(saved_bert)
         pool_cfg.write_text(saved_pool)
