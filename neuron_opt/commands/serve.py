@@ -15,6 +15,7 @@ from neuron_opt.commands.serve_engine import LIMIT_FLAGS, api_key, build_engine,
 from neuron_opt.errors import ConfigError
 from neuron_opt.runtime.threads import ThreadPolicy, hand_threads_to_engine
 from neuron_opt.server.limits import ServerLimits
+from neuron_opt.server.reasoning import REASONING_PARSERS, make_reasoning_parser
 from neuron_opt.server.tool_parsers import PARSERS
 from neuron_opt.server.tools import make_parser
 
@@ -80,6 +81,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--tool-call-parser", default=None, choices=sorted(PARSERS),
         help="the tool-call format of the model's replies (default: the one its chat template writes; 'generic' "
         "for templates without tools: the tools go into the system prompt and the reply is a JSON object)",
+    )
+    p.add_argument(
+        "--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+        help="split the model's thinking from its answer (message.reasoning): deepseek_r1, qwen3, openai_gptoss "
+        "(harmony), granite (default: the one its chat template writes, when unambiguous; else none)",
     )
     p.add_argument(
         "--dtype", default=None, choices=["float32", "bfloat16"],
@@ -167,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
     name = served_name(args)
     app = create_app(engine, engine.tokenizer, engine.encode_chat, name, engine.runner.max_model_len, api_key=key,
                      tool_parser=make_parser(args.tool_call_parser, engine.tokenizer), limits=limits,
+                     reasoning_parser=make_reasoning_parser(args.reasoning_parser, engine.tokenizer),
                      enable_docs=args.enable_docs)
     url = f"http://{args.host}:{args.port}"
     if key is None and args.host not in ("127.0.0.1", "localhost", "::1"):

@@ -59,11 +59,13 @@ class EngineDeadError(NeuronOptError):
     """The engine loop died (a bug); new requests are refused (HTTP 500) and /health reports 503."""
 
 
-def encode_chat(tokenizer: Any, messages: list[dict[str, Any]],
-                tools: list[dict[str, Any]] | None = None) -> list[int]:
+def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """The prompt of a conversation through the model's chat template (`tools`: OpenAI tool definitions, for
-    templates that render them)."""
-    kw = {"tools": tools} if tools else {}
+    templates that render them; `template_kwargs`: more variables for the template, e.g. enable_thinking)."""
+    kw: dict[str, Any] = dict(template_kwargs or {})
+    if tools:
+        kw["tools"] = tools
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kw)
     ids = out["input_ids"] if hasattr(out, "keys") else out
     return list(ids)
@@ -229,9 +231,10 @@ class Engine:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
-    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """A conversation's prompt ids through the model's chat template (`encode_chat`)."""
-        return encode_chat(self.tokenizer, messages, tools)
+        return encode_chat(self.tokenizer, messages, tools, template_kwargs)
 
     def compile_grammar(self, params: SamplingParams) -> Any:
         """The compiled grammar of `params.structured` (None without one); ConfigError if it does not compile.

@@ -42,6 +42,7 @@ from neuron_opt.server.protocol import (
     ProtocolError,
     TokenizeRequest,
 )
+from neuron_opt.server.reasoning import ReasoningParser
 from neuron_opt.server.serving import EncodeChat, EngineError, NotFoundError, OpenAIServing, internal_error_message
 from neuron_opt.server.tool_parsers import ToolParser
 
@@ -195,14 +196,15 @@ def create_app(
     *,
     api_key: str | None = None,
     tool_parser: ToolParser | None = None,
+    reasoning_parser: ReasoningParser | None = None,
     limits: ServerLimits | None = None,
     enable_docs: bool = False,
 ) -> FastAPI:
     """The single-process server's app. `api_key`: required on the `/v1/*` and tokenizer routes; `tool_parser`,
-    `limits`: see OpenAIServing; `enable_docs`: serve `/docs`, `/redoc` and `/openapi.json`."""
+    `reasoning_parser`, `limits`: see OpenAIServing; `enable_docs`: serve `/docs`, `/redoc` and `/openapi.json`."""
     metrics = engine_metrics(engine, model_name)
     serving = OpenAIServing(engine, tokenizer, encode_chat, model_name, metrics, max_model_len,
-                            tool_parser=tool_parser, limits=limits)
+                            tool_parser=tool_parser, reasoning_parser=reasoning_parser, limits=limits)
     max_body = serving.limits.max_body_bytes
 
     @asynccontextmanager

@@ -96,6 +96,7 @@ from neuron_opt.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from neuron_opt.server.reasoning import make_reasoning_parser
 from neuron_opt.server.serving import NotFoundError, OpenAIServing, internal_error_message, sse
 from neuron_opt.server.tools import make_parser, render_messages
 
@@ -157,7 +158,8 @@ class EngineReplica:
     """One engine (the model loaded once, its tp ranks inside this replica's cores) and its OpenAI serving."""
 
     def __init__(self, make_engine: Callable[[], Any], model_name: str, board: Any,
-                 threads: int | None, tool_call_parser: str | None = None, limits: ServerLimits | None = None) -> None:
+                 threads: int | None, tool_call_parser: str | None = None, limits: ServerLimits | None = None,
+                 reasoning_parser: str | None = None) -> None:
         if threads is not None:
             torch.set_num_threads(threads)
         self.engine = engine = make_engine()
@@ -166,7 +168,8 @@ class EngineReplica:
         self.metrics = engine_metrics(engine, model_name)
         self.serving = OpenAIServing(engine, engine.tokenizer, engine.encode_chat, model_name, self.metrics,
                                      engine.runner.max_model_len,
-                                     tool_parser=make_parser(tool_call_parser, engine.tokenizer), limits=limits)
+                                     tool_parser=make_parser(tool_call_parser, engine.tokenizer), limits=limits,
+                                     reasoning_parser=make_reasoning_parser(reasoning_parser, engine.tokenizer))
         self.embeddings = EmbeddingServing(self.serving)
         self.id = serve.get_replica_context().replica_id.unique_id
         self.info = {"max_model_len": engine.runner.max_model_len}  # what the router's /v1/models card needs

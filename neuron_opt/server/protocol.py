@@ -15,6 +15,9 @@ Design decisions
   work unchanged; with the `openai` client they go in `extra_body`.
 - Errors name the request's own field (`param`): SamplingParams raises with its field names, and
   `request_field` maps them back (chat's `max_completion_tokens`, `top_logprobs`).
+- `chat_template_kwargs` (vLLM's) reach the chat template as variables (`{"enable_thinking": false}`); bounded like
+  a schema, and a 400 for the names the server sets itself (`RESERVED_TEMPLATE_KWARGS`: messages, tools,
+  add_generation_prompt, ...).
 - Defaults follow OpenAI: temperature 1.0, completions max_tokens 16; chat max_tokens = what the context
   has left.
 - Sizes are bounded before any work that grows with them (`check_limits`, server/limits.py): the prompt's characters
@@ -36,6 +39,14 @@ from neuron_opt.runtime.structured import StructuredOutputs
 from neuron_opt.server.limits import ServerLimits
 from neuron_opt.server.tool_parsers import ToolSpec
 from neuron_opt.server.tools import ToolRequest
+
+# The chat template's variables that the server (or `apply_chat_template` itself) sets: `chat_template_kwargs` may
+# not override them.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message", "tokenize",
+    "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "chat_template", "bos_token", "eos_token", "raise_exception",
+})
 
 
 class ProtocolError(ValueError):
@@ -355,14 +366,27 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM extras: variables for the chat template (enable_thinking, ...), and the reasoning in the reply or not
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
 
     def check_limits(self, limits: ServerLimits, max_model_len: int) -> None:
         super().check_limits(limits, max_model_len)
+        _check_json("chat_template_kwargs", self.chat_template_kwargs, limits.max_schema_bytes)
         _check_size("messages", len(self.messages), limits.max_messages, "messages")
         _check_size("messages", sum(m.num_chars() for m in self.messages), limits.prompt_chars(max_model_len),
                     "characters in all")
         _check_size("tools", len(self.tools or ()), limits.max_tools, "tools")
         _check_json("tools", self.tools, limits.max_schema_bytes)
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """`chat_template_kwargs`, checked: none of the names the server itself gives the template."""
+        kw = self.chat_template_kwargs
+        taken = sorted(set(kw or ()) & RESERVED_TEMPLATE_KWARGS)
+        if taken:
+            raise ProtocolError(f"chat_template_kwargs: {', '.join(taken)} may not be set (the server sets them; "
+                                "send messages and tools as the request's own fields)", "chat_template_kwargs")
+        return kw or None
 
     def message_dicts(self) -> list[dict[str, Any]]:
         if not self.messages:
