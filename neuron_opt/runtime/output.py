@@ -53,6 +53,7 @@ class RequestOutput:
     logprobs: tuple[TokenLogprob, ...] = ()
     error: str | None = None
     time: float = 0.0  # time.monotonic() when the token was produced
+    scheduled_time: float = 0.0  # in a finished output: time.monotonic() when first scheduled (0: never)
     # the runner's exception behind an "error" (for a caller in this process; never sent over the wire)
     exception: BaseException | None = field(default=None, repr=False, compare=False)
     # an embedding request's pooled vector, fp32 [H] (a torch tensor), in its one finished output

@@ -30,6 +30,7 @@ Design decisions (vLLM's policy, on our buckets)
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -217,6 +218,7 @@ class Scheduler:
             self.waiting.popleft()
             if not req.output_token_ids:  # a first admission, not a resumed preemption
                 self.blocks.record_lookup(req.num_prompt_tokens, computed)
+                req.scheduled_time = req.scheduled_time or time.monotonic()
             req.num_computed_tokens, req.status = computed, RequestStatus.RUNNING
             self.running[req.request_id] = req
             prefills.append(self._prefill_work(req, chunk))

@@ -173,8 +173,9 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def engine_metrics(engine: Engine, model_name: str) -> ServerMetrics:
-    """The Prometheus metrics of one engine (gauges read it at scrape time)."""
+def engine_metrics(engine: Engine, model_name: str, max_model_len: int) -> ServerMetrics:
+    """The Prometheus metrics of one engine (gauges read it at scrape time; token-count buckets up to
+    `max_model_len`)."""
     return ServerMetrics(
         model_name,
         lambda: engine.num_running,
@@ -184,6 +185,7 @@ def engine_metrics(engine: Engine, model_name: str) -> ServerMetrics:
         lambda: engine.prefix_cache_stats,
         lambda: engine.stats.preemptions,
         getattr(engine, "loras", None),
+        max_model_len,
     )
 
 
@@ -202,7 +204,7 @@ def create_app(
 ) -> FastAPI:
     """The single-process server's app. `api_key`: required on the `/v1/*` and tokenizer routes; `tool_parser`,
     `reasoning_parser`, `limits`: see OpenAIServing; `enable_docs`: serve `/docs`, `/redoc` and `/openapi.json`."""
-    metrics = engine_metrics(engine, model_name)
+    metrics = engine_metrics(engine, model_name, max_model_len)
     serving = OpenAIServing(engine, tokenizer, encode_chat, model_name, metrics, max_model_len,
                             tool_parser=tool_parser, reasoning_parser=reasoning_parser, limits=limits)
     max_body = serving.limits.max_body_bytes

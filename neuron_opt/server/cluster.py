@@ -89,7 +89,7 @@ from neuron_opt.server.app import (
 from neuron_opt.server.embeddings import EmbeddingRequest, EmbeddingServing
 from neuron_opt.server.limits import ServerLimits
 from neuron_opt.server.lora_routes import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
-from neuron_opt.server.metrics import PREFIX, REJECTION_REASONS
+from neuron_opt.server.metrics import PREFIX, REJECTION_REASONS, VLLM
 from neuron_opt.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -165,7 +165,7 @@ class EngineReplica:
         self.engine = engine = make_engine()
         if threads is not None:  # the engine thread takes them; this thread frees its OpenMP workers
             hand_threads_to_engine(engine.runners, threads)
-        self.metrics = engine_metrics(engine, model_name)
+        self.metrics = engine_metrics(engine, model_name, engine.runner.max_model_len)
         self.serving = OpenAIServing(engine, engine.tokenizer, engine.encode_chat, model_name, self.metrics,
                                      engine.runner.max_model_len,
                                      tool_parser=make_parser(tool_call_parser, engine.tokenizer), limits=limits,
@@ -307,7 +307,7 @@ def routing_families(replica_families: list[Any]) -> list[Any]:
                                  labels=["replica", "reason"])
     for (replica, reason), n in sorted(ROUTING.routed.items()):
         routed.add_metric([replica, reason], n)
-    totals = {name: sum(s.value for f in replica_families if f.name == PREFIX + name for s in f.samples
+    totals = {name: sum(s.value for f in replica_families if f.name == VLLM + name for s in f.samples
                         if s.name.endswith("_total"))
               for name in ("prefix_cache_hits", "prefix_cache_queries")}
     rate = GaugeMetricFamily(PREFIX + "cluster_prefix_cache_hit_rate", "Prefix-cache hits / queries summed over "

@@ -189,6 +189,7 @@ class OpenAIServing:
         stops early."""
         unfinished, checked = set(range(len(rids))), time.monotonic()
         last = [arrival] * len(rids)
+        first: list[float | None] = [None] * len(rids)  # the engine's stamp of each sample's first token
         try:
             while unfinished:
                 if is_disconnected is None:
@@ -209,6 +210,7 @@ class OpenAIServing:
                     n = len(out.new_token_ids)  # several when speculative decoding accepted proposals
                     if out.num_output_tokens == n:  # the first output: its first token is the TTFT
                         self.metrics.ttft.observe(now - last[i])
+                        first[i] = out.time
                         n -= 1
                     for _ in range(n):  # the step's time spread evenly over the tokens it produced
                         self.metrics.itl.observe((now - last[i]) / len(out.new_token_ids))
@@ -219,6 +221,10 @@ class OpenAIServing:
                         raise EngineError(out.error or "engine error")
                     self.metrics.request_finished(out.finish_reason or "stop", out.num_prompt_tokens,
                                                   out.num_output_tokens, now - arrival)
+                    started = first[i]
+                    if out.scheduled_time and started is not None:
+                        self.metrics.request_phases(arrival, out.scheduled_time, started, out.time,
+                                                    out.num_output_tokens)
                 yield i, out
         finally:
             for i in unfinished:
