@@ -95,6 +95,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="PEFT LoRA adapters served by name (request `model`), for an artifact compiled with "
                         "--enable-lora; more load at run time: POST /v1/load_lora_adapter (docs/lora.md)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info, the tokenizer's configuration with its chat template (vLLM's flag; "
+                   "off by default, as there)")
     p.add_argument("--enable-docs", action="store_true",
                    help="serve /docs, /redoc and /openapi.json (off by default: they describe the server to anyone)")
     lim = p.add_argument_group("request limits (past them: 400 naming the field; defaults: docs/serving.md)")
@@ -174,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(engine, engine.tokenizer, engine.encode_chat, name, engine.runner.max_model_len, api_key=key,
                      tool_parser=make_parser(args.tool_call_parser, engine.tokenizer), limits=limits,
                      reasoning_parser=make_reasoning_parser(args.reasoning_parser, engine.tokenizer),
-                     enable_docs=args.enable_docs)
+                     enable_docs=args.enable_docs, enable_tokenizer_info=args.enable_tokenizer_info_endpoint)
     url = f"http://{args.host}:{args.port}"
     if key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: serving on {args.host} without an API key: anyone who reaches this port can use the model "

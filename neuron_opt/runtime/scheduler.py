@@ -201,7 +201,8 @@ class Scheduler:
                 if slot is None:
                     break  # every adapter slot is in use: wait, as for blocks
                 req.lora_slot = slot
-            prefix = self.blocks.cached_prefix(req.prompt_token_ids + req.output_token_ids, req.cache_salt)
+            prefix = [] if req.scores_prompt and not req.output_token_ids else self.blocks.cached_prefix(
+                req.prompt_token_ids + req.output_token_ids, req.cache_salt)
             computed = len(prefix) * self.kv.block_size
             remaining = req.num_tokens - computed
             if chunked or remaining > self.kv.max_prefill_len:  # the latter: a preempted sequence, resumed

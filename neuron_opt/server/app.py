@@ -43,6 +43,7 @@ from neuron_opt.server.protocol import (
     TokenizeRequest,
 )
 from neuron_opt.server.reasoning import ReasoningParser
+from neuron_opt.server.scoring import tokenizer_info
 from neuron_opt.server.serving import EncodeChat, EngineError, NotFoundError, OpenAIServing, internal_error_message
 from neuron_opt.server.tool_parsers import ToolParser
 
@@ -201,9 +202,12 @@ def create_app(
     reasoning_parser: ReasoningParser | None = None,
     limits: ServerLimits | None = None,
     enable_docs: bool = False,
+    enable_tokenizer_info: bool = False,
 ) -> FastAPI:
     """The single-process server's app. `api_key`: required on the `/v1/*` and tokenizer routes; `tool_parser`,
-    `reasoning_parser`, `limits`: see OpenAIServing; `enable_docs`: serve `/docs`, `/redoc` and `/openapi.json`."""
+    `reasoning_parser`, `limits`: see OpenAIServing; `enable_docs`: serve `/docs`, `/redoc` and `/openapi.json`;
+    `enable_tokenizer_info`: serve vLLM's `GET /tokenizer_info` (the tokenizer's configuration, chat template
+    included)."""
     metrics = engine_metrics(engine, model_name, max_model_len)
     serving = OpenAIServing(engine, tokenizer, encode_chat, model_name, metrics, max_model_len,
                             tool_parser=tool_parser, reasoning_parser=reasoning_parser, limits=limits)
@@ -288,6 +292,11 @@ def create_app(
         arrival = time.monotonic()
         req = await _parse(request, EmbeddingRequest, max_body)
         return JSONResponse(await embeddings.create(req, arrival))
+
+    if enable_tokenizer_info:
+        @app.get("/tokenizer_info")
+        async def get_tokenizer_info() -> Response:
+            return JSONResponse(tokenizer_info(tokenizer))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

@@ -2,7 +2,7 @@
 
 Design decisions
 - `extra="forbid"`: a field we do not know is a 400 naming it, never silently ignored. Fields the OpenAI
-  client may send that we cannot honour (`suffix`, `echo`, `best_of > 1`, ...) are declared so that their
+  client may send that we cannot honour (`suffix`, `best_of > 1`, ...) are declared so that their
   harmless values (null, empty, default) pass and anything else is a 400 saying it is unsupported.
 - Structured outputs come in four spellings, one per request: OpenAI's `response_format` (json_object,
   json_schema), vLLM's `structured_outputs` {json | regex | choice | grammar | json_object | structural_tag}, and
@@ -273,7 +273,7 @@ class _Sampling(_Strict):
         return tuple(sorted(out))
 
     def _params(self, max_tokens: int, logprobs: int | None, vocab_size: int,
-                structured: StructuredOutputs | None) -> SamplingParams:
+                structured: StructuredOutputs | None, prompt_logprobs: int | None = None) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if any(s == "" for s in stop):
             raise ProtocolError("stop strings must not be empty", "stop")
@@ -295,6 +295,7 @@ class _Sampling(_Strict):
             logit_bias=self._logit_bias(vocab_size),
             structured=structured,
             skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def request_field(self, param: str) -> str:
@@ -320,6 +321,7 @@ class CompletionRequest(_Sampling):
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each choice's `prompt_logprobs`, this many top ones per token
 
     def prompt_input(self) -> str | list[int]:
         """The single prompt as text or token ids (a list holding one prompt is unwrapped)."""
@@ -345,16 +347,25 @@ class CompletionRequest(_Sampling):
         else:
             _check_size("prompt", len(p), bound, "token ids")
 
+    @property
+    def scores_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the prompt back (with its logprobs), nothing generated. The engine then
+        generates one token, which the response leaves out."""
+        return bool(self.echo) and self.max_tokens == 0
+
     def sampling_params(self, prompt_len: int, max_model_len: int, vocab_size: int) -> SamplingParams:
         self._check_common()
-        if self.echo:
-            raise ProtocolError("echo is not supported", "echo")
+        if self.stream and (self.echo or self.prompt_logprobs is not None):
+            raise ProtocolError("echo and prompt_logprobs are not supported with stream", "stream")
         if self.suffix:
             raise ProtocolError("suffix is not supported", "suffix")
         if self.best_of not in (None, 1):
             raise ProtocolError("best_of > 1 is not supported; use n", "best_of")
         max_tokens = max(1, max_model_len - prompt_len) if self.max_tokens is None else self.max_tokens
-        return self._params(max_tokens, self.logprobs, vocab_size, self.structured())
+        # the prompt's logprobs: those vLLM's prompt_logprobs asks for, and echo's with logprobs (as many top ones)
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return self._params(1 if self.scores_only else max_tokens, self.logprobs, vocab_size, self.structured(),
+                            max(wanted) if wanted else None)
 
 
 class ChatCompletionRequest(_Sampling):

@@ -41,6 +41,7 @@ from neuron_opt.server.protocol import (
     TokenizeRequest,
 )
 from neuron_opt.server.reasoning import ReasoningParser, ReasoningStream, Start, after_reasoning
+from neuron_opt.server.scoring import echo_logprobs, vllm_prompt_logprobs
 from neuron_opt.server.tool_parsers import ToolParser
 from neuron_opt.server.tools import ToolRequest, ToolStream, make_parser, message, render_messages
 
@@ -61,6 +62,7 @@ class _Result:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()  # with SamplingParams.prompt_logprobs
 
 
 def sse(obj: Any) -> str:
@@ -242,6 +244,7 @@ class OpenAIServing:
             r.token_ids += out.new_token_ids
             r.logprobs += out.logprobs
             r.finish_reason = out.finish_reason
+            r.prompt_logprobs = out.prompt_logprobs or r.prompt_logprobs
         return results
 
     # ---- /v1/completions -----------------------------------------------------------------------------
@@ -271,6 +274,10 @@ class OpenAIServing:
         self._check_ids(ids, "prompt")
         with _request_fields(req):
             params = req.sampling_params(len(ids), self.max_model_len, self.vocab_size)
+        if params.prompt_logprobs is not None and not self.engine.runner.all_position_logits:
+            raise ProtocolError("prompt logprobs (echo with logprobs, prompt_logprobs) are not supported on this "
+                                "backend: its prefill graphs return the last position's logits only",
+                                "prompt_logprobs" if req.prompt_logprobs is not None else "echo")
         rids, q = await self._submit(req, ids, params, arrival, lora)
         head = {
             "id": f"cmpl-{uuid.uuid4().hex}",
@@ -285,9 +292,21 @@ class OpenAIServing:
 
             return self._stream(self._outputs(rids, q, arrival), head, len(ids), req, choice)
         results = await self._collect(rids, q, arrival, is_disconnected)
-        choices = [{"index": i, "text": r.text,
-                    "logprobs": self._completion_logprobs(r.logprobs, 0) if req.logprobs is not None else None,
-                    "finish_reason": r.finish_reason, "stop_reason": None} for i, r in enumerate(results)]
+        if req.scores_only:  # echo with max_tokens 0: the one token generated is left out
+            results = [_Result(prompt_logprobs=r.prompt_logprobs, finish_reason="length") for r in results]
+        echoed = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if req.echo else ""
+        choices = []
+        for i, r in enumerate(results):
+            lp: dict[str, Any] | None = None
+            if req.logprobs is not None:
+                lp = (echo_logprobs(ids, r.prompt_logprobs, r.logprobs, self._token_str) if req.echo
+                      else self._completion_logprobs(r.logprobs, 0))
+            choice = {"index": i, "text": echoed + r.text, "logprobs": lp, "finish_reason": r.finish_reason,
+                      "stop_reason": None}
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(r.prompt_logprobs, req.prompt_logprobs,
+                                                                 self._token_str)
+            choices.append(choice)
         return {**head, "choices": choices, "usage": self._usage(len(ids), results)}
 
     # ---- /v1/chat/completions ------------------------------------------------------------------------
