@@ -6,8 +6,8 @@ format's markers are in it):
 - `deepseek_r1`: `…</think>answer`. The template opens `<think>` in the prompt, so the reply starts inside the
   thinking (a leading `<think>` is dropped); without `</think>` the whole reply is reasoning.
 - `qwen3` (Qwen3, SmolLM3): `<think>…</think>answer`. Where the prompt ends with `<think>` the reply starts inside
-  the thinking; where it ends with `</think>` (`chat_template_kwargs: {"enable_thinking": false}`) it is all
-  content; otherwise it is reasoning only if it begins with `<think>`.
+  the thinking (a repeated `<think>` is dropped); where it ends with `</think>` (`chat_template_kwargs:
+  {"enable_thinking": false}`) it is all content; otherwise it is reasoning only if it begins with `<think>`.
 - `granite`: `Here is my thought process:…Here is my response:answer` ("Here's" too), when the reply begins so.
 - `openai_gptoss`: harmony channels, `<|channel|>analysis<|message|>…<|end|>` is reasoning and the `final` (and
   any other) channel's message is content. Its markers are special tokens, so replies are decoded with them.
@@ -94,17 +94,14 @@ class ReasoningParser:
     def split(self, text: str, start: Start, final: bool) -> Split:
         if start is Start.NONE:
             return Split(None, text, True)
-        body = text
-        if start is Start.MAYBE or self.always_inside:
-            stripped = text.lstrip()
-            opened = next((s for s in self.starts if stripped.startswith(s)), None)
-            if opened is None:
-                if not final and any(s.startswith(stripped) for s in self.starts):
-                    return Split(None, "", False)  # it may still become a start marker
-                if start is Start.MAYBE:
-                    return Split(None, text, True)
-            else:
-                body = stripped[len(opened):]
+        body, stripped = text, text.lstrip()
+        opened = next((s for s in self.starts if stripped.startswith(s)), None)  # (inside: a repeated one is dropped)
+        if opened is not None:
+            body = stripped[len(opened):]
+        elif not final and any(s.startswith(stripped) for s in self.starts):
+            return Split(None, "", False)  # it may still become a start marker
+        elif start is Start.MAYBE:
+            return Split(None, text, True)
         found = [(body.find(e), e) for e in self.ends if e in body]
         if found:
             at, end = min(found)

@@ -48,6 +48,8 @@ REPLIES = [  # (parser, where the reply starts, reply, its reasoning, its conten
     ("qwen3", Start.MAYBE, "<think>\nsmall < large\n</think>\n\nYes.", "\nsmall < large\n", "\n\nYes."),
     ("qwen3", Start.MAYBE, "<b>No</b> thinking here.", None, "<b>No</b> thinking here."),
     ("qwen3", Start.NONE, "plain </think> text", None, "plain </think> text"),
+    ("qwen3", Start.INSIDE, "\n<think>again</think>done", "again", "done"),
+    ("qwen3", Start.INSIDE, "no end yet", "no end yet", ""),
     ("granite", Start.MAYBE, "Here is my thought process: a, b. Here is my response: c.", " a, b. ", " c."),
     ("granite", Start.MAYBE, "Here's my thought process:x Here's my response:y", "x ", "y"),
     ("openai_gptoss", Start.MAYBE, "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final"
