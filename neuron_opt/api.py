@@ -145,10 +145,11 @@ class LLM:
     def eos_token_ids(self) -> tuple[int, ...]:
         return model_eos_token_ids(self.config.eos_token_ids, self.tokenizer)
 
-    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The prompt of a conversation through the model's chat template (`tools`: OpenAI tool definitions, for
-        templates that render them)."""
-        return encode_chat(self.tokenizer, messages, tools)
+        templates that render them; `template_kwargs`: more variables for the template, e.g. enable_thinking)."""
+        return encode_chat(self.tokenizer, messages, tools, template_kwargs)
 
     def _run(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
              speculative: SpeculativeConfig | None,

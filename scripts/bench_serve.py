@@ -398,10 +398,10 @@ def scrape(url: str) -> dict[str, float]:
 
     out: dict[str, float] = {}
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("neuron_opt:") and "{" in line:
+        if line.startswith(("neuron_opt:", "vllm:")) and "{" in line:
             name, value = line.split("{")[0], line.rsplit(" ", 1)[1]
             if not name.endswith(("_bucket", "_sum", "_count", "_created")):
-                out[name.removeprefix("neuron_opt:")] = float(value)
+                out[name.split(":", 1)[1]] = float(value)
     return out
 
 
@@ -414,7 +414,7 @@ async def poll_running(url: str, stop: asyncio.Event, every: float = 0.05) -> li
         while not stop.is_set():
             text = (await client.get(url + "/metrics")).text
             seen += [float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
-                     if ln.startswith("neuron_opt:num_requests_running{")]
+                     if ln.startswith("vllm:num_requests_running{")]
             await asyncio.sleep(every)
     return seen
 

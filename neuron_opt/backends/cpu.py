@@ -436,6 +436,9 @@ class CpuExecutor:
     a few shapes (oneDNN builds and caches a kernel per shape) at a waste of under 16 tokens a prefill."""
 
     gathers_candidates = False
+    # a prefill's logits at every position (prompt logprobs): the head graphs run outside the layer graphs, on any
+    # rows (in chunks of a head graph's row count)
+    all_position_logits = True
     prefill_granularity = 16
 
     def __init__(self, model: torch.nn.Module, graph_files: dict[Bucket, list[Path]], cache: CacheConfig,
@@ -592,5 +595,17 @@ class CpuExecutor:
         rows = torch.arange(x.shape[0])
         if inputs.last_index.dim() == 2:  # verify: every position of every row, [B, q, H] -> [B, q, V]
             B, q = inputs.last_index.shape
-            return head(x[rows[:, None], inputs.last_index].reshape(B * q, -1)).view(B, q, -1)
+            picked = x[rows[:, None], inputs.last_index].reshape(B * q, -1)  # [B * q, H]
+            if bucket.phase == VERIFY:
+                return head(picked).view(B, q, -1)
+            return self._head_rows(picked).view(B, q, -1)  # a prefill's every position (prompt logprobs)
         return head(x[rows, inputs.last_index])  # [B, H] -> [B, V]
+
+    def _head_rows(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [N, V] of any number of hidden states [N, H], through the head graph of the most rows, in
+        chunks of its row count (the last one zero-padded)."""
+        n, key = max((int(k[1].removeprefix("head_b")), k[1]) for k in self._routes if k[1].startswith("head_b"))
+        head = next(r[1] for k, r in self._routes.items() if k[1] == key)
+        pad = -h.shape[0] % n
+        h = torch.nn.functional.pad(h, (0, 0, 0, pad))  # [N + pad, H]
+        return torch.cat([head(h[i:i + n]) for i in range(0, h.shape[0], n)])[: h.shape[0] - pad]

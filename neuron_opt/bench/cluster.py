@@ -13,7 +13,8 @@ import signal
 import subprocess
 import time
 
-PREFIX = "neuron_opt:"
+PREFIX = "neuron_opt:"  # the router's own metrics
+VLLM = "vllm:"  # the replicas' metrics that vLLM has too (server/metrics.py)
 
 
 def router_metrics(url: str, label: str = "replica") -> dict[tuple[str, str], float]:
@@ -33,8 +34,8 @@ def router_metrics(url: str, label: str = "replica") -> dict[tuple[str, str], fl
 
 
 def summed(m: dict[tuple[str, str], float], name: str) -> float:
-    """A sample summed over the replicas."""
-    return sum(v for (n, _), v in m.items() if n == PREFIX + name)
+    """A sample of vLLM's name (`vllm:` + `name`) summed over the replicas."""
+    return sum(v for (n, _), v in m.items() if n == VLLM + name)
 
 
 def routed(m: dict[tuple[str, str], float]) -> dict[str, float]:

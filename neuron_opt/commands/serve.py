@@ -15,6 +15,7 @@ from neuron_opt.commands.serve_engine import LIMIT_FLAGS, api_key, build_engine,
 from neuron_opt.errors import ConfigError
 from neuron_opt.runtime.threads import ThreadPolicy, hand_threads_to_engine
 from neuron_opt.server.limits import ServerLimits
+from neuron_opt.server.reasoning import REASONING_PARSERS, make_reasoning_parser
 from neuron_opt.server.tool_parsers import PARSERS
 from neuron_opt.server.tools import make_parser
 
@@ -82,6 +83,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "for templates without tools: the tools go into the system prompt and the reply is a JSON object)",
     )
     p.add_argument(
+        "--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+        help="split the model's thinking from its answer (message.reasoning): deepseek_r1, qwen3, openai_gptoss "
+        "(harmony), granite (default: the one its chat template writes, when unambiguous; else none)",
+    )
+    p.add_argument(
         "--dtype", default=None, choices=["float32", "bfloat16"],
         help="with --model: compute dtype (default float32); an artifact's is fixed (given, it must match)"
     )
@@ -89,6 +95,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="PEFT LoRA adapters served by name (request `model`), for an artifact compiled with "
                         "--enable-lora; more load at run time: POST /v1/load_lora_adapter (docs/lora.md)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info, the tokenizer's configuration with its chat template (vLLM's flag; "
+                   "off by default, as there)")
     p.add_argument("--enable-docs", action="store_true",
                    help="serve /docs, /redoc and /openapi.json (off by default: they describe the server to anyone)")
     lim = p.add_argument_group("request limits (past them: 400 naming the field; defaults: docs/serving.md)")
@@ -167,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
     name = served_name(args)
     app = create_app(engine, engine.tokenizer, engine.encode_chat, name, engine.runner.max_model_len, api_key=key,
                      tool_parser=make_parser(args.tool_call_parser, engine.tokenizer), limits=limits,
-                     enable_docs=args.enable_docs)
+                     reasoning_parser=make_reasoning_parser(args.reasoning_parser, engine.tokenizer),
+                     enable_docs=args.enable_docs, enable_tokenizer_info=args.enable_tokenizer_info_endpoint)
     url = f"http://{args.host}:{args.port}"
     if key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: serving on {args.host} without an API key: anyone who reaches this port can use the model "

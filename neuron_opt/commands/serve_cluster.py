@@ -151,7 +151,8 @@ def run_cluster(args: argparse.Namespace) -> int:
         replica = EngineReplica.options(
             num_replicas=replicas, ray_actor_options=actor_options, max_ongoing_requests=per_replica,
             health_check_period_s=5.0, request_router_config=router_config,
-        ).bind(functools.partial(build_engine, params), name, board, threads, args.tool_call_parser, limits)
+        ).bind(functools.partial(build_engine, params), name, board, threads, args.tool_call_parser, limits,
+               args.reasoning_parser)
         print(f"Starting {replicas} replica(s) of {name!r} on Ray ({actor_options}, "
               f"{threads or 'default'} torch thread(s) each)...", flush=True)
         router = Router.options(max_ongoing_requests=max_in_flight + ROUTER_SPARE_REQUESTS).bind(

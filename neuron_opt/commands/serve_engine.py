@@ -22,7 +22,8 @@ LIMIT_FLAGS = {
     "max_stop_strings": "stop strings per request",
     "max_stop_chars": "characters per stop string",
     "max_stop_token_ids": "stop_token_ids per request",
-    "max_schema_bytes": "bytes, as JSON, of each of response_format, structured_outputs, guided_*, tools",
+    "max_schema_bytes": "bytes, as JSON, of each of response_format, structured_outputs, guided_*, tools, "
+                        "chat_template_kwargs",
     "max_messages": "chat messages per request",
     "max_embedding_inputs": "inputs per /v1/embeddings request",
 }

@@ -37,14 +37,14 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from neuron_opt.errors import ConfigError, NeuronOptError, QueueFullError
 from neuron_opt.lora.registry import LoraManager
-from neuron_opt.runtime.output import OutputProcessor, RequestOutput, send
+from neuron_opt.runtime.output import OutputProcessor, RequestOutput, TokenLogprob, send, token_logprobs
 from neuron_opt.runtime.request import Request
 from neuron_opt.runtime.runner import DecodeRow, ModelRunner, PrefillRow, VerifyRow
 from neuron_opt.runtime.sampling import SampleResult, SamplerState, SamplingParams, candidates_needed, sample_batch
@@ -59,11 +59,13 @@ class EngineDeadError(NeuronOptError):
     """The engine loop died (a bug); new requests are refused (HTTP 500) and /health reports 503."""
 
 
-def encode_chat(tokenizer: Any, messages: list[dict[str, Any]],
-                tools: list[dict[str, Any]] | None = None) -> list[int]:
+def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """The prompt of a conversation through the model's chat template (`tools`: OpenAI tool definitions, for
-    templates that render them)."""
-    kw = {"tools": tools} if tools else {}
+    templates that render them; `template_kwargs`: more variables for the template, e.g. enable_thinking)."""
+    kw: dict[str, Any] = dict(template_kwargs or {})
+    if tools:
+        kw["tools"] = tools
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kw)
     ids = out["input_ids"] if hasattr(out, "keys") else out
     return list(ids)
@@ -174,6 +176,8 @@ class Engine:
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids)  # engine thread only
         self._inbox: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._seqs: dict[str, _Sequence] = {}  # engine thread only
+        # prompt logprobs computed so far (those of prompt tokens 1, 2, ...), until the first output takes them
+        self._prompt_lps: dict[str, list[TokenLogprob]] = {}  # engine thread only
         self._pending = 0  # requests added but not yet finished (any thread; guarded by _lock)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -229,9 +233,10 @@ class Engine:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
-    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """A conversation's prompt ids through the model's chat template (`encode_chat`)."""
-        return encode_chat(self.tokenizer, messages, tools)
+        return encode_chat(self.tokenizer, messages, tools, template_kwargs)
 
     def compile_grammar(self, params: SamplingParams) -> Any:
         """The compiled grammar of `params.structured` (None without one); ConfigError if it does not compile.
@@ -306,6 +311,7 @@ class Engine:
             share_prefix_with=share_prefix_with,
             lora_name=lora,
             cache_salt=salt,
+            scores_prompt=params.prompt_logprobs is not None,
         )
         seq = _Sequence(req, SamplerState.create(params, state))
         self._inbox.put(_Command("add", request_id, seq, params, on_output))
@@ -406,9 +412,15 @@ class Engine:
             return
         rows = [PrefillRow(p.blocks, p.token_ids, p.start, p.lora_slot) for p in group]
         sampled = [p.request_id for p in group if p.last]
+        scoring = [i for i, p in enumerate(group) if self._seqs[p.request_id].request.scores_prompt]
         t0 = time.perf_counter()
         try:
-            logits = self.runner.prefill_rows(rows, candidates=self._candidates(sampled) if sampled else 1)
+            if scoring:  # every position's logits: the scoring rows' prompt logprobs, everyone's last row
+                every = self.runner.prefill_rows(rows, all_positions=True)  # [len(group), S, V]
+                self._score_prompts(group, scoring, every)
+                logits = every[torch.arange(len(group)), torch.tensor([len(p.token_ids) - 1 for p in group])]
+            else:
+                logits = self.runner.prefill_rows(rows, candidates=self._candidates(sampled) if sampled else 1)
         except Exception as e:
             log.error("prefill failed:\n%s", traceback.format_exc())
             for p in group:
@@ -424,6 +436,20 @@ class Engine:
                 self.scheduler.update_prefill(p.request_id, len(p.token_ids))
         if sampled:
             self._update(sampled, logits[[i for i, p in enumerate(group) if p.last]])
+
+    def _score_prompts(self, group: tuple[PrefillWork, ...], scoring: list[int], every: torch.Tensor) -> None:
+        """Prompt logprobs from a prefill's logits at every position [len(group), S, V]: position j's logits score
+        prompt token j + 1 (the chunk's last position scores the next chunk's first token)."""
+        for i in scoring:
+            p = group[i]
+            seq = self._seqs[p.request_id]
+            prompt, params = seq.request.prompt_token_ids, seq.state.params
+            done = self._prompt_lps.setdefault(p.request_id, [])
+            first = max(p.start, len(done))  # the positions whose token after them is not scored yet
+            last = min(p.start + len(p.token_ids), len(prompt) - 1)
+            if first < last:
+                done += token_logprobs(every[i, first - p.start:last - p.start], prompt[first + 1:last + 1],
+                                       params.prompt_logprobs or 0)
 
     def _embed(self, group: tuple[PrefillWork, ...]) -> None:
         """Embedding requests' inputs in one graph call (each whole: an embedding model has no chunked prefill or
@@ -517,13 +543,17 @@ class Engine:
         out, taken = self.outputs.process(request_id, results, grammar_done)
         for res in results[:taken]:
             self.scheduler.update(request_id, res.token)
+        if request_id in self._prompt_lps:  # the first output carries the prompt's logprobs
+            out = replace(out, prompt_logprobs=(None, *self._prompt_lps.pop(request_id)))
         if out.finished:
+            out = replace(out, scheduled_time=self._seqs[request_id].request.scheduled_time)
             self._release(request_id)
         self.outputs.send_output(out)
 
     def _release(self, request_id: str) -> None:
         """Forget a finished request: its blocks, its speculative state, its place among those in flight."""
         seq = self._seqs.pop(request_id)
+        self._prompt_lps.pop(request_id, None)
         self.scheduler.finish(request_id)
         if seq.request.lora_name is not None and self.loras is not None:
             self.loras.end_request(seq.request.lora_name)

@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from neuron_opt.runtime.sampling import SampleResult, SamplingParams
 from neuron_opt.runtime.stopping import StopChecker
 
@@ -37,6 +39,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # 1 + how many tokens were likelier (prompt logprobs)
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,9 @@ class RequestOutput:
     logprobs: tuple[TokenLogprob, ...] = ()
     error: str | None = None
     time: float = 0.0  # time.monotonic() when the token was produced
+    scheduled_time: float = 0.0  # in a finished output: time.monotonic() when first scheduled (0: never)
+    # in a request's first output, with SamplingParams.prompt_logprobs: one per prompt token (None for the first)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     # the runner's exception behind an "error" (for a caller in this process; never sent over the wire)
     exception: BaseException | None = field(default=None, repr=False, compare=False)
     # an embedding request's pooled vector, fp32 [H] (a torch tensor), in its one finished output
@@ -66,6 +72,21 @@ class GenerationOutput:
     text: str
     finish_reason: str
     logprobs: list[float] = field(default_factory=list)
+
+
+def token_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) -> list[TokenLogprob]:
+    """Row i's logprob of token targets[i] under logits [n, V] (the model's distribution), its rank, and the top
+    `k` (prompt logprobs: row i holds the logits that predict targets[i])."""
+    lp = logits.float().log_softmax(-1)  # [n, V]
+    t = torch.tensor(list(targets), dtype=torch.long)
+    chosen = lp[torch.arange(len(t)), t]  # [n]
+    ranks = (lp > chosen[:, None]).sum(-1) + 1  # [n]
+    top = torch.topk(lp, k) if k else None
+    out = []
+    for i, tok in enumerate(t.tolist()):
+        pairs = tuple(zip(top.indices[i].tolist(), top.values[i].tolist(), strict=True)) if top is not None else ()
+        out.append(TokenLogprob(tok, float(chosen[i]), pairs, int(ranks[i])))
+    return out
 
 
 def model_eos_token_ids(config_eos_token_ids: Sequence[int], tokenizer: Any) -> tuple[int, ...]:

@@ -26,6 +26,10 @@ class Request:
     prompt_token_ids: list[int]
     max_tokens: int
     arrival_time: float = 0.0
+    scheduled_time: float = 0.0  # time.monotonic() when first scheduled (0: not yet)
+    # its prompt's logprobs are asked for: every prompt token is prefilled (no prefix-cache hit), as they come from
+    # the prefill's logits
+    scores_prompt: bool = False
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING

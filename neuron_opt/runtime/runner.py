@@ -167,13 +167,30 @@ class ModelRunner:
         that gather candidates return -inf for the rest, which is exact for greedy and top-k sampling."""
         return self.prefill_rows([PrefillRow(blocks, tuple(token_ids), start)], candidates)[0]
 
-    def prefill_rows(self, rows: Sequence[PrefillRow], candidates: int | None = None) -> torch.Tensor:
+    @property
+    def all_position_logits(self) -> bool:
+        """The executor returns a prefill's logits at every position (`prefill_rows(..., all_positions=True)`), as
+        prompt logprobs need: the eager and cpu backends (whose LM head runs outside the layer graphs)."""
+        return bool(getattr(self.executor, "all_position_logits", False))
+
+    def prefill_rows(self, rows: Sequence[PrefillRow], candidates: int | None = None,
+                     all_positions: bool = False) -> torch.Tensor:
         """Several prompts (or chunks) in one graph call, up to the prefill batch; fp32 logits [len(rows), V] of
-        each row's last token."""
+        each row's last token, or with `all_positions` [len(rows), S, V] of each of the bucket's S positions (a
+        row's own are its first len(tokens); the full distribution, `candidates` is not used)."""
         if self.embeds:
             raise ConfigError("this is an embedding model: it returns pooled vectors (embed_rows), not logits")
         bucket, inputs = self._prefill_inputs(rows)
-        return self._run(bucket, inputs, candidates)[: len(rows), : self.vocab_size]
+        if not all_positions:
+            return self._run(bucket, inputs, candidates)[: len(rows), : self.vocab_size]
+        if not self.all_position_logits:
+            raise ConfigError("prompt logprobs: this backend's prefill graphs return the last position's logits "
+                              "only (eager and cpu artifacts return every position's)", param="prompt_logprobs")
+        B, S = inputs.input_ids.shape
+        every = torch.arange(S).expand(B, S).contiguous()  # [B, S]
+        inputs = StepInputs(inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables, every,
+                            inputs.lora_slots)
+        return self._run(bucket, inputs, None)[: len(rows), :, : self.vocab_size]
 
     def embed_rows(self, rows: Sequence[PrefillRow]) -> torch.Tensor:
         """An embedding model's inputs in one graph call, up to the prefill batch, each whole and from position 0

@@ -43,6 +43,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit) pairs
     structured: StructuredOutputs | None = None  # the grammar the output must match
     skip_special_tokens: bool = True  # special tokens the model writes are left out of the text
+    # logprobs of the prompt's tokens (each after the first) and this many top ones per position, from the prefill's
+    # logits at every position (the model's distribution: no penalties, bias or temperature); None: not computed
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # each error carries the field at fault (`param`): the HTTP server names it, whatever the message says
@@ -71,6 +74,8 @@ class SamplingParams:
                 raise bad(name, "must be in [-2, 2]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", "must be in [0, 20]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise bad("prompt_logprobs", "must be in [0, 20]")
         if self.min_tokens < 0:
             raise bad("min_tokens", "must be >= 0")
         if self.min_tokens > self.max_tokens:

@@ -30,6 +30,7 @@ Design decisions (vLLM's policy, on our buckets)
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -200,7 +201,8 @@ class Scheduler:
                 if slot is None:
                     break  # every adapter slot is in use: wait, as for blocks
                 req.lora_slot = slot
-            prefix = self.blocks.cached_prefix(req.prompt_token_ids + req.output_token_ids, req.cache_salt)
+            prefix = [] if req.scores_prompt and not req.output_token_ids else self.blocks.cached_prefix(
+                req.prompt_token_ids + req.output_token_ids, req.cache_salt)
             computed = len(prefix) * self.kv.block_size
             remaining = req.num_tokens - computed
             if chunked or remaining > self.kv.max_prefill_len:  # the latter: a preempted sequence, resumed
@@ -217,6 +219,7 @@ class Scheduler:
             self.waiting.popleft()
             if not req.output_token_ids:  # a first admission, not a resumed preemption
                 self.blocks.record_lookup(req.num_prompt_tokens, computed)
+                req.scheduled_time = req.scheduled_time or time.monotonic()
             req.num_computed_tokens, req.status = computed, RequestStatus.RUNNING
             self.running[req.request_id] = req
             prefills.append(self._prefill_work(req, chunk))

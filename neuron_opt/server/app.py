@@ -42,6 +42,8 @@ from neuron_opt.server.protocol import (
     ProtocolError,
     TokenizeRequest,
 )
+from neuron_opt.server.reasoning import ReasoningParser
+from neuron_opt.server.scoring import tokenizer_info
 from neuron_opt.server.serving import EncodeChat, EngineError, NotFoundError, OpenAIServing, internal_error_message
 from neuron_opt.server.tool_parsers import ToolParser
 
@@ -172,8 +174,9 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def engine_metrics(engine: Engine, model_name: str) -> ServerMetrics:
-    """The Prometheus metrics of one engine (gauges read it at scrape time)."""
+def engine_metrics(engine: Engine, model_name: str, max_model_len: int) -> ServerMetrics:
+    """The Prometheus metrics of one engine (gauges read it at scrape time; token-count buckets up to
+    `max_model_len`)."""
     return ServerMetrics(
         model_name,
         lambda: engine.num_running,
@@ -183,6 +186,7 @@ def engine_metrics(engine: Engine, model_name: str) -> ServerMetrics:
         lambda: engine.prefix_cache_stats,
         lambda: engine.stats.preemptions,
         getattr(engine, "loras", None),
+        max_model_len,
     )
 
 
@@ -195,14 +199,18 @@ def create_app(
     *,
     api_key: str | None = None,
     tool_parser: ToolParser | None = None,
+    reasoning_parser: ReasoningParser | None = None,
     limits: ServerLimits | None = None,
     enable_docs: bool = False,
+    enable_tokenizer_info: bool = False,
 ) -> FastAPI:
     """The single-process server's app. `api_key`: required on the `/v1/*` and tokenizer routes; `tool_parser`,
-    `limits`: see OpenAIServing; `enable_docs`: serve `/docs`, `/redoc` and `/openapi.json`."""
-    metrics = engine_metrics(engine, model_name)
+    `reasoning_parser`, `limits`: see OpenAIServing; `enable_docs`: serve `/docs`, `/redoc` and `/openapi.json`;
+    `enable_tokenizer_info`: serve vLLM's `GET /tokenizer_info` (the tokenizer's configuration, chat template
+    included)."""
+    metrics = engine_metrics(engine, model_name, max_model_len)
     serving = OpenAIServing(engine, tokenizer, encode_chat, model_name, metrics, max_model_len,
-                            tool_parser=tool_parser, limits=limits)
+                            tool_parser=tool_parser, reasoning_parser=reasoning_parser, limits=limits)
     max_body = serving.limits.max_body_bytes
 
     @asynccontextmanager
@@ -284,6 +292,11 @@ def create_app(
         arrival = time.monotonic()
         req = await _parse(request, EmbeddingRequest, max_body)
         return JSONResponse(await embeddings.create(req, arrival))
+
+    if enable_tokenizer_info:
+        @app.get("/tokenizer_info")
+        async def get_tokenizer_info() -> Response:
+            return JSONResponse(tokenizer_info(tokenizer))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

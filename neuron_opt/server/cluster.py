@@ -89,13 +89,14 @@ from neuron_opt.server.app import (
 from neuron_opt.server.embeddings import EmbeddingRequest, EmbeddingServing
 from neuron_opt.server.limits import ServerLimits
 from neuron_opt.server.lora_routes import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
-from neuron_opt.server.metrics import PREFIX, REJECTION_REASONS
+from neuron_opt.server.metrics import PREFIX, REJECTION_REASONS, VLLM
 from neuron_opt.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
+from neuron_opt.server.reasoning import make_reasoning_parser
 from neuron_opt.server.serving import NotFoundError, OpenAIServing, internal_error_message, sse
 from neuron_opt.server.tools import make_parser, render_messages
 
@@ -157,16 +158,18 @@ class EngineReplica:
     """One engine (the model loaded once, its tp ranks inside this replica's cores) and its OpenAI serving."""
 
     def __init__(self, make_engine: Callable[[], Any], model_name: str, board: Any,
-                 threads: int | None, tool_call_parser: str | None = None, limits: ServerLimits | None = None) -> None:
+                 threads: int | None, tool_call_parser: str | None = None, limits: ServerLimits | None = None,
+                 reasoning_parser: str | None = None) -> None:
         if threads is not None:
             torch.set_num_threads(threads)
         self.engine = engine = make_engine()
         if threads is not None:  # the engine thread takes them; this thread frees its OpenMP workers
             hand_threads_to_engine(engine.runners, threads)
-        self.metrics = engine_metrics(engine, model_name)
+        self.metrics = engine_metrics(engine, model_name, engine.runner.max_model_len)
         self.serving = OpenAIServing(engine, engine.tokenizer, engine.encode_chat, model_name, self.metrics,
                                      engine.runner.max_model_len,
-                                     tool_parser=make_parser(tool_call_parser, engine.tokenizer), limits=limits)
+                                     tool_parser=make_parser(tool_call_parser, engine.tokenizer), limits=limits,
+                                     reasoning_parser=make_reasoning_parser(reasoning_parser, engine.tokenizer))
         self.embeddings = EmbeddingServing(self.serving)
         self.id = serve.get_replica_context().replica_id.unique_id
         self.info = {"max_model_len": engine.runner.max_model_len}  # what the router's /v1/models card needs
@@ -304,7 +307,7 @@ def routing_families(replica_families: list[Any]) -> list[Any]:
                                  labels=["replica", "reason"])
     for (replica, reason), n in sorted(ROUTING.routed.items()):
         routed.add_metric([replica, reason], n)
-    totals = {name: sum(s.value for f in replica_families if f.name == PREFIX + name for s in f.samples
+    totals = {name: sum(s.value for f in replica_families if f.name == VLLM + name for s in f.samples
                         if s.name.endswith("_total"))
               for name in ("prefix_cache_hits", "prefix_cache_queries")}
     rate = GaugeMetricFamily(PREFIX + "cluster_prefix_cache_hit_rate", "Prefix-cache hits / queries summed over "

@@ -27,8 +27,8 @@ class ServerLimits:
         max_stop_strings: most `stop` strings.
         max_stop_chars: most characters of one stop string.
         max_stop_token_ids: most `stop_token_ids`.
-        max_schema_bytes: most bytes, as JSON, of each of `response_format`, `structured_outputs`, `guided_*` and
-            `tools`.
+        max_schema_bytes: most bytes, as JSON, of each of `response_format`, `structured_outputs`, `guided_*`,
+            `tools` and `chat_template_kwargs`.
         max_messages: most chat messages.
         max_embedding_inputs: most inputs of one `/v1/embeddings` request (OpenAI's bound: 2048).
     """

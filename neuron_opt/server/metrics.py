@@ -1,9 +1,13 @@
-"""Prometheus metrics, named like vLLM's (`vllm:` -> `neuron_opt:`), labelled with `model_name`.
+"""Prometheus metrics, labelled with `model_name`: vLLM's names (`vllm:` prefix) for everything vLLM has, so its
+Grafana dashboard and autoscaler examples (KEDA on `vllm:num_requests_waiting`) work unchanged; ours keep the
+`neuron_opt:` prefix (refusals, LoRA, the prefix-cache hit rate, the speculative controller's steps).
 
 Latencies are measured in the server process with one monotonic clock: TTFT from the moment the HTTP request
 was received to the first generated token, inter-token latency between consecutive tokens of a request, e2e
-from receipt to the last token. Running/waiting gauges read the engine at scrape time. Each app gets its own
-registry, so several servers (tests) can live in one process.
+from receipt to the last token. A finished request's phases, as vLLM splits them: queue (receipt to its first
+scheduling), prefill (first scheduling to first token), decode (first to last token), inference (first scheduling
+to last token); the engine stamps the first scheduling and every token's time. Running/waiting gauges read the
+engine at scrape time. Each app gets its own registry, so several servers (tests) can live in one process.
 
 Requests refused before they run are counted by reason (`request_rejected_total{reason}`): bad_request (400),
 unauthorized (401), not_found (404, an unknown model), body_too_large (413), queue_full (503).
@@ -86,7 +90,19 @@ E2E_BUCKETS = (
     1920.0,
     7680.0,
 )
-PREFIX = "neuron_opt:"
+PREFIX = "neuron_opt:"  # ours
+VLLM = "vllm:"  # vLLM's names
+
+
+def token_buckets(max_model_len: int) -> tuple[int, ...]:
+    """vLLM's buckets of token counts: 1, 2, 5, 10, 20, 50, ... up to `max_model_len`."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 REJECTION_REASONS = {400: "bad_request", 401: "unauthorized", 404: "not_found", 413: "body_too_large",
                      503: "queue_full"}
 
@@ -100,14 +116,14 @@ class _SpecCollector:
     def collect(self) -> Any:
         st = self.stats()
         for name, doc, value in (
-            ("spec_decode_num_drafts", "Verify rows that carried proposed tokens.", st.drafts),
-            ("spec_decode_num_draft_tokens", "Proposed tokens scored.", st.draft_tokens),
-            ("spec_decode_num_accepted_tokens", "Proposed tokens accepted.", st.accepted_tokens),
-            ("spec_decode_num_verify_steps", "Engine steps run as a verify call.", st.verify_steps),
-            ("spec_decode_num_skipped_steps", "Steps with proposals the controller decoded instead.",
+            (VLLM + "spec_decode_num_drafts", "Verify rows that carried proposed tokens.", st.drafts),
+            (VLLM + "spec_decode_num_draft_tokens", "Proposed tokens scored.", st.draft_tokens),
+            (VLLM + "spec_decode_num_accepted_tokens", "Proposed tokens accepted.", st.accepted_tokens),
+            (PREFIX + "spec_decode_num_verify_steps", "Engine steps run as a verify call.", st.verify_steps),
+            (PREFIX + "spec_decode_num_skipped_steps", "Steps with proposals the controller decoded instead.",
              st.skipped_steps),
         ):
-            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([self.model_name], value)
             yield c
         g = GaugeMetricFamily(PREFIX + "spec_decode_mean_accepted_length",
@@ -131,7 +147,7 @@ class _CacheCollector:
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).", st.hits),
             ("num_preemptions", "Sequences preempted (KV blocks taken back, recomputed later).", self.preemptions()),
         ):
-            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            c = CounterMetricFamily(VLLM + name, doc, labels=["model_name"])
             c.add_metric([self.model_name], value)
             yield c
         g = GaugeMetricFamily(PREFIX + "prefix_cache_hit_rate", "Prefix cache hits / queries since start (0-1).",
@@ -151,6 +167,7 @@ class ServerMetrics:
         prefix_stats: Callable[[], Any] | None = None,
         preemptions: Callable[[], int] = lambda: 0,
         loras: Any = None,
+        max_model_len: int = 8192,
     ) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
@@ -160,40 +177,68 @@ class ServerMetrics:
             self.registry.register(_CacheCollector(model_name, prefix_stats, preemptions))
 
         def labelled(kind: type, name: str, doc: str, **kw: Any) -> Any:  # one metric, this model's label
-            return kind(PREFIX + name, doc, ["model_name"], registry=self.registry, **kw).labels(model_name)
+            return kind(name, doc, ["model_name"], registry=self.registry, **kw).labels(model_name)
 
-        self.ttft = labelled(Histogram, "time_to_first_token_seconds", "Time to first token.", buckets=TTFT_BUCKETS)
-        self.itl = labelled(Histogram, "inter_token_latency_seconds", "Time between consecutive output tokens.",
-                            buckets=ITL_BUCKETS)
-        self.e2e = labelled(Histogram, "e2e_request_latency_seconds", "End-to-end request latency.",
+        def phase(name: str, doc: str) -> Any:
+            return labelled(Histogram, VLLM + name, doc, buckets=E2E_BUCKETS)
+
+        self.ttft = labelled(Histogram, VLLM + "time_to_first_token_seconds", "Time to first token.",
+                             buckets=TTFT_BUCKETS)
+        self.itl = labelled(Histogram, VLLM + "inter_token_latency_seconds", "Time between consecutive output "
+                            "tokens.", buckets=ITL_BUCKETS)
+        self.e2e = labelled(Histogram, VLLM + "e2e_request_latency_seconds", "End-to-end request latency.",
                             buckets=E2E_BUCKETS)
-        self.prompt_tokens = labelled(Counter, "prompt_tokens", "Prefill tokens processed.")
-        self.generation_tokens = labelled(Counter, "generation_tokens", "Generated tokens.")
-        self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+        self.queue = phase("request_queue_time_seconds", "Time from receipt to the first scheduling.")
+        self.prefill = phase("request_prefill_time_seconds", "Time from the first scheduling to the first token.")
+        self.decode = phase("request_decode_time_seconds", "Time from the first to the last token.")
+        self.inference = phase("request_inference_time_seconds", "Time from the first scheduling to the last token.")
+        self.tpot = labelled(Histogram, VLLM + "request_time_per_output_token_seconds", "A request's decode time per "
+                             "token after its first.", buckets=ITL_BUCKETS)
+        tokens = token_buckets(max_model_len)
+        self.request_prompt = labelled(Histogram, VLLM + "request_prompt_tokens", "Prompt tokens per finished "
+                                       "request.", buckets=tokens)
+        self.request_generation = labelled(Histogram, VLLM + "request_generation_tokens", "Generated tokens per "
+                                           "finished request.", buckets=tokens)
+        self.prompt_tokens = labelled(Counter, VLLM + "prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = labelled(Counter, VLLM + "generation_tokens", "Generated tokens.")
+        self._success = Counter(VLLM + "request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
         self._rejected = Counter(PREFIX + "request_rejected", "Requests refused before running, by reason.",
                                  ["model_name", "reason"], registry=self.registry)
         for reason in REJECTION_REASONS.values():  # every reason shows, from 0
             self._rejected.labels(model_name, reason)
-        labelled(Gauge, "num_requests_running", "Requests holding KV blocks.").set_function(num_running)
-        labelled(Gauge, "num_requests_waiting", "Requests queued (or preempted) for KV blocks.").set_function(
+        labelled(Gauge, VLLM + "num_requests_running", "Requests holding KV blocks.").set_function(num_running)
+        labelled(Gauge, VLLM + "num_requests_waiting", "Requests queued (or preempted) for KV blocks.").set_function(
             num_waiting)
         # LoRA (neuron_opt.lora): requests by adapter ("" = the base model), adapters registered and in slots
         self._lora_requests = Counter(PREFIX + "lora_requests", "Requests queued, by LoRA adapter (empty: the base "
                                       "model).", ["model_name", "lora_name"], registry=self.registry)
         if loras is not None:
-            labelled(Gauge, "lora_adapters_loaded", "LoRA adapters registered (loaded by name).").set_function(
-                lambda: len(loras.names()))
-            labelled(Gauge, "lora_adapters_resident", "LoRA adapters held in the model's adapter slots.") \
+            labelled(Gauge, PREFIX + "lora_adapters_loaded", "LoRA adapters registered (loaded by name).") \
+                .set_function(lambda: len(loras.names()))
+            labelled(Gauge, PREFIX + "lora_adapters_resident", "LoRA adapters held in the model's adapter slots.") \
                 .set_function(lambda: loras.num_resident)
-        labelled(Gauge, "kv_cache_usage_perc", "Fraction of KV blocks held by sequences (0-1).").set_function(
+        labelled(Gauge, VLLM + "kv_cache_usage_perc", "Fraction of KV blocks held by sequences (0-1).").set_function(
             kv_usage)
 
     def request_finished(self, reason: str, prompt_tokens: int, generation_tokens: int, e2e_s: float) -> None:
         self._success.labels(self.model_name, reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generation_tokens)
+        self.request_prompt.observe(prompt_tokens)
+        self.request_generation.observe(generation_tokens)
         self.e2e.observe(e2e_s)
+
+    def request_phases(self, arrival: float, scheduled: float, first_token: float, last_token: float,
+                       generation_tokens: int) -> None:
+        """A finished request's queue, prefill, decode and inference times (monotonic clock stamps), and its time
+        per output token (when it made more than one)."""
+        self.queue.observe(max(0.0, scheduled - arrival))
+        self.prefill.observe(max(0.0, first_token - scheduled))
+        self.decode.observe(max(0.0, last_token - first_token))
+        self.inference.observe(max(0.0, last_token - scheduled))
+        if generation_tokens > 1:
+            self.tpot.observe(max(0.0, last_token - first_token) / (generation_tokens - 1))
 
     def lora_request(self, lora_name: str | None) -> None:
         """Count a queued request under its adapter (None: the base model)."""

@@ -2,7 +2,7 @@
 
 Design decisions
 - `extra="forbid"`: a field we do not know is a 400 naming it, never silently ignored. Fields the OpenAI
-  client may send that we cannot honour (`suffix`, `echo`, `best_of > 1`, ...) are declared so that their
+  client may send that we cannot honour (`suffix`, `best_of > 1`, ...) are declared so that their
   harmless values (null, empty, default) pass and anything else is a 400 saying it is unsupported.
 - Structured outputs come in four spellings, one per request: OpenAI's `response_format` (json_object,
   json_schema), vLLM's `structured_outputs` {json | regex | choice | grammar | json_object | structural_tag}, and
@@ -15,6 +15,9 @@ Design decisions
   work unchanged; with the `openai` client they go in `extra_body`.
 - Errors name the request's own field (`param`): SamplingParams raises with its field names, and
   `request_field` maps them back (chat's `max_completion_tokens`, `top_logprobs`).
+- `chat_template_kwargs` (vLLM's) reach the chat template as variables (`{"enable_thinking": false}`); bounded like
+  a schema, and a 400 for the names the server sets itself (`RESERVED_TEMPLATE_KWARGS`: messages, tools,
+  add_generation_prompt, ...).
 - Defaults follow OpenAI: temperature 1.0, completions max_tokens 16; chat max_tokens = what the context
   has left.
 - Sizes are bounded before any work that grows with them (`check_limits`, server/limits.py): the prompt's characters
@@ -36,6 +39,14 @@ from neuron_opt.runtime.structured import StructuredOutputs
 from neuron_opt.server.limits import ServerLimits
 from neuron_opt.server.tool_parsers import ToolSpec
 from neuron_opt.server.tools import ToolRequest
+
+# The chat template's variables that the server (or `apply_chat_template` itself) sets: `chat_template_kwargs` may
+# not override them.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message", "tokenize",
+    "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "chat_template", "bos_token", "eos_token", "raise_exception",
+})
 
 
 class ProtocolError(ValueError):
@@ -262,7 +273,7 @@ class _Sampling(_Strict):
         return tuple(sorted(out))
 
     def _params(self, max_tokens: int, logprobs: int | None, vocab_size: int,
-                structured: StructuredOutputs | None) -> SamplingParams:
+                structured: StructuredOutputs | None, prompt_logprobs: int | None = None) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if any(s == "" for s in stop):
             raise ProtocolError("stop strings must not be empty", "stop")
@@ -284,6 +295,7 @@ class _Sampling(_Strict):
             logit_bias=self._logit_bias(vocab_size),
             structured=structured,
             skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def request_field(self, param: str) -> str:
@@ -309,6 +321,7 @@ class CompletionRequest(_Sampling):
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each choice's `prompt_logprobs`, this many top ones per token
 
     def prompt_input(self) -> str | list[int]:
         """The single prompt as text or token ids (a list holding one prompt is unwrapped)."""
@@ -334,16 +347,25 @@ class CompletionRequest(_Sampling):
         else:
             _check_size("prompt", len(p), bound, "token ids")
 
+    @property
+    def scores_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the prompt back (with its logprobs), nothing generated. The engine then
+        generates one token, which the response leaves out."""
+        return bool(self.echo) and self.max_tokens == 0
+
     def sampling_params(self, prompt_len: int, max_model_len: int, vocab_size: int) -> SamplingParams:
         self._check_common()
-        if self.echo:
-            raise ProtocolError("echo is not supported", "echo")
+        if self.stream and (self.echo or self.prompt_logprobs is not None):
+            raise ProtocolError("echo and prompt_logprobs are not supported with stream", "stream")
         if self.suffix:
             raise ProtocolError("suffix is not supported", "suffix")
         if self.best_of not in (None, 1):
             raise ProtocolError("best_of > 1 is not supported; use n", "best_of")
         max_tokens = max(1, max_model_len - prompt_len) if self.max_tokens is None else self.max_tokens
-        return self._params(max_tokens, self.logprobs, vocab_size, self.structured())
+        # the prompt's logprobs: those vLLM's prompt_logprobs asks for, and echo's with logprobs (as many top ones)
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return self._params(1 if self.scores_only else max_tokens, self.logprobs, vocab_size, self.structured(),
+                            max(wanted) if wanted else None)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -355,14 +377,27 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM extras: variables for the chat template (enable_thinking, ...), and the reasoning in the reply or not
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
 
     def check_limits(self, limits: ServerLimits, max_model_len: int) -> None:
         super().check_limits(limits, max_model_len)
+        _check_json("chat_template_kwargs", self.chat_template_kwargs, limits.max_schema_bytes)
         _check_size("messages", len(self.messages), limits.max_messages, "messages")
         _check_size("messages", sum(m.num_chars() for m in self.messages), limits.prompt_chars(max_model_len),
                     "characters in all")
         _check_size("tools", len(self.tools or ()), limits.max_tools, "tools")
         _check_json("tools", self.tools, limits.max_schema_bytes)
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """`chat_template_kwargs`, checked: none of the names the server itself gives the template."""
+        kw = self.chat_template_kwargs
+        taken = sorted(set(kw or ()) & RESERVED_TEMPLATE_KWARGS)
+        if taken:
+            raise ProtocolError(f"chat_template_kwargs: {', '.join(taken)} may not be set (the server sets them; "
+                                "send messages and tools as the request's own fields)", "chat_template_kwargs")
+        return kw or None
 
     def message_dicts(self) -> list[dict[str, Any]]:
         if not self.messages:

@@ -40,6 +40,8 @@ from neuron_opt.server.protocol import (
     ProtocolError,
     TokenizeRequest,
 )
+from neuron_opt.server.reasoning import ReasoningParser, ReasoningStream, Start, after_reasoning
+from neuron_opt.server.scoring import echo_logprobs, vllm_prompt_logprobs
 from neuron_opt.server.tool_parsers import ToolParser
 from neuron_opt.server.tools import ToolRequest, ToolStream, make_parser, message, render_messages
 
@@ -60,6 +62,7 @@ class _Result:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()  # with SamplingParams.prompt_logprobs
 
 
 def sse(obj: Any) -> str:
@@ -73,15 +76,17 @@ def internal_error_message(e: BaseException) -> str:
     return f"Internal server error (request id {error_id}); the details are in the server's log."
 
 
-EncodeChat = Callable[[list[dict[str, Any]], "list[dict[str, Any]] | None"], list[int]]
+EncodeChat = Callable[[list[dict[str, Any]], "list[dict[str, Any]] | None", "dict[str, Any] | None"], list[int]]
+PROMPT_TAIL_TOKENS = 8  # the prompt's last tokens whose text tells where a reply starts (server/reasoning.py)
 
 
 class OpenAIServing:
     """The OpenAI routes over one engine.
 
     Args:
-        encode_chat: `(messages, tools) -> prompt ids` through the model's chat template.
+        encode_chat: `(messages, tools, template kwargs) -> prompt ids` through the model's chat template.
         tool_parser: the tool-call format (default: the one the chat template writes; server/tools.py).
+        reasoning_parser: the reasoning format (None: replies are not split; server/reasoning.py).
         limits: per-request bounds.
     """
 
@@ -95,11 +100,13 @@ class OpenAIServing:
         max_model_len: int,
         *,
         tool_parser: ToolParser | None = None,
+        reasoning_parser: ReasoningParser | None = None,
         limits: ServerLimits | None = None,
     ) -> None:
         self.engine, self.tokenizer, self.encode_chat = engine, tokenizer, encode_chat
         self.model_name, self.metrics, self.max_model_len = model_name, metrics, max_model_len
         self.tool_parser = tool_parser or make_parser(None, tokenizer)
+        self.reasoning_parser = reasoning_parser
         self.limits = limits or ServerLimits()
         self.vocab_size = engine.runner.vocab_size
 
@@ -121,9 +128,13 @@ class OpenAIServing:
                                 "/v1/embeddings, not text generation", "model")
 
     @staticmethod
-    def _usage(n_prompt: int, results: list[_Result]) -> dict[str, int]:
+    def _usage(n_prompt: int, results: list[_Result], reasoning_tokens: int | None = None) -> dict[str, Any]:
         completion = sum(len(r.token_ids) for r in results)
-        return {"prompt_tokens": n_prompt, "completion_tokens": completion, "total_tokens": n_prompt + completion}
+        usage: dict[str, Any] = {"prompt_tokens": n_prompt, "completion_tokens": completion,
+                                 "total_tokens": n_prompt + completion}
+        if reasoning_tokens is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        return usage
 
     def _token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -137,9 +148,10 @@ class OpenAIServing:
         out = await asyncio.to_thread(self.tokenizer, text, add_special_tokens=add_special_tokens)
         return list(out["input_ids"])
 
-    async def _encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+    async def _encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                           template_kwargs: dict[str, Any] | None = None) -> list[int]:
         try:
-            return await asyncio.to_thread(self.encode_chat, messages, tools)
+            return await asyncio.to_thread(self.encode_chat, messages, tools, template_kwargs)
         except Exception as e:  # jinja TemplateError and friends: the messages do not fit the template
             raise ProtocolError(f"cannot apply the chat template: {e}", "messages") from None
 
@@ -179,6 +191,7 @@ class OpenAIServing:
         stops early."""
         unfinished, checked = set(range(len(rids))), time.monotonic()
         last = [arrival] * len(rids)
+        first: list[float | None] = [None] * len(rids)  # the engine's stamp of each sample's first token
         try:
             while unfinished:
                 if is_disconnected is None:
@@ -199,6 +212,7 @@ class OpenAIServing:
                     n = len(out.new_token_ids)  # several when speculative decoding accepted proposals
                     if out.num_output_tokens == n:  # the first output: its first token is the TTFT
                         self.metrics.ttft.observe(now - last[i])
+                        first[i] = out.time
                         n -= 1
                     for _ in range(n):  # the step's time spread evenly over the tokens it produced
                         self.metrics.itl.observe((now - last[i]) / len(out.new_token_ids))
@@ -209,20 +223,28 @@ class OpenAIServing:
                         raise EngineError(out.error or "engine error")
                     self.metrics.request_finished(out.finish_reason or "stop", out.num_prompt_tokens,
                                                   out.num_output_tokens, now - arrival)
+                    started = first[i]
+                    if out.scheduled_time and started is not None:
+                        self.metrics.request_phases(arrival, out.scheduled_time, started, out.time,
+                                                    out.num_output_tokens)
                 yield i, out
         finally:
             for i in unfinished:
                 self.engine.abort(rids[i])
 
-    async def _collect(self, rids: list[str], q: asyncio.Queue, arrival: float,
-                       is_disconnected: Callable[[], Any]) -> list[_Result]:
+    async def _collect(self, rids: list[str], q: asyncio.Queue, arrival: float, is_disconnected: Callable[[], Any],
+                       feed: Callable[[int, str, RequestOutput], Any] | None = None) -> list[_Result]:
+        """Every sample's whole result; `feed(i, text so far, output)` sees each output as it comes."""
         results = [_Result() for _ in rids]
         async for i, out in self._outputs(rids, q, arrival, is_disconnected):
             r = results[i]
             r.text += out.text_delta
+            if feed is not None:
+                feed(i, r.text, out)
             r.token_ids += out.new_token_ids
             r.logprobs += out.logprobs
             r.finish_reason = out.finish_reason
+            r.prompt_logprobs = out.prompt_logprobs or r.prompt_logprobs
         return results
 
     # ---- /v1/completions -----------------------------------------------------------------------------
@@ -252,6 +274,10 @@ class OpenAIServing:
         self._check_ids(ids, "prompt")
         with _request_fields(req):
             params = req.sampling_params(len(ids), self.max_model_len, self.vocab_size)
+        if params.prompt_logprobs is not None and not self.engine.runner.all_position_logits:
+            raise ProtocolError("prompt logprobs (echo with logprobs, prompt_logprobs) are not supported on this "
+                                "backend: its prefill graphs return the last position's logits only",
+                                "prompt_logprobs" if req.prompt_logprobs is not None else "echo")
         rids, q = await self._submit(req, ids, params, arrival, lora)
         head = {
             "id": f"cmpl-{uuid.uuid4().hex}",
@@ -266,9 +292,21 @@ class OpenAIServing:
 
             return self._stream(self._outputs(rids, q, arrival), head, len(ids), req, choice)
         results = await self._collect(rids, q, arrival, is_disconnected)
-        choices = [{"index": i, "text": r.text,
-                    "logprobs": self._completion_logprobs(r.logprobs, 0) if req.logprobs is not None else None,
-                    "finish_reason": r.finish_reason, "stop_reason": None} for i, r in enumerate(results)]
+        if req.scores_only:  # echo with max_tokens 0: the one token generated is left out
+            results = [_Result(prompt_logprobs=r.prompt_logprobs, finish_reason="length") for r in results]
+        echoed = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if req.echo else ""
+        choices = []
+        for i, r in enumerate(results):
+            lp: dict[str, Any] | None = None
+            if req.logprobs is not None:
+                lp = (echo_logprobs(ids, r.prompt_logprobs, r.logprobs, self._token_str) if req.echo
+                      else self._completion_logprobs(r.logprobs, 0))
+            choice = {"index": i, "text": echoed + r.text, "logprobs": lp, "finish_reason": r.finish_reason,
+                      "stop_reason": None}
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(r.prompt_logprobs, req.prompt_logprobs,
+                                                                 self._token_str)
+            choices.append(choice)
         return {**head, "choices": choices, "usage": self._usage(len(ids), results)}
 
     # ---- /v1/chat/completions ------------------------------------------------------------------------
@@ -290,7 +328,7 @@ class OpenAIServing:
         tools = req.tool_request()
         with _request_fields(req):
             rendered, template_tools = render_messages(messages, self.tool_parser, tools)
-        return await self._encode_chat(rendered, template_tools), tools
+        return await self._encode_chat(rendered, template_tools, req.template_kwargs()), tools
 
     async def chat(
         self, req: ChatCompletionRequest, arrival: float, is_disconnected: Callable[[], Any]
@@ -301,12 +339,16 @@ class OpenAIServing:
         self._check_ids(req.stop_token_ids or [], "stop_token_ids", self.vocab_size)
         ids, tools = await self._chat_prompt(req)
         active = tools is not None and tools.active
-        parser = self.tool_parser
+        parser, thinker = self.tool_parser, self.reasoning_parser
+        start = Start.NONE if thinker is None else thinker.start(
+            self.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False))
         with _request_fields(req):
             params = req.sampling_params(len(ids), self.max_model_len, self.vocab_size,
                                          tools.structured(parser) if active and tools is not None else None)
-        if active and not parser.skip_special_tokens:  # its call marker is a special token
-            params = dataclasses.replace(params, skip_special_tokens=False)
+            if thinker is not None and params.structured is not None:  # the grammar starts where thinking ends
+                params = dataclasses.replace(params, structured=after_reasoning(params.structured, thinker, start))
+        if (active and not parser.skip_special_tokens) or (thinker is not None and not thinker.skip_special_tokens):
+            params = dataclasses.replace(params, skip_special_tokens=False)  # its markers are special tokens
         rids, q = await self._submit(req, ids, params, arrival, lora)
         head = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -314,28 +356,42 @@ class OpenAIServing:
             "created": int(time.time()),
             "model": lora or self.model_name,
         }
+        thinking = [ReasoningStream(thinker, start) for _ in rids] if thinker is not None else []
 
         def finish(reason: str | None, called: bool) -> str | None:
             return "tool_calls" if called and reason == "stop" else reason
 
+        def reasoning_tokens() -> int | None:
+            return sum(t.tokens for t in thinking) if thinking else None
+
         if req.stream:
             streams = [ToolStream(parser) for _ in rids] if active else []
-            texts = [""] * len(rids)
+            texts, sent = [""] * len(rids), [""] * len(rids)
 
             def choice(i: int, out: RequestOutput, lps: list[TokenLogprob], offset: int) -> list[dict[str, Any]]:
                 logprobs = self._chat_logprobs(lps) if req.logprobs else None
-                if not active:
+                if not active and not thinking:
                     delta = {"content": out.text_delta} if out.text_delta else {}
                     return [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": out.finish_reason}]
                 texts[i] += out.text_delta
-                deltas = streams[i].feed(texts[i], out.finished)
+                deltas: list[dict[str, Any]] = []
+                content = texts[i]
+                if thinking:
+                    thought, content = thinking[i].feed(texts[i], out.finished, out.num_output_tokens)
+                    if thought and req.include_reasoning:
+                        deltas.append({"reasoning": thought, "reasoning_content": thought})
+                if active:
+                    deltas += streams[i].feed(content, out.finished)
+                elif len(content) > len(sent[i]):
+                    deltas.append({"content": content[len(sent[i]):]})
+                    sent[i] = content
                 if not deltas and not out.finished:
-                    return []  # nothing to show yet (a call being written): its logprobs wait for the next chunk
+                    return []  # nothing to show yet (a marker or a call being written): its logprobs wait
                 deltas = deltas or [{}]
                 chunks = [{"index": i, "delta": d, "logprobs": logprobs if j == 0 else None, "finish_reason": None}
                           for j, d in enumerate(deltas)]
                 if out.finished:
-                    chunks[-1]["finish_reason"] = finish(out.finish_reason, bool(streams[i].calls))
+                    chunks[-1]["finish_reason"] = finish(out.finish_reason, bool(streams and streams[i].calls))
                 return chunks
 
             def first(i: int) -> dict[str, Any]:
@@ -343,16 +399,28 @@ class OpenAIServing:
                         "finish_reason": None}
 
             return self._stream(self._outputs(rids, q, arrival), {**head, "object": "chat.completion.chunk"},
-                                len(ids), req, choice, first)
-        results = await self._collect(rids, q, arrival, is_disconnected)
+                                len(ids), req, choice, first, reasoning_tokens)
+
+        def feed(i: int, text: str, out: RequestOutput) -> None:
+            if thinking:
+                thinking[i].feed(text, out.finished, out.num_output_tokens)
+
+        results = await self._collect(rids, q, arrival, is_disconnected, feed)
         choices = []
         for i, r in enumerate(results):
-            msg, called = message(parser.scan(r.text, True)) if active else (
-                {"role": "assistant", "content": r.text}, False)
+            content, thought = r.text, None
+            if thinker is not None:
+                split = thinker.split(r.text, start, True)
+                content, thought = split.content, split.reasoning
+            msg, called = message(parser.scan(content, True)) if active else (
+                {"role": "assistant", "content": content}, False)
+            if thinker is not None:
+                msg["content"] = msg["content"] or None  # a reply that only thought has no content
+                msg["reasoning"] = msg["reasoning_content"] = thought if req.include_reasoning else None
             choices.append({"index": i, "message": msg,
                             "logprobs": self._chat_logprobs(r.logprobs) if req.logprobs else None,
                             "finish_reason": finish(r.finish_reason, called), "stop_reason": None})
-        return {**head, "choices": choices, "usage": self._usage(len(ids), results)}
+        return {**head, "choices": choices, "usage": self._usage(len(ids), results, reasoning_tokens())}
 
     async def _stream(
         self,
@@ -362,15 +430,17 @@ class OpenAIServing:
         req: CompletionRequest | ChatCompletionRequest,
         choice: Callable[[int, RequestOutput, list[TokenLogprob], int], list[dict[str, Any]]],
         first: Callable[[int], dict[str, Any]] | None = None,
+        reasoning_tokens: Callable[[], int | None] = lambda: None,
     ) -> AsyncIterator[str]:
         """The SSE stream of completions and chat: `first(i)` (chat's role chunk) per choice, then the chunks
         `choice(i, output, logprobs since choice i's last chunk, text offset)` builds for each output with text or
         an end, a usage chunk if asked, then [DONE]. With continuous usage every chunk also carries the usage so
-        far."""
+        far; `reasoning_tokens()`: the usage's reasoning tokens so far (None: no reasoning parser)."""
         results = [_Result() for _ in range(req.num_samples)]
 
         def chunk(c: dict[str, Any]) -> str:
-            return sse({**head, "choices": [c], "usage": self._usage(n_prompt, results)} if req.continuous_usage
+            return sse({**head, "choices": [c], "usage": self._usage(n_prompt, results, reasoning_tokens())}
+                       if req.continuous_usage
                        else {**head, "choices": [c]})
 
         try:
@@ -393,7 +463,7 @@ class OpenAIServing:
                                  "code": 500}})
         else:
             if req.include_usage:
-                yield sse({**head, "choices": [], "usage": self._usage(n_prompt, results)})
+                yield sse({**head, "choices": [], "usage": self._usage(n_prompt, results, reasoning_tokens())})
         yield "data: [DONE]\n\n"
 
     # ---- /tokenize, /detokenize ----------------------------------------------------------------------

@@ -28,7 +28,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def replicas(url: str, name: str = "neuron_opt:num_requests_running") -> dict[str, float]:
+def replicas(url: str, name: str = "vllm:num_requests_running") -> dict[str, float]:
     return {r: v for (n, r), v in metrics(url).items() if n == name}
 
 

@@ -70,7 +70,7 @@ def test_greedy_answers_from_both_replicas(cluster, ref):
     if len(seen) < 2:
         wait(both_answered, 60, "answers from both replicas", every=1.0)
     # replicas push their metrics each PUSH_PERIOD_S (1 s): the merged counts catch up, they are not there at once
-    wait(lambda: (v := replicas(url, "neuron_opt:request_success_total")) and len(v) == 2
+    wait(lambda: (v := replicas(url, "vllm:request_success_total")) and len(v) == 2
          and all(x > 0 for x in v.values()) and sum(v.values()) >= len(PROMPTS), 15,
          f"both replicas' request counts in /metrics, {len(PROMPTS)} in all")
 
@@ -127,7 +127,7 @@ def test_client_disconnect_frees_the_slot_on_its_replica(cluster):
     once finished between two pushes in CI) is seen running, the client leaves, and the request leaves its replica
     without finishing: no finish reason is counted for it (an aborted request is not a finished one)."""
     url, _ = cluster
-    finished = "neuron_opt:request_success_total"
+    finished = "vllm:request_success_total"
 
     def settled() -> float:  # the finished count once a push brings nothing new (earlier tests' last requests)
         now = sum(replicas(url, finished).values())

@@ -82,7 +82,7 @@ def test_prefix_routing_keeps_a_single_replicas_hit_rate(ckpt, ref, tmp_path):
         texts = _run_waves(url)
         assert texts == single_texts == [[reference(ref, p, OUT) for p in w] for w in WAVES]
         # each replica pushes its metrics every second: wait for all 64 requests to be counted
-        wait(lambda: sum(replicas(url, "neuron_opt:request_success_total").values()) >= GROUPS * PER_GROUP, 20,
+        wait(lambda: sum(replicas(url, "vllm:request_success_total").values()) >= GROUPS * PER_GROUP, 20,
              "every request in the replicas' metrics")
         m = metrics(url)
         cluster = m[("neuron_opt:cluster_prefix_cache_hit_rate", "")]

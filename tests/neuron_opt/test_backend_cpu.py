@@ -169,6 +169,24 @@ def test_prefills_of_lengths_never_compiled_run_on_the_dynamic_graph_and_match_e
     assert_kv_equal(executor, ref)
 
 
+def test_prefill_logits_at_every_position_match_eager(executor: CpuExecutor) -> None:
+    """A prefill asked for every position's logits ([1, S] last_index: prompt logprobs) runs the head outside the
+    layer graph, in chunks of a head graph's rows: [1, S, V] against eager, its last row the usual prefill's."""
+    assert executor.all_position_logits
+    ref = Eager(make_model(7))
+    prompt = torch.randint(3, CFG.vocab_size, (21,), generator=torch.Generator().manual_seed(5)).tolist()
+    bucket = Bucket(PREFILL, 1, 32)
+    inp = prefill_inputs(prompt, bucket, 1)
+    every = StepInputs(inp.input_ids, inp.positions, inp.slot_mapping, inp.block_tables,
+                       torch.arange(bucket.tokens)[None].clone())
+    reset(executor)
+    got = executor.run(bucket, every)
+    assert got.shape == (1, bucket.tokens, CFG.vocab_size)
+    torch.testing.assert_close(got[0, :21], ref.run(bucket, every)[0, :21], rtol=1e-4, atol=1e-4)
+    reset(executor)
+    torch.testing.assert_close(got[0, 20], executor.run(bucket, inp)[0], rtol=1e-5, atol=1e-5)
+
+
 def test_a_bucket_without_graphs_is_refused_by_name(executor: CpuExecutor) -> None:
     with pytest.raises(BucketOverflowError, match="prefill_b4_s32: this artifact has no cpu graphs"):
         executor.run(Bucket(PREFILL, 4, 32), prefill_inputs([5, 6], Bucket(PREFILL, 1, 32), 1))

@@ -40,20 +40,50 @@ def client(server):
     return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
 
 
+# What vLLM's Grafana dashboard and KEDA examples query (family names; histograms add _bucket/_sum/_count)
+VLLM_METRICS = {
+    "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge", "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter", "vllm:request_success": "counter",
+    "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter", "vllm:num_preemptions": "counter",
+    "vllm:time_to_first_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram", "vllm:request_queue_time_seconds": "histogram",
+    "vllm:request_prefill_time_seconds": "histogram", "vllm:request_decode_time_seconds": "histogram",
+    "vllm:request_inference_time_seconds": "histogram", "vllm:request_prompt_tokens": "histogram",
+    "vllm:request_generation_tokens": "histogram", "vllm:request_time_per_output_token_seconds": "histogram",
+}
+
+
 def test_models_health_metrics(server, client):
+    """vLLM's metric names and types, labelled model_name; the per-request histograms agree with the counters, and
+    a request's queue + inference time fits inside its end-to-end latency."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(server[0] + "/health").status_code == 200
-    text = httpx.get(server[0] + "/metrics").text
-    for name in (
-        "neuron_opt:time_to_first_token_seconds_bucket",
-        "neuron_opt:inter_token_latency_seconds_bucket",
-        "neuron_opt:e2e_request_latency_seconds_bucket",
-        "neuron_opt:num_requests_running",
-        "neuron_opt:num_requests_waiting",
-        "neuron_opt:prompt_tokens_total",
-        "neuron_opt:generation_tokens_total",
-    ):
-        assert name in text
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt="Metrics, please", max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    fams = {f.name: f for f in text_string_to_metric_families(httpx.get(server[0] + "/metrics").text)}
+    assert {n: fams[n].type for n in VLLM_METRICS if n in fams} == VLLM_METRICS
+    for name in VLLM_METRICS:
+        assert {s.labels["model_name"] for s in fams[name].samples} == {MODEL}, name
+    assert "neuron_opt:request_rejected" in fams and "neuron_opt:prefix_cache_hit_rate" in fams
+
+    def value(family: str, sample: str) -> float:
+        return sum(s.value for s in fams[family].samples if s.name == sample)
+
+    done = value("vllm:request_success", "vllm:request_success_total")
+    assert done >= 2
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert value(f"vllm:request_{phase}_time_seconds", f"vllm:request_{phase}_time_seconds_count") == done
+    assert value("vllm:request_prompt_tokens", "vllm:request_prompt_tokens_sum") == value(
+        "vllm:prompt_tokens", "vllm:prompt_tokens_total")
+    assert value("vllm:request_generation_tokens", "vllm:request_generation_tokens_sum") == value(
+        "vllm:generation_tokens", "vllm:generation_tokens_total")
+    queue, inference = (value(f"vllm:request_{p}_time_seconds", f"vllm:request_{p}_time_seconds_sum")
+                        for p in ("queue", "inference"))
+    assert 0 < queue + inference <= value("vllm:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds_sum")
+    assert value("vllm:request_decode_time_seconds", "vllm:request_decode_time_seconds_sum") <= inference
 
 
 def test_completion_greedy_matches_reference(llms, client):

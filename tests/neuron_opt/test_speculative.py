@@ -416,8 +416,8 @@ def test_server_streams_speculative_output_and_reports_it_in_metrics(llms):
     assert text == want
     st = engine.spec_stats
     assert st.verify_steps > 0
-    assert f'neuron_opt:spec_decode_num_draft_tokens_total{{model_name="tiny"}} {float(st.draft_tokens)}' in metrics
-    assert f'neuron_opt:spec_decode_num_accepted_tokens_total{{model_name="tiny"}} {float(st.accepted_tokens)}' \
+    assert f'vllm:spec_decode_num_draft_tokens_total{{model_name="tiny"}} {float(st.draft_tokens)}' in metrics
+    assert f'vllm:spec_decode_num_accepted_tokens_total{{model_name="tiny"}} {float(st.accepted_tokens)}' \
         in metrics
     assert "neuron_opt:spec_decode_mean_accepted_length" in metrics
 
