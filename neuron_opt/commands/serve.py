@@ -91,6 +91,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument("--enable-docs", action="store_true",
                    help="serve /docs, /redoc and /openapi.json (off by default: they describe the server to anyone)")
+    p.add_argument("--enable-store", action="store_true",
+                   help="keep /v1/responses results in memory (the latest 1024) for previous_response_id and "
+                        "GET /v1/responses/{id} (vLLM: VLLM_ENABLE_RESPONSES_API_STORE=1)")
     lim = p.add_argument_group("request limits (past them: 400 naming the field; defaults: docs/serving.md)")
     for name, text in LIMIT_FLAGS.items():
         default = getattr(ServerLimits, name)
@@ -167,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     name = served_name(args)
     app = create_app(engine, engine.tokenizer, engine.encode_chat, name, engine.runner.max_model_len, api_key=key,
                      tool_parser=make_parser(args.tool_call_parser, engine.tokenizer), limits=limits,
-                     enable_docs=args.enable_docs)
+                     enable_docs=args.enable_docs, enable_store=args.enable_store)
     url = f"http://{args.host}:{args.port}"
     if key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: serving on {args.host} without an API key: anyone who reaches this port can use the model "

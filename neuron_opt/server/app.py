@@ -45,6 +45,7 @@ from neuron_opt.server.protocol import (
     ProtocolError,
     TokenizeRequest,
 )
+from neuron_opt.server.responses import ResponsesRequest, ResponsesServing, ResponseStore
 from neuron_opt.server.serving import EncodeChat, EngineError, NotFoundError, OpenAIServing, internal_error_message
 from neuron_opt.server.tool_parsers import ToolParser
 
@@ -120,7 +121,7 @@ def error_payload(e: Exception) -> tuple[int, dict[str, Any]]:
     if isinstance(e, ProtocolError):
         return body(400, str(e), "BadRequestError", e.param)
     if isinstance(e, NotFoundError):
-        return body(404, str(e), "NotFoundError", "model")
+        return body(404, str(e), "NotFoundError", getattr(e, "param", "model"))
     if isinstance(e, BodyTooLargeError):
         return body(413, str(e), "RequestTooLargeError")
     if isinstance(e, QueueFullError):
@@ -207,9 +208,11 @@ def create_app(
     tool_parser: ToolParser | None = None,
     limits: ServerLimits | None = None,
     enable_docs: bool = False,
+    enable_store: bool = False,
 ) -> FastAPI:
     """The single-process server's app. `api_key`: required on the `/v1/*` and tokenizer routes; `tool_parser`,
-    `limits`: see OpenAIServing; `enable_docs`: serve `/docs`, `/redoc` and `/openapi.json`."""
+    `limits`: see OpenAIServing; `enable_docs`: serve `/docs`, `/redoc` and `/openapi.json`; `enable_store`: keep
+    /v1/responses results for `previous_response_id` and `GET /v1/responses/{id}` (server/responses.py)."""
     metrics = engine_metrics(engine, model_name)
     serving = OpenAIServing(engine, tokenizer, encode_chat, model_name, metrics, max_model_len,
                             tool_parser=tool_parser, limits=limits)
@@ -319,6 +322,18 @@ def create_app(
             return JSONResponse(await anthropic.count_tokens(await _parse(request, CountTokensRequest, max_body)))
         except Exception as e:
             return anthropic_failure(e)
+
+    responses = ResponsesServing(serving, ResponseStore() if enable_store else None)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        arrival = time.monotonic()
+        req = await _parse(request, ResponsesRequest, max_body)
+        return respond(await responses.create(req, arrival, request.is_disconnected))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        return JSONResponse(responses.retrieve(response_id))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
