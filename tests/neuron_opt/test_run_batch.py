@@ -1,7 +1,7 @@
 """`neuron-opt run-batch`: a file of good and bad lines gives one result line per input line, in order; the good
 ones equal the single-sequence reference loop (`LLM.chat` / `LLM.generate` on a batch-1 model), the bad ones are
-error lines naming the line; a partial output (a last line cut mid-write) is continued to the same results, and an
-output file of another input is refused before the model loads."""
+error lines naming the line; a partial output (a last line cut mid-write) is continued to the same results, an
+output file of another input is refused before the model loads, and embedding lines equal sentence-transformers."""
 
 from __future__ import annotations
 
@@ -93,3 +93,22 @@ def test_an_output_of_another_input_is_refused(tiny_dir, tmp_path, capsys):
     out.write_text(json.dumps({"custom_id": "zzz", "response": {}}) + "\n")
     assert run(tiny_dir, tmp_path, out, [json.dumps(chat_line("a", "Hi."))]) == 2
     assert "is not the result of input line 1" in capsys.readouterr().err
+
+
+def test_embedding_lines_equal_sentence_transformers(tmp_path, capsys):
+    pytest.importorskip("sentence_transformers")
+    from st_models import TEXTS, assert_same, make_st_model, reference
+
+    d, model = make_st_model(tmp_path / "st", "qwen3", "lasttoken", True)
+    lines = [json.dumps({"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+                         "body": {"input": TEXTS[i:i + 2], "encoding_format": "float"}}) for i in (0, 2)]
+    chat = chat_line("c", "hi")
+    del chat["body"]["model"]
+    lines.append(json.dumps(chat))  # a text route on an embedding model: a 400 naming `model`
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    assert main(["run-batch", "-i", str(src), "-o", str(out), "--model", str(d), "--max-num-seqs", "2"]) == 0
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    got = [e["embedding"] for r in results[:2] for e in r["response"]["body"]["data"]]
+    assert_same(got, reference(model, TEXTS[:4]))
+    assert results[2]["response"]["status_code"] == 400 and results[2]["error"]["param"] == "model"
