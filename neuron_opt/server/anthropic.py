@@ -26,15 +26,25 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from neuron_opt.server.chat_bridge import ChatRun, ReplyReader, arguments, collect, outputs, renamed_fields, start
+from neuron_opt.server.chat_bridge import (
+    ChatRun,
+    ReplyReader,
+    arguments,
+    chat_request,
+    collect,
+    outputs,
+    renamed_fields,
+    start,
+)
 from neuron_opt.server.protocol import ChatCompletionRequest, ProtocolError
 from neuron_opt.server.serving import EngineError, OpenAIServing, internal_error_message
 from neuron_opt.server.tool_parsers import ParsedCall
 
 # chat request fields -> this API's names (for the field an error names)
 FIELDS = {"stop": "stop_sequences", "parallel_tool_calls": "tool_choice"}
+TOOL_FIELDS = {"parameters": "input_schema"}
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -216,33 +226,13 @@ class MessagesRequest(_Prompt):
         sampling = {"max_tokens": self.max_tokens, "stop": self.stop_sequences, "temperature": self.temperature,
                     "top_p": self.top_p, "top_k": self.top_k,
                     "user": self.metadata.user_id if self.metadata else None}
-        with _chat_errors():
-            return ChatCompletionRequest.model_validate(
-                {**fields, **{k: v for k, v in sampling.items() if v is not None}})
+        return chat_request({**fields, **{k: v for k, v in sampling.items() if v is not None}}, FIELDS,
+                            TOOL_FIELDS)
 
 
 class CountTokensRequest(_Prompt):
     def chat_request(self) -> ChatCompletionRequest:
-        with _chat_errors():
-            return ChatCompletionRequest.model_validate(self.chat_fields())
-
-
-class _chat_errors:
-    """Validation errors of the translated chat request (a chat rule our Anthropic types do not repeat, such as a
-    tool name's pattern) become 400s naming the Anthropic field."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, typ: Any, e: BaseException | None, tb: Any) -> bool:
-        if isinstance(e, ValidationError):
-            err = e.errors(include_url=False)[0]
-            loc = [str(x) for x in err["loc"]]
-            if loc[:1] == ["tools"] and len(loc) > 3:  # tools.<i>.function.<field>
-                loc = ["tools", loc[1], {"parameters": "input_schema"}.get(loc[3], loc[3])]
-            field = ".".join(FIELDS.get(loc[0], loc[0]) if k == 0 else x for k, x in enumerate(loc))
-            raise ProtocolError(f"{field}: {err['msg']}", field) from None
-        return False
+        return chat_request(self.chat_fields(), FIELDS, TOOL_FIELDS)
 
 
 def _stop_reason(finish: str, stop: str | int | None, called: bool) -> tuple[str, str | None]:

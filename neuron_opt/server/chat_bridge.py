@@ -22,6 +22,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
+
 from neuron_opt.errors import NeuronOptError
 from neuron_opt.runtime.output import RequestOutput
 from neuron_opt.server.protocol import ChatCompletionRequest, ProtocolError
@@ -46,6 +48,21 @@ def renamed_fields(fields: dict[str, str]) -> Iterator[None]:
                 if message.startswith(param):
                     e.args = (new + message[len(param):], *e.args[1:])
         raise
+
+
+def chat_request(body: dict[str, Any], fields: dict[str, str], tool_fields: dict[str, str]) -> ChatCompletionRequest:
+    """`body` (a translated request) as a chat request. A rule of chat's that the route's own types do not repeat
+    (a tool name's pattern) fails as a 400 naming the route's field: `fields` renames chat's top-level fields,
+    `tool_fields` those of a tool's function (`tools.<i>.function.<field>` -> `tools.<i>.<renamed field>`)."""
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        loc = [str(x) for x in err["loc"]]
+        if loc[:1] == ["tools"] and len(loc) > 3:
+            loc = ["tools", loc[1], tool_fields.get(loc[3], loc[3])]
+        field = ".".join([fields.get(loc[0], loc[0]), *loc[1:]])
+        raise ProtocolError(f"{field}: {err['msg']}", field) from None
 
 
 @dataclass

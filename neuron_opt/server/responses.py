@@ -33,9 +33,9 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from neuron_opt.server.chat_bridge import ChatRun, ReplyReader, collect, outputs, start
+from neuron_opt.server.chat_bridge import ChatRun, ReplyReader, chat_request, collect, outputs, start
 from neuron_opt.server.protocol import ChatCompletionRequest, ProtocolError
 from neuron_opt.server.serving import EngineError, NotFoundError, OpenAIServing, internal_error_message, sse
 from neuron_opt.server.tool_parsers import ParsedCall
@@ -226,15 +226,7 @@ class ResponsesRequest(_Strict):
                   "max_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p,
                   "user": self.user}
         body.update({k: v for k, v in fields.items() if v is not None})
-        try:
-            return ChatCompletionRequest.model_validate(body)
-        except ValidationError as e:  # a chat rule the Responses types do not repeat (a tool name's pattern)
-            err = e.errors(include_url=False)[0]
-            loc = [str(x) for x in err["loc"]]
-            if loc[:1] == ["tools"] and len(loc) > 3:  # tools.<i>.function.<field>
-                loc = ["tools", loc[1], loc[3]]
-            field = ".".join([FIELDS.get(loc[0], loc[0]), *loc[1:]])
-            raise ProtocolError(f"{field}: {err['msg']}", field) from None
+        return chat_request(body, FIELDS, {})
 
 
 class ResponseStore:

@@ -174,6 +174,8 @@ def test_the_api_key_is_taken_as_x_api_key_or_bearer(server):
         "a": {"type": "string", "format": "bogus"}}}}]}, "tools"),
     ({"max_tokens": 5, "messages": USER, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
     ({"max_tokens": 5, "messages": USER, "bogus": 1}, "bogus"),
+    ({"max_tokens": 5, "messages": USER, "tools": [{"name": "bad name!", "input_schema": {"type": "object"}}]},
+     "tools.0.name"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "add",
                                                                    "input": {}}]}]}, "messages.0.content.0"),
 ])

@@ -189,6 +189,7 @@ def test_without_the_store_previous_response_id_is_a_400_and_get_a_404(llms):
      "input.0.content.0"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input.0"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0"),
+    ({"input": "x", "tools": [{"type": "function", "name": "bad name!"}]}, "tools.0.name"),
     ({"input": "x", "tools": [ADD], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "p", "schema": {
         "type": "string", "format": "bogus"}}}}, "text.format"),
