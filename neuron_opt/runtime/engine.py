@@ -37,7 +37,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -518,6 +518,7 @@ class Engine:
         for res in results[:taken]:
             self.scheduler.update(request_id, res.token)
         if out.finished:
+            out = replace(out, num_cached_tokens=self._seqs[request_id].request.num_cached_tokens)
             self._release(request_id)
         self.outputs.send_output(out)
 

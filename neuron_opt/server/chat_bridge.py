@@ -111,13 +111,15 @@ def outputs(serving: OpenAIServing, run: ChatRun, arrival: float,
 
 @dataclass
 class Reply:
-    """A finished reply: its text and calls, how it ended, and its token count."""
+    """A finished reply: its text and calls, how it ended, its token count and its prompt tokens that came from the
+    prefix cache."""
 
     text: str
     calls: tuple[ParsedCall, ...]
     finish_reason: str
     stop_reason: str | int | None
     num_tokens: int
+    num_cached_tokens: int
 
 
 class ReplyReader:
@@ -146,15 +148,17 @@ class ReplyReader:
 async def collect(serving: OpenAIServing, run: ChatRun, arrival: float,
                   is_disconnected: Callable[[], Any]) -> Reply:
     """The run's whole reply (non-streaming: a client gone away aborts it)."""
-    text, n, reason, stop_reason = "", 0, "abort", None
+    text, n, last = "", 0, None
     async for _, out in outputs(serving, run, arrival, is_disconnected):
         text += out.text_delta
         n += len(out.new_token_ids)
-        if out.finished:
-            reason, stop_reason = out.finish_reason or "stop", out.stop_reason
+        last = out
     reader = ReplyReader(run.parser)
     reader.feed(text, True)
-    return Reply(reader.text, tuple(reader.calls), reason, stop_reason, n)
+    if last is None or not last.finished:  # the client went away: nothing is sent
+        return Reply(reader.text, tuple(reader.calls), "abort", None, n, 0)
+    return Reply(reader.text, tuple(reader.calls), last.finish_reason or "stop", last.stop_reason, n,
+                 last.num_cached_tokens)
 
 
 def arguments(call: ParsedCall) -> dict[str, Any]:

@@ -21,8 +21,8 @@ Design decisions
   Then every response with `store` not false is kept in memory, the oldest dropped past MAX_STORED_RESPONSES, and
   a request may continue one by id (its conversation, the earlier input and output, goes before the new input).
   Without the store a response says `store: false`, `previous_response_id` is a 400, and `GET` is a 404.
-- `usage` counts input, output and total tokens; `output_tokens_details.reasoning_tokens` is 0 (nothing is split
-  off as reasoning); cached input tokens are not tracked per request, so not reported.
+- `usage` counts input, output and total tokens; `input_tokens_details.cached_tokens` the input tokens whose K/V
+  came from the prefix cache; `output_tokens_details.reasoning_tokens` is 0 (nothing is split off as reasoning).
 """
 
 from __future__ import annotations
@@ -298,13 +298,14 @@ class ResponsesServing:
                 "user": req.user, "metadata": req.metadata or {}}
 
     @staticmethod
-    def _finish(head: dict[str, Any], output: list[dict[str, Any]], finish: str, n_in: int,
-                n_out: int) -> dict[str, Any]:
+    def _finish(head: dict[str, Any], output: list[dict[str, Any]], finish: str, n_in: int, n_out: int,
+                n_cached: int) -> dict[str, Any]:
         incomplete = finish == "length"
         return {**head, "status": "incomplete" if incomplete else "completed", "output": output,
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-                "usage": {"input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out,
-                          "output_tokens_details": {"reasoning_tokens": 0}}}
+                "usage": {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": n_cached},
+                          "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": 0},
+                          "total_tokens": n_in + n_out}}
 
     async def create(self, req: ResponsesRequest, arrival: float,
                      is_disconnected: Callable[[], Any]) -> dict[str, Any] | AsyncIterator[str]:
@@ -329,7 +330,8 @@ class ResponsesServing:
         output = [_message_item(f"msg_{uuid.uuid4().hex}", reply.text, "completed")] if (
             reply.text or not reply.calls) else []
         output += [_call_item(c) for c in reply.calls]
-        response = self._finish(head, output, reply.finish_reason, len(run.prompt_ids), reply.num_tokens)
+        response = self._finish(head, output, reply.finish_reason, len(run.prompt_ids), reply.num_tokens,
+                                reply.num_cached_tokens)
         keep(response)
         return response
 
@@ -371,13 +373,13 @@ class ResponsesServing:
         if run.parser is None:  # plain text: its message opens at once
             for e in open_message():
                 yield e
-        text, n, finish = "", 0, "abort"
+        text, n, finish, cached = "", 0, "abort", 0
         try:
             async for _, out in outputs(self.serving, run, arrival):
                 text += out.text_delta
                 n += len(out.new_token_ids)
                 if out.finished:
-                    finish = out.finish_reason or "stop"
+                    finish, cached = out.finish_reason or "stop", out.num_cached_tokens
                 if not out.text_delta and not out.finished:
                     continue
                 piece, calls = reader.feed(text, out.finished)
@@ -416,7 +418,7 @@ class ResponsesServing:
         if message is not None:
             for e in close_message():
                 yield e
-        response = self._finish(head, output, finish, len(run.prompt_ids), n)
+        response = self._finish(head, output, finish, len(run.prompt_ids), n, cached)
         keep(response)
         yield event("response.incomplete" if response["status"] == "incomplete" else "response.completed",
                     response=response)

@@ -9,12 +9,16 @@ non-streamed message for the streamed one, and the client's own parsing of every
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx
 import jsonschema
 import pytest
 import torch
+from anthropic.types import Message, RawMessageStreamEvent
 from helpers import live_server
+from pydantic import TypeAdapter
 
 from neuron_opt.api import LLM
 from neuron_opt.runtime.sampling import SamplingParams
@@ -95,6 +99,21 @@ def test_stop_sequences_end_the_reply_and_name_the_sequence(llms, client):
         final = s.get_final_message()
     assert final.stop_reason == "stop_sequence" and final.stop_sequence == stop
     assert final.content[0].text == r.content[0].text
+
+
+def test_the_wire_format_is_the_clients_types_strictly(server):
+    body = {"model": MODEL, "max_tokens": 150, "messages": USER, "tools": [WEATHER, ADD],
+            "tool_choice": {"type": "any"}, "temperature": 0}
+    h = {"x-api-key": KEY}
+    Message.model_validate(httpx.post(server[0] + "/v1/messages", json=body, headers=h).json())
+    with httpx.stream("POST", server[0] + "/v1/messages", json={**body, "stream": True}, headers=h) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    for e in events:
+        if e["type"] != "ping":  # (not one of the client's event types: it skips pings)
+            TypeAdapter(RawMessageStreamEvent).validate_python(e)
+    assert [e["type"] for e in events[-5:]] == ["content_block_start", "content_block_delta", "content_block_stop",
+                                                "message_delta", "message_stop"]
+    assert events[-4]["delta"]["type"] == "input_json_delta" and events[-2]["delta"]["stop_reason"] == "tool_use"
 
 
 def _tool_input(block, tool) -> dict:

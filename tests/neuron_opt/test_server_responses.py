@@ -18,7 +18,8 @@ import openai
 import pytest
 import torch
 from helpers import live_server
-from pydantic import BaseModel, Field
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import BaseModel, Field, TypeAdapter
 
 from neuron_opt.api import LLM
 from neuron_opt.runtime.sampling import SamplingParams
@@ -68,6 +69,32 @@ def test_create_equals_the_reference(llms, client):
     assert r.output[0].content[0].type == "output_text" and r.output[0].role == "assistant"
     assert r.usage.input_tokens == len(llms[1].encode_chat(msgs)) and r.usage.output_tokens == len(want.token_ids)
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+
+
+def strict(response: dict) -> None:
+    """`response` against the client's own type, strictly. Its usage field by field: this client's type also
+    requires `input_tokens_details.cache_write_tokens`, which is not tracked here."""
+    usage = response.pop("usage")
+    Response.model_validate(response)
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    assert 0 <= usage["input_tokens_details"]["cached_tokens"] <= usage["input_tokens"]
+    assert usage["output_tokens_details"] == {"reasoning_tokens": 0}
+
+
+def test_the_wire_format_is_the_clients_types_strictly(server):
+    body = {"model": MODEL, "input": "What is 2 + 3?", "tools": [WEATHER, ADD], "tool_choice": "required",
+            "max_output_tokens": 150, "temperature": 0, "instructions": "Use the tools. " * 30}
+    first = httpx.post(server[0] + "/v1/responses", json=body).json()
+    again = httpx.post(server[0] + "/v1/responses", json=body).json()
+    assert again["usage"]["input_tokens_details"]["cached_tokens"] > 0  # the same prompt: from the prefix cache
+    strict(first)
+    with httpx.stream("POST", server[0] + "/v1/responses", json={**body, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    for e in events:
+        if e["type"] in ("response.completed", "response.incomplete"):
+            strict(e["response"])
+        TypeAdapter(ResponseStreamEvent).validate_python(e)
+    assert events[-1]["response"]["output"][0]["type"] == "function_call"
 
 
 def test_max_output_tokens_gives_an_incomplete_response(client):
