@@ -83,6 +83,7 @@ class MessageItem(_Strict):
     content: str | list[Part]
     id: str | None = None
     status: str | None = None
+    phase: None = None  # (newer clients echo it back with an output message: only its empty value is accepted)
 
     def text(self, where: str) -> str:
         if isinstance(self.content, str):
@@ -101,6 +102,8 @@ class FunctionCallItem(_Strict):
     arguments: str
     id: str | None = None
     status: str | None = None
+    namespace: None = None  # (newer clients echo these back with an output call: only their empty values pass)
+    caller: None = None
 
 
 class FunctionCallOutputItem(_Strict):

@@ -152,7 +152,7 @@ def test_function_tools_and_a_function_call_output_turn(client):
     assert [e.type for e in events if "function_call" in e.type] == [
         "response.function_call_arguments.delta", "response.function_call_arguments.done"]
     call = r.output[0]
-    turn = [*ask, call.model_dump(exclude_none=True),  # the output item taken back as input, as the Agents SDK does
+    turn = [*ask, call,  # the output item taken back as input, as the client serializes it
             {"type": "function_call_output", "call_id": call.call_id, "output": "5"}]
     second = client.responses.create(model=MODEL, input=turn, tools=[WEATHER, ADD], temperature=0,
                                      max_output_tokens=40)
