@@ -23,7 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
-        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics. Give a "
+        description="Serve /v1/completions, /v1/chat/completions, /v1/responses, /v1/messages, /v1/embeddings, "
+        "/v1/models, /health and /metrics. Give a "
         "compiled artifact directory, or --model PATH|default to serve a checkpoint eagerly "
         "without compiling (slower, but starts at once).",
     )
