@@ -8,6 +8,8 @@ Design decisions
   blocks become tool messages (before the turn's text), an assistant turn's `tool_use` blocks its tool calls.
   `is_error` results reach the template as "Error: <content>". `image` blocks are a 400: no served model has
   vision yet. `thinking` is a 400 unless `{"type": "disabled"}` (no reasoning parser is wired to this route yet).
+- `output_config.format` (json_schema: structured outputs) is chat's `response_format`, grammar-enforced; with
+  active tools it is refused as chat refuses the pair.
 - `tool_choice` maps to chat's: auto -> "auto", any -> "required", tool -> the named function, none -> "none";
   `disable_parallel_tool_use` -> `parallel_tool_calls: false`. Calls are grammar-enforced as in chat.
 - `stop_reason`: "tool_use" when the reply holds calls and ended on its own, "max_tokens" at the limit,
@@ -43,7 +45,7 @@ from neuron_opt.server.serving import EngineError, OpenAIServing, internal_error
 from neuron_opt.server.tool_parsers import ParsedCall
 
 # chat request fields -> this API's names (for the field an error names)
-FIELDS = {"stop": "stop_sequences", "parallel_tool_calls": "tool_choice"}
+FIELDS = {"stop": "stop_sequences", "parallel_tool_calls": "tool_choice", "response_format": "output_config.format"}
 TOOL_FIELDS = {"parameters": "input_schema"}
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -160,6 +162,17 @@ class Metadata(_Strict):
     user_id: str | None = None  # informational, as OpenAI's `user`
 
 
+class JsonOutputFormat(_Strict):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Strict):
+    format: JsonOutputFormat | None = None
+    effort: None = None  # (a reasoning effort: no reasoning parser on this route yet)
+
+
 class Thinking(_Strict):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = None
@@ -175,6 +188,7 @@ class _Prompt(_Strict):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     cache_control: CacheControl | None = None
+    output_config: OutputConfig | None = None
 
     def chat_fields(self) -> dict[str, Any]:
         """The chat request's messages, tools and tool choice."""
@@ -205,6 +219,9 @@ class _Prompt(_Strict):
                 choice.type, {"type": "function", "function": {"name": choice.name}})
             if choice.disable_parallel_tool_use:
                 out["parallel_tool_calls"] = False
+        fmt = self.output_config.format if self.output_config is not None else None
+        if fmt is not None:
+            out["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}}
         return out
 
 

@@ -10,6 +10,7 @@ non-streamed message for the streamed one, and the client's own parsing of every
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import anthropic
 import httpx
@@ -18,7 +19,7 @@ import pytest
 import torch
 from anthropic.types import Message, RawMessageStreamEvent
 from helpers import live_server
-from pydantic import TypeAdapter
+from pydantic import BaseModel, TypeAdapter
 
 from neuron_opt.api import LLM
 from neuron_opt.runtime.sampling import SamplingParams
@@ -162,6 +163,23 @@ def test_any_and_auto_give_valid_calls_or_text(client):
         assert (r.stop_reason == "tool_use") == any(b.type == "tool_use" for b in r.content)
 
 
+class Point(BaseModel):  # (the client drops numeric bounds from the schema it sends: none here)
+    x: int
+    label: Literal["a", "b"]
+
+
+def test_output_format_is_enforced(client):
+    parsed = client.messages.parse(model=MODEL, max_tokens=60, messages=USER, output_format=Point,
+                                   extra_body=GREEDY)
+    assert isinstance(parsed.parsed_output, Point) and parsed.stop_reason == "end_turn"
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 1,
+              "maxItems": 3}
+    with client.messages.stream(model=MODEL, max_tokens=60, messages=USER, extra_body=GREEDY,
+                                output_config={"format": {"type": "json_schema", "schema": schema}}) as s:
+        text = "".join(s.text_stream)
+    jsonschema.validate(json.loads(text), schema)
+
+
 def test_count_tokens_is_the_rendered_prompt(llms, client):
     system = "Be brief."
     n = client.messages.count_tokens(model=MODEL, system=system, messages=USER).input_tokens
@@ -193,6 +211,11 @@ def test_the_api_key_is_taken_as_x_api_key_or_bearer(server):
         "a": {"type": "string", "format": "bogus"}}}}]}, "tools"),
     ({"max_tokens": 5, "messages": USER, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
     ({"max_tokens": 5, "messages": USER, "bogus": 1}, "bogus"),
+    ({"max_tokens": 5, "messages": USER, "output_config": {"format": {"type": "json_schema", "schema": {
+        "type": "string", "format": "bogus"}}}}, "output_config.format"),
+    ({"max_tokens": 5, "messages": USER, "tools": [ADD], "output_config": {"format": {"type": "json_schema",
+                                                                                    "schema": {}}}},
+     "output_config.format"),
     ({"max_tokens": 5, "messages": USER, "tools": [{"name": "bad name!", "input_schema": {"type": "object"}}]},
      "tools.0.name"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "add",
