@@ -16,13 +16,14 @@ import torch
 from neuron_opt import envs
 from neuron_opt.errors import NeuronOptError
 
-COMMANDS = ("compile", "generate", "serve", "plan", "bench", "inspect", "keygen", "push", "pull")
+COMMANDS = ("compile", "generate", "serve", "run_batch", "plan", "bench", "inspect", "keygen", "push", "pull")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="neuron-opt", description="Compile and serve Llama-family LLMs on AWS Neuron (and fast on CPU).")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{" + ",".join(c.replace("_", "-") for c in COMMANDS) + "}")
     for name in COMMANDS:
         try:
             module = importlib.import_module(f"neuron_opt.commands.{name}")

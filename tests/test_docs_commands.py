@@ -362,8 +362,8 @@ CHECKS = (
     Check(r"neuron-opt compile\b", "the CLI parser, then the real `compile` command with compile_artifact "
           "replaced by a dry run: checkpoint config, bucket plan, head layout, backend tp (Backend.check_parallel)",
           check_compile),
-    Check(r"neuron-opt (inspect|generate|serve)\b", "the CLI parser; an artifact argument must be the --out of a "
-          "compile documented in the same file", check_artifact_command),
+    Check(r"neuron-opt (inspect|generate|serve|run-batch)\b", "the CLI parser; an artifact argument must be the "
+          "--out of a compile documented in the same file", check_artifact_command),
     Check(r"make [\w-]+$", "the target exists: make -n TARGET (a dry run)", check_make),
     Check(r"python scripts/\w+\.py\b", "the script exists, its --help runs and its own argparse parser accepts "
           "the args (nothing runs)", check_script),

@@ -24,7 +24,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
-        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics. Give a "
+        description="Serve /v1/completions, /v1/chat/completions, /v1/responses, /v1/messages, /v1/embeddings, "
+        "/v1/models, /health and /metrics. Give a "
         "compiled artifact directory, or --model PATH|default to serve a checkpoint eagerly "
         "without compiling (slower, but starts at once).",
     )
@@ -100,6 +101,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "off by default, as there)")
     p.add_argument("--enable-docs", action="store_true",
                    help="serve /docs, /redoc and /openapi.json (off by default: they describe the server to anyone)")
+    p.add_argument("--enable-store", action="store_true",
+                   help="keep /v1/responses results in memory (the latest 1024) for previous_response_id and "
+                        "GET /v1/responses/{id} (vLLM: VLLM_ENABLE_RESPONSES_API_STORE=1)")
     lim = p.add_argument_group("request limits (past them: 400 naming the field; defaults: docs/serving.md)")
     for name, text in LIMIT_FLAGS.items():
         default = getattr(ServerLimits, name)
@@ -177,7 +181,8 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(engine, engine.tokenizer, engine.encode_chat, name, engine.runner.max_model_len, api_key=key,
                      tool_parser=make_parser(args.tool_call_parser, engine.tokenizer), limits=limits,
                      reasoning_parser=make_reasoning_parser(args.reasoning_parser, engine.tokenizer),
-                     enable_docs=args.enable_docs, enable_tokenizer_info=args.enable_tokenizer_info_endpoint)
+                     enable_docs=args.enable_docs, enable_tokenizer_info=args.enable_tokenizer_info_endpoint,
+                     enable_store=args.enable_store)
     url = f"http://{args.host}:{args.port}"
     if key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: serving on {args.host} without an API key: anyone who reaches this port can use the model "

@@ -81,6 +81,9 @@ def run_cluster(args: argparse.Namespace) -> int:
     if args.enable_docs:
         raise ConfigError("--enable-docs: the data-parallel router serves no API docs; leave it out",
                           param="enable_docs")
+    if args.enable_store:
+        raise ConfigError("--enable-store: the data-parallel router serves no /v1/responses; leave it out",
+                          param="enable_store")
     backend, tp = ("eager", 1) if manifest is None else (manifest.backend, manifest.parallel.tp)  # --model: eager
     actor_options, threads = replica_resources(backend, tp, replicas, args.replica_cpus)
     if not args.ray_address:

@@ -546,7 +546,8 @@ class Engine:
         if request_id in self._prompt_lps:  # the first output carries the prompt's logprobs
             out = replace(out, prompt_logprobs=(None, *self._prompt_lps.pop(request_id)))
         if out.finished:
-            out = replace(out, scheduled_time=self._seqs[request_id].request.scheduled_time)
+            req = self._seqs[request_id].request
+            out = replace(out, scheduled_time=req.scheduled_time, num_cached_tokens=req.num_cached_tokens)
             self._release(request_id)
         self.outputs.send_output(out)
 

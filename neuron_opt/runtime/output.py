@@ -53,6 +53,8 @@ class RequestOutput:
     num_output_tokens: int
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: str | int | None = None  # with "stop": the stop string or stop token id that matched (None: EOS)
+    num_cached_tokens: int = 0  # in the finished output: prompt tokens taken from the prefix cache
     logprobs: tuple[TokenLogprob, ...] = ()
     error: str | None = None
     time: float = 0.0  # time.monotonic() when the token was produced
@@ -154,7 +156,8 @@ class OutputProcessor:
                 break
         reason = s.stop.finish_reason
         out = RequestOutput(request_id, tuple(tokens), delta, s.num_prompt_tokens, len(s.stop.token_ids),
-                            reason is not None, reason, tuple(lps), time=time.monotonic())
+                            reason is not None, reason, stop_reason=s.stop.stop_reason, logprobs=tuple(lps),
+                            time=time.monotonic())
         return out, len(tokens)
 
     def finish(self, request_id: str, reason: str, error: str | None = None,

@@ -32,6 +32,7 @@ class Request:
     scores_prompt: bool = False
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache at its first admission
     status: RequestStatus = RequestStatus.WAITING
     # a request with the same prompt queued before this one (a sibling sample of `n`): admitted after that one's
     # prompt has its K/V, so its full blocks come from the prefix cache

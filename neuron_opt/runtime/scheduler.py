@@ -220,6 +220,7 @@ class Scheduler:
             if not req.output_token_ids:  # a first admission, not a resumed preemption
                 self.blocks.record_lookup(req.num_prompt_tokens, computed)
                 req.scheduled_time = req.scheduled_time or time.monotonic()
+                req.num_cached_tokens = computed
             req.num_computed_tokens, req.status = computed, RequestStatus.RUNNING
             self.running[req.request_id] = req
             prefills.append(self._prefill_work(req, chunk))

@@ -79,6 +79,7 @@ class StopChecker:
     text: str = ""  # visible text (stop-string prefixes held back until resolved)
     full_text: str = ""
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it (None: EOS)
     _stream: Any = field(default=None, repr=False)
     _decoded: str = ""  # what the stream has yielded so far: the decoded text of every complete character
     _stop_ids: frozenset[int] = frozenset()
@@ -115,6 +116,8 @@ class StopChecker:
         self.token_ids.append(token)
         if grammar_done or (token in self._stop_ids and len(self.token_ids) > p.min_tokens):
             self.finish_reason = "stop"
+            if token in p.stop_token_ids and not grammar_done:
+                self.stop_reason = token
             return ""  # the stop token itself is not shown
         full = self._decode(token)
         if full is None:
@@ -122,7 +125,7 @@ class StopChecker:
         for s in self._stops.strings:  # from where s could first end in the new text (held-back text is not shown)
             idx = full.find(s, max(0, len(self.text) - len(s)))
             if idx != -1:
-                full, self.finish_reason = full[:idx], "stop"
+                full, self.finish_reason, self.stop_reason = full[:idx], "stop", s
                 break
         if self.finish_reason is None and len(self.token_ids) >= p.max_tokens:
             self.finish_reason = "length"

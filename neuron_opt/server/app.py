@@ -12,7 +12,9 @@ Design decisions
 - The engine starts with the app (lifespan) and stops after uvicorn has drained in-flight requests (SIGTERM:
   uvicorn stops accepting, waits for open responses to finish, then runs the lifespan shutdown).
 - With an API key (`serve --api-key`), every `/v1/*` route and `/tokenize`, `/detokenize` need
-  `Authorization: Bearer KEY` (compared in constant time); `/health` and `/metrics` stay open, as in vLLM.
+  `Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY` (compared in constant time); `/health` and
+  `/metrics` stay open, as in vLLM.
+- Anthropic's routes (`/v1/messages*`, server/anthropic.py) answer errors, 401 included, in Anthropic's shape.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from neuron_opt.errors import NeuronOptError, QueueFullError
 from neuron_opt.runtime.engine import Engine
+from neuron_opt.server.anthropic import AnthropicServing, CountTokensRequest, MessagesRequest, anthropic_error
 from neuron_opt.server.embeddings import EmbeddingRequest, EmbeddingServing
 from neuron_opt.server.limits import ServerLimits
 from neuron_opt.server.lora_routes import add_lora_routes, lora_cards
@@ -43,11 +46,13 @@ from neuron_opt.server.protocol import (
     TokenizeRequest,
 )
 from neuron_opt.server.reasoning import ReasoningParser
+from neuron_opt.server.responses import ResponsesRequest, ResponsesServing, ResponseStore
 from neuron_opt.server.scoring import tokenizer_info
 from neuron_opt.server.serving import EncodeChat, EngineError, NotFoundError, OpenAIServing, internal_error_message
 from neuron_opt.server.tool_parsers import ToolParser
 
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait before retrying
+ANTHROPIC_PREFIX = "/v1/messages"  # the routes that answer in Anthropic's shapes
 
 
 class BodyTooLargeError(ValueError):
@@ -118,7 +123,7 @@ def error_payload(e: Exception) -> tuple[int, dict[str, Any]]:
     if isinstance(e, ProtocolError):
         return body(400, str(e), "BadRequestError", e.param)
     if isinstance(e, NotFoundError):
-        return body(404, str(e), "NotFoundError", "model")
+        return body(404, str(e), "NotFoundError", getattr(e, "param", "model"))
     if isinstance(e, BodyTooLargeError):
         return body(413, str(e), "RequestTooLargeError")
     if isinstance(e, QueueFullError):
@@ -145,16 +150,18 @@ def needs_key(path: str) -> bool:
     return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
 
 
-def authorized(api_key: str | None, authorization: str | None) -> bool:
-    """`Authorization: Bearer <api_key>` (always true without a key)."""
+def authorized(api_key: str | None, authorization: str | None, x_api_key: str | None = None) -> bool:
+    """`Authorization: Bearer <api_key>` or `x-api-key: <api_key>` (always true without a key)."""
     if api_key is None:
+        return True
+    if x_api_key is not None and hmac.compare_digest(x_api_key.strip().encode(), api_key.encode()):
         return True
     scheme, _, token = (authorization or "").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
 
 
-UNAUTHORIZED = error_body(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                          "AuthenticationError")
+UNAUTHORIZED_MESSAGE = "Incorrect or missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+UNAUTHORIZED = error_body(401, UNAUTHORIZED_MESSAGE, "AuthenticationError")
 
 
 class ApiKeyMiddleware:
@@ -166,10 +173,14 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and needs_key(scope["path"]):
-            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            if not authorized(self.api_key, auth):
+            headers = dict(scope["headers"])
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            x_key = headers.get(b"x-api-key")
+            if not authorized(self.api_key, auth, None if x_key is None else x_key.decode("latin-1")):
                 self.metrics.request_rejected(401)
-                await JSONResponse(UNAUTHORIZED, 401)(scope, receive, send)
+                body = (anthropic_error(401, UNAUTHORIZED_MESSAGE) if scope["path"].startswith(ANTHROPIC_PREFIX)
+                        else UNAUTHORIZED)
+                await JSONResponse(body, 401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -203,11 +214,13 @@ def create_app(
     limits: ServerLimits | None = None,
     enable_docs: bool = False,
     enable_tokenizer_info: bool = False,
+    enable_store: bool = False,
 ) -> FastAPI:
     """The single-process server's app. `api_key`: required on the `/v1/*` and tokenizer routes; `tool_parser`,
     `reasoning_parser`, `limits`: see OpenAIServing; `enable_docs`: serve `/docs`, `/redoc` and `/openapi.json`;
     `enable_tokenizer_info`: serve vLLM's `GET /tokenizer_info` (the tokenizer's configuration, chat template
-    included)."""
+    included); `enable_store`: keep /v1/responses results for `previous_response_id` and `GET /v1/responses/{id}`
+    (server/responses.py)."""
     metrics = engine_metrics(engine, model_name, max_model_len)
     serving = OpenAIServing(engine, tokenizer, encode_chat, model_name, metrics, max_model_len,
                             tool_parser=tool_parser, reasoning_parser=reasoning_parser, limits=limits)
@@ -297,6 +310,42 @@ def create_app(
         @app.get("/tokenizer_info")
         async def get_tokenizer_info() -> Response:
             return JSONResponse(tokenizer_info(tokenizer))
+    anthropic = AnthropicServing(serving)
+
+    def anthropic_failure(e: Exception) -> JSONResponse:
+        status, content = error_payload(e)
+        metrics.request_rejected(status)
+        err = content["error"]
+        return JSONResponse(anthropic_error(status, err["message"], err["param"]), status,
+                            headers=error_headers(status))
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        arrival = time.monotonic()
+        try:
+            req = await _parse(request, MessagesRequest, max_body)
+            return respond(await anthropic.messages(req, arrival, request.is_disconnected))
+        except Exception as e:  # every failure in Anthropic's shape (a 500 says only its log id)
+            return anthropic_failure(e)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        try:
+            return JSONResponse(await anthropic.count_tokens(await _parse(request, CountTokensRequest, max_body)))
+        except Exception as e:
+            return anthropic_failure(e)
+
+    responses = ResponsesServing(serving, ResponseStore() if enable_store else None)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        arrival = time.monotonic()
+        req = await _parse(request, ResponsesRequest, max_body)
+        return respond(await responses.create(req, arrival, request.is_disconnected))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        return JSONResponse(responses.retrieve(response_id))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

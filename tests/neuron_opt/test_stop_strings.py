@@ -57,6 +57,16 @@ def test_a_checker_with_many_stop_strings_streams_what_the_definition_says():
             assert streamed == text[:n][: n - held_back_reference(text[:n], stop)], (text, stop)
         ends = [(text[:n].find(s), s) for s in stop if s in text[:n]]
         if ends and sc.finish_reason == "stop":
-            assert streamed == text[: next(i for i, s in ends if s in text[:n])], (text, stop)
+            at, first = next((i, s) for i, s in ends if s in text[:n])
+            assert streamed == text[:at] and sc.stop_reason == first, (text, stop)
         else:
-            assert sc.finish_reason == "length" and streamed == text, (text, stop)
+            assert sc.finish_reason == "length" and streamed == text and sc.stop_reason is None, (text, stop)
+
+
+def test_the_stop_reason_is_the_stop_token_id_and_none_for_eos():
+    """vLLM's stop_reason: the stop token id that ended the text, None when EOS did."""
+    for token, reason in ((ord("x"), ord("x")), (0, None)):
+        sc = StopChecker(CharTok(), SamplingParams(max_tokens=8, stop_token_ids=(ord("x"),)), eos_token_ids=(0,))
+        for t in (ord("a"), token):
+            sc.add(t)
+        assert sc.finish_reason == "stop" and sc.stop_reason == reason

@@ -1,0 +1,80 @@
+"""`neuron-opt run-batch`: an OpenAI batch file (vLLM's `run-batch` format) through the engine at full batch, without
+an HTTP server (neuron_opt/server/batch.py)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from neuron_opt.commands.generate import add_speculative_flags, add_trusted_keys_flag
+from neuron_opt.commands.serve_engine import build_engine, served_name
+from neuron_opt.errors import ConfigError
+from neuron_opt.server.limits import ServerLimits
+from neuron_opt.server.tool_parsers import PARSERS
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "run-batch",
+        help="run an OpenAI batch file (JSONL) through a model",
+        description="Run each line of an OpenAI batch file ({custom_id, method, url, body}; url /v1/chat/completions, "
+        "/v1/completions or /v1/embeddings) and write one result line per input line, in order ({id, custom_id, "
+        "response: {status_code, request_id, body}, error}). A bad line gets an error line. An existing output file "
+        "is continued where it stops.",
+    )
+    p.add_argument("artifact", nargs="?", help="artifact directory produced by `neuron-opt compile`, or its s3:// URI")
+    p.add_argument("--model", help="instead of an artifact: HF directory, GGUF file, or 'default' (eager, no compile)")
+    p.add_argument("-i", "--input-file", required=True, type=Path, help="the batch file: one JSON request per line")
+    p.add_argument("-o", "--output-file", required=True, type=Path,
+                   help="where the results go; if it exists, its results are kept and the run goes on after them")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name request bodies may give (default: 'default', or the artifact/checkpoint name)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="most sequences decoded together (default: the artifact's batch size; 16 with --model)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="with --model: KV length per sequence (default: min(model limit, 2048))")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV blocks of prompt prefixes computed before (default: as serve)")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="split prompts into chunks that fit the step's token budget (default: as serve)")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                   help="the tool-call format of the model's replies (default: the one its chat template writes)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="with --model: compute dtype (default float32)")
+    add_speculative_flags(p)
+    add_trusted_keys_flag(p)
+    p.set_defaults(func=run, max_waiting=1024, lora_modules=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    if bool(args.artifact) == bool(args.model):
+        raise ConfigError("run-batch: give either an artifact directory or --model PATH|default (not both)")
+    # the serving code needs the `serve` extra (pydantic; prometheus-client for its counters): imported here
+    from neuron_opt.server.app import engine_metrics, error_payload
+    from neuron_opt.server.batch import BatchRunner, input_lines, resume_from
+    from neuron_opt.server.serving import OpenAIServing
+    from neuron_opt.server.tools import make_parser
+
+    lines = input_lines(args.input_file)
+    start = resume_from(args.output_file, lines)  # before loading the model: a wrong output file fails at once
+    engine = build_engine(args)
+    name = served_name(args)
+    serving = OpenAIServing(engine, engine.tokenizer, engine.encode_chat, name, engine_metrics(engine, name),
+                            engine.runner.max_model_len, tool_parser=make_parser(args.tool_call_parser,
+                                                                                  engine.tokenizer),
+                            limits=ServerLimits())
+    window = 2 * engine.max_num_seqs  # a full batch running and as many waiting to take a freed slot
+    engine.start()
+    try:
+        with args.output_file.open("a", encoding="utf-8") as out, tqdm(
+                total=len(lines), initial=start, desc="run-batch", unit="req", file=sys.stderr) as bar:
+            ok, failed = asyncio.run(BatchRunner(serving, error_payload).run(lines, start, out, window, bar.update))
+    finally:
+        engine.stop()
+    print(f"run-batch: {ok} succeeded, {failed} failed, {start} already done; results in {args.output_file}")
+    return 0

@@ -1,0 +1,355 @@
+"""Anthropic's Messages API: `POST /v1/messages` and `POST /v1/messages/count_tokens`, translated to a chat request
+and run as /v1/chat/completions runs it (server/chat_bridge.py).
+
+Design decisions
+- Request types are strict (`extra="forbid"`), as our OpenAI ones: an unknown field or content block type is a 400
+  naming it. `cache_control` on blocks and tools is accepted: prompt caching is automatic here (the prefix cache).
+- `system` (a string or text blocks, joined by newlines) becomes the system message; a user turn's `tool_result`
+  blocks become tool messages (before the turn's text), an assistant turn's `tool_use` blocks its tool calls.
+  `is_error` results reach the template as "Error: <content>". `image` blocks are a 400: no served model has
+  vision yet. `thinking` is a 400 unless `{"type": "disabled"}` (no reasoning parser is wired to this route yet).
+- `output_config.format` (json_schema: structured outputs) is chat's `response_format`, grammar-enforced; with
+  active tools it is refused as chat refuses the pair.
+- `tool_choice` maps to chat's: auto -> "auto", any -> "required", tool -> the named function, none -> "none";
+  `disable_parallel_tool_use` -> `parallel_tool_calls: false`. Calls are grammar-enforced as in chat.
+- `stop_reason`: "tool_use" when the reply holds calls and ended on its own, "max_tokens" at the limit,
+  "stop_sequence" (with `stop_sequence` set to the one that matched), else "end_turn".
+- Streaming sends Anthropic's events (`message_start`, `content_block_start`, `ping`, `content_block_delta` with
+  `text_delta` / `input_json_delta`, `content_block_stop`, `message_delta`, `message_stop`); a tool call's input is
+  sent whole in one `input_json_delta` once the call is complete (it is only known valid then).
+- Errors are Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`, with the status our OpenAI routes
+  give the same failure (`anthropic_error`); the message begins with the field it concerns.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from neuron_opt.server.chat_bridge import (
+    ChatRun,
+    ReplyReader,
+    arguments,
+    chat_request,
+    collect,
+    outputs,
+    renamed_fields,
+    start,
+)
+from neuron_opt.server.protocol import ChatCompletionRequest, ProtocolError
+from neuron_opt.server.serving import EngineError, OpenAIServing, internal_error_message
+from neuron_opt.server.tool_parsers import ParsedCall
+
+# chat request fields -> this API's names (for the field an error names)
+FIELDS = {"stop": "stop_sequences", "parallel_tool_calls": "tool_choice", "response_format": "output_config.format"}
+TOOL_FIELDS = {"parameters": "input_schema"}
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_error(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """Anthropic's error body for an HTTP status; the message starts with `param` when it names a field."""
+    if param and not message.startswith(param):
+        message = f"{param}: {message}"
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class CacheControl(_Strict):
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+class TextBlock(_Strict):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl | None = None
+    citations: None = None
+
+
+class ImageBlock(_Strict):
+    type: Literal["image"]
+    source: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+class ToolUseBlock(_Strict):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+class ToolResultBlock(_Strict):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[Annotated[TextBlock | ImageBlock, Field(discriminator="type")]] | None = None
+    is_error: bool | None = None
+    cache_control: CacheControl | None = None
+
+    def text(self, where: str) -> str:
+        if not isinstance(self.content, list):
+            text = self.content or ""
+        else:
+            if any(isinstance(b, ImageBlock) for b in self.content):
+                raise ProtocolError(f"{where}: image content is not supported (this model has no vision)",
+                                    where)
+            text = "\n".join(b.text for b in self.content if isinstance(b, TextBlock))
+        return f"Error: {text}" if self.is_error else text
+
+
+Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+
+
+class Message(_Strict):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+    def chat_messages(self, i: int) -> list[dict[str, Any]]:
+        """This turn as OpenAI chat messages."""
+        where = f"messages.{i}.content"
+        if isinstance(self.content, str):
+            return [{"role": self.role, "content": self.content}]
+        texts, calls, results = [], [], []
+        for j, b in enumerate(self.content):
+            if isinstance(b, ImageBlock):
+                raise ProtocolError(f"{where}.{j}: image content is not supported (this model has no vision)",
+                                    f"{where}.{j}")
+            if isinstance(b, TextBlock):
+                texts.append(b.text)
+            elif isinstance(b, ToolUseBlock):
+                if self.role != "assistant":
+                    raise ProtocolError(f"{where}.{j}: tool_use blocks belong to assistant turns", f"{where}.{j}")
+                calls.append({"id": b.id, "type": "function",
+                              "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}})
+            else:
+                if self.role != "user":
+                    raise ProtocolError(f"{where}.{j}: tool_result blocks belong to user turns", f"{where}.{j}")
+                results.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text(f"{where}.{j}")})
+        text = "".join(texts)
+        if self.role == "assistant":
+            msg: dict[str, Any] = {"role": "assistant", "content": text}
+            if calls:
+                msg["tool_calls"] = calls
+            return [msg]
+        return results + ([{"role": "user", "content": text}] if texts or not results else [])
+
+
+class Tool(_Strict):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+    cache_control: CacheControl | None = None
+
+
+class ToolChoice(_Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Metadata(_Strict):
+    user_id: str | None = None  # informational, as OpenAI's `user`
+
+
+class JsonOutputFormat(_Strict):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Strict):
+    format: JsonOutputFormat | None = None
+    effort: None = None  # (a reasoning effort: no reasoning parser on this route yet)
+
+
+class Thinking(_Strict):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = None
+
+
+class _Prompt(_Strict):
+    """What renders the prompt: shared by /v1/messages and /v1/messages/count_tokens."""
+
+    model: str
+    messages: list[Message]
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    cache_control: CacheControl | None = None
+    output_config: OutputConfig | None = None
+
+    def chat_fields(self) -> dict[str, Any]:
+        """The chat request's messages, tools and tool choice."""
+        if not self.messages:
+            raise ProtocolError("messages: at least one message is required", "messages")
+        if self.thinking is not None and self.thinking.type != "disabled":
+            raise ProtocolError("thinking: not supported by this server's model (no reasoning parser); send "
+                                "{\"type\": \"disabled\"} or leave it out", "thinking")
+        msgs: list[dict[str, Any]] = []
+        if self.system is not None:
+            system = self.system if isinstance(self.system, str) else "\n".join(b.text for b in self.system)
+            msgs.append({"role": "system", "content": system})
+        for i, m in enumerate(self.messages):
+            msgs += m.chat_messages(i)
+        out: dict[str, Any] = {"model": self.model, "messages": msgs}
+        if self.tools:
+            out["tools"] = [{"type": "function", "function": {
+                "name": t.name, "parameters": t.input_schema,
+                **({"description": t.description} if t.description is not None else {})}} for t in self.tools]
+        choice = self.tool_choice
+        if choice is not None:
+            if (choice.type == "tool") != (choice.name is not None):
+                raise ProtocolError("tool_choice: `name` goes with type 'tool', and only with it", "tool_choice")
+            if choice.type == "none" and choice.disable_parallel_tool_use is not None:
+                raise ProtocolError("tool_choice: disable_parallel_tool_use does not go with type 'none'",
+                                    "tool_choice")
+            out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(
+                choice.type, {"type": "function", "function": {"name": choice.name}})
+            if choice.disable_parallel_tool_use:
+                out["parallel_tool_calls"] = False
+        fmt = self.output_config.format if self.output_config is not None else None
+        if fmt is not None:
+            out["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}}
+        return out
+
+
+class MessagesRequest(_Prompt):
+    max_tokens: int
+    stop_sequences: list[str] | None = None
+    stream: bool | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    metadata: Metadata | None = None
+
+    def chat_request(self) -> ChatCompletionRequest:
+        if self.max_tokens < 1:
+            raise ProtocolError("max_tokens: must be at least 1", "max_tokens")
+        if self.temperature is not None and not 0.0 <= self.temperature <= 1.0:
+            raise ProtocolError(f"temperature: must be in [0, 1], got {self.temperature}", "temperature")
+        fields = self.chat_fields()
+        sampling = {"max_tokens": self.max_tokens, "stop": self.stop_sequences, "temperature": self.temperature,
+                    "top_p": self.top_p, "top_k": self.top_k,
+                    "user": self.metadata.user_id if self.metadata else None}
+        return chat_request({**fields, **{k: v for k, v in sampling.items() if v is not None}}, FIELDS,
+                            TOOL_FIELDS)
+
+
+class CountTokensRequest(_Prompt):
+    def chat_request(self) -> ChatCompletionRequest:
+        return chat_request(self.chat_fields(), FIELDS, TOOL_FIELDS)
+
+
+def _stop_reason(finish: str, stop: str | int | None, called: bool) -> tuple[str, str | None]:
+    """(Anthropic's stop_reason, stop_sequence)."""
+    if finish == "length":
+        return "max_tokens", None
+    if called:
+        return "tool_use", None
+    if isinstance(stop, str):
+        return "stop_sequence", stop
+    return "end_turn", None
+
+
+def _tool_use(call: ParsedCall) -> dict[str, Any]:
+    return {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": call.name, "input": arguments(call)}
+
+
+def _event(kind: str, data: dict[str, Any]) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
+
+
+class AnthropicServing:
+    """/v1/messages and /v1/messages/count_tokens over the OpenAI routes' serving."""
+
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+
+    async def count_tokens(self, req: CountTokensRequest) -> dict[str, Any]:
+        """The prompt's token count, rendered exactly as /v1/messages renders it."""
+        s = self.serving
+        chat = req.chat_request()
+        with renamed_fields(FIELDS):
+            s.check_model(chat.model)
+            chat.check_limits(s.limits, s.max_model_len)
+            ids, _ = await s._chat_prompt(chat)
+        return {"input_tokens": len(ids)}
+
+    async def messages(self, req: MessagesRequest, arrival: float,
+                       is_disconnected: Callable[[], Any]) -> dict[str, Any] | AsyncIterator[str]:
+        chat = req.chat_request()
+        run = await start(self.serving, chat, arrival, FIELDS)
+        mid = f"msg_{uuid.uuid4().hex}"
+        if req.stream:
+            return self._stream(run, mid, arrival)
+        reply = await collect(self.serving, run, arrival, is_disconnected)
+        content: list[dict[str, Any]] = [{"type": "text", "text": reply.text}] if reply.text or not reply.calls else []
+        content += [_tool_use(c) for c in reply.calls]
+        reason, sequence = _stop_reason(reply.finish_reason, reply.stop_reason, bool(reply.calls))
+        return {"id": mid, "type": "message", "role": "assistant", "model": run.model, "content": content,
+                "stop_reason": reason, "stop_sequence": sequence,
+                "usage": {"input_tokens": len(run.prompt_ids), "output_tokens": reply.num_tokens}}
+
+    async def _stream(self, run: ChatRun, mid: str, arrival: float) -> AsyncIterator[str]:
+        head = {"id": mid, "type": "message", "role": "assistant", "model": run.model, "content": [],
+                "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": len(run.prompt_ids), "output_tokens": 0}}
+        yield _event("message_start", {"message": head})
+        reader = ReplyReader(run.parser)
+        index, text_open = 0, False
+        if run.parser is None:  # plain text: its block opens at once, as Anthropic's does
+            yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+            text_open = True
+        yield _event("ping", {})
+        text, n, finish, stop = "", 0, "abort", None
+        called = False
+        try:
+            async for _, out in outputs(self.serving, run, arrival):
+                text += out.text_delta
+                n += len(out.new_token_ids)
+                if out.finished:
+                    finish, stop = out.finish_reason or "stop", out.stop_reason
+                if not out.text_delta and not out.finished:
+                    continue
+                piece, calls = reader.feed(text, out.finished)
+                if piece:
+                    if not text_open:
+                        yield _event("content_block_start", {"index": index,
+                                                             "content_block": {"type": "text", "text": ""}})
+                        text_open = True
+                    yield _event("content_block_delta", {"index": index,
+                                                         "delta": {"type": "text_delta", "text": piece}})
+                for call in calls:
+                    if text_open:
+                        yield _event("content_block_stop", {"index": index})
+                        index, text_open = index + 1, False
+                    block = _tool_use(call)
+                    yield _event("content_block_start", {"index": index, "content_block": {**block, "input": {}}})
+                    yield _event("content_block_delta", {"index": index, "delta": {
+                        "type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}})
+                    yield _event("content_block_stop", {"index": index})
+                    index, called = index + 1, True
+        except EngineError as e:
+            yield _event("error", anthropic_error(500, internal_error_message(e)))
+            return
+        if not text_open and index == 0:  # nothing was said: one empty text block, as the non-streamed reply has
+            yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+            text_open = True
+        if text_open:
+            yield _event("content_block_stop", {"index": index})
+        reason, sequence = _stop_reason(finish, stop, called)
+        yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                       "usage": {"output_tokens": n}})
+        yield _event("message_stop", {})

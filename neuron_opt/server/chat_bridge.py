@@ -1,0 +1,168 @@
+"""What the routes that speak other APIs over chat share (Anthropic's /v1/messages, OpenAI's /v1/responses): a
+request translated to a ChatCompletionRequest is run exactly as /v1/chat/completions runs it (the same limits,
+template, tool grammar and sampling), and its reply is read back as text and calls.
+
+Design decisions
+- A translated request is one chat request (`n` = 1): the prompt through the chat template, the tools rendered
+  and enforced by the tool parser's grammar (server/tools.py), the sampling params and their checks.
+- Errors name the route's own field: a `ProtocolError` or `NeuronOptError` raised with a chat field as its `param`
+  (`stop`, `max_tokens`, `messages`, ...) is renamed through the route's `fields` map before it reaches the client.
+- `ReplyReader` reads a reply as it grows: the text pieces and complete calls since its last look, the difference
+  of successive parser scans, so a streamed reply reassembles into exactly the non-streamed one.
+- Reasoning: a reasoning parser splits thinking off before the tool scan; this module is where it would go
+  (`ReplyReader.feed`), so both routes get it at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from neuron_opt.errors import NeuronOptError
+from neuron_opt.runtime.output import RequestOutput
+from neuron_opt.server.protocol import ChatCompletionRequest, ProtocolError
+from neuron_opt.server.serving import OpenAIServing, _request_fields
+from neuron_opt.server.tool_parsers import ParsedCall, ToolParser
+
+
+@contextlib.contextmanager
+def renamed_fields(fields: dict[str, str]) -> Iterator[None]:
+    """Errors whose `param` is a chat field name the route's field (`fields`: chat name -> route name) instead,
+    in their message too when it begins with the chat name."""
+    try:
+        yield
+    except (ProtocolError, NeuronOptError) as e:
+        param = getattr(e, "param", None)
+        if param is not None:
+            root, sep, rest = param.partition(".")
+            new = fields.get(root, root) + sep + rest
+            if new != param:
+                e.param = new
+                message = str(e)
+                if message.startswith(param):
+                    e.args = (new + message[len(param):], *e.args[1:])
+        raise
+
+
+def chat_request(body: dict[str, Any], fields: dict[str, str], tool_fields: dict[str, str]) -> ChatCompletionRequest:
+    """`body` (a translated request) as a chat request. A rule of chat's that the route's own types do not repeat
+    (a tool name's pattern) fails as a 400 naming the route's field: `fields` renames chat's top-level fields,
+    `tool_fields` those of a tool's function (`tools.<i>.function.<field>` -> `tools.<i>.<renamed field>`)."""
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        loc = [str(x) for x in err["loc"]]
+        if loc[:1] == ["tools"] and len(loc) > 3:
+            loc = ["tools", loc[1], tool_fields.get(loc[3], loc[3])]
+        field = ".".join([fields.get(loc[0], loc[0]), *loc[1:]])
+        raise ProtocolError(f"{field}: {err['msg']}", field) from None
+
+
+@dataclass
+class ChatRun:
+    """One translated request queued on the engine.
+
+    Args:
+        model: the model name the reply reports (the base model's or the LoRA adapter's).
+        prompt_ids: the rendered prompt's token ids.
+        parser: the tool parser, when the request's tools are active (None: the reply is plain text).
+        rids, queue: the engine request ids and their output queue (OpenAIServing._submit).
+        stops: the request's stop strings.
+    """
+
+    model: str
+    prompt_ids: list[int]
+    parser: ToolParser | None
+    rids: list[str]
+    queue: Any
+    stops: tuple[str, ...]
+
+
+async def start(serving: OpenAIServing, chat: ChatCompletionRequest, arrival: float, fields: dict[str, str]) -> ChatRun:
+    """Check, render and queue `chat` as /v1/chat/completions does (one sample); errors name the route's fields."""
+    with renamed_fields(fields):
+        lora = serving.check_model(chat.model)
+        serving.check_generates()
+        chat.check_limits(serving.limits, serving.max_model_len)
+        ids, tools = await serving._chat_prompt(chat)
+        active = tools is not None and tools.active
+        parser = serving.tool_parser
+        with _request_fields(chat):
+            params = chat.sampling_params(len(ids), serving.max_model_len, serving.vocab_size,
+                                          tools.structured(parser) if active and tools is not None else None)
+        if active and not parser.skip_special_tokens:  # its call marker is a special token
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        rids, q = await serving._submit(chat, ids, params, arrival, lora)  # (it renames chat's fields itself)
+    return ChatRun(lora or serving.model_name, ids, parser if active else None, rids, q, params.stop)
+
+
+def outputs(serving: OpenAIServing, run: ChatRun, arrival: float,
+            is_disconnected: Callable[[], Any] | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The run's engine outputs (the unfinished request is aborted when the consumer stops early)."""
+    return serving._outputs(run.rids, run.queue, arrival, is_disconnected)
+
+
+@dataclass
+class Reply:
+    """A finished reply: its text and calls, how it ended, its token count and its prompt tokens that came from the
+    prefix cache."""
+
+    text: str
+    calls: tuple[ParsedCall, ...]
+    finish_reason: str
+    stop_reason: str | int | None
+    num_tokens: int
+    num_cached_tokens: int
+
+
+class ReplyReader:
+    """A reply read as it grows: `feed(text so far, final)` returns the new text piece ("" if none) and the calls
+    completed since the last feed."""
+
+    def __init__(self, parser: ToolParser | None) -> None:
+        self.parser = parser
+        self.text = ""
+        self.calls: list[ParsedCall] = []
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[ParsedCall]]:
+        if self.parser is None:
+            content, calls = text, ()
+        else:
+            scan = self.parser.scan(text, final)
+            content, calls = scan.content, scan.calls
+        piece = ""
+        if len(content) > len(self.text) and content.startswith(self.text):
+            piece, self.text = content[len(self.text):], content
+        new = list(calls[len(self.calls):])
+        self.calls += new
+        return piece, new
+
+
+async def collect(serving: OpenAIServing, run: ChatRun, arrival: float,
+                  is_disconnected: Callable[[], Any]) -> Reply:
+    """The run's whole reply (non-streaming: a client gone away aborts it)."""
+    text, n, last = "", 0, None
+    async for _, out in outputs(serving, run, arrival, is_disconnected):
+        text += out.text_delta
+        n += len(out.new_token_ids)
+        last = out
+    reader = ReplyReader(run.parser)
+    reader.feed(text, True)
+    if last is None or not last.finished:  # the client went away: nothing is sent
+        return Reply(reader.text, tuple(reader.calls), "abort", None, n, 0)
+    return Reply(reader.text, tuple(reader.calls), last.finish_reason or "stop", last.stop_reason, n,
+                 last.num_cached_tokens)
+
+
+def arguments(call: ParsedCall) -> dict[str, Any]:
+    """A call's arguments as an object (the parser wrote them as JSON text of one)."""
+    value = json.loads(call.arguments)
+    assert isinstance(value, dict)
+    return value

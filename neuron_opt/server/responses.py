@@ -1,0 +1,427 @@
+"""OpenAI's Responses API: `POST /v1/responses` and `GET /v1/responses/{id}`, translated to a chat request and run
+as /v1/chat/completions runs it (server/chat_bridge.py).
+
+Design decisions
+- Request types are strict (`extra="forbid"`): an unknown field, input item or tool type is a 400 naming it.
+  Fields we cannot honour are declared so that their neutral values pass and anything else is a 400: `reasoning`
+  (no reasoning parser on this route yet), `truncation` other than "disabled", `background`, `include`.
+- `input` is a string (one user message) or items: messages (`input_text` / `output_text` parts; images are a
+  400), `function_call` (joined into the assistant turn before it) and `function_call_output` (a tool message).
+  The output items of an earlier response are taken back as input unchanged, as the Agents SDK sends them.
+  `instructions` is the system message, and is not carried over from a previous response (OpenAI's rule).
+- Function `tools` and `tool_choice` are chat's (grammar-enforced calls); `text.format` json_schema / json_object
+  is chat's `response_format`; `max_output_tokens` is chat's `max_tokens`. Errors name the Responses field.
+- A reply cut by `max_output_tokens` is `status: "incomplete"` with `incomplete_details.reason`
+  "max_output_tokens" (streamed: a `response.incomplete` event in place of `response.completed`).
+- Streaming sends the event sequence the official client checks (`response.created`, `response.in_progress`, per
+  item `response.output_item.added` ... `response.output_item.done`, `response.completed`), every event with a
+  `sequence_number` counting from 0. A function call's arguments are sent whole in one delta once the call is
+  complete (it is only known valid then).
+- `store` and `previous_response_id`: off unless `serve --enable-store` (vLLM: VLLM_ENABLE_RESPONSES_API_STORE).
+  Then every response with `store` not false is kept in memory, the oldest dropped past MAX_STORED_RESPONSES, and
+  a request may continue one by id (its conversation, the earlier input and output, goes before the new input).
+  Without the store a response says `store: false`, `previous_response_id` is a 400, and `GET` is a 404.
+- `usage` counts input, output and total tokens; `input_tokens_details.cached_tokens` the input tokens whose K/V
+  came from the prefix cache; `output_tokens_details.reasoning_tokens` is 0 (nothing is split off as reasoning).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+
+from neuron_opt.server.chat_bridge import ChatRun, ReplyReader, chat_request, collect, outputs, start
+from neuron_opt.server.protocol import ChatCompletionRequest, ProtocolError
+from neuron_opt.server.serving import EngineError, NotFoundError, OpenAIServing, internal_error_message, sse
+from neuron_opt.server.tool_parsers import ParsedCall
+
+MAX_STORED_RESPONSES = 1024  # with --enable-store: the responses kept (oldest dropped first)
+
+# chat request fields -> this API's names (for the field an error names)
+FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+
+
+class ResponseNotFoundError(NotFoundError):
+    """A response id this server does not hold (HTTP 404 naming `param`)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextPart(_Strict):
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None  # (an earlier output's: taken back as it came)
+    logprobs: list[Any] | None = None
+
+
+class ImagePart(_Strict):
+    type: Literal["input_image", "input_file"]
+    image_url: str | None = None
+    file_id: str | None = None
+    file_data: str | None = None
+    filename: str | None = None
+    detail: str | None = None
+
+
+Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class MessageItem(_Strict):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[Part]
+    id: str | None = None
+    status: str | None = None
+    phase: None = None  # (newer clients echo it back with an output message: only its empty value is accepted)
+
+    def text(self, where: str) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        for j, p in enumerate(self.content):
+            if isinstance(p, ImagePart):
+                raise ProtocolError(f"{where}.content.{j}: {p.type} is not supported (text only: this model has no "
+                                    "vision)", f"{where}.content.{j}")
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+
+class FunctionCallItem(_Strict):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+    namespace: None = None  # (newer clients echo these back with an output call: only their empty values pass)
+    caller: None = None
+
+
+class FunctionCallOutputItem(_Strict):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[TextPart]
+    id: str | None = None
+    status: str | None = None
+
+
+class ReasoningItem(BaseModel):
+    """An earlier response's reasoning, taken back as input: refused by name (nothing here splits reasoning off, so
+    no response of ours holds one)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["reasoning"]
+
+
+def _item_type(v: Any) -> str:
+    return (v.get("type", "message") if isinstance(v, dict) else getattr(v, "type", "message")) or "message"
+
+
+Item = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+                 | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+                 | Annotated[ReasoningItem, Tag("reasoning")], Discriminator(_item_type)]
+
+
+class FunctionTool(_Strict):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # our calls are always grammar-enforced
+
+
+class NamedFunction(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Strict):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(_Strict):
+    format: TextFormat | None = None
+    verbosity: Literal["medium"] | None = None  # the one a model without the knob has
+
+
+class ResponsesRequest(_Strict):
+    model: str | None = None
+    input: str | list[Item]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: Literal["disabled"] | None = None
+    reasoning: None = None
+    background: Literal[False] | None = None
+    include: list[Any] | None = Field(default=None, max_length=0)
+
+    def messages(self, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The conversation as chat messages (without `instructions`): `history`, then this input."""
+        out = [dict(m) for m in history]
+        if isinstance(self.input, str):
+            return out + [{"role": "user", "content": self.input}]
+        if not self.input:
+            raise ProtocolError("input: at least one item is required", "input")
+        for i, item in enumerate(self.input):
+            if isinstance(item, MessageItem):
+                out.append({"role": item.role, "content": item.text(f"input.{i}")})
+            elif isinstance(item, FunctionCallItem):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                if out and out[-1]["role"] == "assistant":  # the calls of the turn just before
+                    out[-1] = {**out[-1], "tool_calls": [*out[-1].get("tool_calls", []), call]}
+                else:
+                    out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            elif isinstance(item, ReasoningItem):
+                raise ProtocolError(f"input.{i}: reasoning items are not supported (this server splits no reasoning "
+                                    "off)", f"input.{i}")
+            else:
+                output = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+        return out
+
+    def chat_request(self, conversation: list[dict[str, Any]]) -> ChatCompletionRequest:
+        msgs = ([{"role": "system", "content": self.instructions}] if self.instructions is not None else []) + \
+            conversation
+        body: dict[str, Any] = {"messages": msgs}
+        if self.tools:
+            body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                             for t in self.tools]
+        if self.tool_choice is not None:
+            body["tool_choice"] = self.tool_choice if isinstance(self.tool_choice, str) else {
+                "type": "function", "function": {"name": self.tool_choice.name}}
+        fmt = self.text.format if self.text is not None else None
+        if fmt is not None and fmt.type == "json_schema":
+            if fmt.name is None or fmt.schema_ is None:
+                raise ProtocolError("text.format: json_schema needs `name` and `schema`", "text.format")
+            body["response_format"] = {"type": "json_schema", "json_schema": fmt.model_dump(
+                exclude={"type"}, exclude_none=True, by_alias=True)}
+        elif fmt is not None and (fmt.name, fmt.schema_, fmt.description, fmt.strict) != (None,) * 4:
+            raise ProtocolError(f"text.format: name, schema, description and strict go with type 'json_schema', "
+                                f"not {fmt.type!r}", "text.format")
+        elif fmt is not None and fmt.type == "json_object":
+            body["response_format"] = {"type": "json_object"}
+        fields = {"model": self.model, "parallel_tool_calls": self.parallel_tool_calls,
+                  "max_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                  "user": self.user}
+        body.update({k: v for k, v in fields.items() if v is not None})
+        return chat_request(body, FIELDS, {})
+
+
+class ResponseStore:
+    """The responses kept with `serve --enable-store`: id -> (the response object, its conversation as chat
+    messages: the input and the reply, without instructions), the oldest dropped past `capacity`."""
+
+    def __init__(self, capacity: int = MAX_STORED_RESPONSES) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+
+    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        self._items[response["id"]] = (response, conversation)
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def get(self, rid: str, param: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        if rid not in self._items:
+            raise ResponseNotFoundError(f"Response with id {rid!r} not found.", param)
+        return self._items[rid]
+
+
+def _call_item(call: ParsedCall, status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": f"call_{uuid.uuid4().hex[:24]}",
+            "name": call.name, "arguments": call.arguments, "status": status}
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message_item(mid: str, text: str | None, status: str) -> dict[str, Any]:
+    return {"type": "message", "id": mid, "status": status, "role": "assistant",
+            "content": [] if text is None else [_text_part(text)]}
+
+
+def _reply_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A response's output as the assistant's chat message (for a conversation continued from it)."""
+    text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
+    calls = [{"id": c["call_id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+             for c in output if c["type"] == "function_call"]
+    return [{"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}]
+
+
+class ResponsesServing:
+    """/v1/responses over the OpenAI routes' serving. `store`: the response store (None: `--enable-store` off)."""
+
+    def __init__(self, serving: OpenAIServing, store: ResponseStore | None) -> None:
+        self.serving, self.store = serving, store
+
+    def retrieve(self, rid: str) -> dict[str, Any]:
+        if self.store is None:
+            raise ResponseNotFoundError(f"Response with id {rid!r} not found (this server stores no responses: "
+                                        "serve --enable-store)", "response_id")
+        return self.store.get(rid, "response_id")[0]
+
+    def _head(self, req: ResponsesRequest, rid: str, model: str, stored: bool) -> dict[str, Any]:
+        fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format else {
+            "type": "text"}
+        tool_choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedFunction) else (
+            req.tool_choice or "auto")
+        return {"id": rid, "object": "response", "created_at": int(time.time()), "status": "in_progress",
+                "error": None, "incomplete_details": None, "instructions": req.instructions,
+                "max_output_tokens": req.max_output_tokens, "model": model, "output": [],
+                "parallel_tool_calls": req.parallel_tool_calls is not False,
+                "previous_response_id": req.previous_response_id, "reasoning": None, "store": stored,
+                "temperature": 1.0 if req.temperature is None else req.temperature, "text": {"format": fmt},
+                "tool_choice": tool_choice, "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
+                "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled", "usage": None,
+                "user": req.user, "metadata": req.metadata or {}}
+
+    @staticmethod
+    def _finish(head: dict[str, Any], output: list[dict[str, Any]], finish: str, n_in: int, n_out: int,
+                n_cached: int) -> dict[str, Any]:
+        incomplete = finish == "length"
+        return {**head, "status": "incomplete" if incomplete else "completed", "output": output,
+                "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+                "usage": {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": n_cached},
+                          "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": 0},
+                          "total_tokens": n_in + n_out}}
+
+    async def create(self, req: ResponsesRequest, arrival: float,
+                     is_disconnected: Callable[[], Any]) -> dict[str, Any] | AsyncIterator[str]:
+        history: list[dict[str, Any]] = []
+        if req.previous_response_id is not None:
+            if self.store is None:
+                raise ProtocolError("previous_response_id: this server stores no responses (serve --enable-store)",
+                                    "previous_response_id")
+            history = self.store.get(req.previous_response_id, "previous_response_id")[1]
+        conversation = req.messages(history)
+        run = await start(self.serving, req.chat_request(conversation), arrival, FIELDS)
+        stored = self.store is not None and req.store is not False
+        head = self._head(req, f"resp_{uuid.uuid4().hex}", run.model, stored)
+
+        def keep(response: dict[str, Any]) -> None:
+            if stored and self.store is not None:
+                self.store.put(response, conversation + _reply_messages(response["output"]))
+
+        if req.stream:
+            return self._stream(run, head, arrival, keep)
+        reply = await collect(self.serving, run, arrival, is_disconnected)
+        output = [_message_item(f"msg_{uuid.uuid4().hex}", reply.text, "completed")] if (
+            reply.text or not reply.calls) else []
+        output += [_call_item(c) for c in reply.calls]
+        response = self._finish(head, output, reply.finish_reason, len(run.prompt_ids), reply.num_tokens,
+                                reply.num_cached_tokens)
+        keep(response)
+        return response
+
+    async def _stream(self, run: ChatRun, head: dict[str, Any], arrival: float,
+                      keep: Callable[[dict[str, Any]], None]) -> AsyncIterator[str]:
+        seq = 0
+
+        def event(kind: str, **data: Any) -> str:
+            nonlocal seq
+            seq += 1
+            return f"event: {kind}\n" + sse({"type": kind, "sequence_number": seq - 1, **data})
+
+        yield event("response.created", response=head)
+        yield event("response.in_progress", response=head)
+        output: list[dict[str, Any]] = []
+        message: dict[str, Any] | None = None  # the message item being written
+
+        def open_message() -> list[str]:
+            nonlocal message
+            message = _message_item(f"msg_{uuid.uuid4().hex}", None, "in_progress")
+            output.append(message)
+            at = {"item_id": message["id"], "output_index": len(output) - 1, "content_index": 0}
+            return [event("response.output_item.added", output_index=len(output) - 1, item=message),
+                    event("response.content_part.added", **at, part=_text_part(""))]
+
+        def close_message() -> list[str]:
+            nonlocal message
+            assert message is not None
+            text = message["content"][0]["text"] if message["content"] else ""
+            done = _message_item(message["id"], text, "completed")
+            index = output.index(message)
+            output[index], message = done, None
+            at = {"item_id": done["id"], "output_index": index, "content_index": 0}
+            return [event("response.output_text.done", **at, text=text, logprobs=[]),
+                    event("response.content_part.done", **at, part=_text_part(text)),
+                    event("response.output_item.done", output_index=index, item=done)]
+
+        reader = ReplyReader(run.parser)
+        if run.parser is None:  # plain text: its message opens at once
+            for e in open_message():
+                yield e
+        text, n, finish, cached = "", 0, "abort", 0
+        try:
+            async for _, out in outputs(self.serving, run, arrival):
+                text += out.text_delta
+                n += len(out.new_token_ids)
+                if out.finished:
+                    finish, cached = out.finish_reason or "stop", out.num_cached_tokens
+                if not out.text_delta and not out.finished:
+                    continue
+                piece, calls = reader.feed(text, out.finished)
+                if piece:
+                    if message is None:
+                        for e in open_message():
+                            yield e
+                    assert message is not None
+                    if not message["content"]:
+                        message["content"] = [_text_part("")]
+                    message["content"][0]["text"] += piece
+                    yield event("response.output_text.delta", item_id=message["id"], output_index=len(output) - 1,
+                                content_index=0, delta=piece, logprobs=[])
+                for call in calls:
+                    if message is not None:
+                        for e in close_message():
+                            yield e
+                    item = _call_item(call, "in_progress")
+                    output.append(item)
+                    index = len(output) - 1
+                    yield event("response.output_item.added", output_index=index, item={**item, "arguments": ""})
+                    yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                                delta=item["arguments"])
+                    yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                name=item["name"], arguments=item["arguments"])
+                    item["status"] = "completed"
+                    yield event("response.output_item.done", output_index=index, item=item)
+        except EngineError as e:
+            failed = {**head, "status": "failed", "output": output,
+                      "error": {"code": "server_error", "message": internal_error_message(e)}}
+            yield event("response.failed", response=failed)
+            return
+        if not output:  # nothing was said: one empty message, as the non-streamed reply has
+            for e in open_message():
+                yield e
+        if message is not None:
+            for e in close_message():
+                yield e
+        response = self._finish(head, output, finish, len(run.prompt_ids), n, cached)
+        keep(response)
+        yield event("response.incomplete" if response["status"] == "incomplete" else "response.completed",
+                    response=response)
