@@ -17,6 +17,8 @@ Design decisions
   its file list, before any download, as a local directory of them is.
 - huggingface_hub's errors become CheckpointError / ConfigError naming the id and the way out (a token, access to
   a gated repo, the revision, going online once).
+- huggingface_hub (0.6 s to import) is imported in the functions that use it: the CLI's parser imports this module
+  (the commands' flags and `lora.adapter`) and parses without it.
 """
 
 from __future__ import annotations
@@ -150,7 +152,7 @@ def _choose_gguf(repo: str, files: list[str], tag: str | None, gguf_file: str | 
 
 
 def _offline() -> bool:
-    from huggingface_hub import constants
+    from huggingface_hub import constants  # here: the CLI parses without it (module docstring)
 
     return bool(constants.HF_HUB_OFFLINE)
 
@@ -158,7 +160,7 @@ def _offline() -> bool:
 def _repo_files(repo: str, revision: str | None) -> tuple[list[str], bool]:
     """(the repo's file paths at `revision`, whether they come from the cache): listed by the Hub, or, offline or
     when the Hub cannot be reached, from the revision's cached snapshot."""
-    import httpx2
+    import httpx2  # here: the CLI parses without it (module docstring)
     from huggingface_hub import HfApi
     from huggingface_hub.errors import OfflineModeIsEnabled
 
@@ -175,7 +177,7 @@ def _repo_files(repo: str, revision: str | None) -> tuple[list[str], bool]:
 
 def _download(repo: str, revision: str | None, patterns: list[str], cached: bool) -> str:
     """huggingface_hub's snapshot_download of the files `patterns` match (its progress bars, its cache)."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # here: the CLI parses without it (module docstring)
 
     try:
         return snapshot_download(repo, revision=revision, allow_patterns=patterns, local_files_only=cached)
@@ -185,7 +187,7 @@ def _download(repo: str, revision: str | None, patterns: list[str], cached: bool
 
 def _cached_refs(repo: str) -> str:
     """"; cached: <its refs>" for a repo the cache holds (a revision asked for that it lacks), else ""."""
-    from huggingface_hub import constants
+    from huggingface_hub import constants  # here: the CLI parses without it (module docstring)
     from huggingface_hub.file_download import repo_folder_name
 
     refs = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo, repo_type="model") / "refs"
@@ -196,7 +198,7 @@ def _cached_refs(repo: str) -> str:
 def hub_source(spec: str | Path, revision: str | None, local: str) -> dict[str, str] | None:
     """Where a model resolved from the Hub came from, for an artifact's manifest: the id as given, the revision
     asked for and the commit its files are from (the snapshot directory's name); None for a local spec."""
-    from huggingface_hub import constants
+    from huggingface_hub import constants  # here: the CLI parses without it (module docstring)
     from huggingface_hub.file_download import repo_folder_name
 
     parsed = hub_id(spec)
@@ -210,7 +212,7 @@ def hub_source(spec: str | Path, revision: str | None, local: str) -> dict[str, 
 def hub_error(e: Exception, repo: str, revision: str | None) -> Exception:
     """huggingface_hub's exception `e`, raised for `repo` at `revision`, as our error naming the id and what to do;
     anything else comes back unchanged."""
-    from huggingface_hub import constants, get_token
+    from huggingface_hub import constants, get_token  # here: the CLI parses without it (module docstring)
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
