@@ -69,7 +69,13 @@ def resolve_model(spec: str | Path, *, revision: str | None = None, gguf_file: s
         raise ConfigError(f"gguf_file: {spec!r} already names a quantization (:{tag}); give --gguf-file or the "
                           ":QUANT tag, not both", param="gguf_file")
     files, cached = _repo_files(repo, revision)
-    patterns, gguf = needed_files(repo, files, tag, gguf_file, config_only)
+    try:
+        patterns, gguf = needed_files(repo, files, tag, gguf_file, config_only)
+    except CheckpointError as e:
+        if not cached:
+            raise
+        raise CheckpointError(f"{e} [the files of the cached snapshot: the Hub was not asked (HF_HUB_OFFLINE, or "
+                              "unreachable); fetch the model online once]") from None
     folder = Path(_download(repo, revision, patterns, cached))
     return str(folder / gguf) if gguf is not None else str(folder)
 
@@ -161,8 +167,8 @@ def _repo_files(repo: str, revision: str | None) -> tuple[list[str], bool]:
     """(the repo's file paths at `revision`, whether they come from the cache): listed by the Hub, or, offline or
     when the Hub cannot be reached, from the revision's cached snapshot."""
     import httpx2  # here: the CLI parses without it (module docstring)
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import OfflineModeIsEnabled
+    from huggingface_hub import HfApi, get_cached_repo_tree
+    from huggingface_hub.errors import CachedRepoTreeNotFoundError, OfflineModeIsEnabled
 
     if not _offline():
         try:
@@ -172,7 +178,10 @@ def _repo_files(repo: str, revision: str | None) -> tuple[list[str], bool]:
         except Exception as e:
             raise hub_error(e, repo, revision) from e
     folder = Path(_download(repo, revision, [], cached=True))  # no pattern: the snapshot folder, nothing checked
-    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()), True
+    try:  # the repo's whole listing, cached by the download that fetched the snapshot
+        return [f.path for f in get_cached_repo_tree(repo, revision=revision)], True
+    except CachedRepoTreeNotFoundError:  # a snapshot written without one: the files it holds
+        return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()), True
 
 
 def _download(repo: str, revision: str | None, patterns: list[str], cached: bool) -> str:

@@ -20,6 +20,7 @@ import gguf
 import httpx2
 import pytest
 from huggingface_hub import constants, scan_cache_dir
+from huggingface_hub._tree_cache import TreeCacheEntry, write_tree_cache
 from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 from huggingface_hub.file_download import (
     _cache_commit_hash_for_specific_revision,
@@ -85,6 +86,14 @@ def hub(tiny_dir, tmp_path_factory):
                                      "pytorch_model.bin": b"not unpickled"}, ("main",))
     put(cache, "org/twins", MAIN, {"a/m.Q4_K_M.gguf": q8, "b/m-Q4_K_M.gguf": fake_gguf(scratch / "b.gguf", "b")},
         ("main",))
+    # what `plan` leaves: config.json of a repo whose listing (cached by the download, as huggingface_hub does) has
+    # more; and the same without the listing
+    tiny = files_of(tiny_dir("smollm-tok"))
+    for repo in ("org/partial", "org/partial-unlisted"):
+        put(cache, repo, MAIN, {"config.json": tiny["config.json"]}, ("main",))
+    write_tree_cache(str(cache / repo_folder_name(repo_id="org/partial", repo_type="model")), MAIN,
+                     {name: TreeCacheEntry(size=f.stat().st_size, blob_id=hashlib.sha1(f.read_bytes()).hexdigest())
+                      for name, f in tiny.items()})
     adapter = make_adapter(tiny_dir("smollm-tok"), scratch / "adapter", 4, 8, ["q_proj", "v_proj"], 1)
     put(cache, "org/adapter", MAIN, files_of(adapter), ("main",))
     with pytest.MonkeyPatch.context() as mp:
@@ -99,7 +108,8 @@ def hub(tiny_dir, tmp_path_factory):
 
 def test_the_cache_is_huggingface_hubs_own_layout(hub):
     info = {r.repo_id: r for r in scan_cache_dir(hub).repos}
-    assert set(info) == {"org/tiny", "org/smol-gguf", "org/pickles", "org/twins", "org/adapter"}
+    assert set(info) == {"org/tiny", "org/smol-gguf", "org/pickles", "org/twins", "org/adapter", "org/partial",
+                         "org/partial-unlisted"}
     tiny = info["org/tiny"]
     assert {r.commit_hash: set(r.refs) for r in tiny.revisions} == {MAIN: {"main", "v1"}, V2: {"v2"}}
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {f.file_name for r in tiny.revisions
@@ -191,6 +201,17 @@ def test_offline_errors_name_the_id(hub, tmp_path, capsys):
     rc = main(["compile", "--model", "org/absent", "--out", str(tmp_path / "a"), "--backend", "eager"])
     err = capsys.readouterr().err
     assert rc == 2 and "neuron-opt compile: error: checkpoint org/absent: not in the Hub cache" in err
+
+
+def test_a_partly_cached_snapshot_offline(hub):
+    """`plan` fetched config.json only; offline, that is enough for `plan` again, and compile names what is missing:
+    from the repo's cached listing when the download left one, else from the files the snapshot holds."""
+    assert (Path(resolve_model("org/partial", config_only=True)) / "config.json").is_file()
+    with pytest.raises(CheckpointError, match=r"org/partial: its cached snapshot lacks files this model needs"):
+        resolve_model("org/partial")
+    with pytest.raises(CheckpointError, match=r"org/partial-unlisted: the repo has neither model.safetensors .*"
+                                              r"\(files: config.json\) \[the files of the cached snapshot"):
+        resolve_model("org/partial-unlisted")
 
 
 def test_local_paths_and_default_never_reach_the_hub(hub, tiny_dir, tmp_path):
