@@ -23,6 +23,7 @@ Design decisions
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path, PurePosixPath
@@ -38,6 +39,7 @@ _HF_FILES = ["config.json", "generation_config.json", "tokenizer*", "special_tok
              "config_sentence_transformers.json", "*/config.json"]
 _HF_WEIGHTS = ["model.safetensors", "model.safetensors.index.json"]
 ADAPTER_FILES = ["adapter_config.json", "adapter_model.safetensors"]
+_MAX_INDEX_BYTES = 64 << 20  # a safetensors index lists names only: a few MB for the largest checkpoints
 
 
 def hub_id(spec: str | Path) -> tuple[str, str | None] | None:
@@ -77,7 +79,11 @@ def resolve_model(spec: str | Path, *, revision: str | None = None, gguf_file: s
         raise CheckpointError(f"{e} [the files of the cached snapshot: the Hub was not asked (HF_HUB_OFFLINE, or "
                               "unreachable); fetch the model online once]") from None
     folder = Path(_download(repo, revision, patterns, cached))
-    return str(folder / gguf) if gguf is not None else str(folder)
+    if gguf is not None:
+        return str(folder / gguf)
+    if shards := ([] if config_only else _index_shards(repo, folder, files)):
+        folder = Path(_download(repo, revision, shards, cached))
+    return str(folder)
 
 
 def needed_files(repo: str, files: list[str], tag: str | None = None, gguf_file: str | None = None,
@@ -88,19 +94,16 @@ def needed_files(repo: str, files: list[str], tag: str | None = None, gguf_file:
     if gguf is not None:
         return [gguf], gguf
     _check_weights(repo, files)
-    return (["config.json"] if config_only else _HF_FILES + _HF_WEIGHTS + _shards(files)), None
+    return (["config.json"] if config_only else _HF_FILES + _HF_WEIGHTS), None
 
 
-def resolve_adapter(spec: str | Path, *, revision: str | None = None) -> str:
-    """A PEFT LoRA adapter's local directory: `spec` itself when it is a local path, else the Hub repo's
-    adapter_config.json and adapter_model.safetensors, fetched into the Hub cache when missing."""
+def resolve_adapter(spec: str | Path) -> str:
+    """A PEFT LoRA adapter's local directory: `spec` itself when it is a local path, else the adapter_config.json
+    and adapter_model.safetensors of the Hub repo's main revision, fetched into the Hub cache when missing."""
     parsed = hub_id(spec)
     if parsed is None or parsed[1] is not None:
-        if revision is not None:
-            raise ConfigError(f"revision: {revision!r} selects from a Hugging Face Hub repo, and the adapter {spec!r} "
-                              "is not a Hub id (org/name)", param="revision")
         return str(spec)
-    repo = parsed[0]
+    repo, revision = parsed[0], None
     files, cached = _repo_files(repo, revision)
     if "adapter_model.safetensors" not in files and any(f.endswith(_PICKLE) for f in files):
         raise ConfigError(f"lora adapter {repo}: the repo holds pickle weights only (adapter_model.bin), which are "
@@ -109,11 +112,20 @@ def resolve_adapter(spec: str | Path, *, revision: str | None = None) -> str:
     return _download(repo, revision, ADAPTER_FILES, cached)
 
 
-def _shards(files: list[str]) -> list[str]:
-    """A sharded checkpoint's weight files: transformers' shard names beside the index."""
-    if "model.safetensors" in files or "model.safetensors.index.json" not in files:
+def _index_shards(repo: str, folder: Path, files: list[str]) -> list[str]:
+    """The shard files a sharded checkpoint's index (fetched into `folder`) names, when the repo has no
+    model.safetensors; [] otherwise. Shards the repo lacks are left to the checkpoint reader, which names them."""
+    index = folder / "model.safetensors.index.json"
+    if "model.safetensors" in files or not index.is_file():
         return []
-    return [f for f in files if re.fullmatch(r"model-\d+-of-\d+\.safetensors", f)]
+    if index.stat().st_size > _MAX_INDEX_BYTES:
+        raise CheckpointError(f"checkpoint {repo}: {index.name} is {index.stat().st_size} bytes, more than an index "
+                              f"may be ({_MAX_INDEX_BYTES >> 20} MiB)")
+    try:
+        names = set(json.loads(index.read_text())["weight_map"].values())
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"checkpoint {repo}: {index.name} is not a safetensors index ({e!r})") from None
+    return sorted(n for n in names if isinstance(n, str) and n in files)
 
 
 def _check_weights(repo: str, files: list[str]) -> None:

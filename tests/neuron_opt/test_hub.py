@@ -19,6 +19,7 @@ from pathlib import Path
 import gguf
 import httpx2
 import pytest
+import torch
 from huggingface_hub import constants, scan_cache_dir
 from huggingface_hub._tree_cache import TreeCacheEntry, write_tree_cache
 from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
@@ -29,6 +30,7 @@ from huggingface_hub.file_download import (
 )
 from huggingface_hub.utils import filter_repo_objects, hf_raise_for_status
 from peft_adapters import make_adapter
+from tiny import load_hf
 
 from neuron_opt.checkpoint import default_model_path, open_checkpoint
 from neuron_opt.errors import CheckpointError, ConfigError
@@ -36,13 +38,25 @@ from neuron_opt.hub import hub_error, hub_id, needed_files, resolve_adapter, res
 from neuron_opt.runtime.sampling import SamplingParams
 
 MAIN, V2 = "a" * 40, "b" * 40  # commits: main (also tag v1) and branch v2
+# files of a repo a model does not need: in its listing, never fetched (offline, asking for one fails: the download
+# checks the cached snapshot against the listing)
+EXTRAS = ("README.md", "pytorch_model.bin", "consolidated.safetensors", "original/consolidated.00.pth",
+          "onnx/model.onnx")
 SMOL = default_model_path().name  # SmolLM2-135M-Instruct.Q4_1.gguf
 
 
-def put(cache: Path, repo: str, commit: str, files: dict[str, Path | bytes], refs: tuple[str, ...]) -> None:
+def put(cache: Path, repo: str, commit: str, files: dict[str, Path | bytes], refs: tuple[str, ...],
+        uncached: tuple[str, ...] | None = None) -> None:
     """`files` (repo path -> a file or bytes) as commit `commit` of `repo`, with `refs` pointing at it, laid out
-    as huggingface_hub lays out a download."""
+    as huggingface_hub lays out a download. `uncached`: also write the repo's listing, as a download does, with
+    these files of the repo besides `files`, which the cache lacks (a download that skipped them)."""
     storage = cache / repo_folder_name(repo_id=repo, repo_type="model")
+    if uncached is not None:
+        listing = {name: TreeCacheEntry(size=len(data), blob_id=hashlib.sha1(data).hexdigest())
+                   for name, data in [(n, f.read_bytes() if isinstance(f, Path) else f) for n, f in files.items()]}
+        listing.update({name: TreeCacheEntry(size=1, blob_id=hashlib.sha1(name.encode()).hexdigest())
+                        for name in uncached})
+        write_tree_cache(str(storage), commit, listing)
     for rel, src in files.items():
         data = src.read_bytes() if isinstance(src, Path) else src
         blob = storage / "blobs" / hashlib.sha256(data).hexdigest()
@@ -78,7 +92,10 @@ def hub(tiny_dir, tmp_path_factory):
     scratch = tmp_path_factory.mktemp("hub_files")
     cache = home / "hub"
     put(cache, "org/tiny", MAIN, files_of(tiny_dir("smollm-tok")), ("main", "v1"))
-    put(cache, "org/tiny", V2, files_of(tiny_dir("smollm-tok-1layer")), ("v2",))
+    put(cache, "org/tiny", V2, files_of(tiny_dir("smollm-tok-1layer")), ("v2",), uncached=EXTRAS)
+    sharded = scratch / "sharded"
+    load_hf(tiny_dir("smollm-tok")).save_pretrained(sharded, max_shard_size="4MB")
+    put(cache, "org/sharded", MAIN, files_of(sharded), ("main",), uncached=EXTRAS)
     q8 = fake_gguf(scratch / "q8.gguf", "q8")
     put(cache, "org/smol-gguf", MAIN, {SMOL: default_model_path(), SMOL.replace("Q4_1", "Q8_0"): q8,
                                        "README.md": b"# smol"}, ("main",))
@@ -89,11 +106,9 @@ def hub(tiny_dir, tmp_path_factory):
     # what `plan` leaves: config.json of a repo whose listing (cached by the download, as huggingface_hub does) has
     # more; and the same without the listing
     tiny = files_of(tiny_dir("smollm-tok"))
-    for repo in ("org/partial", "org/partial-unlisted"):
-        put(cache, repo, MAIN, {"config.json": tiny["config.json"]}, ("main",))
-    write_tree_cache(str(cache / repo_folder_name(repo_id="org/partial", repo_type="model")), MAIN,
-                     {name: TreeCacheEntry(size=f.stat().st_size, blob_id=hashlib.sha1(f.read_bytes()).hexdigest())
-                      for name, f in tiny.items()})
+    put(cache, "org/partial", MAIN, {"config.json": tiny["config.json"]}, ("main",),
+        uncached=tuple(n for n in tiny if n != "config.json"))
+    put(cache, "org/partial-unlisted", MAIN, {"config.json": tiny["config.json"]}, ("main",))
     adapter = make_adapter(tiny_dir("smollm-tok"), scratch / "adapter", 4, 8, ["q_proj", "v_proj"], 1)
     put(cache, "org/adapter", MAIN, files_of(adapter), ("main",))
     with pytest.MonkeyPatch.context() as mp:
@@ -108,8 +123,8 @@ def hub(tiny_dir, tmp_path_factory):
 
 def test_the_cache_is_huggingface_hubs_own_layout(hub):
     info = {r.repo_id: r for r in scan_cache_dir(hub).repos}
-    assert set(info) == {"org/tiny", "org/smol-gguf", "org/pickles", "org/twins", "org/adapter", "org/partial",
-                         "org/partial-unlisted"}
+    assert set(info) == {"org/tiny", "org/sharded", "org/smol-gguf", "org/pickles", "org/twins", "org/adapter",
+                         "org/partial", "org/partial-unlisted"}
     tiny = info["org/tiny"]
     assert {r.commit_hash: set(r.refs) for r in tiny.revisions} == {MAIN: {"main", "v1"}, V2: {"v2"}}
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {f.file_name for r in tiny.revisions
@@ -140,6 +155,19 @@ def test_a_revision_is_a_branch_a_tag_or_a_commit(hub):
         path = Path(resolve_model("org/tiny", revision=revision))
         assert path.name == commit and path.parent.name == "snapshots"
         assert open_checkpoint(path).config.num_hidden_layers == layers
+
+
+def test_a_sharded_checkpoint_fetches_the_shards_its_index_names(hub, tiny_dir):
+    """The index first, then the shards it names; nothing of EXTRAS (the .bin twin, consolidated weights) is asked
+    for, or the offline download would fail on them."""
+    path = Path(resolve_model("org/sharded"))
+    shards = set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values())
+    assert len(shards) > 1 and all((path / s).is_file() for s in shards)
+    ckpt = open_checkpoint(path)
+    local = open_checkpoint(tiny_dir("smollm-tok"))
+    assert ckpt.config == local.config
+    got, want = ckpt.state_dict(), local.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_plan_reads_the_revision_asked_for(hub, tiny_dir, capsys):
@@ -260,9 +288,8 @@ GGUF_REPO = ["README.md", "Qwen_Qwen3-8B-Q4_K_M.gguf", "Qwen_Qwen3-8B-Q4_K_S.ggu
 @pytest.mark.parametrize("files, want", [
     (LLAMA, {"config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",
              "tokenizer.json", "tokenizer_config.json"}),
-    (SHARDED, {"config.json", "generation_config.json", "merges.txt", "vocab.json", "model-00001-of-00002.safetensors",
-               "model-00002-of-00002.safetensors", "model.safetensors.index.json", "tokenizer.json",
-               "tokenizer_config.json", "chat_template.jinja"}),
+    (SHARDED, {"config.json", "generation_config.json", "merges.txt", "vocab.json", "model.safetensors.index.json",
+               "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}),  # then the index's shards
     (EMBEDDING, {"1_Pooling/config.json", "config.json", "config_sentence_transformers.json", "generation_config.json",
                  "merges.txt", "model.safetensors", "modules.json", "tokenizer.json", "tokenizer_config.json",
                  "vocab.json"}),
