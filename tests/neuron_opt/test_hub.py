@@ -122,7 +122,7 @@ def hub(tiny_dir, tmp_path_factory):
 
 
 def test_the_cache_is_huggingface_hubs_own_layout(hub):
-    info = {r.repo_id: r for r in scan_cache_dir(hub).repos}
+    info = {r.repo_id: r for r in scan_cache_dir(hub).repos if r.repo_id != "org/embed"}  # added by a test below
     assert set(info) == {"org/tiny", "org/sharded", "org/smol-gguf", "org/pickles", "org/twins", "org/adapter",
                          "org/partial", "org/partial-unlisted"}
     tiny = info["org/tiny"]
@@ -168,6 +168,23 @@ def test_a_sharded_checkpoint_fetches_the_shards_its_index_names(hub, tiny_dir):
     assert ckpt.config == local.config
     got, want = ckpt.state_dict(), local.state_dict()
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_an_embedding_model_from_a_hub_id(hub, tmp_path):
+    """A sentence-transformers repo (saved by sentence-transformers) compiles as an embedding model from its id:
+    its pooling files are fetched with it."""
+    from st_models import make_st_model
+
+    from neuron_opt.cli import main
+
+    st, _ = make_st_model(tmp_path / "made", "qwen3", "mean", normalize=True)
+    put(hub, "org/embed", MAIN, files_of(st), ("main",))
+    out = tmp_path / "art"
+    assert main(["compile", "--model", "org/embed", "--out", str(out), "--backend", "eager", "--max-model-len", "64",
+                 "--prefill-buckets", "16", "--no-cache"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert (manifest["model"]["pooling"], manifest["model"]["normalize_embeddings"]) == ("mean", True)
+    assert manifest["source"]["weights_sha256"] == open_checkpoint(st).weights_fingerprint()
 
 
 def test_plan_reads_the_revision_asked_for(hub, tiny_dir, capsys):
