@@ -361,3 +361,11 @@ def test_the_hubs_own_errors_become_ours(monkeypatch):
     assert isinstance(err, ConfigError) and err.param == "revision" and "org/tiny has no revision 'v9'" in str(err)
     other = ValueError("not the Hub's")
     assert hub_error(other, "org/x", None) is other
+
+
+def test_serve_names_a_hub_model_by_its_id():
+    from neuron_opt.cli import build_parser
+    from neuron_opt.commands.serve_engine import served_name
+
+    for spec in ("org/tiny", "org/smol-gguf:Q4_1"):
+        assert served_name(build_parser().parse_args(["serve", "--model", spec])) == spec
