@@ -1,8 +1,9 @@
 """Python API: `LLM(model).generate(prompt)` / `.chat(messages)`.
 
-`model` is a compiled artifact directory (from `neuron-opt compile`), an HF checkpoint directory, a GGUF file, or
-"default" (the embedded SmolLM2-135M-Instruct). Checkpoints run on the eager reference backend in memory;
-artifacts run on the backend they were compiled for.
+`model` is a compiled artifact directory (from `neuron-opt compile`), an HF checkpoint directory, a GGUF file,
+"default" (the embedded SmolLM2-135M-Instruct), or a Hugging Face Hub id (`org/name`, `org/name:Q4_K_M`; `revision=`,
+`gguf_file=`: neuron_opt.hub). Checkpoints run on the eager reference backend in memory; artifacts run on the backend
+they were compiled for.
 
     from neuron_opt import LLM, SamplingParams
     llm = LLM("default")
@@ -82,7 +83,8 @@ class LLM:
     again (neuron_opt.executors.loader).
 
     `model` may be an artifact's s3:// URI: it is pulled once into the local artifact cache, verified, and loaded
-    from there (`s3_endpoint_url`: an S3-compatible store; default AWS_ENDPOINT_URL, else AWS S3).
+    from there (`s3_endpoint_url`: an S3-compatible store; default AWS_ENDPOINT_URL, else AWS S3). A Hub id is
+    fetched into the Hub cache (`revision`: its branch, tag or commit; `gguf_file`: a GGUF repo's file to use).
 
 
     Generation is the serving engine's (runtime/engine.py), stepped in the calling thread: each call builds an
@@ -96,12 +98,14 @@ class LLM:
                  batch_size: int | None = None, parallel: ParallelConfig | None = None,
                  num_speculative_tokens: int | None = None,
                  trusted_keys: Sequence[str | Path] | None = None, verified: VerifiedManifest | None = None,
-                 s3_endpoint_url: str | None = None, lora: LoraConfig | None = None) -> None:
+                 s3_endpoint_url: str | None = None, lora: LoraConfig | None = None, revision: str | None = None,
+                 gguf_file: str | None = None) -> None:
         if is_remote(model):
             model = resolve(model, endpoint_url=s3_endpoint_url, trusted_keys=trusted_keys)
         self._adopt(load_model(model, dtype=dtype, max_model_len=max_model_len, batch_size=batch_size,
                                parallel=parallel, num_speculative_tokens=num_speculative_tokens,
-                               trusted_keys=trusted_keys, verified=verified, lora=lora), trusted_keys)
+                               trusted_keys=trusted_keys, verified=verified, lora=lora, revision=revision,
+                               gguf_file=gguf_file), trusted_keys)
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, trusted_keys: Sequence[str | Path] | None = None) -> LLM:

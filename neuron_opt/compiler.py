@@ -35,6 +35,7 @@ from neuron_opt.config import CacheConfig, KVCacheDtype, ModelConfig, ParallelCo
 from neuron_opt.embeddings import describe as describe_task
 from neuron_opt.embeddings import resolve_task
 from neuron_opt.errors import ConfigError
+from neuron_opt.hub import hub_source, resolve_model
 from neuron_opt.lora.config import LoraConfig
 from neuron_opt.parallel import ParallelContext, head_layout
 from neuron_opt.parallel.sharding import rank_shards
@@ -104,8 +105,10 @@ def default_dtype(backend: str) -> str:
 
 @dataclass(frozen=True)
 class CompileRequest:
-    model: str
+    model: str  # an HF directory, a .gguf file, "default", or a Hub id `org/name[:QUANT]` (neuron_opt.hub)
     out: Path
+    revision: str | None = None  # a Hub id's branch, tag or commit (None: main)
+    gguf_file: str | None = None  # the .gguf of a Hub GGUF repo to use (else the :QUANT tag, or its only one)
     backend: str = "cpu"
     dtype: str | None = None
     batch_size: int = 1
@@ -256,6 +259,9 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
     backend_cls = backend_class(req.backend)
     backend_cls.check_parallel(req.parallel)  # flash decoding is checked once the head layout is known
     backend_cls.prepare(req.parallel.tp, for_compile=True)  # before anything (transformers too) loads a runtime
+    hub = resolve_request(req)
+    req = dataclasses.replace(req, model=hub.model, speculative_model=hub.speculative_model, revision=None,
+                              gguf_file=None)
     ckpt = open_checkpoint(req.model)
     cfg = resolve_task(ckpt.config, req.task, req.pooling, req.normalize, req.matryoshka_dims)
     ckpt = dataclasses.replace(ckpt, config=cfg)  # its weight names follow the task (an embedding model: no head)
@@ -355,12 +361,29 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
         manifest = writer.commit(dict(
             model=cfg, parallel=par, cache=cache_cfg, buckets=buckets, backend=req.backend, dtype=dtype_name,
             backend_options=req.backend_options, graphs=graphs, quant=qc,
-            source={"model": str(ckpt.source), "format": ckpt.format, "weights_sha256": fingerprint},
+            source={"model": str(ckpt.source), "format": ckpt.format, "weights_sha256": fingerprint,
+                    **({"hub": hub.source} if hub.source is not None else {})},
             draft=DRAFT_DIR if req.speculative_model else None, lora=req.lora))
     except BaseException:
         writer.abort()
         raise
     return CompileReport(manifest, hits, misses, time.perf_counter() - t0)
+
+
+@dataclass(frozen=True)
+class ResolvedModels:
+    model: str  # the local path of the model
+    speculative_model: str | None  # the draft's, or None
+    source: dict[str, str] | None  # the Hub id, revision and commit the model came from (None: a local path)
+
+
+def resolve_request(req: CompileRequest) -> ResolvedModels:
+    """The request's model and draft as local paths: Hub ids fetched into the Hub cache (neuron_opt.hub; the draft
+    from its repo's main revision), local paths as given."""
+    model = resolve_model(req.model, revision=req.revision, gguf_file=req.gguf_file)
+    draft = (resolve_model(req.speculative_model, param="speculative_model") if req.speculative_model else
+             req.speculative_model)
+    return ResolvedModels(model, draft, hub_source(req.model, req.revision, model))
 
 
 def check_lora_request(req: CompileRequest, cfg: Any) -> None:

@@ -56,6 +56,7 @@ from neuron_opt.bench.random_moe import random_moe_dir
 from neuron_opt.checkpoint import CheckpointError, open_checkpoint
 from neuron_opt.compiler import CompileRequest, compile_artifact, default_dtype
 from neuron_opt.config import ParallelConfig
+from neuron_opt.hub import resolve_model
 from neuron_opt.parallel import head_layout
 from neuron_opt.planner.memory import weight_bytes, weight_count
 from neuron_opt.planner.moe import expert_step
@@ -249,7 +250,7 @@ def _measure_one(system: str, batch: int, opts: dict, reference: tuple[list[int]
     the HF fp32 reference continuation when this job computed it."""
     if opts["threads"]:
         torch.set_num_threads(opts["threads"])
-    ckpt = open_checkpoint(opts["model"])
+    ckpt = open_checkpoint(resolve_model(opts["model"]))  # a Hub id: from the Hub cache (neuron_opt.hub)
     cfg, steps = ckpt.config, opts["steps"]
     kv_len = PROMPT_LEN + steps
     if system.startswith("llamacpp-"):
@@ -335,8 +336,9 @@ def _llamacpp_systems(ap: argparse.ArgumentParser, systems: list[str]) -> list[s
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default",
-                    help="a checkpoint (HF directory, .gguf, 'default'), or 'random-moe': a random 8-expert top-2 "
-                         "Mixtral written once under the cache directory (neuron_opt.bench.random_moe)")
+                    help="a checkpoint (HF directory, .gguf, 'default', a Hub id org/name[:QUANT]), or "
+                         "'random-moe': a random 8-expert top-2 Mixtral written once under the cache directory "
+                         "(neuron_opt.bench.random_moe)")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--systems", default="hf,hf-compile,eager,cpu-fp32,cpu-bf16",

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from neuron_opt.backends import BACKENDS
 from neuron_opt.commands.generate import add_s3_endpoint_flag
+from neuron_opt.commands.hub_flags import MODEL_HELP, add_hub_flags
 from neuron_opt.commands.lora_flags import add_compile_flags as add_lora_flags
 from neuron_opt.commands.lora_flags import lora_config_from_args
 from neuron_opt.commands.parallel_flags import add_parallel_flags, parallel_config_from_args
@@ -38,7 +39,8 @@ def _option(text: str) -> tuple[str, object]:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compile", help="compile a checkpoint into an artifact (one graph per shape bucket)")
-    p.add_argument("--model", required=True, help="HF checkpoint directory, GGUF file, or 'default'")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
+    add_hub_flags(p)
     p.add_argument("--out", required=True,
                    help="artifact directory to write (atomically), or an s3:// URI: compiled locally, then uploaded "
                         "(the manifest last) and kept in the local artifact cache")
@@ -57,9 +59,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-buckets", type=_int_list, default=None, help="KV lengths, e.g. 256,1024,2048")
     p.add_argument("--decode-batches", type=_int_list, default=None, help="batch sizes, e.g. 1,4,8")
     p.add_argument("--speculative-model", default=None, metavar="PATH",
-                   help="a draft model (HF directory, GGUF, 'default') with this model's tokenizer, compiled alongside "
-                        "into <out>/draft with this compile's backend, dtype, batch size and max-model-len; "
-                        "serve/generate --speculative-method draft_model then use it (needs --num-speculative-tokens)")
+                   help="a draft model (HF directory, GGUF, 'default', or a Hub id at its main revision) with this "
+                        "model's tokenizer, compiled alongside into <out>/draft with this compile's backend, dtype, "
+                        "batch size and max-model-len; serve/generate --speculative-method draft_model then use it "
+                        "(needs --num-speculative-tokens)")
     p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
                    help="also compile verify graphs of K + 1 tokens per row (one per decode bucket) for "
                         "speculative decoding: serve/generate --speculative-method ngram")
@@ -133,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
         object_store.check_destination(args.out, endpoint_url=args.s3_endpoint_url, force=args.force)
     out = object_store.staging_dir() if remote else Path(args.out)
     req = CompileRequest(
-        model=args.model, out=out, backend=args.backend, dtype=args.dtype, batch_size=args.batch_size,
+        model=args.model, revision=args.revision, gguf_file=args.gguf_file, out=out, backend=args.backend,
+        dtype=args.dtype, batch_size=args.batch_size,
         max_prompt_len=args.max_prompt_len, max_model_len=args.max_model_len, prefill_buckets=args.prefill_buckets,
         decode_buckets=args.decode_buckets, decode_batches=args.decode_batches,
         parallel=parallel_config_from_args(args),

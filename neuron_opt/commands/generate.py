@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from neuron_opt.commands.hub_flags import MODEL_HELP, add_hub_flags
 from neuron_opt.commands.parallel_flags import add_parallel_flags, parallel_config_from_args
 from neuron_opt.errors import ConfigError
 from neuron_opt.lora.adapter import capacity_for
@@ -77,7 +78,8 @@ def add_speculative_flags(p: argparse.ArgumentParser) -> None:
                         "(an artifact compiled with --num-speculative-tokens K)")
     p.add_argument("--speculative-model", default=None, metavar="PATH|ARTIFACT",
                    help="the draft model: an artifact (its batch size and max-model-len must cover the server's) "
-                        "or a checkpoint (HF directory, GGUF, 'default'; run eagerly), with the target's tokenizer")
+                        "or a checkpoint (HF directory, GGUF, 'default', a Hub id at its main revision; run "
+                        "eagerly), with the target's tokenizer")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="tokens proposed per step (default: the artifact's; with --model: 4)")
     p.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram matched (default 4)")
@@ -107,14 +109,16 @@ def speculative_from_args(args: argparse.Namespace, compiled_k: int | None, bund
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text for one prompt")
     p.add_argument("artifact", nargs="?", help="artifact directory produced by `neuron-opt compile`, or its s3:// URI")
-    p.add_argument("--model", help="instead of an artifact: HF directory, GGUF file, or 'default' (eager)")
+    p.add_argument("--model", help="instead of an artifact, a checkpoint run eagerly: " + MODEL_HELP)
+    add_hub_flags(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="with --model: eager compute dtype (default float32); an artifact's is fixed at compile")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--lora", default=None, metavar="PATH",
-                   help="run under this PEFT LoRA adapter (an artifact compiled with --enable-lora, or --model)")
+                   help="run under this PEFT LoRA adapter, a directory or a Hub id (an artifact compiled with "
+                        "--enable-lora, or --model)")
     add_sampling_flags(p)
     add_speculative_flags(p)
     add_trusted_keys_flag(p)
@@ -142,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
     lora = None
     if args.lora is not None:
         lora = LoRARequest("adapter", args.lora)
-    llm = LLM(args.artifact or args.model, dtype=args.dtype, parallel=None if args.artifact else parallel,
+    llm = LLM(args.artifact or args.model, revision=args.revision, gguf_file=args.gguf_file, dtype=args.dtype,
+              parallel=None if args.artifact else parallel,
               num_speculative_tokens=k, trusted_keys=args.trusted_keys, verified=verified,
               lora=capacity_for(args.lora) if lora is not None and not args.artifact else None)
     ids = (llm.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat

@@ -13,8 +13,10 @@ import argparse
 import json
 from pathlib import Path
 
+from neuron_opt.commands.hub_flags import add_hub_flags
 from neuron_opt.config import ModelConfig
 from neuron_opt.errors import ConfigError
+from neuron_opt.hub import resolve_model
 from neuron_opt.lora.config import TARGET_MODULES, LoraConfig
 from neuron_opt.planner.hardware import get_instance, known_instances
 from neuron_opt.planner.memory import KV_DTYPES, WEIGHT_DTYPES
@@ -38,8 +40,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--model",
         required=True,
-        help="HF config.json, a directory holding one (no weights needed), a .gguf file, or 'default'",
+        help="HF config.json, a directory holding one (no weights needed), a .gguf file, 'default', or a Hugging "
+             "Face Hub id org/name[:QUANT] (only its config.json is fetched; a GGUF repo's .gguf in full)",
     )
+    add_hub_flags(p)
     p.add_argument("--instance", required=True, help=f"one of: {', '.join(known_instances())}")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: recommend one)")
     p.add_argument("--ep", type=int, default=None,
@@ -126,7 +130,8 @@ def load_model_config(model: str) -> ModelConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = load_model_config(args.model)
+    cfg = load_model_config(resolve_model(args.model, revision=args.revision, gguf_file=args.gguf_file,
+                                          config_only=True))
     inst = get_instance(args.instance)
     traffic = Traffic(args.input_len, args.output_len, args.concurrency)
     arrival = Arrival(args.arrival or ("poisson" if args.rate is not None else "together"), args.rate)

@@ -10,6 +10,7 @@ import torch
 
 from neuron_opt import envs
 from neuron_opt.commands.generate import add_speculative_flags, add_trusted_keys_flag
+from neuron_opt.commands.hub_flags import MODEL_HELP, add_hub_flags
 from neuron_opt.commands.serve_cluster import run_cluster
 from neuron_opt.commands.serve_engine import LIMIT_FLAGS, api_key, build_engine, served_name, server_limits
 from neuron_opt.errors import ConfigError
@@ -30,15 +31,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "without compiling (slower, but starts at once).",
     )
     p.add_argument("artifact", nargs="?", help="artifact directory produced by `neuron-opt compile`, or its s3:// URI")
-    p.add_argument(
-        "--model", help="instead of an artifact: HF directory, GGUF file, or 'default' (eager, no compile)"
-    )
+    p.add_argument("--model", help="instead of an artifact, a checkpoint served eagerly (no compile): " + MODEL_HELP)
+    add_hub_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
         "--served-model-name",
         default=None,
-        help="model id clients must send (default: 'default', or the artifact/checkpoint name)",
+        help="model id clients must send (default: 'default', the Hub id as given, or the artifact/checkpoint "
+        "name)",
     )
     p.add_argument(
         "--max-num-seqs",

@@ -16,6 +16,7 @@ from neuron_opt.commands.lora_flags import parse_lora_modules
 from neuron_opt.commands.serve_engine import api_key, build_engine, check_args, served_name, server_limits
 from neuron_opt.config import CacheConfig
 from neuron_opt.errors import ConfigError
+from neuron_opt.hub import hub_id, resolve_model
 from neuron_opt.lora.adapter import read_adapter
 
 RAY_NAMESPACE = "neuron_opt"
@@ -45,7 +46,8 @@ def lora_modules(args: argparse.Namespace, manifest: Any) -> dict[str, str]:
     if manifest is None or manifest.lora is None:
         raise ConfigError("--lora-modules: this model takes no adapters (compile it with --enable-lora)",
                           param="lora_modules")
-    modules = {name: str(Path(path).resolve()) for name, path in modules.items()}
+    modules = {name: path if hub_id(path) is not None else str(Path(path).resolve())
+               for name, path in modules.items()}
     for path in modules.values():
         read_adapter(path, manifest.model, manifest.lora)
     args.lora_modules = [f"{name}={path}" for name, path in modules.items()]
@@ -63,7 +65,8 @@ def run_cluster(args: argparse.Namespace) -> int:
     # checkpoint or artifact readable
     for field in ("artifact", "model"):
         value = getattr(args, field)
-        if value and value != "default" and not value.startswith("s3://"):  # s3://: pulled by check_args
+        # s3://: pulled by check_args; a Hub id: fetched by each process that loads it, from its node's Hub cache
+        if value and value != "default" and not value.startswith("s3://") and hub_id(value) is None:
             setattr(args, field, str(Path(value).resolve()))
     # the keys this command trusts, named explicitly for the replicas: they may not share our environment
     from neuron_opt.signing import trusted_key_paths  # here: the CLI parses without cryptography
@@ -72,7 +75,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     if args.model:
         from neuron_opt.checkpoint import open_checkpoint  # here: the CLI parses without the checkpoint readers
 
-        open_checkpoint(args.model)
+        open_checkpoint(resolve_model(args.model, revision=args.revision, gguf_file=args.gguf_file))
     verified = check_args(args, verify_hashes=False)[0]  # each replica verifies the files as it loads them
     manifest = None if verified is None else verified.manifest
     adapters = lora_modules(args, manifest)
@@ -147,7 +150,8 @@ def run_cluster(args: argparse.Namespace) -> int:
         max_in_flight = replicas * per_replica + args.max_waiting
         params.max_waiting = per_replica  # a replica's engine admits all Serve sends it: the queue is the router's
         router_config = RequestRouterConfig(request_router_class=PrefixAffinityRouter, request_router_kwargs={
-            "tokenizer": {"artifact": args.artifact} if args.artifact else {"model": args.model},
+            "tokenizer": ({"artifact": args.artifact} if args.artifact else
+                          {"model": args.model, "revision": args.revision, "gguf_file": args.gguf_file}),
             "block_size": manifest.cache.block_size if manifest else CacheConfig.block_size,
             "tool_call_parser": args.tool_call_parser, "policy": args.routing,
             "balance_threshold": args.routing_balance_threshold})

@@ -12,6 +12,7 @@ from neuron_opt import envs
 from neuron_opt.commands.generate import bundled_speculation, resolve_artifact_arg, speculative_from_args
 from neuron_opt.commands.lora_flags import parse_lora_modules
 from neuron_opt.errors import ConfigError
+from neuron_opt.hub import hub_id
 from neuron_opt.server.limits import PROMPT_CHARS_PER_TOKEN, ServerLimits
 
 # the ServerLimits fields set by flags of the same name (--max-body-bytes -> max_body_bytes), and their help
@@ -45,7 +46,9 @@ def served_name(args: argparse.Namespace) -> str:
     if args.served_model_name:
         return args.served_model_name
     src = getattr(args, "artifact_source", None) or args.artifact or args.model
-    return "default" if src == "default" else Path(src.rstrip("/")).name.removesuffix(".gguf")
+    if src == "default" or hub_id(src) is not None:  # a Hub id as given (vLLM's default)
+        return src
+    return Path(src.rstrip("/")).name.removesuffix(".gguf")
 
 
 def check_args(args: argparse.Namespace, verify_hashes: bool = True) -> tuple[Any, Any, int | None]:
@@ -78,10 +81,12 @@ def build_engine(args: argparse.Namespace) -> Any:
     verified, spec, k = check_args(args)
     if args.artifact:
         model = load_model(args.artifact, dtype=args.dtype, max_model_len=args.max_model_len,
-                           num_speculative_tokens=k, trusted_keys=args.trusted_keys, verified=verified)
+                           num_speculative_tokens=k, trusted_keys=args.trusted_keys, verified=verified,
+                           revision=args.revision, gguf_file=args.gguf_file)  # given, refused: not a Hub id
     else:
         model = load_model(args.model, dtype=args.dtype, batch_size=args.max_num_seqs or 16,
-                           max_model_len=args.max_model_len, num_speculative_tokens=k)
+                           max_model_len=args.max_model_len, num_speculative_tokens=k, revision=args.revision,
+                           gguf_file=args.gguf_file)
     draft = None
     if spec is not None and spec.model is not None:  # a KV slot in the draft for every sequence the engine runs
         largest = model.runner.buckets.decode_batches[-1]

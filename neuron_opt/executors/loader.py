@@ -20,6 +20,7 @@ from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
 from neuron_opt.embeddings import resolve_task
 from neuron_opt.errors import ConfigError
 from neuron_opt.executors.factory import ArtifactSpec, CheckpointSpec, create_executor, prepare
+from neuron_opt.hub import resolve_model
 from neuron_opt.lora.config import LoraConfig
 from neuron_opt.runtime.runner import ModelRunner
 
@@ -60,10 +61,11 @@ def check_artifact_settings(manifest: Manifest, *, dtype: str | None, max_model_
 def load_model(model: str | Path, *, dtype: str | None = None, max_model_len: int | None = None,
                batch_size: int | None = None, parallel: ParallelConfig | None = None,
                num_speculative_tokens: int | None = None, trusted_keys: Sequence[str | Path] | None = None,
-               verified: VerifiedManifest | None = None, lora: LoraConfig | None = None) -> LoadedModel:
+               verified: VerifiedManifest | None = None, lora: LoraConfig | None = None,
+               revision: str | None = None, gguf_file: str | None = None) -> LoadedModel:
     """An artifact directory (`verified`: its manifest, already read with every check) or a checkpoint (HF
-    directory, GGUF file, "default"), ready to run; `verified` is read again only if its files' sha256 were not
-    checked.
+    directory, GGUF file, "default", or a Hub id with its `revision` and `gguf_file`: neuron_opt.hub), ready to
+    run; `verified` is read again only if its files' sha256 were not checked.
 
     For a checkpoint the settings say how to run it (defaults float32, the model's limit up to 2048, batch 1,
     tp=1, no verify buckets); for an artifact each is left unset or equal to the artifact's own. `trusted_keys`:
@@ -71,6 +73,7 @@ def load_model(model: str | Path, *, dtype: str | None = None, max_model_len: in
     capacity (neuron_opt.lora; default none); an artifact's, unset or equal to the one it was compiled with."""
     settings = dict(dtype=dtype, max_model_len=max_model_len, batch_size=batch_size, parallel=parallel,
                     num_speculative_tokens=num_speculative_tokens, lora=lora)
+    model = resolve_model(model, revision=revision, gguf_file=gguf_file)  # a local path as given
     if is_artifact(model):
         return _load_artifact(Path(model), verified, trusted_keys, settings)
     return _load_checkpoint(model, **settings)

@@ -35,6 +35,7 @@ from safetensors.torch import load_file
 from neuron_opt.config import ModelConfig
 from neuron_opt.errors import CheckpointError, ConfigError
 from neuron_opt.headers import read_json_capped, safetensors_header
+from neuron_opt.hub import resolve_adapter
 from neuron_opt.lora.config import ATTENTION_TARGETS, ROW_PARALLEL, TARGET_MODULES, LoraConfig, full_shapes
 from neuron_opt.parallel.sharding import HeadLayout, shard_tensor
 
@@ -99,10 +100,20 @@ def _pattern_value(pat: dict[str, int | float], module: str, default: int | floa
     return default, None
 
 
+def adapter_dir(path: str | Path) -> Path:
+    """The adapter's local directory: `path`, or a Hub id's files fetched into the Hub cache (neuron_opt.hub);
+    ConfigError (param "lora_path") when the Hub cannot supply them."""
+    try:
+        return Path(resolve_adapter(path))
+    except CheckpointError as e:
+        raise ConfigError(str(e), param="lora_path") from None
+
+
 def read_adapter(path: str | Path, cfg: ModelConfig, lora: LoraConfig) -> LoraAdapter:
     """Read and validate the PEFT adapter at `path` for a base model `cfg` compiled with capacity `lora`;
-    ConfigError (param "lora_path") naming the file and the field otherwise."""
-    path = Path(path)
+    ConfigError (param "lora_path") naming the file and the field otherwise. A Hub id is fetched first
+    (neuron_opt.hub)."""
+    path = Path(adapter_dir(path))
     if not path.is_dir():
         raise _bad(path, "path", "not a directory (a PEFT adapter directory holds adapter_config.json and "
                    "adapter_model.safetensors)")
@@ -250,6 +261,7 @@ def load_into_slot(stacks: Any, slot: int, adapter: LoraAdapter, model: torch.nn
 def capacity_for(path: str | Path) -> LoraConfig:
     """The smallest LoRA capacity that runs the one adapter at `path` (an uncompiled model's, `generate --model
     ... --lora PATH`): one slot of its rank over every target module. Checked in full when it is loaded."""
+    path = adapter_dir(path)
     conf_path = Path(path) / CONFIG_FILE
     if not conf_path.is_file():
         raise _bad(Path(path), CONFIG_FILE, "missing")

@@ -72,6 +72,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from neuron_opt.checkpoint import open_checkpoint
 from neuron_opt.errors import ConfigError
+from neuron_opt.hub import hub_id, resolve_model
 from neuron_opt.lora.adapter import read_adapter
 from neuron_opt.runtime.block_manager import hash_block
 from neuron_opt.runtime.threads import hand_threads_to_engine
@@ -393,14 +394,16 @@ class RoutingStats:
 ROUTING = RoutingStats()
 
 
-def load_tokenizer(source: dict[str, str]) -> Any:
-    """The tokenizer the replicas use: an artifact's (`{"artifact": dir}`) or a checkpoint's (`{"model": spec}`)."""
+def load_tokenizer(source: dict[str, str | None]) -> Any:
+    """The tokenizer the replicas use: an artifact's (`{"artifact": dir}`) or a checkpoint's (`{"model": spec,
+    "revision": ..., "gguf_file": ...}`, a Hub id fetched here: neuron_opt.hub)."""
     if "artifact" in source:
         # transformers here, not at the top: a replica sets up its device runtime before importing it
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(Path(source["artifact"]) / "tokenizer")
-    return open_checkpoint(source["model"]).tokenizer
+    return open_checkpoint(resolve_model(str(source["model"]), revision=source.get("revision"),
+                                         gguf_file=source.get("gguf_file"))).tokenizer()
 
 
 class PrefixAffinityRouter(FIFOMixin, RequestRouter):
@@ -540,9 +543,9 @@ class Router:
                 req = LoadLoraAdapterRequest.model_validate_json(body or b"null")
                 if req.lora_name == self.model_name:
                     raise ConfigError(f"lora_name: {req.lora_name!r} is the base model's name", param="lora_name")
-                if not Path(req.lora_path).is_absolute():
-                    raise ConfigError(f"lora_path: {req.lora_path!r} is relative; give an absolute path (the replicas "
-                                      "do not share the server's working directory)", param="lora_path")
+                if not Path(req.lora_path).is_absolute() and hub_id(req.lora_path) is None:
+                    raise ConfigError(f"lora_path: {req.lora_path!r} is relative; give an absolute path or a Hub id "
+                                      "(the replicas do not share the server's working directory)", param="lora_path")
                 _, adapters = await self.board.adapter_set.remote()
                 if req.lora_name in adapters:
                     raise ConfigError(f"lora_name: an adapter named {req.lora_name!r} is already loaded",
