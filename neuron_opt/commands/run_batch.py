@@ -11,6 +11,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from neuron_opt.commands.generate import add_speculative_flags, add_trusted_keys_flag
+from neuron_opt.commands.hub_flags import MODEL_HELP, add_hub_flags
 from neuron_opt.commands.serve_engine import build_engine, served_name
 from neuron_opt.errors import ConfigError
 from neuron_opt.server.limits import ServerLimits
@@ -27,7 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "is continued where it stops.",
     )
     p.add_argument("artifact", nargs="?", help="artifact directory produced by `neuron-opt compile`, or its s3:// URI")
-    p.add_argument("--model", help="instead of an artifact: HF directory, GGUF file, or 'default' (eager, no compile)")
+    p.add_argument("--model", help=f"instead of an artifact (run eagerly, no compile): {MODEL_HELP}")
+    add_hub_flags(p)
     p.add_argument("-i", "--input-file", required=True, type=Path, help="the batch file: one JSON request per line")
     p.add_argument("-o", "--output-file", required=True, type=Path,
                    help="where the results go; if it exists, its results are kept and the run goes on after them")
@@ -64,8 +66,9 @@ def run(args: argparse.Namespace) -> int:
     start = resume_from(args.output_file, lines)  # before loading the model: a wrong output file fails at once
     engine = build_engine(args)
     name = served_name(args)
-    serving = OpenAIServing(engine, engine.tokenizer, engine.encode_chat, name, engine_metrics(engine, name),
-                            engine.runner.max_model_len, tool_parser=make_parser(args.tool_call_parser,
+    max_len = engine.runner.max_model_len
+    serving = OpenAIServing(engine, engine.tokenizer, engine.encode_chat, name, engine_metrics(engine, name, max_len),
+                            max_len, tool_parser=make_parser(args.tool_call_parser,
                                                                                   engine.tokenizer),
                             limits=ServerLimits())
     window = 2 * engine.max_num_seqs  # a full batch running and as many waiting to take a freed slot
