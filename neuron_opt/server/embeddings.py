@@ -103,7 +103,7 @@ class EmbeddingServing:
         prompts: list[list[int]] = []
         for item in items:
             ids = await s._tokenize(item) if isinstance(item, str) else list(item)
-            s._check_ids(ids, "input")
+            s._check_ids(ids, "input", s.vocab_size)
             prompts.append(ids)
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[RequestOutput]] = []
