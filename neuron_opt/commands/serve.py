@@ -110,13 +110,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-cpu-loras", type=int, default=None, metavar="N",
                    help=f"most adapters registered at once with runtime loading, --lora-modules included (default "
                         f"{DEFAULT_MAX_CPU_LORAS})")
-    p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="S",
+    p.add_argument("--shutdown-timeout", type=float, default=None, metavar="S",
                    help="on SIGTERM: answer new requests 503 and wait up to S seconds for those in flight, then exit 0 "
                         f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
-    p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+    p.add_argument("--max-connections", type=int, default=None,
                    help="open connections (and requests) at once; past it uvicorn answers 503 (default "
                         f"{DEFAULT_MAX_CONNECTIONS})")
-    p.add_argument("--timeout-keep-alive", type=int, default=DEFAULT_TIMEOUT_KEEP_ALIVE_S, metavar="S",
+    p.add_argument("--timeout-keep-alive", type=int, default=None, metavar="S",
                    help=f"close an idle keep-alive connection after S seconds (default {DEFAULT_TIMEOUT_KEEP_ALIVE_S})")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument("--enable-docs", action="store_true",
@@ -160,6 +160,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+# flags of the single-process server (its uvicorn, its drain, its LoRA routes) that `--data-parallel` does not take
+SINGLE_PROCESS_FLAGS = ("--shutdown-timeout", "--max-connections", "--timeout-keep-alive",
+                        "--enable-lora-runtime-loading", "--lora-runtime-root", "--max-cpu-loras")
+
+
 def thread_policy() -> ThreadPolicy:
     """`serve`'s torch threads when NEURON_OPT_NUM_THREADS is unset: the policy NEURON_OPT_THREAD_POLICY names, over
     the cores this process may use (runtime/threads.py; by default every core: docs/serving.md, "Threads")."""
@@ -181,10 +186,14 @@ def run(args: argparse.Namespace) -> int:
     if args.max_waiting < 0:
         raise ConfigError(f"--max-waiting: must be >= 0, got {args.max_waiting}", param="max_waiting")
     limits = server_limits(args)  # bad values fail before anything loads
+    if args.data_parallel is not None or args.ray_address is not None:
+        for flag in SINGLE_PROCESS_FLAGS:
+            if getattr(args, flag.lstrip("-").replace("-", "_")) not in (None, False):
+                raise ConfigError(f"{flag}: the single-process server's; not supported with --data-parallel",
+                                  param="data_parallel")
+        return run_cluster(args)
     lora_runtime = lora_runtime_loading(args)
     uvicorn_limits(args)
-    if args.data_parallel is not None or args.ray_address is not None:
-        return run_cluster(args)
     # the `serve` extra (fastapi, uvicorn): imported once serving starts, so the CLI parses without them
     import uvicorn
 
@@ -218,5 +227,6 @@ def run(args: argparse.Namespace) -> int:
     )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             **uvicorn_limits(args))
-    DrainingServer(config, app.state.drain, args.shutdown_timeout).run()
+    shutdown_timeout = DEFAULT_SHUTDOWN_TIMEOUT_S if args.shutdown_timeout is None else args.shutdown_timeout
+    DrainingServer(config, app.state.drain, shutdown_timeout).run()
     return 0

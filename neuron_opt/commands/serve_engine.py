@@ -12,7 +12,14 @@ from neuron_opt import envs
 from neuron_opt.commands.generate import bundled_speculation, resolve_artifact_arg, speculative_from_args
 from neuron_opt.commands.lora_flags import parse_lora_modules
 from neuron_opt.errors import ConfigError
-from neuron_opt.server.limits import MAX_HEADER_BYTES, PROMPT_CHARS_PER_TOKEN, LoraRuntimeLoading, ServerLimits
+from neuron_opt.server.limits import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+    MAX_HEADER_BYTES,
+    PROMPT_CHARS_PER_TOKEN,
+    LoraRuntimeLoading,
+    ServerLimits,
+)
 
 # the ServerLimits fields set by flags of the same name (--max-body-bytes -> max_body_bytes), and their help
 LIMIT_FLAGS = {
@@ -63,14 +70,15 @@ def lora_runtime_loading(args: argparse.Namespace) -> LoraRuntimeLoading | None:
 def uvicorn_limits(args: argparse.Namespace) -> dict[str, Any]:
     """uvicorn's connection limits from `serve`'s flags: connections at once (past them 503), the idle keep-alive
     timeout, and the bytes of a request's head (h11's incomplete event; past them 400)."""
-    if args.max_connections < 1:
-        raise ConfigError(f"--max-connections: must be >= 1, got {args.max_connections}", param="max_connections")
-    if args.timeout_keep_alive < 1:
-        raise ConfigError(f"--timeout-keep-alive: must be >= 1, got {args.timeout_keep_alive}",
-                          param="timeout_keep_alive")
-    if args.shutdown_timeout < 0:
+    connections = DEFAULT_MAX_CONNECTIONS if args.max_connections is None else args.max_connections
+    keep_alive = DEFAULT_TIMEOUT_KEEP_ALIVE_S if args.timeout_keep_alive is None else args.timeout_keep_alive
+    if connections < 1:
+        raise ConfigError(f"--max-connections: must be >= 1, got {connections}", param="max_connections")
+    if keep_alive < 1:
+        raise ConfigError(f"--timeout-keep-alive: must be >= 1, got {keep_alive}", param="timeout_keep_alive")
+    if args.shutdown_timeout is not None and args.shutdown_timeout < 0:
         raise ConfigError(f"--shutdown-timeout: must be >= 0, got {args.shutdown_timeout}", param="shutdown_timeout")
-    return {"limit_concurrency": args.max_connections, "timeout_keep_alive": args.timeout_keep_alive, "http": "h11",
+    return {"limit_concurrency": connections, "timeout_keep_alive": keep_alive, "http": "h11",
             "h11_max_incomplete_event_size": MAX_HEADER_BYTES}
 
 

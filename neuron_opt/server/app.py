@@ -4,10 +4,10 @@ Design decisions
 - Bodies are parsed by us (`model_validate_json` on the raw bytes), not by FastAPI's injection, so malformed
   JSON and wrong types are 400 BadRequestError with the field named — never FastAPI's 422 or a 500.
 - User input never causes a 500: invalid parameters, over-long prompts and input nested too deeply to parse
-  (RecursionError) are 400, an unknown model is 404, a
-  body past `--max-body-bytes` is 413 (refused from its Content-Length, or as soon as a chunked body passes the
-  bound: never buffered beyond it), a full queue is 503 with `Retry-After`. A 500 means a bug or a failing
-  backend; its body says only a request id, under which the details are logged, and the server stays up.
+  (RecursionError) are 400, an unknown model is 404, a body past `--max-body-bytes` is 413 (refused from its
+  Content-Length, or as soon as a chunked body passes the bound: never buffered beyond it), a full queue is 503
+  with `Retry-After`. A 500 means a bug or a failing backend; its body says only a request id, under which the
+  details are logged, and the server stays up.
 - Every refusal is counted on `/metrics`: `neuron_opt:request_rejected_total{reason}`.
 - `/docs`, `/redoc` and `/openapi.json` are off unless `serve --enable-docs`.
 - The engine starts with the app (lifespan) and stops after the server has drained in-flight requests (SIGTERM:

@@ -309,6 +309,7 @@ class OpenAIServing:
         req.check_limits(self.limits, self.max_model_len)
         self._check_ids(req.stop_token_ids or [], "stop_token_ids", self.vocab_size)
         ids, tools = await self._chat_prompt(req)
+        self._check_ids(ids, "messages", self.vocab_size)  # a tokenizer may know more ids than the model has rows
         active = tools is not None and tools.active
         parser = self.tool_parser
         with _request_fields(req):
