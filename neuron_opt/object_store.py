@@ -20,10 +20,11 @@ Contracts
   unchanged (`neuron_opt.artifact.record_hashed`, read_verified).
 - Faults: every S3 call is retried with backoff on throttling (503 SlowDown), 5xx and dropped connections
   (botocore's "standard" retry mode, MAX_ATTEMPTS tries); a body cut short or reset while it downloads is fetched
-  again and written over its own offsets (s3transfer, MAX_ATTEMPTS tries), and whatever arrives is hashed against the manifest
-  before the file is used. A pull that still fails raises ArtifactError and leaves nothing in the cache: the
-  download's temporary directory is removed, and only a complete, verified copy is ever renamed into place. A
-  cached copy is used only when its `manifest.json` equals the store's byte for byte (else it is downloaded again).
+  again and written over its own offsets (s3transfer, MAX_ATTEMPTS tries), and whatever arrives is hashed against
+  the manifest before the file is used. A pull that still fails raises ArtifactError and leaves nothing in the
+  cache: the download's temporary directory is removed, and only a complete, verified copy is ever renamed into
+  place. A cached copy is used only when its `manifest.json` equals the store's byte for byte (else it is
+  downloaded again).
 - Credentials come from boto3's usual chain (environment, profile, instance role); the endpoint from
   `endpoint_url` (`--s3-endpoint-url`), else boto3's own `AWS_ENDPOINT_URL`.
 - On the neuron backend the NEFFs live inside the artifact (`graphs/*/neuron_cache/`), so they travel with it and
