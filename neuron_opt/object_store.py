@@ -10,13 +10,21 @@ Contracts
   artifact disappears before any file changes), and after the new manifest lands only the keys the old manifest
   listed and the new one does not are deleted; no other key is touched.
 - Pull reads the manifest (size-capped), checks the signature when keys are trusted, and checks the format and
-  versions before downloading anything else; every file is hashed while it downloads and compared with the
-  manifest. The artifact lands in a local cache (`$NEURON_OPT_CACHE_DIR/artifacts/<sha256 of the manifest's
-  bytes>`), atomically (a temporary sibling renamed into place), and is then loaded like any local artifact, with
-  every check of `neuron_opt.artifact`. The key is the hash of the manifest's bytes, which hold every file's
-  hash: a cached copy answers the same manifest only. A later pull of the same manifest verifies the cached copy
-  and downloads nothing. Files hashed by the pull (as they download, or the cached copy's) are not hashed again by
-  the loader in the same process while they stay unchanged (`neuron_opt.artifact.record_hashed`, read_verified).
+  versions before downloading anything else; every file is hashed once it has downloaded (the bytes on disk, after
+  any retry) and compared with the manifest. The artifact lands in a local cache
+  (`$NEURON_OPT_CACHE_DIR/artifacts/<sha256 of the manifest's bytes>`), atomically (a temporary sibling renamed
+  into place), and is then loaded like any local artifact, with every check of `neuron_opt.artifact`. The key is
+  the hash of the manifest's bytes, which hold every file's hash: a cached copy answers the same manifest only. A
+  later pull of the same manifest verifies the cached copy and downloads nothing. Files hashed by the pull (once
+  downloaded, or the cached copy's) are not hashed again by the loader in the same process while they stay
+  unchanged (`neuron_opt.artifact.record_hashed`, read_verified).
+- Faults: every S3 call is retried with backoff on throttling (503 SlowDown), 5xx and dropped connections
+  (botocore's "standard" retry mode, MAX_ATTEMPTS tries); a body cut short or reset while it downloads is fetched
+  again and written over its own offsets (s3transfer, MAX_ATTEMPTS tries), and whatever arrives is hashed against
+  the manifest before the file is used. A pull that still fails raises ArtifactError and leaves nothing in the
+  cache: the download's temporary directory is removed, and only a complete, verified copy is ever renamed into
+  place. A cached copy is used only when its `manifest.json` equals the store's byte for byte (else it is
+  downloaded again).
 - Credentials come from boto3's usual chain (environment, profile, instance role); the endpoint from
   `endpoint_url` (`--s3-endpoint-url`), else boto3's own `AWS_ENDPOINT_URL`.
 - On the neuron backend the NEFFs live inside the artifact (`graphs/*/neuron_cache/`), so they travel with it and
@@ -39,7 +47,15 @@ from typing import Any
 from tqdm import tqdm
 
 from neuron_opt import envs
-from neuron_opt.artifact import FORMAT_VERSION, MANIFEST, MAX_MANIFEST_BYTES, read_verified, record_hashed, versions
+from neuron_opt.artifact import (
+    FORMAT_VERSION,
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    read_verified,
+    record_hashed,
+    sha256_file,
+    versions,
+)
 from neuron_opt.errors import ArtifactError, ConfigError
 from neuron_opt.signing import SIGNATURE, check_signature, load_trusted_keys, trusted_key_paths
 
@@ -49,6 +65,7 @@ SCHEME = "s3://"
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 MULTIPART_THRESHOLD = 64 << 20  # files past this upload and download in parts, several at once
+MAX_ATTEMPTS = 8  # tries of each S3 call (botocore "standard" retries) and of each download's body (s3transfer)
 
 
 def is_remote(path: str | os.PathLike[str]) -> bool:
@@ -88,13 +105,14 @@ def client(endpoint_url: str | None = None) -> Any:
     except ImportError:
         raise ConfigError("s3:// artifacts need boto3: pip install 'neuron-opt[s3]'", param="artifact") from None
     return boto3.client("s3", endpoint_url=endpoint_url or None,
-                        config=Config(retries={"mode": "standard", "max_attempts": 5}))
+                        config=Config(retries={"mode": "standard", "max_attempts": MAX_ATTEMPTS}))
 
 
 def _transfer_config() -> Any:
     from boto3.s3.transfer import TransferConfig
 
-    return TransferConfig(multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=MULTIPART_THRESHOLD)
+    return TransferConfig(multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=MULTIPART_THRESHOLD,
+                          num_download_attempts=MAX_ATTEMPTS)
 
 
 def _missing(e: Exception) -> bool:
@@ -203,18 +221,6 @@ def _precheck(raw: Any, where: str) -> None:
                                 "recompile the artifact")
 
 
-class _Hashing:
-    """A write-only file that hashes what passes through it (boto3 downloads parts in order to a stream)."""
-
-    def __init__(self, f: Any, bar: Any) -> None:
-        self.f, self.bar, self.h = f, bar, hashlib.sha256()
-
-    def write(self, b: bytes) -> int:
-        self.h.update(b)
-        self.bar.update(len(b))
-        return self.f.write(b)
-
-
 def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     return Path(cache_dir) if cache_dir is not None else envs.CACHE_DIR / "artifacts"
 
@@ -233,9 +239,10 @@ def pull(uri: str, *, endpoint_url: str | None = None, trusted_keys: Sequence[st
     dest = root / hashlib.sha256(data).hexdigest()
     if dest.is_dir():
         try:
+            _check_cached(dest, data)
             read_verified(dest, verify_hashes=verify_hashes, trusted_keys=trusted_keys)
             return dest
-        except ArtifactError as e:  # a damaged cached copy is replaced by a fresh download
+        except ArtifactError as e:  # a damaged or swapped cached copy is replaced by a fresh download
             print(f"warning: cached copy {dest} of {loc} is damaged ({e}); downloading it again")
     sig = _get_small(s3, loc, SIGNATURE, 1 << 16)
     tmp = Path(tempfile.mkdtemp(prefix=".pull-", dir=root))
@@ -268,6 +275,16 @@ def pull(uri: str, *, endpoint_url: str | None = None, trusted_keys: Sequence[st
     return dest
 
 
+def _check_cached(dest: Path, data: bytes) -> None:
+    """ArtifactError unless the cached copy's manifest is, byte for byte, the store's (`data`)."""
+    try:
+        cached = (dest / MANIFEST).read_bytes()
+    except OSError as e:
+        raise ArtifactError(f"{dest}/{MANIFEST}: unreadable ({e})") from None
+    if cached != data:
+        raise ArtifactError(f"{dest}/{MANIFEST} differs from the store's manifest")
+
+
 def _download(s3: Any, loc: S3Location, files: dict[str, str], tmp: Path, tqdm: Any, progress: bool) -> None:
     from botocore.exceptions import ClientError
 
@@ -276,16 +293,15 @@ def _download(s3: Any, loc: S3Location, files: dict[str, str], tmp: Path, tqdm: 
         for rel, digest in sorted(files.items()):
             path = tmp / rel
             path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "wb") as f:
-                sink = _Hashing(f, bar)
+            with open(path, "wb") as f:  # seekable: a retried part is written again at its own offset
                 try:
-                    s3.download_fileobj(loc.bucket, loc.key(rel), sink, Config=config)
+                    s3.download_fileobj(loc.bucket, loc.key(rel), f, Config=config, Callback=bar.update)
                 except ClientError as e:
                     if _missing(e):
                         raise ArtifactError(f"{loc}/{rel}: listed in the manifest but missing from the store "
                                             "(an interrupted or partial push?)") from None
                     raise ArtifactError(f"{loc}/{rel}: {e}") from None
-            if sink.h.hexdigest() != digest:
+            if sha256_file(path) != digest:  # the bytes that landed, whatever retries it took
                 raise ArtifactError(f"{loc}/{rel}: sha256 does not match the manifest (object modified or corrupt)")
 
 

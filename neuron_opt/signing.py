@@ -129,7 +129,10 @@ def trusted_key_paths(paths: Sequence[str | Path] | None) -> tuple[Path, ...]:
     """The keys to trust: `paths` when given (an empty sequence trusts none), else NEURON_OPT_TRUSTED_KEYS."""
     if paths is not None:
         return tuple(Path(p) for p in paths)
-    return envs.TRUSTED_KEYS
+    if envs.TRUSTED_KEYS == ():  # set to nothing: a check that checks nothing is refused, not taken as "off"
+        raise ConfigError("NEURON_OPT_TRUSTED_KEYS is set but names no public-key file; name at least one, or unset "
+                          "it to load unsigned artifacts", param="trusted_keys")
+    return envs.TRUSTED_KEYS or ()
 
 
 def sign_manifest(root: Path, manifest_bytes: bytes, key: Ed25519PrivateKey) -> None:

@@ -36,7 +36,12 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
 
 
 def _paths(text: str) -> tuple[Path, ...]:
-    return tuple(Path(t.strip()) for t in text.split(",") if t.strip())
+    """`--trusted-keys`: one key file at least (an empty set would check nothing while looking like a check)."""
+    paths = tuple(Path(t.strip()) for t in text.split(",") if t.strip())
+    if not paths:
+        raise argparse.ArgumentTypeError("an empty set of keys would accept any artifact; give at least one "
+                                         "public-key file, or leave --trusted-keys out to load unsigned artifacts")
+    return paths
 
 
 def add_trusted_keys_flag(p: argparse.ArgumentParser) -> None:

@@ -12,10 +12,24 @@ from neuron_opt import envs
 from neuron_opt.commands.generate import add_speculative_flags, add_trusted_keys_flag
 from neuron_opt.commands.hub_flags import MODEL_HELP, add_hub_flags
 from neuron_opt.commands.serve_cluster import run_cluster
-from neuron_opt.commands.serve_engine import LIMIT_FLAGS, api_key, build_engine, served_name, server_limits
+from neuron_opt.commands.serve_engine import (
+    LIMIT_FLAGS,
+    api_key,
+    build_engine,
+    lora_runtime_loading,
+    served_name,
+    server_limits,
+    uvicorn_limits,
+)
 from neuron_opt.errors import ConfigError
 from neuron_opt.runtime.threads import ThreadPolicy, hand_threads_to_engine
-from neuron_opt.server.limits import ServerLimits
+from neuron_opt.server.limits import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_CPU_LORAS,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+    ServerLimits,
+)
 from neuron_opt.server.reasoning import REASONING_PARSERS, make_reasoning_parser
 from neuron_opt.server.tool_parsers import PARSERS
 from neuron_opt.server.tools import make_parser
@@ -96,6 +110,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="PEFT LoRA adapters served by name (request `model`), for an artifact compiled with "
                         "--enable-lora; more load at run time: POST /v1/load_lora_adapter (docs/lora.md)")
+    p.add_argument("--enable-lora-runtime-loading", action="store_true",
+                   help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off by default, as in vLLM; "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true turns it on too); needs --lora-runtime-root")
+    p.add_argument("--lora-runtime-root", default=None, metavar="DIR",
+                   help="the only directory runtime-loaded adapters are read from (paths outside it are refused)")
+    p.add_argument("--max-cpu-loras", type=int, default=None, metavar="N",
+                   help=f"most adapters registered at once with runtime loading, --lora-modules included (default "
+                        f"{DEFAULT_MAX_CPU_LORAS})")
+    p.add_argument("--shutdown-timeout", type=float, default=None, metavar="S",
+                   help="on SIGTERM: answer new requests 503 and wait up to S seconds for those in flight, then exit 0 "
+                        f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
+    p.add_argument("--max-connections", type=int, default=None,
+                   help="open connections (and requests) at once; past it uvicorn answers 503 (default "
+                        f"{DEFAULT_MAX_CONNECTIONS})")
+    p.add_argument("--timeout-keep-alive", type=int, default=None, metavar="S",
+                   help=f"close an idle keep-alive connection after S seconds (default {DEFAULT_TIMEOUT_KEEP_ALIVE_S})")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="serve GET /tokenizer_info, the tokenizer's configuration with its chat template (vLLM's flag; "
@@ -108,7 +138,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     lim = p.add_argument_group("request limits (past them: 400 naming the field; defaults: docs/serving.md)")
     for name, text in LIMIT_FLAGS.items():
         default = getattr(ServerLimits, name)
-        lim.add_argument("--" + name.replace("_", "-"), type=int, default=default,
+        lim.add_argument("--" + name.replace("_", "-"), type=type(default) if default is not None else int,
+                         default=default,
                          help=text if default is None else f"{text} (default: {default})")
     add_speculative_flags(p)
     add_trusted_keys_flag(p)
@@ -143,6 +174,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+# flags of the single-process server (its uvicorn, its drain, its LoRA routes) that `--data-parallel` does not take
+SINGLE_PROCESS_FLAGS = ("--shutdown-timeout", "--max-connections", "--timeout-keep-alive",
+                        "--enable-lora-runtime-loading", "--lora-runtime-root", "--max-cpu-loras")
+
+
 def thread_policy() -> ThreadPolicy:
     """`serve`'s torch threads when NEURON_OPT_NUM_THREADS is unset: the policy NEURON_OPT_THREAD_POLICY names, over
     the cores this process may use (runtime/threads.py; by default every core: docs/serving.md, "Threads")."""
@@ -165,11 +201,18 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-waiting: must be >= 0, got {args.max_waiting}", param="max_waiting")
     limits = server_limits(args)  # bad values fail before anything loads
     if args.data_parallel is not None or args.ray_address is not None:
+        for flag in SINGLE_PROCESS_FLAGS:
+            if getattr(args, flag.lstrip("-").replace("-", "_")) not in (None, False):
+                raise ConfigError(f"{flag}: the single-process server's; not supported with --data-parallel",
+                                  param="data_parallel")
         return run_cluster(args)
+    lora_runtime = lora_runtime_loading(args)
+    uvicorn_limits(args)
     # the `serve` extra (fastapi, uvicorn): imported once serving starts, so the CLI parses without them
     import uvicorn
 
     from neuron_opt.server.app import create_app
+    from neuron_opt.server.drain import DrainingServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     policy = thread_policy()  # a bad NEURON_OPT_THREAD_POLICY fails before the model loads
@@ -183,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
                      tool_parser=make_parser(args.tool_call_parser, engine.tokenizer), limits=limits,
                      reasoning_parser=make_reasoning_parser(args.reasoning_parser, engine.tokenizer),
                      enable_docs=args.enable_docs, enable_tokenizer_info=args.enable_tokenizer_info_endpoint,
-                     enable_store=args.enable_store)
+                     enable_store=args.enable_store, lora_runtime=lora_runtime)
     url = f"http://{args.host}:{args.port}"
     if key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: serving on {args.host} without an API key: anyone who reaches this port can use the model "
@@ -198,5 +241,8 @@ def run(args: argparse.Namespace) -> int:
         f'\'{{"model": "{name}", {body}}}\'',
         flush=True,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=120)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            **uvicorn_limits(args))
+    shutdown_timeout = DEFAULT_SHUTDOWN_TIMEOUT_S if args.shutdown_timeout is None else args.shutdown_timeout
+    DrainingServer(config, app.state.drain, shutdown_timeout).run()
     return 0

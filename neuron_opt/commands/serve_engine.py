@@ -13,7 +13,14 @@ from neuron_opt.commands.generate import bundled_speculation, resolve_artifact_a
 from neuron_opt.commands.lora_flags import parse_lora_modules
 from neuron_opt.errors import ConfigError
 from neuron_opt.hub import hub_id
-from neuron_opt.server.limits import PROMPT_CHARS_PER_TOKEN, ServerLimits
+from neuron_opt.server.limits import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+    MAX_HEADER_BYTES,
+    PROMPT_CHARS_PER_TOKEN,
+    LoraRuntimeLoading,
+    ServerLimits,
+)
 
 # the ServerLimits fields set by flags of the same name (--max-body-bytes -> max_body_bytes), and their help
 LIMIT_FLAGS = {
@@ -27,6 +34,10 @@ LIMIT_FLAGS = {
                         "chat_template_kwargs",
     "max_messages": "chat messages per request",
     "max_embedding_inputs": "inputs per /v1/embeddings request",
+    "max_grammar_repeat": "the cap on counts in a request's grammar (maxLength, maxItems, {m,n} in patterns, regexes "
+    "and EBNF): larger upper bounds are lowered to it, larger lower bounds refused",
+    "max_grammar_compiles": "grammars compiled at once, in a pool of their own (more wait; past 16x as many: 503)",
+    "grammar_compile_timeout": "seconds a grammar may take to compile before its request is refused",
 }
 
 
@@ -40,6 +51,37 @@ def api_key(args: argparse.Namespace) -> str | None:
 def server_limits(args: argparse.Namespace) -> ServerLimits:
     """The request limits the flags set."""
     return ServerLimits(**{name: getattr(args, name) for name in LIMIT_FLAGS})
+
+
+def lora_runtime_loading(args: argparse.Namespace) -> LoraRuntimeLoading | None:
+    """What /v1/load_lora_adapter may load: None unless --enable-lora-runtime-loading (or vLLM's
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING), which needs --lora-runtime-root."""
+    if not (args.enable_lora_runtime_loading or envs.ALLOW_RUNTIME_LORA_UPDATING):
+        for flag, value in (("--lora-runtime-root", args.lora_runtime_root), ("--max-cpu-loras", args.max_cpu_loras)):
+            if value is not None:
+                raise ConfigError(f"{flag}: needs --enable-lora-runtime-loading", param=flag[2:].replace("-", "_"))
+        return None
+    if args.lora_runtime_root is None:
+        raise ConfigError("--enable-lora-runtime-loading: give --lora-runtime-root DIR, the only directory adapters "
+                          "load from", param="lora_runtime_root")
+    if args.max_cpu_loras is None:
+        return LoraRuntimeLoading(Path(args.lora_runtime_root))
+    return LoraRuntimeLoading(Path(args.lora_runtime_root), args.max_cpu_loras)
+
+
+def uvicorn_limits(args: argparse.Namespace) -> dict[str, Any]:
+    """uvicorn's connection limits from `serve`'s flags: connections at once (past them 503), the idle keep-alive
+    timeout, and the bytes of a request's head (h11's incomplete event; past them 400)."""
+    connections = DEFAULT_MAX_CONNECTIONS if args.max_connections is None else args.max_connections
+    keep_alive = DEFAULT_TIMEOUT_KEEP_ALIVE_S if args.timeout_keep_alive is None else args.timeout_keep_alive
+    if connections < 1:
+        raise ConfigError(f"--max-connections: must be >= 1, got {connections}", param="max_connections")
+    if keep_alive < 1:
+        raise ConfigError(f"--timeout-keep-alive: must be >= 1, got {keep_alive}", param="timeout_keep_alive")
+    if args.shutdown_timeout is not None and args.shutdown_timeout < 0:
+        raise ConfigError(f"--shutdown-timeout: must be >= 0, got {args.shutdown_timeout}", param="shutdown_timeout")
+    return {"limit_concurrency": connections, "timeout_keep_alive": keep_alive, "http": "h11",
+            "h11_max_incomplete_event_size": MAX_HEADER_BYTES}
 
 
 def served_name(args: argparse.Namespace) -> str:

@@ -26,7 +26,9 @@ prompts more than the scheduler's token budget allows (runtime/scheduler.py: chu
 preemption). With speculative decoding on that one call may be a verify of each row's proposed tokens instead,
 and a step may emit several tokens per request. Prefill chunks run up to the artifact's prefill batch per graph
 call. An abort frees its KV blocks at the start of the next step (at most one step later). A failing runner call
-fails only the requests in it (finish_reason "error"); the engine keeps serving.
+fails only the requests in it (finish_reason "error"); the engine keeps serving. A prefill call of several chunks
+that fails is run again one chunk per call, so only the request whose chunk fails (a token id past the model's
+vocabulary, say) fails; the others go on.
 """
 
 from __future__ import annotations
@@ -244,6 +246,19 @@ class Engine:
         the engine thread never wait for a compile."""
         return None if params.structured is None else self.grammars.compile(params.structured)
 
+    def check_admission(self, n: int = 1) -> None:
+        """QueueFullError unless `n` more requests would be admitted now: callers check before costly work for a
+        request (compiling its grammar); `add_request` checks again."""
+        with self._lock:
+            self._admit(n)
+
+    def _admit(self, n: int) -> None:
+        if self._pending + n > self.scheduler.max_num_seqs + self.max_waiting:
+            raise QueueFullError(
+                f"server busy: {self._pending} requests in flight "
+                f"({self.scheduler.max_num_seqs} running + {self.max_waiting} waiting); retry later"
+            )
+
     def add_request(
         self,
         request_id: str,
@@ -295,13 +310,12 @@ class Engine:
             except KeyError:
                 raise ConfigError(f"lora: no adapter named {lora!r} is loaded", param="model") from None
         with self._lock:
-            if self._pending >= self.scheduler.max_num_seqs + self.max_waiting:
+            try:
+                self._admit(1)
+            except QueueFullError:
                 if lora is not None:
                     self.loras.end_request(lora)  # type: ignore[union-attr]
-                raise QueueFullError(
-                    f"server busy: {self._pending} requests in flight "
-                    f"({self.scheduler.max_num_seqs} running + {self.max_waiting} waiting); retry later"
-                )
+                raise
             self._pending += 1
         req = Request(
             request_id,
@@ -422,9 +436,13 @@ class Engine:
             else:
                 logits = self.runner.prefill_rows(rows, candidates=self._candidates(sampled) if sampled else 1)
         except Exception as e:
+            if len(group) > 1:  # find the request that failed: each chunk alone (it rewrites only its own K/V)
+                log.warning("prefill of %d chunks failed (%r); running them one at a time", len(group), e)
+                for p in group:
+                    self._prefill((p,))
+                return
             log.error("prefill failed:\n%s", traceback.format_exc())
-            for p in group:
-                self._fail(p.request_id, f"prefill failed: {e}", e)
+            self._fail(group[0].request_id, f"prefill failed: {e}", e)
             return
         st = self.stats
         st.graph_s += time.perf_counter() - t0

@@ -22,6 +22,12 @@ Design decisions
   free-form objects of at most MAX_PROPERTIES members unless the schema says otherwise. An output of the bounded
   schema is valid under the original. `json_object` is such a schema too: an object nested at most
   JSON_OBJECT_DEPTH deep, with names and strings of bounded length.
+- Every count a request gives the grammar engine is capped at `max_repeat` (MAX_REPEAT unless the server sets it:
+  `serve --max-grammar-repeat`): `maxLength`, `maxItems`, `maxProperties` and the upper bound of a repeat `{m,n}`
+  in a pattern, regex or EBNF grammar are lowered to it (an output of the capped grammar is still valid under the
+  request's), and a lower bound past it (`minLength`, `minItems`, `minProperties`, `{m}`, `{m,n}`) is refused. A
+  structural tag gets the same treatment in every schema, pattern and grammar it holds. Input nested too deeply
+  to walk (RecursionError) is refused like any other invalid schema.
 - A request's `GrammarState` owns its matcher. The matcher ends on a stop token (EOS or the request's stop ids):
   once the grammar is complete only those are allowed, and the request ends the ordinary way. A terminated matcher
   ends the request even under ignore_eos.
@@ -49,6 +55,7 @@ NUMBER_BOUND = 10**15 - 1  # |number| of a number/integer schema without minimum
 JSON_OBJECT_DEPTH = 4  # nesting of `json_object` (an object of values; a value may hold objects and arrays)
 JSON_OBJECT_KEY_CHARS = 64  # a `json_object` member name's length
 JSON_OBJECT_STRING_CHARS = 1024  # a `json_object` string value's length
+MAX_REPEAT = 4096  # the largest count (string length, items, members, {m,n}) a request's grammar may give
 
 # Keywords xgrammar enforces (checked one by one: each changes the grammar and its outputs validate).
 _ENFORCED = frozenset({
@@ -154,28 +161,37 @@ def engine_pattern(pattern: str) -> str:
     return "".join(out)
 
 
-def bound_schema(schema: Any) -> Any:
-    """A copy of `schema` whose open ends are bounded (see the module docstring); its outputs are valid under
-    `schema` itself."""
+_CAPPED = (("minLength", "maxLength"), ("minItems", "maxItems"), ("minProperties", "maxProperties"))
+
+
+def bound_schema(schema: Any, max_repeat: int = MAX_REPEAT) -> Any:
+    """A copy of `schema` whose open ends are bounded and whose counts are capped at `max_repeat` (see the module
+    docstring); its outputs are valid under `schema` itself. ConfigError for a lower bound past `max_repeat`."""
     if not isinstance(schema, dict):
         return schema
     out: dict[str, Any] = {}
     for key, value in schema.items():
         if key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: bound_schema(sub) for name, sub in value.items()}
+            out[key] = {name: bound_schema(sub, max_repeat) for name, sub in value.items()}
         elif key in _SCHEMA_LISTS and isinstance(value, list):
-            out[key] = [bound_schema(sub) for sub in value]
+            out[key] = [bound_schema(sub, max_repeat) for sub in value]
         elif key in _SCHEMA_ONE:
-            out[key] = bound_schema(value)
+            out[key] = bound_schema(value, max_repeat)
         else:
             out[key] = value
     if out.get("format") in _FORMAT_PATTERNS:
         out["pattern"] = _FORMAT_PATTERNS[out.pop("format")]
 
     if isinstance(out.get("pattern"), str):
-        out["pattern"] = engine_pattern(out["pattern"])
+        out["pattern"] = cap_repeats(engine_pattern(out["pattern"]), max_repeat, "pattern")
     if isinstance(out.get("patternProperties"), dict):
-        out["patternProperties"] = {engine_pattern(k): v for k, v in out["patternProperties"].items()}
+        out["patternProperties"] = {cap_repeats(engine_pattern(k), max_repeat, "pattern"): v
+                                    for k, v in out["patternProperties"].items()}
+    for low, high in _CAPPED:
+        if isinstance(out.get(low), int) and out[low] > max_repeat:
+            raise _bad(f"JSON schema {low!r} {out[low]} is past this server's bound on grammar counts ({max_repeat})")
+        if isinstance(out.get(high), int) and out[high] > max_repeat:
+            out[high] = max_repeat
     types = _types(out)
     if types & {"number", "integer"} and "enum" not in out and "const" not in out:
         if "minimum" not in out and "exclusiveMinimum" not in out:
@@ -188,6 +204,86 @@ def bound_schema(schema: Any) -> Any:
     if "object" in types and free and "maxProperties" not in out:
         out["maxProperties"] = max(MAX_PROPERTIES, out.get("minProperties", 0)) + len(out.get("properties", {}))
     return out
+
+
+_REPEAT = re.compile(r"\{([0-9]+)(,([0-9]*))?\}")
+
+
+def cap_repeats(text: str, max_repeat: int, what: str, ebnf: bool = False) -> str:
+    """`text` (a regex, or with `ebnf` an EBNF grammar) with the upper bound of every repeat `{m,n}` lowered to
+    `max_repeat`; ConfigError for a lower bound past it. Escapes, character classes and (EBNF) string literals are
+    skipped: a brace there is a character, not a repeat."""
+    out, i, n = [], 0, len(text)
+    while i < n:
+        ch = text[i]
+        if ch == "\\":
+            out.append(text[i:i + 2])
+            i += 2
+            continue
+        if ch == "[" or (ebnf and ch in "\"'"):
+            end = _literal_end(text, i, "]" if ch == "[" else ch)
+            out.append(text[i:end])
+            i = end
+            continue
+        m = _REPEAT.match(text, i) if ch == "{" else None
+        if m is None:
+            out.append(ch)
+            i += 1
+            continue
+        low, comma, high = m.group(1), m.group(2), m.group(3)
+        if len(low) > 9 or int(low) > max_repeat:
+            raise _bad(f"{what}: the repeat count {{{low}}} is past this server's bound on grammar counts "
+                       f"({max_repeat})")
+        if comma is None or not high or (len(high) <= 9 and int(high) <= max_repeat):
+            out.append(m.group(0))
+        else:
+            out.append(f"{{{low},{max_repeat}}}")
+        i = m.end()
+    return "".join(out)
+
+
+def _literal_end(text: str, start: int, close: str) -> int:
+    """The index after the `close` that ends the class or string opened at `start` (escapes skipped)."""
+    i = start + 1
+    if close == "]" and text.startswith("]", i):  # `[]...]`: a leading ] is a member
+        i += 1
+    while i < len(text):
+        if text[i] == "\\":
+            i += 2
+        elif text[i] == close:
+            return i + 1
+        else:
+            i += 1
+    return len(text)
+
+
+def bound_structural_tag(text: str, max_repeat: int) -> str:
+    """A structural tag (JSON text) with every JSON schema in it checked and bounded (`json_schema` / `schema`
+    members) and every regex (`pattern` / `regex`) and EBNF grammar (`grammar` / `ebnf`) capped."""
+    try:
+        tag = json.loads(text)
+    except ValueError as e:
+        raise _bad(f"structural tag is not valid JSON: {e}") from None
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for key, value in node.items():
+            if key in ("json_schema", "schema") and isinstance(value, dict | bool):
+                check_schema(value)
+                out[key] = bound_schema(value, max_repeat)
+            elif key in ("pattern", "regex") and isinstance(value, str):
+                out[key] = cap_repeats(value, max_repeat, f"structural tag {key}")
+            elif key in ("grammar", "ebnf") and isinstance(value, str):
+                out[key] = cap_repeats(value, max_repeat, f"structural tag {key}", ebnf=True)
+            else:
+                out[key] = walk(value)
+        return out
+
+    return json.dumps(walk(tag))
 
 
 def json_object_schema(depth: int = JSON_OBJECT_DEPTH) -> dict[str, Any]:
@@ -227,6 +323,7 @@ class StructuredOutputs:
         grammar: an EBNF (GBNF) grammar whose start rule is `root`.
         json_object: any JSON object.
         structural_tag: an xgrammar structural tag (JSON text): free text with constrained regions.
+        max_repeat: the cap on every count the grammar gives (see the module docstring).
     """
 
     json: dict[str, Any] | str | None = None
@@ -235,6 +332,7 @@ class StructuredOutputs:
     grammar: str | None = None
     json_object: bool = False
     structural_tag: str | None = None
+    max_repeat: int = MAX_REPEAT
 
     def __post_init__(self) -> None:
         given = [n for n in ("json", "regex", "choice", "grammar", "structural_tag") if getattr(self, n) is not None]
@@ -249,7 +347,14 @@ class StructuredOutputs:
                 raise _bad(f"structured outputs: {name} must not be empty")
 
     def spec(self) -> GrammarSpec:
-        """The canonical spec: JSON schemas checked (ConfigError naming an unsupported keyword) and bounded."""
+        """The canonical spec: JSON schemas checked (ConfigError naming an unsupported keyword) and bounded, every
+        count capped at `max_repeat`; ConfigError for input nested too deeply to walk."""
+        try:
+            return self._spec()
+        except RecursionError:
+            raise _bad("structured outputs: the schema or grammar is nested too deeply") from None
+
+    def _spec(self) -> GrammarSpec:
         if self.json_object:
             return GrammarSpec("json", json.dumps(json_object_schema(), sort_keys=True))
         if self.json is not None:
@@ -260,15 +365,15 @@ class StructuredOutputs:
                 except ValueError as e:
                     raise _bad(f"JSON schema is not valid JSON: {e}") from None
             check_schema(schema)
-            return GrammarSpec("json", json.dumps(bound_schema(schema)))
+            return GrammarSpec("json", json.dumps(bound_schema(schema, self.max_repeat)))
         if self.choice is not None:  # EBNF string literals take JSON's escapes
             return GrammarSpec("grammar", "root ::= " + " | ".join(json.dumps(c) for c in self.choice))
         if self.regex is not None:
-            return GrammarSpec("regex", self.regex)
+            return GrammarSpec("regex", cap_repeats(self.regex, self.max_repeat, "regex"))
         if self.grammar is not None:
-            return GrammarSpec("grammar", self.grammar)
+            return GrammarSpec("grammar", cap_repeats(self.grammar, self.max_repeat, "grammar", ebnf=True))
         assert self.structural_tag is not None
-        return GrammarSpec("structural_tag", self.structural_tag)
+        return GrammarSpec("structural_tag", bound_structural_tag(self.structural_tag, self.max_repeat))
 
 
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+\.cc:\d+: (Check failed: \(.*?\) is false: )?")
@@ -320,7 +425,7 @@ class GrammarCompiler:
             if spec.kind == "grammar":
                 return c.compile_grammar(spec.text)
             return c.compile_structural_tag(spec.text)
-        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse and conversion errors
+        except Exception as e:  # xgrammar's parse and conversion errors, whatever their class: this request's only
             raise _bad(f"{_KIND_NAMES[spec.kind]} does not compile: {_CPP_PREFIX.sub('', str(e)).strip()}") from None
 
     def state(self, structured: StructuredOutputs, stop_token_ids: tuple[int, ...] = (),

@@ -3,14 +3,15 @@
 Design decisions
 - Bodies are parsed by us (`model_validate_json` on the raw bytes), not by FastAPI's injection, so malformed
   JSON and wrong types are 400 BadRequestError with the field named — never FastAPI's 422 or a 500.
-- User input never causes a 500: invalid parameters and over-long prompts are 400, an unknown model is 404, a
-  body past `--max-body-bytes` is 413 (refused from its Content-Length, or as soon as a chunked body passes the
-  bound: never buffered beyond it), a full queue is 503 with `Retry-After`. A 500 means a bug or a failing
-  backend; its body says only a request id, under which the details are logged, and the server stays up.
+- User input never causes a 500: invalid parameters, over-long prompts and input nested too deeply to parse
+  (RecursionError) are 400, an unknown model is 404, a body past `--max-body-bytes` is 413 (refused from its
+  Content-Length, or as soon as a chunked body passes the bound: never buffered beyond it), a full queue is 503
+  with `Retry-After`. A 500 means a bug or a failing backend; its body says only a request id, under which the
+  details are logged, and the server stays up.
 - Every refusal is counted on `/metrics`: `neuron_opt:request_rejected_total{reason}`.
 - `/docs`, `/redoc` and `/openapi.json` are off unless `serve --enable-docs`.
-- The engine starts with the app (lifespan) and stops after uvicorn has drained in-flight requests (SIGTERM:
-  uvicorn stops accepting, waits for open responses to finish, then runs the lifespan shutdown).
+- The engine starts with the app (lifespan) and stops after the server has drained in-flight requests (SIGTERM:
+  new requests get 503 with Retry-After, `/health` 503, open responses finish; server/drain.py).
 - With an API key (`serve --api-key`), every `/v1/*` route and `/tokenize`, `/detokenize` need
   `Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY` (compared in constant time); `/health` and
   `/metrics` stay open, as in vLLM.
@@ -34,9 +35,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from neuron_opt.errors import NeuronOptError, QueueFullError
 from neuron_opt.runtime.engine import Engine
 from neuron_opt.server.anthropic import AnthropicServing, CountTokensRequest, MessagesRequest, anthropic_error
+from neuron_opt.server.drain import Drain, DrainMiddleware
 from neuron_opt.server.embeddings import EmbeddingRequest, EmbeddingServing
 from neuron_opt.server.limits import ServerLimits
-from neuron_opt.server.lora_routes import add_lora_routes, lora_cards
+from neuron_opt.server.lora_routes import LoraRuntimeLoading, add_lora_routes, lora_cards
 from neuron_opt.server.metrics import ServerMetrics
 from neuron_opt.server.protocol import (
     ChatCompletionRequest,
@@ -65,7 +67,7 @@ def error_body(status: int, message: str, type_: str, param: str | None = None) 
 
 
 def error_response(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, type_, param), status)
+    return JSONResponse(error_body(status, message, type_, param), status, headers=error_headers(status))
 
 
 def bad_request(message: str, param: str | None = None) -> JSONResponse:
@@ -128,6 +130,8 @@ def error_payload(e: Exception) -> tuple[int, dict[str, Any]]:
         return body(413, str(e), "RequestTooLargeError")
     if isinstance(e, QueueFullError):
         return body(503, str(e), "ServiceUnavailableError")
+    if isinstance(e, RecursionError):  # input nested past what a parser walks, wherever it was caught late
+        return body(400, "the request is nested too deeply to parse", "BadRequestError")
     if isinstance(e, NeuronOptError) and isinstance(e, ValueError):  # ConfigError (ranges), ContextLengthError
         return body(400, str(e), "BadRequestError", e.param)  # set where it was raised, never read off the message
     return body(500, internal_error_message(e), "InternalServerError")  # never the exception's text
@@ -215,12 +219,14 @@ def create_app(
     enable_docs: bool = False,
     enable_tokenizer_info: bool = False,
     enable_store: bool = False,
+    lora_runtime: LoraRuntimeLoading | None = None,
 ) -> FastAPI:
     """The single-process server's app. `api_key`: required on the `/v1/*` and tokenizer routes; `tool_parser`,
     `reasoning_parser`, `limits`: see OpenAIServing; `enable_docs`: serve `/docs`, `/redoc` and `/openapi.json`;
     `enable_tokenizer_info`: serve vLLM's `GET /tokenizer_info` (the tokenizer's configuration, chat template
     included); `enable_store`: keep /v1/responses results for `previous_response_id` and `GET /v1/responses/{id}`
-    (server/responses.py)."""
+    (server/responses.py); `lora_runtime`: what `/v1/load_lora_adapter` may load (None: runtime loading off).
+    `app.state.drain` is the app's Drain (SIGTERM: server/drain.py)."""
     metrics = engine_metrics(engine, model_name, max_model_len)
     serving = OpenAIServing(engine, tokenizer, encode_chat, model_name, metrics, max_model_len,
                             tool_parser=tool_parser, reasoning_parser=reasoning_parser, limits=limits)
@@ -255,6 +261,13 @@ def create_app(
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, metrics=metrics)
 
+    def draining() -> JSONResponse:
+        metrics.request_rejected(503)
+        return error_response(503, "the server is shutting down; retry on another replica", "ServiceUnavailableError")
+
+    app.state.drain = Drain()
+    app.add_middleware(DrainMiddleware, drain=app.state.drain, refusal=draining)  # the outermost: it counts all
+
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200 if engine.is_alive() else 503)
@@ -273,7 +286,7 @@ def create_app(
         }
         return {"object": "list", "data": [card, *lora_cards(engine, model_name, max_model_len)]}
 
-    add_lora_routes(app, engine, model_name, lambda request, model: _parse(request, model, max_body))
+    add_lora_routes(app, engine, model_name, lambda request, model: _parse(request, model, max_body), lora_runtime)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -106,7 +106,7 @@ class EmbeddingServing:
         for item in items:
             ids = (await asyncio.to_thread(text_ids, s.engine.runner.model_config, s.tokenizer, item)
                    if isinstance(item, str) else list(item))
-            s._check_ids(ids, "input")
+            s._check_ids(ids, "input", s.vocab_size)
             prompts.append(ids)
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[RequestOutput]] = []

@@ -4,6 +4,14 @@
 Loading reads and validates the adapter in a worker thread (a bad one is a 400 naming the reason, and nothing of it
 stays registered); the engine thread writes it into a slot when a request first needs it. Unloading an adapter
 that a request in flight uses is a 400; an unknown one a 404.
+
+Runtime loading is off unless `serve --enable-lora-runtime-loading` (or vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING=true;
+both routes are a 404 saying so otherwise), and then:
+- adapters load only from under `--lora-runtime-root` (a path given relative to it, or absolute inside it; symlinks
+  resolved first). A path outside is refused with one message whether or not it exists, so the route tells nothing
+  about the filesystem outside the root;
+- at most `--max-cpu-loras` adapters are registered (those of `--lora-modules` count): one more is a 400;
+- one load runs at a time: another arriving meanwhile is a 503 with Retry-After.
 """
 
 from __future__ import annotations
@@ -16,7 +24,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from neuron_opt.errors import ConfigError
+from neuron_opt.errors import ConfigError, QueueFullError
+from neuron_opt.server.limits import LoraRuntimeLoading
 from neuron_opt.server.serving import NotFoundError
 
 
@@ -41,10 +50,15 @@ def lora_cards(engine: Any, model_name: str, max_model_len: int) -> list[dict[st
              "parent": model_name, "max_model_len": max_model_len, "permission": []} for name in loras.names()]
 
 
-def add_lora_routes(app: FastAPI, engine: Any, model_name: str, parse: Any) -> None:
-    """`parse(request, model)`: the app's bounded JSON body parser."""
+def add_lora_routes(app: FastAPI, engine: Any, model_name: str, parse: Any,
+                    runtime: LoraRuntimeLoading | None = None) -> None:
+    """`parse(request, model)`: the app's bounded JSON body parser; `runtime`: None keeps runtime loading off."""
+    loading = asyncio.Lock()
 
     def manager() -> Any:
+        if runtime is None:
+            raise NotFoundError("runtime LoRA adapter loading is off: start serve with --enable-lora-runtime-loading "
+                                "--lora-runtime-root DIR")
         loras = getattr(engine, "loras", None)
         if loras is None:
             raise ConfigError("lora: this model was compiled without --enable-lora; it serves no adapters",
@@ -53,17 +67,27 @@ def add_lora_routes(app: FastAPI, engine: Any, model_name: str, parse: Any) -> N
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> PlainTextResponse:
+        loras = manager()
         req = await parse(request, LoadLoraAdapterRequest)
         if req.lora_name == model_name:
             raise ConfigError(f"lora_name: {req.lora_name!r} is the base model's name", param="lora_name")
-        await asyncio.to_thread(manager().register, req.lora_name, req.lora_path)
+        assert runtime is not None  # manager() refused otherwise
+        path = runtime.resolve(req.lora_path)
+        if loading.locked():
+            raise QueueFullError("another LoRA adapter is loading; retry later")
+        async with loading:
+            if len(loras.names()) >= runtime.max_cpu_loras:
+                raise ConfigError(f"lora_name: {runtime.max_cpu_loras} adapters are registered, the most this server "
+                                  "keeps (--max-cpu-loras); unload one first", param="lora_name")
+            await asyncio.to_thread(loras.register, req.lora_name, path)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> PlainTextResponse:
+        loras = manager()
         req = await parse(request, UnloadLoraAdapterRequest)
         try:
-            manager().unregister(req.lora_name)
+            loras.unregister(req.lora_name)
         except KeyError:
             raise NotFoundError(f"The lora adapter `{req.lora_name}` cannot be found.") from None
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")

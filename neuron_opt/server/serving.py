@@ -7,9 +7,10 @@ then take its KV blocks from the prefix cache. When the client goes away the res
 or a watcher notices (non-streaming), and the unfinished samples are aborted so that their KV blocks are freed.
 
 Work that can take long runs in worker threads, never on the event loop: tokenizing prompts, rendering chat
-templates and compiling grammars (the engine thread never compiles one either: it gets them compiled). Before any
-of it, the request's sizes are checked against the server's limits (`check_limits`: prompt characters, stop
-strings, schemas), so what that work costs is bounded before it starts.
+templates in the default executor, grammars in a bounded pool of their own with a timeout (server/grammar_pool.py;
+the engine thread never compiles one either: it gets them compiled). Before any of it, the request's sizes are
+checked against the server's limits (`check_limits`: prompt characters, stop strings, schemas), and before a
+grammar compiles, the engine's admission (queue full: 503), so what that work costs is bounded before it starts.
 
 A 500 (a bug or a failing backend) tells the client only an error id; the details go to the server log under it.
 """
@@ -31,6 +32,7 @@ from neuron_opt.errors import NeuronOptError
 from neuron_opt.runtime.engine import Engine
 from neuron_opt.runtime.output import RequestOutput, TokenLogprob
 from neuron_opt.runtime.sampling import SamplingParams
+from neuron_opt.server.grammar_pool import GrammarPool
 from neuron_opt.server.limits import ServerLimits
 from neuron_opt.server.metrics import ServerMetrics
 from neuron_opt.server.protocol import (
@@ -109,6 +111,7 @@ class OpenAIServing:
         self.reasoning_parser = reasoning_parser
         self.limits = limits or ServerLimits()
         self.vocab_size = engine.runner.vocab_size
+        self.grammars = GrammarPool(lambda params: engine.compile_grammar(params), self.limits)
 
     # ---- shared --------------------------------------------------------------------------------------
 
@@ -139,9 +142,11 @@ class OpenAIServing:
     def _token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def _check_ids(self, ids: list[int], field_name: str, vocab_size: int | None = None) -> None:
-        bound = len(self.tokenizer) if vocab_size is None else vocab_size
-        if any(not 0 <= t < bound for t in ids):
+    @staticmethod
+    def _check_ids(ids: list[int], field_name: str, vocab_size: int) -> None:
+        """Token ids of a request against a vocabulary: the model's (its embedding rows, config vocab_size) for ids
+        it runs, the tokenizer's for ids it decodes."""
+        if any(not 0 <= t < vocab_size for t in ids):
             raise ProtocolError(f"{field_name} token ids must be in [0, vocab size)", field_name)
 
     async def _tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -162,8 +167,12 @@ class OpenAIServing:
         ContextLengthError / ConfigError (their `param` naming the request's field) / QueueFullError; nothing stays
         queued when any sample is refused."""
         with _request_fields(req):
-            grammar = None if params.structured is None else await asyncio.to_thread(
-                self.engine.compile_grammar, params)
+            self.engine.check_admission(req.num_samples)  # a request the engine refuses costs no compile
+            grammar = None
+            if params.structured is not None:
+                params = dataclasses.replace(params, structured=dataclasses.replace(
+                    params.structured, max_repeat=self.limits.max_grammar_repeat))
+                grammar = await self.grammars.compile(params)
             loop = asyncio.get_running_loop()
             q: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
             rids: list[str] = []
@@ -271,7 +280,7 @@ class OpenAIServing:
         self._check_ids(req.stop_token_ids or [], "stop_token_ids", self.vocab_size)
         prompt = req.prompt_input()
         ids = await self._tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        self._check_ids(ids, "prompt")
+        self._check_ids(ids, "prompt", self.vocab_size)
         with _request_fields(req):
             params = req.sampling_params(len(ids), self.max_model_len, self.vocab_size)
         if params.prompt_logprobs is not None and not self.engine.runner.all_position_logits:
@@ -338,6 +347,7 @@ class OpenAIServing:
         req.check_limits(self.limits, self.max_model_len)
         self._check_ids(req.stop_token_ids or [], "stop_token_ids", self.vocab_size)
         ids, tools = await self._chat_prompt(req)
+        self._check_ids(ids, "messages", self.vocab_size)  # a tokenizer may know more ids than the model has rows
         active = tools is not None and tools.active
         parser, thinker = self.tool_parser, self.reasoning_parser
         start = Start.NONE if thinker is None else thinker.start(
@@ -493,7 +503,7 @@ class OpenAIServing:
     async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         self.check_model(req.model)
         req.check_limits(self.limits, self.max_model_len)
-        self._check_ids(req.tokens, "tokens")
+        self._check_ids(req.tokens, "tokens", len(self.tokenizer))
         return {"prompt": await asyncio.to_thread(self.tokenizer.decode, req.tokens)}
 
 

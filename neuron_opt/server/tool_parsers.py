@@ -62,7 +62,7 @@ def _call(obj: Any, args_key: str = "arguments") -> ParsedCall | None:
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past what the parser walks: not a call
             return None
     return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
 
@@ -80,7 +80,7 @@ def _objects(text: str, start: int, sep: str) -> tuple[list[Any], int, bool]:
             return out, i, True
         try:
             obj, end = dec.raw_decode(text, i)
-        except ValueError:
+        except (ValueError, RecursionError):
             return out, i, False
         out.append(obj)
         i = end

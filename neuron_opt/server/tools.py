@@ -150,6 +150,8 @@ def _arguments(text: str) -> Any:
     except ValueError:
         raise ConfigError(f"messages: a tool call's function.arguments is not JSON: {text[:80]!r}",
                           param="messages") from None
+    except RecursionError:
+        raise ConfigError("messages: a tool call's function.arguments is nested too deeply", param="messages") from None
 
 
 def _openai_tool(t: ToolSpec, description: str | None) -> dict[str, Any]:

@@ -257,3 +257,30 @@ def test_graph_that_cannot_load_is_an_artifact_error_naming_it(artifact, tmp_pat
     art = cpu_artifact_with_graphs(artifact, tmp_path / "cpu", so_bytes)
     with pytest.raises(ArtifactError, match=r"graphs/rank0/cpu/layer_\w+\.so: cannot be loaded as a compiled graph"):
         LLM(art)
+
+
+def test_a_compile_that_cannot_write_leaves_no_half_artifact(tiny_dir, tmp_path):
+    """A write that fails mid-compile (here RLIMIT_FSIZE: write() raises EFBIG past 1 MiB, the same OSError path a
+    full disk's ENOSPC takes) leaves the artifact that was there untouched and no temporary directory behind."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    from helpers import compile_tiny_eager
+
+    out = compile_tiny_eager(tiny_dir, tmp_path / "art")
+    before = {p.name: sha256_file(p) for p in out.rglob("*") if p.is_file()}
+
+    def small_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of the process being killed
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+    argv = [sys.executable, "-m", "neuron_opt.cli", "compile", "--model", str(tiny_dir("smollm-tok")), "--backend",
+            "eager", "--max-model-len", "128", "--prefill-buckets", "16", "--decode-buckets", "128", "--no-cache",
+            "--out", str(out), "--force"]
+    r = subprocess.run(argv, preexec_fn=small_files, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode != 0 and "File too large" in r.stdout + r.stderr, r.stdout + r.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["art"]
+    assert {p.name: sha256_file(p) for p in out.rglob("*") if p.is_file()} == before

@@ -17,6 +17,7 @@ from neuron_opt.lora.adapter import read_adapter
 from neuron_opt.lora.config import LoraConfig
 from neuron_opt.lora.registry import LoRARequest
 from neuron_opt.runtime.sampling import SamplingParams
+from neuron_opt.server.limits import LoraRuntimeLoading
 
 peft = pytest.importorskip("peft")
 from peft_adapters import hf_greedy, make_adapter  # noqa: E402
@@ -295,15 +296,27 @@ def test_openai_client_selects_adapters_by_model_and_loads_at_run_time(qwen, tmp
     want = {n: llm.generate_ids(PROMPTS[0], GREEDY, LoRARequest(n, str(adapters[n])) if n else None).text
             for n in (None, "all8", "mlp2")}
     assert len(set(want.values())) == 3
-    bad = _edit_config(adapters["all8"], tmp_path / "bad", bias="all")
-    with live_server(llm, 4) as (url, engine):
+    root = adapters["all8"].parent  # runtime loading reads only under it
+    bad = _edit_config(adapters["all8"], root / "bad-bias", bias="all")
+    with live_server(llm, 4) as (url, engine):  # runtime loading off (the default): both routes are 404
+        for route in ("load", "unload"):
+            r = httpx.post(url + f"/v1/{route}_lora_adapter", json={"lora_name": "all8", "lora_path": "all8"})
+            assert r.status_code == 404 and "--enable-lora-runtime-loading" in r.json()["error"]["message"], r.text
+    with live_server(llm, 4, lora_runtime=LoraRuntimeLoading(root, max_cpu_loras=2)) as (url, engine):
         engine.loras.register("mlp2", adapters["mlp2"])  # as `serve --lora-modules mlp2=...` does
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["tiny", "mlp2"]
-        r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "all8", "lora_path": str(adapters["all8"])})
-        assert r.status_code == 200, r.text
+        outside = [tmp_path, tmp_path / "no-such-dir", root / ".." / "elsewhere", "/etc", "../../../../etc/passwd"]
+        answers = {httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(p)}).text
+                   for p in outside}  # one answer, whether or not the path exists: nothing learnt outside the root
+        assert len(answers) == 1 and "under the server's --lora-runtime-root" in answers.pop()
         r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "broken", "lora_path": str(bad)})
         assert r.status_code == 400 and "bias" in r.json()["error"]["message"]
+        r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "all8", "lora_path": "all8"})
+        assert r.status_code == 200, r.text
+        r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "attn4", "lora_path": str(adapters["attn4"])})
+        assert r.status_code == 400 and "--max-cpu-loras" in r.json()["error"]["message"], r.text
+
         cards = client.models.list().data
         assert [m.id for m in cards] == ["tiny", "mlp2", "all8"]
         assert cards[2].model_dump()["parent"] == "tiny"

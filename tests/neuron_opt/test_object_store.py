@@ -7,9 +7,11 @@ LLM("s3://...") and the CLI (compile --out s3://, generate s3://, pull --out) ag
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import shutil
 import socket
 import time
 
@@ -253,3 +255,129 @@ def test_cli_compile_to_s3_then_generate_and_pull(tiny_dir, art, endpoint, cache
     assert _local_files(tmp_path / "copy") == _local_files(local[0])
     assert main(["inspect", uri, "--s3-endpoint-url", endpoint]) == 0
     assert "verified" in capsys.readouterr().out
+
+
+# ---- storage faults ----------------------------------------------------------------------------------------
+# Injected with botocore's own event hook `before-send.s3.<Operation>` on the real clients (registered on boto3's
+# default session, whose clients copy its handlers): a handler that returns a response stands in for the store's
+# answer, one that raises stands in for the network; botocore's retry logic and s3transfer's download loop run
+# unchanged on what it returns. moto's server cannot answer 503 SlowDown or cut a body short by itself.
+
+
+@contextlib.contextmanager
+def faults(operation: str, respond, received=None):
+    """Each call of `operation` (an S3 API name) goes through `respond(request, n)` (n: 1 for the first call):
+    it returns an AWSResponse (the store's answer), raises (the network failed), or returns None (sent for real);
+    `received(parsed, n)` sees each parsed response. Yields the list of calls' URLs."""
+    import boto3
+
+    boto3.setup_default_session()
+    calls: list[str] = []
+
+    def before(request, **_):
+        calls.append(request.url)
+        return respond(request, len(calls))
+
+    boto3.DEFAULT_SESSION.events.register(f"before-send.s3.{operation}", before)
+    if received is not None:
+        boto3.DEFAULT_SESSION.events.register(f"after-call.s3.{operation}",
+                                              lambda parsed, **_: received(parsed, len(calls)))
+    try:
+        yield calls
+    finally:
+        boto3.DEFAULT_SESSION = None
+
+
+class _Body:
+    """An error response's body, as botocore reads it (`stream`)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def stream(self, *_a, **_k):
+        yield self.data
+
+
+class _Cut:
+    """A response body's socket stream that ends after `n` bytes (the connection closed mid-object)."""
+
+    def __init__(self, raw, n: int) -> None:
+        self.raw, self.left = raw, n
+
+    def read(self, amt=None, **_):
+        data = self.raw.read(self.left if amt is None else min(amt, self.left))
+        self.left -= len(data)
+        return data
+
+
+SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code><Message>Please reduce your '
+             b"request rate.</Message></Error>")
+
+
+def test_throttling_resets_and_short_reads_are_retried(art, endpoint, cache):
+    from botocore.awsrequest import AWSResponse
+    from botocore.exceptions import ConnectionClosedError
+
+    uri = f"s3://{BUCKET}/flaky"
+    object_store.push(art, uri, endpoint_url=endpoint, progress=False)
+    weights: list[int] = []  # the calls (n) that fetched the weights file
+
+    def flaky(request, n):
+        if n <= 2:  # the manifest's GET: throttled twice (S3's 503 SlowDown)
+            return AWSResponse(request.url, 503, {"Content-Type": "application/xml"}, _Body(SLOW_DOWN))
+        if "rank0.safetensors" in request.url:
+            weights.append(n)
+            if len(weights) == 1:  # the connection drops before an answer
+                raise ConnectionClosedError(endpoint_url=request.url)
+        return None
+
+    def short(parsed, n):
+        if len(weights) == 2 and weights[-1] == n:  # the second try's body ends half-way (a short read)
+            body = parsed["Body"]
+            body._raw_stream = _Cut(body._raw_stream, parsed["ContentLength"] // 2)
+
+    with faults("GetObject", flaky, short) as calls:
+        local = object_store.pull(uri, endpoint_url=endpoint, progress=False)
+    assert calls[:3] == [calls[0]] * 3 and len(weights) == 3, calls
+    assert _local_files(local) == _local_files(art)
+
+
+def test_a_truncated_object_fails_clearly_and_nothing_lands(art, endpoint, cache):
+    uri = f"s3://{BUCKET}/truncated"
+    object_store.push(art, uri, endpoint_url=endpoint, progress=False)
+    s3 = object_store.client(endpoint)
+    w = (art / "weights" / "rank0.safetensors").read_bytes()
+    s3.put_object(Bucket=BUCKET, Key="truncated/weights/rank0.safetensors", Body=w[: len(w) // 3])
+    with pytest.raises(ArtifactError, match=r"rank0\.safetensors: sha256 does not match"):
+        object_store.pull(uri, endpoint_url=endpoint, progress=False)
+    assert list(cache.iterdir()) == []  # neither a partial copy nor a temporary directory
+
+
+def test_a_cached_copy_is_used_only_when_its_manifest_equals_the_stores(art, endpoint, cache, tmp_path):
+    uri = f"s3://{BUCKET}/stale"
+    object_store.push(art, uri, endpoint_url=endpoint, progress=False)
+    old = object_store.pull(uri, endpoint_url=endpoint, progress=False)
+    # the prefix gets a new artifact (here: the same files, another manifest): the next pull is a new copy
+    other = tmp_path / "other"
+    shutil.copytree(art, other)
+    raw = json.loads((other / MANIFEST).read_bytes())
+    raw["source"]["model"] = "elsewhere"
+    raw["digest"] = manifest_digest(raw)
+    (other / MANIFEST).write_bytes(json.dumps(raw).encode())
+    object_store.push(other, uri, endpoint_url=endpoint, force=True, progress=False)
+    new = object_store.pull(uri, endpoint_url=endpoint, progress=False)
+    assert new != old and (new / MANIFEST).read_bytes() == (other / MANIFEST).read_bytes()
+    # a cached copy whose manifest was swapped for another (valid) one is downloaded again
+    (new / MANIFEST).write_bytes((old / MANIFEST).read_bytes())
+    assert object_store.pull(uri, endpoint_url=endpoint, progress=False) == new
+    assert (new / MANIFEST).read_bytes() == (other / MANIFEST).read_bytes()
+
+
+def test_an_empty_trusted_key_set_is_an_error(art, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["inspect", str(art), "--trusted-keys", ""])
+    assert exit_.value.code == 2
+    assert "an empty set of keys would accept any artifact" in capsys.readouterr().err
+    monkeypatch.setattr(envs, "TRUSTED_KEYS", ())  # NEURON_OPT_TRUSTED_KEYS="" or ","
+    with pytest.raises(ConfigError, match="NEURON_OPT_TRUSTED_KEYS is set but names no public-key file"):
+        LLM(str(art))

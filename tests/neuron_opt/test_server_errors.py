@@ -189,6 +189,8 @@ def test_param_comes_from_the_error_not_its_message():
         embeds = False  # a generation model's engine
         runner = type("Runner", (), {"vocab_size": 10})
 
+        def check_admission(self, n=1): ...
+
         def add_request(self, *a, **k):
             raise ConfigError("top_k: must not exceed max_tokens here", param="top_k")
 
@@ -229,24 +231,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_cli_prints_curl_and_sigterm_drains(tiny_dir):
+def _raw(port: int, request: bytes) -> bytes:
+    """Send `request` on a new connection; what the server answers before it closes the connection (or 30 s)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(request)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out
+
+
+def test_serve_cli_connection_limits_and_sigterm_drain(tiny_dir):
+    """`serve` as a process: its banner; uvicorn's connection bounds (connections at once, idle keep-alive, request
+    head size); then SIGTERM during a stream: new requests and /health get 503 with Retry-After, the stream runs to
+    its end, and the process exits 0."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("NEURON_OPT_NUM_THREADS", "NEURON_OPT_THREAD_POLICY")}
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "neuron_opt.cli",
-            "serve",
-            "--model",
-            str(tiny_dir("smollm-tok")),
-            "--port",
-            str(port),
-            "--max-num-seqs",
-            "2",
-            "--max-model-len",
-            "1024",
-        ],
+        [sys.executable, "-m", "neuron_opt.cli", "serve", "--model", str(tiny_dir("smollm-tok")), "--port", str(port),
+         "--max-num-seqs", "2", "--max-model-len", "1024", "--max-connections", "4", "--timeout-keep-alive", "1",
+         "--shutdown-timeout", "600"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -267,10 +271,26 @@ def test_serve_cli_prints_curl_and_sigterm_drains(tiny_dir):
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
+
+        # --max-connections 4: four idle connections held, the next request is refused
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+        time.sleep(0.5)  # the server has accepted them
+        assert httpx.get(url + "/health").status_code == 503
+        for s in idle:
+            s.close()
+        while httpx.get(url + "/health").status_code != 200:
+            assert time.monotonic() < deadline + 60
+            time.sleep(0.1)
+        # --timeout-keep-alive 1: an idle keep-alive connection is closed by the server (_raw returns at the close)
+        answer = _raw(port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 200") and answer.count(b"HTTP/1.1") == 1
+        # a request head that grows past 16 KiB unfinished (a client trickling headers): 400, connection closed
+        assert _raw(port, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 20_000).startswith(b"HTTP/1.1 400")
+
         events: list[tuple[float, str]] = []
         body = {
             "prompt": "drain me",
-            "max_tokens": 1000,
+            "max_tokens": 120,
             "temperature": 0,
             "stream": True,
             "ignore_eos": True,
@@ -278,7 +298,7 @@ def test_serve_cli_prints_curl_and_sigterm_drains(tiny_dir):
         }
 
         def consume() -> None:
-            with httpx.stream("POST", url + C, json=body, timeout=120) as r:
+            with httpx.stream("POST", url + C, json=body, timeout=300) as r:
                 for line in r.iter_lines():
                     if line:
                         events.append((time.monotonic(), line))
@@ -290,12 +310,20 @@ def test_serve_cli_prints_curl_and_sigterm_drains(tiny_dir):
             time.sleep(0.005)
         signalled = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        t.join(120)
-        # uvicorn re-raises the signal once it has shut down gracefully, so the exit status is -SIGTERM
-        assert proc.wait(60) in (0, -signal.SIGTERM)
+        while True:  # the signal is handled between two ticks of the server's loop
+            refused = httpx.post(url + C, json={"prompt": "new", "max_tokens": 2}, timeout=30)
+            if refused.status_code != 200:
+                break
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1", refused.text
+        assert refused.json()["error"]["type"] == "ServiceUnavailableError"
+        health = httpx.get(url + "/health")
+        assert health.status_code == 503 and health.headers["retry-after"] == "1"
+        assert t.is_alive()  # the stream was still running when the new request was refused
+        t.join(300)
+        assert proc.wait(60) == 0
         assert events[-1][1] == "data: [DONE]"
         usage = json.loads(events[-2][1][len("data: ") :])["usage"]
-        assert usage["completion_tokens"] == 1000  # the in-flight request ran to completion
+        assert usage["completion_tokens"] == 120  # the in-flight request ran to completion
         assert sum(ts > signalled for ts, _ in events) > 10  # ... and was still streaming after the signal
     finally:
         if proc.poll() is None:
