@@ -23,22 +23,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from neuron_opt.checkpoint.gguf import (
-    field,
-    gguf_config,
-    gguf_reader,
-    gguf_state_dict,
-    gguf_to_hf_name,
-    gguf_tokenizer,
-    gguf_weight_tensors,
-)
+from neuron_opt.checkpoint.gguf import check_types, gguf_names, gguf_reader, gguf_state_dict, gguf_tokenizer
+from neuron_opt.checkpoint.gguf_config import gguf_config
 from neuron_opt.config import ModelConfig
 from neuron_opt.errors import CheckpointError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-CACHE_VERSION = "v1"  # bump when the GGUF -> canonical conversion changes
+CACHE_VERSION = "v2"  # bump when the GGUF -> canonical conversion changes
 
 
 def gguf_meta_cached(path: Path, cache_dir: Path) -> tuple[ModelConfig, set[str]]:
@@ -51,10 +44,10 @@ def gguf_meta_cached(path: Path, cache_dir: Path) -> tuple[ModelConfig, set[str]
     except (OSError, ValueError, KeyError, TypeError):
         pass  # absent or damaged: rebuild
     reader = gguf_reader(path)
+    check_types(reader, path)
     cfg = gguf_config(reader, path)
-    arch = field(reader, "general.architecture")
     try:
-        names = {gguf_to_hf_name(t.name, arch) for t in gguf_weight_tensors(reader)}
+        names = gguf_names(reader, cfg)
     except CheckpointError as e:
         raise CheckpointError(f"checkpoint: {path}: {e}") from None
     fresh = {"config": cfg.to_dict(), "names": sorted(names)}

@@ -1,11 +1,14 @@
-"""GGUF files (llama.cpp) -> model config, canonical fp32 tensors (HF names) and tokenizer.
+"""GGUF files (llama.cpp) -> canonical fp32 tensors (HF names), the quantization they ship, and tokenizer (the
+config: neuron_opt.checkpoint.gguf_config).
 
 Design decisions
 - Weights are read only with `gguf` (never unpickled), and dequantized with gguf's own reference code
-  (`gguf.quants.dequantize`).
-- llama.cpp's converter permutes the rows of Llama q/k projections so that rotary pairs are interleaved (GPT-J
-  style). We undo that here, so everything downstream sees one (HF, rotate-half) layout. Qwen2 GGUFs are written
-  without the permutation, so none is undone for them.
+  (`gguf.quants.dequantize`). Every tensor type is checked against the types we read (neuron_opt.quant.gguf's
+  AUTO_FORMATS) from the header, before any tensor is read.
+- We undo what llama.cpp's converter does to the HF tensors, so everything downstream sees one (HF) layout: it
+  permutes the rows of Llama-style q/k projections so that rotary pairs are interleaved (GPT-J style; llama,
+  granite, smollm3 files); it stores Gemma's norms as 1 + w; it stacks the experts of a layer into one
+  [n_experts, out, in] tensor per projection.
 - Headers are walked with bounds checks first (neuron_opt.headers): a crafted file fails in time and memory
   bounded by its size, never by the counts it declares.
 - Reading is uncached here; neuron_opt.checkpoint.cache memoises the slow parts on disk.
@@ -13,7 +16,6 @@ Design decisions
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterator
 from dataclasses import replace
@@ -25,57 +27,92 @@ import numpy as np
 import torch
 
 from models.build import split_fused
-from neuron_opt.architectures import supported_architectures
+from neuron_opt.checkpoint.gguf_config import CONFIG_TENSORS, GGUF_ARCHS, field
 from neuron_opt.config import ModelConfig, QuantConfig
-from neuron_opt.errors import CheckpointError, UnsupportedModelError
+from neuron_opt.errors import CheckpointError
 from neuron_opt.headers import check_gguf
-from neuron_opt.quant.gguf import FUSED_LINEARS, LINEARS, native_config, q4_block_tensor
+from neuron_opt.quant.gguf import AUTO_FORMATS, FUSED_LINEARS, LINEARS, STORED_INT4, native_config, q4_block_tensor
 from neuron_opt.quant.weights import QuantTensor
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
-# GGUF `general.architecture` -> (HF architecture, HF model_type, q/k rows permuted by llama.cpp's converter)
-_GGUF_ARCHS: dict[str, tuple[str, str, bool]] = {
-    "llama": ("LlamaForCausalLM", "llama", True),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3", False),  # + per-head q/k norms (attn_q_norm, attn_k_norm)
-    # Phi-3 / 3.5 / 4-mini: fused attn_qkv and ffn_up (gate rows, then up), partial rotary, longrope's factor sets
-    # as the tensors rope_factors_long / rope_factors_short (read into the config, not weights)
-    "phi3": ("Phi3ForCausalLM", "phi3", False),
-}
-
-_GGUF_LAYER_NAMES = {
+# GGUF layer tensor -> HF name, as llama.cpp's converter maps them (gguf-py's tensor_mapping.py)
+_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
-# the names an architecture's layers use differently (HF's fused names: models.llama.split_fused splits them)
-_GGUF_ARCH_LAYER_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
-_GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-# tensors that hold config values, not weights (the architectures whose config reads them: _gguf_config)
-_GGUF_CONFIG_TENSORS = {"phi3": ("rope_factors_long.weight", "rope_factors_short.weight")}
+# the names an architecture's layers use differently: HF's fused names (models.llama.split_fused splits them),
+# the sandwich / post norms, the routers and shared experts
+_SANDWICH = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+             "post_ffw_norm": "post_feedforward_layernorm"}
+_ARCH_LAYER_NAMES = {
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "gemma2": _SANDWICH, "gemma3": _SANDWICH,
+    "olmo2": {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+    "qwen2moe": {"ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                 "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+                 "ffn_gate_inp_shexp": "mlp.shared_expert_gate"},
+    "qwen3moe": {"ffn_gate_inp": "mlp.gate"},
+    "mixtral": {"ffn_gate_inp": "block_sparse_moe.gate"},
+}
+# stacked experts: GGUF tensor -> the HF name of expert {e}'s part (one [n_experts, out, in] tensor per part)
+_QWEN_EXPERTS = {"ffn_gate_exps": "mlp.experts.{e}.gate_proj", "ffn_up_exps": "mlp.experts.{e}.up_proj",
+                 "ffn_down_exps": "mlp.experts.{e}.down_proj"}
+_EXPERT_NAMES = {
+    "mixtral": {"ffn_gate_exps": "block_sparse_moe.experts.{e}.w1", "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
+                "ffn_down_exps": "block_sparse_moe.experts.{e}.w2"},
+    "qwen2moe": _QWEN_EXPERTS, "qwen3moe": _QWEN_EXPERTS,
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
 def gguf_weight_tensors(reader: Any) -> list[Any]:
     """A GGUF file's weight tensors: all of them but the config values some architectures store as tensors."""
-    skip = _GGUF_CONFIG_TENSORS.get(field(reader, "general.architecture"), ())
+    skip = CONFIG_TENSORS.get(field(reader, "general.architecture"), ())
     return [t for t in reader.tensors if t.name not in skip]
 
 
-def gguf_to_hf_name(name: str, arch: str = "llama") -> str:
-    """GGUF tensor name -> HF name, e.g. `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; under
-    `arch` "phi3", the fused `blk.3.attn_qkv.weight` -> `model.layers.3.self_attn.qkv_proj.weight`."""
-    layer_names = {**_GGUF_LAYER_NAMES, **_GGUF_ARCH_LAYER_NAMES.get(arch, {})}
+def name_scheme(reader: Any) -> str:
+    """The key of a file's naming in the tables above: its GGUF architecture, or "mixtral" for a `llama` file
+    with experts."""
+    arch = field(reader, "general.architecture")
+    return "mixtral" if arch == "llama" and field(reader, "llama.expert_count") else arch
+
+
+def gguf_to_hf_names(name: str, scheme: str = "llama", n_experts: int = 0) -> list[str]:
+    """GGUF tensor name -> its HF names, e.g. `blk.3.attn_q.weight` -> [`model.layers.3.self_attn.q_proj.weight`];
+    under `scheme` "phi3", the fused `blk.3.attn_qkv.weight` -> [`model.layers.3.self_attn.qkv_proj.weight`]; a
+    stacked expert tensor -> one name per expert."""
+    layer_names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(scheme, {})}
+    experts = _EXPERT_NAMES.get(scheme, {})
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    if m and m.group(2) in experts:
+        return [f"model.layers.{m.group(1)}.{experts[m.group(2)].format(e=e)}.{m.group(3)}" for e in range(n_experts)]
     if m and m.group(2) in layer_names:
-        return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
+        return [f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"]
     m = re.fullmatch(r"(\w+)\.(weight|bias)", name)
-    if m and m.group(1) in _GGUF_TOP_NAMES:
-        return f"{_GGUF_TOP_NAMES[m.group(1)]}.{m.group(2)}"
-    raise CheckpointError(f"GGUF tensor {name!r} has no Llama-family equivalent")
+    if m and m.group(1) in _TOP_NAMES:
+        return [f"{_TOP_NAMES[m.group(1)]}.{m.group(2)}"]
+    raise CheckpointError(f"GGUF tensor {name!r} has no equivalent in a {scheme} model")
+
+
+def gguf_names(reader: Any, cfg: ModelConfig) -> set[str]:
+    """The canonical names a GGUF file's tensors give (fused projections under their fused names)."""
+    scheme = name_scheme(reader)
+    return {n for t in gguf_weight_tensors(reader) for n in gguf_to_hf_names(t.name, scheme, cfg.num_experts)}
+
+
+def check_types(reader: Any, path: Path) -> None:
+    """Refuse, from the header, a file holding a tensor type we do not read (the keys of AUTO_FORMATS)."""
+    for t in reader.tensors:
+        if t.tensor_type.name not in AUTO_FORMATS:
+            raise CheckpointError(
+                f"checkpoint: {path}: tensor {t.name} has GGUF type {t.tensor_type.name}, which we do not read; "
+                f"supported types: {', '.join(AUTO_FORMATS)} (requantize the file with llama.cpp's llama-quantize)")
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -90,16 +127,6 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, half, 2, *rest).transpose(1, 2).reshape(w.shape)  # [n_heads * D, *rest]
 
 
-def field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
-def _f32(v: float) -> float:
-    """GGUF stores float32; return the shortest decimal that rounds to it (9.99999975e-06 -> 1e-05)."""
-    return float(str(np.float32(v)))
-
-
 def gguf_reader(path: Path) -> Any:
     """gguf's reader, after our bounded walk of the header (neuron_opt.headers.check_gguf): the reader allocates
     by the counts the file declares."""
@@ -110,171 +137,60 @@ def gguf_reader(path: Path) -> Any:
         raise CheckpointError(f"checkpoint: {path} is not a readable GGUF file ({e})") from None
 
 
-def gguf_config(reader: Any, path: Path) -> ModelConfig:
-    arch = field(reader, "general.architecture")
-    if arch not in _GGUF_ARCHS:
-        raise UnsupportedModelError(
-            f"GGUF architecture {arch!r} in {path} is not supported; supported GGUF architectures: "
-            f"{', '.join(sorted(_GGUF_ARCHS))} (HF: {', '.join(supported_architectures())})")
-    hf_arch, model_type, _ = _GGUF_ARCHS[arch]
-
-    def key(k: str, default: Any = None, required: bool = False) -> Any:
-        v = field(reader, f"{arch}.{k}", default)
-        if required and v is None:
-            raise CheckpointError(f"checkpoint: {path} has no metadata key {arch}.{k}")
-        return v
-
-    tensors = {t.name: t for t in reader.tensors}
-    hidden = int(key("embedding_length", required=True))
-    n_heads = int(key("attention.head_count", required=True))
-    n_kv = key("attention.head_count_kv", n_heads)
-    if isinstance(n_kv, list):  # per-layer list in some files; we need one value
-        if len(set(n_kv)) != 1:
-            raise CheckpointError(f"checkpoint: {path} has per-layer KV head counts {n_kv}; not supported")
-        n_kv = n_kv[0]
-    head_dim = int(key("attention.key_length", hidden // n_heads))
-    rope_dim = int(key("rope.dimension_count", head_dim))
-    rope = dict(_gguf_rope(key))
-    if rope_dim != head_dim and arch != "phi3":
-        raise CheckpointError(f"checkpoint: {path} uses partial rotary ({rope_dim} of {head_dim} dims)")
-    if arch == "phi3":  # as HF's Phi3Config always states it (Phi-4-mini: 0.75, the first features rotate)
-        rope["partial_rotary_factor"] = rope_dim / head_dim
-    if "rope_freqs.weight" in tensors:
-        raise CheckpointError(f"checkpoint: {path} carries a rope_freqs tensor (Llama-3 style rope scaling), "
-                              "which we do not map back to rope_parameters; use the HF safetensors directory")
-    embd = tensors.get("token_embd.weight")
-    if embd is None:
-        raise CheckpointError(f"checkpoint: {path} has no token_embd.weight")
-    # vocab: the explicit key, else the token list, else (no tokenizer in the file) the embedding rows
-    tokens = field(reader, "tokenizer.ggml.tokens")
-    vocab = int(key("vocab_size", len(tokens) if tokens is not None else int(embd.shape[-1])))
-    if vocab != int(embd.shape[-1]):
-        raise CheckpointError(f"checkpoint: {path} says vocab {vocab} but token_embd.weight has "
-                              f"{int(embd.shape[-1])} rows")
-    eos = [field(reader, k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
-    family: dict[str, Any] = {}
-    window = None
-    if arch == "phi3":
-        rope.update(_gguf_longrope(key, tensors, path, int(key("context_length", 2048))))
-        window = int(key("attention.sliding_window", 0)) or None  # llama.cpp writes 0 for none (Phi-4-mini)
-        family.update(fused_projections=True)
-    return ModelConfig(
-        architecture=hf_arch,
-        model_type=model_type,
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length", required=True)),
-        num_hidden_layers=int(key("block_count", required=True)),
-        num_attention_heads=n_heads,
-        num_key_value_heads=int(n_kv),
-        head_dim=head_dim,
-        rms_norm_eps=_f32(key("attention.layer_norm_rms_epsilon", 1e-6)),
-        max_position_embeddings=int(key("context_length", 2048)),
-        rope_parameters=tuple(sorted(rope.items())),
-        sliding_window=window,
-        tie_word_embeddings="output.weight" not in tensors,
-        attention_bias="blk.0.attn_q.bias" in tensors,
-        o_bias="blk.0.attn_output.bias" in tensors,
-        mlp_bias="blk.0.ffn_gate.bias" in tensors,
-        qk_norm="blk.0.attn_q_norm.weight" in tensors,
-        bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
-        **family,
-    )
-
-
-def _gguf_longrope(key: Any, tensors: dict[str, Any], path: Path, max_positions: int) -> dict[str, Any]:
-    """A phi3 file's longrope parameters (HF's `rope_parameters` keys), {} for a file without rope factors.
-
-    llama.cpp's converter writes the factor sets as the tensors rope_factors_short / rope_factors_long (float32,
-    one factor per rotary pair), the original length as rope.scaling.original_context_length, and the attention
-    factor it computed (rope.scaling.attn_factor); an attention factor other than the one HF derives from the two
-    lengths (sqrt(1 + ln(s) / ln(original)), s = context / original) is kept as `attention_factor`."""
-    names = ("rope_factors_short.weight", "rope_factors_long.weight")
-    if not any(n in tensors for n in names):
-        return {}
-    missing = [n for n in names if n not in tensors]
-    orig = key("rope.scaling.original_context_length")
-    if missing or orig is None:
-        raise CheckpointError(f"checkpoint: {path} has longrope factors but no "
-                              f"{missing[0] if missing else 'phi3.rope.scaling.original_context_length'}")
-    out: dict[str, Any] = {"rope_type": "longrope", "original_max_position_embeddings": int(orig)}
-    for name, hf_name in zip(names, ("short_factor", "long_factor"), strict=True):
-        out[hf_name] = tuple(_f32(x) for x in np.asarray(tensors[name].data, dtype=np.float32).reshape(-1))
-    attn = key("rope.scaling.attn_factor")
-    s = max_positions / int(orig)
-    derived = 1.0 if s <= 1.0 else math.sqrt(1 + math.log(s) / math.log(int(orig)))
-    if attn is not None and not math.isclose(float(attn), derived, rel_tol=1e-6):
-        out["attention_factor"] = _f32(attn)
-    return out
-
-
-def _gguf_rope(key: Any) -> tuple[tuple[str, Any], ...]:
-    rope: dict[str, Any] = {"rope_theta": _f32(key("rope.freq_base", 10000.0))}
-    kind = key("rope.scaling.type", "none")
-    if kind == "none":
-        rope["rope_type"] = "default"
-    elif kind in ("linear", "yarn"):
-        rope["rope_type"] = kind
-        rope["factor"] = _f32(key("rope.scaling.factor", 1.0))
-        orig = key("rope.scaling.original_context_length")
-        if kind == "yarn" and orig is not None:
-            rope["original_max_position_embeddings"] = int(orig)
-        for gguf_name, hf_name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
-            if kind == "yarn" and key(f"rope.scaling.{gguf_name}") is not None:
-                rope[hf_name] = _f32(key(f"rope.scaling.{gguf_name}"))
-    else:
-        raise CheckpointError(f"GGUF rope scaling type {kind!r} is not supported (supported: none, linear, "
-                              "yarn)")
-    return tuple(sorted(rope.items()))
+def _canonical(name: str, x: torch.Tensor, cfg: ModelConfig, permuted: bool) -> torch.Tensor:
+    """A tensor as the HF checkpoint holds it: llama.cpp's q/k row permutation undone, and Gemma's norms (which
+    the converter stores as 1 + w, the factor they scale by) back to w."""
+    if permuted and ".self_attn.q_proj." in name:
+        return unpermute_qk(x, cfg.num_attention_heads)
+    if permuted and ".self_attn.k_proj." in name:
+        return unpermute_qk(x, cfg.num_key_value_heads)
+    if cfg.norm_offset and name.endswith("norm.weight"):
+        return x - cfg.norm_offset
+    return x
 
 
 def gguf_state_dict(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Read and dequantize every weight of a GGUF file into canonical fp32 HF-named tensors (fused projections
-    split; no cache)."""
+    """Read and dequantize (gguf's reference `gguf.quants.dequantize`) every weight of a GGUF file into canonical
+    fp32 HF-named tensors (fused projections split, stacked experts one per expert; no cache)."""
     reader = gguf_reader(path)
-    arch = field(reader, "general.architecture")
-    permuted = _GGUF_ARCHS[arch][2]
+    scheme = name_scheme(reader)
+    permuted = GGUF_ARCHS[field(reader, "general.architecture")][2]
     sd: dict[str, torch.Tensor] = {}
     for t in gguf_weight_tensors(reader):
-        name = gguf_to_hf_name(t.name, arch)
-        try:
-            w = gguf.quants.dequantize(t.data, t.tensor_type)
-        except NotImplementedError:
-            raise CheckpointError(f"checkpoint: {path}: tensor {t.name} has type {t.tensor_type.name}, which "
-                                  "gguf cannot dequantize") from None
+        names = gguf_to_hf_names(t.name, scheme, cfg.num_experts)
+        w = gguf.quants.dequantize(t.data, t.tensor_type)
         # GGUF lists dims fastest-first (ne0 = input features); row-major order is the reverse.
         shape = tuple(int(d) for d in reversed(t.shape))
-        x = torch.from_numpy(np.array(w, dtype=np.float32).reshape(shape))  # [out, in] or [n]
-        if permuted and ".self_attn.q_proj." in name:
-            x = unpermute_qk(x, cfg.num_attention_heads)
-        elif permuted and ".self_attn.k_proj." in name:
-            x = unpermute_qk(x, cfg.num_key_value_heads)
-        sd.update(split_fused(cfg, name, x))  # a fused projection (phi3) as its canonical parts
+        x = torch.from_numpy(np.array(w, dtype=np.float32).reshape(shape))  # [out, in], [n] or [E, out, in]
+        parts = x.unbind(0) if len(names) > 1 else (x,)  # stacked experts: [out, in] each
+        for name, part in zip(names, parts, strict=True):
+            sd.update(split_fused(cfg, name, _canonical(name, part, cfg, permuted)))  # phi3: the canonical parts
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     return sd
 
 
-def _linear_types(reader: Any) -> dict[str, str]:
-    """HF name -> GGUF type name of every decoder linear weight (fused ones under their fused names)."""
-    out = {}
-    arch = field(reader, "general.architecture")
+def _linear_sizes(reader: Any) -> dict[str, int]:
+    """GGUF type name -> the elements of the decoder linears (dense, fused or stacked experts) stored in it."""
+    out: dict[str, int] = {}
+    scheme = name_scheme(reader)
     for t in gguf_weight_tensors(reader):
-        name = gguf_to_hf_name(t.name, arch)
+        name = gguf_to_hf_names(t.name, scheme, 1)[0]
         if name.endswith(".weight") and name.rsplit(".", 2)[-2] in (*LINEARS, *FUSED_LINEARS):
-            out[name] = t.tensor_type.name
+            out[t.tensor_type.name] = out.get(t.tensor_type.name, 0) + int(t.n_elements)
     return out
 
 
-
 def gguf_native_quant(path: Path, cfg: ModelConfig) -> QuantConfig:
-    """The quantization a GGUF file ships with (`--quantize auto`; neuron_opt.quant.gguf.native_config). A file with
-    fused projections (phi3) gets the method of its type, but its blocks are not kept as stored (`source` ""): its
-    linears are dequantized, split and quantized again at compile time."""
+    """What `--quantize auto` makes of a GGUF file (neuron_opt.quant.gguf.native_config). A file with fused
+    projections (phi3) gets the method of its types, but its blocks are not kept as stored (`source` ""): its
+    linears are dequantized, split and quantized again at compile time. A mixture of experts runs in the compute
+    dtype: its stacked experts have no quantized layout yet."""
+    if cfg.is_moe:
+        return QuantConfig()
     reader = gguf_reader(path)
     head = {t.name: t.tensor_type.name for t in reader.tensors if t.name in ("output.weight", "token_embd.weight")}
-    qc = native_config(set(_linear_types(reader).values()), head.get("output.weight", head.get("token_embd.weight")))
+    qc = native_config(_linear_sizes(reader), head.get("output.weight", head.get("token_embd.weight")))
     if cfg.fused_projections and qc.source:
         qc = replace(qc, source="")
     return qc
@@ -287,16 +203,16 @@ def _unpermute_quant(t: QuantTensor, n_heads: int) -> QuantTensor:
                        unpermute_qk(t.scale, n_heads).contiguous(), unpermute_qk(t.offset, n_heads).contiguous())
 
 
-
-
 def q4_linears(path: Path, cfg: ModelConfig) -> Iterator[tuple[str, QuantTensor]]:
     """A GGUF file's Q4_0/Q4_1 decoder linears as QuantTensor (HF names), read as stored."""
     reader = gguf_reader(path)
-    arch = field(reader, "general.architecture")
-    permuted = _GGUF_ARCHS[arch][2]
+    scheme = name_scheme(reader)
+    permuted = GGUF_ARCHS[field(reader, "general.architecture")][2]
     for t in gguf_weight_tensors(reader):
-        name = gguf_to_hf_name(t.name, arch)
-        if t.tensor_type.name not in ("Q4_0", "Q4_1") or name.rsplit(".", 2)[-2] not in LINEARS:
+        if t.tensor_type.name not in STORED_INT4 or len(t.shape) != 2:
+            continue
+        (name,) = gguf_to_hf_names(t.name, scheme)
+        if name.rsplit(".", 2)[-2] not in LINEARS:
             continue
         rows, cols = int(t.shape[1]), int(t.shape[0])  # GGUF lists dims fastest-first
         q = q4_block_tensor(t.data, t.tensor_type.name, rows, cols)
@@ -308,15 +224,21 @@ def q4_linears(path: Path, cfg: ModelConfig) -> Iterator[tuple[str, QuantTensor]
 
 
 def gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer  # as in hf.hf_tokenizer
+    """The tokenizer a GGUF file describes (its vocabulary, merges, special tokens and chat template), built by
+    transformers. AutoTokenizer also reads the file's config to pick a tokenizer class, and refuses architectures
+    its GGUF loader does not map (OLMo 2, Granite, SmolLM3): for those, the generic fast tokenizer, which is built
+    from the same metadata."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # as in hf.hf_tokenizer
 
     reader = gguf_reader(path)  # first: transformers reads the file with gguf's reader too
     try:
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except ValueError:  # "GGUF model with architecture ... is not supported yet"
+            tok = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"checkpoint: cannot build a tokenizer from {path} ({e})") from None
     template = field(reader, "tokenizer.chat_template")
     if template is not None and not tok.chat_template:
         tok.chat_template = template
     return tok
-
