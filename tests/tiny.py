@@ -102,9 +102,6 @@ WITH_TOKENIZER: dict[str, tuple[str, dict[str, Any]]] = {
     # with the real tokenizer it needs; llama.cpp's fixed conventions taken (SmolLM3: no rotary on every 4th layer;
     # Gemma: query_pre_attn_scalar = head_dim), which the files do not carry
     "gguf-llama": ("LlamaConfig", dict(vocab_size=49152, num_attention_heads=4, num_key_value_heads=2)),
-    # rows of whole K-quant super-blocks (256 values) for llama-quantize's types
-    "gguf-llama-256": ("LlamaConfig", dict(vocab_size=49152, hidden_size=256, intermediate_size=512,
-                                           num_attention_heads=4, num_key_value_heads=2)),
     "gguf-mistral": ("MistralConfig", dict(vocab_size=49152, num_attention_heads=4, num_key_value_heads=2,
                                            sliding_window=None)),
     "gguf-gemma3": ("Gemma3TextConfig", dict(

@@ -7,18 +7,18 @@ unchanged; only the nibbles are reordered. No value goes through fp32 and back, 
 the weights the file ships.
 
 Every other type a GGUF file commonly holds is dequantized once at compile time (gguf's own reference
-dequantizer, neuron_opt.checkpoint.gguf) and quantized again into our nearest format, `AUTO_FORMATS` (the table
-and the error it adds, measured by scripts/gguf_quant_error.py, are in docs/quantization.md):
-- 5 bits or more (Q8_0, Q6_K, Q5_K, Q5_0, Q5_1) -> int8 per output channel: int4 would lose bits the file has;
-- 4 bits or fewer (Q4_K, IQ4_NL, IQ4_XS, MXFP4, Q3_K, Q2_K) -> int4 with groups of 32 and a minimum (Q4_1's
-  layout; Q4_0/Q4_1 blocks themselves are read as stored): their blocks are 32 (or 16) values on one grid, so a
-  32-value group keeps most of what they store, at the memory they take;
-- F32 / F16 / BF16 -> the compute dtype (unquantized).
-A model runs one format (our QuantizedWeight layers share one QuantConfig), so a file that mixes types (a Q4_K_M
-file: Q4_K and Q6_K linears, some Q5_0 / Q8_0) takes the format of the type class holding most of its decoder
-linears' weights, counted in elements; the minority is converted to it too. An LM head shipped in a quantized type
-(SmolLM2's tied Q8_0 table, a Q4_K_M file's Q6_K output) is kept int8 per channel; the embedding lookup, norms and
-anything else stay dequantized in the compute dtype.
+dequantizer, neuron_opt.checkpoint.gguf) and quantized again, per output channel, into int8: Q8_0, Q6_K, Q5_K,
+Q5_0, Q5_1, Q4_K, IQ4_NL, IQ4_XS, MXFP4, Q3_K, Q2_K (`AUTO_FORMATS`; F32 / F16 / BF16 run in the compute dtype).
+Measured on the default model's weights (scripts/gguf_quant_error.py, docs/quantization.md's table), int8 adds
+under 1.2% relative error to every one of them, where our int4 format (groups of 32, a minimum) would add 4-9%:
+their 16-level grids (IQ4's and MXFP4's non-uniform, Q4_K's with 6-bit sub-block scales, Q3_K's and Q2_K's on
+16-value sub-blocks) do not fall on its grid. Our int4 also spends 0.75 bytes a weight (fp32 scale and minimum
+per 32), so int8 costs a third more memory for an error four to ten times smaller.
+A model runs one format (our QuantizedWeight layers share one QuantConfig), so a file that mixes types takes the
+format of the type class holding most of its decoder linears' weights, counted in elements (a Q4_K_M file: Q4_K,
+Q6_K, Q5_0 and Q8_0 linears, all int8; a Q4_0 file with a few Q8_0 linears: int4, the Q8_0 ones requantized to
+it). An LM head shipped in a quantized type (SmolLM2's tied Q8_0 table, a Q4_K_M file's Q6_K output) is kept int8
+per channel; the embedding lookup, norms and anything else stay dequantized in the compute dtype.
 """
 
 from __future__ import annotations
@@ -34,10 +34,9 @@ FUSED_LINEARS = ("qkv_proj", "gate_up_proj")  # phi3's fused linears: their bloc
 # GGUF type -> what `--quantize auto` makes of a decoder linear stored in it ("" = the compute dtype). The keys
 # are the types we read; any other is refused from the file's header (neuron_opt.checkpoint.gguf).
 AUTO_FORMATS = {
-    "F32": "", "F16": "", "BF16": "",
-    "Q8_0": "int8", "Q6_K": "int8", "Q5_K": "int8", "Q5_0": "int8", "Q5_1": "int8",
-    "Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "IQ4_NL": "int4", "IQ4_XS": "int4", "MXFP4": "int4",
-    "Q3_K": "int4", "Q2_K": "int4",
+    "F32": "", "F16": "", "BF16": "", "Q4_0": "int4", "Q4_1": "int4",
+    "Q8_0": "int8", "Q6_K": "int8", "Q5_K": "int8", "Q5_0": "int8", "Q5_1": "int8", "Q4_K": "int8",
+    "IQ4_NL": "int8", "IQ4_XS": "int8", "MXFP4": "int8", "Q3_K": "int8", "Q2_K": "int8",
 }
 STORED_INT4 = ("Q4_0", "Q4_1")  # the types read as stored (q4_block_tensor)
 
@@ -47,8 +46,8 @@ def native_config(linear_sizes: dict[str, int], head_type: str | None) -> QuantC
     its linears' total elements) and of its LM head (`output`, or the tied `token_embd`).
 
     The format of the type class (AUTO_FORMATS) holding most elements; int4 is group 32, symmetric when every int4
-    linear is Q4_0 (its blocks' own layout), else with a minimum; Q4_0/Q4_1 linears are then read as stored
-    (`source` "gguf"). A head shipped in a quantized type is kept int8 per channel."""
+    linear is Q4_0 (its blocks' own layout), else with a minimum (Q4_1's), and its Q4_0/Q4_1 linears are read as
+    stored (`source` "gguf"). A head shipped in a quantized type is kept int8 per channel."""
     by_format: dict[str, int] = {}
     for kind, n in linear_sizes.items():
         by_format[AUTO_FORMATS[kind]] = by_format.get(AUTO_FORMATS[kind], 0) + n
@@ -60,7 +59,7 @@ def native_config(linear_sizes: dict[str, int], head_type: str | None) -> QuantC
         return QuantConfig("int8", "per_channel_symmetric", 0, lm_head=head)
     int4 = {kind for kind in linear_sizes if AUTO_FORMATS[kind] == "int4"}
     qtype = "group_symmetric" if int4 == {"Q4_0"} else "group_asymmetric"
-    return QuantConfig("int4", qtype, 32, source="gguf" if int4 & set(STORED_INT4) else "", lm_head=head)
+    return QuantConfig("int4", qtype, 32, source="gguf", lm_head=head)
 
 
 def q4_block_tensor(data: np.ndarray, kind: str, rows: int, cols: int) -> QuantTensor:
