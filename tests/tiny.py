@@ -121,6 +121,13 @@ WITH_TOKENIZER: dict[str, tuple[str, dict[str, Any]]] = {
     "gguf-qwen2-moe": ("Qwen2MoeConfig", dict(vocab_size=49152, num_attention_heads=4, num_key_value_heads=2,
                                               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                                               shared_expert_intermediate_size=37, norm_topk_prob=False)),
+    # GPT-OSS at llama.cpp's fixed SwiGLU clamp (7.0); float experts (the converter writes them as stored)
+    "gguf-gpt-oss": ("GptOssConfig", dict(
+        vocab_size=49152, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, intermediate_size=32, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], swiglu_limit=7.0, pad_token_id=0,
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                             original_max_position_embeddings=8, truncate=False))),
     "gguf-qwen3-moe": ("Qwen3MoeConfig", dict(vocab_size=49152, num_attention_heads=4, num_key_value_heads=2,
                                               head_dim=16, num_experts=4, num_experts_per_tok=2,
                                               moe_intermediate_size=21, norm_topk_prob=True)),

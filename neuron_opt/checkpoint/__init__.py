@@ -31,7 +31,7 @@ from neuron_opt.checkpoint.cache import (
 )
 from neuron_opt.checkpoint.gguf import gguf_native_quant, gguf_state_dict, q4_linears
 from neuron_opt.checkpoint.hf import hf_state_dict, hf_tokenizer, safetensors_keys, weight_files
-from neuron_opt.checkpoint.names import check_names, stored_names
+from neuron_opt.checkpoint.names import check_names, gguf_stored_names, stored_names
 from neuron_opt.config import ModelConfig, QuantConfig
 from neuron_opt.embeddings import with_sentence_transformers
 from neuron_opt.errors import CheckpointError
@@ -165,7 +165,7 @@ def _open_hf(root: Path) -> Checkpoint:
 
 def _open_gguf(path: Path) -> Checkpoint:
     cfg, names = gguf_meta_cached(path, envs.CACHE_DIR)
-    check_names(names, cfg, path)
+    check_names(names, cfg, path, gguf_stored_names(cfg))
     return Checkpoint(config=cfg, source=path, format="gguf")
 
 

@@ -58,14 +58,17 @@ _ARCH_LAYER_NAMES = {
                  "ffn_gate_inp_shexp": "mlp.shared_expert_gate"},
     "qwen3moe": {"ffn_gate_inp": "mlp.gate"},
     "mixtral": {"ffn_gate_inp": "block_sparse_moe.gate"},
+    "gpt-oss": {"attn_sinks": "self_attn.sinks", "ffn_gate_inp": "mlp.router",
+                "post_attention_norm": "post_attention_layernorm"},
 }
+_UNSUFFIXED = ("self_attn.sinks",)  # HF parameters named without .weight
 # stacked experts: GGUF tensor -> the HF name of expert {e}'s part (one [n_experts, out, in] tensor per part)
 _QWEN_EXPERTS = {"ffn_gate_exps": "mlp.experts.{e}.gate_proj", "ffn_up_exps": "mlp.experts.{e}.up_proj",
                  "ffn_down_exps": "mlp.experts.{e}.down_proj"}
 _EXPERT_NAMES = {
     "mixtral": {"ffn_gate_exps": "block_sparse_moe.experts.{e}.w1", "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
                 "ffn_down_exps": "block_sparse_moe.experts.{e}.w2"},
-    "qwen2moe": _QWEN_EXPERTS, "qwen3moe": _QWEN_EXPERTS,
+    "qwen2moe": _QWEN_EXPERTS, "qwen3moe": _QWEN_EXPERTS, "gpt-oss": _QWEN_EXPERTS,
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -93,7 +96,8 @@ def gguf_to_hf_names(name: str, scheme: str = "llama", n_experts: int = 0) -> li
     if m and m.group(2) in experts:
         return [f"model.layers.{m.group(1)}.{experts[m.group(2)].format(e=e)}.{m.group(3)}" for e in range(n_experts)]
     if m and m.group(2) in layer_names:
-        return [f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"]
+        hf = f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}"
+        return [hf if layer_names[m.group(2)] in _UNSUFFIXED else f"{hf}.{m.group(3)}"]
     m = re.fullmatch(r"(\w+)\.(weight|bias)", name)
     if m and m.group(1) in _TOP_NAMES:
         return [f"{_TOP_NAMES[m.group(1)]}.{m.group(2)}"]

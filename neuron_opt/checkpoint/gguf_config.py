@@ -9,7 +9,8 @@ Design decisions
   as it runs in llama.cpp: Gemma 2 slides every other layer (the first slides), Gemma 3 five of every six;
   Gemma's softmax scale is head_dim ** -0.5, except in the 27B models (46 / 62 layers), whose
   query_pre_attn_scalar is hidden / heads; SmolLM3 skips rotary on every fourth layer; Qwen2-MoE does not
-  renormalise its top-k routing weights, Qwen3-MoE and Mixtral do.
+  renormalise its top-k routing weights, Qwen3-MoE and Mixtral do; GPT-OSS slides every other layer (the first
+  slides), clamps its SwiGLU at 7.0 with alpha 1.702 and runs YaRN untruncated, as its HF config states.
 - Mistral files are `llama` files (the converter writes no window; llama.cpp applies none) and Mixtral's are
   `llama` files with experts: they load as Llama and as Mixtral.
 - What we do not map is refused here, from the header, naming the key: per-layer KV head counts, partial rotary
@@ -43,11 +44,12 @@ GGUF_ARCHS: dict[str, tuple[str, str, bool]] = {
     "smollm3": ("SmolLM3ForCausalLM", "smollm3", True),
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe", False),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
+    "gpt-oss": ("GptOssForCausalLM", "gpt_oss", False),
 }
 # tensors that hold config values, not weights (the architectures whose config reads them: gguf_config)
 CONFIG_TENSORS = {"phi3": ("rope_factors_long.weight", "rope_factors_short.weight")}
 # llama.cpp's sliding-window pattern when a file states none: n means layer i slides when i % n < n - 1
-_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+_SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "gpt-oss": 2}
 # llama.cpp's model sizes whose Gemma softmax scale is (hidden / heads) ** -0.5: their layer counts
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
@@ -127,6 +129,11 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
                       logits_scaling=f32(key("logit_scale", 1.0)))
     elif arch == "smollm3":
         family.update(nope_layers=tuple(i for i in range(n_layers) if (i + 1) % 4 == 0))
+    elif arch == "gpt-oss":
+        if rope.get("rope_type") == "yarn":
+            rope["truncate"] = False
+        family.update(_windows(arch, key, n_layers, rope), attention_sinks=True, router_bias=True,
+                      router_topk_softmax=True, expert_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702)
     experts = int(key("expert_count", 0) or 0)
     if experts:
         if arch == "llama":
@@ -170,21 +177,29 @@ def _gemma(arch: str, key: Any, n_layers: int, hidden: int, n_heads: int, head_d
         embedding_multiplier=float(hidden) ** 0.5, attention_scale=float(scalar) ** -0.5,
         attn_logit_softcapping=None if attn_cap is None else f32(attn_cap),
         final_logit_softcapping=None if not final_cap else f32(final_cap))
+    return out | _windows(arch, key, n_layers, rope)
+
+
+def _windows(arch: str, key: Any, n_layers: int, rope: dict[str, Any]) -> dict[str, Any]:
+    """The sliding window and which layers slide (`layer_types`; none when every layer slides), from
+    `attention.sliding_window` and `attention.sliding_window_pattern` or llama.cpp's pattern for `arch`; the
+    sliding layers' own rotary table where the file gives them a base (`rope.freq_base_swa`, unscaled)."""
     window = int(key("attention.sliding_window", 4096 if arch == "gemma2" else 0) or 0)
     if not window:
-        return out
+        return {}
     pattern = key("attention.sliding_window_pattern", _SWA_PATTERN[arch])
     if isinstance(pattern, list):  # one flag per layer
         slides = [bool(p) for p in pattern]
     else:
         n = int(pattern)
         slides = [n == 0 or i % n < n - 1 for i in range(n_layers)]
-    out.update(sliding_window=window)
+    out: dict[str, Any] = dict(sliding_window=window)
     if all(slides):
         return out  # every layer slides: the model-wide window
     out.update(layer_types=tuple("sliding_attention" if s else "full_attention" for s in slides))
-    local = {"rope_type": "default", "rope_theta": f32(key("rope.freq_base_swa", rope["rope_theta"]))}
-    if local != rope:
+    base = key("rope.freq_base_swa")  # written from HF's rope_parameters["sliding_attention"] (Gemma 3)
+    local = {"rope_type": "default", "rope_theta": f32(base)} if base is not None else {}
+    if local and local != rope:
         out.update(rope_local_parameters=tuple(sorted(local.items())))
     return out
 

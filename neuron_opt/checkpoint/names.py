@@ -10,7 +10,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from models.build import stored_weight_names
+from models.build import stored_weight_names, weight_names
+from models.llama import checkpoint_weight_names
 from neuron_opt.config import ModelConfig
 from neuron_opt.errors import CheckpointError
 
@@ -18,14 +19,15 @@ from neuron_opt.errors import CheckpointError
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq")
 
 
-def check_names(have: set[str], cfg: ModelConfig, source: Path) -> None:
+def check_names(have: set[str], cfg: ModelConfig, source: Path, expected: list[str] | None = None) -> None:
+    """`have` (a checkpoint's names) must be `expected` (default: what an HF checkpoint of `cfg` stores)."""
+    expected = stored_names(cfg) if expected is None else expected
     have = {n for n in have if not _IGNORED.fullmatch(n)}
     if cfg.tie_word_embeddings or cfg.is_embedding:
         # tied: the model reuses embed_tokens, the copy is redundant; an embedding model has no LM head to load
         have.discard("lm_head.weight")
-    expected = set(stored_names(cfg))
-    missing = [n for n in stored_names(cfg) if n not in have]
-    extra = sorted(have - expected)
+    missing = [n for n in expected if n not in have]
+    extra = sorted(have - set(expected))
     if missing or extra:
         parts = []
         if missing:
@@ -40,3 +42,9 @@ def stored_names(cfg: ModelConfig) -> list[str]:
     gate_up_proj) in place of their parts."""
     return stored_weight_names(cfg)
 
+
+
+def gguf_stored_names(cfg: ModelConfig) -> list[str]:
+    """The names a GGUF file of `cfg` gives (neuron_opt.checkpoint.gguf.gguf_names): the canonical ones, fused
+    projections (Phi-3) under their fused names; stacked experts are one name per expert already."""
+    return checkpoint_weight_names(cfg, weight_names(cfg))

@@ -5,9 +5,9 @@ The oracles: the HF checkpoint the file was converted from (at F32 the file hold
 tensors equal them bit for bit, Gemma's norms to the rounding of the converter's 1 + w), HF transformers' greedy
 tokens on it (fp32), and transformers' own GGUF loader where it reads the family right (Llama, Mistral: the same
 weights to the bit at every type). transformers 5.25's GGUF loader misreads the others' files (Gemma 3's rope
-scaling and local base, Qwen-MoE's expert widths, Mixtral's experts) or refuses them (OLMo 2, Granite, SmolLM3), so
-for those the oracle is HF on the source checkpoint. llama-quantize's types (K-quants, IQ4) are in the slow tier:
-building llama-quantize takes minutes.
+scaling and local base, Qwen-MoE's expert widths, Mixtral's experts) or refuses them (OLMo 2, Granite, SmolLM3,
+GPT-OSS), so for those the oracle is HF on the source checkpoint. llama-quantize's types (K-quants, IQ4) are in
+the slow tier: building llama-quantize takes minutes.
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ from neuron_opt.runtime.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 FAMILIES = ["llama", "mistral", "gemma2", "gemma3", "olmo2", "granite", "smollm3", "mixtral", "qwen2-moe",
-            "qwen3-moe"]
+            "qwen3-moe", "gpt-oss"]
 HF_READS_GGUF = ("llama", "mistral")  # transformers' GGUF loader maps these files exactly
 # converters that read a BPE tokenizer.json (the default model's, 49,152 tokens); the others take a small
 # sentencepiece model, so their files' metadata parses fast
-BPE_FAMILIES = ("olmo2", "qwen2-moe", "qwen3-moe")
+BPE_FAMILIES = ("olmo2", "qwen2-moe", "qwen3-moe", "gpt-oss")
 MAX_LEN = 64
 PROMPT = [1, 17, 42, 99, 5, 123, 7, 300, 11, 250]
 
