@@ -98,9 +98,10 @@ WITH_TOKENIZER: dict[str, tuple[str, dict[str, Any]]] = {
                                         final_logit_softcapping=2.5, sliding_window=6, tie_word_embeddings=True)),
     "mixtral-tok": ("MixtralConfig", dict(vocab_size=49152, num_attention_heads=4, num_key_value_heads=2,
                                           num_local_experts=8, num_experts_per_tok=2, intermediate_size=40)),
-    # GGUF conversion tests (tests/neuron_opt/test_gguf_families.py): every family llama.cpp's converter maps,
-    # with the real tokenizer it needs; llama.cpp's fixed conventions taken (SmolLM3: no rotary on every 4th layer;
-    # Gemma: query_pre_attn_scalar = head_dim), which the files do not carry
+    # GGUF conversion tests (tests/neuron_opt/test_gguf_families.py): every family llama.cpp's converter maps, at
+    # llama.cpp's fixed conventions, which the files do not carry (SmolLM3: no rotary on every 4th layer; Gemma:
+    # query_pre_attn_scalar = head_dim; GPT-OSS: SwiGLU clamp 7). Families whose converter reads a sentencepiece
+    # model get a small one there instead of this vocabulary (make_with_sentencepiece takes the other overrides)
     "gguf-llama": ("LlamaConfig", dict(vocab_size=49152, num_attention_heads=4, num_key_value_heads=2)),
     "gguf-mistral": ("MistralConfig", dict(vocab_size=49152, num_attention_heads=4, num_key_value_heads=2,
                                            sliding_window=None)),
