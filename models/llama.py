@@ -685,7 +685,7 @@ class LlamaForCausalLM(nn.Module):
 
 
 # HF weight-name map: our parameter names are the HF names. Checkpoints with tied embeddings may omit
-# `lm_head.weight`; GGUF names are mapped to these in neuron_opt/checkpoint.py.
+# `lm_head.weight`; GGUF names are mapped to these in neuron_opt/checkpoint/gguf.py.
 def expected_weight_names(cfg: ModelConfig, mlp_names: Callable[[ModelConfig, str], list[str]] | None = None
                           ) -> list[str]:
     """Checkpoint names of the model; `mlp_names(cfg, layer_prefix)` names a layer's feed-forward block (default:

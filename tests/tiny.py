@@ -98,6 +98,40 @@ WITH_TOKENIZER: dict[str, tuple[str, dict[str, Any]]] = {
                                         final_logit_softcapping=2.5, sliding_window=6, tie_word_embeddings=True)),
     "mixtral-tok": ("MixtralConfig", dict(vocab_size=49152, num_attention_heads=4, num_key_value_heads=2,
                                           num_local_experts=8, num_experts_per_tok=2, intermediate_size=40)),
+    # GGUF conversion tests (tests/neuron_opt/test_gguf_families.py): every family llama.cpp's converter maps, at
+    # llama.cpp's fixed conventions, which the files do not carry (SmolLM3: no rotary on every 4th layer; Gemma:
+    # query_pre_attn_scalar = head_dim; GPT-OSS: SwiGLU clamp 7). Families whose converter reads a sentencepiece
+    # model get a small one there instead of this vocabulary (make_with_sentencepiece takes the other overrides)
+    "gguf-llama": ("LlamaConfig", dict(vocab_size=49152, num_attention_heads=4, num_key_value_heads=2)),
+    "gguf-mistral": ("MistralConfig", dict(vocab_size=49152, num_attention_heads=4, num_key_value_heads=2,
+                                           sliding_window=None)),
+    "gguf-gemma3": ("Gemma3TextConfig", dict(
+        vocab_size=49152, num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+        sliding_window=6, num_hidden_layers=7, final_logit_softcapping=3.0,
+        rope_parameters={"full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1e6),
+                         "sliding_attention": dict(rope_type="default", rope_theta=1e4)})),
+    "gguf-olmo2": ("Olmo2Config", dict(vocab_size=49152, num_attention_heads=4, num_key_value_heads=2)),
+    "gguf-granite": ("GraniteConfig", dict(vocab_size=49152, num_attention_heads=4, num_key_value_heads=2,
+                                           embedding_multiplier=12.0, residual_multiplier=0.22,
+                                           attention_multiplier=0.2, logits_scaling=8.0)),
+    "gguf-smollm3": ("SmolLM3Config", dict(vocab_size=49152, num_attention_heads=4, num_key_value_heads=2,
+                                           num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0],
+                                           tie_word_embeddings=True, pad_token_id=0)),
+    "gguf-mixtral": ("MixtralConfig", dict(vocab_size=49152, num_attention_heads=4, num_key_value_heads=2,
+                                           num_local_experts=4, num_experts_per_tok=2, intermediate_size=40)),
+    "gguf-qwen2-moe": ("Qwen2MoeConfig", dict(vocab_size=49152, num_attention_heads=4, num_key_value_heads=2,
+                                              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                              shared_expert_intermediate_size=37, norm_topk_prob=False)),
+    # GPT-OSS at llama.cpp's fixed SwiGLU clamp (7.0); float experts (the converter writes them as stored)
+    "gguf-gpt-oss": ("GptOssConfig", dict(
+        vocab_size=49152, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, intermediate_size=32, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], swiglu_limit=7.0, pad_token_id=0,
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                             original_max_position_embeddings=8, truncate=False))),
+    "gguf-qwen3-moe": ("Qwen3MoeConfig", dict(vocab_size=49152, num_attention_heads=4, num_key_value_heads=2,
+                                              head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                              moe_intermediate_size=21, norm_topk_prob=True)),
 }
 
 

@@ -9,7 +9,8 @@ Design decisions:
   sets without llama.cpp's AMX matmuls, which crash there (docs/quantization.md; the Makefile passes its
   own flags, `default_cmake_args` is the same rule).
 - Built once, statically linked, into the cache directory (never the repository), keyed by the version and the
-  CMake flags; the sdist and the build tree are temporary. A build prints its progress and keeps its log there.
+  CMake flags; the sdist is unpacked once under the cache (`ensure_sources`, keyed by version; the GGUF tests
+  convert with its converter), the build tree is temporary. A build prints its progress and keeps its log there.
 - Weights: the default GGUF converted by llama.cpp's quantizer, the one the decode benchmark's llama.cpp rows
   use (neuron_opt.bench.llamacpp.storage_gguf, with the built `llama-quantize` as the quantizer), to the format
   of each of our widths: bf16 / BF16, int8 / Q8_0, int4 / Q4_1 (the file as shipped).
@@ -201,6 +202,31 @@ def _log_run(cmd: list[str], log: Path, cwd: Path | None = None, progress: bool 
         raise RuntimeError(f"{shlex.join(cmd[:3])} ... failed ({rc}); log {log}:\n{tail}")
 
 
+def ensure_sources(cache_dir: Path, version: str) -> Path:
+    """The unpacked sdist of llama-cpp-python `version` (its `vendor/llama.cpp` holds llama.cpp's sources, its
+    converter `convert_hf_to_gguf.py` and the gguf-py it pins): from the cache, or downloaded with pip and
+    unpacked there first. Atomic: unpacked beside its place, then renamed into it."""
+    root = cache_dir / "llamacpp-src" / version
+    if (root / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py").is_file():
+        return root
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="sdist-", dir=root.parent) as tmp:
+        work = Path(tmp)
+        log = work / "download.log"
+        _log_run([sys.executable, "-m", "pip", "download", "--no-binary", "llama-cpp-python", "--no-deps",
+                  "-d", str(work), f"llama-cpp-python=={version}"], log)
+        (sdist,) = work.glob("llama_cpp_python-*.tar.gz")
+        with tarfile.open(sdist) as tar:
+            tar.extractall(work, filter="data")
+        (top,) = [p for p in work.iterdir() if p.is_dir()]
+        try:
+            os.replace(top, root)
+        except OSError:  # another process unpacked it first
+            if not root.is_dir():
+                raise
+    return root
+
+
 def ensure_built(cache_dir: Path, version: str, cmake_args: tuple[str, ...]) -> LlamaCppBuild:
     """llama-server and llama-quantize of llama-cpp-python `version`'s vendored llama.cpp, built with
     `cmake_args`: from the cache, or built there first (several minutes; progress on stderr)."""
@@ -216,14 +242,9 @@ def ensure_built(cache_dir: Path, version: str, cmake_args: tuple[str, ...]) -> 
     print(f"llama.cpp: building llama-server and llama-quantize from llama-cpp-python {version}'s sdist with "
           f"{' '.join(cmake_args)}; once, several minutes; into {root} (log: {log})", file=sys.stderr, flush=True)
     t0 = time.monotonic()
+    top = ensure_sources(cache_dir, version)
     with tempfile.TemporaryDirectory(prefix="llamacpp-build-", dir=root) as tmp:
         work = Path(tmp)
-        _log_run([sys.executable, "-m", "pip", "download", "--no-binary", "llama-cpp-python", "--no-deps",
-                  "-d", str(work), f"llama-cpp-python=={version}"], log)
-        (sdist,) = work.glob("llama_cpp_python-*.tar.gz")
-        with tarfile.open(sdist) as tar:
-            tar.extractall(work, filter="data")
-        (top,) = [p for p in work.iterdir() if p.is_dir()]
         changelog = top / "CHANGELOG.md"
         commit = vendored_commit(changelog.read_text(), version) if changelog.is_file() else None
         src = top / "vendor" / "llama.cpp"

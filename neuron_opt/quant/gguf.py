@@ -6,10 +6,19 @@ our int4 format with group_size 32 (neuron_opt.quant.weights): scale = d, offset
 unchanged; only the nibbles are reordered. No value goes through fp32 and back, so the model runs with exactly
 the weights the file ships.
 
-Q8_0 (32 int8 values and an fp16 scale per block) has no lossless counterpart: our int8 format has one scale per
-output channel (what torch's CPU kernel and NxDI take). `--quantize auto` maps a Q8_0 file to int8, requantized
-per channel from the exact Q8_0 values. An LM head shipped in a quantized type (SmolLM2's tied Q8_0 table) is kept
-int8 per channel; the embedding lookup, norms and anything else stay dequantized in the compute dtype.
+Every other type a GGUF file commonly holds is dequantized once at compile time (gguf's own reference
+dequantizer, neuron_opt.checkpoint.gguf) and quantized again, per output channel, into int8: Q8_0, Q6_K, Q5_K,
+Q5_0, Q5_1, Q4_K, IQ4_NL, IQ4_XS, MXFP4, Q3_K, Q2_K (`AUTO_FORMATS`; F32 / F16 / BF16 run in the compute dtype).
+Measured on the default model's weights (scripts/gguf_quant_error.py, docs/quantization.md's table), int8 adds
+under 1.2% relative error to every one of them, where our int4 format (groups of 32, a minimum) would add 4-9%:
+their 16-level grids (IQ4's and MXFP4's non-uniform, Q4_K's with 6-bit sub-block scales, Q3_K's and Q2_K's on
+16-value sub-blocks) do not fall on its grid. Our int4 also spends 0.75 bytes a weight (fp32 scale and minimum
+per 32), so int8 costs a third more memory for an error four to ten times smaller.
+A model runs one format (our QuantizedWeight layers share one QuantConfig), so a file that mixes types takes the
+format of the type class holding most of its decoder linears' weights, counted in elements (a Q4_K_M file: Q4_K,
+Q6_K, Q5_0 and Q8_0 linears, all int8; a Q4_0 file with a few Q8_0 linears: int4, the Q8_0 ones requantized to
+it). An LM head shipped in a quantized type (SmolLM2's tied Q8_0 table, a Q4_K_M file's Q6_K output) is kept int8
+per channel; the embedding lookup, norms and anything else stay dequantized in the compute dtype.
 """
 
 from __future__ import annotations
@@ -22,19 +31,35 @@ from neuron_opt.quant.weights import QuantTensor, pack_int4
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED_LINEARS = ("qkv_proj", "gate_up_proj")  # phi3's fused linears: their blocks span two or three of ours
-# GGUF type -> (QuantConfig fields) for files whose decoder linears all share it
-_NATIVE = {"Q4_0": ("int4", "group_symmetric", 32), "Q4_1": ("int4", "group_asymmetric", 32),
-           "Q8_0": ("int8", "per_channel_symmetric", 0)}
+# GGUF type -> what `--quantize auto` makes of a decoder linear stored in it ("" = the compute dtype). The keys
+# are the types we read; any other is refused from the file's header (neuron_opt.checkpoint.gguf).
+AUTO_FORMATS = {
+    "F32": "", "F16": "", "BF16": "", "Q4_0": "int4", "Q4_1": "int4",
+    "Q8_0": "int8", "Q6_K": "int8", "Q5_K": "int8", "Q5_0": "int8", "Q5_1": "int8", "Q4_K": "int8",
+    "IQ4_NL": "int8", "IQ4_XS": "int8", "MXFP4": "int8", "Q3_K": "int8", "Q2_K": "int8",
+}
+STORED_INT4 = ("Q4_0", "Q4_1")  # the types read as stored (q4_block_tensor)
 
 
-def native_config(linear_types: set[str], head_type: str | None) -> QuantConfig:
-    """The quantization a GGUF file ships with (`--quantize auto`), from the GGUF types of its decoder linears and
-    of its LM head (`output`, or the tied `token_embd`): int4 for Q4_0/Q4_1, int8 for Q8_0, none for float files
-    or files whose linears mix types. A head shipped quantized is kept quantized (int8 per channel)."""
-    if len(linear_types) != 1 or next(iter(linear_types)) not in _NATIVE:
+def native_config(linear_sizes: dict[str, int], head_type: str | None) -> QuantConfig:
+    """The quantization `--quantize auto` gives a GGUF file, from the GGUF type of each decoder linear (type ->
+    its linears' total elements) and of its LM head (`output`, or the tied `token_embd`).
+
+    The format of the type class (AUTO_FORMATS) holding most elements; int4 is group 32, symmetric when every int4
+    linear is Q4_0 (its blocks' own layout), else with a minimum (Q4_1's), and its Q4_0/Q4_1 linears are read as
+    stored (`source` "gguf"). A head shipped in a quantized type is kept int8 per channel."""
+    by_format: dict[str, int] = {}
+    for kind, n in linear_sizes.items():
+        by_format[AUTO_FORMATS[kind]] = by_format.get(AUTO_FORMATS[kind], 0) + n
+    if not by_format or max(by_format, key=lambda f: (by_format[f], f)) == "":
         return QuantConfig()
-    method, qtype, group = _NATIVE[next(iter(linear_types))]
-    return QuantConfig(method, qtype, group, source="gguf" if method == "int4" else "", lm_head=head_type in _NATIVE)
+    method = max(by_format, key=lambda f: (by_format[f], f))
+    head = bool(AUTO_FORMATS.get(head_type or "F32"))
+    if method == "int8":
+        return QuantConfig("int8", "per_channel_symmetric", 0, lm_head=head)
+    int4 = {kind for kind in linear_sizes if AUTO_FORMATS[kind] == "int4"}
+    qtype = "group_symmetric" if int4 == {"Q4_0"} else "group_asymmetric"
+    return QuantConfig("int4", qtype, 32, source="gguf", lm_head=head)
 
 
 def q4_block_tensor(data: np.ndarray, kind: str, rows: int, cols: int) -> QuantTensor:

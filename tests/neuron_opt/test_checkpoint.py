@@ -1,7 +1,7 @@
 """Checkpoint loading: HF dirs and GGUF files -> canonical state dict, checked against HF transformers.
 
 GGUF files are written here with `gguf.GGUFWriter`, applying llama.cpp's q/k row permutation in the forward
-direction (written independently of the inverse in neuron_opt/checkpoint.py), then read back by us.
+direction (written independently of the inverse in neuron_opt/checkpoint/gguf.py), then read back by us.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from tiny import load_hf
 from models.llama import LlamaForCausalLM
 from neuron_opt import envs
 from neuron_opt.checkpoint import (
-    _gguf_state_dict_cached,
     default_model_path,
     gguf_state_dict,
     open_checkpoint,
 )
+from neuron_opt.checkpoint.cache import gguf_state_dict_cached
 from neuron_opt.config import ModelConfig, ParallelConfig
 from neuron_opt.errors import CheckpointError, UnsupportedModelError
 from neuron_opt.parallel.sharding import head_layout
@@ -289,13 +289,13 @@ def test_fingerprint_and_dequant_cache(tiny_dir, tmp_path):
     ck = open_checkpoint(path)
     assert ck.weights_fingerprint() == hashlib.sha256(path.read_bytes()).hexdigest()
     cache = tmp_path / "c"
-    first = _gguf_state_dict_cached(path, ck.config, cache)
+    first = gguf_state_dict_cached(path, ck.config, cache)
     (entry,) = (cache / "gguf").glob("*.safetensors")
     assert entry.name.startswith(ck.weights_fingerprint()[:40])
-    second = _gguf_state_dict_cached(path, ck.config, cache)
+    second = gguf_state_dict_cached(path, ck.config, cache)
     assert all(torch.equal(first[k], second[k]) for k in first)
     entry.write_bytes(b"damaged")  # a broken cache entry is rebuilt, not trusted
-    third = _gguf_state_dict_cached(path, ck.config, cache)
+    third = gguf_state_dict_cached(path, ck.config, cache)
     assert all(torch.equal(first[k], third[k]) for k in first)
 
 
