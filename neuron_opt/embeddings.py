@@ -15,7 +15,7 @@ Design decisions
   sentence-transformers encodes it: the message format (`flat`: the text as the content; `structured`: one text
   part) and the saved `processing_kwargs.chat_template` go into the ModelConfig (`embedding_messages`,
   `embedding_template_kwargs`), so an artifact renders texts the same way (`text_ids`). Size kwargs (truncation,
-  max_length, padding) are not kept: an input is never truncated, one past the model's bound is refused.
+  "max_length", padding) are not kept: an input is never truncated, one past the model's bound is refused.
 - The task is resolved once, before anything is built: `resolve_task` returns the ModelConfig a compile or a load
   builds (pooling set for embeddings, None for generation), so everything downstream (the model class, its
   weight names, the compile-cache key, the manifest) follows from the config alone.
