@@ -33,6 +33,7 @@ vocabulary, say) fails; the others go on.
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -96,7 +97,8 @@ class EngineStats:
     graph calls (input building included; with speculative decoding, the proposer's planning too), `sample_s` in
     sampling, `output_s` in output processing (detokenizing, stop checks, the callbacks); the rest of
     `sum(step_times)` is scheduling and glue. `prefill_tokens`: prompt tokens prefilled; `prefill_graph_tokens`:
-    tokens the prefill graphs ran (rows x tokens of their buckets), so their difference is padding."""
+    tokens the prefill graphs ran (rows x tokens of their buckets), so their difference is padding.
+    `step_tokens`: how many steps scheduled each token count (a decode row counts 1, a prefill chunk its tokens)."""
 
     steps: int = 0
     decode_rows: int = 0
@@ -108,6 +110,7 @@ class EngineStats:
     output_s: float = 0.0
     prefill_tokens: int = 0
     prefill_graph_tokens: int = 0
+    step_tokens: collections.Counter[int] = field(default_factory=collections.Counter)
 
 
 class Engine:
@@ -415,6 +418,7 @@ class Engine:
             st.prefills + len(out.prefills),
             st.preemptions + len(out.preempted),
         )
+        st.step_tokens[len(out.decodes) + sum(len(p.token_ids) for p in out.prefills)] += 1
         if len(st.step_times) < 100_000:
             st.step_times.append(time.perf_counter() - t0)
         return True

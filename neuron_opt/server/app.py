@@ -202,6 +202,7 @@ def engine_metrics(engine: Engine, model_name: str, max_model_len: int) -> Serve
         lambda: engine.stats.preemptions,
         getattr(engine, "loras", None),
         max_model_len,
+        lambda: engine.stats.step_tokens,
     )
 
 

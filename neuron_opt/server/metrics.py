@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 # vLLM's bucket edges (seconds), trimmed at the top
 TTFT_BUCKETS = (
@@ -103,6 +103,11 @@ def token_buckets(max_model_len: int) -> tuple[int, ...]:
                 return tuple(out)
             out.append(m * scale)
         scale *= 10
+# vLLM's edges for tokens per engine step (iteration_tokens_total) and for a request's n
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+
 REJECTION_REASONS = {400: "bad_request", 401: "unauthorized", 404: "not_found", 413: "body_too_large",
                      503: "queue_full"}
 
@@ -131,6 +136,23 @@ class _SpecCollector:
                               labels=["model_name"])
         g.add_metric([self.model_name], st.mean_accepted_length)
         yield g
+
+
+class _StepCollector:
+    """`vllm:iteration_tokens_total`: tokens scheduled per engine step, as a histogram built at scrape time from
+    the engine's count of steps by token count."""
+
+    def __init__(self, model_name: str, step_tokens: Callable[[], Any]) -> None:
+        self.model_name, self.step_tokens = model_name, step_tokens
+
+    def collect(self) -> Any:
+        counts = sorted(dict(self.step_tokens()).items())
+        h = HistogramMetricFamily(VLLM + "iteration_tokens_total", "Tokens scheduled per engine step.",
+                                  labels=["model_name"])
+        buckets = [(str(float(edge)), sum(c for v, c in counts if v <= edge)) for edge in STEP_TOKEN_BUCKETS]
+        h.add_metric([self.model_name], [*buckets, ("+Inf", sum(c for _, c in counts))],
+                     sum(v * c for v, c in counts))
+        yield h
 
 
 class _CacheCollector:
@@ -168,6 +190,7 @@ class ServerMetrics:
         preemptions: Callable[[], int] = lambda: 0,
         loras: Any = None,
         max_model_len: int = 8192,
+        step_tokens: Callable[[], Any] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
@@ -175,6 +198,8 @@ class ServerMetrics:
             self.registry.register(_SpecCollector(model_name, spec_stats))
         if prefix_stats is not None:
             self.registry.register(_CacheCollector(model_name, prefix_stats, preemptions))
+        if step_tokens is not None:
+            self.registry.register(_StepCollector(model_name, step_tokens))
 
         def labelled(kind: type, name: str, doc: str, **kw: Any) -> Any:  # one metric, this model's label
             return kind(name, doc, ["model_name"], registry=self.registry, **kw).labels(model_name)
@@ -199,6 +224,11 @@ class ServerMetrics:
                                        "request.", buckets=tokens)
         self.request_generation = labelled(Histogram, VLLM + "request_generation_tokens", "Generated tokens per "
                                            "finished request.", buckets=tokens)
+        self.max_generation = labelled(Histogram, VLLM + "request_max_num_generation_tokens", "The most tokens "
+                                       "one sample of a finished request generated.", buckets=tokens)
+        self.params_n = labelled(Histogram, VLLM + "request_params_n", "A request's n (samples).", buckets=N_BUCKETS)
+        self.params_max_tokens = labelled(Histogram, VLLM + "request_params_max_tokens", "A request's max_tokens.",
+                                          buckets=tokens)
         self.prompt_tokens = labelled(Counter, VLLM + "prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = labelled(Counter, VLLM + "generation_tokens", "Generated tokens.")
         self._success = Counter(VLLM + "request_success", "Finished requests by finish reason.",
@@ -239,6 +269,11 @@ class ServerMetrics:
         self.inference.observe(max(0.0, last_token - scheduled))
         if generation_tokens > 1:
             self.tpot.observe(max(0.0, last_token - first_token) / (generation_tokens - 1))
+
+    def request_params(self, n: int, max_tokens: int) -> None:
+        """A request admitted with `n` samples of at most `max_tokens` tokens each."""
+        self.params_n.observe(n)
+        self.params_max_tokens.observe(max_tokens)
 
     def lora_request(self, lora_name: str | None) -> None:
         """Count a queued request under its adapter (None: the base model)."""

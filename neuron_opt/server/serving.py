@@ -191,6 +191,7 @@ class OpenAIServing:
                 for rid in rids:
                     self.engine.abort(rid)
                 raise
+            self.metrics.request_params(req.num_samples, params.max_tokens)
             return rids, q
 
     async def _outputs(
@@ -201,6 +202,7 @@ class OpenAIServing:
         unfinished, checked = set(range(len(rids))), time.monotonic()
         last = [arrival] * len(rids)
         first: list[float | None] = [None] * len(rids)  # the engine's stamp of each sample's first token
+        most = 0  # the most tokens one sample generated
         try:
             while unfinished:
                 if is_disconnected is None:
@@ -232,6 +234,9 @@ class OpenAIServing:
                         raise EngineError(out.error or "engine error")
                     self.metrics.request_finished(out.finish_reason or "stop", out.num_prompt_tokens,
                                                   out.num_output_tokens, now - arrival)
+                    most = max(most, out.num_output_tokens)
+                    if not unfinished:
+                        self.metrics.max_generation.observe(most)
                     started = first[i]
                     if out.scheduled_time and started is not None:
                         self.metrics.request_phases(arrival, out.scheduled_time, started, out.time,

@@ -50,6 +50,8 @@ VLLM_METRICS = {
     "vllm:request_prefill_time_seconds": "histogram", "vllm:request_decode_time_seconds": "histogram",
     "vllm:request_inference_time_seconds": "histogram", "vllm:request_prompt_tokens": "histogram",
     "vllm:request_generation_tokens": "histogram", "vllm:request_time_per_output_token_seconds": "histogram",
+    "vllm:request_max_num_generation_tokens": "histogram", "vllm:request_params_n": "histogram",
+    "vllm:request_params_max_tokens": "histogram", "vllm:iteration_tokens_total": "histogram",
 }
 
 
@@ -84,6 +86,23 @@ def test_models_health_metrics(server, client):
                         for p in ("queue", "inference"))
     assert 0 < queue + inference <= value("vllm:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds_sum")
     assert value("vllm:request_decode_time_seconds", "vllm:request_decode_time_seconds_sum") <= inference
+
+    # a request's n and max_tokens, its longest sample, and the tokens of the engine steps that ran it
+    before = fams
+    client.completions.create(model=MODEL, prompt="Two samples", max_tokens=6, n=2, temperature=1.0, seed=1,
+                              extra_body={"ignore_eos": True})
+    fams = {f.name: f for f in text_string_to_metric_families(httpx.get(server[0] + "/metrics").text)}
+
+    def delta(family: str, sample: str) -> float:
+        return value(family, sample) - sum(s.value for s in before[family].samples if s.name == sample)
+
+    assert (delta("vllm:request_params_n", "vllm:request_params_n_count"),
+            delta("vllm:request_params_n", "vllm:request_params_n_sum")) == (1, 2)
+    assert delta("vllm:request_params_max_tokens", "vllm:request_params_max_tokens_sum") == 6
+    assert (delta("vllm:request_max_num_generation_tokens", "vllm:request_max_num_generation_tokens_count"),
+            delta("vllm:request_max_num_generation_tokens", "vllm:request_max_num_generation_tokens_sum")) == (1, 6)
+    steps = delta("vllm:iteration_tokens_total", "vllm:iteration_tokens_total_count")
+    assert steps >= 5 and delta("vllm:iteration_tokens_total", "vllm:iteration_tokens_total_sum") >= 2 * 5 + 1
 
 
 def test_completion_greedy_matches_reference(llms, client):
