@@ -23,8 +23,8 @@ Design decisions
   optional where the reply may or may not think) and whose second is the request's own grammar (`after_reasoning`).
   The request's JSON schema goes in as the grammar of its compact JSON (the separators `", "` and `": "`, no other
   whitespace: what a schema compiles to alone, and what the generic tool format's parser reads), and is not guarded
-  against raw control characters in strings (as for tool calls: runtime/structured.py). `openai_gptoss` refuses grammars: harmony's markers are special tokens, which the
-  grammar engine does not produce.
+  against raw control characters in strings (as for tool calls: runtime/structured.py). `openai_gptoss` refuses
+  grammars: harmony's markers are special tokens, which the grammar engine does not produce.
 - `usage.completion_tokens_details.reasoning_tokens`: the tokens of the outputs the engine produced before the
   reply's text had closed its reasoning (the one closing it included); 0 when the reply has none.
 """

@@ -182,6 +182,21 @@ def test_messages_tool_use_after_thinking_and_the_thinking_sent_back(oai, ant, u
     assert n > ant.messages.count_tokens(model=MODEL, messages=without, tools=[tool]).input_tokens  # it is rendered
 
 
+def test_chat_takes_an_assistants_reasoning_back_to_the_template(llm, url):
+    """vLLM's `reasoning` (and older `reasoning_content`) on an assistant message reaches the template as
+    `reasoning_content`; on another role it is a 400."""
+    turn = [*USER, {"role": "assistant", "content": "Rayleigh.", "reasoning": "Short waves scatter."},
+            {"role": "user", "content": "More?"}]
+    rendered = [*USER, {"role": "assistant", "content": "Rayleigh.", "reasoning_content": "Short waves scatter."},
+                turn[2]]
+    for msgs in (turn, rendered):
+        assert httpx.post(url + "/tokenize", json={"messages": msgs}).json()["count"] == len(llm.encode_chat(rendered))
+    assert len(llm.encode_chat(rendered)) > len(llm.encode_chat([*USER, {"role": "assistant", "content": "Rayleigh."},
+                                                                 turn[2]]))
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": [{**USER[0], "reasoning": "x"}], "max_tokens": 1})
+    assert r.status_code == 400 and "only assistant messages carry reasoning" in r.json()["error"]["message"]
+
+
 def _strict(response: dict) -> dict:
     """`response` against the client's type (its usage field by field: see test_server_responses.py)."""
     usage = response.pop("usage")
