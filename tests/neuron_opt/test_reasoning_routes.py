@@ -1,6 +1,7 @@
 """Reasoning on Anthropic's /v1/messages and OpenAI's /v1/responses through the official `anthropic` and `openai`
 clients against a live server with a reasoning parser: thinking blocks and reasoning items, created and streamed,
-thinking on and off, a tool call after thinking, thinking sent back in a later turn, and the 400s that remain.
+thinking on and off, a tool call after thinking, thinking sent back in a later turn (and carried by
+`previous_response_id`), and the 400s that remain.
 
 Oracles: /v1/chat/completions on the same server and request (its split is checked against raw completions in
 test_reasoning.py) for the reasoning, text, calls and reasoning tokens; the model's tokenizer over the chat template
@@ -80,8 +81,8 @@ def llm(tiny_dir):
 def url(llm):
     marker = llm.tokenizer("</think>", add_special_tokens=False)["input_ids"]
     parser = make_reasoning_parser(None, llm.tokenizer)  # from the template: qwen3
-    with live_server(llm, max_num_seqs=2, runner=ClosingRunner(llm.runner, marker), reasoning_parser=parser) as (
-            url, _):
+    with live_server(llm, max_num_seqs=2, runner=ClosingRunner(llm.runner, marker), reasoning_parser=parser,
+                     enable_store=True) as (url, _):
         yield url
 
 
@@ -253,6 +254,8 @@ def test_responses_effort_and_reasoning_items_sent_back(llm, oai, url):
     chat = [*USER, {"role": "assistant", "content": first.output_text, "reasoning": first.output[0].content[0].text},
             {"role": "user", "content": "More?"}]
     assert second.usage.input_tokens == httpx.post(url + "/tokenize", json={"messages": chat}).json()["count"]
+    continued = oai.responses.create(model=MODEL, input="More?", previous_response_id=first.id, max_output_tokens=1)
+    assert continued.usage.input_tokens == second.usage.input_tokens  # (the stored reply keeps its reasoning)
     assert second.usage.input_tokens > oai.responses.create(
         model=MODEL, input=[again[0], again[2], again[3]], max_output_tokens=1).usage.input_tokens
 
