@@ -8,8 +8,8 @@ Design decisions
   blocks become tool messages (before the turn's text), an assistant turn's `tool_use` blocks its tool calls.
   `is_error` results reach the template as "Error: <content>". `image` blocks are a 400: no served model has
   vision yet.
-- Thinking (with a reasoning parser, server/reasoning.py): the reply's reasoning is a `thinking` block before the
-  text and tool_use blocks. `thinking: {"type": "enabled"}` sets the template's `enable_thinking` true,
+- Thinking (with a reasoning parser, server/reasoning.py): the reply's reasoning, when not empty, is a `thinking`
+  block before the text and tool_use blocks. `thinking: {"type": "enabled"}` sets the template's `enable_thinking` true,
   `{"type": "disabled"}` false, `{"type": "adaptive"}` leaves the template's default; enabled and adaptive need a
   reasoning parser. `budget_tokens` is checked as Anthropic checks it (at least 1024, below `max_tokens`) and is not
   enforced: the thinking counts toward `max_tokens`, which alone bounds it. `display: "omitted"` sends the block
@@ -385,7 +385,7 @@ class AnthropicServing:
         if req.stream:
             return self._stream(run, mid, arrival, shown)
         reply = await collect(self.serving, run, arrival, is_disconnected)
-        content: list[dict[str, Any]] = [_thinking(reply.reasoning, shown)] if reply.reasoning is not None else []
+        content: list[dict[str, Any]] = [_thinking(reply.reasoning, shown)] if reply.reasoning else []  # (as streamed)
         if reply.text or not reply.calls:
             content.append({"type": "text", "text": reply.text})
         content += [_tool_use(c) for c in reply.calls]

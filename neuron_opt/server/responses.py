@@ -11,8 +11,8 @@ Design decisions
   `instructions` is the system message, and is not carried over from a previous response (OpenAI's rule).
   A `reasoning` item is the thinking of the assistant turn that follows it (its `content` texts, else its
   `summary` texts), the chat message's `reasoning`, rendered as the template renders reasoning.
-- Reasoning (with a reasoning parser, server/reasoning.py): the reply's thinking is a `reasoning` output item
-  (`content`: one `reasoning_text`; `summary` empty) before the message and function_call items;
+- Reasoning (with a reasoning parser, server/reasoning.py): the reply's thinking, when not empty, is a `reasoning`
+  output item (`content`: one `reasoning_text`; `summary` empty) before the message and function_call items;
   `output_tokens_details.reasoning_tokens` counts it as chat counts it. `reasoning.effort` "none" / "minimal" set the
   template's `enable_thinking` false, the others true and the template's `reasoning_effort` variable to the effort
   (GPT-OSS's template reads it); they need a reasoning parser.
@@ -410,7 +410,7 @@ class ResponsesServing:
             return self._stream(run, head, arrival, keep)
         reply = await collect(self.serving, run, arrival, is_disconnected)
         output = [_reasoning_item(f"rs_{uuid.uuid4().hex}", reply.reasoning, "completed")] if (
-            reply.reasoning is not None) else []
+            reply.reasoning) else []  # (empty reasoning: no item, as streamed)
         if reply.text or not reply.calls:
             output.append(_message_item(f"msg_{uuid.uuid4().hex}", reply.text, "completed"))
         output += [_call_item(c) for c in reply.calls]
