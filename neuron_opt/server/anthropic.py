@@ -7,7 +7,19 @@ Design decisions
 - `system` (a string or text blocks, joined by newlines) becomes the system message; a user turn's `tool_result`
   blocks become tool messages (before the turn's text), an assistant turn's `tool_use` blocks its tool calls.
   `is_error` results reach the template as "Error: <content>". `image` blocks are a 400: no served model has
-  vision yet. `thinking` is a 400 unless `{"type": "disabled"}` (no reasoning parser is wired to this route yet).
+  vision yet.
+- Thinking (with a reasoning parser, server/reasoning.py): the reply's reasoning, when not empty, is a `thinking`
+  block before the text and tool_use blocks. `thinking: {"type": "enabled"}` sets the template's `enable_thinking` true,
+  `{"type": "disabled"}` false, `{"type": "adaptive"}` leaves the template's default; enabled and adaptive need a
+  reasoning parser. `budget_tokens` is checked as Anthropic checks it (at least 1024, below `max_tokens`) and is not
+  enforced: the thinking counts toward `max_tokens`, which alone bounds it. `display: "omitted"` sends the block
+  with empty `thinking` (and its signature). `output_config.effort` is the template's `reasoning_effort` variable
+  (as vLLM passes it; GPT-OSS's template reads it). vLLM's `chat_template_kwargs` is accepted too; a value it
+  gives `enable_thinking` / `reasoning_effort` that contradicts `thinking` / `effort` is a 400.
+- A thinking block's `signature` is the SHA-256 hex digest of its `thinking` text: a checksum, not a proof of
+  origin (nothing in it is secret), so thinking blocks sent back in assistant turns are not checked: their text is
+  the turn's `reasoning` (rendered as the template renders reasoning: many drop earlier turns'), and
+  `redacted_thinking` blocks (opaque: none of ours) are dropped.
 - `output_config.format` (json_schema: structured outputs) is chat's `response_format`, grammar-enforced; with
   active tools it is refused as chat refuses the pair.
 - `tool_choice` maps to chat's: auto -> "auto", any -> "required", tool -> the named function, none -> "none";
@@ -15,14 +27,16 @@ Design decisions
 - `stop_reason`: "tool_use" when the reply holds calls and ended on its own, "max_tokens" at the limit,
   "stop_sequence" (with `stop_sequence` set to the one that matched), else "end_turn".
 - Streaming sends Anthropic's events (`message_start`, `content_block_start`, `ping`, `content_block_delta` with
-  `text_delta` / `input_json_delta`, `content_block_stop`, `message_delta`, `message_stop`); a tool call's input is
-  sent whole in one `input_json_delta` once the call is complete (it is only known valid then).
+  `text_delta` / `input_json_delta` / `thinking_delta`, then a thinking block's `signature_delta` just before its
+  `content_block_stop`, `message_delta`, `message_stop`); a tool call's input is sent whole in one
+  `input_json_delta` once the call is complete (it is only known valid then).
 - Errors are Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`, with the status our OpenAI routes
   give the same failure (`anthropic_error`); the message begins with the field it concerns.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -81,6 +95,18 @@ class ImageBlock(_Strict):
     cache_control: CacheControl | None = None
 
 
+class ThinkingBlock(_Strict):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str  # (not checked: see the module docstring)
+    cache_control: CacheControl | None = None
+
+
+class RedactedThinkingBlock(_Strict):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
 class ToolUseBlock(_Strict):
     type: Literal["tool_use"]
     id: str
@@ -107,7 +133,8 @@ class ToolResultBlock(_Strict):
         return f"Error: {text}" if self.is_error else text
 
 
-Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+Block = Annotated[TextBlock | ImageBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock | ToolResultBlock,
+                  Field(discriminator="type")]
 
 
 class Message(_Strict):
@@ -119,12 +146,17 @@ class Message(_Strict):
         where = f"messages.{i}.content"
         if isinstance(self.content, str):
             return [{"role": self.role, "content": self.content}]
-        texts, calls, results = [], [], []
+        texts, calls, results, thoughts = [], [], [], []
         for j, b in enumerate(self.content):
             if isinstance(b, ImageBlock):
                 raise ProtocolError(f"{where}.{j}: image content is not supported (this model has no vision)",
                                     f"{where}.{j}")
-            if isinstance(b, TextBlock):
+            if isinstance(b, (ThinkingBlock, RedactedThinkingBlock)):
+                if self.role != "assistant":
+                    raise ProtocolError(f"{where}.{j}: {b.type} blocks belong to assistant turns", f"{where}.{j}")
+                if isinstance(b, ThinkingBlock):
+                    thoughts.append(b.thinking)
+            elif isinstance(b, TextBlock):
                 texts.append(b.text)
             elif isinstance(b, ToolUseBlock):
                 if self.role != "assistant":
@@ -140,6 +172,8 @@ class Message(_Strict):
             msg: dict[str, Any] = {"role": "assistant", "content": text}
             if calls:
                 msg["tool_calls"] = calls
+            if thoughts:
+                msg["reasoning"] = "".join(thoughts)
             return [msg]
         return results + ([{"role": "user", "content": text}] if texts or not results else [])
 
@@ -170,12 +204,29 @@ class JsonOutputFormat(_Strict):
 
 class OutputConfig(_Strict):
     format: JsonOutputFormat | None = None
-    effort: None = None  # (a reasoning effort: no reasoning parser on this route yet)
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
 
 
 class Thinking(_Strict):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = None
+    display: Literal["summarized", "omitted"] | None = None
+
+    def check(self, max_tokens: int | None) -> None:
+        """Anthropic's rules for the budget (`max_tokens`: the request's; None: count_tokens, which has none)."""
+        if self.type != "enabled":
+            if self.budget_tokens is not None:
+                raise ProtocolError(f"thinking.budget_tokens: goes with type 'enabled' only, not {self.type!r}",
+                                    "thinking.budget_tokens")
+            return
+        if self.budget_tokens is None:
+            raise ProtocolError("thinking.budget_tokens: required with type 'enabled'", "thinking.budget_tokens")
+        if self.budget_tokens < 1024:
+            raise ProtocolError(f"thinking.budget_tokens: must be at least 1024, got {self.budget_tokens}",
+                                "thinking.budget_tokens")
+        if max_tokens is not None and max_tokens <= self.budget_tokens:
+            raise ProtocolError(f"max_tokens: must be greater than thinking.budget_tokens ({max_tokens} <= "
+                                f"{self.budget_tokens}); the thinking counts toward max_tokens", "max_tokens")
 
 
 class _Prompt(_Strict):
@@ -189,14 +240,34 @@ class _Prompt(_Strict):
     thinking: Thinking | None = None
     cache_control: CacheControl | None = None
     output_config: OutputConfig | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra: the chat template's variables
 
-    def chat_fields(self) -> dict[str, Any]:
-        """The chat request's messages, tools and tool choice."""
+    def template_kwargs(self, reasoning: bool) -> dict[str, Any] | None:
+        """`chat_template_kwargs` with `thinking` and `output_config.effort` as the template's variables
+        (`reasoning`: the server has a reasoning parser)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        think = self.thinking
+        effort = self.output_config.effort if self.output_config is not None else None
+        wanted: list[tuple[str, str, Any]] = []  # (field, template variable, value)
+        if think is not None:
+            if think.type != "disabled" and not reasoning:
+                raise ProtocolError(f"thinking: type {think.type!r} needs a reasoning model (serve "
+                                    "--reasoning-parser); send {\"type\": \"disabled\"} or leave it out",
+                                    "thinking")
+            if think.type != "adaptive":
+                wanted.append(("thinking", "enable_thinking", think.type == "enabled"))
+        if effort is not None:
+            wanted.append(("output_config.effort", "reasoning_effort", effort))
+        for field, name, value in wanted:
+            if name in kwargs and kwargs[name] != value:
+                raise ProtocolError(f"{field}: contradicts chat_template_kwargs.{name} ({kwargs[name]!r})", field)
+            kwargs[name] = value
+        return kwargs or None
+
+    def chat_fields(self, reasoning: bool) -> dict[str, Any]:
+        """The chat request's messages, tools, tool choice and template variables."""
         if not self.messages:
             raise ProtocolError("messages: at least one message is required", "messages")
-        if self.thinking is not None and self.thinking.type != "disabled":
-            raise ProtocolError("thinking: not supported by this server's model (no reasoning parser); send "
-                                "{\"type\": \"disabled\"} or leave it out", "thinking")
         msgs: list[dict[str, Any]] = []
         if self.system is not None:
             system = self.system if isinstance(self.system, str) else "\n".join(b.text for b in self.system)
@@ -222,6 +293,9 @@ class _Prompt(_Strict):
         fmt = self.output_config.format if self.output_config is not None else None
         if fmt is not None:
             out["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}}
+        kwargs = self.template_kwargs(reasoning)
+        if kwargs is not None:
+            out["chat_template_kwargs"] = kwargs
         return out
 
 
@@ -234,12 +308,15 @@ class MessagesRequest(_Prompt):
     top_k: int | None = None
     metadata: Metadata | None = None
 
-    def chat_request(self) -> ChatCompletionRequest:
+    def chat_request(self, reasoning: bool) -> ChatCompletionRequest:
+        """This request as chat's (`reasoning`: the server has a reasoning parser)."""
         if self.max_tokens < 1:
             raise ProtocolError("max_tokens: must be at least 1", "max_tokens")
         if self.temperature is not None and not 0.0 <= self.temperature <= 1.0:
             raise ProtocolError(f"temperature: must be in [0, 1], got {self.temperature}", "temperature")
-        fields = self.chat_fields()
+        fields = self.chat_fields(reasoning)
+        if self.thinking is not None:
+            self.thinking.check(self.max_tokens)
         sampling = {"max_tokens": self.max_tokens, "stop": self.stop_sequences, "temperature": self.temperature,
                     "top_p": self.top_p, "top_k": self.top_k,
                     "user": self.metadata.user_id if self.metadata else None}
@@ -248,8 +325,11 @@ class MessagesRequest(_Prompt):
 
 
 class CountTokensRequest(_Prompt):
-    def chat_request(self) -> ChatCompletionRequest:
-        return chat_request(self.chat_fields(), FIELDS, TOOL_FIELDS)
+    def chat_request(self, reasoning: bool) -> ChatCompletionRequest:
+        fields = self.chat_fields(reasoning)
+        if self.thinking is not None:
+            self.thinking.check(None)
+        return chat_request(fields, FIELDS, TOOL_FIELDS)
 
 
 def _stop_reason(finish: str, stop: str | int | None, called: bool) -> tuple[str, str | None]:
@@ -267,6 +347,15 @@ def _tool_use(call: ParsedCall) -> dict[str, Any]:
     return {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": call.name, "input": arguments(call)}
 
 
+def _signature(thinking: str) -> str:
+    """A thinking block's signature (see the module docstring)."""
+    return hashlib.sha256(thinking.encode()).hexdigest()
+
+
+def _thinking(thinking: str, shown: bool) -> dict[str, Any]:
+    return {"type": "thinking", "thinking": thinking if shown else "", "signature": _signature(thinking)}
+
+
 def _event(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
 
@@ -280,7 +369,7 @@ class AnthropicServing:
     async def count_tokens(self, req: CountTokensRequest) -> dict[str, Any]:
         """The prompt's token count, rendered exactly as /v1/messages renders it."""
         s = self.serving
-        chat = req.chat_request()
+        chat = req.chat_request(s.reasoning_parser is not None)
         with renamed_fields(FIELDS):
             s.check_model(chat.model)
             chat.check_limits(s.limits, s.max_model_len)
@@ -289,29 +378,50 @@ class AnthropicServing:
 
     async def messages(self, req: MessagesRequest, arrival: float,
                        is_disconnected: Callable[[], Any]) -> dict[str, Any] | AsyncIterator[str]:
-        chat = req.chat_request()
+        chat = req.chat_request(self.serving.reasoning_parser is not None)
         run = await start(self.serving, chat, arrival, FIELDS)
         mid = f"msg_{uuid.uuid4().hex}"
+        shown = req.thinking is None or req.thinking.display != "omitted"
         if req.stream:
-            return self._stream(run, mid, arrival)
+            return self._stream(run, mid, arrival, shown)
         reply = await collect(self.serving, run, arrival, is_disconnected)
-        content: list[dict[str, Any]] = [{"type": "text", "text": reply.text}] if reply.text or not reply.calls else []
+        content: list[dict[str, Any]] = [_thinking(reply.reasoning, shown)] if reply.reasoning else []  # (as streamed)
+        if reply.text or not reply.calls:
+            content.append({"type": "text", "text": reply.text})
         content += [_tool_use(c) for c in reply.calls]
         reason, sequence = _stop_reason(reply.finish_reason, reply.stop_reason, bool(reply.calls))
         return {"id": mid, "type": "message", "role": "assistant", "model": run.model, "content": content,
                 "stop_reason": reason, "stop_sequence": sequence,
                 "usage": {"input_tokens": len(run.prompt_ids), "output_tokens": reply.num_tokens}}
 
-    async def _stream(self, run: ChatRun, mid: str, arrival: float) -> AsyncIterator[str]:
+    async def _stream(self, run: ChatRun, mid: str, arrival: float, shown: bool) -> AsyncIterator[str]:
+        """The reply as Anthropic's events: a thinking block (when the reply thinks), a text block, tool_use
+        blocks, in that order, each closed before the next opens."""
         head = {"id": mid, "type": "message", "role": "assistant", "model": run.model, "content": [],
                 "stop_reason": None, "stop_sequence": None,
                 "usage": {"input_tokens": len(run.prompt_ids), "output_tokens": 0}}
         yield _event("message_start", {"message": head})
-        reader = ReplyReader(run.parser)
-        index, text_open = 0, False
-        if run.parser is None:  # plain text: its block opens at once, as Anthropic's does
-            yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-            text_open = True
+        reader = ReplyReader(run)
+        index, open_block, texted = 0, None, False  # the block being written: "thinking" / "text" / None
+
+        def begin(block: dict[str, Any]) -> str:
+            nonlocal open_block, texted
+            open_block, texted = block["type"], texted or block["type"] == "text"
+            return _event("content_block_start", {"index": index, "content_block": block})
+
+        def close() -> list[str]:
+            nonlocal index, open_block
+            events = []
+            if open_block == "thinking":
+                events.append(_event("content_block_delta", {"index": index, "delta": {
+                    "type": "signature_delta", "signature": _signature(reader.reasoning or "")}}))
+            if open_block is not None:
+                events.append(_event("content_block_stop", {"index": index}))
+                index, open_block = index + 1, None
+            return events
+
+        if run.parser is None and run.thinker is None:  # plain text: its block opens at once, as Anthropic's does
+            yield begin({"type": "text", "text": ""})
         yield _event("ping", {})
         text, n, finish, stop = "", 0, "abort", None
         called = False
@@ -323,32 +433,41 @@ class AnthropicServing:
                     finish, stop = out.finish_reason or "stop", out.stop_reason
                 if not out.text_delta and not out.finished:
                     continue
-                piece, calls = reader.feed(text, out.finished)
+                thought, piece, calls = reader.feed(text, out.finished, n)
+                if thought:
+                    if open_block != "thinking":
+                        for e in close():
+                            yield e
+                        yield begin({"type": "thinking", "thinking": "", "signature": ""})
+                    if shown:
+                        yield _event("content_block_delta", {"index": index,
+                                                             "delta": {"type": "thinking_delta", "thinking": thought}})
                 if piece:
-                    if not text_open:
-                        yield _event("content_block_start", {"index": index,
-                                                             "content_block": {"type": "text", "text": ""}})
-                        text_open = True
+                    if open_block != "text":
+                        for e in close():
+                            yield e
+                        yield begin({"type": "text", "text": ""})
                     yield _event("content_block_delta", {"index": index,
                                                          "delta": {"type": "text_delta", "text": piece}})
                 for call in calls:
-                    if text_open:
-                        yield _event("content_block_stop", {"index": index})
-                        index, text_open = index + 1, False
+                    for e in close():
+                        yield e
                     block = _tool_use(call)
-                    yield _event("content_block_start", {"index": index, "content_block": {**block, "input": {}}})
+                    yield begin({**block, "input": {}})
                     yield _event("content_block_delta", {"index": index, "delta": {
                         "type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}})
-                    yield _event("content_block_stop", {"index": index})
-                    index, called = index + 1, True
+                    for e in close():
+                        yield e
+                    called = True
         except EngineError as e:
             yield _event("error", anthropic_error(500, internal_error_message(e)))
             return
-        if not text_open and index == 0:  # nothing was said: one empty text block, as the non-streamed reply has
-            yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-            text_open = True
-        if text_open:
-            yield _event("content_block_stop", {"index": index})
+        if not texted and not called:  # no text: one empty text block, as the non-streamed reply has
+            for e in close():
+                yield e
+            yield begin({"type": "text", "text": ""})
+        for e in close():
+            yield e
         reason, sequence = _stop_reason(finish, stop, called)
         yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
                                        "usage": {"output_tokens": n}})

@@ -9,14 +9,14 @@ Design decisions
   (`stop`, `max_tokens`, `messages`, ...) is renamed through the route's `fields` map before it reaches the client.
 - `ReplyReader` reads a reply as it grows: the text pieces and complete calls since its last look, the difference
   of successive parser scans, so a streamed reply reassembles into exactly the non-streamed one.
-- Reasoning: a reasoning parser splits thinking off before the tool scan; this module is where it would go
-  (`ReplyReader.feed`), so both routes get it at once.
+- Reasoning: with a reasoning parser (`serve --reasoning-parser`, server/reasoning.py) the reply's thinking is
+  split off before the tool scan (`ReplyReader.feed`), exactly as chat splits it: calls and structured outputs are
+  read and enforced after the thinking ends, and the reasoning tokens are counted as chat counts them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -27,7 +27,8 @@ from pydantic import ValidationError
 from neuron_opt.errors import NeuronOptError
 from neuron_opt.runtime.output import RequestOutput
 from neuron_opt.server.protocol import ChatCompletionRequest, ProtocolError
-from neuron_opt.server.serving import OpenAIServing, _request_fields
+from neuron_opt.server.reasoning import ReasoningParser, ReasoningStream, Start
+from neuron_opt.server.serving import OpenAIServing
 from neuron_opt.server.tool_parsers import ParsedCall, ToolParser
 
 
@@ -75,6 +76,8 @@ class ChatRun:
         parser: the tool parser, when the request's tools are active (None: the reply is plain text).
         rids, queue: the engine request ids and their output queue (OpenAIServing._submit).
         stops: the request's stop strings.
+        thinker: the reasoning parser (None: the reply is not split).
+        start: where the reply starts relative to its reasoning.
     """
 
     model: str
@@ -83,6 +86,8 @@ class ChatRun:
     rids: list[str]
     queue: Any
     stops: tuple[str, ...]
+    thinker: ReasoningParser | None = None
+    start: Start = Start.NONE
 
 
 async def start(serving: OpenAIServing, chat: ChatCompletionRequest, arrival: float, fields: dict[str, str]) -> ChatRun:
@@ -93,14 +98,10 @@ async def start(serving: OpenAIServing, chat: ChatCompletionRequest, arrival: fl
         chat.check_limits(serving.limits, serving.max_model_len)
         ids, tools = await serving._chat_prompt(chat)
         active = tools is not None and tools.active
-        parser = serving.tool_parser
-        with _request_fields(chat):
-            params = chat.sampling_params(len(ids), serving.max_model_len, serving.vocab_size,
-                                          tools.structured(parser) if active and tools is not None else None)
-        if active and not parser.skip_special_tokens:  # its call marker is a special token
-            params = dataclasses.replace(params, skip_special_tokens=False)
+        params, begin = serving.chat_params(chat, ids, tools)
         rids, q = await serving._submit(chat, ids, params, arrival, lora)  # (it renames chat's fields itself)
-    return ChatRun(lora or serving.model_name, ids, parser if active else None, rids, q, params.stop)
+    return ChatRun(lora or serving.model_name, ids, serving.tool_parser if active else None, rids, q, params.stop,
+                   serving.reasoning_parser, begin)
 
 
 def outputs(serving: OpenAIServing, run: ChatRun, arrival: float,
@@ -112,7 +113,7 @@ def outputs(serving: OpenAIServing, run: ChatRun, arrival: float,
 @dataclass
 class Reply:
     """A finished reply: its text and calls, how it ended, its token count and its prompt tokens that came from the
-    prefix cache."""
+    prefix cache; its reasoning (None: it has none) and reasoning tokens."""
 
     text: str
     calls: tuple[ParsedCall, ...]
@@ -120,45 +121,61 @@ class Reply:
     stop_reason: str | int | None
     num_tokens: int
     num_cached_tokens: int
+    reasoning: str | None = None
+    reasoning_tokens: int = 0
 
 
 class ReplyReader:
-    """A reply read as it grows: `feed(text so far, final)` returns the new text piece ("" if none) and the calls
-    completed since the last feed."""
+    """A reply read as it grows: `feed(text so far, final, its token count)` returns the new reasoning piece, the
+    new text piece ("" if none) and the calls completed since the last feed."""
 
-    def __init__(self, parser: ToolParser | None) -> None:
-        self.parser = parser
+    def __init__(self, run: ChatRun) -> None:
+        self.parser = run.parser
+        self.thinking = ReasoningStream(run.thinker, run.start) if run.thinker is not None else None
         self.text = ""
         self.calls: list[ParsedCall] = []
 
-    def feed(self, text: str, final: bool) -> tuple[str, list[ParsedCall]]:
-        if self.parser is None:
-            content, calls = text, ()
-        else:
-            scan = self.parser.scan(text, final)
+    @property
+    def reasoning(self) -> str | None:
+        """The reasoning so far (None: the reply has none, so far)."""
+        return self.thinking.reasoning if self.thinking is not None and self.thinking.had_reasoning else None
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return self.thinking.tokens if self.thinking is not None else 0
+
+    def feed(self, text: str, final: bool, num_tokens: int) -> tuple[str, str, list[ParsedCall]]:
+        thought, content = "", text
+        if self.thinking is not None:
+            thought, content = self.thinking.feed(text, final, num_tokens)
+        calls: tuple[ParsedCall, ...] = ()
+        if self.parser is not None:
+            scan = self.parser.scan(content, final)
             content, calls = scan.content, scan.calls
         piece = ""
         if len(content) > len(self.text) and content.startswith(self.text):
             piece, self.text = content[len(self.text):], content
         new = list(calls[len(self.calls):])
         self.calls += new
-        return piece, new
+        return thought, piece, new
 
 
 async def collect(serving: OpenAIServing, run: ChatRun, arrival: float,
                   is_disconnected: Callable[[], Any]) -> Reply:
     """The run's whole reply (non-streaming: a client gone away aborts it)."""
     text, n, last = "", 0, None
+    reader = ReplyReader(run)
     async for _, out in outputs(serving, run, arrival, is_disconnected):
         text += out.text_delta
         n += len(out.new_token_ids)
         last = out
-    reader = ReplyReader(run.parser)
-    reader.feed(text, True)
-    if last is None or not last.finished:  # the client went away: nothing is sent
-        return Reply(reader.text, tuple(reader.calls), "abort", None, n, 0)
-    return Reply(reader.text, tuple(reader.calls), last.finish_reason or "stop", last.stop_reason, n,
-                 last.num_cached_tokens)
+        if reader.thinking is not None and not out.finished:  # (its reasoning tokens are counted as they come)
+            reader.thinking.feed(text, False, n)
+    reader.feed(text, True, n)
+    end = ("abort", None, 0) if last is None or not last.finished else (  # abort: the client went away
+        last.finish_reason or "stop", last.stop_reason, last.num_cached_tokens)
+    return Reply(reader.text, tuple(reader.calls), end[0], end[1], n, end[2], reader.reasoning,
+                 reader.reasoning_tokens)
 
 
 def arguments(call: ParsedCall) -> dict[str, Any]:

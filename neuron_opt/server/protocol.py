@@ -18,6 +18,8 @@ Design decisions
 - `chat_template_kwargs` (vLLM's) reach the chat template as variables (`{"enable_thinking": false}`); bounded like
   a schema, and a 400 for the names the server sets itself (`RESERVED_TEMPLATE_KWARGS`: messages, tools,
   add_generation_prompt, ...).
+- An assistant message's earlier thinking, `reasoning` (or its older name `reasoning_content`), reaches the template
+  under both names, as vLLM passes it; templates decide whether to render it (many drop earlier turns' thinking).
 - Defaults follow OpenAI: temperature 1.0, completions max_tokens 16; chat max_tokens = what the context
   has left.
 - Sizes are bounded before any work that grows with them (`check_limits`, server/limits.py): the prompt's characters
@@ -88,6 +90,9 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool result: the call it answers
+    # an assistant's earlier thinking (vLLM's `reasoning`, its older name `reasoning_content`)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     # what clients echo back with an assistant message; only their empty values are accepted
     refusal: str | None = None
     function_call: None = None
@@ -101,7 +106,8 @@ class ChatMessage(_Strict):
         else:
             n = len(self.content or "")
         n += sum(len(c.id) + len(c.function.name) + len(c.function.arguments) for c in self.tool_calls or ())
-        return n + sum(len(x or "") for x in (self.name, self.tool_call_id, self.refusal))
+        return n + sum(len(x or "") for x in (self.name, self.tool_call_id, self.refusal, self.reasoning,
+                                               self.reasoning_content))
 
     def text(self) -> str:
         if isinstance(self.content, str) or self.content is None:
@@ -120,6 +126,9 @@ class ChatMessage(_Strict):
             raise ProtocolError(f"messages[{i}]: a tool message needs tool_call_id", "messages")
         if self.refusal or self.annotations:
             raise ProtocolError(f"messages[{i}]: refusal and annotations are not supported", "messages")
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None and self.role != "assistant":
+            raise ProtocolError(f"messages[{i}]: only assistant messages carry reasoning", "messages")
         d: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:  # passed on to the chat template, which may use it
             d["name"] = self.name
@@ -127,6 +136,8 @@ class ChatMessage(_Strict):
             d["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         if self.tool_call_id is not None:
             d["tool_call_id"] = self.tool_call_id
+        if reasoning is not None:  # under both names: templates read one or the other (Qwen3's reasoning_content)
+            d["reasoning"] = d["reasoning_content"] = reasoning
         return d
 
 

@@ -21,9 +21,10 @@ Design decisions
 - Structured outputs and enforced tool calls start at the end of the thinking: the request's grammar becomes an
   xgrammar structural tag whose first element is the thinking (free text up to and including the end marker,
   optional where the reply may or may not think) and whose second is the request's own grammar (`after_reasoning`).
-  A JSON schema inside a structural tag is not guarded against raw control characters in strings (as for tool
-  calls: runtime/structured.py). `openai_gptoss` refuses grammars: harmony's markers are special tokens, which the
-  grammar engine does not produce.
+  The request's JSON schema goes in as the grammar of its compact JSON (the separators `", "` and `": "`, no other
+  whitespace: what a schema compiles to alone, and what the generic tool format's parser reads), and is not guarded
+  against raw control characters in strings (as for tool calls: runtime/structured.py). `openai_gptoss` refuses
+  grammars: harmony's markers are special tokens, which the grammar engine does not produce.
 - `usage.completion_tokens_details.reasoning_tokens`: the tokens of the outputs the engine produced before the
   reply's text had closed its reasoning (the one closing it included); 0 when the reply has none.
 """
@@ -199,8 +200,11 @@ def make_reasoning_parser(name: str | None, tokenizer: Any) -> ReasoningParser |
 def _element(structured: StructuredOutputs) -> dict[str, Any]:
     """`structured` as one element of a structural tag (its canonical, bounded spec)."""
     spec = structured.spec()
-    if spec.kind == "json":
-        return {"type": "json_schema", "json_schema": json.loads(spec.text), "max_whitespace_cnt": 1}
+    if spec.kind == "json":  # compact JSON, exactly as a schema compiles alone (a tag's json_schema allows more)
+        import xgrammar as xgr
+
+        ebnf = xgr.Grammar.from_json_schema(spec.text, any_whitespace=False, separators=(", ", ": "))
+        return {"type": "grammar", "grammar": str(ebnf)}
     if spec.kind == "regex":
         return {"type": "regex", "pattern": spec.text}
     if spec.kind == "grammar":

@@ -3,12 +3,19 @@ as /v1/chat/completions runs it (server/chat_bridge.py).
 
 Design decisions
 - Request types are strict (`extra="forbid"`): an unknown field, input item or tool type is a 400 naming it.
-  Fields we cannot honour are declared so that their neutral values pass and anything else is a 400: `reasoning`
-  (no reasoning parser on this route yet), `truncation` other than "disabled", `background`, `include`.
+  Fields we cannot honour are declared so that their neutral values pass and anything else is a 400: reasoning
+  summaries (`reasoning.summary`: none are written), `truncation` other than "disabled", `background`, `include`.
 - `input` is a string (one user message) or items: messages (`input_text` / `output_text` parts; images are a
   400), `function_call` (joined into the assistant turn before it) and `function_call_output` (a tool message).
   The output items of an earlier response are taken back as input unchanged, as the Agents SDK sends them.
   `instructions` is the system message, and is not carried over from a previous response (OpenAI's rule).
+  A `reasoning` item is the thinking of the assistant turn that follows it (its `content` texts, else its
+  `summary` texts), the chat message's `reasoning`, rendered as the template renders reasoning.
+- Reasoning (with a reasoning parser, server/reasoning.py): the reply's thinking, when not empty, is a `reasoning`
+  output item (`content`: one `reasoning_text`; `summary` empty) before the message and function_call items;
+  `output_tokens_details.reasoning_tokens` counts it as chat counts it. `reasoning.effort` "none" / "minimal" set the
+  template's `enable_thinking` false, the others true and the template's `reasoning_effort` variable to the effort
+  (GPT-OSS's template reads it); they need a reasoning parser.
 - Function `tools` and `tool_choice` are chat's (grammar-enforced calls); `text.format` json_schema / json_object
   is chat's `response_format`; `max_output_tokens` is chat's `max_tokens`. Errors name the Responses field.
 - A reply cut by `max_output_tokens` is `status: "incomplete"` with `incomplete_details.reason`
@@ -22,7 +29,10 @@ Design decisions
   a request may continue one by id (its conversation, the earlier input and output, goes before the new input).
   Without the store a response says `store: false`, `previous_response_id` is a 400, and `GET` is a 404.
 - `usage` counts input, output and total tokens; `input_tokens_details.cached_tokens` the input tokens whose K/V
-  came from the prefix cache; `output_tokens_details.reasoning_tokens` is 0 (nothing is split off as reasoning).
+  came from the prefix cache; `output_tokens_details.reasoning_tokens` the reasoning's (0 without reasoning).
+- Streamed reasoning: its item's `response.output_item.added`, `response.content_part.added` (a `reasoning_text`
+  part), `response.reasoning_text.delta`..., `response.reasoning_text.done`, `response.content_part.done`,
+  `response.output_item.done`, before the message's events.
 """
 
 from __future__ import annotations
@@ -114,12 +124,45 @@ class FunctionCallOutputItem(_Strict):
     status: str | None = None
 
 
-class ReasoningItem(BaseModel):
-    """An earlier response's reasoning, taken back as input: refused by name (nothing here splits reasoning off, so
-    no response of ours holds one)."""
+class SummaryPart(_Strict):
+    type: Literal["summary_text"]
+    text: str
 
-    model_config = ConfigDict(extra="allow")
+
+class ReasoningTextPart(_Strict):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningItem(_Strict):
+    """An earlier response's reasoning, taken back as input."""
+
     type: Literal["reasoning"]
+    summary: list[SummaryPart]
+    content: list[ReasoningTextPart] | None = None
+    id: str | None = None
+    status: str | None = None
+    encrypted_content: str | None = None  # (none of ours is encrypted: refused by name in `messages`)
+
+    def text(self) -> str:
+        return "".join(p.text for p in self.content) if self.content else "".join(p.text for p in self.summary)
+
+
+class ReasoningConfig(_Strict):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    summary: None = None  # (no summaries are written: only their absence passes)
+    generate_summary: None = None
+
+    def template_kwargs(self, reasoning: bool) -> dict[str, Any]:
+        """The effort as the template's variables (`reasoning`: the server has a reasoning parser)."""
+        if self.effort is None:
+            return {}
+        if self.effort in ("none", "minimal"):
+            return {"enable_thinking": False}
+        if not reasoning:
+            raise ProtocolError(f"reasoning.effort: {self.effort!r} needs a reasoning model (serve "
+                                "--reasoning-parser); send 'none' or leave it out", "reasoning.effort")
+        return {"enable_thinking": True, "reasoning_effort": self.effort}
 
 
 def _item_type(v: Any) -> str:
@@ -175,7 +218,7 @@ class ResponsesRequest(_Strict):
     metadata: dict[str, str] | None = None
     user: str | None = None
     truncation: Literal["disabled"] | None = None
-    reasoning: None = None
+    reasoning: ReasoningConfig | None = None
     background: Literal[False] | None = None
     include: list[Any] | None = Field(default=None, max_length=0)
 
@@ -186,28 +229,47 @@ class ResponsesRequest(_Strict):
             return out + [{"role": "user", "content": self.input}]
         if not self.input:
             raise ProtocolError("input: at least one item is required", "input")
+        thought: str | None = None  # a reasoning item's, for the assistant turn that follows it
+
+        def assistant(turn: dict[str, Any]) -> dict[str, Any]:
+            nonlocal thought
+            if thought is not None:
+                turn, thought = {**turn, "reasoning": thought}, None
+            return turn
+
         for i, item in enumerate(self.input):
-            if isinstance(item, MessageItem):
+            if isinstance(item, ReasoningItem):
+                if item.encrypted_content is not None:
+                    raise ProtocolError(f"input.{i}.encrypted_content: encrypted reasoning is not supported (this "
+                                        "server writes its reasoning as text)", f"input.{i}.encrypted_content")
+                thought = (thought or "") + item.text()
+            elif isinstance(item, MessageItem) and item.role == "assistant":
+                out.append(assistant({"role": "assistant", "content": item.text(f"input.{i}")}))
+            elif isinstance(item, MessageItem):
+                _no_thought(thought, i)
                 out.append({"role": item.role, "content": item.text(f"input.{i}")})
             elif isinstance(item, FunctionCallItem):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}
-                if out and out[-1]["role"] == "assistant":  # the calls of the turn just before
+                if out and out[-1]["role"] == "assistant" and thought is None:  # the calls of the turn just before
                     out[-1] = {**out[-1], "tool_calls": [*out[-1].get("tool_calls", []), call]}
                 else:
-                    out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-            elif isinstance(item, ReasoningItem):
-                raise ProtocolError(f"input.{i}: reasoning items are not supported (this server splits no reasoning "
-                                    "off)", f"input.{i}")
+                    out.append(assistant({"role": "assistant", "content": "", "tool_calls": [call]}))
             else:
+                _no_thought(thought, i)
                 output = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+        _no_thought(thought, len(self.input))
         return out
 
-    def chat_request(self, conversation: list[dict[str, Any]]) -> ChatCompletionRequest:
+    def chat_request(self, conversation: list[dict[str, Any]], reasoning: bool) -> ChatCompletionRequest:
+        """This request as chat's (`reasoning`: the server has a reasoning parser)."""
         msgs = ([{"role": "system", "content": self.instructions}] if self.instructions is not None else []) + \
             conversation
         body: dict[str, Any] = {"messages": msgs}
+        kwargs = self.reasoning.template_kwargs(reasoning) if self.reasoning is not None else {}
+        if kwargs:
+            body["chat_template_kwargs"] = kwargs
         if self.tools:
             body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                              for t in self.tools]
@@ -230,6 +292,13 @@ class ResponsesRequest(_Strict):
                   "user": self.user}
         body.update({k: v for k, v in fields.items() if v is not None})
         return chat_request(body, FIELDS, {})
+
+
+def _no_thought(thought: str | None, i: int) -> None:
+    """A 400 for a reasoning item (just before item `i`) that no assistant turn follows."""
+    if thought is not None:
+        raise ProtocolError(f"input.{i - 1}: a reasoning item goes just before the assistant message or "
+                            "function_call it belongs to", f"input.{i - 1}")
 
 
 class ResponseStore:
@@ -265,12 +334,19 @@ def _message_item(mid: str, text: str | None, status: str) -> dict[str, Any]:
             "content": [] if text is None else [_text_part(text)]}
 
 
+def _reasoning_item(rid: str, text: str | None, status: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": rid, "summary": [], "status": status,
+            "content": [] if text is None else [{"type": "reasoning_text", "text": text}]}
+
+
 def _reply_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A response's output as the assistant's chat message (for a conversation continued from it)."""
     text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
     calls = [{"id": c["call_id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
              for c in output if c["type"] == "function_call"]
-    return [{"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}]
+    thought = [p["text"] for item in output if item["type"] == "reasoning" for p in item["content"]]
+    return [{"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {}),
+             **({"reasoning": "".join(thought)} if thought else {})}]
 
 
 class ResponsesServing:
@@ -294,7 +370,9 @@ class ResponsesServing:
                 "error": None, "incomplete_details": None, "instructions": req.instructions,
                 "max_output_tokens": req.max_output_tokens, "model": model, "output": [],
                 "parallel_tool_calls": req.parallel_tool_calls is not False,
-                "previous_response_id": req.previous_response_id, "reasoning": None, "store": stored,
+                "previous_response_id": req.previous_response_id,
+                "reasoning": {"effort": req.reasoning.effort, "summary": None} if req.reasoning else None,
+                "store": stored,
                 "temperature": 1.0 if req.temperature is None else req.temperature, "text": {"format": fmt},
                 "tool_choice": tool_choice, "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
                 "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled", "usage": None,
@@ -302,12 +380,12 @@ class ResponsesServing:
 
     @staticmethod
     def _finish(head: dict[str, Any], output: list[dict[str, Any]], finish: str, n_in: int, n_out: int,
-                n_cached: int) -> dict[str, Any]:
+                n_cached: int, n_reasoning: int) -> dict[str, Any]:
         incomplete = finish == "length"
         return {**head, "status": "incomplete" if incomplete else "completed", "output": output,
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
                 "usage": {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": n_cached},
-                          "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": 0},
+                          "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": n_reasoning},
                           "total_tokens": n_in + n_out}}
 
     async def create(self, req: ResponsesRequest, arrival: float,
@@ -319,7 +397,8 @@ class ResponsesServing:
                                     "previous_response_id")
             history = self.store.get(req.previous_response_id, "previous_response_id")[1]
         conversation = req.messages(history)
-        run = await start(self.serving, req.chat_request(conversation), arrival, FIELDS)
+        chat = req.chat_request(conversation, self.serving.reasoning_parser is not None)
+        run = await start(self.serving, chat, arrival, FIELDS)
         stored = self.store is not None and req.store is not False
         head = self._head(req, f"resp_{uuid.uuid4().hex}", run.model, stored)
 
@@ -330,16 +409,20 @@ class ResponsesServing:
         if req.stream:
             return self._stream(run, head, arrival, keep)
         reply = await collect(self.serving, run, arrival, is_disconnected)
-        output = [_message_item(f"msg_{uuid.uuid4().hex}", reply.text, "completed")] if (
-            reply.text or not reply.calls) else []
+        output = [_reasoning_item(f"rs_{uuid.uuid4().hex}", reply.reasoning, "completed")] if (
+            reply.reasoning) else []  # (empty reasoning: no item, as streamed)
+        if reply.text or not reply.calls:
+            output.append(_message_item(f"msg_{uuid.uuid4().hex}", reply.text, "completed"))
         output += [_call_item(c) for c in reply.calls]
         response = self._finish(head, output, reply.finish_reason, len(run.prompt_ids), reply.num_tokens,
-                                reply.num_cached_tokens)
+                                reply.num_cached_tokens, reply.reasoning_tokens)
         keep(response)
         return response
 
     async def _stream(self, run: ChatRun, head: dict[str, Any], arrival: float,
                       keep: Callable[[dict[str, Any]], None]) -> AsyncIterator[str]:
+        """The reply as the Responses events: a reasoning item (when the reply thinks), a message item, function_call
+        items, in that order, each done before the next is added."""
         seq = 0
 
         def event(kind: str, **data: Any) -> str:
@@ -350,33 +433,56 @@ class ResponsesServing:
         yield event("response.created", response=head)
         yield event("response.in_progress", response=head)
         output: list[dict[str, Any]] = []
-        message: dict[str, Any] | None = None  # the message item being written
+        current: dict[str, Any] | None = None  # the reasoning or message item being written
+        said = False  # a message item was written
 
-        def open_message() -> list[str]:
-            nonlocal message
-            message = _message_item(f"msg_{uuid.uuid4().hex}", None, "in_progress")
-            output.append(message)
-            at = {"item_id": message["id"], "output_index": len(output) - 1, "content_index": 0}
-            return [event("response.output_item.added", output_index=len(output) - 1, item=message),
-                    event("response.content_part.added", **at, part=_text_part(""))]
+        def part(kind: str, text: str) -> dict[str, Any]:
+            return _text_part(text) if kind == "message" else {"type": "reasoning_text", "text": text}
 
-        def close_message() -> list[str]:
-            nonlocal message
-            assert message is not None
-            text = message["content"][0]["text"] if message["content"] else ""
-            done = _message_item(message["id"], text, "completed")
-            index = output.index(message)
-            output[index], message = done, None
+        def open_item(kind: str) -> list[str]:
+            nonlocal current, said
+            events = close_item()
+            make = _message_item if kind == "message" else _reasoning_item
+            current = make(f"{'msg' if kind == 'message' else 'rs'}_{uuid.uuid4().hex}", None, "in_progress")
+            said = said or kind == "message"
+            output.append(current)
+            at = {"item_id": current["id"], "output_index": len(output) - 1, "content_index": 0}
+            return events + [event("response.output_item.added", output_index=len(output) - 1, item=current),
+                             event("response.content_part.added", **at, part=part(kind, ""))]
+
+        def write(kind: str, piece: str) -> list[str]:
+            events = open_item(kind) if current is None or current["type"] != kind else []
+            assert current is not None
+            if not current["content"]:
+                current["content"] = [part(kind, "")]
+            current["content"][0]["text"] += piece
+            at = {"item_id": current["id"], "output_index": len(output) - 1, "content_index": 0}
+            if kind == "message":
+                return events + [event("response.output_text.delta", **at, delta=piece, logprobs=[])]
+            return events + [event("response.reasoning_text.delta", **at, delta=piece)]
+
+        def close_item() -> list[str]:
+            nonlocal current
+            if current is None:
+                return []
+            kind = current["type"]
+            text = current["content"][0]["text"] if current["content"] else ""
+            make = _message_item if kind == "message" else _reasoning_item
+            done = make(current["id"], text, "completed")
+            index = output.index(current)
+            output[index], current = done, None
             at = {"item_id": done["id"], "output_index": index, "content_index": 0}
-            return [event("response.output_text.done", **at, text=text, logprobs=[]),
-                    event("response.content_part.done", **at, part=_text_part(text)),
+            text_done = (event("response.output_text.done", **at, text=text, logprobs=[]) if kind == "message"
+                         else event("response.reasoning_text.done", **at, text=text))
+            return [text_done, event("response.content_part.done", **at, part=part(kind, text)),
                     event("response.output_item.done", output_index=index, item=done)]
 
-        reader = ReplyReader(run.parser)
-        if run.parser is None:  # plain text: its message opens at once
-            for e in open_message():
+        reader = ReplyReader(run)
+        if run.parser is None and run.thinker is None:  # plain text: its message opens at once
+            for e in open_item("message"):
                 yield e
         text, n, finish, cached = "", 0, "abort", 0
+        called = False
         try:
             async for _, out in outputs(self.serving, run, arrival):
                 text += out.text_delta
@@ -385,21 +491,12 @@ class ResponsesServing:
                     finish, cached = out.finish_reason or "stop", out.num_cached_tokens
                 if not out.text_delta and not out.finished:
                     continue
-                piece, calls = reader.feed(text, out.finished)
-                if piece:
-                    if message is None:
-                        for e in open_message():
-                            yield e
-                    assert message is not None
-                    if not message["content"]:
-                        message["content"] = [_text_part("")]
-                    message["content"][0]["text"] += piece
-                    yield event("response.output_text.delta", item_id=message["id"], output_index=len(output) - 1,
-                                content_index=0, delta=piece, logprobs=[])
+                thought, piece, calls = reader.feed(text, out.finished, n)
+                for e in (write("reasoning", thought) if thought else []) + (write("message", piece) if piece else []):
+                    yield e
                 for call in calls:
-                    if message is not None:
-                        for e in close_message():
-                            yield e
+                    for e in close_item():
+                        yield e
                     item = _call_item(call, "in_progress")
                     output.append(item)
                     index = len(output) - 1
@@ -410,18 +507,18 @@ class ResponsesServing:
                                 name=item["name"], arguments=item["arguments"])
                     item["status"] = "completed"
                     yield event("response.output_item.done", output_index=index, item=item)
+                    called = True
         except EngineError as e:
             failed = {**head, "status": "failed", "output": output,
                       "error": {"code": "server_error", "message": internal_error_message(e)}}
             yield event("response.failed", response=failed)
             return
-        if not output:  # nothing was said: one empty message, as the non-streamed reply has
-            for e in open_message():
+        if not said and not called:  # no text: one empty message, as the non-streamed reply has
+            for e in open_item("message"):
                 yield e
-        if message is not None:
-            for e in close_message():
-                yield e
-        response = self._finish(head, output, finish, len(run.prompt_ids), n, cached)
+        for e in close_item():
+            yield e
+        response = self._finish(head, output, finish, len(run.prompt_ids), n, cached, reader.reasoning_tokens)
         keep(response)
         yield event("response.incomplete" if response["status"] == "incomplete" else "response.completed",
                     response=response)

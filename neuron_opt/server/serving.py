@@ -344,15 +344,10 @@ class OpenAIServing:
             rendered, template_tools = render_messages(messages, self.tool_parser, tools)
         return await self._encode_chat(rendered, template_tools, req.template_kwargs()), tools
 
-    async def chat(
-        self, req: ChatCompletionRequest, arrival: float, is_disconnected: Callable[[], Any]
-    ) -> dict[str, Any] | AsyncIterator[str]:
-        lora = self.check_model(req.model)
-        self.check_generates()
-        req.check_limits(self.limits, self.max_model_len)
-        self._check_ids(req.stop_token_ids or [], "stop_token_ids", self.vocab_size)
-        ids, tools = await self._chat_prompt(req)
-        self._check_ids(ids, "messages", self.vocab_size)  # a tokenizer may know more ids than the model has rows
+    def chat_params(self, req: ChatCompletionRequest, ids: list[int],
+                    tools: ToolRequest | None) -> tuple[SamplingParams, Start]:
+        """The sampling params of a chat request whose prompt is `ids` (its tool calls or structured output
+        enforced from where the thinking ends), and where its reply starts relative to the reasoning."""
         active = tools is not None and tools.active
         parser, thinker = self.tool_parser, self.reasoning_parser
         start = Start.NONE if thinker is None else thinker.start(
@@ -364,6 +359,20 @@ class OpenAIServing:
                 params = dataclasses.replace(params, structured=after_reasoning(params.structured, thinker, start))
         if (active and not parser.skip_special_tokens) or (thinker is not None and not thinker.skip_special_tokens):
             params = dataclasses.replace(params, skip_special_tokens=False)  # its markers are special tokens
+        return params, start
+
+    async def chat(
+        self, req: ChatCompletionRequest, arrival: float, is_disconnected: Callable[[], Any]
+    ) -> dict[str, Any] | AsyncIterator[str]:
+        lora = self.check_model(req.model)
+        self.check_generates()
+        req.check_limits(self.limits, self.max_model_len)
+        self._check_ids(req.stop_token_ids or [], "stop_token_ids", self.vocab_size)
+        ids, tools = await self._chat_prompt(req)
+        self._check_ids(ids, "messages", self.vocab_size)  # a tokenizer may know more ids than the model has rows
+        active = tools is not None and tools.active
+        parser, thinker = self.tool_parser, self.reasoning_parser
+        params, start = self.chat_params(req, ids, tools)
         rids, q = await self._submit(req, ids, params, arrival, lora)
         head = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",

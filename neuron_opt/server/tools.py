@@ -101,6 +101,11 @@ def _generic_prompt(req: ToolRequest) -> str:
     return "You can call these tools (one JSON description per line):\n" + "\n".join(lines) + f"\n\n{how}\n{many}"
 
 
+def _thought(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's earlier thinking (its reasoning keys), kept when the message is rewritten."""
+    return {k: message[k] for k in ("reasoning", "reasoning_content") if k in message}
+
+
 def render_messages(messages: list[dict[str, Any]], parser: ToolParser,
                     req: ToolRequest | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(messages for the chat template, `tools` for the template or None). `messages` are OpenAI's (assistant
@@ -125,14 +130,15 @@ def render_messages(messages: list[dict[str, Any]], parser: ToolParser,
         if m.get("tool_calls"):
             calls = [{"name": c["function"]["name"], "arguments": _arguments(c["function"]["arguments"])}
                      for c in m["tool_calls"]]
-            out.append({"role": "assistant", "content": json.dumps({"tool_calls": calls}, ensure_ascii=False)})
+            out.append({"role": "assistant", "content": json.dumps({"tool_calls": calls}, ensure_ascii=False),
+                        **_thought(m)})
         elif m["role"] == "tool":
             result = {"tool_call_id": m.get("tool_call_id"), "name": names.get(m.get("tool_call_id")),
                       "content": m.get("content") or ""}
             out.append({"role": "user", "content": json.dumps({"tool_response": result}, ensure_ascii=False)})
         elif m["role"] == "assistant" and active:  # earlier answers in the form the model is asked to use
             out.append({"role": "assistant", "content": json.dumps({"response": m.get("content") or ""},
-                                                                   ensure_ascii=False)})
+                                                                   ensure_ascii=False), **_thought(m)})
         else:
             out.append(m)
     if active and req is not None:
