@@ -256,9 +256,10 @@ def test_llama_quantize_types_equal_gguf_reference_and_hf(family, kind, wide, tm
 @pytest.mark.slow
 def test_mxfp4_experts_equal_gguf_reference_and_hf(tmp_path):
     """MXFP4, the type GPT-OSS ships its experts in: llama-quantize's MXFP4_MOE (`--pure`, as every unmixed type)
-    writes every matrix of the GPT-OSS file in it, the stacked experts included. Every tensor of ours equals gguf's reference dequantization of the file's bytes; greedy
-    tokens equal HF's with the same weights (the source checkpoint, its weights replaced by the file's, experts in
-    HF's stored layout: gate and up interleaved in gate_up_proj [E, H, 2I], down_proj [E, I, H])."""
+    writes every matrix of the GPT-OSS file in it, the stacked experts included. Every tensor of ours equals gguf's
+    reference dequantization of the file's bytes; greedy tokens equal HF's with the same weights (the source
+    checkpoint, its weights replaced by the file's, experts in HF's stored layout: gate and up interleaved in
+    gate_up_proj [E, H, 2I], down_proj [E, I, H])."""
     from safetensors.torch import save_file
 
     from neuron_opt.checkpoint.gguf import gguf_to_hf_names
