@@ -1,5 +1,6 @@
-"""Helpers the tests share: our eager runner for a checkpoint directory, a live server on loopback, tp ranks as
-threads of this process, the tp-against-HF check, and a cpu artifact with given graph bytes (no compile)."""
+"""Helpers the tests share: our eager runner for a checkpoint, greedy tokens from a runner and from HF, a live server
+on loopback, tp ranks as threads of this process, the tp-against-HF check, and a cpu artifact with given graph bytes
+(no compile)."""
 
 from __future__ import annotations
 
@@ -27,13 +28,35 @@ def eager_runner(ckpt_dir: Path, max_model_len: int = 256, max_batch: int = 1, b
                  **bucket_kw) -> ModelRunner:
     from neuron_opt.checkpoint import open_checkpoint
 
-    cfg = ModelConfig.from_hf(ckpt_dir)
-    sd = open_checkpoint(ckpt_dir).state_dict()  # canonical: no tied lm_head, fused projections split (Phi-3)
+    ck = open_checkpoint(ckpt_dir)  # an HF directory or a GGUF file
+    cfg = ck.config
+    sd = ck.state_dict()  # canonical: no tied lm_head, fused projections split (Phi-3)
     model = build_model(cfg, sd, max_model_len, torch.float32)
     cache = CacheConfig(max_batch=max_batch, max_model_len=max_model_len, block_size=block_size)
     buckets = BucketConfig.build(max_prompt_len=max_model_len, max_model_len=max_model_len, max_batch=max_batch,
                                  min_prefill=16, min_decode=16, **bucket_kw)
     return ModelRunner(EagerExecutor(model, cache), buckets, cache, cfg.vocab_size)
+
+
+class _NoDetokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
+def runner_greedy(runner: ModelRunner, prompt: list[int], n: int) -> tuple[torch.Tensor, list[int]]:
+    """`prompt`'s last logits on `runner` (KV slot 0) and the `n` tokens it then generates greedily (no EOS)."""
+    logits = runner.prefill(0, prompt)
+    out = generate_ids(runner, _NoDetokenizer(), prompt, SamplingParams(max_tokens=n, min_tokens=n), ())
+    return logits, out.token_ids
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> tuple[torch.Tensor, list[int]]:
+    """The HF oracle's `runner_greedy`: `prompt`'s last logits and `n` greedy tokens from HF's generate."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt])).logits[0, -1]
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          pad_token_id=0)
+    return logits, out[0, len(prompt):].tolist()
 
 
 @contextlib.contextmanager

@@ -1,19 +1,67 @@
 """GGUF files written by llama.cpp's own tools, for the GGUF tests: its converter (`convert_hf_to_gguf.py`, with the
 gguf-py it pins) from the llama-cpp-python sdist, unpacked once into the cache directory outside the repository
-(neuron_opt.bench.llamacpp_server.ensure_sources), and its `llama-quantize` (built once there: ensure_built)."""
+(neuron_opt.bench.llamacpp_server.ensure_sources), and its `llama-quantize` (built once there: ensure_built); and the
+tiny HF checkpoints of each family they are converted from (`source_checkpoint`)."""
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import torch
+from tiny import BASE, WITH_TOKENIZER, make_tiny
 
 from neuron_opt import envs
 from neuron_opt.bench import llamacpp_server as peer
 
 LLAMACPP_VERSION = "0.3.36"  # the llama-cpp-python whose vendored llama.cpp writes the test files
 CACHE = envs.CACHE_DIR  # read once: tests that point envs.CACHE_DIR at a private directory still share this one
+ROOT = Path(__file__).resolve().parents[1]
+# converters that read a BPE tokenizer.json (the default model's, 49,152 tokens); the others take a small
+# sentencepiece model, so their files' metadata parses fast
+BPE_FAMILIES = ("olmo2", "qwen2-moe", "qwen3-moe", "gpt-oss")
+# Gemma 2 with every option on: soft-caps, a window of 6 on every other layer
+GEMMA2 = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+              attn_logit_softcapping=4.0, final_logit_softcapping=2.5, sliding_window=6, tie_word_embeddings=True)
+
+
+def make_with_sentencepiece(config_class: str, overrides: dict, out: Path) -> Path:
+    """A tiny random checkpoint beside a sentencepiece `tokenizer.model` trained here (400 pieces, Gemma's special
+    ids): Gemma 2's converter reads no other vocabulary, and a small one keeps the files' metadata small."""
+    import sentencepiece as spm
+    import transformers
+
+    model_file = io.BytesIO()
+    text = (ROOT / "README.md").read_text() + (ROOT / "docs" / "models.md").read_text()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(text.splitlines()), model_writer=model_file, vocab_size=400, model_type="bpe",
+        pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>",
+        unk_piece="<unk>", byte_fallback=True, minloglevel=2)
+    cfg = getattr(transformers, config_class)(**{**BASE, "vocab_size": 400, "pad_token_id": 0, **overrides},
+                                               bos_token_id=2, eos_token_id=1)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(1.0, 0.1)
+    model.save_pretrained(out)
+    (out / "tokenizer.model").write_bytes(model_file.getvalue())
+    return out
+
+
+def source_checkpoint(family: str, out: Path) -> Path:
+    """The tiny random HF checkpoint of `family` (a `gguf-FAMILY` variant of tests/tiny.py, or Gemma 2 with every
+    option on) that the GGUF tests convert, with the vocabulary its converter reads."""
+    if family == "gemma2":
+        return make_with_sentencepiece("Gemma2Config", GEMMA2, out)
+    if family in BPE_FAMILIES:
+        return make_tiny(f"gguf-{family}", out)
+    config_class, overrides = WITH_TOKENIZER[f"gguf-{family}"]
+    return make_with_sentencepiece(config_class, {k: v for k, v in overrides.items() if k != "vocab_size"}, out)
 
 
 # one process converts every file: the converter's imports (torch, transformers) cost more than a tiny model

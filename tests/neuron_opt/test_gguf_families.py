@@ -6,41 +6,39 @@ tensors equal them bit for bit, Gemma's norms to the rounding of the converter's
 tokens on it (fp32), and transformers' own GGUF loader where it reads the family right (Llama, Mistral: the same
 weights to the bit at every type). transformers 5.25's GGUF loader misreads the others' files (Gemma 3's rope
 scaling and local base, Qwen-MoE's expert widths, Mixtral's experts) or refuses them (OLMo 2, Granite, SmolLM3,
-GPT-OSS), so for those the oracle is HF on the source checkpoint. llama-quantize's types (K-quants, IQ4) are in
-the slow tier: building llama-quantize takes minutes.
+GPT-OSS), so for those the oracle is HF on the source checkpoint. llama-quantize's types (K-quants, IQ4, MXFP4)
+are in the slow tier: building llama-quantize takes minutes. Every family runs at tp 1, a subset on two TP rank
+processes (the XLA tier's: tests/xla/test_device_gguf.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
-import sentencepiece as spm
 import torch
-from llamacpp_gguf import convert, quantize
-from tiny import BASE, WITH_TOKENIZER, load_hf, make_tiny
+from helpers import hf_greedy, runner_greedy
+from llamacpp_gguf import convert, make_with_sentencepiece, quantize, source_checkpoint
+from tiny import load_hf
 
-from neuron_opt.api import build_model
+from neuron_opt.api import LLM, build_model
 from neuron_opt.backends.eager import EagerExecutor
 from neuron_opt.buckets import BucketConfig
 from neuron_opt.checkpoint import native_quant, open_checkpoint
-from neuron_opt.config import CacheConfig, ModelConfig, QuantConfig
+from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, QuantConfig
 from neuron_opt.errors import CheckpointError
-from neuron_opt.runtime.generate import generate_ids
 from neuron_opt.runtime.runner import ModelRunner
-from neuron_opt.runtime.sampling import SamplingParams
 
-ROOT = Path(__file__).resolve().parents[2]
 FAMILIES = ["llama", "mistral", "gemma2", "gemma3", "olmo2", "granite", "smollm3", "mixtral", "qwen2-moe",
             "qwen3-moe", "gpt-oss"]
 HF_READS_GGUF = ("llama", "mistral")  # transformers' GGUF loader maps these files exactly
-# converters that read a BPE tokenizer.json (the default model's, 49,152 tokens); the others take a small
-# sentencepiece model, so their files' metadata parses fast
-BPE_FAMILIES = ("olmo2", "qwen2-moe", "qwen3-moe", "gpt-oss")
+# tp 2's subset (rank processes take ~10 s a model to start): Mixtral (a `llama` file: q/k rows permuted, GQA,
+# experts stacked) in the default tier; Llama and Gemma 2 (soft-caps, windows, the norm offset, tied embeddings)
+# in the slow one
+TP2_FAMILIES = ["mixtral", *(pytest.param(f, marks=pytest.mark.slow) for f in ("llama", "gemma2"))]
 MAX_LEN = 64
 PROMPT = [1, 17, 42, 99, 5, 123, 7, 300, 11, 250]
 
@@ -55,49 +53,11 @@ def _private_cache(tmp_path_factory):
         yield
 
 
-def make_with_sentencepiece(config_class: str, overrides: dict, out: Path) -> Path:
-    """A tiny random checkpoint beside a sentencepiece `tokenizer.model` trained here (400 pieces, Gemma's special
-    ids): Gemma 2's converter reads no other vocabulary, and a small one keeps the files' metadata small."""
-    import transformers
-
-    model_file = io.BytesIO()
-    text = (ROOT / "README.md").read_text() + (ROOT / "docs" / "models.md").read_text()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(text.splitlines()), model_writer=model_file, vocab_size=400, model_type="bpe",
-        pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>",
-        unk_piece="<unk>", byte_fallback=True, minloglevel=2)
-    cfg = getattr(transformers, config_class)(**{**BASE, "vocab_size": 400, "pad_token_id": 0, **overrides},
-                                               bos_token_id=2, eos_token_id=1)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(1.0, 0.1)
-    model.save_pretrained(out)
-    (out / "tokenizer.model").write_bytes(model_file.getvalue())
-    return out
-
-
-# Gemma 2 with every option on: soft-caps, a window of 6 on every other layer
-GEMMA2 = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
-              attn_logit_softcapping=4.0, final_logit_softcapping=2.5, sliding_window=6, tie_word_embeddings=True)
-
-
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """family -> (its HF checkpoint, llama.cpp's F32 GGUF of it); also "llama-TYPE" for the converter's other types."""
     root = tmp_path_factory.mktemp("gguf-families")
-    dirs = {}
-    for f in FAMILIES:
-        if f == "gemma2":
-            dirs[f] = make_with_sentencepiece("Gemma2Config", GEMMA2, root / f)
-        elif f in BPE_FAMILIES:
-            dirs[f] = make_tiny(f"gguf-{f}", root / f)
-        else:
-            config_class, overrides = WITH_TOKENIZER[f"gguf-{f}"]
-            dirs[f] = make_with_sentencepiece(config_class, {k: v for k, v in overrides.items() if k != "vocab_size"},
-                                              root / f)
+    dirs = {f: source_checkpoint(f, root / f) for f in FAMILIES}
     jobs = {f: (d, root / f"{f}.gguf", "f32") for f, d in dirs.items()}
     jobs |= {f"llama-{t}": (dirs["llama"], root / f"llama-{t}.gguf", t) for t in ("f16", "bf16", "q8_0")}
     convert(list(jobs.values()))
@@ -106,27 +66,12 @@ def files(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
 
 def eager_greedy(ck, n: int) -> tuple[torch.Tensor, list[int]]:
     """Our eager model of `ck` (fp32): the prompt's last logits and `n` greedy tokens."""
-    cfg = ck.config
     cache = CacheConfig(max_batch=1, max_model_len=MAX_LEN)
     buckets = BucketConfig.build(max_prompt_len=MAX_LEN, max_model_len=MAX_LEN, max_batch=1, min_prefill=16,
                                  min_decode=16)
-    runner = ModelRunner(EagerExecutor(build_model(cfg, ck.state_dict(), MAX_LEN, torch.float32), cache), buckets,
-                         cache, cfg.vocab_size)
-    logits = runner.prefill(0, PROMPT)
-
-    class NoTok:
-        def decode(self, ids, skip_special_tokens=True):
-            return ""
-
-    return logits, generate_ids(runner, NoTok(), PROMPT, SamplingParams(max_tokens=n, min_tokens=n), ()).token_ids
-
-
-def hf_greedy(hf, n: int) -> tuple[torch.Tensor, list[int]]:
-    with torch.no_grad():
-        logits = hf(torch.tensor([PROMPT])).logits[0, -1]
-        out = hf.generate(torch.tensor([PROMPT]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                          pad_token_id=0)
-    return logits, out[0, len(PROMPT):].tolist()
+    runner = ModelRunner(EagerExecutor(build_model(ck.config, ck.state_dict(), MAX_LEN, torch.float32), cache),
+                         buckets, cache, ck.config.vocab_size)
+    return runner_greedy(runner, PROMPT, n)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -157,7 +102,22 @@ def test_greedy_tokens_equal_hf(family, files):
     else:
         hf = load_hf(d)
     ours_logits, ours = eager_greedy(open_checkpoint(path), 12)
-    ref_logits, ref = hf_greedy(hf, 12)
+    ref_logits, ref = hf_greedy(hf, PROMPT, 12)
+    torch.testing.assert_close(ours_logits, ref_logits, atol=1e-4, rtol=0)
+    assert ours == ref
+
+
+@pytest.mark.parametrize("family", TP2_FAMILIES)
+def test_tp2_greedy_tokens_equal_hf(family, files):
+    """The file on two eager TP rank processes (`LLM(..., parallel=ParallelConfig(tp=2))`): heads, KV heads, the
+    MLP and the experts split across ranks. The oracle: HF on the checkpoint the F32 file holds exactly."""
+    d, path = files[family]
+    llm = LLM(path, max_model_len=MAX_LEN, parallel=ParallelConfig(tp=2))
+    try:
+        ours_logits, ours = runner_greedy(llm.runner, PROMPT, 12)
+    finally:
+        llm.runner.executor.close()
+    ref_logits, ref = hf_greedy(load_hf(d), PROMPT, 12)
     torch.testing.assert_close(ours_logits, ref_logits, atol=1e-4, rtol=0)
     assert ours == ref
 
@@ -198,6 +158,22 @@ def test_converter_types_read_and_pick_auto(kind, auto, files):
     assert native_quant(ck) == auto
 
 
+@pytest.mark.parametrize("kind", ["f16", "bf16"])
+def test_f16_and_bf16_files_generate_as_hf_on_their_weights(kind, files):
+    """An F16 / BF16 file runs as HF does with the weights it holds: the checkpoint's matrices rounded to the type
+    (vectors stay F32 in the file; the rounding is checked above)."""
+    d, path = files[f"llama-{kind}"]
+    hf = load_hf(d)
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 2:
+                p.copy_(p.to(torch.float16 if kind == "f16" else torch.bfloat16).float())
+    ours_logits, ours = eager_greedy(open_checkpoint(path), 12)
+    ref_logits, ref = hf_greedy(hf, PROMPT, 12)
+    torch.testing.assert_close(ours_logits, ref_logits, atol=1e-4, rtol=0)
+    assert ours == ref
+
+
 def test_a_type_we_do_not_read_is_refused_from_the_header(tmp_path):
     """IQ2_XXS (gguf can dequantize it; we do not convert it): refused naming the tensor and the type, before any
     tensor is read (the tensor's bytes are garbage, and the file has no config at all)."""
@@ -219,25 +195,41 @@ QUANT_TYPES = {"Q4_0": ("int4", "group_symmetric"), "Q4_1": ("int4", "group_asym
                                                                    "Q6_K", "IQ4_NL", "IQ4_XS", "Q4_K_M")}}
 
 
+# the families llama-quantize's files are checked for: every type for Llama, Q4_K_M (the most downloaded, a mix of
+# Q4_K and Q6_K linears) for Qwen3 too (q/k norms; its q/k rows are not permuted). Qwen3 at its default head_dim
+# (128, twice hidden / heads here): transformers' GGUF loader does not read `attention.key_length`
+WIDE = {"llama": ("LlamaConfig", {}), "qwen3": ("Qwen3Config", dict(head_dim=128))}
+
+
 @pytest.fixture(scope="module")
-def wide_llama(tmp_path_factory) -> tuple[Path, Path]:
-    """A Llama whose rows are whole K-quant super-blocks (256 values), and its F32 GGUF."""
-    root = tmp_path_factory.mktemp("gguf-wide")
-    d = make_with_sentencepiece("LlamaConfig", dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                                                    num_key_value_heads=2), root / "hf")
-    convert([(d, root / "f32.gguf", "f32")])
-    return d, root / "f32.gguf"
+def wide(tmp_path_factory):
+    """wide(family) -> a checkpoint of `family` whose rows are whole K-quant super-blocks (256 values), and its F32
+    GGUF (made once)."""
+    made: dict[str, tuple[Path, Path]] = {}
+
+    def get(family: str) -> tuple[Path, Path]:
+        if family not in made:
+            root = tmp_path_factory.mktemp(f"gguf-wide-{family}")
+            config_class, extra = WIDE[family]
+            d = make_with_sentencepiece(config_class, dict(hidden_size=256, intermediate_size=512,
+                                                           num_attention_heads=4, num_key_value_heads=2, **extra),
+                                        root / "hf")
+            convert([(d, root / "f32.gguf", "f32")])
+            made[family] = d, root / "f32.gguf"
+        return made[family]
+
+    return get
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", QUANT_TYPES)
-def test_llama_quantize_types_equal_gguf_reference_and_hf(kind, wide_llama, tmp_path):
+@pytest.mark.parametrize("family, kind", [*(("llama", k) for k in QUANT_TYPES), ("qwen3", "Q4_K_M")])
+def test_llama_quantize_types_equal_gguf_reference_and_hf(family, kind, wide, tmp_path):
     """Each type llama-quantize writes: our tensors equal transformers' GGUF loader's (gguf's reference
     dequantization) exactly, greedy tokens equal HF's on the same file, and `--quantize auto` picks the table's
     format (docs/quantization.md); a Q4_K_M file mixes Q4_K and Q6_K linears, both int8."""
     import transformers
 
-    path = quantize(wide_llama[1], tmp_path / f"{kind}.gguf", kind)
+    path = quantize(wide(family)[1], tmp_path / f"{kind}.gguf", kind)
     ck = open_checkpoint(path)
     reader = gguf.GGUFReader(str(path))
     linear_types = {t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2
@@ -252,10 +244,60 @@ def test_llama_quantize_types_equal_gguf_reference_and_hf(kind, wide_llama, tmp_
     for name, t in ck.state_dict().items():
         assert torch.equal(t, ref[name]), name
     ours_logits, ours = eager_greedy(ck, 12)
-    ref_logits, want = hf_greedy(hf, 12)
+    ref_logits, want = hf_greedy(hf, PROMPT, 12)
     torch.testing.assert_close(ours_logits, ref_logits, atol=1e-4, rtol=0)
     assert ours == want
     method, qtype = QUANT_TYPES[kind]
     qc = native_quant(ck)
     assert (qc.method, qc.quantization_type, qc.group_size, qc.lm_head) == (method, qtype,
                                                                             32 if method == "int4" else 0, True)
+
+
+@pytest.mark.slow
+def test_mxfp4_experts_equal_gguf_reference_and_hf(tmp_path):
+    """MXFP4, the type GPT-OSS ships its experts in: llama-quantize's MXFP4_MOE (`--pure`, as every unmixed type)
+    writes every matrix of the GPT-OSS file in it, the stacked experts included. Every tensor of ours equals gguf's
+    reference dequantization of the file's bytes; greedy tokens equal HF's with the same weights (the source
+    checkpoint, its weights replaced by the file's, experts in HF's stored layout: gate and up interleaved in
+    gate_up_proj [E, H, 2I], down_proj [E, I, H])."""
+    from safetensors.torch import save_file
+
+    from neuron_opt.checkpoint.gguf import gguf_to_hf_names
+
+    d = source_checkpoint("gpt-oss", tmp_path / "hf")
+    convert([(d, tmp_path / "f32.gguf", "f32")])
+    path = quantize(tmp_path / "f32.gguf", tmp_path / "mxfp4.gguf", "MXFP4_MOE")
+    reader = gguf.GGUFReader(str(path))
+    assert {t.tensor_type.name for t in reader.tensors if "_exps.weight" in t.name} == {"MXFP4"}
+    ck = open_checkpoint(path)
+    ours = ck.state_dict()
+    n_experts = ck.config.num_experts
+    for t in reader.tensors:
+        ref = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+        ref = ref.reshape(tuple(int(x) for x in reversed(t.shape)))
+        names = gguf_to_hf_names(t.name, "gpt-oss", n_experts)
+        for name, part in zip(names, ref.unbind(0) if len(names) > 1 else (ref,), strict=True):
+            assert torch.equal(ours[name], part), name
+    stored = {k: v for k, v in ours.items() if ".mlp.experts." not in k}
+
+    def stack(i: int, part: str, suffix: str) -> torch.Tensor:  # layer i's experts: [E, out, in] or [E, out]
+        return torch.stack([ours[f"model.layers.{i}.mlp.experts.{e}.{part}_proj.{suffix}"] for e in range(n_experts)])
+
+    for i in range(ck.config.num_hidden_layers):
+        gate, up = stack(i, "gate", "weight").transpose(1, 2), stack(i, "up", "weight").transpose(1, 2)  # [E, H, I]
+        prefix = f"model.layers.{i}.mlp.experts"
+        stored[f"{prefix}.gate_up_proj"] = torch.stack([gate, up], dim=-1).flatten(-2)  # [E, H, 2I], interleaved
+        stored[f"{prefix}.gate_up_proj_bias"] = torch.stack([stack(i, "gate", "bias"), stack(i, "up", "bias")],
+                                                            dim=-1).flatten(-2)
+        stored[f"{prefix}.down_proj"] = stack(i, "down", "weight").transpose(1, 2).contiguous()  # [E, I, H]
+        stored[f"{prefix}.down_proj_bias"] = stack(i, "down", "bias")
+    same = tmp_path / "hf-same-weights"
+    same.mkdir()
+    for f in d.iterdir():
+        if f.suffix != ".safetensors":
+            (same / f.name).write_bytes(f.read_bytes())
+    save_file(stored, str(same / "model.safetensors"))
+    ours_logits, ours_ids = eager_greedy(ck, 12)
+    ref_logits, ref_ids = hf_greedy(load_hf(same), PROMPT, 12)
+    torch.testing.assert_close(ours_logits, ref_logits, atol=1e-4, rtol=0)
+    assert ours_ids == ref_ids

@@ -1,6 +1,7 @@
 """Run as a script (a fresh process per tp: SPMD mode is per process). Compiles a tiny checkpoint with
-`--backend neuron` at the given tp, then prints one JSON object: per step the largest |logit difference| against
-the eager fp32 reference (teacher forced), the bucket each step ran, and the HLO facts of every bucket.
+`--backend neuron` at the given tp (CKPT: an HF directory or a GGUF file), then prints one JSON object: per step the
+largest |logit difference| against the eager fp32 reference (teacher forced), the device's own greedy token and the
+bucket it ran, and the bytes the device holds.
 
     python device_parity.py CKPT OUT TP [K [EP [EP_DECODE]]]
 
@@ -48,22 +49,24 @@ def main(ckpt: Path, out: Path, tp: int, k: int = 0, ep: int = 1, ep_decode: int
     ref = eager_runner(ckpt, max_model_len=32, prefill_lens=[16, 32], decode_kv_lens=[16, 32],
                        num_speculative_tokens=k)
     prompt = [(7 * i + 3) % 200 + 3 for i in range(12)]
-    diffs, buckets = [], []
+    diffs, buckets, tokens = [], [], []
     a, b = runner.prefill(0, prompt), ref.prefill(0, prompt)
     diffs.append((a - b).abs().max().item())
     buckets.append(runner.last_bucket.key)
+    tokens.append(int(a.argmax()))
     tok, pos = int(b.argmax()), len(prompt)
     for _ in range(16):  # positions 12..27: crosses the decode bucket edge at 16
         a, b = runner.decode([DecodeRow(0, tok, pos)]), ref.decode([DecodeRow(0, tok, pos)])
         diffs.append((a - b).abs().max().item())
         buckets.append(runner.last_bucket.key)
+        tokens.append(int(a[0].argmax()))
         tok, pos = int(b[0].argmax()), pos + 1
     if k:  # the last accepted token and k proposals at positions 28.. in one verify step
         rows = [VerifyRow(0, (tok, *[(13 * j + 5) % 200 + 3 for j in range(k)]), pos)]
         a, b = runner.verify(rows), ref.verify(rows)
         diffs.append((a - b).abs().max().item())
         buckets.append(runner.last_bucket.key)
-    return {"diffs": diffs, "buckets": buckets, "device_bytes": device_bytes}
+    return {"diffs": diffs, "buckets": buckets, "tokens": tokens, "device_bytes": device_bytes}
 
 
 if __name__ == "__main__":
