@@ -132,6 +132,24 @@ def test_preemption_and_speculation_stay_exact(setup, tmp_path):
     assert engine.speculation is not None and engine.speculation.stats.accepted_tokens > 0
 
 
+def test_tp_ranks_hold_window_sized_kv(setup, tmp_path):
+    """Eager tp 2 (rank processes): the window layers' slot mapping and tables reach the ranks, whose pools are
+    window-sized; greedy text past the window equals HF's."""
+    from neuron_opt.executors.factory import CheckpointSpec, create_executor
+
+    cfg, model, tok, prompts, want, eos = setup
+    if cfg.is_moe:
+        pytest.skip("one family is enough: the ranks' code path does not depend on it")
+    one = runner_for(cfg, model, tmp_path)
+    sd = dict(model.state_dict())  # HF names: the canonical state dict
+    ex = create_executor(CheckpointSpec(cfg, sd, ParallelConfig(tp=2), one.cache))
+    try:
+        engine = Engine(ModelRunner(ex, one.buckets, one.cache, cfg.vocab_size), tok, eos,
+                        max_num_batched_tokens=CHUNK)
+        assert run(engine, prompts, MAX_LEN - 20) == want
+    finally:
+        ex.close()
+
 @pytest.mark.slow
 def test_cpu_graphs_hold_window_sized_kv(tmp_path):
     """The cpu backend: one layer graph serves both pools (their block count a dynamic dimension); greedy text past
