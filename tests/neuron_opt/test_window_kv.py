@@ -130,6 +130,13 @@ def test_preemption_and_speculation_stay_exact(setup, tmp_path):
     # k positions short of max_model_len: a verify row there would reach past the largest decode bucket
     assert run(engine, prompts, n - 2) == [w[:n - 2] for w in want]
     assert engine.speculation is not None and engine.speculation.stats.accepted_tokens > 0
+    # the target as its own draft model: the draft's KV slots are rings of window blocks (it proposes for the
+    # prompt one prefill call reaches, past the window)
+    spec = SpeculativeConfig(num_speculative_tokens=2, method="draft_model", model="the target", adaptive=False)
+    engine = Engine(runner_for(cfg, model, tmp_path, spec=2), tok, eos, max_num_batched_tokens=CHUNK,
+                    speculative=spec, draft=runner_for(cfg, model, tmp_path))
+    assert run(engine, prompts, n - 2) == [w[:n - 2] for w in want]
+    assert engine.speculation.stats.accepted_tokens >= n - 2 - 10
 
 
 def test_tp_ranks_hold_window_sized_kv(setup, tmp_path):
