@@ -27,6 +27,10 @@ Design decisions
   gets the identity table (cos 1, sin 0: x * 1 + rotated * 0 is x exactly), a sliding layer of Gemma 3 the local
   table, so every layer runs the same code and a compiled layer graph serves them all (the cpu backend also passes
   the window of a model whose layers mix windows as an input: `window`).
+- Window-sized KV (`window_kv`): the sliding layers hold their own, smaller pools and are given their own slot
+  mapping and block tables (same logical blocks; out-of-window ones are the null block, which the window's mask
+  already hides), so their attention code is unchanged; which pools a layer holds is the caller's
+  (neuron_opt.backends.base.allocate_kv).
 """
 
 from __future__ import annotations
@@ -622,20 +626,24 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 block_tables: torch.Tensor, last_index: torch.Tensor, k_caches: list[torch.Tensor],
                 v_caches: list[torch.Tensor], kv_len: int, decode: bool = False,
-                lora: LoraInputs | None = None) -> torch.Tensor:
+                lora: LoraInputs | None = None,
+                window_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Run one step; returns this rank's fp32 logits [B, V/tp] at `last_index` [B] of each row, or
         [B, T, V/tp] at every index of a [B, T] `last_index` (a verify step scores all its positions).
         `decode`: a token-generation step (a decode or verify bucket), static per graph like the shapes.
-        `lora`: the adapter stacks and each row's slot (neuron_opt.lora.ops; None: the base model only)."""
+        `lora`: the adapter stacks and each row's slot (neuron_opt.lora.ops; None: the base model only).
+        `window_kv`: the sliding layers' (slot mapping, block tables) under window-sized KV (None: every layer
+        uses `slot_mapping` and `block_tables`)."""
         x, sp = self.hidden_states(input_ids, positions, slot_mapping, block_tables, k_caches, v_caches, kv_len,
-                                   decode, last_index, lora)
+                                   decode, last_index, lora, window_kv)
         x = self._last_rows(x, last_index, sp)  # [B, H] or [B, T, H]
         return self.finish_logits(self.lm_head(self.model.norm(x)).float())  # [B, V/tp] or [B, T, V/tp]
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                       block_tables: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                       kv_len: int, decode: bool = False, last_index: torch.Tensor | None = None,
-                      lora: LoraInputs | None = None) -> tuple[torch.Tensor, bool]:
+                      lora: LoraInputs | None = None,
+                      window_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, bool]:
         """The decoder's output before the final norm, [B, S, H] (sequence-parallel: this rank's [B, S_pad/tp, H]
         chunk), and whether it is sequence-parallel; the LM head (`forward`) or a pooling step
         (models.pooling) takes it from there. `last_index`: the step's last real positions, which pick longrope's
@@ -651,12 +659,14 @@ class LlamaForCausalLM(nn.Module):
         ropes = layer_rope_inputs(self.cfg, tables, positions, x.dtype, last_index)  # each [B, S, 1, R]
         for i, layer in enumerate(self.model.layers):
             cos, sin = ropes[i]
+            slots, tables = slot_mapping, block_tables
+            if window_kv is not None and self.cfg.layer_window(i) is not None:
+                slots, tables = window_kv
             if lora is not None:
-                x = layer(x, cos, sin, positions, slot_mapping, block_tables, k_caches[i], v_caches[i], kv_len, sp,
-                          decode, lora=lora.layer(i))
+                x = layer(x, cos, sin, positions, slots, tables, k_caches[i], v_caches[i], kv_len, sp, decode,
+                          lora=lora.layer(i))
             else:
-                x = layer(x, cos, sin, positions, slot_mapping, block_tables, k_caches[i], v_caches[i], kv_len, sp,
-                          decode)
+                x = layer(x, cos, sin, positions, slots, tables, k_caches[i], v_caches[i], kv_len, sp, decode)
         return x, sp
 
     def scale_embeddings(self, x: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,14 @@ from neuron_opt.backends.base import Backend
 from neuron_opt.buckets import Bucket, BucketConfig
 from neuron_opt.checkpoint import native_quant, open_checkpoint, stored_tensors
 from neuron_opt.compile_cache import CacheKey, CompileCache
-from neuron_opt.config import CacheConfig, KVCacheDtype, ModelConfig, ParallelConfig, QuantConfig, torch_dtype
+from neuron_opt.config import (
+    CacheConfig,
+    KVCacheDtype,
+    ModelConfig,
+    ParallelConfig,
+    QuantConfig,
+    torch_dtype,
+)
 from neuron_opt.embeddings import describe as describe_task
 from neuron_opt.embeddings import resolve_task
 from neuron_opt.errors import ConfigError
@@ -40,6 +47,7 @@ from neuron_opt.lora.config import LoraConfig
 from neuron_opt.parallel import ParallelContext, head_layout
 from neuron_opt.parallel.sharding import rank_shards
 from neuron_opt.planner import format_plan_table
+from neuron_opt.planner.memory import kv_window
 from neuron_opt.quant.kv import CALIBRATION_TEXT, calibrate, fold
 from neuron_opt.quant.weights import QuantTensor
 from neuron_opt.runtime.speculative import check_draft_tokenizer
@@ -220,15 +228,18 @@ def plan_buckets(cfg: ModelConfig, req: CompileRequest) -> tuple[CacheConfig, Bu
         raise ConfigError(f"kv_cache_dtype: fp8 scales are folded into q_proj/k_proj, and {cfg.architecture}'s "
                           "q/k RMSNorm after them would undo the fold (K would reach the cache unscaled); compile "
                           "without --kv-cache-dtype fp8")
-    cache = CacheConfig(max_batch=req.batch_size, max_model_len=max_model_len,
-                        dtype=kv_cache_dtype.storage(req.dtype or "float32"),
-                        block_size=req.block_size, num_blocks=req.num_kv_blocks)
     buckets = BucketConfig.build(max_prompt_len=max_prompt_len, max_model_len=max_model_len,
                                  max_batch=req.batch_size, prefill_lens=req.prefill_buckets,
                                  decode_kv_lens=req.decode_buckets, decode_batches=req.decode_batches,
                                  num_speculative_tokens=req.num_speculative_tokens,
                                  offset_prefill=offset_prefill, prefill_batch=req.prefill_batch,
                                  prefill_only=cfg.is_embedding)
+    # window-sized KV where the backend holds it (planner.memory.kv_window says where it applies)
+    window = kv_window(cfg, buckets, req.block_size, max_model_len) if backend.window_kv else (0, 0)
+    cache = CacheConfig(max_batch=req.batch_size, max_model_len=max_model_len,
+                        dtype=kv_cache_dtype.storage(req.dtype or "float32"),
+                        block_size=req.block_size, num_blocks=req.num_kv_blocks, sliding_window=window[0],
+                        window_blocks_per_sequence=window[1])
     return cache, buckets
 
 

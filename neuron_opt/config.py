@@ -635,6 +635,10 @@ class CacheConfig:
     given to a sequence. `num_blocks` 0 (the default) sizes the pool for `max_batch` sequences of `max_model_len`
     each, plus the null block; a smaller pool serves mixed lengths in less memory (the scheduler preempts when
     it runs out), a larger one keeps more prefixes cached.
+
+    Window-sized KV (`sliding_window` > 0): the sliding-window layers hold their own, smaller pool of
+    `window_num_blocks` blocks, `window_blocks_per_sequence` per sequence (the blocks one step of a sequence can
+    see or write: `window_blocks`), and every other layer the pool above. 0: every layer holds the pool above.
     """
 
     max_batch: int = 1
@@ -642,6 +646,8 @@ class CacheConfig:
     dtype: str = "float32"
     block_size: int = 32
     num_blocks: int = 0
+    sliding_window: int = 0  # the window the window pool serves (the largest of the sliding layers'); 0: no pool
+    window_blocks_per_sequence: int = 0
 
     def __post_init__(self) -> None:
         _check(self.max_batch >= 1, "max_batch", f"must be >= 1, got {self.max_batch}")
@@ -655,6 +661,20 @@ class CacheConfig:
                f"must hold at least one sequence of max_model_len={self.max_model_len} ("
                f"{self.blocks_per_sequence} blocks of {self.block_size}) plus the null block, got {self.num_blocks}")
 
+        _check(self.sliding_window >= 0 and (self.window_blocks_per_sequence >= 1) == (self.sliding_window > 0),
+               "window_blocks_per_sequence", f"must be >= 1 exactly when sliding_window > 0, got "
+               f"{self.window_blocks_per_sequence} for sliding_window={self.sliding_window}")
+
+    @property
+    def window_num_blocks(self) -> int:
+        """Blocks of the sliding layers' pool: `window_blocks_per_sequence` for each of max_batch sequences, plus
+        the null block; 0 without one."""
+        return self.max_batch * self.window_blocks_per_sequence + 1 if self.sliding_window else 0
+
+    def pool_blocks(self, window: int | None) -> int:
+        """Blocks of the pool a layer with this sliding window (None: none) holds."""
+        return self.window_num_blocks if self.sliding_window and window is not None else self.num_blocks
+
     @property
     def kv_cache_dtype(self) -> KVCacheDtype:
         """FP8 when the pools are stored in fp8, else AUTO (the compute dtype)."""
@@ -664,3 +684,11 @@ class CacheConfig:
     def blocks_per_sequence(self) -> int:
         """Blocks one sequence of max_model_len tokens needs."""
         return -(-self.max_model_len // self.block_size)
+
+
+def window_blocks(window: int, block_size: int, step_tokens: int, max_model_len: int) -> int:
+    """Blocks a sequence holds in a sliding-window pool: the keys the first query of a step of up to `step_tokens`
+    tokens still sees (positions > its position - window) through the step's last token, ceil((window - 1 +
+    step_tokens) / block_size) + 1 (the span straddles block boundaries), at most a whole max_model_len
+    sequence's blocks."""
+    return min(-(-max_model_len // block_size), -(-(window - 1 + step_tokens) // block_size) + 1)

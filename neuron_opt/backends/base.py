@@ -32,6 +32,16 @@ class StepInputs:
     # [B] each row's LoRA adapter slot (0: the base model; padding rows 0), for models compiled with a LoRA
     # capacity (neuron_opt.lora); None otherwise. Not one of `arrays()`: only LoRA graphs take it
     lora_slots: torch.Tensor | None = None
+    # window-sized KV (CacheConfig.sliding_window): the sliding layers' slot mapping [B, S] and block tables [B, nb]
+    # in their own pool (runtime/runner.py); None otherwise. Not among `arrays()` either: `window_kv()`
+    window_slot_mapping: torch.Tensor | None = None
+    window_block_tables: torch.Tensor | None = None
+
+    def window_kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The sliding layers' (slot mapping, block tables), None without window-sized KV."""
+        if self.window_slot_mapping is None or self.window_block_tables is None:
+            return None
+        return self.window_slot_mapping, self.window_block_tables
 
     def arrays(self) -> tuple[torch.Tensor, ...]:
         """The five inputs in the order every graph takes them."""
@@ -89,6 +99,8 @@ class Backend:
             its own (compiler.record_compile_speed).
         supports_lora: its graphs take LoRA adapter stacks and slots as inputs (`compile --enable-lora`).
         targets_instance: the plan sizes the memory of `--instance` (else of this CPU host).
+        window_kv: its executors hold window-sized KV for sliding-window layers (CacheConfig.sliding_window: a
+            pool and tables of their own); otherwise every layer holds the full-length pool.
     """
 
     name: ClassVar[str] = ""
@@ -97,6 +109,7 @@ class Backend:
     est_seconds_per_graph: ClassVar[float] = 60.0
     targets_instance: ClassVar[bool] = False
     supports_lora: ClassVar[bool] = False
+    window_kv: ClassVar[bool] = False
 
     # -- class-level: before the backend is built --------------------------------------------------------------
 
@@ -206,8 +219,9 @@ def kv_dtype(cache: CacheConfig, compute: torch.dtype) -> torch.dtype:
 def allocate_kv(model: torch.nn.Module, cache: CacheConfig,
                 dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-layer K and V block pools [num_blocks, n_kv_local, block_size (/ g), D], zero-filled, in `dtype` (the
-    compute dtype) or in fp8 e4m3 when the cache config says so."""
+    compute dtype) or in fp8 e4m3 when the cache config says so; with window-sized KV the sliding layers' pools
+    have the window pool's blocks (CacheConfig.pool_blocks)."""
     dtype = kv_dtype(cache, dtype)
-    shape = model.kv_shape(cache.num_blocks, cache.block_size)
-    L = len(model.model.layers)
-    return [torch.zeros(shape, dtype=dtype) for _ in range(L)], [torch.zeros(shape, dtype=dtype) for _ in range(L)]
+    shapes = [model.kv_shape(cache.pool_blocks(model.cfg.layer_window(i)), cache.block_size)
+              for i in range(len(model.model.layers))]
+    return [torch.zeros(s, dtype=dtype) for s in shapes], [torch.zeros(s, dtype=dtype) for s in shapes]

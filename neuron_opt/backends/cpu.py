@@ -187,6 +187,7 @@ class CpuBackend(Backend):
     # measured on a 2-core AVX-512 machine (SmolLM2-135M, docs/cpu_backend.md)
     est_seconds_per_graph = 15.0
     supports_lora = True
+    window_kv = True
 
     @classmethod
     def default_dtype(cls) -> str:
@@ -479,6 +480,9 @@ class CpuExecutor:
         self.windows = [window_input(model.cfg, i, model.max_model_len) for i in range(n_layers)] \
             if model.cfg.mixed_windows or lora is not None else None
         self.k_caches, self.v_caches = allocate_kv(model, cache, dtype)
+        # window-sized KV: the layers that take the window pool's slot mapping and tables (None: none)
+        self.window_layers = {i for i in range(n_layers) if model.cfg.layer_window(i) is not None} \
+            if cache.sliding_window else None
         # LoRA: the adapter stacks, graph inputs of every layer container (neuron_opt.lora.ops); the model is kept
         # only as the description `load_lora` shards adapters by (its weights are dropped below)
         self.lora_config = lora
@@ -539,7 +543,8 @@ class CpuExecutor:
         self.lora_stacks.clear_slot(slot)
 
     def _split_inputs(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
-                      tables: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                      tables: torch.Tensor, window: tuple[torch.Tensor, torch.Tensor] | None
+                      ) -> tuple[Any, ...]:
         """A split prefill graph's inputs (cpu_graphs.PrefillAttention): the tokens padded to a multiple of
         PREFILL_SPLIT_STEP (the null slot, positions continuing, capped as the runner caps them), the block table
         padded with null blocks to cover the first position plus the tokens. The padded rows' outputs are never
@@ -555,7 +560,14 @@ class CpuExecutor:
         need = -(-(int(pos[:, 0].max()) + S + pad) // bs)
         if tables.shape[1] < need:
             tables = torch.nn.functional.pad(tables, (0, need - tables.shape[1]))  # null blocks: masked keys
-        return ids, pos, slots, tables
+        if window is not None:  # the window pool's slots and tables, padded alike
+            w_slots, w_tables = window
+            if pad:
+                w_slots = torch.nn.functional.pad(w_slots, (0, pad))
+            if w_tables.shape[1] < need:
+                w_tables = torch.nn.functional.pad(w_tables, (0, need - w_tables.shape[1]))
+            window = (w_slots, w_tables)
+        return ids, pos, slots, tables, window
 
     @torch.no_grad()
     def run(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
@@ -570,13 +582,13 @@ class CpuExecutor:
         # bucket bounds the shape; positions past them are masked anyway). At least 2: the graphs' block dimension
         # starts at 2, so a one-block table gets a null-block column (masked)
         reach = int(pos.max()) // self.k_caches[0].shape[2] + 1
-        if tables.shape[1] > max(reach, 2):
-            tables = tables[:, :max(reach, 2)].contiguous()  # AOTI containers read inputs with contiguous strides
-        elif tables.shape[1] == 1:
-            tables = torch.cat([tables, torch.zeros_like(tables)], dim=1)
+        tables = self._fit_tables(tables, reach)
+        window_kv = inputs.window_kv()  # window-sized KV: the sliding layers' slot mapping and tables
+        if window_kv is not None:
+            window_kv = (window_kv[0], self._fit_tables(window_kv[1], reach))
         ids = inputs.input_ids
         if keys[0] in self._split:  # PrefillAttention's contract
-            ids, pos, slots, tables = self._split_inputs(ids, pos, slots, tables)
+            ids, pos, slots, tables, window_kv = self._split_inputs(ids, pos, slots, tables, window_kv)
         x = self._embed(ids).to(self.residual_dtype)  # [B, S, H]
         if self.cfg.embedding_multiplier != 1.0:
             x = x * self.cfg.embedding_multiplier
@@ -589,7 +601,8 @@ class CpuExecutor:
             window = [] if self.windows is None else [self.windows[i]]
             if self.lora_stacks is not None:
                 window = [*window, lora_slots, *self.lora_stacks.layer_tensors(i)]
-            x = layer.run([x, cos, sin, pos, slots, tables, ks[i], vs[i], *window])[0]
+            own = window_kv if window_kv is not None and i in (self.window_layers or ()) else (slots, tables)
+            x = layer.run([x, cos, sin, pos, *own, ks[i], vs[i], *window])[0]
         if self.pooled:  # the final norm and the pooling over every row: [B, S, H] -> [B, H]
             return head(x, inputs.last_index)
         rows = torch.arange(x.shape[0])
@@ -600,6 +613,16 @@ class CpuExecutor:
                 return head(picked).view(B, q, -1)
             return self._head_rows(picked).view(B, q, -1)  # a prefill's every position (prompt logprobs)
         return head(x[rows, inputs.last_index])  # [B, H] -> [B, V]
+
+    @staticmethod
+    def _fit_tables(tables: torch.Tensor, reach: int) -> torch.Tensor:
+        """Block tables cut to the blocks the step's positions reach, at least 2 (the graphs' block dimension
+        starts at 2: a one-block table gets a null-block column, masked)."""
+        if tables.shape[1] > max(reach, 2):
+            return tables[:, :max(reach, 2)].contiguous()  # AOTI containers read inputs with contiguous strides
+        if tables.shape[1] == 1:
+            return torch.cat([tables, torch.zeros_like(tables)], dim=1)
+        return tables
 
     def _head_rows(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits [N, V] of any number of hidden states [N, H], through the head graph of the most rows, in

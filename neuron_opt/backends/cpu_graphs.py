@@ -8,7 +8,9 @@ Design decisions (see docs/cpu_backend.md)
   differ only in the attention's KV length (and a prefill in its token count, also dynamic), so one graph
   serves them all: the default bucket set needs 5 layer graphs + 4 heads, not one model per bucket. The
   executor pads a one-block table with a null-block column (masked: it lies beyond every query's position), so
-  the dimension is never 1 (export specialises sizes 0 and 1). The block pools are whole, static-shape inputs.
+  the dimension is never 1 (export specialises sizes 0 and 1). The block pools are whole, static-shape inputs,
+  except under window-sized KV (CacheConfig.sliding_window), where the pool's block count is dynamic too: the
+  sliding layers' pool is smaller and the same layer graph serves both.
 - bf16: the residual stream between layers (and the norms reading it) stays fp32; only GEMM inputs/weights
   and the KV cache are bf16. In teacher-forced greedy agreement with HF fp32, the loss comes from rounding
   activations, not from the bf16 weights; fp32 logits (HeadGraph) remove most of the rest.
@@ -462,13 +464,16 @@ def layer_example(model: nn.Module, bucket: Bucket, cache: CacheConfig, dtype: t
         args, extra = (*args, lora_slots, tensors), (*extra, None, tuple(None for _ in tensors))
     extra_blocks = split_extra_blocks(cache) if split else 0
     blocks = Dim("blocks", min=2, max=max(3, cache.blocks_per_sequence + extra_blocks))  # min < max, always
+    # window-sized KV: the sliding layers' pool is smaller, and one layer graph serves both pools
+    pool = {0: Dim("pool", min=2, max=max(3, cache.num_blocks, cache.window_num_blocks))} if cache.sliding_window \
+        else None
     if split:
         t = PREFILL_SPLIT_STEP * Dim("steps", min=1, max=-(-cache.max_model_len // PREFILL_SPLIT_STEP))
-        return args, ({1: t}, {1: t}, {1: t}, {1: t}, {1: t}, {1: blocks}, None, None, *extra)
+        return args, ({1: t}, {1: t}, {1: t}, {1: t}, {1: t}, {1: blocks}, pool, pool, *extra)
     if not static_tokens(bucket):
         t = Dim("tokens", min=2, max=cache.max_model_len)
-        return args, ({1: t}, {1: t}, {1: t}, {1: t}, {1: t}, {1: blocks}, None, None, *extra)
-    return args, (None, None, None, None, None, {1: blocks}, None, None, *extra)
+        return args, ({1: t}, {1: t}, {1: t}, {1: t}, {1: t}, {1: blocks}, pool, pool, *extra)
+    return args, (None, None, None, None, None, {1: blocks}, pool, pool, *extra)
 
 
 def inductor_options(gemm: str, fuse_projections: bool = True, quantized: bool = False,

@@ -30,10 +30,11 @@ class EagerExecutor:
 
     @torch.inference_mode()
     def run(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
+        window = {"window_kv": inputs.window_kv()} if inputs.window_kv() is not None else {}
         if self.lora_stacks is not None and inputs.lora_slots is not None:
             return self.model(*inputs.arrays(), self.k_caches, self.v_caches, bucket.kv_len, bucket.generates,
-                              lora=LoraInputs(self.lora_stacks, inputs.lora_slots))
-        return self.model(*inputs.arrays(), self.k_caches, self.v_caches, bucket.kv_len, bucket.generates)
+                              lora=LoraInputs(self.lora_stacks, inputs.lora_slots), **window)
+        return self.model(*inputs.arrays(), self.k_caches, self.v_caches, bucket.kv_len, bucket.generates, **window)
 
     def load_lora(self, slot: int, adapter: LoraAdapter) -> None:
         load_into_slot(self.lora_stacks, slot, adapter, self.model)
@@ -50,6 +51,7 @@ class EagerBackend(Backend):
     compiles_graphs = False
     est_seconds_per_graph = 0.0
     supports_lora = True
+    window_kv = True
 
     def __init__(self, dtype: torch.dtype = torch.float32, options: dict | None = None) -> None:
         self.dtype = dtype

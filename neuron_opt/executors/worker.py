@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from models.build import apply_lora_capacity, apply_quant_layout, model_class
-from neuron_opt.backends.base import StepInputs, kv_dtype
+from neuron_opt.backends.base import StepInputs, allocate_kv
 from neuron_opt.executors.launcher import RankSpec
 from neuron_opt.lora.adapter import load_into_slot
 from neuron_opt.lora.ops import LoraInputs, stacks_for
@@ -87,11 +87,7 @@ def rank_main(rank: int, port: int, spec: RankSpec, conn: Connection) -> None:
     try:
         comm = _join_group(rank, spec.parallel.tp, port, spec)
         model = _build(rank, spec, comm)
-        dtype = kv_dtype(spec.cache, DTYPES[spec.dtype])
-        shape = model.kv_shape(spec.cache.num_blocks, spec.cache.block_size)
-        L = spec.model.num_hidden_layers
-        k_caches = [torch.zeros(shape, dtype=dtype) for _ in range(L)]
-        v_caches = [torch.zeros(shape, dtype=dtype) for _ in range(L)]
+        k_caches, v_caches = allocate_kv(model, spec.cache, DTYPES[spec.dtype])
         stacks = stacks_for(model, DTYPES[spec.dtype])
         conn.send(("ok", "ready"))
         while True:
@@ -102,14 +98,17 @@ def rank_main(rank: int, port: int, spec: RankSpec, conn: Connection) -> None:
             if msg[0] == "run":
                 _, bucket, arrays, candidates = msg[:4]
                 slots = msg[4] if len(msg) > 4 else None
-                inputs = StepInputs(*(torch.from_numpy(a) for a in arrays))
+                tensors = [torch.from_numpy(a) for a in arrays]  # the five arrays, then window-sized KV's two
+                inputs = StepInputs(*tensors[:5], None, *tensors[5:])
+                window = {"window_kv": inputs.window_kv()} if inputs.window_kv() is not None else {}
                 lora = None if stacks is None or slots is None else LoraInputs(stacks, torch.from_numpy(slots))
                 with torch.inference_mode():
                     if lora is not None:
                         local = model(*inputs.arrays(), k_caches, v_caches, bucket.kv_len, bucket.generates,
-                                      lora=lora)
+                                      lora=lora, **window)
                     else:
-                        local = model(*inputs.arrays(), k_caches, v_caches, bucket.kv_len, bucket.generates)
+                        local = model(*inputs.arrays(), k_caches, v_caches, bucket.kv_len, bucket.generates,
+                                      **window)
                     conn.send(("ok", _finish(local.float(), rank, spec, comm, candidates)))
             elif msg[0] == "lora":
                 _, slot, adapter = msg
@@ -140,4 +139,5 @@ def rank_main(rank: int, port: int, spec: RankSpec, conn: Connection) -> None:
 
 def step_arrays(inputs: StepInputs) -> tuple[np.ndarray, ...]:
     """StepInputs -> numpy arrays for the pipe (plain arrays pickle without torch's shared-memory handles)."""
-    return tuple(t.contiguous().numpy() for t in inputs.arrays())
+    window = inputs.window_kv() or ()
+    return tuple(t.contiguous().numpy() for t in (*inputs.arrays(), *window))

@@ -12,9 +12,10 @@ Design decisions:
 - Tied embeddings share one tensor on device: counted once.
 - The KV cache is a block pool sized for `batch` sequences of `max_model_len` (CacheConfig.num_blocks, plus one
   null block that padded tokens write; counted as part of the batch's blocks here), [num_blocks, n_kv_local,
-  block_size, D] for K and V in every layer. That is what the runtime allocates, sliding-window layers included;
-  `kv_cache_window` says beside it what those layers would need if each held only its window
-  (`window_kv_bytes`), a figure for the layout, not the one `fits` uses.
+  block_size, D] for K and V in every layer. With window-sized KV (`window_kv`: the backend holds it, compiler.
+  kv_window; CacheConfig.sliding_window) the sliding-window layers hold a pool of `kv_window`'s blocks per
+  sequence instead (`window_kv_bytes`), and that is the figure planned on; either way the figure is what the
+  runtime allocates. Without it, `kv_cache_window` says beside it what window-sized pools would hold.
 - Scratch is the live activation set of the largest graph (one graph runs at a time and the compiler reuses
   buffers layer to layer). Attention scores are counted as materialised in float32 because our graphs do not
   use a flash-attention kernel; this is an upper bound when one is used.
@@ -30,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from neuron_opt.buckets import BucketConfig
-from neuron_opt.config import ModelConfig, ParallelConfig, norm_roles
+from neuron_opt.config import ModelConfig, ParallelConfig, norm_roles, window_blocks
 from neuron_opt.errors import ConfigError
 from neuron_opt.lora.config import LoraConfig
 from neuron_opt.parallel.sharding import HeadLayout, head_layout
@@ -185,19 +186,31 @@ def kv_bytes(cfg: ModelConfig, lay: HeadLayout, num_blocks: int, block_size: int
     )
 
 
-def window_kv_bytes(cfg: ModelConfig, lay: HeadLayout, batch: int, max_model_len: int, block_size: int,
-                    kv_dtype: str) -> int:
-    """One rank's KV if every sliding-window layer held only the blocks its window can touch: ceil(window /
-    block_size) + 1 per sequence (a window of positions straddles a block boundary), at most the sequence's
-    ceil(max_model_len / block_size); full-attention layers hold the whole sequence, as in the pool the runtime
-    allocates (`kv_bytes`), and each layer keeps the null block. Equal to that pool for a model without windows."""
+def kv_window(cfg: ModelConfig, buckets: BucketConfig, block_size: int, max_model_len: int) -> tuple[int, int]:
+    """Window-sized KV's (sliding_window, window_blocks_per_sequence) for these buckets (CacheConfig), (0, 0)
+    where it does not apply: a model without sliding-window layers, prefills that cannot start at an offset
+    (the scheduler reserves whole sequences then), an embedding model, or no block saved. The window is the
+    largest of the sliding layers'; a step is at most the longest prefill chunk or verify row
+    (config.window_blocks)."""
+    windows = [w for w in (cfg.layer_window(i) for i in range(cfg.num_hidden_layers)) if w is not None]
+    if not windows or not buckets.offset_prefill or buckets.prefill_only:
+        return 0, 0
+    per_seq = window_blocks(max(windows), block_size, max(buckets.prefill_lens[-1], buckets.verify_len),
+                            max_model_len)
+    return (max(windows), per_seq) if per_seq < -(-max_model_len // block_size) else (0, 0)
+
+
+def window_kv_bytes(cfg: ModelConfig, lay: HeadLayout, buckets: BucketConfig, batch: int, max_model_len: int,
+                    block_size: int, kv_dtype: str) -> int:
+    """One rank's KV under window-sized KV, as the runtime allocates it: full-attention layers hold `batch`
+    sequences of max_model_len (`kv_bytes`' pool), sliding-window layers `batch` times `kv_window`'s blocks
+    per sequence (the blocks one step can see or write); each layer keeps the null block. Equal to the full pool
+    where window-sized KV does not apply."""
     per_layer_block = kv_bytes(cfg, lay, 1, block_size, kv_dtype) // cfg.num_hidden_layers  # K and V, one block
-    per_seq = -(-max_model_len // block_size)
-    blocks = 0
-    for i in range(cfg.num_hidden_layers):
-        w = cfg.layer_window(i)
-        blocks += batch * (per_seq if w is None else min(per_seq, -(-w // block_size) + 1)) + 1
-    return blocks * per_layer_block
+    full = batch * -(-max_model_len // block_size) + 1
+    window, per_seq = kv_window(cfg, buckets, block_size, max_model_len)
+    sliding = sum(cfg.layer_window(i) is not None for i in range(cfg.num_hidden_layers)) if window else 0
+    return ((cfg.num_hidden_layers - sliding) * full + sliding * (batch * per_seq + 1)) * per_layer_block
 
 
 def graph_scratch_bytes(
@@ -250,8 +263,7 @@ class MemoryPlan:
     capacity: int  # per rank
     host_needed: int
     host_capacity: int
-    # KV if sliding-window layers held only their window (window_kv_bytes; = kv_cache without windows): reported,
-    # not planned on (the runtime allocates kv_cache)
+    # KV under window-sized KV (window_kv_bytes; = kv_cache where it does not apply, or where it is planned on)
     kv_cache_window: int = 0
     lora: int = 0  # LoRA adapter stacks (compile --enable-lora)
 
@@ -281,19 +293,22 @@ def plan_memory(
     compile_ranks_held: int = 1,
     block_size: int = PLAN_BLOCK_SIZE,
     lora: LoraConfig | None = None,
+    window_kv: bool = False,
 ) -> MemoryPlan:
     """Memory plan of one rank for a deployment (batch sequences of max_model_len in the KV block pool, plus the
     null block: CacheConfig's default pool).
 
     `compile_ranks_held`: rank models the compile process holds at once (1: rank by rank, the cpu/eager
     backends; tp: the neuron backend's one SPMD program). `lora`: the LoRA capacity whose adapter stacks each
-    rank holds (None: none)."""
+    rank holds (None: none). `window_kv`: the backend holds window-sized KV (Backend.window_kv), so the KV
+    planned on is `window_kv_bytes`."""
     w = weight_bytes(cfg, lay, dtype)
     act = 4 if dtype == "float32" else 2  # activations run in bfloat16 unless the whole model is float32
     adapters = 0
     if lora is not None:
         adapters = adapter_bytes(cfg, lay, lora, act)  # the stacks are in the compute dtype
     kv = kv_bytes(cfg, lay, batch * -(-max_model_len // block_size) + 1, block_size, kv_dtype)
+    windowed = window_kv_bytes(cfg, lay, buckets, batch, max_model_len, block_size, kv_dtype)
     scratch = scratch_bytes(cfg, lay, buckets, act)
     if inst.shared_memory:
         capacity, reserve = inst.hbm_per_core // lay.tp, CPU_RESERVE // lay.tp
@@ -307,12 +322,12 @@ def plan_memory(
     host = compile_ranks_held * w + 3 * 4 * largest + HOST_BASELINE
     return MemoryPlan(
         weights=w,
-        kv_cache=kv,
+        kv_cache=windowed if window_kv else kv,
         scratch=scratch,
         reserve=reserve,
         capacity=capacity,
         host_needed=host,
         host_capacity=inst.host_ram,
-        kv_cache_window=window_kv_bytes(cfg, lay, batch, max_model_len, block_size, kv_dtype),
+        kv_cache_window=windowed,
         lora=adapters,
     )

@@ -22,7 +22,7 @@ from neuron_opt.lora.config import LoraConfig
 from neuron_opt.parallel.sharding import HeadLayout, head_layout
 from neuron_opt.planner.hardware import Instance, check_tp
 from neuron_opt.planner.latency import StepTime, decode_time, prefill_time
-from neuron_opt.planner.memory import KV_DTYPES, QUANTIZED, WEIGHT_DTYPES, MemoryPlan, plan_memory
+from neuron_opt.planner.memory import KV_DTYPES, PLAN_BLOCK_SIZE, QUANTIZED, WEIGHT_DTYPES, MemoryPlan, plan_memory
 from neuron_opt.planner.moe import ep_choices
 from neuron_opt.planner.queueing import Arrival, Policy, QueueEstimate, bucket_clock, estimate
 
@@ -47,6 +47,8 @@ class Deployment:
     ep_decode: int | None = None
     prefill_batch: int = 1  # prompts (or chunks) per prefill graph call (compile --prefill-batch)
     lora: LoraConfig | None = None  # LoRA adapter capacity (compile --enable-lora); None: none
+    block_size: int = PLAN_BLOCK_SIZE  # KV block size (compile --block-size)
+    window_kv: bool = False  # the backend holds window-sized KV for sliding-window layers (Backend.window_kv)
 
     def __post_init__(self) -> None:
         for name in ("tp", "batch", "max_prompt_len", "max_model_len", "prefill_batch"):
@@ -132,7 +134,9 @@ def _memory(
         dtype=dep.dtype,
         kv_dtype=dep.kv_dtype,
         compile_ranks_held=dep.tp if dep.compile_ranks_held is None else dep.compile_ranks_held,
+        block_size=dep.block_size,
         lora=dep.lora,
+        window_kv=dep.window_kv,
     )
 
 
@@ -173,13 +177,15 @@ def evaluate(
             lay,
             inst,
             Deployment(dep.tp, b, dep.max_prompt_len, dep.max_model_len, dep.dtype, dep.kv_dtype,
-                       prefill_batch=min(dep.prefill_batch, b), lora=dep.lora),
+                       prefill_batch=min(dep.prefill_batch, b), lora=dep.lora, block_size=dep.block_size,
+                       window_kv=dep.window_kv),
             fixed,
         ).fits
 
     def fits_length(n: int) -> bool:
         d = Deployment(dep.tp, dep.batch, min(dep.max_prompt_len, n), n, dep.dtype, dep.kv_dtype,
-                       prefill_batch=dep.prefill_batch, lora=dep.lora)
+                       prefill_batch=dep.prefill_batch, lora=dep.lora, block_size=dep.block_size,
+                       window_kv=dep.window_kv)
         return _memory(cfg, lay, inst, d, fixed).fits
 
     plan = Plan(

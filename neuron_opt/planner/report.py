@@ -63,10 +63,13 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
         f" x lengths {list(b.decode_kv_lens)}{verify[0]} ({len(graphs)} graphs{verify[1]})",
     ]
     sliding = sum(cfg.layer_window(i) is not None for i in range(cfg.num_hidden_layers))
-    if sliding and m.kv_cache_window < m.kv_cache:
+    if sliding and d.window_kv:
+        lines.insert(4, f"    {'  (window-sized KV)':<38}{'':>8}  ({sliding} of {cfg.num_hidden_layers} layers slide "
+                        f"over {cfg.sliding_window} positions and hold only the blocks their window sees)")
+    elif sliding and m.kv_cache_window < m.kv_cache:
         lines.insert(4, f"    {'  (KV if sliding layers held windows)':<38}{_gib(m.kv_cache_window)}  ({sliding} of "
-                        f"{cfg.num_hidden_layers} layers slide over {cfg.sliding_window} positions; not built: the "
-                        "runtime allocates every position in every layer, as planned)")
+                        f"{cfg.num_hidden_layers} layers slide over {cfg.sliding_window} positions; not built: this "
+                        "backend allocates every position in every layer, as planned)")
     over = layout_overhead(cfg, lay, d.dtype)
     if over.padded:
         lines.insert(1, f"  {over.line()}")
@@ -300,6 +303,6 @@ def format_plan_table(
     dep = Deployment(
         par.tp, cache.max_batch, buckets.prefill_lens[-1], cache.max_model_len, dtype or cache.dtype,
         cache.kv_cache_dtype.value if cache.kv_cache_dtype is KVCacheDtype.FP8 else cache.dtype,
-        compile_ranks_held,
+        compile_ranks_held, block_size=cache.block_size, window_kv=cache.sliding_window > 0,
     )
     return "\n".join(plan_lines(cfg, evaluate(cfg, inst, dep, par=par, buckets=buckets)))

@@ -18,6 +18,14 @@ Design decisions
   prompt token (which must be computed for its logits), so a sequence only ever writes blocks it owns alone.
 - `allocate` is all or nothing: it either gives a sequence every block it asked for or changes nothing, so
   the scheduler can try, preempt (free another sequence's blocks) and retry.
+- Window-sized KV (`WindowedBlockManager`, vLLM's hybrid KV cache manager): a model with sliding-window layers
+  keeps two groups of the same logical blocks, the full layers' and the window layers' (each its own pool,
+  tables and free queue). Once a sequence's next query lies at position c, keys at positions <= c - window are
+  never seen again (the attention mask hides them), so the window group gives back every block wholly before
+  c - window + 1 and its table entry becomes the null block: masked, never read for a visible key. Released
+  blocks keep their hash, so a prefix outlives them as in one group. A prefix hit of n blocks needs the full
+  group's n blocks and the window group's blocks that the hit's next query sees; the hit is the longest n for
+  which both are cached (both groups hash the same logical blocks, so one hash names a block in each).
 """
 
 from __future__ import annotations
@@ -104,20 +112,33 @@ class BlockManager:
 
     # ---- mutations --------------------------------------------------------------------------------------
 
-    def allocate(self, seq_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
-        """Make `seq_id`'s table cover `num_tokens` positions. A new sequence may first take `prefix` (the
-        blocks `cached_prefix` returned, still cached: nothing has run in between). All or nothing: False, and
-        no change, when the free blocks do not suffice."""
+    def fits(self, seq_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
+        """Whether `allocate` with these arguments would succeed. Looks, changes nothing."""
         table = self.tables.get(seq_id)
         if table is not None:
             prefix = ()  # only a new sequence takes a cached prefix
         new = max(0, self.blocks_needed(num_tokens) - (len(table) if table is not None else len(prefix)))
-        taken = sum(1 for b in prefix if self.ref[b] == 0)  # a hit on a free block takes it off the queue
-        if new + taken > len(self.free):
+        # a hit on a free block takes it off the queue
+        taken = sum(1 for b in prefix if b != NULL_BLOCK and self.ref[b] == 0)
+        return new + taken <= len(self.free)
+
+    def allocate(self, seq_id: str, num_tokens: int, prefix: Sequence[int] = (),
+                 prefix_hashes: Sequence[bytes] = ()) -> bool:
+        """Make `seq_id`'s table cover `num_tokens` positions. A new sequence may first take `prefix` (the
+        blocks `cached_prefix` returned, still cached: nothing has run in between); a window group's prefix may
+        start with null blocks (out of the window), whose hashes `prefix_hashes` gives. All or nothing: False,
+        and no change, when the free blocks do not suffice."""
+        if not self.fits(seq_id, num_tokens, prefix):
             return False
+        table = self.tables.get(seq_id)
+        new = max(0, self.blocks_needed(num_tokens) - (len(table) if table is not None else len(prefix)))
         if table is None:
             table, hashes = self.tables.setdefault(seq_id, []), self.hashes.setdefault(seq_id, [])
-            for b in prefix:
+            for i, b in enumerate(prefix):
+                if b == NULL_BLOCK:
+                    table.append(b)
+                    hashes.append(prefix_hashes[i])
+                    continue
                 h = self.block_hash[b]
                 assert h is not None and self.cached.get(h) == b, "prefix blocks must be cached"
                 if self.ref[b] == 0:
@@ -157,7 +178,7 @@ class BlockManager:
             h = hash_block(hashes[-1] if hashes else salt, token_ids[i * bs:(i + 1) * bs])
             hashes.append(h)
             b = table[i]
-            if self.block_hash[b] is None and h not in self.cached:
+            if b != NULL_BLOCK and self.block_hash[b] is None and h not in self.cached:
                 self.block_hash[b] = h
                 self.cached[h] = b
 
@@ -167,6 +188,109 @@ class BlockManager:
         table = self.tables.pop(seq_id, None)
         self.hashes.pop(seq_id, None)
         for b in reversed(table or []):
-            self.ref[b] -= 1
-            if self.ref[b] == 0:
-                self.free[b] = None
+            if b != NULL_BLOCK:  # a window group's released block
+                self._release(b)
+
+    def release_blocks(self, seq_id: str, start: int, stop: int) -> None:
+        """Give back `seq_id`'s logical blocks [start, stop) (a window group: no query will see them again); their
+        table entries become the null block. Cached ones stay findable until handed out again."""
+        table = self.tables[seq_id]
+        for i in range(start, min(stop, len(table))):
+            if table[i] != NULL_BLOCK:
+                self._release(table[i])
+                table[i] = NULL_BLOCK
+
+    def _release(self, b: int) -> None:
+        self.ref[b] -= 1
+        if self.ref[b] == 0:
+            self.free[b] = None
+
+
+class WindowedBlockManager:
+    """The two KV groups of a model with sliding-window layers (module docstring): `full` for the layers that
+    attend to every position, `window` for those that see the last `sliding_window` positions. The scheduler
+    uses it as it uses a BlockManager (the full group answers the queries about the pool) and calls `slide` as a
+    sequence's next query moves on.
+
+    Args:
+        num_blocks: the full group's pool, the null block included.
+        window_num_blocks: the window group's pool, the null block included.
+        block_size: positions per block (both groups).
+        sliding_window: the window the window group serves.
+        enable_prefix_caching: keep and reuse full blocks by their prefix hash (both groups).
+    """
+
+    def __init__(self, num_blocks: int, window_num_blocks: int, block_size: int, sliding_window: int,
+                 enable_prefix_caching: bool = True) -> None:
+        self.full = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.window = BlockManager(window_num_blocks, block_size, enable_prefix_caching)
+        self.block_size, self.sliding_window = block_size, sliding_window
+        self.released: dict[str, int] = {}  # sequence -> its leading logical blocks the window group gave back
+        self.stats = self.full.stats
+
+    @property
+    def num_blocks(self) -> int:
+        return self.full.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.full.num_free_blocks
+
+    def table(self, seq_id: str) -> list[int]:
+        return self.full.table(seq_id)
+
+    def window_table(self, seq_id: str) -> list[int]:
+        """The window group's table: the null block for logical blocks out of the window."""
+        return self.window.table(seq_id)
+
+    def first_visible_block(self, position: int) -> int:
+        """The first logical block a query at `position` or later can see (keys at positions > position -
+        window)."""
+        return max(0, position - self.sliding_window + 1) // self.block_size
+
+    def cached_prefix(self, token_ids: Sequence[int], salt: bytes | None = None) -> list[int]:
+        """The full group's blocks of the longest prefix both groups hold (BlockManager.cached_prefix)."""
+        full = self.full.cached_prefix(token_ids, salt)
+        for n in range(len(full), 0, -1):
+            seen = full[self.first_visible_block(n * self.block_size):n]
+            if all(self.full.block_hash[b] in self.window.cached for b in seen):
+                return full[:n]
+        return []
+
+    def allocate(self, seq_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
+        """BlockManager.allocate in both groups, all or nothing. A new sequence's window group takes the blocks of
+        `prefix` its next query sees (cached: `cached_prefix` checked) and the null block before them."""
+        window_prefix: list[int] = []
+        hashes = [self.full.block_hash[b] for b in prefix]
+        if prefix and seq_id not in self.full.tables:
+            lo = self.first_visible_block(len(prefix) * self.block_size)
+            window_prefix = [NULL_BLOCK] * lo + [self.window.cached[h] for h in hashes[lo:]]  # type: ignore[index]
+        if not (self.full.fits(seq_id, num_tokens, prefix) and self.window.fits(seq_id, num_tokens, window_prefix)):
+            return False
+        self.full.allocate(seq_id, num_tokens, prefix)
+        self.window.allocate(seq_id, num_tokens, window_prefix, hashes)  # type: ignore[arg-type]
+        if window_prefix:
+            self.released[seq_id] = self.first_visible_block(len(prefix) * self.block_size)
+        return True
+
+    def slide(self, seq_id: str, next_position: int) -> None:
+        """`seq_id`'s next query lies at `next_position`: the window group gives back the blocks it will not see."""
+        start, stop = self.released.get(seq_id, 0), self.first_visible_block(next_position)
+        if stop > start:
+            self.window.release_blocks(seq_id, start, stop)
+            self.released[seq_id] = stop
+
+    def record_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.full.record_lookup(num_prompt_tokens, num_hit_tokens)
+
+    def has_new_full_block(self, seq_id: str, num_computed: int) -> bool:
+        return self.full.has_new_full_block(seq_id, num_computed)
+
+    def commit(self, seq_id: str, token_ids: Sequence[int], num_computed: int, salt: bytes | None = None) -> None:
+        self.full.commit(seq_id, token_ids, num_computed, salt)
+        self.window.commit(seq_id, token_ids, num_computed, salt)
+
+    def free_sequence(self, seq_id: str) -> None:
+        self.full.free_sequence(seq_id)
+        self.window.free_sequence(seq_id)
+        self.released.pop(seq_id, None)

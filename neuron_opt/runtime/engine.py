@@ -164,7 +164,8 @@ class Engine:
         cache = runner.cache
         kv = KVConfig(cache.num_blocks, cache.block_size, cache.max_model_len, runner.max_prompt_len,
                       offset if enable_prefix_caching is None else enable_prefix_caching,
-                      offset if enable_chunked_prefill is None else enable_chunked_prefill, offset)
+                      offset if enable_chunked_prefill is None else enable_chunked_prefill, offset,
+                      cache.sliding_window, cache.window_num_blocks)
         self.scheduler = Scheduler(
             seqs,
             kv,
@@ -428,7 +429,7 @@ class Engine:
         if self.embeds:
             self._embed(group)
             return
-        rows = [PrefillRow(p.blocks, p.token_ids, p.start, p.lora_slot) for p in group]
+        rows = [PrefillRow(p.blocks, p.token_ids, p.start, p.lora_slot, p.window_blocks) for p in group]
         sampled = [p.request_id for p in group if p.last]
         scoring = [i for i, p in enumerate(group) if self._seqs[p.request_id].request.scores_prompt]
         t0 = time.perf_counter()
@@ -501,12 +502,12 @@ class Engine:
                 seqs = [self._seqs[rid] for rid in ids]
                 step = spec.plan(decodes, [s.request for s in seqs], [s.state.grammar for s in seqs])
             if step is not None and step.verify:
-                rows = [VerifyRow(d.blocks, (d.token, *step.proposals[d.request_id]), d.position, d.lora_slot)
-                        for d in decodes]
+                rows = [VerifyRow(d.blocks, (d.token, *step.proposals[d.request_id]), d.position, d.lora_slot,
+                                  d.window_blocks) for d in decodes]
                 logits = self.runner.verify(rows, candidates=self._candidates(ids))
             else:
-                logits = self.runner.decode([DecodeRow(d.blocks, d.token, d.position, d.lora_slot) for d in decodes],
-                                            candidates=self._candidates(ids))
+                logits = self.runner.decode([DecodeRow(d.blocks, d.token, d.position, d.lora_slot, d.window_blocks)
+                                             for d in decodes], candidates=self._candidates(ids))
             self.stats.graph_s += time.perf_counter() - t0
         except Exception as e:
             what = "verify" if step is not None and step.verify else "decode"

@@ -10,6 +10,10 @@ Padding rules:
   at max_model_len - 1) and their outputs are dropped. Block tables are padded with the null block, whose
   logical positions lie beyond the row's tokens (masked for every real query).
 - missing batch rows: one token at position 0 over the null block.
+Window-sized KV (CacheConfig.sliding_window): the sliding layers' pool has tables of its own. A row from the
+scheduler carries them (`window_blocks`: the null block for logical blocks out of the window); a slot number
+stands there for a ring of `window_blocks_per_sequence` blocks (logical block i in ring block i mod n), exact
+because a step's queries see at most that many consecutive blocks and the mask hides every older position.
 Each row may name a LoRA adapter slot (`lora_slot`, neuron_opt.lora; 0: the base model), which becomes the step's
 `lora_slots` for executors of a model with a LoRA capacity; padding rows take slot 0.
 """
@@ -17,7 +21,7 @@ Each row may name a LoRA adapter slot (`lora_slot`, neuron_opt.lora; 0: the base
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -36,6 +40,7 @@ class DecodeRow:
     token: int
     position: int
     lora_slot: int = 0
+    window_blocks: Sequence[int] = ()  # the window layers' table (window-sized KV with a block table)
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,7 @@ class PrefillRow:
     tokens: tuple[int, ...]
     start: int = 0
     lora_slot: int = 0
+    window_blocks: Sequence[int] = ()  # the window layers' table (window-sized KV with a block table)
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,7 @@ class VerifyRow:
     tokens: tuple[int, ...]
     position: int
     lora_slot: int = 0
+    window_blocks: Sequence[int] = ()  # the window layers' table (window-sized KV with a block table)
 
 
 class ModelRunner:
@@ -118,8 +125,44 @@ class ModelRunner:
                              f"{(self.cache.num_blocks - 1) // n} slots of {n} blocks")
         return tuple(range(1 + slot * n, 1 + (slot + 1) * n))
 
+    @property
+    def num_slots(self) -> int:
+        """Sequences the pools hold in the slot layout (`slot_blocks`, and the window pool's rings)."""
+        n = (self.cache.num_blocks - 1) // self.cache.blocks_per_sequence
+        if self.cache.sliding_window:
+            n = min(n, (self.cache.window_num_blocks - 1) // self.cache.window_blocks_per_sequence)
+        return n
+
     def _blocks(self, b: Blocks) -> Sequence[int]:
         return self.slot_blocks(b) if isinstance(b, int) else b
+
+    def _window_blocks(self, row: DecodeRow | PrefillRow | VerifyRow) -> Sequence[int]:
+        """A row's window-layer table: its own, or a slot number's ring (module docstring)."""
+        if not isinstance(row.blocks, int):
+            if not row.window_blocks:
+                raise ValueError("this model holds window-sized KV: a row with a block table needs window_blocks")
+            return row.window_blocks
+        n, slot = self.cache.window_blocks_per_sequence, row.blocks
+        if not 0 <= slot or 1 + (slot + 1) * n > self.cache.window_num_blocks:
+            raise ValueError(f"slot {slot}: the window pool of {self.cache.window_num_blocks} blocks holds "
+                             f"{(self.cache.window_num_blocks - 1) // n} slots of {n} blocks")
+        return [1 + slot * n + i % n for i in range(self.cache.blocks_per_sequence)]
+
+    def _window_inputs(self, rows: Sequence[DecodeRow | PrefillRow | VerifyRow], starts: Sequence[int],
+                       counts: Sequence[int], shape: tuple[int, int], kv_len: int) -> tuple[torch.Tensor, ...]:
+        """The window layers' slot mapping [B, S] (row i's `counts[i]` tokens from `starts[i]`) and tables, or ()
+        for a model without window-sized KV."""
+        if not self.cache.sliding_window:
+            return ()
+        slots = torch.zeros(shape, dtype=torch.long)
+        tables = []
+        for i, (r, start, n) in enumerate(zip(rows, starts, counts, strict=True)):
+            blocks = self._window_blocks(r)
+            slots[i, :n] = torch.tensor([self._slot(blocks, p) for p in range(start, start + n)])
+            if not bool(slots[i, :n].ge(self.cache.block_size).all()):
+                raise ValueError(f"a row writes positions {start}..{start + n - 1} into a released window block")
+            tables.append(blocks)
+        return slots, self._tables(tables, shape[0], kv_len)
 
     def _slot(self, blocks: Sequence[int], position: int) -> int:
         bs = self.cache.block_size
@@ -188,8 +231,7 @@ class ModelRunner:
                               "only (eager and cpu artifacts return every position's)", param="prompt_logprobs")
         B, S = inputs.input_ids.shape
         every = torch.arange(S).expand(B, S).contiguous()  # [B, S]
-        inputs = StepInputs(inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables, every,
-                            inputs.lora_slots)
+        inputs = replace(inputs, last_index=every)
         return self._run(bucket, inputs, None)[: len(rows), :, : self.vocab_size]
 
     def embed_rows(self, rows: Sequence[PrefillRow]) -> torch.Tensor:
@@ -223,8 +265,10 @@ class ModelRunner:
             slots[i, :n] = torch.tensor([self._slot(blocks, p) for p in range(r.start, r.start + n)])
             last[i] = n - 1
             tables.append(blocks)
+        window = self._window_inputs(rows, [r.start for r in rows], [len(r.tokens) for r in rows], (B, S),
+                                     bucket.kv_len)
         return bucket, StepInputs(ids, pos, slots, self._tables(tables, B, bucket.kv_len), last,
-                                  self._lora_slots(rows, B))
+                                  self._lora_slots(rows, B), *window)
 
     def decode(self, rows: list[DecodeRow], candidates: int | None = None) -> torch.Tensor:
         """One token per row at its position; returns fp32 logits [len(rows), V]."""
@@ -238,8 +282,9 @@ class ModelRunner:
             blocks = self._blocks(r.blocks)
             ids[i, 0], pos[i, 0], slots[i, 0] = r.token, r.position, self._slot(blocks, r.position)
             tables.append(blocks)
+        window = self._window_inputs(rows, [r.position for r in rows], [1] * len(rows), (B, 1), bucket.kv_len)
         inputs = StepInputs(ids, pos, slots, self._tables(tables, B, bucket.kv_len), torch.zeros(B, dtype=torch.long),
-                            self._lora_slots(rows, B))
+                            self._lora_slots(rows, B), *window)
         return self._run(bucket, inputs, candidates)[: len(rows), : self.vocab_size]
 
     @property
@@ -267,6 +312,8 @@ class ModelRunner:
             pos[i] = torch.arange(r.position, r.position + q).clamp(max=self.max_model_len - 1)
             slots[i, :n] = torch.tensor([self._slot(blocks, r.position + j) for j in range(n)])
             tables.append(blocks)
+        window = self._window_inputs(rows, [r.position for r in rows], [len(r.tokens) for r in rows], (B, q),
+                                     bucket.kv_len)
         inputs = StepInputs(ids, pos, slots, self._tables(tables, B, bucket.kv_len),
-                            torch.arange(q).expand(B, q).contiguous(), self._lora_slots(rows, B))
+                            torch.arange(q).expand(B, q).contiguous(), self._lora_slots(rows, B), *window)
         return self._run(bucket, inputs, candidates)[: len(rows), :, : self.vocab_size]

@@ -12,6 +12,9 @@ Design decisions (vLLM's policy, on our buckets)
   step always runs, so a prompt longer than the budget still does).
 - Prefix caching: a new request first takes its longest cached prefix (full blocks that another request
   computed) and prefills only the rest, starting at that position.
+- Window-sized KV (KVConfig.sliding_window): the window layers' blocks are a second group
+  (block_manager.WindowedBlockManager); each work item carries that group's table too (`window_blocks`), and
+  once a sequence's computed tokens move on, the blocks its window left behind go back to the pool.
 - Preemption by recompute: when a running sequence needs a block and none is free, the newest running
   sequence gives its blocks back and goes to the front of the queue with its tokens so far; later it prefills
   them again (prompt and generated tokens, in chunks) and continues where it stopped. No request is lost and
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from neuron_opt.errors import ConfigError
-from neuron_opt.runtime.block_manager import BlockManager
+from neuron_opt.runtime.block_manager import BlockManager, WindowedBlockManager
 from neuron_opt.runtime.request import Request, RequestStatus
 
 
@@ -52,6 +55,7 @@ class PrefillWork:
     start: int = 0
     last: bool = True
     lora_slot: int = 0
+    window_blocks: tuple[int, ...] = ()  # the window layers' table (window-sized KV), else ()
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,7 @@ class DecodeWork:
     token: int
     position: int
     lora_slot: int = 0
+    window_blocks: tuple[int, ...] = ()  # the window layers' table (window-sized KV), else ()
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,9 @@ class KVConfig:
     # the artifact has offset prefill buckets: a prefill may start after cached tokens. Needed by prefix caching,
     # chunked prefill and preemption (recompute resumes mid-sequence)
     offset_prefill: bool = True
+    # window-sized KV (CacheConfig.sliding_window): the window layers' pool and window; 0: one pool for every layer
+    sliding_window: int = 0
+    window_num_blocks: int = 0
 
     def __post_init__(self) -> None:
         for flag in ("enable_prefix_caching", "enable_chunked_prefill"):
@@ -127,7 +135,10 @@ class Scheduler:
         self.max_num_batched_tokens, self.kv, self.lookahead = max_num_batched_tokens, kv, lookahead
         self._check_fits = check_fits
         self.lora = lora
-        self.blocks = BlockManager(kv.num_blocks, kv.block_size, kv.enable_prefix_caching)
+        self.blocks: BlockManager | WindowedBlockManager = BlockManager(
+            kv.num_blocks, kv.block_size, kv.enable_prefix_caching) if not kv.sliding_window else \
+            WindowedBlockManager(kv.num_blocks, kv.window_num_blocks, kv.block_size, kv.sliding_window,
+                                 kv.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: OrderedDict[str, Request] = OrderedDict()  # admission order = decode row order
         self.num_preemptions = 0
@@ -178,7 +189,7 @@ class Scheduler:
             if not self._allocate_or_preempt(req, need, preempted, scheduled):
                 continue
             decodes.append(DecodeWork(rid, tuple(self.blocks.table(rid)), req.last_token, req.num_computed_tokens,
-                                      req.lora_slot))
+                                      req.lora_slot, self._window_table(rid)))
             scheduled.add(rid)
             budget -= 1
         prefills: list[PrefillWork] = []
@@ -239,7 +250,16 @@ class Scheduler:
         start = req.num_computed_tokens
         tokens = (req.prompt_token_ids + req.output_token_ids)[start:start + chunk]
         return PrefillWork(req.request_id, tuple(self.blocks.table(req.request_id)), tuple(tokens), start,
-                           start + chunk == req.num_tokens, req.lora_slot)
+                           start + chunk == req.num_tokens, req.lora_slot, self._window_table(req.request_id))
+
+    def _window_table(self, request_id: str) -> tuple[int, ...]:
+        blocks = self.blocks
+        return tuple(blocks.window_table(request_id)) if isinstance(blocks, WindowedBlockManager) else ()
+
+    def _slide(self, req: Request) -> None:
+        """Window-sized KV: the blocks no later query of `req` sees go back to the window pool."""
+        if isinstance(self.blocks, WindowedBlockManager):
+            self.blocks.slide(req.request_id, req.num_computed_tokens)
 
     def _allocate_or_preempt(self, req: Request, num_tokens: int, preempted: list[str], scheduled: set[str]) -> bool:
         """Blocks for `num_tokens` of a running request, preempting the newest running requests not yet
@@ -271,6 +291,7 @@ class Scheduler:
         req.num_computed_tokens += num_tokens
         self.blocks.commit(request_id, req.prompt_token_ids + req.output_token_ids, req.num_computed_tokens,
                            req.cache_salt)
+        self._slide(req)
 
     def update(self, request_id: str, token: int) -> Request:
         """Record the token sampled from the last computed position: everything before it now has K/V."""
@@ -280,6 +301,7 @@ class Scheduler:
         if self.blocks.has_new_full_block(request_id, req.num_computed_tokens):  # (skips the list copy otherwise)
             self.blocks.commit(request_id, req.prompt_token_ids + req.output_token_ids, req.num_computed_tokens,
                                req.cache_salt)
+        self._slide(req)
         return req
 
     def finish(self, request_id: str) -> Request | None:

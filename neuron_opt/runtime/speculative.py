@@ -193,8 +193,7 @@ class DraftModelProposer:
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        cache = runner.cache
-        self.num_slots = (cache.num_blocks - 1) // cache.blocks_per_sequence
+        self.num_slots = runner.num_slots
         self._free = list(range(self.num_slots - 1, -1, -1))
         self.slot: dict[str, int] = {}
         self.known: dict[str, list[int]] = {}

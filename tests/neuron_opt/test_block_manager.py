@@ -12,7 +12,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from neuron_opt.runtime.block_manager import NULL_BLOCK, BlockManager, hash_block
+from neuron_opt.runtime.block_manager import NULL_BLOCK, BlockManager, WindowedBlockManager, hash_block
 
 BS = 4
 PREFIXES = [[7, 7, 1, 2, 3, 4, 5, 6, 9], [7, 7, 1, 2, 8, 8], [3] * 10, []]
@@ -24,18 +24,25 @@ ops = st.lists(st.one_of(
 ), max_size=60)
 
 
-def check(bm: BlockManager, pool: dict[int, dict[int, int]], seqs: dict[str, list[int]]) -> None:
+def check(bm: BlockManager, pool: dict[int, dict[int, int]], seqs: dict[str, list[int]],
+          visible: dict[str, int] | None = None) -> None:
+    """`visible`: a window group's first logical block each sequence still holds (the null block before it)."""
+    visible = visible or {}
     held = [0] * bm.num_blocks
-    for t in bm.tables.values():
+    for sid, t in bm.tables.items():
+        assert all(b == NULL_BLOCK for b in t[:visible.get(sid, 0)])
+        assert NULL_BLOCK not in t[visible.get(sid, 0):]
         for b in t:
-            held[b] += 1
+            if b != NULL_BLOCK:
+                held[b] += 1
     assert held == bm.ref and held[NULL_BLOCK] == 0
     assert set(bm.free) == {b for b in range(1, bm.num_blocks) if bm.ref[b] == 0}
     for h, b in bm.cached.items():
         assert bm.block_hash[b] == h
-    for sid, table in bm.tables.items():  # every computed token sits where the table says
+    for sid, table in bm.tables.items():  # every computed token it still holds sits where the table says
         for p, tok in enumerate(seqs[sid][: len(bm.hashes[sid]) * BS]):
-            assert pool[table[p // BS]][p % BS] == tok
+            if p // BS >= visible.get(sid, 0):
+                assert pool[table[p // BS]][p % BS] == tok
 
 
 @settings(max_examples=300, deadline=None)
@@ -114,3 +121,72 @@ def test_lru_evicts_the_oldest_free_block_and_forgets_its_prefix():
     assert bm.allocate("d", 12, bm.cached_prefix(list(range(8)) + [0])) is False  # a's 2 + 1 new > 2 free
     assert bm.allocate("d", 9, bm.cached_prefix(list(range(8)) + [0])) is False
     assert bm.allocate("d", 8, bm.cached_prefix(list(range(8)) + [0])) and bm.table("d") == [1, 2]
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops, st.integers(6, 24), st.integers(6, 24), st.integers(1, 9), st.booleans())
+def test_window_group_holds_what_the_window_sees_and_nothing_leaks(script, num_blocks, window_blocks, window,
+                                                                     caching):
+    """WindowedBlockManager: the full group behaves as one BlockManager; the window group holds a sequence's blocks
+    from the first one its next query sees (positions > next - window) and the null block before it; a prefix hit
+    hands out window blocks that hold exactly the prompt's tokens; both groups are all or nothing together."""
+    wm = WindowedBlockManager(num_blocks, window_blocks, BS, window, caching)
+    pools: dict[str, dict[int, dict[int, int]]] = {"full": {}, "window": {}}
+    seqs: dict[str, list[int]] = {}
+    n = 0
+
+    def groups() -> list[tuple[str, BlockManager]]:
+        return [("full", wm.full), ("window", wm.window)]
+
+    def write(sid: str, start: int, tokens: list[int]) -> None:
+        for name, bm in groups():
+            for p in range(start, start + len(tokens)):
+                b = bm.table(sid)[p // BS]
+                assert b != NULL_BLOCK and bm.ref[b] == 1, "a block is written while another sequence holds it"
+                pools[name].setdefault(b, {})[p % BS] = tokens[p - start]
+
+    def checks() -> None:
+        check(wm.full, pools["full"], seqs)
+        check(wm.window, pools["window"], seqs, {s: wm.first_visible_block(len(t) - 1) for s, t in seqs.items()})
+
+    for op, a, extra in script:
+        live = sorted(seqs)
+        if op == "admit":
+            tokens = PREFIXES[a] + extra
+            if not tokens:
+                continue
+            prefix = wm.cached_prefix(tokens)
+            sid = f"s{n}"
+            n += 1
+            if wm.allocate(sid, len(tokens), prefix):
+                start = len(prefix) * BS
+                for i in range(wm.first_visible_block(start), len(prefix)):  # the hit's visible window blocks
+                    b = wm.window.table(sid)[i]
+                    assert [pools["window"][b][o] for o in range(BS)] == tokens[i * BS:(i + 1) * BS]
+                write(sid, start, tokens[start:])
+                seqs[sid] = tokens
+                wm.commit(sid, tokens, len(tokens))
+                wm.slide(sid, len(tokens) - 1)  # the last token's query is next (the scheduler's update)
+            else:
+                assert sid not in wm.full.tables and sid not in wm.window.tables
+        elif op == "grow" and live:
+            sid = live[a % len(live)]
+            more = [(len(seqs[sid]) * 3 + i) % 6 for i in range(extra)]
+            before = [(list(bm.free), list(bm.ref)) for _, bm in groups()]
+            if wm.allocate(sid, len(seqs[sid]) + len(more)):
+                write(sid, len(seqs[sid]), more)
+                seqs[sid] += more
+                wm.commit(sid, seqs[sid], len(seqs[sid]))
+                wm.slide(sid, len(seqs[sid]) - 1)
+            else:  # all or nothing, in both groups
+                assert [(list(bm.free), list(bm.ref)) for _, bm in groups()] == before
+        elif op == "free" and live:
+            sid = live[a % len(live)]
+            wm.free_sequence(sid)
+            del seqs[sid]
+        checks()
+    for sid in list(seqs):
+        wm.free_sequence(sid)
+    checks()
+    assert wm.full.num_free_blocks == num_blocks - 1 and wm.window.num_free_blocks == window_blocks - 1
+    assert not wm.released

@@ -183,10 +183,12 @@ def test_kv_cache_bytes_llama3_8b() -> None:
 
 @pytest.mark.parametrize("name, sliding, window", [("gemma-2-2b", 13, 4096), ("gemma-3-1b", 22, 512)])
 def test_sliding_layers_need_only_their_window_of_kv(name: str, sliding: int, window: int) -> None:
-    """The published Gemma 2/3 configs (docs/configs): the KV their sliding layers would need holding only their
-    window (blocks of 32: window / 32 + 1 per sequence, a window straddling a block boundary), beside the pool the
-    runtime allocates, which the plan keeps using."""
+    """The published Gemma 2/3 configs (docs/configs): the KV their sliding layers hold under window-sized KV
+    (blocks of 32: the keys a step's first query still sees through the step's last token, ceil((window - 1 +
+    longest prefill chunk) / 32) + 1 per sequence), planned on where the backend holds it and reported beside the
+    full-length pool otherwise."""
     import json
+    from dataclasses import replace
     from pathlib import Path
 
     from neuron_opt.planner.report import plan_lines
@@ -197,21 +199,27 @@ def test_sliding_layers_need_only_their_window_of_kv(name: str, sliding: int, wi
     assert sum(cfg.layer_window(i) is not None for i in range(L)) == sliding and cfg.sliding_window == window
     lay = head_layout(cfg, ParallelConfig())
     per_block = 2 * 32 * cfg.num_key_value_heads * cfg.head_dim * 2  # K and V of one block of one layer, bf16
-    batch, length = 4, 8192
+    batch, length, chunk = 4, 8192, 1024
     full = batch * length // 32 + 1  # a layer's blocks: every position of every sequence, and the null block
-    windowed = batch * (window // 32 + 1) + 1
+    windowed = batch * (-(-(window - 1 + chunk) // 32) + 1) + 1
     want = ((L - sliding) * full + sliding * windowed) * per_block
-    assert window_kv_bytes(cfg, lay, batch, length, 32, "bfloat16") == want
-    plan = evaluate(cfg, get_instance("trn1.2xlarge"), Deployment(1, batch, 1024, length))
-    assert plan.memory.kv_cache == L * full * per_block  # what the runtime allocates, planned as before
+    dep = Deployment(1, batch, chunk, length)
+    assert window_kv_bytes(cfg, lay, dep.buckets(), batch, length, 32, "bfloat16") == want
+    plan = evaluate(cfg, get_instance("trn1.2xlarge"), dep)
+    assert plan.memory.kv_cache == L * full * per_block  # a backend without window-sized KV allocates every position
     assert plan.memory.kv_cache_window == want < plan.memory.kv_cache
     assert any("KV if sliding layers held windows" in line for line in plan_lines(cfg, plan))
+    held = evaluate(cfg, get_instance("trn1.2xlarge"), replace(dep, window_kv=True))  # the eager backend's
+    assert held.memory.kv_cache == held.memory.kv_cache_window == want
+    assert any("window-sized KV" in line for line in plan_lines(cfg, held))
     # sequences no longer than a window: the sliding layers hold them whole, like the full layers
-    assert window_kv_bytes(cfg, lay, batch, 256, 32, "bfloat16") == kv_bytes(cfg, lay, batch * 8 + 1, 32, "bfloat16")
+    short = Deployment(1, batch, 256, 256).buckets()
+    assert window_kv_bytes(cfg, lay, short, batch, 256, 32, "bfloat16") == kv_bytes(cfg, lay, batch * 8 + 1, 32,
+                                                                                     "bfloat16")
     dense = ModelConfig.from_hf(LLAMA3_8B)  # no window: the allocated pool
     dense_lay = head_layout(dense, ParallelConfig())
-    assert window_kv_bytes(dense, dense_lay, batch, length, 32, "bfloat16") == kv_bytes(dense, dense_lay, full, 32,
-                                                                                        "bfloat16")
+    assert window_kv_bytes(dense, dense_lay, dep.buckets(), batch, length, 32, "bfloat16") == kv_bytes(
+        dense, dense_lay, full, 32, "bfloat16")
 
 
 def test_fit_matches_aws_sizing_examples() -> None:

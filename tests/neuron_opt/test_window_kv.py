@@ -1,0 +1,193 @@
+"""Window-sized KV: sliding-window layers hold only the blocks their window still sees, and nothing changes.
+
+Tiny Gemma 2 (window 6, sliding and full layers alternating) and GPT-OSS (window 4, attention sinks) at a context 8x
+Gemma's window, blocks of 4, prefill chunks of 8. Oracle: HF transformers' greedy generation (fp32) on the same
+checkpoint, past the window, with prefix caching, chunked prefill, preemption and speculative decoding on; and the
+plan's KV figure against the bytes the executor allocates.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import load_hf, make_tiny
+
+from neuron_opt.api import build_model
+from neuron_opt.backends.eager import EagerExecutor
+from neuron_opt.checkpoint import open_checkpoint
+from neuron_opt.compiler import CompileRequest, format_plan, plan_buckets
+from neuron_opt.config import ModelConfig, ParallelConfig
+from neuron_opt.parallel import head_layout
+from neuron_opt.planner.hardware import get_instance
+from neuron_opt.planner.memory import kv_bytes, plan_memory
+from neuron_opt.runtime.block_manager import WindowedBlockManager
+from neuron_opt.runtime.engine import Engine
+from neuron_opt.runtime.generate import generate_ids
+from neuron_opt.runtime.runner import ModelRunner
+from neuron_opt.runtime.sampling import SamplingParams
+from neuron_opt.runtime.speculative import SpeculativeConfig
+
+MAX_LEN, BS, CHUNK, BATCH = 48, 4, 8, 2
+
+
+@pytest.fixture(scope="module", params=["gemma2", "gpt-oss"])
+def setup(request, tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    ck = make_tiny(request.param, tmp_path_factory.mktemp(request.param), tokenizer=True)
+    cfg = ModelConfig.from_hf(ck)
+    hf = load_hf(ck)
+    ckpt = open_checkpoint(ck)
+    model = build_model(cfg, ckpt.state_dict(), MAX_LEN, torch.float32)
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randint(3, cfg.vocab_size, (14,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, cfg.vocab_size, (6,), generator=g).tolist() for _ in range(2)]
+    prompts.append(torch.randint(3, cfg.vocab_size, (7,), generator=g).tolist())  # one prefill bucket
+    with torch.no_grad():
+        want = [hf.generate(torch.tensor([p]), max_new_tokens=MAX_LEN - 20, min_new_tokens=MAX_LEN - 20,
+                            do_sample=False, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    eos = hf.generation_config.eos_token_id
+    eos = tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ()
+    yield cfg, model, ckpt.tokenizer(), prompts, want, eos  # eos: banned for min_new_tokens, on both sides
+    torch.set_num_threads(threads)
+
+
+def runner_for(cfg, model, tmp_path, num_kv_blocks: int = 0, spec: int = 0) -> ModelRunner:
+    req = CompileRequest(model="unused", out=tmp_path, backend="eager", dtype="float32", batch_size=BATCH,
+                         max_model_len=MAX_LEN, max_prompt_len=CHUNK, prefill_buckets=(CHUNK,),
+                         decode_buckets=(MAX_LEN,), block_size=BS, num_kv_blocks=num_kv_blocks,
+                         num_speculative_tokens=spec)
+    cache, buckets = plan_buckets(cfg, req)
+    return ModelRunner(EagerExecutor(model, cache), buckets, cache, cfg.vocab_size)
+
+
+def run(engine: Engine, prompts, max_tokens: int, stagger: int = 3) -> list[list[int]]:
+    got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0)
+    pending = list(range(len(prompts)))
+    for step in range(2000):
+        while pending and step >= stagger * (len(prompts) - len(pending)):
+            i = pending.pop(0)
+            engine.add_request(str(i), prompts[i], params, lambda o, i=i: got[i].extend(o.new_token_ids))
+        if not engine.step() and engine.num_unfinished == 0 and not pending:
+            break
+    blocks = engine.scheduler.blocks
+    assert isinstance(blocks, WindowedBlockManager)
+    assert engine.num_unfinished == 0 and engine.kv_usage == 0
+    assert blocks.window.num_free_blocks == blocks.window.num_blocks - 1  # every window block given back
+    return [got[i] for i in range(len(prompts))]
+
+
+def test_runtime_allocates_what_the_plan_says(setup, tmp_path):
+    cfg, model, *_ = setup
+    runner = runner_for(cfg, model, tmp_path)
+    cache, ex = runner.cache, runner.executor
+    assert cache.sliding_window == cfg.sliding_window and MAX_LEN >= 8 * cfg.sliding_window
+    allocated = sum(t.numel() * t.element_size() for t in ex.k_caches + ex.v_caches)
+    lay = head_layout(cfg, ParallelConfig())
+    plan = plan_memory(cfg, lay, get_instance("cpu"), runner.buckets, batch=BATCH, max_model_len=MAX_LEN,
+                       dtype="float32", kv_dtype="float32", block_size=BS, window_kv=True)
+    assert plan.kv_cache == plan.kv_cache_window == allocated
+    full = kv_bytes(cfg, lay, cache.num_blocks, BS, "float32")  # every layer at full length
+    assert allocated < full
+    L = cfg.num_hidden_layers
+    sliding = [i for i in range(L) if cfg.layer_window(i) is not None]
+    assert sliding and len(sliding) < L
+    for i in range(L):  # the sliding layers' pools are less than half the full layers'
+        want = cache.window_num_blocks if i in sliding else cache.num_blocks
+        assert ex.k_caches[i].shape[0] == ex.v_caches[i].shape[0] == want
+    assert 2 * cache.window_num_blocks < cache.num_blocks
+    text = format_plan(cfg, ParallelConfig(), cache, runner.buckets, "eager", "float32")
+    assert "window-sized KV" in text and "KV if sliding layers held windows" not in text
+
+
+def test_greedy_matches_hf_past_the_window(setup, tmp_path):
+    cfg, model, tok, prompts, want, eos = setup
+    n = MAX_LEN - 20
+    for caching, chunked in [(True, True), (False, True)]:
+        engine = Engine(runner_for(cfg, model, tmp_path), tok, eos, max_num_batched_tokens=CHUNK,
+                        enable_prefix_caching=caching, enable_chunked_prefill=chunked)
+        assert run(engine, prompts, n) == want
+        if caching:  # the second prompt took the shared prefix's blocks from both groups
+            assert engine.prefix_cache_stats.hits >= 8
+        assert engine.stats.prefills > len(prompts)  # prompts ran in chunks
+    # the reference loop's KV slot: a ring of window blocks
+    runner = runner_for(cfg, model, tmp_path)
+    out = generate_ids(runner, tok, prompts[2], SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0), eos)
+    assert out.token_ids == want[2]
+
+
+def test_preemption_and_speculation_stay_exact(setup, tmp_path):
+    cfg, model, tok, prompts, want, eos = setup
+    n = MAX_LEN - 20
+    runner = runner_for(cfg, model, tmp_path, num_kv_blocks=MAX_LEN // BS + 1)  # one sequence's blocks
+    engine = Engine(runner, tok, eos, max_num_batched_tokens=CHUNK)
+    assert run(engine, prompts, n, stagger=1) == want
+    assert engine.stats.preemptions > 0
+    spec = SpeculativeConfig(num_speculative_tokens=2, adaptive=False)
+    engine = Engine(runner_for(cfg, model, tmp_path, spec=2), tok, eos, max_num_batched_tokens=CHUNK,
+                    speculative=spec)
+    # k positions short of max_model_len: a verify row there would reach past the largest decode bucket
+    assert run(engine, prompts, n - 2) == [w[:n - 2] for w in want]
+    assert engine.speculation is not None and engine.speculation.stats.accepted_tokens > 0
+    # the target as its own draft model: the draft's KV slots are rings of window blocks (it proposes for the
+    # prompt one prefill call reaches, past the window)
+    spec = SpeculativeConfig(num_speculative_tokens=2, method="draft_model", model="the target", adaptive=False)
+    engine = Engine(runner_for(cfg, model, tmp_path, spec=2), tok, eos, max_num_batched_tokens=CHUNK,
+                    speculative=spec, draft=runner_for(cfg, model, tmp_path))
+    assert run(engine, prompts, n - 2) == [w[:n - 2] for w in want]
+    assert engine.speculation.stats.accepted_tokens >= n - 2 - 10
+
+
+def test_tp_ranks_hold_window_sized_kv(setup, tmp_path):
+    """Eager tp 2 (rank processes): the window layers' slot mapping and tables reach the ranks, whose pools are
+    window-sized; greedy text past the window equals HF's."""
+    from neuron_opt.executors.factory import CheckpointSpec, create_executor
+
+    cfg, model, tok, prompts, want, eos = setup
+    if cfg.is_moe:
+        pytest.skip("one family is enough: the ranks' code path does not depend on it")
+    one = runner_for(cfg, model, tmp_path)
+    sd = dict(model.state_dict())  # HF names: the canonical state dict
+    ex = create_executor(CheckpointSpec(cfg, sd, ParallelConfig(tp=2), one.cache))
+    try:
+        engine = Engine(ModelRunner(ex, one.buckets, one.cache, cfg.vocab_size), tok, eos,
+                        max_num_batched_tokens=CHUNK)
+        assert run(engine, prompts, MAX_LEN - 20) == want
+    finally:
+        ex.close()
+
+@pytest.mark.slow
+def test_cpu_graphs_hold_window_sized_kv(tmp_path):
+    """The cpu backend: one layer graph serves both pools (their block count a dynamic dimension); greedy text past
+    the window equals HF's, with prefix caching and chunked prefill on. Slow: it compiles the cpu graphs (about
+    4 CPU-minutes on 2 cores)."""
+    from neuron_opt.api import LLM
+    from neuron_opt.compiler import compile_artifact
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ck = make_tiny("gemma2", tmp_path / "ck", tokenizer=True)
+        req = CompileRequest(model=str(ck), out=tmp_path / "art", backend="cpu", dtype="float32", batch_size=BATCH,
+                             max_model_len=MAX_LEN, max_prompt_len=16, prefill_buckets=(16,),
+                             decode_buckets=(MAX_LEN,), block_size=BS, use_cache=False)
+        compile_artifact(req, log=lambda s: None, progress=False)
+        llm = LLM(tmp_path / "art")
+        cache, ex = llm.runner.cache, llm.runner.executor
+        assert cache.sliding_window == 6 and cache.window_num_blocks < cache.num_blocks
+        assert [k.shape[0] for k in ex.k_caches] == [cache.window_num_blocks, cache.num_blocks]  # sliding, full
+        hf = load_hf(ck)
+        g = torch.Generator().manual_seed(6)
+        shared = torch.randint(3, hf.config.vocab_size, (14,), generator=g).tolist()
+        prompts = [shared + torch.randint(3, hf.config.vocab_size, (6,), generator=g).tolist() for _ in range(2)]
+        with torch.no_grad():
+            want = [hf.generate(torch.tensor([p]), max_new_tokens=MAX_LEN - 20, min_new_tokens=MAX_LEN - 20,
+                                do_sample=False, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+        eos = hf.generation_config.eos_token_id
+        engine = Engine(llm.runner, llm.tokenizer, (eos,) if isinstance(eos, int) else tuple(eos or ()),
+                        max_num_batched_tokens=CHUNK)
+        assert run(engine, prompts, MAX_LEN - 20) == want
+        assert engine.prefix_cache_stats.hits >= 8
+    finally:
+        torch.set_num_threads(threads)
