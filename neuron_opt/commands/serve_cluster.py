@@ -123,14 +123,11 @@ def run_cluster(args: argparse.Namespace) -> int:
     from ray.serve.config import RequestRouterConfig
     from ray.serve.schema import LoggingConfig
 
-    from neuron_opt.server.cluster import (  # on Ray (the `cluster` extra), as the two above
-        APP_NAME,
-        ROUTER_SPARE_REQUESTS,
-        EngineReplica,
-        PrefixAffinityRouter,
-        Router,
-        metrics_board,
-    )
+    # on Ray (the `cluster` extra), as the two above
+    from neuron_opt.server.cluster.board import metrics_board
+    from neuron_opt.server.cluster.replica import EngineReplica
+    from neuron_opt.server.cluster.router import APP_NAME, ROUTER_SPARE_REQUESTS, Router
+    from neuron_opt.server.cluster.routing import PrefixAffinityRouter
 
     name = served_name(args)
     params = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
@@ -142,7 +139,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         board = metrics_board()
-        for adapter, path in adapters.items():  # the adapter set every replica serves (cluster.py, "LoRA adapters")
+        for adapter, path in adapters.items():  # the adapter set every replica serves (server/cluster/board.py)
             ray.get(board.set_adapter.remote(adapter, path))
         # a replica takes up to 2 x its batch: a free slot is refilled without waiting on the router, and the rest
         # queues at the router (up to --max-waiting), where it goes to whichever replica frees up first

@@ -21,7 +21,7 @@ pytest.importorskip("ray", reason="Ray Serve is the `cluster` extra: pip install
 from cluster_helpers import MODEL, free_port, metrics, reference, replicas, stop_serve, wait
 
 from neuron_opt.config import CacheConfig
-from neuron_opt.server.cluster import PrefixKeys
+from neuron_opt.server.cluster.routing import PrefixKeys
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 BLOCK = CacheConfig.block_size  # the block size of a server run with --model
