@@ -8,6 +8,9 @@ Design decisions
 - Client disconnect: the router cancels the replica's stream, and the replica's `OpenAIServing` aborts the request
   in its engine (its KV blocks are freed), as in one process.
 - Health: Serve calls `check_health` periodically; a dead engine thread fails it, and Serve replaces the replica.
+  Sooner still: a replica whose engine loop died (a device error) answers the requests that failed with it as
+  "retry" (the router sends them elsewhere: none had an answer) and ends its own process within PUSH_PERIOD_S,
+  which Serve sees at once as a dead replica.
 - LoRA adapters: each replica reconciles its engine's adapters with the board's set before each metrics push, and
   once before it takes requests, so a restarted replica serves them too (router.py, "LoRA adapters").
 """
@@ -15,6 +18,7 @@ Design decisions
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -28,6 +32,7 @@ from ray import serve
 from neuron_opt.errors import ConfigError
 from neuron_opt.lora.adapter import read_adapter
 from neuron_opt.runtime.threads import hand_threads_to_engine
+from neuron_opt.server.anthropic import AnthropicServing, CountTokensRequest, MessagesRequest
 from neuron_opt.server.app import engine_metrics, error_payload
 from neuron_opt.server.cluster.board import PUSH_PERIOD_S
 from neuron_opt.server.embeddings import EmbeddingRequest, EmbeddingServing
@@ -40,6 +45,8 @@ from neuron_opt.server.protocol import (
     TokenizeRequest,
 )
 from neuron_opt.server.reasoning import make_reasoning_parser
+from neuron_opt.server.responses import ResponsesRequest, ResponsesServing
+from neuron_opt.server.scoring import tokenizer_info
 from neuron_opt.server.serving import OpenAIServing
 from neuron_opt.server.tools import make_parser
 
@@ -68,6 +75,8 @@ class EngineReplica:
                                      tool_parser=make_parser(tool_call_parser, engine.tokenizer), limits=limits,
                                      reasoning_parser=make_reasoning_parser(reasoning_parser, engine.tokenizer))
         self.embeddings = EmbeddingServing(self.serving)
+        self.anthropic = AnthropicServing(self.serving)
+        self.responses = ResponsesServing(self.serving, None)  # no store: `serve` refuses --enable-store here
         self.id = serve.get_replica_context().replica_id.unique_id
         self.info = {"max_model_len": engine.runner.max_model_len}  # what the router's /v1/models card needs
         self.board = board
@@ -128,6 +137,12 @@ class EngineReplica:
 
     def _push_loop(self) -> None:
         while not self._stop.wait(PUSH_PERIOD_S):
+            if self.engine.error is not None:
+                # the engine loop died (a device error, say): end the process, so that Serve stops routing here at
+                # once and replaces it, instead of this replica failing requests fast until its health check
+                # has failed enough times (a fast-failing replica looks idle and draws more requests)
+                log.critical("engine stopped (%r): exiting so that Serve replaces this replica", self.engine.error)
+                os._exit(1)
             self._push()
 
     def check_health(self) -> None:
@@ -140,28 +155,47 @@ class EngineReplica:
             self._stop.set()
             self.engine.stop(timeout=5.0)
 
+    async def _answer(self, route: str, body: bytes, arrival: float) -> dict[str, Any] | AsyncIterator[str]:
+        """The single-process server's answer to `route` (the router's name of one of its routes)."""
+        def parse(model: Any) -> Any:
+            return model.model_validate_json(body or b"null")
+
+        if route == "completions":
+            return await self.serving.completions(parse(CompletionRequest), arrival, _never_disconnected)
+        if route == "chat":
+            return await self.serving.chat(parse(ChatCompletionRequest), arrival, _never_disconnected)
+        if route == "messages":
+            return await self.anthropic.messages(parse(MessagesRequest), arrival, _never_disconnected)
+        if route == "count_tokens":
+            return await self.anthropic.count_tokens(parse(CountTokensRequest))
+        if route == "responses":
+            return await self.responses.create(parse(ResponsesRequest), arrival, _never_disconnected)
+        if route == "get_response":
+            return self.responses.retrieve(body.decode())
+        if route == "embeddings":
+            return await self.embeddings.create(parse(EmbeddingRequest), arrival)
+        if route == "tokenize":
+            return await self.serving.tokenize(parse(TokenizeRequest))
+        if route == "detokenize":
+            return await self.serving.detokenize(parse(DetokenizeRequest))
+        if route == "tokenizer_info":
+            return tokenizer_info(self.engine.tokenizer)
+        if route == "check_lora":
+            return await asyncio.to_thread(self._check_adapter, body)
+        raise ValueError(f"unknown route {route!r}")
+
     async def handle(self, route: str, body: bytes, sent_at: float) -> AsyncIterator[Any]:
-        """The header `(kind, status, payload, replica id)`, then (kind "sse") the SSE chunks."""
+        """The header `(kind, status, payload, replica id)`, then (kind "sse") the SSE chunks; kind "retry": this
+        replica's engine died, send the request to another. An error's payload is
+        OpenAI-shaped, also on the Anthropic routes (the router reshapes it, as it reshapes its own refusals)."""
         arrival = time.monotonic() - max(0.0, time.time() - sent_at)  # the router's receipt on this clock
         try:
-            if route == "completions":
-                result = await self.serving.completions(
-                    CompletionRequest.model_validate_json(body or b"null"), arrival, _never_disconnected)
-            elif route == "chat":
-                result = await self.serving.chat(
-                    ChatCompletionRequest.model_validate_json(body or b"null"), arrival, _never_disconnected)
-            elif route == "embeddings":
-                result = await self.embeddings.create(EmbeddingRequest.model_validate_json(body or b"null"), arrival)
-            elif route == "tokenize":
-                result = await self.serving.tokenize(TokenizeRequest.model_validate_json(body or b"null"))
-            elif route == "detokenize":
-                result = await self.serving.detokenize(DetokenizeRequest.model_validate_json(body or b"null"))
-            elif route == "check_lora":
-                result = await asyncio.to_thread(self._check_adapter, body)
-            else:
-                raise ValueError(f"unknown route {route!r}")
+            result = await self._answer(route, body, arrival)
         except Exception as e:
             status, content = error_payload(e)
+            if self.engine.error is not None:  # failed because the engine died, before any answer: run it elsewhere
+                yield ("retry", status, content, self.id)
+                return
             self.metrics.request_rejected(status)
             yield ("json", status, content, self.id)
             return

@@ -26,6 +26,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, Repli
 from neuron_opt.checkpoint import open_checkpoint
 from neuron_opt.hub import resolve_model
 from neuron_opt.runtime.block_manager import hash_block
+from neuron_opt.server.limits import PROMPT_CHARS_PER_TOKEN
 from neuron_opt.server.protocol import ChatCompletionRequest, CompletionRequest
 from neuron_opt.server.tools import make_parser, render_messages
 
@@ -38,20 +39,42 @@ class PrefixKeys:
     """The prefix-cache keys of a request's full prompt blocks, as its replica's engine computes them: the prompt's
     token ids (completions: the prompt as tokenized by `OpenAIServing`; chat: the messages and tools rendered as a
     chat request renders them, through the chat template), chained with `hash_block`. A request the replica will
-    refuse has no keys (it is routed by load and answered there)."""
+    refuse has no keys (it is routed by load and answered there).
+
+    The work is bounded by the keys' reach, not by the body: only the prompt's first `max_chars` characters
+    (PROMPT_CHARS_PER_TOKEN per token of the `max_blocks` keyed blocks: limits.py's generous bound) are tokenized
+    (chat: the messages past them left out, the one across the cut cut), and of token ids the first keyed ones
+    read. The keys are the whole prompt's unless its first keyed tokens average more characters than that bound,
+    and then only the last keys differ (a routing hint lost, nothing more)."""
 
     def __init__(self, tokenizer: Any, block_size: int, tool_call_parser: str | None,
                  max_blocks: int = MAX_KEY_BLOCKS) -> None:
         self.tokenizer, self.block_size, self.max_blocks = tokenizer, block_size, max_blocks
+        self.max_chars = PROMPT_CHARS_PER_TOKEN * max_blocks * block_size
         self.parser = make_parser(tool_call_parser, tokenizer)
+
+    def _cut(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The messages within the first `max_chars` characters of text."""
+        out, budget = [], self.max_chars
+        for m in messages:
+            if budget <= 0:
+                break
+            content = m.get("content")
+            if isinstance(content, str):
+                m = {**m, "content": content[:budget]}
+                budget -= len(content)
+            out.append(m)
+        return out
 
     def prompt_ids(self, route: str, body: bytes) -> list[int]:
         if route == "completions":
             prompt = CompletionRequest.model_validate_json(body or b"null").prompt_input()
-            return list(self.tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else list(prompt)
+            if isinstance(prompt, str):
+                return list(self.tokenizer(prompt[:self.max_chars])["input_ids"])
+            return list(prompt[:self.max_blocks * self.block_size])
         if route == "chat":
             req = ChatCompletionRequest.model_validate_json(body or b"null")
-            rendered, tools = render_messages(req.message_dicts(), self.parser, req.tool_request())
+            rendered, tools = render_messages(self._cut(req.message_dicts()), self.parser, req.tool_request())
             kw = {"tools": tools} if tools else {}
             out = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=True, **kw)
             return list(out["input_ids"] if hasattr(out, "keys") else out)
