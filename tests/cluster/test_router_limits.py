@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
 
 import httpx
 import pytest
@@ -81,19 +81,19 @@ def test_bodies_past_the_limit_are_413_and_docs_are_off(router):
 
 
 def test_a_full_router_refuses_before_reading_the_body(router):
-    """The slot is checked before the body is read (nor parsed, nor tokenized): with the 4 slots held by streams, a
-    body past --max-body-bytes is the 503 of a full router, not the 413 that reading it would give."""
+    """The slot is checked before the body is read (nor parsed, nor tokenized): with the 4 slots held by streams
+    (the engine runs one at a time, so they hold them for seconds), a body past --max-body-bytes is the 503 of a
+    full router, not the 413 that reading it would give."""
     url = router
-    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 900, "temperature": 0, "ignore_eos": True,
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    with httpx.Client(timeout=120) as client, ExitStack() as held:
-        for _ in range(4):
-            r = held.enter_context(client.stream("POST", url + "/v1/completions", json=body))
-            assert r.status_code == 200
-        big = httpx.post(url + "/v1/completions", content=b"{" + b" " * 200_000 + b"}",
-                         headers={"Content-Type": "application/json"})
-        assert big.status_code == 503 and big.headers["retry-after"] == "1", big.text
-    wait(lambda: sum(replicas(url).values()) == 0 or None, 30, "the replica idle")
-    again = httpx.post(url + "/v1/completions", content=b"{" + b" " * 200_000 + b"}",
-                       headers={"Content-Type": "application/json"})
+    big = b"{" + b" " * 200_000 + b"}"
+    with ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(httpx.post, url + "/v1/completions", json=body, timeout=120) for _ in range(4)]
+        wait(lambda: sum(replicas(url, "vllm:num_requests_running").values()) >= 1 or None, 30, "a stream running")
+        time.sleep(1.0)  # the other three, sent with it, have reached the router
+        full = httpx.post(url + "/v1/completions", content=big, headers={"Content-Type": "application/json"})
+        assert [f.result().status_code for f in streams] == [200] * 4
+    assert full.status_code == 503 and full.headers["retry-after"] == "1", full.text
+    again = httpx.post(url + "/v1/completions", content=big, headers={"Content-Type": "application/json"})
     assert again.status_code == 413, again.text  # the same body once a slot is free
