@@ -75,6 +75,12 @@ def drain(ingress: Any, timeout_s: float) -> None:
         left = ingress.begin_drain.remote(timeout_s).result(timeout_s=timeout_s + 30)
     except KeyboardInterrupt:
         return
+    except Exception as e:  # noqa: BLE001 -- the router gone, say: nothing left to wait for, stop now
+        print(f"drain: {type(e).__name__}: {e}; stopping now", flush=True)
+        return
+    finally:  # the cleanup that follows runs to its end
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
     if left:
         print(f"--shutdown-timeout: {left} request(s) still in flight are cut off", flush=True)
 

@@ -7,6 +7,7 @@ One concept a module (imports run down this list):
 - routing.py: which replica a request goes to (Serve's `RequestRouter`: prefix affinity, else least loaded).
 - prometheus.py: the replicas' metrics merged with a `replica` label, and the router's routing metrics.
 - replica.py: `EngineReplica`, the single-process server's engine and `OpenAIServing` as a Serve deployment.
+- answers.py: the router's own errors and a failed stream's last events, in each API's shape.
 - router.py: `Router`, the HTTP ingress: bounds, key, forwarding, retries, faults, drain, the adapter routes.
 
 Ray does what Ray is for: placement (each replica asks for its cores: `neuron_cores = tp` on Neuron, which makes
