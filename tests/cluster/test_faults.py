@@ -132,7 +132,8 @@ def test_a_killed_replica_loses_no_request_and_the_fleet_recovers(cluster, ref):
             return [t.result() for t in load], after, time.monotonic() - t0
 
     outcomes, after, took = asyncio.run(scenario())
-    print("outcomes:", ["failed" if o == "failed" else "text" for o in outcomes], "took:", round(took, 1), "s; retries:",
+    kinds = ["failed" if o == "failed" else "text" for o in outcomes]
+    print("outcomes:", kinds, "took:", round(took, 1), "s; retries:",
           metrics(url)[("neuron_opt:cluster_retries_total", "")] - retried)
     assert after == [expected[i] for i in range(4)]
     for i, got in enumerate(outcomes):  # every request answered: the reference's text, or a clean stream error
