@@ -1,7 +1,7 @@
 """What a benchmark or a test reads from `serve --data-parallel N`'s router: its merged /metrics.
 
 The router answers /metrics with every replica's families, each sample labelled with its replica, plus its own
-(`cluster_routed_total{replica,reason}`, `cluster_prefix_cache_hit_rate`; neuron_opt/server/cluster.py). The
+(`cluster_routed_total{replica,reason}`, `cluster_prefix_cache_hit_rate`; neuron_opt/server/cluster/prometheus.py). The
 replicas push their metrics about once a second, so a reader that needs every finished request counted waits
 for the replicas' `request_success_total` to reach it (`wait_counted`).
 """

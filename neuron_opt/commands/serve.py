@@ -174,9 +174,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-# flags of the single-process server (its uvicorn, its drain, its LoRA routes) that `--data-parallel` does not take
-SINGLE_PROCESS_FLAGS = ("--shutdown-timeout", "--max-connections", "--timeout-keep-alive",
-                        "--enable-lora-runtime-loading", "--lora-runtime-root", "--max-cpu-loras")
+# flags of the single-process server's uvicorn, which `--data-parallel` does not take (Ray Serve's proxy serves HTTP)
+SINGLE_PROCESS_FLAGS = ("--max-connections", "--timeout-keep-alive")
 
 
 def thread_policy() -> ThreadPolicy:

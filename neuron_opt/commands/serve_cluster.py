@@ -13,11 +13,19 @@ from pathlib import Path
 from typing import Any
 
 from neuron_opt.commands.lora_flags import parse_lora_modules
-from neuron_opt.commands.serve_engine import api_key, build_engine, check_args, served_name, server_limits
+from neuron_opt.commands.serve_engine import (
+    api_key,
+    build_engine,
+    check_args,
+    lora_runtime_loading,
+    served_name,
+    server_limits,
+)
 from neuron_opt.config import CacheConfig
 from neuron_opt.errors import ConfigError
 from neuron_opt.hub import hub_id, resolve_model
 from neuron_opt.lora.adapter import read_adapter
+from neuron_opt.server.limits import DEFAULT_SHUTDOWN_TIMEOUT_S
 
 RAY_NAMESPACE = "neuron_opt"
 
@@ -54,6 +62,29 @@ def lora_modules(args: argparse.Namespace, manifest: Any) -> dict[str, str]:
     return modules
 
 
+def drain(ingress: Any, timeout_s: float) -> None:
+    """The first SIGTERM/SIGINT: the router refuses new requests (503) while those in flight finish, for up to
+    `timeout_s` (server/cluster/router.py, "Drain"); a second signal stops waiting."""
+    def again(*_: Any) -> None:
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, again)
+    print(f"Draining: new requests get 503; waiting up to {timeout_s:g} s for those in flight...", flush=True)
+    try:
+        left = ingress.begin_drain.remote(timeout_s).result(timeout_s=timeout_s + 30)
+    except KeyboardInterrupt:
+        return
+    except Exception as e:  # noqa: BLE001 -- the router gone, say: nothing left to wait for, stop now
+        print(f"drain: {type(e).__name__}: {e}; stopping now", flush=True)
+        return
+    finally:  # the cleanup that follows runs to its end
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+    if left:
+        print(f"--shutdown-timeout: {left} request(s) still in flight are cut off", flush=True)
+
+
 def run_cluster(args: argparse.Namespace) -> int:
     replicas = 1 if args.data_parallel is None else args.data_parallel
     if replicas < 1:
@@ -81,6 +112,10 @@ def run_cluster(args: argparse.Namespace) -> int:
     adapters = lora_modules(args, manifest)
     key = api_key(args)
     limits = server_limits(args)
+    lora_runtime = lora_runtime_loading(args)
+    if args.shutdown_timeout is not None and args.shutdown_timeout < 0:
+        raise ConfigError(f"--shutdown-timeout: must be >= 0, got {args.shutdown_timeout}", param="shutdown_timeout")
+    shutdown_timeout = DEFAULT_SHUTDOWN_TIMEOUT_S if args.shutdown_timeout is None else args.shutdown_timeout
     if args.enable_docs:
         raise ConfigError("--enable-docs: the data-parallel router serves no API docs; leave it out",
                           param="enable_docs")
@@ -123,14 +158,11 @@ def run_cluster(args: argparse.Namespace) -> int:
     from ray.serve.config import RequestRouterConfig
     from ray.serve.schema import LoggingConfig
 
-    from neuron_opt.server.cluster import (  # on Ray (the `cluster` extra), as the two above
-        APP_NAME,
-        ROUTER_SPARE_REQUESTS,
-        EngineReplica,
-        PrefixAffinityRouter,
-        Router,
-        metrics_board,
-    )
+    # on Ray (the `cluster` extra), as the two above
+    from neuron_opt.server.cluster.board import metrics_board
+    from neuron_opt.server.cluster.replica import EngineReplica
+    from neuron_opt.server.cluster.router import APP_NAME, ROUTER_SPARE_REQUESTS, Router
+    from neuron_opt.server.cluster.routing import PrefixAffinityRouter
 
     name = served_name(args)
     params = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
@@ -142,7 +174,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         board = metrics_board()
-        for adapter, path in adapters.items():  # the adapter set every replica serves (cluster.py, "LoRA adapters")
+        for adapter, path in adapters.items():  # the adapter set every replica serves (server/cluster/board.py)
             ray.get(board.set_adapter.remote(adapter, path))
         # a replica takes up to 2 x its batch: a free slot is refilled without waiting on the router, and the rest
         # queues at the router (up to --max-waiting), where it goes to whichever replica frees up first
@@ -163,14 +195,15 @@ def run_cluster(args: argparse.Namespace) -> int:
         print(f"Starting {replicas} replica(s) of {name!r} on Ray ({actor_options}, "
               f"{threads or 'default'} torch thread(s) each)...", flush=True)
         router = Router.options(max_ongoing_requests=max_in_flight + ROUTER_SPARE_REQUESTS).bind(
-            replica, board, name, key, limits, max_in_flight)
-        serve.run(router, name=APP_NAME, route_prefix="/",
-                  logging_config=LoggingConfig(log_level=args.log_level.upper(), enable_access_log=False))
+            replica, board, name, key, limits, max_in_flight, lora_runtime, args.enable_tokenizer_info_endpoint)
+        ingress = serve.run(router, name=APP_NAME, route_prefix="/",
+                            logging_config=LoggingConfig(log_level=args.log_level.upper(), enable_access_log=False))
         url = f"http://{args.host}:{args.port}"
         print(f"Serving {name!r} on {url}: {replicas} replica(s) behind one endpoint (Ray Serve). Try:\n"
               f"  curl {url}/v1/completions -H 'Content-Type: application/json' -d "
               f'\'{{"model": "{name}", "prompt": "The capital of France is", "max_tokens": 16}}\'', flush=True)
         stop.wait()
+        drain(ingress, shutdown_timeout)
     finally:
         try:
             serve.delete(APP_NAME)

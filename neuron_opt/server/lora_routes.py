@@ -28,6 +28,9 @@ from neuron_opt.errors import ConfigError, QueueFullError
 from neuron_opt.server.limits import LoraRuntimeLoading
 from neuron_opt.server.serving import NotFoundError
 
+RUNTIME_LOADING_OFF = ("runtime LoRA adapter loading is off: start serve with --enable-lora-runtime-loading "
+                       "--lora-runtime-root DIR")
+
 
 class LoadLoraAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -57,8 +60,7 @@ def add_lora_routes(app: FastAPI, engine: Any, model_name: str, parse: Any,
 
     def manager() -> Any:
         if runtime is None:
-            raise NotFoundError("runtime LoRA adapter loading is off: start serve with --enable-lora-runtime-loading "
-                                "--lora-runtime-root DIR")
+            raise NotFoundError(RUNTIME_LOADING_OFF)
         loras = getattr(engine, "loras", None)
         if loras is None:
             raise ConfigError("lora: this model was compiled without --enable-lora; it serves no adapters",

@@ -29,7 +29,7 @@ from cluster_helpers import (
 )
 
 from neuron_opt.runtime.sampling import SamplingParams
-from neuron_opt.server.cluster import STALE_AFTER_S
+from neuron_opt.server.cluster.board import STALE_AFTER_S
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 KEY = "sk-cluster"

@@ -1,6 +1,7 @@
 """`neuron-opt serve ARTIFACT --data-parallel 2 --lora-modules a=PATH` on an `--enable-lora` artifact: the adapters
 given at start and those loaded or unloaded through the router's `/v1/load_lora_adapter` / `/v1/unload_lora_adapter`
-are served by both replicas. Oracle: the single-process path (`LLM.generate_ids` under the adapter, itself checked
+are served by both replicas, runtime loading gated as in one process (--enable-lora-runtime-loading, the root,
+--max-cpu-loras). Oracle: the single-process path (`LLM.generate_ids` under the adapter, itself checked
 against PEFT in tests/neuron_opt/test_lora.py) on the same artifact in this process. Runs with `make test-cluster`.
 """
 
@@ -43,7 +44,8 @@ def lora_cluster(ckpt, tmp_path_factory):
     want = {name: [llm.generate_ids(p, params, LoRARequest(name, str(adapters[name])) if name else None).text
                    for p in PROMPTS] for name in (None, "a", "b")}
     assert want["a"] != want[None] and want["b"] != want[None]  # each adapter changes the text
-    args = [str(art), "--max-num-seqs", "4", "--served-model-name", MODEL, "--lora-modules", f"a={adapters['a']}"]
+    args = [str(art), "--max-num-seqs", "4", "--served-model-name", MODEL, "--lora-modules", f"a={adapters['a']}",
+            "--enable-lora-runtime-loading", "--lora-runtime-root", str(root), "--max-cpu-loras", "3"]
     with serve_replicas(args, root / "serve.log") as (url, _):
         yield url, adapters, want, root
 
@@ -91,16 +93,26 @@ def test_adapters_load_and_unload_on_every_replica(lora_cluster):
     shutil.copytree(adapters["b"], bad)
     conf = json.loads((bad / "adapter_config.json").read_text())
     (bad / "adapter_config.json").write_text(json.dumps({**conf, "bias": "all"}))
+    outside = root.parent / f"outside-{root.name}"
+    shutil.copytree(adapters["b"], outside)
     for body, status, text in (({"lora_name": "c", "lora_path": str(bad)}, 400, "bias"),
+                               ({"lora_name": "c", "lora_path": str(outside)}, 400, "--lora-runtime-root"),
+                               ({"lora_name": "c", "lora_path": f"../{outside.name}"}, 400, "--lora-runtime-root"),
                                ({"lora_name": "b", "lora_path": str(adapters["b"])}, 400, "already loaded"),
                                ({"lora_name": MODEL, "lora_path": str(adapters["b"])}, 400, "base model")):
         r = httpx.post(url + "/v1/load_lora_adapter", json=body, timeout=120)
         assert r.status_code == status and text in r.json()["error"]["message"], r.text
     assert models() == [MODEL, "a", "b"]
+    r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "b2", "lora_path": "b"}, timeout=120)
+    assert r.status_code == 200, r.text  # a path relative to the root
+    r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "b3", "lora_path": "b"}, timeout=120)
+    assert r.status_code == 400 and "--max-cpu-loras" in r.json()["error"]["message"], r.text
+    assert models() == [MODEL, "a", "b", "b2"]
+    _served_by_both(url, "b2", want["b"])
 
     r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "a"}, timeout=120)
     assert r.status_code == 200, r.text
-    assert models() == [MODEL, "b"]
+    assert models() == [MODEL, "b", "b2"]
     got = asyncio.run(_texts(url, "a"))  # gone from both replicas: every request is a 404
     assert {s for s, _, _ in got} == {404}, got
     assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "a"}).status_code == 404

@@ -21,7 +21,7 @@ pytest.importorskip("ray", reason="Ray Serve is the `cluster` extra: pip install
 from cluster_helpers import MODEL, free_port, metrics, reference, replicas, stop_serve, wait
 
 from neuron_opt.config import CacheConfig
-from neuron_opt.server.cluster import PrefixKeys
+from neuron_opt.server.cluster.routing import PrefixKeys
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 BLOCK = CacheConfig.block_size  # the block size of a server run with --model
@@ -114,3 +114,29 @@ def test_router_keys_equal_the_engines_prefix_keys(ref):
                                                                  "bridges")["input_ids"]))
     assert keys("completions", b'{"model": "tiny", "prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9]}') == chain(list(range(1, 10)))
     assert keys("chat", b"not json") == ()  # refused by the replica, routed by load
+
+
+def test_router_keys_read_a_bounded_prefix_of_the_prompt(ref):
+    """Routing's work is bounded by the keys' reach: past PROMPT_CHARS_PER_TOKEN characters per keyed token the
+    prompt is not read, and the keys still equal the engine's for the whole prompt."""
+    from neuron_opt.runtime.block_manager import hash_block
+
+    keys = PrefixKeys(ref.tokenizer, 4, None, max_blocks=3)  # 12 keyed tokens: 384 characters are read
+    assert keys.max_chars == 384
+
+    def chain(ids: list[int]) -> tuple[bytes, ...]:
+        out, parent = [], None
+        for s in range(0, 12, 4):
+            parent = hash_block(parent, ids[s:s + 4])
+            out.append(parent)
+        return tuple(out)
+
+    text = "The capital of France is Paris. " * 200  # 6,400 characters
+    want = chain(list(ref.tokenizer(text)["input_ids"]))
+    assert keys("completions", json.dumps({"model": "tiny", "prompt": text}).encode()) == want
+    assert keys("completions", json.dumps({"model": "tiny", "prompt": text[:384] + "\u00e9" * 9000}).encode()) == want
+    msgs = [{"role": "user", "content": text}, {"role": "assistant", "content": "Yes."},
+            {"role": "user", "content": "And Spain?"}]
+    assert keys("chat", json.dumps({"model": "tiny", "messages": msgs}).encode()) == chain(ref.encode_chat(msgs))
+    ids = list(range(1, 10_000))
+    assert keys("completions", json.dumps({"model": "tiny", "prompt": ids}).encode()) == chain(ids)

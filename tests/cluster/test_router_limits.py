@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -77,3 +78,22 @@ def test_bodies_past_the_limit_are_413_and_docs_are_off(router):
     for path in ("/docs", "/redoc", "/openapi.json"):
         assert httpx.get(url + path).status_code == 404
     assert metrics(url)  # and it still serves
+
+
+def test_a_full_router_refuses_before_reading_the_body(router):
+    """The slot is checked before the body is read (nor parsed, nor tokenized): with the 4 slots held by streams
+    (the engine runs one at a time, so they hold them for seconds), a body past --max-body-bytes is the 503 of a
+    full router, not the 413 that reading it would give."""
+    url = router
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    big = b"{" + b" " * 200_000 + b"}"
+    with ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(httpx.post, url + "/v1/completions", json=body, timeout=120) for _ in range(4)]
+        wait(lambda: sum(replicas(url, "vllm:num_requests_running").values()) >= 1 or None, 30, "a stream running")
+        time.sleep(1.0)  # the other three, sent with it, have reached the router
+        full = httpx.post(url + "/v1/completions", content=big, headers={"Content-Type": "application/json"})
+        assert [f.result().status_code for f in streams] == [200] * 4
+    assert full.status_code == 503 and full.headers["retry-after"] == "1", full.text
+    again = httpx.post(url + "/v1/completions", content=big, headers={"Content-Type": "application/json"})
+    assert again.status_code == 413, again.text  # the same body once a slot is free

@@ -277,7 +277,7 @@ def test_a_failing_chunk_in_a_batched_prefill_fails_only_its_request(tiny_dir):
     (["--timeout-keep-alive", "0"], "--timeout-keep-alive: must be >= 1"),
     (["--grammar-compile-timeout", "0"], "grammar_compile_timeout: must be > 0"),
     (["--max-grammar-repeat", "0"], "max_grammar_repeat: must be >= 1"),
-    (["--data-parallel", "2", "--shutdown-timeout", "5"], "--shutdown-timeout: the single-process server's"),
+    (["--data-parallel", "2", "--max-connections", "5"], "--max-connections: the single-process server's"),
 ])
 def test_serve_refuses_bad_bound_flags_before_loading(argv, message, capsys):
     from neuron_opt.cli import main
