@@ -267,7 +267,7 @@ class FakeEngine:
     embeds = False  # a generation model's engine
     runner = SimpleNamespace(vocab_size=10)
     prefix_cache_stats = SimpleNamespace(queries=0, hits=0, hit_rate=0.0)
-    stats = SimpleNamespace(preemptions=0)
+    stats = SimpleNamespace(preemptions=0, step_tokens={})
 
     def __init__(self, error: Exception | None = None) -> None:
         self.error = error
