@@ -85,6 +85,7 @@ def test_serve_on_a_neuron_lora_artifact_selects_adapters_by_model(llama, tp1):
     from neuron_opt.api import LLM
     from neuron_opt.lora.registry import LoRARequest
     from neuron_opt.runtime.sampling import SamplingParams
+    from neuron_opt.server.limits import LoraRuntimeLoading
 
     _, adapters, refs = llama
     llm = LLM(tp1[1])
@@ -96,7 +97,8 @@ def test_serve_on_a_neuron_lora_artifact_selects_adapters_by_model(llama, tp1):
         out = llm.generate_ids(prompt, greedy, req)
         assert out.token_ids == refs[None if req is None else name][0], name
         want[name] = out.text
-    with live_server(llm, 4) as (url, engine):  # the engine's own adapter registry over the same device stacks
+    runtime = LoraRuntimeLoading(Path(adapters[0]).parent)  # runtime loading on, from the adapters' directory
+    with live_server(llm, 4, lora_runtime=runtime) as (url, engine):  # the engine's registry over the device stacks
         engine.loras.register("a2", adapters[2])  # as `serve --lora-modules a2=...` does
         r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "a0", "lora_path": str(adapters[0])})
         assert r.status_code == 200, r.text
