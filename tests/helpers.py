@@ -60,6 +60,21 @@ def hf_greedy(hf, prompt: list[int], n: int) -> tuple[torch.Tensor, list[int]]:
 
 
 @contextlib.contextmanager
+def one_thread_llms(path, max_model_len: int):
+    """Two `LLM`s of a tiny checkpoint, batch 4 (the server's) and batch 1 (the reference), on one torch thread
+    (tiny models: thread barriers cost more than they save); the thread count is restored after."""
+    from neuron_opt.api import LLM
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield LLM(path, batch_size=4, max_model_len=max_model_len), LLM(path, batch_size=1,
+                                                                          max_model_len=max_model_len)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
 def live_server(llm, max_num_seqs: int, runner=None, model: str = "tiny", speculative=None, draft=None,
                 max_waiting: int = 1024, **app_kw):
     """Serve `llm` on a free loopback port in a background thread; yields (base_url, engine). `app_kw`: create_app's

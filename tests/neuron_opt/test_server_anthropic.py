@@ -16,12 +16,10 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
-import torch
 from anthropic.types import Message, RawMessageStreamEvent
-from helpers import live_server
+from helpers import live_server, one_thread_llms
 from pydantic import BaseModel, TypeAdapter
 
-from neuron_opt.api import LLM
 from neuron_opt.runtime.sampling import SamplingParams
 
 MODEL = "tiny"
@@ -38,11 +36,8 @@ GREEDY = {"temperature": 0}  # (the client takes the sampling fields as extra_bo
 
 @pytest.fixture(scope="module")
 def llms(tiny_dir):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    path = tiny_dir("smollm-tok")
-    yield LLM(path, batch_size=4, max_model_len=768), LLM(path, batch_size=1, max_model_len=768)
-    torch.set_num_threads(threads)
+    with one_thread_llms(tiny_dir("smollm-tok"), 768) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")

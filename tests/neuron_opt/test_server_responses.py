@@ -16,12 +16,10 @@ import httpx
 import jsonschema
 import openai
 import pytest
-import torch
-from helpers import live_server
+from helpers import live_server, one_thread_llms
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, Field, TypeAdapter
 
-from neuron_opt.api import LLM
 from neuron_opt.runtime.sampling import SamplingParams
 
 MODEL = "tiny"
@@ -40,11 +38,8 @@ class Point(BaseModel):
 
 @pytest.fixture(scope="module")
 def llms(tiny_dir):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    path = tiny_dir("smollm-tok")
-    yield LLM(path, batch_size=4, max_model_len=768), LLM(path, batch_size=1, max_model_len=768)
-    torch.set_num_threads(threads)
+    with one_thread_llms(tiny_dir("smollm-tok"), 768) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")
