@@ -423,17 +423,15 @@ class AnthropicServing:
         if run.parser is None and run.thinker is None:  # plain text: its block opens at once, as Anthropic's does
             yield begin({"type": "text", "text": ""})
         yield _event("ping", {})
-        text, n, finish, stop = "", 0, "abort", None
+        finish, stop = "abort", None
         called = False
         try:
             async for _, out in outputs(self.serving, run, arrival):
-                text += out.text_delta
-                n += len(out.new_token_ids)
                 if out.finished:
                     finish, stop = out.finish_reason or "stop", out.stop_reason
-                if not out.text_delta and not out.finished:
+                if (fed := reader.read(out)) is None:
                     continue
-                thought, piece, calls = reader.feed(text, out.finished, n)
+                thought, piece, calls = fed
                 if thought:
                     if open_block != "thinking":
                         for e in close():
@@ -470,5 +468,5 @@ class AnthropicServing:
             yield e
         reason, sequence = _stop_reason(finish, stop, called)
         yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                       "usage": {"output_tokens": n}})
+                                       "usage": {"output_tokens": reader.num_tokens}})
         yield _event("message_stop", {})

@@ -127,13 +127,15 @@ class Reply:
 
 class ReplyReader:
     """A reply read as it grows: `feed(text so far, final, its token count)` returns the new reasoning piece, the
-    new text piece ("" if none) and the calls completed since the last feed."""
+    new text piece ("" if none) and the calls completed since the last feed; `read(output)` adds an engine output
+    to the reply's text and token count (`raw`, `num_tokens`) and feeds it."""
 
     def __init__(self, run: ChatRun) -> None:
         self.parser = run.parser
         self.thinking = ReasoningStream(run.thinker, run.start) if run.thinker is not None else None
         self.text = ""
         self.calls: list[ParsedCall] = []
+        self.raw, self.num_tokens = "", 0  # the reply's text as generated, and its tokens, so far
 
     @property
     def reasoning(self) -> str | None:
@@ -143,6 +145,15 @@ class ReplyReader:
     @property
     def reasoning_tokens(self) -> int:
         return self.thinking.tokens if self.thinking is not None else 0
+
+    def read(self, out: RequestOutput) -> tuple[str, str, list[ParsedCall]] | None:
+        """`out` added to the reply; what `feed` returns for the reply so far, or None when `out` neither adds text
+        nor finishes it."""
+        self.raw += out.text_delta
+        self.num_tokens += len(out.new_token_ids)
+        if not out.text_delta and not out.finished:
+            return None
+        return self.feed(self.raw, out.finished, self.num_tokens)
 
     def feed(self, text: str, final: bool, num_tokens: int) -> tuple[str, str, list[ParsedCall]]:
         thought, content = "", text

@@ -481,17 +481,15 @@ class ResponsesServing:
         if run.parser is None and run.thinker is None:  # plain text: its message opens at once
             for e in open_item("message"):
                 yield e
-        text, n, finish, cached = "", 0, "abort", 0
+        finish, cached = "abort", 0
         called = False
         try:
             async for _, out in outputs(self.serving, run, arrival):
-                text += out.text_delta
-                n += len(out.new_token_ids)
                 if out.finished:
                     finish, cached = out.finish_reason or "stop", out.num_cached_tokens
-                if not out.text_delta and not out.finished:
+                if (fed := reader.read(out)) is None:
                     continue
-                thought, piece, calls = reader.feed(text, out.finished, n)
+                thought, piece, calls = fed
                 for e in (write("reasoning", thought) if thought else []) + (write("message", piece) if piece else []):
                     yield e
                 for call in calls:
@@ -518,7 +516,8 @@ class ResponsesServing:
                 yield e
         for e in close_item():
             yield e
-        response = self._finish(head, output, finish, len(run.prompt_ids), n, cached, reader.reasoning_tokens)
+        response = self._finish(head, output, finish, len(run.prompt_ids), reader.num_tokens, cached,
+                                 reader.reasoning_tokens)
         keep(response)
         yield event("response.incomplete" if response["status"] == "incomplete" else "response.completed",
                     response=response)
