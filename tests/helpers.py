@@ -60,18 +60,26 @@ def hf_greedy(hf, prompt: list[int], n: int) -> tuple[torch.Tensor, list[int]]:
 
 
 @contextlib.contextmanager
-def one_thread_llms(path, max_model_len: int):
-    """Two `LLM`s of a tiny checkpoint, batch 4 (the server's) and batch 1 (the reference), on one torch thread
-    (tiny models: thread barriers cost more than they save); the thread count is restored after."""
+def one_thread_llm(path, batch_size: int, max_model_len: int):
+    """An `LLM` of a tiny checkpoint on one torch thread (tiny models: thread barriers cost more than they save);
+    the thread count is restored after."""
     from neuron_opt.api import LLM
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        yield LLM(path, batch_size=4, max_model_len=max_model_len), LLM(path, batch_size=1,
-                                                                          max_model_len=max_model_len)
+        yield LLM(path, batch_size=batch_size, max_model_len=max_model_len)
     finally:
         torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def one_thread_llms(path, max_model_len: int):
+    """Two `LLM`s of a tiny checkpoint on one torch thread: batch 4 (the server's) and batch 1 (the reference)."""
+    from neuron_opt.api import LLM
+
+    with one_thread_llm(path, 4, max_model_len) as served:
+        yield served, LLM(path, batch_size=1, max_model_len=max_model_len)
 
 
 @contextlib.contextmanager

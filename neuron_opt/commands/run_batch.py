@@ -10,12 +10,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from neuron_opt.commands.generate import add_speculative_flags, add_trusted_keys_flag
-from neuron_opt.commands.hub_flags import MODEL_HELP, add_hub_flags
-from neuron_opt.commands.serve_engine import build_engine, served_name
+from neuron_opt.commands.serve_engine import add_engine_flags, build_engine, served_name
 from neuron_opt.errors import ConfigError
 from neuron_opt.server.limits import ServerLimits
-from neuron_opt.server.tool_parsers import PARSERS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -27,29 +24,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "response: {status_code, request_id, body}, error}). A bad line gets an error line. An existing output file "
         "is continued where it stops.",
     )
-    p.add_argument("artifact", nargs="?", help="artifact directory produced by `neuron-opt compile`, or its s3:// URI")
-    p.add_argument("--model", help=f"instead of an artifact (run eagerly, no compile): {MODEL_HELP}")
-    add_hub_flags(p)
+    add_engine_flags(p)
     p.add_argument("-i", "--input-file", required=True, type=Path, help="the batch file: one JSON request per line")
     p.add_argument("-o", "--output-file", required=True, type=Path,
                    help="where the results go; if it exists, its results are kept and the run goes on after them")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name request bodies may give (default: 'default', or the artifact/checkpoint name)")
-    p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="most sequences decoded together (default: the artifact's batch size; 16 with --model)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="with --model: KV length per sequence (default: min(model limit, 2048))")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="reuse the KV blocks of prompt prefixes computed before (default: as serve)")
-    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
-                   help="split prompts into chunks that fit the step's token budget (default: as serve)")
-    p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
-                   help="the tool-call format of the model's replies (default: the one its chat template writes)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="with --model: compute dtype (default float32)")
-    add_speculative_flags(p)
-    add_trusted_keys_flag(p)
     p.set_defaults(func=run, max_waiting=1024, lora_modules=None)
 
 
@@ -59,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     # the serving code needs the `serve` extra (pydantic; prometheus-client for its counters): imported here
     from neuron_opt.server.app import engine_metrics, error_payload
     from neuron_opt.server.batch import BatchRunner, input_lines, resume_from
+    from neuron_opt.server.reasoning import make_reasoning_parser
     from neuron_opt.server.serving import OpenAIServing
     from neuron_opt.server.tools import make_parser
 
@@ -68,8 +47,8 @@ def run(args: argparse.Namespace) -> int:
     name = served_name(args)
     max_len = engine.runner.max_model_len
     serving = OpenAIServing(engine, engine.tokenizer, engine.encode_chat, name, engine_metrics(engine, name, max_len),
-                            max_len, tool_parser=make_parser(args.tool_call_parser,
-                                                                                  engine.tokenizer),
+                            max_len, tool_parser=make_parser(args.tool_call_parser, engine.tokenizer),
+                            reasoning_parser=make_reasoning_parser(args.reasoning_parser, engine.tokenizer),
                             limits=ServerLimits())
     window = 2 * engine.max_num_seqs  # a full batch running and as many waiting to take a freed slot
     engine.start()

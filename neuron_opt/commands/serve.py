@@ -9,11 +9,10 @@ import os
 import torch
 
 from neuron_opt import envs
-from neuron_opt.commands.generate import add_speculative_flags, add_trusted_keys_flag
-from neuron_opt.commands.hub_flags import MODEL_HELP, add_hub_flags
 from neuron_opt.commands.serve_cluster import run_cluster
 from neuron_opt.commands.serve_engine import (
     LIMIT_FLAGS,
+    add_engine_flags,
     api_key,
     build_engine,
     lora_runtime_loading,
@@ -30,8 +29,7 @@ from neuron_opt.server.limits import (
     DEFAULT_TIMEOUT_KEEP_ALIVE_S,
     ServerLimits,
 )
-from neuron_opt.server.reasoning import REASONING_PARSERS, make_reasoning_parser
-from neuron_opt.server.tool_parsers import PARSERS
+from neuron_opt.server.reasoning import make_reasoning_parser
 from neuron_opt.server.tools import make_parser
 
 
@@ -44,47 +42,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "compiled artifact directory, or --model PATH|default to serve a checkpoint eagerly "
         "without compiling (slower, but starts at once).",
     )
-    p.add_argument("artifact", nargs="?", help="artifact directory produced by `neuron-opt compile`, or its s3:// URI")
-    p.add_argument("--model", help="instead of an artifact, a checkpoint served eagerly (no compile): " + MODEL_HELP)
-    add_hub_flags(p)
+    add_engine_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument(
-        "--served-model-name",
-        default=None,
-        help="model id clients must send (default: 'default', the Hub id as given, or the artifact/checkpoint "
-        "name)",
-    )
-    p.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=None,
-        help="most sequences decoded together (default: the artifact's batch size; 16 with --model)",
-    )
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="with --model: KV length per sequence (default: min(model limit, 2048)); an artifact's is fixed at "
-        "compile time (given, it must equal the artifact's)",
-    )
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=2048,
-        help="tokens per engine step: every running decode first, then prompt chunks; lower bounds the "
-        "inter-token latency of running streams while new prompts arrive",
-    )
-    p.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-        help="reuse the KV blocks of prompt prefixes computed before (default: on where the artifact has offset "
-        "prefill buckets, i.e. unless compiled with --no-offset-prefill)",
-    )
-    p.add_argument(
-        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
-        help="split prompts into chunks that fit the step's token budget, and serve prompts longer than the "
-        "largest prefill bucket (default: on where the artifact has offset prefill buckets)",
-    )
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="requests queued beyond --max-num-seqs before answering 503 with Retry-After (with "
                    "--data-parallel: queued at the router)")
@@ -92,20 +52,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--api-key", default=None,
         help="require 'Authorization: Bearer KEY' on every /v1/* route and /tokenize, /detokenize (401 otherwise; "
         "/health and /metrics stay open). Default: $NEURON_OPT_API_KEY, else no key",
-    )
-    p.add_argument(
-        "--tool-call-parser", default=None, choices=sorted(PARSERS),
-        help="the tool-call format of the model's replies (default: the one its chat template writes; 'generic' "
-        "for templates without tools: the tools go into the system prompt and the reply is a JSON object)",
-    )
-    p.add_argument(
-        "--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
-        help="split the model's thinking from its answer (message.reasoning): deepseek_r1, qwen3, openai_gptoss "
-        "(harmony), granite (default: the one its chat template writes, when unambiguous; else none)",
-    )
-    p.add_argument(
-        "--dtype", default=None, choices=["float32", "bfloat16"],
-        help="with --model: compute dtype (default float32); an artifact's is fixed (given, it must match)"
     )
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="PEFT LoRA adapters served by name (request `model`), for an artifact compiled with "
@@ -141,8 +87,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         lim.add_argument("--" + name.replace("_", "-"), type=type(default) if default is not None else int,
                          default=default,
                          help=text if default is None else f"{text} (default: {default})")
-    add_speculative_flags(p)
-    add_trusted_keys_flag(p)
     g = p.add_argument_group("scale-out (Ray Serve; pip install 'neuron-opt[cluster]')")
     g.add_argument(
         "--data-parallel", type=int, default=None, metavar="N",

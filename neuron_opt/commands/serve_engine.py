@@ -9,7 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from neuron_opt import envs
-from neuron_opt.commands.generate import bundled_speculation, resolve_artifact_arg, speculative_from_args
+from neuron_opt.commands.generate import (
+    add_speculative_flags,
+    add_trusted_keys_flag,
+    bundled_speculation,
+    resolve_artifact_arg,
+    speculative_from_args,
+)
+from neuron_opt.commands.hub_flags import MODEL_HELP, add_hub_flags
 from neuron_opt.commands.lora_flags import parse_lora_modules
 from neuron_opt.errors import ConfigError
 from neuron_opt.hub import hub_id
@@ -21,6 +28,68 @@ from neuron_opt.server.limits import (
     LoraRuntimeLoading,
     ServerLimits,
 )
+from neuron_opt.server.reasoning import REASONING_PARSERS
+from neuron_opt.server.tool_parsers import PARSERS
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the engine `build_engine` makes and of the replies' parsers: what `serve` and `run-batch` share."""
+    p.add_argument("artifact", nargs="?", help="artifact directory produced by `neuron-opt compile`, or its s3:// URI")
+    p.add_argument("--model", help="instead of an artifact, a checkpoint run eagerly (no compile): " + MODEL_HELP)
+    add_hub_flags(p)
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id requests must give (default: 'default', the Hub id as given, or the artifact/checkpoint "
+        "name)",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="most sequences decoded together (default: the artifact's batch size; 16 with --model)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="with --model: KV length per sequence (default: min(model limit, 2048)); an artifact's is fixed at "
+        "compile time (given, it must equal the artifact's)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="tokens per engine step: every running decode first, then prompt chunks; lower bounds the "
+        "inter-token latency of running streams while new prompts arrive",
+    )
+    p.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+        help="reuse the KV blocks of prompt prefixes computed before (default: on where the artifact has offset "
+        "prefill buckets, i.e. unless compiled with --no-offset-prefill)",
+    )
+    p.add_argument(
+        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+        help="split prompts into chunks that fit the step's token budget, and serve prompts longer than the "
+        "largest prefill bucket (default: on where the artifact has offset prefill buckets)",
+    )
+    p.add_argument(
+        "--tool-call-parser", default=None, choices=sorted(PARSERS),
+        help="the tool-call format of the model's replies (default: the one its chat template writes; 'generic' "
+        "for templates without tools: the tools go into the system prompt and the reply is a JSON object)",
+    )
+    p.add_argument(
+        "--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+        help="split the model's thinking from its answer (message.reasoning): deepseek_r1, qwen3, openai_gptoss "
+        "(harmony), granite (default: the one its chat template writes, when unambiguous; else none)",
+    )
+    p.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16"],
+        help="with --model: compute dtype (default float32); an artifact's is fixed (given, it must match)"
+    )
+    add_speculative_flags(p)
+    add_trusted_keys_flag(p)
+
 
 # the ServerLimits fields set by flags of the same name (--max-body-bytes -> max_body_bytes), and their help
 LIMIT_FLAGS = {

@@ -12,8 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import torch
-from helpers import eager_runner, live_server
+from helpers import eager_runner, live_server, one_thread_llm
 from tiny import make_tiny
 
 from neuron_opt.api import LLM
@@ -29,10 +28,8 @@ SLOW_REGEX = "([a-z]{{0,1000}}[0-9]){{0,{}}}"  # compiles in about 0.3 s on a 2-
 
 @pytest.fixture(scope="module")
 def llm(tiny_dir):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield LLM(tiny_dir("smollm-tok"), batch_size=2, max_model_len=256)
-    torch.set_num_threads(threads)
+    with one_thread_llm(tiny_dir("smollm-tok"), 2, 256) as llm:
+        yield llm
 
 
 @pytest.fixture(scope="module")

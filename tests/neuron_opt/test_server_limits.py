@@ -19,8 +19,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-import torch
-from helpers import live_server
+from helpers import live_server, one_thread_llm
 
 from neuron_opt.api import LLM
 from neuron_opt.cli import main
@@ -36,10 +35,8 @@ JSON = {"Content-Type": "application/json"}
 
 @pytest.fixture(scope="module")
 def llm(tiny_dir):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield LLM(tiny_dir("smollm-tok"), batch_size=2, max_model_len=256)
-    torch.set_num_threads(threads)
+    with one_thread_llm(tiny_dir("smollm-tok"), 2, 256) as llm:
+        yield llm
 
 
 @pytest.fixture(scope="module")
