@@ -74,7 +74,7 @@ CASES = [
     (C, {"prompt": "x", "guided_choice": []}, 400, "choice must be a non-empty list"),
     (C, {"prompt": "x", "guided_regex": "a", "response_format": {"type": "json_object"}}, 400,
      "only one of response_format, guided_regex"),
-    (C, {"prompt": "x", "echo": True, "stream": True}, 400, "not supported with stream"),
+    (C, {"prompt": "x", "prompt_logprobs": 0, "stream": True}, 400, "prompt_logprobs are not available with stream"),
     (C, {"prompt": "x", "suffix": "end"}, 400, "suffix is not supported"),
     (
         C,
