@@ -1,6 +1,6 @@
 """Run as a script (a fresh process per tp: SPMD mode is per process). Compiles a tiny checkpoint with
-`--backend neuron` at the given tp, then runs two prompts through the engine with prompt logprobs (one prefill
-graph call of two rows, on the buckets' every-position graphs compiled on demand) and again without, and prints
+`--backend neuron` at the given tp, then runs two prompts through the engine with prompt logprobs (on their
+prefill buckets' every-position graphs, compiled on demand) and again without, and prints
 one JSON object: per prompt its ids, each scored position's [token id, logprob, likeliest id] and the greedy
 tokens with and without scoring; and the buckets whose every-position graph was compiled.
 

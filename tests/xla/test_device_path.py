@@ -429,16 +429,17 @@ def test_speculative_greedy_through_a_neuron_artifact_equals_eager(ckpt, tmp_pat
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_prompt_logprobs_from_every_position_prefill_graphs_match_hf(tp, ckpt, tmp_path):
-    """Prompt logprobs on the device path: two prompts prefilled in one call of the bucket's every-position graph
-    (compiled on demand; replayed at tp=1, one SPMD program at tp=2) equal HF transformers' log-softmax over each
-    prompt (1e-3), and the tokens generated after it equal those of a request that does not score."""
+    """Prompt logprobs on the device path: two prompts (of 12 and 20 tokens) prefilled on their buckets'
+    every-position graphs (compiled on demand; replayed at tp=1, one SPMD program at tp=2) equal HF transformers'
+    log-softmax over each prompt (1e-3), and the tokens generated after them equal those of requests that do not
+    score."""
     from transformers import AutoModelForCausalLM
 
     out = subprocess.run([sys.executable, str(HERE / "device_scoring.py"), str(ckpt("llama-gqa2")),
                           str(tmp_path / "art"), str(tp)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    assert res["every"] == ["prefill_b2_s32"]
+    assert res["every"] == ["prefill_b1_s16", "prefill_b1_s32"]  # the two prompts' buckets, each compiled once
     hf = AutoModelForCausalLM.from_pretrained(ckpt("llama-gqa2"), dtype=torch.float32).eval()
     for p in res["prompts"]:
         ids = p["ids"]
