@@ -392,6 +392,8 @@ class ChatCompletionRequest(_Sampling):
     # vLLM extras: variables for the chat template (enable_thinking, ...), and the reasoning in the reply or not
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True
+    # vLLM's: the thinking's end marker is forced after this many of its tokens (server/reasoning.py)
+    thinking_token_budget: int | None = None
 
     def check_limits(self, limits: ServerLimits, max_model_len: int) -> None:
         super().check_limits(limits, max_model_len)

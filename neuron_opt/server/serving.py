@@ -381,6 +381,12 @@ class OpenAIServing:
                                          tools.structured(parser) if active and tools is not None else None)
             if thinker is not None and params.structured is not None:  # the grammar starts where thinking ends
                 params = dataclasses.replace(params, structured=after_reasoning(params.structured, thinker, start))
+            if req.thinking_token_budget is not None:
+                if thinker is None:
+                    raise ProtocolError("thinking_token_budget: needs a reasoning model (serve --reasoning-parser)",
+                                        "thinking_token_budget")
+                params = dataclasses.replace(params, thinking_budget=thinker.budget(req.thinking_token_budget,
+                                                                                    start, self.tokenizer))
         if (active and not parser.skip_special_tokens) or (thinker is not None and not thinker.skip_special_tokens):
             params = dataclasses.replace(params, skip_special_tokens=False)  # its markers are special tokens
         return params, start

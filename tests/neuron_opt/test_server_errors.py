@@ -88,6 +88,7 @@ CASES = [
     (CHAT, {"messages": [{"role": "tool", "content": "42"}]}, 400, "a tool message needs tool_call_id"),
     (CHAT, {"messages": MSG, "add_generation_prompt": False}, 400, "add_generation_prompt: unsupported"),
     (CHAT, {"messages": []}, 400, "messages must not be empty"),
+    (CHAT, {"messages": MSG, "thinking_token_budget": 8}, 400, "thinking_token_budget: needs a reasoning model"),
     (CHAT, {"prompt": "x"}, 400, "messages: Field required"),
     (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "image_url"),
