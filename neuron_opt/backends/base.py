@@ -63,7 +63,10 @@ class Executor(Protocol):
     # `load_lora(slot, adapter)` and `clear_lora(slot)`: they write every rank's shard of the adapter's slot
 
     def run(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
-        """fp32 logits [B, V_local] of the rows' `last_index` tokens ([B, S, V_local] for a verify step)."""
+        """fp32 logits [B, V_local] of the rows' `last_index` tokens; [B, S, V_local] for a [B, S] `last_index`: a
+        verify step, or a prefill asked for every position's logits (prompt logprobs), which every executor runs
+        (eager and gloo ranks: the model's head at each index; cpu: its head graphs outside the layer graphs;
+        neuron: the bucket's every-position graph)."""
         ...
 
 

@@ -437,9 +437,6 @@ class CpuExecutor:
     a few shapes (oneDNN builds and caches a kernel per shape) at a waste of under 16 tokens a prefill."""
 
     gathers_candidates = False
-    # a prefill's logits at every position (prompt logprobs): the head graphs run outside the layer graphs, on any
-    # rows (in chunks of a head graph's row count)
-    all_position_logits = True
     prefill_granularity = 16
 
     def __init__(self, model: torch.nn.Module, graph_files: dict[Bucket, list[Path]], cache: CacheConfig,

@@ -19,7 +19,6 @@ class EagerExecutor:
     """The model run eagerly; with a LoRA capacity (`model.lora_config`) it holds the adapter stacks too."""
 
     gathers_candidates = False
-    all_position_logits = True  # the model returns [B, S, V] for a [B, S] last_index (models.llama)
 
     def __init__(self, model: torch.nn.Module, cache: CacheConfig) -> None:
         self.model = model.eval()

@@ -33,6 +33,12 @@ Design decisions (docs/neuron_backend.md has the sources and the alternatives we
   model's ops every step; the traced path is the reference.
 - Bucket graphs are named by their graph hash, so a graph compiled earlier in the process (under any caller)
   is found in the dump by name.
+- Prompt logprobs (scoring): a prefill bucket's graph ends in the LM head at the last position only; a step asking
+  for every position's logits ([B, S] last_index) runs the bucket's every-position variant, [B, S, V] out, which
+  is compiled on demand the first time a scoring request lands in that bucket (the same graph with a [B, S]
+  index, as a verify graph scores its q positions). Compiling it for every bucket at compile time would double
+  the artifact's prefill graphs for a feature most deployments never call; on a NeuronCore the on-demand compile
+  runs neuronx-cc once per bucket and its NEFF lands in the artifact's Neuron compile cache.
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ from safetensors.torch import save_file
 
 from neuron_opt.backends.base import Backend, ModelFactory, StepInputs, kv_dtype
 from neuron_opt.backends.neuron_lora import DeviceLora
-from neuron_opt.buckets import Bucket
+from neuron_opt.buckets import PREFILL, VERIFY, Bucket
 from neuron_opt.config import CacheConfig, KVCacheDtype
 from neuron_opt.errors import ArtifactError, BackendCompileError, BackendUnavailableError, ConfigError
 from neuron_opt.lora.ops import LoraInputs
@@ -286,17 +292,19 @@ class DeviceProgram:
         _sync(self.xla, [logits, *self.k_caches, *self.v_caches])
         return self.host_logits(logits)
 
-    def compile_for(self, bucket: Bucket, block_size: int, replay: bool) -> tuple[str, Replay | None]:
+    def compile_for(self, bucket: Bucket, block_size: int, replay: bool,
+                    every: bool = False) -> tuple[str, Replay | None]:
         """Compiles (on a NeuronCore: loads) `bucket`'s graph the way its steps will run: for replay (`prepare`,
         nothing runs) or traced (run once on the null block). Returns the graph's name, under which XLA's dump
-        holds its HLO, and the replay handle (None when traced)."""
+        holds its HLO, and the replay handle (None when traced). `every`: a prefill bucket's every-position
+        variant (logits at each of its positions: prompt logprobs)."""
         if replay:
-            r = self.prepare(bucket, block_size)
+            r = self.prepare(bucket, block_size, every)
             return r.name, r
-        logits = self.trace(bucket, warm_up_inputs(bucket, block_size))
+        logits = self.trace(bucket, warm_up_inputs(bucket, block_size, every))
         return _sync(self.xla, [logits, *self.k_caches, *self.v_caches]), None
 
-    def prepare(self, bucket: Bucket, block_size: int) -> Replay:
+    def prepare(self, bucket: Bucket, block_size: int, every: bool = False) -> Replay:
         """Traces `bucket` once (on null-block inputs) and compiles it for replay; runs nothing.
 
         The caches are donated (aliased to their updated outputs), so a replayed step updates them in place.
@@ -307,7 +315,7 @@ class DeviceProgram:
         X = self.xla._XLAC
         self.xla.sync()
         caches = [*self.k_caches, *self.v_caches]
-        step = self.step_tensors(warm_up_inputs(bucket, block_size))
+        step = self.step_tensors(warm_up_inputs(bucket, block_size, every))
         self.xla.sync()  # the step inputs become device data, like every later step's
         args = step + caches + self.lora_tensors()  # the LoRA stacks: parameters, read only (not donated)
         arg_ids = [X._xla_get_tensor_id(t) for t in args]
@@ -483,13 +491,14 @@ class DeviceRank(DeviceProgram):
             return self.model(*step, self.k_caches, self.v_caches, bucket.kv_len, bucket.generates)
 
 
-def warm_up_inputs(bucket: Bucket, block_size: int) -> StepInputs:
-    """A step shaped like `bucket` whose every row writes and reads only the null block (never given to a request)."""
+def warm_up_inputs(bucket: Bucket, block_size: int, every: bool = False) -> StepInputs:
+    """A step shaped like `bucket` whose every row writes and reads only the null block (never given to a request).
+    `every`: logits at every position (a prefill's every-position variant; a verify bucket's always are)."""
     B, S = bucket.batch, bucket.tokens
     start = bucket.kv_len - S
     pos = torch.arange(start, start + S, dtype=torch.long).expand(B, S).contiguous()
-    last = (torch.arange(S, dtype=torch.long).expand(B, S).contiguous() if bucket.phase == "verify"
-            else torch.full((B,), S - 1, dtype=torch.long))  # verify: logits at every position
+    last = (torch.arange(S, dtype=torch.long).expand(B, S).contiguous() if every or bucket.phase == VERIFY
+            else torch.full((B,), S - 1, dtype=torch.long))
     nb = -(-bucket.kv_len // block_size)
     return StepInputs(torch.zeros(B, S, dtype=torch.long), pos, torch.zeros(B, S, dtype=torch.long),
                       torch.zeros(B, nb, dtype=torch.long), last)
@@ -534,9 +543,10 @@ class NeuronExecutor:
 
     gathers_candidates = False
 
-    def __init__(self, ranks: DeviceRank | SpmdRanks) -> None:
-        self.ranks = ranks
+    def __init__(self, ranks: DeviceRank | SpmdRanks, block_size: int, replay: bool) -> None:
+        self.ranks, self.block_size, self.replay = ranks, block_size, replay
         self.buckets: dict[Bucket, Replay | None] = {}  # None: run traced
+        self.every: dict[Bucket, Replay | None] = {}  # prefill buckets' every-position variants compiled so far
 
     @property
     def lora_config(self) -> Any:
@@ -566,6 +576,10 @@ class NeuronExecutor:
             raise ArtifactError(f"no compiled graph for bucket {bucket.key}; the artifact has "
                                 f"{sorted(b.key for b in self.buckets)}")
         replay = self.buckets[bucket]
+        if bucket.phase == PREFILL and inputs.last_index.dim() == 2:  # every position's logits: [B, S, V]
+            if bucket not in self.every:
+                _, self.every[bucket] = self.ranks.compile_for(bucket, self.block_size, self.replay, every=True)
+            replay = self.every[bucket]
         out = self.ranks.run_traced(bucket, inputs) if replay is None else self.ranks.replay(replay, inputs)
         return out.float()
 
@@ -730,7 +744,7 @@ class NeuronBackend(Backend):
         if graph_files:
             self._set_compiler_env(Path(next(iter(graph_files.values()))[0]).parent / NEURON_CACHE)
         ranks = self._device_model(models, cache)
-        executor = NeuronExecutor(ranks)
+        executor = NeuronExecutor(ranks, cache.block_size, self.replay)
         for bucket in sorted(graph_files, key=lambda b: b.key):  # every graph ready before the first request
             _, executor.buckets[bucket] = ranks.compile_for(bucket, cache.block_size, self.replay)
         return executor

@@ -71,7 +71,8 @@ class TPExecutor:
         self._collect(start_timeout_s, "start-up")
 
     def run(self, bucket: Bucket, inputs: StepInputs, candidates: int | None = None) -> torch.Tensor:
-        """fp32 logits [B, V] of the rows' `last_index` tokens ([B, q, V] for a verify step's [B, q] index).
+        """fp32 logits [B, V] of the rows' `last_index` tokens ([B, q, V] for a [B, q] index: a verify step, or a
+        prefill's every position).
 
         Args:
             candidates: None gathers the full logits. K gathers only each rank's top-K and returns -inf
@@ -90,7 +91,7 @@ class TPExecutor:
                 self.layout.vocab_padded,
                 self.spec.model.vocab_size,
             )
-        # a verify step scores every position: the ranks send B * q rows
+        # a [B, q] index (verify, or a prefill's every position): the ranks send B * q rows
         return logits.view(*inputs.last_index.shape, -1)
 
     @property

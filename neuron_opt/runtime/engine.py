@@ -177,6 +177,9 @@ class Engine:
             loras = LoraManager(runner.executor, runner.model_config)
         self.loras = loras
         self.scheduler.lora = loras
+        # the LoRA adapters of the running and of the waiting requests, with their request counts, as of the last
+        # step (vLLM's scheduler stats behind vllm:lora_requests_info); replaced whole, so any thread may read it
+        self.lora_adapters: tuple[dict[str, int], dict[str, int]] = ({}, {})
         self.max_waiting = max_waiting
         self.stats = EngineStats()
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids)  # engine thread only
@@ -405,6 +408,7 @@ class Engine:
         self._drain_inbox()
         out = self.scheduler.schedule()
         if out.is_empty:
+            self._note_lora_adapters()
             return False
         t0 = time.perf_counter()
         if out.decodes:
@@ -422,7 +426,21 @@ class Engine:
         st.step_tokens[len(out.decodes) + sum(len(p.token_ids) for p in out.prefills)] += 1
         if len(st.step_times) < 100_000:
             st.step_times.append(time.perf_counter() - t0)
+        self._note_lora_adapters()
         return True
+
+    def _note_lora_adapters(self) -> None:
+        if self.loras is None:
+            return
+
+        def count(requests: Any) -> dict[str, int]:
+            out: dict[str, int] = {}
+            for r in requests:
+                if r.lora_name is not None:
+                    out[r.lora_name] = out.get(r.lora_name, 0) + 1
+            return out
+
+        self.lora_adapters = (count(self.scheduler.running.values()), count(self.scheduler.waiting))
 
     def _prefill(self, group: tuple[PrefillWork, ...]) -> None:
         """Prefill chunks in one graph call; the chunks that end a request's tokens sample its next token."""

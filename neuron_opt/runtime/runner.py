@@ -210,12 +210,6 @@ class ModelRunner:
         that gather candidates return -inf for the rest, which is exact for greedy and top-k sampling."""
         return self.prefill_rows([PrefillRow(blocks, tuple(token_ids), start)], candidates)[0]
 
-    @property
-    def all_position_logits(self) -> bool:
-        """The executor returns a prefill's logits at every position (`prefill_rows(..., all_positions=True)`), as
-        prompt logprobs need: the eager and cpu backends (whose LM head runs outside the layer graphs)."""
-        return bool(getattr(self.executor, "all_position_logits", False))
-
     def prefill_rows(self, rows: Sequence[PrefillRow], candidates: int | None = None,
                      all_positions: bool = False) -> torch.Tensor:
         """Several prompts (or chunks) in one graph call, up to the prefill batch; fp32 logits [len(rows), V] of
@@ -226,9 +220,6 @@ class ModelRunner:
         bucket, inputs = self._prefill_inputs(rows)
         if not all_positions:
             return self._run(bucket, inputs, candidates)[: len(rows), : self.vocab_size]
-        if not self.all_position_logits:
-            raise ConfigError("prompt logprobs: this backend's prefill graphs return the last position's logits "
-                              "only (eager and cpu artifacts return every position's)", param="prompt_logprobs")
         B, S = inputs.input_ids.shape
         every = torch.arange(S).expand(B, S).contiguous()  # [B, S]
         inputs = replace(inputs, last_index=every)

@@ -9,7 +9,15 @@ uniform number of its own generator.
 The logits a row samples from (and its logprobs are computed from) are processed in one order, the same in the
 batched and the single-row path: logit_bias is added, presence/frequency penalties subtracted, the grammar's mask
 applied (structured outputs: runtime/structured.py), then banned tokens (EOS before min_tokens) set to -inf unless
-that would leave no token, when the grammar's end wins. Each step touches only the rows and ids that have them.
+that would leave no token, when the grammar's end wins; last, a token the thinking budget forces leaves only itself
+(0, every other -inf). Each step touches only the rows and ids that have them.
+
+Thinking budget (vLLM's `thinking_token_budget`, Anthropic's `thinking.budget_tokens`): a request with a
+`ThinkingBudget` counts the tokens it generates inside its thinking (from the start if the prompt opened it, else
+from the tokens of the start marker on); once it has `tokens` of them without writing the end marker, the end
+marker's tokens are forced, one a step, and the answer follows. As vLLM's logits processor, markers are matched as
+token id sequences (the tokenizer's encoding of the marker text). The budget covers the first thinking block only
+(what the reasoning parsers read as the reasoning): once it has ended, nothing more is forced.
 """
 
 from __future__ import annotations
@@ -24,6 +32,35 @@ from neuron_opt.parallel.vocab import candidates_needed as needed
 from neuron_opt.runtime.structured import GrammarState, StructuredOutputs, apply_grammar_masks
 
 MAX_LOGIT_BIAS = 100.0  # |bias| per token, as OpenAI bounds it
+
+
+@dataclass(frozen=True)
+class ThinkingBudget:
+    """At most `tokens` generated tokens inside the thinking, then its end marker (`end_ids`) forced (module
+    docstring). `inside`: the prompt opened the thinking; else it starts at the tokens `start_ids`."""
+
+    tokens: int
+    start_ids: tuple[int, ...]
+    end_ids: tuple[int, ...]
+    inside: bool
+
+    def __post_init__(self) -> None:
+        if self.tokens < 0:
+            raise ConfigError(f"thinking_token_budget: must be >= 0, got {self.tokens}", param="thinking_token_budget")
+        if not self.end_ids or not self.start_ids:
+            raise ValueError("a thinking budget needs the start and end markers' token ids")
+
+
+@dataclass
+class _Thinking:
+    """A request's place in its thinking (engine thread): inside it or not, the tokens it has had there, the end
+    marker's next token to force (None: none), and whether the budgeted block is over."""
+
+    inside: bool
+    count: int = 0
+    forcing: int | None = None
+    over: bool = False
+    recent: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -46,6 +83,7 @@ class SamplingParams:
     # logprobs of the prompt's tokens (each after the first) and this many top ones per position, from the prefill's
     # logits at every position (the model's distribution: no penalties, bias or temperature); None: not computed
     prompt_logprobs: int | None = None
+    thinking_budget: ThinkingBudget | None = None  # the thinking's end forced after this many of its tokens
 
     def __post_init__(self) -> None:
         # each error carries the field at fault (`param`): the HTTP server names it, whatever the message says
@@ -88,8 +126,9 @@ class SamplingParams:
 
     @property
     def needs_full_logits(self) -> bool:
-        """A logit bias or a grammar may promote any token: vocab-parallel TP gathers all logits for the row."""
-        return bool(self.logit_bias) or self.structured is not None
+        """A logit bias, a grammar or a forced token may promote any token: vocab-parallel TP gathers all logits for
+        the row."""
+        return bool(self.logit_bias) or self.structured is not None or self.thinking_budget is not None
 
 
 @dataclass
@@ -101,6 +140,7 @@ class SamplerState:
     counts: dict[int, int] = field(default_factory=dict)
     grammar: GrammarState | None = None
     _bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, biases) of params.logit_bias
+    _thinking: _Thinking | None = None  # with params.thinking_budget
 
     @classmethod
     def create(cls, params: SamplingParams, grammar: GrammarState | None = None) -> SamplerState:
@@ -115,7 +155,12 @@ class SamplerState:
         if params.logit_bias:
             ids, values = zip(*params.logit_bias, strict=True)
             bias = (torch.tensor(ids, dtype=torch.long), torch.tensor(values, dtype=torch.float32))
-        return cls(params, gen, grammar=grammar, _bias=bias)
+        thinking = None
+        if params.thinking_budget is not None:
+            thinking = _Thinking(params.thinking_budget.inside)
+            if thinking.inside and params.thinking_budget.tokens == 0:
+                thinking.forcing = 0
+        return cls(params, gen, grammar=grammar, _bias=bias, _thinking=thinking)
 
     @property
     def adjusts(self) -> bool:
@@ -127,11 +172,41 @@ class SamplerState:
     def grammar_done(self) -> bool:
         return self.grammar is not None and self.grammar.terminated
 
+    @property
+    def forced_token(self) -> int | None:
+        """The token the thinking budget forces next (None: sampling chooses)."""
+        t = self._thinking
+        if t is None or t.forcing is None:
+            return None
+        assert self.params.thinking_budget is not None
+        return self.params.thinking_budget.end_ids[t.forcing]
+
     def observe(self, token: int) -> None:
-        """Record an emitted token: penalty counts, and the grammar's next position."""
+        """Record an emitted token: penalty counts, the grammar's next position, the thinking budget's count."""
         self.counts[token] = self.counts.get(token, 0) + 1
         if self.grammar is not None:
             self.grammar.accept(token)
+        if self._thinking is not None and not self._thinking.over:
+            self._observe_thinking(token)
+
+    def _observe_thinking(self, token: int) -> None:
+        t, b = self._thinking, self.params.thinking_budget
+        assert t is not None and b is not None
+        if t.forcing is not None:
+            t.forcing += 1
+            if t.forcing == len(b.end_ids):
+                t.forcing, t.inside, t.over = None, False, True
+            return
+        t.recent = [*t.recent, token][-max(len(b.start_ids), len(b.end_ids)):]
+        if t.inside:
+            if t.recent[-len(b.end_ids):] == list(b.end_ids):  # it closed its thinking itself
+                t.inside, t.over = False, True
+                return
+            t.count += 1
+        elif t.recent[-len(b.start_ids):] == list(b.start_ids):
+            t.inside = True
+        if t.inside and t.count >= b.tokens:
+            t.forcing = 0
 
 
 @dataclass(frozen=True)
@@ -175,9 +250,19 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
+def _force(logits: torch.Tensor, token: int) -> torch.Tensor:
+    """logits [V] that leave only `token` (0; every other -inf)."""
+    out = torch.full_like(logits, float("-inf"))
+    out[token] = 0.0
+    return out
+
+
 def processed_logits(logits: torch.Tensor, st: SamplerState, banned: tuple[int, ...] = ()) -> torch.Tensor:
-    """logits [V] after the request's bias, penalties, grammar mask and banned tokens (-inf): what greedy takes
-    the argmax of and logprobs are computed from."""
+    """logits [V] after the request's bias, penalties, grammar mask, banned tokens (-inf) and a forced token: what
+    greedy takes the argmax of and logprobs are computed from."""
+    forced = st.forced_token
+    if forced is not None:
+        return _force(logits, forced)
     if st.adjusts:
         logits = _adjust(logits, st)
     if st.grammar is not None:
@@ -225,7 +310,8 @@ def sample_batch(logits: torch.Tensor, states: list[SamplerState],
     edits = [i for i, st in enumerate(states) if st.adjusts]
     masked = {i: st.grammar for i, st in enumerate(states) if st.grammar is not None}
     bans = [i for i in range(B) if banned[i]]
-    if edits or masked or bans:  # processed_logits' order, batched
+    forced = [(i, t) for i, st in enumerate(states) if (t := st.forced_token) is not None]
+    if edits or masked or bans or forced:  # processed_logits' order, batched
         logits = logits.clone()
         for i in edits:
             logits[i] = _adjust(logits[i], states[i])
@@ -233,6 +319,8 @@ def sample_batch(logits: torch.Tensor, states: list[SamplerState],
             apply_grammar_masks(logits, masked)
         for i in bans:
             logits[i] = _ban(logits[i], banned[i])
+        for i, t in forced:
+            logits[i] = _force(logits[i], t)
     tokens = torch.empty(B, dtype=torch.long)
     greedy = [i for i, st in enumerate(states) if st.params.greedy]
     if greedy:

@@ -11,9 +11,10 @@ Design decisions
 - Thinking (with a reasoning parser, server/reasoning.py): the reply's reasoning, when not empty, is a `thinking`
   block before the text and tool_use blocks. `thinking: {"type": "enabled"}` sets the template's `enable_thinking` true,
   `{"type": "disabled"}` false, `{"type": "adaptive"}` leaves the template's default; enabled and adaptive need a
-  reasoning parser. `budget_tokens` is checked as Anthropic checks it (at least 1024, below `max_tokens`) and is not
-  enforced: the thinking counts toward `max_tokens`, which alone bounds it. `display: "omitted"` sends the block
-  with empty `thinking` (and its signature). `output_config.effort` is the template's `reasoning_effort` variable
+  reasoning parser. `budget_tokens` is checked as Anthropic checks it (at least 1024, below `max_tokens`) and is
+  enforced as chat's `thinking_token_budget` (vLLM's): after that many thinking tokens the end marker is forced and
+  the answer follows (server/reasoning.py); the thinking counts toward `max_tokens`. `display: "omitted"` sends the
+  block with empty `thinking` (and its signature). `output_config.effort` is the template's `reasoning_effort` variable
   (as vLLM passes it; GPT-OSS's template reads it). vLLM's `chat_template_kwargs` is accepted too; a value it
   gives `enable_thinking` / `reasoning_effort` that contradicts `thinking` / `effort` is a 400.
 - A thinking block's `signature` is the SHA-256 hex digest of its `thinking` text: a checksum, not a proof of
@@ -59,7 +60,8 @@ from neuron_opt.server.serving import EngineError, OpenAIServing, internal_error
 from neuron_opt.server.tool_parsers import ParsedCall
 
 # chat request fields -> this API's names (for the field an error names)
-FIELDS = {"stop": "stop_sequences", "parallel_tool_calls": "tool_choice", "response_format": "output_config.format"}
+FIELDS = {"stop": "stop_sequences", "parallel_tool_calls": "tool_choice", "response_format": "output_config.format",
+          "thinking_token_budget": "thinking.budget_tokens"}
 TOOL_FIELDS = {"parameters": "input_schema"}
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -319,7 +321,8 @@ class MessagesRequest(_Prompt):
             self.thinking.check(self.max_tokens)
         sampling = {"max_tokens": self.max_tokens, "stop": self.stop_sequences, "temperature": self.temperature,
                     "top_p": self.top_p, "top_k": self.top_k,
-                    "user": self.metadata.user_id if self.metadata else None}
+                    "user": self.metadata.user_id if self.metadata else None,
+                    "thinking_token_budget": self.thinking.budget_tokens if self.thinking is not None else None}
         return chat_request({**fields, **{k: v for k, v in sampling.items() if v is not None}}, FIELDS,
                             TOOL_FIELDS)
 

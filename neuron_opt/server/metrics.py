@@ -1,6 +1,7 @@
 """Prometheus metrics, labelled with `model_name`: vLLM's names (`vllm:` prefix) for everything vLLM has, so its
-Grafana dashboard and autoscaler examples (KEDA on `vllm:num_requests_waiting`) work unchanged; ours keep the
-`neuron_opt:` prefix (refusals, LoRA, the prefix-cache hit rate, the speculative controller's steps).
+Grafana dashboard and autoscaler examples (KEDA on `vllm:num_requests_waiting`) work unchanged, and the LoRA info
+gauge (`vllm:lora_requests_info`) that LoRA-aware routers read; ours keep the `neuron_opt:` prefix (refusals, LoRA
+counts, the prefix-cache hit rate, the speculative controller's steps).
 
 Latencies are measured in the server process with one monotonic clock: TTFT from the moment the HTTP request
 was received to the first generated token, inter-token latency between consecutive tokens of a request, e2e
@@ -15,6 +16,7 @@ unauthorized (401), not_found (404, an unknown model), body_too_large (413), que
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -178,6 +180,24 @@ class _CacheCollector:
         yield g
 
 
+class _LoraInfoCollector:
+    """vLLM's `vllm:lora_requests_info` gauge: labels `running_lora_adapters` and `waiting_lora_adapters` (the
+    adapters of the running and of the waiting requests, comma-joined names, "" for none) and `max_lora` (adapters
+    one batch can hold); its value the current time, so a reader takes the newest series. vLLM sets a new series
+    every engine iteration and keeps the old ones; built at scrape time from the engine's last step, only the
+    current one is exported (the newest is the same, and the series do not pile up)."""
+
+    def __init__(self, max_lora: int, adapters: Callable[[], tuple[dict[str, int], dict[str, int]]]) -> None:
+        self.max_lora, self.adapters = max_lora, adapters
+
+    def collect(self) -> Any:
+        running, waiting = self.adapters()
+        g = GaugeMetricFamily(VLLM + "lora_requests_info", "Running stats on lora requests.",
+                              labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+        g.add_metric([str(self.max_lora), ",".join(waiting), ",".join(running)], time.time())
+        yield g
+
+
 class ServerMetrics:
     def __init__(
         self,
@@ -191,6 +211,7 @@ class ServerMetrics:
         loras: Any = None,
         max_model_len: int = 8192,
         step_tokens: Callable[[], Any] | None = None,
+        lora_adapters: Callable[[], tuple[dict[str, int], dict[str, int]]] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
@@ -200,6 +221,8 @@ class ServerMetrics:
             self.registry.register(_CacheCollector(model_name, prefix_stats, preemptions))
         if step_tokens is not None:
             self.registry.register(_StepCollector(model_name, step_tokens))
+        if loras is not None and lora_adapters is not None:
+            self.registry.register(_LoraInfoCollector(loras.config.max_loras, lora_adapters))
 
         def labelled(kind: type, name: str, doc: str, **kw: Any) -> Any:  # one metric, this model's label
             return kind(name, doc, ["model_name"], registry=self.registry, **kw).labels(model_name)

@@ -366,8 +366,9 @@ class CompletionRequest(_Sampling):
 
     def sampling_params(self, prompt_len: int, max_model_len: int, vocab_size: int) -> SamplingParams:
         self._check_common()
-        if self.stream and (self.echo or self.prompt_logprobs is not None):
-            raise ProtocolError("echo and prompt_logprobs are not supported with stream", "stream")
+        if self.stream and self.prompt_logprobs is not None:  # as vLLM: echo with logprobs streams its prompt's
+            raise ProtocolError("prompt_logprobs are not available with stream (echo with logprobs streams the "
+                                "prompt's logprobs)", "prompt_logprobs")
         if self.suffix:
             raise ProtocolError("suffix is not supported", "suffix")
         if self.best_of not in (None, 1):
@@ -391,6 +392,8 @@ class ChatCompletionRequest(_Sampling):
     # vLLM extras: variables for the chat template (enable_thinking, ...), and the reasoning in the reply or not
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True
+    # vLLM's: the thinking's end marker is forced after this many of its tokens (server/reasoning.py)
+    thinking_token_budget: int | None = None
 
     def check_limits(self, limits: ServerLimits, max_model_len: int) -> None:
         super().check_limits(limits, max_model_len)

@@ -25,6 +25,11 @@ Design decisions
   whitespace: what a schema compiles to alone, and what the generic tool format's parser reads), and is not guarded
   against raw control characters in strings (as for tool calls: runtime/structured.py). `openai_gptoss` refuses
   grammars: harmony's markers are special tokens, which the grammar engine does not produce.
+- A thinking budget (vLLM's `thinking_token_budget` on chat, Anthropic's `thinking.budget_tokens`) is enforced in
+  the sampler (runtime/sampling.py, ThinkingBudget): after that many tokens of thinking the end marker's tokens (the
+  tokenizer's encoding of the parser's first end spelling) are forced and the answer follows. It needs a reasoning
+  parser, applies where the reply may think (not where the prompt closed the thinking), and is refused for
+  `openai_gptoss`, whose harmony channels end in special tokens followed by a channel header.
 - `usage.completion_tokens_details.reasoning_tokens`: the tokens of the outputs the engine produced before the
   reply's text had closed its reasoning (the one closing it included); 0 when the reply has none.
 """
@@ -37,6 +42,7 @@ from enum import Enum
 from typing import Any
 
 from neuron_opt.errors import ConfigError
+from neuron_opt.runtime.sampling import ThinkingBudget
 from neuron_opt.runtime.structured import StructuredOutputs
 
 
@@ -110,6 +116,17 @@ class ReasoningParser:
         keep = 0 if final else max(_held(body, e) for e in self.ends)
         return Split(body[:len(body) - keep], "", False)
 
+    def budget(self, tokens: int, start: Start, tokenizer: Any) -> ThinkingBudget | None:
+        """The sampler's thinking budget of `tokens` for a reply that starts at `start` (None: it cannot think, the
+        prompt closed its thinking); the markers as `tokenizer` encodes them."""
+        if start is Start.NONE:
+            return None
+
+        def ids(marker: str) -> tuple[int, ...]:
+            return tuple(tokenizer.encode(marker, add_special_tokens=False))
+
+        return ThinkingBudget(tokens, ids(self.starts[0]), ids(self.ends[0]), start is Start.INSIDE)
+
     def grammar_prefix(self, start: Start) -> dict[str, Any] | None:
         """The structural-tag element the thinking must match before the request's own grammar; None: no
         thinking. ConfigError where this format cannot be enforced."""
@@ -157,6 +174,11 @@ class HarmonyParser(ReasoningParser):
                 ended = True
                 content.append(body)
         return Split("".join(reasoning) if reasoning else None, "".join(content), ended)
+
+    def budget(self, tokens: int, start: Start, tokenizer: Any) -> ThinkingBudget | None:
+        raise ConfigError("thinking_token_budget: not supported with the openai_gptoss reasoning parser (harmony's "
+                          "analysis channel ends in special tokens and a channel header, not one marker)",
+                          param="thinking_token_budget")
 
     def grammar_prefix(self, start: Start) -> dict[str, Any] | None:
         raise ConfigError("structured outputs and enforced tool calls are not supported with the openai_gptoss "

@@ -2,12 +2,14 @@
 and vLLM's `GET /tokenizer_info` -- what lm-evaluation-harness's `local-completions` needs for log-likelihoods.
 
 Design decisions
-- Prompt logprobs come from the prefill's logits at every position (ModelRunner.prefill_rows(all_positions=True);
-  the eager and cpu backends, 400 elsewhere): the model's own distribution, without penalties, bias or temperature.
+- Prompt logprobs come from the prefill's logits at every position (ModelRunner.prefill_rows(all_positions=True),
+  on every backend and tp): the model's own distribution, without penalties, bias or temperature.
   A request that asks for them is prefilled whole (no prefix-cache hit), since a cached prefix has no logits.
 - `echo` with `logprobs: k`: the choice's `logprobs` cover the prompt's tokens, then the generated ones; the first
   prompt token has `null` logprob and top logprobs (nothing predicts it). A prompt token's `top_logprobs` holds the
   k likeliest tokens and the token itself, as OpenAI's legacy completions did.
+- `echo` with `stream`: the prompt's text and logprobs come in each choice's first chunk (serving.py,
+  `_stream_completion`); `prompt_logprobs` with `stream` is refused, as in vLLM.
 - `echo` with `max_tokens: 0` returns the prompt only: the engine generates one token, which the response leaves
   out (text, logprobs, usage and finish_reason "length").
 - vLLM's `prompt_logprobs: k`: each choice's `prompt_logprobs`, `[null, {token id: {logprob, rank,

@@ -288,10 +288,6 @@ class OpenAIServing:
         self._check_ids(ids, "prompt", self.vocab_size)
         with _request_fields(req):
             params = req.sampling_params(len(ids), self.max_model_len, self.vocab_size)
-        if params.prompt_logprobs is not None and not self.engine.runner.all_position_logits:
-            raise ProtocolError("prompt logprobs (echo with logprobs, prompt_logprobs) are not supported on this "
-                                "backend: its prefill graphs return the last position's logits only",
-                                "prompt_logprobs" if req.prompt_logprobs is not None else "echo")
         rids, q = await self._submit(req, ids, params, arrival, lora)
         head = {
             "id": f"cmpl-{uuid.uuid4().hex}",
@@ -299,16 +295,12 @@ class OpenAIServing:
             "created": int(time.time()),
             "model": lora or self.model_name,
         }
+        echoed = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if req.echo else ""
         if req.stream:
-            def choice(i: int, out: RequestOutput, lps: list[TokenLogprob], offset: int) -> list[dict[str, Any]]:
-                lp = self._completion_logprobs(lps, offset) if req.logprobs is not None else None
-                return [{"index": i, "text": out.text_delta, "logprobs": lp, "finish_reason": out.finish_reason}]
-
-            return self._stream(self._outputs(rids, q, arrival), head, len(ids), req, choice)
+            return self._stream_completion(req, rids, q, arrival, head, ids, echoed)
         results = await self._collect(rids, q, arrival, is_disconnected)
         if req.scores_only:  # echo with max_tokens 0: the one token generated is left out
             results = [_Result(prompt_logprobs=r.prompt_logprobs, finish_reason="length") for r in results]
-        echoed = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if req.echo else ""
         choices = []
         for i, r in enumerate(results):
             lp: dict[str, Any] | None = None
@@ -322,6 +314,38 @@ class OpenAIServing:
                                                                  self._token_str)
             choices.append(choice)
         return {**head, "choices": choices, "usage": self._usage(len(ids), results)}
+
+    def _stream_completion(self, req: CompletionRequest, rids: list[str], q: asyncio.Queue, arrival: float,
+                           head: dict[str, Any], ids: list[int], echoed: str) -> AsyncIterator[str]:
+        """A streamed completion. With `echo` (as vLLM streams it) each choice's first chunk carries the prompt's
+        text before its first generated text, and with `logprobs` the prompt tokens' logprobs (`null` first) before
+        the generated ones'; the later chunks' `text_offset`s continue after the prompt, so the chunks joined are
+        the unstreamed response. `max_tokens: 0`: the prompt alone, the one token generated left out."""
+        prompt_lps: dict[int, tuple[TokenLogprob | None, ...]] = {}
+        base = sum(len(self._token_str(t)) for t in ids) if req.echo and req.logprobs is not None else 0
+
+        async def outputs() -> AsyncIterator[tuple[int, RequestOutput]]:
+            async for i, out in self._outputs(rids, q, arrival):
+                if out.prompt_logprobs is not None:
+                    prompt_lps[i] = out.prompt_logprobs
+                if req.scores_only and out.finished:
+                    out = dataclasses.replace(out, new_token_ids=(), text_delta="", logprobs=(),
+                                              num_output_tokens=0, finish_reason="length")
+                yield i, out
+
+        def choice(i: int, out: RequestOutput, lps: list[TokenLogprob], offset: int) -> list[dict[str, Any]]:
+            text, lp = out.text_delta, None
+            if req.echo and i not in echoed_choices:
+                echoed_choices.add(i)
+                text = echoed + text
+                if req.logprobs is not None:
+                    lp = echo_logprobs(ids, prompt_lps[i], lps, self._token_str)
+            elif req.logprobs is not None:
+                lp = self._completion_logprobs(lps, base + offset)
+            return [{"index": i, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}]
+
+        echoed_choices: set[int] = set()
+        return self._stream(outputs(), head, len(ids), req, choice)
 
     # ---- /v1/chat/completions ------------------------------------------------------------------------
 
@@ -357,6 +381,12 @@ class OpenAIServing:
                                          tools.structured(parser) if active and tools is not None else None)
             if thinker is not None and params.structured is not None:  # the grammar starts where thinking ends
                 params = dataclasses.replace(params, structured=after_reasoning(params.structured, thinker, start))
+            if req.thinking_token_budget is not None:
+                if thinker is None:
+                    raise ProtocolError("thinking_token_budget: needs a reasoning model (serve --reasoning-parser)",
+                                        "thinking_token_budget")
+                params = dataclasses.replace(params, thinking_budget=thinker.budget(req.thinking_token_budget,
+                                                                                    start, self.tokenizer))
         if (active and not parser.skip_special_tokens) or (thinker is not None and not thinker.skip_special_tokens):
             params = dataclasses.replace(params, skip_special_tokens=False)  # its markers are special tokens
         return params, start

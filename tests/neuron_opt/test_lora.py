@@ -340,6 +340,51 @@ def test_openai_client_selects_adapters_by_model_and_loads_at_run_time(qwen, tmp
             text("all8")
 
 
+def test_vllm_lora_requests_info_names_running_and_waiting_adapters(qwen):
+    """vLLM's `vllm:lora_requests_info` on a served model with one adapter slot: while a request under all8 runs, one
+    under mlp2 waits for the slot (running_lora_adapters="all8", waiting_lora_adapters="mlp2", max_lora="1", the
+    value the current time); idle, both are empty."""
+    import re
+    import threading
+    import time
+
+    import httpx
+    from helpers import live_server
+
+    base, adapters, _ = qwen
+    llm = LLM(base, batch_size=4, max_model_len=256, lora=LoraConfig(max_loras=1, max_lora_rank=8))
+
+    def info(url: str) -> tuple[dict[str, str], float]:
+        (labels, value), = re.findall(r"^vllm:lora_requests_info\{(.*)\} (\S+)$", httpx.get(url + "/metrics").text,
+                                      re.M)
+        return dict(re.findall(r'(\w+)="([^"]*)"', labels)), float(value)
+
+    with live_server(llm, 4) as (url, engine):
+        for name in ("all8", "mlp2"):
+            engine.loras.register(name, adapters[name])
+        idle = {"max_lora": "1", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+        labels, value = info(url)
+        assert labels == idle and abs(value - time.time()) < 60
+
+        def complete(model: str, n: int) -> None:
+            httpx.post(url + "/v1/completions", json={"model": model, "prompt": PROMPTS[0], "max_tokens": n,
+                                                      "ignore_eos": True}, timeout=120)
+
+        long = threading.Thread(target=complete, args=("all8", 240))
+        long.start()
+        while engine.num_running == 0 and long.is_alive():
+            time.sleep(0.005)
+        short = threading.Thread(target=complete, args=("mlp2", 4))
+        short.start()
+        seen = []
+        while long.is_alive():
+            seen.append(info(url)[0])
+        long.join()
+        short.join()
+        assert {"max_lora": "1", "running_lora_adapters": "all8", "waiting_lora_adapters": "mlp2"} in seen, seen
+        assert info(url)[0] == idle
+
+
 def test_lora_flags():
     import argparse
 

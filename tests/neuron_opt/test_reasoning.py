@@ -215,6 +215,67 @@ def test_structured_output_after_thinking(llm, client):
     jsonschema.validate(json.loads(msg.content), schema)
 
 
+def test_thinking_token_budget_forces_the_end_of_thinking(llm, client):
+    """vLLM's `thinking_token_budget`: the greedy reply thinks its first `budget` tokens as it would unbudgeted (the
+    server's raw completion of the same prompt), then the tokens of `</think>` are forced and the answer follows;
+    streamed the same. Budget 0 closes the thinking at once; with the thinking off in the prompt nothing changes."""
+    end = [llm.tokenizer.decode([t]) for t in llm.tokenizer("</think>", add_special_tokens=False)["input_ids"]]
+    raw = client.completions.create(model=MODEL, prompt=llm.encode_chat(MSGS), max_tokens=6, temperature=0,
+                                    logprobs=0).choices[0].logprobs.tokens
+    for budget in (6, 0):
+        kw = dict(model=MODEL, messages=MSGS, max_tokens=6 + len(end) + 4, temperature=0, logprobs=True,
+                  extra_body={"thinking_token_budget": budget})
+        r = client.chat.completions.create(**kw)
+        tokens = [t.token for t in r.choices[0].logprobs.content]
+        assert tokens[:budget] == raw[:budget] and tokens[budget:budget + len(end)] == end
+        msg = r.choices[0].message
+        assert (msg.reasoning or "") == "".join(tokens[:budget]) and msg.content == "".join(tokens[budget + len(end):])
+        assert msg.content and r.usage.completion_tokens_details.reasoning_tokens == budget + len(end)
+        chunks = list(client.chat.completions.create(**kw, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content
+    off = dict(model=MODEL, messages=MSGS, max_tokens=8, temperature=0)
+    no_thinking = {"chat_template_kwargs": {"enable_thinking": False}}
+    assert client.chat.completions.create(**off, extra_body={**no_thinking, "thinking_token_budget": 0}) \
+        .choices[0].message.content == client.chat.completions.create(**off, extra_body=no_thinking) \
+        .choices[0].message.content
+
+
+def test_anthropic_budget_tokens_is_chats_thinking_token_budget():
+    from neuron_opt.server.anthropic import MessagesRequest
+
+    body = {"model": MODEL, "max_tokens": 2000, "messages": MSGS}
+    assert MessagesRequest.model_validate(
+        {**body, "thinking": {"type": "enabled", "budget_tokens": 1024}}).chat_request(True).thinking_token_budget \
+        == 1024
+    assert MessagesRequest.model_validate(body).chat_request(True).thinking_token_budget is None
+
+
+@pytest.mark.slow
+def test_anthropic_thinking_block_stops_at_budget_tokens(tiny_dir):
+    """The official `anthropic` client, `thinking: {"type": "enabled", "budget_tokens": 1024}` on the tiny model
+    (which never closes its thinking itself): the thinking block holds the reply's first 1024 tokens (the chat reply
+    of the same request unbudgeted, its logprobs' tokens), and a text block follows it."""
+    import anthropic
+
+    llm = LLM(tiny_dir("smollm-tok"), batch_size=2, max_model_len=1280)
+    llm.tokenizer.chat_template = THINK_TEMPLATE
+    with live_server(llm, max_num_seqs=2, reasoning_parser=make_reasoning_parser(None, llm.tokenizer)) as (url, _):
+        ant = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
+        oai = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        m = ant.messages.create(model=MODEL, max_tokens=1032, messages=MSGS, extra_body={"temperature": 0},
+                                thinking={"type": "enabled", "budget_tokens": 1024})
+        assert [b.type for b in m.content] == ["thinking", "text"] and m.content[1].text
+        ref = oai.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1024, temperature=0, logprobs=True,
+                                          extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+        assert m.content[0].thinking == "".join(t.token for t in ref.choices[0].logprobs.content)
+
+
+def test_a_negative_thinking_token_budget_is_a_400(server):
+    r = httpx.post(server[0] + "/v1/chat/completions", json={"messages": MSGS, "thinking_token_budget": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "thinking_token_budget", r.text
+    assert httpx.get(server[0] + "/health").status_code == 200
+
+
 @pytest.mark.parametrize("kwargs,message", [
     ({"messages": []}, "messages may not be set"),
     ({"add_generation_prompt": False, "tools": []}, "add_generation_prompt, tools may not be set"),

@@ -180,3 +180,40 @@ def test_batched_sampling_equals_the_per_row_reference():
                 assert got[i].logprob == pytest.approx(float(z.log_softmax(-1)[want]))
                 assert len(got[i].top_logprobs) == 3
         logits = logits.roll(1, dims=1)
+
+
+def _think(params: SamplingParams, logits: torch.Tensor, steps: int, script: dict[int, int] | None = None,
+           banned: tuple[int, ...] = ()) -> list[int]:
+    """`steps` tokens sampled one at a time (step j takes `script[j]` where given, as if the model wrote it)."""
+    st, out = SamplerState.create(params), []
+    for j in range(steps):
+        tok = (script or {}).get(j)
+        if tok is None or st.forced_token is not None:
+            tok = sample_one(logits, st, banned).token
+        st.observe(tok)
+        out.append(tok)
+    return out
+
+
+def test_thinking_budget_forces_the_end_marker_after_budget_thinking_tokens():
+    """A ThinkingBudget of 4 with a three-token end marker: inside from the start, tokens 0-3 are the model's and
+    4-6 the marker (over EOS bans and temperature), then the model's again; starting outside, counting begins after
+    the start marker's tokens; a thinking the model closes itself is left alone, and nothing is forced after it."""
+    from neuron_opt.runtime.sampling import ThinkingBudget
+
+    V, START, END = 50, (40, 41), (45, 46, 47)
+    logits = torch.zeros(V)
+    logits[7] = 5.0  # the model's choice, greedy
+    inside = ThinkingBudget(4, START, END, inside=True)
+    assert _think(SamplingParams(thinking_budget=inside), logits, 9) == [7] * 4 + list(END) + [7, 7]
+    hot = SamplingParams(temperature=1.5, seed=1, thinking_budget=inside)
+    assert _think(hot, logits, 7, banned=(45,))[4:] == list(END)
+    assert _think(SamplingParams(thinking_budget=ThinkingBudget(0, START, END, True)), logits, 4) == [*END, 7]
+    outside = SamplingParams(thinking_budget=ThinkingBudget(4, START, END, inside=False))
+    assert _think(outside, logits, 4) == [7] * 4  # no thinking: nothing to force
+    assert _think(outside, logits, 11, {2: 40, 3: 41}) == [7, 7, 40, 41, 7, 7, 7, 7, *END]
+    closed = {1: 45, 2: 46, 3: 47, 10: 40, 11: 41}
+    assert _think(SamplingParams(thinking_budget=inside), logits, 18, closed) == \
+        [7, 45, 46, 47, 7, 7, 7, 7, 7, 7, 40, 41, 7, 7, 7, 7, 7, 7]
+    with pytest.raises(ConfigError, match="thinking_token_budget"):
+        ThinkingBudget(-1, START, END, True)

@@ -111,9 +111,32 @@ def test_vllm_prompt_logprobs(server, hf):
     assert r["choices"][0]["logprobs"] is None and r["usage"]["completion_tokens"] == 2
 
 
+def test_echo_streams_the_prompt_and_its_logprobs_first(server, client):
+    """echo + logprobs with stream (the official client, stream=True): the first chunk carries the prompt's text and
+    its tokens' logprobs (null first), the rest the completion; joined, the chunks are the unstreamed response (text,
+    tokens, logprobs, offsets). max_tokens 0 streams the prompt alone."""
+    tok = server[1].tokenizer
+    ids = tok("Echo this prompt back, then go on", add_special_tokens=False)["input_ids"]
+    kw = dict(model=MODEL, prompt=ids, logprobs=1, echo=True, temperature=0)
+    whole = client.completions.create(max_tokens=5, **kw).choices[0]
+    chunks = [c for c in client.completions.create(max_tokens=5, stream=True, **kw) if c.choices]
+    first = chunks[0].choices[0]
+    assert first.text.startswith(tok.decode(ids)) and first.logprobs.token_logprobs[0] is None
+    assert first.logprobs.tokens[:len(ids)] == [tok.decode([t]) for t in ids]
+    assert "".join(c.choices[0].text for c in chunks) == whole.text
+    for field_name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        joined = [x for c in chunks for x in getattr(c.choices[0].logprobs, field_name)]
+        assert joined == getattr(whole.logprobs, field_name), field_name
+    assert chunks[-1].choices[0].finish_reason == whole.finish_reason == "length"
+
+    only = [c for c in client.completions.create(max_tokens=0, stream=True, **kw) if c.choices]
+    assert len(only) == 1 and only[0].choices[0].text == tok.decode(ids)
+    assert only[0].choices[0].finish_reason == "length" and len(only[0].choices[0].logprobs.tokens) == len(ids)
+
+
 @pytest.mark.parametrize("body,param", [
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "x", "echo": True, "stream": True}, "stream"),
+    ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": [5, 10**9], "echo": True}, "prompt"),
 ])
@@ -164,3 +187,37 @@ def test_lm_eval_local_completions_matches_hf(server, ckpt, hf, tmp_path, monkey
         correct += int(max(range(len(lls)), key=lls.__getitem__) == sample["target"])
     assert len(out["samples"]["tiny_mc"]) == len(ITEMS)
     assert out["results"]["tiny_mc"]["acc,none"] == pytest.approx(correct / len(ITEMS))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_prompt_logprobs_on_tp2_ranks_match_hf(ckpt, hf, sequence_parallel):
+    """Prompt logprobs at tp 2 (gloo rank processes, the vocab-parallel head's shards all-gathered at every prompt
+    position; sequence-parallel too, whose ranks each hold a chunk of the positions): HF's log-softmax over the
+    prompt, for two prompts prefilled in one graph call."""
+    from neuron_opt.config import ParallelConfig
+    from neuron_opt.runtime.engine import Engine
+    from neuron_opt.runtime.sampling import SamplingParams
+
+    llm = LLM(ckpt, max_model_len=128, batch_size=2,
+              parallel=ParallelConfig(tp=2, sequence_parallel=sequence_parallel))
+    try:
+        tok = llm.tokenizer
+        prompts = [tok(t, add_special_tokens=False)["input_ids"]
+                   for t in ("Prompt logprobs on two ranks, every position", "A shorter one")]
+        engine = Engine(llm.runner, tok, llm.eos_token_ids)
+        outs: dict[str, list] = {str(i): [] for i in range(2)}
+        for i, ids in enumerate(prompts):
+            engine.add_request(str(i), ids, SamplingParams(max_tokens=1, prompt_logprobs=1), outs[str(i)].append)
+        for _ in range(20):
+            if not engine.step() and engine.num_unfinished == 0:
+                break
+        for i, ids in enumerate(prompts):
+            got = outs[str(i)][0].prompt_logprobs
+            ref = hf_logprobs(hf, ids)
+            assert got[0] is None and len(got) == len(ids)
+            for j in range(1, len(ids)):
+                assert got[j].token_id == ids[j]
+                assert abs(got[j].logprob - ref[j - 1, ids[j]].item()) < 1e-3
+                assert got[j].top[0][0] == int(ref[j - 1].argmax())
+    finally:
+        llm.runner.executor.close()

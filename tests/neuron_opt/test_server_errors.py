@@ -74,7 +74,7 @@ CASES = [
     (C, {"prompt": "x", "guided_choice": []}, 400, "choice must be a non-empty list"),
     (C, {"prompt": "x", "guided_regex": "a", "response_format": {"type": "json_object"}}, 400,
      "only one of response_format, guided_regex"),
-    (C, {"prompt": "x", "echo": True, "stream": True}, 400, "not supported with stream"),
+    (C, {"prompt": "x", "prompt_logprobs": 0, "stream": True}, 400, "prompt_logprobs are not available with stream"),
     (C, {"prompt": "x", "suffix": "end"}, 400, "suffix is not supported"),
     (
         C,
@@ -88,6 +88,7 @@ CASES = [
     (CHAT, {"messages": [{"role": "tool", "content": "42"}]}, 400, "a tool message needs tool_call_id"),
     (CHAT, {"messages": MSG, "add_generation_prompt": False}, 400, "add_generation_prompt: unsupported"),
     (CHAT, {"messages": []}, 400, "messages must not be empty"),
+    (CHAT, {"messages": MSG, "thinking_token_budget": 8}, 400, "thinking_token_budget: needs a reasoning model"),
     (CHAT, {"prompt": "x"}, 400, "messages: Field required"),
     (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "image_url"),

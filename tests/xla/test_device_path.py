@@ -425,3 +425,28 @@ def test_speculative_greedy_through_a_neuron_artifact_equals_eager(ckpt, tmp_pat
     out, stats = LLM(art).generate_ids_speculative(prompt, params, SpeculativeConfig(2, adaptive=False))
     want = LLM(str(ckpt("llama-gqa2")), max_model_len=32).generate_ids(prompt, params).token_ids
     assert out.token_ids == want and stats.verify_steps > 0
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_prompt_logprobs_from_every_position_prefill_graphs_match_hf(tp, ckpt, tmp_path):
+    """Prompt logprobs on the device path: two prompts (of 12 and 20 tokens) prefilled on their buckets'
+    every-position graphs (compiled on demand; replayed at tp=1, one SPMD program at tp=2) equal HF transformers'
+    log-softmax over each prompt (1e-3), and the tokens generated after them equal those of requests that do not
+    score."""
+    from transformers import AutoModelForCausalLM
+
+    out = subprocess.run([sys.executable, str(HERE / "device_scoring.py"), str(ckpt("llama-gqa2")),
+                          str(tmp_path / "art"), str(tp)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["every"] == ["prefill_b1_s16", "prefill_b1_s32"]  # the two prompts' buckets, each compiled once
+    hf = AutoModelForCausalLM.from_pretrained(ckpt("llama-gqa2"), dtype=torch.float32).eval()
+    for p in res["prompts"]:
+        ids = p["ids"]
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
+        assert p["first"] is None and len(p["scored"]) == len(ids) - 1
+        for j, (tok, lp, best) in enumerate(p["scored"]):
+            assert tok == ids[j + 1] and best == int(ref[j].argmax())
+            assert abs(lp - ref[j, tok].item()) < 1e-3, (j, lp, ref[j, tok].item())
+        assert p["tokens"] == p["plain_tokens"] and len(p["tokens"]) == 4
