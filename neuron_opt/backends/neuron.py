@@ -57,7 +57,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from neuron_opt.backends.base import Backend, ModelFactory, StepInputs, kv_dtype
+from neuron_opt.backends.base import Backend, ModelFactory, StepInputs, kv_dtype, pool_shapes
 from neuron_opt.backends.neuron_lora import DeviceLora
 from neuron_opt.buckets import Bucket
 from neuron_opt.config import CacheConfig, KVCacheDtype
@@ -505,13 +505,6 @@ class DeviceRank(DeviceProgram):
             kwargs["lora"] = LoraInputs(self.lora.view(), kwargs.pop("lora_slots"))  # type: ignore[arg-type]
         with torch.no_grad():
             return self.model(*step, self.k_caches, self.v_caches, bucket.kv_len, bucket.generates, **kwargs)
-
-
-def pool_shapes(model: torch.nn.Module, cache: CacheConfig) -> list[tuple[int, ...]]:
-    """Each layer's K (or V) block pool on one rank: the window pool's blocks for a sliding layer under
-    window-sized KV (CacheConfig.pool_blocks), the full pool's otherwise (as backends.base.allocate_kv)."""
-    return [model.kv_shape(cache.pool_blocks(model.cfg.layer_window(i)), cache.block_size)
-            for i in range(len(model.model.layers))]
 
 
 def warm_up_inputs(bucket: Bucket, block_size: int, window_kv: bool = False) -> StepInputs:
