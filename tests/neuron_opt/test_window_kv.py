@@ -202,8 +202,10 @@ def test_default_compile_caps_the_prefill_chunk_at_the_window(tmp_path):
     from neuron_opt.compiler import compile_artifact
 
     ck = make_tiny("gemma2", tmp_path / "ck", tokenizer=True)
+    logged: list[str] = []
     compile_artifact(CompileRequest(model=str(ck), out=tmp_path / "art", backend="eager", dtype="float32"),
-                     log=lambda s: None, progress=False)
+                     log=logged.append, progress=False)
+    assert "a prefill chunk of up to 128 tokens (compile's default chunk for sliding windows" in logged[0]
     llm = LLM(tmp_path / "art")
     cache, buckets, ex = llm.runner.cache, llm.runner.buckets, llm.runner.executor
     cfg = llm.config
