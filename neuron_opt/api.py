@@ -89,9 +89,10 @@ class LLM:
 
     Generation is the serving engine's (runtime/engine.py), stepped in the calling thread: each call builds an
     `Engine` over this model's runner (no model work: the scheduler's block tables, the sampler and output state)
-    with the call's requests, and steps it until every one has finished. Each prompt is prefilled in one call (no
-    chunked prefill: a prompt longer than the largest prefill bucket is refused, ContextLengthError) and no KV is
-    shared between prompts or calls (no prefix caching), so a prompt's output does not depend on the others.
+    with the call's requests, and steps it until every one has finished. Each prompt is prefilled in one call, or,
+    longer than the largest prefill bucket, in chunks of that bucket's length (an artifact compiled without offset
+    prefill refuses it, ContextLengthError); no chunked prefill cuts a prompt to a step's token budget and no KV
+    is shared between prompts or calls (no prefix caching), so a prompt's output does not depend on the others.
     Requests beyond the runner's largest decode batch wait for a free sequence slot."""
 
     def __init__(self, model: str | Path, *, dtype: str | None = None, max_model_len: int | None = None,

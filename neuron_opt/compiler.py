@@ -47,7 +47,7 @@ from neuron_opt.lora.config import LoraConfig
 from neuron_opt.parallel import ParallelContext, head_layout
 from neuron_opt.parallel.sharding import rank_shards
 from neuron_opt.planner import format_plan_table
-from neuron_opt.planner.memory import kv_window
+from neuron_opt.planner.memory import kv_window, window_prompt_len
 from neuron_opt.quant.kv import CALIBRATION_TEXT, calibrate, fold
 from neuron_opt.quant.weights import QuantTensor
 from neuron_opt.runtime.speculative import check_draft_tokenizer
@@ -222,6 +222,11 @@ def plan_buckets(cfg: ModelConfig, req: CompileRequest) -> tuple[CacheConfig, Bu
                           f"{cfg.max_position_embeddings}")
     backend = backend_class(req.backend)
     offset_prefill = backend.resolve_offset_prefill(req.backend_options, req.offset_prefill)
+    if not (req.max_prompt_len or req.prefill_buckets) and backend.window_kv and offset_prefill:
+        # sliding-window layers: prefill chunks of the window by default, so those layers hold window-sized KV
+        # (planner.memory.window_prompt_len: the rule and its reason); an explicit prompt length or bucket list wins
+        max_prompt_len = window_prompt_len(cfg, max_model_len, req.block_size, req.num_speculative_tokens + 1
+                                           if req.num_speculative_tokens else 0) or max_prompt_len
     kv_cache_dtype = KVCacheDtype.parse(req.kv_cache_dtype)
     backend.check_kv_cache_dtype(req.backend_options, kv_cache_dtype)
     if kv_cache_dtype is KVCacheDtype.FP8 and cfg.qk_norm:

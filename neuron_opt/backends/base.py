@@ -219,12 +219,17 @@ def kv_dtype(cache: CacheConfig, compute: torch.dtype) -> torch.dtype:
     return torch_dtype(cache.dtype) if cache.kv_cache_dtype is KVCacheDtype.FP8 else compute
 
 
+def pool_shapes(model: torch.nn.Module, cache: CacheConfig) -> list[tuple[int, ...]]:
+    """Each layer's K (or V) block pool on one rank, [blocks, n_kv_local, block_size (/ g), D]: with window-sized KV
+    the sliding layers' pools have the window pool's blocks (CacheConfig.pool_blocks), the others the full pool's."""
+    return [model.kv_shape(cache.pool_blocks(model.cfg.layer_window(i)), cache.block_size)
+            for i in range(len(model.model.layers))]
+
+
 def allocate_kv(model: torch.nn.Module, cache: CacheConfig,
                 dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-layer K and V block pools [num_blocks, n_kv_local, block_size (/ g), D], zero-filled, in `dtype` (the
-    compute dtype) or in fp8 e4m3 when the cache config says so; with window-sized KV the sliding layers' pools
-    have the window pool's blocks (CacheConfig.pool_blocks)."""
+    """Per-layer K and V block pools (`pool_shapes`), zero-filled, in `dtype` (the compute dtype) or in fp8 e4m3
+    when the cache config says so."""
     dtype = kv_dtype(cache, dtype)
-    shapes = [model.kv_shape(cache.pool_blocks(model.cfg.layer_window(i)), cache.block_size)
-              for i in range(len(model.model.layers))]
+    shapes = pool_shapes(model, cache)
     return [torch.zeros(s, dtype=dtype) for s in shapes], [torch.zeros(s, dtype=dtype) for s in shapes]

@@ -16,6 +16,9 @@ Design decisions (docs/neuron_backend.md has the sources and the alternatives we
   index_put (a scatter in the HLO) and reads each row's blocks through its block table (a gather); torch-xla
   donates the cache buffers of every step (`buffer_donor` in the HLO module, InputOutputAliasCount in its
   metrics), so a step moves only ids/positions/slot mapping/block tables in and [B, V] logits out.
+- Window-sized KV (CacheConfig.sliding_window; docs/design.md): the sliding layers' pools have the window pool's
+  blocks, and every graph takes that pool's slot mapping and block tables as two more step inputs (static shapes
+  like the others: the pool's size is fixed at compile, so it is one set of graphs, as before).
 - Embedding models (`--task embed`, models/pooling.py): prefill buckets only, whose graph ends in the pooling step
   (final norm, masked sum, division, L2 norm) where the LM head was; the step's output is [B, H] fp32 vectors.
 - Artifact: every bucket's HLO (text and HloModuleProto, exactly what XLA compiled, as XLA's dump writes it
@@ -60,7 +63,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from neuron_opt.backends.base import Backend, ModelFactory, StepInputs, kv_dtype
+from neuron_opt.backends.base import Backend, ModelFactory, StepInputs, kv_dtype, pool_shapes
 from neuron_opt.backends.neuron_lora import DeviceLora
 from neuron_opt.buckets import PREFILL, VERIFY, Bucket
 from neuron_opt.config import CacheConfig, KVCacheDtype
@@ -265,13 +268,21 @@ class DeviceProgram:
     xla: ModuleType
     device: Any
     lora: DeviceLora | None = None  # a model with a LoRA capacity: its adapter stacks (neuron_lora.py)
+    window_kv: bool = False  # window-sized KV (CacheConfig.sliding_window): the sliding layers' pool and tables
 
     def trace(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
         return self.trace_step(bucket, self.step_tensors(inputs))
 
     def step_tensors(self, inputs: StepInputs) -> list[torch.Tensor]:
-        """The step's device inputs: StepInputs.arrays, then (LoRA) the rows' adapter slots [B] (0: base)."""
+        """The step's device inputs: StepInputs.arrays, then (window-sized KV) the window pool's slot mapping
+        [B, S] and block tables [B, nb], then (LoRA) the rows' adapter slots [B] (0: base)."""
         arrays = list(inputs.arrays())
+        if self.window_kv:
+            window = inputs.window_kv()
+            if window is None:
+                raise ValueError("this model holds window-sized KV: a step needs the window pool's slot mapping "
+                                 "and block tables (StepInputs.window_slot_mapping, window_block_tables)")
+            arrays += window
         if self.lora is not None:
             B = inputs.input_ids.shape[0]
             arrays.append(inputs.lora_slots if inputs.lora_slots is not None else torch.zeros(B, dtype=torch.long))
@@ -280,6 +291,19 @@ class DeviceProgram:
 
     def lora_tensors(self) -> list[torch.Tensor]:
         return [] if self.lora is None else self.lora.tensors()
+
+    def split_step(self, step: list[torch.Tensor]) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        """`step_tensors`' device inputs as the model takes them: the five arrays, and the keyword arguments of
+        what follows them (`window_kv`: the window pool's slots and tables; the rows' LoRA slots as `lora_slots`,
+        which the caller wraps with its adapter stacks)."""
+        extra: dict[str, Any] = {}
+        rest = step[5:]
+        if self.window_kv:
+            extra["window_kv"], rest = (rest[0], rest[1]), rest[2:]
+        if self.lora is not None:
+            extra["lora_slots"], rest = rest[0], rest[1:]
+        assert not rest, f"{len(rest)} step input(s) beyond the model's"
+        return step[:5], extra
 
     def trace_step(self, bucket: Bucket, step: list[torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
@@ -301,7 +325,7 @@ class DeviceProgram:
         if replay:
             r = self.prepare(bucket, block_size, every)
             return r.name, r
-        logits = self.trace(bucket, warm_up_inputs(bucket, block_size, every))
+        logits = self.trace(bucket, warm_up_inputs(bucket, block_size, every, self.window_kv))
         return _sync(self.xla, [logits, *self.k_caches, *self.v_caches]), None
 
     def prepare(self, bucket: Bucket, block_size: int, every: bool = False) -> Replay:
@@ -315,7 +339,7 @@ class DeviceProgram:
         X = self.xla._XLAC
         self.xla.sync()
         caches = [*self.k_caches, *self.v_caches]
-        step = self.step_tensors(warm_up_inputs(bucket, block_size, every))
+        step = self.step_tensors(warm_up_inputs(bucket, block_size, every, self.window_kv))
         self.xla.sync()  # the step inputs become device data, like every later step's
         args = step + caches + self.lora_tensors()  # the LoRA stacks: parameters, read only (not donated)
         arg_ids = [X._xla_get_tensor_id(t) for t in args]
@@ -387,10 +411,10 @@ class SpmdRanks(DeviceProgram):
         self.buffers = {n: b.to(self.device) for n, b in self.skeleton.named_buffers()}  # replicated
         self.rank_ids = self._shard(torch.arange(tp, dtype=torch.int32).to(self.device))
         dtype = kv_dtype(cache, models[0].model.embed_tokens.weight.dtype)
-        shape = (tp, *models[0].kv_shape(cache.num_blocks, cache.block_size))
-        L = len(self.skeleton.model.layers)
-        self.k_caches = [self._shard(torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(L)]
-        self.v_caches = [self._shard(torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(L)]
+        shapes = [(tp, *s) for s in pool_shapes(models[0], cache)]
+        self.k_caches = [self._shard(torch.zeros(s, dtype=dtype, device=self.device)) for s in shapes]
+        self.v_caches = [self._shard(torch.zeros(s, dtype=dtype, device=self.device)) for s in shapes]
+        self.window_kv = cache.sliding_window > 0
         if getattr(self.skeleton, "lora_config", None) is not None:  # every rank's shard of each stack, sharded
             self.lora = DeviceLora(models, models[0].model.embed_tokens.weight.dtype, xla, self.device, self._shard)
         for m in models:  # the host copies of the weights are no longer needed
@@ -416,10 +440,10 @@ class SpmdRanks(DeviceProgram):
         ks = [self._enter(c) for c in self.k_caches]  # [1, num_blocks, n_kv, per block, D]: this device's pool
         vs = [self._enter(c) for c in self.v_caches]
         self.comm.rank_tensor = self._enter(self.rank_ids)  # [1] int32: this device's rank
-        kwargs: dict[str, Any] = {}
-        if self.lora is not None:  # this device's [N + 1, ...] shard of each stack; step[5]: the rows' slots
-            kwargs["lora"] = LoraInputs(self.lora.view(lambda t: self._enter(t)[0]), step[5])  # type: ignore[arg-type]
-            step = step[:5]
+        step, kwargs = self.split_step(step)
+        if self.lora is not None:  # this device's [N + 1, ...] shard of each stack, with the rows' slots
+            kwargs["lora"] = LoraInputs(self.lora.view(lambda t: self._enter(t)[0]),  # type: ignore[arg-type]
+                                        kwargs.pop("lora_slots"))
         try:
             with torch.no_grad():
                 logits = torch.func.functional_call(
@@ -472,11 +496,11 @@ class DeviceRank(DeviceProgram):
             model.lm_head.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
         self.model = model.eval().to(self.device)  # the one host -> device copy of the weights
         self.model.tie_weights()
-        shape = model.kv_shape(cache.num_blocks, cache.block_size)
-        L = len(model.model.layers)
         dtype = kv_dtype(cache, dtype)
-        self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(L)]
-        self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(L)]
+        shapes = pool_shapes(model, cache)
+        self.k_caches = [torch.zeros(s, dtype=dtype, device=self.device) for s in shapes]
+        self.v_caches = [torch.zeros(s, dtype=dtype, device=self.device) for s in shapes]
+        self.window_kv = cache.sliding_window > 0
         xla.sync()  # materialise weights and caches now, not inside the first step's graph
         if getattr(model, "lora_config", None) is not None:
             self.lora = DeviceLora([model], model.model.embed_tokens.weight.dtype, xla, self.device)
@@ -484,24 +508,26 @@ class DeviceRank(DeviceProgram):
     def trace_step(self, bucket: Bucket, step: list[torch.Tensor]) -> torch.Tensor:
         """Records one step into the pending lazy graph; returns the device logits [B, V] fp32 (an embedding
         model: its pooled vectors [B, H] fp32)."""
+        step, kwargs = self.split_step(step)
+        if self.lora is not None:
+            kwargs["lora"] = LoraInputs(self.lora.view(), kwargs.pop("lora_slots"))  # type: ignore[arg-type]
         with torch.no_grad():
-            if self.lora is not None:  # step[5]: the rows' slots
-                return self.model(*step[:5], self.k_caches, self.v_caches, bucket.kv_len, bucket.generates,
-                                  lora=LoraInputs(self.lora.view(), step[5]))  # type: ignore[arg-type]
-            return self.model(*step, self.k_caches, self.v_caches, bucket.kv_len, bucket.generates)
+            return self.model(*step, self.k_caches, self.v_caches, bucket.kv_len, bucket.generates, **kwargs)
 
 
-def warm_up_inputs(bucket: Bucket, block_size: int, every: bool = False) -> StepInputs:
+def warm_up_inputs(bucket: Bucket, block_size: int, every: bool = False, window_kv: bool = False) -> StepInputs:
     """A step shaped like `bucket` whose every row writes and reads only the null block (never given to a request).
-    `every`: logits at every position (a prefill's every-position variant; a verify bucket's always are)."""
+    `every`: logits at every position (a prefill's every-position variant; a verify bucket's always are);
+    `window_kv`: the window pool's slot mapping and tables too (its null block as well)."""
     B, S = bucket.batch, bucket.tokens
     start = bucket.kv_len - S
     pos = torch.arange(start, start + S, dtype=torch.long).expand(B, S).contiguous()
     last = (torch.arange(S, dtype=torch.long).expand(B, S).contiguous() if every or bucket.phase == VERIFY
             else torch.full((B,), S - 1, dtype=torch.long))
     nb = -(-bucket.kv_len // block_size)
+    window = (torch.zeros(B, S, dtype=torch.long), torch.zeros(B, nb, dtype=torch.long)) if window_kv else ()
     return StepInputs(torch.zeros(B, S, dtype=torch.long), pos, torch.zeros(B, S, dtype=torch.long),
-                      torch.zeros(B, nb, dtype=torch.long), last)
+                      torch.zeros(B, nb, dtype=torch.long), last, None, *window)
 
 
 # HLO ops that would move data between host and device inside a step, or call back into the host
@@ -590,6 +616,7 @@ class NeuronBackend(Backend):
     name = "neuron"
     spmd = True
     supports_lora = True  # adapter stacks as device state, written in place (neuron_lora.py)
+    window_kv = True  # sliding layers' pools of the window's blocks, their slots and tables step inputs
     est_seconds_per_graph = 300.0  # neuronx-cc's order of magnitude
     targets_instance = True
 

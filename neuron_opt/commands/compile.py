@@ -51,7 +51,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="most sequences decoded together (the largest decode batch); also sizes the default KV "
                         "block pool")
     p.add_argument("--max-prompt-len", "--max-context", type=int, default=None,
-                   help="longest prompt: the largest prefill bucket (--max-context: old spelling)")
+                   help="the largest prefill bucket: the longest prompt run in one call; longer ones run in chunks "
+                        "of it where offset prefill is on (default: max_model_len; a model with sliding-window "
+                        "layers: its window, at least 128, where that makes those layers' KV window-sized; "
+                        "--max-context: old spelling)")
     p.add_argument("--max-model-len", "--max-length", type=int, default=None,
                    help="most tokens one sequence holds, prompt + generated: the KV cache length per sequence and "
                         "the largest decode bucket (vLLM's name; --max-length: old spelling)")

@@ -32,6 +32,10 @@ from neuron_opt.planner.report import (
 )
 from neuron_opt.planner.scale_out import TARGETS, recommend_split, splits
 
+# every backend holds window-sized KV for sliding-window layers (Backend.window_kv: eager, cpu, neuron), so the plan
+# sizes their pools as compile allocates them
+WINDOW_KV = True
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -157,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
             ep_decode=args.ep_decode,
             prefill_batch=args.prefill_batch,
             lora=lora,
+            window_kv=WINDOW_KV,
         ),
         traffic,
     )
@@ -167,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
         scale = splits(cfg, inst, traffic, max_prompt_len=max_prompt_len, max_model_len=max_model_len,
                        batch=args.batch_size, replicas=args.data_parallel,
                        dtypes=tuple(sorted({p.deployment.dtype for p in plans})), kv_dtype=args.kv_dtype,
-                       lora=lora)
+                       lora=lora, window_kv=WINDOW_KV)
         if args.tp is not None:
             scale = [s for s in scale if s.tp == args.tp]
     elif args.data_parallel is not None:

@@ -22,6 +22,7 @@ from neuron_opt.errors import ConfigError
 from neuron_opt.executors.factory import ArtifactSpec, CheckpointSpec, create_executor, prepare
 from neuron_opt.hub import resolve_model
 from neuron_opt.lora.config import LoraConfig
+from neuron_opt.planner.memory import kv_window, window_prompt_len
 from neuron_opt.runtime.runner import ModelRunner
 
 
@@ -68,7 +69,8 @@ def load_model(model: str | Path, *, dtype: str | None = None, max_model_len: in
     run; `verified` is read again only if its files' sha256 were not checked.
 
     For a checkpoint the settings say how to run it (defaults float32, the model's limit up to 2048, batch 1,
-    tp=1, no verify buckets); for an artifact each is left unset or equal to the artifact's own. `trusted_keys`:
+    tp=1, no verify buckets; buckets and KV geometry as `compile` makes them by default for the eager backend,
+    window-sized KV included); for an artifact each is left unset or equal to the artifact's own. `trusted_keys`:
     the public keys an artifact must be signed by (None: NEURON_OPT_TRUSTED_KEYS). `lora`: a checkpoint's LoRA
     capacity (neuron_opt.lora; default none); an artifact's, unset or equal to the one it was compiled with."""
     settings = dict(dtype=dtype, max_model_len=max_model_len, batch_size=batch_size, parallel=parallel,
@@ -102,10 +104,17 @@ def _load_checkpoint(model: str | Path, *, dtype: str | None, max_model_len: int
     cfg = resolve_task(ckpt.config)  # a sentence-transformers checkpoint is an embedding model (prefill only)
     tokenizer = ckpt.tokenizer()
     max_model_len = max_model_len or min(cfg.max_position_embeddings, 2048)
-    cache = CacheConfig(max_batch=batch_size, max_model_len=max_model_len, dtype=dtype)
-    buckets = BucketConfig.build(max_prompt_len=max_model_len, max_model_len=max_model_len, max_batch=batch_size,
-                                 num_speculative_tokens=num_speculative_tokens or 0,
-                                 offset_prefill=not cfg.is_embedding, prefill_only=cfg.is_embedding)
+    k = num_speculative_tokens or 0
+    block_size = CacheConfig.block_size
+    # as compile's defaults (compiler.plan_buckets) for the eager backend: sliding-window layers prefill in chunks of
+    # their window and hold window-sized KV where that saves blocks
+    prompt_len = window_prompt_len(cfg, max_model_len, block_size, k + 1 if k else 0) or max_model_len
+    buckets = BucketConfig.build(max_prompt_len=prompt_len, max_model_len=max_model_len, max_batch=batch_size,
+                                 num_speculative_tokens=k, offset_prefill=not cfg.is_embedding,
+                                 prefill_only=cfg.is_embedding)
+    window, per_seq = kv_window(cfg, buckets, block_size, max_model_len)
+    cache = CacheConfig(max_batch=batch_size, max_model_len=max_model_len, dtype=dtype, block_size=block_size,
+                        sliding_window=window, window_blocks_per_sequence=per_seq)
     spec = CheckpointSpec(cfg, ckpt.state_dict(), parallel or ParallelConfig(), cache, dtype, lora)
     runner = ModelRunner(create_executor(spec), buckets, cache, cfg.vocab_size, cfg)
     return LoadedModel(None, cfg, tokenizer, runner, dtype)

@@ -200,6 +200,25 @@ def kv_window(cfg: ModelConfig, buckets: BucketConfig, block_size: int, max_mode
     return (max(windows), per_seq) if per_seq < -(-max_model_len // block_size) else (0, 0)
 
 
+WINDOW_PREFILL_MIN = 128  # the default prefill chunk cap's floor: the smallest default prefill bucket (BucketConfig)
+
+
+def window_prompt_len(cfg: ModelConfig, max_model_len: int, block_size: int, verify_len: int = 0) -> int | None:
+    """`compile`'s default largest prefill bucket (max_prompt_len) for a model with sliding-window layers: its
+    largest window, at least WINDOW_PREFILL_MIN tokens, where window-sized KV then holds fewer blocks than a full
+    sequence; None otherwise (no sliding layer, or a window too close to max_model_len), max_model_len being the
+    default then. Why: a sliding layer holds per sequence the blocks one step can see, the window plus the longest
+    prefill chunk (config.window_blocks), so a chunk of max_model_len (the default without windows) makes its pool
+    full length; with chunks of the window it holds about twice the window. Longer prompts run in chunks (offset
+    prefill buckets, which window-sized KV needs anyway: kv_window)."""
+    windows = [w for w in (cfg.layer_window(i) for i in range(cfg.num_hidden_layers)) if w is not None]
+    if not windows or cfg.is_embedding:
+        return None
+    cap = min(max(max(windows), WINDOW_PREFILL_MIN), max_model_len)
+    held = window_blocks(max(windows), block_size, max(cap, verify_len), max_model_len)
+    return cap if held < -(-max_model_len // block_size) else None
+
+
 def window_kv_bytes(cfg: ModelConfig, lay: HeadLayout, buckets: BucketConfig, batch: int, max_model_len: int,
                     block_size: int, kv_dtype: str) -> int:
     """One rank's KV under window-sized KV, as the runtime allocates it: full-attention layers hold `batch`

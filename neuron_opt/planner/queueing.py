@@ -10,8 +10,9 @@ Design decisions:
   each step decodes every running sequence whose prompt is computed (one token each), then spends what is left
   of `max_num_batched_tokens` on prompt chunks, first of running sequences part-way through their prompt, then
   new requests first come first served while fewer than `max_num_seqs` run. With chunked prefill a chunk takes
-  what is left of the budget (at most the largest prefill bucket); without it a prompt runs whole, the first
-  prefill of a step always runs, and a prompt that does not fit the rest of the budget waits for the next step.
+  what is left of the budget (at most the largest prefill bucket); without it a prompt runs whole (longer than the
+  largest prefill bucket: in chunks of that bucket's length), the first prefill of a step always runs, and a prompt
+  (chunk) that does not fit the rest of the budget waits for the next step.
   The engine runs the step's decodes as one graph call and its prefill chunks in groups of `prefill_batch`, one
   call per group (runtime/engine.py); the step lasts the sum of those calls.
 - KV blocks are assumed ample (the default pool holds `max_num_seqs` sequences of `max_model_len`), so no
@@ -163,9 +164,6 @@ def simulate(policy: Policy, clock: StepClock, arrivals: Sequence[float], input_
     seconds) under `policy`, each step priced by `clock`; the TTFT and TPOT percentiles."""
     if input_len < 1 or output_len < 1:
         raise ConfigError(f"input_len and output_len must be >= 1, got {input_len} and {output_len}")
-    if not policy.chunked and input_len > policy.max_prefill_len:
-        raise ConfigError(f"input_len: {input_len} exceeds the largest prefill bucket ({policy.max_prefill_len}) "
-                          "and chunked prefill is off")
     if list(arrivals) != sorted(arrivals):
         raise ValueError("arrivals must be sorted")
     reqs = [_Req(a) for a in arrivals]
@@ -205,20 +203,26 @@ def simulate(policy: Policy, clock: StepClock, arrivals: Sequence[float], input_
         prefills: list[tuple[_Req, int]] = []  # (request, chunk)
         for r in running:
             left = input_len + r.out - r.computed
-            if left <= 1 or budget <= 0:
+            if left <= 1:
                 continue
-            chunk = min(left, budget, policy.max_prefill_len)
+            chunk = min(left, policy.max_prefill_len)
+            if policy.chunked:
+                if budget <= 0:
+                    continue
+                chunk = min(chunk, budget)
+            elif prefills and chunk > budget:
+                continue
             prefills.append((r, chunk))
             budget -= chunk
         while (waiting and len(running) < policy.max_num_seqs
                and (budget > 0 or not (prefills or policy.chunked))):
             r = waiting[0]
-            if policy.chunked or input_len > policy.max_prefill_len:
+            if policy.chunked:
                 chunk = min(input_len, max(budget, 1), policy.max_prefill_len)
-            elif prefills and input_len > budget:
-                break
             else:
-                chunk = input_len
+                chunk = min(input_len, policy.max_prefill_len)
+                if prefills and chunk > budget:
+                    break
             waiting.popleft()
             running.append(r)
             prefills.append((r, chunk))

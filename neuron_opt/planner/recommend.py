@@ -259,11 +259,12 @@ def candidates(
     ep_decode: int | None = None,
     prefill_batch: int = 1,
     lora: LoraConfig | None = None,
+    window_kv: bool = False,
 ) -> list[Plan]:
     """Every (tp, dtype) on the instance, evaluated (any tp shards any model: widths tp does not divide are
     zero-padded, neuron_opt.parallel.sharding). MoE: each tp at its fastest expert layout (`_choose_ep`), or at
     `ep` / `ep_decode` (then only the degrees they divide). `lora`: the LoRA adapter capacity every candidate
-    carries."""
+    carries. `window_kv`: the backend holds window-sized KV (Deployment.window_kv)."""
     if tp is not None:
         check_tp(inst, tp)
     degrees = (tp,) if tp is not None else inst.tp_degrees
@@ -277,7 +278,7 @@ def candidates(
         for t in degrees:
             out.append(evaluate(cfg, inst, Deployment(t, batch, max_prompt_len, max_model_len, d, kv_dtype, ep=ep,
                                                           ep_decode=ep_decode, prefill_batch=prefill_batch,
-                                                          lora=lora),
+                                                          lora=lora, window_kv=window_kv),
                                 traffic))
     if dtype is None and any(p.fits and p.deployment.dtype not in QUANTIZED for p in out):
         out = [p for p in out if p.deployment.dtype not in QUANTIZED]

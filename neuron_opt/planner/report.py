@@ -10,6 +10,7 @@ from neuron_opt.config import CacheConfig, KVCacheDtype, ModelConfig, ParallelCo
 from neuron_opt.planner.hardware import GB, GiB, get_instance
 from neuron_opt.planner.memory import (
     checkpoint_bytes,
+    kv_window,
     layout_overhead,
     weight_bytes,
 )
@@ -62,10 +63,21 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
         + f"; decode batches {list(b.decode_batches)}"
         f" x lengths {list(b.decode_kv_lens)}{verify[0]} ({len(graphs)} graphs{verify[1]})",
     ]
-    sliding = sum(cfg.layer_window(i) is not None for i in range(cfg.num_hidden_layers))
-    if sliding and d.window_kv:
+    windows = [w for w in (cfg.layer_window(i) for i in range(cfg.num_hidden_layers)) if w is not None]
+    sliding = len(windows)
+    per_seq = kv_window(cfg, b, d.block_size, d.max_model_len)[1] if sliding else 0
+    chunk = b.prefill_lens[-1]
+    if per_seq and d.window_kv:
         lines.insert(4, f"    {'  (window-sized KV)':<38}{'':>8}  ({sliding} of {cfg.num_hidden_layers} layers slide "
-                        f"over {cfg.sliding_window} positions and hold only the blocks their window sees)")
+                        f"over {max(windows)} positions and hold only the blocks their window sees: {per_seq} of "
+                        f"{-(-d.max_model_len // d.block_size)} blocks a sequence, the window and a prefill chunk "
+                        f"of up to {chunk} tokens (compile's default chunk for sliding windows: the window, at least "
+                        "128); longer prompts run in chunks)")
+    elif sliding and d.window_kv:
+        why = ("without offset prefill a sequence holds its whole length" if not b.offset_prefill else
+               f"a prefill chunk of up to {chunk} tokens and the {max(windows)} before it span a whole sequence")
+        lines.insert(4, f"    {'  (sliding layers at full length)':<38}{'':>8}  ({sliding} of {cfg.num_hidden_layers} "
+                        f"layers slide, but {why})")
     elif sliding and m.kv_cache_window < m.kv_cache:
         lines.insert(4, f"    {'  (KV if sliding layers held windows)':<38}{_gib(m.kv_cache_window)}  ({sliding} of "
                         f"{cfg.num_hidden_layers} layers slide over {cfg.sliding_window} positions; not built: this "

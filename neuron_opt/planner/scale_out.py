@@ -79,6 +79,7 @@ def splits(
     dtypes: tuple[str, ...] = ("bfloat16",),
     kv_dtype: str = "bfloat16",
     lora: LoraConfig | None = None,
+    window_kv: bool = False,
 ) -> list[Split]:
     """Every tp degree of the instance (with `replicas` fixed, those that leave room for them), each replicated
     over the cores, for each dtype.
@@ -94,6 +95,7 @@ def splits(
         dtypes: weight dtypes to try.
         kv_dtype: KV cache dtype.
         lora: the LoRA adapter capacity each replica carries (None: none).
+        window_kv: the backend holds window-sized KV for sliding-window layers (Deployment.window_kv).
     """
     if inst.family == "cpu":
         raise ConfigError("data-parallel splits: latency is not modelled on cpu; give a Neuron --instance")
@@ -108,7 +110,7 @@ def splits(
             streams = -(-traffic.concurrency // n)
             share = Traffic(traffic.input_len, traffic.output_len, streams)
             dep = Deployment(tp, max(batch or streams, streams), max_prompt_len, max_model_len, dtype, kv_dtype,
-                             lora=lora)
+                             lora=lora, window_kv=window_kv)
             out.append(Split(evaluate(cfg, inst, dep, share), n, streams, min(n, traffic.concurrency)))
     if replicas is not None and not out:
         raise ConfigError(f"--data-parallel {replicas}: {inst.name} has {inst.cores} NeuronCores, fewer than "

@@ -100,8 +100,9 @@ class ModelRunner:
         return self.cache.max_model_len
 
     def check_fits(self, prompt_len: int, max_tokens: int, chunked: bool = False) -> None:
-        """Raise ContextLengthError for a request that can never run. `chunked`: prompts are prefilled in chunks
-        (chunked prefill), so only max_model_len limits them, not the largest prefill bucket."""
+        """Raise ContextLengthError for a request that can never run. `chunked`: a prompt may be prefilled in
+        several chunks (the artifact has offset prefill buckets: the scheduler splits a longer prompt, with or
+        without chunked prefill), so only max_model_len limits it, not the largest prefill bucket."""
         limit = self.max_model_len if chunked else self.max_prompt_len
         if prompt_len > limit:
             raise ContextLengthError(

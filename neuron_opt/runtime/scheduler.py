@@ -8,8 +8,10 @@ Design decisions (vLLM's policy, on our buckets)
   each, all in one `runner.decode` or `runner.verify` call), then prompt chunks: running sequences whose
   prompt is partly prefilled, then new requests FCFS. With chunked prefill a prompt takes what is left of the
   budget, up to the largest prefill bucket, and continues next step; prompts longer than the largest prefill
-  bucket run as several chunks, up to max_model_len. Without it a prompt runs whole (the first prefill of a
-  step always runs, so a prompt longer than the budget still does).
+  bucket run as several chunks, up to max_model_len. Without it a prompt is never cut to the budget: it runs
+  whole, or, longer than the largest prefill bucket (offset prefill buckets compiled), in chunks of that
+  bucket's length, so where a prompt is split depends on the prompt alone, never on the other requests (the
+  first prefill of a step always runs, so a chunk longer than the budget still does).
 - Prefix caching: a new request first takes its longest cached prefix (full blocks that another request
   computed) and prefills only the rest, starting at that position.
 - Window-sized KV (KVConfig.sliding_window): the window layers' blocks are a second group
@@ -111,7 +113,8 @@ class Scheduler:
         kv: the block pool and the features that use it.
         max_num_batched_tokens: tokens per step (decodes count one each).
         check_fits: `(prompt_len, max_tokens, chunked) -> None`, raising ContextLengthError when a request can
-            never run (the runner's `check_fits`).
+            never run (the runner's `check_fits`; `chunked`: a prompt may run as several prefill chunks, which
+            offset prefill buckets allow with or without chunked prefill).
         lookahead: extra positions every decoding sequence holds blocks for (speculative tokens verified in
             one step).
         lora: the adapter slots (`acquire(name) -> slot | None`, `release(slot)`), for requests under an adapter.
@@ -163,7 +166,7 @@ class Scheduler:
         if max_tokens < 1:
             raise ConfigError(f"max_tokens: must be at least 1, got {max_tokens}", param="max_tokens")
         if self._check_fits is not None:
-            self._check_fits(prompt_len, max_tokens, self.kv.enable_chunked_prefill)
+            self._check_fits(prompt_len, max_tokens, self.kv.offset_prefill)
 
     # ---- mutations -----------------------------------------------------------------------------------
 
@@ -193,16 +196,22 @@ class Scheduler:
             scheduled.add(rid)
             budget -= 1
         prefills: list[PrefillWork] = []
+        chunked = self.kv.enable_chunked_prefill
         for rid in list(self.running):  # prompts already partly prefilled (earlier chunks)
             req = self.running.get(rid)
-            if req is None or req.num_tokens - req.num_computed_tokens <= 1 or budget <= 0:
+            if req is None or req.num_tokens - req.num_computed_tokens <= 1:
                 continue
-            chunk = min(req.num_tokens - req.num_computed_tokens, budget, self.kv.max_prefill_len)
+            chunk = min(req.num_tokens - req.num_computed_tokens, self.kv.max_prefill_len)
+            if chunked:
+                if budget <= 0:
+                    continue
+                chunk = min(chunk, budget)
+            elif prefills and chunk > budget:
+                continue  # never cut to the budget: next step
             if self._allocate_or_preempt(req, req.num_computed_tokens + chunk, preempted, scheduled):
                 prefills.append(self._prefill_work(req, chunk))
                 scheduled.add(rid)
                 budget -= chunk
-        chunked = self.kv.enable_chunked_prefill
         while self.waiting and len(self.running) < self.max_num_seqs and (budget > 0 or not (prefills or chunked)):
             req = self.waiting[0]
             if self._prompt_pending(req.share_prefix_with):
@@ -216,12 +225,12 @@ class Scheduler:
                 req.prompt_token_ids + req.output_token_ids, req.cache_salt)
             computed = len(prefix) * self.kv.block_size
             remaining = req.num_tokens - computed
-            if chunked or remaining > self.kv.max_prefill_len:  # the latter: a preempted sequence, resumed
+            if chunked:
                 chunk = min(remaining, max(budget, 1), self.kv.max_prefill_len)
-            elif prefills and remaining > budget:
-                break  # FCFS: do not let a shorter prompt overtake the head of the queue
-            else:
-                chunk = remaining
+            else:  # whole, or the largest prefill bucket's length (a long prompt, a resumed preempted sequence)
+                chunk = min(remaining, self.kv.max_prefill_len)
+                if prefills and chunk > budget:
+                    break  # FCFS: do not let a shorter prompt overtake the head of the queue
             # without offset prefill a request reserves its whole length: it can never be preempted
             need = (computed + chunk if self.kv.offset_prefill
                     else min(req.num_prompt_tokens + req.max_tokens + self.lookahead, self.kv.max_model_len))

@@ -68,10 +68,17 @@ def test_positions_past_512_cross_every_decode_bucket(runners):
     assert llm.runner.last_bucket.kv_len == 1024  # the last step attended over the 1024 bucket
 
 
-def test_one_above_the_largest_bucket_is_refused(runners):
+def test_one_above_the_largest_bucket_runs_in_two_chunks(runners, tiny_dir):
+    """The artifact has offset prefill buckets: `LLM` runs a prompt beyond the largest prefill bucket as chunks of
+    that bucket (64 + 1 tokens); oracle: eager with a bucket that holds it whole. One runner call cannot."""
     llm, _, _ = runners
-    with pytest.raises(ContextLengthError, match="maximum context length is 64 tokens"):
-        llm.generate_ids(_prompt(65), SamplingParams(max_tokens=4))
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    whole = eager_runner(tiny_dir("smollm-tok"), max_model_len=MAX_LEN, prefill_lens=(*PREFILL, 128),
+                         decode_kv_lens=DECODE)
+    assert llm.generate_ids(_prompt(65), params).token_ids == generate_ids(whole, llm.tokenizer, _prompt(65), params,
+                                                                           ()).token_ids
+    with pytest.raises(ContextLengthError, match=f"maximum context length is {MAX_LEN} tokens"):
+        llm.generate_ids(_prompt(MAX_LEN + 1), SamplingParams(max_tokens=4))
     with pytest.raises(BucketOverflowError, match="--max-prompt-len"):
         llm.runner.prefill(0, _prompt(65))
 

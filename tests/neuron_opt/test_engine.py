@@ -193,7 +193,7 @@ def test_llm_generation_steps_an_engine_and_equals_the_reference(llms):
 
 
 def test_llm_refuses_and_raises_as_the_engine_does(llms):
-    """A prompt beyond the largest prefill bucket is refused before anything runs (no chunked prefill in `LLM`);
+    """A prompt beyond max_model_len is refused before anything runs;
     a failed runner call raises its own exception after the other requests finish."""
     llm, _ = llms
     with pytest.raises(ContextLengthError, match="maximum context length is 128 tokens"):

@@ -41,10 +41,10 @@ def setup(tiny_dir):
     torch.set_num_threads(threads)
 
 
-def engine_for(model, ref, num_blocks: int = 0, prefill_batch: int = 1, **kw) -> Engine:
+def engine_for(model, ref, num_blocks: int = 0, prefill_batch: int = 1, offset_prefill: bool = True, **kw) -> Engine:
     cache = CacheConfig(max_batch=4, max_model_len=MAX_LEN, block_size=BS, num_blocks=num_blocks)
     buckets = BucketConfig.build(max_prompt_len=64, max_model_len=MAX_LEN, max_batch=4, min_prefill=16,
-                                 min_decode=16, prefill_batch=prefill_batch)
+                                 min_decode=16, prefill_batch=prefill_batch, offset_prefill=offset_prefill)
     runner = ModelRunner(EagerExecutor(model, cache), buckets, cache, ref.config.vocab_size)
     return Engine(runner, ref.tokenizer, ref.eos_token_ids, **kw)
 
@@ -125,6 +125,12 @@ def test_prompts_beyond_the_largest_prefill_bucket_are_served_by_chunks(setup):
     sp = SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0)
     engine = engine_for(model, ref)
     assert run(engine, [long_prompt], [sp]) == [reference_generate(ref, long_prompt, sp).token_ids]
-    off = engine_for(model, ref, enable_chunked_prefill=False)
+    # without chunked prefill: chunks of the largest prefill bucket, never cut to the budget (smaller here), so
+    # where the prompt splits depends on the prompt alone
+    off = engine_for(model, ref, enable_chunked_prefill=False, max_num_batched_tokens=8)
+    assert run(off, [long_prompt], [sp]) == [reference_generate(ref, long_prompt, sp).token_ids]
+    assert off.stats.prefill_tokens == len(long_prompt) and off.stats.prefills == -(-len(long_prompt) // 64)
+    # an artifact without offset prefill buckets cannot continue a prompt: refused
+    whole = engine_for(model, ref, offset_prefill=False)
     with pytest.raises(Exception, match="maximum context length is 64"):
-        off.add_request("x", long_prompt, sp, lambda o: None)
+        whole.add_request("x", long_prompt, sp, lambda o: None)

@@ -220,6 +220,31 @@ def test_sliding_layers_need_only_their_window_of_kv(name: str, sliding: int, wi
     dense_lay = head_layout(dense, ParallelConfig())
     assert window_kv_bytes(dense, dense_lay, dep.buckets(), batch, length, 32, "bfloat16") == kv_bytes(
         dense, dense_lay, full, 32, "bfloat16")
+    # the plan says why a backend that holds window-sized KV keeps the sliding layers at full length here
+    whole = evaluate(cfg, get_instance("trn1.2xlarge"), Deployment(1, batch, 256, 256, window_kv=True))
+    assert any("(sliding layers at full length)" in line and "span a whole sequence" in line
+               for line in plan_lines(cfg, whole))
+
+
+def test_compile_defaults_cap_the_prefill_chunk_of_windowed_models() -> None:
+    """compile's default largest prefill bucket (planner.memory.window_prompt_len): the largest window, at least 128,
+    where the sliding layers then hold fewer blocks than a sequence; else max_model_len's default (None). Every
+    backend holds window-sized KV, which `plan` assumes."""
+    import json
+    from pathlib import Path
+
+    from neuron_opt.backends import backend_class
+    from neuron_opt.commands.plan import WINDOW_KV
+    from neuron_opt.planner.memory import window_prompt_len
+
+    assert WINDOW_KV and all(backend_class(n).window_kv for n in ("eager", "cpu", "neuron"))
+    configs = Path(__file__).resolve().parents[2] / "docs" / "configs"
+    gemma3 = ModelConfig.from_hf(json.loads((configs / "gemma-3-1b.json").read_text()))  # window 512
+    assert window_prompt_len(gemma3, 8192, 32) == 512
+    assert window_prompt_len(gemma3, 1024, 32) is None  # 512 + 512 positions: a whole sequence
+    gemma2 = ModelConfig.from_hf(json.loads((configs / "gemma-2-2b.json").read_text()))  # window 4096
+    assert window_prompt_len(gemma2, 8192, 32) is None and window_prompt_len(gemma2, 16384, 32) == 4096
+    assert window_prompt_len(ModelConfig.from_hf(LLAMA3_8B), 8192, 32) is None  # no window
 
 
 def test_fit_matches_aws_sizing_examples() -> None:

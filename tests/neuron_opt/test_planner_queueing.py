@@ -147,6 +147,16 @@ def test_poisson_arrivals_agree_with_the_scheduler(chunked: bool, budget: int, p
     assert est.ttft_p99 > est.ttft_p50 > 0 and not est.saturated
 
 
+def test_without_chunked_prefill_long_prompts_run_in_bucket_chunks_as_the_scheduler_runs_them() -> None:
+    """Prompts longer than the largest prefill bucket (300 over 128), no chunked prefill: chunks of 128, 128, 44
+    that a budget of 200 never cuts, agreeing with the scheduler step by step."""
+    policy = qm.Policy(max_num_seqs=4, max_prefill_len=128, max_num_batched_tokens=200, chunked=False)
+    est = check_against_scheduler(policy, toy_clock(), qm.Arrival("poisson", rate=4.0, requests=80, seed=2), 4,
+                                  300, 25)
+    alone = qm.estimate(policy, toy_clock(per_token=0.0), qm.Arrival(), 1, 300, 2)
+    assert est.ttft_p50 > 0 and alone.ttft_p50 == pytest.approx(3 * 0.05)  # three prefill calls
+
+
 def test_planner_clock_with_buckets_agrees_with_the_scheduler() -> None:
     """The plan's own clock (Llama-3-8B on inf2, tp 24): decode length buckets change mid-run."""
     policy = qm.Policy(max_num_seqs=8, max_prefill_len=1024, max_num_batched_tokens=2048)

@@ -191,3 +191,38 @@ def test_cpu_graphs_hold_window_sized_kv(tmp_path):
         assert engine.prefix_cache_stats.hits >= 8
     finally:
         torch.set_num_threads(threads)
+
+
+def test_default_compile_caps_the_prefill_chunk_at_the_window(tmp_path):
+    """Default compile flags: a windowed model's largest prefill bucket is its window, at least 128 tokens (here 128,
+    under max_model_len 1024), so its sliding layers hold window-sized KV (the plan's figure is the allocation); a
+    prompt longer than that runs through `LLM` in chunks of it and generates HF's greedy text. An explicit
+    --max-prompt-len wins."""
+    from neuron_opt.api import LLM
+    from neuron_opt.compiler import compile_artifact
+
+    ck = make_tiny("gemma2", tmp_path / "ck", tokenizer=True)
+    logged: list[str] = []
+    compile_artifact(CompileRequest(model=str(ck), out=tmp_path / "art", backend="eager", dtype="float32"),
+                     log=logged.append, progress=False)
+    assert "a prefill chunk of up to 128 tokens (compile's default chunk for sliding windows" in logged[0]
+    llm = LLM(tmp_path / "art")
+    cache, buckets, ex = llm.runner.cache, llm.runner.buckets, llm.runner.executor
+    cfg = llm.config
+    assert cache.max_model_len == 1024 and buckets.prefill_lens[-1] == 128 and buckets.offset_prefill
+    assert cache.sliding_window == 6 and 4 * cache.window_num_blocks < cache.num_blocks
+    assert [k.shape[0] for k in ex.k_caches] == [cache.window_num_blocks, cache.num_blocks]  # sliding, full
+    allocated = sum(t.numel() * t.element_size() for t in ex.k_caches + ex.v_caches)
+    lay = head_layout(cfg, ParallelConfig())
+    plan = plan_memory(cfg, lay, get_instance("cpu"), buckets, batch=cache.max_batch, max_model_len=1024,
+                       dtype="float32", kv_dtype="float32", block_size=cache.block_size, window_kv=True)
+    assert plan.kv_cache == allocated < kv_bytes(cfg, lay, cache.num_blocks, cache.block_size, "float32")
+    hf = load_hf(ck)
+    prompt = torch.randint(3, cfg.vocab_size, (150,), generator=torch.Generator().manual_seed(7)).tolist()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+    got = llm.generate_ids(prompt, SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0))
+    assert got.token_ids == want
+    explicit, _ = plan_buckets(cfg, CompileRequest(model="unused", out=tmp_path, backend="eager", max_prompt_len=1024))
+    assert explicit.sliding_window == 0  # chunks of 1024: the sliding layers would see every position

@@ -60,7 +60,7 @@ def planned_bytes(m) -> dict[str, int]:
     lay = head_layout(m.model, m.parallel)
     plan = plan_memory(m.model, lay, INSTANCES["inf2.xlarge"], m.buckets, batch=m.cache.max_batch,
                        max_model_len=m.cache.max_model_len, dtype=m.dtype, kv_dtype=m.cache.dtype,
-                       block_size=m.cache.block_size)
+                       block_size=m.cache.block_size, window_kv=m.cache.sliding_window > 0)
     return {"weights": plan.weights, "kv": plan.kv_cache}
 
 
