@@ -118,8 +118,12 @@ def build_engine(args: argparse.Namespace) -> Any:
     # here, not at the top: the CLI parses without loading the model path (executors, engine, transformers)
     from neuron_opt.api import load_draft, load_model
     from neuron_opt.runtime.engine import Engine
+    from neuron_opt.runtime.kv_tier import GIB, KVTier
     from neuron_opt.runtime.output import model_eos_token_ids
 
+    if args.kv_offloading_size is not None and args.kv_offloading_size <= 0:
+        raise ConfigError(f"--kv-offloading-size: must be > 0 GiB, got {args.kv_offloading_size}",
+                          param="kv_offloading_size")
     verified, spec, k = check_args(args)
     if args.artifact:
         model = load_model(args.artifact, dtype=args.dtype, max_model_len=args.max_model_len,
@@ -133,6 +137,10 @@ def build_engine(args: argparse.Namespace) -> Any:
     if spec is not None and spec.model is not None:  # a KV slot in the draft for every sequence the engine runs
         largest = model.runner.buckets.decode_batches[-1]
         draft = load_draft(spec.model, model, min(args.max_num_seqs or largest, largest), args.trusted_keys).runner
+    kv_tier = None
+    if args.kv_offloading_size is not None:
+        kv_tier = KVTier(model.runner.executor.k_caches, model.runner.executor.v_caches,
+                         int(args.kv_offloading_size * GIB))
     engine = Engine(
         model.runner,
         model.tokenizer,
@@ -144,6 +152,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         enable_chunked_prefill=args.enable_chunked_prefill,
         speculative=spec,
         draft=draft,
+        kv_tier=kv_tier,
     )
     modules = parse_lora_modules(getattr(args, "lora_modules", None))
     if modules and engine.loras is None:

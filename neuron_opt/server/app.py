@@ -203,6 +203,7 @@ def engine_metrics(engine: Engine, model_name: str, max_model_len: int) -> Serve
         getattr(engine, "loras", None),
         max_model_len,
         lambda: engine.stats.step_tokens,
+        getattr(engine, "kv_tier", None),
     )
 
 
