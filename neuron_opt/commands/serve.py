@@ -83,8 +83,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--kv-offloading-size", type=float, default=None, metavar="GIB",
         help="a second KV tier of this many GiB of host memory (vLLM's flag): prefix-cache blocks evicted from the "
-        "KV pool are kept there and copied back on a later prefix hit instead of being recomputed (docs/long_context.md; "
-        "the eager and cpu backends at tp 1, with prefix caching; default: none)",
+        "KV pool are kept there and copied back on a later prefix hit instead of being recomputed "
+        "(docs/long_context.md; the eager and cpu backends at tp 1, with prefix caching; default: none)",
     )
     p.add_argument(
         "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
