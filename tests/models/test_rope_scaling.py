@@ -140,3 +140,29 @@ def test_greedy_past_32k_tokens_equals_hf_on_eager(kind, tmp_path):
     runner = eager_runner(ck, max_model_len=PAST_32K + n, max_batch=1, block_size=256, prefill_lens=(1024,),
                           decode_kv_lens=(PAST_32K + n,))
     assert engine_greedy(runner, prompt, n) == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(long_context_configs(1)))
+def test_greedy_past_32k_tokens_equals_hf_on_cpu_graphs(kind, tmp_path):
+    """The same through a compiled cpu artifact (the rope rows are host inputs of its layer graphs; its prefill
+    graph splits attention over a context this long)."""
+    from neuron_opt.api import LLM
+    from neuron_opt.checkpoint import open_checkpoint
+    from neuron_opt.compiler import CompileRequest, compile_artifact
+
+    n = 6
+    ck = random_checkpoint(kind, PAST_32K + 2, tmp_path / "ck")
+    open_checkpoint("default").tokenizer().save_pretrained(ck)  # compile ships a tokenizer; ids past 257 never occur
+    prompt = torch.randint(3, 257, (PAST_32K,), generator=torch.Generator().manual_seed(3)).tolist()
+    want = hf_greedy(ck, prompt, n)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny graphs: thread barriers cost more than they save
+    try:
+        req = CompileRequest(model=str(ck), out=tmp_path / "art", backend="cpu", dtype="float32",
+                             max_model_len=PAST_32K + n, block_size=256, prefill_buckets=(1024,),
+                             decode_buckets=(PAST_32K + n,), decode_batches=(1,), cache_dir=tmp_path / "cache")
+        compile_artifact(req, log=lambda s: None, progress=False)
+        assert engine_greedy(LLM(tmp_path / "art").runner, prompt, n) == want
+    finally:
+        torch.set_num_threads(threads)
