@@ -50,7 +50,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --model: compute dtype (default float32)")
     add_speculative_flags(p)
     add_trusted_keys_flag(p)
-    p.set_defaults(func=run, max_waiting=1024, lora_modules=None, kv_offloading_size=None)
+    p.set_defaults(func=run, max_waiting=1024, lora_modules=None, kv_offloading_size=None,
+                   kv_offloading_disk_dir=None, kv_offloading_disk_size=None)
 
 
 def run(args: argparse.Namespace) -> int:

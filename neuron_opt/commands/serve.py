@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from pathlib import Path
 
 import torch
 
@@ -86,6 +87,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "KV pool are kept there and copied back on a later prefix hit instead of being recomputed "
         "(docs/long_context.md; the eager and cpu backends at tp 1, with prefix caching; default: none)",
     )
+    p.add_argument("--kv-offloading-disk-dir", type=Path, default=None, metavar="DIR",
+                   help="with --kv-offloading-size: a disk level below the host-memory tier, in a private directory "
+                   "made inside DIR (and removed at exit); its size: --kv-offloading-disk-size")
+    p.add_argument("--kv-offloading-disk-size", type=float, default=None, metavar="GIB",
+                   help="the disk level's size in GiB (with --kv-offloading-disk-dir)")
     p.add_argument(
         "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
         help="split prompts into chunks that fit the step's token budget, and serve prompts longer than the "

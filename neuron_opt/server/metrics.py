@@ -201,9 +201,16 @@ class _TierCollector:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([self.model_name], value)
             yield c
-        g = GaugeMetricFamily(PREFIX + "kv_offload_bytes", "Bytes held by the KV tier.", labels=["model_name"])
-        g.add_metric([self.model_name], self.tier.num_bytes)
-        yield g
+        restored = CounterMetricFamily(PREFIX + "kv_offload_restored_blocks", "Blocks copied back into the pool, by "
+                                       "the KV tier's level.", labels=["model_name", "tier"])
+        held = GaugeMetricFamily(PREFIX + "kv_offload_bytes", "Bytes held by the KV tier, by level.",
+                                 labels=["model_name", "tier"])
+        for level, blocks, size in (("ram", st.restored_ram, self.tier.num_bytes),
+                                    ("disk", st.restored_disk, self.tier.disk_num_bytes)):
+            restored.add_metric([self.model_name, level], blocks)
+            held.add_metric([self.model_name, level], size)
+        yield restored
+        yield held
 
 
 class ServerMetrics:

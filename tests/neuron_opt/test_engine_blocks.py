@@ -46,8 +46,10 @@ def setup(tiny_dir):
     torch.set_num_threads(threads)
 
 
-def engine_for(model, ref, num_blocks: int = 0, prefill_batch: int = 1, tier_blocks: int = 0, **kw) -> Engine:
-    """`tier_blocks`: a second KV tier of that many blocks' bytes (0: none)."""
+def engine_for(model, ref, num_blocks: int = 0, prefill_batch: int = 1, tier_blocks: int = 0, disk=None,
+               **kw) -> Engine:
+    """`tier_blocks`: a second KV tier of that many blocks' bytes (0: none); `disk`: its disk level's directory,
+    of 24 blocks."""
     cache = CacheConfig(max_batch=4, max_model_len=MAX_LEN, block_size=BS, num_blocks=num_blocks)
     buckets = BucketConfig.build(max_prompt_len=64, max_model_len=MAX_LEN, max_batch=4, min_prefill=16,
                                  min_decode=16, prefill_batch=prefill_batch)
@@ -55,7 +57,7 @@ def engine_for(model, ref, num_blocks: int = 0, prefill_batch: int = 1, tier_blo
     runner = ModelRunner(executor, buckets, cache, ref.config.vocab_size)
     if tier_blocks:
         one = KVTier(executor.k_caches, executor.v_caches, 1 << 40).block_bytes
-        kw["kv_tier"] = KVTier(executor.k_caches, executor.v_caches, tier_blocks * one)
+        kw["kv_tier"] = KVTier(executor.k_caches, executor.v_caches, tier_blocks * one, disk, 24 * (one + 16))
     return Engine(runner, ref.tokenizer, ref.eos_token_ids, **kw)
 
 
@@ -140,16 +142,17 @@ def test_prompts_beyond_the_largest_prefill_bucket_are_served_by_chunks(setup):
         off.add_request("x", long_prompt, sp, lambda o: None)
 
 
-@pytest.mark.parametrize("tier,corrupt", [(False, None), (True, None), (True, 2)])
-def test_a_returning_turn_is_restored_from_the_kv_tier_with_the_same_tokens(setup, tier, corrupt):
+@pytest.mark.parametrize("tier,corrupt", [(None, None), ("ram", None), ("ram", 2), ("disk", None)])
+def test_a_returning_turn_is_restored_from_the_kv_tier_with_the_same_tokens(setup, tier, corrupt, tmp_path):
     """A conversation's first turn, then other prompts that evict its blocks from a pool of 16, then its second
     turn (the first turn's prompt and reply, and a new question): the same tokens as the reference whole-prompt
     loop. With the tier, the second turn's blocks of the first turn come back from it, not prefilled (the prefill
     token count shows it), and a corrupted entry (`corrupt`: its block index) ends the restored run: that block
-    and the rest are prefilled."""
+    and the rest are prefilled. "disk": RAM for 2 blocks, so the first turn's come back from the disk level."""
     model, ref, prompts, _, _ = setup
     sp = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0)
-    engine = engine_for(model, ref, num_blocks=17, tier_blocks=24 if tier else 0, max_num_batched_tokens=64)
+    engine = engine_for(model, ref, num_blocks=17, tier_blocks={None: 0, "ram": 24, "disk": 2}[tier],
+                        disk=tmp_path if tier == "disk" else None, max_num_batched_tokens=64)
     first = run(engine, [prompts[0]], [sp])[0]
     for i in range(3):  # 7 blocks each: the first turn's are evicted (16 in the pool)
         run(engine, [list(ref.tokenizer(f"Unrelated note {i}: the weather is mild. " * 4)["input_ids"])], [sp])
@@ -160,13 +163,13 @@ def test_a_returning_turn_is_restored_from_the_kv_tier_with_the_same_tokens(setu
         keys.append(hash_block(keys[-1], turn2[i * BS:(i + 1) * BS]))
     if tier:
         assert all(k in engine.kv_tier for k in keys)  # every one was evicted into the tier
+        t = engine.kv_tier
+        for _ in range(1000):  # the background thread hashes entries (and writes the disk level) off the engine's
+            if all(e.digest is not None for e in t.entries.values()) and not (t.disk and t.disk.pending):
+                break
+            time.sleep(0.01)
         if corrupt is not None:
-            entries = engine.kv_tier.entries
-            for _ in range(1000):  # the digest thread hashes entries off the engine thread
-                if all(e.digest is not None for e in entries.values()):
-                    break
-                time.sleep(0.01)
-            entries[keys[corrupt]].data[3] ^= 1
+            t.entries[keys[corrupt]].data[3] ^= 1
     tokens, pool_hits = engine.stats.prefill_tokens, engine.prefix_cache_stats.hits
     assert run(engine, [turn2], [sp])[0] == reference_generate(ref, turn2, sp).token_ids
     assert engine.prefix_cache_stats.hits == pool_hits  # nothing of it was left in the pool
@@ -175,5 +178,6 @@ def test_a_returning_turn_is_restored_from_the_kv_tier_with_the_same_tokens(setu
     if tier:
         st = engine.kv_tier.stats
         assert st.hits == restored * BS and st.corrupt == (corrupt is not None)
+        assert (st.restored_disk if tier == "disk" else st.restored_ram) == restored
         assert corrupt is None or keys[corrupt] not in engine.kv_tier  # dropped, never used
         assert engine.kv_tier.num_bytes <= engine.kv_tier.max_bytes

@@ -80,9 +80,10 @@ def test_layouts_the_tier_cannot_hold_are_refused():
         Scheduler(2, KVConfig(16, 4, 32, 32, enable_prefix_caching=False), tier=tier)
 
 
-def test_serve_flag_builds_the_tier_and_metrics_count_its_hits(tiny_dir):
-    """`serve --kv-offloading-size GIB` gives the engine a tier of that size over its pools; a prompt whose blocks
-    were evicted into it comes back from it, and /metrics' vLLM external prefix cache counters say so."""
+def test_serve_flag_builds_the_tier_and_metrics_count_its_hits(tiny_dir, tmp_path):
+    """`serve --kv-offloading-size GIB` (and a disk level) gives the engine a tier of that size over its pools; a
+    prompt whose blocks were evicted into it comes back from it, and /metrics' vLLM external prefix cache counters
+    and our per-level ones say so."""
     from neuron_opt.cli import build_parser
     from neuron_opt.commands.serve_engine import build_engine
     from neuron_opt.runtime.kv_tier import GIB
@@ -93,11 +94,17 @@ def test_serve_flag_builds_the_tier_and_metrics_count_its_hits(tiny_dir):
         return build_parser().parse_args(["serve", "--model", str(tiny_dir("smollm-tok")), "--max-num-seqs", "1",
                                           "--max-model-len", "64", *extra])
 
-    with pytest.raises(ConfigError, match="must be > 0 GiB"):
-        build_engine(args("--kv-offloading-size", "0"))
-    engine = build_engine(args("--kv-offloading-size", "0.001"))
+    for bad, message in ((["--kv-offloading-size", "0"], "must be > 0 GiB"),
+                         (["--kv-offloading-disk-dir", str(tmp_path)], "go together"),
+                         (["--kv-offloading-disk-dir", str(tmp_path), "--kv-offloading-disk-size", "1"],
+                          "give --kv-offloading-size too")):
+        with pytest.raises(ConfigError, match=message):  # refused before the model loads
+            build_engine(args(*bad))
+    engine = build_engine(args("--kv-offloading-size", "0.001", "--kv-offloading-disk-dir", str(tmp_path),
+                               "--kv-offloading-disk-size", "0.002"))
     tier = engine.kv_tier
-    assert tier is not None and tier.max_bytes == int(0.001 * GIB)
+    assert tier is not None and tier.max_bytes == int(0.001 * GIB) and tier.disk.max_bytes == int(0.002 * GIB)
+    assert tier.disk.path.parent == tmp_path
     bs, usable = engine.runner.cache.block_size, engine.runner.cache.num_blocks - 1
     sp = SamplingParams(max_tokens=1, temperature=0.0)
 
@@ -114,4 +121,44 @@ def test_serve_flag_builds_the_tier_and_metrics_count_its_hits(tiny_dir):
     text = engine_metrics(engine, "tiny", 64).render().decode()
     assert f'vllm:external_prefix_cache_hits_total{{model_name="tiny"}} {float(bs)}' in text
     assert 'neuron_opt:kv_offload_corrupt_blocks_total{model_name="tiny"} 0.0' in text
+    assert 'neuron_opt:kv_offload_restored_blocks_total{model_name="tiny",tier="ram"} 1.0' in text
+    assert 'neuron_opt:kv_offload_bytes{model_name="tiny",tier="disk"} 0.0' in text
     assert engine.prefix_cache_stats.hits == 0
+
+
+def wait_written(tier: KVTier) -> None:
+    for _ in range(1000):  # the background thread writes the disk level
+        if not tier.disk.pending:
+            return
+        time.sleep(0.01)
+    raise AssertionError("the disk level's writes did not finish")
+
+
+def test_the_disk_level_takes_what_ram_evicts_within_its_limit_and_checks_it(tmp_path):
+    k, v = pools(torch.float32)
+    one = KVTier(k, v, 1 << 20).block_bytes
+    tier = KVTier(k, v, 2 * one, disk_dir=tmp_path, disk_bytes=3 * (one + 16) + 5)  # RAM: 2 blocks, disk: 3
+    saved = {i: [c[i].clone() for c in (*k, *v)] for i in range(1, 7)}
+    for i in range(1, 7):
+        tier.store(bytes([i]), i)
+    wait_written(tier)
+    assert list(tier.entries) == [b"\x05", b"\x06"] and list(tier.disk.index) == [b"\x02", b"\x03", b"\x04"]
+    assert tier.stats.evicted == 1 and tier.disk_num_bytes <= tier.disk.max_bytes and b"\x01" not in tier
+    assert tier.disk.path.parent == tmp_path and tier.disk.path.stat().st_mode & 0o777 == 0o700
+    assert sorted(p.name for p in tier.disk.path.iterdir()) == ["02", "03", "04"]
+    assert tier.load([b"\x02", b"\x05"], [10, 11]) == 2
+    assert (tier.stats.restored_disk, tier.stats.restored_ram) == (1, 1)
+    for c, want in zip((*k, *v), saved[2], strict=True):
+        assert torch.equal(c[10], want)
+    f = tier.disk.file(b"\x03")
+    raw = bytearray(f.read_bytes())
+    raw[40] ^= 1
+    f.write_bytes(bytes(raw))
+    assert tier.load([b"\x03"], [11]) == 0 and tier.stats.corrupt == 1 and not f.exists() and b"\x03" not in tier
+    path = tier.disk.path
+    del tier
+    for _ in range(1000):  # the directory goes with the tier
+        if not path.exists():
+            break
+        time.sleep(0.01)
+    assert not path.exists()
