@@ -141,8 +141,8 @@ def dynamic_rope_rows(cfg: ModelConfig, table: tuple[torch.Tensor, torch.Tensor]
     mpe, R = cfg.max_position_embeddings, cfg.rotary_dim
     factor, theta = float(cfg.rope["factor"]), float(cfg.rope.get("rope_theta", 10000.0))
     last = positions.gather(1, last_index.reshape(B, -1).to(torch.int64)).amax(1)  # [B]
-    seq_len = torch.maximum(last + 1, torch.tensor(mpe, dtype=last.dtype))  # [B]
-    exponents = torch.arange(0, R, 2, dtype=torch.int64).float() / R  # [R/2]
+    seq_len = torch.clamp(last + 1, min=mpe)  # [B]
+    exponents = torch.arange(0, R, 2, dtype=torch.int64, device=positions.device).float() / R  # [R/2]
     scaled = []
     for b in range(B):  # one row's frequencies as transformers computes them: a 0-dim base ** [R/2] exponents
         base = theta * ((factor * seq_len[b] / mpe) - (factor - 1)) ** (R / (R - 2))
