@@ -129,7 +129,7 @@ class KVTier:
         self.disk = _Disk(disk_dir, disk_bytes) if disk_dir is not None else None
         self.stats = KVTierStats()
         self._lock = threading.Lock()  # entries, digests and the disk index: the engine thread and the worker
-        self._todo: queue.SimpleQueue[tuple[bytes, _Entry] | None] = queue.SimpleQueue()
+        self._todo: queue.SimpleQueue[tuple[bytes, _Entry, bool] | None] = queue.SimpleQueue()  # (.., spill)
         thread = threading.Thread(target=_work, args=(self._todo, self._lock, self.disk, self.stats),
                                   name="neuron-opt-kv-tier", daemon=True)
         thread.start()
@@ -162,11 +162,11 @@ class KVTier:
                     self.stats.evicted += 1
                 elif old_key not in self.disk:  # (one already there only leaves RAM)
                     self.disk.pending[old_key] = old
-                    self._todo.put((old_key, old))  # written by the worker
+                    self._todo.put((old_key, old, True))  # written by the worker, in eviction order
             entry = _Entry(torch.cat(_byte_views(self.caches, block)))  # [block_bytes], a copy
             self.entries[key] = entry
             self.stats.stored += 1
-        self._todo.put((key, entry))  # its digest
+        self._todo.put((key, entry, False))  # its digest
 
     def load(self, keys: Sequence[bytes], blocks: Sequence[int]) -> int:
         """Copy the entries named `keys` into pool blocks `blocks` (pairwise), checking each against its digest;
@@ -240,18 +240,18 @@ class KVTier:
         self.stats.hits += num_hit_tokens
 
 
-def _work(todo: queue.SimpleQueue[tuple[bytes, _Entry] | None], lock: threading.Lock, disk: _Disk | None,
+def _work(todo: queue.SimpleQueue[tuple[bytes, _Entry, bool] | None], lock: threading.Lock, disk: _Disk | None,
           stats: KVTierStats) -> None:
     """The background thread: each stored entry's digest, and the disk level's writes (an entry RAM evicted:
     digest and bytes to a temporary file, renamed into place, then indexed; the oldest files removed for room).
     Ends, removing the disk level's directory, when the tier is gone."""
     while (item := todo.get()) is not None:
-        key, entry = item
+        key, entry, spill = item
         digest = entry.digest or _digest(entry.data)
         with lock:
             if entry.digest is None:
                 entry.digest = digest
-            spill = disk is not None and disk.pending.get(key) is entry
+            spill = spill and disk is not None and disk.pending.get(key) is entry  # (not damaged and dropped since)
         if not spill:
             continue
         assert disk is not None

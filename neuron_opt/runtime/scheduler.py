@@ -241,20 +241,13 @@ class Scheduler:
                     else min(req.num_prompt_tokens + req.max_tokens + self.lookahead, self.kv.max_model_len))
             if not self.blocks.allocate(req.request_id, need, prefix):
                 break  # wait for blocks: running sequences finish or shrink the queue's demand
-            if restore:  # the tier's bytes into the new blocks; a damaged entry ends the run (no more tokens needed)
-                table = self.blocks.table(req.request_id)
-                restored = self.tier.load(restore, table[len(prefix):len(prefix) + len(restore)])
-                if restored < len(restore):
-                    computed = (len(prefix) + restored) * self.kv.block_size
-                    chunk = self._first_chunk(req, computed, budget, False)
-                restore = restore[:restored]
+            restored = self._restore(req, len(prefix), restore)
+            if restored < len(restore):  # a damaged entry ended the run: the rest is prefilled (its blocks are held)
+                computed = (len(prefix) + restored) * self.kv.block_size
+                chunk = self._first_chunk(req, computed, budget, False)
             self.waiting.popleft()
             if not req.output_token_ids:  # a first admission, not a resumed preemption
-                pool_hits = len(prefix) * self.kv.block_size
-                self.blocks.record_lookup(req.num_prompt_tokens, pool_hits)
-                if self.tier is not None:
-                    self.tier.record_lookup(max(0, (req.num_tokens - 1) // self.kv.block_size * self.kv.block_size
-                                                - pool_hits), len(restore) * self.kv.block_size)
+                self._record_lookup(req, len(prefix), restored)
                 req.scheduled_time = req.scheduled_time or time.monotonic()
                 req.num_cached_tokens = computed
             req.num_computed_tokens, req.status = computed, RequestStatus.RUNNING
@@ -287,6 +280,21 @@ class Scheduler:
             out.append(h)
             parent = h
         return out
+
+    def _restore(self, req: Request, num_prefix: int, keys: list[bytes]) -> int:
+        """The tier's entries `keys` copied into `req`'s blocks after its `num_prefix` pool blocks (just allocated);
+        how many were (the run ends at a damaged or missing entry)."""
+        if not keys:
+            return 0
+        return self.tier.load(keys, self.blocks.table(req.request_id)[num_prefix:num_prefix + len(keys)])
+
+    def _record_lookup(self, req: Request, num_prefix: int, num_restored: int) -> None:
+        """Count an admitted prompt's hits: in the pool (its prefix blocks), and in the tier (the tokens past those,
+        up to its last full block, looked up; its restored blocks' tokens hit)."""
+        bs = self.kv.block_size
+        self.blocks.record_lookup(req.num_prompt_tokens, num_prefix * bs)
+        if self.tier is not None:
+            self.tier.record_lookup(max(0, (req.num_tokens - 1) // bs * bs - num_prefix * bs), num_restored * bs)
 
     def _prompt_pending(self, request_id: str | None) -> bool:
         """The prompt of `request_id` is still being computed (it is admitted or running, not finished), and a
