@@ -24,9 +24,10 @@ Design decisions
   bytes), under its own size limit and LRU. The files live in a private (0700) directory made for this tier inside
   `disk_dir` and removed with it: no other process's file is ever read. A restore reads the file on the engine
   thread and checks its digest as above; the block is then in the pool, and back in RAM when the pool evicts it.
-- Host memory only: the pools of the executors that keep KV as torch tensors in this process (`host_kv`: the eager
-  and cpu backends at tp = 1). Window-sized KV (a sliding-window layer group with its own pool) is refused: its
-  window group gives blocks back while the full group keeps them, so one key would not name one set of bytes.
+- Host memory only: the pools of the executors that keep KV as CPU tensors in this process (the eager and cpu
+  backends at tp = 1; rank processes and device pools are refused here). Window-sized KV (a sliding-window layer
+  group with its own pool) is refused by the scheduler: its window group gives blocks back while the full group
+  keeps them, so one key would not name one set of bytes.
 """
 
 from __future__ import annotations
