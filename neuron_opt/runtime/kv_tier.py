@@ -79,7 +79,7 @@ class _Entry:
 
 
 def _digest(data: torch.Tensor) -> bytes:
-    return hashlib.blake2b(memoryview(data.numpy()), digest_size=DIGEST_BYTES).digest()
+    return hashlib.blake2b(data.numpy().data, digest_size=DIGEST_BYTES).digest()
 
 
 def _byte_views(caches: Sequence[torch.Tensor], block: int) -> list[torch.Tensor]:
@@ -260,7 +260,7 @@ def _work(todo: queue.SimpleQueue[tuple[bytes, _Entry, bool] | None], lock: thre
         try:
             with open(tmp, "wb") as f:
                 f.write(digest)
-                f.write(memoryview(entry.data.numpy()))
+                f.write(entry.data.numpy().data)
             os.replace(tmp, disk.file(key))
         except OSError as e:
             log.warning("kv tier: writing %s failed (%s); the block is dropped", tmp, e)

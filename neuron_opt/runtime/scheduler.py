@@ -233,8 +233,8 @@ class Scheduler:
                 tokens, req.cache_salt)
             restore = self._tier_prefix(req, tokens, prefix)
             computed = (len(prefix) + len(restore)) * self.kv.block_size
-            chunk = self._first_chunk(req, computed, budget, bool(prefills))
-            if chunk is None:
+            chunk = self._first_chunk(req, computed, budget)
+            if prefills and not chunked and chunk > budget:
                 break  # FCFS: do not let a shorter prompt overtake the head of the queue
             # without offset prefill a request reserves its whole length: it can never be preempted
             need = (computed + chunk if self.kv.offset_prefill
@@ -244,7 +244,7 @@ class Scheduler:
             restored = self._restore(req, len(prefix), restore)
             if restored < len(restore):  # a damaged entry ended the run: the rest is prefilled (its blocks are held)
                 computed = (len(prefix) + restored) * self.kv.block_size
-                chunk = self._first_chunk(req, computed, budget, False)
+                chunk = self._first_chunk(req, computed, budget)
             self.waiting.popleft()
             if not req.output_token_ids:  # a first admission, not a resumed preemption
                 self._record_lookup(req, len(prefix), restored)
@@ -256,13 +256,14 @@ class Scheduler:
             budget -= chunk
         return SchedulerOutput(tuple(decodes), tuple(prefills), tuple(preempted))
 
-    def _first_chunk(self, req: Request, computed: int, budget: int, others: bool) -> int | None:
-        """Tokens a new request prefills in this step after `computed` cached ones; None when it must wait for a
-        step of its own (no chunked prefill, `others` prefilling, and the prompt is over the budget left)."""
+    def _first_chunk(self, req: Request, computed: int, budget: int) -> int:
+        """Tokens a new request prefills in this step after `computed` cached ones: a chunk of the budget left, or
+        without chunked prefill the whole rest (the caller makes it wait for a step of its own when others
+        prefill and it is over the budget)."""
         remaining = req.num_tokens - computed
         if self.kv.enable_chunked_prefill or remaining > self.kv.max_prefill_len:  # the latter: a resumed preemption
             return min(remaining, max(budget, 1), self.kv.max_prefill_len)
-        return None if others and remaining > budget else remaining
+        return remaining
 
     def _tier_prefix(self, req: Request, tokens: list[int], prefix: list[int]) -> list[bytes]:
         """The hashes of the full blocks after the pool's `prefix` that the KV tier holds, in a run (never the
