@@ -128,13 +128,40 @@ def long_rope_rows(cfg: ModelConfig, positions: torch.Tensor, last_index: torch.
     return last >= int(cfg.rope["original_max_position_embeddings"])  # seq_len = last + 1 > original
 
 
+def dynamic_rope_rows(cfg: ModelConfig, table: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
+                      last_index: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic NTK scaling's (cos, sin) [B, S, 1, R] at `positions` [B, S]. transformers recomputes the frequencies
+    per forward call from its highest position (seq_len = it + 1, never below max_position_embeddings): the base
+    grows to theta x (factor x seq_len / max_position_embeddings - (factor - 1)) ^ (R / (R - 2)), in fp32 as its
+    `_compute_dynamic_ntk_parameters` does, and a call within max_position_embeddings uses the original table
+    (`table`). We decide per row from the row's highest real position in this step (as `long_rope_rows`): exact
+    against HF's generate (a prompt in one call, then a token per call). Without a data-dependent branch (a
+    traced graph takes it too): every row's scaled rows are computed and `torch.where` picks."""
+    B = positions.shape[0]
+    mpe, R = cfg.max_position_embeddings, cfg.rotary_dim
+    factor, theta = float(cfg.rope["factor"]), float(cfg.rope.get("rope_theta", 10000.0))
+    last = positions.gather(1, last_index.reshape(B, -1).to(torch.int64)).amax(1)  # [B]
+    seq_len = torch.clamp(last + 1, min=mpe)  # [B]
+    exponents = torch.arange(0, R, 2, dtype=torch.int64, device=positions.device).float() / R  # [R/2]
+    scaled = []
+    for b in range(B):  # one row's frequencies as transformers computes them: a 0-dim base ** [R/2] exponents
+        base = theta * ((factor * seq_len[b] / mpe) - (factor - 1)) ** (R / (R - 2))
+        freqs = positions[b].float()[:, None] * (1.0 / (base ** exponents))[None, :]  # [S, R/2]
+        scaled.append(torch.cat([freqs, freqs], dim=-1))  # [S, R]
+    emb = torch.stack(scaled)  # [B, S, R]
+    use = (last + 1 > mpe)[:, None, None, None]  # [B, 1, 1, 1]
+    cos, sin = table
+    return (torch.where(use, emb.cos()[:, :, None, :], cos[positions][:, :, None, :]).to(dtype),
+            torch.where(use, emb.sin()[:, :, None, :], sin[positions][:, :, None, :]).to(dtype))
+
+
 def layer_rope_inputs(cfg: ModelConfig, tables: dict[str, tuple[torch.Tensor, torch.Tensor]],
                       positions: torch.Tensor, dtype: torch.dtype,
                       last_index: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each layer's (cos, sin) [B, S, 1, R] at `positions` [B, S] in `dtype`: its kind's table rows, or for a
     layer without rotary embeddings ones and zeros (the identity rotation, exact). Layers of one kind share the
     tensors. With longrope tables ("long"), each row takes the short or the long rows (`long_rope_rows`, which
-    needs the step's `last_index`)."""
+    needs the step's `last_index`); dynamic NTK scaling computes each row's (`dynamic_rope_rows`, the same)."""
     rows = {}
     for kind, (cos, sin) in tables.items():
         if kind != "long":
@@ -147,6 +174,10 @@ def layer_rope_inputs(cfg: ModelConfig, tables: dict[str, tuple[torch.Tensor, to
         c, s = rows["global"]
         rows["global"] = (torch.where(use, lc[positions].to(dtype)[:, :, None, :], c),
                           torch.where(use, ls[positions].to(dtype)[:, :, None, :], s))
+    if cfg.rope.get("rope_type") == "dynamic":
+        if last_index is None:
+            raise ValueError("dynamic rope: the step's last_index decides each row's frequencies")
+        rows["global"] = dynamic_rope_rows(cfg, tables["global"], positions, last_index, dtype)
     kinds = [cfg.layer_rope(i) for i in range(cfg.num_hidden_layers)]
     if "none" in kinds:
         c, _ = rows["global"]

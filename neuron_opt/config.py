@@ -49,7 +49,7 @@ class KVCacheDtype(str, Enum):
         except ValueError:
             raise ConfigError(f"kv_cache_dtype: must be {' or '.join(d.value for d in cls)}, got {value!r}") from None
 QUANT_METHODS = ("int8", "int4", "fp8")
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate activation: SwiGLU (Llama) or GeGLU (Gemma)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 NORM_LAYOUTS = ("pre", "sandwich", "post")
@@ -171,8 +171,9 @@ class ModelConfig:
                f"must be positive or None, got {self.sliding_window}")
         rope_type = self.rope.get("rope_type", "default")
         _check(rope_type in ROPE_TYPES, "rope_parameters.rope_type",
-               f"{rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)}); 'dynamic' changes "
-               "the rotary table with sequence length, which fixed-shape compiled buckets cannot express")
+               f"{rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+        _check(rope_type != "dynamic" or not self.rope_local_parameters, "rope_parameters.rope_type",
+               "'dynamic' with a rotary embedding of its own on sliding layers is not supported")
         self._check_rope()
         self._check_family_options()
         self._check_embedding()
@@ -192,6 +193,10 @@ class ModelConfig:
                f"must be in (0, 1], got {f!r}")
         _check(self.rotary_dim >= 2 and self.rotary_dim % 2 == 0, "rope_parameters.partial_rotary_factor",
                f"head_dim={self.head_dim} x {f} gives {self.rotary_dim} rotary features; it must be even and >= 2")
+        if rope.get("rope_type") == "dynamic":
+            factor = rope.get("factor")
+            _check(isinstance(factor, (int, float)) and factor >= 1, "rope_parameters.factor",
+                   f"dynamic NTK scaling needs a factor >= 1, got {factor!r}")
         if rope.get("rope_type") != "longrope":
             return
         orig = rope.get("original_max_position_embeddings")
@@ -202,6 +207,14 @@ class ModelConfig:
             _check(isinstance(v, (tuple, list)) and len(v) == self.rotary_dim // 2
                    and all(isinstance(x, (int, float)) and x > 0 for x in v), f"rope_parameters.{name}",
                    f"longrope needs {self.rotary_dim // 2} positive numbers (one per rotary pair), got {v!r}")
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence the model's rotary embedding serves: max_position_embeddings, or for dynamic NTK
+        scaling (whose frequencies stretch past it) max_position_embeddings x factor, as vLLM derives it."""
+        if self.rope.get("rope_type") == "dynamic":
+            return int(self.max_position_embeddings * float(self.rope["factor"]))
+        return self.max_position_embeddings
 
     @property
     def rotary_dim(self) -> int:
@@ -220,8 +233,9 @@ class ModelConfig:
                    "layer_types has sliding_attention layers but no sliding_window is given")
         if self.rope_local_parameters:
             local = dict(self.rope_local_parameters).get("rope_type", "default")
-            _check(local in ROPE_TYPES, "rope_local_parameters.rope_type",
-                   f"{local!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+            kinds = [k for k in ROPE_TYPES if k != "dynamic"]  # a per-call base: the global rope's alone
+            _check(local in kinds, "rope_local_parameters.rope_type",
+                   f"{local!r} is not supported on sliding layers (supported: {', '.join(kinds)})")
             _check("sliding_attention" in self.layer_types, "rope_local_parameters",
                    "a rotary embedding for sliding layers needs layer_types with sliding_attention layers")
         bad_layers = [i for i in self.nope_layers if not 0 <= i < L]

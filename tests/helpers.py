@@ -321,3 +321,45 @@ def compile_tiny_eager(tiny_dir, out: Path, sign_key=None) -> Path:
                          prefill_buckets=(16,), decode_buckets=(128,), use_cache=False, sign_key=sign_key)
     compile_artifact(req, log=lambda s: None, progress=False)
     return out
+
+
+def hf_stepwise_logits(hf, ids: list[int], n: int) -> torch.Tensor:
+    """HF's next-token logits the way generate computes them: the first `n` tokens in one call, then each further
+    token in a call of its own over the cache. [1 + len(ids) - n, V]."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=hf.config)
+    with torch.no_grad():
+        out = [hf(torch.tensor([ids[:n]]), cache=cache, use_cache=True).logits[0, -1]]
+        for t in range(n, len(ids)):
+            out.append(hf(torch.tensor([[ids[t]]]), cache=cache, use_cache=True).logits[0, -1])
+    return torch.stack(out)
+
+
+def check_stepwise_against_hf(runner: ModelRunner, hf, batched: bool = True) -> None:
+    """Against HF stepped as its generate steps (longrope, dynamic NTK: a call's frequencies follow its highest
+    position). Prompts of 9 and 16 tokens (the original length is 12), 6 decode steps teacher-forced (logits within
+    1e-4; `batched`: both rows in one step, so one row is on the short factors while the other is on the long
+    ones), then 16 greedy tokens identical to HF's generate from a 5-token prompt (switching at position 12)."""
+    from neuron_opt.runtime.generate import generate_ids
+    from neuron_opt.runtime.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(5)
+    prompts, steps = (9, 16), 6
+    seqs = [torch.randint(3, hf.config.vocab_size, (n + steps,), generator=g).tolist() for n in prompts]
+    refs = [hf_stepwise_logits(hf, s, n) for s, n in zip(seqs, prompts, strict=True)]
+    groups = [[0, 1]] if batched else [[0], [1]]
+    for group in groups:
+        for slot in group:
+            n = prompts[slot]
+            torch.testing.assert_close(runner.prefill(slot, seqs[slot][:n]), refs[slot][0], atol=1e-4, rtol=0)
+        for step in range(steps):
+            got = runner.decode([DecodeRow(slot, seqs[slot][prompts[slot] + step], prompts[slot] + step)
+                                 for slot in group])
+            for row, slot in enumerate(group):
+                torch.testing.assert_close(got[row], refs[slot][step + 1], atol=1e-4, rtol=0)
+    prompt, n = [1, 17, 42, 99, 5], 16
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+    assert generate_ids(runner, NoTok(), prompt, SamplingParams(max_tokens=n, min_tokens=n), (2,)).token_ids == want

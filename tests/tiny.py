@@ -84,8 +84,15 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 FAMILIES = ["qwen3", "gemma2", "gemma3", "olmo2", "granite", "smollm3"]
 # Texts cross original_max_position_embeddings (12): transformers switches to the long factors for a whole forward
-# call once its highest position passes it, so the oracle is HF stepped as generate steps it (tests/models/test_phi3.py)
-LONGROPE: dict[str, tuple[str, dict[str, Any]]] = {"phi3-long": _phi3(12)}
+# call once its highest position passes it, so the oracle is HF stepped as generate steps it (test_phi3.py). Dynamic
+# NTK scaling likewise recomputes a call's frequencies from its highest position past max_position_embeddings (12
+# here: tests/models/test_rope_scaling.py)
+LONGROPE: dict[str, tuple[str, dict[str, Any]]] = {
+    "phi3-long": _phi3(12),
+    "llama-dynamic-rope": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=12,
+                                               rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0,
+                                                                    factor=8.0))),
+}
 # Variants with the default model's vocabulary: make_tiny saves its real tokenizer (and chat template) beside them,
 # so CLI / API / server tests run end to end on a model that is fast.
 WITH_TOKENIZER: dict[str, tuple[str, dict[str, Any]]] = {

@@ -4,7 +4,8 @@ Without --tp, every tp degree the instance supports (and our sharding can expres
 best is recommended (neuron_opt.planner.recommend explains the rule); with --tp, that one deployment is
 planned. On a Neuron instance it then prints the tp x data-parallel splits of the instance (`serve
 --data-parallel N` replicas, neuron_opt.planner.scale_out) for the whole --concurrency and recommends one for
---target. Exit code: 0 when the chosen plan fits, 1 when it does not, 2 on a usage error.
+--target. Last, for every Neuron instance, the smallest tp at which the plan's context (--max-model-len at the
+batch) fits. Exit code: 0 when the chosen plan fits, 1 when it does not, 2 on a usage error.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from neuron_opt.lora.config import TARGET_MODULES, LoraConfig
 from neuron_opt.planner.hardware import get_instance, known_instances
 from neuron_opt.planner.memory import KV_DTYPES, WEIGHT_DTYPES
 from neuron_opt.planner.queueing import ARRIVALS, POISSON_REQUESTS, Arrival
-from neuron_opt.planner.recommend import Traffic, candidates, rank, with_queue
+from neuron_opt.planner.recommend import Traffic, candidates, context_fits, rank, with_queue
 from neuron_opt.planner.report import (
     alternatives_table,
+    context_lines,
     ep_table,
     plan_json,
     plan_lines,
@@ -178,8 +180,10 @@ def run(args: argparse.Namespace) -> int:
     elif args.data_parallel is not None:
         raise ConfigError("--data-parallel: the split of an instance's cores is planned for Neuron instances "
                           "(latency is not modelled on cpu)", param="data_parallel")
+    fits = context_fits(cfg, best.deployment)  # where this context can be served at all, at the smallest tp
     if args.json:
         out = plan_json(cfg, best, plans[1:])
+        out["context_fits"] = {inst.name: tp for inst, tp in fits}
         if scale:
             pick = recommend_split(scale, traffic.output_len, args.target)
             out["data_parallel"] = {
@@ -202,4 +206,6 @@ def run(args: argparse.Namespace) -> int:
         if scale:
             print()
             print("\n".join(split_lines(scale, traffic, args.target)))
+        print()
+        print("\n".join(context_lines(fits, best.deployment)))
     return 0 if best.fits else 1

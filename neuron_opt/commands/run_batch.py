@@ -28,7 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-i", "--input-file", required=True, type=Path, help="the batch file: one JSON request per line")
     p.add_argument("-o", "--output-file", required=True, type=Path,
                    help="where the results go; if it exists, its results are kept and the run goes on after them")
-    p.set_defaults(func=run, max_waiting=1024, lora_modules=None)
+    p.set_defaults(func=run, max_waiting=1024, lora_modules=None, kv_offloading_size=None,
+                   kv_offloading_disk_dir=None, kv_offloading_disk_size=None)
 
 
 def run(args: argparse.Namespace) -> int:

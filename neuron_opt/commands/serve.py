@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from pathlib import Path
 
 import torch
 
@@ -45,6 +46,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--kv-offloading-size", type=float, default=None, metavar="GIB",
+        help="a second KV tier of this many GiB of host memory (vLLM's flag): prefix-cache blocks evicted from the "
+        "KV pool are kept there and copied back on a later prefix hit instead of being recomputed "
+        "(docs/long_context.md; the eager and cpu backends at tp 1, with prefix caching; default: none)",
+    )
+    p.add_argument("--kv-offloading-disk-dir", type=Path, default=None, metavar="DIR",
+                   help="with --kv-offloading-size: a disk level below the host-memory tier, in a private directory "
+                   "made inside DIR (and removed at exit); its size: --kv-offloading-disk-size")
+    p.add_argument("--kv-offloading-disk-size", type=float, default=None, metavar="GIB",
+                   help="the disk level's size in GiB (with --kv-offloading-disk-dir)")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="requests queued beyond --max-num-seqs before answering 503 with Retry-After (with "
                    "--data-parallel: queued at the router)")

@@ -181,14 +181,31 @@ def check_args(args: argparse.Namespace, verify_hashes: bool = True) -> tuple[An
     return (verified, *speculative_from_args(args, *bundled_speculation(args.artifact, manifest)))
 
 
+def check_kv_offloading(args: argparse.Namespace) -> None:
+    """The KV tier's flags, before the model loads: sizes > 0, the disk level's directory and size together, and
+    only under a host-memory tier."""
+    for flag in ("kv_offloading_size", "kv_offloading_disk_size"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise ConfigError(f"--{flag.replace('_', '-')}: must be > 0 GiB, got {value}", param=flag)
+    if (args.kv_offloading_disk_dir is None) != (args.kv_offloading_disk_size is None):
+        raise ConfigError("--kv-offloading-disk-dir and --kv-offloading-disk-size go together",
+                          param="kv_offloading_disk_dir")
+    if args.kv_offloading_disk_dir is not None and args.kv_offloading_size is None:
+        raise ConfigError("--kv-offloading-disk-dir: the disk level sits below the host-memory tier; give "
+                          "--kv-offloading-size too", param="kv_offloading_disk_dir")
+
+
 def build_engine(args: argparse.Namespace) -> Any:
     """The (not yet started) `Engine` that `serve` runs, from its flags: the model loaded (`api.load_model`), the
     engine built over its runner; `serve --data-parallel` calls it in every replica process."""
     # here, not at the top: the CLI parses without loading the model path (executors, engine, transformers)
     from neuron_opt.api import load_draft, load_model
     from neuron_opt.runtime.engine import Engine
+    from neuron_opt.runtime.kv_tier import GIB, KVTier
     from neuron_opt.runtime.output import model_eos_token_ids
 
+    check_kv_offloading(args)
     verified, spec, k = check_args(args)
     if args.artifact:
         model = load_model(args.artifact, dtype=args.dtype, max_model_len=args.max_model_len,
@@ -202,6 +219,12 @@ def build_engine(args: argparse.Namespace) -> Any:
     if spec is not None and spec.model is not None:  # a KV slot in the draft for every sequence the engine runs
         largest = model.runner.buckets.decode_batches[-1]
         draft = load_draft(spec.model, model, min(args.max_num_seqs or largest, largest), args.trusted_keys).runner
+    kv_tier = None
+    if args.kv_offloading_size is not None:
+        disk = args.kv_offloading_disk_dir
+        kv_tier = KVTier(model.runner.executor.k_caches, model.runner.executor.v_caches,
+                         int(args.kv_offloading_size * GIB), disk,
+                         int(args.kv_offloading_disk_size * GIB) if disk is not None else 0)
     engine = Engine(
         model.runner,
         model.tokenizer,
@@ -213,6 +236,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         enable_chunked_prefill=args.enable_chunked_prefill,
         speculative=spec,
         draft=draft,
+        kv_tier=kv_tier,
     )
     modules = parse_lora_modules(getattr(args, "lora_modules", None))
     if modules and engine.loras is None:

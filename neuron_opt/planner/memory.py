@@ -186,6 +186,12 @@ def kv_bytes(cfg: ModelConfig, lay: HeadLayout, num_blocks: int, block_size: int
     )
 
 
+def kv_bytes_per_token(cfg: ModelConfig, lay: HeadLayout, kv_dtype: str) -> float:
+    """One rank's KV bytes per position of a sequence (K and V, every layer): `kv_bytes` of one plan block over its
+    positions; at tp 1, the model's KV per token (Llama-3-8B in bf16: 128 KiB)."""
+    return kv_bytes(cfg, lay, 1, PLAN_BLOCK_SIZE, kv_dtype) / PLAN_BLOCK_SIZE
+
+
 def kv_window(cfg: ModelConfig, buckets: BucketConfig, block_size: int, max_model_len: int) -> tuple[int, int]:
     """Window-sized KV's (sliding_window, window_blocks_per_sequence) for these buckets (CacheConfig), (0, 0)
     where it does not apply: a model without sliding-window layers, prefills that cannot start at an offset

@@ -20,7 +20,7 @@ from neuron_opt.config import ModelConfig, ParallelConfig
 from neuron_opt.errors import ConfigError
 from neuron_opt.lora.config import LoraConfig
 from neuron_opt.parallel.sharding import HeadLayout, head_layout
-from neuron_opt.planner.hardware import Instance, check_tp
+from neuron_opt.planner.hardware import INSTANCES, Instance, check_tp
 from neuron_opt.planner.latency import StepTime, decode_time, prefill_time
 from neuron_opt.planner.memory import KV_DTYPES, PLAN_BLOCK_SIZE, QUANTIZED, WEIGHT_DTYPES, MemoryPlan, plan_memory
 from neuron_opt.planner.moe import ep_choices
@@ -195,7 +195,7 @@ def evaluate(
         buckets=buckets,
         memory=mem,
         largest_batch=_largest(fits_batch, 1, MAX_BATCH_SEARCH) if limits else 0,
-        largest_length=_largest(fits_length, 1, cfg.max_position_embeddings) if limits else 0,
+        largest_length=_largest(fits_length, 1, cfg.max_context) if limits else 0,
     )
     if traffic is None:
         return plan
@@ -282,6 +282,17 @@ def candidates(
                                 traffic))
     if dtype is None and any(p.fits and p.deployment.dtype not in QUANTIZED for p in out):
         out = [p for p in out if p.deployment.dtype not in QUANTIZED]
+    return out
+
+
+def context_fits(cfg: ModelConfig, dep: Deployment) -> list[tuple[Instance, int | None]]:
+    """Every Neuron instance with the smallest tp at which `dep`'s batch of `dep.max_model_len` sequences (its
+    prompt length, dtypes, LoRA capacity) fits, None where no tp does: where a context can be served at all."""
+    out = []
+    for inst in INSTANCES.values():
+        tp = next((t for t in inst.tp_degrees
+                   if evaluate(cfg, inst, replace(dep, tp=t, ep=None, ep_decode=None), limits=False).fits), None)
+        out.append((inst, tp))
     return out
 
 

@@ -7,9 +7,11 @@ from typing import Any
 
 from neuron_opt.buckets import PREFILL, VERIFY, BucketConfig
 from neuron_opt.config import CacheConfig, KVCacheDtype, ModelConfig, ParallelConfig
-from neuron_opt.planner.hardware import GB, GiB, get_instance
+from neuron_opt.parallel.sharding import head_layout
+from neuron_opt.planner.hardware import GB, GiB, Instance, get_instance
 from neuron_opt.planner.memory import (
     checkpoint_bytes,
+    kv_bytes_per_token,
     kv_window,
     layout_overhead,
     weight_bytes,
@@ -57,6 +59,7 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
         + ("fits" if m.fits else "DOES NOT FIT"),
         f"  host RAM to compile (rank weights + one tensor in flight): {m.host_needed / GiB:.1f} GiB "
         f"of {m.host_capacity / GiB:.0f} GiB" + ("" if m.host_fits else "  -> NOT ENOUGH HOST RAM"),
+        f"  KV per token: {kv_per_token(cfg, plan)}",
         f"  largest batch at max_model_len {d.max_model_len}: {plan.largest_batch}; "
         f"largest max_model_len at batch {d.batch}: {plan.largest_length}",
         f"  buckets: prefill {list(b.prefill_lens)}" + (f" x batch {b.prefill_batch}" if b.prefill_batch > 1 else "")
@@ -106,6 +109,27 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
     elif inst.family == "cpu":
         lines.append("  latency: not modelled on cpu (measure with `neuron-opt bench`)")
     return lines
+
+
+KIB = 1024
+
+
+def kv_per_token(cfg: ModelConfig, plan: Plan) -> str:
+    """The KV bytes one token of a sequence holds: the model's (K and V, every layer), and one rank's at the plan's
+    tp where that differs (KV heads split, or replicated where they are fewer than tp)."""
+    d = plan.deployment
+    model = kv_bytes_per_token(cfg, head_layout(cfg, ParallelConfig(tp=1)), d.kv_dtype)
+    rank = kv_bytes_per_token(cfg, plan.layout, d.kv_dtype)
+    where = "" if d.tp == 1 else f"; {rank / KIB:.1f} KiB per rank at tp {d.tp}"
+    return (f"{model / KIB:.1f} KiB ({cfg.num_hidden_layers} layers x K,V x {cfg.num_key_value_heads} kv heads x "
+            f"{cfg.head_dim} x {d.kv_dtype}){where}; {d.max_model_len} tokens: {model * d.max_model_len / GiB:.2f} GiB")
+
+
+def context_lines(fits: list[tuple[Instance, int | None]], dep: Deployment) -> list[str]:
+    """Where `dep`'s context fits (recommend.context_fits): each instance with the smallest tp, or "no"."""
+    head = f"context {dep.max_model_len} tokens x batch {dep.batch} ({dep.dtype}, KV {dep.kv_dtype}) fits:"
+    return [head] + [f"  {inst.name:<16}" + (f"tp {tp}" if tp is not None else
+                                              f"no (not at tp {max(inst.tp_degrees)})") for inst, tp in fits]
 
 
 def queue_line(q: QueueEstimate) -> str:
@@ -281,6 +305,8 @@ def plan_json(cfg: ModelConfig, plan: Plan, alternatives: list[Plan] | None = No
             "capacity": m.capacity,
         },
         "host_memory_bytes": {"needed": m.host_needed, "capacity": m.host_capacity, "fits": m.host_fits},
+        "kv_bytes_per_token": {"model": kv_bytes_per_token(cfg, head_layout(cfg, ParallelConfig(tp=1)), d.kv_dtype),
+                               "rank": kv_bytes_per_token(cfg, plan.layout, d.kv_dtype)},
         "largest_batch": plan.largest_batch,
         "largest_max_length": plan.largest_length,
         "buckets": plan.buckets.to_dict(),

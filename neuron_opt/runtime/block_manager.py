@@ -26,13 +26,15 @@ Design decisions
   blocks keep their hash, so a prefix outlives them as in one group. A prefix hit of n blocks needs the full
   group's n blocks and the window group's blocks that the hit's next query sees; the hit is the longest n for
   which both are cached (both groups hash the same logical blocks, so one hash names a block in each).
+- A second KV tier (runtime/kv_tier.py) hears of every eviction (`on_evict`: the evicted hash and block, before
+  the block's new owner writes it), so it can keep the block's bytes; the manager itself stays device-free.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,9 +68,12 @@ class BlockManager:
         num_blocks: blocks in the pool, the null block included.
         block_size: positions per block.
         enable_prefix_caching: keep and reuse full blocks by their prefix hash.
+        on_evict: called with (hash, block) when a cached block is handed out again, before its new owner writes
+            it (the second KV tier keeps its bytes).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 on_evict: Callable[[bytes, int], None] | None = None) -> None:
         if num_blocks < 2 or block_size < 1:
             raise ConfigError(f"kv blocks: need at least 2 blocks (one is the null block) of >= 1 position, got "
                               f"{num_blocks} of {block_size}")
@@ -80,6 +85,7 @@ class BlockManager:
         self.tables: dict[str, list[int]] = {}  # sequence -> its blocks in logical order
         self.hashes: dict[str, list[bytes]] = {}  # sequence -> hashes of its leading full, computed blocks
         self.stats = PrefixCacheStats()
+        self.on_evict = on_evict
 
     # ---- queries ----------------------------------------------------------------------------------------
 
@@ -152,6 +158,8 @@ class BlockManager:
             if h is not None:  # evict its cached prefix block
                 del self.cached[h]
                 self.block_hash[b] = None
+                if self.on_evict is not None:
+                    self.on_evict(h, b)
             self.ref[b] = 1
             table.append(b)
         return True

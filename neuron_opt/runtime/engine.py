@@ -47,6 +47,7 @@ import torch
 
 from neuron_opt.errors import ConfigError, NeuronOptError, QueueFullError
 from neuron_opt.lora.registry import LoraManager
+from neuron_opt.runtime.kv_tier import KVTier
 from neuron_opt.runtime.output import OutputProcessor, RequestOutput, TokenLogprob, send, token_logprobs
 from neuron_opt.runtime.request import Request
 from neuron_opt.runtime.runner import DecodeRow, ModelRunner, PrefillRow, VerifyRow
@@ -131,6 +132,8 @@ class Engine:
             same model; None: the engine's own.
         loras: the model's LoRA adapters and slots (neuron_opt.lora.registry.LoraManager), shared with other
             engines of the model; None: the engine's own when the model has a LoRA capacity.
+        kv_tier: a second KV tier over this runner's pools (runtime/kv_tier.KVTier: evicted prefix-cache blocks
+            kept in host memory and restored on a hit), or None.
     """
 
     def __init__(
@@ -148,6 +151,7 @@ class Engine:
         draft: ModelRunner | None = None,
         grammars: GrammarCompiler | None = None,
         loras: LoraManager | None = None,
+        kv_tier: KVTier | None = None,
     ) -> None:
         self.runner, self.tokenizer, self.eos_token_ids = runner, tokenizer, tuple(eos_token_ids)
         largest = runner.buckets.decode_batches[-1]
@@ -172,7 +176,9 @@ class Engine:
             max_num_batched_tokens=max_num_batched_tokens,
             check_fits=runner.check_fits,
             lookahead=speculative.num_speculative_tokens if speculative is not None else 0,
+            tier=kv_tier,
         )
+        self.kv_tier = kv_tier
         if loras is None and runner.lora_config is not None:
             loras = LoraManager(runner.executor, runner.model_config)
         self.loras = loras

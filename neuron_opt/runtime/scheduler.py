@@ -13,7 +13,11 @@ Design decisions (vLLM's policy, on our buckets)
   bucket's length, so where a prompt is split depends on the prompt alone, never on the other requests (the
   first prefill of a step always runs, so a chunk longer than the budget still does).
 - Prefix caching: a new request first takes its longest cached prefix (full blocks that another request
-  computed) and prefills only the rest, starting at that position.
+  computed) and prefills only the rest, starting at that position. With a second KV tier (`tier`,
+  runtime/kv_tier.py) the prefix goes on past the pool's blocks while the tier holds the next ones: they get new
+  pool blocks, the tier copies its bytes into them at admission (checked against their digests; a damaged one
+  ends the restored run and the rest is prefilled), and they count as computed. Blocks the pool evicts go to the
+  tier as they are handed out (`BlockManager.on_evict`).
 - Window-sized KV (KVConfig.sliding_window): the window layers' blocks are a second group
   (block_manager.WindowedBlockManager); each work item carries that group's table too (`window_blocks`), and
   once a sequence's computed tokens move on, the blocks its window left behind go back to the pool.
@@ -42,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from neuron_opt.errors import ConfigError
-from neuron_opt.runtime.block_manager import BlockManager, WindowedBlockManager
+from neuron_opt.runtime.block_manager import BlockManager, WindowedBlockManager, hash_block
 from neuron_opt.runtime.request import Request, RequestStatus
 
 
@@ -118,6 +122,8 @@ class Scheduler:
         lookahead: extra positions every decoding sequence holds blocks for (speculative tokens verified in
             one step).
         lora: the adapter slots (`acquire(name) -> slot | None`, `release(slot)`), for requests under an adapter.
+        tier: the second KV tier (runtime/kv_tier.KVTier: `key in tier`, `store(key, block)`, `load(keys, blocks)
+            -> n`, `record_lookup(tokens, hits)`), or None.
     """
 
     def __init__(
@@ -129,6 +135,7 @@ class Scheduler:
         check_fits: Callable[[int, int, bool], None] | None = None,
         lookahead: int = 0,
         lora: Any = None,
+        tier: Any = None,
     ) -> None:
         if max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs: must be >= 1, got {max_num_seqs}")
@@ -138,8 +145,17 @@ class Scheduler:
         self.max_num_batched_tokens, self.kv, self.lookahead = max_num_batched_tokens, kv, lookahead
         self._check_fits = check_fits
         self.lora = lora
+        if tier is not None and not kv.enable_prefix_caching:
+            raise ConfigError("kv_offloading_size: the KV tier keeps prefix-cache blocks; turn prefix caching on",
+                              param="kv_offloading_size")
+        if tier is not None and kv.sliding_window:
+            raise ConfigError("kv_offloading_size: this model keeps window-sized KV for its sliding-window layers "
+                              "(a pool of their own), which the KV tier does not hold; serve it without one",
+                              param="kv_offloading_size")
+        self.tier = tier
         self.blocks: BlockManager | WindowedBlockManager = BlockManager(
-            kv.num_blocks, kv.block_size, kv.enable_prefix_caching) if not kv.sliding_window else \
+            kv.num_blocks, kv.block_size, kv.enable_prefix_caching,
+            tier.store if tier is not None else None) if not kv.sliding_window else \
             WindowedBlockManager(kv.num_blocks, kv.window_num_blocks, kv.block_size, kv.sliding_window,
                                  kv.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
@@ -221,24 +237,26 @@ class Scheduler:
                 if slot is None:
                     break  # every adapter slot is in use: wait, as for blocks
                 req.lora_slot = slot
+            tokens = req.prompt_token_ids + req.output_token_ids
             prefix = [] if req.scores_prompt and not req.output_token_ids else self.blocks.cached_prefix(
-                req.prompt_token_ids + req.output_token_ids, req.cache_salt)
-            computed = len(prefix) * self.kv.block_size
-            remaining = req.num_tokens - computed
-            if chunked:
-                chunk = min(remaining, max(budget, 1), self.kv.max_prefill_len)
-            else:  # whole, or the largest prefill bucket's length (a long prompt, a resumed preempted sequence)
-                chunk = min(remaining, self.kv.max_prefill_len)
-                if prefills and chunk > budget:
-                    break  # FCFS: do not let a shorter prompt overtake the head of the queue
+                tokens, req.cache_salt)
+            restore = self._tier_prefix(req, tokens, prefix)
+            computed = (len(prefix) + len(restore)) * self.kv.block_size
+            chunk = self._first_chunk(req, computed, budget)
+            if prefills and not chunked and chunk > budget:
+                break  # FCFS: do not let a shorter prompt overtake the head of the queue
             # without offset prefill a request reserves its whole length: it can never be preempted
             need = (computed + chunk if self.kv.offset_prefill
                     else min(req.num_prompt_tokens + req.max_tokens + self.lookahead, self.kv.max_model_len))
             if not self.blocks.allocate(req.request_id, need, prefix):
                 break  # wait for blocks: running sequences finish or shrink the queue's demand
+            restored = self._restore(req, len(prefix), restore)
+            if restored < len(restore):  # a damaged entry ended the run: the rest is prefilled (its blocks are held)
+                computed = (len(prefix) + restored) * self.kv.block_size
+                chunk = self._first_chunk(req, computed, budget)
             self.waiting.popleft()
             if not req.output_token_ids:  # a first admission, not a resumed preemption
-                self.blocks.record_lookup(req.num_prompt_tokens, computed)
+                self._record_lookup(req, len(prefix), restored)
                 req.scheduled_time = req.scheduled_time or time.monotonic()
                 req.num_cached_tokens = computed
             req.num_computed_tokens, req.status = computed, RequestStatus.RUNNING
@@ -246,6 +264,49 @@ class Scheduler:
             prefills.append(self._prefill_work(req, chunk))
             budget -= chunk
         return SchedulerOutput(tuple(decodes), tuple(prefills), tuple(preempted))
+
+    def _first_chunk(self, req: Request, computed: int, budget: int) -> int:
+        """Tokens a new request prefills in this step after `computed` cached ones: a chunk of the budget left, or
+        without chunked prefill the rest up to the largest prefill bucket (the caller makes it wait for a step of
+        its own when others prefill and it is over the budget)."""
+        remaining = req.num_tokens - computed
+        if self.kv.enable_chunked_prefill:
+            return min(remaining, max(budget, 1), self.kv.max_prefill_len)
+        # whole, or the largest prefill bucket's length (a long prompt, a resumed preempted sequence): split by the
+        # prompt alone, never by the budget
+        return min(remaining, self.kv.max_prefill_len)
+
+    def _tier_prefix(self, req: Request, tokens: list[int], prefix: list[int]) -> list[bytes]:
+        """The hashes of the full blocks after the pool's `prefix` that the KV tier holds, in a run (never the
+        block of the last token, which must be computed for its logits)."""
+        if self.tier is None or (req.scores_prompt and not req.output_token_ids):
+            return []
+        bs, bm = self.kv.block_size, self.blocks
+        assert isinstance(bm, BlockManager)  # the tier refuses window-sized KV
+        parent = bm.block_hash[prefix[-1]] if prefix else req.cache_salt
+        out: list[bytes] = []
+        for i in range(len(prefix), (len(tokens) - 1) // bs):
+            h = hash_block(parent, tokens[i * bs:(i + 1) * bs])
+            if h not in self.tier:
+                break
+            out.append(h)
+            parent = h
+        return out
+
+    def _restore(self, req: Request, num_prefix: int, keys: list[bytes]) -> int:
+        """The tier's entries `keys` copied into `req`'s blocks after its `num_prefix` pool blocks (just allocated);
+        how many were (the run ends at a damaged or missing entry)."""
+        if not keys:
+            return 0
+        return self.tier.load(keys, self.blocks.table(req.request_id)[num_prefix:num_prefix + len(keys)])
+
+    def _record_lookup(self, req: Request, num_prefix: int, num_restored: int) -> None:
+        """Count an admitted prompt's hits: in the pool (its prefix blocks), and in the tier (the tokens past those,
+        up to its last full block, looked up; its restored blocks' tokens hit)."""
+        bs = self.kv.block_size
+        self.blocks.record_lookup(req.num_prompt_tokens, num_prefix * bs)
+        if self.tier is not None:
+            self.tier.record_lookup(max(0, (req.num_tokens - 1) // bs * bs - num_prefix * bs), num_restored * bs)
 
     def _prompt_pending(self, request_id: str | None) -> bool:
         """The prompt of `request_id` is still being computed (it is admitted or running, not finished), and a

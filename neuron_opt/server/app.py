@@ -204,6 +204,7 @@ def engine_metrics(engine: Engine, model_name: str, max_model_len: int) -> Serve
         max_model_len,
         lambda: engine.stats.step_tokens,
         lambda: engine.lora_adapters,
+        getattr(engine, "kv_tier", None),
     )
 
 

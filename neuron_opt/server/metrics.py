@@ -1,7 +1,8 @@
 """Prometheus metrics, labelled with `model_name`: vLLM's names (`vllm:` prefix) for everything vLLM has, so its
 Grafana dashboard and autoscaler examples (KEDA on `vllm:num_requests_waiting`) work unchanged, and the LoRA info
 gauge (`vllm:lora_requests_info`) that LoRA-aware routers read; ours keep the `neuron_opt:` prefix (refusals, LoRA
-counts, the prefix-cache hit rate, the speculative controller's steps).
+counts, the prefix-cache hit rate, the speculative controller's steps, the KV tier's blocks and bytes; its hits are
+vLLM's external prefix cache counters).
 
 Latencies are measured in the server process with one monotonic clock: TTFT from the moment the HTTP request
 was received to the first generated token, inter-token latency between consecutive tokens of a request, e2e
@@ -198,6 +199,40 @@ class _LoraInfoCollector:
         yield g
 
 
+class _TierCollector:
+    """The second KV tier (runtime/kv_tier.py): vLLM's external prefix cache counters (tokens looked up in it and
+    restored from it, as vLLM counts its KV connector's), and ours for its blocks and bytes."""
+
+    def __init__(self, model_name: str, tier: Any) -> None:
+        self.model_name, self.tier = model_name, tier
+
+    def collect(self) -> Any:
+        st = self.tier.stats
+        for name, doc, value in (
+            (VLLM + "external_prefix_cache_queries", "Prompt tokens looked up in the KV tier (past the pool's hits).",
+             st.queries),
+            (VLLM + "external_prefix_cache_hits", "Prompt tokens restored from the KV tier (not prefilled).", st.hits),
+            (PREFIX + "kv_offload_stored_blocks", "Blocks copied into the KV tier as the pool evicted them.",
+             st.stored),
+            (PREFIX + "kv_offload_evicted_blocks", "Blocks the KV tier dropped for room (LRU).", st.evicted),
+            (PREFIX + "kv_offload_corrupt_blocks", "KV tier entries whose bytes failed their digest (dropped, "
+             "recomputed).", st.corrupt),
+        ):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([self.model_name], value)
+            yield c
+        restored = CounterMetricFamily(PREFIX + "kv_offload_restored_blocks", "Blocks copied back into the pool, by "
+                                       "the KV tier's level.", labels=["model_name", "tier"])
+        held = GaugeMetricFamily(PREFIX + "kv_offload_bytes", "Bytes held by the KV tier, by level.",
+                                 labels=["model_name", "tier"])
+        for level, blocks, size in (("ram", st.restored_ram, self.tier.num_bytes),
+                                    ("disk", st.restored_disk, self.tier.disk_num_bytes)):
+            restored.add_metric([self.model_name, level], blocks)
+            held.add_metric([self.model_name, level], size)
+        yield restored
+        yield held
+
+
 class ServerMetrics:
     def __init__(
         self,
@@ -212,6 +247,7 @@ class ServerMetrics:
         max_model_len: int = 8192,
         step_tokens: Callable[[], Any] | None = None,
         lora_adapters: Callable[[], tuple[dict[str, int], dict[str, int]]] | None = None,
+        kv_tier: Any = None,
     ) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
@@ -223,6 +259,8 @@ class ServerMetrics:
             self.registry.register(_StepCollector(model_name, step_tokens))
         if loras is not None and lora_adapters is not None:
             self.registry.register(_LoraInfoCollector(loras.config.max_loras, lora_adapters))
+        if kv_tier is not None:  # only with a second KV tier
+            self.registry.register(_TierCollector(model_name, kv_tier))
 
         def labelled(kind: type, name: str, doc: str, **kw: Any) -> Any:  # one metric, this model's label
             return kind(name, doc, ["model_name"], registry=self.registry, **kw).labels(model_name)

@@ -234,10 +234,10 @@ def test_bad_options_name_the_field(tiny_dir):
             dataclasses.replace(cfg, **change)
     hf = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 11, "hidden_size": 8,
           "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-          "head_dim": 4, "rope_parameters": {"full_attention": {"rope_type": "dynamic", "factor": 2.0,
-                                                                "rope_theta": 1e6},
-                                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
-    with pytest.raises(ConfigError, match="^rope_parameters.rope_type:"):
+          "head_dim": 4, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
+          "rope_parameters": {"full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+    with pytest.raises(ConfigError, match="^rope_parameters.rope_type: 'dynamic' with a rotary embedding of its own"):
         ModelConfig.from_hf(hf)
 
 

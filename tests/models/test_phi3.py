@@ -19,58 +19,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import NoTok, ThreadRanks, eager_runner
+from helpers import ThreadRanks, check_stepwise_against_hf, eager_runner
 from safetensors.torch import load_file, save_file
 from tiny import load_hf, make_tiny
 
 from neuron_opt.checkpoint import open_checkpoint
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
 from neuron_opt.errors import CheckpointError, ConfigError
-from neuron_opt.runtime.runner import DecodeRow, ModelRunner
+from neuron_opt.runtime.runner import ModelRunner
 
 MAX_LEN = 64
 CONFIGS = Path(__file__).resolve().parents[2] / "docs" / "configs"
-
-
-def hf_stepwise_logits(hf, ids: list[int], n: int) -> torch.Tensor:
-    """HF's next-token logits the way generate computes them: the first `n` tokens in one call, then each further
-    token in a call of its own over the cache. [1 + len(ids) - n, V]."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=hf.config)
-    with torch.no_grad():
-        out = [hf(torch.tensor([ids[:n]]), cache=cache, use_cache=True).logits[0, -1]]
-        for t in range(n, len(ids)):
-            out.append(hf(torch.tensor([[ids[t]]]), cache=cache, use_cache=True).logits[0, -1])
-    return torch.stack(out)
-
-
-def check_stepwise_against_hf(runner: ModelRunner, hf, batched: bool = True) -> None:
-    """Prompts of 9 and 16 tokens (the original length is 12), 6 decode steps teacher-forced (logits within 1e-4;
-    `batched`: both rows in one step, so one row is on the short factors while the other is on the long ones),
-    then 16 greedy tokens identical to HF's generate from a 5-token prompt (switching at position 12)."""
-    from neuron_opt.runtime.generate import generate_ids
-    from neuron_opt.runtime.sampling import SamplingParams
-
-    g = torch.Generator().manual_seed(5)
-    prompts, steps = (9, 16), 6
-    seqs = [torch.randint(3, hf.config.vocab_size, (n + steps,), generator=g).tolist() for n in prompts]
-    refs = [hf_stepwise_logits(hf, s, n) for s, n in zip(seqs, prompts, strict=True)]
-    groups = [[0, 1]] if batched else [[0], [1]]
-    for group in groups:
-        for slot in group:
-            n = prompts[slot]
-            torch.testing.assert_close(runner.prefill(slot, seqs[slot][:n]), refs[slot][0], atol=1e-4, rtol=0)
-        for step in range(steps):
-            got = runner.decode([DecodeRow(slot, seqs[slot][prompts[slot] + step], prompts[slot] + step)
-                                 for slot in group])
-            for row, slot in enumerate(group):
-                torch.testing.assert_close(got[row], refs[slot][step + 1], atol=1e-4, rtol=0)
-    prompt, n = [1, 17, 42, 99, 5], 16
-    with torch.no_grad():
-        want = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           pad_token_id=0)[0, len(prompt):].tolist()
-    assert generate_ids(runner, NoTok(), prompt, SamplingParams(max_tokens=n, min_tokens=n), (2,)).token_ids == want
 
 
 def test_options_are_read_from_the_hf_config(tiny_dir):

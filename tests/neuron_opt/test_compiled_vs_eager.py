@@ -99,3 +99,39 @@ def test_recompile_with_one_bucket_added_compiles_only_that_bucket(runners, tmp_
     assert all(graphs[f"prefill_b1_q{s}_s768"] == graphs["prefill_b1_s16"] for s in PREFILL)
     again = compile_artifact(dataclasses.replace(req2, out=tmp_path / "art3"), log=lambda s: None, progress=False)
     assert not again.misses and len(again.hits) == len(old) + len(new)
+
+
+def test_the_kv_tier_restores_an_evicted_prefix_over_the_cpu_pools(runners):
+    """The second KV tier over the cpu executor's pools: a conversation's second turn, after a long prompt took
+    every block of the pool (33 of 32 positions) and evicted the first turn's, gets the same tokens as without the
+    tier, and the first turn's 3 full blocks come back from the tier instead of being prefilled."""
+    from helpers import NoTok
+
+    from neuron_opt.runtime.engine import Engine
+    from neuron_opt.runtime.kv_tier import KVTier
+
+    llm, _, _ = runners
+    runner, ex = llm.runner, llm.runner.executor
+    sp = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0)
+
+    def serve(engine: Engine, prompt: list[int]) -> list[int]:
+        got: list[int] = []
+        engine.add_request(str(len(prompt)), prompt, sp, lambda o: got.extend(o.new_token_ids))
+        while engine.step():
+            pass
+        return got
+
+    def conversation(tier: KVTier | None) -> tuple[list[int], int, int]:
+        engine = Engine(runner, NoTok(), (), max_num_batched_tokens=256, kv_tier=tier)
+        first = serve(engine, _prompt(100))
+        serve(engine, _prompt(1000))  # 32 blocks: the whole pool
+        turn2 = _prompt(100) + first + _prompt(20)
+        before = engine.stats.prefill_tokens
+        return serve(engine, turn2), engine.stats.prefill_tokens - before, len(turn2)
+
+    one = KVTier(ex.k_caches, ex.v_caches, 1 << 30).block_bytes
+    tier = KVTier(ex.k_caches, ex.v_caches, 40 * one)
+    with_tier, without = conversation(tier), conversation(None)
+    assert with_tier[0] == without[0]
+    assert without[1] == without[2] and with_tier[1] == with_tier[2] - 3 * 32
+    assert tier.stats.hits == 3 * 32 and tier.num_bytes <= tier.max_bytes

@@ -1,4 +1,5 @@
-"""The engine on the block KV cache: prefix caching, chunked prefill and preemption change no output.
+"""The engine on the block KV cache: prefix caching, chunked prefill, preemption and the second KV tier change no
+output.
 
 Oracle: the single-sequence reference loop (runtime/generate.py via `helpers.reference_generate`, whole prompts, no
 cache sharing) on the same tiny model (fp32, the real tokenizer). Every request of a workload with a long shared
@@ -8,6 +9,8 @@ pool is too small for the workload (requests are preempted and recomputed).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from helpers import reference_generate
@@ -16,7 +19,9 @@ from neuron_opt.api import LLM, build_model
 from neuron_opt.backends.eager import EagerExecutor
 from neuron_opt.buckets import BucketConfig
 from neuron_opt.config import CacheConfig
+from neuron_opt.runtime.block_manager import hash_block
 from neuron_opt.runtime.engine import Engine
+from neuron_opt.runtime.kv_tier import KVTier
 from neuron_opt.runtime.runner import ModelRunner
 from neuron_opt.runtime.sampling import SamplingParams
 
@@ -41,11 +46,18 @@ def setup(tiny_dir):
     torch.set_num_threads(threads)
 
 
-def engine_for(model, ref, num_blocks: int = 0, prefill_batch: int = 1, offset_prefill: bool = True, **kw) -> Engine:
+def engine_for(model, ref, num_blocks: int = 0, prefill_batch: int = 1, offset_prefill: bool = True,
+               tier_blocks: int = 0, disk=None, **kw) -> Engine:
+    """`tier_blocks`: a second KV tier of that many blocks' bytes (0: none); `disk`: its disk level's directory,
+    of 24 blocks."""
     cache = CacheConfig(max_batch=4, max_model_len=MAX_LEN, block_size=BS, num_blocks=num_blocks)
     buckets = BucketConfig.build(max_prompt_len=64, max_model_len=MAX_LEN, max_batch=4, min_prefill=16,
                                  min_decode=16, prefill_batch=prefill_batch, offset_prefill=offset_prefill)
-    runner = ModelRunner(EagerExecutor(model, cache), buckets, cache, ref.config.vocab_size)
+    executor = EagerExecutor(model, cache)
+    runner = ModelRunner(executor, buckets, cache, ref.config.vocab_size)
+    if tier_blocks:
+        one = KVTier(executor.k_caches, executor.v_caches, 1 << 40).block_bytes
+        kw["kv_tier"] = KVTier(executor.k_caches, executor.v_caches, tier_blocks * one, disk, 24 * (one + 16))
     return Engine(runner, ref.tokenizer, ref.eos_token_ids, **kw)
 
 
@@ -134,3 +146,44 @@ def test_prompts_beyond_the_largest_prefill_bucket_are_served_by_chunks(setup):
     whole = engine_for(model, ref, offset_prefill=False)
     with pytest.raises(Exception, match="maximum context length is 64"):
         whole.add_request("x", long_prompt, sp, lambda o: None)
+
+
+@pytest.mark.parametrize("tier,corrupt", [(None, None), ("ram", None), ("ram", 2), ("disk", None)])
+def test_a_returning_turn_is_restored_from_the_kv_tier_with_the_same_tokens(setup, tier, corrupt, tmp_path):
+    """A conversation's first turn, then other prompts that evict its blocks from a pool of 16, then its second
+    turn (the first turn's prompt and reply, and a new question): the same tokens as the reference whole-prompt
+    loop. With the tier, the second turn's blocks of the first turn come back from it, not prefilled (the prefill
+    token count shows it), and a corrupted entry (`corrupt`: its block index) ends the restored run: that block
+    and the rest are prefilled. "disk": RAM for 2 blocks, so the first turn's come back from the disk level."""
+    model, ref, prompts, _, _ = setup
+    sp = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0)
+    engine = engine_for(model, ref, num_blocks=17, tier_blocks={None: 0, "ram": 24, "disk": 2}[tier],
+                        disk=tmp_path if tier == "disk" else None, max_num_batched_tokens=64)
+    first = run(engine, [prompts[0]], [sp])[0]
+    for i in range(3):  # 7 blocks each: the first turn's are evicted (16 in the pool)
+        run(engine, [list(ref.tokenizer(f"Unrelated note {i}: the weather is mild. " * 4)["input_ids"])], [sp])
+    turn2 = prompts[0] + first + prompts[1][-10:]
+    kept = (len(prompts[0]) + len(first) - 1) // BS  # the first turn's blocks with K/V (its last token has none)
+    keys = [hash_block(None, turn2[:BS])]
+    for i in range(1, kept):
+        keys.append(hash_block(keys[-1], turn2[i * BS:(i + 1) * BS]))
+    if tier:
+        assert all(k in engine.kv_tier for k in keys)  # every one was evicted into the tier
+        t = engine.kv_tier
+        for _ in range(1000):  # the background thread hashes entries (and writes the disk level) off the engine's
+            if all(e.digest is not None for e in t.entries.values()) and not (t.disk and t.disk.pending):
+                break
+            time.sleep(0.01)
+        if corrupt is not None:
+            t.entries[keys[corrupt]].data[3] ^= 1
+    tokens, pool_hits = engine.stats.prefill_tokens, engine.prefix_cache_stats.hits
+    assert run(engine, [turn2], [sp])[0] == reference_generate(ref, turn2, sp).token_ids
+    assert engine.prefix_cache_stats.hits == pool_hits  # nothing of it was left in the pool
+    restored = 0 if not tier else kept if corrupt is None else corrupt
+    assert engine.stats.prefill_tokens - tokens == len(turn2) - restored * BS
+    if tier:
+        st = engine.kv_tier.stats
+        assert st.hits == restored * BS and st.corrupt == (corrupt is not None)
+        assert (st.restored_disk if tier == "disk" else st.restored_ram) == restored
+        assert corrupt is None or keys[corrupt] not in engine.kv_tier  # dropped, never used
+        assert engine.kv_tier.num_bytes <= engine.kv_tier.max_bytes

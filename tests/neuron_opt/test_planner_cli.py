@@ -153,3 +153,20 @@ def test_bad_arrival_flags_are_usage_errors(config_path: Path, capsys: pytest.Ca
     assert "rate" in capsys.readouterr().err
     assert main([*base, "--arrival", "together", "--rate", "2"]) == 2
     assert "rate" in capsys.readouterr().err
+
+
+def test_kv_per_token_and_where_a_context_fits(config_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Llama-3-8B: 128 KiB of KV per token in bf16 (32 layers x K,V x 8 heads x 128 x 2 B), 16 KiB per rank at tp 8;
+    its 8K context at batch 1 fits trn1.2xlarge at tp 2 and not tp 1 (AWS's sizing statement, docs/planner.md);
+    every Neuron instance is listed."""
+    argv = ["plan", "--model", str(config_path), "--instance", "inf2.48xlarge", "--tp", "8", "--input-len", "4096",
+            "--output-len", "4096"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "KV per token: 128.0 KiB (32 layers x K,V x 8 kv heads x 128 x bfloat16); 16.0 KiB per rank at tp 8" in out
+    assert "context 8192 tokens x batch 1 (bfloat16, KV bfloat16) fits:" in out
+    assert "  trn1.2xlarge    tp 2\n" in out
+    assert main([*argv, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["kv_bytes_per_token"] == {"model": 131072, "rank": 16384}
+    assert got["context_fits"]["trn1.2xlarge"] == 2 and set(got["context_fits"]) >= {"inf2.xlarge", "trn2.48xlarge"}

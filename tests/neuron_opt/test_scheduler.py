@@ -9,6 +9,7 @@ must end with exactly the tokens of an unpreempted run.
 
 from __future__ import annotations
 
+import time
 import zlib
 
 import pytest
@@ -228,6 +229,44 @@ def test_prefix_cache_hit_prefills_only_the_rest():
     s.add(c)
     (p,) = s.schedule().prefills
     assert (p.start, p.token_ids) == (8, tuple(shared[8:12]))
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_prefix_evicted_into_the_kv_tier_comes_back_and_a_damaged_entry_is_prefilled(chunked):
+    """A real KVTier over pools of the scheduler's 8 blocks: a prompt's 3 full blocks are evicted by another
+    prompt, copied into the tier as the pool hands them out, and restored into new blocks for the same prompt (the
+    prefill starts after them, the tier's counters say so); one damaged entry ends the restored run there."""
+    import torch
+
+    from neuron_opt.runtime.block_manager import hash_block
+    from neuron_opt.runtime.kv_tier import KVTier
+
+    pools = [torch.randn(8, 1, BS, 2) for _ in range(4)]  # [blocks, n_kv, BS, D]: K and V of 2 layers
+    tier = KVTier(pools[:2], pools[2:], 1 << 20)
+    s = Scheduler(1, kv(num_blocks=8, enable_chunked_prefill=chunked), tier=tier)
+    shared = list(range(100, 113))  # 13 tokens: 3 full blocks of 4, then the last token
+    drain(s, [Request("a", shared, 1)])
+    a_blocks = {b: [p[b].clone() for p in pools] for b in (1, 2, 3)}
+    drain(s, [Request("b", list(range(500, 527)), 1)])  # 7 blocks: the pool's, a's evicted
+    assert tier.stats.stored == 3 and s.blocks.cached_prefix(shared) == []
+    for damaged in (None, 1):
+        if damaged is not None:  # a's second block, damaged in the tier (its digest taken first)
+            key = hash_block(hash_block(None, shared[:BS]), shared[BS:2 * BS])
+            for _ in range(1000):  # the background thread's digest first
+                if tier.entries[key].digest is not None:
+                    break
+                time.sleep(0.01)
+            tier.entries[key].data[0] ^= 1
+            drain(s, [Request("fill", list(range(700, 727)), 1)])  # a's blocks out of the pool again
+        s.add(Request("c", shared, 1))
+        (p,) = s.schedule().prefills
+        restored = 3 if damaged is None else damaged
+        assert p.start == restored * BS and p.token_ids == tuple(shared[restored * BS:])
+        for i, b in enumerate(p.blocks[:restored]):
+            assert all(torch.equal(pool[b], want) for pool, want in zip(pools, a_blocks[i + 1], strict=True))
+        s.update("c", 1)
+        s.finish("c")
+    assert tier.stats.corrupt == 1 and tier.stats.hits == (3 + 1) * BS
 
 
 def test_without_prefix_caching_nothing_is_reused():

@@ -1,6 +1,7 @@
 """The model families on the neuron backend's device path (torch-xla's CPU device; tests/xla): every option of
 Qwen3, Gemma 2, Gemma 3, OLMo 2, Granite 3, SmolLM3, GPT-OSS (sinks, biased router and experts, YaRN) and Phi-3
-(longrope switching to its long factors at position 12, partial rotary, fused checkpoint projections) traced into
+(longrope switching to its long factors at position 12, partial rotary, fused checkpoint projections) and dynamic
+NTK rope scaling (its base grown per row past position 12) traced into
 the static bucket graphs, logits against the eager reference (itself checked against HF in tests/models), at tp 1
 and as one SPMD program at tp 2."""
 
@@ -34,7 +35,8 @@ def ckpt(tmp_path_factory):
     return get
 
 
-ALL = [*FAMILIES, "phi3-long", "gpt-oss"]  # gpt-oss: sinks, window 4, YaRN, biased router and experts
+# gpt-oss: sinks, window 4, YaRN, biased router and experts; llama-dynamic-rope: dynamic NTK past position 12
+ALL = [*FAMILIES, "phi3-long", "gpt-oss", "llama-dynamic-rope"]
 
 
 @pytest.mark.parametrize("variant", ALL)

@@ -1,0 +1,280 @@
+"""The second KV tier: prefix-cache blocks evicted from the process pool kept in bounded host memory, and copied
+back on a later prefix hit instead of being recomputed (vLLM's native CPU offloading, `--kv-offloading-size`).
+
+Design decisions
+- Keyed by the prefix-cache hash chain (runtime/block_manager.py `hash_block`): an entry is one block's K and V
+  of every layer, found by the same hash that named the block in the pool, so equal keys mean equal prefixes
+  (salted by a LoRA adapter's identity as in the pool).
+- Stored at eviction: when the pool hands out a free block that still holds a cached prefix block, the block's
+  bytes are copied out first (`store`, called by the block manager before the block is given to its new owner;
+  nothing writes a block between the scheduler's eviction and the step's graph calls). Blocks that are never
+  evicted cost the tier nothing. A block whose key the tier already holds is only marked recently used.
+- Restored at admission: the scheduler continues a prompt's hash chain past its pool hits while the tier holds
+  the next key, allocates pool blocks as for any prompt, and `load` copies the entries into them before the
+  step's graph calls; those tokens then count as computed, and the blocks are hashed into the pool as the
+  sequence commits them.
+- Integrity: every entry carries a blake2b digest of its bytes, taken off the engine thread by a background
+  thread (hashing releases the GIL). `load` recomputes it and compares: a mismatch (a corrupted entry) drops the
+  entry and ends the restored run there, so those blocks are recomputed, never used. An entry restored before
+  the background thread reached it is hashed at that moment and used as stored (it was copied an instant ago).
+- Bounded: entries are counted by their bytes against `max_bytes`; inserting evicts the least recently used
+  entries (a restore marks an entry used) until the new one fits.
+- An optional disk level (`disk_dir`, `disk_bytes`): what RAM evicts is written there by the background thread
+  (the entry stays readable from memory until its file is in place), one file per entry (its digest, then its
+  bytes), under its own size limit and LRU. The files live in a private (0700) directory made for this tier inside
+  `disk_dir` and removed with it: no other process's file is ever read. A restore reads the file on the engine
+  thread and checks its digest as above; the block is then in the pool, and back in RAM when the pool evicts it.
+- Host memory only: the pools of the executors that keep KV as CPU tensors in this process (the eager and cpu
+  backends at tp = 1; rank processes and device pools are refused here). Window-sized KV (a sliding-window layer
+  group with its own pool) is refused by the scheduler: its window group gives blocks back while the full group
+  keeps them, so one key would not name one set of bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from neuron_opt.errors import ConfigError
+
+log = logging.getLogger(__name__)
+GIB = 1 << 30
+DIGEST_BYTES = 16
+
+
+@dataclass
+class KVTierStats:
+    """Counters of the tier. Tokens, as vLLM counts its external prefix cache: `queries` are prompt tokens looked
+    up in the tier (those the pool did not hold, up to the prompt's last full block), `hits` those restored from
+    it. Blocks: `stored` copied in, `evicted` dropped for room (from the last level), `corrupt` found damaged
+    (dropped, recomputed), `restored_ram` / `restored_disk` copied back from each level."""
+
+    queries: int = 0
+    hits: int = 0
+    stored: int = 0
+    evicted: int = 0
+    corrupt: int = 0
+    restored_ram: int = 0
+    restored_disk: int = 0
+
+
+class _Entry:
+    __slots__ = ("data", "digest")
+
+    def __init__(self, data: torch.Tensor, digest: bytes | None = None) -> None:
+        self.data = data  # [bytes per block] uint8: every layer's K, then every layer's V
+        self.digest = digest  # set by the background thread (or by the first load that comes before it)
+
+
+def _digest(data: torch.Tensor) -> bytes:
+    return hashlib.blake2b(data.numpy().data, digest_size=DIGEST_BYTES).digest()
+
+
+def _byte_views(caches: Sequence[torch.Tensor], block: int) -> list[torch.Tensor]:
+    """One block of every layer's pool as flat uint8 views (writes through them land in the pool)."""
+    return [c[block].view(torch.uint8).reshape(-1) for c in caches]  # [n_kv, bs, D] -> [bytes]
+
+
+class _Disk:
+    """The disk level: files in a private directory, an LRU index of the keys written, the entries on their way."""
+
+    def __init__(self, parent: Path, max_bytes: int) -> None:
+        parent.mkdir(parents=True, exist_ok=True)
+        self.path = Path(tempfile.mkdtemp(prefix="kv-tier-", dir=parent))  # 0700, this tier's alone
+        self.max_bytes = max_bytes
+        self.index: OrderedDict[bytes, None] = OrderedDict()  # written files, LRU first
+        self.pending: dict[bytes, _Entry] = {}  # spilled from RAM, not yet written
+
+    def file(self, key: bytes) -> Path:
+        return self.path / key.hex()
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.index or key in self.pending
+
+
+class KVTier:
+    """A bounded LRU store of KV blocks in host memory (and optionally on disk), over one executor's pools.
+
+    Args:
+        k_caches, v_caches: the executor's per-layer K and V block pools [num_blocks, n_kv, block positions, D]
+            (host tensors; the tier reads and writes their blocks).
+        max_bytes: most bytes of entries held in RAM (`--kv-offloading-size` GiB).
+        disk_dir: a directory for the disk level (None: RAM only); `disk_bytes`: its size limit.
+    """
+
+    def __init__(self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor], max_bytes: int,
+                 disk_dir: Path | None = None, disk_bytes: int = 0) -> None:
+        if not k_caches or any(c.device.type != "cpu" for c in (*k_caches, *v_caches)):
+            raise ConfigError("kv_offloading_size: the KV tier copies blocks of pools in this process's memory; "
+                              "this executor keeps its KV elsewhere (rank processes or a device)",
+                              param="kv_offloading_size")
+        self.caches = (*k_caches, *v_caches)
+        self.block_bytes = sum(c[0].numel() * c.element_size() for c in self.caches)
+        for name, size in (("kv_offloading_size", max_bytes), ("kv_offloading_disk_size", disk_bytes)):
+            if (name == "kv_offloading_size" or disk_dir is not None) and size < self.block_bytes:
+                raise ConfigError(f"{name}: {size} bytes hold no block ({self.block_bytes} bytes each)", param=name)
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[bytes, _Entry] = OrderedDict()  # RAM, LRU first
+        self.disk = _Disk(disk_dir, disk_bytes) if disk_dir is not None else None
+        self.stats = KVTierStats()
+        self._lock = threading.Lock()  # entries, digests and the disk index: the engine thread and the worker
+        self._todo: queue.SimpleQueue[tuple[bytes, _Entry, bool] | None] = queue.SimpleQueue()  # (.., spill)
+        thread = threading.Thread(target=_work, args=(self._todo, self._lock, self.disk, self.stats),
+                                  name="neuron-opt-kv-tier", daemon=True)
+        thread.start()
+        weakref.finalize(self, self._todo.put, None)  # the thread ends (and removes the disk level) with the tier
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes held in RAM."""
+        return len(self.entries) * self.block_bytes
+
+    @property
+    def disk_num_bytes(self) -> int:
+        """Bytes of the disk level's files."""
+        return 0 if self.disk is None else len(self.disk.index) * (self.block_bytes + DIGEST_BYTES)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.entries or (self.disk is not None and key in self.disk)
+
+    def store(self, key: bytes, block: int) -> None:
+        """Copy pool block `block` (holding the prefix block named `key`) into the tier, making room by LRU (to the
+        disk level, when there is one). Called as the pool hands the block to a new owner, before anything writes
+        it."""
+        with self._lock:
+            if key in self.entries:
+                self.entries.move_to_end(key)
+                return
+            while self.num_bytes + self.block_bytes > self.max_bytes:
+                old_key, old = self.entries.popitem(last=False)
+                if self.disk is None:
+                    self.stats.evicted += 1
+                elif old_key not in self.disk:  # (one already there only leaves RAM)
+                    self.disk.pending[old_key] = old
+                    self._todo.put((old_key, old, True))  # written by the worker, in eviction order
+            entry = _Entry(torch.cat(_byte_views(self.caches, block)))  # [block_bytes], a copy
+            self.entries[key] = entry
+            self.stats.stored += 1
+        self._todo.put((key, entry, False))  # its digest
+
+    def load(self, keys: Sequence[bytes], blocks: Sequence[int]) -> int:
+        """Copy the entries named `keys` into pool blocks `blocks` (pairwise), checking each against its digest;
+        stops at the first entry that is missing or corrupted (dropped). Returns how many blocks were loaded."""
+        for n, (key, block) in enumerate(zip(keys, blocks, strict=True)):
+            entry, level = self._take(key)
+            if entry is None:
+                return n
+            offset = 0
+            for view in _byte_views(self.caches, block):
+                view.copy_(entry.data[offset:offset + view.numel()])
+                offset += view.numel()
+            if level == "disk":
+                self.stats.restored_disk += 1
+            else:
+                self.stats.restored_ram += 1
+        return len(keys)
+
+    def _take(self, key: bytes) -> tuple[_Entry | None, str]:
+        """The verified entry named `key` and the level it came from; (None, "") when missing or damaged."""
+        with self._lock:
+            entry, level = self.entries.get(key), "ram"
+            if entry is not None:
+                self.entries.move_to_end(key)
+            elif self.disk is not None and key in self.disk.pending:
+                entry, level = self.disk.pending[key], "ram"  # not written yet: still in memory
+            elif self.disk is not None and key in self.disk.index:
+                level = "disk"
+            else:
+                return None, ""
+            digest = entry.digest if entry is not None else None
+        if level == "disk":
+            assert self.disk is not None
+            try:
+                raw = self.disk.file(key).read_bytes()
+            except OSError as e:  # removed for room since the check above, or unreadable: a miss
+                with self._lock:
+                    if self.disk.index.pop(key, 0) is None:
+                        log.warning("kv tier: %s unreadable (%s); recomputing its block", self.disk.file(key), e)
+                return None, ""
+            digest = raw[:DIGEST_BYTES]
+            entry = _Entry(torch.frombuffer(bytearray(raw[DIGEST_BYTES:]), dtype=torch.uint8), digest)
+        assert entry is not None
+        if digest is None:  # copied in moments ago, before the worker reached it
+            with self._lock:
+                entry.digest = _digest(entry.data)
+        elif entry.data.numel() != self.block_bytes or _digest(entry.data) != digest:
+            self._drop(key, entry, level)
+            return None, ""
+        if level == "disk":  # marked used there; the pool holds it now, and gives it back to RAM when it evicts it
+            with self._lock:
+                if key in self.disk.index:  # type: ignore[union-attr]
+                    self.disk.index.move_to_end(key)  # type: ignore[union-attr]
+        return entry, level
+
+    def _drop(self, key: bytes, entry: _Entry, level: str) -> None:
+        """A damaged entry: counted, and forgotten at its level (its file removed)."""
+        with self._lock:
+            self.stats.corrupt += 1
+            if level == "ram" and self.entries.get(key) is entry:
+                del self.entries[key]
+            elif level == "ram" and self.disk is not None and self.disk.pending.get(key) is entry:
+                del self.disk.pending[key]
+            elif level == "disk" and self.disk is not None and key in self.disk.index:
+                del self.disk.index[key]
+                self.disk.file(key).unlink(missing_ok=True)
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted prompt's tokens looked up here (past its pool hits) and restored."""
+        self.stats.queries += num_tokens
+        self.stats.hits += num_hit_tokens
+
+
+def _work(todo: queue.SimpleQueue[tuple[bytes, _Entry, bool] | None], lock: threading.Lock, disk: _Disk | None,
+          stats: KVTierStats) -> None:
+    """The background thread: each stored entry's digest, and the disk level's writes (an entry RAM evicted:
+    digest and bytes to a temporary file, renamed into place, then indexed; the oldest files removed for room).
+    Ends, removing the disk level's directory, when the tier is gone."""
+    while (item := todo.get()) is not None:
+        key, entry, spill = item
+        digest = entry.digest or _digest(entry.data)
+        with lock:
+            if entry.digest is None:
+                entry.digest = digest
+            spill = spill and disk is not None and disk.pending.get(key) is entry  # (not damaged and dropped since)
+        if not spill:
+            continue
+        assert disk is not None
+        tmp = disk.path / (key.hex() + ".tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(digest)
+                f.write(entry.data.numpy().data)
+            os.replace(tmp, disk.file(key))
+        except OSError as e:
+            log.warning("kv tier: writing %s failed (%s); the block is dropped", tmp, e)
+            tmp.unlink(missing_ok=True)
+            with lock:
+                disk.pending.pop(key, None)
+                stats.evicted += 1
+            continue
+        with lock:
+            disk.pending.pop(key, None)
+            disk.index[key] = None
+            while len(disk.index) * (entry.data.numel() + DIGEST_BYTES) > disk.max_bytes:
+                old, _ = disk.index.popitem(last=False)
+                disk.file(old).unlink(missing_ok=True)
+                stats.evicted += 1
+    if disk is not None:
+        shutil.rmtree(disk.path, ignore_errors=True)
