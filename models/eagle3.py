@@ -182,6 +182,7 @@ class Eagle3Head(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self._shared_embed: torch.Tensor | None = None
+        self.aux_layer_ids: tuple[int, ...] = cfg.aux_layer_ids or ()  # the target's, once checked against it
 
     def share_embedding(self, weight: torch.Tensor) -> None:
         """Use the target's embedding table [V, H] (a head saved without its own)."""
@@ -210,14 +211,18 @@ class Eagle3Head(nn.Module):
         shape = (num_slots, self.max_model_len, lc.num_key_value_heads, lc.head_dim)
         return torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
 
-    def step(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-             k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_layer(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                      slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """One layer pass: tokens [B, S] (each the token after its position's hidden state), hidden inputs
-        [B, S, H] (`project`ed target states, or the chain's `feedback`), positions [B, S], KV slots [B].
-        Returns (fp32 logits over the draft vocabulary [B, S, V_draft], the layer's output [B, S, H])."""
+        [B, S, H] (`project`ed target states, or the chain's fed-back state), positions [B, S], KV slots [B].
+        Returns the layer's output [B, S, H] (`logits` takes it from there)."""
         cos = self.rope_cos[positions].to(hidden.dtype)[:, :, None, :]
         sin = self.rope_sin[positions].to(hidden.dtype)[:, :, None, :]
-        h = self.midlayer(self.embed(token_ids), hidden, cos, sin, positions, slots, k_cache, v_cache)
+        return self.midlayer(self.embed(token_ids), hidden, cos, sin, positions, slots, k_cache, v_cache)
+
+    def logits(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp32 logits over the draft vocabulary, the hidden input of the chain's next position) of layer
+        outputs `h` [..., H]."""
         if self.cfg.norm_output:
             h = self.norm(h)
             return self.lm_head(h).float(), h

@@ -92,13 +92,14 @@ def _ours(head: Eagle3Head, aux: torch.Tensor, ids: torch.Tensor) -> tuple[torch
     k, v = head.kv_cache(2, torch.float32)
     slot = torch.tensor([1])
     n = ids.shape[1]
-    logits, h = head.step(ids, head.project(aux), torch.arange(n)[None], slot, k, v)
+    logits, h = head.logits(head.forward_layer(ids, head.project(aux), torch.arange(n)[None], slot, k, v))
     first, chain = logits[0], []
     for step in range(K):
         t = int(head.to_target(logits[0, -1].argmax()))
         chain.append(t)
         if step < K - 1:
-            logits, h = head.step(torch.tensor([[t]]), h[:, -1:], torch.tensor([[n + step]]), slot, k, v)
+            logits, h = head.logits(head.forward_layer(torch.tensor([[t]]), h[:, -1:], torch.tensor([[n + step]]),
+                                                       slot, k, v))
     return first, chain
 
 
