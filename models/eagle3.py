@@ -19,6 +19,7 @@ One top-down file: config -> decoder layer -> head -> weight names of the two pu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -181,21 +182,22 @@ class Eagle3Head(nn.Module):
             cos, sin = rope_tables(lc, max_model_len)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self._shared_embed: torch.Tensor | None = None
+        self._shared_embed: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.aux_layer_ids: tuple[int, ...] = cfg.aux_layer_ids or ()  # the target's, once checked against it
 
-    def share_embedding(self, weight: torch.Tensor) -> None:
-        """Use the target's embedding table [V, H] (a head saved without its own)."""
+    def share_embedding(self, embed: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Use the target's token embeddings (`embed(ids)` -> unscaled rows [..., H]) for a head saved without its
+        own."""
         if self.embed_tokens is not None:
             raise ValueError("eagle3: this head has its own embed_tokens")
-        self._shared_embed = weight
+        self._shared_embed = embed
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
             return self.embed_tokens(ids)
         if self._shared_embed is None:
-            raise ValueError("eagle3: the head has no embed_tokens; share_embedding(target table) first")
-        return F.embedding(ids, self._shared_embed).to(self.fc.weight.dtype)
+            raise ValueError("eagle3: the head has no embed_tokens; share_embedding(the target's) first")
+        return self._shared_embed(ids).to(self.fc.weight.dtype)
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's concatenated auxiliary states [..., n_aux * H_target] -> the layer's hidden input [..., H]."""

@@ -82,7 +82,7 @@ def load_eagle3(model: str | Path, target: LoadedModel) -> Eagle3Head:
     head = load_head(path, target.runner.max_model_len, torch_dtype(target.dtype))
     head.aux_layer_ids = check_head(head.cfg, target.model_config, str(model))
     if head.embed_tokens is None:
-        head.share_embedding(target.runner.input_embeddings())
+        head.share_embedding(target.runner.embedding_fn())
     return head
 
 

@@ -49,9 +49,9 @@ class EagerExecutor:
             raise ValueError(f"{type(self.model).__name__} returns no hidden states")
         self.aux_layers = tuple(layer_ids)
 
-    def input_embeddings(self) -> torch.Tensor:
-        """The token embedding table [V, H] (tp 1: the whole table)."""
-        return self.model.model.embed_tokens.weight
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The token embedding rows of `ids` (tp 1: the whole table), unscaled."""
+        return torch.nn.functional.embedding(ids, self.model.model.embed_tokens.weight)
 
     def load_lora(self, slot: int, adapter: LoraAdapter) -> None:
         load_into_slot(self.lora_stacks, slot, adapter, self.model)

@@ -184,7 +184,7 @@ class ModelRunner:
         capture = getattr(self.executor, "capture_aux_hidden", None)
         if capture is None:
             raise ConfigError("speculative_method: eagle3 reads the model's hidden states, which this executor's "
-                              "graphs do not return (the eager backend's do: run the checkpoint at tp 1)",
+                              "graphs do not return (the eager and cpu backends' do, at tp 1)",
                               param="speculative_method")
         capture(tuple(layer_ids))
 
@@ -197,14 +197,15 @@ class ModelRunner:
             raise ValueError("no auxiliary hidden states: capture_aux_hidden first")
         return aux
 
-    def input_embeddings(self) -> torch.Tensor:
-        """The model's token embedding table [V, H] (an EAGLE-3 head saved without its own shares it)."""
-        table = getattr(self.executor, "input_embeddings", None)
-        if table is None:
+    def embedding_fn(self) -> Any:
+        """The model's token embeddings as a function of token ids (unscaled rows [..., H]), which an EAGLE-3 head
+        saved without its own shares; ConfigError on an executor that does not hold the table."""
+        embed = getattr(self.executor, "embed", None)
+        if embed is None:
             raise ConfigError("speculative_model: the eagle3 head has no embed_tokens of its own and this executor "
-                              "does not share the model's (the eager backend at tp 1 does)",
+                              "does not share the model's (the eager and cpu backends at tp 1 do)",
                               param="speculative_model")
-        return table()
+        return embed
 
     @property
     def lora_config(self) -> Any:

@@ -224,3 +224,25 @@ def test_cli_generate_and_serve_flags_take_an_eagle3_head(setup, tiny_dir, capsy
     built = build_engine(args)
     assert isinstance(built.proposer, Eagle3Proposer) and built.proposer.num_slots == 3
     assert built.spec.method == "eagle3"
+
+
+@pytest.mark.slow  # a cpu artifact's compile (prefill, decode and verify layer graphs, two heads)
+def test_cpu_artifact_runs_an_eagle3_head_exactly(setup, tiny_dir, tmp_path):
+    """The cpu backend hands over the stream between its layer graphs (no other graphs): greedy through a
+    compiled artifact with the head equals eager plain greedy, for four prompts in turn."""
+    from neuron_opt.compiler import CompileRequest, compile_artifact
+
+    llm, ref, head_dir = setup
+    req = CompileRequest(model=str(tiny_dir("smollm-tok")), out=tmp_path / "art", backend="cpu", dtype="float32",
+                         batch_size=1, max_model_len=128, prefill_buckets=(64,), decode_buckets=(128,),
+                         cache_dir=tmp_path / "cache", num_speculative_tokens=K)
+    compile_artifact(req, log=lambda s: None, progress=False)
+    compiled = LLM(tmp_path / "art")
+    prompts = _prompts(llm)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (30, 12, 25, 20)]
+    spec = SpeculativeConfig(K, "eagle3", adaptive=False, model=str(head_dir))
+    outs = compiled.generate_batch(prompts, params, speculative=spec)
+    for p, sp, out in zip(prompts, params, outs, strict=True):
+        assert out.token_ids == reference_generate(ref, p, sp).token_ids
+    _, stats = compiled.generate_ids_speculative(prompts[0], params[0], spec)
+    assert stats.verify_steps > 0 and stats.draft_tokens > 0
