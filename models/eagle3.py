@@ -93,10 +93,9 @@ class Eagle3Attention(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(D, cfg.rms_norm_eps), RMSNorm(D, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """x [B, S, 2H] at `positions` [B, S] of the sequences in KV slots `slots` [B]; writes their K/V into
-        k_cache/v_cache [num_slots, max_len, n_kv, D] and attends over each slot's positions <= the query's."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVSource) -> torch.Tensor:
+        """x [B, S, 2H]; `kv` takes this step's K/V and gives what the queries attend over (`SlotKV`: the head's
+        KV slots at inference; training-time test: every step's keys under its mask)."""
         B, S, _ = x.shape
         q = self.q_proj(x).view(B, S, self.n, self.D)
         k = self.k_proj(x).view(B, S, self.nkv, self.D)
@@ -104,18 +103,34 @@ class Eagle3Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache[slots[:, None], positions] = k.to(k_cache.dtype)
-        v_cache[slots[:, None], positions] = v.to(v_cache.dtype)
-        kv_len = int(positions.max()) + 1
-        keys = k_cache[slots, :kv_len].transpose(1, 2)  # [B, n_kv, kv_len, D]
-        values = v_cache[slots, :kv_len].transpose(1, 2)
+        keys, values, mask = kv(k, v)  # [B, kv, n_kv, D] each, mask [B, S, kv] (True: visible)
+        keys, values = keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype)
         if self.n != self.nkv:
             keys = keys.repeat_interleave(self.n // self.nkv, dim=1)
             values = values.repeat_interleave(self.n // self.nkv, dim=1)
-        mask = torch.arange(kv_len)[None, None, :] <= positions[:, :, None]  # [B, S, kv_len]
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
-                                             attn_mask=mask[:, None], scale=self.D ** -0.5)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask[:, None],
+                                             scale=self.D ** -0.5)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, self.n * self.D))
+
+
+KVSource = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+class SlotKV:
+    """Inference K/V: the step's tokens at `positions` [B, S] of the sequences in KV slots `slots` [B] write
+    k_cache/v_cache [num_slots, max_len, n_kv, D] there, and attend over their slot's positions <= their own."""
+
+    def __init__(self, positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor) -> None:
+        self.positions, self.slots, self.k_cache, self.v_cache = positions, slots, k_cache, v_cache
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        pos, slots = self.positions, self.slots
+        self.k_cache[slots[:, None], pos] = k.to(self.k_cache.dtype)
+        self.v_cache[slots[:, None], pos] = v.to(self.v_cache.dtype)
+        kv_len = int(pos.max()) + 1
+        mask = torch.arange(kv_len)[None, None, :] <= pos[:, :, None]  # [B, S, kv_len]
+        return self.k_cache[slots, :kv_len], self.v_cache[slots, :kv_len], mask
 
 
 class Eagle3MLP(nn.Module):
@@ -145,14 +160,13 @@ class Eagle3Layer(nn.Module):
         self.norm_before_residual = cfg.norm_before_residual
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor) -> torch.Tensor:
+                kv: KVSource) -> torch.Tensor:
         residual = hidden
         hidden = self.hidden_norm(hidden)
         if self.norm_before_residual:
             residual = hidden
         x = torch.cat([self.input_layernorm(embeds), hidden], dim=-1)
-        x = residual + self.self_attn(x, cos, sin, positions, slots, k_cache, v_cache)
+        x = residual + self.self_attn(x, cos, sin, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -218,9 +232,15 @@ class Eagle3Head(nn.Module):
         """One layer pass: tokens [B, S] (each the token after its position's hidden state), hidden inputs
         [B, S, H] (`project`ed target states, or the chain's fed-back state), positions [B, S], KV slots [B].
         Returns the layer's output [B, S, H] (`logits` takes it from there)."""
+        return self.run_layer(token_ids, hidden, positions, SlotKV(positions, slots, k_cache, v_cache))
+
+    def run_layer(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                  kv: KVSource) -> torch.Tensor:
+        """The layer over tokens [B, S] and hidden inputs [B, S, H] at `positions` [B, S], attending as `kv` says
+        (`forward_layer`: the head's KV slots; the trainer: the training-time test's steps)."""
         cos = self.rope_cos[positions].to(hidden.dtype)[:, :, None, :]
         sin = self.rope_sin[positions].to(hidden.dtype)[:, :, None, :]
-        return self.midlayer(self.embed(token_ids), hidden, cos, sin, positions, slots, k_cache, v_cache)
+        return self.midlayer(self.embed(token_ids), hidden, cos, sin, kv)
 
     def logits(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(fp32 logits over the draft vocabulary, the hidden input of the chain's next position) of layer
