@@ -184,7 +184,7 @@ class ModelRunner:
         capture = getattr(self.executor, "capture_aux_hidden", None)
         if capture is None:
             raise ConfigError("speculative_method: eagle3 reads the model's hidden states, which this executor's "
-                              "graphs do not return (the eager and cpu backends' do, at tp 1)",
+                              "graphs do not return (the eager backend's, at any tp, and the cpu backend's do)",
                               param="speculative_method")
         capture(tuple(layer_ids))
 
@@ -203,7 +203,7 @@ class ModelRunner:
         embed = getattr(self.executor, "embed", None)
         if embed is None:
             raise ConfigError("speculative_model: the eagle3 head has no embed_tokens of its own and this executor "
-                              "does not share the model's (the eager and cpu backends at tp 1 do)",
+                              "does not share the model's (the eager and cpu backends do)",
                               param="speculative_model")
         return embed
 

@@ -246,3 +246,26 @@ def test_cpu_artifact_runs_an_eagle3_head_exactly(setup, tiny_dir, tmp_path):
         assert out.token_ids == reference_generate(ref, p, sp).token_ids
     _, stats = compiled.generate_ids_speculative(prompts[0], params[0], spec)
     assert stats.verify_steps > 0 and stats.draft_tokens > 0
+
+
+def test_tp2_rank_processes_hand_over_their_states_and_stay_exact(setup, tiny_dir):
+    """Eager tp 2 (rank processes): rank 0 sends the streams (whole on every rank) with the logits, the ranks
+    gather the shared embeddings; greedy with the head equals the one-rank plain loop's."""
+    from neuron_opt.config import ParallelConfig
+
+    _, ref, head_dir = setup
+    tp = LLM(tiny_dir("smollm-tok"), batch_size=2, max_model_len=128, num_speculative_tokens=K,
+             parallel=ParallelConfig(tp=2))
+    try:
+        prompts = _prompts(tp)[:2]
+        params = SamplingParams(max_tokens=20, ignore_eos=True)
+        spec = SpeculativeConfig(K, "eagle3", adaptive=False, model=str(head_dir))
+        outs = tp.generate_batch(prompts, params, speculative=spec)
+        for p, out in zip(prompts, outs, strict=True):
+            assert out.token_ids == reference_generate(ref, p, params).token_ids
+        _, stats = tp.generate_ids_speculative(prompts[0], params, spec)
+        assert stats.verify_steps > 0 and stats.draft_tokens > 0
+        ids = torch.tensor([[5, 77, 49151]])
+        torch.testing.assert_close(tp.runner.embedding_fn()(ids), ref.runner.embedding_fn()(ids))
+    finally:
+        tp.runner.executor.close()
