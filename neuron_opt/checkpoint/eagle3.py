@@ -8,8 +8,8 @@
   `draft_vocab_size`, `eagle_aux_hidden_state_layer_ids`, `norm_before_residual` (and `norm_before_fc`, `fc_norm`,
   `norm_output`, `target_hidden_size`), tensors under `layers.0.*` for the layer.
 
-Weights are safetensors only (`model.safetensors` or a sharded index; pickled `.bin` heads are refused with how to
-convert them). `t2d` (which target tokens the draft vocabulary has) is not needed to propose and is not kept.
+Weights are safetensors only (`model.safetensors` or a sharded index; pickled `.bin` heads are refused). `t2d`
+(which target tokens the draft vocabulary has) is not needed to propose and is not kept.
 `check_head` refuses a head that does not fit the target (vocabulary, hidden size, layer ids), naming the field.
 """
 
@@ -57,6 +57,10 @@ def read_head_config(root: Path) -> tuple[Eagle3Config, str, dict[str, torch.Ten
         raise CheckpointError(f"eagle3 head {root}: no config.json")
     raw = read_json_capped(cfg_path, CheckpointError, "eagle3 head")
     tensors: dict[str, torch.Tensor] = {}
+    if not (root / "model.safetensors").is_file() and not (root / "model.safetensors.index.json").is_file() \
+            and any(root.glob(p) for p in ("*.bin", "*.pt", "*.pth")):
+        raise CheckpointError(f"eagle3 head {root}: only pickled weights (*.bin), which are never unpickled; we read "
+                              "safetensors only (most heads are published with model.safetensors too)")
     for f in weight_files(root):
         try:
             tensors.update(load_file(str(f)))

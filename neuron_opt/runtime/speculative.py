@@ -1,7 +1,7 @@
 """Speculative decoding: propose k tokens cheaply, score them in one verify graph call, keep the longest prefix
 the target model agrees with (plus one token of its own).
 
-- Proposers (the `Proposer` protocol; an EAGLE-style head would be a third):
+- Proposers (the `Proposer` protocol):
   prompt lookup (`method="ngram"`, vLLM's name). The last n tokens of the sequence (n from `prompt_lookup_max`
   down to `prompt_lookup_min`) are searched for earlier in the prompt and the text so far; the k tokens that
   followed their most recent earlier occurrence are the proposal. No model, no device work; pays on
@@ -10,6 +10,9 @@ the target model agrees with (plus one token of its own).
   ModelRunner (its own artifact and buckets, or eager) with its own KV slot per sequence, decodes k tokens
   greedily. It keeps the tokens its slot holds K/V for and, each step, first feeds what the target emitted
   since (the bonus token, and the last proposal when all were accepted): no rollback, only a shorter prefix.
+  an EAGLE-3 head (`method="eagle3"`, `model=` its directory; `Eagle3Proposer`): one decoder layer over the
+  target's own hidden states, which the engine hands over after each graph call (`observe_hidden`), chained k
+  steps greedily with its own one-layer KV per sequence.
 - Acceptance (`accept`), position by position over the verify logits, with the request's own sampling
   (penalties, banned tokens, temperature, top-k/top-p) applied to each position's logits exactly as `sample_one`
   does for a decode step:
