@@ -6,8 +6,10 @@
 2. Hidden states, captured once per sequence with one forward over it: the streams entering the head's layers
    ([n, n_aux * H]) and the last layer's output ([n, H], which gives the model's logits through its own final norm
    and LM head on the fly). Saved to `<out>/data.pt` and reused by a resumed run.
-3. The head: one Llama layer shaped like the model's, over the model's full vocabulary (no d2t), its `norm` and
-   `lm_head` initialised from the model's final norm and LM head, the model's embeddings shared (frozen).
+3. The head: one Llama layer shaped like the model's, over the model's full vocabulary or (`draft_vocab_size`)
+   the data's most frequent tokens, mapped back by d2t; its `norm` and `lm_head` initialised from the model's final
+   norm and LM head (those tokens' rows), the model's embeddings shared (frozen). The loss then compares the
+   distributions over the draft vocabulary, the model's restricted to it (as speculators trains).
 4. The training-time-test objective of EAGLE-3 (as speculators trains it): step 0 reads the model's states and
    token i + 1 at every position i; step s > 0 feeds back step s - 1's layer outputs with the true token
    i + 1 + s, at position i + s, attending to step 0's keys at positions <= i and to its own earlier steps' keys
@@ -97,10 +99,14 @@ class TrainConfig:
     checkpoint_every: int = 100
     seed: int = 0
     aux_layers: tuple[int, ...] | None = None  # None: (2, L // 2, L - 3)
+    draft_vocab_size: int | None = None  # the data's most frequent tokens (d2t); None: the model's whole vocabulary
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.ttt_steps < 1 or self.checkpoint_every < 1 or self.max_new_tokens < 1:
             raise ConfigError("train-eagle3: steps, ttt_steps, checkpoint_every and max_new_tokens must be >= 1")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 2:
+            raise ConfigError(f"draft_vocab_size: must be >= 2, got {self.draft_vocab_size}",
+                              param="draft_vocab_size")
 
 
 def model_parts(llm: Any) -> Any:
@@ -112,9 +118,19 @@ def model_parts(llm: Any) -> Any:
     return model
 
 
-def new_head(llm: Any, aux_layers: tuple[int, ...]) -> Eagle3Head:
-    """A head shaped like the model's layers, over its vocabulary; norm and LM head from the model's, the model's
-    embeddings shared."""
+def draft_vocabulary(data: Sequence[dict[str, torch.Tensor]], vocab_size: int, n: int | None) -> torch.Tensor | None:
+    """The target ids of the draft vocabulary, ascending: the `n` tokens most frequent in the data (ties: the lower
+    id); None for the whole vocabulary (n None or not smaller than it)."""
+    if n is None or n >= vocab_size:
+        return None
+    counts = torch.bincount(torch.cat([d["ids"] for d in data]), minlength=vocab_size).double()
+    counts -= torch.arange(vocab_size, dtype=torch.float64) / (2 * vocab_size)  # ties: the lower id first
+    return torch.sort(torch.topk(counts, n).indices).values
+
+
+def new_head(llm: Any, aux_layers: tuple[int, ...], draft_ids: torch.Tensor | None = None) -> Eagle3Head:
+    """A head shaped like the model's layers, over its vocabulary (or the target ids `draft_ids`, mapped back by
+    d2t); norm and LM head from the model's, the model's embeddings shared."""
     from neuron_opt.config import ModelConfig
 
     mc, model = llm.config, model_parts(llm)
@@ -124,11 +140,15 @@ def new_head(llm: Any, aux_layers: tuple[int, ...]) -> Eagle3Head:
         num_attention_heads=mc.num_attention_heads, num_key_value_heads=mc.num_key_value_heads,
         head_dim=mc.head_dim, rms_norm_eps=mc.rms_norm_eps, max_position_embeddings=mc.max_position_embeddings,
         rope_parameters=dict(mc.rope)))
-    cfg = Eagle3Config(layer=layer, draft_vocab_size=mc.vocab_size, aux_layer_ids=tuple(aux_layers))
+    ids = torch.arange(mc.vocab_size) if draft_ids is None else draft_ids
+    cfg = Eagle3Config(layer=layer, draft_vocab_size=len(ids), aux_layer_ids=tuple(aux_layers),
+                       has_vocab_map=draft_ids is not None)
     head = Eagle3Head(cfg, llm.runner.max_model_len)
     with torch.no_grad():
         head.norm.weight.copy_(model.model.norm.weight.float())
-        head.lm_head.weight.copy_(model.lm_head.weight[:mc.vocab_size].float())
+        head.lm_head.weight.copy_(model.lm_head.weight[ids].float())
+        if draft_ids is not None:
+            head.d2t.copy_(draft_ids - torch.arange(len(ids)))
     head.aux_layer_ids = tuple(aux_layers)
     head.share_embedding(lambda ids: F.embedding(ids, model.model.embed_tokens.weight).detach())
     return head
@@ -203,6 +223,10 @@ def save_speculators(head: Eagle3Head, out: Path, verifier: str) -> None:
     cfg, lc = head.cfg, head.cfg.layer
     tensors = {(("layers.0." + k[len("midlayer."):]) if k.startswith("midlayer.") else k): v.detach().contiguous()
                for k, v in head.state_dict().items()}
+    if cfg.has_vocab_map:  # speculators stores which target tokens the draft has beside d2t
+        t2d = torch.zeros(lc.vocab_size, dtype=torch.bool)
+        t2d[torch.arange(cfg.draft_vocab_size) + head.d2t] = True
+        tensors["t2d"] = t2d
     save_file(tensors, str(out / "model.safetensors"))
     layer = dict(model_type="llama", vocab_size=lc.vocab_size, hidden_size=lc.hidden_size,
                  intermediate_size=lc.intermediate_size, num_hidden_layers=1,
@@ -247,9 +271,10 @@ def train(llm: Any, chats: Sequence[list[dict[str, Any]]], cfg: TrainConfig, ver
         torch.save(data, data_path)
         log(f"data: {len(data)} sequences, {sum(len(d['ids']) for d in data)} tokens -> {data_path}")
     model = model_parts(llm)
+    draft_ids = draft_vocabulary(data, llm.config.vocab_size, cfg.draft_vocab_size)
     with torch.random.fork_rng():  # the layer's initial weights from the run's seed (a resumed run's match)
         torch.manual_seed(cfg.seed)
-        head = new_head(llm, aux_layers)
+        head = new_head(llm, aux_layers, draft_ids)
     params = [p for p in head.parameters()]
     for p in params:
         p.requires_grad_(True)
@@ -262,8 +287,9 @@ def train(llm: Any, chats: Sequence[list[dict[str, Any]]], cfg: TrainConfig, ver
         step = int(ck["step"])
         log(f"resumed at step {step} from {ckpt_path}")
 
-    def target_logits(h: torch.Tensor) -> torch.Tensor:
-        return model.finish_logits(model.lm_head(model.model.norm(h.to(model.lm_head.weight.dtype))).float())
+    def target_logits(h: torch.Tensor) -> torch.Tensor:  # over the draft vocabulary (speculators' verifier head)
+        logits = model.finish_logits(model.lm_head(model.model.norm(h.to(model.lm_head.weight.dtype))).float())
+        return logits[:, :llm.config.vocab_size] if draft_ids is None else logits[:, draft_ids]
 
     def checkpoint() -> None:
         torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "step": step}, ckpt_path)

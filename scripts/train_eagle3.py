@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (default 100)")
     p.add_argument("--aux-layers", type=int, nargs=3, default=None, metavar="ID",
                    help="the model layers whose input states the head reads (default 2, L/2, L-3)")
+    p.add_argument("--draft-vocab-size", type=int, default=None, metavar="N",
+                   help="propose among the N tokens most frequent in the data (default: the whole vocabulary); a "
+                        "smaller LM head makes each proposal cheaper")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
@@ -40,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     chats = read_prompts(args.prompts) if args.prompts else [[{"role": "user", "content": t}] for t in SEED_PROMPTS]
     cfg = TrainConfig(out=args.out, steps=args.steps, ttt_steps=args.ttt_steps, lr=args.lr,
                       max_new_tokens=args.max_new_tokens, checkpoint_every=args.checkpoint_every, seed=args.seed,
-                      aux_layers=tuple(args.aux_layers) if args.aux_layers else None)
+                      aux_layers=tuple(args.aux_layers) if args.aux_layers else None,
+                      draft_vocab_size=args.draft_vocab_size)
     llm = LLM(args.model, batch_size=4, max_model_len=args.max_model_len)
     train(llm, chats, cfg, verifier=str(args.model))
     print(f"head: {args.out} (--speculative-method eagle3 --speculative-model {args.out})")

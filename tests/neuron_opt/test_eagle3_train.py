@@ -100,3 +100,32 @@ def test_the_script_parses_its_flags():
     out = subprocess.run([sys.executable, str(root / "scripts" / "train_eagle3.py"), "--help"], capture_output=True,
                          text=True, check=True).stdout
     assert "--prompts" in out and "--aux-layers" in out
+
+
+def test_a_reduced_draft_vocabulary_holds_the_datas_most_frequent_tokens(llm, tmp_path):
+    """--draft-vocab-size N: the head proposes among the N tokens most frequent in the captured data, mapped back
+    by d2t (and t2d saved beside it, as speculators does); the saved head loads, and speculation with it stays
+    exact."""
+    from collections import Counter
+
+    from helpers import reference_generate
+
+    from neuron_opt.api import load_eagle3
+
+    N = 32
+    train(llm, CHATS[:4], TrainConfig(out=tmp_path, steps=2, max_new_tokens=16, aux_layers=(0, 1, 2),
+                                      draft_vocab_size=N), "tiny", progress=False)
+    data = torch.load(tmp_path / "data.pt", weights_only=True)
+    counts = Counter(int(t) for d in data for t in d["ids"])
+    assert len(counts) > N
+    want = sorted(sorted(counts, key=lambda t: (-counts[t], t))[:N])
+    head = load_eagle3(tmp_path, llm.loaded)
+    assert head.cfg.draft_vocab_size == N
+    assert head.to_target(torch.arange(N)).tolist() == want
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert saved["t2d"].nonzero().flatten().tolist() == want
+    prompt = llm.encode_chat(CHATS[20])
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    out, st = llm.generate_ids_speculative(prompt, params, SpeculativeConfig(K, "eagle3", adaptive=False,
+                                                                             model=str(tmp_path)))
+    assert out.token_ids == reference_generate(llm, prompt, params).token_ids and st.draft_tokens > 0
