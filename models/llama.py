@@ -670,15 +670,35 @@ class LlamaForCausalLM(nn.Module):
         x = self._last_rows(x, last_index, sp)  # [B, H] or [B, T, H]
         return self.finish_logits(self.lm_head(self.model.norm(x)).float())  # [B, V/tp] or [B, T, V/tp]
 
+    def forward_with_aux(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                         block_tables: torch.Tensor, last_index: torch.Tensor, k_caches: list[torch.Tensor],
+                         v_caches: list[torch.Tensor], kv_len: int, aux_layers: tuple[int, ...], decode: bool = False,
+                         lora: LoraInputs | None = None,
+                         window_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`'s logits and the residual stream entering each layer of `aux_layers` at every position,
+        concatenated: [B, S, len(aux_layers) * H] (id num_hidden_layers: the last layer's output, before the final
+        norm). What an EAGLE-3 head reads (models/eagle3.py); not sequence-parallel."""
+        if self.pctx.seq_sharded(input_ids.shape[1]):
+            raise ValueError("auxiliary hidden states: a sequence-parallel step holds a chunk of each row")
+        aux: list[torch.Tensor] = []
+        x, sp = self.hidden_states(input_ids, positions, slot_mapping, block_tables, k_caches, v_caches, kv_len,
+                                   decode, last_index, lora, window_kv, aux_layers, aux)
+        logits = self.finish_logits(self.lm_head(self.model.norm(self._last_rows(x, last_index, sp))).float())
+        return logits, torch.cat(aux, dim=-1)
+
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                       block_tables: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                       kv_len: int, decode: bool = False, last_index: torch.Tensor | None = None,
                       lora: LoraInputs | None = None,
-                      window_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, bool]:
+                      window_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      aux_layers: tuple[int, ...] = (), aux_out: list[torch.Tensor] | None = None
+                      ) -> tuple[torch.Tensor, bool]:
         """The decoder's output before the final norm, [B, S, H] (sequence-parallel: this rank's [B, S_pad/tp, H]
         chunk), and whether it is sequence-parallel; the LM head (`forward`) or a pooling step
         (models.pooling) takes it from there. `last_index`: the step's last real positions, which pick longrope's
-        factors per row (layer_rope_inputs)."""
+        factors per row (layer_rope_inputs). `aux_out` receives the stream entering each layer of `aux_layers`, in
+        that order (`forward_with_aux`)."""
         B, S = input_ids.shape
         sp = self.pctx.seq_sharded(S)  # static per bucket: a prefill graph is sequence-parallel or not
         x = self.scale_embeddings(self.model.embed_tokens(input_ids, scatter_seq=sp))  # [B, S, H] ([B, S_pad/tp, H])
@@ -688,7 +708,10 @@ class LlamaForCausalLM(nn.Module):
         if hasattr(self, "rope_cos_long"):
             tables["long"] = (self.rope_cos_long, self.rope_sin_long)
         ropes = layer_rope_inputs(self.cfg, tables, positions, x.dtype, last_index)  # each [B, S, 1, R]
+        seen: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
+            if i in aux_layers:
+                seen[i] = x
             cos, sin = ropes[i]
             slots, tables = slot_mapping, block_tables
             if window_kv is not None and self.cfg.layer_window(i) is not None:
@@ -698,6 +721,9 @@ class LlamaForCausalLM(nn.Module):
                           lora=lora.layer(i))
             else:
                 x = layer(x, cos, sin, positions, slots, tables, k_caches[i], v_caches[i], kv_len, sp, decode)
+        if aux_out is not None:
+            seen[len(self.model.layers)] = x
+            aux_out.extend(seen[i] for i in aux_layers)
         return x, sp
 
     def scale_embeddings(self, x: torch.Tensor) -> torch.Tensor:

@@ -24,12 +24,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from models.eagle3 import Eagle3Head
 from neuron_opt.artifact import VerifiedManifest
-from neuron_opt.config import ModelConfig, ParallelConfig
+from neuron_opt.checkpoint.eagle3 import check_head, load_head
+from neuron_opt.config import ModelConfig, ParallelConfig, torch_dtype
 from neuron_opt.embeddings import text_ids
 from neuron_opt.errors import ConfigError
 from neuron_opt.executors import LoadedModel, is_artifact, load_model
 from neuron_opt.executors import build_model as build_model  # re-exported: eager models for tests and scripts
+from neuron_opt.hub import resolve_eagle3_head
 from neuron_opt.lora.config import LoraConfig
 from neuron_opt.lora.registry import LoraManager, LoRARequest
 from neuron_opt.object_store import is_remote, resolve
@@ -69,6 +72,18 @@ def load_draft(model: str | Path, target: LoadedModel, max_num_seqs: int,
              load_model(model, dtype=target.dtype, max_model_len=target.runner.max_model_len, batch_size=max_num_seqs))
     check_draft_tokenizer(draft.tokenizer, target.tokenizer, model)
     return draft
+
+
+def load_eagle3(model: str | Path, target: LoadedModel) -> Eagle3Head:
+    """An EAGLE-3 head (a directory in the EAGLE/SpecForge or speculators layout, or a Hub id) for speculative
+    decoding with `target`, in the target's dtype, checked against it (vocabulary, hidden size, the layers it reads:
+    ConfigError naming speculative_model), sharing the target's embeddings when it has none of its own."""
+    path = resolve_eagle3_head(model)
+    head = load_head(path, target.runner.max_model_len, torch_dtype(target.dtype))
+    head.aux_layer_ids = check_head(head.cfg, target.model_config, str(model))
+    if head.embed_tokens is None:
+        head.share_embedding(target.runner.embedding_fn())
+    return head
 
 
 class LLM:
@@ -120,6 +135,7 @@ class LLM:
         self.config, self.tokenizer, self.runner, self.dtype = (loaded.model_config, loaded.tokenizer, loaded.runner,
                                                                 loaded.dtype)
         self._drafts: dict[tuple[str, int], LLM] = {}
+        self._heads: dict[str, Eagle3Head] = {}
         self.trusted_keys = trusted_keys
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
         self.loras = LoraManager(self.runner.executor, self.config) if self.runner.lora_config is not None else None
@@ -173,8 +189,10 @@ class LLM:
             if lr is not None:
                 self.add_lora(lr)
         seqs = max(1, min(len(prompts), self.runner.buckets.decode_batches[-1]))
-        draft = None
-        if speculative is not None and speculative.model is not None:
+        draft: Any = None
+        if speculative is not None and speculative.method == "eagle3":
+            draft = self.eagle3(speculative.model)
+        elif speculative is not None and speculative.model is not None:
             draft = self.draft(speculative.model, seqs).runner
         engine = Engine(self.runner, self.tokenizer, self.eos_token_ids, max_num_seqs=seqs,
                         max_waiting=len(prompts), enable_prefix_caching=False, enable_chunked_prefill=False,
@@ -229,6 +247,12 @@ class LLM:
             self._drafts[key] = LLM.from_loaded(load_draft(model, self.loaded, max_num_seqs, self.trusted_keys),
                                                 self.trusted_keys)
         return self._drafts[key]
+
+    def eagle3(self, model: str | Path) -> Eagle3Head:
+        """The EAGLE-3 head for speculative decoding with this model (kept per path: `load_eagle3`)."""
+        if str(model) not in self._heads:
+            self._heads[str(model)] = load_eagle3(model, self.loaded)
+        return self._heads[str(model)]
 
     def embed(self, inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]) -> list[list[float]]:
         """Embeddings of an embedding model (`compile --task embed`, or a sentence-transformers checkpoint): one

@@ -112,6 +112,21 @@ def resolve_adapter(spec: str | Path) -> str:
     return _download(repo, revision, ADAPTER_FILES, cached)
 
 
+def resolve_eagle3_head(spec: str | Path) -> str:
+    """An EAGLE-3 head's local directory: `spec` itself when it is a local path, else the config.json and
+    safetensors weights of the Hub repo's main revision, fetched into the Hub cache when missing."""
+    parsed = hub_id(spec)
+    if parsed is None or parsed[1] is not None:
+        return str(spec)
+    repo = parsed[0]
+    files, cached = _repo_files(repo, None)
+    _check_weights(repo, files)
+    folder = Path(_download(repo, None, ["config.json", *_HF_WEIGHTS], cached))
+    if shards := _index_shards(repo, folder, files):
+        folder = Path(_download(repo, None, shards, cached))
+    return str(folder)
+
+
 def _index_shards(repo: str, folder: Path, files: list[str]) -> list[str]:
     """The shard files a sharded checkpoint's index (fetched into `folder`) names, when the repo has no
     model.safetensors; [] otherwise. Shards the repo lacks are left to the checkpoint reader, which names them."""

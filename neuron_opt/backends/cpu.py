@@ -488,6 +488,8 @@ class CpuExecutor:
         # user_managed constants: the containers keep raw pointers, so we must keep the tensors alive. The model
         # and its unpacked GEMM weights are not referenced past this point and are freed with it.
         self.constants = store.built
+        self.aux_layers: tuple[int, ...] = ()  # capture_aux_hidden
+        self.aux_hidden: torch.Tensor | None = None
 
     @staticmethod
     def _read_metas(graph_files: dict[Bucket, list[Path]], cache: CacheConfig, dtype: torch.dtype,
@@ -531,6 +533,16 @@ class CpuExecutor:
             blocks = table.view(table.shape[0], H // v, bn, v)
             return lambda ids: blocks[ids // bn, :, ids % bn, :].reshape(*ids.shape, H)  # [B, S, H]
         return lambda ids: torch.nn.functional.embedding(ids, w)
+
+    def capture_aux_hidden(self, layer_ids: tuple[int, ...]) -> None:
+        """From now on each step also keeps the residual stream entering these layers at every position
+        (`aux_hidden`: [B, S, len(layer_ids) * H] in the residual dtype; id = the number of layers: the last
+        layer's output), for an EAGLE-3 head. The stream is what runs between the layer graphs: no graph changes."""
+        self.aux_layers = tuple(layer_ids)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The token embedding rows of `ids`, unscaled (from the packed head weight when tied)."""
+        return self._embed(ids)
 
     def load_lora(self, slot: int, adapter: Any) -> None:
         load_into_slot(self.lora_stacks, slot, adapter, self._lora_model)  # type: ignore[arg-type]
@@ -593,13 +605,19 @@ class CpuExecutor:
                                   inputs.last_index)  # per layer, [B, S, 1, R] each
         lora_slots = inputs.lora_slots if inputs.lora_slots is not None else torch.zeros(x.shape[0], dtype=torch.long)
         ks, vs = self.k_caches, self.v_caches
+        aux = []
         for i, layer in enumerate(layers):
+            if i in self.aux_layers:
+                aux.append((i, x))
             cos, sin = ropes[i]
             window = [] if self.windows is None else [self.windows[i]]
             if self.lora_stacks is not None:
                 window = [*window, lora_slots, *self.lora_stacks.layer_tensors(i)]
             own = window_kv if window_kv is not None and i in (self.window_layers or ()) else (slots, tables)
             x = layer.run([x, cos, sin, pos, *own, ks[i], vs[i], *window])[0]
+        if self.aux_layers:  # the streams entering the layers an EAGLE-3 head reads (the last layer's output: L)
+            seen = dict([*aux, (len(layers), x)])
+            self.aux_hidden = torch.cat([seen[i] for i in self.aux_layers], dim=-1)[:, :inputs.input_ids.shape[1]]
         if self.pooled:  # the final norm and the pooling over every row: [B, S, H] -> [B, H]
             return head(x, inputs.last_index)
         rows = torch.arange(x.shape[0])

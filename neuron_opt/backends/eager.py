@@ -26,14 +26,31 @@ class EagerExecutor:
         self.k_caches, self.v_caches = allocate_kv(model, cache, dtype)
         self.lora_config = getattr(model, "lora_config", None)
         self.lora_stacks = stacks_for(model, dtype)
+        self.aux_layers: tuple[int, ...] = ()  # capture_aux_hidden
+        self.aux_hidden: torch.Tensor | None = None
 
     @torch.inference_mode()
     def run(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
-        window = {"window_kv": inputs.window_kv()} if inputs.window_kv() is not None else {}
+        kw: dict = {"window_kv": inputs.window_kv()} if inputs.window_kv() is not None else {}
         if self.lora_stacks is not None and inputs.lora_slots is not None:
-            return self.model(*inputs.arrays(), self.k_caches, self.v_caches, bucket.kv_len, bucket.generates,
-                              lora=LoraInputs(self.lora_stacks, inputs.lora_slots), **window)
-        return self.model(*inputs.arrays(), self.k_caches, self.v_caches, bucket.kv_len, bucket.generates, **window)
+            kw["lora"] = LoraInputs(self.lora_stacks, inputs.lora_slots)
+        if self.aux_layers:
+            logits, self.aux_hidden = self.model.forward_with_aux(
+                *inputs.arrays(), self.k_caches, self.v_caches, bucket.kv_len, self.aux_layers, bucket.generates,
+                **kw)
+            return logits
+        return self.model(*inputs.arrays(), self.k_caches, self.v_caches, bucket.kv_len, bucket.generates, **kw)
+
+    def capture_aux_hidden(self, layer_ids: tuple[int, ...]) -> None:
+        """From now on each step also keeps the residual stream entering these layers at every position
+        (`aux_hidden`: [B, S, len(layer_ids) * H], models.llama `forward_with_aux`), for an EAGLE-3 head."""
+        if not hasattr(self.model, "forward_with_aux"):
+            raise ValueError(f"{type(self.model).__name__} returns no hidden states")
+        self.aux_layers = tuple(layer_ids)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The token embedding rows of `ids` (tp 1: the whole table), unscaled."""
+        return torch.nn.functional.embedding(ids, self.model.model.embed_tokens.weight)
 
     def load_lora(self, slot: int, adapter: LoraAdapter) -> None:
         load_into_slot(self.lora_stacks, slot, adapter, self.model)

@@ -76,15 +76,17 @@ def resolve_artifact_arg(args: argparse.Namespace) -> None:
 
 def add_speculative_flags(p: argparse.ArgumentParser) -> None:
     """vLLM's speculative_config fields, as flags (serve and generate)."""
-    p.add_argument("--speculative-method", choices=["ngram", "draft_model"], default=None,
+    p.add_argument("--speculative-method", choices=["ngram", "draft_model", "eagle3"], default=None,
                    help="speculative decoding: 'ngram' proposes the tokens that followed the last n tokens' most "
                         "recent earlier occurrence in the prompt or output (prompt lookup); 'draft_model' (implied "
-                        "by --speculative-model) a smaller model's greedy continuation. Both need verify graphs "
-                        "(an artifact compiled with --num-speculative-tokens K)")
+                        "by --speculative-model) a smaller model's greedy continuation; 'eagle3' an EAGLE-3 head's "
+                        "(--speculative-model: its directory or Hub id; the model run eagerly with --model). All "
+                        "need verify graphs (an artifact compiled with --num-speculative-tokens K)")
     p.add_argument("--speculative-model", default=None, metavar="PATH|ARTIFACT",
                    help="the draft model: an artifact (its batch size and max-model-len must cover the server's) "
                         "or a checkpoint (HF directory, GGUF, 'default', a Hub id at its main revision; run "
-                        "eagerly), with the target's tokenizer")
+                        "eagerly), with the target's tokenizer; with --speculative-method eagle3, the EAGLE-3 head "
+                        "(EAGLE/SpecForge or speculators layout)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="tokens proposed per step (default: the artifact's; with --model: 4)")
     p.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram matched (default 4)")

@@ -200,7 +200,7 @@ def build_engine(args: argparse.Namespace) -> Any:
     """The (not yet started) `Engine` that `serve` runs, from its flags: the model loaded (`api.load_model`), the
     engine built over its runner; `serve --data-parallel` calls it in every replica process."""
     # here, not at the top: the CLI parses without loading the model path (executors, engine, transformers)
-    from neuron_opt.api import load_draft, load_model
+    from neuron_opt.api import load_draft, load_eagle3, load_model
     from neuron_opt.runtime.engine import Engine
     from neuron_opt.runtime.kv_tier import GIB, KVTier
     from neuron_opt.runtime.output import model_eos_token_ids
@@ -215,8 +215,10 @@ def build_engine(args: argparse.Namespace) -> Any:
         model = load_model(args.model, dtype=args.dtype, batch_size=args.max_num_seqs or 16,
                            max_model_len=args.max_model_len, num_speculative_tokens=k, revision=args.revision,
                            gguf_file=args.gguf_file)
-    draft = None
-    if spec is not None and spec.model is not None:  # a KV slot in the draft for every sequence the engine runs
+    draft: Any = None
+    if spec is not None and spec.method == "eagle3":
+        draft = load_eagle3(spec.model, model)
+    elif spec is not None and spec.model is not None:  # a KV slot in the draft for every sequence the engine runs
         largest = model.runner.buckets.decode_batches[-1]
         draft = load_draft(spec.model, model, min(args.max_num_seqs or largest, largest), args.trusted_keys).runner
     kv_tier = None

@@ -55,6 +55,8 @@ class TPExecutor:
     def __init__(self, spec: RankSpec, start_timeout_s: float = 180.0, step_timeout_s: float = 300.0) -> None:
         self.spec, self.tp, self.step_timeout_s = spec, spec.parallel.tp, step_timeout_s
         self.layout = spec.layout
+        self.aux_layers: tuple[int, ...] = ()  # capture_aux_hidden
+        self.aux_hidden: torch.Tensor | None = None
         ctx = mp.get_context("spawn")
         port = free_port()
         self.procs: list[Any] = []
@@ -81,6 +83,9 @@ class TPExecutor:
         slots = None if inputs.lora_slots is None else inputs.lora_slots.contiguous().numpy()
         msg = ("run", bucket, step_arrays(inputs), candidates, slots)
         out = self._call(msg, f"step {bucket.key}")
+        if self.aux_layers:
+            out, aux = out
+            self.aux_hidden = torch.from_numpy(aux)
         if candidates is None:
             logits = torch.from_numpy(out)
         else:
@@ -93,6 +98,16 @@ class TPExecutor:
             )
         # a [B, q] index (verify, or a prefill's every position): the ranks send B * q rows
         return logits.view(*inputs.last_index.shape, -1)
+
+    def capture_aux_hidden(self, layer_ids: tuple[int, ...]) -> None:
+        """From now on each step also returns (from rank 0) the residual stream entering these layers at every
+        position (`aux_hidden`, fp32 [B, S, len(layer_ids) * H]), for an EAGLE-3 head."""
+        self._call(("aux", tuple(layer_ids)), "aux hidden states")
+        self.aux_layers = tuple(layer_ids)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The token embedding rows of `ids` (fp32, unscaled), gathered over the ranks' vocabulary shards."""
+        return torch.from_numpy(self._call(("embed", ids.contiguous().numpy()), "embedding"))
 
     @property
     def lora_config(self) -> Any:

@@ -6,6 +6,11 @@ Protocol over the rank's pipe (driver -> rank, then one reply rank -> driver):
   ("reset",)                           -> ("ok", None)
   ("lora", slot, adapter | None)       -> ("ok", None)   this rank's shard of the adapter written into the slot
                                                         (None: the slot cleared)
+  ("aux", layer_ids)                   -> ("ok", None)   from now on rank 0's "run" result is (logits, the
+                                                        residual stream entering these layers, [B, S, n * H]:
+                                                        every rank holds it whole), for an EAGLE-3 head
+  ("embed", ids)                       -> ("ok", rows)   rank 0: the token embedding rows of ids (vocab-parallel:
+                                                        every rank takes part), unscaled
   ("stop",)                            -> ("ok", None), then the rank leaves the group and exits
 Any exception -> ("error", traceback text), and the rank exits with code 1. A closed pipe (driver gone) ends
 the loop. Collectives time out after `collective_timeout_s`, so a peer that dies mid-step cannot hang a rank.
@@ -89,6 +94,7 @@ def rank_main(rank: int, port: int, spec: RankSpec, conn: Connection) -> None:
         model = _build(rank, spec, comm)
         k_caches, v_caches = allocate_kv(model, spec.cache, DTYPES[spec.dtype])
         stacks = stacks_for(model, DTYPES[spec.dtype])
+        aux_layers: tuple[int, ...] = ()
         conn.send(("ok", "ready"))
         while True:
             try:
@@ -102,14 +108,25 @@ def rank_main(rank: int, port: int, spec: RankSpec, conn: Connection) -> None:
                 inputs = StepInputs(*tensors[:5], None, *tensors[5:])
                 window = {"window_kv": inputs.window_kv()} if inputs.window_kv() is not None else {}
                 lora = None if stacks is None or slots is None else LoraInputs(stacks, torch.from_numpy(slots))
+                kw: dict[str, Any] = dict(window)
+                if lora is not None:
+                    kw["lora"] = lora
                 with torch.inference_mode():
-                    if lora is not None:
-                        local = model(*inputs.arrays(), k_caches, v_caches, bucket.kv_len, bucket.generates,
-                                      lora=lora, **window)
+                    if aux_layers:
+                        local, aux = model.forward_with_aux(*inputs.arrays(), k_caches, v_caches, bucket.kv_len,
+                                                            aux_layers, bucket.generates, **kw)
+                        done = _finish(local.float(), rank, spec, comm, candidates)
+                        conn.send(("ok", (done, aux.float().numpy()) if rank == 0 else None))
                     else:
-                        local = model(*inputs.arrays(), k_caches, v_caches, bucket.kv_len, bucket.generates,
-                                      **window)
-                    conn.send(("ok", _finish(local.float(), rank, spec, comm, candidates)))
+                        local = model(*inputs.arrays(), k_caches, v_caches, bucket.kv_len, bucket.generates, **kw)
+                        conn.send(("ok", _finish(local.float(), rank, spec, comm, candidates)))
+            elif msg[0] == "aux":
+                aux_layers = tuple(msg[1])
+                conn.send(("ok", None))
+            elif msg[0] == "embed":
+                with torch.inference_mode():
+                    rows = model.model.embed_tokens(torch.from_numpy(msg[1]))
+                conn.send(("ok", rows.float().numpy() if rank == 0 else None))
             elif msg[0] == "lora":
                 _, slot, adapter = msg
                 if adapter is None:

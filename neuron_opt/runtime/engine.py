@@ -41,7 +41,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -55,6 +55,9 @@ from neuron_opt.runtime.sampling import SampleResult, SamplerState, SamplingPara
 from neuron_opt.runtime.scheduler import DecodeWork, KVConfig, PrefillWork, Scheduler
 from neuron_opt.runtime.speculative import Proposer, SpecStats, SpecStep, SpeculativeConfig, SpeculativeDecoding
 from neuron_opt.runtime.structured import GrammarCompiler
+
+if TYPE_CHECKING:
+    from models.eagle3 import Eagle3Head
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +130,8 @@ class Engine:
         enable_prefix_caching, enable_chunked_prefill: None = on when the artifact has offset prefill buckets;
             True where it has none is an error.
         speculative: speculative decoding settings (runtime/speculative.py), or None.
-        draft: the draft model's runner, for `speculative.method == "draft_model"` (and only for it).
+        draft: the draft model's runner, for `speculative.method == "draft_model"`; the EAGLE-3 head
+            (api.load_eagle3), for "eagle3"; None otherwise.
         grammars: the model's GrammarCompiler, to share its cache of compiled grammars with other engines of the
             same model; None: the engine's own.
         loras: the model's LoRA adapters and slots (neuron_opt.lora.registry.LoraManager), shared with other
@@ -148,7 +152,7 @@ class Engine:
         enable_prefix_caching: bool | None = None,
         enable_chunked_prefill: bool | None = None,
         speculative: SpeculativeConfig | None = None,
-        draft: ModelRunner | None = None,
+        draft: ModelRunner | Eagle3Head | None = None,
         grammars: GrammarCompiler | None = None,
         loras: LoraManager | None = None,
         kv_tier: KVTier | None = None,
@@ -475,6 +479,10 @@ class Engine:
             return
         st = self.stats
         st.graph_s += time.perf_counter() - t0
+        if self.speculation is not None and self.speculation.wants_hidden:
+            aux = self.runner.aux_hidden
+            for i, p in enumerate(group):
+                self.speculation.observe_hidden(p.request_id, p.start, aux[i, :len(p.token_ids)])
         st.prefill_tokens += sum(len(p.token_ids) for p in group)
         if self.runner.last_bucket is not None:
             st.prefill_graph_tokens += self.runner.last_bucket.num_tokens
@@ -543,20 +551,30 @@ class Engine:
             self._update(ids, logits)
             return
         spec.observe_step(step, time.perf_counter() - t0)
+        aux = self.runner.aux_hidden if spec.wants_hidden else None
         if step.verify:
             for i, d in enumerate(decodes):
-                self._update_verified(spec, d.request_id, logits[i], step.proposals.get(d.request_id, []))
+                self._update_verified(spec, d, logits[i], step.proposals.get(d.request_id, []),
+                                      None if aux is None else aux[i])
             return
+        if aux is not None:
+            for i, d in enumerate(decodes):
+                spec.observe_hidden(d.request_id, d.position, aux[i, :1])
         for rid, token in zip(ids, self._update(ids, logits), strict=True):
             if rid in self._seqs:  # the sampled token against the first proposal: acceptance, measured for free
                 spec.observe_decoded(rid, step.proposals.get(rid, []), token)
 
-    def _update_verified(self, spec: SpeculativeDecoding, request_id: str, logits: torch.Tensor,
-                         draft: list[int]) -> None:
-        """Accept a prefix of `draft` from its verify logits [q, V] and deliver the tokens (up to a stop)."""
+    def _update_verified(self, spec: SpeculativeDecoding, d: DecodeWork, logits: torch.Tensor,
+                         draft: list[int], aux: torch.Tensor | None) -> None:
+        """Accept a prefix of `draft` from its verify logits [q, V] and deliver the tokens (up to a stop). `aux`:
+        the row's auxiliary hidden states [q, A] for a proposer that reads them (those of the scored tokens that
+        were accepted are handed over)."""
+        request_id = d.request_id
         seq = self._seqs[request_id]
         banned_for = [self.outputs.banned(request_id, j) for j in range(len(draft) + 1)]
         results = spec.accept(request_id, logits, draft, seq.state, banned_for)
+        if aux is not None:  # the last accepted token and the accepted proposals; the one after them is not run
+            spec.observe_hidden(request_id, d.position, aux[:len(results)])
         self._deliver(request_id, results, seq.state.grammar_done)
 
     def _candidates(self, request_ids: list[str]) -> int | None:

@@ -179,6 +179,35 @@ class ModelRunner:
             tables[i, : len(use)] = torch.tensor(use, dtype=torch.long)
         return tables
 
+    def capture_aux_hidden(self, layer_ids: tuple[int, ...]) -> None:
+        """From now on every graph call also returns the residual stream entering these target layers at every
+        position (`aux_hidden`), for an EAGLE-3 head; ConfigError on an executor whose graphs do not."""
+        capture = getattr(self.executor, "capture_aux_hidden", None)
+        if capture is None:
+            raise ConfigError("speculative_method: eagle3 reads the model's hidden states, which this executor's "
+                              "graphs do not return (the eager backend's, at any tp, and the cpu backend's do)",
+                              param="speculative_method")
+        capture(tuple(layer_ids))
+
+    @property
+    def aux_hidden(self) -> torch.Tensor:
+        """The last graph call's auxiliary hidden states [B, S, n_aux * H] over its bucket's rows and positions
+        (`capture_aux_hidden`)."""
+        aux = getattr(self.executor, "aux_hidden", None)
+        if aux is None:
+            raise ValueError("no auxiliary hidden states: capture_aux_hidden first")
+        return aux
+
+    def embedding_fn(self) -> Any:
+        """The model's token embeddings as a function of token ids (unscaled rows [..., H]), which an EAGLE-3 head
+        saved without its own shares; ConfigError on an executor that does not hold the table."""
+        embed = getattr(self.executor, "embed", None)
+        if embed is None:
+            raise ConfigError("speculative_model: the eagle3 head has no embed_tokens of its own and this executor "
+                              "does not share the model's (the eager and cpu backends do)",
+                              param="speculative_model")
+        return embed
+
     @property
     def lora_config(self) -> Any:
         """The model's LoRA capacity (neuron_opt.lora.LoraConfig), None when it takes no adapters."""

@@ -1,7 +1,7 @@
 """Speculative decoding: propose k tokens cheaply, score them in one verify graph call, keep the longest prefix
 the target model agrees with (plus one token of its own).
 
-- Proposers (the `Proposer` protocol; an EAGLE-style head would be a third):
+- Proposers (the `Proposer` protocol):
   prompt lookup (`method="ngram"`, vLLM's name). The last n tokens of the sequence (n from `prompt_lookup_max`
   down to `prompt_lookup_min`) are searched for earlier in the prompt and the text so far; the k tokens that
   followed their most recent earlier occurrence are the proposal. No model, no device work; pays on
@@ -10,6 +10,9 @@ the target model agrees with (plus one token of its own).
   ModelRunner (its own artifact and buckets, or eager) with its own KV slot per sequence, decodes k tokens
   greedily. It keeps the tokens its slot holds K/V for and, each step, first feeds what the target emitted
   since (the bonus token, and the last proposal when all were accepted): no rollback, only a shorter prefix.
+  an EAGLE-3 head (`method="eagle3"`, `model=` its directory; `Eagle3Proposer`): one decoder layer over the
+  target's own hidden states, which the engine hands over after each graph call (`observe_hidden`), chained k
+  steps greedily with its own one-layer KV per sequence.
 - Acceptance (`accept`), position by position over the verify logits, with the request's own sampling
   (penalties, banned tokens, temperature, top-k/top-p) applied to each position's logits exactly as `sample_one`
   does for a decode step:
@@ -46,7 +49,7 @@ import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -66,9 +69,13 @@ from neuron_opt.runtime.sampling import (
 from neuron_opt.runtime.scheduler import DecodeWork
 from neuron_opt.runtime.structured import GrammarState
 
+if TYPE_CHECKING:
+    from models.eagle3 import Eagle3Head
+
 log = logging.getLogger(__name__)
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle3")
+MODEL_METHODS = ("draft_model", "eagle3")  # the methods that take a model (`SpeculativeConfig.model`)
 
 
 @dataclass(frozen=True)
@@ -81,17 +88,19 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1  # single-token matches too: measured better than 2 (scripts/bench_spec.py)
     adaptive: bool = True  # speculate only in steps where the measured acceptance says it pays
-    model: str | None = None  # the draft model (method "draft_model" only)
+    model: str | None = None  # the draft model (method "draft_model") or EAGLE-3 head (method "eagle3")
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ConfigError(f"speculative_method: {self.method!r} is not one of {', '.join(METHODS)}",
                               param="speculative_method")
-        if (self.method == "draft_model") != (self.model is not None):
-            raise ConfigError("speculative_model: the draft_model method needs a draft model (--speculative-model "
-                              "PATH|ARTIFACT) and only it takes one" if self.model is None else
+        if (self.method in MODEL_METHODS) != (self.model is not None):
+            raise ConfigError(("speculative_model: the draft_model method needs a draft model (--speculative-model "
+                               "PATH|ARTIFACT)" if self.method == "draft_model" else
+                               f"speculative_model: the {self.method} method needs a model: an EAGLE-3 head "
+                               "(--speculative-model PATH)") if self.model is None else
                               f"speculative_model: {self.model!r} is a draft model; the {self.method} method takes "
-                              "none (use --speculative-method draft_model, or leave the method unset)",
+                              "none (use --speculative-method draft_model or eagle3, or leave the method unset)",
                               param="speculative_model")
         if self.num_speculative_tokens < 1:
             raise ConfigError(f"num_speculative_tokens: must be >= 1, got {self.num_speculative_tokens}",
@@ -278,6 +287,116 @@ class DraftModelProposer:
         return torch.cat(parts)
 
 
+class Eagle3Proposer:
+    """An EAGLE-3 head's greedy chain (models/eagle3.py), k tokens per sequence, batched over the sequences.
+
+    The target's graph calls hand over the auxiliary hidden states of the tokens they run (`observe_hidden`:
+    prefill chunks, decode rows, the accepted part of verify rows). Head position i pairs the target's states at i
+    with token i + 1; `fed[request id]` counts the positions 0.. whose head K/V hold those pairs (its own KV slot
+    per sequence). To propose after `token_ids` (length L), positions fed..L - 2 run in one batched layer pass
+    (rows padded to the longest; pads lie past L - 2, where the chain writes next), the last one's logits give the
+    first proposal, and each proposal then runs at the next position with the layer's own output as its hidden
+    input. The chain's entries (positions >= L - 1) are rewritten with the target's states once it has them. A
+    position whose states the target never computed (a prefix-cache hit) gets zeros: a weaker proposal, never an
+    inexact one, since proposals are only ever verified. A failing head call proposes nothing for that step.
+    """
+
+    cheap = False
+
+    def __init__(self, head: Eagle3Head, num_slots: int) -> None:
+        self.head = head
+        self.num_slots = num_slots
+        self.k_cache, self.v_cache = head.kv_cache(num_slots, head.fc.weight.dtype)
+        self._free = list(range(num_slots - 1, -1, -1))
+        self.slot: dict[str, int] = {}
+        self.fed: dict[str, int] = {}
+        self.pending: dict[str, dict[int, torch.Tensor]] = {}  # request id -> position -> its states [n_aux * H]
+        self.head_calls = 0  # layer passes, for tests and benchmarks
+
+    def observe_hidden(self, request_id: str, start: int, aux: torch.Tensor) -> None:
+        """The target ran the sequence's tokens at positions start.. and computed their states `aux` [n, A]."""
+        base = self.fed.get(request_id, 0)
+        if start + aux.shape[0] <= base:
+            return
+        kept = aux[max(0, base - start):].clone()
+        pend = self.pending.setdefault(request_id, {})
+        for j in range(kept.shape[0]):
+            pend[max(start, base) + j] = kept[j]
+
+    def forget(self, request_id: str) -> None:
+        if (slot := self.slot.pop(request_id, None)) is not None:
+            self._free.append(slot)
+        self.fed.pop(request_id, None)
+        self.pending.pop(request_id, None)
+
+    def propose_batch(self, items: Sequence[tuple[str, list[int], int]]) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in items]
+        rows = []
+        for i, (rid, ids, k) in enumerate(items):
+            if k < 1 or len(ids) < 2 or len(ids) - 1 + k > self.head.max_model_len:
+                continue
+            if rid not in self.slot:
+                if not self._free:
+                    continue
+                self.slot[rid] = self._free.pop()
+            rows.append(i)
+        if not rows:
+            return out
+        try:
+            with torch.inference_mode():
+                self._run(items, rows, out)
+        except Exception:
+            log.error("eagle3 head failed; this step proposes nothing:\n%s", traceback.format_exc())
+            for i in rows:
+                self.fed[items[i][0]] = 0
+            return [[] for _ in items]
+        for i in rows:
+            rid, ids, _ = items[i]
+            self.fed[rid] = len(ids) - 1
+            pend = self.pending.get(rid, {})
+            for p in [p for p in pend if p < len(ids) - 1]:
+                del pend[p]
+        return out
+
+    def _run(self, items: Sequence[tuple[str, list[int], int]], rows: list[int], out: list[list[int]]) -> None:
+        head = self.head
+        A = head.cfg.num_aux * head.cfg.aux_hidden_size
+        starts = [min(self.fed.get(items[i][0], 0), len(items[i][1]) - 2) for i in rows]
+        counts = [len(items[i][1]) - 1 - s for i, s in zip(rows, starts, strict=True)]
+        R, N = len(rows), max(counts)
+        tokens = torch.zeros(R, N, dtype=torch.long)
+        positions = torch.zeros(R, N, dtype=torch.long)
+        aux = torch.zeros(R, N, A, dtype=head.fc.weight.dtype)
+        for r, (i, s, n) in enumerate(zip(rows, starts, counts, strict=True)):
+            rid, ids, _ = items[i]
+            tokens[r, :n] = torch.tensor(ids[s + 1:s + 1 + n], dtype=torch.long)
+            positions[r] = torch.arange(s, s + N).clamp(max=head.max_model_len - 1)
+            pend = self.pending.get(rid, {})
+            for j in range(n):
+                if (row := pend.get(s + j)) is not None:
+                    aux[r, j] = row
+        slots = torch.tensor([self.slot[items[i][0]] for i in rows], dtype=torch.long)
+        h = head.forward_layer(tokens, head.project(aux), positions, slots, self.k_cache, self.v_cache)
+        self.head_calls += 1
+        last = torch.tensor(counts) - 1
+        logits, hidden = head.logits(h[torch.arange(R), last])  # [R, V_draft], [R, H]
+        token = head.to_target(logits.argmax(-1))
+        for r, i in enumerate(rows):
+            out[i].append(int(token[r]))
+        pos = torch.tensor([len(items[i][1]) - 1 for i in rows], dtype=torch.long)  # of each row's next entry
+        live = torch.arange(R)
+        for n in range(1, max(items[i][2] for i in rows)):
+            keep = torch.tensor([items[rows[int(r)]][2] > n for r in live], dtype=torch.bool)
+            live, token, hidden, pos = live[keep], token[keep], hidden[keep], pos[keep]
+            h = head.forward_layer(token[:, None], hidden[:, None], pos[:, None], slots[live], self.k_cache,
+                                   self.v_cache)
+            self.head_calls += 1
+            logits, hidden = head.logits(h[:, 0])
+            token, pos = head.to_target(logits.argmax(-1)), pos + 1
+            for m, r in enumerate(live.tolist()):
+                out[rows[r]].append(int(token[m]))
+
+
 def accept(
     logits: torch.Tensor, draft: list[int], state: SamplerState, banned_for: list[tuple[int, ...]]
 ) -> list[SampleResult]:
@@ -423,11 +542,12 @@ class SpeculativeDecoding:
     Args:
         config: the speculative settings.
         runner: the target's runner (must have verify graphs of k + 1 tokens).
-        draft: the draft model's runner, for the draft_model method (and only for it).
+        draft: the draft model's runner, for the draft_model method; the EAGLE-3 head (api.load_eagle3), for
+            eagle3; None otherwise.
         max_num_seqs: sequences the engine runs at once (the draft needs a KV slot for each).
     """
 
-    def __init__(self, config: SpeculativeConfig, runner: ModelRunner, draft: ModelRunner | None,
+    def __init__(self, config: SpeculativeConfig, runner: ModelRunner, draft: ModelRunner | Eagle3Head | None,
                  max_num_seqs: int) -> None:
         k = config.num_speculative_tokens
         if runner.verify_len != k + 1:
@@ -436,14 +556,51 @@ class SpeculativeDecoding:
                 f"num_speculative_tokens: {k} needs verify graphs of {k + 1} tokens; this model has "
                 + (f"them for {have} (use --num-speculative-tokens {have})" if have
                    else "none (compile with --num-speculative-tokens K)"), param="num_speculative_tokens")
-        if (draft is not None) != (config.method == "draft_model"):
-            raise ConfigError("speculative_model: a draft runner goes with the draft_model method, and only with it",
-                              param="speculative_model")
+        if (draft is not None) != (config.method in MODEL_METHODS):
+            raise ConfigError("speculative_model: a draft runner goes with the draft_model method, and an EAGLE-3 "
+                              f"head with eagle3; the {config.method} method "
+                              + ("takes none" if draft is not None else "needs one"), param="speculative_model")
         self.config, self.runner = config, runner
         self.controller = SpecController(k, config.adaptive)
-        self.proposer: Proposer = (NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min) if draft is None
-                                   else self._draft_proposer(draft, max_num_seqs))
+        self.proposer: Proposer
+        if config.method == "eagle3":
+            self.proposer = self._eagle3_proposer(draft, max_num_seqs)
+        elif config.method == "draft_model":
+            if not isinstance(draft, ModelRunner):
+                raise ConfigError("speculative_model: the draft_model method takes a draft model's runner",
+                                  param="speculative_model")
+            self.proposer = self._draft_proposer(draft, max_num_seqs)
+        else:
+            self.proposer = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
         self.stats = SpecStats()
+
+    def _eagle3_proposer(self, head: Any, seqs: int) -> Eagle3Proposer:
+        """The head (api.load_eagle3 checked it against the model) reads the layers it names, at every position
+        the target reaches."""
+        from models.eagle3 import Eagle3Head  # here: the CLI's parser imports this module for SpeculativeConfig
+
+        if not isinstance(head, Eagle3Head):
+            raise ConfigError("speculative_model: the eagle3 method takes an EAGLE-3 head (api.load_eagle3)",
+                              param="speculative_model")
+        if not head.aux_layer_ids:
+            raise ConfigError("speculative_model: the eagle3 head was not checked against the model "
+                              "(api.load_eagle3 does)", param="speculative_model")
+        if head.max_model_len < self.runner.max_model_len:
+            raise ConfigError(f"speculative_model: the eagle3 head reaches position {head.max_model_len - 1}, the "
+                              f"model {self.runner.max_model_len - 1}", param="speculative_model")
+        self.runner.capture_aux_hidden(head.aux_layer_ids)
+        return Eagle3Proposer(head, seqs)
+
+    @property
+    def wants_hidden(self) -> bool:
+        """The proposer reads the target's auxiliary hidden states: the engine hands each graph call's over
+        (`observe_hidden`)."""
+        return isinstance(self.proposer, Eagle3Proposer)
+
+    def observe_hidden(self, request_id: str, start: int, aux: torch.Tensor) -> None:
+        """The target ran the request's tokens at positions start.. with these states [n, A] (`wants_hidden`)."""
+        if isinstance(self.proposer, Eagle3Proposer):
+            self.proposer.observe_hidden(request_id, start, aux)
 
     def _draft_proposer(self, draft: ModelRunner, seqs: int) -> DraftModelProposer:
         """The draft must hold a KV slot per running sequence and reach every position the target does."""
