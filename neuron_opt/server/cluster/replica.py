@@ -9,8 +9,9 @@ Design decisions
   in its engine (its KV blocks are freed), as in one process.
 - Health: Serve calls `check_health` periodically; a dead engine thread fails it, and Serve replaces the replica.
   Sooner still: a replica whose engine loop died (a device error) answers the requests that failed with it as
-  "retry" (the router sends them elsewhere: none had an answer) and ends its own process within PUSH_PERIOD_S,
-  which Serve sees at once as a dead replica.
+  "retry" (the router sends them elsewhere: none had an answer), streams that had made no output yet included
+  (their first event would be the error: the header waits for it), and ends its own process within PUSH_PERIOD_S,
+  which Serve sees at once as a dead replica. A stream that had made output ends with the error event.
 - LoRA adapters: each replica reconciles its engine's adapters with the board's set before each metrics push, and
   once before it takes requests, so a restarted replica serves them too (router.py, "LoRA adapters").
 """
@@ -51,6 +52,7 @@ from neuron_opt.server.serving import OpenAIServing
 from neuron_opt.server.tools import make_parser
 
 log = logging.getLogger(__name__)
+_ERROR_EVENT = 'data: {"error"'  # how an OpenAI stream's error event begins (serving.py)
 
 
 async def _never_disconnected() -> bool:
@@ -202,6 +204,14 @@ class EngineReplica:
         if isinstance(result, dict):
             yield ("json", 200, result, self.id)
             return
+        # the first event before the header: a stream whose request had made no output when the engine died (queued
+        # in it, say) ends with an error event as its first, and goes to another replica instead (it never ran)
+        first = await anext(aiter(result), None)
+        if self.engine.error is not None and (first is None or first.startswith(_ERROR_EVENT)):
+            yield ("retry", 503, None, self.id)
+            return
         yield ("sse", 200, None, self.id)
+        if first is not None:
+            yield first
         async for chunk in result:
             yield chunk
