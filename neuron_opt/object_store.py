@@ -20,7 +20,8 @@ Contracts
   unchanged (`neuron_opt.artifact.record_hashed`, read_verified).
 - Faults: every S3 call is retried with backoff on throttling (503 SlowDown), 5xx and dropped connections
   (botocore's "standard" retry mode, MAX_ATTEMPTS tries); a body cut short or reset while it downloads is fetched
-  again and written over its own offsets (s3transfer, MAX_ATTEMPTS tries), and whatever arrives is hashed against
+  again and written over its own offsets (s3transfer, MAX_ATTEMPTS tries; the manifest and its signature, read
+  whole, are fetched again the same way), and whatever arrives is hashed against
   the manifest before the file is used. A pull that still fails raises ArtifactError and leaves nothing in the
   cache: the download's temporary directory is removed, and only a complete, verified copy is ever renamed into
   place. A cached copy is used only when its `manifest.json` equals the store's byte for byte (else it is
@@ -39,6 +40,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -121,19 +123,33 @@ def _missing(e: Exception) -> bool:
 
 
 def _get_small(s3: Any, loc: S3Location, rel: str, cap: int) -> bytes | None:
-    """The object's bytes, None when it does not exist; ArtifactError past `cap` bytes (checked before reading)."""
-    from botocore.exceptions import ClientError
+    """The object's bytes, None when it does not exist; ArtifactError past `cap` bytes (checked before reading). A
+    body cut short (the connection dropped mid-body, or fewer bytes than its ContentLength: a read with a size
+    does not check that) is fetched again, up to MAX_ATTEMPTS tries with backoff."""
+    from botocore.exceptions import BotoCoreError, ClientError
 
-    try:
-        obj = s3.get_object(Bucket=loc.bucket, Key=loc.key(rel))
-    except ClientError as e:
-        if _missing(e):
-            return None
-        raise ArtifactError(f"{loc}/{rel}: {e}") from None
-    if obj["ContentLength"] > cap:
-        obj["Body"].close()
-        raise ArtifactError(f"{loc}/{rel}: {obj['ContentLength']} bytes, more than the {cap} a manifest may have")
-    return obj["Body"].read(cap + 1)
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        try:
+            obj = s3.get_object(Bucket=loc.bucket, Key=loc.key(rel))
+        except ClientError as e:
+            if _missing(e):
+                return None
+            raise ArtifactError(f"{loc}/{rel}: {e}") from None
+        size = obj["ContentLength"]
+        if size > cap:
+            obj["Body"].close()
+            raise ArtifactError(f"{loc}/{rel}: {size} bytes, more than the {cap} a manifest may have")
+        try:
+            data = obj["Body"].read(cap + 1)
+        except BotoCoreError as e:  # botocore's wrapping of the connection's errors mid-body
+            why = f"{type(e).__name__}: {e}"
+        else:
+            if len(data) == size:
+                return data
+            why = f"{len(data)} of {size} bytes arrived"
+        if attempt < MAX_ATTEMPTS:
+            time.sleep(min(0.1 * 2 ** attempt, 5.0))
+    raise ArtifactError(f"{loc}/{rel}: the body was cut short on each of {MAX_ATTEMPTS} tries (last: {why})")
 
 
 def _manifest_files(raw: Any, where: str) -> dict[str, str]:

@@ -26,9 +26,11 @@ prompts more than the scheduler's token budget allows (runtime/scheduler.py: chu
 preemption). With speculative decoding on that one call may be a verify of each row's proposed tokens instead,
 and a step may emit several tokens per request. Prefill chunks run up to the artifact's prefill batch per graph
 call. An abort frees its KV blocks at the start of the next step (at most one step later). A failing runner call
-fails only the requests in it (finish_reason "error"); the engine keeps serving. A prefill call of several chunks
-that fails is run again one chunk per call, so only the request whose chunk fails (a token id past the model's
-vocabulary, say) fails; the others go on.
+fails only the requests in it (finish_reason "error"); the engine keeps serving. A call of several rows that fails
+(a prefill's chunks, a decode's or a verify's rows, a speculative proposal) is run again one row per call, so only
+the request whose row fails (a token id past the model's vocabulary, say) fails, with the call and the runner's
+error in its message; the others go on, their greedy output unchanged (a row rewrites only its own positions'
+K/V, from the same tokens).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from neuron_opt.buckets import pick_decode
 from neuron_opt.errors import ConfigError, NeuronOptError, QueueFullError
 from neuron_opt.lora.registry import LoraManager
 from neuron_opt.runtime.kv_tier import KVTier
@@ -525,14 +528,31 @@ class Engine:
     def _decode_or_verify(self, decodes: tuple[DecodeWork, ...]) -> None:
         """One graph call for every running sequence: a plain decode, or, when speculating and the policy says it
         pays, a verify of each row's proposals (rows without one ride along with their single token)."""
-        ids = [d.request_id for d in decodes]
         spec = self.speculation
         step: SpecStep | None = None
         t0 = time.perf_counter()
-        try:
-            if spec is not None:
-                seqs = [self._seqs[rid] for rid in ids]
+        if spec is not None:
+            seqs = [self._seqs[d.request_id] for d in decodes]
+            try:
                 step = spec.plan(decodes, [s.request for s in seqs], [s.state.grammar for s in seqs])
+            except Exception as e:
+                if len(decodes) > 1:  # find the request whose proposal failed: each row planned alone
+                    log.warning("proposing for %d rows failed (%r); planning them one at a time", len(decodes), e)
+                    for d in decodes:
+                        self._decode_or_verify((d,))
+                    return
+                log.error("proposing failed:\n%s", traceback.format_exc())
+                self._fail(decodes[0].request_id, f"speculative proposal failed: {e}", e)
+                return
+        self._run_decodes(decodes, step, t0)
+
+    def _run_decodes(self, decodes: tuple[DecodeWork, ...], step: SpecStep | None, t0: float) -> None:
+        """The graph call of a planned decode step (`step`: None when not speculating) and its rows' tokens. A call
+        of several rows that fails is run again one row per call, with the same plan (a row rewrites only its own
+        positions' K/V, from the same tokens), so only the request whose row fails fails; the others go on."""
+        ids = [d.request_id for d in decodes]
+        verify = step is not None and step.verify
+        try:
             if step is not None and step.verify:
                 rows = [VerifyRow(d.blocks, (d.token, *step.proposals[d.request_id]), d.position, d.lora_slot,
                                   d.window_blocks) for d in decodes]
@@ -542,11 +562,17 @@ class Engine:
                                              for d in decodes], candidates=self._candidates(ids))
             self.stats.graph_s += time.perf_counter() - t0
         except Exception as e:
-            what = "verify" if step is not None and step.verify else "decode"
+            what = "verify" if verify else "decode"
+            if len(decodes) > 1:
+                log.warning("%s of %d rows failed (%r); running them one at a time", what, len(decodes), e)
+                for d in decodes:
+                    alone = step and replace(step, batch=pick_decode(1, d.position, self.runner.buckets).batch)
+                    self._run_decodes((d,), alone, time.perf_counter())
+                return
             log.error("%s failed:\n%s", what, traceback.format_exc())
-            for d in decodes:
-                self._fail(d.request_id, f"{what} failed: {e}", e)
+            self._fail(ids[0], f"{what} failed: {e}", e)
             return
+        spec = self.speculation
         if spec is None or step is None:
             self._update(ids, logits)
             return

@@ -1,9 +1,10 @@
-"""Faults of `neuron-opt serve --data-parallel 2`: a replica process killed under a load of streaming and
-non-streaming requests (completions and chat), more than the replicas take at once, and SIGTERM on the `serve`
-command. Also the newer single-process routes served through the router (Anthropic's `/v1/messages*`, OpenAI's
-`/v1/responses`, `/tokenizer_info`), read with the official `anthropic` and `openai` clients. Oracle: the
-single-sequence reference path (`LLM.generate_ids`) on the same checkpoint in this process. Runs with
-`make test-cluster` (needs the `cluster` extra); the SIGTERM test ends the module's cluster, so it runs last.
+"""Faults of `neuron-opt serve --data-parallel 2`: a replica process killed, and a replica's engine thread dead
+with its process alive, under a load of streaming and non-streaming requests (completions and chat), more than the
+replicas take at once, and SIGTERM on the `serve` command. Also the newer single-process routes served through the
+router (Anthropic's `/v1/messages*`, OpenAI's `/v1/responses`, `/tokenizer_info`), read with the official
+`anthropic` and `openai` clients. Oracle: the single-sequence reference path (`LLM.generate_ids`) on the same
+checkpoint in this process. Runs with `make test-cluster` (needs the `cluster` extra); the SIGTERM test ends the
+module's cluster, so it runs last.
 """
 
 from __future__ import annotations
@@ -71,7 +72,10 @@ async def _request(client: httpx.AsyncClient, url: str, i: int, stream: bool, st
     chunks = [json.loads(e) for e in events[:-1]]
     if "error" in chunks[-1]:
         err = chunks[-1]["error"]
-        assert err["code"] == 503 and "replica" in err["message"], err
+        # the router's event for a replica process that died; the replica's own for its engine that died
+        assert (err["code"] == 503 and "replica" in err["message"]) or (
+            err["code"] == 500 and err["type"] == "InternalServerError"), err
+        assert len(chunks) > 1, "a stream failed before its first output: it should have run elsewhere"
         assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1]), "a finish before the error"
         return "failed"
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
@@ -152,6 +156,118 @@ def test_a_killed_replica_loses_no_request_and_the_fleet_recovers(cluster, ref):
 
     wait(lambda: len(asyncio.run(both())) == 2, 120, "both replicas to answer again", every=2.0)
     assert proc.poll() is None
+
+
+# Run by a separate Python attached to the serve command's Ray instance: once it has connected it says "ready", and
+# on a line from stdin it has one replica wait (in its own process: the tiny model's load is over within a second
+# or two) until its engine has two requests in flight, then raise an exception the engine loop does not expect in
+# the engine thread (as a bug or a device error in the loop would), the process living on; it prints the replica's
+# pid and the engine's error (or that the replica exited before it could answer: it does so once its engine died).
+KILL_ENGINE = """
+import ctypes, os, sys, time
+import ray
+
+class InjectedFault(BaseException):
+    pass
+
+def kill_engine(actor):
+    engine = actor._replica_impl._user_callable_wrapper.user_callable.engine
+    end = time.monotonic() + 120
+    while engine.num_unfinished < 2:
+        if time.monotonic() > end:
+            return None
+        time.sleep(0.001)
+    set_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
+    assert set_exc(ctypes.c_ulong(engine._thread.ident), ctypes.py_object(InjectedFault)) == 1
+    end = time.monotonic() + 30
+    while engine.error is None and time.monotonic() < end:
+        time.sleep(0.001)
+    return repr(engine.error)
+
+ray.init(address=sys.argv[1], log_to_driver=False)
+name = min(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "EngineReplica" in a["name"])
+replica = ray.get_actor(name, namespace="serve")
+pid = ray.get(replica.__ray_call__.remote(lambda actor: os.getpid()))
+print("ready", flush=True)
+sys.stdin.readline()
+try:
+    error = ray.get(replica.__ray_call__.remote(kill_engine))
+except ray.exceptions.ActorDiedError:  # the replica ended its process as soon as its engine died
+    error = "the replica exited"
+if error is not None:
+    print("killed", pid, error, flush=True)
+"""
+
+
+def _line(proc, word: str) -> str:
+    """The first line of `proc`'s output that begins with `word` ("" at its end)."""
+    for line in proc.stdout:
+        if line.startswith(word):
+            return line.strip()
+    return ""
+
+
+def _ray_instance(serve_pid: int) -> tuple[str, dict[str, str]]:
+    """The address of the Ray instance the `serve` command started (what its raylet, a child, was given) and the
+    authentication settings of its processes (a new local Ray turns token authentication on for them)."""
+    import psutil
+
+    for child in psutil.Process(serve_pid).children(recursive=True):
+        for arg in child.cmdline():
+            if arg.startswith("--gcs-address="):
+                return arg.split("=", 1)[1], {k: v for k, v in child.environ().items() if k.startswith("RAY_AUTH")}
+    raise AssertionError("no Ray process under the serve command names its GCS address")
+
+
+def test_a_replica_whose_engine_died_exits_and_loses_no_request(cluster, ref):
+    """The engine thread of one replica dies under a load, its process alive: the replica ends its process so that
+    Serve replaces it; requests that had made no output there (queued in its engine, or sent to it meanwhile) run
+    on the other replica; a stream that had made output ends with an error event; nothing hangs."""
+    import subprocess
+    import sys
+
+    url, _ = cluster
+    expected = {i: reference(ref, _prompt(i), N) for i in range(LOAD)}
+    started: dict[int, str] = {}
+    before = set(replica_pids())
+
+    address, auth = _ray_instance(cluster[1].pid)
+    killer = subprocess.Popen([sys.executable, "-c", KILL_ENGINE, address], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **auth})
+    try:
+        assert _line(killer, "ready")
+
+        async def scenario() -> tuple[list[str], str]:
+            killer.stdin.write("go\n")
+            killer.stdin.flush()
+            await asyncio.sleep(2)  # the replica is waiting for requests
+            async with httpx.AsyncClient(timeout=BOUND_S) as client:
+                load = [asyncio.create_task(_request(client, url, i, i % 2 == 0, started)) for i in range(LOAD)]
+                killed = await asyncio.to_thread(_line, killer, "killed")
+                done, pending = await asyncio.wait(load, timeout=BOUND_S)
+                assert not pending, f"{len(pending)} request(s) still unanswered {BOUND_S} s after the engine died"
+                return [t.result() for t in load], killed
+
+        outcomes, killed = asyncio.run(scenario())
+    finally:
+        killer.kill()
+        killer.wait()
+    assert killed, "the replica never had two requests in flight"
+    pid, error = killed.split(" ", 2)[1:]
+    victim = int(pid)
+    assert "InjectedFault" in error or error == "the replica exited", killed
+    assert victim in before
+    print("outcomes:", ["failed" if o == "failed" else "text" for o in outcomes])
+    for i, got in enumerate(outcomes):  # every request answered: the reference's text, or a clean stream error
+        assert got == expected[i] or (got == "failed" and i % 2 == 0), (i, got)
+    assert "failed" not in outcomes[1::2]  # non-streaming: never failed, retried
+    # the replica ended its own process (Serve replaces it), well before a health check would have failed it
+    wait(lambda: victim not in replica_pids(), 30, "the replica with the dead engine to exit")
+    wait(lambda: len(replica_pids()) == 2, 180, "the replica to be replaced")
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": _prompt(0), "max_tokens": N,
+                                                  "temperature": 0, "ignore_eos": True}, timeout=BOUND_S)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected[0], r.text
 
 
 def test_sigterm_drains_then_exits_0(cluster, ref):

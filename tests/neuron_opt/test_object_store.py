@@ -342,6 +342,23 @@ def test_throttling_resets_and_short_reads_are_retried(art, endpoint, cache):
     assert _local_files(local) == _local_files(art)
 
 
+def test_a_manifest_whose_body_is_cut_is_read_again(art, endpoint, cache):
+    """The manifest (read whole by one GET, not by s3transfer) cut short twice, as a connection closed mid-body:
+    read again each time, and the pull completes."""
+    uri = f"s3://{BUCKET}/cut-manifest"
+    object_store.push(art, uri, endpoint_url=endpoint, progress=False)
+
+    def short(parsed, n):
+        if n <= 2 and parsed.get("ContentLength", 0) > 2:  # the manifest's first two GETs
+            body = parsed["Body"]
+            body._raw_stream = _Cut(body._raw_stream, parsed["ContentLength"] // 2)
+
+    with faults("GetObject", lambda request, n: None, short) as calls:
+        local = object_store.pull(uri, endpoint_url=endpoint, progress=False)
+    assert calls[:3] == [calls[0]] * 3 and calls[0].endswith(MANIFEST), calls
+    assert _local_files(local) == _local_files(art)
+
+
 def test_a_truncated_object_fails_clearly_and_nothing_lands(art, endpoint, cache):
     uri = f"s3://{BUCKET}/truncated"
     object_store.push(art, uri, endpoint_url=endpoint, progress=False)

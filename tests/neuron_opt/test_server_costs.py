@@ -2,7 +2,7 @@
 tokenizer, loopback) with a normal request served beside it: grammar counts capped (schemas, patterns, regexes,
 EBNF, structural tags), grammar compiles in their own pool with a timeout and after the queue check, input nested
 too deeply to parse a 400, prompt ids checked against the model's vocabulary, and one request's failure inside a
-prefill call isolated to it."""
+prefill, decode or verify call isolated to it."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from neuron_opt.server.limits import GRAMMAR_QUEUE_PER_WORKER, ServerLimits
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 CAP = 8  # the servers' --max-grammar-repeat here
 SLOW_REGEX = "([a-z]{{0,1000}}[0-9]){{0,{}}}"  # compiles in about 0.3 s on a 2-core machine (1,000-odd repeats)
+FLOOD_REGEX = "([a-z]{{0,{}}}[0-9]){{0,1000}}"  # each inner bound compiles anew, about 0.2 s (xgrammar reuses the rest)
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +180,52 @@ def test_compiles_past_the_pool_bound_are_503_and_other_requests_go_on(llm):
         assert all(r.headers["retry-after"] == "1" for r in rs if r.status_code == 503)
 
 
+CAP_FLOOD = 4000  # inner bounds of FLOOD_REGEX stay under the default --max-grammar-repeat
+LATENCY_FACTOR = 4  # the most a grammar flood may slow other requests (median over several, against a baseline)
+
+
+def test_a_grammar_flood_keeps_other_requests_latency_within_a_factor(llm):
+    """Clients that send a costly grammar at once each time their last one is refused fill the grammar pool for the
+    whole measurement; meanwhile a plain request's median latency stays within LATENCY_FACTOR of its median with
+    no flood (the pool's one worker takes at most one core; compiles run in neither the event loop nor the engine
+    thread, nor the default executor that tokenizes)."""
+    import itertools
+    import statistics
+    import time
+
+    limits = ServerLimits(max_grammar_compiles=1, grammar_compile_timeout=0.05)
+    with live_server(llm, max_num_seqs=2, limits=limits) as (url, _):
+        def timed() -> float:
+            t = time.monotonic()
+            r = complete(url, max_tokens=8, ignore_eos=True)
+            assert r.status_code == 200, r.text
+            return time.monotonic() - t
+
+        timed()
+        baseline = statistics.median(timed() for _ in range(7))
+        stop, codes, sizes = threading.Event(), [], itertools.count(1000)  # a new regex each time: no cache hit
+
+        def flood() -> None:
+            with httpx.Client(timeout=120) as http:
+                while not stop.is_set():
+                    codes.append(http.post(url + C, json={"prompt": "x", "max_tokens": 2, "guided_regex":
+                                                          FLOOD_REGEX.format(next(sizes) % CAP_FLOOD)}).status_code)
+
+        clients = [threading.Thread(target=flood) for _ in range(4)]
+        for t in clients:
+            t.start()
+        try:
+            while len(codes) < 4:  # the flood is on
+                time.sleep(0.01)
+            flooded = statistics.median(timed() for _ in range(7))
+        finally:
+            stop.set()
+            for t in clients:
+                t.join(120)
+    assert flooded <= LATENCY_FACTOR * baseline, (flooded, baseline)
+    assert 400 in codes and set(codes) <= {200, 400, 503}, codes  # compiles timed out (some may be quick)
+
+
 def test_the_grammar_pool_bound():
     """The pool's bound, exactly: compiles that cannot finish until released (a stand-in for grammars that take
     long) fill the worker and its queue; one more is a QueueFullError at once; once they end, the pool serves."""
@@ -260,6 +307,53 @@ def test_a_failing_chunk_in_a_batched_prefill_fails_only_its_request(tiny_dir):
     assert both["bad"][-1].finish_reason == "error" and "prefill failed" in both["bad"][-1].error
     assert [t for o in both["good"] for t in o.new_token_ids] == [t for o in alone for t in o.new_token_ids]
     assert both["good"][-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("what", ["decode", "verify"])
+def test_a_failing_row_in_a_batched_decode_or_verify_fails_only_its_request(tiny_dir, what):
+    """A model whose embedding table is shorter than its output vocabulary: a request that samples a token past
+    the table fails when that token is fed back, in a decode (or, speculating, a verify) call batched with a good
+    request, which goes on with the tokens it makes alone."""
+    from transformers import AutoTokenizer
+
+    from neuron_opt.runtime.speculative import SpeculativeConfig
+
+    path = tiny_dir("smollm-tok")
+    runner = eager_runner(path, max_model_len=64, max_batch=2, prefill_batch=2, num_speculative_tokens=2)
+    tok = AutoTokenizer.from_pretrained(path)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    good, bad = [1, 5, 9, 13], [7, 7, 7, 7]  # the tiny model repeats 13 after the good one (prompt lookup finds it)
+    spec = SpeculativeConfig(2, adaptive=False) if what == "verify" else None
+
+    def run(prompts: dict[str, list[int]]) -> tuple[dict, Engine]:
+        engine = Engine(runner, tok, (2,), max_num_seqs=2, speculative=spec)
+        outs: dict = {rid: [] for rid in prompts}
+        for rid, ids in prompts.items():
+            engine.add_request(rid, ids, params, outs[rid].append)
+        while engine.step() or engine.num_unfinished:
+            pass
+        return outs, engine
+
+    def tokens(outs: list) -> list[int]:
+        return [t for o in outs for t in o.new_token_ids]
+
+    ref = {rid: tokens(o) for rid, o in run({"good": good, "bad": bad})[0].items()}
+    table = 1 + max(good + ref["good"])
+    assert max(bad) < table <= ref["bad"][0]  # the bad request's first token is past the shortened table
+    embed = runner.executor.model.model.embed_tokens
+    full = embed.weight
+    embed.weight = torch.nn.Parameter(full[:table], requires_grad=False)
+    try:
+        outs, engine = run({"good": good, "bad": bad})
+    finally:
+        embed.weight = full
+    err = outs["bad"][-1]
+    assert err.finish_reason == "error" and err.error.startswith(f"{what} failed: index out of range"), err
+    assert tokens(outs["bad"]) == ref["bad"][:1]  # its prefill's token, then the failing call
+    assert tokens(outs["good"]) == ref["good"] and outs["good"][-1].finish_reason == "length"
+    assert engine.num_unfinished == 0
+    if spec is not None:
+        assert engine.spec_stats.verify_steps >= 2 and engine.spec_stats.accepted_tokens > 0
 
 
 # ---- serve's flags --------------------------------------------------------------------------------------------

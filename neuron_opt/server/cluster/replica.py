@@ -9,8 +9,10 @@ Design decisions
   in its engine (its KV blocks are freed), as in one process.
 - Health: Serve calls `check_health` periodically; a dead engine thread fails it, and Serve replaces the replica.
   Sooner still: a replica whose engine loop died (a device error) answers the requests that failed with it as
-  "retry" (the router sends them elsewhere: none had an answer) and ends its own process within PUSH_PERIOD_S,
-  which Serve sees at once as a dead replica.
+  "retry" (the router sends them elsewhere: none had an answer), streams that had made no output yet included
+  (their first event would be the error: the header waits for it), and ends its own process within
+  ENGINE_CHECK_S, which Serve sees at once as a dead replica: a retry routed back to it by prefix finds it gone.
+  A stream that had made output ends with the error event.
 - LoRA adapters: each replica reconciles its engine's adapters with the board's set before each metrics push, and
   once before it takes requests, so a restarted replica serves them too (router.py, "LoRA adapters").
 """
@@ -51,6 +53,10 @@ from neuron_opt.server.serving import OpenAIServing
 from neuron_opt.server.tools import make_parser
 
 log = logging.getLogger(__name__)
+_ERROR_EVENT = 'data: {"error"'  # how an OpenAI stream's error event begins (serving.py)
+# how often a replica looks for its engine's death: the requests it answers "retry" meanwhile may come back to it
+# (prefix routing), so it must be gone before the router's next attempt (router.RETRY_BACKOFF_S)
+ENGINE_CHECK_S = 0.05
 
 
 async def _never_disconnected() -> bool:
@@ -136,14 +142,17 @@ class EngineReplica:
         return {"lora_name": req.lora_name, "lora_path": req.lora_path}
 
     def _push_loop(self) -> None:
-        while not self._stop.wait(PUSH_PERIOD_S):
+        pushed = time.monotonic()
+        while not self._stop.wait(ENGINE_CHECK_S):
             if self.engine.error is not None:
                 # the engine loop died (a device error, say): end the process, so that Serve stops routing here at
                 # once and replaces it, instead of this replica failing requests fast until its health check
                 # has failed enough times (a fast-failing replica looks idle and draws more requests)
                 log.critical("engine stopped (%r): exiting so that Serve replaces this replica", self.engine.error)
                 os._exit(1)
-            self._push()
+            if time.monotonic() - pushed >= PUSH_PERIOD_S:
+                pushed = time.monotonic()
+                self._push()
 
     def check_health(self) -> None:
         """Serve's periodic health check: a dead engine thread marks the replica unhealthy, and Serve replaces it."""
@@ -202,6 +211,14 @@ class EngineReplica:
         if isinstance(result, dict):
             yield ("json", 200, result, self.id)
             return
+        # the first event before the header: a stream whose request had made no output when the engine died (queued
+        # in it, say) ends with an error event as its first, and goes to another replica instead (it never ran)
+        first = await anext(aiter(result), None)
+        if self.engine.error is not None and (first is None or first.startswith(_ERROR_EVENT)):
+            yield ("retry", 503, None, self.id)
+            return
         yield ("sse", 200, None, self.id)
+        if first is not None:
+            yield first
         async for chunk in result:
             yield chunk
