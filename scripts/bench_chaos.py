@@ -57,6 +57,8 @@ sys.path.insert(0, str(ROOT))
 
 from neuron_opt.bench import RunRecord  # noqa: E402 (after the sys.path line)
 from neuron_opt.bench.cluster import stop_process_group  # noqa: E402
+from neuron_opt.bench.s3 import start_moto_server  # noqa: E402
+from neuron_opt.executors.launcher import free_port  # noqa: E402
 
 BUCKET = "chaos"
 MODEL = "chaos"
@@ -66,12 +68,6 @@ PULL_FAULTS = ("throttle", "throttle", None, "reset", None, "short", None, "thro
 SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code><Message>Please reduce your '
              b"request rate.</Message></Error>")
 OUTCOMES = ("completed", "failed_cleanly", "lost", "hung")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- the store and its faults ----------------------------------------------------------------------------------
@@ -149,23 +145,6 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
-
-
-def start_store() -> tuple[Any, str]:
-    """moto's S3 server on a free loopback port, with credentials of its own in this process's environment."""
-    import logging
-
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    os.environ.update({"AWS_ACCESS_KEY_ID": "chaos", "AWS_SECRET_ACCESS_KEY": "chaos",
-                       "AWS_DEFAULT_REGION": "us-east-1"})
-    for name in ("AWS_ENDPOINT_URL", "AWS_PROFILE"):
-        os.environ.pop(name, None)
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    return server, f"http://127.0.0.1:{port}"
 
 
 # ---- servers --------------------------------------------------------------------------------------------------
@@ -476,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
 
     record = RunRecord(args.require_idle)
     art = args.artifact.resolve()
-    store, endpoint = start_store()
+    store, endpoint = start_moto_server("chaos")
     work = Path(tempfile.mkdtemp(prefix="chaos-"))
     port = int(endpoint.rsplit(":", 1)[1])
     proxy = FaultProxy(("127.0.0.1", port))

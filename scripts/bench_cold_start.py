@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,32 +35,11 @@ sys.path.insert(0, str(ROOT))
 
 from neuron_opt.bench import MachineBusyError, RunRecord, rounds_summary  # noqa: E402 (after the sys.path line)
 from neuron_opt.bench.cluster import stop_process_group  # noqa: E402
+from neuron_opt.bench.s3 import start_moto_server  # noqa: E402
+from neuron_opt.executors.launcher import free_port  # noqa: E402
 
 BUCKET = "bench"
 MODES = ("local", "s3_cold", "s3_warm")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_store() -> tuple[object, str]:
-    """moto's S3 server on a free loopback port, with credentials of its own in this process's environment."""
-    import logging
-
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
-    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-                       "AWS_DEFAULT_REGION": "us-east-1"})
-    for name in ("AWS_ENDPOINT_URL", "AWS_PROFILE"):
-        os.environ.pop(name, None)
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    return server, f"http://127.0.0.1:{port}"
 
 
 def first_answer(source: str, endpoint: str, cache_dir: Path, timeout: float) -> dict[str, float]:
@@ -155,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     from neuron_opt import object_store
 
-    server, endpoint = start_store()
+    server, endpoint = start_moto_server("bench")
     try:
         object_store.client(endpoint).create_bucket(Bucket=BUCKET)
         uri = f"s3://{BUCKET}/{args.artifact.resolve().name}"

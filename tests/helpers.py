@@ -82,6 +82,18 @@ def one_thread_llms(path, max_model_len: int):
         yield served, LLM(path, batch_size=1, max_model_len=max_model_len)
 
 
+def run_engine(engine, requests: dict, max_steps: int = 2000) -> dict:
+    """Adds `requests` ({request id: (prompt ids, SamplingParams)}) to `engine` and steps it until every one has
+    finished (at most `max_steps` steps); returns each request's outputs in order."""
+    outs: dict = {rid: [] for rid in requests}
+    for rid, (ids, params) in requests.items():
+        engine.add_request(rid, ids, params, outs[rid].append)
+    for _ in range(max_steps):
+        if not engine.step() and engine.num_unfinished == 0:
+            break
+    return outs
+
+
 @contextlib.contextmanager
 def live_server(llm, max_num_seqs: int, runner=None, model: str = "tiny", speculative=None, draft=None,
                 max_waiting: int = 1024, **app_kw):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import reference_generate
+from helpers import reference_generate, run_engine
 from safetensors.torch import save_file
 
 from models.eagle3 import Eagle3Config, Eagle3Head, head_weight_names
@@ -24,7 +24,7 @@ from neuron_opt.backends.eager import EagerExecutor
 from neuron_opt.buckets import BucketConfig
 from neuron_opt.config import CacheConfig, ModelConfig
 from neuron_opt.errors import ConfigError
-from neuron_opt.runtime.engine import Engine, RequestOutput
+from neuron_opt.runtime.engine import Engine
 from neuron_opt.runtime.runner import ModelRunner
 from neuron_opt.runtime.sampling import SamplingParams
 from neuron_opt.runtime.speculative import Eagle3Proposer, SpeculativeConfig
@@ -78,16 +78,6 @@ def setup(tiny_dir, tmp_path_factory):
     torch.set_num_threads(threads)
 
 
-def _run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[RequestOutput]]:
-    outs: dict[str, list[RequestOutput]] = {rid: [] for rid in requests}
-    for rid, (ids, params) in requests.items():
-        engine.add_request(rid, ids, params, outs[rid].append)
-    for _ in range(2000):
-        if not engine.step() and engine.num_unfinished == 0:
-            break
-    return outs
-
-
 def _prompts(llm: LLM) -> list[list[int]]:
     texts = ["one two three four five one two three four five one two three",
              "The cat sat on the mat. The cat sat on",
@@ -138,7 +128,7 @@ def test_greedy_with_an_eagle3_head_equals_plain_greedy_in_a_mixed_batch(setup, 
         return got
 
     prop.propose_batch = recording
-    outs = _run(engine, {str(i): (p, params[i]) for i, p in enumerate(prompts)})
+    outs = run_engine(engine, {str(i): (p, params[i]) for i, p in enumerate(prompts)})
     for i, p in enumerate(prompts):
         want = reference_generate(ref, p, params[i])
         got = outs[str(i)]
@@ -172,7 +162,7 @@ def test_exact_across_preemption_and_prefix_cache_hits(setup):
     spec = SpeculativeConfig(K, "eagle3", adaptive=False, model=str(head_dir))
     engine = Engine(runner, llm.tokenizer, llm.eos_token_ids, speculative=spec, draft=llm.eagle3(head_dir),
                     enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=24)
-    outs = _run(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
+    outs = run_engine(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
     for i, p in enumerate(prompts):
         assert [t for o in outs[str(i)] for t in o.new_token_ids] == reference_generate(ref, p, params).token_ids, i
     assert engine.spec_stats.verify_steps > 0

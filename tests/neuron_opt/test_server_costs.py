@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 from helpers import eager_runner, live_server, one_thread_llm
 from tiny import make_tiny
 

@@ -13,13 +13,13 @@ import math
 
 import pytest
 import torch
-from helpers import reference_generate
+from helpers import reference_generate, run_engine
 
 from neuron_opt.api import LLM
 from neuron_opt.backends.cpu import onednn_bf16_supported
 from neuron_opt.buckets import VERIFY, Bucket, BucketConfig
 from neuron_opt.errors import BucketOverflowError, ConfigError
-from neuron_opt.runtime.engine import Engine, RequestOutput
+from neuron_opt.runtime.engine import Engine
 from neuron_opt.runtime.runner import DecodeRow, VerifyRow
 from neuron_opt.runtime.sampling import SamplerState, SamplingParams
 from neuron_opt.runtime.speculative import (
@@ -112,16 +112,6 @@ def test_verify_without_verify_graphs_says_how_to_get_them(llms):
 
 # ---- exactness --------------------------------------------------------------------------------------------
 
-def _run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[RequestOutput]]:
-    outs: dict[str, list[RequestOutput]] = {rid: [] for rid in requests}
-    for rid, (ids, params) in requests.items():
-        engine.add_request(rid, ids, params, outs[rid].append)
-    for _ in range(1000):
-        if not engine.step() and engine.num_unfinished == 0:
-            break
-    return outs
-
-
 def _grounded_prompts(llm: LLM) -> list[list[int]]:
     """Prompts whose continuation repeats text of the prompt (what prompt lookup is for): a random model's greedy
     continuation of a repeated phrase tends to loop, which the proposer then predicts."""
@@ -141,7 +131,7 @@ def test_greedy_output_is_identical_to_non_speculative_greedy(llms, adaptive):
               SamplingParams(max_tokens=37, ignore_eos=True, min_tokens=5)]
     engine = Engine(llm.runner, llm.tokenizer, llm.eos_token_ids,
                     speculative=SpeculativeConfig(K, adaptive=adaptive))
-    outs = _run(engine, {str(i): (p, params[i]) for i, p in enumerate(prompts)})
+    outs = run_engine(engine, {str(i): (p, params[i]) for i, p in enumerate(prompts)})
     for i, p in enumerate(prompts):
         want = reference_generate(ref, p, params[i])
         got = outs[str(i)]
@@ -213,7 +203,7 @@ def test_sampled_requests_finish_under_speculation_and_are_reproducible(llms):
     # adaptive=False: the adaptive rule decides verify-or-decode from measured step times, and the two paths draw
     # different numbers of uniforms, so a seeded run repeats exactly only when the decisions do
     spec = SpeculativeConfig(K, adaptive=False)
-    outs = [_run(Engine(llm.runner, llm.tokenizer, llm.eos_token_ids, speculative=spec),
+    outs = [run_engine(Engine(llm.runner, llm.tokenizer, llm.eos_token_ids, speculative=spec),
                  {str(i): (p, params) for i, p in enumerate(prompts)}) for _ in range(2)]
     for i in range(len(prompts)):
         a, b = ([t for o in run[str(i)] for t in o.new_token_ids] for run in outs)
@@ -468,7 +458,7 @@ def test_greedy_with_a_draft_model_is_identical_to_non_speculative_greedy(llms, 
     draft = llm.draft(draft_dir, 4)
     spec = SpeculativeConfig(K, "draft_model", adaptive=adaptive, model=str(draft_dir))
     engine = Engine(llm.runner, llm.tokenizer, llm.eos_token_ids, speculative=spec, draft=draft.runner)
-    outs = _run(engine, {str(i): (p, params[i]) for i, p in enumerate(prompts)})
+    outs = run_engine(engine, {str(i): (p, params[i]) for i, p in enumerate(prompts)})
     for i, p in enumerate(prompts):
         want = reference_generate(ref, p, params[i])
         got = outs[str(i)]
