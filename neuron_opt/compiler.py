@@ -217,10 +217,10 @@ def plan_buckets(cfg: ModelConfig, req: CompileRequest) -> tuple[CacheConfig, Bu
     max_model_len = req.max_model_len or (max(req.decode_buckets) if req.decode_buckets
                                           else min(cfg.max_position_embeddings, 2048))
     max_prompt_len = req.max_prompt_len or max_model_len
-    if max_model_len > cfg.max_context:
+    if max_model_len > cfg.max_model_len_limit:
         raise ConfigError(f"max_model_len: {max_model_len} exceeds the model's max_position_embeddings="
-                          f"{cfg.max_position_embeddings}" + (f" x its dynamic rope factor ({cfg.max_context})"
-                                                              if cfg.max_context != cfg.max_position_embeddings
+                          f"{cfg.max_position_embeddings}" + (f" x its dynamic rope factor ({cfg.max_model_len_limit})"
+                                                              if cfg.max_model_len_limit != cfg.max_position_embeddings
                                                               else ""))
     backend = backend_class(req.backend)
     offset_prefill = backend.resolve_offset_prefill(req.backend_options, req.offset_prefill)

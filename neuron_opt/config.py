@@ -209,7 +209,7 @@ class ModelConfig:
                    f"longrope needs {self.rotary_dim // 2} positive numbers (one per rotary pair), got {v!r}")
 
     @property
-    def max_context(self) -> int:
+    def max_model_len_limit(self) -> int:
         """The longest sequence the model's rotary embedding serves: max_position_embeddings, or for dynamic NTK
         scaling (whose frequencies stretch past it) max_position_embeddings x factor, as vLLM derives it."""
         if self.rope.get("rope_type") == "dynamic":

@@ -195,7 +195,7 @@ def evaluate(
         buckets=buckets,
         memory=mem,
         largest_batch=_largest(fits_batch, 1, MAX_BATCH_SEARCH) if limits else 0,
-        largest_length=_largest(fits_length, 1, cfg.max_context) if limits else 0,
+        largest_length=_largest(fits_length, 1, cfg.max_model_len_limit) if limits else 0,
     )
     if traffic is None:
         return plan

@@ -126,6 +126,7 @@ def test_flash_decoding_adds_each_sink_once(tiny_dir, tmp_path):
         check_tp_against_hf(ex, cfg, load_hf(d))
 
 
+@pytest.mark.slow  # ~40 s of cold cpu compile (make test-slow); Gemma 2 keeps capped scores in the default suite
 def test_cpu_graphs_match_hf(tmp_path):
     """The cpu backend's compiled graphs: sinks in the prefill GEMMs and in the decode loop nest (the C++ paged
     attention kernel has no sink: recorded in the graph's metadata), the window as a graph input, the experts'

@@ -81,7 +81,7 @@ def test_rope_rows_past_32k_equal_hf(kind, tmp_path):
 def test_dynamic_rope_matches_hf_stepped_across_max_position_embeddings(tiny_dir):
     d = tiny_dir("llama-dynamic-rope")
     cfg = ModelConfig.from_hf(d)
-    assert cfg.rope["rope_type"] == "dynamic" and cfg.max_context == 12 * 8  # vLLM's limit: the length x factor
+    assert cfg.rope["rope_type"] == "dynamic" and cfg.max_model_len_limit == 12 * 8  # vLLM's limit: the length x factor
     check_stepwise_against_hf(eager_runner(d, max_model_len=64, max_batch=2), load_hf(d))
 
 

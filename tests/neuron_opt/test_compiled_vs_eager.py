@@ -13,6 +13,9 @@ from neuron_opt.errors import BucketOverflowError, ContextLengthError
 from neuron_opt.runtime.generate import generate_ids
 from neuron_opt.runtime.sampling import SamplingParams
 
+# a cold cpu compile of its own (~150 s on 2 cores) and its checks: make test-slow
+pytestmark = pytest.mark.slow
+
 PREFILL = (16, 32, 64)
 DECODE = (32, 128, 512, 1024)
 MAX_LEN = 1024

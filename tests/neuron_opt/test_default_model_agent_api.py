@@ -66,6 +66,7 @@ def test_the_key_from_the_environment_is_required(url):
         "default"
 
 
+@pytest.mark.slow  # ~70 s of the real model generating (make test-slow)
 def test_parse_and_tool_calls_are_well_formed(url):
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
     r = client.chat.completions.parse(model="default", response_format=City, temperature=0, max_tokens=80,

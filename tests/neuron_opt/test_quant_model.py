@@ -117,8 +117,8 @@ def test_cpu_int8_operator_and_inductor_forms_agree(build):
     assert rel_err(logits(kernel), logits(inductor)) < 0.01
 
 
-# tied embeddings in the default suite; untied (~80 s of compile more) in make test-slow
-@pytest.mark.parametrize("variant", [pytest.param("llama-gqa2", marks=pytest.mark.slow), "smollm-like-9-3"])
+@pytest.mark.slow  # ~30-80 s of cold cpu compile each (make test-slow)
+@pytest.mark.parametrize("variant", ["llama-gqa2", "smollm-like-9-3"])
 def test_quantized_lm_head(variant, tmp_path_factory):
     """`--quantize-lm-head`: the head in int8 per channel (a tied head gets its own quantized copy; the embedding
     lookup keeps the float table), on the eager reference and the cpu kernels, near fp32."""

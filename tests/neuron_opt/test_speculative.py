@@ -227,6 +227,7 @@ def test_controller_verifies_only_when_the_expected_tokens_beat_the_cost():
     assert c.expected_tokens("b", 4) == pytest.approx(5, rel=0.05)
 
 
+@pytest.mark.slow  # ~60 s of cold cpu compile (make test-slow)
 def test_cpu_compiled_verify_graphs_match_eager_and_keep_greedy_exact(tiny_dir, tmp_path, llms, capsys):
     """The cpu backend's verify graphs (a layer graph over q = k + 1 tokens, a head over B * q rows): logits
     equal the eager verify step's, and speculative greedy through the artifact equals eager greedy, with prompt
