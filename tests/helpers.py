@@ -94,6 +94,19 @@ def run_engine(engine, requests: dict, max_steps: int = 2000) -> dict:
     return outs
 
 
+def assert_outputs_match_reference(outs: dict, ref, prompts: list, params: list) -> None:
+    """Each request `str(i)` of `run_engine`'s outputs equals the reference loop on `prompts[i]`, `params[i]`: its
+    tokens, finish reason and logprobs (1e-4)."""
+    import pytest
+
+    for i, p in enumerate(prompts):
+        want = reference_generate(ref, p, params[i])
+        got = outs[str(i)]
+        assert [t for o in got for t in o.new_token_ids] == want.token_ids, i
+        assert got[-1].finish_reason == want.finish_reason
+        assert [lp.logprob for o in got for lp in o.logprobs] == pytest.approx(want.logprobs, abs=1e-4)
+
+
 @contextlib.contextmanager
 def live_server(llm, max_num_seqs: int, runner=None, model: str = "tiny", speculative=None, draft=None,
                 max_waiting: int = 1024, **app_kw):

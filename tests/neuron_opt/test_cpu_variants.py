@@ -15,8 +15,8 @@ from neuron_opt.runtime.runner import DecodeRow, ModelRunner
 # in the default suite: MoE with a shared expert and q/k/v biases, untied head (decode at batch 1 gathers its 2
 # experts; the prefill graph runs all 8, dense); windows on cpu graphs: Gemma 2 in tests/models/test_families.py
 VARIANTS = ["qwen2-moe"]
-# ~40-60 s of compile each (make test-slow): a sliding window of 8; dense biases and the untied head alone (both in qwen2-moe too); MoE with
-# renormalised top-2; q/k norm
+# ~40-60 s of compile each (make test-slow): a sliding window of 8; dense biases and the untied head alone (both in
+# qwen2-moe too); MoE with renormalised top-2; q/k norm
 SLOW_VARIANTS = ["mistral-window", "qwen2", "llama-gqa2", "mixtral", "qwen3-moe"]
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import reference_generate, run_engine
+from helpers import assert_outputs_match_reference, reference_generate, run_engine
 from safetensors.torch import save_file
 
 from models.eagle3 import Eagle3Config, Eagle3Head, head_weight_names
@@ -129,12 +129,7 @@ def test_greedy_with_an_eagle3_head_equals_plain_greedy_in_a_mixed_batch(setup, 
 
     prop.propose_batch = recording
     outs = run_engine(engine, {str(i): (p, params[i]) for i, p in enumerate(prompts)})
-    for i, p in enumerate(prompts):
-        want = reference_generate(ref, p, params[i])
-        got = outs[str(i)]
-        assert [t for o in got for t in o.new_token_ids] == want.token_ids, i
-        assert got[-1].finish_reason == want.finish_reason
-        assert [lp.logprob for o in got for lp in o.logprobs] == pytest.approx(want.logprobs, abs=1e-4)
+    assert_outputs_match_reference(outs, ref, prompts, params)
     assert engine.spec_stats.verify_steps > 0 and engine.spec_stats.draft_tokens > 0
     assert not prop.slot and not prop.pending  # every finished request gave its slot and states back
     assert seen

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from helpers import reference_generate, run_engine
+from helpers import assert_outputs_match_reference, reference_generate, run_engine
 
 from neuron_opt.api import LLM
 from neuron_opt.backends.cpu import onednn_bf16_supported
@@ -460,12 +460,7 @@ def test_greedy_with_a_draft_model_is_identical_to_non_speculative_greedy(llms, 
     spec = SpeculativeConfig(K, "draft_model", adaptive=adaptive, model=str(draft_dir))
     engine = Engine(llm.runner, llm.tokenizer, llm.eos_token_ids, speculative=spec, draft=draft.runner)
     outs = run_engine(engine, {str(i): (p, params[i]) for i, p in enumerate(prompts)})
-    for i, p in enumerate(prompts):
-        want = reference_generate(ref, p, params[i])
-        got = outs[str(i)]
-        assert [t for o in got for t in o.new_token_ids] == want.token_ids, i
-        assert got[-1].finish_reason == want.finish_reason
-        assert [lp.logprob for o in got for lp in o.logprobs] == pytest.approx(want.logprobs, abs=1e-4)
+    assert_outputs_match_reference(outs, ref, prompts, params)
     assert engine.spec_stats.verify_steps > 0 and engine.spec_stats.draft_tokens > 0
     assert not engine.proposer.slot  # every finished request gave its draft slot back
 
