@@ -471,14 +471,8 @@ class Engine:
                 logits = every[torch.arange(len(group)), torch.tensor([len(p.token_ids) - 1 for p in group])]
             else:
                 logits = self.runner.prefill_rows(rows, candidates=self._candidates(sampled) if sampled else 1)
-        except Exception as e:
-            if len(group) > 1:  # find the request that failed: each chunk alone (it rewrites only its own K/V)
-                log.warning("prefill of %d chunks failed (%r); running them one at a time", len(group), e)
-                for p in group:
-                    self._prefill((p,))
-                return
-            log.error("prefill failed:\n%s", traceback.format_exc())
-            self._fail(group[0].request_id, f"prefill failed: {e}", e)
+        except Exception as e:  # each chunk alone rewrites only its own K/V
+            self._isolate_failure("prefill", group, e, lambda p: self._prefill((p,)))
             return
         st = self.stats
         st.graph_s += time.perf_counter() - t0
@@ -535,14 +529,8 @@ class Engine:
             seqs = [self._seqs[d.request_id] for d in decodes]
             try:
                 step = spec.plan(decodes, [s.request for s in seqs], [s.state.grammar for s in seqs])
-            except Exception as e:
-                if len(decodes) > 1:  # find the request whose proposal failed: each row planned alone
-                    log.warning("proposing for %d rows failed (%r); planning them one at a time", len(decodes), e)
-                    for d in decodes:
-                        self._decode_or_verify((d,))
-                    return
-                log.error("proposing failed:\n%s", traceback.format_exc())
-                self._fail(decodes[0].request_id, f"speculative proposal failed: {e}", e)
+            except Exception as e:  # each row planned alone
+                self._isolate_failure("speculative proposal", decodes, e, lambda d: self._decode_or_verify((d,)))
                 return
         self._run_decodes(decodes, step, t0)
 
@@ -553,7 +541,7 @@ class Engine:
         ids = [d.request_id for d in decodes]
         verify = step is not None and step.verify
         try:
-            if step is not None and step.verify:
+            if verify:
                 rows = [VerifyRow(d.blocks, (d.token, *step.proposals[d.request_id]), d.position, d.lora_slot,
                                   d.window_blocks) for d in decodes]
                 logits = self.runner.verify(rows, candidates=self._candidates(ids))
@@ -562,15 +550,11 @@ class Engine:
                                              for d in decodes], candidates=self._candidates(ids))
             self.stats.graph_s += time.perf_counter() - t0
         except Exception as e:
-            what = "verify" if verify else "decode"
-            if len(decodes) > 1:
-                log.warning("%s of %d rows failed (%r); running them one at a time", what, len(decodes), e)
-                for d in decodes:
-                    alone = step and replace(step, batch=pick_decode(1, d.position, self.runner.buckets).batch)
-                    self._run_decodes((d,), alone, time.perf_counter())
-                return
-            log.error("%s failed:\n%s", what, traceback.format_exc())
-            self._fail(ids[0], f"{what} failed: {e}", e)
+            def alone(d: DecodeWork) -> None:  # the same plan, at batch 1
+                one = step and replace(step, batch=pick_decode(1, d.position, self.runner.buckets).batch)
+                self._run_decodes((d,), one, time.perf_counter())
+
+            self._isolate_failure("verify" if verify else "decode", decodes, e, alone)
             return
         spec = self.speculation
         if spec is None or step is None:
@@ -602,6 +586,19 @@ class Engine:
         if aux is not None:  # the last accepted token and the accepted proposals; the one after them is not run
             spec.observe_hidden(request_id, d.position, aux[:len(results)])
         self._deliver(request_id, results, seq.state.grammar_done)
+
+    def _isolate_failure(self, what: str, rows: Sequence[PrefillWork] | Sequence[DecodeWork], error: Exception,
+                         alone: Callable[[Any], None]) -> None:
+        """A runner call over `rows` raised `error` (called in its `except`): with several rows, each runs again in
+        a call of its own (`alone(row)`), so only the request whose row fails fails; one row: its request fails,
+        with `what` and the error in its message."""
+        if len(rows) > 1:
+            log.warning("%s of %d rows failed (%r); running them one at a time", what, len(rows), error)
+            for row in rows:
+                alone(row)
+            return
+        log.error("%s failed:\n%s", what, traceback.format_exc())
+        self._fail(rows[0].request_id, f"{what} failed: {error}", error)
 
     def _candidates(self, request_ids: list[str]) -> int | None:
         """Top logits per rank the batch's sampling needs (vocab-parallel TP); None when any row needs them all."""
