@@ -5,6 +5,7 @@ its replicas."""
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Any
 
@@ -186,14 +187,18 @@ def check_kv_offloading(args: argparse.Namespace) -> None:
     only under a host-memory tier."""
     for flag in ("kv_offloading_size", "kv_offloading_disk_size"):
         value = getattr(args, flag)
-        if value is not None and value <= 0:
-            raise ConfigError(f"--{flag.replace('_', '-')}: must be > 0 GiB, got {value}", param=flag)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"--{flag.replace('_', '-')}: must be > 0 GiB (a finite number), got {value}",
+                              param=flag)
     if (args.kv_offloading_disk_dir is None) != (args.kv_offloading_disk_size is None):
         raise ConfigError("--kv-offloading-disk-dir and --kv-offloading-disk-size go together",
                           param="kv_offloading_disk_dir")
     if args.kv_offloading_disk_dir is not None and args.kv_offloading_size is None:
         raise ConfigError("--kv-offloading-disk-dir: the disk level sits below the host-memory tier; give "
                           "--kv-offloading-size too", param="kv_offloading_disk_dir")
+    if args.kv_offloading_disk_dir is not None and not Path(args.kv_offloading_disk_dir).is_dir():
+        raise ConfigError(f"--kv-offloading-disk-dir: {args.kv_offloading_disk_dir} is not an existing local "
+                          "directory", param="kv_offloading_disk_dir")
 
 
 def build_engine(args: argparse.Namespace) -> Any:

@@ -95,6 +95,9 @@ def test_serve_flag_builds_the_tier_and_metrics_count_its_hits(tiny_dir, tmp_pat
                                           "--max-model-len", "64", *extra])
 
     for bad, message in ((["--kv-offloading-size", "0"], "must be > 0 GiB"),
+                         (["--kv-offloading-size", "nan"], "must be > 0 GiB"),
+                         (["--kv-offloading-size", "1", "--kv-offloading-disk-dir", "s3://bucket/kv",
+                           "--kv-offloading-disk-size", "1"], "is not an existing local directory"),
                          (["--kv-offloading-disk-dir", str(tmp_path)], "go together"),
                          (["--kv-offloading-disk-dir", str(tmp_path), "--kv-offloading-disk-size", "1"],
                           "give --kv-offloading-size too")):
