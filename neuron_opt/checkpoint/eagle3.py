@@ -25,7 +25,7 @@ from models.eagle3 import Eagle3Config, Eagle3Head, default_aux_layers, head_wei
 from neuron_opt.checkpoint.hf import weight_files
 from neuron_opt.config import ModelConfig
 from neuron_opt.errors import CheckpointError, ConfigError
-from neuron_opt.headers import read_json_capped
+from neuron_opt.headers import read_json_capped, safetensors_header
 
 # config fields of the head that are no decoder-layer field
 _HEAD_FIELDS = ("draft_vocab_size", "eagle_config", "target_hidden_size", "norm_before_residual", "norm_before_fc",
@@ -50,20 +50,23 @@ def _layer_config(d: dict[str, Any], where: str) -> ModelConfig:
         raise CheckpointError(f"eagle3 head {where}: its layer config does not load ({e})") from None
 
 
-def read_head_config(root: Path) -> tuple[Eagle3Config, str, dict[str, torch.Tensor]]:
-    """(the head's config, its layout "eagle" or "speculators", its tensors under our (EAGLE) names)."""
+def read_head_config(root: Path, load: bool = True) -> tuple[Eagle3Config, str, dict[str, torch.Tensor | None]]:
+    """(the head's config, its layout "eagle" or "speculators", its tensors under our (EAGLE) names). `load`
+    False: the tensors' names only (values None), read from the safetensors headers, as `plan` needs."""
     cfg_path = root / "config.json"
     if not cfg_path.is_file():
         raise CheckpointError(f"eagle3 head {root}: no config.json")
     raw = read_json_capped(cfg_path, CheckpointError, "eagle3 head")
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor | None] = {}
     if not (root / "model.safetensors").is_file() and not (root / "model.safetensors.index.json").is_file() \
             and any(root.glob(p) for p in ("*.bin", "*.pt", "*.pth")):
         raise CheckpointError(f"eagle3 head {root}: only pickled weights (*.bin), which are never unpickled; we read "
                               "safetensors only (most heads are published with model.safetensors too)")
     for f in weight_files(root):
         try:
-            tensors.update(load_file(str(f)))
+            tensors.update(load_file(str(f)) if load else dict.fromkeys(safetensors_header(f)))
+        except CheckpointError:
+            raise
         except Exception as e:
             raise CheckpointError(f"eagle3 head: {f} is not a readable safetensors file ({e})") from None
     if "speculators_model_type" in raw:

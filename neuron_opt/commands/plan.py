@@ -17,6 +17,7 @@ from pathlib import Path
 from neuron_opt.commands.hub_flags import add_hub_flags
 from neuron_opt.config import ModelConfig
 from neuron_opt.errors import ConfigError
+from neuron_opt.headers import read_json_capped
 from neuron_opt.hub import resolve_model
 from neuron_opt.lora.config import TARGET_MODULES, LoraConfig
 from neuron_opt.planner.hardware import get_instance, known_instances
@@ -29,10 +30,20 @@ from neuron_opt.planner.report import (
     ep_table,
     plan_json,
     plan_lines,
+    speculative_json,
+    speculative_lines,
     split_json,
     split_lines,
 )
 from neuron_opt.planner.scale_out import TARGETS, recommend_split, splits
+from neuron_opt.planner.speculative import (
+    METHODS,
+    Proposer,
+    acceptance_from_bench,
+    check_acceptance,
+    eagle3_like,
+    predict,
+)
 
 # every backend holds window-sized KV for sliding-window layers (Backend.window_kv: eager, cpu, neuron), so the plan
 # sizes their pools as compile allocates them
@@ -109,6 +120,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="largest LoRA rank (compile's flag; default 16 when another LoRA flag is given)")
     p.add_argument("--lora-target-modules", nargs="+", default=None, metavar="NAME",
                    help=f"linears with an adapter path (compile's flag; default all: {' '.join(TARGET_MODULES)})")
+    p.add_argument("--speculative-method", choices=METHODS, default=None,
+                   help="predict what speculative decoding buys at the plan's decode bucket (docs/planner.md): the "
+                        "verify step and the proposer's cost against the plain decode step")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K", help="proposals a step")
+    p.add_argument("--speculative-model", default=None, metavar="PATH",
+                   help="draft_model: the draft (as --model takes it); eagle3: the head's directory (default: a "
+                        "head shaped like one of the model's layers, as train-eagle3 makes it)")
+    p.add_argument("--acceptance-length", default=None, metavar="TAU|BENCH.json",
+                   help="tokens a verify step emits (accepted proposals + 1, in [1, K + 1]), or a JSON of "
+                        "scripts/bench_spec.py or bench_eagle3.py: its rows of this method at K measured with every "
+                        "step speculating")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
 
@@ -135,10 +157,56 @@ def load_model_config(model: str) -> ModelConfig:
     return open_checkpoint(model).config
 
 
+def proposer_from_args(args: argparse.Namespace, cfg: ModelConfig) -> tuple[Proposer, list[tuple[str, float]]] | None:
+    """The speculative decoding to predict and its acceptance lengths ((source, length)); None when not asked."""
+    method, k = args.speculative_method, args.num_speculative_tokens
+    if method is None:
+        for flag in ("num_speculative_tokens", "speculative_model", "acceptance_length"):
+            if getattr(args, flag) is not None:
+                raise ConfigError(f"--{flag.replace('_', '-')}: needs --speculative-method", param=flag)
+        return None
+    if k is None or args.acceptance_length is None:
+        raise ConfigError("--speculative-method: needs --num-speculative-tokens and --acceptance-length",
+                          param="speculative_method")
+    if method == "ngram" and args.speculative_model is not None:
+        raise ConfigError("--speculative-model: prompt lookup (ngram) has no draft model", param="speculative_model")
+    if method == "draft_model":
+        if args.speculative_model is None:
+            raise ConfigError("--speculative-method draft_model: needs --speculative-model", param="speculative_model")
+        proposer = Proposer(method, k, load_model_config(resolve_model(args.speculative_model, config_only=True,
+                                                                             param="speculative_model")))
+    elif method == "eagle3" and args.speculative_model is not None:
+        from neuron_opt.checkpoint.eagle3 import check_head, read_head_config  # the CLI parses without them
+
+        head = read_head_config(Path(resolve_model(args.speculative_model, param="speculative_model")), load=False)[0]
+        ids = check_head(head, cfg, args.speculative_model)
+        proposer = Proposer(method, k, head.layer, head.draft_vocab_size, len(ids) * head.aux_hidden_size)
+    elif method == "eagle3":
+        proposer = eagle3_like(cfg, k)
+    else:
+        proposer = Proposer(method, k)
+    source = args.acceptance_length
+    try:
+        lengths = [("given", float(source))]
+    except ValueError:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"--acceptance-length: {source!r} is neither a number nor a benchmark JSON file",
+                              param="acceptance_length") from None
+        lengths = acceptance_from_bench(read_json_capped(path, ConfigError, "--acceptance-length"), method, k,
+                                        str(path))
+    for _, tau in lengths:
+        check_acceptance(tau, k)
+    return proposer, lengths
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = load_model_config(resolve_model(args.model, revision=args.revision, gguf_file=args.gguf_file,
                                           config_only=True))
     inst = get_instance(args.instance)
+    spec = proposer_from_args(args, cfg)
+    if spec is not None and inst.family == "cpu":
+        raise ConfigError("--speculative-method: latency is modelled on Neuron instances, not on cpu", param="instance")
     traffic = Traffic(args.input_len, args.output_len, args.concurrency)
     arrival = Arrival(args.arrival or ("poisson" if args.rate is not None else "together"), args.rate)
     if args.max_num_batched_tokens < 1:
@@ -181,9 +249,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--data-parallel: the split of an instance's cores is planned for Neuron instances "
                           "(latency is not modelled on cpu)", param="data_parallel")
     fits = context_fits(cfg, best.deployment)  # where this context can be served at all, at the smallest tp
+    preds = [] if spec is None else [(where, predict(cfg, best, spec[0], tau)) for where, tau in spec[1]]
     if args.json:
         out = plan_json(cfg, best, plans[1:])
         out["context_fits"] = {inst.name: tp for inst, tp in fits}
+        if preds:
+            out["speculative"] = speculative_json(best, preds)
         if scale:
             pick = recommend_split(scale, traffic.output_len, args.target)
             out["data_parallel"] = {
@@ -200,6 +271,9 @@ def run(args: argparse.Namespace) -> int:
                 f"concurrency {traffic.concurrency}), recommended first:"
             )
             print("\n".join(alternatives_table(plans, traffic)))
+        if preds:
+            print()
+            print("\n".join(speculative_lines(best, preds)))
         if cfg.is_moe and inst.family != "cpu":
             print()
             print("\n".join(ep_table(cfg, best, traffic)))

@@ -105,7 +105,7 @@ class StepTime:
         return max(parts, key=lambda k: parts[k])
 
 
-def _collectives(
+def collectives_time(
     cfg: ModelConfig, lay: HeadLayout, inst: Instance, tokens: int, eff: Efficiency, hop_latency: float = 0.0
 ) -> float:
     """All-reduces of one step: 2 per layer + 1 small gather for sampling; zero at tp=1. `hop_latency` is
@@ -170,7 +170,7 @@ def prefill_time(
     return StepTime(
         compute=(flops + lora_flops) / (inst.bf16_flops_per_core * eff.tensor) + scores,
         memory=(weight_bytes(cfg, lay, dtype) + lora_bytes) / (inst.hbm_bw_per_core * eff.hbm),
-        collective=_collectives(cfg, lay, inst, tokens, eff, eff.prefill_hop_latency_s),
+        collective=collectives_time(cfg, lay, inst, tokens, eff, eff.prefill_hop_latency_s),
         overhead=eff.step_overhead_s + (batch - 1) * eff.prefill_row_s,
     )
 
@@ -186,24 +186,27 @@ def decode_time(
     kv_dtype: str,
     eff: Efficiency = DEFAULT_EFFICIENCY,
     lora: LoraConfig | None = None,
+    tokens_per_row: int = 1,
 ) -> StepTime:
     """One decode graph: `batch` rows (the batch bucket) each attending over `kv_len` positions (the length
-    bucket)."""
+    bucket). `tokens_per_row` > 1: a verify graph (speculative decoding), k + 1 tokens a row scored at every
+    position, which multiplies the compute and the messages but reads the weights and the KV once."""
     n = weight_count(cfg, lay)
+    tokens = batch * tokens_per_row
     local = lay.local_positions(kv_len)  # positions this rank attends over (split under kv-seq-shard)
-    flops = 2.0 * batch * (n.linear + cfg.hidden_size * lay.vocab_local) + _attention_flops(
-        cfg, lay, batch, 1, local
+    flops = 2.0 * tokens * (n.linear + cfg.hidden_size * lay.vocab_local) + _attention_flops(
+        cfg, lay, batch, tokens_per_row, local
     )
     kv = 2 * cfg.num_hidden_layers * batch * lay.n_kv_local * local * lay.head_dim * dtype_bytes(kv_dtype)
     weights = weight_bytes(cfg, lay, dtype)
     if cfg.is_moe:  # only the experts a step reads (gathered below planner.moe.gather_until, else all)
-        read, expert_flops = expert_step(cfg, lay, batch)
+        read, expert_flops = expert_step(cfg, lay, tokens)
         weights += (read - n.experts) * dtype_bytes(dtype)
         flops += expert_flops
-    lora_flops, lora_bytes = _lora(cfg, lay, lora, batch, batch, dtype)
+    lora_flops, lora_bytes = _lora(cfg, lay, lora, batch, tokens, dtype)
     return StepTime(
         compute=(flops + lora_flops) / (inst.bf16_flops_per_core * eff.tensor),
         memory=(weights + kv + lora_bytes) / (inst.hbm_bw_per_core * eff.hbm),
-        collective=_collectives(cfg, lay, inst, batch, eff),
+        collective=collectives_time(cfg, lay, inst, tokens, eff),
         overhead=eff.step_overhead_s,
     )

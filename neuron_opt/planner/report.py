@@ -20,6 +20,7 @@ from neuron_opt.planner.moe import ep_choices, gather_until, moe_line
 from neuron_opt.planner.queueing import QueueEstimate
 from neuron_opt.planner.recommend import Deployment, Plan, Traffic, evaluate
 from neuron_opt.planner.scale_out import TARGETS, Split, recommend_split
+from neuron_opt.planner.speculative import SpecPrediction
 from neuron_opt.planner.validation import error_band
 
 
@@ -130,6 +131,51 @@ def context_lines(fits: list[tuple[Instance, int | None]], dep: Deployment) -> l
     head = f"context {dep.max_model_len} tokens x batch {dep.batch} ({dep.dtype}, KV {dep.kv_dtype}) fits:"
     return [head] + [f"  {inst.name:<16}" + (f"tp {tp}" if tp is not None else
                                               f"no (not at tp {max(inst.tp_degrees)})") for inst, tp in fits]
+
+
+def speculative_lines(plan: Plan, preds: list[tuple[str, SpecPrediction]]) -> list[str]:
+    """The speculative step against the plain decode step (planner.speculative), one row per acceptance length
+    (`preds`: (where the length comes from, the prediction))."""
+    first = preds[0][1]
+    p, dep, dec = first.proposer, plan.deployment, plan.decode_bucket
+    assert dec is not None
+    draft = {"ngram": "prompt lookup on the host", "draft_model": f"{p.k} decode steps of the draft model",
+             "eagle3": f"{p.k} calls of the head (not fused)"}[p.method]
+    extra = p.weight_bytes(dep.dtype, dep.tp) + p.kv_bytes(dep.kv_dtype, dep.tp, dep.batch, dep.max_model_len)
+    total = plan.memory.total + extra
+    lines = [
+        f"speculative decoding: {p.method}, k {p.k}, at the decode bucket (batch {dec.batch}, {dec.kv_len} positions)",
+        f"  {'plain decode step':<40}{1e3 * first.decode.total:9.2f} ms",
+        f"  {f'verify step ({p.k + 1} tokens a row)':<40}{1e3 * first.verify.total:9.2f} ms",
+        f"  {f'draft: {draft}':<40}{1e3 * first.draft_s:9.2f} ms",
+        f"  {'proposer weights + KV per rank':<40}{extra / GiB:9.2f} GiB  (total {total / GiB:.2f} of "
+        f"{plan.memory.capacity / GiB:.2f} GiB -> " + ("fits)" if total <= plan.memory.capacity else "DOES NOT FIT)"),
+        f"  {'acceptance length':<28}{'TPOT ms':>12}{'speedup':>10}",
+    ]
+    lines += [f"    {f'{s.acceptance_length:.2f} ({where})':<26}{1e3 * s.tpot_s:12.2f}{s.speedup:9.2f}x"
+              for where, s in preds]
+    lines.append(f"  break-even acceptance length: {first.break_even:.2f} (below it speculation is slower than "
+                 "plain decoding)")
+    if (fused := first.fused()) is not None:
+        lines.append(f"  with the draft chain fused into one graph: draft {1e3 * fused.draft_s:.2f} ms, break-even "
+                     f"{fused.break_even:.2f}, " + ", ".join(f"{f.speedup:.2f}x at {f.acceptance_length:.2f}"
+                                                             for f in (s.fused() for _, s in preds) if f))
+    return lines
+
+
+def speculative_json(plan: Plan, preds: list[tuple[str, SpecPrediction]]) -> dict[str, Any]:
+    first = preds[0][1]
+    p, dep = first.proposer, plan.deployment
+    return {
+        "method": p.method, "num_speculative_tokens": p.k,
+        "decode_step_ms": _ms(first.decode.total), "verify_step_ms": _ms(first.verify.total),
+        "draft_ms": _ms(first.draft_s), "break_even_acceptance_length": round(first.break_even, 3),
+        "fused_draft_ms": None if first.fused_draft_s is None else _ms(first.fused_draft_s),
+        "proposer_bytes_per_rank": p.weight_bytes(dep.dtype, dep.tp)
+        + p.kv_bytes(dep.kv_dtype, dep.tp, dep.batch, dep.max_model_len),
+        "predictions": [{"source": where, "acceptance_length": s.acceptance_length, "tpot_ms": _ms(s.tpot_s),
+                         "speedup": round(s.speedup, 3)} for where, s in preds],
+    }
 
 
 def queue_line(q: QueueEstimate) -> str:
