@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
 import os
 import re
 import shlex
@@ -561,6 +562,47 @@ def hlo_files(out_dir: Path, key: str) -> tuple[Path, Path]:
     return out_dir / HLO_TEXT.format(key=key), out_dir / HLO_PROTO.format(key=key)
 
 
+class DeviceBlocks:
+    """The second KV tier's view of the device pools (runtime/kv_tier.py `PoolBlocks`): one block of every layer's K
+    and V pool copied to host memory and back. The block index is device data, so every block runs the same two
+    small graphs (an index_select of every pool, and an in-place index_copy into every pool); at tp > 1 a block is
+    every rank's slice of it ([tp, 1, ...], written back sharded like the pool)."""
+
+    def __init__(self, program: DeviceRank | SpmdRanks) -> None:
+        self.program = program
+        self.dim = 1 if isinstance(program, SpmdRanks) else 0  # SPMD pools: [tp, num_blocks, ...]
+        caches = [*program.k_caches, *program.v_caches]
+        if len({c.dtype for c in caches}) != 1:
+            raise ConfigError("kv_offloading_size: the KV tier copies pools of one dtype",
+                              param="kv_offloading_size")
+        self.dtype = caches[0].dtype
+        self.shapes = [tuple(c.shape[:self.dim]) + (1,) + tuple(c.shape[self.dim + 1:]) for c in caches]
+        self.numels = [math.prod(shape) for shape in self.shapes]
+        self.block_bytes = sum(self.numels) * caches[0].element_size()
+
+    def _index(self, block: int) -> torch.Tensor:
+        return torch.tensor([block], dtype=torch.int64).to(self.program.device)
+
+    def read(self, block: int) -> torch.Tensor:
+        p = self.program
+        idx = self._index(block)
+        flat = torch.cat([c.index_select(self.dim, idx).reshape(-1) for c in [*p.k_caches, *p.v_caches]])
+        return flat.cpu().view(torch.uint8)
+
+    def write(self, block: int, data: torch.Tensor) -> None:
+        p = self.program
+        idx = self._index(block)
+        values = data.view(self.dtype)
+        offset = 0
+        for c, shape, n in zip([*p.k_caches, *p.v_caches], self.shapes, self.numels, strict=True):
+            new = values[offset:offset + n].reshape(shape).to(p.device)
+            if isinstance(p, SpmdRanks):
+                new = p._shard(new)
+            c.index_copy_(self.dim, idx, new)
+            offset += n
+        p.xla.sync()
+
+
 class NeuronExecutor:
     """Runs every bucket's graph on the device model (DeviceRank, or SpmdRanks for tp > 1).
 
@@ -592,6 +634,10 @@ class NeuronExecutor:
     @property
     def k_caches(self) -> list[torch.Tensor]:
         return self.ranks.k_caches
+
+    def tier_blocks(self) -> DeviceBlocks:
+        """The pools as the second KV tier copies them (runtime/kv_tier.py)."""
+        return DeviceBlocks(self.ranks)
 
     @property
     def v_caches(self) -> list[torch.Tensor]:

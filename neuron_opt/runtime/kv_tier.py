@@ -24,8 +24,11 @@ Design decisions
   bytes), under its own size limit and LRU. The files live in a private (0700) directory made for this tier inside
   `disk_dir` and removed with it: no other process's file is ever read. A restore reads the file on the engine
   thread and checks its digest as above; the block is then in the pool, and back in RAM when the pool evicts it.
-- Host memory only: the pools of the executors that keep KV as CPU tensors in this process (the eager and cpu
-  backends at tp = 1; rank processes and device pools are refused here). Window-sized KV (a sliding-window layer
+- Pools it copies: an executor's block pools through `PoolBlocks` (read a block's bytes to host memory, write them
+  back): in place through uint8 views for pools of CPU tensors in this process (`HostBlocks`: the eager and cpu
+  backends at tp = 1), and by the executor's own copier where the pool is on a device (`executor.tier_blocks()`:
+  the neuron backend's, one small graph each way over every layer's pool, at any tp). Rank processes hold their
+  pools out of reach and are refused. Window-sized KV (a sliding-window layer
   group with its own pool) is refused by the scheduler: its window group gives blocks back while the full group
   keeps them, so one key would not name one set of bytes.
 """
@@ -44,6 +47,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
@@ -82,9 +86,49 @@ def _digest(data: torch.Tensor) -> bytes:
     return hashlib.blake2b(data.numpy().data, digest_size=DIGEST_BYTES).digest()
 
 
-def _byte_views(caches: Sequence[torch.Tensor], block: int) -> list[torch.Tensor]:
-    """One block of every layer's pool as flat uint8 views (writes through them land in the pool)."""
-    return [c[block].view(torch.uint8).reshape(-1) for c in caches]  # [n_kv, bs, D] -> [bytes]
+class PoolBlocks(Protocol):
+    """An executor's KV block pools as the tier sees them: `block_bytes` bytes a block (every layer's K, then every
+    layer's V), read out as a host copy and written back."""
+
+    block_bytes: int
+
+    def read(self, block: int) -> torch.Tensor:
+        """Block `block` of every pool: a new [block_bytes] uint8 host tensor."""
+        ...
+
+    def write(self, block: int, data: torch.Tensor) -> None:
+        """`data` ([block_bytes] uint8, as `read` returns it) into block `block` of every pool."""
+        ...
+
+
+class HostBlocks:
+    """Pools of CPU tensors in this process [num_blocks, n_kv, block positions, D], read and written in place."""
+
+    def __init__(self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor]) -> None:
+        if not k_caches or any(c.device.type != "cpu" for c in (*k_caches, *v_caches)):
+            raise ConfigError("kv_offloading_size: the KV tier copies blocks of pools in this process's memory or "
+                              "on its device; this executor keeps its KV elsewhere (rank processes)",
+                              param="kv_offloading_size")
+        self.caches = (*k_caches, *v_caches)
+        self.block_bytes = sum(c[0].numel() * c.element_size() for c in self.caches)
+
+    def _views(self, block: int) -> list[torch.Tensor]:
+        return [c[block].view(torch.uint8).reshape(-1) for c in self.caches]  # [n_kv, bs, D] -> [bytes]
+
+    def read(self, block: int) -> torch.Tensor:
+        return torch.cat(self._views(block))
+
+    def write(self, block: int, data: torch.Tensor) -> None:
+        offset = 0
+        for view in self._views(block):
+            view.copy_(data[offset:offset + view.numel()])
+            offset += view.numel()
+
+
+def executor_blocks(executor: Any) -> PoolBlocks:
+    """The pools of `executor` for the tier: its own copier (a device pool), else its host tensors."""
+    own = getattr(executor, "tier_blocks", None)
+    return own() if own is not None else HostBlocks(executor.k_caches, executor.v_caches)
 
 
 class _Disk:
@@ -108,20 +152,15 @@ class KVTier:
     """A bounded LRU store of KV blocks in host memory (and optionally on disk), over one executor's pools.
 
     Args:
-        k_caches, v_caches: the executor's per-layer K and V block pools [num_blocks, n_kv, block positions, D]
-            (host tensors; the tier reads and writes their blocks).
+        pools: the executor's block pools (`executor_blocks`; `HostBlocks` over pools of host tensors).
         max_bytes: most bytes of entries held in RAM (`--kv-offloading-size` GiB).
         disk_dir: a directory for the disk level (None: RAM only); `disk_bytes`: its size limit.
     """
 
-    def __init__(self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor], max_bytes: int,
-                 disk_dir: Path | None = None, disk_bytes: int = 0) -> None:
-        if not k_caches or any(c.device.type != "cpu" for c in (*k_caches, *v_caches)):
-            raise ConfigError("kv_offloading_size: the KV tier copies blocks of pools in this process's memory; "
-                              "this executor keeps its KV elsewhere (rank processes or a device)",
-                              param="kv_offloading_size")
-        self.caches = (*k_caches, *v_caches)
-        self.block_bytes = sum(c[0].numel() * c.element_size() for c in self.caches)
+    def __init__(self, pools: PoolBlocks, max_bytes: int, disk_dir: Path | None = None,
+                 disk_bytes: int = 0) -> None:
+        self.pools = pools
+        self.block_bytes = pools.block_bytes
         for name, size in (("kv_offloading_size", max_bytes), ("kv_offloading_disk_size", disk_bytes)):
             if (name == "kv_offloading_size" or disk_dir is not None) and size < self.block_bytes:
                 raise ConfigError(f"{name}: {size} bytes hold no block ({self.block_bytes} bytes each)", param=name)
@@ -164,7 +203,7 @@ class KVTier:
                 elif old_key not in self.disk:  # (one already there only leaves RAM)
                     self.disk.pending[old_key] = old
                     self._todo.put((old_key, old, True))  # written by the worker, in eviction order
-            entry = _Entry(torch.cat(_byte_views(self.caches, block)))  # [block_bytes], a copy
+            entry = _Entry(self.pools.read(block))  # [block_bytes], a copy
             self.entries[key] = entry
             self.stats.stored += 1
         self._todo.put((key, entry, False))  # its digest
@@ -176,10 +215,7 @@ class KVTier:
             entry, level = self._take(key)
             if entry is None:
                 return n
-            offset = 0
-            for view in _byte_views(self.caches, block):
-                view.copy_(entry.data[offset:offset + view.numel()])
-                offset += view.numel()
+            self.pools.write(block, entry.data)
             if level == "disk":
                 self.stats.restored_disk += 1
             else:

@@ -111,7 +111,7 @@ def test_the_kv_tier_restores_an_evicted_prefix_over_the_cpu_pools(runners):
     from helpers import NoTok
 
     from neuron_opt.runtime.engine import Engine
-    from neuron_opt.runtime.kv_tier import KVTier
+    from neuron_opt.runtime.kv_tier import HostBlocks, KVTier
 
     llm, _, _ = runners
     runner, ex = llm.runner, llm.runner.executor
@@ -132,8 +132,8 @@ def test_the_kv_tier_restores_an_evicted_prefix_over_the_cpu_pools(runners):
         before = engine.stats.prefill_tokens
         return serve(engine, turn2), engine.stats.prefill_tokens - before, len(turn2)
 
-    one = KVTier(ex.k_caches, ex.v_caches, 1 << 30).block_bytes
-    tier = KVTier(ex.k_caches, ex.v_caches, 40 * one)
+    one = KVTier(HostBlocks(ex.k_caches, ex.v_caches), 1 << 30).block_bytes
+    tier = KVTier(HostBlocks(ex.k_caches, ex.v_caches), 40 * one)
     with_tier, without = conversation(tier), conversation(None)
     assert with_tier[0] == without[0]
     assert without[1] == without[2] and with_tier[1] == with_tier[2] - 3 * 32

@@ -21,7 +21,7 @@ from neuron_opt.buckets import BucketConfig
 from neuron_opt.config import CacheConfig
 from neuron_opt.runtime.block_manager import hash_block
 from neuron_opt.runtime.engine import Engine
-from neuron_opt.runtime.kv_tier import KVTier
+from neuron_opt.runtime.kv_tier import HostBlocks, KVTier
 from neuron_opt.runtime.runner import ModelRunner
 from neuron_opt.runtime.sampling import SamplingParams
 
@@ -56,8 +56,9 @@ def engine_for(model, ref, num_blocks: int = 0, prefill_batch: int = 1, offset_p
     executor = EagerExecutor(model, cache)
     runner = ModelRunner(executor, buckets, cache, ref.config.vocab_size)
     if tier_blocks:
-        one = KVTier(executor.k_caches, executor.v_caches, 1 << 40).block_bytes
-        kw["kv_tier"] = KVTier(executor.k_caches, executor.v_caches, tier_blocks * one, disk, 24 * (one + 16))
+        pools = HostBlocks(executor.k_caches, executor.v_caches)
+        one = pools.block_bytes
+        kw["kv_tier"] = KVTier(pools, tier_blocks * one, disk, 24 * (one + 16))
     return Engine(runner, ref.tokenizer, ref.eos_token_ids, **kw)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from neuron_opt.errors import ConfigError
-from neuron_opt.runtime.kv_tier import KVTier
+from neuron_opt.runtime.kv_tier import HostBlocks, KVTier
 from neuron_opt.runtime.scheduler import KVConfig, Scheduler
 
 LAYERS, BLOCKS, SHAPE = 3, 12, (2, 4, 8)  # per block: [n_kv, block positions, D]
@@ -25,7 +25,7 @@ def pools(dtype: torch.dtype, seed: int = 0) -> tuple[list[torch.Tensor], list[t
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_a_block_comes_back_byte_for_byte_in_every_layer(dtype):
     k, v = pools(dtype)
-    tier = KVTier(k, v, 1 << 20)
+    tier = KVTier(HostBlocks(k, v), 1 << 20)
     assert tier.block_bytes == 2 * LAYERS * 2 * 4 * 8 * k[0].element_size()
     before = [c[5].clone() for c in (*k, *v)]
     tier.store(b"a", 5)
@@ -38,8 +38,8 @@ def test_a_block_comes_back_byte_for_byte_in_every_layer(dtype):
 
 def test_the_size_limit_holds_and_the_least_recently_used_go_first():
     k, v = pools(torch.float32)
-    one = KVTier(k, v, 1 << 20).block_bytes
-    tier = KVTier(k, v, 3 * one + one // 2)  # room for 3 blocks
+    one = KVTier(HostBlocks(k, v), 1 << 20).block_bytes
+    tier = KVTier(HostBlocks(k, v), 3 * one + one // 2)  # room for 3 blocks
     for i in range(1, 5):
         tier.store(bytes([i]), i)
         assert tier.num_bytes <= tier.max_bytes
@@ -53,7 +53,7 @@ def test_the_size_limit_holds_and_the_least_recently_used_go_first():
 
 def test_a_damaged_entry_is_dropped_and_ends_the_run():
     k, v = pools(torch.float32)
-    tier = KVTier(k, v, 1 << 20)
+    tier = KVTier(HostBlocks(k, v), 1 << 20)
     for i in range(1, 4):
         tier.store(bytes([i]), i)
     assert tier.load([b"\x01"], [10]) == 1  # hashed now if the digest thread has not reached it
@@ -70,10 +70,10 @@ def test_a_damaged_entry_is_dropped_and_ends_the_run():
 def test_layouts_the_tier_cannot_hold_are_refused():
     k, v = pools(torch.float32)
     with pytest.raises(ConfigError, match="hold no block"):
-        KVTier(k, v, 100)
+        KVTier(HostBlocks(k, v), 100)
     with pytest.raises(ConfigError, match="keeps its KV elsewhere"):
-        KVTier([], [], 1 << 20)  # rank processes hold the pools
-    tier = KVTier(k, v, 1 << 20)
+        HostBlocks([], [])  # rank processes hold the pools
+    tier = KVTier(HostBlocks(k, v), 1 << 20)
     with pytest.raises(ConfigError, match="window-sized KV"):
         Scheduler(2, KVConfig(16, 4, 32, 32, sliding_window=8, window_num_blocks=8), tier=tier)
     with pytest.raises(ConfigError, match="turn prefix caching on"):
@@ -139,8 +139,8 @@ def wait_written(tier: KVTier) -> None:
 
 def test_the_disk_level_takes_what_ram_evicts_within_its_limit_and_checks_it(tmp_path):
     k, v = pools(torch.float32)
-    one = KVTier(k, v, 1 << 20).block_bytes
-    tier = KVTier(k, v, 2 * one, disk_dir=tmp_path, disk_bytes=3 * (one + 16) + 5)  # RAM: 2 blocks, disk: 3
+    one = KVTier(HostBlocks(k, v), 1 << 20).block_bytes
+    tier = KVTier(HostBlocks(k, v), 2 * one, disk_dir=tmp_path, disk_bytes=3 * (one + 16) + 5)  # RAM: 2 blocks, disk: 3
     saved = {i: [c[i].clone() for c in (*k, *v)] for i in range(1, 7)}
     for i in range(1, 7):
         tier.store(bytes([i]), i)

@@ -239,10 +239,10 @@ def test_a_prefix_evicted_into_the_kv_tier_comes_back_and_a_damaged_entry_is_pre
     import torch
 
     from neuron_opt.runtime.block_manager import hash_block
-    from neuron_opt.runtime.kv_tier import KVTier
+    from neuron_opt.runtime.kv_tier import HostBlocks, KVTier
 
     pools = [torch.randn(8, 1, BS, 2) for _ in range(4)]  # [blocks, n_kv, BS, D]: K and V of 2 layers
-    tier = KVTier(pools[:2], pools[2:], 1 << 20)
+    tier = KVTier(HostBlocks(pools[:2], pools[2:]), 1 << 20)
     s = Scheduler(1, kv(num_blocks=8, enable_chunked_prefill=chunked), tier=tier)
     shared = list(range(100, 113))  # 13 tokens: 3 full blocks of 4, then the last token
     drain(s, [Request("a", shared, 1)])
