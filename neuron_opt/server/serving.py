@@ -376,15 +376,15 @@ class OpenAIServing:
         messages = req.message_dicts()
         tools = req.tool_request()
         media.refuse_images(messages, self.modalities, self.model_name)
+        render = self.encode_image_chat
         images: list[Any] = []
-        if self.encode_image_chat is not None:
+        if render is not None:
             messages, images = await media.load_chat_images(messages, self.limits.media)
         with _request_fields(req):
             rendered, template_tools = render_messages(messages, self.tool_parser, tools)
-        if not images:
+        if render is None or not images:
             return await self._encode_chat(rendered, template_tools, req.template_kwargs()), tools, {}
-        prompt = await asyncio.to_thread(self.encode_image_chat, rendered, images, template_tools,  # type: ignore
-                                         req.template_kwargs())
+        prompt = await asyncio.to_thread(render, rendered, images, template_tools, req.template_kwargs())
         return prompt.prompt_ids, tools, prompt.engine_inputs
 
     def chat_params(self, req: ChatCompletionRequest, ids: list[int],

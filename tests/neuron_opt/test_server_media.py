@@ -383,3 +383,21 @@ def test_an_image_model_answers_each_limit_with_a_400_and_serves_on(image_server
         "role": "user", "content": [{"type": "input_text", "text": "hi"}, {"type": "input_image",
                                                                            "image_url": PNG_URL}]}]})
     assert r.status_code == 200 and renderer.seen[-1] == [(37, 21)], r.text
+
+
+def test_images_belong_to_user_messages():
+    from neuron_opt.server.protocol import ChatCompletionRequest, ProtocolError
+
+    part = {"type": "image_url", "image_url": {"url": PNG_URL}}
+    for role in ("system", "assistant"):
+        req = ChatCompletionRequest.model_validate({"messages": [{"role": role, "content": [part]}]})
+        with pytest.raises(ProtocolError) as e:
+            req.message_dicts()
+        assert e.value.param == "messages[0].content[0]" and "images belong to user messages" in str(e.value)
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
+    assert req.message_dicts() == [{"role": "user", "content": "ab"}]  # text parts alone: one string, as before
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a", "image_url": {"url": PNG_URL}}]}]})
+    with pytest.raises(ProtocolError, match=r"messages\[0\].content\[0\]: a content part is"):
+        req.message_dicts()
