@@ -11,11 +11,13 @@ Design decisions
   fetched or decoded; a data URL's length before base64 decoding; a download's bytes while it streams
   (`--max-image-bytes`; past it the connection is dropped), within `--media-fetch-timeout` seconds in all; the
   pixel count from the image header (PIL's `Image.open` reads only the header) before the pixels are decoded
-  (`--max-image-pixels`): a decompression bomb is refused from its header. PIL's own bomb guard
-  (Image.MAX_IMAGE_PIXELS, a process-wide setting left as it is) only ever refuses earlier, and is reported the same.
+  (`--max-image-pixels`): a decompression bomb is refused from its header. PIL's own guard (past twice
+  Image.MAX_IMAGE_PIXELS, a process-wide setting left as it is) refuses first only where --max-image-pixels is set
+  above it, and is reported the same.
 - Only PIL's PNG, JPEG and WebP readers ever parse request bytes (`Image.open(..., formats=...)`); another format
   is named from its magic bytes in the refusal, never parsed.
-- Decoding and file reads run in worker threads and downloads on an async client, never blocking the event loop.
+- Base64 and image decoding and file reads run in worker threads, downloads on an async client: none blocks the
+  event loop.
 - Each refusal is a ConfigError (HTTP 400) naming the field, `messages[0].content[1].image_url.url`, so the server
   answers it and serves on. A text-only model refuses any image part before any of it is loaded.
 - Decoded images are converted to RGB, as the processors' own `convert_rgb` does.
@@ -141,7 +143,7 @@ async def _load(part: dict[str, Any], field: str, limits: MediaLimits) -> Image.
     scheme = urlsplit(url[:16]).scheme.lower()
     declared = None
     if scheme == "data":
-        declared, data = _data_url(url, field, limits)
+        declared, data = await asyncio.to_thread(_data_url, url, field, limits)  # (base64 of up to the body size)
     elif scheme in ("http", "https"):
         data = await _fetch(url, field, limits)
     elif scheme == "file":
