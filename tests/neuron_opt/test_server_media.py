@@ -401,3 +401,26 @@ def test_images_belong_to_user_messages():
         {"type": "text", "text": "a", "image_url": {"url": PNG_URL}}]}]})
     with pytest.raises(ProtocolError, match=r"messages\[0\].content\[0\]: a content part is"):
         req.message_dicts()
+
+
+def test_serve_flags_set_the_media_limits(tmp_path):
+    from neuron_opt.cli import build_parser
+    from neuron_opt.commands.serve_engine import server_limits
+
+    def limits(*flags: str) -> MediaLimits:
+        return server_limits(build_parser().parse_args(["serve", "--model", "default", *flags])).media
+
+    assert limits() == MediaLimits()
+    assert limits("--limit-mm-per-prompt", '{"image": 2}', "--allowed-media-domains", "Upload.Wikimedia.org.",
+                  "127.0.0.1", "--allowed-local-media-path", str(tmp_path), "--max-image-bytes", "1000",
+                  "--max-image-pixels", "4000", "--media-fetch-timeout", "0.5") == MediaLimits(
+        2, 1000, 4000, ("upload.wikimedia.org", "127.0.0.1"), tmp_path, 0.5)
+    for flags, message in [(["--limit-mm-per-prompt", '{"audio": 1}'], "--limit-mm-per-prompt: only 'image'"),
+                           (["--limit-mm-per-prompt", '{"image": -1}'], "--limit-mm-per-prompt: must be >= 0"),
+                           (["--max-image-pixels", "0"], "--max-image-pixels: must be >= 1"),
+                           (["--allowed-media-domains", "https://x.org"], "--allowed-media-domains: 'https://x.org'"),
+                           (["--allowed-local-media-path", str(tmp_path / "no")], "--allowed-local-media-path: "),
+                           (["--media-fetch-timeout", "inf"], "--media-fetch-timeout: must be > 0")]:
+        with pytest.raises(ConfigError) as e:
+            limits(*flags)
+        assert str(e.value).startswith(message), str(e.value)
