@@ -41,6 +41,7 @@ from neuron_opt.runtime.output import GenerationOutput, RequestOutput, collect, 
 from neuron_opt.runtime.sampling import SamplingParams
 from neuron_opt.runtime.speculative import SpecStats, SpeculativeConfig, check_draft_tokenizer
 from neuron_opt.runtime.structured import GrammarCompiler
+from neuron_opt.server.media import refuse_images
 
 
 def embedding_inputs(inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
@@ -292,4 +293,8 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
              lora_request: LoRARequest | None = None) -> GenerationOutput:
+        """One reply to `messages` (OpenAI's or HF's shape). Image parts (`{"type": "image", "image": PIL.Image}`,
+        vLLM's `image_pil`, or OpenAI's `image_url`) are a ConfigError naming the part for a model that takes no
+        images (`self.loaded.modalities`)."""
+        refuse_images(messages, self.loaded.modalities, self.config.architecture)
         return self.generate_ids(self.encode_chat(messages), params, lora_request)

@@ -14,6 +14,7 @@ from neuron_opt.commands.serve_cluster import run_cluster
 from neuron_opt.commands.serve_engine import (
     LIMIT_FLAGS,
     add_engine_flags,
+    add_media_flags,
     api_key,
     build_engine,
     lora_runtime_loading,
@@ -99,6 +100,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         lim.add_argument("--" + name.replace("_", "-"), type=type(default) if default is not None else int,
                          default=default,
                          help=text if default is None else f"{text} (default: {default})")
+    add_media_flags(p)
     g = p.add_argument_group("scale-out (Ray Serve; pip install 'neuron-opt[cluster]')")
     g.add_argument(
         "--data-parallel", type=int, default=None, metavar="N",

@@ -27,6 +27,7 @@ from neuron_opt.server.limits import (
     MAX_HEADER_BYTES,
     PROMPT_CHARS_PER_TOKEN,
     LoraRuntimeLoading,
+    MediaLimits,
     ServerLimits,
 )
 from neuron_opt.server.reasoning import REASONING_PARSERS
@@ -118,9 +119,42 @@ def api_key(args: argparse.Namespace) -> str | None:
     return args.api_key or envs.API_KEY
 
 
+def add_media_flags(p: argparse.ArgumentParser) -> None:
+    """`serve`'s flags on images in requests (vLLM's names where vLLM has the flag; server/media.py)."""
+    g = p.add_argument_group("images in requests (models that take them; past a limit: 400 naming the field)")
+    g.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                   help=f"most images per request, vLLM's form: '{{\"image\": N}}' (default "
+                        f"{MediaLimits.max_images})")
+    g.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="hosts whose http(s) image URLs the server fetches (exact names; redirects only to these); "
+                        "default: none, only data: URLs")
+    g.add_argument("--allowed-local-media-path", type=Path, default=None, metavar="DIR",
+                   help="file:// image URLs are read from under DIR only (symlinks resolved); default: none")
+    g.add_argument("--max-image-bytes", type=int, default=MediaLimits.max_image_bytes,
+                   help=f"bytes of one encoded image (default {MediaLimits.max_image_bytes})")
+    g.add_argument("--max-image-pixels", type=int, default=MediaLimits.max_image_pixels,
+                   help="pixels (width x height) of one image, read from its header before it is decoded "
+                        f"(default {MediaLimits.max_image_pixels})")
+    g.add_argument("--media-fetch-timeout", type=float, default=MediaLimits.media_fetch_timeout, metavar="S",
+                   help=f"seconds a remote image may take to download (default {MediaLimits.media_fetch_timeout:g})")
+
+
+def media_limits(args: argparse.Namespace) -> MediaLimits:
+    """The image limits `add_media_flags`' flags set (ConfigError naming the flag)."""
+    max_images = (MediaLimits.max_images if args.limit_mm_per_prompt is None
+                  else MediaLimits.parse_limit_mm_per_prompt(args.limit_mm_per_prompt))
+    domains = tuple(dict.fromkeys(h.lower().rstrip(".") for h in args.allowed_media_domains or ()))
+    try:
+        return MediaLimits(max_images, args.max_image_bytes, args.max_image_pixels, domains,
+                           args.allowed_local_media_path, args.media_fetch_timeout)
+    except ConfigError as e:
+        flag = "--" + (e.param or "").replace("_", "-").replace("max-images", "limit-mm-per-prompt")
+        raise ConfigError(f"{flag}{str(e).removeprefix(e.param or '')}", param=e.param) from None
+
+
 def server_limits(args: argparse.Namespace) -> ServerLimits:
     """The request limits the flags set."""
-    return ServerLimits(**{name: getattr(args, name) for name in LIMIT_FLAGS})
+    return ServerLimits(**{name: getattr(args, name) for name in LIMIT_FLAGS}, media=media_limits(args))
 
 
 def lora_runtime_loading(args: argparse.Namespace) -> LoraRuntimeLoading | None:

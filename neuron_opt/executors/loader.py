@@ -33,6 +33,7 @@ class LoadedModel:
     tokenizer: Any
     runner: ModelRunner
     dtype: str  # the compute dtype
+    modalities: tuple[str, ...] = ("text",)
 
 
 def is_artifact(path: str | Path) -> bool:

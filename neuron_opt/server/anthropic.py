@@ -6,8 +6,10 @@ Design decisions
   naming it. `cache_control` on blocks and tools is accepted: prompt caching is automatic here (the prefix cache).
 - `system` (a string or text blocks, joined by newlines) becomes the system message; a user turn's `tool_result`
   blocks become tool messages (before the turn's text), an assistant turn's `tool_use` blocks its tool calls.
-  `is_error` results reach the template as "Error: <content>". `image` blocks are a 400: no served model has
-  vision yet.
+  `is_error` results reach the template as "Error: <content>". A user turn's `image` blocks (`source` base64 with
+  its `media_type`, or `url`) become chat's `image_url` parts in their place among the turn's text, loaded and checked
+  as chat's (server/media.py); errors name the block (`messages.0.content.1`). Images in `tool_result` blocks are
+  a 400.
 - Thinking (with a reasoning parser, server/reasoning.py): the reply's reasoning, when not empty, is a `thinking`
   block before the text and tool_use blocks. `thinking: {"type": "enabled"}` sets the template's `enable_thinking` true,
   `{"type": "disabled"}` false, `{"type": "adaptive"}` leaves the template's default; enabled and adaptive need a
@@ -43,7 +45,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from neuron_opt.server.chat_bridge import (
     ChatRun,
@@ -96,6 +98,19 @@ class ImageBlock(_Strict):
     source: dict[str, Any]
     cache_control: CacheControl | None = None
 
+    def chat_part(self, where: str) -> dict[str, Any]:
+        """This image as chat's `image_url` part (a base64 source as a data URL)."""
+        src = self.source
+        if src.get("type") == "base64" and set(src) == {"type", "media_type", "data"} and all(
+                isinstance(src[k], str) for k in ("media_type", "data")):
+            url = f"data:{src['media_type']};base64,{src['data']}"
+        elif src.get("type") == "url" and set(src) == {"type", "url"} and isinstance(src["url"], str):
+            url = src["url"]
+        else:
+            raise ProtocolError(f"{where}.source: {{\"type\": \"base64\", \"media_type\", \"data\"}} or "
+                                f"{{\"type\": \"url\", \"url\"}}", f"{where}.source")
+        return {"type": "image_url", "image_url": {"url": url}}
+
 
 class ThinkingBlock(_Strict):
     type: Literal["thinking"]
@@ -129,8 +144,8 @@ class ToolResultBlock(_Strict):
             text = self.content or ""
         else:
             if any(isinstance(b, ImageBlock) for b in self.content):
-                raise ProtocolError(f"{where}: image content is not supported (this model has no vision)",
-                                    where)
+                raise ProtocolError(f"{where}: images in tool results are not supported (send them in the "
+                                    "user turn's own content)", where)
             text = "\n".join(b.text for b in self.content if isinstance(b, TextBlock))
         return f"Error: {text}" if self.is_error else text
 
@@ -143,23 +158,27 @@ class Message(_Strict):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
-    def chat_messages(self, i: int) -> list[dict[str, Any]]:
-        """This turn as OpenAI chat messages."""
+    def chat_messages(self, i: int) -> tuple[list[dict[str, Any]], list[str]]:
+        """This turn as OpenAI chat messages, and the fields of its image blocks (in the order of the last message's
+        image parts)."""
         where = f"messages.{i}.content"
         if isinstance(self.content, str):
-            return [{"role": self.role, "content": self.content}]
-        texts, calls, results, thoughts = [], [], [], []
+            return [{"role": self.role, "content": self.content}], []
+        texts: list[dict[str, Any]] = []  # text and image parts
+        calls, results, thoughts, images = [], [], [], []
         for j, b in enumerate(self.content):
             if isinstance(b, ImageBlock):
-                raise ProtocolError(f"{where}.{j}: image content is not supported (this model has no vision)",
-                                    f"{where}.{j}")
-            if isinstance(b, (ThinkingBlock, RedactedThinkingBlock)):
+                if self.role != "user":
+                    raise ProtocolError(f"{where}.{j}: image blocks belong to user turns", f"{where}.{j}")
+                texts.append(b.chat_part(f"{where}.{j}"))
+                images.append(f"{where}.{j}")
+            elif isinstance(b, (ThinkingBlock, RedactedThinkingBlock)):
                 if self.role != "assistant":
                     raise ProtocolError(f"{where}.{j}: {b.type} blocks belong to assistant turns", f"{where}.{j}")
                 if isinstance(b, ThinkingBlock):
                     thoughts.append(b.thinking)
             elif isinstance(b, TextBlock):
-                texts.append(b.text)
+                texts.append({"type": "text", "text": b.text})
             elif isinstance(b, ToolUseBlock):
                 if self.role != "assistant":
                     raise ProtocolError(f"{where}.{j}: tool_use blocks belong to assistant turns", f"{where}.{j}")
@@ -169,15 +188,15 @@ class Message(_Strict):
                 if self.role != "user":
                     raise ProtocolError(f"{where}.{j}: tool_result blocks belong to user turns", f"{where}.{j}")
                 results.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text(f"{where}.{j}")})
-        text = "".join(texts)
+        content: str | list[dict[str, Any]] = texts if images else "".join(t["text"] for t in texts)
         if self.role == "assistant":
-            msg: dict[str, Any] = {"role": "assistant", "content": text}
+            msg: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
                 msg["tool_calls"] = calls
             if thoughts:
                 msg["reasoning"] = "".join(thoughts)
-            return [msg]
-        return results + ([{"role": "user", "content": text}] if texts or not results else [])
+            return [msg], []
+        return results + ([{"role": "user", "content": content}] if texts or not results else []), images
 
 
 class Tool(_Strict):
@@ -243,6 +262,8 @@ class _Prompt(_Strict):
     cache_control: CacheControl | None = None
     output_config: OutputConfig | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra: the chat template's variables
+    # chat's image parts -> this request's image blocks (set by chat_fields; errors name the block)
+    _image_fields: dict[str, str] = PrivateAttr(default_factory=dict)
 
     def template_kwargs(self, reasoning: bool) -> dict[str, Any] | None:
         """`chat_template_kwargs` with `thinking` and `output_config.effort` as the template's variables
@@ -274,8 +295,13 @@ class _Prompt(_Strict):
         if self.system is not None:
             system = self.system if isinstance(self.system, str) else "\n".join(b.text for b in self.system)
             msgs.append({"role": "system", "content": system})
+        self._image_fields = {}
         for i, m in enumerate(self.messages):
-            msgs += m.chat_messages(i)
+            turn, images = m.chat_messages(i)
+            msgs += turn
+            parts = [j for j, p in enumerate(msgs[-1]["content"]) if p["type"] == "image_url"] if images else []
+            self._image_fields |= {f"messages[{len(msgs) - 1}].content[{j}]": f for j, f in zip(parts, images,
+                                                                                                  strict=True)}
         out: dict[str, Any] = {"model": self.model, "messages": msgs}
         if self.tools:
             out["tools"] = [{"type": "function", "function": {
@@ -373,16 +399,16 @@ class AnthropicServing:
         """The prompt's token count, rendered exactly as /v1/messages renders it."""
         s = self.serving
         chat = req.chat_request(s.reasoning_parser is not None)
-        with renamed_fields(FIELDS):
+        with renamed_fields(FIELDS, req._image_fields):
             s.check_model(chat.model)
             chat.check_limits(s.limits, s.max_model_len)
-            ids, _ = await s._chat_prompt(chat)
+            ids, _, _ = await s._chat_prompt(chat)
         return {"input_tokens": len(ids)}
 
     async def messages(self, req: MessagesRequest, arrival: float,
                        is_disconnected: Callable[[], Any]) -> dict[str, Any] | AsyncIterator[str]:
         chat = req.chat_request(self.serving.reasoning_parser is not None)
-        run = await start(self.serving, chat, arrival, FIELDS)
+        run = await start(self.serving, chat, arrival, FIELDS, req._image_fields)
         mid = f"msg_{uuid.uuid4().hex}"
         shown = req.thinking is None or req.thinking.display != "omitted"
         if req.stream:

@@ -39,6 +39,7 @@ from neuron_opt.server.drain import Drain, DrainMiddleware
 from neuron_opt.server.embeddings import EmbeddingRequest, EmbeddingServing
 from neuron_opt.server.limits import ServerLimits
 from neuron_opt.server.lora_routes import LoraRuntimeLoading, add_lora_routes, lora_cards
+from neuron_opt.server.media import EncodeImageChat
 from neuron_opt.server.metrics import ServerMetrics
 from neuron_opt.server.protocol import (
     ChatCompletionRequest,
@@ -223,16 +224,20 @@ def create_app(
     enable_tokenizer_info: bool = False,
     enable_store: bool = False,
     lora_runtime: LoraRuntimeLoading | None = None,
+    encode_image_chat: EncodeImageChat | None = None,
 ) -> FastAPI:
     """The single-process server's app. `api_key`: required on the `/v1/*` and tokenizer routes; `tool_parser`,
     `reasoning_parser`, `limits`: see OpenAIServing; `enable_docs`: serve `/docs`, `/redoc` and `/openapi.json`;
     `enable_tokenizer_info`: serve vLLM's `GET /tokenizer_info` (the tokenizer's configuration, chat template
     included); `enable_store`: keep /v1/responses results for `previous_response_id` and `GET /v1/responses/{id}`
-    (server/responses.py); `lora_runtime`: what `/v1/load_lora_adapter` may load (None: runtime loading off).
+    (server/responses.py); `lora_runtime`: what `/v1/load_lora_adapter` may load (None: runtime loading off);
+    `encode_image_chat`: an image-capable model's renderer of conversations with images (server/media.py; None: a
+    text-only model, whose requests with images are a 400).
     `app.state.drain` is the app's Drain (SIGTERM: server/drain.py)."""
     metrics = engine_metrics(engine, model_name, max_model_len)
     serving = OpenAIServing(engine, tokenizer, encode_chat, model_name, metrics, max_model_len,
-                            tool_parser=tool_parser, reasoning_parser=reasoning_parser, limits=limits)
+                            tool_parser=tool_parser, reasoning_parser=reasoning_parser, limits=limits,
+                            encode_image_chat=encode_image_chat)
     max_body = serving.limits.max_body_bytes
 
     @asynccontextmanager
@@ -285,6 +290,7 @@ def create_app(
             "root": model_name,
             "parent": None,
             "max_model_len": max_model_len,
+            "input_modalities": list(serving.modalities),  # (OpenRouter's name; vLLM's cards have none)
             "permission": [],
         }
         return {"object": "list", "data": [card, *lora_cards(engine, model_name, max_model_len)]}

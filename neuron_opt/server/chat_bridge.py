@@ -6,7 +6,9 @@ Design decisions
 - A translated request is one chat request (`n` = 1): the prompt through the chat template, the tools rendered
   and enforced by the tool parser's grammar (server/tools.py), the sampling params and their checks.
 - Errors name the route's own field: a `ProtocolError` or `NeuronOptError` raised with a chat field as its `param`
-  (`stop`, `max_tokens`, `messages`, ...) is renamed through the route's `fields` map before it reaches the client.
+  (`stop`, `max_tokens`, `messages`, ...) is renamed through the route's `fields` map before it reaches the client;
+  an image's field (`messages[2].content[0]...`, server/media.py) through the map of the chat image parts the
+  route's own image blocks became (`image_fields`).
 - `ReplyReader` reads a reply as it grows: the text pieces and complete calls since its last look, the difference
   of successive parser scans, so a streamed reply reassembles into exactly the non-streamed one.
 - Reasoning: with a reasoning parser (`serve --reasoning-parser`, server/reasoning.py) the reply's thinking is
@@ -33,9 +35,10 @@ from neuron_opt.server.tool_parsers import ParsedCall, ToolParser
 
 
 @contextlib.contextmanager
-def renamed_fields(fields: dict[str, str]) -> Iterator[None]:
+def renamed_fields(fields: dict[str, str], image_fields: dict[str, str] | None = None) -> Iterator[None]:
     """Errors whose `param` is a chat field name the route's field (`fields`: chat name -> route name) instead,
-    in their message too when it begins with the chat name."""
+    in their message too when it begins with the chat name. `image_fields`: chat image part (`messages[i].content[j]`)
+    -> the route's field of that image, for the errors about an image."""
     try:
         yield
     except (ProtocolError, NeuronOptError) as e:
@@ -43,6 +46,9 @@ def renamed_fields(fields: dict[str, str]) -> Iterator[None]:
         if param is not None:
             root, sep, rest = param.partition(".")
             new = fields.get(root, root) + sep + rest
+            part = next((k for k in image_fields or () if param == k or param.startswith(k + ".")), None)
+            if part is not None and image_fields is not None:
+                new = image_fields[part]  # the route's image block, as a whole
             if new != param:
                 e.param = new
                 message = str(e)
@@ -90,16 +96,19 @@ class ChatRun:
     start: Start = Start.NONE
 
 
-async def start(serving: OpenAIServing, chat: ChatCompletionRequest, arrival: float, fields: dict[str, str]) -> ChatRun:
-    """Check, render and queue `chat` as /v1/chat/completions does (one sample); errors name the route's fields."""
-    with renamed_fields(fields):
+async def start(serving: OpenAIServing, chat: ChatCompletionRequest, arrival: float, fields: dict[str, str],
+                image_fields: dict[str, str] | None = None) -> ChatRun:
+    """Check, render and queue `chat` as /v1/chat/completions does (one sample); errors name the route's fields
+    (`image_fields`: see renamed_fields)."""
+    with renamed_fields(fields, image_fields):
         lora = serving.check_model(chat.model)
         serving.check_generates()
         chat.check_limits(serving.limits, serving.max_model_len)
-        ids, tools = await serving._chat_prompt(chat)
+        ids, tools, engine_inputs = await serving._chat_prompt(chat)
         active = tools is not None and tools.active
         params, begin = serving.chat_params(chat, ids, tools)
-        rids, q = await serving._submit(chat, ids, params, arrival, lora)  # (it renames chat's fields itself)
+        # (it renames chat's fields itself)
+        rids, q = await serving._submit(chat, ids, params, arrival, lora, engine_inputs)
     return ChatRun(lora or serving.model_name, ids, serving.tool_parser if active else None, rids, q, params.stop,
                    serving.reasoning_parser, begin)
 

@@ -68,9 +68,15 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool | None = None
 
 
+class ImageURL(_Strict):
+    url: str
+    detail: str | None = None  # (only "auto": server/media.py)
+
+
 class _ContentPart(_Strict):
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class FunctionCall(_Strict):
@@ -109,15 +115,26 @@ class ChatMessage(_Strict):
         return n + sum(len(x or "") for x in (self.name, self.tool_call_id, self.refusal, self.reasoning,
                                                self.reasoning_content))
 
-    def text(self) -> str:
+    def content_value(self, i: int) -> str | list[dict[str, Any]]:
+        """The content for the chat template: its text, or, when it holds images (user messages only), its text
+        and `image_url` parts in order (server/media.py loads them)."""
         if isinstance(self.content, str) or self.content is None:
             return self.content or ""
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                raise ProtocolError(
-                    f"message content of type {part.type!r} is not supported (text only)", "messages"
-                )
-        return "".join(p.text or "" for p in self.content)
+        parts: list[dict[str, Any]] = []
+        for j, part in enumerate(self.content):
+            where = f"messages[{i}].content[{j}]"
+            if part.type == "text" and part.text is not None and part.image_url is None:
+                parts.append({"type": "text", "text": part.text})
+            elif part.type == "image_url" and part.image_url is not None and part.text is None:
+                if self.role != "user":
+                    raise ProtocolError(f"{where}: images belong to user messages", where)
+                parts.append({"type": "image_url", "image_url": part.image_url.model_dump(exclude_none=True)})
+            else:
+                raise ProtocolError(f"{where}: a content part is {{\"type\": \"text\", \"text\": ...}} or "
+                                    f"{{\"type\": \"image_url\", \"image_url\": {{\"url\": ...}}}}", where)
+        if all(p["type"] == "text" for p in parts):
+            return "".join(p["text"] for p in parts)
+        return parts
 
     def as_dict(self, i: int) -> dict[str, Any]:
         if self.tool_calls and self.role != "assistant":
@@ -129,7 +146,7 @@ class ChatMessage(_Strict):
         reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
         if reasoning is not None and self.role != "assistant":
             raise ProtocolError(f"messages[{i}]: only assistant messages carry reasoning", "messages")
-        d: dict[str, Any] = {"role": self.role, "content": self.text()}
+        d: dict[str, Any] = {"role": self.role, "content": self.content_value(i)}
         if self.name is not None:  # passed on to the chat template, which may use it
             d["name"] = self.name
         if self.tool_calls:

@@ -5,8 +5,10 @@ Design decisions
 - Request types are strict (`extra="forbid"`): an unknown field, input item or tool type is a 400 naming it.
   Fields we cannot honour are declared so that their neutral values pass and anything else is a 400: reasoning
   summaries (`reasoning.summary`: none are written), `truncation` other than "disabled", `background`, `include`.
-- `input` is a string (one user message) or items: messages (`input_text` / `output_text` parts; images are a
-  400), `function_call` (joined into the assistant turn before it) and `function_call_output` (a tool message).
+- `input` is a string (one user message) or items: messages (`input_text` / `output_text` parts; a user message's
+  `input_image` parts with an `image_url` become chat's `image_url` parts, loaded and checked as chat's,
+  server/media.py, errors naming the part, `input.0.content.1`; `file_id` images and `input_file` are a 400),
+  `function_call` (joined into the assistant turn before it) and `function_call_output` (a tool message).
   The output items of an earlier response are taken back as input unchanged, as the Agents SDK sends them.
   `instructions` is the system message, and is not carried over from a previous response (OpenAI's rule).
   A `reasoning` item is the thinking of the assistant turn that follows it (its `content` texts, else its
@@ -43,7 +45,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag
 
 from neuron_opt.server.chat_bridge import ChatRun, ReplyReader, chat_request, collect, outputs, start
 from neuron_opt.server.protocol import ChatCompletionRequest, ProtocolError
@@ -96,13 +98,35 @@ class MessageItem(_Strict):
     phase: None = None  # (newer clients echo it back with an output message: only its empty value is accepted)
 
     def text(self, where: str) -> str:
+        content, images = self.chat_content(where)
+        if images:
+            raise ProtocolError(f"{images[0]}: images belong to user messages", images[0])
+        assert isinstance(content, str)
+        return content
+
+    def chat_content(self, where: str) -> tuple[str | list[dict[str, Any]], list[str]]:
+        """The content as chat's (its text, or text and `image_url` parts when it holds images) and the fields of
+        its images in order."""
         if isinstance(self.content, str):
-            return self.content
+            return self.content, []
+        parts: list[dict[str, Any]] = []
+        images = []
         for j, p in enumerate(self.content):
-            if isinstance(p, ImagePart):
-                raise ProtocolError(f"{where}.content.{j}: {p.type} is not supported (text only: this model has no "
-                                    "vision)", f"{where}.content.{j}")
-        return "".join(p.text for p in self.content if isinstance(p, TextPart))
+            if isinstance(p, TextPart):
+                parts.append({"type": "text", "text": p.text})
+                continue
+            field = f"{where}.content.{j}"
+            if p.type != "input_image" or p.image_url is None or p.file_id is not None or p.file_data is not None \
+                    or p.filename is not None:
+                raise ProtocolError(f"{field}: only input_image parts with an image_url (a data: or http(s) URL) "
+                                    f"are supported, not {p.type} {'with a file' if p.type == 'input_image' else ''}"
+                                    .rstrip(), field)
+            spec = {"url": p.image_url, **({"detail": p.detail} if p.detail is not None else {})}
+            parts.append({"type": "image_url", "image_url": spec})
+            images.append(field)
+        if not images:
+            return "".join(p["text"] for p in parts), []
+        return parts, images
 
 
 class FunctionCallItem(_Strict):
@@ -221,10 +245,13 @@ class ResponsesRequest(_Strict):
     reasoning: ReasoningConfig | None = None
     background: Literal[False] | None = None
     include: list[Any] | None = Field(default=None, max_length=0)
+    # "<message index in `messages`' list>.<part index>" -> this request's image part (set by `messages`)
+    _image_fields: dict[str, str] = PrivateAttr(default_factory=dict)
 
     def messages(self, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The conversation as chat messages (without `instructions`): `history`, then this input."""
         out = [dict(m) for m in history]
+        self._image_fields = {}
         if isinstance(self.input, str):
             return out + [{"role": "user", "content": self.input}]
         if not self.input:
@@ -245,6 +272,13 @@ class ResponsesRequest(_Strict):
                 thought = (thought or "") + item.text()
             elif isinstance(item, MessageItem) and item.role == "assistant":
                 out.append(assistant({"role": "assistant", "content": item.text(f"input.{i}")}))
+            elif isinstance(item, MessageItem) and item.role == "user":
+                _no_thought(thought, i)
+                content, images = item.chat_content(f"input.{i}")
+                self._image_fields |= {f"{len(out)}.{j}": f for j, f in zip(
+                    [j for j, p in enumerate(content) if p["type"] == "image_url"] if images else [], images,
+                    strict=True)}
+                out.append({"role": "user", "content": content})
             elif isinstance(item, MessageItem):
                 _no_thought(thought, i)
                 out.append({"role": item.role, "content": item.text(f"input.{i}")})
@@ -261,6 +295,13 @@ class ResponsesRequest(_Strict):
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
         _no_thought(thought, len(self.input))
         return out
+
+    def image_fields(self) -> dict[str, str]:
+        """Chat's image parts (`messages[i].content[j]`, as `chat_request` numbers its messages) -> this request's
+        image parts, for the errors about an image (`messages` sets them)."""
+        offset = 1 if self.instructions is not None else 0
+        return {f"messages[{int(k.split('.')[0]) + offset}].content[{k.split('.')[1]}]": f
+                for k, f in self._image_fields.items()}
 
     def chat_request(self, conversation: list[dict[str, Any]], reasoning: bool) -> ChatCompletionRequest:
         """This request as chat's (`reasoning`: the server has a reasoning parser)."""
@@ -398,7 +439,7 @@ class ResponsesServing:
             history = self.store.get(req.previous_response_id, "previous_response_id")[1]
         conversation = req.messages(history)
         chat = req.chat_request(conversation, self.serving.reasoning_parser is not None)
-        run = await start(self.serving, chat, arrival, FIELDS)
+        run = await start(self.serving, chat, arrival, FIELDS, req.image_fields())
         stored = self.store is not None and req.store is not False
         head = self._head(req, f"resp_{uuid.uuid4().hex}", run.model, stored)
 

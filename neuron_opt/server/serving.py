@@ -32,6 +32,7 @@ from neuron_opt.errors import NeuronOptError
 from neuron_opt.runtime.engine import Engine
 from neuron_opt.runtime.output import RequestOutput, TokenLogprob
 from neuron_opt.runtime.sampling import SamplingParams
+from neuron_opt.server import media
 from neuron_opt.server.grammar_pool import GrammarPool
 from neuron_opt.server.limits import ServerLimits
 from neuron_opt.server.metrics import ServerMetrics
@@ -90,6 +91,8 @@ class OpenAIServing:
         tool_parser: the tool-call format (default: the one the chat template writes; server/tools.py).
         reasoning_parser: the reasoning format (None: replies are not split; server/reasoning.py).
         limits: per-request bounds.
+        encode_image_chat: the model's renderer of conversations with images (server/media.py's EncodeImageChat);
+            None: a text-only model, whose requests with images are a 400.
     """
 
     def __init__(
@@ -104,8 +107,11 @@ class OpenAIServing:
         tool_parser: ToolParser | None = None,
         reasoning_parser: ReasoningParser | None = None,
         limits: ServerLimits | None = None,
+        encode_image_chat: media.EncodeImageChat | None = None,
     ) -> None:
         self.engine, self.tokenizer, self.encode_chat = engine, tokenizer, encode_chat
+        self.encode_image_chat = encode_image_chat
+        self.modalities: tuple[str, ...] = ("text", "image") if encode_image_chat is not None else ("text",)
         self.model_name, self.metrics, self.max_model_len = model_name, metrics, max_model_len
         self.tool_parser = tool_parser or make_parser(None, tokenizer)
         self.reasoning_parser = reasoning_parser
@@ -161,9 +167,10 @@ class OpenAIServing:
             raise ProtocolError(f"cannot apply the chat template: {e}", "messages") from None
 
     async def _submit(self, req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
-                      params: SamplingParams, arrival: float,
-                      lora: str | None = None) -> tuple[list[str], asyncio.Queue]:
-        """Compile the request's grammar (worker thread) and queue its `n` samples on the engine. Raises
+                      params: SamplingParams, arrival: float, lora: str | None = None,
+                      engine_inputs: dict[str, Any] | None = None) -> tuple[list[str], asyncio.Queue]:
+        """Compile the request's grammar (worker thread) and queue its `n` samples on the engine (`engine_inputs`:
+        the images' inputs, server/media.py's ImagePrompt). Raises
         ContextLengthError / ConfigError (their `param` naming the request's field) / QueueFullError; nothing stays
         queued when any sample is refused."""
         with _request_fields(req):
@@ -184,7 +191,7 @@ class OpenAIServing:
                     self.engine.add_request(
                         rid, prompt_ids, p, lambda o, i=i: loop.call_soon_threadsafe(q.put_nowait, (i, o)),
                         arrival_time=arrival, grammar=grammar, share_prefix_with=rids[0] if rids else None,
-                        **({"lora": lora} if lora is not None else {}))
+                        **({"lora": lora} if lora is not None else {}), **(engine_inputs or {}))
                     self.metrics.lora_request(lora)
                     rids.append(rid)
             except BaseException:
@@ -361,12 +368,24 @@ class OpenAIServing:
             ]
         }
 
-    async def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], ToolRequest | None]:
+    async def _chat_prompt(self, req: ChatCompletionRequest
+                           ) -> tuple[list[int], ToolRequest | None, dict[str, Any]]:
+        """(prompt ids, the request's tools, the images' inputs for `Engine.add_request`: empty without images).
+        Images are refused for a text-only model before any is loaded, then loaded and checked (server/media.py),
+        and the conversation rendered by the model's image renderer (`encode_image_chat`)."""
         messages = req.message_dicts()
         tools = req.tool_request()
+        media.refuse_images(messages, self.modalities, self.model_name)
+        render = self.encode_image_chat
+        images: list[Any] = []
+        if render is not None:
+            messages, images = await media.load_chat_images(messages, self.limits.media)
         with _request_fields(req):
             rendered, template_tools = render_messages(messages, self.tool_parser, tools)
-        return await self._encode_chat(rendered, template_tools, req.template_kwargs()), tools
+        if render is None or not images:
+            return await self._encode_chat(rendered, template_tools, req.template_kwargs()), tools, {}
+        prompt = await asyncio.to_thread(render, rendered, images, template_tools, req.template_kwargs())
+        return prompt.prompt_ids, tools, prompt.engine_inputs
 
     def chat_params(self, req: ChatCompletionRequest, ids: list[int],
                     tools: ToolRequest | None) -> tuple[SamplingParams, Start]:
@@ -398,12 +417,12 @@ class OpenAIServing:
         self.check_generates()
         req.check_limits(self.limits, self.max_model_len)
         self._check_ids(req.stop_token_ids or [], "stop_token_ids", self.vocab_size)
-        ids, tools = await self._chat_prompt(req)
+        ids, tools, engine_inputs = await self._chat_prompt(req)
         self._check_ids(ids, "messages", self.vocab_size)  # a tokenizer may know more ids than the model has rows
         active = tools is not None and tools.active
         parser, thinker = self.tool_parser, self.reasoning_parser
         params, start = self.chat_params(req, ids, tools)
-        rids, q = await self._submit(req, ids, params, arrival, lora)
+        rids, q = await self._submit(req, ids, params, arrival, lora, engine_inputs)
         head = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
@@ -538,7 +557,7 @@ class OpenAIServing:
                 raise ProtocolError("add_special_tokens with messages is not supported (the template adds them)",
                                     "add_special_tokens")
             chat = ChatCompletionRequest(messages=req.messages or [], tools=req.tools)
-            ids, _ = await self._chat_prompt(chat)
+            ids, _, _ = await self._chat_prompt(chat)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
         if req.return_token_strs:
             out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)

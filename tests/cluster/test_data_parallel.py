@@ -75,7 +75,8 @@ def test_greedy_answers_from_both_replicas(cluster, ref):
          f"both replicas' request counts in /metrics, {len(PROMPTS)} in all")
 
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    cards = client.models.list().data
+    assert [m.id for m in cards] == [MODEL] and cards[0].model_extra["input_modalities"] == ["text"]
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
     assert chat.choices[0].message.content == ref.chat(msgs, SamplingParams(max_tokens=8, temperature=0.0)).text

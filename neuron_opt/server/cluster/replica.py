@@ -84,7 +84,8 @@ class EngineReplica:
         self.anthropic = AnthropicServing(self.serving)
         self.responses = ResponsesServing(self.serving, None)  # no store: `serve` refuses --enable-store here
         self.id = serve.get_replica_context().replica_id.unique_id
-        self.info = {"max_model_len": engine.runner.max_model_len}  # what the router's /v1/models card needs
+        # what the router's /v1/models card needs
+        self.info = {"max_model_len": engine.runner.max_model_len, "input_modalities": list(self.serving.modalities)}
         self.board = board
         self._lora_version = -1  # the adapter set this engine holds (module docstring, "LoRA adapters")
         self._lora_errors: dict[str, tuple[str, str]] = {}  # name -> (path, why this replica could not load it)

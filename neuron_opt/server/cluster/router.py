@@ -183,7 +183,8 @@ class Router:
         info = next(iter(snap.values()))[0]
         now = int(time.time())
         card = {"id": self.model_name, "object": "model", "created": now, "owned_by": "neuron-opt",
-                "root": self.model_name, "parent": None, "max_model_len": info["max_model_len"], "permission": []}
+                "root": self.model_name, "parent": None, "max_model_len": info["max_model_len"],
+                "input_modalities": info["input_modalities"], "permission": []}
         _, adapters = await self.board.adapter_set.remote()
         cards = [{**card, "id": name, "root": name, "parent": self.model_name} for name in adapters]
         return JSONResponse({"object": "list", "data": [card, *cards]})
