@@ -53,6 +53,9 @@ class PrefillRow:
     start: int = 0
     lora_slot: int = 0
     window_blocks: Sequence[int] = ()  # the window layers' table (window-sized KV with a block table)
+    # image embeddings at some of the tokens: (indices into `tokens` [k], rows [k, H]) that replace those tokens'
+    # embeddings (neuron_opt.multimodal.encoder_cache.EncoderCache.chunk_embeds); None: tokens only
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -69,12 +72,15 @@ class VerifyRow:
 
 class ModelRunner:
     """`model_config`: the model's ModelConfig where the caller has it (LoRA adapters are checked against it; an
-    embedding model's `matryoshka_dims`, the sizes its vectors may be truncated to, come from it)."""
+    embedding model's `matryoshka_dims`, the sizes its vectors may be truncated to, come from it). `vision`: a
+    vision-language model's image side (neuron_opt.multimodal.vision.VisionModel: processor and encoder), None
+    for a text model."""
 
     def __init__(self, executor: Executor, buckets: BucketConfig, cache: CacheConfig, vocab_size: int,
-                 model_config: Any = None) -> None:
+                 model_config: Any = None, vision: Any = None) -> None:
         self.executor, self.buckets, self.cache, self.vocab_size = executor, buckets, cache, vocab_size
         self.model_config = model_config
+        self.vision = vision
         self.matryoshka_dims = tuple(getattr(model_config, "matryoshka_dims", ()))
         self.last_bucket: Bucket | None = None
         # tokens a prefill is padded to a multiple of, on executors that run any prefill length (0: the compiled
@@ -223,6 +229,13 @@ class ModelRunner:
         slots[: len(rows)] = torch.tensor([r.lora_slot for r in rows], dtype=torch.long)
         return slots
 
+    def encode_image(self, item: Any) -> torch.Tensor:
+        """One image's embeddings [placeholder tokens, H] (neuron_opt.multimodal.inputs.ImageItem) by the model's
+        vision encoder; ConfigError for a text model."""
+        if self.vision is None:
+            raise ConfigError("messages: this model takes text only, not images", param="messages")
+        return self.vision.encode(item)
+
     def _run(self, bucket: Bucket, inputs: StepInputs, candidates: int | None) -> torch.Tensor:
         self.last_bucket = bucket
         if self.num_threads is not None and torch.get_num_threads() != self.num_threads:
@@ -288,8 +301,29 @@ class ModelRunner:
             tables.append(blocks)
         window = self._window_inputs(rows, [r.start for r in rows], [len(r.tokens) for r in rows], (B, S),
                                      bucket.kv_len)
-        return bucket, StepInputs(ids, pos, slots, self._tables(tables, B, bucket.kv_len), last,
-                                  self._lora_slots(rows, B), *window)
+        inputs = StepInputs(ids, pos, slots, self._tables(tables, B, bucket.kv_len), last, self._lora_slots(rows, B),
+                            *window)
+        return bucket, self._with_embeds(inputs, rows)
+
+    def _with_embeds(self, inputs: StepInputs, rows: Sequence[PrefillRow]) -> StepInputs:
+        """`inputs` with the rows' image embeddings as the step's (mask [B, S], rows [B, S, H]); unchanged when no
+        row has any."""
+        with_embeds = [(i, r.embeds) for i, r in enumerate(rows) if r.embeds is not None]
+        if not with_embeds:
+            return inputs
+        if not getattr(self.executor, "takes_embeddings", False):
+            raise ConfigError("images: this executor's graphs take token ids only (vision-language models run on the "
+                              "eager backend at tp 1)", param="messages")
+        B, S = inputs.input_ids.shape
+        H = with_embeds[0][1][1].shape[-1]
+        mask = torch.zeros(B, S, dtype=torch.bool)
+        embeds = torch.zeros(B, S, H, dtype=with_embeds[0][1][1].dtype)
+        for i, (idx, vals) in with_embeds:
+            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= len(rows[i].tokens)):
+                raise ValueError(f"a prefill row's image embeddings index past its {len(rows[i].tokens)} tokens")
+            mask[i, idx] = True
+            embeds[i, idx] = vals
+        return replace(inputs, mm_mask=mask, mm_embeds=embeds)
 
     def decode(self, rows: list[DecodeRow], candidates: int | None = None) -> torch.Tensor:
         """One token per row at its position; returns fp32 logits [len(rows), V]."""

@@ -1,0 +1,134 @@
+"""Vision-language checkpoints: which architectures take images, and a checkpoint's image side (`VisionModel`:
+processor, vision encoder, how the processor's output splits per image) beside its text decoder, which is the
+decoder of its family (models/llama.py) loaded from the checkpoint's text tensors.
+
+Design decisions
+- Explicit registry (`FAMILIES`): HF `architectures[0]` -> the family's vision module and checkpoint layout; an
+  unknown architecture with a `vision_config` is refused listing the supported ones.
+- The decoder's config is `ModelConfig.from_hf(text_config)`: the text model is one of our dense families, so
+  every decoder option (norms, rope, ...) comes from the one place that reads them.
+- The processor is the checkpoint's own (AutoProcessor): resizing, tiling, normalisation and placeholder
+  expansion are transformers', never re-implemented.
+- Vision-language models run at tp 1 on the eager backend (the reference); an artifact compiled from one is not
+  built yet (docs/multimodal.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from models import idefics3
+from neuron_opt.checkpoint.hf import weight_files
+from neuron_opt.config import ModelConfig
+from neuron_opt.errors import CheckpointError, UnsupportedModelError
+from neuron_opt.headers import read_json_capped
+from neuron_opt.multimodal.inputs import ImageItem
+
+Split = Callable[[dict[str, torch.Tensor], list[int]], list[tuple[tuple[int, ...], dict[str, torch.Tensor]]]]
+
+
+@dataclass(frozen=True)
+class Family:
+    """How a vision-language architecture is built: its vision module from the HF config, the per-image split of
+    its processor's output, and the checkpoint prefixes of its vision and text tensors."""
+
+    build: Callable[[Any], torch.nn.Module]
+    split: Callable[[Any, Any], Split]  # (hf config, processor) -> split
+    vision_prefixes: tuple[str, ...]
+    text_prefix: str  # stored `text_prefix + X` is the decoder's canonical `model.X`
+
+
+def _idefics3_split(hf: Any, processor: Any) -> Split:
+    global_id = processor.tokenizer.convert_tokens_to_ids(processor.global_image_tag)
+    return lambda out, ids: idefics3.image_items(out, ids, int(hf.image_token_id), int(global_id))
+
+
+_IDEFICS3 = Family(lambda hf: idefics3.Idefics3Vision(idefics3.VisionConfig.from_hf(hf)), _idefics3_split,
+                   idefics3.VISION_PREFIXES, idefics3.TEXT_PREFIX)
+
+FAMILIES: dict[str, Family] = {
+    "Idefics3ForConditionalGeneration": _IDEFICS3,
+    "SmolVLMForConditionalGeneration": _IDEFICS3,
+}
+
+
+@dataclass
+class VisionModel:
+    """A loaded vision-language model's image side."""
+
+    architecture: str
+    processor: Any
+    encoder: torch.nn.Module
+    split: Split
+
+    def encode(self, item: ImageItem) -> torch.Tensor:
+        """One image's embeddings [len(item.positions), H_text], in the encoder's dtype."""
+        with torch.inference_mode():
+            return self.encoder(**item.encoder_inputs)
+
+    def rope_positions(self, processed: dict[str, torch.Tensor], ids: list[int],
+                       images: tuple[ImageItem, ...]) -> None:
+        """The prompt's 3-D rotary positions for an M-RoPE decoder; None: 1-D positions (these families)."""
+        return None
+
+
+def hf_config(root: Path) -> Any:
+    from transformers import AutoConfig
+
+    d = dict(read_json_capped(root / "config.json", CheckpointError, "config"))
+    model_type = d.pop("model_type", None)
+    return AutoConfig.for_model(model_type, **d)
+
+
+def is_multimodal(path: str | Path) -> bool:
+    """A HF checkpoint directory whose config has a vision tower (`vision_config`); an unsupported one raises."""
+    root = Path(path)
+    if not (root / "config.json").is_file():
+        return False
+    d = read_json_capped(root / "config.json", CheckpointError, "config")
+    if "vision_config" not in d:
+        return False
+    arch = (d.get("architectures") or [d.get("model_type")])[0]
+    if arch not in FAMILIES:
+        raise UnsupportedModelError(f"architecture {arch!r}: vision-language models supported: "
+                                    f"{', '.join(sorted(FAMILIES))}")
+    return True
+
+
+@dataclass
+class MultimodalCheckpoint:
+    config: ModelConfig  # the text decoder's
+    state_dict: dict[str, torch.Tensor]  # the decoder's canonical weights
+    tokenizer: Any
+    vision: VisionModel
+
+
+def open_multimodal(root: Path, dtype: torch.dtype) -> MultimodalCheckpoint:
+    """A vision-language checkpoint: the decoder's config and weights, the processor and the vision encoder (its
+    weights loaded, in `dtype`). CheckpointError naming the tensor for a missing or unexpected vision weight."""
+    from transformers import AutoProcessor
+
+    hf = hf_config(root)
+    arch = hf.architectures[0]
+    fam = FAMILIES[arch]
+    cfg = ModelConfig.from_hf(hf.text_config)
+    stored: dict[str, torch.Tensor] = {}
+    for f in weight_files(root):
+        stored.update(load_file(str(f)))
+    text = {"model." + k[len(fam.text_prefix):] if k.startswith(fam.text_prefix) else k: v
+            for k, v in stored.items() if not k.startswith(fam.vision_prefixes)}
+    encoder = fam.build(hf)
+    vision_sd = {k[len("model."):]: v for k, v in stored.items() if k.startswith(fam.vision_prefixes)}
+    missing, unexpected = encoder.load_state_dict(vision_sd, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint {root}: vision tensors missing {sorted(missing)[:5]}, unexpected "
+                              f"{sorted(unexpected)[:5]}")
+    processor = AutoProcessor.from_pretrained(root)
+    vision = VisionModel(arch, processor, encoder.to(dtype).eval(), fam.split(hf, processor))
+    return MultimodalCheckpoint(cfg, {k: v.to(dtype) for k, v in text.items()}, processor.tokenizer, vision)
