@@ -210,7 +210,7 @@ class LLM:
         prompts = [m.token_ids for m in mm]
         for i, (m, p, lr) in enumerate(zip(mm, params, loras, strict=True)):
             engine.add_request(str(i), m.token_ids, p, outs[i].append, lora=lr.lora_name if lr is not None else None,
-                               images=m.images)
+                               images=m.images, rope_positions=m.rope_positions)
         while engine.num_unfinished:
             engine.step()
         for o in outs:
@@ -232,8 +232,9 @@ class LLM:
                        ) -> list[GenerationOutput]:
         """Many prompts (token ids, or `encode_multimodal_chat`'s prompts with images) batched through the engine
         (continuous batching: up to the runner's largest decode batch at once); `params`: one for all, or one per
-        prompt; `speculative`: speculative decoding for all of them. Each output is what `generate_ids` gives its prompt alone (greedy: the same tokens up to the
-        rounding differences between batch sizes of the graphs; seeded: the same samples)."""
+        prompt; `speculative`: speculative decoding for all of them. Each output is what `generate_ids` gives its
+        prompt alone (greedy: the same tokens up to the rounding differences between batch sizes of the graphs;
+        seeded: the same samples)."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if lora_request is None or isinstance(lora_request, LoRARequest):

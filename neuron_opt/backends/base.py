@@ -40,6 +40,8 @@ class StepInputs:
     # [B, S, H] (read where the mask is set), for executors that say `takes_embeddings`; None: tokens only
     mm_mask: torch.Tensor | None = None
     mm_embeds: torch.Tensor | None = None
+    # [3, B, S] M-RoPE positions (ModelConfig.mrope_section), for the same executors; None: `positions`
+    rope_positions: torch.Tensor | None = None
 
     def multimodal(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(mask, rows) of the step's image embeddings, None without any."""

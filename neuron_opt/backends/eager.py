@@ -37,6 +37,8 @@ class EagerExecutor:
             kw["lora"] = LoraInputs(self.lora_stacks, inputs.lora_slots)
         if inputs.multimodal() is not None:
             kw["mm_embeds"] = inputs.multimodal()
+        if inputs.rope_positions is not None:
+            kw["rope_positions"] = inputs.rope_positions
         if self.aux_layers:
             logits, self.aux_hidden = self.model.forward_with_aux(
                 *inputs.arrays(), self.k_caches, self.v_caches, bucket.kv_len, self.aux_layers, bucket.generates,

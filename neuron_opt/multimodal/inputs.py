@@ -45,7 +45,7 @@ class ImageItem:
 class MultimodalPrompt:
     """A rendered conversation: its token ids and its images (in prompt order; () for a text-only prompt).
     `rope_positions`: for a model with 3-D rotary positions (M-RoPE), the prompt's [3, len(token_ids)] positions
-    and the offset decode positions continue from (position - len(token_ids) + delta); None otherwise."""
+    and the delta later tokens rotate by (at position + delta on every axis); None otherwise."""
 
     token_ids: list[int]
     images: tuple[ImageItem, ...] = ()
@@ -131,4 +131,4 @@ def processor_chat(vision: Any, messages: list[dict[str, Any]], tools: list[dict
     if len(images) != len(parts):
         raise ConfigError(f"messages: {len(parts)} image parts, but the rendered prompt holds {len(images)} images "
                           "(does the chat template render image parts?)", param="messages")
-    return MultimodalPrompt(ids, images, vision.rope_positions(dict(out), ids, images))
+    return MultimodalPrompt(ids, images, vision.rope_positions(ids, images))

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from models import idefics3
+from models import idefics3, qwen2_5_vl
 from neuron_opt.checkpoint.hf import weight_files
 from neuron_opt.config import ModelConfig
 from neuron_opt.errors import CheckpointError, UnsupportedModelError
@@ -31,6 +31,8 @@ from neuron_opt.headers import read_json_capped
 from neuron_opt.multimodal.inputs import ImageItem
 
 Split = Callable[[dict[str, torch.Tensor], list[int]], list[tuple[tuple[int, ...], dict[str, torch.Tensor]]]]
+# (prompt length, each image's ImageItem) -> the prompt's M-RoPE positions [3, n] and the decode delta
+Rope = Callable[[int, tuple[ImageItem, ...]], tuple[torch.Tensor, int]]
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,9 @@ class Family:
     split: Callable[[Any, Any], Split]  # (hf config, processor) -> split
     vision_prefixes: tuple[str, ...]
     text_prefix: str  # stored `text_prefix + X` is the decoder's canonical `model.X`
+    text_config: Callable[[Any], Any] = lambda hf: hf.text_config  # what ModelConfig.from_hf reads
+    rope: Callable[[Any], Rope] | None = None  # an M-RoPE decoder's prompt positions, from the hf config
+    vision_strip: str = "model."  # what the stored vision names have before the encoder module's own
 
 
 def _idefics3_split(hf: Any, processor: Any) -> Split:
@@ -52,9 +57,34 @@ def _idefics3_split(hf: Any, processor: Any) -> Split:
 _IDEFICS3 = Family(lambda hf: idefics3.Idefics3Vision(idefics3.VisionConfig.from_hf(hf)), _idefics3_split,
                    idefics3.VISION_PREFIXES, idefics3.TEXT_PREFIX)
 
+def _qwen2_5_vl_split(hf: Any, processor: Any) -> Split:
+    merge = int(hf.vision_config.spatial_merge_size)
+    return lambda out, ids: qwen2_5_vl.image_items(out, ids, int(hf.image_token_id), merge)
+
+
+def _qwen2_5_vl_rope(hf: Any) -> Rope:
+    merge = int(hf.vision_config.spatial_merge_size)
+
+    def rope(n: int, images: tuple[ImageItem, ...]) -> tuple[torch.Tensor, int]:
+        grids = [tuple(int(v) for v in im.encoder_inputs["image_grid_thw"].reshape(-1).tolist()) for im in images]
+        return qwen2_5_vl.rope_positions(n, [(im.positions, g) for im, g in zip(images, grids, strict=True)],
+                                         merge)  # type: ignore[misc]
+
+    return rope
+
+
+def _qwen2_text(hf: Any) -> dict[str, Any]:
+    """The text decoder's config as a Qwen2 decoder's (q/k/v biases), its rope's mrope_section kept."""
+    return {**hf.text_config.to_dict(), "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}
+
+
+_QWEN2_5_VL = Family(lambda hf: qwen2_5_vl.Qwen25Vision(qwen2_5_vl.VisionConfig.from_hf(hf)), _qwen2_5_vl_split,
+                     qwen2_5_vl.VISION_PREFIXES, qwen2_5_vl.TEXT_PREFIX, _qwen2_text, _qwen2_5_vl_rope, "visual.")
+
 FAMILIES: dict[str, Family] = {
     "Idefics3ForConditionalGeneration": _IDEFICS3,
     "SmolVLMForConditionalGeneration": _IDEFICS3,
+    "Qwen2_5_VLForConditionalGeneration": _QWEN2_5_VL,
 }
 
 
@@ -66,16 +96,17 @@ class VisionModel:
     processor: Any
     encoder: torch.nn.Module
     split: Split
+    rope: Rope | None = None
 
     def encode(self, item: ImageItem) -> torch.Tensor:
         """One image's embeddings [len(item.positions), H_text], in the encoder's dtype."""
         with torch.inference_mode():
             return self.encoder(**item.encoder_inputs)
 
-    def rope_positions(self, processed: dict[str, torch.Tensor], ids: list[int],
-                       images: tuple[ImageItem, ...]) -> None:
-        """The prompt's 3-D rotary positions for an M-RoPE decoder; None: 1-D positions (these families)."""
-        return None
+    def rope_positions(self, ids: list[int], images: tuple[ImageItem, ...]) -> tuple[torch.Tensor, int] | None:
+        """The prompt's M-RoPE positions [3, len(ids)] and decode delta for an M-RoPE decoder (a prompt without
+        images included); None for a decoder with 1-D positions."""
+        return None if self.rope is None else self.rope(len(ids), images)
 
 
 def hf_config(root: Path) -> Any:
@@ -117,18 +148,19 @@ def open_multimodal(root: Path, dtype: torch.dtype) -> MultimodalCheckpoint:
     hf = hf_config(root)
     arch = hf.architectures[0]
     fam = FAMILIES[arch]
-    cfg = ModelConfig.from_hf(hf.text_config)
+    cfg = ModelConfig.from_hf(fam.text_config(hf))
     stored: dict[str, torch.Tensor] = {}
     for f in weight_files(root):
         stored.update(load_file(str(f)))
     text = {"model." + k[len(fam.text_prefix):] if k.startswith(fam.text_prefix) else k: v
             for k, v in stored.items() if not k.startswith(fam.vision_prefixes)}
     encoder = fam.build(hf)
-    vision_sd = {k[len("model."):]: v for k, v in stored.items() if k.startswith(fam.vision_prefixes)}
+    vision_sd = {k[len(fam.vision_strip):]: v for k, v in stored.items() if k.startswith(fam.vision_prefixes)}
     missing, unexpected = encoder.load_state_dict(vision_sd, strict=False)
     if missing or unexpected:
         raise CheckpointError(f"checkpoint {root}: vision tensors missing {sorted(missing)[:5]}, unexpected "
                               f"{sorted(unexpected)[:5]}")
     processor = AutoProcessor.from_pretrained(root)
-    vision = VisionModel(arch, processor, encoder.to(dtype).eval(), fam.split(hf, processor))
+    vision = VisionModel(arch, processor, encoder.to(dtype).eval(), fam.split(hf, processor),
+                         fam.rope(hf) if fam.rope is not None else None)
     return MultimodalCheckpoint(cfg, {k: v.to(dtype) for k, v in text.items()}, processor.tokenizer, vision)

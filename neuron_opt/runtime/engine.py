@@ -111,6 +111,7 @@ class _Sequence:
     request: Request
     state: SamplerState
     images: tuple[ImageItem, ...] = ()  # its prompt's images (neuron_opt.multimodal)
+    rope: tuple[torch.Tensor, int] | None = None  # M-RoPE: the prompt's [3, n] positions and the decode delta
 
 
 @dataclass
@@ -322,6 +323,7 @@ class Engine:
         share_prefix_with: str | None = None,
         lora: str | None = None,
         images: tuple[ImageItem, ...] = (),
+        rope_positions: tuple[torch.Tensor, int] | None = None,
     ) -> None:
         """Queue a request. Raises ContextLengthError / ConfigError / QueueFullError synchronously.
 
@@ -331,16 +333,21 @@ class Engine:
                 this one is admitted after that one's prompt has K/V, so it takes its blocks from the prefix cache.
             lora: the name of a registered LoRA adapter to run under (`loras`); None: the base model.
             images: the prompt's images (`encode_multimodal_chat`'s), for a vision-language model.
+            rope_positions: an M-RoPE model's prompt positions [3, len(prompt)] and decode delta
+                (`encode_multimodal_chat`'s `rope_positions`); None: 1-D positions.
         """
         if images:
             if self.encoder_cache is None:
                 raise ConfigError("messages: this model takes text only, not images", param="messages")
             check_images(images, len(prompt_token_ids))
+        if rope_positions is not None and tuple(rope_positions[0].shape) != (3, len(prompt_token_ids)):
+            raise ConfigError(f"rope_positions: [3, {len(prompt_token_ids)}] positions for the prompt, got "
+                              f"{list(rope_positions[0].shape)}", param="messages")
         if self.embeds:
             raise ConfigError("this model is an embedding model (compiled with --task embed): it computes embeddings "
                               "(/v1/embeddings, LLM.embed), not text", param="model")
         self._submit(request_id, prompt_token_ids, params, on_output, arrival_time, grammar, share_prefix_with, lora,
-                     tuple(images))
+                     tuple(images), rope_positions)
 
     def add_embedding_request(self, request_id: str, prompt_token_ids: list[int],
                               on_output: Callable[[RequestOutput], object], arrival_time: float | None = None) -> None:
@@ -354,7 +361,7 @@ class Engine:
     def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 on_output: Callable[[RequestOutput], object], arrival_time: float | None = None, grammar: Any = None,
                 share_prefix_with: str | None = None, lora: str | None = None,
-                images: tuple[ImageItem, ...] = ()) -> None:
+                images: tuple[ImageItem, ...] = (), rope: tuple[torch.Tensor, int] | None = None) -> None:
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped after an internal error: {self.error!r}")
         self.scheduler.validate(len(prompt_token_ids), params.max_tokens)
@@ -388,7 +395,7 @@ class Engine:
             scores_prompt=params.prompt_logprobs is not None,
             cache_token_ids=cache_token_ids(prompt_token_ids, images) if images else None,
         )
-        seq = _Sequence(req, SamplerState.create(params, state), images)
+        seq = _Sequence(req, SamplerState.create(params, state), images, rope)
         self._inbox.put(_Command("add", request_id, seq, params, on_output))
 
     def abort(self, request_id: str) -> None:
@@ -505,8 +512,8 @@ class Engine:
         scoring = [i for i, p in enumerate(group) if self._seqs[p.request_id].request.scores_prompt]
         t0 = time.perf_counter()
         try:
-            rows = [PrefillRow(p.blocks, p.token_ids, p.start, p.lora_slot, p.window_blocks, self._chunk_embeds(p))
-                    for p in group]
+            rows = [PrefillRow(p.blocks, p.token_ids, p.start, p.lora_slot, p.window_blocks, self._chunk_embeds(p),
+                               self._chunk_rope(p)) for p in group]
             if scoring:  # every position's logits: the scoring rows' prompt logprobs, everyone's last row
                 every = self.runner.prefill_rows(rows, all_positions=True)  # [len(group), S, V]
                 self._score_prompts(group, scoring, every)
@@ -538,6 +545,23 @@ class Engine:
         if not images or self.encoder_cache is None:
             return None
         return self.encoder_cache.chunk_embeds(p.request_id, images, p.start, len(p.token_ids))
+
+    def _chunk_rope(self, p: PrefillWork) -> torch.Tensor | None:
+        """An M-RoPE request's [3, n] rotary positions of a prefill chunk: the prompt's table, then (generated tokens
+        prefilled again after a preemption) position + delta; None for a request without a table."""
+        rope = self._seqs[p.request_id].rope
+        if rope is None:
+            return None
+        table, delta = rope
+        pos = torch.arange(p.start, p.start + len(p.token_ids))
+        out = (pos + delta).expand(3, -1).clone()
+        inside = pos < table.shape[1]
+        out[:, inside] = table[:, pos[inside]]
+        return out
+
+    def _rope_delta(self, request_id: str) -> int:
+        rope = self._seqs[request_id].rope
+        return 0 if rope is None else rope[1]
 
     def _score_prompts(self, group: tuple[PrefillWork, ...], scoring: list[int], every: torch.Tensor) -> None:
         """Prompt logprobs from a prefill's logits at every position [len(group), S, V]: position j's logits score
@@ -593,11 +617,12 @@ class Engine:
         try:
             if verify:
                 rows = [VerifyRow(d.blocks, (d.token, *step.proposals[d.request_id]), d.position, d.lora_slot,
-                                  d.window_blocks) for d in decodes]
+                                  d.window_blocks, self._rope_delta(d.request_id)) for d in decodes]
                 logits = self.runner.verify(rows, candidates=self._candidates(ids))
             else:
-                logits = self.runner.decode([DecodeRow(d.blocks, d.token, d.position, d.lora_slot, d.window_blocks)
-                                             for d in decodes], candidates=self._candidates(ids))
+                logits = self.runner.decode([DecodeRow(d.blocks, d.token, d.position, d.lora_slot, d.window_blocks,
+                                                       self._rope_delta(d.request_id)) for d in decodes],
+                                            candidates=self._candidates(ids))
             self.stats.graph_s += time.perf_counter() - t0
         except Exception as e:
             def alone(d: DecodeWork) -> None:  # the same plan, at batch 1

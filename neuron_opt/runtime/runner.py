@@ -41,6 +41,7 @@ class DecodeRow:
     position: int
     lora_slot: int = 0
     window_blocks: Sequence[int] = ()  # the window layers' table (window-sized KV with a block table)
+    rope_delta: int = 0  # M-RoPE: the token rotates at position + rope_delta on every axis (ModelConfig.mrope_section)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class PrefillRow:
     # image embeddings at some of the tokens: (indices into `tokens` [k], rows [k, H]) that replace those tokens'
     # embeddings (neuron_opt.multimodal.encoder_cache.EncoderCache.chunk_embeds); None: tokens only
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    # M-RoPE (ModelConfig.mrope_section): the tokens' [3, len(tokens)] rotary positions; None: their positions
+    rope_positions: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,7 @@ class VerifyRow:
     position: int
     lora_slot: int = 0
     window_blocks: Sequence[int] = ()  # the window layers' table (window-sized KV with a block table)
+    rope_delta: int = 0  # M-RoPE: as DecodeRow's
 
 
 class ModelRunner:
@@ -303,7 +307,21 @@ class ModelRunner:
                                      bucket.kv_len)
         inputs = StepInputs(ids, pos, slots, self._tables(tables, B, bucket.kv_len), last, self._lora_slots(rows, B),
                             *window)
-        return bucket, self._with_embeds(inputs, rows)
+        return bucket, self._with_rope(self._with_embeds(inputs, rows), [r.rope_positions for r in rows])
+
+    def _with_rope(self, inputs: StepInputs, tables: Sequence[torch.Tensor | None]) -> StepInputs:
+        """`inputs` with M-RoPE's [3, B, S] positions for a model with mrope_section: each row's table over its
+        first tokens, `positions` on every axis elsewhere (text, padding); unchanged for other models."""
+        if not getattr(self.model_config, "mrope_section", ()):
+            if any(t is not None for t in tables):
+                raise ValueError("3-D rotary positions for a model without M-RoPE")
+            return inputs
+        B, S = inputs.positions.shape
+        rope = inputs.positions.expand(3, B, S).clone()
+        for i, t in enumerate(tables):
+            if t is not None:
+                rope[:, i, :t.shape[1]] = t
+        return replace(inputs, rope_positions=rope)
 
     def _with_embeds(self, inputs: StepInputs, rows: Sequence[PrefillRow]) -> StepInputs:
         """`inputs` with the rows' image embeddings as the step's (mask [B, S], rows [B, S, H]); unchanged when no
@@ -340,6 +358,8 @@ class ModelRunner:
         window = self._window_inputs(rows, [r.position for r in rows], [1] * len(rows), (B, 1), bucket.kv_len)
         inputs = StepInputs(ids, pos, slots, self._tables(tables, B, bucket.kv_len), torch.zeros(B, dtype=torch.long),
                             self._lora_slots(rows, B), *window)
+        inputs = self._with_rope(inputs, [torch.full((3, 1), r.position + r.rope_delta) if r.rope_delta else None
+                                          for r in rows])
         return self._run(bucket, inputs, candidates)[: len(rows), : self.vocab_size]
 
     @property
@@ -371,4 +391,6 @@ class ModelRunner:
                                      bucket.kv_len)
         inputs = StepInputs(ids, pos, slots, self._tables(tables, B, bucket.kv_len),
                             torch.arange(q).expand(B, q).contiguous(), self._lora_slots(rows, B), *window)
+        inputs = self._with_rope(inputs, [(pos[i] + r.rope_delta).expand(3, q) if r.rope_delta else None
+                                          for i, r in enumerate(rows)])
         return self._run(bucket, inputs, candidates)[: len(rows), :, : self.vocab_size]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_vlm import draw, hf_generate, make_idefics3
+from tiny_vlm import GREEDY, N, chat, draw, hf_generate, make_idefics3, run
 
 from neuron_opt.api import LLM
 from neuron_opt.backends.eager import EagerExecutor
@@ -21,16 +21,8 @@ from neuron_opt.multimodal.encoder_cache import EncoderCache
 from neuron_opt.multimodal.inputs import ImageItem, cache_token_ids
 from neuron_opt.runtime.engine import Engine, encode_multimodal_chat
 from neuron_opt.runtime.runner import ModelRunner
-from neuron_opt.runtime.sampling import SamplingParams
 
-N = 8  # tokens generated per request
 MAX_LEN, BS = 512, 8
-
-
-def chat(*parts) -> list[dict]:
-    """One user message of text and image parts (PIL images as HF's {"type": "image"} parts)."""
-    return [{"role": "user", "content": [{"type": "text", "text": p} if isinstance(p, str) else
-                                         {"type": "image", "image": p} for p in parts]}]
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +39,6 @@ def vlm(tmp_path_factory):
     torch.set_num_threads(threads)
 
 
-GREEDY = SamplingParams(max_tokens=N, min_tokens=N, temperature=0.0, ignore_eos=True)
-
 
 def engine_for(llm: LLM, num_blocks: int = 0, **kw) -> Engine:
     """An engine over the loaded model's weights with its own block pool and buckets (prefill up to 64 tokens a
@@ -59,27 +49,6 @@ def engine_for(llm: LLM, num_blocks: int = 0, **kw) -> Engine:
     runner = ModelRunner(EagerExecutor(llm.runner.executor.model, cache), buckets, cache, llm.config.vocab_size,
                          llm.config, llm.runner.vision)
     return Engine(runner, llm.tokenizer, llm.eos_token_ids, **kw)
-
-
-def run(engine: Engine, prompts, stagger: bool = False) -> tuple[list[list[int]], dict[str, int]]:
-    """Every prompt (a MultimodalPrompt) through `engine`; each one's tokens and cached prompt tokens. `stagger`:
-    each request is added after the one before it has finished."""
-    got: dict[str, list[int]] = {}
-    cached: dict[str, int] = {}
-
-    def on(o):
-        got.setdefault(o.request_id, []).extend(o.new_token_ids)
-        if o.finished:
-            cached[o.request_id] = o.num_cached_tokens
-
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p.token_ids, GREEDY, on, images=p.images)
-        while stagger and engine.step():
-            pass
-    while engine.step():
-        pass
-    assert engine.num_unfinished == 0 and engine.kv_usage == 0
-    return [got[str(i)] for i in range(len(prompts))], cached
 
 
 IMAGES = [(70, 40, 1), (20, 30, 2), (33, 97, 3), (64, 64, 4)]  # wide (2 x 2 tiles), small, tall, square
