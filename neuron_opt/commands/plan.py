@@ -12,17 +12,19 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from neuron_opt.commands.hub_flags import add_hub_flags
 from neuron_opt.config import ModelConfig
 from neuron_opt.errors import ConfigError
+from neuron_opt.headers import read_json_capped
 from neuron_opt.hub import resolve_model
 from neuron_opt.lora.config import TARGET_MODULES, LoraConfig
 from neuron_opt.planner.hardware import get_instance, known_instances
 from neuron_opt.planner.memory import KV_DTYPES, WEIGHT_DTYPES
 from neuron_opt.planner.queueing import ARRIVALS, POISSON_REQUESTS, Arrival
-from neuron_opt.planner.recommend import Traffic, candidates, context_fits, rank, with_queue
+from neuron_opt.planner.recommend import Plan, Traffic, candidates, context_fits, rank, with_queue
 from neuron_opt.planner.report import (
     alternatives_table,
     context_lines,
@@ -33,6 +35,7 @@ from neuron_opt.planner.report import (
     split_lines,
 )
 from neuron_opt.planner.scale_out import TARGETS, recommend_split, splits
+from neuron_opt.planner.vision import VisionPlan, vision_lines, vision_plan
 
 # every backend holds window-sized KV for sliding-window layers (Backend.window_kv: eager, cpu, neuron), so the plan
 # sizes their pools as compile allocates them
@@ -124,20 +127,41 @@ def lora_from_args(args: argparse.Namespace) -> LoraConfig | None:
 
 def load_model_config(model: str) -> ModelConfig:
     """config.json, or a directory with one, needs no weights; 'default' and .gguf go through the
-    checkpoint."""
+    checkpoint. A vision-language config plans its text decoder (and `vision_memory` its image side)."""
+    from neuron_opt.multimodal.vision import decoder_config, is_multimodal  # here: transformers for a VLM only
+
     path = Path(model)
     if model != "default" and (
         path.suffix == ".json" or (path.is_dir() and (path / "config.json").is_file())
     ):
-        return ModelConfig.from_hf(path)
+        return decoder_config(path) if is_multimodal(path) else ModelConfig.from_hf(path)
     from neuron_opt.checkpoint import open_checkpoint  # here: the CLI parses without the checkpoint readers
 
     return open_checkpoint(model).config
 
 
+def vision_memory(model: str, plans: list[Plan]) -> tuple[list[Plan], VisionPlan | None]:
+    """The plans with a vision-language model's encoder counted on every rank (planner.vision), and its plan in the
+    best plan's dtype; the plans unchanged for a text model."""
+    from neuron_opt.multimodal.vision import is_multimodal
+
+    path = Path(model)
+    if model == "default" or not is_multimodal(path):
+        return plans, None
+    root = path if path.is_dir() else path.parent
+    pre = root / "preprocessor_config.json"
+    pre_cfg = read_json_capped(pre, ConfigError, "preprocessor_config") if pre.is_file() else None
+    config = read_json_capped(root / "config.json" if path.is_dir() else path, ConfigError, "config")
+    out = []
+    for p in plans:
+        vp = vision_plan(config, pre_cfg, p.deployment.dtype)
+        out.append(replace(p, memory=replace(p.memory, vision=vp.weight_bytes + vp.activation_bytes)))
+    return out, vision_plan(config, pre_cfg, plans[0].deployment.dtype)
+
+
 def run(args: argparse.Namespace) -> int:
-    cfg = load_model_config(resolve_model(args.model, revision=args.revision, gguf_file=args.gguf_file,
-                                          config_only=True))
+    model_path = str(resolve_model(args.model, revision=args.revision, gguf_file=args.gguf_file, config_only=True))
+    cfg = load_model_config(model_path)
     inst = get_instance(args.instance)
     traffic = Traffic(args.input_len, args.output_len, args.concurrency)
     arrival = Arrival(args.arrival or ("poisson" if args.rate is not None else "together"), args.rate)
@@ -168,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
         traffic,
     )
     plans = [with_queue(cfg, p, traffic, arrival, args.max_num_batched_tokens) for p in plans]
+    plans, vision = vision_memory(model_path, plans)
     best = plans[0]
     scale = None
     if inst.family != "cpu":
@@ -184,6 +209,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         out = plan_json(cfg, best, plans[1:])
         out["context_fits"] = {inst.name: tp for inst, tp in fits}
+        if vision is not None:
+            out["vision"] = asdict(vision)
         if scale:
             pick = recommend_split(scale, traffic.output_len, args.target)
             out["data_parallel"] = {
@@ -194,6 +221,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         print("\n".join(plan_lines(cfg, best)))
+        if vision is not None:
+            print("\n".join(vision_lines(vision)))
         if len(plans) > 1:
             print(
                 f"\nalternatives ({traffic.input_len} in / {traffic.output_len} out, "

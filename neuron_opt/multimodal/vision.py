@@ -110,19 +110,28 @@ class VisionModel:
 
 
 def hf_config(root: Path) -> Any:
+    """A vision-language config.json (or its directory) as transformers' config object."""
     from transformers import AutoConfig
 
-    d = dict(read_json_capped(root / "config.json", CheckpointError, "config"))
+    d = dict(read_json_capped(root / "config.json" if root.is_dir() else root, CheckpointError, "config"))
     model_type = d.pop("model_type", None)
     return AutoConfig.for_model(model_type, **d)
 
 
+def decoder_config(path: Path) -> ModelConfig:
+    """The text decoder's ModelConfig of a vision-language config.json (or its directory)."""
+    hf = hf_config(path)
+    return ModelConfig.from_hf(FAMILIES[hf.architectures[0]].text_config(hf))
+
+
 def is_multimodal(path: str | Path) -> bool:
-    """A HF checkpoint directory whose config has a vision tower (`vision_config`); an unsupported one raises."""
+    """A HF checkpoint directory (or its config.json) whose config has a vision tower (`vision_config`); an
+    unsupported one raises."""
     root = Path(path)
-    if not (root / "config.json").is_file():
+    file = root / "config.json" if root.is_dir() else root
+    if file.suffix != ".json" or not file.is_file():
         return False
-    d = read_json_capped(root / "config.json", CheckpointError, "config")
+    d = read_json_capped(file, CheckpointError, "config")
     if "vision_config" not in d:
         return False
     arch = (d.get("architectures") or [d.get("model_type")])[0]
@@ -148,7 +157,7 @@ def open_multimodal(root: Path, dtype: torch.dtype) -> MultimodalCheckpoint:
     hf = hf_config(root)
     arch = hf.architectures[0]
     fam = FAMILIES[arch]
-    cfg = ModelConfig.from_hf(fam.text_config(hf))
+    cfg = decoder_config(root)
     stored: dict[str, torch.Tensor] = {}
     for f in weight_files(root):
         stored.update(load_file(str(f)))
