@@ -154,3 +154,33 @@ def test_images_are_refused_by_a_text_model(tiny_dir):
 def test_a_vlm_says_it_takes_images(vlm):
     llm, _, _ = vlm
     assert llm.loaded.modalities == ("text", "image")
+
+
+@pytest.mark.parametrize("arch", ["Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"])
+def test_encoder_equals_transformers_on_padded_tiles(arch):
+    """The encoder and connector against transformers' own on tiles the processor padded (part of each pixel mask
+    off: variable-resolution positions, masked keys); SmolVLM's vision side is Idefics3's (its processor needs
+    torchvision for its video processor, so the end-to-end tests run Idefics3)."""
+    import transformers
+
+    from models.idefics3 import Idefics3Vision, VisionConfig
+
+    cfg = getattr(transformers, arch.replace("ForConditionalGeneration", "Config"))(
+        text_config=dict(model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=32, patch_size=8), scale_factor=2)
+    torch.manual_seed(0)
+    hf = getattr(transformers, arch)(cfg).eval()
+    ours = Idefics3Vision(VisionConfig.from_hf(cfg))
+    sd = {k[len("model."):]: v for k, v in hf.state_dict().items()
+          if k.startswith(("model.vision_model.", "model.connector."))}
+    ours.load_state_dict(sd)
+    pixels = torch.randn(3, 3, 32, 32)
+    mask = torch.ones(3, 32, 32, dtype=torch.long)
+    mask[1, :, 20:] = 0  # a tile 20 pixels wide: 3 of 4 patch columns real
+    mask[2, 9:, :] = 0  # 9 pixels high: 2 patch rows
+    with torch.inference_mode():
+        want = hf.model.get_image_features(pixels[None], mask[None]).pooler_output[0]
+        got = ours(pixels, mask)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
