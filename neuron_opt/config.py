@@ -467,7 +467,10 @@ class ModelConfig:
         d["layer_types"] = list(self.layer_types)
         d["nope_layers"] = list(self.nope_layers)
         d["matryoshka_dims"] = list(self.matryoshka_dims)
-        d["mrope_section"] = list(self.mrope_section)
+        if self.mrope_section:
+            d["mrope_section"] = list(self.mrope_section)
+        else:  # absent unless set: manifests and compile-cache keys of every other model stay as they were
+            del d["mrope_section"]
         return d
 
     @classmethod

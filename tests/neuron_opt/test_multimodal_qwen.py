@@ -17,7 +17,7 @@ from tiny_vlm import GREEDY, N, chat, draw, hf_generate, make_qwen2_5_vl, run
 from neuron_opt.api import LLM
 from neuron_opt.backends.eager import EagerExecutor
 from neuron_opt.buckets import BucketConfig
-from neuron_opt.config import CacheConfig
+from neuron_opt.config import CacheConfig, ModelConfig
 from neuron_opt.runtime.engine import Engine
 from neuron_opt.runtime.runner import ModelRunner
 
@@ -51,6 +51,7 @@ def engine_for(llm: LLM, num_blocks: int = 0, **kw) -> Engine:
 def test_images_of_several_shapes_give_hf_greedy_text(qwen):
     llm, hf, processor = qwen
     assert llm.config.mrope_section == (2, 3, 3)
+    assert ModelConfig.from_dict(llm.config.to_dict()) == llm.config  # as a manifest stores it
     for messages in (chat(draw(70, 40, 1), "What is this?"),
                      chat("Compare", draw(20, 50, 2), "with", draw(9, 9, 3), "and", draw(64, 30, 4))):
         prompt = llm.encode_multimodal_chat(messages)
