@@ -124,8 +124,11 @@ def processor_chat(vision: Any, messages: list[dict[str, Any]], tools: list[dict
     kw: dict[str, Any] = dict(template_kwargs or {})
     if tools:
         kw["tools"] = tools
-    out = vision.processor.apply_chat_template(_as_parts(messages), add_generation_prompt=True, tokenize=True,
-                                               return_dict=True, return_tensors="pt", **kw)
+    try:
+        out = vision.processor.apply_chat_template(_as_parts(messages), add_generation_prompt=True, tokenize=True,
+                                                   return_dict=True, return_tensors="pt", **kw)
+    except ValueError as e:  # the processor's own checks: image tokens typed in the text, sizes it refuses
+        raise ConfigError(f"messages: the model's processor refused them: {str(e)[:300]}", param="messages") from None
     ids = [int(t) for t in out["input_ids"][0]]
     images = tuple(ImageItem(pos, inputs) for pos, inputs in vision.split(dict(out), ids)) if parts else ()
     if len(images) != len(parts):

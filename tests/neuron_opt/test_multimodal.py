@@ -151,9 +151,12 @@ def test_images_are_refused_by_a_text_model(tiny_dir):
     assert text.loaded.modalities == ("text",)
 
 
-def test_a_vlm_says_it_takes_images(vlm):
+def test_a_vlm_says_it_takes_images_and_refuses_typed_image_tokens(vlm):
     llm, _, _ = vlm
     assert llm.loaded.modalities == ("text", "image")
+    for parts in (("hi <image> there",), (draw(40, 40, 1), "hi <image> there")):
+        with pytest.raises(ConfigError, match="messages: the model's processor refused them"):
+            llm.encode_multimodal_chat(chat(*parts))
 
 
 @pytest.mark.parametrize("arch", ["Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"])
