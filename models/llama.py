@@ -185,6 +185,26 @@ def layer_rope_inputs(cfg: ModelConfig, tables: dict[str, tuple[torch.Tensor, to
     return [rows[k] for k in kinds]
 
 
+def merge_embeddings(x: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The decoder's input with image embeddings at their placeholder positions: x [B, S, H] (the tokens' scaled
+    embeddings), mask [B, S] bool, rows [B, S, H] (read where mask is set). Image rows are not scaled by the
+    embedding multiplier: transformers merges the encoder's output into the scaled token embeddings (Gemma 3)."""
+    return torch.where(mask[..., None], rows.to(x.dtype), x)
+
+
+def mrope_rows(section: tuple[int, ...], table: tuple[torch.Tensor, torch.Tensor], rope_positions: torch.Tensor,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """M-RoPE's (cos, sin) [B, S, 1, R] (Qwen2.5-VL): the rotary pairs split into `section` (temporal, height,
+    width), each taking the table's rows at its axis of `rope_positions` [3, B, S]; both halves of the rotate-half
+    layout alike, as transformers recomposes them. Positions equal on every axis give the 1-D rows exactly."""
+
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        parts = t[rope_positions].split(list(section) * 2, dim=-1)  # each [3, B, S, section_i]
+        return torch.cat([p[i % 3] for i, p in enumerate(parts)], dim=-1)[:, :, None, :].to(dtype)  # [B, S, 1, R]
+
+    return pick(table[0]), pick(table[1])
+
+
 def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
     """cap * tanh(x / cap), as transformers writes it (Gemma 2's attention scores and logits)."""
     return torch.tanh(x / cap) * cap
@@ -658,15 +678,21 @@ class LlamaForCausalLM(nn.Module):
                 block_tables: torch.Tensor, last_index: torch.Tensor, k_caches: list[torch.Tensor],
                 v_caches: list[torch.Tensor], kv_len: int, decode: bool = False,
                 lora: LoraInputs | None = None,
-                window_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                window_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+                rope_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step; returns this rank's fp32 logits [B, V/tp] at `last_index` [B] of each row, or
         [B, T, V/tp] at every index of a [B, T] `last_index` (a verify step scores all its positions).
         `decode`: a token-generation step (a decode or verify bucket), static per graph like the shapes.
         `lora`: the adapter stacks and each row's slot (neuron_opt.lora.ops; None: the base model only).
         `window_kv`: the sliding layers' (slot mapping, block tables) under window-sized KV (None: every layer
-        uses `slot_mapping` and `block_tables`)."""
+        uses `slot_mapping` and `block_tables`). `mm_embeds`: (mask [B, S] bool, rows [B, S, H]): the positions whose
+        input is an image embedding rather than the token's (`merge_embeddings`); None: tokens only.
+        `rope_positions`: [3, B, S] M-RoPE positions (cfg.mrope_section; `mrope_rows`); None: `positions` on every
+        axis."""
         x, sp = self.hidden_states(input_ids, positions, slot_mapping, block_tables, k_caches, v_caches, kv_len,
-                                   decode, last_index, lora, window_kv)
+                                   decode, last_index, lora, window_kv, mm_embeds=mm_embeds,
+                                   rope_positions=rope_positions)
         x = self._last_rows(x, last_index, sp)  # [B, H] or [B, T, H]
         return self.finish_logits(self.lm_head(self.model.norm(x)).float())  # [B, V/tp] or [B, T, V/tp]
 
@@ -674,7 +700,9 @@ class LlamaForCausalLM(nn.Module):
                          block_tables: torch.Tensor, last_index: torch.Tensor, k_caches: list[torch.Tensor],
                          v_caches: list[torch.Tensor], kv_len: int, aux_layers: tuple[int, ...], decode: bool = False,
                          lora: LoraInputs | None = None,
-                         window_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+                         window_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         rope_positions: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward`'s logits and the residual stream entering each layer of `aux_layers` at every position,
         concatenated: [B, S, len(aux_layers) * H] (id num_hidden_layers: the last layer's output, before the final
@@ -683,7 +711,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError("auxiliary hidden states: a sequence-parallel step holds a chunk of each row")
         aux: list[torch.Tensor] = []
         x, sp = self.hidden_states(input_ids, positions, slot_mapping, block_tables, k_caches, v_caches, kv_len,
-                                   decode, last_index, lora, window_kv, aux_layers, aux)
+                                   decode, last_index, lora, window_kv, aux_layers, aux, mm_embeds, rope_positions)
         logits = self.finish_logits(self.lm_head(self.model.norm(self._last_rows(x, last_index, sp))).float())
         return logits, torch.cat(aux, dim=-1)
 
@@ -692,22 +720,30 @@ class LlamaForCausalLM(nn.Module):
                       kv_len: int, decode: bool = False, last_index: torch.Tensor | None = None,
                       lora: LoraInputs | None = None,
                       window_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      aux_layers: tuple[int, ...] = (), aux_out: list[torch.Tensor] | None = None
+                      aux_layers: tuple[int, ...] = (), aux_out: list[torch.Tensor] | None = None,
+                      mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      rope_positions: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, bool]:
         """The decoder's output before the final norm, [B, S, H] (sequence-parallel: this rank's [B, S_pad/tp, H]
         chunk), and whether it is sequence-parallel; the LM head (`forward`) or a pooling step
         (models.pooling) takes it from there. `last_index`: the step's last real positions, which pick longrope's
         factors per row (layer_rope_inputs). `aux_out` receives the stream entering each layer of `aux_layers`, in
-        that order (`forward_with_aux`)."""
+        that order (`forward_with_aux`). `mm_embeds`: image embeddings merged at their positions (`forward`)."""
         B, S = input_ids.shape
         sp = self.pctx.seq_sharded(S)  # static per bucket: a prefill graph is sequence-parallel or not
         x = self.scale_embeddings(self.model.embed_tokens(input_ids, scatter_seq=sp))  # [B, S, H] ([B, S_pad/tp, H])
+        if mm_embeds is not None:
+            if sp:
+                raise ValueError("image embeddings: a sequence-parallel step holds a chunk of each row")
+            x = merge_embeddings(x, *mm_embeds)
         tables = {"global": (self.rope_cos, self.rope_sin)}
         if self.cfg.rope_local_parameters:
             tables["local"] = (self.rope_cos_local, self.rope_sin_local)
         if hasattr(self, "rope_cos_long"):
             tables["long"] = (self.rope_cos_long, self.rope_sin_long)
         ropes = layer_rope_inputs(self.cfg, tables, positions, x.dtype, last_index)  # each [B, S, 1, R]
+        if self.cfg.mrope_section and rope_positions is not None:
+            ropes = [mrope_rows(self.cfg.mrope_section, tables["global"], rope_positions, x.dtype)] * len(ropes)
         seen: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             if i in aux_layers:

@@ -35,8 +35,9 @@ from neuron_opt.executors import build_model as build_model  # re-exported: eage
 from neuron_opt.hub import resolve_eagle3_head
 from neuron_opt.lora.config import LoraConfig
 from neuron_opt.lora.registry import LoraManager, LoRARequest
+from neuron_opt.multimodal.inputs import MultimodalPrompt
 from neuron_opt.object_store import is_remote, resolve
-from neuron_opt.runtime.engine import Engine, encode_chat
+from neuron_opt.runtime.engine import Engine, encode_chat, encode_multimodal_chat
 from neuron_opt.runtime.output import GenerationOutput, RequestOutput, collect, model_eos_token_ids
 from neuron_opt.runtime.sampling import SamplingParams
 from neuron_opt.runtime.speculative import SpecStats, SpeculativeConfig, check_draft_tokenizer
@@ -173,7 +174,14 @@ class LLM:
         templates that render them; `template_kwargs`: more variables for the template, e.g. enable_thinking)."""
         return encode_chat(self.tokenizer, messages, tools, template_kwargs)
 
-    def _run(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
+    def encode_multimodal_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                               template_kwargs: dict[str, Any] | None = None) -> MultimodalPrompt:
+        """A conversation's prompt and images (content parts {"type": "image", "image": PIL.Image}) through the
+        model's processor (a vision-language model) or chat template (runtime.engine.encode_multimodal_chat); a
+        prompt `generate_batch` takes."""
+        return encode_multimodal_chat(self.tokenizer, self.runner.vision, messages, tools, template_kwargs)
+
+    def _run(self, prompts: Sequence[Sequence[int] | MultimodalPrompt], params: Sequence[SamplingParams],
              speculative: SpeculativeConfig | None,
              loras: Sequence[LoRARequest | None] | None = None) -> tuple[list[GenerationOutput], SpecStats]:
         """Every prompt through one engine, stepped here until all have finished; their outputs in prompt order and
@@ -199,8 +207,11 @@ class LLM:
                         max_waiting=len(prompts), enable_prefix_caching=False, enable_chunked_prefill=False,
                         speculative=speculative, draft=draft, grammars=self.grammars, loras=self.loras)
         outs: list[list[RequestOutput]] = [[] for _ in prompts]
-        for i, (ids, p, lr) in enumerate(zip(prompts, params, loras, strict=True)):
-            engine.add_request(str(i), list(ids), p, outs[i].append, lora=lr.lora_name if lr is not None else None)
+        mm = [p if isinstance(p, MultimodalPrompt) else MultimodalPrompt(list(p)) for p in prompts]
+        prompts = [m.token_ids for m in mm]
+        for i, (m, p, lr) in enumerate(zip(mm, params, loras, strict=True)):
+            engine.add_request(str(i), m.token_ids, p, outs[i].append, lora=lr.lora_name if lr is not None else None,
+                               images=m.images, rope_positions=m.rope_positions)
         while engine.num_unfinished:
             engine.step()
         for o in outs:
@@ -215,15 +226,16 @@ class LLM:
                      lora_request: LoRARequest | None = None) -> GenerationOutput:
         return self._run([prompt_ids], [params or SamplingParams()], None, [lora_request])[0][0]
 
-    def generate_batch(self, prompts: Sequence[Sequence[int]],
+    def generate_batch(self, prompts: Sequence[Sequence[int] | MultimodalPrompt],
                        params: SamplingParams | Sequence[SamplingParams] | None = None,
                        speculative: SpeculativeConfig | None = None,
                        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                        ) -> list[GenerationOutput]:
-        """Many prompts (token ids) batched through the engine (continuous batching: up to the runner's largest
-        decode batch at once); `params`: one for all, or one per prompt; `speculative`: speculative decoding for
-        all of them. Each output is what `generate_ids` gives its prompt alone (greedy: the same tokens up to the
-        rounding differences between batch sizes of the graphs; seeded: the same samples)."""
+        """Many prompts (token ids, or `encode_multimodal_chat`'s prompts with images) batched through the engine
+        (continuous batching: up to the runner's largest decode batch at once); `params`: one for all, or one per
+        prompt; `speculative`: speculative decoding for all of them. Each output is what `generate_ids` gives its
+        prompt alone (greedy: the same tokens up to the rounding differences between batch sizes of the graphs;
+        seeded: the same samples)."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if lora_request is None or isinstance(lora_request, LoRARequest):
@@ -293,8 +305,9 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
              lora_request: LoRARequest | None = None) -> GenerationOutput:
-        """One reply to `messages` (OpenAI's or HF's shape). Image parts (`{"type": "image", "image": PIL.Image}`,
-        vLLM's `image_pil`, or OpenAI's `image_url`) are a ConfigError naming the part for a model that takes no
-        images (`self.loaded.modalities`)."""
+        """One conversation's reply (OpenAI's or HF's shape). Content may hold images as HF-format parts {"type":
+        "image", "image": PIL.Image} (or vLLM's `image_pil`) for a vision-language model (`encode_multimodal_chat`);
+        for a model that takes no images they are a ConfigError naming the part (`self.loaded.modalities`)."""
         refuse_images(messages, self.loaded.modalities, self.config.architecture)
-        return self.generate_ids(self.encode_chat(messages), params, lora_request)
+        return self._run([self.encode_multimodal_chat(messages)], [params or SamplingParams()], None,
+                         [lora_request])[0][0]

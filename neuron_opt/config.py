@@ -155,6 +155,9 @@ class ModelConfig:
     # "structured", one user message through the chat template with embedding_template_kwargs (a JSON object)
     embedding_messages: str | None = None
     embedding_template_kwargs: str = ""
+    # M-RoPE (Qwen2.5-VL, docs/multimodal.md): the rotary pairs of the temporal, height and width position axes, in
+    # that order (sum: rotary_dim / 2); () = one position axis
+    mrope_section: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -175,6 +178,10 @@ class ModelConfig:
         _check(rope_type != "dynamic" or not self.rope_local_parameters, "rope_parameters.rope_type",
                "'dynamic' with a rotary embedding of its own on sliding layers is not supported")
         self._check_rope()
+        _check(not self.mrope_section or (len(self.mrope_section) == 3
+                                          and sum(self.mrope_section) * 2 == self.rotary_dim),
+               "rope_parameters.mrope_section", f"3 sections summing to rotary_dim / 2 = {self.rotary_dim // 2}, "
+               f"got {self.mrope_section}")
         self._check_family_options()
         self._check_embedding()
         if self.num_experts:
@@ -393,6 +400,7 @@ class ModelConfig:
         if "full_attention" in rope or "sliding_attention" in rope:  # per layer type (Gemma 3)
             local = dict(rope.get("sliding_attention") or {})
             rope = dict(rope.get("full_attention") or {})
+        mrope = tuple(int(x) for x in rope.pop("mrope_section", None) or ())
         rope.setdefault("rope_theta", float(getattr(hf, "rope_theta", 10000.0)))
         rope.setdefault("rope_type", "default")
         if rope["rope_type"] == "su":  # longrope's earlier name (Phi-3 configs)
@@ -446,6 +454,7 @@ class ModelConfig:
             qk_norm=mt in ("qwen3_moe", "qwen3", "gemma3_text", "olmo2"),
             layer_types=layer_types,
             rope_local_parameters=tuple(sorted((k, _freeze(v)) for k, v in local.items())),
+            mrope_section=mrope,
             **moe,
             **fam,
         )
@@ -458,6 +467,10 @@ class ModelConfig:
         d["layer_types"] = list(self.layer_types)
         d["nope_layers"] = list(self.nope_layers)
         d["matryoshka_dims"] = list(self.matryoshka_dims)
+        if self.mrope_section:
+            d["mrope_section"] = list(self.mrope_section)
+        else:  # absent unless set: manifests and compile-cache keys of every other model stay as they were
+            del d["mrope_section"]
         return d
 
     @classmethod
@@ -466,7 +479,7 @@ class ModelConfig:
         for key in ("rope_parameters", "rope_local_parameters"):
             if key in d:
                 d[key] = tuple(sorted((k, _freeze(v)) for k, v in d[key].items()))
-        for key in ("eos_token_ids", "layer_types", "nope_layers", "matryoshka_dims"):
+        for key in ("eos_token_ids", "layer_types", "nope_layers", "matryoshka_dims", "mrope_section"):
             if key in d:
                 d[key] = tuple(d[key])
         return cls(**d)

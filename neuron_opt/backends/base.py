@@ -36,6 +36,18 @@ class StepInputs:
     # in their own pool (runtime/runner.py); None otherwise. Not among `arrays()` either: `window_kv()`
     window_slot_mapping: torch.Tensor | None = None
     window_block_tables: torch.Tensor | None = None
+    # image embeddings merged at their placeholder positions (neuron_opt.multimodal): mask [B, S] bool and rows
+    # [B, S, H] (read where the mask is set), for executors that say `takes_embeddings`; None: tokens only
+    mm_mask: torch.Tensor | None = None
+    mm_embeds: torch.Tensor | None = None
+    # [3, B, S] M-RoPE positions (ModelConfig.mrope_section), for the same executors; None: `positions`
+    rope_positions: torch.Tensor | None = None
+
+    def multimodal(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(mask, rows) of the step's image embeddings, None without any."""
+        if self.mm_mask is None or self.mm_embeds is None:
+            return None
+        return self.mm_mask, self.mm_embeds
 
     def window_kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The sliding layers' (slot mapping, block tables), None without window-sized KV."""
@@ -55,7 +67,8 @@ class Executor(Protocol):
     `run` then also takes `candidates=K` (the runner passes it only then: neuron_opt.parallel.vocab). An executor
     whose prefill graphs take any token count says so with `prefill_granularity = g` (g > 0): the runner then pads a
     prefill to a multiple of g rather than to a compiled prefill length (buckets.pick_prefill), and `run` gets
-    prefill buckets of those lengths."""
+    prefill buckets of those lengths. An executor whose graphs merge image embeddings at their placeholder
+    positions (StepInputs.multimodal) says so with `takes_embeddings = True`."""
 
     k_caches: list[torch.Tensor]
     v_caches: list[torch.Tensor]

@@ -19,6 +19,7 @@ class EagerExecutor:
     """The model run eagerly; with a LoRA capacity (`model.lora_config`) it holds the adapter stacks too."""
 
     gathers_candidates = False
+    takes_embeddings = True  # image embeddings merged at their positions (StepInputs.multimodal)
 
     def __init__(self, model: torch.nn.Module, cache: CacheConfig) -> None:
         self.model = model.eval()
@@ -34,6 +35,10 @@ class EagerExecutor:
         kw: dict = {"window_kv": inputs.window_kv()} if inputs.window_kv() is not None else {}
         if self.lora_stacks is not None and inputs.lora_slots is not None:
             kw["lora"] = LoraInputs(self.lora_stacks, inputs.lora_slots)
+        if inputs.multimodal() is not None:
+            kw["mm_embeds"] = inputs.multimodal()
+        if inputs.rope_positions is not None:
+            kw["rope_positions"] = inputs.rope_positions
         if self.aux_layers:
             logits, self.aux_hidden = self.model.forward_with_aux(
                 *inputs.arrays(), self.k_caches, self.v_caches, bucket.kv_len, self.aux_layers, bucket.generates,

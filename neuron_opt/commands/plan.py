@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from neuron_opt.commands.hub_flags import add_hub_flags
@@ -23,7 +24,7 @@ from neuron_opt.lora.config import TARGET_MODULES, LoraConfig
 from neuron_opt.planner.hardware import get_instance, known_instances
 from neuron_opt.planner.memory import KV_DTYPES, WEIGHT_DTYPES
 from neuron_opt.planner.queueing import ARRIVALS, POISSON_REQUESTS, Arrival
-from neuron_opt.planner.recommend import Traffic, candidates, context_fits, rank, with_queue
+from neuron_opt.planner.recommend import Plan, Traffic, candidates, context_fits, rank, with_queue
 from neuron_opt.planner.report import (
     alternatives_table,
     context_lines,
@@ -44,6 +45,7 @@ from neuron_opt.planner.speculative import (
     eagle3_like,
     predict,
 )
+from neuron_opt.planner.vision import VisionPlan, vision_lines, vision_plan
 
 # every backend holds window-sized KV for sliding-window layers (Backend.window_kv: eager, cpu, neuron), so the plan
 # sizes their pools as compile allocates them
@@ -146,12 +148,14 @@ def lora_from_args(args: argparse.Namespace) -> LoraConfig | None:
 
 def load_model_config(model: str) -> ModelConfig:
     """config.json, or a directory with one, needs no weights; 'default' and .gguf go through the
-    checkpoint."""
+    checkpoint. A vision-language config plans its text decoder (and `vision_memory` its image side)."""
+    from neuron_opt.multimodal.vision import decoder_config, is_multimodal  # here: transformers for a VLM only
+
     path = Path(model)
     if model != "default" and (
         path.suffix == ".json" or (path.is_dir() and (path / "config.json").is_file())
     ):
-        return ModelConfig.from_hf(path)
+        return decoder_config(path) if is_multimodal(path) else ModelConfig.from_hf(path)
     from neuron_opt.checkpoint import open_checkpoint  # here: the CLI parses without the checkpoint readers
 
     return open_checkpoint(model).config
@@ -198,11 +202,28 @@ def proposer_from_args(args: argparse.Namespace, cfg: ModelConfig) -> tuple[Prop
     for _, tau in lengths:
         check_acceptance(tau, k)
     return proposer, lengths
+def vision_memory(model: str, plans: list[Plan]) -> tuple[list[Plan], VisionPlan | None]:
+    """The plans with a vision-language model's encoder counted on every rank (planner.vision), and its plan in the
+    best plan's dtype; the plans unchanged for a text model."""
+    from neuron_opt.multimodal.vision import is_multimodal
+
+    path = Path(model)
+    if model == "default" or not is_multimodal(path):
+        return plans, None
+    root = path if path.is_dir() else path.parent
+    pre = root / "preprocessor_config.json"
+    pre_cfg = read_json_capped(pre, ConfigError, "preprocessor_config") if pre.is_file() else None
+    config = read_json_capped(root / "config.json" if path.is_dir() else path, ConfigError, "config")
+    out = []
+    for p in plans:
+        vp = vision_plan(config, pre_cfg, p.deployment.dtype)
+        out.append(replace(p, memory=replace(p.memory, vision=vp.weight_bytes + vp.activation_bytes)))
+    return out, vision_plan(config, pre_cfg, plans[0].deployment.dtype)
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = load_model_config(resolve_model(args.model, revision=args.revision, gguf_file=args.gguf_file,
-                                          config_only=True))
+    model_path = str(resolve_model(args.model, revision=args.revision, gguf_file=args.gguf_file, config_only=True))
+    cfg = load_model_config(model_path)
     inst = get_instance(args.instance)
     spec = proposer_from_args(args, cfg)
     if spec is not None and inst.family == "cpu":
@@ -236,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
         traffic,
     )
     plans = [with_queue(cfg, p, traffic, arrival, args.max_num_batched_tokens) for p in plans]
+    plans, vision = vision_memory(model_path, plans)
     best = plans[0]
     scale = None
     if inst.family != "cpu":
@@ -255,6 +277,8 @@ def run(args: argparse.Namespace) -> int:
         out["context_fits"] = {inst.name: tp for inst, tp in fits}
         if preds:
             out["speculative"] = speculative_json(best, preds)
+        if vision is not None:
+            out["vision"] = asdict(vision)
         if scale:
             pick = recommend_split(scale, traffic.output_len, args.target)
             out["data_parallel"] = {
@@ -265,6 +289,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         print("\n".join(plan_lines(cfg, best)))
+        if vision is not None:
+            print("\n".join(vision_lines(vision)))
         if len(plans) > 1:
             print(
                 f"\nalternatives ({traffic.input_len} in / {traffic.output_len} out, "

@@ -16,12 +16,13 @@ from typing import Any
 from neuron_opt.artifact import Manifest, VerifiedManifest, read_verified
 from neuron_opt.buckets import BucketConfig
 from neuron_opt.checkpoint import open_checkpoint
-from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
+from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, torch_dtype
 from neuron_opt.embeddings import resolve_task
 from neuron_opt.errors import ConfigError
 from neuron_opt.executors.factory import ArtifactSpec, CheckpointSpec, create_executor, prepare
 from neuron_opt.hub import resolve_model
 from neuron_opt.lora.config import LoraConfig
+from neuron_opt.multimodal.vision import is_multimodal, open_multimodal
 from neuron_opt.planner.memory import kv_window, window_prompt_len
 from neuron_opt.runtime.runner import ModelRunner
 
@@ -100,10 +101,18 @@ def _load_artifact(root: Path, verified: VerifiedManifest | None, trusted_keys: 
 def _load_checkpoint(model: str | Path, *, dtype: str | None, max_model_len: int | None, batch_size: int | None,
                      parallel: ParallelConfig | None, num_speculative_tokens: int | None,
                      lora: LoraConfig | None = None) -> LoadedModel:
-    ckpt = open_checkpoint(model)
     dtype, batch_size = dtype or "float32", batch_size or 1
-    cfg = resolve_task(ckpt.config)  # a sentence-transformers checkpoint is an embedding model (prefill only)
-    tokenizer = ckpt.tokenizer()
+    vision = None
+    if is_multimodal(model):  # a vision-language model: its text decoder here, its image side (`vision`) beside it
+        if parallel is not None and parallel.tp > 1:
+            raise ConfigError("parallel: vision-language models run at tp 1", param="parallel")
+        mm = open_multimodal(Path(model), torch_dtype(dtype))
+        cfg, tokenizer, state_dict, vision = mm.config, mm.tokenizer, mm.state_dict, mm.vision
+    else:
+        ckpt = open_checkpoint(model)
+        cfg = resolve_task(ckpt.config)  # a sentence-transformers checkpoint is an embedding model (prefill only)
+        tokenizer = ckpt.tokenizer()
+        state_dict = ckpt.state_dict()
     max_model_len = max_model_len or min(cfg.max_position_embeddings, 2048)
     k = num_speculative_tokens or 0
     block_size = CacheConfig.block_size
@@ -116,6 +125,6 @@ def _load_checkpoint(model: str | Path, *, dtype: str | None, max_model_len: int
     window, per_seq = kv_window(cfg, buckets, block_size, max_model_len)
     cache = CacheConfig(max_batch=batch_size, max_model_len=max_model_len, dtype=dtype, block_size=block_size,
                         sliding_window=window, window_blocks_per_sequence=per_seq)
-    spec = CheckpointSpec(cfg, ckpt.state_dict(), parallel or ParallelConfig(), cache, dtype, lora)
-    runner = ModelRunner(create_executor(spec), buckets, cache, cfg.vocab_size, cfg)
-    return LoadedModel(None, cfg, tokenizer, runner, dtype)
+    spec = CheckpointSpec(cfg, state_dict, parallel or ParallelConfig(), cache, dtype, lora)
+    runner = ModelRunner(create_executor(spec), buckets, cache, cfg.vocab_size, cfg, vision)
+    return LoadedModel(None, cfg, tokenizer, runner, dtype, ("text", "image") if vision is not None else ("text",))

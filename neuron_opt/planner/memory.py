@@ -291,10 +291,11 @@ class MemoryPlan:
     # KV under window-sized KV (window_kv_bytes; = kv_cache where it does not apply, or where it is planned on)
     kv_cache_window: int = 0
     lora: int = 0  # LoRA adapter stacks (compile --enable-lora)
+    vision: int = 0  # a vision-language model's encoder: its weights and largest activations (planner.vision)
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.scratch + self.reserve + self.lora
+        return self.weights + self.kv_cache + self.scratch + self.reserve + self.lora + self.vision
 
     @property
     def fits(self) -> bool:

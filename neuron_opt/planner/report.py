@@ -55,6 +55,7 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
         f"    {'scratch (largest graph)':<38}{_gib(m.scratch)}",
         *([f"    {f'LoRA stacks ({d.lora.max_loras} x rank {d.lora.max_lora_rank})':<38}{_gib(m.lora)}"]
           if d.lora is not None else []),
+        *([f"    {'vision encoder (weights, activations)':<38}{_gib(m.vision)}"] if m.vision else []),
         f"    {'runtime reserve':<38}{_gib(m.reserve)}",
         f"    {'total / capacity':<38}{_gib(m.total)} / {m.capacity / GiB:.2f}  -> "
         + ("fits" if m.fits else "DOES NOT FIT"),
@@ -346,6 +347,7 @@ def plan_json(cfg: ModelConfig, plan: Plan, alternatives: list[Plan] | None = No
             "kv_cache_window": m.kv_cache_window,
             "scratch": m.scratch,
             "lora": m.lora,
+            "vision": m.vision,
             "reserve": m.reserve,
             "total": m.total,
             "capacity": m.capacity,

@@ -50,6 +50,15 @@ import torch
 from neuron_opt.buckets import pick_decode
 from neuron_opt.errors import ConfigError, NeuronOptError, QueueFullError
 from neuron_opt.lora.registry import LoraManager
+from neuron_opt.multimodal.encoder_cache import EncoderCache
+from neuron_opt.multimodal.inputs import (
+    ImageItem,
+    MultimodalPrompt,
+    cache_token_ids,
+    check_images,
+    image_parts,
+    processor_chat,
+)
 from neuron_opt.runtime.kv_tier import KVTier
 from neuron_opt.runtime.output import OutputProcessor, RequestOutput, TokenLogprob, send, token_logprobs
 from neuron_opt.runtime.request import Request
@@ -81,12 +90,28 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict
     return list(ids)
 
 
+def encode_multimodal_chat(tokenizer: Any, vision: Any, messages: list[dict[str, Any]],
+                           tools: list[dict[str, Any]] | None = None,
+                           template_kwargs: dict[str, Any] | None = None) -> MultimodalPrompt:
+    """A conversation's prompt and images: through the processor of a vision-language model (`vision`:
+    `ModelRunner.vision`; content parts {"type": "image", "image": PIL.Image}, neuron_opt.multimodal.inputs), or
+    the tokenizer's chat template for a text model (`vision` None), where an image part is a ConfigError naming
+    its field."""
+    if vision is not None:
+        return processor_chat(vision, messages, tools, template_kwargs)
+    if parts := image_parts(messages):
+        raise ConfigError(f"{parts[0][0]}: this model takes text only, not images", param=parts[0][0])
+    return MultimodalPrompt(encode_chat(tokenizer, messages, tools, template_kwargs))
+
+
 @dataclass
 class _Sequence:
     """A request's state on the engine thread besides its output stream (runtime/output.py)."""
 
     request: Request
     state: SamplerState
+    images: tuple[ImageItem, ...] = ()  # its prompt's images (neuron_opt.multimodal)
+    rope: tuple[torch.Tensor, int] | None = None  # M-RoPE: the prompt's [3, n] positions and the decode delta
 
 
 @dataclass
@@ -194,6 +219,8 @@ class Engine:
         # step (vLLM's scheduler stats behind vllm:lora_requests_info); replaced whole, so any thread may read it
         self.lora_adapters: tuple[dict[str, int], dict[str, int]] = ({}, {})
         self.max_waiting = max_waiting
+        # image embeddings of the requests in flight (a vision-language model's runner only)
+        self.encoder_cache = EncoderCache(runner.encode_image) if runner.vision is not None else None
         self.stats = EngineStats()
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids)  # engine thread only
         self._inbox: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
@@ -260,6 +287,12 @@ class Engine:
         """A conversation's prompt ids through the model's chat template (`encode_chat`)."""
         return encode_chat(self.tokenizer, messages, tools, template_kwargs)
 
+    def encode_multimodal_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                               template_kwargs: dict[str, Any] | None = None) -> MultimodalPrompt:
+        """A conversation's prompt ids and images (`encode_multimodal_chat`): pass `.token_ids` and `.images` to
+        `add_request`. Thread-safe (preprocessing runs in the caller's thread)."""
+        return encode_multimodal_chat(self.tokenizer, self.runner.vision, messages, tools, template_kwargs)
+
     def compile_grammar(self, params: SamplingParams) -> Any:
         """The compiled grammar of `params.structured` (None without one); ConfigError if it does not compile.
         Thread-safe and cached: the server calls it in a worker thread before `add_request`, so the event loop and
@@ -289,6 +322,8 @@ class Engine:
         grammar: Any = None,
         share_prefix_with: str | None = None,
         lora: str | None = None,
+        images: tuple[ImageItem, ...] = (),
+        rope_positions: tuple[torch.Tensor, int] | None = None,
     ) -> None:
         """Queue a request. Raises ContextLengthError / ConfigError / QueueFullError synchronously.
 
@@ -297,11 +332,22 @@ class Engine:
             share_prefix_with: a request queued before this one with the same prompt (a sibling sample of `n`):
                 this one is admitted after that one's prompt has K/V, so it takes its blocks from the prefix cache.
             lora: the name of a registered LoRA adapter to run under (`loras`); None: the base model.
+            images: the prompt's images (`encode_multimodal_chat`'s), for a vision-language model.
+            rope_positions: an M-RoPE model's prompt positions [3, len(prompt)] and decode delta
+                (`encode_multimodal_chat`'s `rope_positions`); None: 1-D positions.
         """
+        if images:
+            if self.encoder_cache is None:
+                raise ConfigError("messages: this model takes text only, not images", param="messages")
+            check_images(images, len(prompt_token_ids))
+        if rope_positions is not None and tuple(rope_positions[0].shape) != (3, len(prompt_token_ids)):
+            raise ConfigError(f"rope_positions: [3, {len(prompt_token_ids)}] positions for the prompt, got "
+                              f"{list(rope_positions[0].shape)}", param="messages")
         if self.embeds:
             raise ConfigError("this model is an embedding model (compiled with --task embed): it computes embeddings "
                               "(/v1/embeddings, LLM.embed), not text", param="model")
-        self._submit(request_id, prompt_token_ids, params, on_output, arrival_time, grammar, share_prefix_with, lora)
+        self._submit(request_id, prompt_token_ids, params, on_output, arrival_time, grammar, share_prefix_with, lora,
+                     tuple(images), rope_positions)
 
     def add_embedding_request(self, request_id: str, prompt_token_ids: list[int],
                               on_output: Callable[[RequestOutput], object], arrival_time: float | None = None) -> None:
@@ -314,7 +360,8 @@ class Engine:
 
     def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 on_output: Callable[[RequestOutput], object], arrival_time: float | None = None, grammar: Any = None,
-                share_prefix_with: str | None = None, lora: str | None = None) -> None:
+                share_prefix_with: str | None = None, lora: str | None = None,
+                images: tuple[ImageItem, ...] = (), rope: tuple[torch.Tensor, int] | None = None) -> None:
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped after an internal error: {self.error!r}")
         self.scheduler.validate(len(prompt_token_ids), params.max_tokens)
@@ -346,8 +393,9 @@ class Engine:
             lora_name=lora,
             cache_salt=salt,
             scores_prompt=params.prompt_logprobs is not None,
+            cache_token_ids=cache_token_ids(prompt_token_ids, images) if images else None,
         )
-        seq = _Sequence(req, SamplerState.create(params, state))
+        seq = _Sequence(req, SamplerState.create(params, state), images, rope)
         self._inbox.put(_Command("add", request_id, seq, params, on_output))
 
     def abort(self, request_id: str) -> None:
@@ -460,11 +508,12 @@ class Engine:
         if self.embeds:
             self._embed(group)
             return
-        rows = [PrefillRow(p.blocks, p.token_ids, p.start, p.lora_slot, p.window_blocks) for p in group]
         sampled = [p.request_id for p in group if p.last]
         scoring = [i for i, p in enumerate(group) if self._seqs[p.request_id].request.scores_prompt]
         t0 = time.perf_counter()
         try:
+            rows = [PrefillRow(p.blocks, p.token_ids, p.start, p.lora_slot, p.window_blocks, self._chunk_embeds(p),
+                               self._chunk_rope(p)) for p in group]
             if scoring:  # every position's logits: the scoring rows' prompt logprobs, everyone's last row
                 every = self.runner.prefill_rows(rows, all_positions=True)  # [len(group), S, V]
                 self._score_prompts(group, scoring, every)
@@ -488,6 +537,31 @@ class Engine:
                 self.scheduler.update_prefill(p.request_id, len(p.token_ids))
         if sampled:
             self._update(sampled, logits[[i for i, p in enumerate(group) if p.last]])
+
+    def _chunk_embeds(self, p: PrefillWork) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The image embeddings of a prefill chunk's placeholder positions (the encoder cache encodes each image
+        once per request, when a chunk first holds its tokens); None for a chunk without any."""
+        images = self._seqs[p.request_id].images
+        if not images or self.encoder_cache is None:
+            return None
+        return self.encoder_cache.chunk_embeds(p.request_id, images, p.start, len(p.token_ids))
+
+    def _chunk_rope(self, p: PrefillWork) -> torch.Tensor | None:
+        """An M-RoPE request's [3, n] rotary positions of a prefill chunk: the prompt's table, then (generated tokens
+        prefilled again after a preemption) position + delta; None for a request without a table."""
+        rope = self._seqs[p.request_id].rope
+        if rope is None:
+            return None
+        table, delta = rope
+        pos = torch.arange(p.start, p.start + len(p.token_ids))
+        out = (pos + delta).expand(3, -1).clone()
+        inside = pos < table.shape[1]
+        out[:, inside] = table[:, pos[inside]]
+        return out
+
+    def _rope_delta(self, request_id: str) -> int:
+        rope = self._seqs[request_id].rope
+        return 0 if rope is None else rope[1]
 
     def _score_prompts(self, group: tuple[PrefillWork, ...], scoring: list[int], every: torch.Tensor) -> None:
         """Prompt logprobs from a prefill's logits at every position [len(group), S, V]: position j's logits score
@@ -543,11 +617,12 @@ class Engine:
         try:
             if verify:
                 rows = [VerifyRow(d.blocks, (d.token, *step.proposals[d.request_id]), d.position, d.lora_slot,
-                                  d.window_blocks) for d in decodes]
+                                  d.window_blocks, self._rope_delta(d.request_id)) for d in decodes]
                 logits = self.runner.verify(rows, candidates=self._candidates(ids))
             else:
-                logits = self.runner.decode([DecodeRow(d.blocks, d.token, d.position, d.lora_slot, d.window_blocks)
-                                             for d in decodes], candidates=self._candidates(ids))
+                logits = self.runner.decode([DecodeRow(d.blocks, d.token, d.position, d.lora_slot, d.window_blocks,
+                                                       self._rope_delta(d.request_id)) for d in decodes],
+                                            candidates=self._candidates(ids))
             self.stats.graph_s += time.perf_counter() - t0
         except Exception as e:
             def alone(d: DecodeWork) -> None:  # the same plan, at batch 1
@@ -644,6 +719,8 @@ class Engine:
         seq = self._seqs.pop(request_id)
         self._prompt_lps.pop(request_id, None)
         self.scheduler.finish(request_id)
+        if self.encoder_cache is not None:
+            self.encoder_cache.release(request_id, seq.images)
         if seq.request.lora_name is not None and self.loras is not None:
             self.loras.end_request(seq.request.lora_name)
         if self.speculation is not None:

@@ -42,6 +42,9 @@ class Request:
     lora_name: str | None = None
     lora_slot: int = 0
     cache_salt: bytes | None = None
+    # a prompt with images: the prompt as prefix-cache keys see it, each image's placeholder tokens replaced by
+    # its content hash (neuron_opt.multimodal.inputs.cache_token_ids); None: the prompt's own ids
+    cache_token_ids: list[int] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -50,6 +53,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def cache_tokens(self) -> list[int]:
+        """Its tokens as the prefix cache keys them: the prompt (`cache_token_ids` where it has images), then the
+        generated tokens."""
+        prompt = self.prompt_token_ids if self.cache_token_ids is None else self.cache_token_ids
+        return prompt + self.output_token_ids
 
     @property
     def last_token(self) -> int:

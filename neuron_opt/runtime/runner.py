@@ -41,6 +41,7 @@ class DecodeRow:
     position: int
     lora_slot: int = 0
     window_blocks: Sequence[int] = ()  # the window layers' table (window-sized KV with a block table)
+    rope_delta: int = 0  # M-RoPE: the token rotates at position + rope_delta on every axis (ModelConfig.mrope_section)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,11 @@ class PrefillRow:
     start: int = 0
     lora_slot: int = 0
     window_blocks: Sequence[int] = ()  # the window layers' table (window-sized KV with a block table)
+    # image embeddings at some of the tokens: (indices into `tokens` [k], rows [k, H]) that replace those tokens'
+    # embeddings (neuron_opt.multimodal.encoder_cache.EncoderCache.chunk_embeds); None: tokens only
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    # M-RoPE (ModelConfig.mrope_section): the tokens' [3, len(tokens)] rotary positions; None: their positions
+    rope_positions: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -65,16 +71,20 @@ class VerifyRow:
     position: int
     lora_slot: int = 0
     window_blocks: Sequence[int] = ()  # the window layers' table (window-sized KV with a block table)
+    rope_delta: int = 0  # M-RoPE: as DecodeRow's
 
 
 class ModelRunner:
     """`model_config`: the model's ModelConfig where the caller has it (LoRA adapters are checked against it; an
-    embedding model's `matryoshka_dims`, the sizes its vectors may be truncated to, come from it)."""
+    embedding model's `matryoshka_dims`, the sizes its vectors may be truncated to, come from it). `vision`: a
+    vision-language model's image side (neuron_opt.multimodal.vision.VisionModel: processor and encoder), None
+    for a text model."""
 
     def __init__(self, executor: Executor, buckets: BucketConfig, cache: CacheConfig, vocab_size: int,
-                 model_config: Any = None) -> None:
+                 model_config: Any = None, vision: Any = None) -> None:
         self.executor, self.buckets, self.cache, self.vocab_size = executor, buckets, cache, vocab_size
         self.model_config = model_config
+        self.vision = vision
         self.matryoshka_dims = tuple(getattr(model_config, "matryoshka_dims", ()))
         self.last_bucket: Bucket | None = None
         # tokens a prefill is padded to a multiple of, on executors that run any prefill length (0: the compiled
@@ -223,6 +233,13 @@ class ModelRunner:
         slots[: len(rows)] = torch.tensor([r.lora_slot for r in rows], dtype=torch.long)
         return slots
 
+    def encode_image(self, item: Any) -> torch.Tensor:
+        """One image's embeddings [placeholder tokens, H] (neuron_opt.multimodal.inputs.ImageItem) by the model's
+        vision encoder; ConfigError for a text model."""
+        if self.vision is None:
+            raise ConfigError("messages: this model takes text only, not images", param="messages")
+        return self.vision.encode(item)
+
     def _run(self, bucket: Bucket, inputs: StepInputs, candidates: int | None) -> torch.Tensor:
         self.last_bucket = bucket
         if self.num_threads is not None and torch.get_num_threads() != self.num_threads:
@@ -288,8 +305,43 @@ class ModelRunner:
             tables.append(blocks)
         window = self._window_inputs(rows, [r.start for r in rows], [len(r.tokens) for r in rows], (B, S),
                                      bucket.kv_len)
-        return bucket, StepInputs(ids, pos, slots, self._tables(tables, B, bucket.kv_len), last,
-                                  self._lora_slots(rows, B), *window)
+        inputs = StepInputs(ids, pos, slots, self._tables(tables, B, bucket.kv_len), last, self._lora_slots(rows, B),
+                            *window)
+        return bucket, self._with_rope(self._with_embeds(inputs, rows), [r.rope_positions for r in rows])
+
+    def _with_rope(self, inputs: StepInputs, tables: Sequence[torch.Tensor | None]) -> StepInputs:
+        """`inputs` with M-RoPE's [3, B, S] positions for a model with mrope_section: each row's table over its
+        first tokens, `positions` on every axis elsewhere (text, padding); unchanged for other models."""
+        if not getattr(self.model_config, "mrope_section", ()):
+            if any(t is not None for t in tables):
+                raise ValueError("3-D rotary positions for a model without M-RoPE")
+            return inputs
+        B, S = inputs.positions.shape
+        rope = inputs.positions.expand(3, B, S).clone()
+        for i, t in enumerate(tables):
+            if t is not None:
+                rope[:, i, :t.shape[1]] = t
+        return replace(inputs, rope_positions=rope)
+
+    def _with_embeds(self, inputs: StepInputs, rows: Sequence[PrefillRow]) -> StepInputs:
+        """`inputs` with the rows' image embeddings as the step's (mask [B, S], rows [B, S, H]); unchanged when no
+        row has any."""
+        with_embeds = [(i, r.embeds) for i, r in enumerate(rows) if r.embeds is not None]
+        if not with_embeds:
+            return inputs
+        if not getattr(self.executor, "takes_embeddings", False):
+            raise ConfigError("images: this executor's graphs take token ids only (vision-language models run on the "
+                              "eager backend at tp 1)", param="messages")
+        B, S = inputs.input_ids.shape
+        H = with_embeds[0][1][1].shape[-1]
+        mask = torch.zeros(B, S, dtype=torch.bool)
+        embeds = torch.zeros(B, S, H, dtype=with_embeds[0][1][1].dtype)
+        for i, (idx, vals) in with_embeds:
+            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= len(rows[i].tokens)):
+                raise ValueError(f"a prefill row's image embeddings index past its {len(rows[i].tokens)} tokens")
+            mask[i, idx] = True
+            embeds[i, idx] = vals
+        return replace(inputs, mm_mask=mask, mm_embeds=embeds)
 
     def decode(self, rows: list[DecodeRow], candidates: int | None = None) -> torch.Tensor:
         """One token per row at its position; returns fp32 logits [len(rows), V]."""
@@ -306,6 +358,8 @@ class ModelRunner:
         window = self._window_inputs(rows, [r.position for r in rows], [1] * len(rows), (B, 1), bucket.kv_len)
         inputs = StepInputs(ids, pos, slots, self._tables(tables, B, bucket.kv_len), torch.zeros(B, dtype=torch.long),
                             self._lora_slots(rows, B), *window)
+        inputs = self._with_rope(inputs, [torch.full((3, 1), r.position + r.rope_delta) if r.rope_delta else None
+                                          for r in rows])
         return self._run(bucket, inputs, candidates)[: len(rows), : self.vocab_size]
 
     @property
@@ -337,4 +391,6 @@ class ModelRunner:
                                      bucket.kv_len)
         inputs = StepInputs(ids, pos, slots, self._tables(tables, B, bucket.kv_len),
                             torch.arange(q).expand(B, q).contiguous(), self._lora_slots(rows, B), *window)
+        inputs = self._with_rope(inputs, [(pos[i] + r.rope_delta).expand(3, q) if r.rope_delta else None
+                                          for i, r in enumerate(rows)])
         return self._run(bucket, inputs, candidates)[: len(rows), :, : self.vocab_size]

@@ -26,6 +26,10 @@ Design decisions (vLLM's policy, on our buckets)
   them again (prompt and generated tokens, in chunks) and continues where it stopped. No request is lost and
   its client sees nothing but a pause. Artifacts without offset prefill buckets cannot resume a sequence
   mid-way, so there a request reserves blocks for its prompt + max_tokens at admission and is never preempted.
+- Images (neuron_opt.multimodal): a prompt's image placeholder tokens are prompt tokens, so they count against
+  the token budget one each like any other, and a chunk may split an image's tokens (the engine's encoder cache
+  gives each chunk its rows). Prefix-cache keys see each image's content hash at its placeholders
+  (`Request.cache_tokens`), so the same text with another image never hits.
 - LoRA (`lora`, neuron_opt.lora.registry.LoraManager): a request under an adapter takes a slot when it is admitted
   (waiting, FCFS, while none is free) and gives it back when it finishes or is preempted; its prefix-cache
   blocks are salted with the adapter's identity.
@@ -237,7 +241,7 @@ class Scheduler:
                 if slot is None:
                     break  # every adapter slot is in use: wait, as for blocks
                 req.lora_slot = slot
-            tokens = req.prompt_token_ids + req.output_token_ids
+            tokens = req.cache_tokens()
             prefix = [] if req.scores_prompt and not req.output_token_ids else self.blocks.cached_prefix(
                 tokens, req.cache_salt)
             restore = self._tier_prefix(req, tokens, prefix)
@@ -359,8 +363,7 @@ class Scheduler:
         """A prefill chunk that did not reach the last token ran: its tokens now have K/V."""
         req = self.running[request_id]
         req.num_computed_tokens += num_tokens
-        self.blocks.commit(request_id, req.prompt_token_ids + req.output_token_ids, req.num_computed_tokens,
-                           req.cache_salt)
+        self.blocks.commit(request_id, req.cache_tokens(), req.num_computed_tokens, req.cache_salt)
         self._slide(req)
 
     def update(self, request_id: str, token: int) -> Request:
@@ -369,8 +372,7 @@ class Scheduler:
         req.num_computed_tokens = req.num_tokens
         req.output_token_ids.append(token)
         if self.blocks.has_new_full_block(request_id, req.num_computed_tokens):  # (skips the list copy otherwise)
-            self.blocks.commit(request_id, req.prompt_token_ids + req.output_token_ids, req.num_computed_tokens,
-                               req.cache_salt)
+            self.blocks.commit(request_id, req.cache_tokens(), req.num_computed_tokens, req.cache_salt)
         self._slide(req)
         return req
 

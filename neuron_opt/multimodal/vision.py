@@ -1,0 +1,175 @@
+"""Vision-language checkpoints: which architectures take images, and a checkpoint's image side (`VisionModel`:
+processor, vision encoder, how the processor's output splits per image) beside its text decoder, which is the
+decoder of its family (models/llama.py) loaded from the checkpoint's text tensors.
+
+Design decisions
+- Explicit registry (`FAMILIES`): HF `architectures[0]` -> the family's vision module and checkpoint layout; an
+  unknown architecture with a `vision_config` is refused listing the supported ones.
+- The decoder's config is `ModelConfig.from_hf(text_config)`: the text model is one of our dense families, so
+  every decoder option (norms, rope, ...) comes from the one place that reads them.
+- The processor is the checkpoint's own (AutoProcessor): resizing, tiling, normalisation and placeholder
+  expansion are transformers', never re-implemented.
+- Vision-language models run at tp 1 on the eager backend (the reference); an artifact compiled from one is not
+  built yet (docs/multimodal.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from models import idefics3, qwen2_5_vl
+from neuron_opt.checkpoint.hf import weight_files
+from neuron_opt.config import ModelConfig
+from neuron_opt.errors import CheckpointError, UnsupportedModelError
+from neuron_opt.headers import read_json_capped
+from neuron_opt.multimodal.inputs import ImageItem
+
+Split = Callable[[dict[str, torch.Tensor], list[int]], list[tuple[tuple[int, ...], dict[str, torch.Tensor]]]]
+# (prompt length, each image's ImageItem) -> the prompt's M-RoPE positions [3, n] and the decode delta
+Rope = Callable[[int, tuple[ImageItem, ...]], tuple[torch.Tensor, int]]
+
+
+@dataclass(frozen=True)
+class Family:
+    """How a vision-language architecture is built: its vision module from the HF config, the per-image split of
+    its processor's output, and the checkpoint prefixes of its vision and text tensors."""
+
+    build: Callable[[Any], torch.nn.Module]
+    split: Callable[[Any, Any], Split]  # (hf config, processor) -> split
+    vision_prefixes: tuple[str, ...]
+    text_prefix: str  # stored `text_prefix + X` is the decoder's canonical `model.X`
+    text_config: Callable[[Any], Any] = lambda hf: hf.text_config  # what ModelConfig.from_hf reads
+    rope: Callable[[Any], Rope] | None = None  # an M-RoPE decoder's prompt positions, from the hf config
+    vision_strip: str = "model."  # what the stored vision names have before the encoder module's own
+
+
+def _idefics3_split(hf: Any, processor: Any) -> Split:
+    global_id = processor.tokenizer.convert_tokens_to_ids(processor.global_image_tag)
+    return lambda out, ids: idefics3.image_items(out, ids, int(hf.image_token_id), int(global_id))
+
+
+_IDEFICS3 = Family(lambda hf: idefics3.Idefics3Vision(idefics3.VisionConfig.from_hf(hf)), _idefics3_split,
+                   idefics3.VISION_PREFIXES, idefics3.TEXT_PREFIX)
+
+def _qwen2_5_vl_split(hf: Any, processor: Any) -> Split:
+    merge = int(hf.vision_config.spatial_merge_size)
+    return lambda out, ids: qwen2_5_vl.image_items(out, ids, int(hf.image_token_id), merge)
+
+
+def _qwen2_5_vl_rope(hf: Any) -> Rope:
+    merge = int(hf.vision_config.spatial_merge_size)
+
+    def rope(n: int, images: tuple[ImageItem, ...]) -> tuple[torch.Tensor, int]:
+        grids = [tuple(int(v) for v in im.encoder_inputs["image_grid_thw"].reshape(-1).tolist()) for im in images]
+        return qwen2_5_vl.rope_positions(n, [(im.positions, g) for im, g in zip(images, grids, strict=True)],
+                                         merge)  # type: ignore[misc]
+
+    return rope
+
+
+def _qwen2_text(hf: Any) -> dict[str, Any]:
+    """The text decoder's config as a Qwen2 decoder's (q/k/v biases), its rope's mrope_section kept."""
+    return {**hf.text_config.to_dict(), "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}
+
+
+_QWEN2_5_VL = Family(lambda hf: qwen2_5_vl.Qwen25Vision(qwen2_5_vl.VisionConfig.from_hf(hf)), _qwen2_5_vl_split,
+                     qwen2_5_vl.VISION_PREFIXES, qwen2_5_vl.TEXT_PREFIX, _qwen2_text, _qwen2_5_vl_rope, "visual.")
+
+FAMILIES: dict[str, Family] = {
+    "Idefics3ForConditionalGeneration": _IDEFICS3,
+    "SmolVLMForConditionalGeneration": _IDEFICS3,
+    "Qwen2_5_VLForConditionalGeneration": _QWEN2_5_VL,
+}
+
+
+@dataclass
+class VisionModel:
+    """A loaded vision-language model's image side."""
+
+    architecture: str
+    processor: Any
+    encoder: torch.nn.Module
+    split: Split
+    rope: Rope | None = None
+
+    def encode(self, item: ImageItem) -> torch.Tensor:
+        """One image's embeddings [len(item.positions), H_text], in the encoder's dtype."""
+        with torch.inference_mode():
+            return self.encoder(**item.encoder_inputs)
+
+    def rope_positions(self, ids: list[int], images: tuple[ImageItem, ...]) -> tuple[torch.Tensor, int] | None:
+        """The prompt's M-RoPE positions [3, len(ids)] and decode delta for an M-RoPE decoder (a prompt without
+        images included); None for a decoder with 1-D positions."""
+        return None if self.rope is None else self.rope(len(ids), images)
+
+
+def hf_config(root: Path) -> Any:
+    """A vision-language config.json (or its directory) as transformers' config object."""
+    from transformers import AutoConfig
+
+    d = dict(read_json_capped(root / "config.json" if root.is_dir() else root, CheckpointError, "config"))
+    model_type = d.pop("model_type", None)
+    return AutoConfig.for_model(model_type, **d)
+
+
+def decoder_config(path: Path) -> ModelConfig:
+    """The text decoder's ModelConfig of a vision-language config.json (or its directory)."""
+    hf = hf_config(path)
+    return ModelConfig.from_hf(FAMILIES[hf.architectures[0]].text_config(hf))
+
+
+def is_multimodal(path: str | Path) -> bool:
+    """A HF checkpoint directory (or its config.json) whose config has a vision tower (`vision_config`); an
+    unsupported one raises."""
+    root = Path(path)
+    file = root / "config.json" if root.is_dir() else root
+    if file.suffix != ".json" or not file.is_file():
+        return False
+    d = read_json_capped(file, CheckpointError, "config")
+    if "vision_config" not in d:
+        return False
+    arch = (d.get("architectures") or [d.get("model_type")])[0]
+    if arch not in FAMILIES:
+        raise UnsupportedModelError(f"architecture {arch!r}: vision-language models supported: "
+                                    f"{', '.join(sorted(FAMILIES))}")
+    return True
+
+
+@dataclass
+class MultimodalCheckpoint:
+    config: ModelConfig  # the text decoder's
+    state_dict: dict[str, torch.Tensor]  # the decoder's canonical weights
+    tokenizer: Any
+    vision: VisionModel
+
+
+def open_multimodal(root: Path, dtype: torch.dtype) -> MultimodalCheckpoint:
+    """A vision-language checkpoint: the decoder's config and weights, the processor and the vision encoder (its
+    weights loaded, in `dtype`). CheckpointError naming the tensor for a missing or unexpected vision weight."""
+    from transformers import AutoProcessor
+
+    hf = hf_config(root)
+    arch = hf.architectures[0]
+    fam = FAMILIES[arch]
+    cfg = decoder_config(root)
+    stored: dict[str, torch.Tensor] = {}
+    for f in weight_files(root):
+        stored.update(load_file(str(f)))
+    text = {"model." + k[len(fam.text_prefix):] if k.startswith(fam.text_prefix) else k: v
+            for k, v in stored.items() if not k.startswith(fam.vision_prefixes)}
+    encoder = fam.build(hf)
+    vision_sd = {k[len(fam.vision_strip):]: v for k, v in stored.items() if k.startswith(fam.vision_prefixes)}
+    missing, unexpected = encoder.load_state_dict(vision_sd, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint {root}: vision tensors missing {sorted(missing)[:5]}, unexpected "
+                              f"{sorted(unexpected)[:5]}")
+    processor = AutoProcessor.from_pretrained(root)
+    vision = VisionModel(arch, processor, encoder.to(dtype).eval(), fam.split(hf, processor),
+                         fam.rope(hf) if fam.rope is not None else None)
+    return MultimodalCheckpoint(cfg, {k: v.to(dtype) for k, v in text.items()}, processor.tokenizer, vision)

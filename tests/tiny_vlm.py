@@ -1,0 +1,175 @@
+"""Tiny random vision-language checkpoints built with transformers (model, processor with its chat template, the
+default model's tokenizer with the family's image tokens added), and PIL-drawn test images."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from neuron_opt.runtime.engine import Engine
+from neuron_opt.runtime.sampling import SamplingParams
+
+N = 8  # tokens generated per request
+GREEDY = SamplingParams(max_tokens=N, min_tokens=N, temperature=0.0, ignore_eos=True)
+
+# SmolVLM's chat template, as its checkpoints ship it
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+
+
+def _randomize(model: torch.nn.Module) -> None:
+    """HF initialises norms to ones and biases to zeros: randomise them so the oracle sees them."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.normal_(1.0, 0.1)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.05)
+
+
+def make_idefics3(out: Path, seed: int = 0) -> Path:
+    """An Idefics3 checkpoint: a 2-layer SigLIP-style encoder over 32-pixel tiles of 8-pixel patches (16 patches,
+    4 tokens per tile after the pixel shuffle), a 2-layer Llama decoder; images resized to a longest edge of 64,
+    so larger ones are split into up to 2 x 2 tiles and a global one."""
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessorPil,
+        Idefics3Processor,
+    )
+
+    from neuron_opt.checkpoint import open_checkpoint
+
+    tok = open_checkpoint("default").tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>", "<global-img>",
+                                                          "<end_of_utterance>"]})
+    cfg = Idefics3Config(
+        text_config=dict(model_type="llama", vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=32, patch_size=8),
+        scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"))
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(cfg).eval()
+    _randomize(model)
+    with torch.no_grad():  # image rows as large as token rows' logits effect: the greedy text depends on the image
+        model.model.connector.modality_projection.proj.weight.normal_(0.0, 0.5)
+    model.save_pretrained(out)
+    ip = Idefics3ImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
+    Idefics3Processor(image_processor=ip, tokenizer=tok, image_seq_len=4,
+                      chat_template=SMOLVLM_TEMPLATE).save_pretrained(out)
+    return out
+
+
+def draw(w: int, h: int, seed: int) -> Any:
+    """An RGB image of w x h pixels with a few shapes, different per seed."""
+    from PIL import Image, ImageDraw
+
+    g = torch.Generator().manual_seed(seed)
+    colors = [tuple(int(c) for c in torch.randint(0, 256, (3,), generator=g)) for _ in range(4)]
+    img = Image.new("RGB", (w, h), colors[0])
+    d = ImageDraw.Draw(img)
+    d.ellipse((w // 8, h // 8, w // 2, h // 2), fill=colors[1])
+    d.rectangle((w // 2, h // 3, w - 2, h - 2), fill=colors[2])
+    d.line((0, h - 1, w - 1, 0), fill=colors[3], width=max(1, min(w, h) // 10))
+    return img
+
+
+def hf_generate(model: Any, processor: Any, messages: list[dict[str, Any]], n: int) -> list[int]:
+    """HF's greedy tokens for a conversation: exactly `n` (EOS not stopping)."""
+    inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                           return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+QWEN_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for c in message['content'] %}{% if c['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def make_qwen2_5_vl(out: Path, seed: int = 0) -> tuple[Path, Any]:
+    """A Qwen2.5-VL checkpoint: a 2-block ViT over 4-pixel patches (merged 2 x 2; windows of 16 pixels, the second
+    block full attention), a 2-layer Qwen2 decoder with M-RoPE sections (2, 3, 3); images resized to between 8 x 8
+    and 64 x 64 pixels in multiples of 8. Returns the directory and the processor: transformers builds Qwen2.5-VL's
+    processor only with its video processor, which needs torchvision; where that is missing it is built here
+    without one (images only), exactly as its constructor does otherwise."""
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessorPil,
+    )
+
+    from neuron_opt.checkpoint import open_checkpoint
+
+    tok = open_checkpoint("default").tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                                                          "<|video_pad|>"]})
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>")}
+    cfg = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=False),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1],
+                           out_hidden_size=64),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"])
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    _randomize(model)
+    with torch.no_grad():  # image rows large enough that the greedy text depends on the image
+        model.model.visual.merger.mlp[2].weight.normal_(0.0, 0.5)
+    model.save_pretrained(out)
+    ip = Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=8 * 8,
+                                  max_pixels=64 * 64)
+    try:
+        processor = Qwen2_5_VLProcessor(image_processor=ip, tokenizer=tok, chat_template=QWEN_TEMPLATE)
+    except (AttributeError, ImportError, TypeError):  # no torchvision: no video processor
+        processor = Qwen2_5_VLProcessor.__new__(Qwen2_5_VLProcessor)
+        processor.image_processor, processor.tokenizer, processor.chat_template = ip, tok, QWEN_TEMPLATE
+        processor.image_token, processor.video_token = "<|image_pad|>", "<|video_pad|>"
+        processor.image_token_id, processor.video_token_id = ids["<|image_pad|>"], ids["<|video_pad|>"]
+    tok.save_pretrained(out)
+    ip.save_pretrained(out)
+    return out, processor
+
+
+def chat(*parts) -> list[dict]:
+    """One user message of text and image parts (PIL images as HF's {"type": "image"} parts)."""
+    return [{"role": "user", "content": [{"type": "text", "text": p} if isinstance(p, str) else
+                                         {"type": "image", "image": p} for p in parts]}]
+
+
+def run(engine: Engine, prompts, stagger: bool = False) -> tuple[list[list[int]], dict[str, int]]:
+    """Every prompt (a MultimodalPrompt) through `engine`; each one's tokens and cached prompt tokens. `stagger`:
+    each request is added after the one before it has finished."""
+    got: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+
+    def on(o):
+        got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if o.finished:
+            cached[o.request_id] = o.num_cached_tokens
+
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p.token_ids, GREEDY, on, images=p.images)
+        while stagger and engine.step():
+            pass
+    while engine.step():
+        pass
+    assert engine.num_unfinished == 0 and engine.kv_usage == 0
+    return [got[str(i)] for i in range(len(prompts))], cached
