@@ -111,7 +111,7 @@ def assert_outputs_match_reference(outs: dict, ref, prompts: list, params: list)
 def live_server(llm, max_num_seqs: int, runner=None, model: str = "tiny", speculative=None, draft=None,
                 max_waiting: int = 1024, **app_kw):
     """Serve `llm` on a free loopback port in a background thread; yields (base_url, engine). `app_kw`: create_app's
-    keyword arguments (limits, enable_docs, api_key, ...)."""
+    keyword arguments (limits, enable_docs, api_key, ...; the image renderer is the engine's, as `serve` gives it)."""
     import socket
     import threading
     import time
@@ -120,6 +120,7 @@ def live_server(llm, max_num_seqs: int, runner=None, model: str = "tiny", specul
 
     from neuron_opt.runtime.engine import Engine
     from neuron_opt.server.app import create_app
+    from neuron_opt.server.media import image_renderer
 
     engine = Engine(
         runner or llm.runner,
@@ -131,6 +132,7 @@ def live_server(llm, max_num_seqs: int, runner=None, model: str = "tiny", specul
         speculative=speculative,
         draft=draft,
     )
+    app_kw.setdefault("encode_image_chat", image_renderer(engine))  # as `serve` does: None for a text model
     app = create_app(engine, llm.tokenizer, llm.encode_chat, model, llm.runner.max_model_len, **app_kw)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     # the serving code needs the `serve` extra (pydantic; prometheus-client for its counters): imported here
     from neuron_opt.server.app import engine_metrics, error_payload
     from neuron_opt.server.batch import BatchRunner, input_lines, resume_from
+    from neuron_opt.server.media import image_renderer
     from neuron_opt.server.reasoning import make_reasoning_parser
     from neuron_opt.server.serving import OpenAIServing
     from neuron_opt.server.tools import make_parser
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     serving = OpenAIServing(engine, engine.tokenizer, engine.encode_chat, name, engine_metrics(engine, name, max_len),
                             max_len, tool_parser=make_parser(args.tool_call_parser, engine.tokenizer),
                             reasoning_parser=make_reasoning_parser(args.reasoning_parser, engine.tokenizer),
-                            limits=ServerLimits())
+                            limits=ServerLimits(), encode_image_chat=image_renderer(engine))
     window = 2 * engine.max_num_seqs  # a full batch running and as many waiting to take a freed slot
     engine.start()
     try:

@@ -170,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
 
     from neuron_opt.server.app import create_app
     from neuron_opt.server.drain import DrainingServer
+    from neuron_opt.server.media import image_renderer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     policy = thread_policy()  # a bad NEURON_OPT_THREAD_POLICY fails before the model loads
@@ -183,7 +184,8 @@ def run(args: argparse.Namespace) -> int:
                      tool_parser=make_parser(args.tool_call_parser, engine.tokenizer), limits=limits,
                      reasoning_parser=make_reasoning_parser(args.reasoning_parser, engine.tokenizer),
                      enable_docs=args.enable_docs, enable_tokenizer_info=args.enable_tokenizer_info_endpoint,
-                     enable_store=args.enable_store, lora_runtime=lora_runtime)
+                     enable_store=args.enable_store, lora_runtime=lora_runtime,
+                     encode_image_chat=image_renderer(engine))
     url = f"http://{args.host}:{args.port}"
     if key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: serving on {args.host} without an API key: anyone who reaches this port can use the model "

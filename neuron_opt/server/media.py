@@ -63,10 +63,24 @@ class ImagePrompt:
     engine_inputs: dict[str, Any]
 
 
-# (HF-form messages, their images in order, tools for the template, template variables) -> the rendered prompt: the
-# image-capable model's renderer (the server answers images with a 400 without one).
-EncodeImageChat = Callable[[list[dict[str, Any]], list[Image.Image], "list[dict[str, Any]] | None",
-                            "dict[str, Any] | None"], ImagePrompt]
+# (HF-form messages with their images in place, tools for the template, template variables) -> the rendered
+# prompt: the image-capable model's renderer (the server answers images with a 400 without one).
+EncodeImageChat = Callable[[list[dict[str, Any]], "list[dict[str, Any]] | None", "dict[str, Any] | None"],
+                           ImagePrompt]
+
+
+def image_renderer(engine: Any) -> EncodeImageChat | None:
+    """`engine`'s renderer of conversations with images (its processor: runtime.engine.encode_multimodal_chat), with
+    the images' inputs as `Engine.add_request`'s keywords; None for a model that takes text only."""
+    if engine.runner.vision is None:
+        return None
+
+    def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+               template_kwargs: dict[str, Any] | None) -> ImagePrompt:
+        p = engine.encode_multimodal_chat(messages, tools, template_kwargs)
+        return ImagePrompt(p.token_ids, {"images": p.images, "rope_positions": p.rope_positions})
+
+    return render
 
 
 def _image_parts(messages: list[dict[str, Any]]) -> Iterator[tuple[int, int, dict[str, Any]]]:

@@ -384,7 +384,7 @@ class OpenAIServing:
             rendered, template_tools = render_messages(messages, self.tool_parser, tools)
         if render is None or not images:
             return await self._encode_chat(rendered, template_tools, req.template_kwargs()), tools, {}
-        prompt = await asyncio.to_thread(render, rendered, images, template_tools, req.template_kwargs())
+        prompt = await asyncio.to_thread(render, rendered, template_tools, req.template_kwargs())
         return prompt.prompt_ids, tools, prompt.engine_inputs
 
     def chat_params(self, req: ChatCompletionRequest, ids: list[int],

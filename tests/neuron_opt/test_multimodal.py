@@ -144,8 +144,10 @@ def test_encoder_cache_shares_an_image_until_its_last_request_ends():
 
 def test_images_are_refused_by_a_text_model(tiny_dir):
     text = LLM(tiny_dir("smollm-tok"), max_model_len=64)
-    with pytest.raises(ConfigError, match=r"messages\[0\]\.content\[1\]: this model takes text only"):
+    with pytest.raises(ConfigError, match=r"messages\[0\]\.content\[1\]: model .* does not accept images"):
         text.chat(chat("look", draw(8, 8, 0)))
+    with pytest.raises(ConfigError, match=r"messages\[0\]\.content\[1\]: this model takes text only"):
+        encode_multimodal_chat(text.tokenizer, None, chat("look", draw(8, 8, 0)))
     with pytest.raises(ConfigError, match="PIL"):
         encode_multimodal_chat(text.tokenizer, None, [{"role": "user", "content": [{"type": "image", "image": 1}]}])
     assert text.loaded.modalities == ("text",)
@@ -187,3 +189,34 @@ def test_encoder_equals_transformers_on_padded_tiles(arch):
         want = hf.model.get_image_features(pixels[None], mask[None]).pooler_output[0]
         got = ours(pixels, mask)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_openai_client_sends_a_base64_image_and_gets_llm_chat_text(vlm):
+    """`serve`'s path: the official client's `image_url` part (a base64 PNG data URL), decoded and checked by
+    server/media.py, rendered by the engine's processor (server/media.image_renderer); the reply is `LLM.chat`'s on
+    the same image, and HF's greedy tokens."""
+    import base64
+    import io
+
+    import openai
+    from helpers import live_server
+    from PIL import Image
+
+    from neuron_opt.runtime.sampling import SamplingParams
+
+    llm, hf, processor = vlm
+    buf = io.BytesIO()
+    draw(70, 40, 1).save(buf, format="PNG")
+    image = Image.open(io.BytesIO(buf.getvalue())).convert("RGB")  # what the server decodes
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    want = llm.chat(chat(image, "What is in the picture?"), SamplingParams(max_tokens=N, min_tokens=N,
+                                                                          temperature=0.0))
+    assert want.token_ids == hf_generate(hf, processor, chat(image, "What is in the picture?"), N)
+    with live_server(llm, max_num_seqs=2, model="vlm") as (base, _):
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        assert client.models.list().data[0].model_extra["input_modalities"] == ["text", "image"]
+        out = client.chat.completions.create(model="vlm", max_tokens=N, temperature=0, extra_body={
+            "min_tokens": N}, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": "What is in the picture?"}]}])
+    assert out.choices[0].message.content == want.text and out.usage.completion_tokens == N

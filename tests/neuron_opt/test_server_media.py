@@ -331,12 +331,12 @@ class Renderer:
         self.llm = llm
         self.seen: list = []
 
-    def __call__(self, messages, images, tools, template_kwargs) -> ImagePrompt:
+    def __call__(self, messages, tools, template_kwargs) -> ImagePrompt:
+        images = [p["image"] for m in messages if isinstance(m["content"], list) for p in m["content"]
+                  if p["type"] == "image"]
         self.seen.append([im.size for im in images])
         text = [{**m, "content": "".join(p["text"] for p in m["content"] if p["type"] == "text")}
                 if isinstance(m["content"], list) else m for m in messages]
-        assert [p["image"] for m in messages if isinstance(m["content"], list) for p in m["content"]
-                if p["type"] == "image"] == images
         return ImagePrompt(self.llm.encode_chat(text, tools, template_kwargs), {})
 
 

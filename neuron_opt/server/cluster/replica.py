@@ -40,6 +40,7 @@ from neuron_opt.server.cluster.board import PUSH_PERIOD_S
 from neuron_opt.server.embeddings import EmbeddingRequest, EmbeddingServing
 from neuron_opt.server.limits import ServerLimits
 from neuron_opt.server.lora_routes import LoadLoraAdapterRequest
+from neuron_opt.server.media import image_renderer
 from neuron_opt.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -79,7 +80,8 @@ class EngineReplica:
         self.serving = OpenAIServing(engine, engine.tokenizer, engine.encode_chat, model_name, self.metrics,
                                      engine.runner.max_model_len,
                                      tool_parser=make_parser(tool_call_parser, engine.tokenizer), limits=limits,
-                                     reasoning_parser=make_reasoning_parser(reasoning_parser, engine.tokenizer))
+                                     reasoning_parser=make_reasoning_parser(reasoning_parser, engine.tokenizer),
+                                     encode_image_chat=image_renderer(engine))
         self.embeddings = EmbeddingServing(self.serving)
         self.anthropic = AnthropicServing(self.serving)
         self.responses = ResponsesServing(self.serving, None)  # no store: `serve` refuses --enable-store here
