@@ -133,7 +133,8 @@ class DeviceEagle3Chain:
 
     # ---- the proposer's side --------------------------------------------------------------------------------
 
-    def _chain_inputs(self, rows: Sequence[ChainRow], B: int) -> tuple[torch.Tensor, ...]:
+    def _chain_inputs(self, rows: Sequence[ChainRow], B: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows of at most Q positions, padded to Q (positions continuing, clamped) and to B rows (the scratch
         slot's, from position 0): tokens, aux, positions [B, Q(, A)], each row's last real index [B]."""
         Q = self.Q

@@ -3,7 +3,8 @@ neuron` and verify graphs at the given tp, runs a mixed batch through the engine
 EAGLE-3 head (its chain as device graphs; always verifying), recording every call of the device chain; replays
 those calls through the head in torch on the host (runtime/eagle3.EagerChain, its own KV) and prints one JSON
 object: each request's tokens both ways, the device chain's and the host chain's proposals per call, the graph
-calls the device chain made, and the verify steps; and how far the auxiliary states of a prefill and of a verify
+calls the device chain made, the verify steps, each bucket's graph outputs, whether a second engine reuses the
+device chain; and how far the auxiliary states of a prefill and of a verify
 step are from the eager model's.
 
     python device_eagle3.py CKPT HEAD OUT TP
@@ -44,8 +45,9 @@ def main(ckpt: Path, head_dir: Path, out: Path, tp: int) -> dict:
     from neuron_opt.runtime.speculative import SpeculativeConfig
 
     compile_artifact(CompileRequest(model=str(ckpt), out=out, backend="neuron", dtype="float32", max_model_len=64,
-                                    prefill_buckets=(16, 32), decode_buckets=(32, 64), batch_size=2,
-                                    num_speculative_tokens=K, parallel=ParallelConfig(tp=tp), use_cache=False),
+                                    prefill_buckets=(32,), decode_buckets=(32, 64), batch_size=2,
+                                    offset_prefill=False, num_speculative_tokens=K, parallel=ParallelConfig(tp=tp),
+                                    use_cache=False),
                      log=lambda s: None, progress=False)
     llm = LLM(out)
 
@@ -87,11 +89,15 @@ def main(ckpt: Path, head_dir: Path, out: Path, tp: int) -> dict:
         runner.verify([VerifyRow(0, (9, 8, 7, 6), len(PROMPTS[2]))])
         diffs[-1].append(runner.aux_hidden[0])
     aux_diff = [float((a - b).abs().max()) for a, b in zip(*diffs, strict=True)]
+    # a later engine (a later LLM call) reuses the head's device copy and graphs
+    again = Engine(llm.runner, llm.tokenizer, llm.eos_token_ids, speculative=spec, draft=head)
     return {"plain": plain, "aux_diff": aux_diff, "speculative": speculative, "chain": type(chain).__name__,
             "device": [got for _, got in calls], "host": replayed,
             "behind": sum(len(r.tokens) > K + 1 for rows, _ in calls for r in rows),
             "graph_calls": chain.calls, "verify_steps": engine.spec_stats.verify_steps,
-            "aux_buckets": sorted(b.key for b in llm.runner.executor.buckets)}
+            # each bucket's graph outputs before the KV caches (replayed at tp 1; None: traced, tp 2)
+            "outputs": {b.key: r.outputs if r else None for b, r in llm.runner.executor.buckets.items()},
+            "reused": again.proposer.chain is chain}
 
 
 if __name__ == "__main__":

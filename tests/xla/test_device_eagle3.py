@@ -46,7 +46,9 @@ def test_eagle3_head_on_device_graphs_is_exact_in_a_mixed_batch(tp, tmp_path):
     assert res["device"] == res["host"]
     assert res["graph_calls"]["chain"] == len(res["device"])  # one graph per step, whatever the batch
     assert res["graph_calls"]["fill"] >= res["behind"] > 0  # new prompts were filled first
+    assert res["reused"]
     m = read_manifest(tmp_path / "art")
     assert sorted(k for k in m.graphs if k.startswith("verify")) == ["verify_b1_q4_s32", "verify_b1_q4_s64",
                                                                     "verify_b2_q4_s32", "verify_b2_q4_s64"]
-    assert res["aux_buckets"] == sorted(m.graphs)  # every bucket's graph recompiled with the states as an output
+    # every bucket's graph recompiled with the states as a second output (replayed at tp 1, traced at tp 2)
+    assert res["outputs"] == {key: 2 if tp == 1 else None for key in m.graphs}
