@@ -118,18 +118,21 @@ KVSource = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tens
 
 class SlotKV:
     """Inference K/V: the step's tokens at `positions` [B, S] of the sequences in KV slots `slots` [B] write
-    k_cache/v_cache [num_slots, max_len, n_kv, D] there, and attend over their slot's positions <= their own."""
+    k_cache/v_cache [num_slots, max_len, n_kv, D] there, and attend over their slot's positions <= their own,
+    among the first `kv_len` (None: up to the furthest position, read from `positions`; a device graph gives its
+    bucket's static length, which must exceed every position whose output is used)."""
 
     def __init__(self, positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor) -> None:
+                 v_cache: torch.Tensor, kv_len: int | None = None) -> None:
         self.positions, self.slots, self.k_cache, self.v_cache = positions, slots, k_cache, v_cache
+        self.kv_len = kv_len
 
     def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         pos, slots = self.positions, self.slots
         self.k_cache[slots[:, None], pos] = k.to(self.k_cache.dtype)
         self.v_cache[slots[:, None], pos] = v.to(self.v_cache.dtype)
-        kv_len = int(pos.max()) + 1
-        mask = torch.arange(kv_len)[None, None, :] <= pos[:, :, None]  # [B, S, kv_len]
+        kv_len = int(pos.max()) + 1 if self.kv_len is None else self.kv_len
+        mask = torch.arange(kv_len, device=pos.device)[None, None, :] <= pos[:, :, None]  # [B, S, kv_len]
         return self.k_cache[slots, :kv_len], self.v_cache[slots, :kv_len], mask
 
 

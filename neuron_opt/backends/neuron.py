@@ -42,6 +42,10 @@ Design decisions (docs/neuron_backend.md has the sources and the alternatives we
   index, as a verify graph scores its q positions). Compiling it for every bucket at compile time would double
   the artifact's prefill graphs for a feature most deployments never call; on a NeuronCore the on-demand compile
   runs neuronx-cc once per bucket and its NEFF lands in the artifact's Neuron compile cache.
+- EAGLE-3: an engine with a head switches the device model to graphs that also return the residual streams the
+  head reads (`capture_aux_hidden`), every bucket's variant compiled when the engine starts rather than at compile
+  (the head is chosen at serve time; the artifact stays what it was). The head runs as device graphs of its own
+  (neuron_eagle3.py).
 """
 
 from __future__ import annotations
@@ -249,6 +253,7 @@ class Replay:
     name: str
     sources: list[int | None]
     fixed: list[Any]
+    outputs: int = 1  # graph outputs before the KV caches: the logits, and (EAGLE-3) the auxiliary states
 
 
 class DeviceProgram:
@@ -270,9 +275,33 @@ class DeviceProgram:
     device: Any
     lora: DeviceLora | None = None  # a model with a LoRA capacity: its adapter stacks (neuron_lora.py)
     window_kv: bool = False  # window-sized KV (CacheConfig.sliding_window): the sliding layers' pool and tables
+    # EAGLE-3 (`capture_aux`): the graphs traced from now on also return the streams entering these layers, and
+    # each step leaves them on the host in `aux_hidden` [B, S, n_aux * H]
+    aux_layers: tuple[int, ...] = ()
+    aux_hidden: torch.Tensor | None = None
 
-    def trace(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
-        return self.trace_step(bucket, self.step_tensors(inputs))
+    def trace(self, bucket: Bucket, inputs: StepInputs) -> list[torch.Tensor]:
+        """The step's graph outputs before the KV caches: [logits] or, capturing (`aux_layers`), [logits, aux]."""
+        return self._outputs(self.trace_step(bucket, self.step_tensors(inputs)))
+
+    @staticmethod
+    def _outputs(out: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> list[torch.Tensor]:
+        return list(out) if isinstance(out, tuple) else [out]
+
+    def capture_aux(self, layer_ids: tuple[int, ...]) -> None:
+        """Every graph traced from now on returns, after the logits, the residual stream entering each layer of
+        `layer_ids` at every position ([B, S, n_aux * H], models.llama `forward_with_aux`); each step keeps the
+        host copy in `aux_hidden`. The graphs traced before (without it) are no longer used."""
+        self.aux_layers = tuple(layer_ids)
+
+    def host_aux(self, aux: torch.Tensor) -> torch.Tensor:
+        return aux.cpu()
+
+    def _finish(self, outs: list[torch.Tensor]) -> torch.Tensor:
+        """The host logits of a step's outputs; the auxiliary states, when there, go to `aux_hidden`."""
+        if len(outs) > 1:
+            self.aux_hidden = self.host_aux(outs[1])
+        return self.host_logits(outs[0])
 
     def step_tensors(self, inputs: StepInputs) -> list[torch.Tensor]:
         """The step's device inputs: StepInputs.arrays, then (window-sized KV) the window pool's slot mapping
@@ -306,16 +335,16 @@ class DeviceProgram:
         assert not rest, f"{len(rest)} step input(s) beyond the model's"
         return step[:5], extra
 
-    def trace_step(self, bucket: Bucket, step: list[torch.Tensor]) -> torch.Tensor:
+    def trace_step(self, bucket: Bucket, step: list[torch.Tensor]) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
     def host_logits(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.cpu()
 
     def run_traced(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
-        logits = self.trace(bucket, inputs)
-        _sync(self.xla, [logits, *self.k_caches, *self.v_caches])
-        return self.host_logits(logits)
+        outs = self.trace(bucket, inputs)
+        _sync(self.xla, [*outs, *self.k_caches, *self.v_caches])
+        return self._finish(outs)
 
     def compile_for(self, bucket: Bucket, block_size: int, replay: bool,
                     every: bool = False) -> tuple[str, Replay | None]:
@@ -326,8 +355,8 @@ class DeviceProgram:
         if replay:
             r = self.prepare(bucket, block_size, every)
             return r.name, r
-        logits = self.trace(bucket, warm_up_inputs(bucket, block_size, every, self.window_kv))
-        return _sync(self.xla, [logits, *self.k_caches, *self.v_caches]), None
+        outs = self.trace(bucket, warm_up_inputs(bucket, block_size, every, self.window_kv))
+        return _sync(self.xla, [*outs, *self.k_caches, *self.v_caches]), None
 
     def prepare(self, bucket: Bucket, block_size: int, every: bool = False) -> Replay:
         """Traces `bucket` once (on null-block inputs) and compiles it for replay; runs nothing.
@@ -347,8 +376,8 @@ class DeviceProgram:
         saved = [X._get_tensors_xla_device_data_node([c])[1][0] for c in caches]  # their buffers, for after
         for t in caches:  # on the device data itself, before the trace replaces it with IR
             X._set_buffer_donation(t, True)
-        logits = self.trace_step(bucket, step)
-        outs = [logits, *self.k_caches, *self.v_caches]
+        heads = self._outputs(self.trace_step(bucket, step))
+        outs = [*heads, *self.k_caches, *self.v_caches]
         ids, values = X._get_tensors_xla_device_data_node(outs)
         sources = [arg_ids.index(i) if i in arg_ids else None for i in ids]
         missing = set(range(len(args))) - set(s for s in sources if s is not None)
@@ -367,7 +396,7 @@ class DeviceProgram:
         self.k_caches[:], self.v_caches[:] = saved[:L], saved[L:]
         X._clear_pending_irs(str(self.device))
         fixed = [None if s is not None else v for s, v in zip(sources, values, strict=True)]
-        return Replay(graph_hash, name, sources, fixed)
+        return Replay(graph_hash, name, sources, fixed, len(heads))
 
     def replay(self, r: Replay, inputs: StepInputs) -> torch.Tensor:
         X = self.xla._XLAC
@@ -378,9 +407,9 @@ class DeviceProgram:
         args = [*step, *caches, *self.lora_tensors()]
         out = X._run_cached_graph(r.graph_hash, [args[s] if s is not None else v
                                                  for s, v in zip(r.sources, r.fixed, strict=True)])
-        L = len(self.k_caches)
-        self.k_caches[:], self.v_caches[:] = out[1:1 + L], out[1 + L:]
-        return self.host_logits(out[0])
+        L, n = len(self.k_caches), r.outputs
+        self.k_caches[:], self.v_caches[:] = out[n:n + L], out[n + L:]
+        return self._finish(list(out[:n]))
 
 
 class SpmdRanks(DeviceProgram):
@@ -433,8 +462,9 @@ class SpmdRanks(DeviceProgram):
     def _enter(self, t: torch.Tensor, sharded: bool = True) -> torch.Tensor:
         return self.xs.enable_manual_sharding(t, self._spec(t, sharded), mesh=self.mesh).global_tensor
 
-    def trace_step(self, bucket: Bucket, step: list[torch.Tensor]) -> torch.Tensor:
-        """Records one step; returns the device logits [tp, B, (q,) V/tp] fp32 (rank r's vocabulary shard at r)."""
+    def trace_step(self, bucket: Bucket, step: list[torch.Tensor]) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Records one step; returns the device logits [tp, B, (q,) V/tp] fp32 (rank r's vocabulary shard at r),
+        and capturing (`aux_layers`) the auxiliary states [tp, B, S, A]."""
         step = [self._enter(t, sharded=False) for t in step]  # replicated into the region
         params = {n: self._enter(p)[0] for n, p in self.params.items()}
         bufs = {n: self._enter(b, sharded=False) for n, b in self.buffers.items()}
@@ -445,19 +475,39 @@ class SpmdRanks(DeviceProgram):
         if self.lora is not None:  # this device's [N + 1, ...] shard of each stack, with the rows' slots
             kwargs["lora"] = LoraInputs(self.lora.view(lambda t: self._enter(t)[0]),  # type: ignore[arg-type]
                                         kwargs.pop("lora_slots"))
+        caches = ([k[0] for k in ks], [v[0] for v in vs])
+        module: torch.nn.Module = self.skeleton if not self.aux_layers else _WithAux(self.skeleton, self.aux_layers)
+        prefix = "" if not self.aux_layers else "model."
         try:
             with torch.no_grad():
-                logits = torch.func.functional_call(
-                    self.skeleton, {**params, **bufs},
-                    (*step, [k[0] for k in ks], [v[0] for v in vs], bucket.kv_len, bucket.generates), kwargs)
+                outs = self._outputs(torch.func.functional_call(
+                    module, {prefix + n: t for n, t in {**params, **bufs}.items()},
+                    (*step, *caches, bucket.kv_len, bucket.generates), kwargs))
         finally:
             self.comm.rank_tensor = None
         for full, local in zip([*self.k_caches, *self.v_caches], [*ks, *vs], strict=True):
             out = self.xs.disable_manual_sharding(local, self._spec(full), full.shape, mesh=self.mesh)
             full.copy_(out.global_tensor)  # in place: the cache buffer is donated to this step
-        out = self.xs.disable_manual_sharding(logits[None], ("tp", *(None,) * logits.dim()),
-                                              (self.tp, *logits.shape), mesh=self.mesh)
-        return out.global_tensor
+        # [tp, ...]: rank r's logits (its vocabulary shard) and auxiliary states (whole on every rank) at r
+        leave = [self.xs.disable_manual_sharding(o[None], ("tp", *(None,) * o.dim()), (self.tp, *o.shape),
+                                                 mesh=self.mesh).global_tensor for o in outs]
+        return leave[0] if len(leave) == 1 else (leave[0], leave[1])
+
+    def host_aux(self, aux: torch.Tensor) -> torch.Tensor:
+        """[tp, B, S, A] -> rank 0's [B, S, A]: the residual stream is whole on every rank (after each
+        row-parallel all-reduce)."""
+        return aux[0].cpu()
+
+    def embedding_table(self) -> torch.Tensor:
+        """The whole token embedding table [V_padded, H] on the host: the ranks' vocabulary shards in order."""
+        stacked = self.params["model.embed_tokens.weight"].cpu()  # [tp, V/tp, H]
+        return stacked.reshape(-1, stacked.shape[-1])
+
+    def device_embedding_table(self) -> torch.Tensor:
+        """The whole table [V_padded, H] on the device, replicated: a copy beside the ranks' shards."""
+        table = self.embedding_table().to(self.device)
+        self.xla.sync()
+        return table
 
     def host_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """fp32 logits [B, V_padded] ([B, q, V_padded] for verify): the ranks' vocabulary shards side by side. An
@@ -467,6 +517,19 @@ class SpmdRanks(DeviceProgram):
             return logits.cpu()[0]  # [tp, B, H] -> [B, H]
         host = logits.cpu()  # [tp, B, (q,) V/tp]
         return host.movedim(0, -2).reshape(*host.shape[1:-1], -1)
+
+
+class _WithAux(torch.nn.Module):
+    """The rank model whose forward is `forward_with_aux` (its logits and the streams entering `aux_layers`), for
+    torch.func.functional_call, which calls a module's forward."""
+
+    def __init__(self, model: torch.nn.Module, aux_layers: tuple[int, ...]) -> None:
+        super().__init__()
+        self.model, self.aux_layers = model, aux_layers
+
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        *step, k, v, kv_len, decode = args
+        return self.model.forward_with_aux(*step, k, v, kv_len, self.aux_layers, decode, **kwargs)
 
 
 def _graph_name(xla: ModuleType, outputs: list[torch.Tensor]) -> str:
@@ -506,14 +569,25 @@ class DeviceRank(DeviceProgram):
         if getattr(model, "lora_config", None) is not None:
             self.lora = DeviceLora([model], model.model.embed_tokens.weight.dtype, xla, self.device)
 
-    def trace_step(self, bucket: Bucket, step: list[torch.Tensor]) -> torch.Tensor:
+    def trace_step(self, bucket: Bucket, step: list[torch.Tensor]) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Records one step into the pending lazy graph; returns the device logits [B, V] fp32 (an embedding
-        model: its pooled vectors [B, H] fp32)."""
+        model: its pooled vectors [B, H] fp32), and capturing (`aux_layers`) the auxiliary states [B, S, A]."""
         step, kwargs = self.split_step(step)
         if self.lora is not None:
             kwargs["lora"] = LoraInputs(self.lora.view(), kwargs.pop("lora_slots"))  # type: ignore[arg-type]
         with torch.no_grad():
+            if self.aux_layers:
+                return self.model.forward_with_aux(*step, self.k_caches, self.v_caches, bucket.kv_len,
+                                                   self.aux_layers, bucket.generates, **kwargs)
             return self.model(*step, self.k_caches, self.v_caches, bucket.kv_len, bucket.generates, **kwargs)
+
+    def embedding_table(self) -> torch.Tensor:
+        """The token embedding table [V, H] on the host."""
+        return self.model.model.embed_tokens.weight.cpu()
+
+    def device_embedding_table(self) -> torch.Tensor:
+        """The token embedding table [V, H] on the device: the model's own (no copy)."""
+        return self.model.model.embed_tokens.weight
 
 
 def warm_up_inputs(bucket: Bucket, block_size: int, every: bool = False, window_kv: bool = False) -> StepInputs:
@@ -615,6 +689,8 @@ class NeuronExecutor:
         self.ranks, self.block_size, self.replay = ranks, block_size, replay
         self.buckets: dict[Bucket, Replay | None] = {}  # None: run traced
         self.every: dict[Bucket, Replay | None] = {}  # prefill buckets' every-position variants compiled so far
+        self._host_embed: torch.Tensor | None = None  # `embed`'s table, read from the device on first use
+        self._chain: tuple[Any, int, Any] | None = None  # eagle3_chain's: (head, slots, its device chain)
 
     @property
     def lora_config(self) -> Any:
@@ -642,6 +718,45 @@ class NeuronExecutor:
     @property
     def v_caches(self) -> list[torch.Tensor]:
         return self.ranks.v_caches
+
+    def capture_aux_hidden(self, layer_ids: tuple[int, ...]) -> None:
+        """From now on every step also returns the residual stream entering these layers at every position
+        (`aux_hidden`: [B, S, n_aux * H], models.llama `forward_with_aux`), for an EAGLE-3 head. Each bucket's
+        graph gets a variant with that output, compiled here for every bucket (so every graph is ready before
+        the next request; on a NeuronCore neuronx-cc runs once per bucket and the NEFF lands in the artifact's
+        Neuron compile cache); every-position prefill variants compile on demand as before, with it."""
+        if self.ranks.aux_layers == tuple(layer_ids):
+            return  # another engine over this model already switched it
+        self.ranks.capture_aux(tuple(layer_ids))
+        self.every.clear()
+        for bucket in sorted(self.buckets, key=lambda b: b.key):
+            _, self.buckets[bucket] = self.ranks.compile_for(bucket, self.block_size, self.replay)
+
+    @property
+    def aux_hidden(self) -> torch.Tensor | None:
+        """The last step's auxiliary hidden states on the host (`capture_aux_hidden`)."""
+        return self.ranks.aux_hidden
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The token embedding rows of `ids`, unscaled, from a host copy of the table read once from the device
+        (an EAGLE-3 head without embeddings of its own, run on the host, shares them)."""
+        if self._host_embed is None:
+            self._host_embed = self.ranks.embedding_table()
+        return torch.nn.functional.embedding(ids, self._host_embed)
+
+    def eagle3_chain(self, head: Any, num_slots: int, buckets: Any) -> Any:
+        """The EAGLE-3 head as device graphs beside the model (neuron_eagle3.DeviceEagle3Chain): its weights and
+        KV on the device, the whole draft chain one graph call per step. Kept per head and slot count, so the
+        engines of later calls (`LLM.generate_batch`) reuse its device copy and compiled graphs; a new proposer
+        fills its slots from position 0, so nothing of an earlier engine's KV is read."""
+        from neuron_opt.backends.neuron_eagle3 import DeviceEagle3Chain
+
+        if self._chain is None or self._chain[0] is not head or self._chain[1] != num_slots:
+            self._chain = None  # one head's copy on the device at a time
+            table = None if head.embed_tokens is not None else self.ranks.device_embedding_table()
+            chain = DeviceEagle3Chain(head, num_slots, buckets, self.ranks.xla, self.ranks.device, table)
+            self._chain = (head, num_slots, chain)
+        return self._chain[2]
 
     def run(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
         if bucket not in self.buckets:

@@ -195,7 +195,7 @@ class ModelRunner:
         capture = getattr(self.executor, "capture_aux_hidden", None)
         if capture is None:
             raise ConfigError("speculative_method: eagle3 reads the model's hidden states, which this executor's "
-                              "graphs do not return (the eager backend's, at any tp, and the cpu backend's do)",
+                              "graphs do not return (the eager, cpu and neuron backends' do)",
                               param="speculative_method")
         capture(tuple(layer_ids))
 
@@ -208,13 +208,19 @@ class ModelRunner:
             raise ValueError("no auxiliary hidden states: capture_aux_hidden first")
         return aux
 
+    def eagle3_chain(self, head: Any, num_slots: int) -> Any:
+        """The executor's own way of running an EAGLE-3 head's draft chain for `num_slots` sequences (the neuron
+        backend's device graphs, runtime/eagle3.HeadChain), or None where the head runs in torch on the host."""
+        make = getattr(self.executor, "eagle3_chain", None)
+        return None if make is None else make(head, num_slots, self.buckets)
+
     def embedding_fn(self) -> Any:
         """The model's token embeddings as a function of token ids (unscaled rows [..., H]), which an EAGLE-3 head
         saved without its own shares; ConfigError on an executor that does not hold the table."""
         embed = getattr(self.executor, "embed", None)
         if embed is None:
             raise ConfigError("speculative_model: the eagle3 head has no embed_tokens of its own and this executor "
-                              "does not share the model's (the eager and cpu backends do)",
+                              "does not share the model's (the eager, cpu and neuron backends do)",
                               param="speculative_model")
         return embed
 

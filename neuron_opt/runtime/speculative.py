@@ -10,7 +10,7 @@ the target model agrees with (plus one token of its own).
   ModelRunner (its own artifact and buckets, or eager) with its own KV slot per sequence, decodes k tokens
   greedily. It keeps the tokens its slot holds K/V for and, each step, first feeds what the target emitted
   since (the bonus token, and the last proposal when all were accepted): no rollback, only a shorter prefix.
-  an EAGLE-3 head (`method="eagle3"`, `model=` its directory; `Eagle3Proposer`): one decoder layer over the
+  an EAGLE-3 head (`method="eagle3"`, `model=` its directory; runtime/eagle3.py): one decoder layer over the
   target's own hidden states, which the engine hands over after each graph call (`observe_hidden`), chained k
   steps greedily with its own one-layer KV per sequence.
 - Acceptance (`accept`), position by position over the verify logits, with the request's own sampling
@@ -56,6 +56,7 @@ import torch
 
 from neuron_opt.buckets import pick_decode
 from neuron_opt.errors import ConfigError
+from neuron_opt.runtime.eagle3 import Eagle3Proposer
 from neuron_opt.runtime.request import Request
 from neuron_opt.runtime.runner import DecodeRow, ModelRunner, PrefillRow
 from neuron_opt.runtime.sampling import (
@@ -287,116 +288,6 @@ class DraftModelProposer:
         return torch.cat(parts)
 
 
-class Eagle3Proposer:
-    """An EAGLE-3 head's greedy chain (models/eagle3.py), k tokens per sequence, batched over the sequences.
-
-    The target's graph calls hand over the auxiliary hidden states of the tokens they run (`observe_hidden`:
-    prefill chunks, decode rows, the accepted part of verify rows). Head position i pairs the target's states at i
-    with token i + 1; `fed[request id]` counts the positions 0.. whose head K/V hold those pairs (its own KV slot
-    per sequence). To propose after `token_ids` (length L), positions fed..L - 2 run in one batched layer pass
-    (rows padded to the longest; pads lie past L - 2, where the chain writes next), the last one's logits give the
-    first proposal, and each proposal then runs at the next position with the layer's own output as its hidden
-    input. The chain's entries (positions >= L - 1) are rewritten with the target's states once it has them. A
-    position whose states the target never computed (a prefix-cache hit) gets zeros: a weaker proposal, never an
-    inexact one, since proposals are only ever verified. A failing head call proposes nothing for that step.
-    """
-
-    cheap = False
-
-    def __init__(self, head: Eagle3Head, num_slots: int) -> None:
-        self.head = head
-        self.num_slots = num_slots
-        self.k_cache, self.v_cache = head.kv_cache(num_slots, head.fc.weight.dtype)
-        self._free = list(range(num_slots - 1, -1, -1))
-        self.slot: dict[str, int] = {}
-        self.fed: dict[str, int] = {}
-        self.pending: dict[str, dict[int, torch.Tensor]] = {}  # request id -> position -> its states [n_aux * H]
-        self.head_calls = 0  # layer passes, for tests and benchmarks
-
-    def observe_hidden(self, request_id: str, start: int, aux: torch.Tensor) -> None:
-        """The target ran the sequence's tokens at positions start.. and computed their states `aux` [n, A]."""
-        base = self.fed.get(request_id, 0)
-        if start + aux.shape[0] <= base:
-            return
-        kept = aux[max(0, base - start):].clone()
-        pend = self.pending.setdefault(request_id, {})
-        for j in range(kept.shape[0]):
-            pend[max(start, base) + j] = kept[j]
-
-    def forget(self, request_id: str) -> None:
-        if (slot := self.slot.pop(request_id, None)) is not None:
-            self._free.append(slot)
-        self.fed.pop(request_id, None)
-        self.pending.pop(request_id, None)
-
-    def propose_batch(self, items: Sequence[tuple[str, list[int], int]]) -> list[list[int]]:
-        out: list[list[int]] = [[] for _ in items]
-        rows = []
-        for i, (rid, ids, k) in enumerate(items):
-            if k < 1 or len(ids) < 2 or len(ids) - 1 + k > self.head.max_model_len:
-                continue
-            if rid not in self.slot:
-                if not self._free:
-                    continue
-                self.slot[rid] = self._free.pop()
-            rows.append(i)
-        if not rows:
-            return out
-        try:
-            with torch.inference_mode():
-                self._run(items, rows, out)
-        except Exception:
-            log.error("eagle3 head failed; this step proposes nothing:\n%s", traceback.format_exc())
-            for i in rows:
-                self.fed[items[i][0]] = 0
-            return [[] for _ in items]
-        for i in rows:
-            rid, ids, _ = items[i]
-            self.fed[rid] = len(ids) - 1
-            pend = self.pending.get(rid, {})
-            for p in [p for p in pend if p < len(ids) - 1]:
-                del pend[p]
-        return out
-
-    def _run(self, items: Sequence[tuple[str, list[int], int]], rows: list[int], out: list[list[int]]) -> None:
-        head = self.head
-        A = head.cfg.num_aux * head.cfg.aux_hidden_size
-        starts = [min(self.fed.get(items[i][0], 0), len(items[i][1]) - 2) for i in rows]
-        counts = [len(items[i][1]) - 1 - s for i, s in zip(rows, starts, strict=True)]
-        R, N = len(rows), max(counts)
-        tokens = torch.zeros(R, N, dtype=torch.long)
-        positions = torch.zeros(R, N, dtype=torch.long)
-        aux = torch.zeros(R, N, A, dtype=head.fc.weight.dtype)
-        for r, (i, s, n) in enumerate(zip(rows, starts, counts, strict=True)):
-            rid, ids, _ = items[i]
-            tokens[r, :n] = torch.tensor(ids[s + 1:s + 1 + n], dtype=torch.long)
-            positions[r] = torch.arange(s, s + N).clamp(max=head.max_model_len - 1)
-            pend = self.pending.get(rid, {})
-            for j in range(n):
-                if (row := pend.get(s + j)) is not None:
-                    aux[r, j] = row
-        slots = torch.tensor([self.slot[items[i][0]] for i in rows], dtype=torch.long)
-        h = head.forward_layer(tokens, head.project(aux), positions, slots, self.k_cache, self.v_cache)
-        self.head_calls += 1
-        last = torch.tensor(counts) - 1
-        logits, hidden = head.logits(h[torch.arange(R), last])  # [R, V_draft], [R, H]
-        token = head.to_target(logits.argmax(-1))
-        for r, i in enumerate(rows):
-            out[i].append(int(token[r]))
-        pos = torch.tensor([len(items[i][1]) - 1 for i in rows], dtype=torch.long)  # of each row's next entry
-        live = torch.arange(R)
-        for n in range(1, max(items[i][2] for i in rows)):
-            keep = torch.tensor([items[rows[int(r)]][2] > n for r in live], dtype=torch.bool)
-            live, token, hidden, pos = live[keep], token[keep], hidden[keep], pos[keep]
-            h = head.forward_layer(token[:, None], hidden[:, None], pos[:, None], slots[live], self.k_cache,
-                                   self.v_cache)
-            self.head_calls += 1
-            logits, hidden = head.logits(h[:, 0])
-            token, pos = head.to_target(logits.argmax(-1)), pos + 1
-            for m, r in enumerate(live.tolist()):
-                out[rows[r]].append(int(token[m]))
-
-
 def accept(
     logits: torch.Tensor, draft: list[int], state: SamplerState, banned_for: list[tuple[int, ...]]
 ) -> list[SampleResult]:
@@ -589,7 +480,7 @@ class SpeculativeDecoding:
             raise ConfigError(f"speculative_model: the eagle3 head reaches position {head.max_model_len - 1}, the "
                               f"model {self.runner.max_model_len - 1}", param="speculative_model")
         self.runner.capture_aux_hidden(head.aux_layer_ids)
-        return Eagle3Proposer(head, seqs)
+        return Eagle3Proposer(head, seqs, self.runner.eagle3_chain(head, seqs))
 
     @property
     def wants_hidden(self) -> bool:
