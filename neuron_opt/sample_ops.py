@@ -79,8 +79,14 @@ class SamplingInputs:
 def unpack_mask(mask: torch.Tensor, vocab: int) -> torch.Tensor:
     """xgrammar's token bitmask [B, W] int32 -> allowed [B, vocab] bool."""
     v = torch.arange(vocab, device=mask.device)
-    words = mask.index_select(1, v // 32)  # [B, V]
-    return ((words >> (v % 32).to(words.dtype)) & 1) != 0
+    return bit_set(mask.index_select(1, v // 32), v)
+
+
+def bit_set(words: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Bit v % 32 of each int32 word (words [..., V], v [V]). An AND with the bit, not a right shift: torch-xla
+    shifts a negative int32 right by rounding toward zero, not down."""
+    one = torch.ones((), dtype=words.dtype, device=words.device)
+    return (words & (one << (v % 32).to(words.dtype))) != 0
 
 
 def adjust_rows(logits: torch.Tensor, s: SamplingInputs) -> torch.Tensor:

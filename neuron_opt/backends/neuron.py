@@ -70,7 +70,7 @@ from neuron_opt.config import CacheConfig, KVCacheDtype
 from neuron_opt.errors import ArtifactError, BackendCompileError, BackendUnavailableError, ConfigError
 from neuron_opt.lora.ops import LoraInputs
 from neuron_opt.parallel.collectives import CollectiveCounter
-from neuron_opt.sample_ops import NEG_INF, SamplingInputs, adjust_rows, logprob_rows, sample_rows
+from neuron_opt.sample_ops import NEG_INF, SamplingInputs, adjust_rows, bit_set, logprob_rows, sample_rows
 from neuron_opt.weights import load_model_weights, model_state_for_save
 
 HLO_TEXT = "{key}.hlo.txt"  # per bucket, in graphs/rank{r}/
@@ -274,7 +274,7 @@ def spmd_sample(local: torch.Tensor, s: SamplingInputs, vocab: int, comm: SpmdCo
     keep = gid < vocab  # the padded vocabulary's rows are never tokens
     if s.mask is not None:
         words = s.mask.index_select(1, (gid[0] // 32).clamp(max=s.mask.shape[1] - 1))  # [B, Vl]
-        keep = keep & (((words >> (gid[0] % 32).to(words.dtype)) & 1) != 0)
+        keep = keep & bit_set(words, gid[0])
     x = x.masked_fill(~keep, NEG_INF)
     k = min(SPMD_CANDIDATES, Vl)
     vals, idx = x.topk(k)  # [B, k]

@@ -122,6 +122,7 @@ class EngineStats:
     prefills: int = 0  # prefill chunks run
     preemptions: int = 0
     step_times: list[float] = field(default_factory=list)
+    step_s: float = 0.0  # sum of every step's wall time (step_times keeps the first 100,000)
     graph_s: float = 0.0
     sample_s: float = 0.0
     output_s: float = 0.0
@@ -447,8 +448,10 @@ class Engine:
             st.preemptions + len(out.preempted),
         )
         st.step_tokens[len(out.decodes) + sum(len(p.token_ids) for p in out.prefills)] += 1
+        dt = time.perf_counter() - t0
+        st.step_s += dt
         if len(st.step_times) < 100_000:
-            st.step_times.append(time.perf_counter() - t0)
+            st.step_times.append(dt)
         self._note_lora_adapters()
         return True
 

@@ -33,7 +33,7 @@ import torch
 from neuron_opt.errors import ConfigError
 from neuron_opt.parallel.vocab import candidates_needed as needed
 from neuron_opt.runtime.structured import GrammarState, StructuredOutputs, apply_grammar_masks
-from neuron_opt.sample_ops import SamplingInputs, draw_rows, filter_rows
+from neuron_opt.sample_ops import SamplingInputs, bit_set, draw_rows, filter_rows
 
 MAX_LOGIT_BIAS = 100.0  # |bias| per token, as OpenAI bounds it
 
@@ -428,7 +428,7 @@ def _bit(b: int) -> int:
 
 def _allowed(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
     v = torch.arange(vocab_size)
-    return ((words[v // 32] >> (v % 32).to(torch.int32)) & 1) != 0
+    return bit_set(words[v // 32], v)
 
 
 def device_results(tokens: list[int], logprobs: tuple[torch.Tensor, ...] | None,
