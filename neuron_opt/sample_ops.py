@@ -69,12 +69,6 @@ class SamplingInputs:
                                                                                dtype=self.mask.dtype)])
         return SamplingInputs(*pad, mask=mask, logprobs=self.logprobs)
 
-    def select(self, rows: list[int]) -> SamplingInputs:
-        """These rows' inputs, in this order."""
-        idx = torch.tensor(rows, dtype=torch.long)
-        t = [x[idx] for x in self.tensors()]
-        return SamplingInputs(*t[:9], mask=t[9] if self.mask is not None else None, logprobs=self.logprobs)
-
 
 def unpack_mask(mask: torch.Tensor, vocab: int) -> torch.Tensor:
     """xgrammar's token bitmask [B, W] int32 -> allowed [B, vocab] bool."""
