@@ -482,7 +482,8 @@ class Engine:
                 every = self.runner.prefill_rows(rows, all_positions=True)  # [len(group), S, V]
                 self._score_prompts(group, scoring, every)
                 logits = every[torch.arange(len(group)), torch.tensor([len(p.token_ids) - 1 for p in group])]
-            elif (sampling := self._device_sampling([p.request_id if p.last else None for p in group])) is not None:
+            elif sampled and (sampling := self._device_sampling([p.request_id if p.last else None
+                                                                 for p in group])) is not None:
                 logits = self.runner.prefill_sampled(rows, sampling)  # the tokens, sampled in the graph
             else:
                 logits = self.runner.prefill_rows(rows, candidates=self._candidates(sampled) if sampled else 1)
