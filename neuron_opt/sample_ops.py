@@ -56,6 +56,13 @@ class SamplingInputs:
         t = [(x.to(torch.int32) if x.dtype == torch.int64 else x).to(device) for x in self.tensors()]
         return SamplingInputs(*t[:9], mask=t[9] if self.mask is not None else None, logprobs=self.logprobs)
 
+    @classmethod
+    def greedy(cls, rows: int) -> SamplingInputs:
+        """`rows` greedy rows that take their logits as they are."""
+        adjust = (torch.zeros(rows, 1, dtype=torch.long), torch.zeros(rows, 1))
+        return cls(torch.zeros(rows), torch.zeros(rows, dtype=torch.long), torch.ones(rows), torch.zeros(rows),
+                   torch.zeros(rows), *adjust, *adjust)
+
     def padded(self, batch: int) -> SamplingInputs:
         """The inputs of a graph batch of `batch` rows: the rows beyond these are greedy and unadjusted."""
         n = self.temperature.shape[0]

@@ -244,9 +244,11 @@ SPMD_CANDIDATES = 64
 
 
 def sample_on_device(logits: torch.Tensor, s: SamplingInputs, vocab: int) -> list[torch.Tensor]:
-    """Records a step's sampling on its device logits [B, V_padded] (tp=1): the token ids [B] int32, then with
+    """Records a step's sampling on its device logits [B, V_padded] (tp=1; a verify step's [B, q, V_padded] as B * q
+    rows): the token ids [B] int32, then with
     `s.logprobs` the chosen tokens' logprobs [B] and (when > 0) the top logprobs and their ids [B, n]
     (neuron_opt.sample_ops: the host's own definition)."""
+    logits = logits.reshape(-1, logits.shape[-1])  # a verify step's [B, q, V]: one row per position
     x = adjust_rows(logits[:, :vocab].float(), s)
     ids = sample_rows(x, s)
     if s.logprobs is None:
@@ -554,7 +556,8 @@ class SpmdRanks(DeviceProgram):
                 logits = torch.func.functional_call(
                     self.skeleton, {**params, **bufs},
                     (*step, [k[0] for k in ks], [v[0] for v in vs], bucket.kv_len, bucket.generates), kwargs)
-                sampled = None if local_s is None else spmd_sample(logits, local_s, self.vocab_size, self.comm)
+                sampled = None if local_s is None else spmd_sample(logits.reshape(-1, logits.shape[-1]), local_s,
+                                                                   self.vocab_size, self.comm)
         finally:
             self.comm.rank_tensor = None
         for full, local in zip([*self.k_caches, *self.v_caches], [*ks, *vs], strict=True):
@@ -721,9 +724,9 @@ class NeuronExecutor:
         return self.ranks.v_caches
 
     def run(self, bucket: Bucket, inputs: StepInputs, sampling: SamplingInputs | None = None) -> Any:
-        """The step's fp32 logits on the host; with `sampling` (a decode or last-token prefill step), the rows'
-        tokens sampled on the device instead: [ids [B] int32, (logprobs: chosen [B], top values [B, n], top
-        ids [B, n])]. `d2h_bytes` counts what came back."""
+        """The step's fp32 logits on the host; with `sampling`, the rows' tokens sampled on the device instead:
+        [ids [B] int32, (logprobs: chosen [B], top values [B, n], top ids [B, n])], a verify step's positions as
+        B * q rows. `d2h_bytes` counts what came back."""
         if bucket not in self.buckets:
             raise ArtifactError(f"no compiled graph for bucket {bucket.key}; the artifact has "
                                 f"{sorted(b.key for b in self.buckets)}")
@@ -734,10 +737,8 @@ class NeuronExecutor:
             if bucket not in self.every:
                 _, self.every[bucket] = self.ranks.compile_for(bucket, self.block_size, self.replay, every=True)
             replay = self.every[bucket]
-        if sampling is not None and bucket.phase == VERIFY:
-            raise ValueError("a verify step's tokens are accepted on the host (runtime/speculative.py)")
-        if sampling is not None:
-            sampling = sampling.padded(bucket.batch)
+        if sampling is not None:  # a verify step: one row of sampling inputs per scored position (B * q)
+            sampling = sampling.padded(bucket.batch * (bucket.tokens if bucket.phase == VERIFY else 1))
         out = (self.ranks.run_traced(bucket, inputs, sampling) if replay is None
                else self.ranks.replay(replay, inputs, sampling))
         self.d2h_bytes = self.ranks.d2h_bytes

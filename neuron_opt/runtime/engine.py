@@ -63,6 +63,7 @@ from neuron_opt.runtime.sampling import (
     device_results,
     host_sampling_reason,
     sample_batch,
+    verifies_on_device,
 )
 from neuron_opt.runtime.scheduler import DecodeWork, KVConfig, PrefillWork, Scheduler
 from neuron_opt.runtime.speculative import Proposer, SpecStats, SpecStep, SpeculativeConfig, SpeculativeDecoding
@@ -561,8 +562,14 @@ class Engine:
             if verify:
                 rows = [VerifyRow(d.blocks, (d.token, *step.proposals[d.request_id]), d.position, d.lora_slot,
                                   d.window_blocks) for d in decodes]
-                logits = self.runner.verify(rows, candidates=self._candidates(ids))
-                self.runner.stats.host_fallback += len(rows) * self.runner.samples_on_device  # accepted on the host
+                if self.runner.samples_on_device and all(
+                        verifies_on_device(self._seqs[d.request_id].state, [self.outputs.banned(d.request_id, j)
+                                           for j in range(len(step.proposals.get(d.request_id, [])) + 1)])
+                        for d in decodes):
+                    logits = self.runner.verify_argmax(rows)  # each position's argmax, from the graph
+                else:
+                    logits = self.runner.verify(rows, candidates=self._candidates(ids))
+                    self.runner.stats.host_fallback += len(rows) * self.runner.samples_on_device
             else:
                 drows = [DecodeRow(d.blocks, d.token, d.position, d.lora_slot, d.window_blocks) for d in decodes]
                 sampling = self._device_sampling(ids)

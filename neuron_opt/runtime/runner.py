@@ -380,6 +380,19 @@ class ModelRunner:
     def verify(self, rows: list[VerifyRow], candidates: int | None = None) -> torch.Tensor:
         """Score each row's tokens at consecutive positions in one graph call; returns fp32 logits
         [len(rows), q_len, V]: position j's logits predict the token after `tokens[j]`."""
+        bucket, inputs = self._verify_inputs(rows)
+        return self._run(bucket, inputs, candidates)[: len(rows), :, : self.vocab_size]
+
+    def verify_argmax(self, rows: list[VerifyRow]) -> torch.Tensor:
+        """`verify` on an executor that samples on the device, for greedy rows that take the logits as they are:
+        each position's argmax [len(rows), q_len] (int32), computed in the graph."""
+        bucket, inputs = self._verify_inputs(rows)
+        greedy = SamplingInputs.greedy(bucket.batch * bucket.tokens)
+        ids = self._run(bucket, inputs, None, greedy)[0].reshape(bucket.batch, bucket.tokens)
+        self.stats.device_sampled += len(rows)
+        return ids[: len(rows)]
+
+    def _verify_inputs(self, rows: list[VerifyRow]) -> tuple[Bucket, StepInputs]:
         q = self.verify_len
         if not q:
             raise BucketOverflowError("this model has no verify graphs; recompile with --num-speculative-tokens K")
@@ -399,6 +412,5 @@ class ModelRunner:
             tables.append(blocks)
         window = self._window_inputs(rows, [r.position for r in rows], [len(r.tokens) for r in rows], (B, q),
                                      bucket.kv_len)
-        inputs = StepInputs(ids, pos, slots, self._tables(tables, B, bucket.kv_len),
-                            torch.arange(q).expand(B, q).contiguous(), self._lora_slots(rows, B), *window)
-        return self._run(bucket, inputs, candidates)[: len(rows), :, : self.vocab_size]
+        return bucket, StepInputs(ids, pos, slots, self._tables(tables, B, bucket.kv_len),
+                                  torch.arange(q).expand(B, q).contiguous(), self._lora_slots(rows, B), *window)

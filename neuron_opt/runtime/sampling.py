@@ -374,6 +374,14 @@ def host_sampling_reason(st: SamplerState | None, candidates: int | None) -> str
     return None
 
 
+def verifies_on_device(st: SamplerState, banned_for: list[tuple[int, ...]]) -> bool:
+    """A verify row the graph can score alone (`runner.verify_argmax`): greedy, its logits taken as they are at every
+    position (no bias, penalties, grammar, banned or forced token) and no logprobs."""
+    p = st.params
+    return (p.greedy and st._bias is None and not (p.presence_penalty or p.frequency_penalty) and st.grammar is None
+            and st._thinking is None and p.logprobs is None and not any(banned_for))
+
+
 def device_inputs(states: list[SamplerState | None], banned: list[tuple[int, ...]], vocab_size: int) -> SamplingInputs:
     """A step's rows as a device graph's sampling inputs (neuron_opt.sample_ops.SamplingInputs); a None state is
     a row that samples nothing (a prefill chunk before the prompt's last), run as greedy. Draws each sampled row's

@@ -133,3 +133,19 @@ def test_structured_outputs_through_the_device_bitmask_validate_and_equal_host_s
                                                                                   range(ADJUST_SLOTS + 1)))
     assert len(llm.generate_ids(prompts[0], many).token_ids) == 3
     assert stats.host_fallback == 3  # its prefill and two decode steps
+
+
+def test_speculative_greedy_verify_takes_each_positions_argmax_from_the_graph(tiny, tmp_path):
+    """A greedy verify step returns each scored position's argmax [B, q] from the graph; the accepted tokens equal
+    the host's acceptance from the logits."""
+    from neuron_opt.api import LLM
+    from neuron_opt.runtime.speculative import SpeculativeConfig
+
+    llm = LLM(compile_tiny(tiny, tmp_path / "art", num_speculative_tokens=2))
+    prompt, params = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], SamplingParams(max_tokens=16, ignore_eos=True)
+    out, spec = llm.generate_ids_speculative(prompt, params, SpeculativeConfig(2, adaptive=False))
+    st = llm.runner.stats
+    assert spec.verify_steps > 0 and st.host_fallback == 0 and st.device_sampled >= spec.verify_steps
+    llm.runner.executor.samples_on_device = False
+    host, host_spec = llm.generate_ids_speculative(prompt, params, SpeculativeConfig(2, adaptive=False))
+    assert out.token_ids == host.token_ids and spec.accepted_tokens == host_spec.accepted_tokens
