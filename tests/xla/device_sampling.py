@@ -3,7 +3,8 @@
 top-k with presence/frequency penalties and logprobs; top-p, min-p and a logit bias) through a prefill and decode
 steps twice: the graphs sampling on the device (`decode_sampled`), and the host sampler on the same step's logits
 with a copy of each request's seeded generator. Prints one JSON object: both token streams, the largest logprob
-difference, and the bytes each kind of decode step moved device -> host.
+difference, the bytes each kind of decode step moved device -> host, and a verify step's per-position argmax
+from the graph (`verify_argmax`) beside the argmax of its logits.
 
     python device_sampling.py CKPT OUT TP
 """
@@ -27,7 +28,7 @@ PARAMS = [dict(),  # greedy
 
 
 def streams(runner, steps: int, tp: int) -> dict:
-    from neuron_opt.runtime.runner import DecodeRow, PrefillRow
+    from neuron_opt.runtime.runner import DecodeRow, PrefillRow, VerifyRow
     from neuron_opt.runtime.sampling import (
         SamplerState,
         SamplingParams,
@@ -77,6 +78,11 @@ def streams(runner, steps: int, tp: int) -> dict:
         toks = step(logits, outs)
         pos = [p + 1 for p in pos]
     out["batch"] = runner.last_bucket.batch
+    if runner.verify_len:  # a verify step of each row's token and two proposals: the graph's argmax per position
+        vrows = [VerifyRow(b, (t, (t * 7) % 200 + 3, (t * 11) % 200 + 3), p)
+                 for b, t, p in zip(blocks, toks, pos, strict=True)]
+        want = runner.verify(vrows).argmax(-1)
+        out["verify_argmax"] = (runner.verify_argmax(vrows).tolist(), want.tolist())
     return out
 
 
@@ -90,7 +96,8 @@ def main(ckpt: Path, out: Path, tp: int) -> dict:
 
     compile_artifact(CompileRequest(model=str(ckpt), out=out, backend="neuron", dtype="float32", max_model_len=32,
                                     prefill_buckets=(16,), decode_buckets=(32,), batch_size=4, prefill_batch=4,
-                                    block_size=32, parallel=ParallelConfig(tp=tp), use_cache=False),
+                                    block_size=32, parallel=ParallelConfig(tp=tp), use_cache=False,
+                                    num_speculative_tokens=2),
                      log=lambda s: None, progress=False)
     return streams(load_model(out).runner, 12, tp)
 

@@ -50,10 +50,11 @@ def check_streams(res: dict) -> None:
     # out: ids, the chosen logprobs, 20 top logprobs and their ids per row, not the logits
     assert res["d2h"]["sampled_logprobs"] <= res["tp"] * B * 4 * (2 + 2 * 20) < res["d2h"]["logits"]
     assert res["d2h"]["logits"] >= B * V * 4
+    assert res["verify_argmax"][0] == res["verify_argmax"][1]  # [4 rows, 3 positions]
 
 
 def test_device_sampling_equals_the_host_sampler_token_for_token_tp1(tiny, tmp_path):
-    res = streams(load_model(compile_tiny(tiny, tmp_path / "art")).runner, 12, 1)
+    res = streams(load_model(compile_tiny(tiny, tmp_path / "art", num_speculative_tokens=2)).runner, 12, 1)
     check_streams({**res, "tp": 1})
 
 
