@@ -384,9 +384,10 @@ def verifies_on_device(st: SamplerState, banned_for: list[tuple[int, ...]]) -> b
 
 def device_inputs(states: list[SamplerState | None], banned: list[tuple[int, ...]], vocab_size: int) -> SamplingInputs:
     """A step's rows as a device graph's sampling inputs (neuron_opt.sample_ops.SamplingInputs); a None state is
-    a row that samples nothing (a prefill chunk before the prompt's last), run as greedy. Draws each sampled row's
-    uniform number from its generator, the one draw `sample_batch` would have made; check every row with
-    `host_sampling_reason` first. The allowed-token mask carries the grammar, the banned tokens (unless they
+    a row that samples nothing (a prefill chunk before the prompt's last), run as greedy. Each sampled row's uniform
+    number is the next draw of its generator, the one `sample_batch` would make; `device_results` takes it once the
+    graph has run (a failed call leaves the streams where they were). Check every row with `host_sampling_reason`
+    first. The allowed-token mask carries the grammar, the banned tokens (unless they
     would leave none: `_ban`) and a forced token (only itself)."""
     B, A = len(states), ADJUST_SLOTS
     temperature, top_p, min_p, u = (torch.zeros(B), torch.ones(B), torch.zeros(B), torch.zeros(B))
@@ -401,7 +402,7 @@ def device_inputs(states: list[SamplerState | None], banned: list[tuple[int, ...
         p = st.params
         if not p.greedy:
             temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
-            u[i] = _uniforms([st.generator])[0]
+            u[i] = _peek(st.generator)
         if st._bias is not None:
             n = len(st._bias[0])
             bias_ids[i, :n], bias[i, :n] = st._bias
@@ -429,6 +430,14 @@ def device_inputs(states: list[SamplerState | None], banned: list[tuple[int, ...
                           (DEVICE_TOP_LOGPROBS if any(asks) else 0) if asks else None)
 
 
+def _peek(g: torch.Generator | None) -> float:
+    """The next uniform number of `g`, leaving `g` where it is."""
+    assert g is not None
+    copy = torch.Generator()
+    copy.set_state(g.get_state())
+    return float(torch.rand((), generator=copy))
+
+
 def _bit(b: int) -> int:
     """Bit b of an int32 word, as the signed value torch stores (bit 31 is the sign)."""
     return (1 << b) - (1 << 32) * (b == 31)
@@ -441,9 +450,12 @@ def _allowed(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def device_results(tokens: list[int], logprobs: tuple[torch.Tensor, ...] | None,
                    states: list[SamplerState]) -> list[SampleResult]:
-    """A device graph's sampled tokens (and its chosen / top logprobs) as each row's SampleResult."""
+    """A device graph's sampled tokens (and its chosen / top logprobs) as each row's SampleResult; each sampled
+    row's generator moves past the draw the graph used (`device_inputs`)."""
     out = []
     for i, st in enumerate(states):
+        if not st.params.greedy:
+            _uniforms([st.generator])
         n = st.params.logprobs
         if n is None or logprobs is None:
             out.append(SampleResult(tokens[i]))

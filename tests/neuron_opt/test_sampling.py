@@ -229,7 +229,8 @@ def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_top_one():
 def test_the_device_definition_run_on_the_host_samples_what_the_host_sampler_samples():
     """`device_inputs` + sample_ops (what a neuron graph computes, here on CPU tensors) against `sample_batch`,
     with two generators seeded alike: temperature, top-k, top-p, min-p, penalties, logit_bias, banned and forced
-    tokens, logprobs; 20 steps, each row observing its token."""
+    tokens, logprobs; 20 steps, each row observing its token. Building the inputs again before the results (a graph
+    call that failed, run again) gives the same draws."""
     from neuron_opt.runtime.sampling import device_inputs, device_results, sample_batch
     from neuron_opt.sample_ops import adjust_rows, logprob_rows, sample_rows
 
@@ -245,6 +246,7 @@ def test_the_device_definition_run_on_the_host_samples_what_the_host_sampler_sam
         banned = [(), (), (), (), (3, 5) if step < 5 else ()]
         want = sample_batch(logits, host, banned)
         s = device_inputs(dev, banned, 64)
+        assert torch.equal(device_inputs(dev, banned, 64).u, s.u)  # a graph call that failed draws nothing
         x = adjust_rows(logits, s)
         ids = sample_rows(x, s)
         got = device_results(ids.tolist(), logprob_rows(x, ids, s.logprobs), dev)
