@@ -31,7 +31,8 @@ class SamplingInputs:
     [B, A] the logit_bias entries added, penalty_ids / penalty: [B, A] the presence/frequency penalties subtracted
     (unused slots: id 0, value 0, which adds nothing); mask: [B, ceil(V / 32)] int32, bit v % 32 of word v // 32
     set where token v is allowed (xgrammar's token bitmask; None: every token); logprobs: how many top logprobs
-    to return per row (None: none; 0: the chosen token's only)."""
+    to return per row (None: none; 0: the chosen token's only); skip: the steps no row needs, left out of the graph
+    (each is neutral for the rows that do not use it, so the tokens are the same; each set is its own graph)."""
 
     temperature: torch.Tensor
     top_k: torch.Tensor
@@ -44,6 +45,7 @@ class SamplingInputs:
     penalty: torch.Tensor
     mask: torch.Tensor | None = None
     logprobs: int | None = None
+    skip: tuple[str, ...] = ()  # what no row uses: filters ("min_p", "top_k", "top_p"), or "draw" (every row greedy)
 
     def tensors(self) -> list[torch.Tensor]:
         """The graph inputs, in a fixed order (the mask last, when there is one)."""
@@ -54,14 +56,15 @@ class SamplingInputs:
     def to(self, device: object) -> SamplingInputs:
         """On `device`, integer tensors as int32 (the step inputs' type: neuron_opt.backends.neuron)."""
         t = [(x.to(torch.int32) if x.dtype == torch.int64 else x).to(device) for x in self.tensors()]
-        return SamplingInputs(*t[:9], mask=t[9] if self.mask is not None else None, logprobs=self.logprobs)
+        return SamplingInputs(*t[:9], mask=t[9] if self.mask is not None else None, logprobs=self.logprobs,
+                              skip=self.skip)
 
     @classmethod
     def greedy(cls, rows: int) -> SamplingInputs:
         """`rows` greedy rows that take their logits as they are."""
         adjust = (torch.zeros(rows, 1, dtype=torch.long), torch.zeros(rows, 1))
         return cls(torch.zeros(rows), torch.zeros(rows, dtype=torch.long), torch.ones(rows), torch.zeros(rows),
-                   torch.zeros(rows), *adjust, *adjust)
+                   torch.zeros(rows), *adjust, *adjust, skip=("draw",))
 
     def padded(self, batch: int) -> SamplingInputs:
         """The inputs of a graph batch of `batch` rows: the rows beyond these are greedy and unadjusted."""
@@ -74,7 +77,7 @@ class SamplingInputs:
                for i, t in enumerate(self.tensors()[:9])]
         mask = None if self.mask is None else torch.cat([self.mask, torch.full((batch - n, self.mask.shape[1]), -1,
                                                                                dtype=self.mask.dtype)])
-        return SamplingInputs(*pad, mask=mask, logprobs=self.logprobs)
+        return SamplingInputs(*pad, mask=mask, logprobs=self.logprobs, skip=self.skip)
 
 
 def unpack_mask(mask: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -136,9 +139,11 @@ def draw_rows(z: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def sample_rows(logits: torch.Tensor, s: SamplingInputs) -> torch.Tensor:
     """Processed logits [B, V] -> token ids [B]: greedy rows their argmax, the others a draw (module docstring).
     What a device graph computes for every row; the host does the same per kind of row (runtime/sampling.py)."""
+    if "draw" in s.skip:
+        return logits.argmax(-1)
     greedy = s.temperature <= 0.0
     t = torch.where(greedy, torch.ones_like(s.temperature), s.temperature)
-    z = filter_rows(logits / t[:, None], s.top_k, s.top_p, s.min_p)
+    z = filter_rows(logits / t[:, None], s.top_k, s.top_p, s.min_p, skip=s.skip)
     return torch.where(greedy, logits.argmax(-1), draw_rows(z, s.u))
 
 

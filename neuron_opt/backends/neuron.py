@@ -546,7 +546,7 @@ class SpmdRanks(DeviceProgram):
         local_s = None if sampling is None else SamplingInputs(
             *[self._enter(t, sharded=False) for t in sampling.tensors()[:9]],
             mask=None if sampling.mask is None else self._enter(sampling.mask, sharded=False),
-            logprobs=sampling.logprobs)
+            logprobs=sampling.logprobs, skip=sampling.skip)
         step, kwargs = self.split_step(step)
         if self.lora is not None:  # this device's [N + 1, ...] shard of each stack, with the rows' slots
             kwargs["lora"] = LoraInputs(self.lora.view(lambda t: self._enter(t)[0]),  # type: ignore[arg-type]

@@ -426,8 +426,12 @@ def device_inputs(states: list[SamplerState | None], banned: list[tuple[int, ...
             mask[i, t // 32] &= ~_bit(t % 32)
         if not bool(_allowed(mask[i], vocab_size).any()):  # nothing left: the grammar's end wins
             mask[i] = grammar_row
+    sampled = [st.params for st in states if st is not None and not st.params.greedy]
+    skip = ("draw",) if not sampled else tuple(
+        name for name, used in (("min_p", any(p.min_p > 0 for p in sampled)), ("top_k", any(p.top_k for p in sampled)),
+                                ("top_p", any(p.top_p < 1.0 for p in sampled))) if not used)
     return SamplingInputs(temperature, top_k, top_p, min_p, u, bias_ids, bias, pen_ids, pen, mask,
-                          (DEVICE_TOP_LOGPROBS if any(asks) else 0) if asks else None)
+                          (DEVICE_TOP_LOGPROBS if any(asks) else 0) if asks else None, skip)
 
 
 def _peek(g: torch.Generator | None) -> float:
