@@ -1,12 +1,13 @@
 """Host time and device -> host bytes of one decode step on a neuron artifact, sampling on the host (the graph
 returns the logits [B, V], `sample_batch` samples them) against sampling in the graph (it returns the token ids:
 docs/neuron_backend.md, "Sampling on the device"). Each step is the runner call plus its sampling, on `--batch` rows
-of temperature + top-p sampling (seeded), the two kinds alternating step by step so both see the same machine.
+of greedy rows, then of temperature + top-p rows (seeded), the two ways alternating step by step so both see the
+same machine.
 
     PJRT_DEVICE=CPU python scripts/bench_device_sampling.py ARTIFACT --batch 8 --steps 20 --json
 
---json prints {"host": {...}, "device": {...}, "machine": {...}}: each kind's median step ms, its share in the graph
-call (`runner.stats.graph_s`) and the bytes one step moved device -> host.
+--json prints {"greedy": {"host": {...}, "device": {...}}, "top_p": {...}, "machine": {...}}: each way's median
+step ms, its share in the graph call (`runner.stats.graph_s`) and the bytes one step moved device -> host.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 
 
 def main() -> None:
@@ -33,39 +35,39 @@ def main() -> None:
     if not runner.samples_on_device:
         raise SystemExit(f"{args.artifact}: its executor does not sample on the device (a neuron artifact does)")
     B, V = args.batch, runner.vocab_size
-    states = [SamplerState.create(SamplingParams(temperature=0.8, top_p=0.9, seed=i)) for i in range(B)]
     for i in range(B):
         runner.prefill(i, [3 + i, 4, 5, 6])
     rows = [DecodeRow(i, 7, 4) for i in range(B)]
-    times: dict[str, list[float]] = {"host": [], "device": []}
-    graph: dict[str, list[float]] = {"host": [], "device": []}
-    moved: dict[str, int] = {}
-    for step in range(args.steps + 1):  # the first round compiles the sampling graph: not counted
-        for kind in ("host", "device"):
-            g0, t0 = runner.stats.graph_s, time.perf_counter()
-            if kind == "host":
-                sample_batch(runner.decode(rows), states, [()] * B)
-            else:
-                outs = runner.decode_sampled(rows, device_inputs(states, [()] * B, V))
-                device_results(outs[0].tolist(), None, states)
-            if step:
-                times[kind].append(time.perf_counter() - t0)
-                graph[kind].append(runner.stats.graph_s - g0)
-            moved[kind] = runner.stats.last_d2h_bytes
-    out: dict[str, object] = {
-        kind: {"step_ms": round(1e3 * statistics.median(times[kind]), 3),
-               "graph_ms": round(1e3 * statistics.median(graph[kind]), 3),
-               "host_ms": round(1e3 * (statistics.median(times[kind]) - statistics.median(graph[kind])), 3),
-               "d2h_bytes": moved[kind]}
-        for kind in times}
-    out["batch"], out["vocab"], out["steps"] = B, V, args.steps
+    out: dict[str, object] = {"batch": B, "vocab": V, "steps": args.steps}
+    for name, params in (("greedy", SamplingParams()), ("top_p", SamplingParams(temperature=0.8, top_p=0.9))):
+        states = [SamplerState.create(replace(params, seed=i)) for i in range(B)]
+        times: dict[str, list[float]] = {"host": [], "device": []}
+        graph: dict[str, list[float]] = {"host": [], "device": []}
+        moved: dict[str, int] = {}
+        for step in range(args.steps + 1):  # the first round compiles the sampling graph: not counted
+            for kind in ("host", "device"):
+                g0, t0 = runner.stats.graph_s, time.perf_counter()
+                if kind == "host":
+                    sample_batch(runner.decode(rows), states, [()] * B)
+                else:
+                    outs = runner.decode_sampled(rows, device_inputs(states, [()] * B, V))
+                    device_results(outs[0].tolist(), None, states)
+                if step:
+                    times[kind].append(time.perf_counter() - t0)
+                    graph[kind].append(runner.stats.graph_s - g0)
+                moved[kind] = runner.stats.last_d2h_bytes
+        out[name] = {kind: {"step_ms": round(1e3 * statistics.median(times[kind]), 3),
+                            "graph_ms": round(1e3 * statistics.median(graph[kind]), 3),
+                            "host_ms": round(1e3 * (statistics.median(times[kind]) - statistics.median(graph[kind])),
+                                             3),
+                            "d2h_bytes": moved[kind]} for kind in times}
     if args.json:
         from neuron_opt.bench import machine
 
         print(json.dumps(out | {"machine": machine(None)}))
     else:
-        for kind in ("host", "device"):
-            print(kind, out[kind])
+        for name in ("greedy", "top_p"):
+            print(name, out[name])
 
 
 if __name__ == "__main__":
