@@ -257,3 +257,13 @@ def test_the_device_definition_run_on_the_host_samples_what_the_host_sampler_sam
         for st_h, st_d, r in zip(host, dev, want, strict=True):
             st_h.observe(r.token)
             st_d.observe(r.token)
+
+
+def test_min_p_from_an_openai_request():
+    """`min_p` is one of vLLM's extra sampling fields of the OpenAI routes (0: off); out of [0, 1] names the field."""
+    from neuron_opt.server.protocol import CompletionRequest
+
+    assert CompletionRequest(model="m", prompt="x", min_p=0.1).sampling_params(1, 64, 100).min_p == 0.1
+    assert CompletionRequest(model="m", prompt="x").sampling_params(1, 64, 100).min_p == 0.0
+    with pytest.raises(ConfigError, match="min_p"):
+        CompletionRequest(model="m", prompt="x", min_p=1.5).sampling_params(1, 64, 100)
