@@ -75,6 +75,7 @@ from neuron_opt.config import CacheConfig, KVCacheDtype
 from neuron_opt.errors import ArtifactError, BackendCompileError, BackendUnavailableError, ConfigError
 from neuron_opt.lora.ops import LoraInputs
 from neuron_opt.parallel.collectives import CollectiveCounter
+from neuron_opt.sample_ops import NEG_INF, SamplingInputs, adjust_rows, bit_set, logprob_rows, sample_rows
 from neuron_opt.weights import load_model_weights, model_state_for_save
 
 HLO_TEXT = "{key}.hlo.txt"  # per bucket, in graphs/rank{r}/
@@ -242,6 +243,73 @@ def check_spmd_layout(par: Any, kv_seq_shards: int) -> None:
             "--flash-decoding, or pick --gqa-strategy replicate-kv) or --backend eager (gloo ranks keep every layout)")
 
 
+# top logits each rank contributes to a vocab-parallel sampled step (tp > 1): a sampled row's top_k must not exceed
+# it (others are sampled on the host: runtime.sampling.host_sampling_reason), and it bounds the top logprobs
+SPMD_CANDIDATES = 64
+
+
+def sample_on_device(logits: torch.Tensor, s: SamplingInputs, vocab: int) -> list[torch.Tensor]:
+    """Records a step's sampling on its device logits [B, V_padded] (tp=1; a verify step's [B, q, V_padded] as B * q
+    rows): the token ids [B] int32, then with
+    `s.logprobs` the chosen tokens' logprobs [B] and (when > 0) the top logprobs and their ids [B, n]
+    (neuron_opt.sample_ops: the host's own definition)."""
+    logits = logits.reshape(-1, logits.shape[-1])  # a verify step's [B, q, V]: one row per position
+    x = adjust_rows(logits[:, :vocab].float(), s)
+    ids = sample_rows(x, s)
+    if s.logprobs is None:
+        return [ids.to(torch.int32)]
+    lps = logprob_rows(x, ids, s.logprobs)
+    return [ids.to(torch.int32), *lps[:2], *[t.to(torch.int32) for t in lps[2:]]]
+
+
+def spmd_sample(local: torch.Tensor, s: SamplingInputs, vocab: int, comm: SpmdCollectives) -> list[torch.Tensor]:
+    """The vocab-parallel sampled step inside the SPMD region: rank r holds logits [B, V/tp] of vocabulary ids
+    r * V/tp ..; only each rank's top SPMD_CANDIDATES (values and ids) and, with logprobs, its max and sum of
+    exponentials cross ranks (all-reduces). Every rank then samples the same token from the candidates in
+    vocabulary order, which is the full row's token for greedy rows and for sampled rows with top_k <=
+    SPMD_CANDIDATES (every token outside the global top-k has probability 0). Returns what `sample_on_device` does."""
+    assert comm.rank_tensor is not None
+    B, Vl = local.shape
+    tp = comm.tp
+    off = comm.rank_tensor.to(torch.long) * Vl  # [1]
+    gid = torch.arange(Vl, device=local.device)[None] + off[:, None]  # [1, Vl] this rank's vocabulary ids
+    x = local.float()
+    for ids, vals in ((s.bias_ids, s.bias), (s.penalty_ids, -s.penalty)):  # the entries in this rank's shard
+        li = ids.long() - off[:, None]
+        ok = (li >= 0) & (li < Vl)
+        x = x.scatter_add(1, torch.where(ok, li, torch.zeros_like(li)), torch.where(ok, vals, torch.zeros_like(vals)))
+    keep = gid < vocab  # the padded vocabulary's rows are never tokens
+    if s.mask is not None:
+        words = s.mask.index_select(1, (gid[0] // 32).clamp(max=s.mask.shape[1] - 1))  # [B, Vl]
+        keep = keep & bit_set(words, gid[0])
+    x = x.masked_fill(~keep, NEG_INF)
+    k = min(SPMD_CANDIDATES, Vl)
+    vals, idx = x.topk(k)  # [B, k]
+    idx, order = idx.sort(-1)  # by vocabulary id: the ranks' shards in rank order are then in vocabulary order
+    vals = vals.gather(1, order)
+    mine = (torch.arange(tp, device=local.device) == comm.rank_tensor.to(torch.long))[:, None, None]  # [tp, 1, 1]
+
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        """[B, k] on each rank -> [B, tp * k] on every rank (an all-reduce of zero-padded slots: the SPMD region
+        has no all-gather in torch-xla 2.9; adding zeros is exact)."""
+        full = comm.all_reduce(torch.where(mine, t[None], torch.zeros_like(t)[None]))  # [tp, B, k]
+        return full.permute(1, 0, 2).reshape(B, tp * t.shape[-1])
+
+    cand = gather(vals)
+    cid = gather((idx + off[:, None]).to(torch.int32))
+    pick = sample_rows(cand, s)  # [B] index into the candidates
+    ids = cid.gather(1, pick[:, None])[:, 0]
+    if s.logprobs is None:
+        return [ids]
+    m = gather(x.amax(-1, keepdim=True)).amax(-1, keepdim=True)  # [B, 1] the row's max
+    lse = m[:, 0] + gather((x - m).exp().sum(-1, keepdim=True)).sum(-1).log()  # [B] the row's log-sum-exp
+    out = [ids, cand.gather(1, pick[:, None])[:, 0] - lse]
+    if s.logprobs:
+        top = cand.topk(s.logprobs)
+        out += [top.values - lse[:, None], cid.gather(1, top.indices)]
+    return out
+
+
 @dataclass
 class Replay:
     """One bucket's compiled graph, replayed without retracing: XLA parameter i is the step input, KV cache or
@@ -285,8 +353,8 @@ class DeviceProgram:
         return self._outputs(self.trace_step(bucket, self.step_tensors(inputs)))
 
     @staticmethod
-    def _outputs(out: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> list[torch.Tensor]:
-        return list(out) if isinstance(out, tuple) else [out]
+    def _outputs(out: torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor]) -> list[torch.Tensor]:
+        return list(out) if isinstance(out, (tuple, list)) else [out]
 
     def capture_aux(self, layer_ids: tuple[int, ...]) -> None:
         """Every graph traced from now on returns, after the logits, the residual stream entering each layer of
@@ -297,11 +365,21 @@ class DeviceProgram:
     def host_aux(self, aux: torch.Tensor) -> torch.Tensor:
         return aux.cpu()
 
-    def _finish(self, outs: list[torch.Tensor]) -> torch.Tensor:
-        """The host logits of a step's outputs; the auxiliary states, when there, go to `aux_hidden`."""
-        if len(outs) > 1:
-            self.aux_hidden = self.host_aux(outs[1])
-        return self.host_logits(outs[0])
+    def _finish(self, outs: list[torch.Tensor], aux: bool, sampling: SamplingInputs | None = None,
+                replayed: bool = False) -> Any:
+        """A step's outputs on the host: the logits, or with `sampling` the sampled outputs (a replayed step's graph
+        returns logits: they are sampled on the device by a second graph, `sample_replayed`); `aux`: the last
+        output is the auxiliary states, which go to `aux_hidden`."""
+        if aux:
+            self.aux_hidden = self.host_aux(outs[-1])
+            outs = outs[:-1]
+        if sampling is None:
+            return self.host_logits(outs[0])
+        return self.sample_replayed(outs[0], sampling) if replayed else self.host_samples(outs)
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
 
     def step_tensors(self, inputs: StepInputs) -> list[torch.Tensor]:
         """The step's device inputs: StepInputs.arrays, then (window-sized KV) the window pool's slot mapping
@@ -335,16 +413,38 @@ class DeviceProgram:
         assert not rest, f"{len(rest)} step input(s) beyond the model's"
         return step[:5], extra
 
-    def trace_step(self, bucket: Bucket, step: list[torch.Tensor]) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def trace_step(self, bucket: Bucket, step: list[torch.Tensor],
+                   sampling: SamplingInputs | None = None) -> list[torch.Tensor]:
         raise NotImplementedError
 
-    def host_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits.cpu()
+    d2h_bytes = 0  # what the last step's outputs moved device -> host (every rank's copy at tp > 1)
 
-    def run_traced(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
-        outs = self.trace(bucket, inputs)
+    def to_host(self, outs: list[torch.Tensor]) -> list[torch.Tensor]:
+        host = [t.cpu() for t in outs]
+        self.d2h_bytes = sum(t.numel() * t.element_size() for t in host)
+        return host
+
+    def host_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.to_host([logits])[0]
+
+    def host_samples(self, outs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The sampled outputs on the host: token ids [B] (and the logprobs asked for)."""
+        return self.to_host(outs)
+
+    def run_traced(self, bucket: Bucket, inputs: StepInputs, sampling: SamplingInputs | None = None) -> Any:
+        """The step's fp32 logits on the host; with `sampling`, the sampled outputs instead, recorded into the
+        same graph as the step (its logits never leave the device)."""
+        outs = self._outputs(self.trace_step(bucket, self.step_tensors(inputs),
+                                             None if sampling is None else sampling.to(self.device)))
         _sync(self.xla, [*outs, *self.k_caches, *self.v_caches])
-        return self._finish(outs)
+        return self._finish(outs, bool(self.aux_layers), sampling)
+
+    def sample_replayed(self, logits: torch.Tensor, sampling: SamplingInputs) -> list[torch.Tensor]:
+        """Samples a replayed step's device logits [B, V_padded] on the device (a second, small graph, compiled
+        the first time each shape is seen); the logits stay there."""
+        outs = sample_on_device(logits, sampling.to(self.device), self.vocab_size)
+        self.xla.sync()
+        return self.host_samples(outs)
 
     def compile_for(self, bucket: Bucket, block_size: int, replay: bool,
                     every: bool = False) -> tuple[str, Replay | None]:
@@ -398,7 +498,7 @@ class DeviceProgram:
         fixed = [None if s is not None else v for s, v in zip(sources, values, strict=True)]
         return Replay(graph_hash, name, sources, fixed, len(heads))
 
-    def replay(self, r: Replay, inputs: StepInputs) -> torch.Tensor:
+    def replay(self, r: Replay, inputs: StepInputs, sampling: SamplingInputs | None = None) -> Any:
         X = self.xla._XLAC
         step = self.step_tensors(inputs)
         caches = [*self.k_caches, *self.v_caches]
@@ -409,7 +509,7 @@ class DeviceProgram:
                                                  for s, v in zip(r.sources, r.fixed, strict=True)])
         L, n = len(self.k_caches), r.outputs
         self.k_caches[:], self.v_caches[:] = out[n:n + L], out[n + L:]
-        return self._finish(list(out[:n]))
+        return self._finish(list(out[:n]), n > 1, sampling, replayed=True)
 
 
 class SpmdRanks(DeviceProgram):
@@ -462,15 +562,25 @@ class SpmdRanks(DeviceProgram):
     def _enter(self, t: torch.Tensor, sharded: bool = True) -> torch.Tensor:
         return self.xs.enable_manual_sharding(t, self._spec(t, sharded), mesh=self.mesh).global_tensor
 
-    def trace_step(self, bucket: Bucket, step: list[torch.Tensor]) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Records one step; returns the device logits [tp, B, (q,) V/tp] fp32 (rank r's vocabulary shard at r),
-        and capturing (`aux_layers`) the auxiliary states [tp, B, S, A]."""
+    @property
+    def vocab_size(self) -> int:
+        return int(self.skeleton.cfg.vocab_size)
+
+    def trace_step(self, bucket: Bucket, step: list[torch.Tensor],
+                   sampling: SamplingInputs | None = None) -> list[torch.Tensor]:
+        """Records one step; returns [the device logits [tp, B, (q,) V/tp] fp32 (rank r's vocabulary shard at r)],
+        or with `sampling` the vocab-parallel sampled outputs (`spmd_sample`), each [tp, ...] the same on every rank;
+        capturing (`aux_layers`), then the auxiliary states [tp, B, S, A]."""
         step = [self._enter(t, sharded=False) for t in step]  # replicated into the region
         params = {n: self._enter(p)[0] for n, p in self.params.items()}
         bufs = {n: self._enter(b, sharded=False) for n, b in self.buffers.items()}
         ks = [self._enter(c) for c in self.k_caches]  # [1, num_blocks, n_kv, per block, D]: this device's pool
         vs = [self._enter(c) for c in self.v_caches]
         self.comm.rank_tensor = self._enter(self.rank_ids)  # [1] int32: this device's rank
+        local_s = None if sampling is None else SamplingInputs(
+            *[self._enter(t, sharded=False) for t in sampling.tensors()[:9]],
+            mask=None if sampling.mask is None else self._enter(sampling.mask, sharded=False),
+            logprobs=sampling.logprobs, skip=sampling.skip)
         step, kwargs = self.split_step(step)
         if self.lora is not None:  # this device's [N + 1, ...] shard of each stack, with the rows' slots
             kwargs["lora"] = LoraInputs(self.lora.view(lambda t: self._enter(t)[0]),  # type: ignore[arg-type]
@@ -483,15 +593,19 @@ class SpmdRanks(DeviceProgram):
                 outs = self._outputs(torch.func.functional_call(
                     module, {prefix + n: t for n, t in {**params, **bufs}.items()},
                     (*step, *caches, bucket.kv_len, bucket.generates), kwargs))
+                logits = outs[0]
+                sampled = None if local_s is None else spmd_sample(logits.reshape(-1, logits.shape[-1]), local_s,
+                                                                   self.vocab_size, self.comm)
         finally:
             self.comm.rank_tensor = None
         for full, local in zip([*self.k_caches, *self.v_caches], [*ks, *vs], strict=True):
             out = self.xs.disable_manual_sharding(local, self._spec(full), full.shape, mesh=self.mesh)
             full.copy_(out.global_tensor)  # in place: the cache buffer is donated to this step
-        # [tp, ...]: rank r's logits (its vocabulary shard) and auxiliary states (whole on every rank) at r
-        leave = [self.xs.disable_manual_sharding(o[None], ("tp", *(None,) * o.dim()), (self.tp, *o.shape),
-                                                 mesh=self.mesh).global_tensor for o in outs]
-        return leave[0] if len(leave) == 1 else (leave[0], leave[1])
+        # [tp, ...]: rank r's logits (its vocabulary shard) or the sampled outputs (the same on every rank), and
+        # the auxiliary states (whole on every rank) at r
+        heads = [outs[0]] if sampled is None else sampled
+        return [self.xs.disable_manual_sharding(o[None], ("tp", *(None,) * o.dim()), (self.tp, *o.shape),
+                                                mesh=self.mesh).global_tensor for o in [*heads, *outs[1:]]]
 
     def host_aux(self, aux: torch.Tensor) -> torch.Tensor:
         """[tp, B, S, A] -> rank 0's [B, S, A]: the residual stream is whole on every rank (after each
@@ -509,13 +623,16 @@ class SpmdRanks(DeviceProgram):
         self.xla.sync()
         return table
 
+    def host_samples(self, outs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [t[0] for t in self.to_host(outs)]  # the same on every rank: rank 0's
+
     def host_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """fp32 logits [B, V_padded] ([B, q, V_padded] for verify): the ranks' vocabulary shards side by side. An
         embedding model's output is its pooled vectors [B, H], whole on every rank (after the decoder's last
         all-reduce): rank 0's."""
         if self.skeleton.cfg.is_embedding:
-            return logits.cpu()[0]  # [tp, B, H] -> [B, H]
-        host = logits.cpu()  # [tp, B, (q,) V/tp]
+            return self.to_host([logits])[0][0]  # [tp, B, H] -> [B, H]
+        host = self.to_host([logits])[0]  # [tp, B, (q,) V/tp]
         return host.movedim(0, -2).reshape(*host.shape[1:-1], -1)
 
 
@@ -569,17 +686,27 @@ class DeviceRank(DeviceProgram):
         if getattr(model, "lora_config", None) is not None:
             self.lora = DeviceLora([model], model.model.embed_tokens.weight.dtype, xla, self.device)
 
-    def trace_step(self, bucket: Bucket, step: list[torch.Tensor]) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Records one step into the pending lazy graph; returns the device logits [B, V] fp32 (an embedding
-        model: its pooled vectors [B, H] fp32), and capturing (`aux_layers`) the auxiliary states [B, S, A]."""
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.cfg.vocab_size)
+
+    def trace_step(self, bucket: Bucket, step: list[torch.Tensor],
+                   sampling: SamplingInputs | None = None) -> list[torch.Tensor]:
+        """Records one step into the pending lazy graph; returns [the device logits [B, V] fp32] (an embedding
+        model: its pooled vectors [B, H] fp32), or with `sampling` its sampled outputs (`sample_on_device`);
+        capturing (`aux_layers`), then the auxiliary states [B, S, A]."""
         step, kwargs = self.split_step(step)
         if self.lora is not None:
             kwargs["lora"] = LoraInputs(self.lora.view(), kwargs.pop("lora_slots"))  # type: ignore[arg-type]
         with torch.no_grad():
             if self.aux_layers:
-                return self.model.forward_with_aux(*step, self.k_caches, self.v_caches, bucket.kv_len,
-                                                   self.aux_layers, bucket.generates, **kwargs)
-            return self.model(*step, self.k_caches, self.v_caches, bucket.kv_len, bucket.generates, **kwargs)
+                logits, aux = self.model.forward_with_aux(*step, self.k_caches, self.v_caches, bucket.kv_len,
+                                                          self.aux_layers, bucket.generates, **kwargs)
+            else:
+                logits = self.model(*step, self.k_caches, self.v_caches, bucket.kv_len, bucket.generates, **kwargs)
+                aux = None
+            outs = [logits] if sampling is None else sample_on_device(logits, sampling, self.vocab_size)
+            return outs if aux is None else [*outs, aux]
 
     def embedding_table(self) -> torch.Tensor:
         """The token embedding table [V, H] on the host."""
@@ -680,13 +807,19 @@ class DeviceBlocks:
 class NeuronExecutor:
     """Runs every bucket's graph on the device model (DeviceRank, or SpmdRanks for tp > 1).
 
-    A step moves the step inputs in and the logits out; weights and KV caches stay on the device.
+    A step moves the step inputs in and the logits out (with sampling inputs: the sampled token ids); weights and
+    KV caches stay on the device.
     """
 
     gathers_candidates = False
 
     def __init__(self, ranks: DeviceRank | SpmdRanks, block_size: int, replay: bool) -> None:
         self.ranks, self.block_size, self.replay = ranks, block_size, replay
+        # sampling on the device (`run(sampling=...)`): the candidates per rank of the vocab-parallel path (tp > 1;
+        # None: every rank's row is whole at tp=1); a row it cannot sample exactly is sampled on the host
+        self.samples_on_device = not (ranks.skeleton if isinstance(ranks, SpmdRanks) else ranks.model).cfg.is_embedding
+        self.sample_candidates = SPMD_CANDIDATES if isinstance(ranks, SpmdRanks) else None
+        self.d2h_bytes = 0  # bytes the last step moved device -> host
         self.buckets: dict[Bucket, Replay | None] = {}  # None: run traced
         self.every: dict[Bucket, Replay | None] = {}  # prefill buckets' every-position variants compiled so far
         self._host_embed: torch.Tensor | None = None  # `embed`'s table, read from the device on first use
@@ -758,17 +891,26 @@ class NeuronExecutor:
             self._chain = (head, num_slots, chain)
         return self._chain[2]
 
-    def run(self, bucket: Bucket, inputs: StepInputs) -> torch.Tensor:
+    def run(self, bucket: Bucket, inputs: StepInputs, sampling: SamplingInputs | None = None) -> Any:
+        """The step's fp32 logits on the host; with `sampling`, the rows' tokens sampled on the device instead:
+        [ids [B] int32, (logprobs: chosen [B], top values [B, n], top ids [B, n])], a verify step's positions as
+        B * q rows. `d2h_bytes` counts what came back."""
         if bucket not in self.buckets:
             raise ArtifactError(f"no compiled graph for bucket {bucket.key}; the artifact has "
                                 f"{sorted(b.key for b in self.buckets)}")
         replay = self.buckets[bucket]
         if bucket.phase == PREFILL and inputs.last_index.dim() == 2:  # every position's logits: [B, S, V]
+            if sampling is not None:
+                raise ValueError("a prefill of every position's logits (prompt logprobs) samples on the host")
             if bucket not in self.every:
                 _, self.every[bucket] = self.ranks.compile_for(bucket, self.block_size, self.replay, every=True)
             replay = self.every[bucket]
-        out = self.ranks.run_traced(bucket, inputs) if replay is None else self.ranks.replay(replay, inputs)
-        return out.float()
+        if sampling is not None:  # a verify step: one row of sampling inputs per scored position (B * q)
+            sampling = sampling.padded(bucket.batch * (bucket.tokens if bucket.phase == VERIFY else 1))
+        out = (self.ranks.run_traced(bucket, inputs, sampling) if replay is None
+               else self.ranks.replay(replay, inputs, sampling))
+        self.d2h_bytes = self.ranks.d2h_bytes
+        return out if sampling is not None else out.float()
 
 
 class NeuronBackend(Backend):

@@ -79,6 +79,19 @@ class Efficiency:
 
 DEFAULT_EFFICIENCY = Efficiency()
 ACT_BYTES = 2  # activations and collectives in bfloat16
+# What a decode step that returns its logits and samples on the host adds to one that samples in the graph (the
+# neuron backend's default; docs/planner.md, "Sampling on the host"), measured on the XLA tier (torch-xla's CPU
+# client, docs/neuron_backend.md): the rate a [8, 128256] fp32 output reached the host, and the host sampler's time
+# per logit for temperature rows (runtime/sampling.py, one thread; a top-p row's sort costs 14x that)
+LOGITS_D2H_BYTES_PER_S = 2.5e8
+HOST_SAMPLE_S_PER_LOGIT = 2.7e-8
+
+
+def host_sampling_time(cfg: ModelConfig, batch: int) -> float:
+    """Seconds a decode step of `batch` rows would add by moving its fp32 logits [batch, vocab] to the host and
+    sampling there, rather than sampling in the graph and moving out the token ids."""
+    logits = batch * cfg.vocab_size
+    return logits * 4 / LOGITS_D2H_BYTES_PER_S + logits * HOST_SAMPLE_S_PER_LOGIT
 
 
 @dataclass(frozen=True)

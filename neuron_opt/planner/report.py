@@ -9,6 +9,7 @@ from neuron_opt.buckets import PREFILL, VERIFY, BucketConfig
 from neuron_opt.config import CacheConfig, KVCacheDtype, ModelConfig, ParallelConfig
 from neuron_opt.parallel.sharding import head_layout
 from neuron_opt.planner.hardware import GB, GiB, Instance, get_instance
+from neuron_opt.planner.latency import host_sampling_time
 from neuron_opt.planner.memory import (
     checkpoint_bytes,
     kv_bytes_per_token,
@@ -104,6 +105,10 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
             f"{plan.ttft.bound}-bound); TPOT {1e3 * plan.tpot.total:.2f} ms{tpot_pm} (decode bucket "
             f"{plan.decode_bucket.batch}x{plan.decode_bucket.kv_len}, {plan.tpot.bound}-bound)"
         )
+        b = plan.decode_bucket.batch
+        lines.append(f"  sampling in the graph: a step moves {4 * b} B of token ids out, where host sampling would "
+                     f"move {4 * b * cfg.vocab_size / 1e6:.2f} MB of logits and add "
+                     f"{1e3 * host_sampling_time(cfg, b):.1f} ms (XLA-tier rates, docs/planner.md)")
         if band is not None:
             lines.append(f"  {band.line()}")
         if plan.queue is not None:
@@ -287,7 +292,7 @@ def _band_json(plan: Plan) -> dict[str, Any] | None:
     }
 
 
-def _latency_json(plan: Plan) -> dict[str, Any]:
+def _latency_json(cfg: ModelConfig, plan: Plan) -> dict[str, Any]:
     """TTFT / TPOT in ms: the p50 (and p99) under the plan's arrivals when it has a queue estimate, else one step
     on an idle instance (p99 then None), with the single-request step figures alongside."""
     q = plan.queue
@@ -298,6 +303,8 @@ def _latency_json(plan: Plan) -> dict[str, Any]:
         "tpot_p99_ms": _ms(q.tpot_p99 if q else None),
         "step_ttft_ms": _ms(plan.ttft.total if plan.ttft else None),
         "step_tpot_ms": _ms(plan.tpot.total if plan.tpot else None),
+        "host_sampling_ms": _ms(host_sampling_time(cfg, plan.decode_bucket.batch)
+                                if plan.tpot and plan.decode_bucket else None),
     }
     out["queue"] = None if q is None else {
         "arrival": q.arrival.kind, "rate": q.arrival.rate, "requests": q.requests,
@@ -322,7 +329,7 @@ def plan_json(cfg: ModelConfig, plan: Plan, alternatives: list[Plan] | None = No
         "fits": m.fits,
         "per_core_memory_gb": round(m.total / GB, 3),
         "per_core_capacity_gb": round(m.capacity / GB, 3),
-        **_latency_json(plan),
+        **_latency_json(cfg, plan),
         "error_band": _band_json(plan),
         "tp": d.tp,
         "batch_size": d.batch,

@@ -63,10 +63,21 @@ from neuron_opt.runtime.kv_tier import KVTier
 from neuron_opt.runtime.output import OutputProcessor, RequestOutput, TokenLogprob, send, token_logprobs
 from neuron_opt.runtime.request import Request
 from neuron_opt.runtime.runner import DecodeRow, ModelRunner, PrefillRow, VerifyRow
-from neuron_opt.runtime.sampling import SampleResult, SamplerState, SamplingParams, candidates_needed, sample_batch
+from neuron_opt.runtime.sampling import (
+    SampleResult,
+    SamplerState,
+    SamplingParams,
+    candidates_needed,
+    device_inputs,
+    device_results,
+    host_sampling_reason,
+    sample_batch,
+    verifies_on_device,
+)
 from neuron_opt.runtime.scheduler import DecodeWork, KVConfig, PrefillWork, Scheduler
 from neuron_opt.runtime.speculative import Proposer, SpecStats, SpecStep, SpeculativeConfig, SpeculativeDecoding
 from neuron_opt.runtime.structured import GrammarCompiler
+from neuron_opt.sample_ops import SamplingInputs
 
 if TYPE_CHECKING:
     from models.eagle3 import Eagle3Head
@@ -137,6 +148,7 @@ class EngineStats:
     prefills: int = 0  # prefill chunks run
     preemptions: int = 0
     step_times: list[float] = field(default_factory=list)
+    step_s: float = 0.0  # sum of every step's wall time (step_times keeps the first 100,000)
     graph_s: float = 0.0
     sample_s: float = 0.0
     output_s: float = 0.0
@@ -485,8 +497,10 @@ class Engine:
             st.preemptions + len(out.preempted),
         )
         st.step_tokens[len(out.decodes) + sum(len(p.token_ids) for p in out.prefills)] += 1
+        dt = time.perf_counter() - t0
+        st.step_s += dt
         if len(st.step_times) < 100_000:
-            st.step_times.append(time.perf_counter() - t0)
+            st.step_times.append(dt)
         self._note_lora_adapters()
         return True
 
@@ -518,6 +532,9 @@ class Engine:
                 every = self.runner.prefill_rows(rows, all_positions=True)  # [len(group), S, V]
                 self._score_prompts(group, scoring, every)
                 logits = every[torch.arange(len(group)), torch.tensor([len(p.token_ids) - 1 for p in group])]
+            elif sampled and (sampling := self._device_sampling([p.request_id if p.last else None
+                                                                 for p in group])) is not None:
+                logits = self.runner.prefill_sampled(rows, sampling)  # the tokens, sampled in the graph
             else:
                 logits = self.runner.prefill_rows(rows, candidates=self._candidates(sampled) if sampled else 1)
         except Exception as e:  # each chunk alone rewrites only its own K/V
@@ -536,7 +553,8 @@ class Engine:
             if not p.last:
                 self.scheduler.update_prefill(p.request_id, len(p.token_ids))
         if sampled:
-            self._update(sampled, logits[[i for i, p in enumerate(group) if p.last]])
+            last = [i for i, p in enumerate(group) if p.last]
+            self._update(sampled, logits[last] if isinstance(logits, torch.Tensor) else [t[last] for t in logits])
 
     def _chunk_embeds(self, p: PrefillWork) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The image embeddings of a prefill chunk's placeholder positions (the encoder cache encodes each image
@@ -618,11 +636,20 @@ class Engine:
             if verify:
                 rows = [VerifyRow(d.blocks, (d.token, *step.proposals[d.request_id]), d.position, d.lora_slot,
                                   d.window_blocks, self._rope_delta(d.request_id)) for d in decodes]
-                logits = self.runner.verify(rows, candidates=self._candidates(ids))
+                if self.runner.samples_on_device and all(
+                        verifies_on_device(self._seqs[d.request_id].state, [self.outputs.banned(d.request_id, j)
+                                           for j in range(len(step.proposals.get(d.request_id, [])) + 1)])
+                        for d in decodes):
+                    logits = self.runner.verify_argmax(rows)  # each position's argmax, from the graph
+                else:
+                    logits = self.runner.verify(rows, candidates=self._candidates(ids))
+                    self.runner.stats.host_fallback += len(rows) * self.runner.samples_on_device
             else:
-                logits = self.runner.decode([DecodeRow(d.blocks, d.token, d.position, d.lora_slot, d.window_blocks,
-                                                       self._rope_delta(d.request_id)) for d in decodes],
-                                            candidates=self._candidates(ids))
+                drows = [DecodeRow(d.blocks, d.token, d.position, d.lora_slot, d.window_blocks,
+                                   self._rope_delta(d.request_id)) for d in decodes]
+                sampling = self._device_sampling(ids)
+                logits = (self.runner.decode_sampled(drows, sampling) if sampling is not None
+                          else self.runner.decode(drows, candidates=self._candidates(ids)))
             self.stats.graph_s += time.perf_counter() - t0
         except Exception as e:
             def alone(d: DecodeWork) -> None:  # the same plan, at batch 1
@@ -685,13 +712,31 @@ class Engine:
             ks.append(k)
         return max(ks)
 
-    def _update(self, request_ids: list[str], logits: torch.Tensor) -> list[int]:
+    def _device_sampling(self, request_ids: list[str | None]) -> SamplingInputs | None:
+        """The step's sampling inputs for a graph that samples its rows' tokens (a None row samples nothing); None
+        when the executor's graphs return logits, or some row needs the host sampler this step (counted in the
+        runner's `host_fallback`)."""
+        if not self.runner.samples_on_device:
+            return None
+        states = [None if rid is None else self._seqs[rid].state for rid in request_ids]
+        k = self.runner.sample_candidates
+        if any(host_sampling_reason(st, k) is not None for st in states):
+            self.runner.stats.host_fallback += sum(st is not None for st in states)
+            return None
+        banned = [() if rid is None else self.outputs.banned(rid) for rid in request_ids]
+        return device_inputs(states, banned, self.runner.vocab_size)
+
+    def _update(self, request_ids: list[str], logits: torch.Tensor | list[torch.Tensor]) -> list[int]:
         """Sample each request's next token from its row of `logits` [len(request_ids), V] in one batch and
-        deliver it. Returns the tokens."""
+        deliver it; or, from a graph that sampled them (a list: `runner.decode_sampled`), deliver its tokens.
+        Returns the tokens."""
         t0 = time.perf_counter()
         seqs = [self._seqs[rid] for rid in request_ids]
-        banned = [self.outputs.banned(rid) for rid in request_ids]
-        results = sample_batch(logits, [seq.state for seq in seqs], banned)
+        if isinstance(logits, torch.Tensor):
+            banned = [self.outputs.banned(rid) for rid in request_ids]
+            results = sample_batch(logits, [seq.state for seq in seqs], banned)
+        else:
+            results = device_results(logits[0].tolist(), tuple(logits[1:]) or None, [seq.state for seq in seqs])
         t1 = time.perf_counter()
         for rid, seq, res in zip(request_ids, seqs, results, strict=True):
             seq.state.observe(res.token)

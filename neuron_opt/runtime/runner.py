@@ -16,10 +16,14 @@ stands there for a ring of `window_blocks_per_sequence` blocks (logical block i 
 because a step's queries see at most that many consecutive blocks and the mask hides every older position.
 Each row may name a LoRA adapter slot (`lora_slot`, neuron_opt.lora; 0: the base model), which becomes the step's
 `lora_slots` for executors of a model with a LoRA capacity; padding rows take slot 0.
+On an executor that samples on the device (`samples_on_device`: the neuron backend), `decode_sampled` and
+`prefill_sampled` hand the step's sampling inputs (neuron_opt.sample_ops.SamplingInputs) to the graph and return the
+rows' token ids, not their logits. `stats` counts the time in graph calls and the bytes they moved device -> host.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -30,6 +34,7 @@ from neuron_opt.backends.base import Executor, StepInputs
 from neuron_opt.buckets import Bucket, BucketConfig, pick_decode, pick_prefill, pick_verify
 from neuron_opt.config import CacheConfig
 from neuron_opt.errors import BucketOverflowError, ConfigError, ContextLengthError
+from neuron_opt.sample_ops import SamplingInputs
 
 Blocks = int | Sequence[int]  # a sequence's block table, or a slot number (slot_blocks)
 
@@ -74,6 +79,23 @@ class VerifyRow:
     rope_delta: int = 0  # M-RoPE: as DecodeRow's
 
 
+@dataclass
+class RunnerStats:
+    """Counters of the runner's graph calls. `graph_s`: wall time inside the executor's `run` (inputs to the device,
+    the graph, its outputs back: the time the device is busy with a step, as the host sees it); `d2h_bytes`: bytes
+    the calls moved device -> host, on executors that report them (`d2h_bytes`: the neuron backend; the cpu and
+    eager backends' outputs are already host tensors); `device_sampled` / `host_sampled`: rows whose token was
+    sampled in the graph / on the host from logits on an executor that samples on the device (`host_fallback`:
+    those of the latter that asked for what the graph cannot sample exactly: runtime.sampling.host_sampling_reason)."""
+
+    graph_calls: int = 0
+    graph_s: float = 0.0
+    d2h_bytes: int = 0
+    last_d2h_bytes: int = 0
+    device_sampled: int = 0
+    host_fallback: int = 0
+
+
 class ModelRunner:
     """`model_config`: the model's ModelConfig where the caller has it (LoRA adapters are checked against it; an
     embedding model's `matryoshka_dims`, the sizes its vectors may be truncated to, come from it). `vision`: a
@@ -93,6 +115,17 @@ class ModelRunner:
         # torch threads of each graph call, set on the calling thread (`serve`'s engine thread: runtime/threads.py);
         # None: left as they are
         self.num_threads: int | None = None
+        self.stats = RunnerStats()
+
+    @property
+    def samples_on_device(self) -> bool:
+        """The executor's graphs take sampling inputs and return token ids (`decode_sampled`, `prefill_sampled`)."""
+        return bool(getattr(self.executor, "samples_on_device", False))
+
+    @property
+    def sample_candidates(self) -> int | None:
+        """Top logits per rank the executor's vocab-parallel sampling sees (None: the whole row)."""
+        return getattr(self.executor, "sample_candidates", None)
 
     @property
     def embeds(self) -> bool:
@@ -246,14 +279,26 @@ class ModelRunner:
             raise ConfigError("messages: this model takes text only, not images", param="messages")
         return self.vision.encode(item)
 
-    def _run(self, bucket: Bucket, inputs: StepInputs, candidates: int | None) -> torch.Tensor:
+    def _run(self, bucket: Bucket, inputs: StepInputs, candidates: int | None,
+             sampling: SamplingInputs | None = None) -> Any:
         self.last_bucket = bucket
         if self.num_threads is not None and torch.get_num_threads() != self.num_threads:
             torch.set_num_threads(self.num_threads)
-        if candidates is not None and getattr(self.executor, "gathers_candidates", False):
+        t0 = time.perf_counter()
+        if sampling is not None:
+            if not self.samples_on_device:
+                raise ConfigError("this executor's graphs return logits; sample on the host")
+            out = self.executor.run(bucket, inputs, sampling=sampling)
+        elif candidates is not None and getattr(self.executor, "gathers_candidates", False):
             # vocab-parallel TP: ranks send only their top-`candidates` logits (see neuron_opt.parallel.vocab)
-            return self.executor.run(bucket, inputs, candidates=candidates)
-        return self.executor.run(bucket, inputs)
+            out = self.executor.run(bucket, inputs, candidates=candidates)
+        else:
+            out = self.executor.run(bucket, inputs)
+        st = self.stats
+        st.graph_calls, st.graph_s = st.graph_calls + 1, st.graph_s + time.perf_counter() - t0
+        st.last_d2h_bytes = int(getattr(self.executor, "d2h_bytes", 0))
+        st.d2h_bytes += st.last_d2h_bytes
+        return out
 
     def prefill(self, blocks: Blocks, token_ids: Sequence[int], candidates: int | None = None,
                 start: int = 0) -> torch.Tensor:
@@ -277,6 +322,22 @@ class ModelRunner:
         every = torch.arange(S).expand(B, S).contiguous()  # [B, S]
         inputs = replace(inputs, last_index=every)
         return self._run(bucket, inputs, None)[: len(rows), :, : self.vocab_size]
+
+    def prefill_sampled(self, rows: Sequence[PrefillRow], sampling: SamplingInputs) -> list[torch.Tensor]:
+        """`prefill_rows` with each row's next token sampled in the graph from its last position (`sampling`: one
+        row each); the token ids [len(rows)] (and logprobs asked for: neuron_opt.backends.neuron.NeuronExecutor)."""
+        bucket, inputs = self._prefill_inputs(rows)
+        return self._sampled(self._run(bucket, inputs, None, sampling), len(rows))
+
+    def decode_sampled(self, rows: list[DecodeRow], sampling: SamplingInputs) -> list[torch.Tensor]:
+        """`decode` with each row's token sampled in the graph (`sampling`: one row each); the token ids
+        [len(rows)] (and the logprobs asked for)."""
+        bucket, inputs = self._decode_inputs(rows)
+        return self._sampled(self._run(bucket, inputs, None, sampling), len(rows))
+
+    def _sampled(self, outs: list[torch.Tensor], n: int) -> list[torch.Tensor]:
+        self.stats.device_sampled += n
+        return [t[:n] for t in outs]
 
     def embed_rows(self, rows: Sequence[PrefillRow]) -> torch.Tensor:
         """An embedding model's inputs in one graph call, up to the prefill batch, each whole and from position 0
@@ -351,6 +412,10 @@ class ModelRunner:
 
     def decode(self, rows: list[DecodeRow], candidates: int | None = None) -> torch.Tensor:
         """One token per row at its position; returns fp32 logits [len(rows), V]."""
+        bucket, inputs = self._decode_inputs(rows)
+        return self._run(bucket, inputs, candidates)[: len(rows), : self.vocab_size]
+
+    def _decode_inputs(self, rows: list[DecodeRow]) -> tuple[Bucket, StepInputs]:
         bucket = pick_decode(len(rows), max(r.position for r in rows), self.buckets)
         B = bucket.batch
         ids = torch.zeros(B, 1, dtype=torch.long)
@@ -364,9 +429,8 @@ class ModelRunner:
         window = self._window_inputs(rows, [r.position for r in rows], [1] * len(rows), (B, 1), bucket.kv_len)
         inputs = StepInputs(ids, pos, slots, self._tables(tables, B, bucket.kv_len), torch.zeros(B, dtype=torch.long),
                             self._lora_slots(rows, B), *window)
-        inputs = self._with_rope(inputs, [torch.full((3, 1), r.position + r.rope_delta) if r.rope_delta else None
-                                          for r in rows])
-        return self._run(bucket, inputs, candidates)[: len(rows), : self.vocab_size]
+        return bucket, self._with_rope(inputs, [torch.full((3, 1), r.position + r.rope_delta) if r.rope_delta
+                                                else None for r in rows])
 
     @property
     def verify_len(self) -> int:
@@ -376,6 +440,19 @@ class ModelRunner:
     def verify(self, rows: list[VerifyRow], candidates: int | None = None) -> torch.Tensor:
         """Score each row's tokens at consecutive positions in one graph call; returns fp32 logits
         [len(rows), q_len, V]: position j's logits predict the token after `tokens[j]`."""
+        bucket, inputs = self._verify_inputs(rows)
+        return self._run(bucket, inputs, candidates)[: len(rows), :, : self.vocab_size]
+
+    def verify_argmax(self, rows: list[VerifyRow]) -> torch.Tensor:
+        """`verify` on an executor that samples on the device, for greedy rows that take the logits as they are:
+        each position's argmax [len(rows), q_len] (int32), computed in the graph."""
+        bucket, inputs = self._verify_inputs(rows)
+        greedy = SamplingInputs.greedy(bucket.batch * bucket.tokens)
+        ids = self._run(bucket, inputs, None, greedy)[0].reshape(bucket.batch, bucket.tokens)
+        self.stats.device_sampled += len(rows)
+        return ids[: len(rows)]
+
+    def _verify_inputs(self, rows: list[VerifyRow]) -> tuple[Bucket, StepInputs]:
         q = self.verify_len
         if not q:
             raise BucketOverflowError("this model has no verify graphs; recompile with --num-speculative-tokens K")
@@ -397,6 +474,5 @@ class ModelRunner:
                                      bucket.kv_len)
         inputs = StepInputs(ids, pos, slots, self._tables(tables, B, bucket.kv_len),
                             torch.arange(q).expand(B, q).contiguous(), self._lora_slots(rows, B), *window)
-        inputs = self._with_rope(inputs, [(pos[i] + r.rope_delta).expand(3, q) if r.rope_delta else None
-                                          for i, r in enumerate(rows)])
-        return self._run(bucket, inputs, candidates)[: len(rows), :, : self.vocab_size]
+        return bucket, self._with_rope(inputs, [(pos[i] + r.rope_delta).expand(3, q) if r.rope_delta else None
+                                                for i, r in enumerate(rows)])

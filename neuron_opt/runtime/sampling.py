@@ -1,10 +1,13 @@
-"""Sampling: greedy, temperature, top-k, top-p, seed, logit_bias, presence/frequency penalties, grammars, logprobs.
+"""Sampling: greedy, temperature, min-p, top-k, top-p, seed, logit_bias, presence/frequency penalties, grammars,
+logprobs.
 
 `temperature == 0` is greedy (argmax). A request with a seed draws from its own `torch.Generator`, so its
 output does not depend on what else is in the batch. A step's rows are sampled together (`sample_batch`): one
-argmax over the greedy rows, and for the others temperature, top-k and top-p as [rows, V] tensor operations
+argmax over the greedy rows, and for the others temperature, min-p, top-k and top-p as [rows, V] tensor operations
 (one top-k to the largest k, one sort for the rows with top-p), then each row's token by inverse CDF from one
-uniform number of its own generator.
+uniform number of its own generator. The filters and the draw are neuron_opt.sample_ops's, the definition a device
+graph runs too: `device_inputs` turns a step's rows into that graph's inputs (the uniform numbers drawn here, from
+the same generators), so a token sampled on the device is the one the host would have sampled.
 
 The logits a row samples from (and its logprobs are computed from) are processed in one order, the same in the
 batched and the single-row path: logit_bias is added, presence/frequency penalties subtracted, the grammar's mask
@@ -30,6 +33,7 @@ import torch
 from neuron_opt.errors import ConfigError
 from neuron_opt.parallel.vocab import candidates_needed as needed
 from neuron_opt.runtime.structured import GrammarState, StructuredOutputs, apply_grammar_masks
+from neuron_opt.sample_ops import SamplingInputs, bit_set, draw_rows, filter_rows
 
 MAX_LOGIT_BIAS = 100.0  # |bias| per token, as OpenAI bounds it
 
@@ -69,6 +73,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
+    min_p: float = 0.0  # tokens below min_p x the most likely one's probability are dropped (0 = off)
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -90,7 +95,7 @@ class SamplingParams:
         def bad(name: str, rule: str) -> ConfigError:
             return ConfigError(f"{name}: {rule}, got {getattr(self, name)}", param=name)
 
-        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
             if not math.isfinite(getattr(self, name)):
                 raise bad(name, "must be a finite number")
         for token, bias in self.logit_bias:
@@ -107,6 +112,8 @@ class SamplingParams:
             raise bad("top_k", "must be 0 (disabled) or positive")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise bad(name, "must be in [-2, 2]")
@@ -293,13 +300,9 @@ def sample_one(logits: torch.Tensor, st: SamplerState, banned: tuple[int, ...] =
     return sample_batch(logits[None], [st], [banned])[0]
 
 
-def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row of probs [R, V] by inverse CDF, from one uniform number of each row's generator."""
-    u = torch.stack([torch.rand((), generator=g) for g in generators])  # [R]
-    cum = probs.cumsum(-1)  # [R, V]
-    # the first index whose cumulative mass exceeds u * total: never a zero-probability token
-    token = torch.searchsorted(cum, (u * cum[:, -1])[:, None], right=True)[:, 0]
-    return token.clamp(max=probs.shape[-1] - 1)
+def _uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One uniform number in [0, 1) from each row's generator [R]: the draw of its step."""
+    return torch.stack([torch.rand((), generator=g) for g in generators])
 
 
 def sample_batch(logits: torch.Tensor, states: list[SamplerState],
@@ -331,19 +334,11 @@ def sample_batch(logits: torch.Tensor, states: list[SamplerState],
         z = logits[rows] / torch.tensor([p.temperature for p in ps], dtype=logits.dtype)[:, None]  # [R, V]
         V = z.shape[-1]
         ks = torch.tensor([p.top_k if 0 < p.top_k < V else 0 for p in ps])
-        if bool((ks > 0).any()):
-            top = torch.topk(z, int(ks.max())).values  # [R, k_max]
-            kth = top.gather(1, (ks - 1).clamp(min=0)[:, None])  # [R, 1]
-            kth = torch.where(ks[:, None] > 0, kth, torch.full_like(kth, float("-inf")))
-            z = z.masked_fill(z < kth, float("-inf"))
-        nucleus = [j for j, p in enumerate(ps) if p.top_p < 1.0]
-        if nucleus:
-            zs, order = torch.sort(z[nucleus], descending=True)  # [N, V]
-            probs = zs.softmax(-1)
-            top_p = torch.tensor([ps[j].top_p for j in nucleus], dtype=probs.dtype)[:, None]
-            drop = probs.cumsum(-1) - probs >= top_p  # keep the smallest prefix whose mass reaches top_p
-            z[nucleus] = z[nucleus].masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
-        tokens[rows] = _draw(z.softmax(-1), [states[i].generator for i in rows])
+        skip = tuple(name for name, used in (("min_p", any(p.min_p > 0 for p in ps)), ("top_k", bool(ks.any())),
+                                             ("top_p", any(p.top_p < 1.0 for p in ps))) if not used)
+        z = filter_rows(z, ks, torch.tensor([p.top_p for p in ps]), torch.tensor([p.min_p for p in ps]),
+                        k_max=int(ks.max()), skip=skip)
+        tokens[rows] = draw_rows(z, _uniforms([states[i].generator for i in rows]))
     out = tokens.tolist()
     return [result_for(out[i], logits[i], st) if st.params.logprobs is not None else SampleResult(out[i])
             for i, st in enumerate(states)]
@@ -354,3 +349,123 @@ def candidates_needed(params: SamplingParams, n_banned: int = 0) -> int | None:
     return needed(params.greedy, params.top_k, params.top_p,
                   params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.needs_full_logits,
                   params.logprobs is not None, n_banned)
+
+
+# logit_bias entries, and tokens with presence/frequency penalties, a row may carry into a device graph (each a
+# [B, ADJUST_SLOTS] input); a row with more is sampled on the host that step
+ADJUST_SLOTS = 64
+DEVICE_TOP_LOGPROBS = 20  # a device graph returns this many top logprobs when any row asks for some
+
+
+def host_sampling_reason(st: SamplerState | None, candidates: int | None) -> str | None:
+    """Why this row's sampling must run on the host this step (None: a device graph can sample it exactly).
+    `candidates`: the device's vocab-parallel candidates per rank (tp > 1), None where it holds the whole row."""
+    if st is None:
+        return None
+    p = st.params
+    if st._bias is not None and len(st._bias[0]) > ADJUST_SLOTS:
+        return "logit_bias"
+    if (p.presence_penalty or p.frequency_penalty) and len(st.counts) > ADJUST_SLOTS:
+        return "penalties"
+    if st.forced_token is not None and p.logprobs:
+        return "forced_logprobs"  # the top logprobs of a forced row are ties at -inf, in no defined order
+    if candidates is not None and not p.greedy and not 0 < p.top_k <= candidates:
+        return "full_distribution"  # sampling over more than the ranks' candidates
+    return None
+
+
+def verifies_on_device(st: SamplerState, banned_for: list[tuple[int, ...]]) -> bool:
+    """A verify row the graph can score alone (`runner.verify_argmax`): greedy, its logits taken as they are at every
+    position (no bias, penalties, grammar, banned or forced token) and no logprobs."""
+    p = st.params
+    return (p.greedy and st._bias is None and not (p.presence_penalty or p.frequency_penalty) and st.grammar is None
+            and st._thinking is None and p.logprobs is None and not any(banned_for))
+
+
+def device_inputs(states: list[SamplerState | None], banned: list[tuple[int, ...]], vocab_size: int) -> SamplingInputs:
+    """A step's rows as a device graph's sampling inputs (neuron_opt.sample_ops.SamplingInputs); a None state is
+    a row that samples nothing (a prefill chunk before the prompt's last), run as greedy. Each sampled row's uniform
+    number is the next draw of its generator, the one `sample_batch` would make; `device_results` takes it once the
+    graph has run (a failed call leaves the streams where they were). Check every row with `host_sampling_reason`
+    first. The allowed-token mask carries the grammar, the banned tokens (unless they
+    would leave none: `_ban`) and a forced token (only itself)."""
+    B, A = len(states), ADJUST_SLOTS
+    temperature, top_p, min_p, u = (torch.zeros(B), torch.ones(B), torch.zeros(B), torch.zeros(B))
+    top_k = torch.zeros(B, dtype=torch.long)
+    bias_ids, bias = torch.zeros(B, A, dtype=torch.long), torch.zeros(B, A)
+    pen_ids, pen = torch.zeros(B, A, dtype=torch.long), torch.zeros(B, A)
+    mask = None
+    asks = [st.params.logprobs for st in states if st is not None and st.params.logprobs is not None]
+    for i, st in enumerate(states):
+        if st is None:
+            continue
+        p = st.params
+        if not p.greedy:
+            temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+            u[i] = _peek(st.generator)
+        if st._bias is not None:
+            n = len(st._bias[0])
+            bias_ids[i, :n], bias[i, :n] = st._bias
+        if st.counts and (p.presence_penalty or p.frequency_penalty):
+            ids = torch.tensor(list(st.counts), dtype=torch.long)
+            cnt = torch.tensor(list(st.counts.values()), dtype=torch.float32)
+            pen_ids[i, : len(ids)], pen[i, : len(ids)] = ids, p.frequency_penalty * cnt + p.presence_penalty
+        forced = st.forced_token
+        if st.grammar is None and not banned[i] and forced is None:
+            continue
+        if mask is None:
+            mask = torch.full((B, -(-vocab_size // 32)), -1, dtype=torch.int32)
+        if forced is not None:
+            mask[i] = 0
+            mask[i, forced // 32] = _bit(forced % 32)
+            continue
+        if st.grammar is not None:
+            st.grammar.fill(mask, i)
+        grammar_row = mask[i].clone()
+        for t in banned[i]:
+            mask[i, t // 32] &= ~_bit(t % 32)
+        if not bool(_allowed(mask[i], vocab_size).any()):  # nothing left: the grammar's end wins
+            mask[i] = grammar_row
+    sampled = [st.params for st in states if st is not None and not st.params.greedy]
+    skip = ("draw",) if not sampled else tuple(
+        name for name, used in (("min_p", any(p.min_p > 0 for p in sampled)), ("top_k", any(p.top_k for p in sampled)),
+                                ("top_p", any(p.top_p < 1.0 for p in sampled))) if not used)
+    return SamplingInputs(temperature, top_k, top_p, min_p, u, bias_ids, bias, pen_ids, pen, mask,
+                          (DEVICE_TOP_LOGPROBS if any(asks) else 0) if asks else None, skip)
+
+
+def _peek(g: torch.Generator | None) -> float:
+    """The next uniform number of `g`, leaving `g` where it is."""
+    assert g is not None
+    copy = torch.Generator()
+    copy.set_state(g.get_state())
+    return float(torch.rand((), generator=copy))
+
+
+def _bit(b: int) -> int:
+    """Bit b of an int32 word, as the signed value torch stores (bit 31 is the sign)."""
+    return (1 << b) - (1 << 32) * (b == 31)
+
+
+def _allowed(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    v = torch.arange(vocab_size)
+    return bit_set(words[v // 32], v)
+
+
+def device_results(tokens: list[int], logprobs: tuple[torch.Tensor, ...] | None,
+                   states: list[SamplerState]) -> list[SampleResult]:
+    """A device graph's sampled tokens (and its chosen / top logprobs) as each row's SampleResult; each sampled
+    row's generator moves past the draw the graph used (`device_inputs`)."""
+    out = []
+    for i, st in enumerate(states):
+        if not st.params.greedy:
+            _uniforms([st.generator])
+        n = st.params.logprobs
+        if n is None or logprobs is None:
+            out.append(SampleResult(tokens[i]))
+            continue
+        tops = ()
+        if n:
+            tops = tuple(zip(logprobs[2][i, :n].tolist(), logprobs[1][i, :n].tolist(), strict=True))
+        out.append(SampleResult(tokens[i], float(logprobs[0][i]), tops))
+    return out

@@ -288,6 +288,18 @@ class DraftModelProposer:
         return torch.cat(parts)
 
 
+def accept_argmax(argmax: list[int], draft: list[int], state: SamplerState) -> list[SampleResult]:
+    """`accept` for a greedy row whose logits are taken as they are (runtime.sampling.verifies_on_device), from
+    each scored position's argmax: the proposals up to the first the target disagrees with, then its own token."""
+    out: list[SampleResult] = []
+    for j, token in enumerate(argmax[: len(draft) + 1]):
+        out.append(SampleResult(token))
+        state.observe(token)
+        if j == len(draft) or token != draft[j]:
+            break
+    return out
+
+
 def accept(
     logits: torch.Tensor, draft: list[int], state: SamplerState, banned_for: list[tuple[int, ...]]
 ) -> list[SampleResult]:
@@ -557,8 +569,10 @@ class SpeculativeDecoding:
 
     def accept(self, request_id: str, logits: torch.Tensor, draft: list[int], state: SamplerState,
                banned_for: list[tuple[int, ...]]) -> list[SampleResult]:
-        """`accept` for one verify row, counted in the stats and the request's acceptance estimate."""
-        results = accept(logits, draft, state, banned_for)
+        """`accept` for one verify row, counted in the stats and the request's acceptance estimate. Integer
+        `logits` are each position's argmax computed in the graph (`accept_argmax`)."""
+        results = (accept(logits, draft, state, banned_for) if logits.is_floating_point()
+                   else accept_argmax(logits.tolist(), draft, state))
         if draft:
             st = self.stats
             st.drafts, st.draft_tokens, st.accepted_tokens = (st.drafts + 1, st.draft_tokens + len(draft),

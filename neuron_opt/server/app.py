@@ -206,6 +206,7 @@ def engine_metrics(engine: Engine, model_name: str, max_model_len: int) -> Serve
         lambda: engine.stats.step_tokens,
         lambda: engine.lora_adapters,
         getattr(engine, "kv_tier", None),
+        lambda: (engine.runner.stats, engine.stats.step_s),
     )
 
 

@@ -141,6 +141,36 @@ class _SpecCollector:
         yield g
 
 
+class _DeviceCollector:
+    """The graph calls against the engine's steps (the runner's RunnerStats and the engine's summed step time),
+    read at scrape time: the time the device is busy with graphs (as the host sees a call: inputs in, the graph,
+    outputs out) against the steps' wall time, the bytes the graphs returned to the host, and where tokens were
+    sampled (in the graph, or on the host for a row the graph cannot sample exactly)."""
+
+    def __init__(self, model_name: str, stats: Callable[[], tuple[Any, float]]) -> None:
+        self.model_name, self.stats = model_name, stats
+
+    def collect(self) -> Any:
+        runner, step_s = self.stats()
+        for name, doc, value in (
+            (PREFIX + "graph_busy_seconds_total", "Wall time inside the model's graph calls.", runner.graph_s),
+            (PREFIX + "engine_step_seconds_total", "Wall time of the engine's steps.", step_s),
+            (PREFIX + "device_to_host_bytes_total", "Bytes the graph calls moved device to host.",
+             runner.d2h_bytes),
+            (PREFIX + "device_sampled_tokens_total", "Tokens sampled inside the graphs.", runner.device_sampled),
+            (PREFIX + "host_sampling_fallback_total", "Rows sampled on the host from logits by an executor that "
+             "samples on the device (parameters the graph cannot sample exactly; speculative verification).",
+             runner.host_fallback),
+        ):
+            c = CounterMetricFamily(name.removesuffix("_total"), doc, labels=["model_name"])
+            c.add_metric([self.model_name], value)
+            yield c
+        g = GaugeMetricFamily(PREFIX + "graph_busy_fraction", "Graph call time over the engine's step time, "
+                              "since start (0-1).", labels=["model_name"])
+        g.add_metric([self.model_name], runner.graph_s / step_s if step_s else 0.0)
+        yield g
+
+
 class _StepCollector:
     """`vllm:iteration_tokens_total`: tokens scheduled per engine step, as a histogram built at scrape time from
     the engine's count of steps by token count."""
@@ -248,6 +278,7 @@ class ServerMetrics:
         step_tokens: Callable[[], Any] | None = None,
         lora_adapters: Callable[[], tuple[dict[str, int], dict[str, int]]] | None = None,
         kv_tier: Any = None,
+        device_stats: Callable[[], tuple[Any, float]] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
@@ -261,6 +292,8 @@ class ServerMetrics:
             self.registry.register(_LoraInfoCollector(loras.config.max_loras, lora_adapters))
         if kv_tier is not None:  # only with a second KV tier
             self.registry.register(_TierCollector(model_name, kv_tier))
+        if device_stats is not None:
+            self.registry.register(_DeviceCollector(model_name, device_stats))
 
         def labelled(kind: type, name: str, doc: str, **kw: Any) -> Any:  # one metric, this model's label
             return kind(name, doc, ["model_name"], registry=self.registry, **kw).labels(model_name)

@@ -10,7 +10,7 @@ Design decisions
   name the field the request used.
 - `n` samples share the prompt; each gets its own seed (seed + i) when a seed is given.
 - Strict types (no "0.5" -> 0.5 coercion, no true -> 1): wrong types are 400s with the field's name.
-- vLLM's extra sampling fields (top_k, min_tokens, ignore_eos, stop_token_ids) and
+- vLLM's extra sampling fields (top_k, min_p, min_tokens, ignore_eos, stop_token_ids) and
   `stream_options.continuous_usage_stats` are honoured, so vLLM-compatible clients (guidellm, vLLM's benchmarks)
   work unchanged; with the `openai` client they go in `extra_body`.
 - Errors name the request's own field (`param`): SamplingParams raises with its field names, and
@@ -222,6 +222,7 @@ class _Sampling(_Strict):
     response_format: ResponseFormat | None = None
     # vLLM extras (openai client: extra_body)
     top_k: int | None = None
+    min_p: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
@@ -312,6 +313,7 @@ class _Sampling(_Strict):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_k=0 if self.top_k in (None, -1) else self.top_k,  # -1 = disabled, as in vLLM
             top_p=1.0 if self.top_p is None else self.top_p,
+            min_p=self.min_p or 0.0,
             seed=seed,
             stop=stop,
             stop_token_ids=tuple(self.stop_token_ids or ()),

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from neuron_opt.cli import main
+from neuron_opt.planner.latency import HOST_SAMPLE_S_PER_LOGIT, LOGITS_D2H_BYTES_PER_S
 
 LLAMA3_8B = {
     "model_type": "llama",
@@ -140,6 +141,9 @@ def test_json_queue_percentiles(config_path: Path, capsys: pytest.CaptureFixture
     one = json.loads(capsys.readouterr().out)
     assert one["ttft_ms"] == one["ttft_p99_ms"] == one["step_ttft_ms"]
     assert abs(one["tpot_ms"] - one["step_tpot_ms"]) <= 0.25 * one["step_tpot_ms"]
+    # what sampling on the host would add to a decode step of batch 1: 128,256 fp32 logits out, sampled on the host
+    per_logit = 4 / LOGITS_D2H_BYTES_PER_S + HOST_SAMPLE_S_PER_LOGIT
+    assert one["host_sampling_ms"] == pytest.approx(1e3 * 128256 * per_logit, abs=0.01)
     assert main([*base, "--concurrency", "8", "--rate", "1.5"]) == 0
     a = json.loads(capsys.readouterr().out)
     assert main([*base, "--concurrency", "8", "--arrival", "poisson", "--rate", "1.5"]) == 0

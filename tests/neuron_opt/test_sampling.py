@@ -65,7 +65,8 @@ def test_logprobs_reported():
 
 @pytest.mark.parametrize("kw,field", [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"),
                                       ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"),
-                                      ({"presence_penalty": 3}, "presence_penalty"), ({"logprobs": 50}, "logprobs")])
+                                      ({"presence_penalty": 3}, "presence_penalty"), ({"logprobs": 50}, "logprobs"),
+                                      ({"min_p": 1.5}, "min_p")])
 def test_invalid_params_name_the_field(kw, field):
     with pytest.raises(ConfigError, match=field):
         SamplingParams(**kw)
@@ -217,3 +218,52 @@ def test_thinking_budget_forces_the_end_marker_after_budget_thinking_tokens():
         [7, 45, 46, 47, 7, 7, 7, 7, 7, 7, 40, 41, 7, 7, 7, 7, 7, 7]
     with pytest.raises(ConfigError, match="thinking_token_budget"):
         ThinkingBudget(-1, START, END, True)
+
+
+def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_top_one():
+    probs = torch.tensor([0.5, 0.3, 0.12, 0.05, 0.03])
+    st = SamplerState.create(SamplingParams(temperature=1.0, min_p=0.2, seed=0))  # 0.2 x 0.5 = 0.1
+    assert {sample_one(torch.log(probs), st).token for _ in range(400)} == {0, 1, 2}
+
+
+def test_the_device_definition_run_on_the_host_samples_what_the_host_sampler_samples():
+    """`device_inputs` + sample_ops (what a neuron graph computes, here on CPU tensors) against `sample_batch`,
+    with two generators seeded alike: temperature, top-k, top-p, min-p, penalties, logit_bias, banned and forced
+    tokens, logprobs; 20 steps, each row observing its token. Building the inputs again before the results (a graph
+    call that failed, run again) gives the same draws."""
+    from neuron_opt.runtime.sampling import device_inputs, device_results, sample_batch
+    from neuron_opt.sample_ops import adjust_rows, logprob_rows, sample_rows
+
+    g = torch.Generator().manual_seed(5)
+    params = [SamplingParams(logprobs=2), SamplingParams(temperature=0.9, seed=1),
+              SamplingParams(temperature=1.2, top_k=7, seed=2, presence_penalty=0.6, frequency_penalty=0.4),
+              SamplingParams(temperature=0.7, top_p=0.8, min_p=0.1, seed=3, logit_bias=((4, 2.0), (9, -1.5)),
+                             logprobs=0),
+              SamplingParams(temperature=1.0, seed=4, min_tokens=5)]
+    host, dev = [SamplerState.create(p) for p in params], [SamplerState.create(p) for p in params]
+    for step in range(20):
+        logits = torch.randn(len(params), 64, generator=g) * 2
+        banned = [(), (), (), (), (3, 5) if step < 5 else ()]
+        want = sample_batch(logits, host, banned)
+        s = device_inputs(dev, banned, 64)
+        assert torch.equal(device_inputs(dev, banned, 64).u, s.u)  # a graph call that failed draws nothing
+        x = adjust_rows(logits, s)
+        ids = sample_rows(x, s)
+        got = device_results(ids.tolist(), logprob_rows(x, ids, s.logprobs), dev)
+        assert [r.token for r in got] == [r.token for r in want]
+        for a, b in zip(got, want, strict=True):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-6) if b.logprob is not None else a.logprob is None
+            assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
+        for st_h, st_d, r in zip(host, dev, want, strict=True):
+            st_h.observe(r.token)
+            st_d.observe(r.token)
+
+
+def test_min_p_from_an_openai_request():
+    """`min_p` is one of vLLM's extra sampling fields of the OpenAI routes (0: off); out of [0, 1] names the field."""
+    from neuron_opt.server.protocol import CompletionRequest
+
+    assert CompletionRequest(model="m", prompt="x", min_p=0.1).sampling_params(1, 64, 100).min_p == 0.1
+    assert CompletionRequest(model="m", prompt="x").sampling_params(1, 64, 100).min_p == 0.0
+    with pytest.raises(ConfigError, match="min_p"):
+        CompletionRequest(model="m", prompt="x", min_p=1.5).sampling_params(1, 64, 100)

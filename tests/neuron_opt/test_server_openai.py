@@ -86,6 +86,12 @@ def test_models_health_metrics(server, client):
                         for p in ("queue", "inference"))
     assert 0 < queue + inference <= value("vllm:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds_sum")
     assert value("vllm:request_decode_time_seconds", "vllm:request_decode_time_seconds_sum") <= inference
+    # the graph calls inside the engine's steps; this executor's outputs are host tensors, sampled on the host
+    busy = value("neuron_opt:graph_busy_seconds", "neuron_opt:graph_busy_seconds_total")
+    assert 0 < busy <= value("neuron_opt:engine_step_seconds", "neuron_opt:engine_step_seconds_total")
+    assert 0 < value("neuron_opt:graph_busy_fraction", "neuron_opt:graph_busy_fraction") <= 1
+    assert value("neuron_opt:device_to_host_bytes", "neuron_opt:device_to_host_bytes_total") == 0
+    assert value("neuron_opt:device_sampled_tokens", "neuron_opt:device_sampled_tokens_total") == 0
 
     # a request's n and max_tokens, its longest sample, and the tokens of the engine steps that ran it
     before = fams

@@ -28,6 +28,7 @@ from neuron_opt.runtime.speculative import (
     SpecController,
     SpeculativeConfig,
     accept,
+    accept_argmax,
 )
 
 K = 3
@@ -567,3 +568,15 @@ def test_serve_flags_build_a_draft_engine_and_concurrent_streams_equal_plain_gre
         got = asyncio.run(all_at_once())
     assert got == want
     assert engine.spec_stats.verify_steps > 0 and not engine.proposer.slot
+
+
+@pytest.mark.parametrize("agree", [0, 1, 3])
+def test_accepting_from_the_graphs_argmax_equals_accepting_from_the_logits(agree):
+    """`accept_argmax` (a greedy verify row's per-position argmax, computed in the device graph) against `accept`
+    on the logits: the proposals up to the first disagreement, then the target's token."""
+    logits = torch.randn(K + 1, 50, generator=torch.Generator().manual_seed(agree))
+    best = logits.argmax(-1).tolist()
+    draft = best[:agree] + [(t + 1) % 50 for t in best[agree:K]]
+    want = accept(logits, draft, SamplerState.create(SamplingParams()), [()] * (K + 1))
+    got = accept_argmax(best, draft, SamplerState.create(SamplingParams()))
+    assert [r.token for r in got] == [r.token for r in want] == best[:min(agree, K) + 1]

@@ -1,0 +1,152 @@
+"""Sampling on the device: the neuron backend's decode and last-token prefill graphs take the rows' sampling
+parameters and return token ids.
+
+Oracles: the host sampler (runtime/sampling.py) on the same step's logits, fed the same uniform numbers (a copy of
+each request's seeded generator); `jsonschema` / `re` for constrained texts; torch-xla's own transfer metrics for
+the bytes a step moves device -> host.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch_xla.debug.metrics as met
+from device_sampling import streams
+from tiny import make_tiny
+
+from neuron_opt.compiler import CompileRequest, compile_artifact
+from neuron_opt.executors import load_model
+from neuron_opt.runtime.runner import DecodeRow
+from neuron_opt.runtime.sampling import SamplerState, SamplingParams, device_inputs
+
+pytestmark = pytest.mark.xla
+HERE = Path(__file__).parent
+
+
+def compile_tiny(ckpt: Path, out: Path, **kw) -> Path:
+    req = dict(max_model_len=32, prefill_buckets=(16,), decode_buckets=(32,), batch_size=4, prefill_batch=4,
+               block_size=32)
+    compile_artifact(CompileRequest(model=str(ckpt), out=out, backend="neuron", dtype="float32", use_cache=False,
+                                    **{**req, **kw}), log=lambda s: None, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny("llama-gqa2", tmp_path_factory.mktemp("llama-gqa2"), tokenizer=True)
+
+
+def check_streams(res: dict) -> None:
+    assert res["device"] == res["host"]  # greedy; temperature; top-k + penalties; top-p + min-p + logit_bias
+    assert len({tuple(s) for s in res["host"]}) == 4 and len(res["host"][0]) == 13
+    assert res["lp_diff"] < 1e-5, res["lp_diff"]  # chosen and top-3 logprobs (ids equal: asserted in streams)
+    B, V = res["batch"], 257
+    # out: ids, the chosen logprobs, 20 top logprobs and their ids per row, not the logits
+    assert res["d2h"]["sampled_logprobs"] <= res["tp"] * B * 4 * (2 + 2 * 20) < res["d2h"]["logits"]
+    assert res["d2h"]["logits"] >= B * V * 4
+    assert res["verify_argmax"][0] == res["verify_argmax"][1]  # [4 rows, 3 positions]
+
+
+def test_device_sampling_equals_the_host_sampler_token_for_token_tp1(tiny, tmp_path):
+    res = streams(load_model(compile_tiny(tiny, tmp_path / "art", num_speculative_tokens=2)).runner, 12, 1)
+    check_streams({**res, "tp": 1})
+
+
+def test_device_sampling_equals_the_host_sampler_token_for_token_tp2_vocab_parallel(tiny, tmp_path):
+    """tp=2: each rank's top candidates, max and sum of exponentials cross ranks; the sampled rows keep a top_k
+    within the candidates (the others are sampled on the host: test_rows_the_device_cannot_sample...)."""
+    out = subprocess.run([sys.executable, str(HERE / "device_sampling.py"), str(tiny), str(tmp_path / "art"), "2"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    check_streams({**json.loads(out.stdout.strip().splitlines()[-1]), "tp": 2})
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_a_sampled_decode_step_moves_ids_not_logits(replay, tiny, tmp_path):
+    runner = load_model(compile_tiny(tiny, tmp_path / "art", backend_options={"replay": replay})).runner
+    V = runner.vocab_size
+    runner.prefill(0, list(range(3, 15)))
+    states = [SamplerState.create(SamplingParams(temperature=0.7, top_p=0.9, seed=4)),
+              SamplerState.create(SamplingParams())]
+    rows = [DecodeRow(0, 5, 12), DecodeRow(1, 6, 0)]
+    moved, total = {}, runner.stats.d2h_bytes  # the prefill's logits so far
+    for kind in ("logits", "ids"):
+        before = met.metric_data("InboundData")
+        if kind == "ids":
+            runner.decode_sampled(rows, device_inputs(states, [(), ()], V))
+        else:
+            runner.decode(rows)
+        after = met.metric_data("InboundData")
+        moved[kind] = (after[1] - (before[1] if before else 0), runner.stats.last_d2h_bytes)
+    B = runner.last_bucket.batch
+    assert moved["ids"] == (4 * B, 4 * B)  # [B] int32 token ids: torch-xla's count and the runner's agree
+    assert moved["logits"][1] == 4 * B * V and moved["logits"][0] >= 4 * B * V
+    assert runner.stats.device_sampled == 2 and runner.stats.d2h_bytes - total == 4 * B * V + 4 * B
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+REGEX = r"[A-Z][a-z]{2,5}-[0-9]{2}"
+
+
+def test_structured_outputs_through_the_device_bitmask_validate_and_equal_host_sampling(tmp_path):
+    """The engine (LLM API) over a neuron artifact: JSON-schema and regex requests, greedy and sampled, with
+    min_tokens (EOS banned), penalties and a logit bias, sampled in the graphs through the token bitmask input;
+    the same requests with the host sampler give the same tokens. A row with more logit_bias entries than the
+    graph takes is sampled on the host, and counted."""
+    from neuron_opt.api import LLM
+    from neuron_opt.runtime.sampling import ADJUST_SLOTS
+    from neuron_opt.runtime.structured import StructuredOutputs
+
+    ckpt = make_tiny("smollm-tok-1layer", tmp_path / "ckpt", tokenizer=True)
+    art = compile_tiny(ckpt, tmp_path / "art", max_model_len=64, prefill_buckets=(16,), decode_buckets=(64,),
+                       batch_size=4, prefill_batch=1, block_size=16)
+    llm = LLM(art)
+    prompts = [list(llm.tokenizer(f"Person {i}: who?")["input_ids"]) for i in range(4)]
+    params = [SamplingParams(max_tokens=40, structured=StructuredOutputs(json=SCHEMA)),
+              SamplingParams(max_tokens=40, structured=StructuredOutputs(json=SCHEMA), temperature=0.9, seed=3,
+                             min_p=0.02),
+              SamplingParams(max_tokens=20, structured=StructuredOutputs(regex=REGEX), temperature=0.7, top_k=30,
+                             seed=5, frequency_penalty=0.5),
+              SamplingParams(max_tokens=12, min_tokens=12, temperature=0.8, top_p=0.9, seed=7,
+                             presence_penalty=0.4, logit_bias=((11, 3.0), (42, -2.0)))]
+    stats = llm.runner.stats
+    device = llm.generate_batch(prompts, params)
+    assert stats.device_sampled > 0 and stats.host_fallback == 0
+    llm.runner.executor.samples_on_device = False
+    sampled_before = stats.device_sampled
+    host = llm.generate_batch(prompts, params)
+    assert stats.device_sampled == sampled_before
+    assert [o.token_ids for o in device] == [o.token_ids for o in host]
+    for o in device[:2]:
+        jsonschema.validate(json.loads(o.text), SCHEMA)
+    assert re.fullmatch(REGEX, device[2].text), device[2].text
+    assert len(device[3].token_ids) == 12
+    llm.runner.executor.samples_on_device = True
+    many = SamplingParams(max_tokens=3, temperature=0.5, seed=1, logit_bias=tuple((i, 0.5) for i in
+                                                                                  range(ADJUST_SLOTS + 1)))
+    assert len(llm.generate_ids(prompts[0], many).token_ids) == 3
+    assert stats.host_fallback == 3  # its prefill and two decode steps
+
+
+def test_speculative_greedy_verify_takes_each_positions_argmax_from_the_graph(tiny, tmp_path):
+    """A greedy verify step returns each scored position's argmax [B, q] from the graph; the accepted tokens equal
+    the host's acceptance from the logits."""
+    from neuron_opt.api import LLM
+    from neuron_opt.runtime.speculative import SpeculativeConfig
+
+    llm = LLM(compile_tiny(tiny, tmp_path / "art", num_speculative_tokens=2))
+    prompt, params = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], SamplingParams(max_tokens=16, ignore_eos=True)
+    out, spec = llm.generate_ids_speculative(prompt, params, SpeculativeConfig(2, adaptive=False))
+    st = llm.runner.stats
+    assert spec.verify_steps > 0 and st.host_fallback == 0 and st.device_sampled >= spec.verify_steps
+    llm.runner.executor.samples_on_device = False
+    host, host_spec = llm.generate_ids_speculative(prompt, params, SpeculativeConfig(2, adaptive=False))
+    assert out.token_ids == host.token_ids and spec.accepted_tokens == host_spec.accepted_tokens
