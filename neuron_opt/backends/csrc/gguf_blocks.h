@@ -1,10 +1,12 @@
 // The body of gguf_linear.cpp's kernels, included once per code path inside that path's namespace (with the
-// path's vector type `V`, lane count `VL`, and `vload`, `vfma`, `vzero`, `vsum` defined before the include, under
-// the path's `#pragma GCC target`). No includes here: gguf_linear.cpp includes what this uses.
+// path's vector type `V`, lane count `VL`, and its vector helpers `vload`, `vfma`, `vzero`, `vadd`, `vsub`, `vmul`,
+// `vset`, `vstore`, `vsum`, `vbits` (VL bytes' bit fields as fp32) and `vint8` (VL int8 as fp32) defined before the include,
+// under the path's `#pragma GCC target`). No includes here: gguf_linear.cpp includes what this uses.
 //
 // decode_block writes one GGUF block's values as fp32, each computed with the same operations, in the same order,
 // as gguf-py's reference dequantizer (gguf.quants: the fp16 scales widened, products rounded to fp32 one at a time,
-// never fused), so every value equals the reference's bitwise.
+// never fused), so every value equals the reference's bitwise. Integer values (a nibble plus its high bits, minus
+// the type's offset) are formed in fp32, where they are exact.
 
 inline float h2f(const uint8_t* p) {
   uint16_t bits;
@@ -23,9 +25,9 @@ inline void scale_min_k4(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
 }
 
 inline void decode_q8_0(const uint8_t* b, float* out) {
-  const float d = h2f(b);
+  const V d = vset(h2f(b));
   const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
-  for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(q[i]) * d;
+  for (int i = 0; i < 32; i += VL) vstore(out + i, vmul(vint8(q + i), d));
 }
 
 inline void decode_q5_0(const uint8_t* b, float* out) {
@@ -47,14 +49,11 @@ inline void decode_q4_k(const uint8_t* b, float* out) {
   scale_min_k4(b + 4, sc, mn);
   const uint8_t* qs = b + 16;
   for (int s = 0; s < 8; ++s) {  // sub-block s: nibble s % 2 of bytes 32 * (s / 2) ...
-    const float ds = d * static_cast<float>(sc[s]), dm = dmin * static_cast<float>(mn[s]);
+    const V ds = vset(d * static_cast<float>(sc[s])), dm = vset(dmin * static_cast<float>(mn[s]));
     const uint8_t* q = qs + 32 * (s / 2);
     const int shift = 4 * (s % 2);
     float* o = out + 32 * s;
-    for (int l = 0; l < 32; ++l) {
-      const float p = ds * static_cast<float>((q[l] >> shift) & 15);
-      o[l] = p - dm;
-    }
+    for (int l = 0; l < 32; l += VL) vstore(o + l, vsub(vmul(ds, vbits(q + l, shift, 15)), dm));
   }
 }
 
@@ -65,14 +64,14 @@ inline void decode_q5_k(const uint8_t* b, float* out) {
   const uint8_t* qh = b + 16;
   const uint8_t* qs = b + 48;
   for (int s = 0; s < 8; ++s) {
-    const float ds = d * static_cast<float>(sc[s]), dm = dmin * static_cast<float>(mn[s]);
+    const V ds = vset(d * static_cast<float>(sc[s])), dm = vset(dmin * static_cast<float>(mn[s]));
+    const V sixteen = vset(16.f);
     const uint8_t* q = qs + 32 * (s / 2);
     const int shift = 4 * (s % 2);
     float* o = out + 32 * s;
-    for (int l = 0; l < 32; ++l) {
-      const int v = ((q[l] >> shift) & 15) | (((qh[l] >> s) & 1) << 4);
-      const float p = ds * static_cast<float>(v);
-      o[l] = p - dm;
+    for (int l = 0; l < 32; l += VL) {
+      const V v = vfma(vbits(qh + l, s, 1), sixteen, vbits(q + l, shift, 15));  // exact: an integer below 32
+      vstore(o + l, vsub(vmul(ds, v), dm));
     }
   }
 }
@@ -86,13 +85,14 @@ inline void decode_q6_k(const uint8_t* b, float* out) {
       const uint8_t* qh = b + 128 + 32 * h;  // high 2 bits: bits 2 t, 2 t + 1
       const int sl = 4 * (t >> 1), sh = 2 * t;
       for (int half = 0; half < 2; ++half) {  // 16 values per scale
-        const float ds = d * static_cast<float>(scales[8 * h + 2 * t + half]);
+        const V ds = vset(d * static_cast<float>(scales[8 * h + 2 * t + half]));
+        const V sixteen = vset(16.f), off = vset(32.f);
         float* o = out + 128 * h + 32 * t + 16 * half;
         const uint8_t* l = ql + 16 * half;
         const uint8_t* hb = qh + 16 * half;
-        for (int i = 0; i < 16; ++i) {
-          const int q = ((l[i] >> sl) & 15) | (((hb[i] >> sh) & 3) << 4);
-          o[i] = ds * static_cast<float>(q - 32);
+        for (int i = 0; i < 16; i += VL) {  // q - 32, exact: an integer in [-32, 31]
+          const V q = vsub(vfma(vbits(hb + i, sh, 3), sixteen, vbits(l + i, sl, 15)), off);
+          vstore(o + i, vmul(ds, q));
         }
       }
     }

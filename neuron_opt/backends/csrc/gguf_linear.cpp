@@ -60,7 +60,13 @@ inline V vload(const float* p) { return *p; }
 inline V vfma(V a, V b, V c) { return std::fma(a, b, c); }
 inline V vzero() { return 0.f; }
 inline V vadd(V a, V b) { return a + b; }
+inline V vsub(V a, V b) { return a - b; }
+inline V vmul(V a, V b) { return a * b; }
+inline V vset(float a) { return a; }
+inline void vstore(float* p, V a) { *p = a; }
 inline float vsum(V a) { return a; }
+inline V vbits(const uint8_t* p, int shift, int mask) { return static_cast<float>((p[0] >> shift) & mask); }
+inline V vint8(const int8_t* p) { return static_cast<float>(p[0]); }
 #include "gguf_blocks.h"
 }  // namespace generic
 
@@ -74,6 +80,18 @@ inline V vload(const float* p) { return _mm256_loadu_ps(p); }
 inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 inline V vzero() { return _mm256_setzero_ps(); }
 inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
+inline V vsub(V a, V b) { return _mm256_sub_ps(a, b); }
+inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline V vset(float a) { return _mm256_set1_ps(a); }
+inline void vstore(float* p, V a) { _mm256_storeu_ps(p, a); }
+// ((p[i] >> shift) & mask) for the 8 bytes at p, as fp32
+inline V vbits(const uint8_t* p, int shift, int mask) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(b, shift), _mm256_set1_epi32(mask)));
+}
+inline V vint8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 inline float vsum(V a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -93,7 +111,19 @@ inline V vload(const float* p) { return _mm512_loadu_ps(p); }
 inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 inline V vzero() { return _mm512_setzero_ps(); }
 inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
+inline V vsub(V a, V b) { return _mm512_sub_ps(a, b); }
+inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline V vset(float a) { return _mm512_set1_ps(a); }
+inline void vstore(float* p, V a) { _mm512_storeu_ps(p, a); }
 inline float vsum(V a) { return _mm512_reduce_add_ps(a); }
+// ((p[i] >> shift) & mask) for the 16 bytes at p, as fp32
+inline V vbits(const uint8_t* p, int shift, int mask) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(b, shift), _mm512_set1_epi32(mask)));
+}
+inline V vint8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 #include "gguf_blocks.h"
 }  // namespace avx512
 #pragma GCC pop_options
