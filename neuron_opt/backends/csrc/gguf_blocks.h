@@ -1,7 +1,7 @@
 // The body of gguf_linear.cpp's kernels, included once per code path inside that path's namespace (with the
 // path's vector type `V`, lane count `VL`, and its vector helpers `vload`, `vfma`, `vzero`, `vadd`, `vsub`, `vmul`,
-// `vset`, `vstore`, `vsum`, `vbits` (VL bytes' bit fields as fp32) and `vint8` (VL int8 as fp32) defined before the include,
-// under the path's `#pragma GCC target`). No includes here: gguf_linear.cpp includes what this uses.
+// `vset`, `vstore`, `vsum`, `vbits` (VL bytes' bit fields as fp32) and `vint8` (VL int8 as fp32) defined before
+// the include, under the path's `#pragma GCC target`). No includes here: gguf_linear.cpp includes what this uses.
 //
 // decode_block writes one GGUF block's values as fp32, each computed with the same operations, in the same order,
 // as gguf-py's reference dequantizer (gguf.quants: the fp16 scales widened, products rounded to fp32 one at a time,
