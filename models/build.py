@@ -64,9 +64,9 @@ def apply_quant_layout(model: torch.nn.Module, qc: QuantConfig | None) -> None:
     for name, module in list(model.named_modules()):
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and name.startswith("model.layers.") \
                 and qc.converts(name):
-            module.quantize_as(qc)
+            module.quantize_as(qc, name)
     if qc.lm_head:
-        model.lm_head.quantize_as(qc.head_config())
+        model.lm_head.quantize_as(qc.head_config(), "lm_head")
 
 
 def apply_lora_capacity(model: torch.nn.Module, lora: LoraConfig | None) -> None:

@@ -295,7 +295,9 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
     if cfg.is_embedding and qc.lm_head:  # `--quantize auto` of a GGUF whose head is quantized: no head here
         qc = dataclasses.replace(qc, lm_head=False)
     check_lora_request(req, cfg)
-    log(format_plan(cfg, par, cache_cfg, buckets, req.backend, qc.method or dtype_name, timings_dir))
+    # GGUF blocks as stored take at most about a byte a weight (Q8_0: 34 per 32): the plan counts them as int8
+    plan_dtype = "int8" if qc.method == "gguf" else qc.method or dtype_name
+    log(format_plan(cfg, par, cache_cfg, buckets, req.backend, plan_dtype, timings_dir))
     if cfg.is_embedding:
         log(f"  {describe_task(cfg)}")
     dtype = torch_dtype(dtype_name)
@@ -326,7 +328,7 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
     def canonical() -> Any:
         """The checkpoint's tensors one at a time: GGUF int4 linears as stored when kept, else floats."""
         if stored:
-            return stored_tensors(ckpt, dtype)
+            return stored_tensors(ckpt, dtype, qc)
         return ckpt.tensors(dtype)
 
     kv_scales = None
@@ -432,6 +434,9 @@ def resolve_quant(req: CompileRequest, ckpt: Any) -> tuple[QuantConfig, bool]:
         raise ConfigError(f"quantize: {req.quantize} is not built for mixture-of-experts models yet (the stacked "
                           f"experts have no quantized layout); compile {ckpt.config.architecture} without --quantize")
     native = native_quant(ckpt)
+    if native.method == "gguf" and (req.parallel.tp > 1 or not backend_class(req.backend).gguf_blocks):
+        # K-quant blocks run as stored on backends with their kernels at tp=1; elsewhere int8, as converted
+        native = QuantConfig("int8", "per_channel_symmetric", 0, lm_head=native.lm_head)
     if req.quantize == "auto":
         if req.quantization_type or req.group_size:
             raise ConfigError("quantize auto: takes the checkpoint's own format; drop --quantization-type and "

@@ -603,7 +603,11 @@ class QuantConfig:
 
     `method` None: no quantization. int8 and fp8 (e4m3) take `per_channel_symmetric` (default) or
     `per_tensor_symmetric`; int4 takes `group_asymmetric` (default: a scale and an offset per group of
-    `group_size` input features, as GGUF's Q4_1) or `group_symmetric` (Q4_0). `modules_to_not_convert`: module
+    `group_size` input features, as GGUF's Q4_1) or `group_symmetric` (Q4_0). `gguf` (only from `--quantize auto`
+    on a GGUF file of K-quants, `source` "gguf", quantization_type `blocks`): each linear keeps the file's blocks
+    as stored (neuron_opt.quant.gguf); `gguf_widths` gives each linear (by its name within a layer, e.g.
+    `mlp.down_proj`, or `lm_head`) the byte width of its rows: the widest its type takes in any layer, so every
+    layer's weight has one shape. `modules_to_not_convert`: module
     names (substring match on the full name, as NxDI and HF do) left in the compute dtype. Embeddings and the LM
     head stay in the compute dtype unless `lm_head` (int8 per output channel, fp8 under fp8; a tied head holds its own
     quantized copy of the table, the embedding lookup keeps the float one). `source`: "gguf" when the int4 values
@@ -616,12 +620,23 @@ class QuantConfig:
     modules_to_not_convert: tuple[str, ...] = ()
     source: str = ""
     lm_head: bool = False  # also quantize the LM head, per channel (int8; fp8 under fp8); embeddings stay
+    gguf_widths: tuple[tuple[str, int], ...] = ()  # gguf only: (linear name within a layer, row bytes)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "gguf_widths", tuple((str(n), int(w)) for n, w in self.gguf_widths))
         if self.method is None:
             _check(not self.modules_to_not_convert, "modules_to_not_convert", "needs a quantization method")
             _check(not self.lm_head, "quantize_lm_head", "needs a quantization method")
             return
+        if self.method == "gguf":
+            _check(self.source == "gguf" and self.quantization_type in ("", "blocks") and not self.group_size,
+                   "quantize", "gguf keeps a GGUF file's K-quant blocks as stored: --quantize auto chooses it for "
+                   "such a file; name int8, int4 or fp8 otherwise")
+            _check(bool(self.gguf_widths), "quantize", "gguf needs the row width of each linear (gguf_widths)")
+            object.__setattr__(self, "quantization_type", "blocks")
+            object.__setattr__(self, "modules_to_not_convert", tuple(self.modules_to_not_convert))
+            return
+        _check(not self.gguf_widths, "quantize", f"gguf_widths applies to gguf only, not {self.method}")
         _check(self.method in QUANT_METHODS, "quantize", f"must be one of {', '.join(QUANT_METHODS)}; "
                f"got {self.method!r}")
         qtype = self.quantization_type or ("group_asymmetric" if self.method == "int4" else "per_channel_symmetric")
@@ -642,8 +657,18 @@ class QuantConfig:
 
     def head_config(self) -> QuantConfig:
         """The LM head's format: int8 per channel under int4 linears, else the linears' own."""
+        if self.method == "gguf":  # the head's blocks as stored too
+            return dataclasses.replace(self, modules_to_not_convert=(), lm_head=False)
         method = "int8" if self.method == "int4" else self.method
         return QuantConfig(method, "per_channel_symmetric")
+
+    def gguf_width(self, module_name: str) -> int:
+        """The row bytes of the linear named `module_name` (model.layers.3.mlp.down_proj, lm_head) under gguf."""
+        for name, width in self.gguf_widths:
+            if module_name == name or module_name.endswith("." + name):
+                return width
+        raise ConfigError(f"quantize gguf: no row width for {module_name} (gguf_widths names "
+                          f"{', '.join(n for n, _ in self.gguf_widths)})")
 
     @property
     def enabled(self) -> bool:

@@ -117,6 +117,8 @@ class Backend:
         targets_instance: the plan sizes the memory of `--instance` (else of this CPU host).
         window_kv: its executors hold window-sized KV for sliding-window layers (CacheConfig.sliding_window: a
             pool and tables of their own); otherwise every layer holds the full-length pool.
+        gguf_blocks: it runs GGUF K-quant blocks as stored (QuantConfig method gguf, from `--quantize auto`);
+            otherwise `auto` converts such a file's linears to int8 per channel.
     """
 
     name: ClassVar[str] = ""
@@ -126,6 +128,7 @@ class Backend:
     targets_instance: ClassVar[bool] = False
     supports_lora: ClassVar[bool] = False
     window_kv: ClassVar[bool] = False
+    gguf_blocks: ClassVar[bool] = False
 
     # -- class-level: before the backend is built --------------------------------------------------------------
 

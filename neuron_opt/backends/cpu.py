@@ -182,12 +182,18 @@ def has_int8(module: torch.nn.Module) -> bool:
     return any(m.method == "int8" for m in quantized_modules(module).values())
 
 
+def has_gguf(module: torch.nn.Module) -> bool:
+    """Whether `module` holds GGUF blocks as stored (its graphs call cpu_ops' gguf_linear operators)."""
+    return any(m.method == "gguf" for m in quantized_modules(module).values())
+
+
 class CpuBackend(Backend):
     name = "cpu"
     # measured on a 2-core AVX-512 machine (SmolLM2-135M, docs/cpu_backend.md)
     est_seconds_per_graph = 15.0
     supports_lora = True
     window_kv = True
+    gguf_blocks = True  # on cpu_ops' gguf_linear operators
 
     @classmethod
     def default_dtype(cls) -> str:
@@ -260,7 +266,7 @@ class CpuBackend(Backend):
         int8_widened = self.options["int8_gemm"] == "widened" and has_int8(model.model.layers[0])
         moe_kernel = self.options["moe_gather"] == "kernel" and has_moe_block(model.model.layers[0]) and \
             "moe_gather" not in torch_ops
-        if kernel or int8_kernel or int8_widened or moe_kernel:
+        if kernel or int8_kernel or int8_widened or moe_kernel or has_gguf(model.model.layers[0]):
             cpu_ops.ensure(f"cpu layer graph for {bucket.key}", BackendCompileError)
         lora = model.lora_config
         gemm = self.options["gemm"]
@@ -297,7 +303,7 @@ class CpuBackend(Backend):
         fp32_logits = (self.options["logits"] == "fp32" and self.dtype != torch.float32
                        and "quant" not in model.lm_head._modules)
         int8_kernel = self._int8_kernel(model.lm_head)
-        if int8_kernel:
+        if int8_kernel or has_gguf(model.lm_head):
             cpu_ops.ensure(f"cpu head graph for {rows} rows", BackendCompileError)
         # head_gemm "kernel": the fp32 logits on cpu_ops' bf16_linear, fp32 sums unrounded like the template's, at
         # any row count (a row's logits do not depend on the rows beside it: exact verify holds at every batch)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,8 @@ from neuron_opt.lora.ops import LayerLora, stacks_for
 from neuron_opt.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from neuron_opt.quant.weights import quantized_modules, use_cpu_kernels
 
+# the FutureWarning torch's Inductor gives for its own deep copy of a graph's pytree specs (compile_graph)
+LEAFSPEC_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 PREFILL_SPLIT_STEP = 16  # a split prefill graph's token count is a multiple of this (the executor pads to it)
 
 
@@ -566,7 +569,11 @@ def compile_graph(module: nn.Module, args: tuple[torch.Tensor, ...], dynamic_sha
     try:
         with torch.no_grad():
             ep = torch.export.export(ph, args, dynamic_shapes=dynamic_shapes, strict=False)
-            with capture_constants() as consts:
+            with capture_constants() as consts, warnings.catch_warnings():
+                # torch 2.13's Inductor deep-copies the exported graph, whose pytree specs hold LeafSpec leaves:
+                # each copy re-creates them and warns that LeafSpec is deprecated (torch's own use, nothing of
+                # ours; once per graph, five times in `make demo`'s compile)
+                warnings.filterwarnings("ignore", message=LEAFSPEC_WARNING, category=FutureWarning)
                 options = inductor_options(gemm, fuse_projections, quantized=bool(quantized_modules(module)),
                                            decode_attention=_bf16_dense_decode_attention(module))
                 files = torch._inductor.aot_compile(ep.module(), args, options=options)

@@ -3,7 +3,8 @@
 `paged_attention` (csrc/paged_attention.cpp) is the attention of the decode and verify layer graphs, and
 `int8_linear` (csrc/int8_linear.cpp) the int8 weight-only product of graphs with few rows (`int8_linear_widened`
 that of prefills, where the CPU has native bf16), and `moe_gather`
-(csrc/moe_gather.cpp) a sparse MoE block's selected experts: AOTInductor calls them
+(csrc/moe_gather.cpp) a sparse MoE block's selected experts, and `gguf_linear` / `gguf_linear_widened`
+(csrc/gguf_linear.cpp) the products of GGUF K-quant blocks kept as stored: AOTInductor calls them
 from the compiled graph through its proxy executor (the graph's `<key>.json` beside its `.so`). They are built
 with torch's extension builder (ninja, the C++ compiler Inductor uses anyway) and the vector ISA flags Inductor picks
 for its own kernels, into torch's extension cache, so later processes load it in well under a second. Compile and
@@ -25,8 +26,9 @@ from torch._inductor.cpu_vec_isa import pick_vec_isa
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / f for f in ("paged_attention.cpp", "int8_linear.cpp", "moe_gather.cpp", "bf16_linear.cpp")]
-HEADERS = [CSRC / "gemv_tiles.h"]  # included by the sources: part of the build's digest
+SOURCES = [CSRC / f for f in ("paged_attention.cpp", "int8_linear.cpp", "moe_gather.cpp", "bf16_linear.cpp",
+                                    "gguf_linear.cpp")]
+HEADERS = [CSRC / "gemv_tiles.h", CSRC / "gguf_blocks.h"]  # included by the sources: part of the build's digest
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -72,7 +74,9 @@ def ensure(what: str, error: type[Exception] = RuntimeError) -> None:
         raise error(f"{what} needs the cpu backend's C++ operators (paged attention, int8 linear, MoE gather), "
                     f"which did not build on this machine ({err}); compile with --backend-option "
                     "decode_attention=fused "
-                    "--backend-option int8_linear=inductor --backend-option moe_gather=inductor to do without them")
+                    "--backend-option int8_linear=inductor --backend-option moe_gather=inductor to do without them "
+                    "(GGUF K-quant blocks kept as stored have no other form: compile such a file with --quantize "
+                    "int8)")
 
 
 def _register_fake() -> None:
@@ -101,6 +105,14 @@ def _register_fake() -> None:
     @torch.library.register_fake("neuron_opt::bf16_linear_path")
     def _(x: torch.Tensor, ws: list[torch.Tensor], path: str) -> torch.Tensor:
         return x.new_empty((x.shape[0], sum(w.shape[0] for w in ws)), dtype=torch.float32)
+
+    @torch.library.register_fake("neuron_opt::gguf_linear")
+    def _(x: torch.Tensor, w: torch.Tensor, kinds: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
+
+    @torch.library.register_fake("neuron_opt::gguf_linear_widened")
+    def _(x: torch.Tensor, w: torch.Tensor, kinds: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
 
     @torch.library.register_fake("neuron_opt::moe_gather")
     def _(t: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
@@ -160,3 +172,31 @@ def moe_gather(t: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: 
     (float32 or bfloat16), ids [T, k] int64, weights [T, k] float32 -> [T, H] float32, as
     models.moe.Experts.gather computes it."""
     return torch.ops.neuron_opt.moe_gather(t, gate_up, down, ids, weights)
+
+
+def gguf_linear(x: torch.Tensor, w: torch.Tensor, kinds: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (float32 or bfloat16) times the GGUF blocks w uint8 [N, width] as stored, row n of GGML type
+    kinds[n] (int8 [N]; neuron_opt.quant.gguf_blocks) (csrc/gguf_linear.cpp): [M, N] float32. Each weight is gguf's
+    reference dequantized value, each sum fp32 in vector steps over k; a row's result does not depend on M. The
+    path is the first of `gguf_linear_paths()`."""
+    return torch.ops.neuron_opt.gguf_linear(x, w, kinds)
+
+
+def gguf_linear_widened(x: torch.Tensor, w: torch.Tensor, kinds: torch.Tensor) -> torch.Tensor:
+    """`gguf_linear` for many rows (prefills): w decoded to fp32 once per call, then aten's fp32 GEMM."""
+    return torch.ops.neuron_opt.gguf_linear_widened(x, w, kinds)
+
+
+def gguf_linear_path(x: torch.Tensor, w: torch.Tensor, kinds: torch.Tensor, path: str) -> torch.Tensor:
+    """`gguf_linear` on a named path: "avx512", "avx2" or "generic" (scalar); one this CPU cannot run raises."""
+    return torch.ops.neuron_opt.gguf_linear_path(x, w, kinds, path)
+
+
+def gguf_linear_paths() -> list[str]:
+    """The paths of `gguf_linear` this CPU runs, the one it takes first."""
+    return list(torch.ops.neuron_opt.gguf_linear_paths())
+
+
+def gguf_dequantize(w: torch.Tensor, kinds: torch.Tensor, cols: int, path: str) -> torch.Tensor:
+    """The operators' decoding of w (rows of `cols` values) on a named path: fp32 [N, cols]."""
+    return torch.ops.neuron_opt.gguf_dequantize(w, kinds, cols, path)

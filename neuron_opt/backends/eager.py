@@ -73,6 +73,7 @@ class EagerBackend(Backend):
     est_seconds_per_graph = 0.0
     supports_lora = True
     window_kv = True
+    gguf_blocks = True  # gguf's reference dequantization in every product (quant.weights)
 
     def __init__(self, dtype: torch.dtype = torch.float32, options: dict | None = None) -> None:
         self.dtype = dtype

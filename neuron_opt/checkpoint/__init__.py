@@ -29,7 +29,7 @@ from neuron_opt.checkpoint.cache import (
     gguf_state_dict_cached,
     gguf_tokenizer_cached,
 )
-from neuron_opt.checkpoint.gguf import gguf_native_quant, gguf_state_dict, q4_linears
+from neuron_opt.checkpoint.gguf import gguf_block_linears, gguf_native_quant, gguf_state_dict, q4_linears
 from neuron_opt.checkpoint.hf import hf_state_dict, hf_tokenizer, safetensors_keys, weight_files
 from neuron_opt.checkpoint.names import check_names, gguf_stored_names, stored_names
 from neuron_opt.config import ModelConfig, QuantConfig
@@ -175,8 +175,13 @@ def native_quant(ckpt: Checkpoint) -> QuantConfig:
     return gguf_native_quant(ckpt.source, ckpt.config) if ckpt.format == "gguf" else QuantConfig()
 
 
-def stored_tensors(ckpt: Checkpoint, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
-    """`ckpt.tensors(dtype)`, except that a GGUF's Q4_0/Q4_1 decoder linears come as QuantTensor, read as stored."""
-    native = dict(q4_linears(ckpt.source, ckpt.config))
+def stored_tensors(ckpt: Checkpoint, dtype: torch.dtype,
+                   qc: QuantConfig | None = None) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+    """`ckpt.tensors(dtype)`, except that a GGUF's Q4_0/Q4_1 decoder linears come as QuantTensor, read as stored,
+    or, under a `qc` of method gguf, its quantized linears (and head) as their blocks (gguf.gguf_block_linears)."""
+    if qc is not None and qc.method == "gguf":
+        native = dict(gguf_block_linears(ckpt.source, ckpt.config, qc))
+    else:
+        native = dict(q4_linears(ckpt.source, ckpt.config))
     yield from native.items()
     yield from ckpt.tensors(dtype, skip=frozenset(native))

@@ -31,7 +31,16 @@ from neuron_opt.checkpoint.gguf_config import CONFIG_TENSORS, GGUF_ARCHS, field
 from neuron_opt.config import ModelConfig, QuantConfig
 from neuron_opt.errors import CheckpointError
 from neuron_opt.headers import check_gguf
-from neuron_opt.quant.gguf import AUTO_FORMATS, FUSED_LINEARS, LINEARS, STORED_INT4, native_config, q4_block_tensor
+from neuron_opt.quant.gguf import (
+    AUTO_FORMATS,
+    FUSED_LINEARS,
+    LINEARS,
+    STORED_INT4,
+    gguf_block_tensor,
+    native_config,
+    q4_block_tensor,
+)
+from neuron_opt.quant.gguf_blocks import row_bytes
 from neuron_opt.quant.weights import QuantTensor
 
 if TYPE_CHECKING:
@@ -185,16 +194,47 @@ def _linear_sizes(reader: Any) -> dict[str, int]:
     return out
 
 
+def _widths(reader: Any) -> tuple[tuple[str, int], ...] | None:
+    """Each decoder linear's widest row in bytes over the layers (by its name within a layer, e.g.
+    `mlp.down_proj`), and the LM head's (`lm_head`: `output`, or the tied `token_embd`), as the gguf format pads
+    them (neuron_opt.quant.gguf_blocks; a float or other type counts as the Q8_0 it would be quantized into).
+    None when a linear's rows are not whole Q8_0 blocks (32 values): the gguf format cannot hold it."""
+    out: dict[str, int] = {}
+    scheme = name_scheme(reader)
+    names = {t.name for t in reader.tensors}
+    for t in gguf_weight_tensors(reader):
+        if len(t.shape) != 2:
+            continue
+        name = gguf_to_hf_names(t.name, scheme, 1)[0].removesuffix(".weight")
+        if t.name == "output.weight" or (t.name == "token_embd.weight" and "output.weight" not in names):
+            key = "lm_head"
+        elif name.startswith("model.layers.") and name.rsplit(".", 1)[-1] in LINEARS:
+            key = name.split(".", 3)[3]
+        else:
+            continue
+        try:
+            out[key] = max(out.get(key, 0), row_bytes(t.tensor_type.name, int(t.shape[0])))
+        except ValueError:
+            return None
+    return tuple(sorted(out.items()))
+
+
 def gguf_native_quant(path: Path, cfg: ModelConfig) -> QuantConfig:
     """What `--quantize auto` makes of a GGUF file (neuron_opt.quant.gguf.native_config). A file with fused
     projections (phi3) gets the method of its types, but its blocks are not kept as stored (`source` ""): its
     linears are dequantized, split and quantized again at compile time. A mixture of experts runs in the compute
-    dtype: its stacked experts have no quantized layout yet."""
+    dtype: its stacked experts have no quantized layout yet. A K-quant file runs as stored (`gguf`), except with
+    fused projections or a linear whose rows are not whole 32-value blocks: then int8 per channel."""
     if cfg.is_moe:
         return QuantConfig()
     reader = gguf_reader(path)
     head = {t.name: t.tensor_type.name for t in reader.tensors if t.name in ("output.weight", "token_embd.weight")}
-    qc = native_config(_linear_sizes(reader), head.get("output.weight", head.get("token_embd.weight")))
+    widths = _widths(reader)
+    qc = native_config(_linear_sizes(reader), head.get("output.weight", head.get("token_embd.weight")),
+                       widths or ())
+    # fused blocks (phi3) are split at compile time: int8
+    if qc.method == "gguf" and cfg.fused_projections:
+        return QuantConfig("int8", "per_channel_symmetric", 0, lm_head=qc.lm_head)
     if cfg.fused_projections and qc.source:
         qc = replace(qc, source="")
     return qc
@@ -224,6 +264,37 @@ def q4_linears(path: Path, cfg: ModelConfig) -> Iterator[tuple[str, QuantTensor]
             q = _unpermute_quant(q, cfg.num_attention_heads)
         elif permuted and ".self_attn.k_proj." in name:
             q = _unpermute_quant(q, cfg.num_key_value_heads)
+        yield name, q
+
+
+def gguf_block_linears(path: Path, cfg: ModelConfig, qc: QuantConfig) -> Iterator[tuple[str, QuantTensor]]:
+    """A GGUF file's quantized decoder linears that `qc` (method gguf) converts, and its LM head under
+    `qc.lm_head` (`output`, or the tied `token_embd` as `lm_head.weight`), as QuantTensor gguf (HF names): the
+    blocks as stored, rows padded to qc's widths (a type without a kernel requantized into Q8_0)."""
+    reader = gguf_reader(path)
+    scheme = name_scheme(reader)
+    permuted = GGUF_ARCHS[field(reader, "general.architecture")][2]
+    names = {t.name for t in reader.tensors}
+    for t in gguf_weight_tensors(reader):
+        if len(t.shape) != 2 or not AUTO_FORMATS[t.tensor_type.name]:  # floats come with the other tensors
+            continue
+        (name,) = gguf_to_hf_names(t.name, scheme)
+        module = name.removesuffix(".weight")
+        if t.name == "output.weight" or (t.name == "token_embd.weight" and "output.weight" not in names):
+            if not qc.lm_head:
+                continue
+            name, module = "lm_head.weight", "lm_head"
+        elif not (module.startswith("model.layers.") and module.rsplit(".", 1)[-1] in LINEARS
+                  and qc.converts(module)):
+            continue
+        rows, cols = int(t.shape[1]), int(t.shape[0])  # GGUF lists dims fastest-first
+        q = gguf_block_tensor(t.data, t.tensor_type.name, rows, cols, qc.gguf_width(module))
+        heads = cfg.num_attention_heads if ".self_attn.q_proj." in name else \
+            cfg.num_key_value_heads if ".self_attn.k_proj." in name else 0
+        if permuted and heads:  # rows are output channels in both parts
+            assert q.kinds is not None
+            q = QuantTensor("gguf", unpermute_qk(q.qweight, heads).contiguous(), None,
+                            kinds=unpermute_qk(q.kinds, heads).contiguous(), cols=cols)
         yield name, q
 
 

@@ -43,9 +43,11 @@ class _Linear(nn.Module):
 
     weight: nn.Parameter
 
-    def quantize_as(self, qc: QuantConfig) -> None:
+    def quantize_as(self, qc: QuantConfig, name: str = "") -> None:
+        """`name`: the linear's module name (model.layers.3.mlp.down_proj, lm_head): gguf rows take its width."""
         out_f, in_f = self.weight.shape
-        self.add_module("quant", QuantizedWeight(qc, out_f, in_f).to(self.weight.device))
+        width = qc.gguf_width(name) if qc.method == "gguf" else 0
+        self.add_module("quant", QuantizedWeight(qc, out_f, in_f, width).to(self.weight.device))
         del self.weight
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -83,8 +85,8 @@ class FusedLinears(nn.Module):
                              "features, stored layout) and either all or none have a bias")
         quants: list[QuantizedWeight] = [lin._modules["quant"] for lin in linears]  # type: ignore[misc]
         self.sizes = [q.out_features for q in quants]
-        self.quant = QuantizedWeight(quants[0].qc, sum(self.sizes), quants[0].in_features).to(
-            quants[0].scale.device)
+        self.quant = QuantizedWeight(quants[0].qc, sum(self.sizes), quants[0].in_features,
+                                     max(q.width for q in quants)).to(quants[0].qweight.device)
         self.quant.load(concat_rows([q.stored() for q in quants]))
         biases = [lin.bias for lin in linears]
         self.bias = None if biases[0] is None else nn.Parameter(torch.cat(biases),  # type: ignore[arg-type]

@@ -29,6 +29,11 @@ Kernels, chosen once when a graph is built (never a flag read inside forward):
   (prefills) call torch.ops.neuron_opt.int8_linear_widened: W widened to bf16 once per call, then one bf16 GEMM
   over every row (aten's, oneDNN's where the CPU has native bf16), where aten's int8 GEMM widens W for each row.
   fp8 weights have no CPU kernel: compile refuses them on cpu.
+- gguf: a GGUF file's blocks as stored (neuron_opt.quant.gguf_blocks: `qweight` uint8 [N, width], `kinds` int8 [N]).
+  "dequant" multiplies gguf's reference dequantization of them; "cpu" calls torch.ops.neuron_opt.gguf_linear
+  (up to INT8_KERNEL_MAX_ROWS rows, a number fixed when the graph is traced) or gguf_linear_widened (more rows, or a
+  dynamic count) on x as it comes (fp32 or bf16, never rounded): each weight decoded to the reference's fp32
+  value, fp32 sums (csrc/gguf_linear.cpp).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from torch import nn
 
 from neuron_opt.config import QuantConfig
 from neuron_opt.errors import ConfigError
+from neuron_opt.quant import gguf_blocks
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 DEQUANT, CPU = "dequant", "cpu"
@@ -54,21 +60,30 @@ INT8_KERNEL_MAX_ROWS = 16
 class QuantTensor:
     """One quantized linear weight in the stored format (see the module docstring)."""
 
-    method: str  # int8 | int4 | fp8
+    method: str  # int8 | int4 | fp8 | gguf
     qweight: torch.Tensor
-    scale: torch.Tensor  # fp32 [N, groups]
+    scale: torch.Tensor | None  # fp32 [N, groups]; None under gguf
     offset: torch.Tensor | None = None  # int4 only, fp32 [N, groups]
+    kinds: torch.Tensor | None = None  # gguf only: each row's GGML type id, int8 [N]
+    cols: int = 0  # gguf only: the input features (rows may be padded past their blocks)
 
     @property
     def shape(self) -> tuple[int, int]:
         n, k = self.qweight.shape
+        if self.method == "gguf":
+            return (n, self.cols)
         return (n, k * 2) if self.method == "int4" else (n, k)
 
     @property
     def group_size(self) -> int:
+        if self.scale is None:  # gguf: blocks of their own sizes; the row is one unit here
+            return self.cols
         return self.shape[1] // self.scale.shape[1]
 
     def parts(self) -> dict[str, torch.Tensor]:
+        if self.kinds is not None:
+            return {"qweight": self.qweight, "kinds": self.kinds}
+        assert self.scale is not None
         out = {"qweight": self.qweight, "scale": self.scale}
         if self.offset is not None:
             out["offset"] = self.offset
@@ -122,7 +137,11 @@ def quantize(w: torch.Tensor, qc: QuantConfig) -> QuantTensor:
 def dequantize(t: QuantTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The weight [N, K] a QuantTensor stands for, in `dtype` (computed in fp32)."""
     n, k = t.shape
+    if t.method == "gguf":
+        assert t.kinds is not None
+        return gguf_blocks.dequantize(t.qweight, t.kinds, k).to(dtype)
     g = t.group_size
+    assert t.scale is not None
     if t.method == "int4":
         u = unpack_int4(t.qweight).float().view(n, k // g, g)  # [N, groups, G]
         assert t.offset is not None
@@ -139,13 +158,22 @@ def concat_rows(tensors: list[QuantTensor]) -> QuantTensor:
     if any(t.method != first.method or t.shape[1] != first.shape[1] or t.group_size != first.group_size
            for t in tensors):
         raise ValueError("concat_rows: the weights differ in format, input features or group size")
+    if first.method == "gguf":  # rows padded to the widest (values unchanged)
+        width = max(t.qweight.shape[1] for t in tensors)
+        return QuantTensor("gguf", torch.cat([gguf_blocks.pad_rows(t.qweight, width) for t in tensors]), None,
+                           kinds=torch.cat([t.kinds for t in tensors]), cols=first.cols)  # type: ignore[misc]
     offset = None if first.offset is None else torch.cat([t.offset for t in tensors])  # type: ignore[misc]
     return QuantTensor(first.method, torch.cat([t.qweight for t in tensors]), torch.cat([t.scale for t in tensors]),
                        offset)
 
 
 def scale_quant(t: QuantTensor, factor: float) -> QuantTensor:
-    """The QuantTensor of `factor * W`, exactly (scales and offsets are multiplied; values unchanged)."""
+    """The QuantTensor of `factor * W`, exactly (scales and offsets are multiplied; values unchanged). GGUF blocks
+    hold their scales in fp16 inside each block: no exact multiple, refused."""
+    if t.scale is None:
+        raise ConfigError("kv_cache_dtype fp8: its scales are folded into q/k/v/o, which GGUF blocks kept as stored "
+                          "(--quantize auto on a K-quant file) cannot take exactly; use --quantize int8, or a bf16 "
+                          "KV cache")
     off = None if t.offset is None else t.offset * factor
     return QuantTensor(t.method, t.qweight, t.scale * factor, off)
 
@@ -153,12 +181,13 @@ def scale_quant(t: QuantTensor, factor: float) -> QuantTensor:
 class QuantizedWeight(nn.Module):
     """A linear's weight in a quantized format; `forward(x)` = x @ W.T in x's dtype (no bias).
 
-    Holds the stored format (parameters `qweight`, `scale`, and `offset` for int4) until `use_cpu_kernels()`
-    replaces them with the CPU kernels' layouts. `.to(dtype)` never converts these tensors (their dtypes are the
-    format); `.to(device)` moves them.
+    Holds the stored format (parameters `qweight`, `scale`, and `offset` for int4; `qweight` and `kinds` for gguf,
+    whose rows are `width` bytes) until `use_cpu_kernels()` replaces them with the CPU kernels' layouts (gguf's
+    blocks stay as they are). `.to(dtype)` never converts these tensors (their dtypes are the format);
+    `.to(device)` moves them.
     """
 
-    def __init__(self, qc: QuantConfig, out_features: int, in_features: int) -> None:
+    def __init__(self, qc: QuantConfig, out_features: int, in_features: int, width: int = 0) -> None:
         super().__init__()
         method = str(qc.method)
         self.qc, self.method, self.out_features, self.in_features = qc, method, out_features, in_features
@@ -167,6 +196,13 @@ class QuantizedWeight(nn.Module):
         self.kernel = DEQUANT
         self.int8_kernel = False  # torch.ops.neuron_opt.int8_linear for few rows (use_cpu_kernels)
         self.int8_widened = False  # torch.ops.neuron_opt.int8_linear_widened for more (use_cpu_kernels)
+        self.width = width
+        if method == "gguf":
+            if width <= 0:
+                raise ValueError("QuantizedWeight: gguf needs the rows' width in bytes")
+            self.qweight = nn.Parameter(torch.zeros(out_features, width, dtype=torch.uint8), requires_grad=False)
+            self.kinds = nn.Parameter(torch.zeros(out_features, dtype=torch.int8), requires_grad=False)
+            return
         groups = in_features // self.group_size
         qdtype = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "int4": torch.uint8}[method]
         qk = in_features // 2 if method == "int4" else in_features
@@ -194,6 +230,9 @@ class QuantizedWeight(nn.Module):
 
     def load(self, value: torch.Tensor | QuantTensor) -> None:
         """Fill from a QuantTensor of this format, or quantize a float weight [out, in] into it."""
+        if self.method == "gguf":
+            self._load_gguf(value)
+            return
         t = value if isinstance(value, QuantTensor) else quantize(value, self.qc)
         if t.method != self.method or t.shape != (self.out_features, self.in_features) or \
                 t.group_size != self.group_size:
@@ -203,12 +242,32 @@ class QuantizedWeight(nn.Module):
             for name, part in t.parts().items():
                 getattr(self, name).copy_(part)
 
+    def _load_gguf(self, value: torch.Tensor | QuantTensor) -> None:
+        """GGUF blocks as stored (rows padded to this weight's width), or a float weight quantized into Q8_0."""
+        if isinstance(value, QuantTensor):
+            if value.method != "gguf" or value.shape != (self.out_features, self.in_features):
+                raise ValueError(f"quantized weight {value.method} {value.shape} does not fit this layer (gguf "
+                                 f"{(self.out_features, self.in_features)})")
+            qweight, kinds = gguf_blocks.pad_rows(value.qweight, self.width), value.kinds
+        else:
+            if tuple(value.shape) != (self.out_features, self.in_features):
+                raise ValueError(f"weight {tuple(value.shape)} does not fit this layer "
+                                 f"{(self.out_features, self.in_features)}")
+            qweight, kinds = gguf_blocks.from_float(value, self.width)
+        with torch.no_grad():
+            self.qweight.copy_(qweight)
+            self.kinds.copy_(kinds)  # type: ignore[arg-type]
+
     def stored(self) -> QuantTensor:
+        if self.method == "gguf":
+            return QuantTensor("gguf", self.qweight, None, kinds=self.kinds, cols=self.in_features)
         return QuantTensor(self.method, self.qweight, self.scale, getattr(self, "offset", None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == CPU:
             return self._cpu(x)
+        if self.method == "gguf":
+            return torch.nn.functional.linear(x, dequantize(self.stored(), x.dtype))
         if self.method != "int4" and self.group_size == self.in_features:  # one scale per output channel: after
             return torch.nn.functional.linear(x, self.qweight.to(x.dtype)) * self.scale.view(-1).to(x.dtype)
         return torch.nn.functional.linear(x, dequantize(self.stored(), x.dtype))
@@ -220,6 +279,9 @@ class QuantizedWeight(nn.Module):
         self.int8_kernel = int8_kernel and self.method == "int8"
         self.int8_widened = int8_widened and self.method == "int8"
         if self.kernel == CPU:
+            return
+        if self.method == "gguf":  # the blocks as stored are the operators' layout
+            self.kernel = CPU
             return
         if self.method == "fp8":
             raise ConfigError("quantize: fp8 weights have no CPU kernel; use --quantize int8 or int4 on the cpu "
@@ -241,6 +303,13 @@ class QuantizedWeight(nn.Module):
     def _cpu(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [M, K]
+        if self.method == "gguf":  # x as it comes (fp32 or bf16): the operators widen it exactly
+            rows = x2.shape[0]
+            if isinstance(rows, int) and rows <= INT8_KERNEL_MAX_ROWS:  # static and few
+                y = torch.ops.neuron_opt.gguf_linear(x2, self.qweight, self.kinds)  # [M, N] fp32
+            else:
+                y = torch.ops.neuron_opt.gguf_linear_widened(x2, self.qweight, self.kinds)
+            return y.to(x.dtype).view(*lead, self.out_features)
         if x2.dtype != torch.bfloat16:  # no `.to` when it is one: export records even a no-op cast as a node
             x2 = x2.to(torch.bfloat16)  # (aten._assert_tensor_metadata), and torch 2.13's int4 concat-linear pass
             # fails on an activation whose first user is not the int4 GEMM ('NoneType' has no attribute 'meta')

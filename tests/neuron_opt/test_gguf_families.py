@@ -191,8 +191,8 @@ def test_a_type_we_do_not_read_is_refused_from_the_header(tmp_path):
 
 # llama-quantize type -> `--quantize auto`'s format for a file of it (docs/quantization.md)
 QUANT_TYPES = {"Q4_0": ("int4", "group_symmetric"), "Q4_1": ("int4", "group_asymmetric"),
-               **{k: ("int8", "per_channel_symmetric") for k in ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
-                                                                   "Q6_K", "IQ4_NL", "IQ4_XS", "Q4_K_M")}}
+               **{k: ("int8", "per_channel_symmetric") for k in ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")},
+               **{k: ("gguf", "blocks") for k in ("Q4_K", "Q5_K", "Q6_K", "Q4_K_M")}}  # K-quants kept as stored
 
 
 # the families llama-quantize's files are checked for: every type for Llama, Q4_K_M (the most downloaded, a mix of
@@ -226,7 +226,7 @@ def wide(tmp_path_factory):
 def test_llama_quantize_types_equal_gguf_reference_and_hf(family, kind, wide, tmp_path):
     """Each type llama-quantize writes: our tensors equal transformers' GGUF loader's (gguf's reference
     dequantization) exactly, greedy tokens equal HF's on the same file, and `--quantize auto` picks the table's
-    format (docs/quantization.md); a Q4_K_M file mixes Q4_K and Q6_K linears, both int8."""
+    format (docs/quantization.md); a Q4_K_M file mixes Q4_K and Q6_K linears, both kept as stored."""
     import transformers
 
     path = quantize(wide(family)[1], tmp_path / f"{kind}.gguf", kind)
