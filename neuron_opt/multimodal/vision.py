@@ -192,7 +192,7 @@ def load_processor(root: Path, hf: Any) -> Any:
     try:
         return AutoProcessor.from_pretrained(root)
     except (ImportError, RuntimeError) as e:
-        cls = PROCESSOR_MAPPING[type(hf)]
+        cls: Any = PROCESSOR_MAPPING[type(hf)]  # the class AutoProcessor took for this config
         if "torchvision" not in str(e).lower() or "video_processor" not in cls.get_attributes():
             raise
         reason = " ".join(str(e).split())[:200]
@@ -207,7 +207,7 @@ def load_processor(root: Path, hf: Any) -> Any:
 _CHAT_TEMPLATE_VIDEO_SETTINGS = frozenset({"SmolVLMProcessor"})
 
 
-def images_only(cls: type) -> type:
+def images_only(cls: type) -> Any:
     """transformers' processor class `cls` (one whose sub-processors include a video processor) without the video
     processor: the same image processor, tokenizer, placeholder expansion and chat template; a conversation with a
     video part is refused (ValueError). transformers reads a processor's sub-processors from `get_attributes()`
@@ -223,9 +223,9 @@ def images_only(cls: type) -> type:
     def get_attributes(_: type) -> list[str]:
         return attributes
 
-    def from_dict(sub: type, processor_dict: dict[str, Any], **kwargs: Any) -> Any:
+    def from_dict(sub: Any, processor_dict: dict[str, Any], **kwargs: Any) -> Any:
         # the constructors take video_processor (SmolVLM's without a default); the base class then drops it
-        return super(sub, sub).from_dict({**processor_dict, "video_processor": None}, **kwargs)  # type: ignore[misc]
+        return super(sub, sub).from_dict({**processor_dict, "video_processor": None}, **kwargs)
 
     def apply_chat_template(self: Any, conversation: Any, *args: Any, **kwargs: Any) -> Any:
         convs = conversation if conversation and isinstance(conversation[0], list) else [conversation]
