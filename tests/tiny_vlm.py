@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from neuron_opt.multimodal.vision import images_only
 from neuron_opt.runtime.engine import Engine
 from neuron_opt.runtime.sampling import SamplingParams
 
@@ -99,12 +100,11 @@ QWEN_TEMPLATE = (
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def make_qwen2_5_vl(out: Path, seed: int = 0) -> tuple[Path, Any]:
+def make_qwen2_5_vl(out: Path, seed: int = 0) -> Path:
     """A Qwen2.5-VL checkpoint: a 2-block ViT over 4-pixel patches (merged 2 x 2; windows of 16 pixels, the second
     block full attention), a 2-layer Qwen2 decoder with M-RoPE sections (2, 3, 3); images resized to between 8 x 8
-    and 64 x 64 pixels in multiples of 8. Returns the directory and the processor: transformers builds Qwen2.5-VL's
-    processor only with its video processor, which needs torchvision; where that is missing it is built here
-    without one (images only), exactly as its constructor does otherwise."""
+    and 64 x 64 pixels in multiples of 8. Its processor is saved without a video processor (transformers makes
+    one only with torchvision), as vision.images_only builds it."""
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
@@ -136,16 +136,50 @@ def make_qwen2_5_vl(out: Path, seed: int = 0) -> tuple[Path, Any]:
     model.save_pretrained(out)
     ip = Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=8 * 8,
                                   max_pixels=64 * 64)
-    try:
-        processor = Qwen2_5_VLProcessor(image_processor=ip, tokenizer=tok, chat_template=QWEN_TEMPLATE)
-    except (AttributeError, ImportError, TypeError):  # no torchvision: no video processor
-        processor = Qwen2_5_VLProcessor.__new__(Qwen2_5_VLProcessor)
-        processor.image_processor, processor.tokenizer, processor.chat_template = ip, tok, QWEN_TEMPLATE
-        processor.image_token, processor.video_token = "<|image_pad|>", "<|video_pad|>"
-        processor.image_token_id, processor.video_token_id = ids["<|image_pad|>"], ids["<|video_pad|>"]
-    tok.save_pretrained(out)
-    ip.save_pretrained(out)
-    return out, processor
+    processor = images_only(Qwen2_5_VLProcessor)(image_processor=ip, tokenizer=tok, chat_template=QWEN_TEMPLATE)
+    processor.save_pretrained(out)
+    _video_config(out, "Qwen2VLVideoProcessor", patch_size=4, merge_size=2, temporal_patch_size=2)
+    return out
+
+
+def _video_config(out: Path, video_processor_type: str, **fields: Any) -> None:
+    """The video processor's settings as the family's checkpoints ship them (video_preprocessor_config.json):
+    transformers' AutoProcessor reads them and then needs torchvision for the class they name."""
+    import json
+
+    (out / "video_preprocessor_config.json").write_text(json.dumps({"video_processor_type": video_processor_type,
+                                                                    **fields}, indent=2))
+
+
+def make_smolvlm(out: Path, seed: int = 0) -> Path:
+    """A SmolVLM checkpoint: make_idefics3's shapes under SmolVLM's config and processor (its image-token layout);
+    the processor is saved without a video processor, as for make_qwen2_5_vl."""
+    from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration, SmolVLMImageProcessorPil, SmolVLMProcessor
+
+    from neuron_opt.checkpoint import open_checkpoint
+
+    tok = open_checkpoint("default").tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>", "<global-img>",
+                                                          "<end_of_utterance>"]})
+    cfg = SmolVLMConfig(
+        text_config=dict(model_type="llama", vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=32, patch_size=8),
+        scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"))
+    torch.manual_seed(seed)
+    model = SmolVLMForConditionalGeneration(cfg).eval()
+    _randomize(model)
+    with torch.no_grad():
+        model.model.connector.modality_projection.proj.weight.normal_(0.0, 0.5)
+    model.save_pretrained(out)
+    ip = SmolVLMImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
+    images_only(SmolVLMProcessor)(image_processor=ip, tokenizer=tok, video_processor=None, image_seq_len=4,
+                                  chat_template=SMOLVLM_TEMPLATE).save_pretrained(out)
+    _video_config(out, "SmolVLMVideoProcessor", size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
+    return out
 
 
 def chat(*parts) -> list[dict]:

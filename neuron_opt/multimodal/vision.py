@@ -8,13 +8,17 @@ Design decisions
 - The decoder's config is `ModelConfig.from_hf(text_config)`: the text model is one of our dense families, so
   every decoder option (norms, rope, ...) comes from the one place that reads them.
 - The processor is the checkpoint's own (AutoProcessor): resizing, tiling, normalisation and placeholder
-  expansion are transformers', never re-implemented.
+  expansion are transformers', never re-implemented. transformers builds Qwen2.5-VL's and SmolVLM's processors
+  only together with their video processors, which need torchvision; where AutoProcessor fails for that reason
+  alone, the loader builds the same processor class from the checkpoint's image processor and tokenizer without
+  the video processor (images preprocess exactly as with it; video is not served) and says so at INFO.
 - Vision-language models run at tp 1 on the eager backend (the reference); an artifact compiled from one is not
   built yet (docs/multimodal.md).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +33,8 @@ from neuron_opt.config import ModelConfig
 from neuron_opt.errors import CheckpointError, UnsupportedModelError
 from neuron_opt.headers import read_json_capped
 from neuron_opt.multimodal.inputs import ImageItem
+
+log = logging.getLogger(__name__)
 
 Split = Callable[[dict[str, torch.Tensor], list[int]], list[tuple[tuple[int, ...], dict[str, torch.Tensor]]]]
 # (prompt length, each image's ImageItem) -> the prompt's M-RoPE positions [3, n] and the decode delta
@@ -50,7 +56,9 @@ class Family:
 
 
 def _idefics3_split(hf: Any, processor: Any) -> Split:
-    global_id = processor.tokenizer.convert_tokens_to_ids(processor.global_image_tag)
+    # Idefics3's processor names the global tile's token global_image_tag, SmolVLM's global_image_token
+    tag = processor.global_image_tag if hasattr(processor, "global_image_tag") else processor.global_image_token
+    global_id = processor.tokenizer.convert_tokens_to_ids(tag)
     return lambda out, ids: idefics3.image_items(out, ids, int(hf.image_token_id), int(global_id))
 
 
@@ -152,8 +160,6 @@ class MultimodalCheckpoint:
 def open_multimodal(root: Path, dtype: torch.dtype) -> MultimodalCheckpoint:
     """A vision-language checkpoint: the decoder's config and weights, the processor and the vision encoder (its
     weights loaded, in `dtype`). CheckpointError naming the tensor for a missing or unexpected vision weight."""
-    from transformers import AutoProcessor
-
     hf = hf_config(root)
     arch = hf.architectures[0]
     fam = FAMILIES[arch]
@@ -169,7 +175,67 @@ def open_multimodal(root: Path, dtype: torch.dtype) -> MultimodalCheckpoint:
     if missing or unexpected:
         raise CheckpointError(f"checkpoint {root}: vision tensors missing {sorted(missing)[:5]}, unexpected "
                               f"{sorted(unexpected)[:5]}")
-    processor = AutoProcessor.from_pretrained(root)
+    processor = load_processor(root, hf)
     vision = VisionModel(arch, processor, encoder.to(dtype).eval(), fam.split(hf, processor),
                          fam.rope(hf) if fam.rope is not None else None)
     return MultimodalCheckpoint(cfg, {k: v.to(dtype) for k, v in text.items()}, processor.tokenizer, vision)
+
+
+def load_processor(root: Path, hf: Any) -> Any:
+    """The checkpoint's processor (AutoProcessor); where that fails only because torchvision is missing or does
+    not import (the video processor needs it), the processor class transformers maps `hf` to, built from the
+    checkpoint's image processor, tokenizer and processor settings without its video processor. Any other
+    failure propagates."""
+    from transformers import AutoProcessor
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
+
+    try:
+        return AutoProcessor.from_pretrained(root)
+    except (ImportError, RuntimeError) as e:
+        cls: Any = PROCESSOR_MAPPING[type(hf)]  # the class AutoProcessor took for this config
+        if "torchvision" not in str(e).lower() or "video_processor" not in cls.get_attributes():
+            raise
+        reason = " ".join(str(e).split())[:200]
+    processor = images_only(cls).from_pretrained(root)
+    log.info("checkpoint %s: %s built without its video processor (%s); images are served, video is not",
+             root, cls.__name__, reason)
+    return processor
+
+
+# Processor classes whose apply_chat_template only adds the video processor's frame settings (and a default video
+# chat template) before ProcessorMixin's: without a video processor, ProcessorMixin's is theirs.
+_CHAT_TEMPLATE_VIDEO_SETTINGS = frozenset({"SmolVLMProcessor"})
+
+
+def images_only(cls: type) -> Any:
+    """transformers' processor class `cls` (one whose sub-processors include a video processor) without the video
+    processor: the same image processor, tokenizer, placeholder expansion and chat template; a conversation with a
+    video part is refused (ValueError). transformers reads a processor's sub-processors from `get_attributes()`
+    (loading and the constructor's checks alike) and skips the video step of `__call__` for a processor that has
+    no `video_processor`."""
+    from transformers.processing_utils import ProcessorMixin
+
+    parent: Any = cls
+    attributes = [a for a in parent.get_attributes() if a != "video_processor"]
+    render = ProcessorMixin.apply_chat_template if parent.__name__ in _CHAT_TEMPLATE_VIDEO_SETTINGS else \
+        parent.apply_chat_template
+
+    def get_attributes(_: type) -> list[str]:
+        return attributes
+
+    def from_dict(sub: Any, processor_dict: dict[str, Any], **kwargs: Any) -> Any:
+        # the constructors take video_processor (SmolVLM's without a default); the base class then drops it
+        return super(sub, sub).from_dict({**processor_dict, "video_processor": None}, **kwargs)
+
+    def apply_chat_template(self: Any, conversation: Any, *args: Any, **kwargs: Any) -> Any:
+        convs = conversation if conversation and isinstance(conversation[0], list) else [conversation]
+        if any(isinstance(part, dict) and part.get("type") == "video" for conv in convs for m in conv
+               if isinstance(m.get("content"), list) for part in m["content"]):
+            raise ValueError(f"{parent.__name__} was built without its video processor (it needs torchvision): "
+                             "video parts are not served")
+        return render(self, conversation, *args, **kwargs)
+
+    return type(parent.__name__, (parent,), {"get_attributes": classmethod(get_attributes),
+                                             "from_dict": classmethod(from_dict),
+                                             "apply_chat_template": apply_chat_template,
+                                             "__module__": parent.__module__, "__doc__": images_only.__doc__})

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_vlm import GREEDY, N, chat, draw, hf_generate, make_idefics3, run
+from tiny_vlm import GREEDY, N, chat, draw, hf_generate, make_idefics3, make_smolvlm, run
 
 from neuron_opt.api import LLM
 from neuron_opt.backends.eager import EagerExecutor
@@ -19,6 +19,7 @@ from neuron_opt.config import CacheConfig
 from neuron_opt.errors import ConfigError
 from neuron_opt.multimodal.encoder_cache import EncoderCache
 from neuron_opt.multimodal.inputs import ImageItem, cache_token_ids
+from neuron_opt.multimodal.vision import hf_config, load_processor
 from neuron_opt.runtime.engine import Engine, encode_multimodal_chat
 from neuron_opt.runtime.runner import ModelRunner
 
@@ -165,7 +166,7 @@ def test_a_vlm_says_it_takes_images_and_refuses_typed_image_tokens(vlm):
 def test_encoder_equals_transformers_on_padded_tiles(arch):
     """The encoder and connector against transformers' own on tiles the processor padded (part of each pixel mask
     off: variable-resolution positions, masked keys); SmolVLM's vision side is Idefics3's (its processor needs
-    torchvision for its video processor, so the end-to-end tests run Idefics3)."""
+    torchvision for its video processor; test_smolvlm_loads_from_disk_... runs it end to end)."""
     import transformers
 
     from models.idefics3 import Idefics3Vision, VisionConfig
@@ -220,3 +221,41 @@ def test_the_openai_client_sends_a_base64_image_and_gets_llm_chat_text(vlm):
                 {"type": "image_url", "image_url": {"url": url}},
                 {"type": "text", "text": "What is in the picture?"}]}])
     assert out.choices[0].message.content == want.text and out.usage.completion_tokens == N
+
+
+def test_smolvlm_loads_from_disk_without_torchvision_and_gives_hf_greedy_text(tmp_path, caplog):
+    """SmolVLM through `LLM(path)`. transformers builds SmolVLM's processor only with its video processor, which
+    needs torchvision: where that is missing the loader builds SmolVLMProcessor from the checkpoint's image
+    processor and tokenizer without it and says so at INFO; HF's AutoProcessor cannot load it either, so the
+    oracle takes the same processor (transformers' classes: the preprocessing is theirs either way)."""
+    import logging
+
+    from transformers import SmolVLMForConditionalGeneration
+    from transformers.utils import is_torchvision_available
+
+    path = make_smolvlm(tmp_path / "smolvlm")
+    with caplog.at_level(logging.INFO, logger="neuron_opt.multimodal.vision"):
+        llm = LLM(path, batch_size=2, max_model_len=MAX_LEN)
+    hf = SmolVLMForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    processor = load_processor(path, hf.config)
+    if not is_torchvision_available():
+        assert not hasattr(llm.runner.vision.processor, "video_processor")
+        assert "SmolVLMProcessor built without its video processor" in caplog.text
+        with pytest.raises(ConfigError, match="video parts are not served"):
+            llm.encode_multimodal_chat([{"role": "user", "content": [{"type": "video", "video": "clip.mp4"}]}])
+    for messages in (chat(draw(70, 40, 1), "What is in the picture?"), chat("Compare", draw(20, 30, 2), "and",
+                                                                          draw(33, 97, 3))):
+        assert llm.chat(messages, GREEDY).token_ids == hf_generate(hf, processor, messages, N)
+
+
+def test_a_processor_failure_other_than_torchvision_propagates(tmp_path):
+    """Only AutoProcessor's torchvision failure falls back: a checkpoint without its tokenizer files is refused."""
+    import shutil
+
+    src = make_smolvlm(tmp_path / "full")
+    (tmp_path / "part").mkdir()
+    for name in ("config.json", "preprocessor_config.json", "processor_config.json"):
+        if (src / name).exists():
+            shutil.copy(src / name, tmp_path / "part" / name)
+    with pytest.raises(ValueError, match="tokenizer"):
+        load_processor(tmp_path / "part", hf_config(tmp_path / "part"))

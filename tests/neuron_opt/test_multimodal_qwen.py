@@ -3,9 +3,9 @@ rotary positions (M-RoPE) over prompt, chunks, preemption and decode.
 
 Oracle: HF transformers' `generate` (greedy, fp32) on the same processor outputs, with a tiny random checkpoint
 built in the test (tests/tiny_vlm.py) and PIL-drawn images of several sizes and aspect ratios (grids of 2 x 2 up to
-16 x 16 patches, several windows each). transformers builds Qwen2.5-VL's processor only with its video processor,
-which needs torchvision; without it the test builds the same processor without one (tiny_vlm.make_qwen2_5_vl) and
-hands it to the loader in place of AutoProcessor's.
+16 x 16 patches, several windows each). The model loads from disk through `LLM(path)`; transformers builds
+Qwen2.5-VL's processor only with its video processor, which needs torchvision, so where that is missing both sides
+take the processor the loader builds without it (vision.load_processor: transformers' own classes).
 """
 
 from __future__ import annotations
@@ -13,11 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny_vlm import GREEDY, N, chat, draw, hf_generate, make_qwen2_5_vl, run
+from transformers.utils import is_torchvision_available
 
 from neuron_opt.api import LLM
 from neuron_opt.backends.eager import EagerExecutor
 from neuron_opt.buckets import BucketConfig
 from neuron_opt.config import CacheConfig, ModelConfig
+from neuron_opt.multimodal.vision import load_processor
 from neuron_opt.runtime.engine import Engine
 from neuron_opt.runtime.runner import ModelRunner
 
@@ -26,16 +28,14 @@ BS = 8
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
-    import transformers
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    path, processor = make_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"))
-    with pytest.MonkeyPatch.context() as mp:  # the processor without a video processor (module docstring)
-        mp.setattr(transformers.AutoProcessor, "from_pretrained", lambda *a, **k: processor)
-        llm = LLM(path, batch_size=4, max_model_len=512)
+    path = make_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"))
+    llm = LLM(path, batch_size=4, max_model_len=512)
     hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    processor = load_processor(path, hf.config)
     yield llm, hf, processor
     torch.set_num_threads(threads)
 
@@ -51,6 +51,8 @@ def engine_for(llm: LLM, num_blocks: int = 0, **kw) -> Engine:
 def test_images_of_several_shapes_give_hf_greedy_text(qwen):
     llm, hf, processor = qwen
     assert llm.config.mrope_section == (2, 3, 3)
+    if not is_torchvision_available():  # the processor the loader built without its video processor
+        assert not hasattr(llm.runner.vision.processor, "video_processor")
     assert ModelConfig.from_dict(llm.config.to_dict()) == llm.config  # as a manifest stores it
     for messages in (chat(draw(70, 40, 1), "What is this?"),
                      chat("Compare", draw(20, 50, 2), "with", draw(9, 9, 3), "and", draw(64, 30, 4))):
