@@ -48,6 +48,24 @@ def test_forced_replicate_kv_that_cannot_work_names_the_fix(tiny_dir):
         head_layout(cfg, ParallelConfig(tp=4, flash_decoding=True))
 
 
+
+def test_cp_degree_is_the_kv_group_size_and_implies_flash_decoding(tiny_dir):
+    gqa4 = ModelConfig.from_hf(tiny_dir("llama-gqa4"))  # 8 q / 2 kv heads
+    lay = head_layout(gqa4, ParallelConfig(tp=4, cp_degree=2))
+    assert (lay.strategy, lay.kv_seq_shards, lay.cp) == ("kv-seq-shard", 2, True)
+    assert not head_layout(gqa4, ParallelConfig(tp=4, flash_decoding=True)).cp
+    assert "context-parallel prefill (cp_degree 2)" in layout_cost(gqa4, lay, 8, 16, 2).description
+    with pytest.raises(ConfigError, match="cp_degree: .*use --cp-degree 2"):
+        head_layout(gqa4, ParallelConfig(tp=4, cp_degree=4))
+    with pytest.raises(ConfigError, match="cp_degree: .*no ranks share a KV head at tp 2 with 2 KV heads"):
+        head_layout(gqa4, ParallelConfig(tp=2, cp_degree=2))
+    with pytest.raises(ConfigError, match="cp_degree: must be an integer >= 1 that divides tp=4"):
+        ParallelConfig(tp=4, cp_degree=3)
+    olmo = ModelConfig.from_hf(tiny_dir("olmo2"))
+    with pytest.raises(ConfigError, match="cp_degree: OLMo 2's q/k norms"):
+        head_layout(olmo, ParallelConfig(tp=4, cp_degree=2))
+
+
 @pytest.mark.parametrize(
     "variant,tp,flags",
     [
@@ -157,6 +175,7 @@ def test_cli_flags_build_the_parallel_config():
         tp=4, sequence_parallel=True, flash_decoding=True, gqa_strategy="mha", instance="inf2.48xlarge"
     )
     assert not _parse(["--no-vocab-parallel-sampling"]).vocab_parallel_sampling
+    assert _parse(["--tp", "4", "--cp-degree", "2"]) == ParallelConfig(tp=4, cp_degree=2)
 
 
 @pytest.mark.parametrize(
