@@ -47,7 +47,7 @@ from neuron_opt.lora.config import LoraConfig
 from neuron_opt.parallel import ParallelContext, head_layout
 from neuron_opt.parallel.sharding import rank_shards
 from neuron_opt.planner import format_plan_table
-from neuron_opt.planner.memory import kv_window, window_prompt_len
+from neuron_opt.planner.memory import kv_window, resolve_flash_decoding, window_prompt_len
 from neuron_opt.quant.kv import CALIBRATION_TEXT, calibrate, fold
 from neuron_opt.quant.weights import QuantTensor
 from neuron_opt.runtime.speculative import check_draft_tokenizer
@@ -295,7 +295,13 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
     if cfg.is_embedding and qc.lm_head:  # `--quantize auto` of a GGUF whose head is quantized: no head here
         qc = dataclasses.replace(qc, lm_head=False)
     check_lora_request(req, cfg)
+    kv_dtype = cache_cfg.kv_cache_dtype.value if cache_cfg.kv_cache_dtype is KVCacheDtype.FP8 else cache_cfg.dtype
+    par, flash_why = resolve_flash_decoding(cfg, par, cache_cfg.num_blocks, cache_cfg.block_size,
+                                            qc.method or dtype_name, kv_dtype, lora=req.lora is not None)
+    req = dataclasses.replace(req, parallel=par)
     log(format_plan(cfg, par, cache_cfg, buckets, req.backend, qc.method or dtype_name, timings_dir))
+    if flash_why:
+        log(f"  {flash_why}")
     if cfg.is_embedding:
         log(f"  {describe_task(cfg)}")
     dtype = torch_dtype(dtype_name)

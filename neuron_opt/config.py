@@ -555,7 +555,9 @@ class ParallelConfig:
 
     tp: int = 1
     sequence_parallel: bool = False
-    flash_decoding: bool = False
+    # KV heads fewer than tp: each KV group's ranks split the cache along the sequence (kv-seq-shard). None: auto,
+    # decided by compile from the plan's memory (planner.memory.resolve_flash_decoding); elsewhere None is off
+    flash_decoding: bool | None = None
     vocab_parallel_sampling: bool = True
     gqa_strategy: str = "auto"  # auto | replicate-kv | mha
     instance: str | None = None

@@ -37,8 +37,10 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--flash-decoding",
-        action="store_true",
-        help="when n_kv_heads < tp: shard each KV head's cache along the sequence within its group",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="when n_kv_heads < tp: shard each KV head's cache along the sequence within its group (default: "
+        "compile turns it on where the plan's weights + KV per rank are smaller with it)",
     )
     g.add_argument(
         "--cp-degree",

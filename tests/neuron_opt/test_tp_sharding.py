@@ -184,3 +184,22 @@ def test_cli_flags_build_the_parallel_config():
 def test_instance_rejects_degrees_it_does_not_offer(instance, tp, allowed):
     with pytest.raises(ConfigError, match=f"allowed: {allowed}"):
         _parse(["--tp", str(tp), "--instance", instance])
+
+
+def test_compile_turns_flash_decoding_on_where_the_plan_says_it_saves_memory(tmp_path):
+    """One KV head at tp 2, a pool of 4 x 1,024 positions: weights + KV per rank are smaller with the KV split along
+    the sequence, so compile's default (auto) takes flash decoding, says why, and the manifest holds the choice."""
+    from tiny import make_tiny
+
+    from neuron_opt.artifact import read_manifest
+    from neuron_opt.compiler import CompileRequest, compile_artifact
+
+    said: list[str] = []
+    ckpt = make_tiny("llama-mqa", tmp_path / "mqa", tokenizer=True)
+    compile_artifact(CompileRequest(model=str(ckpt), out=tmp_path / "art", backend="eager",
+                                    dtype="float32", max_model_len=1024, batch_size=4, parallel=ParallelConfig(tp=2),
+                                    use_cache=False), log=said.append, progress=False)
+    par = read_manifest(tmp_path / "art", verify_hashes=False).parallel
+    assert par.flash_decoding is True
+    assert any("flash decoding (auto): on" in s for s in said), said
+    assert "kv-seq-shard" in said[0]
