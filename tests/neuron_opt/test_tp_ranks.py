@@ -65,7 +65,11 @@ def _state_dict(d, cfg):
     return sd
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+SLOW = {"mqa-tp2-cp"}  # the XLA tier runs context parallelism at tp 2 too (tests/xla/test_device_cp.py)
+
+
+@pytest.fixture(scope="module", params=[pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c
+                                        for c in sorted(CASES)])
 def case(request, tiny_dir, tmp_path_factory):
     variant, par = CASES[request.param]
     d = tiny_dir(variant)
