@@ -203,3 +203,15 @@ def test_compile_turns_flash_decoding_on_where_the_plan_says_it_saves_memory(tmp
     assert par.flash_decoding is True
     assert any("flash decoding (auto): on" in s for s in said), said
     assert "kv-seq-shard" in said[0]
+
+
+def test_plan_shows_context_parallel_prefill(tiny_dir, capsys):
+    from neuron_opt.cli import main
+
+    mqa = str(tiny_dir("llama-mqa"))
+    assert main(["plan", "--model", mqa, "--instance", "trn1.32xlarge", "--tp", "2", "--cp-degree", "2",
+                 "--max-model-len", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "kv-seq-shard" in out and "context-parallel prefill: cp_degree 2" in out
+    assert main(["plan", "--model", mqa, "--instance", "trn1.32xlarge", "--cp-degree", "2"]) == 2
+    assert "cp_degree: context-parallel prefill is planned at a given tp" in capsys.readouterr().err
