@@ -267,7 +267,8 @@ def plot(report: dict, path: Path) -> None:
         lo = [t["results"][n][who]["min"] / 1e3 for n in lens]
         hi = [t["results"][n][who]["max"] / 1e3 for n in lens]
         a.errorbar(lens, med, yerr=[np.subtract(med, lo), np.subtract(hi, med)], marker="o", capsize=3, label=label)
-    a.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="TTFT (s)", title="TTFT, one request")
+    a.set(xscale="log", xlabel="prompt tokens", ylabel="TTFT (s)", title="TTFT, one request", ylim=(0, None))
+    a.minorticks_off()
     a.set_xticks(lens, [str(n) for n in lens])
     a.legend()
     g = report["agent"]
@@ -277,8 +278,8 @@ def plot(report: dict, path: Path) -> None:
     b.set(ylabel="TTFT p50 of returning turns (ms)",
           title=f"agent: {g['histories']} histories of {g['history_len']}+ tokens, pool holds {g['pool_histories']}")
     m = report["machine"]
-    fig.suptitle(f"{m.get('cpu')} ({m.get('cores')} cores)" + ("  [quick: not a result]" if report["quick"] else ""),
-                 fontsize=9)
+    busy = "" if report["idle"]["start"]["idle"] and not report["idle"]["warnings"] else "  [machine busy]"
+    fig.suptitle(f"{m.get('cpu')}" + ("  [quick: not a result]" if report["quick"] else "") + busy, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
