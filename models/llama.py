@@ -390,6 +390,11 @@ class Attention(nn.Module):
       softmax (max m, sum s, output o) over its positions; the group exchanges (m, s) with one small
       all-gather, each rank rescales its o by exp(m - M) / sum_c(s_c exp(m_c - M)), and the o_proj
       all-reduce that row-parallel attention needs anyway adds the group's partial outputs together.
+      Under context-parallel prefill (HeadLayout.cp, `--cp-degree g`) a prefill step's q/k/v projections, q/k
+      norms and rope are split over the group too: rank j computes them for the step's tokens i with i % g == j
+      (S / g each, any start position) and one all-gather within the group puts the step's q/k/v back in order;
+      the pool writes and the partial softmax above then run as without it, so the KV blocks hold the same
+      values. Decode and verify steps do not split (one or a few tokens per row).
     """
 
     def __init__(self, cfg: ModelConfig, lay: HeadLayout, pctx: ParallelContext,
@@ -403,7 +408,7 @@ class Attention(nn.Module):
         self.softcap = cfg.attn_logit_softcapping
         self.pctx = pctx
         self.kv_groups = lay.kv_seq_shards  # g: 1 unless kv-seq-shard
-        self.group_rank = pctx.rank % lay.kv_seq_shards
+        self.cp = lay.cp  # context-parallel prefill over the g ranks of the KV group
         self.q_proj = ColumnParallelLinear(H, self.n_heads * D, cfg.attention_bias, pctx)
         self.k_proj = ColumnParallelLinear(H, self.n_kv * D, cfg.attention_bias, pctx)
         self.v_proj = ColumnParallelLinear(H, self.n_kv * D, cfg.attention_bias, pctx)
@@ -425,25 +430,33 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, kv_len: int, seq_sharded: bool = False,
-                window: torch.Tensor | None = None, lora: LayerLora | None = None) -> torch.Tensor:
+                window: torch.Tensor | None = None, lora: LayerLora | None = None,
+                decode: bool = False) -> torch.Tensor:
         """`window`: this layer's sliding window as a 1-element int64 tensor, in place of the built-in one (a
         compiled graph that serves layers of several windows; a window >= the longest sequence is none).
-        `lora`: the rows' adapter terms on q/k/v/o (neuron_opt.lora.ops), added to the base projections."""
+        `lora`: the rows' adapter terms on q/k/v/o (neuron_opt.lora.ops), added to the base projections.
+        `decode`: a token-generation step (static per graph); context parallelism applies to prefill steps only."""
         B, S = positions.shape
         if seq_sharded:
             x = seq_gather(x, self.pctx, S)  # [B, S, H] from [B, S_pad/tp, H]
+        cp = self.cp and not decode and S > 1 and S % self.kv_groups == 0  # static per graph
+        if cp:  # this rank's tokens i % g == j of the step: q/k/v/rope of S/g tokens, gathered after rope
+            x, cos, sin = self._own_tokens(x), self._own_tokens(cos), self._own_tokens(sin)
+        S_own = x.shape[1]
         qkv = self._modules.get("qkv_proj")  # set once, at build time (fuse_quantized_projections)
         q, k, v = qkv(x) if qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         if lora is not None:
             q, k, v = lora.add("q_proj", x, q), lora.add("k_proj", x, k), lora.add("v_proj", x, v)
         if self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(B, S, self.n_heads, self.D)  # [B, S, n_heads, D]
-        k = k.view(B, S, self.n_kv, self.D)  # [B, S, n_kv, D]
-        v = v.view(B, S, self.n_kv, self.D)  # [B, S, n_kv, D]
+        q = q.view(B, S_own, self.n_heads, self.D)  # [B, S, n_heads, D]
+        k = k.view(B, S_own, self.n_kv, self.D)  # [B, S, n_kv, D]
+        v = v.view(B, S_own, self.n_kv, self.D)  # [B, S, n_kv, D]
         if self.qk_norm and not self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cp:  # the group's tokens back in step order: [B, S, heads, D]
+            q, k, v = self._gather_tokens(q), self._gather_tokens(k), self._gather_tokens(v)
         if self.kv_groups > 1:
             out = self._seq_shard_attention(q, k, v, positions, slot_mapping, block_tables, k_cache, v_cache,
                                              kv_len, window)
@@ -463,6 +476,26 @@ class Attention(nn.Module):
         if FusedLinears.can_fuse(projs):
             self.qkv_proj = FusedLinears(projs)
             del self.q_proj, self.k_proj, self.v_proj
+
+    def _group_rank(self) -> int | torch.Tensor:
+        """This rank's index j within its KV group (a device tensor in an SPMD program: ParallelContext.rank_value)."""
+        return self.pctx.rank_value() % self.kv_groups
+
+    def _own_tokens(self, t: torch.Tensor) -> torch.Tensor:
+        """[B, S, ...] -> this rank's tokens i = m * g + j of the step: [B, S / g, ...] (a static stride, so the
+        group's ranks hold equal shares whatever the row's start position)."""
+        if t.dim() < 2 or t.shape[1] == 1:  # a table broadcast over the tokens (a layer without rope)
+            return t
+        B, S, g = t.shape[0], t.shape[1], self.kv_groups
+        j = self._group_rank()
+        idx = j.reshape(1).long() if isinstance(j, torch.Tensor) else torch.tensor([j], device=t.device)
+        return t.reshape(B, S // g, g, *t.shape[2:]).index_select(2, idx).squeeze(2)
+
+    def _gather_tokens(self, t: torch.Tensor) -> torch.Tensor:
+        """The group's [B, S / g, ...] shares (one all-gather within the KV group) -> [B, S, ...] in step order."""
+        every = self.pctx.comm.group_all_gather(t[None], dim=0)  # [g, B, S / g, ...]
+        B, part = t.shape[0], t.shape[1]
+        return every.movedim(0, 2).reshape(B, part * self.kv_groups, *t.shape[2:])
 
     def _mask(self, key_pos: torch.Tensor, positions: torch.Tensor,
               window: torch.Tensor | None = None) -> torch.Tensor:
@@ -491,7 +524,7 @@ class Attention(nn.Module):
     def _seq_shard_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                              slot_mapping: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor, kv_len: int, window: torch.Tensor | None = None) -> torch.Tensor:
-        g, j = self.kv_groups, self.group_rank
+        g, j = self.kv_groups, self._group_rank()
         per = k_cache.shape[2]  # this rank's positions per block: block_size / g
         bs = per * g
         off = slot_mapping % bs  # offset in the block; the block starts at a multiple of bs, so p % g == off % g
@@ -612,7 +645,7 @@ class DecoderLayer(nn.Module):
         # `lora`: the rows' adapter terms (neuron_opt.lora.ops) on the attention and dense MLP projections
         dt = getattr(self, next(iter(self.norms.values()))).weight.dtype
         a = self.self_attn(self._norm("attn_in", x).to(dt), cos, sin, positions, slot_mapping, block_tables,
-                           k_cache, v_cache, kv_len, seq_sharded, window, lora)
+                           k_cache, v_cache, kv_len, seq_sharded, window, lora, decode)
         x = x + self._residual(self._norm("attn_out", a)).to(x.dtype)
         mlp = getattr(self, self.mlp_name)
         h = self._norm("mlp_in", x).to(dt)

@@ -47,7 +47,7 @@ from neuron_opt.lora.config import LoraConfig
 from neuron_opt.parallel import ParallelContext, head_layout
 from neuron_opt.parallel.sharding import rank_shards
 from neuron_opt.planner import format_plan_table
-from neuron_opt.planner.memory import kv_window, window_prompt_len
+from neuron_opt.planner.memory import kv_window, resolve_flash_decoding, window_prompt_len
 from neuron_opt.quant.kv import CALIBRATION_TEXT, calibrate, fold
 from neuron_opt.quant.weights import QuantTensor
 from neuron_opt.runtime.speculative import check_draft_tokenizer
@@ -297,7 +297,13 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
     check_lora_request(req, cfg)
     # GGUF blocks as stored take at most about a byte a weight (Q8_0: 34 per 32): the plan counts them as int8
     plan_dtype = "int8" if qc.method == "gguf" else qc.method or dtype_name
+    kv_dtype = cache_cfg.kv_cache_dtype.value if cache_cfg.kv_cache_dtype is KVCacheDtype.FP8 else cache_cfg.dtype
+    par, flash_why = resolve_flash_decoding(cfg, par, cache_cfg.num_blocks, cache_cfg.block_size, plan_dtype,
+                                            kv_dtype, lora=req.lora is not None)
+    req = dataclasses.replace(req, parallel=par)
     log(format_plan(cfg, par, cache_cfg, buckets, req.backend, plan_dtype, timings_dir))
+    if flash_why:
+        log(f"  {flash_why}")
     if cfg.is_embedding:
         log(f"  {describe_task(cfg)}")
     dtype = torch_dtype(dtype_name)

@@ -568,7 +568,9 @@ class ParallelConfig:
 
     tp: int = 1
     sequence_parallel: bool = False
-    flash_decoding: bool = False
+    # KV heads fewer than tp: each KV group's ranks split the cache along the sequence (kv-seq-shard). None: auto,
+    # decided by compile from the plan's memory (planner.memory.resolve_flash_decoding); elsewhere None is off
+    flash_decoding: bool | None = None
     vocab_parallel_sampling: bool = True
     gqa_strategy: str = "auto"  # auto | replicate-kv | mha
     instance: str | None = None
@@ -580,9 +582,15 @@ class ParallelConfig:
     # moe_tkg_ep_degree beside moe_cte_ep_degree): None or `ep`, one layout for every graph; another degree, the
     # experts are held a second time in that layout and prefill graphs keep `ep`'s
     ep_decode: int | None = None
+    # context-parallel prefill (NxDI's cp_degree): the ranks that share a KV head under flash decoding split a
+    # prefill's tokens between them (q/k/v projections of 1/cp of the tokens each, then exchanged); 1: off. It
+    # implies the flash-decoding layout and must equal its group size, tp / num_key_value_heads (head_layout)
+    cp_degree: int = 1
 
     def __post_init__(self) -> None:
         _check(isinstance(self.tp, int) and self.tp >= 1, "tp", f"must be an integer >= 1, got {self.tp!r}")
+        _check(isinstance(self.cp_degree, int) and self.cp_degree >= 1 and self.tp % self.cp_degree == 0,
+               "cp_degree", f"must be an integer >= 1 that divides tp={self.tp}, got {self.cp_degree!r}")
         _check(isinstance(self.ep, int) and self.ep >= 1 and self.tp % self.ep == 0, "ep",
                f"must be an integer >= 1 that divides tp={self.tp} (tp = moe tp x ep), got {self.ep!r}")
         _check(self.ep_decode is None or (isinstance(self.ep_decode, int) and self.ep_decode >= 1

@@ -200,12 +200,15 @@ class SpmdCollectives:
     use_global_device_ids): neuronx-distributed's form, where one HLO is loaded on every NeuronCore. The rank
     is a device tensor (`rank_tensor`, this device's shard of arange(tp), as NxD's SPMDRank), set per step.
     Counted while tracing (a bucket's graph makes the same calls every step). torch-xla 2.9 has SPMD all-reduce
-    and reduce-scatter but no SPMD all-gather, so the layouts that need an all-gather (sequence-parallel
-    prefill, flash decoding) are refused for this backend at build time (`check_spmd_layout`).
+    and reduce-scatter but no SPMD all-gather: `all_gather` and `group_all_gather` (flash decoding's KV group,
+    context-parallel prefill) are one all-reduce of a [tp, *x] buffer in which each rank fills its own row
+    (torch.where, so x + 0 = x exactly, -inf included), tp times the bytes of a true all-gather. Sequence-parallel
+    prefill stays refused (`check_spmd_layout`): its all-gathers of the activations would move more than the
+    all-reduces it replaces.
     """
 
-    def __init__(self, tp: int) -> None:
-        self.tp = tp
+    def __init__(self, tp: int, kv_group_size: int = 1) -> None:
+        self.tp, self.kv_group_size = tp, kv_group_size
         self.groups = [list(range(tp))]
         self.counter = CollectiveCounter()
         self.rank_tensor: torch.Tensor | None = None
@@ -218,29 +221,49 @@ class SpmdCollectives:
         return torch_xla._XLAC._xla_spmd_all_reduce(xm.REDUCE_SUM, x, 1.0, self.groups)
 
     def _refuse(self, op: str) -> None:
-        raise ConfigError(f"neuron backend: {op} inside an SPMD rank graph is not available in torch-xla 2.9; "
-                          "build without sequence_parallel / flash_decoding")
+        raise ConfigError(f"neuron backend: {op} inside an SPMD rank graph is not built (torch-xla 2.9 has no "
+                          "SPMD form of it); build without sequence_parallel")
+
+    def _gather(self, x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+        """The `size` consecutive ranks' x (this rank's group of them) concatenated along `dim` in rank order."""
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+
+        r = self.rank_tensor
+        if r is None:
+            raise RuntimeError("SpmdCollectives: an all-gather outside a traced SPMD step (no rank tensor)")
+        mine = torch.arange(self.tp, dtype=r.dtype, device=r.device) == r  # [tp]: this rank's row
+        placed = torch.where(mine.view(-1, *([1] * x.dim())), x[None], torch.zeros((), dtype=x.dtype,
+                                                                                   device=x.device))
+        self.counter.record("all_reduce", placed, self.tp)
+        every = torch_xla._XLAC._xla_spmd_all_reduce(xm.REDUCE_SUM, placed, 1.0, self.groups)  # [tp, *x.shape]
+        if size < self.tp:  # this rank's group: rows first .. first + size - 1
+            first = (r.long() // size) * size
+            every = every.index_select(0, first + torch.arange(size, device=r.device))
+        shape = list(x.shape)
+        shape[dim] *= size
+        return every.movedim(0, dim).reshape(shape)
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        self._refuse("all_gather")
-        return x
+        return self._gather(x, dim, self.tp)
 
     def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         self._refuse("reduce_scatter")
         return x
 
     def group_all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        self._refuse("group_all_gather")
-        return x
+        """Over this rank's flash-decoding KV group (`kv_group_size` consecutive ranks)."""
+        return self._gather(x, dim, self.kv_group_size)
 
 
 def check_spmd_layout(par: Any, kv_seq_shards: int) -> None:
-    """The tp > 1 layouts the neuron backend builds: Megatron TP with a vocab-parallel LM head."""
-    if par.sequence_parallel or kv_seq_shards > 1:
+    """The tp > 1 layouts the neuron backend builds: Megatron TP with a vocab-parallel LM head, flash decoding
+    (kv-seq-shard) and context-parallel prefill; not sequence-parallel prefill (SpmdCollectives)."""
+    if par.sequence_parallel:
         raise ConfigError(
-            "neuron backend: tp > 1 with sequence_parallel or flash decoding (kv-seq-shard) needs an SPMD "
-            "all-gather, which torch-xla 2.9 lacks; use plain tensor parallelism (drop --sequence-parallel / "
-            "--flash-decoding, or pick --gqa-strategy replicate-kv) or --backend eager (gloo ranks keep every layout)")
+            "neuron backend: tp > 1 with sequence_parallel needs all-gathers of the activations, which torch-xla "
+            "2.9 has no SPMD form of (an all-reduce in its place would move more than plain tensor parallelism); "
+            "drop --sequence-parallel, or use --backend eager (gloo ranks keep every layout)")
 
 
 # top logits each rank contributes to a vocab-parallel sampled step (tp > 1): a sampled row's top_k must not exceed
@@ -985,6 +1008,8 @@ class NeuronBackend(Backend):
         """The collectives every rank model is built with (None for tp=1: nothing to communicate)."""
         if tp != self.tp:
             raise ConfigError(f"neuron backend: built for tp={self.tp}, asked for tp={tp}")
+        if self.comm is not None:
+            self.comm.kv_group_size = kv_group_size
         return self.comm
 
     def _set_compiler_env(self, cache_dir: Path) -> None:

@@ -1,7 +1,7 @@
 """Tensor-parallel flags for `compile` and `generate`, and the ParallelConfig they build.
 
-Flags: `--tp`, `--ep`, `--ep-decode`, `--instance`, `--sequence-parallel`, `--flash-decoding`, `--gqa-strategy`,
-`--no-vocab-parallel-sampling`. The config is validated, including the instance's allowed degrees.
+Flags: `--tp`, `--ep`, `--ep-decode`, `--instance`, `--sequence-parallel`, `--flash-decoding`, `--cp-degree`,
+`--gqa-strategy`, `--no-vocab-parallel-sampling`. The config is validated, including the instance's allowed degrees.
 """
 
 from __future__ import annotations
@@ -37,8 +37,18 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--flash-decoding",
-        action="store_true",
-        help="when n_kv_heads < tp: shard each KV head's cache along the sequence within its group",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="when n_kv_heads < tp: shard each KV head's cache along the sequence within its group (default: "
+        "compile turns it on where the plan's weights + KV per rank are smaller with it)",
+    )
+    g.add_argument(
+        "--cp-degree",
+        type=int,
+        default=1,
+        metavar="N",
+        help="context-parallel prefill (NxDI's cp_degree): the N ranks that share a KV head split each prefill's "
+        "tokens; implies --flash-decoding, whose KV groups have N = tp / num_key_value_heads ranks (default 1: off)",
     )
     g.add_argument(
         "--gqa-strategy",
@@ -63,6 +73,7 @@ def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
         ep_decode=args.ep_decode,
         sequence_parallel=args.sequence_parallel,
         flash_decoding=args.flash_decoding,
+        cp_degree=args.cp_degree,
         vocab_parallel_sampling=args.vocab_parallel_sampling,
         gqa_strategy=args.gqa_strategy,
         instance=args.instance,

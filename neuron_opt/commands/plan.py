@@ -71,6 +71,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ep-decode", type=int, default=None, metavar="EP",
                    help="mixture-of-experts models: expert-parallel degree of the decode graphs (default: --ep's "
                         "when given, else chosen with it; a degree other than prefill's holds the experts twice)")
+    p.add_argument("--cp-degree", type=int, default=1, metavar="N",
+                   help="context-parallel prefill (compile --cp-degree): the N = tp / num_key_value_heads ranks of "
+                        "a flash-decoding KV group split each prefill; needs --tp")
     p.add_argument(
         "--batch-size", type=int, default=None, help="KV slots / decode batch (default: --concurrency)"
     )
@@ -253,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
             prefill_batch=args.prefill_batch,
             lora=lora,
             window_kv=WINDOW_KV,
+            cp_degree=args.cp_degree,
         ),
         traffic,
     )

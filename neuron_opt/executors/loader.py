@@ -9,7 +9,7 @@ it before anything loads; then the tokenizer, then the executor (executors.facto
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,8 @@ def check_artifact_settings(manifest: Manifest, *, dtype: str | None, max_model_
     """An artifact fixes its dtype, KV length, batch size and parallel layout when it is compiled: a value asked
     for here must be the artifact's, else a ConfigError says which and how to get it (never ignored)."""
     m = manifest
+    if parallel is not None and parallel.flash_decoding is None:  # auto: whatever compile decided for the artifact
+        parallel = replace(parallel, flash_decoding=m.parallel.flash_decoding)
     fixed = {"dtype": (dtype, m.dtype, "--dtype"),
              "max_model_len": (max_model_len, m.cache.max_model_len, "--max-model-len"),
              "batch_size": (batch_size, m.cache.max_batch, "--batch-size"),

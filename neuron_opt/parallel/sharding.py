@@ -20,6 +20,8 @@ mechanism expresses every GQA strategy:
                g = tp / n_kv_heads ranks of a KV group each keep every query head of the group and 1/g of the
                group's KV cache along the sequence (round-robin: position p lives on group rank p % g).
                KV memory per rank drops by g against replicate-kv; q/o weights are duplicated g times.
+               `--cp-degree g` (context-parallel prefill) implies it: the g ranks of a group also split a
+               prefill's tokens (models/llama.py, Attention).
 
 Widths tp does not divide are padded with zeros, never refused, so any tp shards any Llama-family model (as
 transformers-neuronx ran Llama-3-8B, Mistral-7B and Llama-3-70B at tp 24 on inf2.48xlarge): the MLP's
@@ -101,6 +103,7 @@ class HeadLayout:
     intermediate_local: int  # MLP features per rank: ceil(intermediate_size / tp) (zero-padded)
     vocab_padded: int
     kv_seq_shards: int = 1  # g: ranks sharing one KV head along the sequence (kv-seq-shard only)
+    cp_degree: int = 1  # context-parallel prefill over each KV group's g ranks: g (kv-seq-shard only), else 1
     ep: int = 1  # MoE: expert-parallel groups (each holds experts_local whole experts)
     experts_local: int = 0  # MoE: experts per rank, num_experts / ep (0: dense)
     moe_intermediate_local: int = 0  # MoE: each expert's features per rank, ceil(moe_intermediate_size / moe_tp)
@@ -109,6 +112,11 @@ class HeadLayout:
     ep_decode: int = 0
     experts_local_decode: int = 0
     moe_intermediate_local_decode: int = 0
+
+    @property
+    def cp(self) -> bool:
+        """Context-parallel prefill (ParallelConfig.cp_degree > 1)."""
+        return self.cp_degree > 1
 
     @property
     def hybrid(self) -> bool:
@@ -177,7 +185,9 @@ def head_layout(cfg: ModelConfig, par: ParallelConfig) -> HeadLayout:
     )
     if tp == 1:
         return HeadLayout(n_heads=nq, n_kv_heads=nkv, strategy=SHARD, **common)
-    if par.flash_decoding and nkv < tp:
+    if par.cp_degree > 1:
+        check_cp_degree(cfg, par)
+    if (par.flash_decoding or par.cp_degree > 1) and nkv < tp:
         if tp % nkv:
             raise ConfigError(
                 f"flash_decoding: tp={tp} is not a multiple of num_key_value_heads={nkv}, so KV "
@@ -185,7 +195,8 @@ def head_layout(cfg: ModelConfig, par: ParallelConfig) -> HeadLayout:
                 f"{[nkv * k for k in range(2, 5)]} or drop --flash-decoding"
             )
         return HeadLayout(
-            n_heads=nq, n_kv_heads=nkv, strategy=KV_SEQ_SHARD, kv_seq_shards=tp // nkv, **common
+            n_heads=nq, n_kv_heads=nkv, strategy=KV_SEQ_SHARD, kv_seq_shards=tp // nkv, cp_degree=par.cp_degree,
+            **common
         )
     can_shard = nq % tp == 0 and nkv % tp == 0
     can_replicate = nq % tp == 0 and tp % nkv == 0
@@ -201,6 +212,23 @@ def head_layout(cfg: ModelConfig, par: ParallelConfig) -> HeadLayout:
         return HeadLayout(n_heads=nq, n_kv_heads=tp, strategy=REPLICATE_KV, **common)
     nq_pad = math.ceil(nq / tp) * tp
     return HeadLayout(n_heads=nq_pad, n_kv_heads=nq_pad, strategy=MHA, **common)
+
+
+def check_cp_degree(cfg: ModelConfig, par: ParallelConfig) -> None:
+    """Context-parallel prefill splits a prefill over the ranks that share a KV head (the flash-decoding groups of
+    tp / num_key_value_heads ranks): `cp_degree` must be that group size."""
+    nkv, tp, cp = cfg.num_key_value_heads, par.tp, par.cp_degree
+    if nkv >= tp or tp % nkv or tp // nkv != cp:
+        shared = (f"the KV groups have {tp // nkv} ranks each (tp {tp} / {nkv} KV heads): use --cp-degree "
+                  f"{tp // nkv}" if nkv < tp and tp % nkv == 0 else
+                  f"no ranks share a KV head at tp {tp} with {nkv} KV heads (tp splits the heads already)"
+                  if nkv >= tp else f"tp {tp} is not a multiple of the {nkv} KV heads")
+        raise ConfigError(f"cp_degree: context-parallel prefill splits a prompt over the ranks that share a KV head "
+                          f"(flash decoding's groups of tp / num_key_value_heads ranks), so cp_degree must be that "
+                          f"group size; {shared}")
+    if cfg.qk_norm_full:
+        raise ConfigError("cp_degree: OLMo 2's q/k norms span every head's features of a token, summed over all "
+                          "ranks, which context parallelism gives different tokens; use --cp-degree 1")
 
 
 def _moe_layout(cfg: ModelConfig, par: ParallelConfig) -> dict[str, int]:
@@ -372,6 +400,8 @@ def layout_cost(
         KV_SEQ_SHARD: (
             f"flash decoding: {nkv} kv group(s) of {lay.kv_seq_shards} ranks, KV cache split along "
             f"the sequence, q/o weights of a group duplicated {lay.kv_seq_shards}x"
+            + (f"; context-parallel prefill (cp_degree {lay.kv_seq_shards}): a group's ranks split a prefill's "
+               "tokens" if lay.cp else "")
         ),
     }[lay.strategy]
     what = f"{lay.strategy}: {what} ({lay.n_heads_local} q / {lay.n_kv_local} kv per rank)"

@@ -28,7 +28,7 @@ Design decisions:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from neuron_opt.buckets import BucketConfig
 from neuron_opt.config import ModelConfig, ParallelConfig, norm_roles, window_blocks
@@ -357,3 +357,26 @@ def plan_memory(
         kv_cache_window=windowed,
         lora=adapters,
     )
+
+
+def resolve_flash_decoding(cfg: ModelConfig, par: ParallelConfig, num_blocks: int, block_size: int, dtype: str,
+                           kv_dtype: str, lora: bool = False) -> tuple[ParallelConfig, str | None]:
+    """`par` with flash decoding decided where it is auto (None): on where the model has fewer KV heads than tp
+    (tp a multiple of them), the GQA strategy is auto, no LoRA capacity is compiled in, and one rank's weights +
+    KV pool (`num_blocks` blocks) are smaller with it (it divides the KV per rank by g = tp / n_kv and holds the
+    group's q/o weights g times); else off. Returns the config and, when auto decided, the reason for the plan."""
+    if par.flash_decoding is not None:
+        return par, None
+    nkv, tp = cfg.num_key_value_heads, par.tp
+    if (tp == 1 or nkv >= tp or tp % nkv or block_size % (tp // nkv) or par.gqa_strategy != "auto" or lora
+            or par.cp_degree > 1):
+        return replace(par, flash_decoding=False), None
+
+    def per_rank(flash: bool) -> int:
+        lay = head_layout(cfg, replace(par, flash_decoding=flash))
+        return weight_bytes(cfg, lay, dtype) + kv_bytes(cfg, lay, num_blocks, block_size, kv_dtype)
+
+    on, off = per_rank(True), per_rank(False)
+    why = (f"flash decoding (auto): {'on' if on < off else 'off'}: weights + KV per rank {on / GiB:.3f} GiB with it, "
+           f"{off / GiB:.3f} GiB without ({nkv} KV heads at tp {tp})")
+    return replace(par, flash_decoding=on < off), why

@@ -49,6 +49,7 @@ class Deployment:
     lora: LoraConfig | None = None  # LoRA adapter capacity (compile --enable-lora); None: none
     block_size: int = PLAN_BLOCK_SIZE  # KV block size (compile --block-size)
     window_kv: bool = False  # the backend holds window-sized KV for sliding-window layers (Backend.window_kv)
+    cp_degree: int = 1  # context-parallel prefill (ParallelConfig.cp_degree; implies flash decoding's layout)
 
     def __post_init__(self) -> None:
         for name in ("tp", "batch", "max_prompt_len", "max_model_len", "prefill_batch"):
@@ -166,7 +167,7 @@ def evaluate(
     if par is None and dep.ep is None and len(eps) > 1:
         return _choose_ep(cfg, inst, dep, eps, traffic, buckets)
     lay = head_layout(cfg, par or ParallelConfig(tp=dep.tp, instance=inst.name, ep=dep.ep or 1,
-                                                 ep_decode=dep.ep_decode))
+                                                 ep_decode=dep.ep_decode, cp_degree=dep.cp_degree))
     fixed = buckets
     buckets = buckets or dep.buckets()
     mem = _memory(cfg, lay, inst, dep, fixed)
@@ -260,6 +261,7 @@ def candidates(
     prefill_batch: int = 1,
     lora: LoraConfig | None = None,
     window_kv: bool = False,
+    cp_degree: int = 1,
 ) -> list[Plan]:
     """Every (tp, dtype) on the instance, evaluated (any tp shards any model: widths tp does not divide are
     zero-padded, neuron_opt.parallel.sharding). MoE: each tp at its fastest expert layout (`_choose_ep`), or at
@@ -267,6 +269,9 @@ def candidates(
     carries. `window_kv`: the backend holds window-sized KV (Deployment.window_kv)."""
     if tp is not None:
         check_tp(inst, tp)
+    if cp_degree > 1 and tp is None:
+        raise ConfigError("cp_degree: context-parallel prefill is planned at a given tp (cp_degree = tp / "
+                          "num_key_value_heads); pass --tp too")
     degrees = (tp,) if tp is not None else inst.tp_degrees
     for fixed in (ep, ep_decode):
         if fixed is not None:  # none left: ParallelConfig names the error
@@ -278,7 +283,7 @@ def candidates(
         for t in degrees:
             out.append(evaluate(cfg, inst, Deployment(t, batch, max_prompt_len, max_model_len, d, kv_dtype, ep=ep,
                                                           ep_decode=ep_decode, prefill_batch=prefill_batch,
-                                                          lora=lora, window_kv=window_kv),
+                                                          lora=lora, window_kv=window_kv, cp_degree=cp_degree),
                                 traffic))
     if dtype is None and any(p.fits and p.deployment.dtype not in QUANTIZED for p in out):
         out = [p for p in out if p.deployment.dtype not in QUANTIZED]
@@ -291,7 +296,8 @@ def context_fits(cfg: ModelConfig, dep: Deployment) -> list[tuple[Instance, int 
     out = []
     for inst in INSTANCES.values():
         tp = next((t for t in inst.tp_degrees
-                   if evaluate(cfg, inst, replace(dep, tp=t, ep=None, ep_decode=None), limits=False).fits), None)
+                   if evaluate(cfg, inst, replace(dep, tp=t, ep=None, ep_decode=None, cp_degree=1),
+                               limits=False).fits), None)
         out.append((inst, tp))
     return out
 

@@ -63,6 +63,9 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
         f"  host RAM to compile (rank weights + one tensor in flight): {m.host_needed / GiB:.1f} GiB "
         f"of {m.host_capacity / GiB:.0f} GiB" + ("" if m.host_fits else "  -> NOT ENOUGH HOST RAM"),
         f"  KV per token: {kv_per_token(cfg, plan)}",
+        *([f"  context-parallel prefill: cp_degree {lay.kv_seq_shards}, each KV group's {lay.kv_seq_shards} ranks "
+           f"split a prefill's q/k/v projections and rope (3 more group all-gathers per layer: q, k, v) and hold "
+           f"1/{lay.kv_seq_shards} of its KV along the sequence"] if lay.cp else []),
         f"  largest batch at max_model_len {d.max_model_len}: {plan.largest_batch}; "
         f"largest max_model_len at batch {d.batch}: {plan.largest_length}",
         f"  buckets: prefill {list(b.prefill_lens)}" + (f" x batch {b.prefill_batch}" if b.prefill_batch > 1 else "")
@@ -339,6 +342,7 @@ def plan_json(cfg: ModelConfig, plan: Plan, alternatives: list[Plan] | None = No
         "max_prompt_len": d.max_prompt_len,
         "max_model_len": d.max_model_len,
         "gqa_strategy": plan.layout.strategy,
+        "cp_degree": plan.layout.kv_seq_shards if plan.layout.cp else 1,
         "ep": plan.layout.ep,
         "ep_decode": plan.layout.decode_layout().ep,
         "moe": None if not cfg.is_moe else {

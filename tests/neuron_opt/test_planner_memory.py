@@ -281,3 +281,36 @@ def test_quantized_weights_store_linears_in_one_byte() -> None:
     saved = weight_bytes(cfg, lay, "bfloat16") - weight_bytes(cfg, lay, "int8")
     assert saved == n.linear - 4 * n.linear_out_channels  # one byte per linear weight, fp32 scale per channel
     assert weight_bytes(cfg, lay, "fp8") == weight_bytes(cfg, lay, "int8")
+
+
+def test_flash_decoding_is_on_by_default_where_it_saves_weights_plus_kv_per_rank() -> None:
+    """Llama-3-8B (8 KV heads) at tp 32: flash decoding divides each rank's KV by 4 and holds the q/o weights of its
+    group 4 times. Auto (None) takes it where weights + KV per rank are smaller with it, by the plan's own counts:
+    for a long pool (16 x 8K tokens), not for a tiny one; an explicit flag, a forced GQA strategy or LoRA stay."""
+    from dataclasses import replace
+
+    from neuron_opt.planner.memory import resolve_flash_decoding
+
+    cfg = ModelConfig.from_hf(LLAMA3_8B)
+    auto = ParallelConfig(tp=32)
+    assert auto.flash_decoding is None
+
+    def per_rank(par: ParallelConfig, blocks: int) -> int:
+        lay = head_layout(cfg, par)
+        return weight_bytes(cfg, lay, "bfloat16") + kv_bytes(cfg, lay, blocks, 32, "bfloat16")
+
+    long_pool, tiny_pool = 16 * 256 + 1, 2
+    par, why = resolve_flash_decoding(cfg, auto, long_pool, 32, "bfloat16", "bfloat16")
+    assert par.flash_decoding is True and head_layout(cfg, par).strategy == "kv-seq-shard"
+    assert per_rank(par, long_pool) < per_rank(replace(par, flash_decoding=False), long_pool)
+    assert why.startswith("flash decoding (auto): on: weights + KV per rank")
+    par, why = resolve_flash_decoding(cfg, auto, tiny_pool, 32, "bfloat16", "bfloat16")
+    assert par.flash_decoding is False and "off" in why
+    assert per_rank(replace(par, flash_decoding=True), tiny_pool) > per_rank(par, tiny_pool)
+    for kept in (replace(auto, flash_decoding=False), replace(auto, flash_decoding=True)):
+        assert resolve_flash_decoding(cfg, kept, long_pool, 32, "bfloat16", "bfloat16") == (kept, None)
+    for off in (dict(par=replace(auto, gqa_strategy="replicate-kv")), dict(par=auto, lora=True),
+                dict(par=ParallelConfig(tp=8))):  # tp 8 = the 8 KV heads: nothing to split
+        par, why = resolve_flash_decoding(cfg, off["par"], long_pool, 32, "bfloat16", "bfloat16",
+                                          lora=off.get("lora", False))
+        assert par.flash_decoding is False and why is None

@@ -3,8 +3,8 @@
 One set of rank processes per case (module-scoped, parametrized: pytest keeps one case alive at a time).
 Cases cover divisible and non-divisible head counts and every layout:
   9 q / 3 kv heads at tp=2 (MHA, padded), tp=3 (shard) and tp=4 (MHA, padded) with sequence parallelism,
-  8/2 at tp=4 (replicate-kv), flash decoding (KV cache split along the sequence) for MQA at tp=2 and for
-  Mistral's sliding window at tp=4 (two KV groups).
+  8/2 at tp=4 (replicate-kv), flash decoding (KV cache split along the sequence) for MQA at tp=2 (with and
+  without context-parallel prefill) and for Mistral's sliding window at tp=4 (two KV groups).
 Oracle: HF logits (fp32, within 1e-4) and HF greedy tokens; collective counts against the formula.
 """
 
@@ -35,6 +35,9 @@ CASES = {
     "9-3-tp4-mha-sp": ("smollm-like-9-3", ParallelConfig(tp=4, sequence_parallel=True)),
     "gqa4-tp4-replicate": ("llama-gqa4", ParallelConfig(tp=4)),
     "mqa-tp2-flash": ("llama-mqa", ParallelConfig(tp=2, flash_decoding=True, sequence_parallel=True)),
+    # context-parallel prefill: the KV group's two ranks split each prefill's tokens (prompts of 5, 7, 11 tokens
+    # in 16-token buckets)
+    "mqa-tp2-cp": ("llama-mqa", ParallelConfig(tp=2, cp_degree=2)),
     # two KV groups of two ranks (subgroup collectives) and a sliding window inside the sequence-split cache
     "mistral-window-tp4-flash": ("mistral-window", ParallelConfig(tp=4, flash_decoding=True)),
 }
@@ -62,7 +65,11 @@ def _state_dict(d, cfg):
     return sd
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+SLOW = {"mqa-tp2-cp"}  # the XLA tier runs context parallelism at tp 2 too (tests/xla/test_device_cp.py)
+
+
+@pytest.fixture(scope="module", params=[pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c
+                                        for c in sorted(CASES)])
 def case(request, tiny_dir, tmp_path_factory):
     variant, par = CASES[request.param]
     d = tiny_dir(variant)

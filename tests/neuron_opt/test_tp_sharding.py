@@ -48,6 +48,24 @@ def test_forced_replicate_kv_that_cannot_work_names_the_fix(tiny_dir):
         head_layout(cfg, ParallelConfig(tp=4, flash_decoding=True))
 
 
+
+def test_cp_degree_is_the_kv_group_size_and_implies_flash_decoding(tiny_dir):
+    gqa4 = ModelConfig.from_hf(tiny_dir("llama-gqa4"))  # 8 q / 2 kv heads
+    lay = head_layout(gqa4, ParallelConfig(tp=4, cp_degree=2))
+    assert (lay.strategy, lay.kv_seq_shards, lay.cp) == ("kv-seq-shard", 2, True)
+    assert not head_layout(gqa4, ParallelConfig(tp=4, flash_decoding=True)).cp
+    assert "context-parallel prefill (cp_degree 2)" in layout_cost(gqa4, lay, 8, 16, 2).description
+    with pytest.raises(ConfigError, match="cp_degree: .*use --cp-degree 2"):
+        head_layout(gqa4, ParallelConfig(tp=4, cp_degree=4))
+    with pytest.raises(ConfigError, match="cp_degree: .*no ranks share a KV head at tp 2 with 2 KV heads"):
+        head_layout(gqa4, ParallelConfig(tp=2, cp_degree=2))
+    with pytest.raises(ConfigError, match="cp_degree: must be an integer >= 1 that divides tp=4"):
+        ParallelConfig(tp=4, cp_degree=3)
+    olmo = ModelConfig.from_hf(tiny_dir("olmo2"))
+    with pytest.raises(ConfigError, match="cp_degree: OLMo 2's q/k norms"):
+        head_layout(olmo, ParallelConfig(tp=4, cp_degree=2))
+
+
 @pytest.mark.parametrize(
     "variant,tp,flags",
     [
@@ -157,6 +175,7 @@ def test_cli_flags_build_the_parallel_config():
         tp=4, sequence_parallel=True, flash_decoding=True, gqa_strategy="mha", instance="inf2.48xlarge"
     )
     assert not _parse(["--no-vocab-parallel-sampling"]).vocab_parallel_sampling
+    assert _parse(["--tp", "4", "--cp-degree", "2"]) == ParallelConfig(tp=4, cp_degree=2)
 
 
 @pytest.mark.parametrize(
@@ -165,3 +184,34 @@ def test_cli_flags_build_the_parallel_config():
 def test_instance_rejects_degrees_it_does_not_offer(instance, tp, allowed):
     with pytest.raises(ConfigError, match=f"allowed: {allowed}"):
         _parse(["--tp", str(tp), "--instance", instance])
+
+
+def test_compile_turns_flash_decoding_on_where_the_plan_says_it_saves_memory(tmp_path):
+    """One KV head at tp 2, a pool of 4 x 1,024 positions: weights + KV per rank are smaller with the KV split along
+    the sequence, so compile's default (auto) takes flash decoding, says why, and the manifest holds the choice."""
+    from tiny import make_tiny
+
+    from neuron_opt.artifact import read_manifest
+    from neuron_opt.compiler import CompileRequest, compile_artifact
+
+    said: list[str] = []
+    ckpt = make_tiny("llama-mqa", tmp_path / "mqa", tokenizer=True)
+    compile_artifact(CompileRequest(model=str(ckpt), out=tmp_path / "art", backend="eager",
+                                    dtype="float32", max_model_len=1024, batch_size=4, parallel=ParallelConfig(tp=2),
+                                    use_cache=False), log=said.append, progress=False)
+    par = read_manifest(tmp_path / "art", verify_hashes=False).parallel
+    assert par.flash_decoding is True
+    assert any("flash decoding (auto): on" in s for s in said), said
+    assert "kv-seq-shard" in said[0]
+
+
+def test_plan_shows_context_parallel_prefill(tiny_dir, capsys):
+    from neuron_opt.cli import main
+
+    mqa = str(tiny_dir("llama-mqa"))
+    assert main(["plan", "--model", mqa, "--instance", "trn1.32xlarge", "--tp", "2", "--cp-degree", "2",
+                 "--max-model-len", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "kv-seq-shard" in out and "context-parallel prefill: cp_degree 2" in out
+    assert main(["plan", "--model", mqa, "--instance", "trn1.32xlarge", "--cp-degree", "2"]) == 2
+    assert "cp_degree: context-parallel prefill is planned at a given tp" in capsys.readouterr().err
