@@ -293,6 +293,17 @@ class ModelRunner:
 
     def decode(self, rows: list[DecodeRow], candidates: int | None = None) -> torch.Tensor:
         """One token per row at its position; returns fp32 logits [len(rows), V]."""
+        bucket, inputs = self.decode_inputs(rows)
+        return self.run_decode(bucket, inputs, len(rows), candidates)
+
+    def run_decode(self, bucket: Bucket, inputs: StepInputs, num_rows: int,
+                   candidates: int | None = None) -> torch.Tensor:
+        """A decode step whose inputs `decode_inputs` built (row i's token may be written into `input_ids[i, 0]`
+        after: async scheduling builds them before the tokens are sampled); fp32 logits [num_rows, V]."""
+        return self._run(bucket, inputs, candidates)[:num_rows, : self.vocab_size]
+
+    def decode_inputs(self, rows: Sequence[DecodeRow]) -> tuple[Bucket, StepInputs]:
+        """The bucket and padded inputs of a decode step of `rows` (`decode` = this, then `run_decode`)."""
         bucket = pick_decode(len(rows), max(r.position for r in rows), self.buckets)
         B = bucket.batch
         ids = torch.zeros(B, 1, dtype=torch.long)
@@ -304,9 +315,8 @@ class ModelRunner:
             ids[i, 0], pos[i, 0], slots[i, 0] = r.token, r.position, self._slot(blocks, r.position)
             tables.append(blocks)
         window = self._window_inputs(rows, [r.position for r in rows], [1] * len(rows), (B, 1), bucket.kv_len)
-        inputs = StepInputs(ids, pos, slots, self._tables(tables, B, bucket.kv_len), torch.zeros(B, dtype=torch.long),
-                            self._lora_slots(rows, B), *window)
-        return self._run(bucket, inputs, candidates)[: len(rows), : self.vocab_size]
+        return bucket, StepInputs(ids, pos, slots, self._tables(tables, B, bucket.kv_len),
+                                  torch.zeros(B, dtype=torch.long), self._lora_slots(rows, B), *window)
 
     @property
     def verify_len(self) -> int:
