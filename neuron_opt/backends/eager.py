@@ -19,6 +19,9 @@ class EagerExecutor:
     """The model run eagerly; with a LoRA capacity (`model.lora_config`) it holds the adapter stacks too."""
 
     gathers_candidates = False
+    # its graph calls use every core the thread policy gives them, with the GIL held between ops (layers): the
+    # host work of async scheduling has nowhere to overlap (docs/serving.md, "Async scheduling")
+    async_scheduling = False
 
     def __init__(self, model: torch.nn.Module, cache: CacheConfig) -> None:
         self.model = model.eval()

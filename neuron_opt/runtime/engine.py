@@ -236,7 +236,6 @@ class Engine:
         # step is scheduled once the one in flight has ended (its landing still overlaps the next)
         self._schedule_after_flight = kv_tier is not None or loras is not None
         self._flight: _Flight | None = None  # engine thread only
-        self._graph_thread: concurrent.futures.ThreadPoolExecutor | None = None
 
     def _resolve_async(self, asked: bool | None) -> bool:
         why = ("speculative decoding proposes from each step's sampled tokens, which a step scheduled before them "
@@ -608,9 +607,7 @@ class Engine:
         self.stats.prefill_tokens += sum(len(p.token_ids) for p in out.prefills)
         for rid in sampled:
             self.scheduler.update(rid, PLACEHOLDER)
-        if self._graph_thread is None:
-            self._graph_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="neuron-opt-graph")
-        future = self._graph_thread.submit(run_task, self.runner, task)
+        future = self.runner.graph_thread().submit(run_task, self.runner, task)
         try:
             for st in states.values():
                 if st.grammar is not None:

@@ -20,6 +20,7 @@ Each row may name a LoRA adapter slot (`lora_slot`, neuron_opt.lora; 0: the base
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -77,6 +78,7 @@ class ModelRunner:
         self.model_config = model_config
         self.matryoshka_dims = tuple(getattr(model_config, "matryoshka_dims", ()))
         self.last_bucket: Bucket | None = None
+        self._graph_thread: concurrent.futures.ThreadPoolExecutor | None = None
         # tokens a prefill is padded to a multiple of, on executors that run any prefill length (0: the compiled
         # prefill lengths only; buckets.pick_prefill)
         self.prefill_granularity = int(getattr(executor, "prefill_granularity", 0))
@@ -178,6 +180,13 @@ class ModelRunner:
             use = list(blocks[:nb])
             tables[i, : len(use)] = torch.tensor(use, dtype=torch.long)
         return tables
+
+    def graph_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The one thread that runs this runner's graph calls under async scheduling (runtime/pipeline.py), made on
+        first use and kept for every engine over the runner, so one OpenMP team serves them all."""
+        if self._graph_thread is None:
+            self._graph_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="neuron-opt-graph")
+        return self._graph_thread
 
     def capture_aux_hidden(self, layer_ids: tuple[int, ...]) -> None:
         """From now on every graph call also returns the residual stream entering these target layers at every

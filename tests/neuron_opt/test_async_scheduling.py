@@ -54,12 +54,16 @@ def setup(tiny_dir):
     torch.set_num_threads(threads)
 
 
-def engine_for(ref, num_blocks: int = 0, **kw) -> Engine:
+def engine_for(ref, num_blocks: int = 0, device_default: bool = False, **kw) -> Engine:
+    """`device_default`: the executor leaves async scheduling's default on, as a device's does."""
     cache = CacheConfig(max_batch=4, max_model_len=MAX_LEN, block_size=BS, num_blocks=num_blocks)
     buckets = BucketConfig.build(max_prompt_len=64, max_model_len=MAX_LEN, max_batch=4, min_prefill=16,
                                  min_decode=16, num_speculative_tokens=K)
     model = build_model(ref.config, dict(ref.runner.executor.model.state_dict()), MAX_LEN, torch.float32)
-    runner = ModelRunner(EagerExecutor(model, cache), buckets, cache, ref.config.vocab_size)
+    executor = EagerExecutor(model, cache)
+    if device_default:
+        executor.async_scheduling = True
+    runner = ModelRunner(executor, buckets, cache, ref.config.vocab_size)
     return Engine(runner, ref.tokenizer, ref.eos_token_ids, **kw)
 
 
@@ -98,8 +102,8 @@ def test_async_streams_equal_the_synchronous_loop(setup, name):
         features = {**features, "num_blocks": 2 + 3 * -(-max(len(p) for p in prompts) // BS)}
     sync = engine_for(ref, async_scheduling=False, **features)
     want = run(sync, prompts, params)
-    engine = engine_for(ref, **features)
-    assert engine.async_scheduling  # the eager backend's default
+    assert not sync.async_scheduling and not engine_for(ref).async_scheduling  # the eager backend's default
+    engine = engine_for(ref, async_scheduling=True, **features)
     got = run(engine, prompts, params)
     for rid in want:
         assert stream(got[rid]) == stream(want[rid]), rid
@@ -120,7 +124,7 @@ def test_no_text_past_a_stop_string_is_streamed(setup):
     ref, prompts, params, stop = setup
     want = run(engine_for(ref, async_scheduling=False), prompts[:1], params[:1])["0"]
     seen: list[RequestOutput] = []
-    engine = engine_for(ref)
+    engine = engine_for(ref, async_scheduling=True)
     got = run(engine, prompts[:1], params[:1], on_output=lambda e, o: seen.append(o))["0"]
     text = "".join(o.text_delta for o in got)
     assert text == "".join(o.text_delta for o in want) and stop not in text
@@ -140,7 +144,7 @@ def test_abort_mid_stream_stops_the_stream_where_the_synchronous_loop_does(setup
             engine.abort("1")  # from the callback, on the engine's thread: applied at the next step
 
     want = run(engine_for(ref, async_scheduling=False), prompts[:3], params, abort_after_three)
-    engine = engine_for(ref)
+    engine = engine_for(ref, async_scheduling=True)
     got = run(engine, prompts[:3], params, abort_after_three)
     assert {rid: stream(o) for rid, o in got.items()} == {rid: stream(o) for rid, o in want.items()}
     aborted = got["1"]
@@ -161,7 +165,7 @@ def test_structured_masks_are_filled_while_the_graph_runs(setup, monkeypatch):
         fill(self, bitmask, row)
 
     monkeypatch.setattr(GrammarState, "fill", spy)
-    got = run(engine_for(ref), prompts[3:4], params[3:4])["0"]
+    got = run(engine_for(ref, async_scheduling=True), prompts[3:4], params[3:4])["0"]
     assert re.fullmatch(REGEX, "".join(o.text_delta for o in got)) and got[-1].finish_reason == "stop"
     assert len(used) == len(got) and all(used)  # every token's mask was the one filled while its graph ran
 
@@ -199,9 +203,34 @@ def test_lora_rows_equal_the_synchronous_loop(tmp_path):
 def test_speculative_decoding_runs_synchronously(setup):
     ref, prompts, params, _ = setup
     spec = SpeculativeConfig(K, adaptive=False)
-    engine = engine_for(ref, speculative=spec)
+    assert engine_for(ref, device_default=True).async_scheduling
+    engine = engine_for(ref, device_default=True, speculative=spec)
     assert not engine.async_scheduling  # its proposals need each step's sampled tokens
+    got = run(engine, prompts, params)
+    assert engine.spec_stats.verify_steps > 0 and engine.stats.wait_s == 0
     want = run(engine_for(ref, speculative=spec, async_scheduling=False), prompts, params)
-    assert {r: stream(o) for r, o in run(engine, prompts, params).items()} == {r: stream(o) for r, o in want.items()}
+    assert {rid: stream(o) for rid, o in got.items()} == {rid: stream(o) for rid, o in want.items()}
     with pytest.raises(ConfigError, match="async_scheduling: speculative decoding"):
         engine_for(ref, speculative=spec, async_scheduling=True)
+
+
+def test_the_flag_reaches_serve_run_batch_generate_and_llm(setup, tiny_dir):
+    from neuron_opt.cli import build_parser
+    from neuron_opt.commands.serve_engine import build_engine
+
+    path = str(tiny_dir("smollm-tok"))
+    parser = build_parser()
+    for command, extra in (("serve", []), ("run-batch", ["-i", "x", "-o", "y"]), ("generate", ["--prompt", "hi"])):
+        for flag, want in (([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)):
+            assert parser.parse_args([command, "--model", path, *extra, *flag]).async_scheduling is want, command
+    args = parser.parse_args(["serve", "--model", path, "--max-num-seqs", "2", "--max-model-len", "64",
+                              "--async-scheduling"])
+    assert build_engine(args).async_scheduling
+    args.async_scheduling = None
+    assert not build_engine(args).async_scheduling  # the eager backend's default
+    ref, prompts, _, _ = setup
+    sp = SamplingParams(max_tokens=6, temperature=0.9, seed=1, stop=("e",))
+    outs = [LLM(path, batch_size=4, max_model_len=MAX_LEN, async_scheduling=a).generate_batch(prompts[:4], sp)
+            for a in (True, False)]
+    assert [(o.token_ids, o.text, o.finish_reason) for o in outs[0]] == \
+        [(o.token_ids, o.text, o.finish_reason) for o in outs[1]]
