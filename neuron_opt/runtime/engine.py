@@ -9,10 +9,13 @@ What lives where
   whether it verifies, and the acceptance of a verify row.
 
 Threading model
-- All torch work, the scheduler and per-request sampling/stop state live on the engine thread; nothing else
-  touches them. Other threads (the HTTP event loop) talk to it only through `add_request` / `abort`, which put
-  commands on a thread-safe inbox that the engine drains at the start of every step. Without `start()` there is
-  no engine thread: the one caller that calls `step()` plays its part.
+- The scheduler, output processing and per-request stop state live on the engine thread; so do the graph calls
+  and sampling, except with async scheduling, where each step's graph calls and sampling run as one task on the
+  runner's graph thread (runtime/pipeline.py) while the engine thread schedules the next step and lands the one
+  before (`_step_async`; docs/serving.md, "Async scheduling"). Nothing else touches them. Other threads (the
+  HTTP event loop) talk to it only through `add_request` / `abort`, which put commands on a thread-safe inbox
+  that the engine drains at the start of every step. Without `start()` there is no engine thread: the one caller
+  that calls `step()` plays its part.
 - Results go out through a per-request callback `on_output(RequestOutput)`, called on the engine thread.
   It must be cheap and thread-safe; the server passes `loop.call_soon_threadsafe(queue.put_nowait, ...)`.
 - Validation that can fail for user input (context length, queue full) runs synchronously in `add_request`,
