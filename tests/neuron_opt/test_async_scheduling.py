@@ -234,3 +234,40 @@ def test_the_flag_reaches_serve_run_batch_generate_and_llm(setup, tiny_dir):
             for a in (True, False)]
     assert [(o.token_ids, o.text, o.finish_reason) for o in outs[0]] == \
         [(o.token_ids, o.text, o.finish_reason) for o in outs[1]]
+
+
+class FailingDecodes:
+    """Delegates to a real runner; a decode call with a row whose input token is `BAD` raises (a backend failure)."""
+
+    BAD = 42
+
+    def __init__(self, runner):
+        self._runner = runner
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+    def decode(self, rows, candidates=None):
+        if any(r.token == self.BAD for r in rows):
+            raise RuntimeError("simulated decode failure")
+        return self._runner.decode(rows, candidates)
+
+    def run_decode(self, bucket, inputs, num_rows, candidates=None):
+        if bool((inputs.input_ids[:num_rows, 0] == self.BAD).any()):
+            raise RuntimeError("simulated decode failure")
+        return self._runner.run_decode(bucket, inputs, num_rows, candidates)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_failing_decode_row_fails_only_its_request(setup, async_scheduling):
+    """The batched decode call fails; each row runs again alone and only the row that fails fails."""
+    ref, prompts, _, _ = setup
+    base = engine_for(ref)
+    engine = Engine(FailingDecodes(base.runner), ref.tokenizer, ref.eos_token_ids, async_scheduling=async_scheduling)
+    bad = SamplingParams(max_tokens=6, logit_bias=((FailingDecodes.BAD, 100.0),))  # its decode rows carry BAD
+    good = SamplingParams(max_tokens=6, ignore_eos=True, logit_bias=((FailingDecodes.BAD, -100.0),))
+    outs = run(engine, prompts[:3], [good, bad, good])
+    assert outs["1"][-1].finish_reason == "error" and "decode failed: simulated" in outs["1"][-1].error
+    for rid in ("0", "2"):
+        want = reference_generate(ref, prompts[int(rid)], good)
+        assert [t for o in outs[rid] for t in o.new_token_ids] == want.token_ids
