@@ -591,9 +591,11 @@ class Engine:
         states = {rid: self._seqs[rid].state for rid in sampled}
         banned = {rid: self.outputs.banned(rid, int(rid in unlanded)) for rid in sampled}
 
-        def candidates(ids: Sequence[str]) -> int | None:
+        def candidates(ids: Sequence[str]) -> int | None:  # `_candidates`, with the banned ids of this step
+            if not ids:
+                return 1  # a call that samples nothing (prefill chunks that do not end their prompt)
             ks = [candidates_needed(states[rid].params, len(banned[rid])) for rid in ids]
-            return None if not ks or None in ks else max(k for k in ks if k is not None)
+            return None if None in ks else max(k for k in ks if k is not None)
 
         if out.decodes and built is None:
             built = self.runner.decode_inputs(self._decode_rows(out.decodes))
@@ -601,8 +603,7 @@ class Engine:
         groups = tuple(out.prefills[i:i + per_call] for i in range(0, len(out.prefills), per_call))
         task = StepTask(out.decodes, built, groups, states, banned,
                         candidates([d.request_id for d in out.decodes]),
-                        tuple(candidates([p.request_id for p in g if p.last]) or 1 if any(p.last for p in g) else 1
-                              for g in groups),
+                        tuple(candidates([p.request_id for p in g if p.last]) for g in groups),
                         torch.get_num_threads())
         for p in out.prefills:
             if not p.last:
