@@ -126,8 +126,9 @@ class EngineStats:
     `sum(step_times)` is scheduling and glue. `prefill_tokens`: prompt tokens prefilled; `prefill_graph_tokens`:
     tokens the prefill graphs ran (rows x tokens of their buckets), so their difference is padding.
     `step_tokens`: how many steps scheduled each token count (a decode row counts 1, a prefill chunk its tokens).
-    With async scheduling `graph_s` and `sample_s` are the graph thread's, and `wait_s` is the time the engine thread
-    waited for it (the rest of a step's wall time overlapped the graph calls)."""
+    With async scheduling `graph_s` and `sample_s` are the graph thread's, `wait_s` is the time the engine thread
+    waited for it (the rest of a step's wall time overlapped the graph calls), and `step_times` also holds the
+    steps that only landed the step in flight (no rows of their own, not counted in `steps`)."""
 
     steps: int = 0
     decode_rows: int = 0
@@ -529,6 +530,8 @@ class Engine:
                 self._prefill(out.prefills[i:i + per_call])
         if not out.is_empty:
             self._count_step(out, t0)
+        elif len(self.stats.step_times) < 100_000:  # it only landed the step in flight: its time still counts
+            self.stats.step_times.append(time.perf_counter() - t0)
         flight = self._flight
         if flight is not None and not any(rid in self._seqs for rid in self._flight_ids(flight.task)):
             self._settle()  # every row's request ended while it ran: no graph call outlives the engine's requests
