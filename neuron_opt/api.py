@@ -110,20 +110,23 @@ class LLM:
     longer than the largest prefill bucket, in chunks of that bucket's length (an artifact compiled without offset
     prefill refuses it, ContextLengthError); no chunked prefill cuts a prompt to a step's token budget and no KV
     is shared between prompts or calls (no prefix caching), so a prompt's output does not depend on the others.
-    Requests beyond the runner's largest decode batch wait for a free sequence slot."""
+    Requests beyond the runner's largest decode batch wait for a free sequence slot. `async_scheduling`: the engines
+    overlap each step's host work with the graph calls (runtime/engine.py; None: the backend's default), with the
+    same outputs as the synchronous loop."""
 
     def __init__(self, model: str | Path, *, dtype: str | None = None, max_model_len: int | None = None,
                  batch_size: int | None = None, parallel: ParallelConfig | None = None,
                  num_speculative_tokens: int | None = None,
                  trusted_keys: Sequence[str | Path] | None = None, verified: VerifiedManifest | None = None,
                  s3_endpoint_url: str | None = None, lora: LoraConfig | None = None, revision: str | None = None,
-                 gguf_file: str | None = None) -> None:
+                 gguf_file: str | None = None, async_scheduling: bool | None = None) -> None:
         if is_remote(model):
             model = resolve(model, endpoint_url=s3_endpoint_url, trusted_keys=trusted_keys)
         self._adopt(load_model(model, dtype=dtype, max_model_len=max_model_len, batch_size=batch_size,
                                parallel=parallel, num_speculative_tokens=num_speculative_tokens,
                                trusted_keys=trusted_keys, verified=verified, lora=lora, revision=revision,
                                gguf_file=gguf_file), trusted_keys)
+        self.async_scheduling = async_scheduling
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, trusted_keys: Sequence[str | Path] | None = None) -> LLM:
@@ -142,6 +145,7 @@ class LLM:
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
         self.loras = LoraManager(self.runner.executor, self.config) if self.runner.lora_config is not None else None
         self._lora_paths: dict[str, str] = {}
+        self.async_scheduling: bool | None = None  # the engines' (runtime/engine.py); None: the backend's default
 
     def add_lora(self, request: LoRARequest) -> None:
         """Register `request.lora_path` under `request.lora_name` (validated now; ConfigError naming the field).
@@ -205,7 +209,8 @@ class LLM:
             draft = self.draft(speculative.model, seqs).runner
         engine = Engine(self.runner, self.tokenizer, self.eos_token_ids, max_num_seqs=seqs,
                         max_waiting=len(prompts), enable_prefix_caching=False, enable_chunked_prefill=False,
-                        speculative=speculative, draft=draft, grammars=self.grammars, loras=self.loras)
+                        speculative=speculative, draft=draft, grammars=self.grammars, loras=self.loras,
+                        async_scheduling=self.async_scheduling)
         outs: list[list[RequestOutput]] = [[] for _ in prompts]
         mm = [p if isinstance(p, MultimodalPrompt) else MultimodalPrompt(list(p)) for p in prompts]
         prompts = [m.token_ids for m in mm]

@@ -68,7 +68,9 @@ class Executor(Protocol):
     whose prefill graphs take any token count says so with `prefill_granularity = g` (g > 0): the runner then pads a
     prefill to a multiple of g rather than to a compiled prefill length (buckets.pick_prefill), and `run` gets
     prefill buckets of those lengths. An executor whose graphs merge image embeddings at their placeholder
-    positions (StepInputs.multimodal) says so with `takes_embeddings = True`."""
+    positions (StepInputs.multimodal) says so with `takes_embeddings = True`. An executor whose graph calls run on
+    the host's own cores says `async_scheduling = False`: the engine's default is then the synchronous loop
+    (runtime/engine.py, docs/serving.md "Async scheduling"); a device's executor leaves it unset (on)."""
 
     k_caches: list[torch.Tensor]
     v_caches: list[torch.Tensor]

@@ -444,6 +444,9 @@ class CpuExecutor:
 
     gathers_candidates = False
     prefill_granularity = 16
+    # its graph calls use every core the thread policy gives them, with the GIL held between ops (layers): the
+    # host work of async scheduling has nowhere to overlap (docs/serving.md, "Async scheduling")
+    async_scheduling = False
 
     def __init__(self, model: torch.nn.Module, graph_files: dict[Bucket, list[Path]], cache: CacheConfig,
                  dtype: torch.dtype, residual_dtype: torch.dtype, rope_dtype: torch.dtype) -> None:

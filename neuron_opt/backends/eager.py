@@ -20,6 +20,9 @@ class EagerExecutor:
 
     gathers_candidates = False
     takes_embeddings = True  # image embeddings merged at their positions (StepInputs.multimodal)
+    # its graph calls use every core the thread policy gives them, with the GIL held between ops (layers): the
+    # host work of async scheduling has nowhere to overlap (docs/serving.md, "Async scheduling")
+    async_scheduling = False
 
     def __init__(self, model: torch.nn.Module, cache: CacheConfig) -> None:
         self.model = model.eval()

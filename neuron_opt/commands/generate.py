@@ -96,6 +96,14 @@ def add_speculative_flags(p: argparse.ArgumentParser) -> None:
                         "(default on; docs/speculative.md)")
 
 
+def add_async_scheduling_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule and prepare each engine step, and process the last step's outputs (detokenizing, "
+                        "stop checks, streaming), while the step before runs (default: the backend's, on where it "
+                        "pays: docs/serving.md, \"Async scheduling\"; off with speculative decoding, which refuses "
+                        "it)")
+
+
 def speculative_from_args(args: argparse.Namespace, compiled_k: int | None, bundled_draft: str | None = None):
     """(SpeculativeConfig or None, k the model needs verify graphs for or None). `compiled_k`: an artifact's k
     (0: none), None for a checkpoint; `bundled_draft`: the draft compiled into the artifact, the draft_model
@@ -128,6 +136,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "--enable-lora, or --model)")
     add_sampling_flags(p)
     add_speculative_flags(p)
+    add_async_scheduling_flag(p)
     add_trusted_keys_flag(p)
     add_parallel_flags(p)  # with --model: tp rank processes; an artifact's tp is fixed when it is compiled
     p.set_defaults(func=run)
@@ -156,7 +165,8 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(args.artifact or args.model, revision=args.revision, gguf_file=args.gguf_file, dtype=args.dtype,
               parallel=None if args.artifact else parallel,
               num_speculative_tokens=k, trusted_keys=args.trusted_keys, verified=verified,
-              lora=capacity_for(args.lora) if lora is not None and not args.artifact else None)
+              lora=capacity_for(args.lora) if lora is not None and not args.artifact else None,
+              async_scheduling=args.async_scheduling)
     ids = (llm.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat
            else list(llm.tokenizer(args.prompt)["input_ids"]))
     stats = None

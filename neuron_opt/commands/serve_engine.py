@@ -11,6 +11,7 @@ from typing import Any
 
 from neuron_opt import envs
 from neuron_opt.commands.generate import (
+    add_async_scheduling_flag,
     add_speculative_flags,
     add_trusted_keys_flag,
     bundled_speculation,
@@ -90,6 +91,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="with --model: compute dtype (default float32); an artifact's is fixed (given, it must match)"
     )
     add_speculative_flags(p)
+    add_async_scheduling_flag(p)
     add_trusted_keys_flag(p)
 
 
@@ -278,6 +280,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         speculative=spec,
         draft=draft,
         kv_tier=kv_tier,
+        async_scheduling=args.async_scheduling,
     )
     modules = parse_lora_modules(getattr(args, "lora_modules", None))
     if modules and engine.loras is None:

@@ -46,6 +46,9 @@ class TPExecutor:
 
     k_caches: list[torch.Tensor] = []
     v_caches: list[torch.Tensor] = []
+    # the rank processes run on the host's own cores: async scheduling's host work would take them from the ranks
+    # (docs/serving.md, "Async scheduling")
+    async_scheduling = False
 
     @property
     def gathers_candidates(self) -> bool:

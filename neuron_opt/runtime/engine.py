@@ -9,10 +9,13 @@ What lives where
   whether it verifies, and the acceptance of a verify row.
 
 Threading model
-- All torch work, the scheduler and per-request sampling/stop state live on the engine thread; nothing else
-  touches them. Other threads (the HTTP event loop) talk to it only through `add_request` / `abort`, which put
-  commands on a thread-safe inbox that the engine drains at the start of every step. Without `start()` there is
-  no engine thread: the one caller that calls `step()` plays its part.
+- The scheduler, output processing and per-request stop state live on the engine thread; so do the graph calls
+  and sampling, except with async scheduling, where each step's graph calls and sampling run as one task on the
+  runner's graph thread (runtime/pipeline.py) while the engine thread schedules the next step and lands the one
+  before (`_step_async`; docs/serving.md, "Async scheduling"). Nothing else touches them. Other threads (the
+  HTTP event loop) talk to it only through `add_request` / `abort`, which put commands on a thread-safe inbox
+  that the engine drains at the start of every step. Without `start()` there is no engine thread: the one caller
+  that calls `step()` plays its part.
 - Results go out through a per-request callback `on_output(RequestOutput)`, called on the engine thread.
   It must be cheap and thread-safe; the server passes `loop.call_soon_threadsafe(queue.put_nowait, ...)`.
 - Validation that can fail for user input (context length, queue full) runs synchronously in `add_request`,
@@ -36,6 +39,7 @@ K/V, from the same tokens).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -61,7 +65,8 @@ from neuron_opt.multimodal.inputs import (
 )
 from neuron_opt.runtime.kv_tier import KVTier
 from neuron_opt.runtime.output import OutputProcessor, RequestOutput, TokenLogprob, send, token_logprobs
-from neuron_opt.runtime.request import Request
+from neuron_opt.runtime.pipeline import RowOutcome, StepTask, TaskResult, run_task
+from neuron_opt.runtime.request import PLACEHOLDER, Request
 from neuron_opt.runtime.runner import DecodeRow, ModelRunner, PrefillRow, VerifyRow
 from neuron_opt.runtime.sampling import (
     SampleResult,
@@ -74,7 +79,7 @@ from neuron_opt.runtime.sampling import (
     sample_batch,
     verifies_on_device,
 )
-from neuron_opt.runtime.scheduler import DecodeWork, KVConfig, PrefillWork, Scheduler
+from neuron_opt.runtime.scheduler import DecodeWork, KVConfig, PrefillWork, Scheduler, SchedulerOutput
 from neuron_opt.runtime.speculative import Proposer, SpecStats, SpecStep, SpeculativeConfig, SpeculativeDecoding
 from neuron_opt.runtime.structured import GrammarCompiler
 from neuron_opt.sample_ops import SamplingInputs
@@ -83,6 +88,16 @@ if TYPE_CHECKING:
     from models.eagle3 import Eagle3Head
 
 log = logging.getLogger(__name__)
+
+
+def async_scheduling_default(runner: ModelRunner) -> bool:
+    """Whether async scheduling is on by default over `runner`: where its executor's graph calls leave the host
+    enough to overlap (`Executor.async_scheduling`, measured per backend: docs/serving.md, "Async scheduling");
+    executors that do not say are taken to (a device runs the graph while the host thread waits), except one that
+    samples in its graphs (`samples_on_device`)."""
+    # an executor that samples in its graphs (the neuron backend) keeps that by default: the pipelined step samples
+    # on the host from logits (runtime/pipeline.py), which would bring the logits back every step
+    return bool(getattr(runner.executor, "async_scheduling", True)) and not runner.samples_on_device
 
 
 class EngineDeadError(NeuronOptError):
@@ -135,13 +150,24 @@ class _Command:
 
 
 @dataclass
+class _Flight:
+    """A step handed to the graph thread (async scheduling), its outputs not yet taken."""
+
+    task: StepTask
+    future: concurrent.futures.Future[TaskResult]
+
+
+@dataclass
 class EngineStats:
     """Counters of the engine thread. Seconds are wall time on it, summed over steps: `graph_s` in the runner's
     graph calls (input building included; with speculative decoding, the proposer's planning too), `sample_s` in
     sampling, `output_s` in output processing (detokenizing, stop checks, the callbacks); the rest of
     `sum(step_times)` is scheduling and glue. `prefill_tokens`: prompt tokens prefilled; `prefill_graph_tokens`:
     tokens the prefill graphs ran (rows x tokens of their buckets), so their difference is padding.
-    `step_tokens`: how many steps scheduled each token count (a decode row counts 1, a prefill chunk its tokens)."""
+    `step_tokens`: how many steps scheduled each token count (a decode row counts 1, a prefill chunk its tokens).
+    With async scheduling `graph_s` and `sample_s` are the graph thread's, `wait_s` is the time the engine thread
+    waited for it (the rest of a step's wall time overlapped the graph calls), and `step_times` also holds the
+    steps that only landed the step in flight (no rows of their own, not counted in `steps`)."""
 
     steps: int = 0
     decode_rows: int = 0
@@ -152,6 +178,7 @@ class EngineStats:
     graph_s: float = 0.0
     sample_s: float = 0.0
     output_s: float = 0.0
+    wait_s: float = 0.0
     prefill_tokens: int = 0
     prefill_graph_tokens: int = 0
     step_tokens: collections.Counter[int] = field(default_factory=collections.Counter)
@@ -178,6 +205,9 @@ class Engine:
             engines of the model; None: the engine's own when the model has a LoRA capacity.
         kv_tier: a second KV tier over this runner's pools (runtime/kv_tier.KVTier: evicted prefix-cache blocks
             kept in host memory and restored on a hit), or None.
+        async_scheduling: overlap the host's work with the graph calls (module docstring); None: the executor's
+            default (`async_scheduling_default`), off with speculative decoding and for embedding models, which
+            refuse True.
     """
 
     def __init__(
@@ -196,6 +226,7 @@ class Engine:
         grammars: GrammarCompiler | None = None,
         loras: LoraManager | None = None,
         kv_tier: KVTier | None = None,
+        async_scheduling: bool | None = None,
     ) -> None:
         self.runner, self.tokenizer, self.eos_token_ids = runner, tokenizer, tuple(eos_token_ids)
         largest = runner.buckets.decode_batches[-1]
@@ -246,6 +277,21 @@ class Engine:
         self.error: BaseException | None = None  # set if the loop itself died (a bug)
         self.grammars = grammars if grammars is not None else GrammarCompiler(tokenizer, runner.vocab_size,
                                                                               self.eos_token_ids)
+        self.async_scheduling = self._resolve_async(async_scheduling)
+        # a KV tier copies block bytes and LoRA loads adapter slots on the host while scheduling: with either, a
+        # step is scheduled once the one in flight has ended (its landing still overlaps the next)
+        self._schedule_after_flight = kv_tier is not None or loras is not None
+        self._flight: _Flight | None = None  # engine thread only
+
+    def _resolve_async(self, asked: bool | None) -> bool:
+        why = ("speculative decoding proposes from each step's sampled tokens, which a step scheduled before them "
+               "lacks" if self.spec is not None else
+               "an embedding model has no decode steps to overlap" if self.embeds else None)
+        if asked and why is not None:
+            raise ConfigError(f"async_scheduling: {why}; turn one of them off", param="async_scheduling")
+        if asked is None:
+            return why is None and async_scheduling_default(self.runner)
+        return asked
 
     # ---- public, thread-safe -------------------------------------------------------------------------
 
@@ -443,6 +489,7 @@ class Engine:
             for rid in list(self._seqs):
                 self._fail(rid, f"engine failure: {e}")
         finally:
+            self._settle()
             for rid in list(self._seqs):
                 self._end(rid, "abort")
 
@@ -479,6 +526,8 @@ class Engine:
         """One engine iteration. Returns False when there was nothing to do. The loop thread calls it, or, with no
         loop started, one caller's thread (`LLM` steps its engine until its requests finish)."""
         self._drain_inbox()
+        if self.async_scheduling:
+            return self._step_async()
         out = self.scheduler.schedule()
         if out.is_empty:
             self._note_lora_adapters()
@@ -489,6 +538,11 @@ class Engine:
         per_call = self.runner.buckets.prefill_batch
         for i in range(0, len(out.prefills), per_call):
             self._prefill(out.prefills[i:i + per_call])
+        self._count_step(out, t0)
+        self._note_lora_adapters()
+        return True
+
+    def _count_step(self, out: SchedulerOutput, t0: float) -> None:
         st = self.stats
         st.steps, st.decode_rows, st.prefills, st.preemptions = (
             st.steps + 1,
@@ -501,8 +555,160 @@ class Engine:
         st.step_s += dt
         if len(st.step_times) < 100_000:
             st.step_times.append(dt)
+    # ---- async scheduling (engine thread) -----------------------------------------------------------------
+
+    def _step_async(self) -> bool:
+        """One step with async scheduling: schedule step N + 1 and build its decode inputs while step N runs on the
+        graph thread (its rows' tokens are `PLACEHOLDER`s until then), take step N's tokens, hand step N + 1 over,
+        then land step N (detokenize, stop checks, callbacks) while step N + 1 runs. A step with prompt-logprob rows
+        runs on this thread after step N has landed (the synchronous path)."""
+        flight, self._flight = self._flight, None
+        done: dict[str, RowOutcome] | None = None
+        if flight is not None and self._schedule_after_flight:
+            done = self._take(flight)
+        out = self.scheduler.schedule()
+        if flight is None and out.is_empty:
+            self._note_lora_adapters()
+            return False
+        t0 = time.perf_counter()
+        pipelined = not any(self._seqs[p.request_id].request.scores_prompt for p in out.prefills)
+        built = self.runner.decode_inputs(self._decode_rows(out.decodes)) if pipelined and out.decodes else None
+        if flight is not None:
+            if done is None:
+                done = self._take(flight)
+            out, built = self._patch(out, done, built)
+        if pipelined:
+            if not out.is_empty:
+                self._flight = self._launch(out, built, set(done or ()))
+            if done is not None:
+                self._land(done)
+        else:
+            if done is not None:
+                self._land(done)
+            out = SchedulerOutput(tuple(d for d in out.decodes if d.request_id in self._seqs),
+                                  tuple(p for p in out.prefills if p.request_id in self._seqs), out.preempted)
+            if out.decodes:
+                self._decode_or_verify(out.decodes)
+            per_call = self.runner.buckets.prefill_batch
+            for i in range(0, len(out.prefills), per_call):
+                self._prefill(out.prefills[i:i + per_call])
+        if not out.is_empty:
+            self._count_step(out, t0)
+        elif len(self.stats.step_times) < 100_000:  # it only landed the step in flight: its time still counts
+            self.stats.step_times.append(time.perf_counter() - t0)
+        flight = self._flight
+        if flight is not None and not any(rid in self._seqs for rid in self._flight_ids(flight.task)):
+            self._settle()  # every row's request ended while it ran: no graph call outlives the engine's requests
         self._note_lora_adapters()
         return True
+
+    @staticmethod
+    def _flight_ids(task: StepTask) -> list[str]:
+        return [d.request_id for d in task.decodes] + [p.request_id for g in task.prefill_groups for p in g]
+
+    def _decode_rows(self, decodes: Sequence[DecodeWork]) -> list[DecodeRow]:
+        return [DecodeRow(d.blocks, d.token, d.position, d.lora_slot, d.window_blocks, self._rope_delta(d.request_id))
+                for d in decodes]
+
+    def _take(self, flight: _Flight) -> dict[str, RowOutcome]:
+        """Wait for the step in flight; its sampled tokens replace their placeholders in the scheduler."""
+        t0 = time.perf_counter()
+        res = flight.future.result()
+        st = self.stats
+        st.wait_s += time.perf_counter() - t0
+        st.graph_s, st.sample_s = st.graph_s + res.graph_s, st.sample_s + res.sample_s
+        st.prefill_graph_tokens += res.prefill_graph_tokens
+        for rid, o in res.rows.items():
+            if o.result is not None:
+                self.scheduler.resolve(rid, o.result.token)
+        return res.rows
+
+    def _patch(self, out: SchedulerOutput, done: dict[str, RowOutcome],
+               built: Any) -> tuple[SchedulerOutput, Any]:
+        """The scheduled step with the taken tokens in place of their placeholders, less the rows of requests that
+        are gone (aborted, finished) or that those tokens end by a rule needing no text (EOS, stop ids,
+        max_tokens, a grammar's end, a failed call: they land as finished). `built`: the decode inputs made
+        before, tokens written in, or None when rows were dropped (built again at launch)."""
+        ended = {rid for rid, o in done.items() if rid in self._seqs and (
+            o.result is None or self.outputs.ends_on(rid, o.result.token, o.grammar_done))}
+        tokens = {rid: o.result.token for rid, o in done.items() if o.result is not None}
+
+        def live(rid: str) -> bool:
+            return rid in self._seqs and rid not in ended
+
+        decodes = tuple(replace(d, token=tokens[d.request_id]) if d.token == PLACEHOLDER else d
+                        for d in out.decodes if live(d.request_id))
+        prefills = tuple(replace(p, token_ids=tuple(tokens[p.request_id] if t == PLACEHOLDER else t
+                                                    for t in p.token_ids)) if PLACEHOLDER in p.token_ids else p
+                         for p in out.prefills if live(p.request_id))
+        if built is not None:
+            if len(decodes) == len(out.decodes):
+                ids = built[1].input_ids
+                for i, d in enumerate(decodes):
+                    ids[i, 0] = d.token
+            else:
+                built = None
+        return SchedulerOutput(decodes, prefills, out.preempted), built
+
+    def _launch(self, out: SchedulerOutput, built: Any, unlanded: set[str]) -> _Flight:
+        """Hand the step to the graph thread, record its rows' tokens as placeholders, and fill their grammar masks
+        while its graph calls run. `unlanded`: requests whose last token has not landed yet (one more token than
+        their output stream holds counts towards min_tokens)."""
+        sampled = [d.request_id for d in out.decodes] + [p.request_id for p in out.prefills if p.last]
+        states = {rid: self._seqs[rid].state for rid in sampled}
+        banned = {rid: self.outputs.banned(rid, int(rid in unlanded)) for rid in sampled}
+
+        def candidates(ids: Sequence[str]) -> int | None:  # `_candidates`, with the banned ids of this step
+            if not ids:
+                return 1  # a call that samples nothing (prefill chunks that do not end their prompt)
+            ks = [candidates_needed(states[rid].params, len(banned[rid])) for rid in ids]
+            return None if None in ks else max(k for k in ks if k is not None)
+
+        if out.decodes and built is None:
+            built = self.runner.decode_inputs(self._decode_rows(out.decodes))
+        per_call = self.runner.buckets.prefill_batch
+        groups = tuple(out.prefills[i:i + per_call] for i in range(0, len(out.prefills), per_call))
+        task = StepTask(out.decodes, built, groups, states, banned,
+                        candidates([d.request_id for d in out.decodes]),
+                        tuple(candidates([p.request_id for p in g if p.last]) for g in groups),
+                        torch.get_num_threads())
+        for p in out.prefills:
+            if not p.last:
+                self.scheduler.update_prefill(p.request_id, len(p.token_ids))
+        self.stats.prefill_tokens += sum(len(p.token_ids) for p in out.prefills)
+        for rid in sampled:
+            self.scheduler.update(rid, PLACEHOLDER)
+        future = self.runner.graph_thread().submit(run_task, self.runner, task)
+        try:
+            for st in states.values():
+                if st.grammar is not None:
+                    st.grammar.prepare(self.runner.vocab_size)
+        finally:
+            task.masks_ready.set()
+        return _Flight(task, future)
+
+    def _land(self, done: dict[str, RowOutcome]) -> None:
+        """Output processing of a taken step: each row's token delivered, or its call's error; rows of requests that
+        finished or were aborted meanwhile are dropped (a token after a stop never reaches a client)."""
+        t0 = time.perf_counter()
+        for rid, o in done.items():
+            if rid not in self._seqs:
+                continue
+            if o.result is None:
+                log.error("%s failed: %r", o.what, o.error)
+                self._fail(rid, f"{o.what} failed: {o.error}", o.error)
+                continue
+            self._deliver(rid, [o.result], o.grammar_done, record=False)
+        self.stats.output_s += time.perf_counter() - t0
+
+    def _settle(self) -> None:
+        """Wait for the step in flight, if any, and drop its outputs (the engine is stopping)."""
+        flight, self._flight = self._flight, None
+        if flight is not None:
+            try:
+                flight.future.result()
+            except Exception:
+                log.warning("the step in flight failed while the engine stopped:\n%s", traceback.format_exc())
 
     def _note_lora_adapters(self) -> None:
         if self.loras is None:
@@ -745,12 +951,15 @@ class Engine:
         self.stats.output_s += time.perf_counter() - t1
         return [res.token for res in results]
 
-    def _deliver(self, request_id: str, results: Sequence[SampleResult], grammar_done: bool) -> None:
+    def _deliver(self, request_id: str, results: Sequence[SampleResult], grammar_done: bool,
+                 record: bool = True) -> None:
         """The request's new tokens through output processing (up to the first that finishes it), recorded in the
-        scheduler, then sent; a finished request is released first."""
+        scheduler (`record`; async scheduling recorded them when it launched their step), then sent; a finished
+        request is released first."""
         out, taken = self.outputs.process(request_id, results, grammar_done)
-        for res in results[:taken]:
-            self.scheduler.update(request_id, res.token)
+        if record:
+            for res in results[:taken]:
+                self.scheduler.update(request_id, res.token)
         if request_id in self._prompt_lps:  # the first output carries the prompt's logprobs
             out = replace(out, prompt_logprobs=(None, *self._prompt_lps.pop(request_id)))
         if out.finished:

@@ -137,6 +137,10 @@ class OutputProcessor:
         s = self._streams[request_id]
         return self.eos_token_ids if len(s.stop.token_ids) + ahead < s.params.min_tokens else ()
 
+    def ends_on(self, request_id: str, token: int, grammar_done: bool = False) -> bool:
+        """Whether `token`, the request's next, finishes it by a rule that needs no text (`StopChecker.ends_on`)."""
+        return self._streams[request_id].stop.ends_on(token, grammar_done)
+
     def process(self, request_id: str, results: Sequence[SampleResult],
                 grammar_done: bool = False) -> tuple[RequestOutput, int]:
         """Take a step's tokens for the request, in order, up to the first one that finishes it. Returns the

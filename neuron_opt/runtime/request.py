@@ -13,6 +13,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+# async scheduling (runtime/engine.py): the token of a step still in flight, which `Scheduler.update` records before
+# it is sampled and `Scheduler.resolve` replaces once it is (never more than one, always the last output token)
+PLACEHOLDER = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued (or preempted): no KV blocks

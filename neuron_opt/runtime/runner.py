@@ -23,6 +23,7 @@ rows' token ids, not their logits. `stats` counts the time in graph calls and th
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -109,6 +110,7 @@ class ModelRunner:
         self.vision = vision
         self.matryoshka_dims = tuple(getattr(model_config, "matryoshka_dims", ()))
         self.last_bucket: Bucket | None = None
+        self._graph_thread: concurrent.futures.ThreadPoolExecutor | None = None
         # tokens a prefill is padded to a multiple of, on executors that run any prefill length (0: the compiled
         # prefill lengths only; buckets.pick_prefill)
         self.prefill_granularity = int(getattr(executor, "prefill_granularity", 0))
@@ -222,6 +224,13 @@ class ModelRunner:
             tables[i, : len(use)] = torch.tensor(use, dtype=torch.long)
         return tables
 
+    def graph_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The one thread that runs this runner's graph calls under async scheduling (runtime/pipeline.py), made on
+        first use and kept for every engine over the runner, so one OpenMP team serves them all."""
+        if self._graph_thread is None:
+            self._graph_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="neuron-opt-graph")
+        return self._graph_thread
+
     def capture_aux_hidden(self, layer_ids: tuple[int, ...]) -> None:
         """From now on every graph call also returns the residual stream entering these target layers at every
         position (`aux_hidden`), for an EAGLE-3 head; ConfigError on an executor whose graphs do not."""
@@ -332,7 +341,7 @@ class ModelRunner:
     def decode_sampled(self, rows: list[DecodeRow], sampling: SamplingInputs) -> list[torch.Tensor]:
         """`decode` with each row's token sampled in the graph (`sampling`: one row each); the token ids
         [len(rows)] (and the logprobs asked for)."""
-        bucket, inputs = self._decode_inputs(rows)
+        bucket, inputs = self.decode_inputs(rows)
         return self._sampled(self._run(bucket, inputs, None, sampling), len(rows))
 
     def _sampled(self, outs: list[torch.Tensor], n: int) -> list[torch.Tensor]:
@@ -412,10 +421,17 @@ class ModelRunner:
 
     def decode(self, rows: list[DecodeRow], candidates: int | None = None) -> torch.Tensor:
         """One token per row at its position; returns fp32 logits [len(rows), V]."""
-        bucket, inputs = self._decode_inputs(rows)
-        return self._run(bucket, inputs, candidates)[: len(rows), : self.vocab_size]
+        bucket, inputs = self.decode_inputs(rows)
+        return self.run_decode(bucket, inputs, len(rows), candidates)
 
-    def _decode_inputs(self, rows: list[DecodeRow]) -> tuple[Bucket, StepInputs]:
+    def run_decode(self, bucket: Bucket, inputs: StepInputs, num_rows: int,
+                   candidates: int | None = None) -> torch.Tensor:
+        """A decode step whose inputs `decode_inputs` built (row i's token may be written into `input_ids[i, 0]`
+        after: async scheduling builds them before the tokens are sampled); fp32 logits [num_rows, V]."""
+        return self._run(bucket, inputs, candidates)[:num_rows, : self.vocab_size]
+
+    def decode_inputs(self, rows: Sequence[DecodeRow]) -> tuple[Bucket, StepInputs]:
+        """The bucket and padded inputs of a decode step of `rows` (`decode` = this, then `run_decode`)."""
         bucket = pick_decode(len(rows), max(r.position for r in rows), self.buckets)
         B = bucket.batch
         ids = torch.zeros(B, 1, dtype=torch.long)

@@ -51,7 +51,7 @@ from typing import Any
 
 from neuron_opt.errors import ConfigError
 from neuron_opt.runtime.block_manager import BlockManager, WindowedBlockManager, hash_block
-from neuron_opt.runtime.request import Request, RequestStatus
+from neuron_opt.runtime.request import PLACEHOLDER, Request, RequestStatus
 
 
 @dataclass(frozen=True)
@@ -375,6 +375,16 @@ class Scheduler:
             self.blocks.commit(request_id, req.cache_tokens(), req.num_computed_tokens, req.cache_salt)
         self._slide(req)
         return req
+
+    def resolve(self, request_id: str, token: int) -> None:
+        """Async scheduling: `token`, sampled by a step that was in flight, replaces the `PLACEHOLDER` that `update`
+        recorded for it (running, or preempted meanwhile). Its K/V is not committed before the next `update`, so
+        no block hash ever holds a placeholder. A request that finished meanwhile is ignored."""
+        req = self.running.get(request_id)
+        if req is None:
+            req = next((r for r in self.waiting if r.request_id == request_id), None)
+        if req is not None and req.output_token_ids and req.output_token_ids[-1] == PLACEHOLDER:
+            req.output_token_ids[-1] = token
 
     def finish(self, request_id: str) -> Request | None:
         """Release a request (finished, aborted or failed) and its blocks. Unknown ids are ignored (a client may

@@ -107,6 +107,13 @@ class StopChecker:
                 self.token_ids, skip_special_tokens=p.skip_special_tokens)
         return None
 
+    def ends_on(self, token: int, grammar_done: bool = False) -> bool:
+        """Whether `add(token, grammar_done)` would finish the request by a rule that needs no text: the grammar's
+        end, a stop or EOS token, max_tokens (stop strings need the text: only `add` sees them)."""
+        n = len(self.token_ids) + 1
+        return (grammar_done or (token in self._stop_ids and n > self.params.min_tokens)
+                or n >= self.params.max_tokens)
+
     def add(self, token: int, grammar_done: bool = False) -> str:
         """Add a token; returns the newly visible text (delta). Sets finish_reason when done.
 

@@ -455,6 +455,7 @@ class GrammarState:
 
         self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids) or None)
         self._allow = allow
+        self._next: torch.Tensor | None = None  # `prepare`'s row, until the next `accept`
 
     @property
     def terminated(self) -> bool:
@@ -463,11 +464,27 @@ class GrammarState:
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into `bitmask[row]` (xgrammar's packed int32 layout)."""
+        if self._next is not None:
+            bitmask[row] = self._next
+            return
+        self._compute(bitmask, row)
+
+    def _compute(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
         if self._allow is not None:
             bitmask[row] &= self._allow
 
+    def prepare(self, vocab_size: int) -> None:
+        """Compute the tokens allowed next now (of logits `vocab_size` wide), for the `fill` of the next sampling
+        (async scheduling fills a step's masks while its graph runs); `accept` drops them."""
+        import xgrammar as xgr
+
+        row = xgr.allocate_token_bitmask(1, vocab_size)
+        self._compute(row, 0)
+        self._next = row[0]
+
     def accept(self, token: int) -> None:
+        self._next = None
         if not self._matcher.accept_token(token):
             raise RuntimeError(f"token {token} is not allowed by the request's grammar (sampled outside its mask)")
 

@@ -139,9 +139,10 @@ class FailingRunner:
         return self._runner.prefill_rows(rows, candidates)
 
 
-def test_runner_failure_fails_only_that_request(llms):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_runner_failure_fails_only_that_request(llms, async_scheduling):
     llm, ref = llms
-    engine = Engine(FailingRunner(llm.runner), llm.tokenizer, llm.eos_token_ids)
+    engine = Engine(FailingRunner(llm.runner), llm.tokenizer, llm.eos_token_ids, async_scheduling=async_scheduling)
     p = SamplingParams(max_tokens=6, temperature=0.0)
     outs = run_all(engine, {"bad": ([13, 14, 15], p), "good": ([20, 21, 22], p)})
     assert outs["bad"][-1].finish_reason == "error" and "simulated backend failure" in outs["bad"][-1].error
@@ -149,11 +150,12 @@ def test_runner_failure_fails_only_that_request(llms):
     assert engine.kv_usage == 0
 
 
-def test_background_thread_serves_and_stops(llms):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_background_thread_serves_and_stops(llms, async_scheduling):
     import threading
 
     llm, ref = llms
-    engine = Engine(llm.runner, llm.tokenizer, llm.eos_token_ids)
+    engine = Engine(llm.runner, llm.tokenizer, llm.eos_token_ids, async_scheduling=async_scheduling)
     engine.start()
     done, outs = threading.Event(), []
 

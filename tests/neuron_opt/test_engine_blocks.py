@@ -108,7 +108,10 @@ def test_waiting_prompts_share_a_prefill_step_and_change_no_output(setup):
     model, ref, prompts, params, want = setup
     n = 4  # the engine's max_num_seqs (its largest decode batch)
     for prefill_batch, calls_per_step in ((1, [1, 1, 1, 1]), (3, [3, 1])):
-        engine = engine_for(model, ref, prefill_batch=prefill_batch, max_num_batched_tokens=2048)
+        # the synchronous loop: one step() runs its prefills and emits their tokens (async scheduling lands a
+        # step's tokens in the next step() call)
+        engine = engine_for(model, ref, prefill_batch=prefill_batch, max_num_batched_tokens=2048,
+                            async_scheduling=False)
         calls: list[int] = []
         inner = engine.runner.prefill_rows
         engine.runner.prefill_rows = lambda rows, candidates=None, inner=inner, calls=calls: (

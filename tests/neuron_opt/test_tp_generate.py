@@ -27,9 +27,10 @@ def test_tp2_generation_equals_tp1(tiny_dir, vocab_parallel):
         tp.runner.executor.close()
 
 
-def test_engine_on_tp_ranks_equals_single_sequence_tp1(tiny_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_engine_on_tp_ranks_equals_single_sequence_tp1(tiny_dir, async_scheduling):
     """Continuous batching over TP rank processes: greedy rows gather only top candidates, the top-p row the full
-    logits; every request still gets exactly the tp=1 single-sequence result."""
+    logits; every request still gets exactly the tp=1 single-sequence result, with async scheduling too."""
     from neuron_opt.runtime.engine import Engine
 
     d = tiny_dir("smollm-tok")
@@ -39,7 +40,7 @@ def test_engine_on_tp_ranks_equals_single_sequence_tp1(tiny_dir):
               SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.7, top_p=0.8, seed=3)]
     prompts = [list(tp.tokenizer(f"Prompt {i} is about" + " cats" * i)["input_ids"]) for i in range(3)]
     try:
-        engine = Engine(tp.runner, tp.tokenizer, tp.eos_token_ids)
+        engine = Engine(tp.runner, tp.tokenizer, tp.eos_token_ids, async_scheduling=async_scheduling)
         outs: dict[str, list] = {str(i): [] for i in range(3)}
         for i in range(3):
             engine.add_request(str(i), prompts[i], params[i], outs[str(i)].append)

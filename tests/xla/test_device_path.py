@@ -306,13 +306,14 @@ def test_a_tp2_artifact_cannot_load_into_a_one_device_process(ckpt, tmp_path):
 
 
 def test_torch_and_device_logits_agree_through_the_api(ckpt, tmp_path):
-    """The Python API over a neuron artifact generates what the eager reference generates (greedy)."""
+    """The Python API over a neuron artifact generates what the eager reference generates (greedy), with async
+    scheduling on (host sampling in the pipelined step; the server test below samples in the graphs)."""
     from neuron_opt.api import LLM
     from neuron_opt.runtime.sampling import SamplingParams
 
     art = compile_tiny(ckpt("qwen2"), tmp_path / "art")
     ids = [(5 * i + 4) % 200 + 3 for i in range(10)]
-    got = LLM(art).generate_ids(ids, SamplingParams(max_tokens=20, min_tokens=20)).token_ids
+    got = LLM(art, async_scheduling=True).generate_ids(ids, SamplingParams(max_tokens=20, min_tokens=20)).token_ids
     ref_llm = LLM(str(ckpt("qwen2")), max_model_len=64)
     want = ref_llm.generate_ids(ids, SamplingParams(max_tokens=20, min_tokens=20)).token_ids
     assert got == want
