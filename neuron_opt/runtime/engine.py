@@ -286,7 +286,9 @@ class Engine:
     def _resolve_async(self, asked: bool | None) -> bool:
         why = ("speculative decoding proposes from each step's sampled tokens, which a step scheduled before them "
                "lacks" if self.spec is not None else
-               "an embedding model has no decode steps to overlap" if self.embeds else None)
+               "an embedding model has no decode steps to overlap" if self.embeds else
+               "the pipelined step does not yet carry image embeddings and 3-D rotary positions (a vision-language "
+               "model)" if self.runner.vision is not None else None)
         if asked and why is not None:
             raise ConfigError(f"async_scheduling: {why}; turn one of them off", param="async_scheduling")
         if asked is None:

@@ -19,6 +19,7 @@ from neuron_opt.api import LLM
 from neuron_opt.backends.eager import EagerExecutor
 from neuron_opt.buckets import BucketConfig
 from neuron_opt.config import CacheConfig, ModelConfig
+from neuron_opt.errors import ConfigError
 from neuron_opt.multimodal.vision import load_processor
 from neuron_opt.runtime.engine import Engine
 from neuron_opt.runtime.runner import ModelRunner
@@ -80,6 +81,9 @@ def test_chunks_and_preemption_keep_the_3d_positions(qwen):
     small = engine_for(llm, num_blocks=max(1 + 3 * -(-longest // BS), 33), enable_prefix_caching=False)
     assert run(small, prompts)[0] == want
     assert small.stats.preemptions > 0 and small.encoder_cache.num_encoded == len(prompts)
+    with pytest.raises(ConfigError, match="async_scheduling: the pipelined step does not yet carry image"):
+        engine_for(llm, async_scheduling=True)
+    assert not engine_for(llm).async_scheduling
 
 
 def test_prefix_cache_hits_only_for_the_same_image(qwen):
