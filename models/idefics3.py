@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.images import placeholder_runs
 from neuron_opt.errors import ConfigError
 
 # checkpoint prefixes: the vision tensors (loaded into `Idefics3Vision` without `model.`) and the decoder's
@@ -218,12 +219,7 @@ def image_items(processed: dict[str, torch.Tensor], token_ids: list[int], image_
     mask = processed.get("pixel_attention_mask")
     mask = (torch.ones(pixels.shape[0], *pixels.shape[2:], dtype=torch.bool) if mask is None
             else mask[0].bool())  # [tiles, h, w]
-    runs: list[list[int]] = []
-    for i, t in enumerate(token_ids):
-        if t == image_token_id:
-            if i == 0 or token_ids[i - 1] != image_token_id:
-                runs.append([])
-            runs[-1].append(i)
+    runs = placeholder_runs(token_ids, image_token_id)
     items, tile, positions = [], 0, []
     for run in runs:
         positions += run

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.images import placeholder_runs
 from neuron_opt.errors import ConfigError
 
 VISION_PREFIXES = ("visual.",)
@@ -234,12 +235,7 @@ def image_items(processed: dict[str, torch.Tensor], token_ids: list[int], image_
     / merge^2 long) and its encoder inputs (`pixel_values` rows, `image_grid_thw` [1, 3])."""
     grids = processed["image_grid_thw"]  # [n, 3]
     pixels = processed["pixel_values"]  # [sum(t * h * w), C * T * p * p]
-    runs: list[list[int]] = []
-    for i, t in enumerate(token_ids):
-        if t == image_token_id:
-            if i == 0 or token_ids[i - 1] != image_token_id:
-                runs.append([])
-            runs[-1].append(i)
+    runs = placeholder_runs(token_ids, image_token_id)
     if len(runs) != grids.shape[0]:
         raise ConfigError(f"messages: the prompt holds {len(runs)} image token runs for {grids.shape[0]} images",
                           param="messages")

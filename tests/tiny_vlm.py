@@ -34,6 +34,28 @@ def _randomize(model: torch.nn.Module) -> None:
                 p.normal_(0.0, 0.05)
 
 
+def _idefics3_tokenizer() -> Any:
+    """The default model's tokenizer with Idefics3's image tokens (SmolVLM uses the same)."""
+    from neuron_opt.checkpoint import open_checkpoint
+
+    tok = open_checkpoint("default").tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>", "<global-img>",
+                                                          "<end_of_utterance>"]})
+    return tok
+
+
+def _idefics3_sizes(tok: Any) -> dict[str, Any]:
+    """A tiny Llama decoder and SigLIP-style encoder, Idefics3's and SmolVLM's config fields."""
+    return dict(
+        text_config=dict(model_type="llama", vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=32, patch_size=8),
+        scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"))
+
+
 def make_idefics3(out: Path, seed: int = 0) -> Path:
     """An Idefics3 checkpoint: a 2-layer SigLIP-style encoder over 32-pixel tiles of 8-pixel patches (16 patches,
     4 tokens per tile after the pixel shuffle), a 2-layer Llama decoder; images resized to a longest edge of 64,
@@ -45,19 +67,8 @@ def make_idefics3(out: Path, seed: int = 0) -> Path:
         Idefics3Processor,
     )
 
-    from neuron_opt.checkpoint import open_checkpoint
-
-    tok = open_checkpoint("default").tokenizer()
-    tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>", "<global-img>",
-                                                          "<end_of_utterance>"]})
-    cfg = Idefics3Config(
-        text_config=dict(model_type="llama", vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                           image_size=32, patch_size=8),
-        scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"))
+    tok = _idefics3_tokenizer()
+    cfg = Idefics3Config(**_idefics3_sizes(tok))
     torch.manual_seed(seed)
     model = Idefics3ForConditionalGeneration(cfg).eval()
     _randomize(model)
@@ -156,19 +167,8 @@ def make_smolvlm(out: Path, seed: int = 0) -> Path:
     the processor is saved without a video processor, as for make_qwen2_5_vl."""
     from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration, SmolVLMImageProcessorPil, SmolVLMProcessor
 
-    from neuron_opt.checkpoint import open_checkpoint
-
-    tok = open_checkpoint("default").tokenizer()
-    tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>", "<global-img>",
-                                                          "<end_of_utterance>"]})
-    cfg = SmolVLMConfig(
-        text_config=dict(model_type="llama", vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                           image_size=32, patch_size=8),
-        scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"))
+    tok = _idefics3_tokenizer()
+    cfg = SmolVLMConfig(**_idefics3_sizes(tok))
     torch.manual_seed(seed)
     model = SmolVLMForConditionalGeneration(cfg).eval()
     _randomize(model)
