@@ -142,14 +142,17 @@ def gguf_reader(path: Path) -> Any:
 
 
 def _canonical(name: str, x: torch.Tensor, cfg: ModelConfig, permuted: bool) -> torch.Tensor:
-    """A tensor as the HF checkpoint holds it: llama.cpp's q/k row permutation undone, and Gemma's norms (which
-    the converter stores as 1 + w, the factor they scale by) back to w."""
+    """A tensor as the HF checkpoint holds it: llama.cpp's q/k row permutation undone, Gemma's norms (which the
+    converter stores as 1 + w, the factor they scale by) back to w, and Qwen2-MoE's shared-expert gate [1, H] a
+    matrix again (llama-quantize writes it as a vector: ggml drops a trailing dimension of 1)."""
     if permuted and ".self_attn.q_proj." in name:
         return unpermute_qk(x, cfg.num_attention_heads)
     if permuted and ".self_attn.k_proj." in name:
         return unpermute_qk(x, cfg.num_key_value_heads)
     if cfg.norm_offset and name.endswith("norm.weight"):
         return x - cfg.norm_offset
+    if name.endswith(".shared_expert_gate.weight") and x.dim() == 1:  # [1, H]: llama-quantize drops the 1
+        return x[None]
     return x
 
 
