@@ -233,15 +233,16 @@ def q4_linears(path: Path, cfg: ModelConfig) -> Iterator[tuple[str, QuantTensor]
 def gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     """The tokenizer a GGUF file describes (its vocabulary, merges, special tokens and chat template), built by
     transformers. AutoTokenizer also reads the file's config to pick a tokenizer class, and refuses architectures
-    its GGUF loader does not map (OLMo 2, Granite, SmolLM3): for those, the generic fast tokenizer, which is built
-    from the same metadata."""
+    its GGUF loader does not map (OLMo 2, Granite, SmolLM3) or fails on their config (GPT-OSS): for those, the
+    generic fast tokenizer, which is built from the same metadata."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast  # as in hf.hf_tokenizer
 
     reader = gguf_reader(path)  # first: transformers reads the file with gguf's reader too
     try:
         try:
             tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        except ValueError:  # "GGUF model with architecture ... is not supported yet"
+        except (ValueError, TypeError):  # "GGUF model with architecture ... is not supported yet"; GPT-OSS's
+            # config breaks its parse (TypeError: an array value read as a float)
             tok = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"checkpoint: cannot build a tokenizer from {path} ({e})") from None
