@@ -44,8 +44,9 @@ PROMPT = [1, 17, 42, 99, 5, 123, 7, 300, 11, 250]
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _private_cache(tmp_path_factory):
-    """One cache for the module: each file's metadata is parsed and its weights dequantized once."""
+def _private_cache(files, tmp_path_factory):
+    """One cache for the module: each file's metadata is parsed and its weights dequantized once. The files are made
+    before, with the shared cache (make_tiny reads the default model's tokenizer from it)."""
     from neuron_opt import envs
 
     with pytest.MonkeyPatch.context() as mp:

@@ -25,7 +25,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from helpers import hf_greedy, runner_greedy
+from helpers import runner_greedy
 from llamacpp_gguf import convert, quantize, source_checkpoint
 from safetensors.torch import save_file
 from tiny import load_hf
@@ -56,7 +56,9 @@ PROMPT = [1, 17, 42, 99, 5, 123, 7, 300, 11, 250]
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _private_cache(tmp_path_factory):
+def _private_cache(files, tmp_path_factory):
+    """The files' dequantized tensors cached in the module's own directory; the checkpoints are made before, with the
+    shared cache (make_tiny reads the default model's tokenizer from it)."""
     from neuron_opt import envs
 
     with pytest.MonkeyPatch.context() as mp:
@@ -157,6 +159,18 @@ def hf_with_weights(src: Path, sd: dict[str, torch.Tensor], out: Path):
             (out / f.name).write_bytes(f.read_bytes())
     save_file(sd, str(out / "model.safetensors"))
     return load_hf(out)
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> tuple[torch.Tensor, list[int]]:
+    """HF's prompt logits and greedy tokens, each from a full forward over the text so far: HF's cached decode (its
+    `generate`) can flip a near-tied top-k expert choice its own full forward does not (Qwen3-MoE at Q5_0 here)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0, -1]
+        ids.append(int(logits.argmax()))
+        for _ in range(n - 1):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return logits, ids[len(prompt):]
 
 
 def eager_greedy(ck, n: int) -> tuple[torch.Tensor, list[int]]:
