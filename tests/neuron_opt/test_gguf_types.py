@@ -1,8 +1,9 @@
 """Every family at every type llama-quantize writes: GGUF files as users download them, checked against exact oracles.
 
-Each family's tiny HF checkpoint, its rows whole K-quant super-blocks (256 values: tests/llamacpp_gguf.py's `wide`
-widths), is converted to F32 by llama.cpp's converter and requantized by llama.cpp's `llama-quantize` to each type
-(`--pure`: every matrix in the type; Q4_K_M as shipped, a mix). Per (family, type):
+Each family's tiny HF checkpoint, its rows whole K-quant super-blocks (256 values: tests/llamacpp_gguf.py's
+`source_checkpoint(..., wide=True)`), is converted to F32 by llama.cpp's converter and requantized by llama.cpp's
+`llama-quantize` to each type (`--pure`: every matrix in the type; Q4_K_M as shipped, a mix). At these widths
+llama-quantize writes every type for every family (narrower rows would fall back to other types). Per (family, type):
 (a) every tensor of ours equals gguf's reference dequantization of the file's bytes (`gguf.quants.dequantize`),
     undone from llama.cpp's layout here (q/k row permutation, Gemma's 1 + w norms, Phi-3's fused projections,
     stacked experts), and for Llama also transformers' own GGUF loader;
