@@ -110,6 +110,10 @@ WITH_TOKENIZER: dict[str, tuple[str, dict[str, Any]]] = {
     # query_pre_attn_scalar = head_dim; GPT-OSS: SwiGLU clamp 7). Families whose converter reads a sentencepiece
     # model get a small one there instead of this vocabulary (make_with_sentencepiece takes the other overrides)
     "gguf-llama": ("LlamaConfig", dict(vocab_size=49152, num_attention_heads=4, num_key_value_heads=2)),
+    "gguf-qwen2": ("Qwen2Config", dict(vocab_size=49152, num_attention_heads=4, num_key_value_heads=2)),
+    "gguf-qwen3": ("Qwen3Config", dict(vocab_size=49152, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       tie_word_embeddings=True)),
+    "gguf-phi3": ("Phi3Config", {**_phi3(256)[1], "vocab_size": 49152}),
     "gguf-mistral": ("MistralConfig", dict(vocab_size=49152, num_attention_heads=4, num_key_value_heads=2,
                                            sliding_window=None)),
     "gguf-gemma3": ("Gemma3TextConfig", dict(
@@ -142,13 +146,13 @@ WITH_TOKENIZER: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def make_tiny(variant: str, out: Path, seed: int = 0, tokenizer: bool = False) -> Path:
+def make_tiny(variant: str, out: Path, seed: int = 0, tokenizer: bool = False, **widths: Any) -> Path:
     """`tokenizer=True` also saves the default model's tokenizer beside any variant, so `compile` accepts it
-    (token ids beyond the variant's vocabulary are simply never used)."""
+    (token ids beyond the variant's vocabulary are simply never used); `widths` override the variant's config."""
     import transformers
 
     cls_name, overrides = {**VARIANTS, **LONGROPE, **WITH_TOKENIZER}[variant]
-    cfg = getattr(transformers, cls_name)(**{**BASE, **overrides}, bos_token_id=1, eos_token_id=2)
+    cfg = getattr(transformers, cls_name)(**{**BASE, **overrides, **widths}, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     # HF initialises norms to ones and biases to zeros: randomise them so the oracle test sees them

@@ -151,14 +151,17 @@ def gguf_reader(path: Path) -> Any:
 
 
 def _canonical(name: str, x: torch.Tensor, cfg: ModelConfig, permuted: bool) -> torch.Tensor:
-    """A tensor as the HF checkpoint holds it: llama.cpp's q/k row permutation undone, and Gemma's norms (which
-    the converter stores as 1 + w, the factor they scale by) back to w."""
+    """A tensor as the HF checkpoint holds it: llama.cpp's q/k row permutation undone, Gemma's norms (which the
+    converter stores as 1 + w, the factor they scale by) back to w, and Qwen2-MoE's shared-expert gate [1, H] a
+    matrix again (llama-quantize writes it as a vector: ggml drops a trailing dimension of 1)."""
     if permuted and ".self_attn.q_proj." in name:
         return unpermute_qk(x, cfg.num_attention_heads)
     if permuted and ".self_attn.k_proj." in name:
         return unpermute_qk(x, cfg.num_key_value_heads)
     if cfg.norm_offset and name.endswith("norm.weight"):
         return x - cfg.norm_offset
+    if name.endswith(".shared_expert_gate.weight") and x.dim() == 1:  # [1, H]: llama-quantize drops the 1
+        return x[None]
     return x
 
 
@@ -301,15 +304,16 @@ def gguf_block_linears(path: Path, cfg: ModelConfig, qc: QuantConfig) -> Iterato
 def gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     """The tokenizer a GGUF file describes (its vocabulary, merges, special tokens and chat template), built by
     transformers. AutoTokenizer also reads the file's config to pick a tokenizer class, and refuses architectures
-    its GGUF loader does not map (OLMo 2, Granite, SmolLM3): for those, the generic fast tokenizer, which is built
-    from the same metadata."""
+    its GGUF loader does not map (OLMo 2, Granite, SmolLM3) or fails on their config (GPT-OSS): for those, the
+    generic fast tokenizer, which is built from the same metadata."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast  # as in hf.hf_tokenizer
 
     reader = gguf_reader(path)  # first: transformers reads the file with gguf's reader too
     try:
         try:
             tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        except ValueError:  # "GGUF model with architecture ... is not supported yet"
+        except (ValueError, TypeError):  # "GGUF model with architecture ... is not supported yet"; GPT-OSS's
+            # config breaks its parse (TypeError: an array value read as a float)
             tok = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"checkpoint: cannot build a tokenizer from {path} ({e})") from None

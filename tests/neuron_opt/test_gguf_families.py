@@ -6,9 +6,9 @@ tensors equal them bit for bit, Gemma's norms to the rounding of the converter's
 tokens on it (fp32), and transformers' own GGUF loader where it reads the family right (Llama, Mistral: the same
 weights to the bit at every type). transformers 5.25's GGUF loader misreads the others' files (Gemma 3's rope
 scaling and local base, Qwen-MoE's expert widths, Mixtral's experts) or refuses them (OLMo 2, Granite, SmolLM3,
-GPT-OSS), so for those the oracle is HF on the source checkpoint. llama-quantize's types (K-quants, IQ4, MXFP4)
-are in the slow tier: building llama-quantize takes minutes. Every family runs at tp 1, a subset on two TP rank
-processes (the XLA tier's: tests/xla/test_device_gguf.py).
+GPT-OSS), so for those the oracle is HF on the source checkpoint. llama-quantize's types (K-quants, IQ4, MXFP4),
+for every family, are tests/neuron_opt/test_gguf_types.py's (slow tier: building llama-quantize takes minutes).
+Every family runs at tp 1, a subset on two TP rank processes (the XLA tier's: tests/xla/test_device_gguf.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import hf_greedy, runner_greedy
-from llamacpp_gguf import convert, make_with_sentencepiece, quantize, source_checkpoint
+from llamacpp_gguf import convert, source_checkpoint
 from tiny import load_hf
 
 from neuron_opt.api import LLM, build_model
@@ -32,8 +32,8 @@ from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, QuantCon
 from neuron_opt.errors import CheckpointError
 from neuron_opt.runtime.runner import ModelRunner
 
-FAMILIES = ["llama", "mistral", "gemma2", "gemma3", "olmo2", "granite", "smollm3", "mixtral", "qwen2-moe",
-            "qwen3-moe", "gpt-oss"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite", "smollm3", "mixtral",
+            "qwen2-moe", "qwen3-moe", "gpt-oss"]
 HF_READS_GGUF = ("llama", "mistral")  # transformers' GGUF loader maps these files exactly
 # tp 2's subset (rank processes take ~10 s a model to start): Mixtral (a `llama` file: q/k rows permuted, GQA,
 # experts stacked) in the default tier; Llama and Gemma 2 (soft-caps, windows, the norm offset, tied embeddings)
@@ -44,8 +44,9 @@ PROMPT = [1, 17, 42, 99, 5, 123, 7, 300, 11, 250]
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _private_cache(tmp_path_factory):
-    """One cache for the module: each file's metadata is parsed and its weights dequantized once."""
+def _private_cache(files, tmp_path_factory):
+    """One cache for the module: each file's metadata is parsed and its weights dequantized once. The files are made
+    before, with the shared cache (make_tiny reads the default model's tokenizer from it)."""
     from neuron_opt import envs
 
     with pytest.MonkeyPatch.context() as mp:
@@ -187,117 +188,3 @@ def test_a_type_we_do_not_read_is_refused_from_the_header(tmp_path):
     w.close()
     with pytest.raises(CheckpointError, match=r"token_embd\.weight has GGUF type IQ2_XXS.*supported types: F32"):
         open_checkpoint(path)
-
-
-# llama-quantize type -> `--quantize auto`'s format for a file of it (docs/quantization.md)
-QUANT_TYPES = {"Q4_0": ("int4", "group_symmetric"), "Q4_1": ("int4", "group_asymmetric"),
-               **{k: ("int8", "per_channel_symmetric") for k in ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")},
-               **{k: ("gguf", "blocks") for k in ("Q4_K", "Q5_K", "Q6_K", "Q4_K_M")}}  # K-quants kept as stored
-
-
-# the families llama-quantize's files are checked for: every type for Llama, Q4_K_M (the most downloaded, a mix of
-# Q4_K and Q6_K linears) for Qwen3 too (q/k norms; its q/k rows are not permuted). Qwen3 at its default head_dim
-# (128, twice hidden / heads here): transformers' GGUF loader does not read `attention.key_length`
-WIDE = {"llama": ("LlamaConfig", {}), "qwen3": ("Qwen3Config", dict(head_dim=128))}
-
-
-@pytest.fixture(scope="module")
-def wide(tmp_path_factory):
-    """wide(family) -> a checkpoint of `family` whose rows are whole K-quant super-blocks (256 values), and its F32
-    GGUF (made once)."""
-    made: dict[str, tuple[Path, Path]] = {}
-
-    def get(family: str) -> tuple[Path, Path]:
-        if family not in made:
-            root = tmp_path_factory.mktemp(f"gguf-wide-{family}")
-            config_class, extra = WIDE[family]
-            d = make_with_sentencepiece(config_class, dict(hidden_size=256, intermediate_size=512,
-                                                           num_attention_heads=4, num_key_value_heads=2, **extra),
-                                        root / "hf")
-            convert([(d, root / "f32.gguf", "f32")])
-            made[family] = d, root / "f32.gguf"
-        return made[family]
-
-    return get
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("family, kind", [*(("llama", k) for k in QUANT_TYPES), ("qwen3", "Q4_K_M")])
-def test_llama_quantize_types_equal_gguf_reference_and_hf(family, kind, wide, tmp_path):
-    """Each type llama-quantize writes: our tensors equal transformers' GGUF loader's (gguf's reference
-    dequantization) exactly, greedy tokens equal HF's on the same file, and `--quantize auto` picks the table's
-    format (docs/quantization.md); a Q4_K_M file mixes Q4_K and Q6_K linears, both kept as stored."""
-    import transformers
-
-    path = quantize(wide(family)[1], tmp_path / f"{kind}.gguf", kind)
-    ck = open_checkpoint(path)
-    reader = gguf.GGUFReader(str(path))
-    linear_types = {t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2
-                    and "norm" not in t.name}
-    if kind == "Q4_K_M":
-        assert {"Q4_K", "Q6_K"} <= linear_types
-    else:
-        assert linear_types == {kind}
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                           dtype=torch.float32).eval()
-    ref = hf.state_dict()
-    for name, t in ck.state_dict().items():
-        assert torch.equal(t, ref[name]), name
-    ours_logits, ours = eager_greedy(ck, 12)
-    ref_logits, want = hf_greedy(hf, PROMPT, 12)
-    torch.testing.assert_close(ours_logits, ref_logits, atol=1e-4, rtol=0)
-    assert ours == want
-    method, qtype = QUANT_TYPES[kind]
-    qc = native_quant(ck)
-    assert (qc.method, qc.quantization_type, qc.group_size, qc.lm_head) == (method, qtype,
-                                                                            32 if method == "int4" else 0, True)
-
-
-@pytest.mark.slow
-def test_mxfp4_experts_equal_gguf_reference_and_hf(tmp_path):
-    """MXFP4, the type GPT-OSS ships its experts in: llama-quantize's MXFP4_MOE (`--pure`, as every unmixed type)
-    writes every matrix of the GPT-OSS file in it, the stacked experts included. Every tensor of ours equals gguf's
-    reference dequantization of the file's bytes; greedy tokens equal HF's with the same weights (the source
-    checkpoint, its weights replaced by the file's, experts in HF's stored layout: gate and up interleaved in
-    gate_up_proj [E, H, 2I], down_proj [E, I, H])."""
-    from safetensors.torch import save_file
-
-    from neuron_opt.checkpoint.gguf import gguf_to_hf_names
-
-    d = source_checkpoint("gpt-oss", tmp_path / "hf")
-    convert([(d, tmp_path / "f32.gguf", "f32")])
-    path = quantize(tmp_path / "f32.gguf", tmp_path / "mxfp4.gguf", "MXFP4_MOE")
-    reader = gguf.GGUFReader(str(path))
-    assert {t.tensor_type.name for t in reader.tensors if "_exps.weight" in t.name} == {"MXFP4"}
-    ck = open_checkpoint(path)
-    ours = ck.state_dict()
-    n_experts = ck.config.num_experts
-    for t in reader.tensors:
-        ref = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
-        ref = ref.reshape(tuple(int(x) for x in reversed(t.shape)))
-        names = gguf_to_hf_names(t.name, "gpt-oss", n_experts)
-        for name, part in zip(names, ref.unbind(0) if len(names) > 1 else (ref,), strict=True):
-            assert torch.equal(ours[name], part), name
-    stored = {k: v for k, v in ours.items() if ".mlp.experts." not in k}
-
-    def stack(i: int, part: str, suffix: str) -> torch.Tensor:  # layer i's experts: [E, out, in] or [E, out]
-        return torch.stack([ours[f"model.layers.{i}.mlp.experts.{e}.{part}_proj.{suffix}"] for e in range(n_experts)])
-
-    for i in range(ck.config.num_hidden_layers):
-        gate, up = stack(i, "gate", "weight").transpose(1, 2), stack(i, "up", "weight").transpose(1, 2)  # [E, H, I]
-        prefix = f"model.layers.{i}.mlp.experts"
-        stored[f"{prefix}.gate_up_proj"] = torch.stack([gate, up], dim=-1).flatten(-2)  # [E, H, 2I], interleaved
-        stored[f"{prefix}.gate_up_proj_bias"] = torch.stack([stack(i, "gate", "bias"), stack(i, "up", "bias")],
-                                                            dim=-1).flatten(-2)
-        stored[f"{prefix}.down_proj"] = stack(i, "down", "weight").transpose(1, 2).contiguous()  # [E, I, H]
-        stored[f"{prefix}.down_proj_bias"] = stack(i, "down", "bias")
-    same = tmp_path / "hf-same-weights"
-    same.mkdir()
-    for f in d.iterdir():
-        if f.suffix != ".safetensors":
-            (same / f.name).write_bytes(f.read_bytes())
-    save_file(stored, str(same / "model.safetensors"))
-    ours_logits, ours_ids = eager_greedy(ck, 12)
-    ref_logits, ref_ids = hf_greedy(load_hf(same), PROMPT, 12)
-    torch.testing.assert_close(ours_logits, ref_logits, atol=1e-4, rtol=0)
-    assert ours_ids == ref_ids

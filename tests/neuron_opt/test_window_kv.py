@@ -2,8 +2,8 @@
 
 Tiny Gemma 2 (window 6, sliding and full layers alternating) and GPT-OSS (window 4, attention sinks) at a context 8x
 Gemma's window, blocks of 4, prefill chunks of 8. Oracle: HF transformers' greedy generation (fp32) on the same
-checkpoint, past the window, with prefix caching, chunked prefill, preemption and speculative decoding on; and the
-plan's KV figure against the bytes the executor allocates.
+checkpoint, past the window, with prefix caching, chunked prefill, preemption and speculative decoding on (PEFT's
+under a LoRA adapter); and the plan's KV figure against the bytes the executor allocates.
 """
 
 from __future__ import annotations
@@ -226,3 +226,32 @@ def test_default_compile_caps_the_prefill_chunk_at_the_window(tmp_path):
     assert got.token_ids == want
     explicit, _ = plan_buckets(cfg, CompileRequest(model="unused", out=tmp_path, backend="eager", max_prompt_len=1024))
     assert explicit.sliding_window == 0  # chunks of 1024: the sliding layers would see every position
+
+
+def test_lora_adapters_on_window_pools_equal_peft(tmp_path):
+    """LoRA on a sliding-window model (Gemma 2): an artifact compiled with adapters and window-sized KV serves a batch
+    of an adapter's row and a base row of one prompt, in chunks, text past the window; the oracle is PEFT on HF."""
+    peft = pytest.importorskip("peft")
+    from peft_adapters import hf_greedy, make_adapter
+
+    from neuron_opt.api import LLM
+    from neuron_opt.compiler import compile_artifact
+    from neuron_opt.lora.config import LoraConfig
+    from neuron_opt.lora.registry import LoRARequest
+
+    ck = make_tiny("gemma2", tmp_path / "ck", tokenizer=True)
+    adapter = make_adapter(ck, tmp_path / "adapter", 4, 8, ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"], 1)
+    compile_artifact(CompileRequest(model=str(ck), out=tmp_path / "art", backend="eager", dtype="float32",
+                                    batch_size=BATCH, max_model_len=MAX_LEN, max_prompt_len=CHUNK,
+                                    prefill_buckets=(CHUNK,), decode_buckets=(MAX_LEN,), block_size=BS,
+                                    lora=LoraConfig(max_loras=1, max_lora_rank=4)), log=lambda s: None, progress=False)
+    llm = LLM(tmp_path / "art")
+    assert llm.runner.cache.window_num_blocks < llm.runner.cache.num_blocks  # the sliding layers hold windows
+    prompt = torch.randint(3, 257, (14,), generator=torch.Generator().manual_seed(8)).tolist()
+    n = 24  # to position 38: past the window, through window blocks freed and reused
+    want = [hf_greedy(peft.PeftModel.from_pretrained(load_hf(ck), adapter).eval(), prompt, n),
+            hf_greedy(load_hf(ck), prompt, n)]
+    assert want[0] != want[1]  # the adapter changes the text: the test can fail
+    outs = llm.generate_batch([prompt, prompt], SamplingParams(max_tokens=n, ignore_eos=True),
+                              lora_request=[LoRARequest("a", str(adapter)), None])
+    assert [o.token_ids for o in outs] == want
