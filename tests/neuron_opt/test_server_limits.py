@@ -23,6 +23,7 @@ from helpers import live_server, one_thread_llm
 
 from neuron_opt.api import LLM
 from neuron_opt.cli import main
+from neuron_opt.runtime.runner import RunnerStats
 from neuron_opt.runtime.sampling import SamplingParams
 from neuron_opt.server.limits import ServerLimits
 from neuron_opt.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -262,9 +263,9 @@ class FakeEngine:
     kv_usage = 0.0
     spec = None
     embeds = False  # a generation model's engine
-    runner = SimpleNamespace(vocab_size=10)
+    runner = SimpleNamespace(vocab_size=10, stats=RunnerStats())
     prefix_cache_stats = SimpleNamespace(queries=0, hits=0, hit_rate=0.0)
-    stats = SimpleNamespace(preemptions=0, step_tokens={})
+    stats = SimpleNamespace(preemptions=0, step_tokens={}, step_s=0.0)
 
     def __init__(self, error: Exception | None = None) -> None:
         self.error = error
