@@ -50,6 +50,17 @@ def runner_greedy(runner: ModelRunner, prompt: list[int], n: int) -> tuple[torch
     return logits, out.token_ids
 
 
+def checkpoint_greedy(ck, prompt: list[int], n: int, max_len: int) -> tuple[torch.Tensor, list[int]]:
+    """`runner_greedy` on our eager fp32 model of checkpoint `ck` (neuron_opt.checkpoint.Checkpoint), one sequence
+    of up to `max_len` positions."""
+    cache = CacheConfig(max_batch=1, max_model_len=max_len)
+    buckets = BucketConfig.build(max_prompt_len=max_len, max_model_len=max_len, max_batch=1, min_prefill=16,
+                                 min_decode=16)
+    runner = ModelRunner(EagerExecutor(build_model(ck.config, ck.state_dict(), max_len, torch.float32), cache),
+                         buckets, cache, ck.config.vocab_size)
+    return runner_greedy(runner, prompt, n)
+
+
 def hf_greedy(hf, prompt: list[int], n: int) -> tuple[torch.Tensor, list[int]]:
     """The HF oracle's `runner_greedy`: `prompt`'s last logits and `n` greedy tokens from HF's generate."""
     with torch.no_grad():

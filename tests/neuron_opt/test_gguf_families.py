@@ -20,17 +20,14 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from helpers import hf_greedy, runner_greedy
+from helpers import checkpoint_greedy, hf_greedy, runner_greedy
 from llamacpp_gguf import convert, source_checkpoint
 from tiny import load_hf
 
-from neuron_opt.api import LLM, build_model
-from neuron_opt.backends.eager import EagerExecutor
-from neuron_opt.buckets import BucketConfig
+from neuron_opt.api import LLM
 from neuron_opt.checkpoint import native_quant, open_checkpoint
-from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, QuantConfig
+from neuron_opt.config import ModelConfig, ParallelConfig, QuantConfig
 from neuron_opt.errors import CheckpointError
-from neuron_opt.runtime.runner import ModelRunner
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite", "smollm3", "mixtral",
             "qwen2-moe", "qwen3-moe", "gpt-oss"]
@@ -67,12 +64,7 @@ def files(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
 
 def eager_greedy(ck, n: int) -> tuple[torch.Tensor, list[int]]:
     """Our eager model of `ck` (fp32): the prompt's last logits and `n` greedy tokens."""
-    cache = CacheConfig(max_batch=1, max_model_len=MAX_LEN)
-    buckets = BucketConfig.build(max_prompt_len=MAX_LEN, max_model_len=MAX_LEN, max_batch=1, min_prefill=16,
-                                 min_decode=16)
-    runner = ModelRunner(EagerExecutor(build_model(ck.config, ck.state_dict(), MAX_LEN, torch.float32), cache),
-                         buckets, cache, ck.config.vocab_size)
-    return runner_greedy(runner, PROMPT, n)
+    return checkpoint_greedy(ck, PROMPT, n, MAX_LEN)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -26,19 +26,16 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from helpers import runner_greedy
+from helpers import checkpoint_greedy
 from llamacpp_gguf import convert, quantize, source_checkpoint
 from safetensors.torch import save_file
 from tiny import load_hf
 
-from neuron_opt.api import LLM, build_model
-from neuron_opt.backends.eager import EagerExecutor
-from neuron_opt.buckets import BucketConfig
+from neuron_opt.api import LLM
 from neuron_opt.checkpoint import native_quant, open_checkpoint
 from neuron_opt.checkpoint.gguf import gguf_to_hf_names, name_scheme
 from neuron_opt.compiler import CompileRequest, compile_artifact
-from neuron_opt.config import CacheConfig, QuantConfig
-from neuron_opt.runtime.runner import ModelRunner
+from neuron_opt.config import QuantConfig
 from neuron_opt.runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -176,12 +173,8 @@ def hf_greedy(hf, prompt: list[int], n: int) -> tuple[torch.Tensor, list[int]]:
 
 
 def eager_greedy(ck, n: int) -> tuple[torch.Tensor, list[int]]:
-    cache = CacheConfig(max_batch=1, max_model_len=MAX_LEN)
-    buckets = BucketConfig.build(max_prompt_len=MAX_LEN, max_model_len=MAX_LEN, max_batch=1, min_prefill=16,
-                                 min_decode=16)
-    runner = ModelRunner(EagerExecutor(build_model(ck.config, ck.state_dict(), MAX_LEN, torch.float32), cache),
-                         buckets, cache, ck.config.vocab_size)
-    return runner_greedy(runner, PROMPT, n)
+    """Our eager model of `ck` (fp32): the prompt's last logits and `n` greedy tokens."""
+    return checkpoint_greedy(ck, PROMPT, n, MAX_LEN)
 
 
 def stored_type(kind: str) -> str:
