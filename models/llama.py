@@ -285,7 +285,7 @@ class TorchOps:
     def rms_norm_offset(self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
         """RMSNorm scaled by (offset + weight) (Gemma: 1 + w), in fp32 as transformers computes it. Written as
         xn * w + offset * xn: no op on the weight alone, which a freezing compiler would fold into a constant that
-        is no longer the parameter (neuron_opt.backends.cpu_constants matches constants to parameters)."""
+        is no longer the parameter (neuron_opt.backends.cpu.constants matches constants to parameters)."""
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -639,7 +639,7 @@ class DecoderLayer(nn.Module):
         # weights out per phase (models.moe under a hybrid expert layout); a dense MLP has one layout.
         # under sequence parallelism x is this rank's [B, S_pad/tp, H] chunk: norms and residuals run on it.
         # x may be a wider residual stream than the layer's weights (fp32 under bf16 weights: the compiled cpu
-        # graphs do this for accuracy, see neuron_opt/backends/cpu_graphs.py): norms run on it, each branch's
+        # graphs do this for accuracy, see neuron_opt/backends/cpu/graphs.py): norms run on it, each branch's
         # input takes the weights' dtype and its output comes back to x's. Same dtype: the casts are no-ops.
         # Norm layouts (ModelConfig.norm_layout): a role without a norm passes its tensor through.
         # `lora`: the rows' adapter terms (neuron_opt.lora.ops) on the attention and dense MLP projections

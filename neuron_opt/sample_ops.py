@@ -54,7 +54,7 @@ class SamplingInputs:
         return out if self.mask is None else [*out, self.mask]
 
     def to(self, device: object) -> SamplingInputs:
-        """On `device`, integer tensors as int32 (the step inputs' type: neuron_opt.backends.neuron)."""
+        """On `device`, integer tensors as int32 (the step inputs' type: neuron_opt.backends.neuron.backend)."""
         t = [(x.to(torch.int32) if x.dtype == torch.int64 else x).to(device) for x in self.tensors()]
         return SamplingInputs(*t[:9], mask=t[9] if self.mask is not None else None, logprobs=self.logprobs,
                               skip=self.skip)

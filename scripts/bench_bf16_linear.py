@@ -38,7 +38,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from neuron_opt.backends import cpu_ops
+    from neuron_opt.backends.cpu import ops as cpu_ops
 
     err = cpu_ops.load()
     if err is not None:

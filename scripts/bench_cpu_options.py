@@ -53,7 +53,7 @@ def main() -> int:
 
     from neuron_opt.api import build_model
     from neuron_opt.backends.base import StepInputs
-    from neuron_opt.backends.cpu import CpuBackend
+    from neuron_opt.backends.cpu.backend import CpuBackend
     from neuron_opt.buckets import DECODE, PREFILL, Bucket
     from neuron_opt.checkpoint import open_checkpoint
     from neuron_opt.config import CacheConfig

@@ -273,8 +273,8 @@ def cpu_artifact_with_graphs(eager_artifact: Path, out: Path, so_bytes: bytes) -
     import shutil
 
     from neuron_opt.artifact import MANIFEST, manifest_digest, sha256_file
-    from neuron_opt.backends.cpu import FORMAT, META_SUFFIX, SUBDIR
-    from neuron_opt.backends.cpu_graphs import graph_keys
+    from neuron_opt.backends.cpu.backend import FORMAT, META_SUFFIX, SUBDIR
+    from neuron_opt.backends.cpu.graphs import graph_keys
     from neuron_opt.buckets import Bucket
 
     shutil.copytree(eager_artifact, out)

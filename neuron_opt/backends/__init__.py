@@ -23,11 +23,11 @@ def backend_class(name: str) -> type[Backend]:
 
         return EagerBackend
     if name == "cpu":
-        from neuron_opt.backends.cpu import CpuBackend
+        from neuron_opt.backends.cpu.backend import CpuBackend
 
         return CpuBackend
     if name == "neuron":
-        from neuron_opt.backends.neuron import NeuronBackend
+        from neuron_opt.backends.neuron.backend import NeuronBackend
 
         return NeuronBackend
     raise ConfigError(f"backend: unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")

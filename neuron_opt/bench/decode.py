@@ -49,7 +49,7 @@ from transformers import DynamicCache, StaticCache
 
 from neuron_opt import envs
 from neuron_opt.api import LLM, is_artifact
-from neuron_opt.backends.cpu import onednn_bf16_supported
+from neuron_opt.backends.cpu.backend import onednn_bf16_supported
 from neuron_opt.bench import CpuWatch, MachineBusyError, RunRecord, host, llamacpp, read_bandwidth_gbs, rounds_summary
 from neuron_opt.bench.llamacpp import LlamaCppMissingError, build_info, import_llama_cpp
 from neuron_opt.bench.random_moe import random_moe_dir

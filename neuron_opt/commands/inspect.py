@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  decode buckets: batch {list(m.buckets.decode_batches)} x kv {list(m.buckets.decode_kv_lens)}")
     print(f"  graphs: {len(m.graphs)}")
     if m.backend == "neuron":  # what each bucket's HLO promises: donated KV, collectives, nothing host-bound
-        from neuron_opt.backends.neuron import hlo_summary  # here: only a neuron artifact needs the backend
+        from neuron_opt.backends.neuron.backend import hlo_summary  # here: only a neuron artifact needs the backend
 
         for key, files in sorted(m.graphs.items()):
             for f in (f for f in files if f.endswith(".hlo.txt")):

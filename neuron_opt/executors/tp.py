@@ -9,7 +9,7 @@ Design decisions
   liveness. A dead rank (or one that reports an exception, e.g. a collective timing out after its peer
   died) shuts all ranks down and raises RankFailedError naming the rank and its exit code. Never a hang.
 - Graphs: the ranks run the model eagerly with gloo collectives between ops. Collectives inside compiled
-  graphs are the neuron backend's (one SPMD program, neuron_opt/backends/neuron.py).
+  graphs are the neuron backend's (one SPMD program, neuron_opt/backends/neuron/backend.py).
 - KV caches live in the rank processes; `k_caches`/`v_caches` are empty on the driver.
 """
 

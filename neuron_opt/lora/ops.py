@@ -11,7 +11,7 @@ Design decisions
   padded rank columns multiply zeros, and an untargeted linear's slot is zero.
 - The stacks are graph inputs, never constants: loading an adapter writes its slot in place and no graph is
   recompiled. Eager models read the stacks directly; the cpu backend passes each layer's stacks to its layer
-  graph container (neuron_opt.backends.cpu).
+  graph container (neuron_opt.backends.cpu.backend).
 - Two forms of the same product: batched matmuls (eager), and a broadcast-and-sum that Inductor fuses into loops
   (`loop`, the cpu backend's compiled graphs: its C++ GEMM template has no batched GEMM). Same values up to
   summation order; tests compare both with PEFT.

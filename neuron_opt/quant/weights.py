@@ -11,29 +11,13 @@ Formats, per linear weight W [N, K] (y = x @ W.T), stored in the artifact as com
   exactly: only the nibble order is rearranged (neuron_opt.checkpoint).
 
 Kernels, chosen once when a graph is built (never a flag read inside forward):
-- "dequant", the reference (eager backend and the device path): W is rebuilt in the compute dtype inside the
-  graph and multiplied. On a NeuronCore the weight crosses HBM in 1 byte (int8, fp8) or half a byte (int4) and is
-  widened on chip, which is what NxDI does; the gain there is bandwidth and capacity.
-- "cpu" (the cpu backend's compiled graphs): torch's CPU weight-only kernels, fed bf16 activations:
-  int8 -> aten._weight_int8pack_mm on the stored [N, K] values; int4 -> aten._weight_int4pack_mm_for_cpu on the
-  tinygemm layout (`_convert_weight_to_int4pack_for_cpu`, built at load). Their fp32-activation variants are
-  several times slower than their bf16 ones on AVX2 (docs/quantization.md), hence bf16 activations; the residual
-  stream and the layer outputs stay in the model's dtype. A one-row int8 product (batch-1 decode) is instead a
-  dot product per output row over the same int8 values, summed in fp32, which Inductor compiles into the layer's
-  own loops (faster than the GEMM kernel at one row); so is every int8 product whose K is not a multiple of 16,
-  on which torch 2.13's int8 GEMM crashes. With `use_cpu_kernels(int8_kernel=True)` (the cpu backend's
-  `int8_linear` "kernel") int8 products of up to INT8_KERNEL_MAX_ROWS rows, a number fixed when the graph is
-  traced, call torch.ops.neuron_opt.int8_linear instead (the cpu backend's C++ operator, which the backend loads
-  before tracing): the same fp32 sums, at the memory's speed, and a row's result independent of the row count.
-  With `use_cpu_kernels(int8_widened=True)` (the cpu backend's `int8_gemm` "widened") the products of more rows
-  (prefills) call torch.ops.neuron_opt.int8_linear_widened: W widened to bf16 once per call, then one bf16 GEMM
-  over every row (aten's, oneDNN's where the CPU has native bf16), where aten's int8 GEMM widens W for each row.
-  fp8 weights have no CPU kernel: compile refuses them on cpu.
-- gguf: a GGUF file's blocks as stored (neuron_opt.quant.gguf_blocks: `qweight` uint8 [N, width], `kinds` int8 [N]).
-  "dequant" multiplies gguf's reference dequantization of them; "cpu" calls torch.ops.neuron_opt.gguf_linear
-  (up to INT8_KERNEL_MAX_ROWS rows, a number fixed when the graph is traced) or gguf_linear_widened (more rows, or a
-  dynamic count) on x as it comes (fp32 or bf16, never rounded): each weight decoded to the reference's fp32
-  value, fp32 sums (csrc/gguf_linear.cpp).
+- "dequant" (this module), the reference (eager backend and the device path): W is rebuilt in the compute dtype
+  inside the graph and multiplied. On a NeuronCore the weight crosses HBM in 1 byte (int8, fp8) or half a byte
+  (int4) and is widened on chip, which is what NxDI does; the gain there is bandwidth and capacity.
+- "cpu" (the cpu backend's compiled graphs): neuron_opt.backends.cpu.weights replaces each QuantizedWeight with
+  the CPU kernels' layouts when the backend builds its graphs.
+- gguf: a GGUF file's blocks as stored (neuron_opt.quant.gguf_blocks: `qweight` uint8 [N, width], `kinds` int8 [N]),
+  multiplied through gguf's reference dequantization of them.
 """
 
 from __future__ import annotations
@@ -49,11 +33,7 @@ from neuron_opt.errors import ConfigError
 from neuron_opt.quant import gguf_blocks
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
-DEQUANT, CPU = "dequant", "cpu"
-# up to this many rows (decode batches, verify steps) the int8 operator reuses each widened weight across the
-# rows, where aten._weight_int8pack_mm's time grows with the rows (docs/quantization.md); above, and wherever the
-# row count is dynamic, the graphs keep aten's GEMM
-INT8_KERNEL_MAX_ROWS = 16
+DEQUANT = "dequant"
 
 
 @dataclass
@@ -182,8 +162,8 @@ class QuantizedWeight(nn.Module):
     """A linear's weight in a quantized format; `forward(x)` = x @ W.T in x's dtype (no bias).
 
     Holds the stored format (parameters `qweight`, `scale`, and `offset` for int4; `qweight` and `kinds` for gguf,
-    whose rows are `width` bytes) until `use_cpu_kernels()` replaces them with the CPU kernels' layouts (gguf's
-    blocks stay as they are). `.to(dtype)` never converts these tensors (their dtypes are the format);
+    whose rows are `width` bytes) until the cpu backend replaces the module with its kernels' layouts
+    (neuron_opt.backends.cpu.weights). `.to(dtype)` never converts these tensors (their dtypes are the format);
     `.to(device)` moves them.
     """
 
@@ -194,8 +174,6 @@ class QuantizedWeight(nn.Module):
         group_size = qc.group_size
         self.group_size = group_size if method == "int4" else in_features
         self.kernel = DEQUANT
-        self.int8_kernel = False  # torch.ops.neuron_opt.int8_linear for few rows (use_cpu_kernels)
-        self.int8_widened = False  # torch.ops.neuron_opt.int8_linear_widened for more (use_cpu_kernels)
         self.width = width
         if method == "gguf":
             if width <= 0:
@@ -264,92 +242,13 @@ class QuantizedWeight(nn.Module):
         return QuantTensor(self.method, self.qweight, self.scale, getattr(self, "offset", None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == CPU:
-            return self._cpu(x)
         if self.method == "gguf":
             return torch.nn.functional.linear(x, dequantize(self.stored(), x.dtype))
         if self.method != "int4" and self.group_size == self.in_features:  # one scale per output channel: after
             return torch.nn.functional.linear(x, self.qweight.to(x.dtype)) * self.scale.view(-1).to(x.dtype)
         return torch.nn.functional.linear(x, dequantize(self.stored(), x.dtype))
 
-    def use_cpu_kernels(self, int8_kernel: bool = False, int8_widened: bool = False) -> None:
-        """Replace the stored format with the CPU kernels' layouts (bf16 scales; int4 in the tinygemm layout).
-        int8_kernel: int8 products of few rows call torch.ops.neuron_opt.int8_linear; int8_widened: those of more
-        rows call torch.ops.neuron_opt.int8_linear_widened (see the module's doc)."""
-        self.int8_kernel = int8_kernel and self.method == "int8"
-        self.int8_widened = int8_widened and self.method == "int8"
-        if self.kernel == CPU:
-            return
-        if self.method == "gguf":  # the blocks as stored are the operators' layout
-            self.kernel = CPU
-            return
-        if self.method == "fp8":
-            raise ConfigError("quantize: fp8 weights have no CPU kernel; use --quantize int8 or int4 on the cpu "
-                              "backend (fp8 is a device format: --backend neuron, or eager for a reference)")
-        with torch.no_grad():
-            if self.method == "int8":
-                self.cpu_scale = nn.Parameter(self.scale.view(-1).to(torch.bfloat16), requires_grad=False)  # [N]
-                del self.scale
-            else:
-                u = unpack_int4(self.qweight).to(torch.int32)  # [N, K]
-                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 2)
-                # tinygemm: W = (u - 8) * scale + zero, so zero = offset + 8 * scale; [groups, N, 2]
-                sz = torch.stack([self.scale, self.offset + 8 * self.scale], dim=-1).transpose(0, 1)
-                self.cpu_qweight = nn.Parameter(packed, requires_grad=False)
-                self.cpu_scale_zeros = nn.Parameter(sz.to(torch.bfloat16).contiguous(), requires_grad=False)
-                del self.qweight, self.scale, self.offset
-        self.kernel = CPU
-
-    def _cpu(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)  # [M, K]
-        if self.method == "gguf":  # x as it comes (fp32 or bf16): the operators widen it exactly
-            rows = x2.shape[0]
-            if isinstance(rows, int) and rows <= INT8_KERNEL_MAX_ROWS:  # static and few
-                y = torch.ops.neuron_opt.gguf_linear(x2, self.qweight, self.kinds)  # [M, N] fp32
-            else:
-                y = torch.ops.neuron_opt.gguf_linear_widened(x2, self.qweight, self.kinds)
-            return y.to(x.dtype).view(*lead, self.out_features)
-        if x2.dtype != torch.bfloat16:  # no `.to` when it is one: export records even a no-op cast as a node
-            x2 = x2.to(torch.bfloat16)  # (aten._assert_tensor_metadata), and torch 2.13's int4 concat-linear pass
-            # fails on an activation whose first user is not the int4 GEMM ('NoneType' has no attribute 'meta')
-        # one row (static per graph): a dot product per output row. Also every row count when K is not a multiple
-        # of 16: torch 2.13's int8 GEMM kernel then reads past the weight's rows (it crashed at K = 72)
-        rows = x2.shape[0]
-        if self.int8_kernel and isinstance(rows, int) and rows <= INT8_KERNEL_MAX_ROWS:  # static and few
-            y = torch.ops.neuron_opt.int8_linear(x2, self.qweight, self.cpu_scale)  # [M, N] fp32
-        elif self.int8_widened and not (isinstance(rows, int) and rows <= INT8_KERNEL_MAX_ROWS):  # dynamic or many
-            y = torch.ops.neuron_opt.int8_linear_widened(x2, self.qweight, self.cpu_scale)  # [M, N] fp32
-        elif self.method == "int8" and (rows == 1 or self.in_features % 16):
-            y = (x2.float()[:, None, :] * self.qweight.float()[None]).sum(-1) * self.cpu_scale.float()  # [M, N]
-        elif self.method == "int8":
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.cpu_scale)  # [M, N]
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.cpu_qweight, self.group_size,
-                                                           self.cpu_scale_zeros)  # [M, N]
-        return y.to(x.dtype).view(*lead, self.out_features)
-
 
 def quantized_modules(model: nn.Module) -> dict[str, QuantizedWeight]:
     """Every QuantizedWeight in `model`, by the name of the linear that holds it."""
     return {name.removesuffix(".quant"): m for name, m in model.named_modules() if isinstance(m, QuantizedWeight)}
-
-
-def use_cpu_kernels(model: nn.Module, int8_kernel: bool = False, int8_widened: bool = False) -> None:
-    for m in quantized_modules(model).values():
-        m.use_cpu_kernels(int8_kernel, int8_widened)
-
-
-def check_uniform_layers(model: nn.Module) -> None:
-    """The cpu backend compiles one layer graph for every layer: each layer must quantize the same projections."""
-    per_layer: dict[str, set[str]] = {}
-    for name in quantized_modules(model):
-        if name.startswith("model.layers."):
-            idx, rest = name.removeprefix("model.layers.").split(".", 1)
-            per_layer.setdefault(idx, set()).add(rest)
-    layers = {str(i) for i in range(len(model.model.layers))}
-    sets = {frozenset(per_layer.get(i, set())) for i in layers}
-    if len(sets) > 1:
-        raise ConfigError("modules_to_not_convert: the cpu backend compiles one graph shared by every layer, so "
-                          "each layer must quantize the same projections; name a projection for all layers (e.g. "
-                          "mlp.down_proj) or use --backend eager/neuron")

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from neuron_opt.api import LLM
-from neuron_opt.backends.cpu import onednn_bf16_supported
+from neuron_opt.backends.cpu.backend import onednn_bf16_supported
 from neuron_opt.checkpoint import default_model_path
 from neuron_opt.cli import main
 from neuron_opt.runtime.runner import DecodeRow

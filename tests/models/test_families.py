@@ -167,7 +167,7 @@ def _compiled_greedy_matches_hf(variant: str, tmp_path, decode_attention: str) -
 def test_gemma2_cpu_graphs_match_hf(tmp_path):
     """The family with the most options (soft-capping on the C++ paged attention kernel where it builds, mixed
     windows as a graph input, (1 + w) sandwich norms, GeGLU, scaled embeddings, capped logits)."""
-    from neuron_opt.backends import cpu_ops
+    from neuron_opt.backends.cpu import ops as cpu_ops
 
     _compiled_greedy_matches_hf("gemma2", tmp_path, "kernel" if cpu_ops.load() is None else "fused")
 
@@ -189,7 +189,7 @@ def test_paged_attention_kernel_caps_scores():
 
     from torch.utils.cpp_extension import get_cxx_compiler
 
-    from neuron_opt.backends import cpu_ops
+    from neuron_opt.backends.cpu import ops as cpu_ops
 
     err = cpu_ops.load()  # as in test_cpu_ops.py: a build error fails; only a machine with no compiler skips
     if err is not None and shutil.which(get_cxx_compiler()) is None:
@@ -318,7 +318,7 @@ def test_a_family_chat_template_is_used_as_is_through_the_server(tmp_path):
 
 def test_kernel_call_sites_cap_scores_in_the_kernels_and_record_the_cap():
     from models.llama import TorchOps
-    from neuron_opt.backends.nki_device import DeviceKernelOps, choose_attention, choose_paged_attention
+    from neuron_opt.backends.neuron.nki_device import DeviceKernelOps, choose_attention, choose_paged_attention
     from neuron_opt.backends.nki_ops import NkiSimOps
 
     c = choose_attention(1, 4, 2, 1, 32, 128, torch.bfloat16, None, "NEURON", softcap=50.0)

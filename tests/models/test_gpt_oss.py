@@ -132,7 +132,7 @@ def test_cpu_graphs_match_hf(tmp_path):
     attention kernel has no sink: recorded in the graph's metadata), the window as a graph input, the experts'
     biases and clamped SwiGLU in the gathered and dense forms."""
     from neuron_opt.api import LLM
-    from neuron_opt.backends.cpu import SINKS_NOT_ON_KERNEL
+    from neuron_opt.backends.cpu.backend import SINKS_NOT_ON_KERNEL
     from neuron_opt.compiler import CompileRequest, compile_artifact
     from neuron_opt.runtime.generate import generate_ids
     from neuron_opt.runtime.runner import DecodeRow
@@ -180,7 +180,7 @@ def test_cpu_graphs_match_hf(tmp_path):
 @pytest.mark.parametrize("S, rows_as_decode", [(1, False), (3, True)])
 def test_decode_loop_nest_takes_sinks_as_the_reference_op(S, rows_as_decode):
     from models.llama import TorchOps
-    from neuron_opt.backends.cpu_graphs import DecodeAttention
+    from neuron_opt.backends.cpu.graphs import DecodeAttention
 
     g = torch.Generator().manual_seed(0)
     B, H, n_kv, D, bs = 2, 4, 2, 16, 8
@@ -293,7 +293,12 @@ def test_kernel_call_sites_take_the_torch_op_for_sinks_with_the_reason():
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
     from models.llama import TorchOps
-    from neuron_opt.backends.nki_device import SINKS_REASON, DeviceKernelOps, choose_attention, choose_paged_attention
+    from neuron_opt.backends.neuron.nki_device import (
+        SINKS_REASON,
+        DeviceKernelOps,
+        choose_attention,
+        choose_paged_attention,
+    )
     from neuron_opt.backends.nki_ops import NkiSimOps
 
     c = choose_attention(1, 4, 2, 1, 32, 128, torch.bfloat16, None, "NEURON", sinks=True)

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from models.llama import LlamaForCausalLM
 from neuron_opt.backends.base import StepInputs, allocate_kv
-from neuron_opt.backends.cpu import CpuBackend, CpuExecutor, onednn_bf16_supported
-from neuron_opt.backends.cpu_constants import pack_weight
-from neuron_opt.backends.cpu_graphs import graph_keys
+from neuron_opt.backends.cpu.backend import CpuBackend, CpuExecutor, onednn_bf16_supported
+from neuron_opt.backends.cpu.constants import pack_weight
+from neuron_opt.backends.cpu.graphs import graph_keys
 from neuron_opt.buckets import DECODE, PREFILL, Bucket
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
 from neuron_opt.errors import ArtifactError, BackendCompileError, BucketOverflowError, ConfigError
@@ -286,7 +286,7 @@ def test_constants_matched_to_concatenated_and_packed_sources(rows: list[int], b
                                                               seed: int) -> None:
     """A graph constant built as the C++ template's packing of several projections concatenated (Inductor's
     concat-linear) is traced back to those sources in order, and rebuilt identically at load."""
-    from neuron_opt.backends.cpu_constants import build_constant, match_constants, unpack_weight
+    from neuron_opt.backends.cpu.constants import build_constant, match_constants, unpack_weight
 
     g = torch.Generator().manual_seed(seed)
     named = {f"p{i}.weight": torch.randn(n, 8, generator=g) for i, n in enumerate(rows)}
@@ -312,9 +312,9 @@ def test_small_parameters_are_bound_at_load_not_written_into_the_code(gemm: str,
     keep it: compiled on the placeholder copy, the graph would carry random values where such a tensor belongs
     (GPT-OSS's sinks and router bias in small models). Every parameter gets a recipe, and the graph run on
     other weights than the ones it was compiled with equals the module."""
-    from neuron_opt.backends.cpu import _runner
-    from neuron_opt.backends.cpu_constants import build_constant
-    from neuron_opt.backends.cpu_graphs import compile_graph
+    from neuron_opt.backends.cpu.backend import _runner
+    from neuron_opt.backends.cpu.constants import build_constant
+    from neuron_opt.backends.cpu.graphs import compile_graph
 
     class Small(torch.nn.Module):
         def __init__(self) -> None:
@@ -364,7 +364,7 @@ NEEDS_ONEDNN_BF16 = pytest.mark.skipif(
 def test_bf16_is_refused_clearly_where_onednn_has_no_bf16(monkeypatch, tmp_path: Path) -> None:
     """An AVX2-only CPU (simulated: torch's own check answers no) gets a ConfigError naming the fix, at
     construction and from `compile` before anything is written; fp32 is unaffected."""
-    import neuron_opt.backends.cpu as cpu
+    import neuron_opt.backends.cpu.backend as cpu
     from neuron_opt.compiler import CompileRequest, compile_artifact
 
     monkeypatch.setattr(cpu, "onednn_bf16_supported", lambda: False)
@@ -382,8 +382,8 @@ def test_bf16_is_refused_clearly_where_onednn_has_no_bf16(monkeypatch, tmp_path:
 
 @NEEDS_ONEDNN_BF16
 def test_onednn_weights_packed_once_for_every_m_hint() -> None:
-    from neuron_opt.backends.cpu import _WeightStore
-    from neuron_opt.backends.cpu_constants import ConstantRecipe
+    from neuron_opt.backends.cpu.backend import _WeightStore
+    from neuron_opt.backends.cpu.constants import ConstantRecipe
 
     w = torch.randn(48, 32).bfloat16()
     store = _WeightStore({"w": w})
@@ -504,7 +504,7 @@ def test_decode_attention_ops_match_an_fp64_reference(n_heads: int, n_kv: int, w
     written out by hand on the same inputs. Queries longer than 1 go to the inner ops (SDPA), checked against the
     same oracle."""
     from models.llama import TORCH_OPS
-    from neuron_opt.backends.cpu_graphs import DecodeAttention
+    from neuron_opt.backends.cpu.graphs import DecodeAttention
 
     g = torch.Generator().manual_seed(n_heads * 10 + n_kv)
     kv_len = 40
@@ -543,7 +543,7 @@ def test_head_graph_logits_against_fp64() -> None:
     """HeadGraph in bf16 on an fp32 residual, eager: the oneDNN/aten GEMM rounds the logits to bf16 before they
     widen (oracle: fp64 of the same values). Compiled on the C++ template the head keeps them in fp32:
     test_bf16_decode_matches_eager."""
-    from neuron_opt.backends.cpu_graphs import HeadGraph
+    from neuron_opt.backends.cpu.graphs import HeadGraph
 
     m = make_model(3, torch.bfloat16)
     head = HeadGraph(m.model.norm, m.lm_head, torch.bfloat16)

@@ -19,7 +19,7 @@ NO_XLA = importlib.util.find_spec("torch_xla") is None
 
 
 def test_importing_the_module_does_not_import_torch_xla():
-    code = ("import sys, neuron_opt.backends.neuron; "
+    code = ("import sys, neuron_opt.backends.neuron.backend; "
             "assert 'torch_xla' not in sys.modules and 'torch_neuronx' not in sys.modules, 'runtime imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -61,6 +61,6 @@ def test_bad_options_are_refused_before_the_runtime_is_looked_for(options, needl
 
 
 def test_compiler_args_are_parsed_from_a_string():
-    from neuron_opt.backends.neuron import NeuronOptions
+    from neuron_opt.backends.neuron.backend import NeuronOptions
 
     assert NeuronOptions.from_dict({"compiler_args": "-O2 --lnc=2"}).compiler_args == ("-O2", "--lnc=2")

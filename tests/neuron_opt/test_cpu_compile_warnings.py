@@ -1,6 +1,6 @@
 """A cpu graph compile prints no FutureWarning: torch 2.13's Inductor deep-copies each exported graph, whose pytree
 specs hold LeafSpec leaves, and every copy warned that LeafSpec is deprecated (five times in `make demo`'s
-compile). compile_graph (neuron_opt.backends.cpu_graphs) silences exactly that warning around its AOTInductor call.
+compile). compile_graph (neuron_opt.backends.cpu.graphs) silences exactly that warning around its AOTInductor call.
 One small AOTInductor compile: slow tier."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from neuron_opt.backends.cpu_graphs import compile_graph
+from neuron_opt.backends.cpu.graphs import compile_graph
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The cpu backend's C++ paged attention (torch.ops.neuron_opt.paged_attention, neuron_opt/backends/cpu_ops.py).
+"""The cpu backend's C++ paged attention (torch.ops.neuron_opt.paged_attention, neuron_opt/backends/cpu/ops.py).
 
 Oracle: fp64 softmax attention written out by hand on the same (cache-rounded) values. Exactness: a query's output
 is bitwise the same whatever the number of queries beside it, which is what makes a verify step's rows the decode
@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch.utils.cpp_extension import get_cxx_compiler
 
-from neuron_opt.backends import cpu_ops
+from neuron_opt.backends.cpu import ops as cpu_ops
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -35,7 +35,7 @@ def built() -> None:
 
 
 def test_the_operators_build_and_compiles_call_them_by_default() -> None:
-    from neuron_opt.backends.cpu import CpuBackend
+    from neuron_opt.backends.cpu.backend import CpuBackend
 
     assert cpu_ops.load() is None
     for op in ("paged_attention", "int8_linear", "int8_linear_widened", "moe_gather", "bf16_linear"):
@@ -52,7 +52,7 @@ def test_the_operators_share_torchs_openmp_runtime() -> None:
     their own private copies (scikit-learn's wheel vendors a renamed libgomp), which our operators cannot bind to."""
     code = (
         "from pathlib import Path\n"
-        "from neuron_opt.backends import cpu_ops\n"
+        "from neuron_opt.backends.cpu import ops as cpu_ops\n"
         "assert cpu_ops.load() is None\n"
         "maps = Path('/proc/self/maps').read_text().splitlines()\n"
         "print(sorted({l.split()[-1] for l in maps if 'neuron_opt_cpu_ops' in l}))\n"
@@ -156,7 +156,7 @@ def test_decode_graph_calls_the_kernel_and_matches_the_inductor_loop(tmp_path: P
     with the Inductor loop nest (`decode_attention=fused`)."""
     from test_backend_cpu import CACHE, decode_inputs, make_model
 
-    from neuron_opt.backends.cpu import CpuBackend
+    from neuron_opt.backends.cpu.backend import CpuBackend
     from neuron_opt.buckets import DECODE, Bucket
 
     bucket = Bucket(DECODE, 2, 32)

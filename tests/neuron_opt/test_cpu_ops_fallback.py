@@ -1,4 +1,4 @@
-"""Where the cpu backend's C++ operators do not build (neuron_opt/backends/cpu_ops.py): the build error is logged
+"""Where the cpu backend's C++ operators do not build (neuron_opt/backends/cpu/ops.py): the build error is logged
 with the forms the backend takes instead, compiles pick those forms, and an artifact whose graphs call the operators
 is refused saying how to compile without them. The build is made to fail here; that the operators do build on this
 machine is test_cpu_ops.py's first check. The fallback forms' graphs against eager: test_cpu_ops.py (fused decode
@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.utils.cpp_extension
 
-from neuron_opt.backends import cpu_ops
-from neuron_opt.backends.cpu import CpuBackend
+from neuron_opt.backends.cpu import ops as cpu_ops
+from neuron_opt.backends.cpu.backend import CpuBackend
 from neuron_opt.errors import ArtifactError
 
 FALLBACKS = {"decode_attention": "fused", "int8_linear": "inductor", "moe_gather": "inductor"}

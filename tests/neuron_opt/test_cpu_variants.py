@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import eager_runner
 
-from neuron_opt.backends.cpu import CpuBackend
+from neuron_opt.backends.cpu.backend import CpuBackend
 from neuron_opt.runtime.runner import DecodeRow, ModelRunner
 
 # in the default suite: MoE with a shared expert and q/k/v biases, untied head (decode at batch 1 gathers its 2

@@ -19,8 +19,8 @@ from helpers import hf_greedy, runner_greedy
 from tiny import BASE
 
 from models.build import rank_model_factory
-from neuron_opt.backends import cpu_ops
-from neuron_opt.backends.cpu_graphs import use_cpu_layout
+from neuron_opt.backends.cpu import ops as cpu_ops
+from neuron_opt.backends.cpu.graphs import use_cpu_layout
 from neuron_opt.backends.eager import EagerExecutor
 from neuron_opt.buckets import BucketConfig
 from neuron_opt.config import CacheConfig, ParallelConfig, QuantConfig

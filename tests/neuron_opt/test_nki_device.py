@@ -11,7 +11,7 @@ import torch
 
 from kernels_nki._nki import simulate
 from models.llama import TorchOps
-from neuron_opt.backends.nki_device import (
+from neuron_opt.backends.neuron.nki_device import (
     DeviceKernelOps,
     _kernel,
     attention_from_kernel,

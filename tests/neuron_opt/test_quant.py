@@ -125,8 +125,8 @@ def _quantized_linears(method: str, sizes: list[int], k: int, bias: bool, seed: 
 def test_fused_linears_equal_the_separate_linears(method, bias):
     """One GEMM over the concatenated stored weights (q/k/v, gate/up on the cpu backend) gives each projection's
     output: on the reference (dequantize) kernel and on torch's CPU kernels, for one row and for several."""
+    from neuron_opt.backends.cpu.weights import use_cpu_kernels
     from neuron_opt.parallel import FusedLinears
-    from neuron_opt.quant.weights import use_cpu_kernels
 
     linears = _quantized_linears(method, [96, 32, 32], 64, bias)
     fused = FusedLinears(linears)
@@ -157,7 +157,7 @@ def test_fusion_needs_linears_quantized_alike():
 def test_int8_one_row_dot_product_matches_the_gemm_kernel():
     """A one-row int8 product (batch-1 decode) is computed as a dot product per output row in fp32; torch's int8
     GEMM computes the same sums from bf16 activations. Checked on the rows of a 4-row call."""
-    from neuron_opt.quant.weights import use_cpu_kernels
+    from neuron_opt.backends.cpu.weights import use_cpu_kernels
 
     (lin,) = _quantized_linears("int8", [200], 576, False, seed=3)
     use_cpu_kernels(lin)
@@ -170,7 +170,7 @@ def test_int8_one_row_dot_product_matches_the_gemm_kernel():
 def test_int8_cpu_kernel_with_input_features_not_a_multiple_of_16():
     """torch's int8 GEMM crashes (reads past each weight row) at K = 72; such linears take the dot-product form at
     every row count, equal to the dequantized reference."""
-    from neuron_opt.quant.weights import use_cpu_kernels
+    from neuron_opt.backends.cpu.weights import use_cpu_kernels
 
     (lin,) = _quantized_linears("int8", [40], 72, False, seed=4)
     x = torch.randn(5, 72).bfloat16().float()

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from neuron_opt.artifact import read_manifest
-from neuron_opt.backends.cpu import cpu_has_native_bf16, onednn_bf16_supported
+from neuron_opt.backends.cpu.backend import cpu_has_native_bf16, onednn_bf16_supported
 from neuron_opt.compiler import CompileRequest, compile_artifact
 from neuron_opt.config import ParallelConfig
 from neuron_opt.errors import ConfigError

@@ -16,7 +16,7 @@ import torch
 from helpers import assert_outputs_match_reference, reference_generate, run_engine
 
 from neuron_opt.api import LLM
-from neuron_opt.backends.cpu import onednn_bf16_supported
+from neuron_opt.backends.cpu.backend import onednn_bf16_supported
 from neuron_opt.buckets import VERIFY, Bucket, BucketConfig
 from neuron_opt.errors import BucketOverflowError, ConfigError
 from neuron_opt.runtime.engine import Engine

@@ -8,6 +8,6 @@ import os
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
-from neuron_opt.backends.neuron import import_xla  # noqa: E402
+from neuron_opt.backends.neuron.backend import import_xla  # noqa: E402
 
 import_xla(dump=True)

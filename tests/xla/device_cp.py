@@ -29,7 +29,7 @@ SHAPES = dict(max_model_len=1024, prefill_buckets=(256, 512), decode_buckets=(51
 def run(ckpt: Path, out: Path, cp: int) -> tuple[list[int], list, dict]:
     import torch
 
-    from neuron_opt.backends.neuron import hlo_summary
+    from neuron_opt.backends.neuron.backend import hlo_summary
     from neuron_opt.compiler import CompileRequest, compile_artifact
     from neuron_opt.config import ParallelConfig
     from neuron_opt.executors import load_model
@@ -58,7 +58,7 @@ def run(ckpt: Path, out: Path, cp: int) -> tuple[list[int], list, dict]:
 
 
 def main(ckpt: Path, out: Path) -> dict:
-    from neuron_opt.backends.neuron import import_xla
+    from neuron_opt.backends.neuron.backend import import_xla
 
     import_xla(dump=True, devices=2)
     plain, plain_pools, plain_info = run(ckpt, out / "fd", 1)

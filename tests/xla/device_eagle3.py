@@ -30,7 +30,7 @@ MAX_TOKENS = [30, 2, 24]
 
 
 def main(ckpt: Path, head_dir: Path, out: Path, tp: int) -> dict:
-    from neuron_opt.backends.neuron import import_xla
+    from neuron_opt.backends.neuron.backend import import_xla
 
     import_xla(dump=True, devices=tp)
     import torch

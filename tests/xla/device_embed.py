@@ -47,7 +47,7 @@ def embed(art: Path, texts: list[str]) -> tuple[list[list[float]], list[str]]:
 
 
 def main(ckpt: Path, out: Path, tp: int, texts: list[str]) -> dict:
-    from neuron_opt.backends.neuron import import_xla
+    from neuron_opt.backends.neuron.backend import import_xla
 
     import_xla(dump=True, devices=tp)
     vectors, buckets = embed(compile_embed(ckpt, out, tp), texts)

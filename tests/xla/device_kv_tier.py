@@ -22,7 +22,7 @@ MAX_LEN, BS = 32, 4
 
 
 def main(ckpt: Path, out: Path, tp: int, prompt: list[int], max_tokens: int) -> dict:
-    from neuron_opt.backends.neuron import import_xla
+    from neuron_opt.backends.neuron.backend import import_xla
 
     import_xla(dump=True, devices=tp)
     from neuron_opt.compiler import CompileRequest, compile_artifact

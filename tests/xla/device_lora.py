@@ -27,14 +27,14 @@ MAX_LORAS, MAX_RANK = 2, 8
 
 
 def main(base: Path, out: Path, tp: int, adapters: list[Path]) -> dict:
-    from neuron_opt.backends.neuron import import_xla
+    from neuron_opt.backends.neuron.backend import import_xla
 
     import_xla(dump=True, devices=tp)
     import torch_xla.debug.metrics as met
 
     from neuron_opt.api import LLM
     from neuron_opt.artifact import read_manifest
-    from neuron_opt.backends.neuron import hlo_summary
+    from neuron_opt.backends.neuron.backend import hlo_summary
     from neuron_opt.compiler import CompileRequest, compile_artifact
     from neuron_opt.config import ParallelConfig
     from neuron_opt.lora.config import LoraConfig

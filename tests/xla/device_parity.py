@@ -25,7 +25,7 @@ sys.path.append(str(ROOT / "tests"))  # tests/helpers.py
 
 
 def main(ckpt: Path, out: Path, tp: int, k: int = 0, ep: int = 1, ep_decode: int = 0) -> dict:
-    from neuron_opt.backends.neuron import import_xla
+    from neuron_opt.backends.neuron.backend import import_xla
 
     import_xla(dump=True, devices=tp)
     from helpers import eager_runner

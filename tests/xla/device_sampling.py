@@ -87,7 +87,7 @@ def streams(runner, steps: int, tp: int) -> dict:
 
 
 def main(ckpt: Path, out: Path, tp: int) -> dict:
-    from neuron_opt.backends.neuron import import_xla
+    from neuron_opt.backends.neuron.backend import import_xla
 
     import_xla(dump=True, devices=tp)
     from neuron_opt.compiler import CompileRequest, compile_artifact

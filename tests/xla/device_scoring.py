@@ -22,7 +22,7 @@ PROMPTS = [[(7 * i + 3) % 200 + 3 for i in range(12)], [(5 * i + 4) % 200 + 3 fo
 
 
 def main(ckpt: Path, out: Path, tp: int) -> dict:
-    from neuron_opt.backends.neuron import import_xla
+    from neuron_opt.backends.neuron.backend import import_xla
 
     import_xla(dump=True, devices=tp)
     from neuron_opt.api import LLM

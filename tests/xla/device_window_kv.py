@@ -25,7 +25,7 @@ MAX_LEN, BS, CHUNK, BATCH = 48, 4, 8, 2
 
 def main(ckpt: Path, out: Path, tp: int, prompts: list[list[int]], max_tokens: int, eos: list[int],
          mode: str = "plain") -> dict:
-    from neuron_opt.backends.neuron import import_xla
+    from neuron_opt.backends.neuron.backend import import_xla
 
     import_xla(dump=True, devices=tp)
     from neuron_opt.compiler import CompileRequest, compile_artifact

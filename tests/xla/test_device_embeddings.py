@@ -17,7 +17,7 @@ from st_models import TEXTS, assert_same, make_st_model, reference
 from test_device_path import HERE
 
 from neuron_opt.artifact import read_manifest
-from neuron_opt.backends.neuron import hlo_summary
+from neuron_opt.backends.neuron.backend import hlo_summary
 
 pytestmark = pytest.mark.xla
 pytest.importorskip("sentence_transformers")

@@ -19,7 +19,7 @@ from helpers import eager_runner
 from tiny import make_tiny
 
 from neuron_opt.artifact import read_manifest
-from neuron_opt.backends.neuron import hlo_summary
+from neuron_opt.backends.neuron.backend import hlo_summary
 from neuron_opt.compiler import CompileRequest, compile_artifact
 from neuron_opt.config import ParallelConfig
 from neuron_opt.errors import ConfigError
@@ -279,7 +279,7 @@ def test_replayed_steps_equal_traced_steps_bit_for_bit(variant, ckpt, tmp_path):
 
 
 def test_replay_at_tp2_is_refused_with_the_reason(ckpt, tmp_path):
-    from neuron_opt.backends.neuron import NeuronOptions
+    from neuron_opt.backends.neuron.backend import NeuronOptions
 
     assert NeuronOptions.from_dict({}).replay is None  # auto: replay at tp=1, trace at tp > 1
     out = subprocess.run([sys.executable, "-m", "neuron_opt.cli", "compile", "--model", str(ckpt("llama-gqa2")),

@@ -25,10 +25,10 @@ from safetensors.torch import save_file
 
 from models.llama import layer_rope_inputs, model_rope_tables, window_input
 from models.moe import Experts
-from neuron_opt.backends import cpu_ops
 from neuron_opt.backends.base import Backend, ModelFactory, StepInputs, allocate_kv
-from neuron_opt.backends.cpu_constants import ConstantRecipe, build_constant
-from neuron_opt.backends.cpu_graphs import (
+from neuron_opt.backends.cpu import ops as cpu_ops
+from neuron_opt.backends.cpu.constants import ConstantRecipe, build_constant
+from neuron_opt.backends.cpu.graphs import (
     PREFILL_SPLIT_STEP,
     HeadGraph,
     LayerGraph,
@@ -44,12 +44,13 @@ from neuron_opt.backends.cpu_graphs import (
     static_tokens,
     use_cpu_layout,
 )
+from neuron_opt.backends.cpu.weights import check_uniform_layers
 from neuron_opt.buckets import DECODE, PREFILL, VERIFY, Bucket
 from neuron_opt.config import CacheConfig
 from neuron_opt.errors import ArtifactError, BackendCompileError, BucketOverflowError, ConfigError
 from neuron_opt.lora.adapter import load_into_slot
 from neuron_opt.lora.ops import stacks_for
-from neuron_opt.quant.weights import check_uniform_layers, quantized_modules
+from neuron_opt.quant.weights import quantized_modules
 from neuron_opt.weights import load_model_weights, model_state_for_save
 
 # 2: recipes name several sources (fused projections), heads may take their weight as an input; 3: max_model_len;
@@ -79,7 +80,7 @@ def _parse_options(options: dict[str, Any] | None, dtype: torch.dtype) -> dict[s
     loop nest) or "sdpa" (aten's flash attention, as prefill). Against "fused" (docs/cpu_backend.md, "Paged
     attention kernel"): verify steps and batched decode faster; batch-1 decode about even, slightly slower only
     at short contexts in fp32 and MoE graphs.
-    int8_linear: "kernel" (int8 weight-only products of up to quant.INT8_KERNEL_MAX_ROWS rows on
+    int8_linear: "kernel" (int8 weight-only products of up to weights.INT8_KERNEL_MAX_ROWS rows on
     torch.ops.neuron_opt.int8_linear, cpu_ops; the default where it builds, else "inductor") or "inductor" (one
     row: a dot-product loop Inductor fuses into the layer; more rows: aten._weight_int8pack_mm). Measured in place
     (docs/quantization.md): see there.
@@ -362,7 +363,7 @@ def layer_gemm(layer: torch.nn.Module, gemm: str, moe_gathered: bool = False) ->
     """Quantized graphs (layers or heads) compile with gemm "aten", i.e. without freezing:
     - int4: torch's int4 CPU kernel is an extern call either way, and Inductor's freezing path fails on its
       constants' module paths (torch 2.13: "no attribute 'layer.self_attn...'");
-    - int8: one-row GEMMs are a fused dot-product loop over the int8 weight (quant.weights), and freezing would
+    - int8: one-row GEMMs are a fused dot-product loop over the int8 weight (cpu.weights), and freezing would
       constant-fold its int8 -> fp32 widening into an fp32 copy of the weight (4x the bytes read).
     MoE layers too: the C++ GEMM template has no batched GEMM, which the dense expert path is (Inductor: "No
     choices to select"; adding ATEN to the autotuner would make the choice timing-based), and freezing hands the

@@ -69,7 +69,7 @@ import torch
 from safetensors.torch import save_file
 
 from neuron_opt.backends.base import Backend, ModelFactory, StepInputs, kv_dtype, pool_shapes
-from neuron_opt.backends.neuron_lora import DeviceLora
+from neuron_opt.backends.neuron.lora import DeviceLora
 from neuron_opt.buckets import PREFILL, VERIFY, Bucket
 from neuron_opt.config import CacheConfig, KVCacheDtype
 from neuron_opt.errors import ArtifactError, BackendCompileError, BackendUnavailableError, ConfigError
@@ -905,7 +905,7 @@ class NeuronExecutor:
         KV on the device, the whole draft chain one graph call per step. Kept per head and slot count, so the
         engines of later calls (`LLM.generate_batch`) reuse its device copy and compiled graphs; a new proposer
         fills its slots from position 0, so nothing of an earlier engine's KV is read."""
-        from neuron_opt.backends.neuron_eagle3 import DeviceEagle3Chain
+        from neuron_opt.backends.neuron.eagle3 import DeviceEagle3Chain
 
         if self._chain is None or self._chain[0] is not head or self._chain[1] != num_slots:
             self._chain = None  # one head's copy on the device at a time
@@ -1019,7 +1019,7 @@ class NeuronBackend(Backend):
 
     def _device_model(self, models: list[torch.nn.Module], cache: CacheConfig) -> DeviceRank | SpmdRanks:
         if self.opts.ops == "nki":  # after import_xla: the NKI kernels import the Neuron SDK where installed
-            from neuron_opt.backends.nki_device import DeviceKernelOps, set_ops
+            from neuron_opt.backends.neuron.nki_device import DeviceKernelOps, set_ops
 
             self.kernel_ops = DeviceKernelOps(self.device_type, models[0].cfg.sliding_window)
             for m in models:

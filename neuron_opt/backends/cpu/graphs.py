@@ -42,20 +42,21 @@ from torch.export import Dim
 from models.llama import MLP, Attention, TorchOps, finish_logits, read_blocks, soft_cap
 from models.moe import Experts, SparseMoeBlock
 from models.pooling import pool
-from neuron_opt.backends import cpu_ops
 from neuron_opt.backends.base import kv_dtype
-from neuron_opt.backends.cpu_constants import (
+from neuron_opt.backends.cpu import ops as cpu_ops
+from neuron_opt.backends.cpu.constants import (
     ConstantRecipe,
     capture_constants,
     match_constants,
     placeholder_copy,
 )
+from neuron_opt.backends.cpu.weights import use_cpu_kernels
 from neuron_opt.buckets import PREFILL, VERIFY, Bucket
 from neuron_opt.config import CacheConfig
 from neuron_opt.errors import BackendCompileError
 from neuron_opt.lora.ops import LayerLora, stacks_for
 from neuron_opt.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from neuron_opt.quant.weights import quantized_modules, use_cpu_kernels
+from neuron_opt.quant.weights import quantized_modules
 
 # the FutureWarning torch's Inductor gives for its own deep copy of a graph's pytree specs (compile_graph)
 LEAFSPEC_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
@@ -279,7 +280,7 @@ def use_linear_kernel(module: nn.Module) -> int:
 def use_cpu_layout(module: nn.Module, int8_kernel: bool = False, int8_widened: bool = False) -> None:
     """The cpu backend's form of a model or layer, the same at compile and at load (graph constants are named by
     it): quantized q/k/v and gate/up fused into one GEMM each, then every quantized linear on torch's CPU
-    weight-only kernels (quant.weights); with `int8_kernel`, int8 products of few rows on cpu_ops' int8_linear, with
+    weight-only kernels (cpu.weights); with `int8_kernel`, int8 products of few rows on cpu_ops' int8_linear, with
     `int8_widened` those of more rows on its int8_linear_widened."""
     for m in list(module.modules()):
         if isinstance(m, (Attention, MLP)):
@@ -495,7 +496,7 @@ def inductor_options(gemm: str, fuse_projections: bool = True, quantized: bool =
     of the projections (a `ConstantRecipe` with several sources), still built once at load.
 
     `quantized` (graphs with int8/int4 weights): one-row int8 GEMMs are dot-product loops Inductor generates
-    (quant.weights), and Inductor inlines their input, the normed activation, into those loops, recomputing the
+    (cpu.weights), and Inductor inlines their input, the normed activation, into those loops, recomputing the
     RMSNorm once per output row (the int8 decode step ran far slower than with the activation stored);
     `realize_opcount_threshold` 4 stores any pointwise result of more than 4 ops that reads several buffers.
 
