@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from models import idefics3, qwen2_5_vl
+from models import idefics3, qwen2_5_vl, qwen3_vl
 from neuron_opt.checkpoint.hf import weight_files
 from neuron_opt.config import ModelConfig
 from neuron_opt.errors import CheckpointError, UnsupportedModelError
@@ -89,10 +89,26 @@ def _qwen2_text(hf: Any) -> dict[str, Any]:
 _QWEN2_5_VL = Family(lambda hf: qwen2_5_vl.Qwen25Vision(qwen2_5_vl.VisionConfig.from_hf(hf)), _qwen2_5_vl_split,
                      qwen2_5_vl.VISION_PREFIXES, qwen2_5_vl.TEXT_PREFIX, _qwen2_text, _qwen2_5_vl_rope, "visual.")
 
+
+def _qwen3_text(hf: Any) -> dict[str, Any]:
+    """The text decoder's config as a Qwen3 decoder's (q/k norm), its rope's mrope_section kept and interleaved
+    (transformers interleaves Qwen3-VL's whatever the config says), its embeddings tied as the top-level config
+    says (transformers ties by that one)."""
+    d = hf.text_config.to_dict()
+    rope = {**(d.get("rope_parameters") or {}), "mrope_interleaved": True}
+    return {**d, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "rope_parameters": rope,
+            "tie_word_embeddings": bool(hf.tie_word_embeddings)}
+
+
+# Qwen3-VL's images and positions are Qwen2.5-VL's; its encoder rows carry the deepstack features (models.qwen3_vl)
+_QWEN3_VL = Family(lambda hf: qwen3_vl.Qwen3Vision(qwen3_vl.VisionConfig.from_hf(hf)), _qwen2_5_vl_split,
+                   qwen3_vl.VISION_PREFIXES, qwen3_vl.TEXT_PREFIX, _qwen3_text, _qwen2_5_vl_rope, "model.visual.")
+
 FAMILIES: dict[str, Family] = {
     "Idefics3ForConditionalGeneration": _IDEFICS3,
     "SmolVLMForConditionalGeneration": _IDEFICS3,
     "Qwen2_5_VLForConditionalGeneration": _QWEN2_5_VL,
+    "Qwen3VLForConditionalGeneration": _QWEN3_VL,
 }
 
 

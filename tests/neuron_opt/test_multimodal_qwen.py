@@ -1,18 +1,20 @@
-"""Qwen2.5-VL on the eager backend: dynamic-resolution images through the ViT and patch merger, the decoder's 3-D
-rotary positions (M-RoPE) over prompt, chunks, preemption and decode.
+"""Qwen2.5-VL and Qwen3-VL on the eager backend: dynamic-resolution images through the ViT and patch merger
+(Qwen3-VL: its learned position grid and deepstack features added after the decoder's first layers), the decoder's
+3-D rotary positions (M-RoPE; Qwen3-VL's interleaved) over prompt, chunks, preemption and decode.
 
-Oracle: HF transformers' `generate` (greedy, fp32) on the same processor outputs, with a tiny random checkpoint
-built in the test (tests/tiny_vlm.py) and PIL-drawn images of several sizes and aspect ratios (grids of 2 x 2 up to
-16 x 16 patches, several windows each). The model loads from disk through `LLM(path)`; transformers builds
-Qwen2.5-VL's processor only with its video processor, which needs torchvision, so where that is missing both sides
-take the processor the loader builds without it (vision.load_processor: transformers' own classes).
+Oracle: HF transformers' `generate` (greedy, fp32) on the same processor outputs, with a tiny random checkpoint of
+each family built in the test (tests/tiny_vlm.py) and PIL-drawn images of several sizes and aspect ratios (grids of
+2 x 2 up to 16 x 16 patches, several windows each); for the interleaved rotary rows, transformers' own rotary
+module. The model loads from disk through `LLM(path)`; transformers builds these processors only with their video
+processors, which need torchvision, so where that is missing both sides take the processor the loader builds
+without it (vision.load_processor: transformers' own classes).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from tiny_vlm import GREEDY, N, chat, draw, hf_generate, make_qwen2_5_vl, run
+from tiny_vlm import GREEDY, N, chat, draw, hf_generate, make_qwen2_5_vl, make_qwen3_vl, run
 from transformers.utils import is_torchvision_available
 
 from neuron_opt.api import LLM
@@ -27,15 +29,20 @@ from neuron_opt.runtime.runner import ModelRunner
 BS = 8
 
 
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    from transformers import Qwen2_5_VLForConditionalGeneration
+FAMILIES = {"qwen2_5_vl": (make_qwen2_5_vl, "Qwen2_5_VLForConditionalGeneration"),
+            "qwen3_vl": (make_qwen3_vl, "Qwen3VLForConditionalGeneration")}
 
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def qwen(request, tmp_path_factory):
+    import transformers
+
+    make, arch = FAMILIES[request.param]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    path = make_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"))
+    path = make(tmp_path_factory.mktemp(request.param))
     llm = LLM(path, batch_size=4, max_model_len=512)
-    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    hf = getattr(transformers, arch).from_pretrained(path, dtype=torch.float32).eval()
     processor = load_processor(path, hf.config)
     yield llm, hf, processor
     torch.set_num_threads(threads)
@@ -52,6 +59,7 @@ def engine_for(llm: LLM, num_blocks: int = 0, **kw) -> Engine:
 def test_images_of_several_shapes_give_hf_greedy_text(qwen):
     llm, hf, processor = qwen
     assert llm.config.mrope_section == (2, 3, 3)
+    assert llm.config.mrope_interleaved == llm.config.qk_norm == (hf.config.model_type == "qwen3_vl")
     if not is_torchvision_available():  # the processor the loader built without its video processor
         assert not hasattr(llm.runner.vision.processor, "video_processor")
     assert ModelConfig.from_dict(llm.config.to_dict()) == llm.config  # as a manifest stores it
