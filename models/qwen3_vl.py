@@ -5,7 +5,8 @@ first layers). The decoder is models/llama.py's with Qwen3's options (q/k norm) 
 prompt's images and 3-D rotary positions are Qwen2.5-VL's (models/qwen2_5_vl.py: `image_items`,
 `rope_positions`), as is the patch embedding, attention and 2-D rotary.
 
-One top-down file: config -> MLP -> block -> merger -> position grid -> encoder.
+One top-down file: config -> MLP -> block -> merger -> position grid -> encoder -> the MoE decoder's stacked
+experts (Qwen3-VL-MoE).
 
 Design decisions
 - Module names equal the HF checkpoint's under `model.visual.`, so the stored vision tensors load with
@@ -18,10 +19,14 @@ Design decisions
   of the image tokens it holds.
 - The learned position grid (num_position_embeddings = side^2) is resampled bilinearly with aligned corners to
   each image's patch grid (`F.interpolate`, transformers' formula) and put in the processor's merge-block order.
+- Qwen3-VL-MoE is the same vision side and images beside a Qwen3-MoE decoder (models.moe: its router softmax,
+  top k, renormalised); its stacked expert tensors are split per expert at load (`split_experts`).
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.qwen2_5_vl import PatchEmbed, VisionAttention, merge_block_order, rotary, rotary_inv_freq, segments_mask
-from neuron_opt.errors import ConfigError
+from neuron_opt.config import ModelConfig
+from neuron_opt.errors import CheckpointError, ConfigError
 
 VISION_PREFIXES = ("model.visual.",)
 TEXT_PREFIX = "model.language_model."
@@ -163,3 +169,32 @@ class Qwen3Vision(nn.Module):
             if i in self.cfg.deepstack_visual_indexes:
                 deep.append(self.deepstack_merger_list[self.cfg.deepstack_visual_indexes.index(i)](x))
         return torch.cat([self.merger(x), *deep], dim=-1)
+
+
+# Qwen3-VL-MoE's decoder stores each layer's experts stacked (published checkpoints inputs first, transformers 5's
+# save_pretrained outputs first); the MoE decoder (models.moe) loads one tensor per expert and projection
+STACKED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)")
+
+
+def split_experts(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """A decoder tensor of a Qwen3-VL-MoE checkpoint (canonical name) as canonical (name, tensor) pairs: a stacked
+    expert tensor as one tensor per expert (`experts.{j}.gate_proj.weight` [I, H], `up_proj` [I, H], `down_proj`
+    [H, I]; gate_up_proj's outputs are the gate's then the up's), any other tensor as it is. The stacked layout is
+    read as transformers reads it: outputs first ([E, 2I, H], [E, H, I]) when the shape says so, else inputs first
+    ([E, H, 2I], [E, I, H]); CheckpointError naming the tensor for any other shape."""
+    m = STACKED_EXPERTS.fullmatch(name)
+    if m is None:
+        yield name, tensor
+        return
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    rows, cols = (2 * I, H) if m.group(2) == "gate_up_proj" else (H, I)
+    if tuple(tensor.shape) == (E, cols, rows) and (E, cols, rows) != (E, rows, cols):
+        tensor = tensor.transpose(1, 2)
+    elif tuple(tensor.shape) != (E, rows, cols):
+        raise CheckpointError(f"checkpoint: {name}: shape {tuple(tensor.shape)}, the config needs {(E, rows, cols)} "
+                              f"or {(E, cols, rows)} (num_experts={E}, hidden_size={H}, moe_intermediate_size={I})")
+    for j in range(E):
+        w = tensor[j]
+        parts = [("gate_proj", w[:I]), ("up_proj", w[I:])] if m.group(2) == "gate_up_proj" else [("down_proj", w)]
+        for part, t in parts:
+            yield f"{m.group(1)}.{j}.{part}.weight", t.contiguous()

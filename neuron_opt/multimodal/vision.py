@@ -18,8 +18,9 @@ Design decisions
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,8 @@ class Family:
     text_config: Callable[[Any], Any] = lambda hf: hf.text_config  # what ModelConfig.from_hf reads
     rope: Callable[[Any], Rope] | None = None  # an M-RoPE decoder's prompt positions, from the hf config
     vision_strip: str = "model."  # what the stored vision names have before the encoder module's own
+    # a decoder tensor (canonical name) as the canonical tensors the decoder loads (stacked experts split)
+    text_split: Callable[[ModelConfig, str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]] | None = None
 
 
 def _idefics3_split(hf: Any, processor: Any) -> Split:
@@ -104,11 +107,23 @@ def _qwen3_text(hf: Any) -> dict[str, Any]:
 _QWEN3_VL = Family(lambda hf: qwen3_vl.Qwen3Vision(qwen3_vl.VisionConfig.from_hf(hf)), _qwen2_5_vl_split,
                    qwen3_vl.VISION_PREFIXES, qwen3_vl.TEXT_PREFIX, _qwen3_text, _qwen2_5_vl_rope, "model.visual.")
 
+
+
+def _qwen3_moe_text(hf: Any) -> dict[str, Any]:
+    """`_qwen3_text` as a Qwen3-MoE decoder's: the router's top k always renormalised (transformers' Qwen3-VL-MoE
+    router does so; its config has no norm_topk_prob)."""
+    return {**_qwen3_text(hf), "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+            "norm_topk_prob": True}
+
+
+_QWEN3_VL_MOE = dataclasses.replace(_QWEN3_VL, text_config=_qwen3_moe_text, text_split=qwen3_vl.split_experts)
+
 FAMILIES: dict[str, Family] = {
     "Idefics3ForConditionalGeneration": _IDEFICS3,
     "SmolVLMForConditionalGeneration": _IDEFICS3,
     "Qwen2_5_VLForConditionalGeneration": _QWEN2_5_VL,
     "Qwen3VLForConditionalGeneration": _QWEN3_VL,
+    "Qwen3VLMoeForConditionalGeneration": _QWEN3_VL_MOE,
 }
 
 
@@ -185,6 +200,8 @@ def open_multimodal(root: Path, dtype: torch.dtype) -> MultimodalCheckpoint:
         stored.update(load_file(str(f)))
     text = {"model." + k[len(fam.text_prefix):] if k.startswith(fam.text_prefix) else k: v
             for k, v in stored.items() if not k.startswith(fam.vision_prefixes)}
+    if fam.text_split is not None:
+        text = dict(pair for k, v in text.items() for pair in fam.text_split(cfg, k, v))
     encoder = fam.build(hf)
     vision_sd = {k[len(fam.vision_strip):]: v for k, v in stored.items() if k.startswith(fam.vision_prefixes)}
     missing, unexpected = encoder.load_state_dict(vision_sd, strict=False)
