@@ -165,8 +165,9 @@ def test_qwen3_vl_moe_gives_hf_greedy_text(tmp_path):
 
 
 def test_qwen3_vl_bad_checkpoints_are_refused(tmp_path):
-    """A vision config the encoder cannot build, a stacked expert tensor of the wrong shape, a checkpoint without
-    a deepstack merger's tensor: each an error naming the field or tensor."""
+    """A vision config the encoder cannot build, interleaved M-RoPE without sections, a stacked expert tensor of the
+    wrong shape, a checkpoint without a deepstack merger's tensor: each an error naming the field or tensor."""
+    import dataclasses
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -187,6 +188,8 @@ def test_qwen3_vl_bad_checkpoints_are_refused(tmp_path):
                       intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                       head_dim=4, max_position_embeddings=64, num_experts=2, num_experts_per_tok=1,
                       moe_intermediate_size=4)
+    with pytest.raises(ConfigError, match="mrope_interleaved: needs mrope_section"):
+        dataclasses.replace(moe, mrope_interleaved=True)
     name = "model.layers.0.mlp.experts.gate_up_proj"
     parts = dict(qwen3_vl.split_experts(moe, name, torch.randn(2, 8, 8)))  # inputs first: [E, H, 2I]
     assert sorted(parts) == [f"model.layers.0.mlp.experts.{j}.{p}.weight" for j in (0, 1)
