@@ -67,6 +67,10 @@ def test_images_of_several_shapes_give_hf_greedy_text(qwen):
                      chat("Compare", draw(20, 50, 2), "with", draw(9, 9, 3), "and", draw(64, 30, 4))):
         prompt = llm.encode_multimodal_chat(messages)
         assert prompt.rope_positions is not None and prompt.rope_positions[1] < 0
+        # one row per placeholder token; Qwen3-VL's carries its two deepstack mergers' features beside the merger's
+        rows = llm.runner.encode_image(prompt.images[0])
+        wide = 3 if hf.config.model_type == "qwen3_vl" else 1
+        assert rows.shape == (len(prompt.images[0].positions), wide * llm.config.hidden_size)
         assert llm.chat(messages, GREEDY).token_ids == hf_generate(hf, processor, messages, N)
 
 
