@@ -187,20 +187,43 @@ def layer_rope_inputs(cfg: ModelConfig, tables: dict[str, tuple[torch.Tensor, to
 
 def merge_embeddings(x: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """The decoder's input with image embeddings at their placeholder positions: x [B, S, H] (the tokens' scaled
-    embeddings), mask [B, S] bool, rows [B, S, H] (read where mask is set). Image rows are not scaled by the
-    embedding multiplier: transformers merges the encoder's output into the scaled token embeddings (Gemma 3)."""
-    return torch.where(mask[..., None], rows.to(x.dtype), x)
+    embeddings), mask [B, S] bool, rows [B, S, H * (1 + d)] (read where mask is set; the first H features: the
+    rest are deepstack rows, `deepstack_rows`). Image rows are not scaled by the embedding multiplier: transformers
+    merges the encoder's output into the scaled token embeddings (Gemma 3)."""
+    H = x.shape[-1]
+    if rows.shape[-1] % H:
+        raise ValueError(f"image embeddings: rows of {rows.shape[-1]} features are not H * (1 + d) for H = {H}")
+    return torch.where(mask[..., None], rows[..., :H].to(x.dtype), x)
+
+
+def deepstack_rows(mask: torch.Tensor, rows: torch.Tensor, hidden: int) -> list[torch.Tensor]:
+    """Qwen3-VL's deepstack: what is added to the output of decoder layer i, for i < d, of rows [B, S, H * (1 + d)]
+    (`merge_embeddings`): the (i + 1)-th H features at the image positions, zeros elsewhere (x + 0 leaves a text
+    token exact). [] for rows of width H."""
+    return [torch.where(mask[..., None], rows[..., i:i + hidden], 0.0) for i in range(hidden, rows.shape[-1], hidden)]
+
+
+def mrope_axes(section: tuple[int, ...], interleaved: bool) -> list[int]:
+    """Which position axis (0 temporal, 1 height, 2 width) each of the R / 2 rotary pairs takes: `section`'s counts
+    in turn (Qwen2.5-VL), or interleaved (Qwen3-VL: pair j takes height where j % 3 == 1 and j < 3 * section[1],
+    width where j % 3 == 2 and j < 3 * section[2], temporal elsewhere, as transformers recomposes them)."""
+    if not interleaved:
+        return [axis for axis, n in enumerate(section) for _ in range(n)]
+    return [1 if j % 3 == 1 and j < 3 * section[1] else 2 if j % 3 == 2 and j < 3 * section[2] else 0
+            for j in range(sum(section))]
 
 
 def mrope_rows(section: tuple[int, ...], table: tuple[torch.Tensor, torch.Tensor], rope_positions: torch.Tensor,
-               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """M-RoPE's (cos, sin) [B, S, 1, R] (Qwen2.5-VL): the rotary pairs split into `section` (temporal, height,
-    width), each taking the table's rows at its axis of `rope_positions` [3, B, S]; both halves of the rotate-half
-    layout alike, as transformers recomposes them. Positions equal on every axis give the 1-D rows exactly."""
+               dtype: torch.dtype, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """M-RoPE's (cos, sin) [B, S, 1, R]: each rotary pair takes the table's rows at its axis (`mrope_axes`) of
+    `rope_positions` [3, B, S]; both halves of the rotate-half layout alike, as transformers recomposes them.
+    Positions equal on every axis give the 1-D rows exactly."""
+    axes = torch.tensor(mrope_axes(section, interleaved) * 2, device=rope_positions.device)  # [R]
 
     def pick(t: torch.Tensor) -> torch.Tensor:
-        parts = t[rope_positions].split(list(section) * 2, dim=-1)  # each [3, B, S, section_i]
-        return torch.cat([p[i % 3] for i, p in enumerate(parts)], dim=-1)[:, :, None, :].to(dtype)  # [B, S, 1, R]
+        rows = t[rope_positions]  # [3, B, S, R]
+        out = rows.gather(0, axes.expand(1, *rows.shape[1:]))[0]  # [B, S, R]
+        return out[:, :, None, :].to(dtype)  # [B, S, 1, R]
 
     return pick(table[0]), pick(table[1])
 
@@ -720,7 +743,8 @@ class LlamaForCausalLM(nn.Module):
         `lora`: the adapter stacks and each row's slot (neuron_opt.lora.ops; None: the base model only).
         `window_kv`: the sliding layers' (slot mapping, block tables) under window-sized KV (None: every layer
         uses `slot_mapping` and `block_tables`). `mm_embeds`: (mask [B, S] bool, rows [B, S, H]): the positions whose
-        input is an image embedding rather than the token's (`merge_embeddings`); None: tokens only.
+        input is an image embedding rather than the token's (`merge_embeddings`; wider rows also carry the deepstack
+        features added after the first layers, `deepstack_rows`); None: tokens only.
         `rope_positions`: [3, B, S] M-RoPE positions (cfg.mrope_section; `mrope_rows`); None: `positions` on every
         axis."""
         x, sp = self.hidden_states(input_ids, positions, slot_mapping, block_tables, k_caches, v_caches, kv_len,
@@ -769,6 +793,7 @@ class LlamaForCausalLM(nn.Module):
             if sp:
                 raise ValueError("image embeddings: a sequence-parallel step holds a chunk of each row")
             x = merge_embeddings(x, *mm_embeds)
+        deepstack = deepstack_rows(*mm_embeds, x.shape[-1]) if mm_embeds is not None else []
         tables = {"global": (self.rope_cos, self.rope_sin)}
         if self.cfg.rope_local_parameters:
             tables["local"] = (self.rope_cos_local, self.rope_sin_local)
@@ -776,7 +801,8 @@ class LlamaForCausalLM(nn.Module):
             tables["long"] = (self.rope_cos_long, self.rope_sin_long)
         ropes = layer_rope_inputs(self.cfg, tables, positions, x.dtype, last_index)  # each [B, S, 1, R]
         if self.cfg.mrope_section and rope_positions is not None:
-            ropes = [mrope_rows(self.cfg.mrope_section, tables["global"], rope_positions, x.dtype)] * len(ropes)
+            ropes = [mrope_rows(self.cfg.mrope_section, tables["global"], rope_positions, x.dtype,
+                                self.cfg.mrope_interleaved)] * len(ropes)
         seen: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             if i in aux_layers:
@@ -790,6 +816,8 @@ class LlamaForCausalLM(nn.Module):
                           lora=lora.layer(i))
             else:
                 x = layer(x, cos, sin, positions, slots, tables, k_caches[i], v_caches[i], kv_len, sp, decode)
+            if i < len(deepstack):
+                x = x + deepstack[i].to(x.dtype)
         if aux_out is not None:
             seen[len(self.model.layers)] = x
             aux_out.extend(seen[i] for i in aux_layers)

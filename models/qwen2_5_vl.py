@@ -82,11 +82,13 @@ class RMSNorm(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
+    """`cfg`: any vision config with the patch fields (Qwen3-VL's too, whose projection has a bias)."""
+
+    def __init__(self, cfg: Any, bias: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
         k = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=k, stride=k, bias=False)
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=k, stride=k, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.cfg
@@ -100,7 +102,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
+    """Bidirectional attention with 2-D rotary; `cfg`: any vision config with hidden_size and num_heads."""
+
+    def __init__(self, cfg: Any) -> None:
         super().__init__()
         self.n_heads = cfg.num_heads
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
@@ -158,6 +162,29 @@ class PatchMerger(nn.Module):
         return self.mlp(self.ln_q(x).view(-1, self.width))  # [N / m^2, H_text]
 
 
+def rotary_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    """The 2-D rotary's inverse frequencies: h and w rotate half the head's features each."""
+    quarter = head_dim // 2
+    return 1.0 / (theta ** (torch.arange(0, quarter, 2).float() / quarter))
+
+
+def merge_block_order(h: int, w: int, m: int) -> torch.Tensor:
+    """[h * w] raster indices of an h x w patch grid in the processor's merge-block order (each m x m block's
+    patches consecutive, blocks row by row)."""
+    return torch.arange(h * w).reshape(h // m, m, w // m, m).transpose(1, 2).flatten()
+
+
+def rotary(grid: tuple[int, int, int], merge: int, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [N, d] of each patch's (h, w) in the processor's merge-block order, frame after frame."""
+    t, h, w = grid
+    order = merge_block_order(h, w, merge)
+    pos = torch.stack([order // w, order % w], dim=-1).repeat(t, 1)  # [N, 2]
+    freqs = pos[..., None].float() * inv_freq  # [N, 2, d/4]
+    freqs = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)  # [N, d/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [N, d]
+    return emb.cos(), emb.sin()
+
+
 def window_index(grid: tuple[int, int, int], cfg: VisionConfig) -> tuple[torch.Tensor, list[int]]:
     """The merge blocks' order window by window, and the windows' cumulative patch counts (transformers'
     get_vision_window_index for one image)."""
@@ -192,22 +219,8 @@ class Qwen25Vision(nn.Module):
         self.patch_embed = PatchEmbed(cfg)
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg)
-        quarter = cfg.hidden_size // cfg.num_heads // 2  # h and w rotate half the head's features each
-        self.register_buffer("inv_freq", 1.0 / (cfg.rope_theta ** (torch.arange(0, quarter, 2).float() / quarter)),
+        self.register_buffer("inv_freq", rotary_inv_freq(cfg.hidden_size // cfg.num_heads, cfg.rope_theta),
                              persistent=False)
-
-    def rotary(self, grid: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [N, d] of each patch's (h, w) in the processor's merge-block order."""
-        t, h, w = grid
-        m = self.cfg.spatial_merge_size
-        hs, ws = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
-        shape = (h // m, m, w // m, m)
-        pos = torch.stack([hs.reshape(shape).transpose(1, 2).flatten(),
-                           ws.reshape(shape).transpose(1, 2).flatten()], dim=-1).repeat(t, 1)  # [N, 2]
-        freqs = pos[..., None].float() * self.inv_freq  # [N, 2, d/4]
-        freqs = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)  # [N, d/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [N, d]
-        return emb.cos(), emb.sin()
 
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         """pixel_values [t * h * w, C * T * p * p], image_grid_thw [1, 3] -> [t * h * w / m^2, H_text]."""
@@ -221,7 +234,8 @@ class Qwen25Vision(nn.Module):
             return a.reshape(N // unit, unit, -1)[order].reshape(N, -1)
 
         x = by_window(x)
-        cos, sin = (by_window(a) for a in self.rotary(grid))  # type: ignore[arg-type]
+        rope = rotary(grid, self.cfg.spatial_merge_size, self.inv_freq)  # type: ignore[arg-type]
+        cos, sin = (by_window(a) for a in rope)
         frames = segments_mask([i * grid[1] * grid[2] for i in range(grid[0] + 1)], N)
         windows = segments_mask(bounds, N)
         for i, blk in enumerate(self.blocks):

@@ -158,6 +158,9 @@ class ModelConfig:
     # M-RoPE (Qwen2.5-VL, docs/multimodal.md): the rotary pairs of the temporal, height and width position axes, in
     # that order (sum: rotary_dim / 2); () = one position axis
     mrope_section: tuple[int, ...] = ()
+    # Qwen3-VL: the sections' pairs interleaved (height and width every third pair from the second and third,
+    # models.llama.mrope_axes) rather than consecutive
+    mrope_interleaved: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -182,6 +185,8 @@ class ModelConfig:
                                           and sum(self.mrope_section) * 2 == self.rotary_dim),
                "rope_parameters.mrope_section", f"3 sections summing to rotary_dim / 2 = {self.rotary_dim // 2}, "
                f"got {self.mrope_section}")
+        _check(self.mrope_section or not self.mrope_interleaved, "rope_parameters.mrope_interleaved",
+               "needs mrope_section")
         self._check_family_options()
         self._check_embedding()
         if self.num_experts:
@@ -401,6 +406,7 @@ class ModelConfig:
             local = dict(rope.get("sliding_attention") or {})
             rope = dict(rope.get("full_attention") or {})
         mrope = tuple(int(x) for x in rope.pop("mrope_section", None) or ())
+        mrope_interleaved = bool(rope.pop("mrope_interleaved", False))
         rope.setdefault("rope_theta", float(getattr(hf, "rope_theta", 10000.0)))
         rope.setdefault("rope_type", "default")
         if rope["rope_type"] == "su":  # longrope's earlier name (Phi-3 configs)
@@ -455,6 +461,7 @@ class ModelConfig:
             layer_types=layer_types,
             rope_local_parameters=tuple(sorted((k, _freeze(v)) for k, v in local.items())),
             mrope_section=mrope,
+            mrope_interleaved=mrope_interleaved,
             **moe,
             **fam,
         )
@@ -471,6 +478,8 @@ class ModelConfig:
             d["mrope_section"] = list(self.mrope_section)
         else:  # absent unless set: manifests and compile-cache keys of every other model stay as they were
             del d["mrope_section"]
+        if not self.mrope_interleaved:
+            del d["mrope_interleaved"]
         return d
 
     @classmethod

@@ -153,6 +153,61 @@ def make_qwen2_5_vl(out: Path, seed: int = 0) -> Path:
     return out
 
 
+def make_qwen3_vl(out: Path, seed: int = 0, moe: bool = False) -> Path:
+    """A Qwen3-VL checkpoint: a 3-block ViT over 4-pixel patches (merged 2 x 2) with a learned 4 x 4 position grid
+    and deepstack mergers after blocks 0 and 1 (added after decoder layers 0 and 1), a 3-layer Qwen3 decoder (q/k
+    norm) with interleaved M-RoPE sections (2, 3, 3); images resized as make_qwen2_5_vl's. The processor is saved
+    without a video processor, as for make_qwen2_5_vl. `moe`: Qwen3-VL-MoE, every decoder MLP 4 experts of width 16
+    (top 2), stored stacked inputs first as the published checkpoints store them (transformers' save_pretrained
+    writes them outputs first)."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen2VLImageProcessorPil, Qwen3VLProcessor
+
+    from neuron_opt.checkpoint import open_checkpoint
+
+    tok = open_checkpoint("default").tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                                                          "<|video_pad|>"]})
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
+                                                     "<|vision_end|>")}
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16) if moe else {}
+    family = "Qwen3VLMoe" if moe else "Qwen3VL"
+    cfg = getattr(transformers, f"{family}Config")(
+        text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True},
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **experts),
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16,
+                           deepstack_visual_indexes=[0, 1]),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{family}ForConditionalGeneration")(cfg).eval()
+    _randomize(model)
+    with torch.no_grad():  # image rows (and the deepstack rows) large enough that the greedy text depends on them
+        for merger in (model.model.visual.merger, *model.model.visual.deepstack_merger_list):
+            merger.linear_fc2.weight.normal_(0.0, 0.5)
+        for name, p in model.named_parameters():
+            if "experts" in name or "mlp.gate." in name:  # HF leaves the stacked experts and the router at zeros
+                p.normal_(0.0, 0.1 if "experts" in name else 0.5)
+    model.save_pretrained(out)
+    if moe:
+        for f in out.glob("*.safetensors"):
+            sd = load_file(f)
+            save_file({k: v.transpose(1, 2).contiguous() if ".experts." in k else v for k, v in sd.items()}, f,
+                      metadata={"format": "pt"})
+    ip = Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=8 * 8,
+                                  max_pixels=64 * 64)
+    processor = images_only(Qwen3VLProcessor)(image_processor=ip, tokenizer=tok, chat_template=QWEN_TEMPLATE)
+    processor.save_pretrained(out)
+    _video_config(out, "Qwen3VLVideoProcessor", patch_size=4, merge_size=2, temporal_patch_size=2)
+    return out
+
+
 def _video_config(out: Path, video_processor_type: str, **fields: Any) -> None:
     """The video processor's settings as the family's checkpoints ship them (video_preprocessor_config.json):
     transformers' AutoProcessor reads them and then needs torchvision for the class they name."""
@@ -200,7 +255,7 @@ def run(engine: Engine, prompts, stagger: bool = False) -> tuple[list[list[int]]
             cached[o.request_id] = o.num_cached_tokens
 
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p.token_ids, GREEDY, on, images=p.images)
+        engine.add_request(str(i), p.token_ids, GREEDY, on, images=p.images, rope_positions=p.rope_positions)
         while stagger and engine.step():
             pass
     while engine.step():

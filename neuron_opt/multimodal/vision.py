@@ -18,8 +18,9 @@ Design decisions
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from models import idefics3, qwen2_5_vl
+from models import idefics3, qwen2_5_vl, qwen3_vl
 from neuron_opt.checkpoint.hf import weight_files
 from neuron_opt.config import ModelConfig
 from neuron_opt.errors import CheckpointError, UnsupportedModelError
@@ -53,6 +54,8 @@ class Family:
     text_config: Callable[[Any], Any] = lambda hf: hf.text_config  # what ModelConfig.from_hf reads
     rope: Callable[[Any], Rope] | None = None  # an M-RoPE decoder's prompt positions, from the hf config
     vision_strip: str = "model."  # what the stored vision names have before the encoder module's own
+    # a decoder tensor (canonical name) as the canonical tensors the decoder loads (stacked experts split)
+    text_split: Callable[[ModelConfig, str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]] | None = None
 
 
 def _idefics3_split(hf: Any, processor: Any) -> Split:
@@ -89,10 +92,38 @@ def _qwen2_text(hf: Any) -> dict[str, Any]:
 _QWEN2_5_VL = Family(lambda hf: qwen2_5_vl.Qwen25Vision(qwen2_5_vl.VisionConfig.from_hf(hf)), _qwen2_5_vl_split,
                      qwen2_5_vl.VISION_PREFIXES, qwen2_5_vl.TEXT_PREFIX, _qwen2_text, _qwen2_5_vl_rope, "visual.")
 
+
+def _qwen3_text(hf: Any) -> dict[str, Any]:
+    """The text decoder's config as a Qwen3 decoder's (q/k norm), its rope's mrope_section kept and interleaved
+    (transformers interleaves Qwen3-VL's whatever the config says), its embeddings tied as the top-level config
+    says (transformers ties by that one)."""
+    d = hf.text_config.to_dict()
+    rope = {**(d.get("rope_parameters") or {}), "mrope_interleaved": True}
+    return {**d, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "rope_parameters": rope,
+            "tie_word_embeddings": bool(hf.tie_word_embeddings)}
+
+
+# Qwen3-VL's images and positions are Qwen2.5-VL's; its encoder rows carry the deepstack features (models.qwen3_vl)
+_QWEN3_VL = Family(lambda hf: qwen3_vl.Qwen3Vision(qwen3_vl.VisionConfig.from_hf(hf)), _qwen2_5_vl_split,
+                   qwen3_vl.VISION_PREFIXES, qwen3_vl.TEXT_PREFIX, _qwen3_text, _qwen2_5_vl_rope, "model.visual.")
+
+
+
+def _qwen3_moe_text(hf: Any) -> dict[str, Any]:
+    """`_qwen3_text` as a Qwen3-MoE decoder's: the router's top k always renormalised (transformers' Qwen3-VL-MoE
+    router does so; its config has no norm_topk_prob)."""
+    return {**_qwen3_text(hf), "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+            "norm_topk_prob": True}
+
+
+_QWEN3_VL_MOE = dataclasses.replace(_QWEN3_VL, text_config=_qwen3_moe_text, text_split=qwen3_vl.split_experts)
+
 FAMILIES: dict[str, Family] = {
     "Idefics3ForConditionalGeneration": _IDEFICS3,
     "SmolVLMForConditionalGeneration": _IDEFICS3,
     "Qwen2_5_VLForConditionalGeneration": _QWEN2_5_VL,
+    "Qwen3VLForConditionalGeneration": _QWEN3_VL,
+    "Qwen3VLMoeForConditionalGeneration": _QWEN3_VL_MOE,
 }
 
 
@@ -169,6 +200,8 @@ def open_multimodal(root: Path, dtype: torch.dtype) -> MultimodalCheckpoint:
         stored.update(load_file(str(f)))
     text = {"model." + k[len(fam.text_prefix):] if k.startswith(fam.text_prefix) else k: v
             for k, v in stored.items() if not k.startswith(fam.vision_prefixes)}
+    if fam.text_split is not None:
+        text = dict(pair for k, v in text.items() for pair in fam.text_split(cfg, k, v))
     encoder = fam.build(hf)
     vision_sd = {k[len(fam.vision_strip):]: v for k, v in stored.items() if k.startswith(fam.vision_prefixes)}
     missing, unexpected = encoder.load_state_dict(vision_sd, strict=False)

@@ -6,7 +6,8 @@ tp 1), so its weights count on each.
 Per family, the parameter count is the encoder's and connector's tensors as transformers builds them
 (tests/neuron_opt/test_planner_vision.py checks it against transformers' own modules), and the largest image is
 the processor's bound: Idefics3 / SmolVLM, `size.longest_edge` cut into tiles of `max_image_size.longest_edge`
-(plus the global tile when it splits images); Qwen2.5-VL, `max_pixels` (or `size.longest_edge`) in patches.
+(plus the global tile when it splits images); Qwen2.5-VL and Qwen3-VL, `max_pixels` (or `size.longest_edge`) in
+patches.
 """
 
 from __future__ import annotations
@@ -60,15 +61,31 @@ def _qwen2_5_vl(cfg: dict[str, Any], pre: dict[str, Any], act: int) -> tuple[int
               + _linear(wide, out))
     pixels = pre.get("max_pixels") or (pre.get("size") or {}).get("longest_edge")
     if not pixels:
-        raise ConfigError("preprocessor_config.json: Qwen2.5-VL's largest image needs max_pixels or "
+        raise ConfigError(f"preprocessor_config.json: {cfg['architectures'][0]}'s largest image needs max_pixels or "
                           "size.longest_edge")
     N = int(pixels) // (p * p) // (m * m) * (m * m)
     acts = heads * N * N * 4 + N * N + N * (2 * D + inner) * act  # full-attention scores and the mask
     return params, N // (m * m), acts, f"{N} patches"
 
 
+def _qwen3_vl(cfg: dict[str, Any], pre: dict[str, Any], act: int) -> tuple[int, int, int, str]:
+    """Qwen2.5-VL's bound and activations; LayerNorms, MLPs without a gate, a learned position grid, a biased patch
+    projection and a merger per deepstack index beside the final one (each normalising the merged width)."""
+    v = cfg["vision_config"]
+    D, inner, p = v["hidden_size"], v["intermediate_size"], v["patch_size"]
+    m, T, out = v["spatial_merge_size"], v["temporal_patch_size"], v["out_hidden_size"]
+    block = _linear(D, 3 * D) + _linear(D, D) + _linear(D, inner) + _linear(inner, D) + 4 * D
+    wide = D * m * m
+    mergers = 2 * D + _linear(wide, wide) + _linear(wide, out) + len(v.get("deepstack_visual_indexes", (8, 16, 24))) \
+        * (2 * wide + _linear(wide, wide) + _linear(wide, out))
+    params = (_linear(v.get("in_channels", 3) * T * p * p, D) + v.get("num_position_embeddings", 2304) * D
+              + v["depth"] * block + mergers)
+    _, tokens, acts, shape = _qwen2_5_vl(cfg, pre, act)
+    return params, tokens, acts, shape
+
+
 _FAMILIES = {"Idefics3ForConditionalGeneration": _idefics3, "SmolVLMForConditionalGeneration": _idefics3,
-             "Qwen2_5_VLForConditionalGeneration": _qwen2_5_vl}
+             "Qwen2_5_VLForConditionalGeneration": _qwen2_5_vl, "Qwen3VLForConditionalGeneration": _qwen3_vl}
 
 
 def vision_plan(config: dict[str, Any], preprocessor: dict[str, Any] | None, dtype: str) -> VisionPlan:

@@ -25,8 +25,17 @@ QWEN2_5_VL = dict(
     vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
                        temporal_patch_size=2, window_size=16, fullatt_block_indexes=[2], out_hidden_size=64))
 
+QWEN3_VL = dict(
+    model_type="qwen3_vl", architectures=["Qwen3VLForConditionalGeneration"], image_token_id=7,
+    text_config=dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}),
+    vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
+                       temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16,
+                       deepstack_visual_indexes=[0, 2]))
 
-@pytest.mark.parametrize("config", [IDEFICS3, QWEN2_5_VL], ids=["idefics3", "qwen2_5_vl"])
+
+@pytest.mark.parametrize("config", [IDEFICS3, QWEN2_5_VL, QWEN3_VL], ids=["idefics3", "qwen2_5_vl", "qwen3_vl"])
 def test_encoder_parameters_equal_transformers(config):
     import transformers
 
@@ -39,8 +48,8 @@ def test_encoder_parameters_equal_transformers(config):
     pre = {"max_image_size": {"longest_edge": 32}, "size": {"longest_edge": 64}, "max_pixels": 64 * 64}
     vp = vision_plan(config, pre, "bfloat16")
     assert vp.parameters == want and vp.weight_bytes == 2 * want
-    # Idefics3: 2 x 2 tiles and the global one, 4 tokens each; Qwen2.5-VL: 64 x 64 pixels in 4-pixel patches, 2 x 2
-    # merged
+    # Idefics3: 2 x 2 tiles and the global one, 4 tokens each; Qwen2.5-VL and Qwen3-VL: 64 x 64 pixels in 4-pixel
+    # patches, 2 x 2 merged
     assert vp.max_image_tokens == (5 * 4 if "scale_factor" in config else 16 * 16 // 4)
 
 
