@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from models import idefics3, qwen2_5_vl
+from models import gemma3, idefics3, qwen2_5_vl
 from neuron_opt.checkpoint.hf import weight_files
 from neuron_opt.config import ModelConfig
 from neuron_opt.errors import CheckpointError, UnsupportedModelError
@@ -53,6 +53,13 @@ class Family:
     text_config: Callable[[Any], Any] = lambda hf: hf.text_config  # what ModelConfig.from_hf reads
     rope: Callable[[Any], Rope] | None = None  # an M-RoPE decoder's prompt positions, from the hf config
     vision_strip: str = "model."  # what the stored vision names have before the encoder module's own
+    # a stored name -> the encoder module's (None: drop `vision_strip`) / the decoder's canonical (None: drop
+    # `text_prefix`); for layouts that a prefix alone does not map
+    vision_key: Callable[[str], str] | None = None
+    text_key: Callable[[str], str] | None = None
+    # the decoder attends bidirectionally among each run of image tokens (Gemma 3): a prefill chunk never ends
+    # inside one (docs/multimodal.md, "Bidirectional image blocks")
+    bidirectional: bool = False
 
 
 def _idefics3_split(hf: Any, processor: Any) -> Split:
@@ -89,10 +96,20 @@ def _qwen2_text(hf: Any) -> dict[str, Any]:
 _QWEN2_5_VL = Family(lambda hf: qwen2_5_vl.Qwen25Vision(qwen2_5_vl.VisionConfig.from_hf(hf)), _qwen2_5_vl_split,
                      qwen2_5_vl.VISION_PREFIXES, qwen2_5_vl.TEXT_PREFIX, _qwen2_text, _qwen2_5_vl_rope, "visual.")
 
+def _gemma3_split(hf: Any, processor: Any) -> Split:
+    per_image = int(hf.mm_tokens_per_image)
+    return lambda out, ids: gemma3.image_items(out, ids, int(hf.image_token_id), per_image)
+
+
+_GEMMA3 = Family(lambda hf: gemma3.Gemma3Vision(gemma3.VisionConfig.from_hf(hf)), _gemma3_split,
+                 gemma3.VISION_PREFIXES, gemma3.TEXT_PREFIX, vision_strip="", vision_key=gemma3.vision_key,
+                 text_key=gemma3.text_key, bidirectional=True)
+
 FAMILIES: dict[str, Family] = {
     "Idefics3ForConditionalGeneration": _IDEFICS3,
     "SmolVLMForConditionalGeneration": _IDEFICS3,
     "Qwen2_5_VLForConditionalGeneration": _QWEN2_5_VL,
+    "Gemma3ForConditionalGeneration": _GEMMA3,
 }
 
 
@@ -105,6 +122,7 @@ class VisionModel:
     encoder: torch.nn.Module
     split: Split
     rope: Rope | None = None
+    bidirectional: bool = False  # Family.bidirectional
 
     def encode(self, item: ImageItem) -> torch.Tensor:
         """One image's embeddings [len(item.positions), H_text], in the encoder's dtype."""
@@ -167,17 +185,19 @@ def open_multimodal(root: Path, dtype: torch.dtype) -> MultimodalCheckpoint:
     stored: dict[str, torch.Tensor] = {}
     for f in weight_files(root):
         stored.update(load_file(str(f)))
-    text = {"model." + k[len(fam.text_prefix):] if k.startswith(fam.text_prefix) else k: v
-            for k, v in stored.items() if not k.startswith(fam.vision_prefixes)}
+    text_key = fam.text_key or (lambda k: "model." + k[len(fam.text_prefix):] if k.startswith(fam.text_prefix)
+                                else k)
+    text = {text_key(k): v for k, v in stored.items() if not k.startswith(fam.vision_prefixes)}
     encoder = fam.build(hf)
-    vision_sd = {k[len(fam.vision_strip):]: v for k, v in stored.items() if k.startswith(fam.vision_prefixes)}
+    vision_key = fam.vision_key or (lambda k: k[len(fam.vision_strip):])
+    vision_sd = {vision_key(k): v for k, v in stored.items() if k.startswith(fam.vision_prefixes)}
     missing, unexpected = encoder.load_state_dict(vision_sd, strict=False)
     if missing or unexpected:
         raise CheckpointError(f"checkpoint {root}: vision tensors missing {sorted(missing)[:5]}, unexpected "
                               f"{sorted(unexpected)[:5]}")
     processor = load_processor(root, hf)
     vision = VisionModel(arch, processor, encoder.to(dtype).eval(), fam.split(hf, processor),
-                         fam.rope(hf) if fam.rope is not None else None)
+                         fam.rope(hf) if fam.rope is not None else None, fam.bidirectional)
     return MultimodalCheckpoint(cfg, {k: v.to(dtype) for k, v in text.items()}, processor.tokenizer, vision)
 
 
