@@ -19,6 +19,7 @@ from neuron_opt.buckets import BucketConfig
 from neuron_opt.config import CacheConfig
 from neuron_opt.errors import ConfigError
 from neuron_opt.multimodal.inputs import ImageItem, image_blocks, last_keys
+from neuron_opt.planner.memory import kv_window
 from neuron_opt.runtime.engine import Engine
 from neuron_opt.runtime.request import Request
 from neuron_opt.runtime.runner import ModelRunner
@@ -41,10 +42,15 @@ def gemma(tmp_path_factory):
     torch.set_num_threads(threads)
 
 
-def engine_for(llm: LLM, max_prompt_len: int = 64, num_blocks: int = 0, **kw) -> Engine:
-    cache = CacheConfig(max_batch=4, max_model_len=256, block_size=BS, num_blocks=num_blocks)
+def engine_for(llm: LLM, max_prompt_len: int = 64, window_kv: bool = False, num_blocks: int = 0, **kw) -> Engine:
+    """An engine over the loaded model's weights with its own block pool and buckets; `window_kv`: the sliding
+    layers hold window-sized KV (a pool of their own whose blocks go back as the window moves on)."""
     buckets = BucketConfig.build(max_prompt_len=max_prompt_len, max_model_len=256, max_batch=4, min_prefill=16,
                                  min_decode=16)
+    window, per_seq = kv_window(llm.config, buckets, BS, 256) if window_kv else (0, 0)
+    assert window_kv == bool(window)
+    cache = CacheConfig(max_batch=4, max_model_len=256, block_size=BS, num_blocks=num_blocks, sliding_window=window,
+                        window_blocks_per_sequence=per_seq)
     runner = ModelRunner(EagerExecutor(llm.runner.executor.model, cache), buckets, cache, llm.config.vocab_size,
                          llm.config, llm.runner.vision)
     return Engine(runner, llm.tokenizer, llm.eos_token_ids, **kw)
@@ -100,12 +106,14 @@ def _record_chunks(engine: Engine) -> list[tuple[str, int, int]]:
     return chunks
 
 
-def test_chunked_prefill_never_ends_a_chunk_inside_an_image(gemma):
+@pytest.mark.parametrize("window_kv", [False, True], ids=["full_kv", "window_kv"])
+def test_chunked_prefill_never_ends_a_chunk_inside_an_image(gemma, window_kv):
     llm, hf, processor = gemma
     convs = [chat("First", draw(70, 40, 1), "then", draw(33, 97, 3)), chat(draw(64, 64, 4), "What?"),
              chat("Hello, who are you? Tell me a story about it.")]
     prompts = [llm.encode_multimodal_chat(m) for m in convs]
-    engine = engine_for(llm, max_num_batched_tokens=10, enable_chunked_prefill=True, enable_prefix_caching=False)
+    engine = engine_for(llm, window_kv=window_kv, max_num_batched_tokens=10, enable_chunked_prefill=True,
+                        enable_prefix_caching=False)
     chunks = _record_chunks(engine)
     got, _ = run(engine, prompts)
     assert got == [hf_generate(hf, processor, m, N) for m in convs]
@@ -117,7 +125,24 @@ def test_chunked_prefill_never_ends_a_chunk_inside_an_image(gemma):
     assert engine.encoder_cache.num_encoded == sum(len(p.images) for p in prompts)
 
 
-def test_prefix_cache_hits_only_for_the_same_image_and_may_end_inside_it(gemma):
+def test_preempted_requests_prefill_their_images_again_whole(gemma):
+    llm, hf, processor = gemma
+    convs = [chat(f"Question {i}: what is in it? Name every shape, colour and line " * 3,
+                  draw(70 - 9 * i, 40 + 5 * i, i), "Answer:") for i in range(4)]
+    prompts = [llm.encode_multimodal_chat(m) for m in convs]
+    assert 4 * -(-(len(prompts[0].token_ids) + N) // BS) > 32  # more than the smallest pool (one 256-token sequence)
+    engine = engine_for(llm, num_blocks=33, max_num_batched_tokens=40,
+                        enable_chunked_prefill=True, enable_prefix_caching=False)
+    chunks = _record_chunks(engine)
+    got, _ = run(engine, prompts)
+    assert got == [hf_generate(hf, processor, m, N) for m in convs]
+    assert engine.stats.preemptions > 0 and engine.encoder_cache.num_encoded == len(prompts)
+    for rid, _, end in chunks:
+        assert not any(a < end < b for a, b in image_blocks(prompts[int(rid)].images))
+
+
+@pytest.mark.parametrize("window_kv", [False, True], ids=["full_kv", "window_kv"])
+def test_prefix_cache_hits_only_for_the_same_image_and_may_end_inside_it(gemma, window_kv):
     """Request 1 has request 0's text and image, then other text in the block the image ends in: its hit ends at
     that block's start, inside the image (K/V there were computed with the whole image in view, as request 1 would
     compute them), and its first chunk holds the rest of the image. Request 2 has another image: no block of it
@@ -133,7 +158,8 @@ def test_prefix_cache_hits_only_for_the_same_image_and_may_end_inside_it(gemma):
     convs = [chat(text, x, "Answer:"), chat(text, x, "Reply in French:"), chat(text, y, "Answer:")]
     prompts = [llm.encode_multimodal_chat(m) for m in convs]
     assert prompts[1].token_ids[:last + 3] == prompts[0].token_ids[:last + 3] != prompts[1].token_ids[:last + 5]
-    engine = engine_for(llm, enable_prefix_caching=True, max_num_batched_tokens=12, enable_chunked_prefill=True)
+    engine = engine_for(llm, window_kv=window_kv, enable_prefix_caching=True, max_num_batched_tokens=12,
+                        enable_chunked_prefill=True)
     chunks = _record_chunks(engine)
     got, cached = run(engine, prompts, stagger=True)
     assert got == [hf_generate(hf, processor, m, N) for m in convs]
