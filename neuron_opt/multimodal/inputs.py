@@ -29,7 +29,8 @@ from neuron_opt.errors import ConfigError
 
 @dataclass(frozen=True)
 class ImageItem:
-    """One image of a prompt: its placeholder positions (prompt indices, ascending: the rows its embeddings fill,
+    """One image of a prompt (or a crop of one that its processor adds as an image of its own: Gemma 3's
+    pan-and-scan): its placeholder positions (prompt indices, ascending: the rows its embeddings fill,
     in order), what its vision encoder takes (tensors for this image alone) and its content hash."""
 
     positions: tuple[int, ...]
@@ -155,7 +156,7 @@ def processor_chat(vision: Any, messages: list[dict[str, Any]], tools: list[dict
         raise ConfigError(f"messages: the model's processor refused them: {str(e)[:300]}", param="messages") from None
     ids = [int(t) for t in out["input_ids"][0]]
     images = tuple(ImageItem(pos, inputs) for pos, inputs in vision.split(dict(out), ids)) if parts else ()
-    if len(images) != len(parts):
+    if len(images) < len(parts):  # more: crops the processor added as images of their own (Gemma 3's pan-and-scan)
         raise ConfigError(f"messages: {len(parts)} image parts, but the rendered prompt holds {len(images)} images "
                           "(does the chat template render image parts?)", param="messages")
     return MultimodalPrompt(ids, images, vision.rope_positions(ids, images))

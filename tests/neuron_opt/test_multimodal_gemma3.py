@@ -232,3 +232,19 @@ def test_encoder_equals_transformers():
         want = hf.model.get_image_features(pixels).pooler_output
         got = ours(pixels)
     torch.testing.assert_close(got, want.reshape(-1, 64), rtol=1e-5, atol=1e-5)
+
+
+def test_pan_and_scan_crops_are_images_of_their_own(gemma):
+    """With pan-and-scan on (a processor argument, passed through the chat template's call), the processor adds an
+    image's crops as further soft-token runs: each is an image item and a bidirectional block of its own."""
+    llm, hf, processor = gemma
+    pas = {"processor_kwargs": {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 8}}
+    messages = chat("Compare", draw(70, 40, 1), "with", draw(33, 97, 3), "and", draw(40, 40, 4))
+    prompt = llm.encode_multimodal_chat(messages, template_kwargs=pas)
+    assert len(prompt.images) == 3 + 2 + 3  # the wide image and 2 crops, the tall one and 3 crops, the square one
+    inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                           return_tensors="pt", **pas)
+    assert inputs["input_ids"][0].tolist() == prompt.token_ids
+    with torch.inference_mode():
+        out = hf.generate(**inputs, max_new_tokens=N, min_new_tokens=N, do_sample=False)
+    assert llm.generate_batch([prompt], GREEDY)[0].token_ids == out[0, len(prompt.token_ids):].tolist()
