@@ -9,11 +9,12 @@ Design decisions
 - SigLIP's encoder layers are models/idefics3.py's (the same LayerNorm / attention / GELU MLP under the same
   names); only the embeddings differ: every image is the tower's full square, so each patch takes its own position
   id (no padding, no variable-resolution buckets).
-- Module names equal transformers' under `vision_tower.` and `multi_modal_projector.`. Checkpoints store the
-  tower as `vision_tower.vision_model.X` (the released ones) or `vision_tower.X` (transformers 5 saves SigLIP
-  without its `vision_model` level): `vision_key` maps both to the module's `vision_tower.X`. The decoder is
-  stored under `language_model.model.` (`TEXT_PREFIX`), the LM head as `lm_head.weight` or, in the released
-  layout, `language_model.lm_head.weight` (`text_key`).
+- Module names equal transformers' under `vision_tower.` and `multi_modal_projector.`. Checkpoints store them in
+  one of three layouts: the released one (`vision_tower.vision_model.X`, `multi_modal_projector.X`,
+  `language_model.model.X`, `language_model.lm_head.weight`), transformers 4.5x's (the same under `model.`, with
+  `model.language_model.X` and `lm_head.weight`) and transformers 5's (the released one without SigLIP's
+  `vision_model` level, `lm_head.weight`). `vision_key` and `text_key` map each to the module's names and the
+  decoder's canonical `model.X` / `lm_head.weight`.
 - An image is each run of soft tokens the processor wrote, with its one `pixel_values` row: with pan-and-scan
   on, the processor adds the image's crops as further runs (each its own bidirectional block, as transformers
   masks them), so an image part becomes one item per run (`image_items`).
@@ -31,7 +32,7 @@ from models import idefics3
 from models.images import placeholder_runs
 from neuron_opt.errors import ConfigError
 
-VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 TEXT_PREFIX = "language_model.model."
 
 
@@ -159,13 +160,15 @@ def image_items(processed: dict[str, torch.Tensor], token_ids: list[int], image_
 
 def vision_key(stored: str) -> str:
     """A stored vision tensor's name as Gemma3Vision's (module docstring)."""
-    if stored.startswith("vision_tower.vision_model."):
-        return "vision_tower." + stored[len("vision_tower.vision_model."):]
-    return stored
+    name = stored.removeprefix("model.")
+    if name.startswith("vision_tower.vision_model."):
+        return "vision_tower." + name[len("vision_tower.vision_model."):]
+    return name
 
 
 def text_key(stored: str) -> str:
-    """A stored decoder tensor's canonical name (`model.X`, `lm_head.weight`)."""
-    if stored.startswith(TEXT_PREFIX):
-        return "model." + stored[len(TEXT_PREFIX):]
+    """A stored decoder tensor's canonical name (`model.X`, `lm_head.weight`; module docstring)."""
+    for prefix in (TEXT_PREFIX, "model.language_model."):
+        if stored.startswith(prefix):
+            return "model." + stored[len(prefix):]
     return stored.removeprefix("language_model.")

@@ -210,7 +210,7 @@ def test_image_blocks_last_keys_and_chunks_that_fit_them():
 def test_encoder_equals_transformers():
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-    from models.gemma3 import Gemma3Vision, VisionConfig, vision_key
+    from models.gemma3 import Gemma3Vision, VisionConfig, text_key, vision_key
 
     cfg = Gemma3Config(text_config=dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16),
@@ -223,10 +223,17 @@ def test_encoder_equals_transformers():
         hf.model.multi_modal_projector.mm_input_projection_weight.normal_()
         hf.model.multi_modal_projector.mm_soft_emb_norm.weight.normal_()
     ours = Gemma3Vision(VisionConfig.from_hf(cfg))
-    # the released checkpoints' layout (vision_tower.vision_model.X) maps like transformers 5's
-    sd = {k.replace("model.vision_tower.", "vision_tower.vision_model."): v for k, v in hf.state_dict().items()
-          if k.startswith(("model.vision_tower.", "model.multi_modal_projector."))}
-    ours.load_state_dict({vision_key(k.removeprefix("model.")): v for k, v in sd.items()})
+    v5 = {k.removeprefix("model."): v for k, v in hf.state_dict().items()
+          if k.startswith(("model.vision_tower.", "model.multi_modal_projector."))}  # transformers 5's names
+
+    def deep(k: str) -> str:
+        return k.replace("vision_tower.", "vision_tower.vision_model.")
+
+    for stored in (v5, {deep(k): v for k, v in v5.items()}, {"model." + deep(k): v for k, v in v5.items()}):
+        ours.load_state_dict({vision_key(k): v for k, v in stored.items()})  # 5's, the released, 4.5x's layouts
+    for prefix in ("language_model.model.", "model.language_model."):
+        assert text_key(prefix + "layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    assert text_key("language_model.lm_head.weight") == text_key("lm_head.weight") == "lm_head.weight"
     pixels = torch.randn(3, 3, 32, 32)
     with torch.inference_mode():
         want = hf.model.get_image_features(pixels).pooler_output
