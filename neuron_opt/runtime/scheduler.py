@@ -31,8 +31,9 @@ Design decisions (vLLM's policy, on our buckets)
   gives each chunk its rows). Prefix-cache keys see each image's content hash at its placeholders
   (`Request.cache_tokens`), so the same text with another image never hits. A decoder that attends among an
   image's tokens in both directions (Gemma 3) needs each image block in one chunk (`Request.atomic_spans`): a
-  chunk that would end inside one ends before it, and one that starts inside it (after a prefix-cache hit) runs
-  to its end; such a chunk over the budget waits for a step where it is the first prefill (which always runs).
+  chunk that would end inside one ends before it, and one that starts at its first token or inside it (after a
+  prefix-cache hit) runs to its end; such a chunk over the budget waits for a step where it is the first prefill
+  (which always runs).
 - LoRA (`lora`, neuron_opt.lora.registry.LoraManager): a request under an adapter takes a slot when it is admitted
   (waiting, FCFS, while none is free) and gives it back when it finishes or is preempted; its prefix-cache
   blocks are salted with the adapter's identity.
@@ -287,8 +288,8 @@ class Scheduler:
     @staticmethod
     def _fit_spans(req: Request, start: int, chunk: int) -> int:
         """`chunk` tokens from `start`, made to end outside every atomic span of `req`: cut to end before a span it
-        would end inside, or, starting inside that span (a prefix-cache hit ended there), grown to its end (spans
-        are at most the largest prefill bucket long: Engine.add_request checks)."""
+        would end inside, or, starting at that span's first token or inside it (a prefix-cache hit ended there),
+        grown to its end (spans are at most the largest prefill bucket long: Engine.add_request checks)."""
         end = start + chunk
         for a, b in req.atomic_spans:
             if a < end < b:
