@@ -454,9 +454,10 @@ class Attention(nn.Module):
                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, kv_len: int, seq_sharded: bool = False,
                 window: torch.Tensor | None = None, lora: LayerLora | None = None,
-                decode: bool = False) -> torch.Tensor:
+                decode: bool = False, last_keys: torch.Tensor | None = None) -> torch.Tensor:
         """`window`: this layer's sliding window as a 1-element int64 tensor, in place of the built-in one (a
         compiled graph that serves layers of several windows; a window >= the longest sequence is none).
+        `last_keys`: [B, S] the last key position each query sees (`_mask`); None: its own.
         `lora`: the rows' adapter terms on q/k/v/o (neuron_opt.lora.ops), added to the base projections.
         `decode`: a token-generation step (static per graph); context parallelism applies to prefill steps only."""
         B, S = positions.shape
@@ -482,9 +483,10 @@ class Attention(nn.Module):
             q, k, v = self._gather_tokens(q), self._gather_tokens(k), self._gather_tokens(v)
         if self.kv_groups > 1:
             out = self._seq_shard_attention(q, k, v, positions, slot_mapping, block_tables, k_cache, v_cache,
-                                             kv_len, window)
+                                             kv_len, window, last_keys)
         else:
-            out = self._attention(q, k, v, positions, slot_mapping, block_tables, k_cache, v_cache, kv_len, window)
+            out = self._attention(q, k, v, positions, slot_mapping, block_tables, k_cache, v_cache, kv_len, window,
+                                  last_keys)
         # rope tables wider than x (fp32 tables under bf16 weights) make rope and attention run wide; o_proj
         # takes x's dtype again
         out = out.to(x.dtype).transpose(1, 2).reshape(B, S, self.n_heads * self.D)  # [B, S, n_heads*D]
@@ -520,9 +522,13 @@ class Attention(nn.Module):
         B, part = t.shape[0], t.shape[1]
         return every.movedim(0, 2).reshape(B, part * self.kv_groups, *t.shape[2:])
 
-    def _mask(self, key_pos: torch.Tensor, positions: torch.Tensor,
-              window: torch.Tensor | None = None) -> torch.Tensor:
-        mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, S, kv]
+    def _mask(self, key_pos: torch.Tensor, positions: torch.Tensor, window: torch.Tensor | None = None,
+              last_keys: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, S, kv] True where a query sees a key: keys up to its position (or up to its `last_keys` entry: a
+        bidirectional image block's last, Gemma 3) and, in a sliding layer, within the window before its position
+        (transformers' AND(window, OR(causal, image block)))."""
+        last = positions if last_keys is None else last_keys
+        mask = key_pos[None, None, :] <= last[:, :, None]  # [B, S, kv]
         if window is not None:
             mask = mask & (key_pos[None, None, :] > positions[:, :, None] - window)
         elif self.window is not None:
@@ -531,10 +537,11 @@ class Attention(nn.Module):
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                    slot_mapping: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, kv_len: int, window: torch.Tensor | None = None) -> torch.Tensor:
+                   v_cache: torch.Tensor, kv_len: int, window: torch.Tensor | None = None,
+                   last_keys: torch.Tensor | None = None) -> torch.Tensor:
         write_blocks(k_cache, slot_mapping, k)
         write_blocks(v_cache, slot_mapping, v)
-        mask = self._mask(torch.arange(kv_len, device=q.device), positions, window)  # [B, S, kv_len]
+        mask = self._mask(torch.arange(kv_len, device=q.device), positions, window, last_keys)  # [B, S, kv_len]
         if self.sinks is not None:
             return self.ops.attention_blocks(q.transpose(1, 2), k_cache, v_cache, block_tables, positions, mask,
                                              self.scale, softcap=self.softcap, sinks=self.sinks)
@@ -546,7 +553,8 @@ class Attention(nn.Module):
 
     def _seq_shard_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                              slot_mapping: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
-                             v_cache: torch.Tensor, kv_len: int, window: torch.Tensor | None = None) -> torch.Tensor:
+                             v_cache: torch.Tensor, kv_len: int, window: torch.Tensor | None = None,
+                             last_keys: torch.Tensor | None = None) -> torch.Tensor:
         g, j = self.kv_groups, self._group_rank()
         per = k_cache.shape[2]  # this rank's positions per block: block_size / g
         bs = per * g
@@ -560,7 +568,7 @@ class Attention(nn.Module):
         values = read_blocks(v_cache, block_tables[:, :nb], nb * per).to(q.dtype)  # [B, 1, nb*per, D]
         blk = torch.arange(nb, device=q.device)[:, None] * bs
         key_pos = (blk + torch.arange(per, device=q.device)[None, :] * g + j).flatten()  # each local entry's position
-        mask = self._mask(key_pos, positions, window) & (key_pos < kv_len)[None, None]  # [B, S, nb*per]
+        mask = self._mask(key_pos, positions, window, last_keys) & (key_pos < kv_len)[None, None]  # [B, S, nb*per]
         if self.softcap is None and self.scale == 1.0 / math.sqrt(self.D):
             scores = q.transpose(1, 2) @ keys.transpose(-1, -2) / math.sqrt(self.D)  # [B, n_heads, S, kv_local]
         else:
@@ -657,7 +665,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, kv_len: int, seq_sharded: bool = False, decode: bool = False,
-                window: torch.Tensor | None = None, lora: LayerLora | None = None) -> torch.Tensor:
+                window: torch.Tensor | None = None, lora: LayerLora | None = None,
+                last_keys: torch.Tensor | None = None) -> torch.Tensor:
         # `decode`: a token-generation step (decode or verify graph), for a feed-forward block that lays its
         # weights out per phase (models.moe under a hybrid expert layout); a dense MLP has one layout.
         # under sequence parallelism x is this rank's [B, S_pad/tp, H] chunk: norms and residuals run on it.
@@ -668,7 +677,7 @@ class DecoderLayer(nn.Module):
         # `lora`: the rows' adapter terms (neuron_opt.lora.ops) on the attention and dense MLP projections
         dt = getattr(self, next(iter(self.norms.values()))).weight.dtype
         a = self.self_attn(self._norm("attn_in", x).to(dt), cos, sin, positions, slot_mapping, block_tables,
-                           k_cache, v_cache, kv_len, seq_sharded, window, lora, decode)
+                           k_cache, v_cache, kv_len, seq_sharded, window, lora, decode, last_keys)
         x = x + self._residual(self._norm("attn_out", a)).to(x.dtype)
         mlp = getattr(self, self.mlp_name)
         h = self._norm("mlp_in", x).to(dt)
@@ -736,7 +745,7 @@ class LlamaForCausalLM(nn.Module):
                 lora: LoraInputs | None = None,
                 window_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                 mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
-                rope_positions: torch.Tensor | None = None) -> torch.Tensor:
+                rope_positions: torch.Tensor | None = None, last_keys: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step; returns this rank's fp32 logits [B, V/tp] at `last_index` [B] of each row, or
         [B, T, V/tp] at every index of a [B, T] `last_index` (a verify step scores all its positions).
         `decode`: a token-generation step (a decode or verify bucket), static per graph like the shapes.
@@ -746,10 +755,11 @@ class LlamaForCausalLM(nn.Module):
         input is an image embedding rather than the token's (`merge_embeddings`; wider rows also carry the deepstack
         features added after the first layers, `deepstack_rows`); None: tokens only.
         `rope_positions`: [3, B, S] M-RoPE positions (cfg.mrope_section; `mrope_rows`); None: `positions` on every
-        axis."""
+        axis. `last_keys`: [B, S] the last key position each query sees (a bidirectional image block's tokens see
+        the whole block: Gemma 3); None: its own position."""
         x, sp = self.hidden_states(input_ids, positions, slot_mapping, block_tables, k_caches, v_caches, kv_len,
                                    decode, last_index, lora, window_kv, mm_embeds=mm_embeds,
-                                   rope_positions=rope_positions)
+                                   rope_positions=rope_positions, last_keys=last_keys)
         x = self._last_rows(x, last_index, sp)  # [B, H] or [B, T, H]
         return self.finish_logits(self.lm_head(self.model.norm(x)).float())  # [B, V/tp] or [B, T, V/tp]
 
@@ -759,7 +769,7 @@ class LlamaForCausalLM(nn.Module):
                          lora: LoraInputs | None = None,
                          window_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                          mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
-                         rope_positions: torch.Tensor | None = None
+                         rope_positions: torch.Tensor | None = None, last_keys: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward`'s logits and the residual stream entering each layer of `aux_layers` at every position,
         concatenated: [B, S, len(aux_layers) * H] (id num_hidden_layers: the last layer's output, before the final
@@ -768,7 +778,8 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError("auxiliary hidden states: a sequence-parallel step holds a chunk of each row")
         aux: list[torch.Tensor] = []
         x, sp = self.hidden_states(input_ids, positions, slot_mapping, block_tables, k_caches, v_caches, kv_len,
-                                   decode, last_index, lora, window_kv, aux_layers, aux, mm_embeds, rope_positions)
+                                   decode, last_index, lora, window_kv, aux_layers, aux, mm_embeds, rope_positions,
+                                   last_keys)
         logits = self.finish_logits(self.lm_head(self.model.norm(self._last_rows(x, last_index, sp))).float())
         return logits, torch.cat(aux, dim=-1)
 
@@ -779,13 +790,14 @@ class LlamaForCausalLM(nn.Module):
                       window_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                       aux_layers: tuple[int, ...] = (), aux_out: list[torch.Tensor] | None = None,
                       mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      rope_positions: torch.Tensor | None = None
+                      rope_positions: torch.Tensor | None = None, last_keys: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, bool]:
         """The decoder's output before the final norm, [B, S, H] (sequence-parallel: this rank's [B, S_pad/tp, H]
         chunk), and whether it is sequence-parallel; the LM head (`forward`) or a pooling step
         (models.pooling) takes it from there. `last_index`: the step's last real positions, which pick longrope's
         factors per row (layer_rope_inputs). `aux_out` receives the stream entering each layer of `aux_layers`, in
-        that order (`forward_with_aux`). `mm_embeds`: image embeddings merged at their positions (`forward`)."""
+        that order (`forward_with_aux`). `mm_embeds`: image embeddings merged at their positions (`forward`);
+        `last_keys`: as `forward`'s."""
         B, S = input_ids.shape
         sp = self.pctx.seq_sharded(S)  # static per bucket: a prefill graph is sequence-parallel or not
         x = self.scale_embeddings(self.model.embed_tokens(input_ids, scatter_seq=sp))  # [B, S, H] ([B, S_pad/tp, H])
@@ -811,11 +823,12 @@ class LlamaForCausalLM(nn.Module):
             slots, tables = slot_mapping, block_tables
             if window_kv is not None and self.cfg.layer_window(i) is not None:
                 slots, tables = window_kv
+            kw = {} if last_keys is None else {"last_keys": last_keys}
             if lora is not None:
                 x = layer(x, cos, sin, positions, slots, tables, k_caches[i], v_caches[i], kv_len, sp, decode,
-                          lora=lora.layer(i))
+                          lora=lora.layer(i), **kw)
             else:
-                x = layer(x, cos, sin, positions, slots, tables, k_caches[i], v_caches[i], kv_len, sp, decode)
+                x = layer(x, cos, sin, positions, slots, tables, k_caches[i], v_caches[i], kv_len, sp, decode, **kw)
             if i < len(deepstack):
                 x = x + deepstack[i].to(x.dtype)
         if aux_out is not None:

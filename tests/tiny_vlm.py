@@ -237,6 +237,48 @@ def make_smolvlm(out: Path, seed: int = 0) -> Path:
     return out
 
 
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>{{ 'model' if message['role'] == 'assistant' else "
+    "message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for c in message['content'] %}{% if c['type'] == 'image' %}<start_of_image>{% elif c['type'] == 'text' %}"
+    "{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def make_gemma3(out: Path, seed: int = 0) -> Path:
+    """A Gemma 3 checkpoint: a 2-layer SigLIP encoder over 32-pixel images of 4-pixel patches (8 x 8 patches,
+    average-pooled 2 x 2 to 16 soft tokens), a 3-layer Gemma 3 decoder whose first two layers slide over a window of
+    8 positions (shorter than an image) and whose last attends globally; the processor resizes every image to 32 x
+    32 (pan-and-scan crops are 32 x 32 images too: `pan_and_scan_min_crop_size` 8)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil, Gemma3Processor
+
+    from neuron_opt.checkpoint import open_checkpoint
+
+    tok = open_checkpoint("default").tokenizer()
+    named = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
+    tok.add_special_tokens({"additional_special_tokens": [*named.values(), "<start_of_turn>", "<end_of_turn>"]})
+    tok._set_model_specific_special_tokens(named)  # what Gemma 3's tokenizer_config.json names them
+    cfg = Gemma3Config(
+        text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                         sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                         max_position_embeddings=2048, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=32, patch_size=4, vision_use_head=False),
+        mm_tokens_per_image=16, boi_token_index=tok.boi_token_id, eoi_token_index=tok.eoi_token_id,
+        image_token_index=tok.image_token_id)
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(cfg).eval()
+    _randomize(model)
+    with torch.no_grad():  # the projection starts at zeros: image rows large enough that the text depends on them
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.2)
+    model.save_pretrained(out)
+    ip = Gemma3ImageProcessorPil(size={"height": 32, "width": 32}, pan_and_scan_min_crop_size=8)
+    Gemma3Processor(image_processor=ip, tokenizer=tok, chat_template=GEMMA3_TEMPLATE,
+                    image_seq_length=16).save_pretrained(out)
+    return out
+
+
 def chat(*parts) -> list[dict]:
     """One user message of text and image parts (PIL images as HF's {"type": "image"} parts)."""
     return [{"role": "user", "content": [{"type": "text", "text": p} if isinstance(p, str) else

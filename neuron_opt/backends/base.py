@@ -42,6 +42,9 @@ class StepInputs:
     mm_embeds: torch.Tensor | None = None
     # [3, B, S] M-RoPE positions (ModelConfig.mrope_section), for the same executors; None: `positions`
     rope_positions: torch.Tensor | None = None
+    # [B, S] the last key position each query attends to (bidirectional image blocks: Gemma 3), for executors that
+    # say `takes_last_keys`; None: its own position (causal)
+    last_keys: torch.Tensor | None = None
 
     def multimodal(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(mask, rows) of the step's image embeddings, None without any."""

@@ -20,6 +20,7 @@ class EagerExecutor:
 
     gathers_candidates = False
     takes_embeddings = True  # image embeddings merged at their positions (StepInputs.multimodal)
+    takes_last_keys = True  # queries that see keys past their position (StepInputs.last_keys)
     # its graph calls use every core the thread policy gives them, with the GIL held between ops (layers): the
     # host work of async scheduling has nowhere to overlap (docs/serving.md, "Async scheduling")
     async_scheduling = False
@@ -42,6 +43,8 @@ class EagerExecutor:
             kw["mm_embeds"] = inputs.multimodal()
         if inputs.rope_positions is not None:
             kw["rope_positions"] = inputs.rope_positions
+        if inputs.last_keys is not None:
+            kw["last_keys"] = inputs.last_keys
         if self.aux_layers:
             logits, self.aux_hidden = self.model.forward_with_aux(
                 *inputs.arrays(), self.k_caches, self.v_caches, bucket.kv_len, self.aux_layers, bucket.generates,

@@ -10,6 +10,9 @@ Design decisions
   by negative numbers drawn from its content hash (the hash's four 64-bit words in turn, each shifted below zero:
   never a token id). The block hash chain (runtime/block_manager.py) then covers the image's content at every
   block that holds its tokens, and every block after them: the same text with another image never hits.
+- Bidirectional image blocks (a decoder that attends among an image's tokens in both directions: Gemma 3): the
+  blocks are the runs of consecutive placeholder positions over all of a prompt's images (`image_blocks`), as
+  transformers groups its token_type_ids; a query in a block sees every key of its block (`last_keys`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from neuron_opt.errors import ConfigError
 
 @dataclass(frozen=True)
 class ImageItem:
-    """One image of a prompt: its placeholder positions (prompt indices, ascending: the rows its embeddings fill,
+    """One image of a prompt (or a crop of one that its processor adds as an image of its own: Gemma 3's
+    pan-and-scan): its placeholder positions (prompt indices, ascending: the rows its embeddings fill,
     in order), what its vision encoder takes (tensors for this image alone) and its content hash."""
 
     positions: tuple[int, ...]
@@ -68,6 +72,27 @@ def cache_token_ids(token_ids: Sequence[int], images: Sequence[ImageItem]) -> li
         words = [int.from_bytes(img.content_hash[i:i + 8], "little") >> 1 for i in range(0, 32, 8)]
         for j, p in enumerate(img.positions):
             out[p] = -1 - words[j % 4]
+    return out
+
+
+def image_blocks(images: Sequence[ImageItem]) -> tuple[tuple[int, int], ...]:
+    """The runs of consecutive placeholder positions over `images`, as [start, end) ranges in prompt order."""
+    blocks: list[list[int]] = []
+    for p in sorted(p for img in images for p in img.positions):
+        if blocks and blocks[-1][1] == p:
+            blocks[-1][1] = p + 1
+        else:
+            blocks.append([p, p + 1])
+    return tuple((a, b) for a, b in blocks)
+
+
+def last_keys(blocks: Sequence[tuple[int, int]], start: int, count: int) -> torch.Tensor:
+    """The last key position each of the tokens at [start, start + count) attends to [count] (int64): its own,
+    or for a token inside a bidirectional image block [a, b), the block's last (b - 1)."""
+    out = torch.arange(start, start + count)
+    for a, b in blocks:
+        if a < start + count and b > start:
+            out[max(a, start) - start:min(b, start + count) - start] = b - 1
     return out
 
 
@@ -131,7 +156,7 @@ def processor_chat(vision: Any, messages: list[dict[str, Any]], tools: list[dict
         raise ConfigError(f"messages: the model's processor refused them: {str(e)[:300]}", param="messages") from None
     ids = [int(t) for t in out["input_ids"][0]]
     images = tuple(ImageItem(pos, inputs) for pos, inputs in vision.split(dict(out), ids)) if parts else ()
-    if len(images) != len(parts):
+    if len(images) < len(parts):  # more: crops the processor added as images of their own (Gemma 3's pan-and-scan)
         raise ConfigError(f"messages: {len(parts)} image parts, but the rendered prompt holds {len(images)} images "
                           "(does the chat template render image parts?)", param="messages")
     return MultimodalPrompt(ids, images, vision.rope_positions(ids, images))

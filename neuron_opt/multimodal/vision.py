@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from models import idefics3, qwen2_5_vl, qwen3_vl
+from models import gemma3, idefics3, qwen2_5_vl, qwen3_vl
 from neuron_opt.checkpoint.hf import weight_files
 from neuron_opt.config import ModelConfig
 from neuron_opt.errors import CheckpointError, UnsupportedModelError
@@ -56,6 +56,13 @@ class Family:
     vision_strip: str = "model."  # what the stored vision names have before the encoder module's own
     # a decoder tensor (canonical name) as the canonical tensors the decoder loads (stacked experts split)
     text_split: Callable[[ModelConfig, str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]] | None = None
+    # a stored name -> the encoder module's (None: drop `vision_strip`) / the decoder's canonical (None: drop
+    # `text_prefix`); for layouts that a prefix alone does not map
+    vision_key: Callable[[str], str] | None = None
+    text_key: Callable[[str], str] | None = None
+    # the decoder attends bidirectionally among each run of image tokens (Gemma 3): a prefill chunk never ends
+    # inside one (docs/multimodal.md, "Bidirectional image blocks")
+    bidirectional: bool = False
 
 
 def _idefics3_split(hf: Any, processor: Any) -> Split:
@@ -118,12 +125,23 @@ def _qwen3_moe_text(hf: Any) -> dict[str, Any]:
 
 _QWEN3_VL_MOE = dataclasses.replace(_QWEN3_VL, text_config=_qwen3_moe_text, text_split=qwen3_vl.split_experts)
 
+
+def _gemma3_split(hf: Any, processor: Any) -> Split:
+    per_image = int(hf.mm_tokens_per_image)
+    return lambda out, ids: gemma3.image_items(out, ids, int(hf.image_token_id), per_image)
+
+
+_GEMMA3 = Family(lambda hf: gemma3.Gemma3Vision(gemma3.VisionConfig.from_hf(hf)), _gemma3_split,
+                 gemma3.VISION_PREFIXES, gemma3.TEXT_PREFIX, vision_strip="", vision_key=gemma3.vision_key,
+                 text_key=gemma3.text_key, bidirectional=True)
+
 FAMILIES: dict[str, Family] = {
     "Idefics3ForConditionalGeneration": _IDEFICS3,
     "SmolVLMForConditionalGeneration": _IDEFICS3,
     "Qwen2_5_VLForConditionalGeneration": _QWEN2_5_VL,
     "Qwen3VLForConditionalGeneration": _QWEN3_VL,
     "Qwen3VLMoeForConditionalGeneration": _QWEN3_VL_MOE,
+    "Gemma3ForConditionalGeneration": _GEMMA3,
 }
 
 
@@ -136,6 +154,7 @@ class VisionModel:
     encoder: torch.nn.Module
     split: Split
     rope: Rope | None = None
+    bidirectional: bool = False  # Family.bidirectional
 
     def encode(self, item: ImageItem) -> torch.Tensor:
         """One image's embeddings [len(item.positions), H_text], in the encoder's dtype."""
@@ -198,19 +217,21 @@ def open_multimodal(root: Path, dtype: torch.dtype) -> MultimodalCheckpoint:
     stored: dict[str, torch.Tensor] = {}
     for f in weight_files(root):
         stored.update(load_file(str(f)))
-    text = {"model." + k[len(fam.text_prefix):] if k.startswith(fam.text_prefix) else k: v
-            for k, v in stored.items() if not k.startswith(fam.vision_prefixes)}
+    text_key = fam.text_key or (lambda k: "model." + k[len(fam.text_prefix):] if k.startswith(fam.text_prefix)
+                                else k)
+    text = {text_key(k): v for k, v in stored.items() if not k.startswith(fam.vision_prefixes)}
     if fam.text_split is not None:
         text = dict(pair for k, v in text.items() for pair in fam.text_split(cfg, k, v))
     encoder = fam.build(hf)
-    vision_sd = {k[len(fam.vision_strip):]: v for k, v in stored.items() if k.startswith(fam.vision_prefixes)}
+    vision_key = fam.vision_key or (lambda k: k[len(fam.vision_strip):])
+    vision_sd = {vision_key(k): v for k, v in stored.items() if k.startswith(fam.vision_prefixes)}
     missing, unexpected = encoder.load_state_dict(vision_sd, strict=False)
     if missing or unexpected:
         raise CheckpointError(f"checkpoint {root}: vision tensors missing {sorted(missing)[:5]}, unexpected "
                               f"{sorted(unexpected)[:5]}")
     processor = load_processor(root, hf)
     vision = VisionModel(arch, processor, encoder.to(dtype).eval(), fam.split(hf, processor),
-                         fam.rope(hf) if fam.rope is not None else None)
+                         fam.rope(hf) if fam.rope is not None else None, fam.bidirectional)
     return MultimodalCheckpoint(cfg, {k: v.to(dtype) for k, v in text.items()}, processor.tokenizer, vision)
 
 

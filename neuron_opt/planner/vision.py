@@ -7,7 +7,8 @@ Per family, the parameter count is the encoder's and connector's tensors as tran
 (tests/neuron_opt/test_planner_vision.py checks it against transformers' own modules), and the largest image is
 the processor's bound: Idefics3 / SmolVLM, `size.longest_edge` cut into tiles of `max_image_size.longest_edge`
 (plus the global tile when it splits images); Qwen2.5-VL and Qwen3-VL, `max_pixels` (or `size.longest_edge`) in
-patches.
+patches; Gemma 3, one square image per encoder call, and with `do_pan_and_scan` the image and up to
+`pan_and_scan_max_num_crops` crops of it in the prompt.
 """
 
 from __future__ import annotations
@@ -84,8 +85,22 @@ def _qwen3_vl(cfg: dict[str, Any], pre: dict[str, Any], act: int) -> tuple[int, 
     return params, tokens, acts, shape
 
 
+def _gemma3(cfg: dict[str, Any], pre: dict[str, Any], act: int) -> tuple[int, int, int, str]:
+    v, text = cfg["vision_config"], cfg["text_config"]
+    D, inner, heads = v["hidden_size"], v["intermediate_size"], v["num_attention_heads"]
+    P = (v["image_size"] // v["patch_size"]) ** 2
+    layer = 4 * _linear(D, D) + _linear(D, inner) + _linear(inner, D) + 4 * D  # attention, MLP, two LayerNorms
+    params = (v.get("num_channels", 3) * v["patch_size"] ** 2 * D + D + P * D + v["num_hidden_layers"] * layer
+              + 2 * D + D + D * text["hidden_size"])  # SigLIP, then the projector's norm and matrix
+    runs = 1 + pre.get("pan_and_scan_max_num_crops", 4) if pre.get("do_pan_and_scan") else 1
+    tokens = runs * cfg.get("mm_tokens_per_image", 256)
+    acts = heads * P * P * 4 + P * (2 * D + inner) * act
+    return params, tokens, acts, f"1 image x {P} patches" + (f" ({runs} with its crops)" if runs > 1 else "")
+
+
 _FAMILIES = {"Idefics3ForConditionalGeneration": _idefics3, "SmolVLMForConditionalGeneration": _idefics3,
-             "Qwen2_5_VLForConditionalGeneration": _qwen2_5_vl, "Qwen3VLForConditionalGeneration": _qwen3_vl}
+             "Qwen2_5_VLForConditionalGeneration": _qwen2_5_vl, "Qwen3VLForConditionalGeneration": _qwen3_vl,
+             "Gemma3ForConditionalGeneration": _gemma3}
 
 
 def vision_plan(config: dict[str, Any], preprocessor: dict[str, Any] | None, dtype: str) -> VisionPlan:

@@ -60,7 +60,9 @@ from neuron_opt.multimodal.inputs import (
     MultimodalPrompt,
     cache_token_ids,
     check_images,
+    image_blocks,
     image_parts,
+    last_keys,
     processor_chat,
 )
 from neuron_opt.runtime.kv_tier import KVTier
@@ -400,6 +402,7 @@ class Engine:
             if self.encoder_cache is None:
                 raise ConfigError("messages: this model takes text only, not images", param="messages")
             check_images(images, len(prompt_token_ids))
+            self._check_image_blocks(images)
         if rope_positions is not None and tuple(rope_positions[0].shape) != (3, len(prompt_token_ids)):
             raise ConfigError(f"rope_positions: [3, {len(prompt_token_ids)}] positions for the prompt, got "
                               f"{list(rope_positions[0].shape)}", param="messages")
@@ -454,6 +457,7 @@ class Engine:
             cache_salt=salt,
             scores_prompt=params.prompt_logprobs is not None,
             cache_token_ids=cache_token_ids(prompt_token_ids, images) if images else None,
+            atomic_spans=image_blocks(images) if images and self._bidirectional_images else (),
         )
         seq = _Sequence(req, SamplerState.create(params, state), images, rope)
         self._inbox.put(_Command("add", request_id, seq, params, on_output))
@@ -735,7 +739,7 @@ class Engine:
         t0 = time.perf_counter()
         try:
             rows = [PrefillRow(p.blocks, p.token_ids, p.start, p.lora_slot, p.window_blocks, self._chunk_embeds(p),
-                               self._chunk_rope(p)) for p in group]
+                               self._chunk_rope(p), self._chunk_last_keys(p)) for p in group]
             if scoring:  # every position's logits: the scoring rows' prompt logprobs, everyone's last row
                 every = self.runner.prefill_rows(rows, all_positions=True)  # [len(group), S, V]
                 self._score_prompts(group, scoring, every)
@@ -771,6 +775,29 @@ class Engine:
         if not images or self.encoder_cache is None:
             return None
         return self.encoder_cache.chunk_embeds(p.request_id, images, p.start, len(p.token_ids))
+
+    @property
+    def _bidirectional_images(self) -> bool:
+        return bool(getattr(self.runner.vision, "bidirectional", False))
+
+    def _check_image_blocks(self, images: tuple[ImageItem, ...]) -> None:
+        """ConfigError for a bidirectional image block longer than the largest prefill chunk (each runs in one)."""
+        if not self._bidirectional_images:
+            return
+        longest = max(b - a for a, b in image_blocks(images))
+        if longest > self.scheduler.kv.max_prefill_len:
+            raise ConfigError(f"messages: an image of {longest} tokens attends to itself bidirectionally, so it is "
+                              f"prefilled in one chunk, but the largest prefill chunk is "
+                              f"{self.scheduler.kv.max_prefill_len} tokens", param="messages")
+
+    def _chunk_last_keys(self, p: PrefillWork) -> torch.Tensor | None:
+        """The last key each token of a prefill chunk sees [n] (multimodal.inputs.last_keys), for a request with
+        bidirectional image blocks in the chunk; None otherwise (causal)."""
+        spans = self._seqs[p.request_id].request.atomic_spans
+        n = len(p.token_ids)
+        if not any(a < p.start + n and b > p.start for a, b in spans):
+            return None
+        return last_keys(spans, p.start, n)
 
     def _chunk_rope(self, p: PrefillWork) -> torch.Tensor | None:
         """An M-RoPE request's [3, n] rotary positions of a prefill chunk: the prompt's table, then (generated tokens

@@ -49,6 +49,9 @@ class Request:
     # a prompt with images: the prompt as prefix-cache keys see it, each image's placeholder tokens replaced by
     # its content hash (neuron_opt.multimodal.inputs.cache_token_ids); None: the prompt's own ids
     cache_token_ids: list[int] | None = None
+    # [start, end) prompt ranges a prefill chunk never ends inside: a bidirectional decoder's image blocks (Gemma 3;
+    # neuron_opt.multimodal.inputs.image_blocks), whose tokens see each other, so each is prefilled in one chunk
+    atomic_spans: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_prompt_tokens(self) -> int:

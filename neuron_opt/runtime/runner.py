@@ -65,6 +65,9 @@ class PrefillRow:
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     # M-RoPE (ModelConfig.mrope_section): the tokens' [3, len(tokens)] rotary positions; None: their positions
     rope_positions: torch.Tensor | None = None
+    # the last key position each token attends to [len(tokens)] (a bidirectional image block's tokens see the
+    # whole block: neuron_opt.multimodal.inputs.last_keys); None: its own position (causal)
+    last_keys: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -383,7 +386,24 @@ class ModelRunner:
                                      bucket.kv_len)
         inputs = StepInputs(ids, pos, slots, self._tables(tables, B, bucket.kv_len), last, self._lora_slots(rows, B),
                             *window)
-        return bucket, self._with_rope(self._with_embeds(inputs, rows), [r.rope_positions for r in rows])
+        return bucket, self._with_last_keys(self._with_rope(self._with_embeds(inputs, rows),
+                                                            [r.rope_positions for r in rows]), rows)
+
+    def _with_last_keys(self, inputs: StepInputs, rows: Sequence[PrefillRow]) -> StepInputs:
+        """`inputs` with the step's last key positions [B, S] (`positions` where a row gives none); unchanged when
+        no row gives any."""
+        given = [(i, r.last_keys) for i, r in enumerate(rows) if r.last_keys is not None]
+        if not given:
+            return inputs
+        if not getattr(self.executor, "takes_last_keys", False):
+            raise ConfigError("images: this executor's graphs attend causally only; a model with bidirectional "
+                              "image blocks (Gemma 3) runs on the eager backend", param="messages")
+        keys = inputs.positions.clone()
+        for i, t in given:
+            if t.shape != (len(rows[i].tokens),):
+                raise ValueError(f"a prefill row's last keys are {list(t.shape)}, not [{len(rows[i].tokens)}]")
+            keys[i, :t.shape[0]] = t
+        return replace(inputs, last_keys=keys)
 
     def _with_rope(self, inputs: StepInputs, tables: Sequence[torch.Tensor | None]) -> StepInputs:
         """`inputs` with M-RoPE's [3, B, S] positions for a model with mrope_section: each row's table over its

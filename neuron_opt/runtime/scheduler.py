@@ -29,7 +29,11 @@ Design decisions (vLLM's policy, on our buckets)
 - Images (neuron_opt.multimodal): a prompt's image placeholder tokens are prompt tokens, so they count against
   the token budget one each like any other, and a chunk may split an image's tokens (the engine's encoder cache
   gives each chunk its rows). Prefix-cache keys see each image's content hash at its placeholders
-  (`Request.cache_tokens`), so the same text with another image never hits.
+  (`Request.cache_tokens`), so the same text with another image never hits. A decoder that attends among an
+  image's tokens in both directions (Gemma 3) needs each image block in one chunk (`Request.atomic_spans`): a
+  chunk that would end inside one ends before it, and one that starts at its first token or inside it (after a
+  prefix-cache hit) runs to its end; such a chunk over the budget waits for a step where it is the first prefill
+  (which always runs).
 - LoRA (`lora`, neuron_opt.lora.registry.LoraManager): a request under an adapter takes a slot when it is admitted
   (waiting, FCFS, while none is free) and gives it back when it finishes or is preempted; its prefix-cache
   blocks are salted with the adapter's identity.
@@ -226,8 +230,9 @@ class Scheduler:
                 if budget <= 0:
                     continue
                 chunk = min(chunk, budget)
-            elif prefills and chunk > budget:
-                continue  # never cut to the budget: next step
+            chunk = self._fit_spans(req, req.num_computed_tokens, chunk)
+            if prefills and chunk > budget:
+                continue  # never cut to the budget (nor inside an atomic span): next step
             if self._allocate_or_preempt(req, req.num_computed_tokens + chunk, preempted, scheduled):
                 prefills.append(self._prefill_work(req, chunk))
                 scheduled.add(rid)
@@ -247,7 +252,7 @@ class Scheduler:
             restore = self._tier_prefix(req, tokens, prefix)
             computed = (len(prefix) + len(restore)) * self.kv.block_size
             chunk = self._first_chunk(req, computed, budget)
-            if prefills and not chunked and chunk > budget:
+            if prefills and chunk > budget:
                 break  # FCFS: do not let a shorter prompt overtake the head of the queue
             # without offset prefill a request reserves its whole length: it can never be preempted
             need = (computed + chunk if self.kv.offset_prefill
@@ -275,10 +280,21 @@ class Scheduler:
         its own when others prefill and it is over the budget)."""
         remaining = req.num_tokens - computed
         if self.kv.enable_chunked_prefill:
-            return min(remaining, max(budget, 1), self.kv.max_prefill_len)
+            return self._fit_spans(req, computed, min(remaining, max(budget, 1), self.kv.max_prefill_len))
         # whole, or the largest prefill bucket's length (a long prompt, a resumed preempted sequence): split by the
         # prompt alone, never by the budget
-        return min(remaining, self.kv.max_prefill_len)
+        return self._fit_spans(req, computed, min(remaining, self.kv.max_prefill_len))
+
+    @staticmethod
+    def _fit_spans(req: Request, start: int, chunk: int) -> int:
+        """`chunk` tokens from `start`, made to end outside every atomic span of `req`: cut to end before a span it
+        would end inside, or, starting at that span's first token or inside it (a prefix-cache hit ended there),
+        grown to its end (spans are at most the largest prefill bucket long: Engine.add_request checks)."""
+        end = start + chunk
+        for a, b in req.atomic_spans:
+            if a < end < b:
+                return a - start if a > start else b - start
+        return chunk
 
     def _tier_prefix(self, req: Request, tokens: list[int], prefix: list[int]) -> list[bytes]:
         """The hashes of the full blocks after the pool's `prefix` that the KV tier holds, in a run (never the

@@ -66,3 +66,21 @@ def test_plan_counts_the_encoder_on_each_rank(tmp_path: Path, capsys: pytest.Cap
         mem["vision"]
     assert main(["plan", "--model", str(tmp_path), "--instance", "inf2.xlarge"]) == 0
     assert "vision encoder (Idefics3ForConditionalGeneration" in capsys.readouterr().out
+
+
+def test_gemma3_encoder_parameters_equal_transformers():
+    import transformers
+
+    config = dict(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"], mm_tokens_per_image=16,
+                  text_config=dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+                  vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                     num_attention_heads=2, image_size=32, patch_size=4, vision_use_head=False))
+    d = dict(config)
+    model = transformers.Gemma3ForConditionalGeneration(transformers.AutoConfig.for_model(d.pop("model_type"), **d))
+    want = sum(p.numel() for m in (model.model.vision_tower, model.model.multi_modal_projector)
+               for p in m.parameters())
+    vp = vision_plan(config, {}, "bfloat16")
+    assert vp.parameters == want and vp.weight_bytes == 2 * want and vp.max_image_tokens == 16
+    assert vision_plan(config, {"do_pan_and_scan": True, "pan_and_scan_max_num_crops": 3},
+                       "bfloat16").max_image_tokens == 4 * 16  # the image and three crops
