@@ -286,7 +286,7 @@ class WindowedBlockManager:
         tier, `hashes` names n >= len(prefix) logical blocks the new sequence starts with: the full group takes
         `prefix` and new blocks for the rest, the window group its cached run of the blocks the next query sees
         (`window_hits`) and new blocks after it; the tier fills the new ones."""
-        hashes = list(hashes) or [self.full.block_hash[b] for b in prefix]  # type: ignore[misc]
+        hashes = list(hashes) or [h for b in prefix if (h := self.full.block_hash[b]) is not None]
         window_prefix: list[int] = []
         lo = 0
         if hashes and seq_id not in self.full.tables:

@@ -331,7 +331,7 @@ class Scheduler:
         if self._pools_only == req.request_id:
             return bm.cached_prefix(tokens, req.cache_salt), []
         pool = bm.full.cached_prefix(tokens, req.cache_salt)
-        chain: list[bytes] = [bm.full.block_hash[b] for b in pool]  # type: ignore[misc]
+        chain = [h for b in pool if (h := bm.full.block_hash[b]) is not None]  # cached: every one has its hash
         parent = chain[-1] if chain else req.cache_salt
         for i in range(len(pool), (len(tokens) - 1) // bs):
             h = hash_block(parent, tokens[i * bs:(i + 1) * bs])
@@ -351,8 +351,8 @@ class Scheduler:
         if self._window_tier:
             bm = self.blocks
             assert isinstance(bm, WindowedBlockManager)
-            hashes = [bm.full.block_hash[b] for b in prefix] + restore
-            return bm.allocate(req.request_id, need, prefix, hashes)  # type: ignore[arg-type]
+            hashes = [h for b in prefix if (h := bm.full.block_hash[b]) is not None] + restore
+            return bm.allocate(req.request_id, need, prefix, hashes)
         return self.blocks.allocate(req.request_id, need, prefix)
 
     def _restore(self, req: Request, num_prefix: int, keys: list[bytes]) -> int:
@@ -364,7 +364,7 @@ class Scheduler:
         if not self._window_tier:
             return self.tier.load(keys, bm.table(rid)[num_prefix:num_prefix + len(keys)]) if keys else 0
         assert isinstance(bm, WindowedBlockManager)
-        hashes: list[bytes] = [bm.full.block_hash[b] for b in bm.table(rid)[:num_prefix]] + keys  # type: ignore[misc]
+        hashes = [h for b in bm.table(rid)[:num_prefix] if (h := bm.full.block_hash[b]) is not None] + keys
         m = bm.window_hits(hashes)  # the allocation took the window group's cached run; the rest is new
         if self.tier.load(keys, bm.table(rid)[num_prefix:len(hashes)]) < len(keys) or \
                 self.tier.load(hashes[m:], bm.window_table(rid)[m:len(hashes)], WINDOW) < len(hashes) - m:
