@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from neuron_opt.config import ModelConfig, norm_roles
-from neuron_opt.errors import CheckpointError
+from neuron_opt.errors import CheckpointError, ConfigError
 from neuron_opt.lora.ops import LayerLora, LoraInputs
 from neuron_opt.parallel import (
     SINGLE,
@@ -418,6 +418,14 @@ class Attention(nn.Module):
       (S / g each, any start position) and one all-gather within the group puts the step's q/k/v back in order;
       the pool writes and the partial softmax above then run as without it, so the KV blocks hold the same
       values. Decode and verify steps do not split (one or a few tokens per row).
+    - shard + context-parallel prefill (HeadLayout.cp_heads: as many KV heads as tp or more, `--cp-degree tp`):
+      k/v are projected, normed, roped and written for the rank's own KV heads and every token of the step, as
+      without it (the pools hold the same values); the rank then reads its heads' K/V of the rows' first kv_len
+      positions from its pool and one all-gather over the ranks gives every head's. It takes its tokens i with
+      i % tp == rank (a static stride: equal shares, balanced under the causal mask) and runs them through q,
+      attention and o_proj over every head: the q and o weights (and biases, sinks) are all-gathered in the graph
+      (no copy at rest), so its o_proj product is the tokens' whole attention output, and one all-gather over
+      the ranks puts the step's [B, S, H] back in token order, in place of the all-reduce.
     """
 
     def __init__(self, cfg: ModelConfig, lay: HeadLayout, pctx: ParallelContext,
@@ -431,7 +439,9 @@ class Attention(nn.Module):
         self.softcap = cfg.attn_logit_softcapping
         self.pctx = pctx
         self.kv_groups = lay.kv_seq_shards  # g: 1 unless kv-seq-shard
-        self.cp = lay.cp  # context-parallel prefill over the g ranks of the KV group
+        self.cp = lay.cp  # context-parallel prefill: over the g ranks of the KV group, or all tp (cp_heads)
+        self.cp_heads = lay.cp_heads
+        self.cp_size = lay.cp_degree
         self.q_proj = ColumnParallelLinear(H, self.n_heads * D, cfg.attention_bias, pctx)
         self.k_proj = ColumnParallelLinear(H, self.n_kv * D, cfg.attention_bias, pctx)
         self.v_proj = ColumnParallelLinear(H, self.n_kv * D, cfg.attention_bias, pctx)
@@ -463,7 +473,10 @@ class Attention(nn.Module):
         B, S = positions.shape
         if seq_sharded:
             x = seq_gather(x, self.pctx, S)  # [B, S, H] from [B, S_pad/tp, H]
-        cp = self.cp and not decode and S > 1 and S % self.kv_groups == 0  # static per graph
+        cp = self.cp and not decode and S > 1 and S % self.cp_size == 0  # static per graph
+        if cp and self.cp_heads:
+            return self._cp_heads_forward(x, cos, sin, positions, slot_mapping, block_tables, k_cache, v_cache,
+                                          kv_len, window, lora)
         if cp:  # this rank's tokens i % g == j of the step: q/k/v/rope of S/g tokens, gathered after rope
             x, cos, sin = self._own_tokens(x), self._own_tokens(cos), self._own_tokens(sin)
         S_own = x.shape[1]
@@ -507,20 +520,67 @@ class Attention(nn.Module):
         return self.pctx.rank_value() % self.kv_groups
 
     def _own_tokens(self, t: torch.Tensor) -> torch.Tensor:
-        """[B, S, ...] -> this rank's tokens i = m * g + j of the step: [B, S / g, ...] (a static stride, so the
-        group's ranks hold equal shares whatever the row's start position)."""
+        """[B, S, ...] -> this rank's tokens i = m * g + j of the step (g = cp_size ranks, j this rank's index
+        among them): [B, S / g, ...] (a static stride, so the ranks hold equal shares whatever the row's start
+        position)."""
         if t.dim() < 2 or t.shape[1] == 1:  # a table broadcast over the tokens (a layer without rope)
             return t
-        B, S, g = t.shape[0], t.shape[1], self.kv_groups
-        j = self._group_rank()
+        B, S, g = t.shape[0], t.shape[1], self.cp_size
+        j = self.pctx.rank_value() % g
         idx = j.reshape(1).long() if isinstance(j, torch.Tensor) else torch.tensor([j], device=t.device)
         return t.reshape(B, S // g, g, *t.shape[2:]).index_select(2, idx).squeeze(2)
 
     def _gather_tokens(self, t: torch.Tensor) -> torch.Tensor:
-        """The group's [B, S / g, ...] shares (one all-gather within the KV group) -> [B, S, ...] in step order."""
-        every = self.pctx.comm.group_all_gather(t[None], dim=0)  # [g, B, S / g, ...]
+        """The cp ranks' [B, S / g, ...] shares (one all-gather: within the KV group, or over all ranks under
+        cp_heads) -> [B, S, ...] in step order."""
+        comm = self.pctx.comm
+        every = (comm.all_gather if self.cp_heads else comm.group_all_gather)(t[None], dim=0)  # [g, B, S / g, ...]
         B, part = t.shape[0], t.shape[1]
-        return every.movedim(0, 2).reshape(B, part * self.kv_groups, *t.shape[2:])
+        return every.movedim(0, 2).reshape(B, part * self.cp_size, *t.shape[2:])
+
+    def _cp_heads_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                          slot_mapping: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, kv_len: int, window: torch.Tensor | None,
+                          lora: LayerLora | None) -> torch.Tensor:
+        """A prefill step under context parallelism with whole KV heads per rank (the class docstring):
+        x [B, S, H] -> the attention output [B, S, H], every rank the same."""
+        if lora is not None or any(p._modules.get("quant") is not None for p in (self.q_proj, self.o_proj)):
+            raise ConfigError("cp_degree: context-parallel prefill with whole KV heads per rank gathers the float "
+                              "q and o weights of every rank; it takes neither LoRA adapters nor quantized "
+                              "attention weights (use --cp-degree 1)")
+        B, S = positions.shape
+        comm, D = self.pctx.comm, self.D
+        k, v = self.k_proj(x), self.v_proj(x)  # this rank's KV heads, every token: [B, S, n_kv*D]
+        k = k.view(B, S, self.n_kv, D)
+        v = v.view(B, S, self.n_kv, D)
+        if self.qk_norm:
+            k = self.k_norm(k)
+        k = apply_rope(k, cos, sin)
+        write_blocks(k_cache, slot_mapping, k)
+        write_blocks(v_cache, slot_mapping, v)
+        # every head's K/V of the rows' first kv_len positions: [B, n_kv * tp, kv_len, D]
+        keys = comm.all_gather(read_blocks(k_cache, block_tables, kv_len), dim=1)
+        values = comm.all_gather(read_blocks(v_cache, block_tables, kv_len), dim=1)
+        xs, pos = self._own_tokens(x), self._own_tokens(positions)  # [B, S/g, H], [B, S/g]
+        wq = comm.all_gather(self.q_proj.weight, dim=0)  # [n_heads * tp * D, H], heads in global order
+        bq = comm.all_gather(self.q_proj.bias, dim=0) if self.q_proj.bias is not None else None
+        heads = wq.shape[0] // D
+        q = F.linear(xs, wq, bq).view(B, xs.shape[1], heads, D)
+        if self.qk_norm:
+            q = self.q_norm(q)
+        q = apply_rope(q, self._own_tokens(cos), self._own_tokens(sin))
+        mask = self._mask(torch.arange(kv_len, device=x.device), pos, window)  # [B, S/g, kv_len]
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+        if self.sinks is not None:
+            out = self.ops.attention(q.transpose(1, 2), keys, values, pos, mask, self.scale, softcap=self.softcap,
+                                     sinks=comm.all_gather(self.sinks, dim=0))
+        elif self.softcap is None:
+            out = self.ops.attention(q.transpose(1, 2), keys, values, pos, mask, self.scale)
+        else:
+            out = self.ops.attention(q.transpose(1, 2), keys, values, pos, mask, self.scale, softcap=self.softcap)
+        out = out.to(x.dtype).transpose(1, 2).reshape(B, xs.shape[1], heads * D)  # [B, S/g, every head * D]
+        y = F.linear(out, comm.all_gather(self.o_proj.weight, dim=1), self.o_proj.bias)  # [B, S/g, H]: whole
+        return self._gather_tokens(y)  # [B, S, H]
 
     def _mask(self, key_pos: torch.Tensor, positions: torch.Tensor, window: torch.Tensor | None = None,
               last_keys: torch.Tensor | None = None) -> torch.Tensor:

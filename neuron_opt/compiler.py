@@ -309,6 +309,7 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
     dtype = torch_dtype(dtype_name)
     lay = head_layout(cfg, par)
     backend_cls.check_parallel(par, lay.kv_seq_shards)  # before any device model: a layout error is a config error
+    check_cp_heads(cfg, lay, qc, req.lora is not None)
     backend = get_backend(req.backend, dtype, req.backend_options, for_compile=True, tp=par.tp)
     cache = CompileCache(req.cache_dir or envs.CACHE_DIR / "compile") if req.use_cache else None
     fingerprint = ckpt.weights_fingerprint()
@@ -410,6 +411,20 @@ def resolve_request(req: CompileRequest) -> ResolvedModels:
     draft = (resolve_model(req.speculative_model, param="speculative_model") if req.speculative_model else
              req.speculative_model)
     return ResolvedModels(model, draft, hub_source(req.model, req.revision, model))
+
+
+def check_cp_heads(cfg: Any, lay: Any, qc: QuantConfig, lora: bool) -> None:
+    """Context-parallel prefill with whole KV heads per rank gathers the float q and o weights in its graphs
+    (models/llama.py, Attention): refused with LoRA capacity or quantized attention weights (ConfigError)."""
+    if not lay.cp_heads:
+        return
+    quantized = qc.enabled and any(qc.converts(f"model.layers.{i}.self_attn.{p}") for i in
+                                   range(cfg.num_hidden_layers) for p in ("q_proj", "o_proj"))
+    if lora or quantized:
+        raise ConfigError(f"cp_degree: context-parallel prefill with whole KV heads per rank gathers the float q "
+                          f"and o weights of every rank in its graphs; it takes "
+                          f"{'no LoRA adapters (--enable-lora)' if lora else 'no quantized q/o weights'}: "
+                          f"use --cp-degree 1", param="cp_degree")
 
 
 def check_lora_request(req: CompileRequest, cfg: Any) -> None:

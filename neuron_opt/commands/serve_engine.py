@@ -243,7 +243,7 @@ def build_engine(args: argparse.Namespace) -> Any:
     # here, not at the top: the CLI parses without loading the model path (executors, engine, transformers)
     from neuron_opt.api import load_draft, load_eagle3, load_model
     from neuron_opt.runtime.engine import Engine
-    from neuron_opt.runtime.kv_tier import GIB, KVTier, executor_blocks
+    from neuron_opt.runtime.kv_tier import GIB, KVTier, tier_pools
     from neuron_opt.runtime.output import model_eos_token_ids
 
     check_kv_offloading(args)
@@ -265,9 +265,9 @@ def build_engine(args: argparse.Namespace) -> Any:
     kv_tier = None
     if args.kv_offloading_size is not None:
         disk = args.kv_offloading_disk_dir
-        kv_tier = KVTier(executor_blocks(model.runner.executor),
-                         int(args.kv_offloading_size * GIB), disk,
-                         int(args.kv_offloading_disk_size * GIB) if disk is not None else 0)
+        pools, window = tier_pools(model.runner.executor, model.model_config, model.runner.cache)
+        kv_tier = KVTier(pools, int(args.kv_offloading_size * GIB), disk,
+                         int(args.kv_offloading_disk_size * GIB) if disk is not None else 0, window_pools=window)
     engine = Engine(
         model.runner,
         model.tokenizer,

@@ -22,6 +22,9 @@ mechanism expresses every GQA strategy:
                KV memory per rank drops by g against replicate-kv; q/o weights are duplicated g times.
                `--cp-degree g` (context-parallel prefill) implies it: the g ranks of a group also split a
                prefill's tokens (models/llama.py, Attention).
+  shard + cp   context-parallel prefill with as many KV heads as tp or more (`--cp-degree tp`, the shard layout:
+               n_heads and n_kv_heads multiples of tp): weights and KV pools as `shard`; in a prefill step every
+               rank runs attention for 1/tp of the step's tokens over every head (models/llama.py, Attention).
 
 Widths tp does not divide are padded with zeros, never refused, so any tp shards any Llama-family model (as
 transformers-neuronx ran Llama-3-8B, Mistral-7B and Llama-3-70B at tp 24 on inf2.48xlarge): the MLP's
@@ -103,7 +106,9 @@ class HeadLayout:
     intermediate_local: int  # MLP features per rank: ceil(intermediate_size / tp) (zero-padded)
     vocab_padded: int
     kv_seq_shards: int = 1  # g: ranks sharing one KV head along the sequence (kv-seq-shard only)
-    cp_degree: int = 1  # context-parallel prefill over each KV group's g ranks: g (kv-seq-shard only), else 1
+    # context-parallel prefill: over each KV group's g ranks (kv-seq-shard: g), or over all tp ranks of a shard
+    # layout whose ranks hold whole KV heads (tp); 1: none
+    cp_degree: int = 1
     ep: int = 1  # MoE: expert-parallel groups (each holds experts_local whole experts)
     experts_local: int = 0  # MoE: experts per rank, num_experts / ep (0: dense)
     moe_intermediate_local: int = 0  # MoE: each expert's features per rank, ceil(moe_intermediate_size / moe_tp)
@@ -117,6 +122,12 @@ class HeadLayout:
     def cp(self) -> bool:
         """Context-parallel prefill (ParallelConfig.cp_degree > 1)."""
         return self.cp_degree > 1
+
+    @property
+    def cp_heads(self) -> bool:
+        """Context-parallel prefill over ranks that each hold whole KV heads (the shard layout, cp_degree = tp): a
+        prefill's attention splits by tokens over every head, not by heads."""
+        return self.cp and self.strategy == SHARD
 
     @property
     def hybrid(self) -> bool:
@@ -187,6 +198,8 @@ def head_layout(cfg: ModelConfig, par: ParallelConfig) -> HeadLayout:
         return HeadLayout(n_heads=nq, n_kv_heads=nkv, strategy=SHARD, **common)
     if par.cp_degree > 1:
         check_cp_degree(cfg, par)
+        if nkv >= tp:
+            return HeadLayout(n_heads=nq, n_kv_heads=nkv, strategy=SHARD, cp_degree=par.cp_degree, **common)
     if (par.flash_decoding or par.cp_degree > 1) and nkv < tp:
         if tp % nkv:
             raise ConfigError(
@@ -216,13 +229,23 @@ def head_layout(cfg: ModelConfig, par: ParallelConfig) -> HeadLayout:
 
 def check_cp_degree(cfg: ModelConfig, par: ParallelConfig) -> None:
     """Context-parallel prefill splits a prefill over the ranks that share a KV head (the flash-decoding groups of
-    tp / num_key_value_heads ranks): `cp_degree` must be that group size."""
-    nkv, tp, cp = cfg.num_key_value_heads, par.tp, par.cp_degree
-    if nkv >= tp or tp % nkv or tp // nkv != cp:
+    tp / num_key_value_heads ranks): `cp_degree` must be that group size. With as many KV heads as tp or more it
+    splits over all tp ranks of the shard layout (each rank whole KV heads): `cp_degree` must be tp."""
+    nkv, nq, tp, cp = cfg.num_key_value_heads, cfg.num_attention_heads, par.tp, par.cp_degree
+    if nkv >= tp:
+        if cp != tp or nkv % tp or nq % tp:
+            raise ConfigError(
+                f"cp_degree: with {nkv} KV heads at tp {tp} every rank holds whole KV heads, and context-parallel "
+                f"prefill splits a prefill's attention over all tp ranks by tokens, so cp_degree must be tp ({tp}) "
+                f"and tp must divide the heads (num_attention_heads {nq}, num_key_value_heads {nkv}: the shard "
+                f"layout); got cp_degree {cp}")
+        if par.sequence_parallel:
+            raise ConfigError("cp_degree: context-parallel prefill with whole KV heads per rank gathers the step's "
+                              "attention output over the ranks in token order, which sequence parallelism would "
+                              "scatter again; drop --sequence-parallel or use --cp-degree 1")
+    elif tp % nkv or tp // nkv != cp:
         shared = (f"the KV groups have {tp // nkv} ranks each (tp {tp} / {nkv} KV heads): use --cp-degree "
-                  f"{tp // nkv}" if nkv < tp and tp % nkv == 0 else
-                  f"no ranks share a KV head at tp {tp} with {nkv} KV heads (tp splits the heads already)"
-                  if nkv >= tp else f"tp {tp} is not a multiple of the {nkv} KV heads")
+                  f"{tp // nkv}" if tp % nkv == 0 else f"tp {tp} is not a multiple of the {nkv} KV heads")
         raise ConfigError(f"cp_degree: context-parallel prefill splits a prompt over the ranks that share a KV head "
                           f"(flash decoding's groups of tp / num_key_value_heads ranks), so cp_degree must be that "
                           f"group size; {shared}")
@@ -394,7 +417,9 @@ def layout_cost(
         cfg.num_hidden_layers,
     )
     what = {
-        SHARD: f"{nq} q / {nkv} kv heads split evenly",
+        SHARD: f"{nq} q / {nkv} kv heads split evenly" + (
+            f"; context-parallel prefill (cp_degree {lay.cp_degree}): each rank runs a prefill's attention for "
+            f"1/{lay.cp_degree} of its tokens over every head" if lay.cp else ""),
         REPLICATE_KV: f"kv heads replicated to {lay.n_kv_heads} (each of {nkv} stored {lay.tp // nkv}x)",
         MHA: f"converted to MHA: {nq} q heads padded to {lay.n_heads}, one kv head per q head",
         KV_SEQ_SHARD: (

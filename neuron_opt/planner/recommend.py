@@ -271,7 +271,7 @@ def candidates(
         check_tp(inst, tp)
     if cp_degree > 1 and tp is None:
         raise ConfigError("cp_degree: context-parallel prefill is planned at a given tp (cp_degree = tp / "
-                          "num_key_value_heads); pass --tp too")
+                          "num_key_value_heads, or tp itself with as many KV heads as tp or more); pass --tp too")
     degrees = (tp,) if tp is not None else inst.tp_degrees
     for fixed in (ep, ep_decode):
         if fixed is not None:  # none left: ParallelConfig names the error

@@ -7,7 +7,8 @@ from typing import Any
 
 from neuron_opt.buckets import PREFILL, VERIFY, BucketConfig
 from neuron_opt.config import CacheConfig, KVCacheDtype, ModelConfig, ParallelConfig
-from neuron_opt.parallel.sharding import head_layout
+from neuron_opt.parallel.sharding import HeadLayout, head_layout
+from neuron_opt.planner.collectives import cp_heads_break_even
 from neuron_opt.planner.hardware import GB, GiB, Instance, get_instance
 from neuron_opt.planner.latency import host_sampling_time
 from neuron_opt.planner.memory import (
@@ -65,7 +66,8 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
         f"  KV per token: {kv_per_token(cfg, plan)}",
         *([f"  context-parallel prefill: cp_degree {lay.kv_seq_shards}, each KV group's {lay.kv_seq_shards} ranks "
            f"split a prefill's q/k/v projections and rope (3 more group all-gathers per layer: q, k, v) and hold "
-           f"1/{lay.kv_seq_shards} of its KV along the sequence"] if lay.cp else []),
+           f"1/{lay.kv_seq_shards} of its KV along the sequence"] if lay.cp and not lay.cp_heads else []),
+        *(cp_heads_lines(cfg, lay) if lay.cp_heads else []),
         f"  largest batch at max_model_len {d.max_model_len}: {plan.largest_batch}; "
         f"largest max_model_len at batch {d.batch}: {plan.largest_length}",
         f"  buckets: prefill {list(b.prefill_lens)}" + (f" x batch {b.prefill_batch}" if b.prefill_batch > 1 else "")
@@ -122,6 +124,22 @@ def plan_lines(cfg: ModelConfig, plan: Plan) -> list[str]:
 
 
 KIB = 1024
+
+
+def cp_heads_lines(cfg: ModelConfig, lay: HeadLayout) -> list[str]:
+    """Context-parallel prefill with whole KV heads per rank: what it does, and from which prompt length its
+    collectives move fewer bytes than the all-reduce they replace."""
+    def length(spmd: bool) -> str:
+        n = cp_heads_break_even(cfg, lay, spmd)
+        return "never" if n is None else f"from {n:,} tokens"
+
+    return [f"  context-parallel prefill: cp_degree {lay.cp_degree}, each rank runs a prefill step's attention "
+            f"for 1/{lay.cp_degree} of its tokens over every head (steps whose token count {lay.cp_degree} "
+            f"divides; float q/o weights, no LoRA); per layer, all-gathers of K, V, the q/o weights and the output "
+            f"replace the attention's all-reduce",
+            f"    fewer bytes on the wire than that all-reduce (a prompt from position 0): {length(False)} with "
+            f"true all-gathers; {length(True)} on the neuron backend (torch-xla 2.9: an all-gather is an "
+            f"all-reduce of tp times the bytes)"]
 
 
 def kv_per_token(cfg: ModelConfig, plan: Plan) -> str:
@@ -342,7 +360,7 @@ def plan_json(cfg: ModelConfig, plan: Plan, alternatives: list[Plan] | None = No
         "max_prompt_len": d.max_prompt_len,
         "max_model_len": d.max_model_len,
         "gqa_strategy": plan.layout.strategy,
-        "cp_degree": plan.layout.kv_seq_shards if plan.layout.cp else 1,
+        "cp_degree": plan.layout.cp_degree,
         "ep": plan.layout.ep,
         "ep_decode": plan.layout.decode_layout().ep,
         "moe": None if not cfg.is_moe else {

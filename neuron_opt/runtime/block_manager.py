@@ -27,7 +27,10 @@ Design decisions
   group's n blocks and the window group's blocks that the hit's next query sees; the hit is the longest n for
   which both are cached (both groups hash the same logical blocks, so one hash names a block in each).
 - A second KV tier (runtime/kv_tier.py) hears of every eviction (`on_evict`: the evicted hash and block, before
-  the block's new owner writes it), so it can keep the block's bytes; the manager itself stays device-free.
+  the block's new owner writes it), so it can keep the block's bytes; the manager itself stays device-free. Under
+  window-sized KV each group has its own hook (its pools, its layers), and a new sequence may start with logical
+  blocks that neither group holds in its pool: `WindowedBlockManager.allocate` gives those new blocks, which the
+  tier fills.
 """
 
 from __future__ import annotations
@@ -226,12 +229,14 @@ class WindowedBlockManager:
         block_size: positions per block (both groups).
         sliding_window: the window the window group serves.
         enable_prefix_caching: keep and reuse full blocks by their prefix hash (both groups).
+        on_evict, on_evict_window: the second KV tier's hooks for the full and the window group (BlockManager).
     """
 
     def __init__(self, num_blocks: int, window_num_blocks: int, block_size: int, sliding_window: int,
-                 enable_prefix_caching: bool = True) -> None:
-        self.full = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.window = BlockManager(window_num_blocks, block_size, enable_prefix_caching)
+                 enable_prefix_caching: bool = True, on_evict: Callable[[bytes, int], None] | None = None,
+                 on_evict_window: Callable[[bytes, int], None] | None = None) -> None:
+        self.full = BlockManager(num_blocks, block_size, enable_prefix_caching, on_evict)
+        self.window = BlockManager(window_num_blocks, block_size, enable_prefix_caching, on_evict_window)
         self.block_size, self.sliding_window = block_size, sliding_window
         self.released: dict[str, int] = {}  # sequence -> its leading logical blocks the window group gave back
         self.stats = self.full.stats
@@ -265,20 +270,34 @@ class WindowedBlockManager:
                 return full[:n]
         return []
 
-    def allocate(self, seq_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
+    def window_hits(self, hashes: Sequence[bytes]) -> int:
+        """For a sequence starting with the logical blocks named `hashes`: the end of the window group's cached run
+        among the blocks its next query sees (first_visible_block .. the first it lacks)."""
+        n = len(hashes)
+        m = self.first_visible_block(n * self.block_size)
+        while m < n and hashes[m] in self.window.cached:
+            m += 1
+        return m
+
+    def allocate(self, seq_id: str, num_tokens: int, prefix: Sequence[int] = (),
+                 hashes: Sequence[bytes] = ()) -> bool:
         """BlockManager.allocate in both groups, all or nothing. A new sequence's window group takes the blocks of
-        `prefix` its next query sees (cached: `cached_prefix` checked) and the null block before them."""
+        `prefix` its next query sees (cached: `cached_prefix` checked) and the null block before them. With a KV
+        tier, `hashes` names n >= len(prefix) logical blocks the new sequence starts with: the full group takes
+        `prefix` and new blocks for the rest, the window group its cached run of the blocks the next query sees
+        (`window_hits`) and new blocks after it; the tier fills the new ones."""
+        hashes = list(hashes) or [h for b in prefix if (h := self.full.block_hash[b]) is not None]
         window_prefix: list[int] = []
-        hashes = [self.full.block_hash[b] for b in prefix]
-        if prefix and seq_id not in self.full.tables:
-            lo = self.first_visible_block(len(prefix) * self.block_size)
-            window_prefix = [NULL_BLOCK] * lo + [self.window.cached[h] for h in hashes[lo:]]  # type: ignore[index]
+        lo = 0
+        if hashes and seq_id not in self.full.tables:
+            lo, m = self.first_visible_block(len(hashes) * self.block_size), self.window_hits(hashes)
+            window_prefix = [NULL_BLOCK] * lo + [self.window.cached[h] for h in hashes[lo:m]]
         if not (self.full.fits(seq_id, num_tokens, prefix) and self.window.fits(seq_id, num_tokens, window_prefix)):
             return False
         self.full.allocate(seq_id, num_tokens, prefix)
-        self.window.allocate(seq_id, num_tokens, window_prefix, hashes)  # type: ignore[arg-type]
-        if window_prefix:
-            self.released[seq_id] = self.first_visible_block(len(prefix) * self.block_size)
+        self.window.allocate(seq_id, num_tokens, window_prefix, hashes)
+        if lo:
+            self.released[seq_id] = lo
         return True
 
     def slide(self, seq_id: str, next_position: int) -> None:

@@ -28,9 +28,12 @@ Design decisions
   back): in place through uint8 views for pools of CPU tensors in this process (`HostBlocks`: the eager and cpu
   backends at tp = 1), and by the executor's own copier where the pool is on a device (`executor.tier_blocks()`:
   the neuron backend's, one small graph each way over every layer's pool, at any tp). Rank processes hold their
-  pools out of reach and are refused. Window-sized KV (a sliding-window layer
-  group with its own pool) is refused by the scheduler: its window group gives blocks back while the full group
-  keeps them, so one key would not name one set of bytes.
+  pools out of reach and are refused.
+- Window-sized KV (sliding-window layers with a pool of their own, block_manager.WindowedBlockManager): entries
+  per (group, key). The full layers' pools and the window layers' pools are two `PoolBlocks` (`group_blocks`),
+  each group's evictions store that group's layers only (the window group gives its blocks back as the window
+  slides, so its copy of a key is evicted long before the full group's), and the scheduler restores the two
+  groups' blocks apart. Entries of both groups share the size limit and the LRU order; each counts its own bytes.
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ from neuron_opt.errors import ConfigError
 log = logging.getLogger(__name__)
 GIB = 1 << 30
 DIGEST_BYTES = 16
+FULL, WINDOW = "full", "window"  # the KV groups of window-sized KV (one group, FULL, without it)
+_GROUP_TAG = {FULL: b"", WINDOW: b"window:"}  # a window group's entry is keyed apart from the full group's
 
 
 @dataclass
@@ -131,6 +136,31 @@ def executor_blocks(executor: Any) -> PoolBlocks:
     return own() if own is not None else HostBlocks(executor.k_caches, executor.v_caches)
 
 
+def tier_pools(executor: Any, cfg: Any, cache: Any) -> tuple[PoolBlocks, PoolBlocks | None]:
+    """The pools a tier over `executor` copies, and the window layers' apart under window-sized KV (the layers with
+    a sliding window when `cache` (CacheConfig) keeps a window pool: CacheConfig.pool_blocks); else None."""
+    if not cache.sliding_window:
+        return executor_blocks(executor), None
+    return group_blocks(executor, [i for i in range(cfg.num_hidden_layers) if cfg.layer_window(i) is not None])
+
+
+def group_blocks(executor: Any, window_layers: Sequence[int]) -> tuple[PoolBlocks, PoolBlocks]:
+    """Window-sized KV: the pools of `executor`'s full layers and of its sliding-window layers (`window_layers`,
+    whose pools hold the window pool's blocks: CacheConfig.pool_blocks), as the tier's two groups. Host pools only:
+    a device copier gathers every layer's pool in one graph."""
+    if getattr(executor, "tier_blocks", None) is not None:
+        raise ConfigError("kv_offloading_size: the KV tier of a model with window-sized KV copies the full and the "
+                          "window layers' pools apart, which this executor's device copier does not (its graph "
+                          "gathers every layer's block at once); serve it without --kv-offloading-size",
+                          param="kv_offloading_size")
+    ks, vs, window = executor.k_caches, executor.v_caches, set(window_layers)
+    if not window or len(window) == len(ks):
+        raise ValueError(f"group_blocks: window layers {sorted(window)} of {len(ks)} leave a group empty")
+    full = [i for i in range(len(ks)) if i not in window]
+    return (HostBlocks([ks[i] for i in full], [vs[i] for i in full]),
+            HostBlocks([ks[i] for i in sorted(window)], [vs[i] for i in sorted(window)]))
+
+
 class _Disk:
     """The disk level: files in a private directory, an LRU index of the keys written, the entries on their way."""
 
@@ -138,11 +168,19 @@ class _Disk:
         parent.mkdir(parents=True, exist_ok=True)
         self.path = Path(tempfile.mkdtemp(prefix="kv-tier-", dir=parent))  # 0700, this tier's alone
         self.max_bytes = max_bytes
-        self.index: OrderedDict[bytes, None] = OrderedDict()  # written files, LRU first
+        self.index: OrderedDict[bytes, int] = OrderedDict()  # written files and their sizes, LRU first
+        self.num_bytes = 0  # of the files in `index`
         self.pending: dict[bytes, _Entry] = {}  # spilled from RAM, not yet written
 
     def file(self, key: bytes) -> Path:
         return self.path / key.hex()
+
+    def forget(self, key: bytes) -> bool:
+        """Drop `key` from the index (its file is the caller's); whether it was there."""
+        size = self.index.pop(key, None)
+        if size is not None:
+            self.num_bytes -= size
+        return size is not None
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.index or key in self.pending
@@ -152,19 +190,25 @@ class KVTier:
     """A bounded LRU store of KV blocks in host memory (and optionally on disk), over one executor's pools.
 
     Args:
-        pools: the executor's block pools (`executor_blocks`; `HostBlocks` over pools of host tensors).
+        pools: the executor's block pools (`executor_blocks`; `HostBlocks` over pools of host tensors); with
+            window-sized KV, the full layers' pools (`group_blocks`).
         max_bytes: most bytes of entries held in RAM (`--kv-offloading-size` GiB).
         disk_dir: a directory for the disk level (None: RAM only); `disk_bytes`: its size limit.
+        window_pools: with window-sized KV, the sliding-window layers' pools (`group_blocks`): entries of the
+            WINDOW group.
     """
 
     def __init__(self, pools: PoolBlocks, max_bytes: int, disk_dir: Path | None = None,
-                 disk_bytes: int = 0) -> None:
+                 disk_bytes: int = 0, window_pools: PoolBlocks | None = None) -> None:
         self.pools = pools
-        self.block_bytes = pools.block_bytes
+        self.groups: dict[str, PoolBlocks] = {FULL: pools, **({WINDOW: window_pools} if window_pools else {})}
+        self.block_bytes = pools.block_bytes  # of a FULL entry
+        largest = max(g.block_bytes for g in self.groups.values())
         for name, size in (("kv_offloading_size", max_bytes), ("kv_offloading_disk_size", disk_bytes)):
-            if (name == "kv_offloading_size" or disk_dir is not None) and size < self.block_bytes:
-                raise ConfigError(f"{name}: {size} bytes hold no block ({self.block_bytes} bytes each)", param=name)
+            if (name == "kv_offloading_size" or disk_dir is not None) and size < largest:
+                raise ConfigError(f"{name}: {size} bytes hold no block ({largest} bytes each)", param=name)
         self.max_bytes = max_bytes
+        self._ram_bytes = 0
         self.entries: OrderedDict[bytes, _Entry] = OrderedDict()  # RAM, LRU first
         self.disk = _Disk(disk_dir, disk_bytes) if disk_dir is not None else None
         self.stats = KVTierStats()
@@ -178,52 +222,68 @@ class KVTier:
     @property
     def num_bytes(self) -> int:
         """Bytes held in RAM."""
-        return len(self.entries) * self.block_bytes
+        return self._ram_bytes
 
     @property
     def disk_num_bytes(self) -> int:
         """Bytes of the disk level's files."""
-        return 0 if self.disk is None else len(self.disk.index) * (self.block_bytes + DIGEST_BYTES)
+        return 0 if self.disk is None else self.disk.num_bytes
+
+    @property
+    def windowed(self) -> bool:
+        """It holds the window layers' group too (window-sized KV)."""
+        return WINDOW in self.groups
 
     def __contains__(self, key: bytes) -> bool:
+        return self.holds(key)
+
+    def holds(self, key: bytes, group: str = FULL) -> bool:
+        """Whether an entry of `group`'s layers named `key` is here (in RAM or on disk)."""
+        key = _GROUP_TAG[group] + key
         return key in self.entries or (self.disk is not None and key in self.disk)
 
-    def store(self, key: bytes, block: int) -> None:
-        """Copy pool block `block` (holding the prefix block named `key`) into the tier, making room by LRU (to the
-        disk level, when there is one). Called as the pool hands the block to a new owner, before anything writes
-        it."""
+    def store(self, key: bytes, block: int, group: str = FULL) -> None:
+        """Copy block `block` of `group`'s pools (holding the prefix block named `key`) into the tier, making room
+        by LRU (to the disk level, when there is one). Called as the pool hands the block to a new owner, before
+        anything writes it."""
+        pools, key = self.groups[group], _GROUP_TAG[group] + key
         with self._lock:
             if key in self.entries:
                 self.entries.move_to_end(key)
                 return
-            while self.num_bytes + self.block_bytes > self.max_bytes:
+            while self.entries and self._ram_bytes + pools.block_bytes > self.max_bytes:
                 old_key, old = self.entries.popitem(last=False)
+                self._ram_bytes -= old.data.numel()
                 if self.disk is None:
                     self.stats.evicted += 1
                 elif old_key not in self.disk:  # (one already there only leaves RAM)
                     self.disk.pending[old_key] = old
                     self._todo.put((old_key, old, True))  # written by the worker, in eviction order
-            entry = _Entry(self.pools.read(block))  # [block_bytes], a copy
+            entry = _Entry(pools.read(block))  # [block_bytes], a copy
             self.entries[key] = entry
+            self._ram_bytes += entry.data.numel()
             self.stats.stored += 1
         self._todo.put((key, entry, False))  # its digest
 
-    def load(self, keys: Sequence[bytes], blocks: Sequence[int]) -> int:
-        """Copy the entries named `keys` into pool blocks `blocks` (pairwise), checking each against its digest;
-        stops at the first entry that is missing or corrupted (dropped). Returns how many blocks were loaded."""
+    def load(self, keys: Sequence[bytes], blocks: Sequence[int], group: str = FULL) -> int:
+        """Copy the entries of `group` named `keys` into its pools' blocks `blocks` (pairwise), checking each against
+        its digest; stops at the first entry that is missing or corrupted (dropped). Returns how many blocks were
+        loaded."""
+        pools = self.groups[group]
         for n, (key, block) in enumerate(zip(keys, blocks, strict=True)):
-            entry, level = self._take(key)
+            entry, level = self._take(_GROUP_TAG[group] + key, pools.block_bytes)
             if entry is None:
                 return n
-            self.pools.write(block, entry.data)
+            pools.write(block, entry.data)
             if level == "disk":
                 self.stats.restored_disk += 1
             else:
                 self.stats.restored_ram += 1
         return len(keys)
 
-    def _take(self, key: bytes) -> tuple[_Entry | None, str]:
-        """The verified entry named `key` and the level it came from; (None, "") when missing or damaged."""
+    def _take(self, key: bytes, size: int) -> tuple[_Entry | None, str]:
+        """The verified entry named `key` (`size` bytes) and the level it came from; (None, "") when missing or
+        damaged."""
         with self._lock:
             entry, level = self.entries.get(key), "ram"
             if entry is not None:
@@ -241,7 +301,7 @@ class KVTier:
                 raw = self.disk.file(key).read_bytes()
             except OSError as e:  # removed for room since the check above, or unreadable: a miss
                 with self._lock:
-                    if self.disk.index.pop(key, 0) is None:
+                    if self.disk.forget(key):
                         log.warning("kv tier: %s unreadable (%s); recomputing its block", self.disk.file(key), e)
                 return None, ""
             digest = raw[:DIGEST_BYTES]
@@ -250,7 +310,7 @@ class KVTier:
         if digest is None:  # copied in moments ago, before the worker reached it
             with self._lock:
                 entry.digest = _digest(entry.data)
-        elif entry.data.numel() != self.block_bytes or _digest(entry.data) != digest:
+        elif entry.data.numel() != size or _digest(entry.data) != digest:
             self._drop(key, entry, level)
             return None, ""
         if level == "disk":  # marked used there; the pool holds it now, and gives it back to RAM when it evicts it
@@ -265,10 +325,10 @@ class KVTier:
             self.stats.corrupt += 1
             if level == "ram" and self.entries.get(key) is entry:
                 del self.entries[key]
+                self._ram_bytes -= entry.data.numel()
             elif level == "ram" and self.disk is not None and self.disk.pending.get(key) is entry:
                 del self.disk.pending[key]
-            elif level == "disk" and self.disk is not None and key in self.disk.index:
-                del self.disk.index[key]
+            elif level == "disk" and self.disk is not None and self.disk.forget(key):
                 self.disk.file(key).unlink(missing_ok=True)
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -307,9 +367,12 @@ def _work(todo: queue.SimpleQueue[tuple[bytes, _Entry, bool] | None], lock: thre
             continue
         with lock:
             disk.pending.pop(key, None)
-            disk.index[key] = None
-            while len(disk.index) * (entry.data.numel() + DIGEST_BYTES) > disk.max_bytes:
-                old, _ = disk.index.popitem(last=False)
+            disk.forget(key)
+            disk.index[key] = entry.data.numel() + DIGEST_BYTES
+            disk.num_bytes += entry.data.numel() + DIGEST_BYTES
+            while disk.num_bytes > disk.max_bytes:
+                old, size = disk.index.popitem(last=False)
+                disk.num_bytes -= size
                 disk.file(old).unlink(missing_ok=True)
                 stats.evicted += 1
     if disk is not None:

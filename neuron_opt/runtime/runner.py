@@ -153,8 +153,11 @@ class ModelRunner:
         without chunked prefill), so only max_model_len limits it, not the largest prefill bucket."""
         limit = self.max_model_len if chunked else self.max_prompt_len
         if prompt_len > limit:
+            which = ("max_model_len" if chunked else
+                     f"the largest prefill bucket; this artifact has no offset prefill buckets to split a prompt, "
+                     f"max_model_len is {self.max_model_len}")
             raise ContextLengthError(
-                f"This model's maximum context length is {limit} tokens. However, your request has "
+                f"This model's maximum context length is {limit} tokens ({which}). However, your request has "
                 f"{prompt_len} input tokens. Please reduce the length of the input.", param="input"
                 if self.embeds else None)
         if self.embeds:  # an embedding request generates nothing: its input is all it holds
@@ -162,7 +165,7 @@ class ModelRunner:
         if prompt_len + max_tokens > self.max_model_len:
             raise ContextLengthError(
                 f"'max_tokens' is too large: {max_tokens}. This model's maximum context length is "
-                f"{self.max_model_len} tokens and your request has {prompt_len} input tokens "
+                f"{self.max_model_len} tokens (max_model_len) and your request has {prompt_len} input tokens "
                 f"({max_tokens} > {self.max_model_len} - {prompt_len}).", param="max_tokens")
 
     def slot_blocks(self, slot: int) -> tuple[int, ...]:

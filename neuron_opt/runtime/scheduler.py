@@ -20,7 +20,11 @@ Design decisions (vLLM's policy, on our buckets)
   tier as they are handed out (`BlockManager.on_evict`).
 - Window-sized KV (KVConfig.sliding_window): the window layers' blocks are a second group
   (block_manager.WindowedBlockManager); each work item carries that group's table too (`window_blocks`), and
-  once a sequence's computed tokens move on, the blocks its window left behind go back to the pool.
+  once a sequence's computed tokens move on, the blocks its window left behind go back to the pool. With a KV
+  tier, each group's evictions go to the tier as that group's entries, and a new prompt restores the longest
+  prefix of n blocks for which the full group's n blocks and the window group's blocks its next query sees are
+  each in their pool or the tier (`_window_tier_prefix`); a damaged entry gives the sequence's blocks back and
+  the prompt is admitted again from the pools alone.
 - Preemption by recompute: when a running sequence needs a block and none is free, the newest running
   sequence gives its blocks back and goes to the front of the queue with its tokens so far; later it prefills
   them again (prompt and generated tokens, in chunks) and continues where it stopped. No request is lost and
@@ -51,10 +55,12 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from neuron_opt.errors import ConfigError
 from neuron_opt.runtime.block_manager import BlockManager, WindowedBlockManager, hash_block
+from neuron_opt.runtime.kv_tier import WINDOW
 from neuron_opt.runtime.request import PLACEHOLDER, Request, RequestStatus
 
 
@@ -131,7 +137,8 @@ class Scheduler:
             one step).
         lora: the adapter slots (`acquire(name) -> slot | None`, `release(slot)`), for requests under an adapter.
         tier: the second KV tier (runtime/kv_tier.KVTier: `key in tier`, `store(key, block)`, `load(keys, blocks)
-            -> n`, `record_lookup(tokens, hits)`), or None.
+            -> n`, `record_lookup(tokens, hits)`; with window-sized KV also its window group: `windowed`,
+            `holds(key, group)` and the group argument of `store` and `load`), or None.
     """
 
     def __init__(
@@ -156,16 +163,19 @@ class Scheduler:
         if tier is not None and not kv.enable_prefix_caching:
             raise ConfigError("kv_offloading_size: the KV tier keeps prefix-cache blocks; turn prefix caching on",
                               param="kv_offloading_size")
-        if tier is not None and kv.sliding_window:
+        if tier is not None and bool(kv.sliding_window) != tier.windowed:
             raise ConfigError("kv_offloading_size: this model keeps window-sized KV for its sliding-window layers "
-                              "(a pool of their own), which the KV tier does not hold; serve it without one",
-                              param="kv_offloading_size")
+                              "(a pool of their own): its KV tier needs both groups' pools (kv_tier.group_blocks)"
+                              if kv.sliding_window else "kv_offloading_size: the KV tier holds a window group, "
+                              "which this model's pool does not have", param="kv_offloading_size")
         self.tier = tier
         self.blocks: BlockManager | WindowedBlockManager = BlockManager(
             kv.num_blocks, kv.block_size, kv.enable_prefix_caching,
             tier.store if tier is not None else None) if not kv.sliding_window else \
             WindowedBlockManager(kv.num_blocks, kv.window_num_blocks, kv.block_size, kv.sliding_window,
-                                 kv.enable_prefix_caching)
+                                 kv.enable_prefix_caching, tier.store if tier is not None else None,
+                                 partial(tier.store, group=WINDOW) if tier is not None else None)
+        self._pools_only: str | None = None  # a request admitted again without the tier (a damaged window entry)
         self.waiting: deque[Request] = deque()
         self.running: OrderedDict[str, Request] = OrderedDict()  # admission order = decode row order
         self.num_preemptions = 0
@@ -247,9 +257,12 @@ class Scheduler:
                     break  # every adapter slot is in use: wait, as for blocks
                 req.lora_slot = slot
             tokens = req.cache_tokens()
-            prefix = [] if req.scores_prompt and not req.output_token_ids else self.blocks.cached_prefix(
-                tokens, req.cache_salt)
-            restore = self._tier_prefix(req, tokens, prefix)
+            if self._window_tier:
+                prefix, restore = self._window_tier_prefix(req, tokens)
+            else:
+                prefix = [] if req.scores_prompt and not req.output_token_ids else self.blocks.cached_prefix(
+                    tokens, req.cache_salt)
+                restore = self._tier_prefix(req, tokens, prefix)
             computed = (len(prefix) + len(restore)) * self.kv.block_size
             chunk = self._first_chunk(req, computed, budget)
             if prefills and chunk > budget:
@@ -257,9 +270,13 @@ class Scheduler:
             # without offset prefill a request reserves its whole length: it can never be preempted
             need = (computed + chunk if self.kv.offset_prefill
                     else min(req.num_prompt_tokens + req.max_tokens + self.lookahead, self.kv.max_model_len))
-            if not self.blocks.allocate(req.request_id, need, prefix):
+            if not self._allocate_new(req, need, prefix, restore):
                 break  # wait for blocks: running sequences finish or shrink the queue's demand
             restored = self._restore(req, len(prefix), restore)
+            if restored < 0:  # window-sized KV, a damaged entry: its blocks are back; admitted again from the pools
+                self._pools_only = req.request_id
+                continue
+            self._pools_only = None
             if restored < len(restore):  # a damaged entry ended the run: the rest is prefilled (its blocks are held)
                 computed = (len(prefix) + restored) * self.kv.block_size
                 chunk = self._first_chunk(req, computed, budget)
@@ -313,12 +330,63 @@ class Scheduler:
             parent = h
         return out
 
+    @property
+    def _window_tier(self) -> bool:
+        return self.tier is not None and isinstance(self.blocks, WindowedBlockManager)
+
+    def _window_tier_prefix(self, req: Request, tokens: list[int]) -> tuple[list[int], list[bytes]]:
+        """Window-sized KV with a tier: the full group's pool blocks of the longest restorable prefix of n blocks,
+        and the hashes of its blocks after them (the tier holds the full group's entries): n is the longest for
+        which the full group's n blocks are in its pool (a leading run) or the tier, and the window group's blocks
+        a query after them sees are in its pool (a leading run, `window_hits`) or the tier. Never the block of the
+        prompt's last token."""
+        bm, bs = self.blocks, self.kv.block_size
+        assert isinstance(bm, WindowedBlockManager)
+        if req.scores_prompt and not req.output_token_ids:
+            return [], []
+        if self._pools_only == req.request_id:
+            return bm.cached_prefix(tokens, req.cache_salt), []
+        pool = bm.full.cached_prefix(tokens, req.cache_salt)
+        chain = [h for b in pool if (h := bm.full.block_hash[b]) is not None]  # cached: every one has its hash
+        parent = chain[-1] if chain else req.cache_salt
+        for i in range(len(pool), (len(tokens) - 1) // bs):
+            h = hash_block(parent, tokens[i * bs:(i + 1) * bs])
+            if not self.tier.holds(h):
+                break
+            chain.append(h)
+            parent = h
+        for n in range(len(chain), 0, -1):
+            hashes = chain[:n]
+            if all(self.tier.holds(h, WINDOW) for h in hashes[bm.window_hits(hashes):]):
+                return pool[:n], hashes[len(pool[:n]):]
+        return [], []
+
+    def _allocate_new(self, req: Request, need: int, prefix: list[int], restore: list[bytes]) -> bool:
+        """Blocks for a new request's first `need` positions, taking its pool `prefix`; the blocks for `restore`
+        are new ones (the tier fills them)."""
+        if self._window_tier:
+            bm = self.blocks
+            assert isinstance(bm, WindowedBlockManager)
+            hashes = [h for b in prefix if (h := bm.full.block_hash[b]) is not None] + restore
+            return bm.allocate(req.request_id, need, prefix, hashes)
+        return self.blocks.allocate(req.request_id, need, prefix)
+
     def _restore(self, req: Request, num_prefix: int, keys: list[bytes]) -> int:
         """The tier's entries `keys` copied into `req`'s blocks after its `num_prefix` pool blocks (just allocated);
-        how many were (the run ends at a damaged or missing entry)."""
-        if not keys:
-            return 0
-        return self.tier.load(keys, self.blocks.table(req.request_id)[num_prefix:num_prefix + len(keys)])
+        how many were (the run ends at a damaged or missing entry). Window-sized KV: the window group's blocks a
+        query after them sees, past its cached run, are copied too; a damaged or missing entry of either group
+        gives the request's blocks back and returns -1."""
+        rid, bm = req.request_id, self.blocks
+        if not self._window_tier:
+            return self.tier.load(keys, bm.table(rid)[num_prefix:num_prefix + len(keys)]) if keys else 0
+        assert isinstance(bm, WindowedBlockManager)
+        hashes = [h for b in bm.table(rid)[:num_prefix] if (h := bm.full.block_hash[b]) is not None] + keys
+        m = bm.window_hits(hashes)  # the allocation took the window group's cached run; the rest is new
+        if self.tier.load(keys, bm.table(rid)[num_prefix:len(hashes)]) < len(keys) or \
+                self.tier.load(hashes[m:], bm.window_table(rid)[m:len(hashes)], WINDOW) < len(hashes) - m:
+            bm.free_sequence(rid)
+            return -1
+        return len(keys)
 
     def _record_lookup(self, req: Request, num_prefix: int, num_restored: int) -> None:
         """Count an admitted prompt's hits: in the pool (its prefix blocks), and in the tier (the tokens past those,

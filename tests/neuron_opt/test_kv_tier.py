@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from neuron_opt.errors import ConfigError
-from neuron_opt.runtime.kv_tier import HostBlocks, KVTier
+from neuron_opt.runtime.kv_tier import HostBlocks, KVTier, group_blocks
 from neuron_opt.runtime.scheduler import KVConfig, Scheduler
 
 LAYERS, BLOCKS, SHAPE = 3, 12, (2, 4, 8)  # per block: [n_kv, block positions, D]
@@ -74,8 +74,20 @@ def test_layouts_the_tier_cannot_hold_are_refused():
     with pytest.raises(ConfigError, match="keeps its KV elsewhere"):
         HostBlocks([], [])  # rank processes hold the pools
     tier = KVTier(HostBlocks(k, v), 1 << 20)
-    with pytest.raises(ConfigError, match="window-sized KV"):
+    with pytest.raises(ConfigError, match="window-sized KV.*needs both groups' pools"):
         Scheduler(2, KVConfig(16, 4, 32, 32, sliding_window=8, window_num_blocks=8), tier=tier)
+    two = KVTier(HostBlocks(k[:1], v[:1]), 1 << 20, window_pools=HostBlocks(k[1:], v[1:]))
+    with pytest.raises(ConfigError, match="holds a window group, which this model's pool does not have"):
+        Scheduler(2, KVConfig(16, 4, 32, 32), tier=two)
+
+    class DevicePools:  # an executor whose pools only its own copier reaches (the neuron backend)
+        k_caches, v_caches = k, v
+
+        def tier_blocks(self):
+            return HostBlocks(k, v)
+
+    with pytest.raises(ConfigError, match="window-sized KV copies the full and the window layers' pools apart"):
+        group_blocks(DevicePools(), [1])
     with pytest.raises(ConfigError, match="turn prefix caching on"):
         Scheduler(2, KVConfig(16, 4, 32, 32, enable_prefix_caching=False), tier=tier)
 

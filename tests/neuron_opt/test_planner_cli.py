@@ -174,3 +174,22 @@ def test_kv_per_token_and_where_a_context_fits(config_path: Path, capsys: pytest
     got = json.loads(capsys.readouterr().out)
     assert got["kv_bytes_per_token"] == {"model": 131072, "rank": 16384}
     assert got["context_fits"]["trn1.2xlarge"] == 2 and set(got["context_fits"]) >= {"inf2.xlarge", "trn2.48xlarge"}
+
+
+def test_cp_degree_with_whole_kv_heads_per_rank_says_when_it_pays(config_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Llama-3-8B at tp 8 holds one KV head per rank: context-parallel prefill over all 8 ranks. Its per-layer
+    all-gathers (K and V: 2 x 8 heads x 128 per token, the output: 4096 per token, the q/o weights: 2 x 4096 x
+    4096 once) move fewer ring bytes than the all-reduce they replace (2 x 4096 per token) once
+    7/8 x 33,554,432 < (2 x 7/8 x 4096 - 7/8 x 6144) x S, i.e. S > 16,384; never where each all-gather is an
+    all-reduce of 8x its bytes."""
+    args = ["plan", "--model", str(config_path), "--instance", "trn1.32xlarge", "--tp", "8", "--cp-degree", "8",
+            "--batch-size", "1", "--input-len", "4096", "--output-len", "128"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "context-parallel prefill: cp_degree 8, each rank runs a prefill step's attention for 1/8" in out
+    assert "from 16,385 tokens with true all-gathers; never on the neuron backend" in out
+    assert main([*args, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cp_degree"] == 8
+    assert main([a if a != "8" or i != 8 else "4" for i, a in enumerate(args)]) != 0
+    assert "cp_degree: with 8 KV heads at tp 8 every rank holds whole KV heads" in capsys.readouterr().err

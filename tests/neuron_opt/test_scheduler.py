@@ -14,6 +14,7 @@ import zlib
 
 import pytest
 
+from neuron_opt.config import CacheConfig
 from neuron_opt.errors import ConfigError, ContextLengthError
 from neuron_opt.runtime.request import Request, RequestStatus
 from neuron_opt.runtime.scheduler import DecodeWork, KVConfig, PrefillWork, Scheduler
@@ -321,3 +322,35 @@ def test_many_requests_each_get_exact_token_count_and_blocks_never_shared():
                 finished[w.request_id] = s.finish(w.request_id)
     assert {k: len(v.output_token_ids) for k, v in finished.items()} == lengths
     assert s.blocks.num_free_blocks == 19
+
+
+def test_a_prompt_waits_for_pool_blocks_before_it_prefills_and_no_step_runs_past_its_blocks():
+    """Memory is admitted against the pool before a prefill runs: a prompt whose first chunk finds too few free
+    blocks waits in the queue holding nothing, and every item of every step already holds the blocks of the
+    positions it writes (a late shortage is a preemption, never a write past the pool). The pool itself always
+    holds one whole max_model_len sequence, so an admitted request can always finish."""
+    s = Scheduler(4, kv(num_blocks=9, max_model_len=32, enable_chunked_prefill=False))  # 8 blocks = 32 positions
+    a, b = req("a", n_prompt=20, max_tokens=8), req("b", n_prompt=16, max_tokens=4, first=500)
+    s.add(a)
+    assert run_step(s) == ([], ["a"])  # a holds 5 blocks
+    s.add(b)  # its 16 tokens need 4 blocks, 3 are free
+    for _ in range(100):
+        out = s.schedule()
+        for w in out.prefills:
+            assert len(w.blocks) * BS >= w.start + len(w.token_ids)
+        for d in out.decodes:
+            assert len(d.blocks) * BS >= d.position + 1
+        held = {blk for rid in s.running for blk in s.blocks.table(rid)}
+        assert len(held) <= 8
+        if s.waiting:
+            assert "b" not in s.blocks.tables and all(w.request_id != "b" for w in out.prefills)
+        for w in (*out.decodes, *out.prefills):
+            r = s.update(w.request_id, model_token(s.running[w.request_id]))
+            if len(r.output_token_ids) >= r.max_tokens:
+                s.finish(w.request_id)
+        if not s.has_work():
+            break
+    assert b.output_token_ids == drain(Scheduler(4, kv()), [req("b", n_prompt=16, max_tokens=4, first=500)])["b"]
+    assert len(a.output_token_ids) == 8 and s.num_preemptions == 0
+    with pytest.raises(ConfigError, match="at least one sequence of max_model_len=128"):
+        CacheConfig(max_model_len=128, block_size=32, num_blocks=4)

@@ -4,7 +4,8 @@ One set of rank processes per case (module-scoped, parametrized: pytest keeps on
 Cases cover divisible and non-divisible head counts and every layout:
   9 q / 3 kv heads at tp=2 (MHA, padded), tp=3 (shard) and tp=4 (MHA, padded) with sequence parallelism,
   8/2 at tp=4 (replicate-kv), flash decoding (KV cache split along the sequence) for MQA at tp=2 (with and
-  without context-parallel prefill) and for Mistral's sliding window at tp=4 (two KV groups).
+  without context-parallel prefill) and for Mistral's sliding window at tp=4 (two KV groups), and 8/2 at tp=2
+  with context-parallel prefill over ranks that hold whole KV heads.
 Oracle: HF logits (fp32, within 1e-4) and HF greedy tokens; collective counts against the formula.
 """
 
@@ -38,6 +39,9 @@ CASES = {
     # context-parallel prefill: the KV group's two ranks split each prefill's tokens (prompts of 5, 7, 11 tokens
     # in 16-token buckets)
     "mqa-tp2-cp": ("llama-mqa", ParallelConfig(tp=2, cp_degree=2)),
+    # context-parallel prefill with whole KV heads per rank (8 q / 2 kv heads at tp 2: the shard layout): each rank
+    # runs a prefill's attention for half its tokens over every head
+    "gqa4-tp2-cp-heads": ("llama-gqa4", ParallelConfig(tp=2, cp_degree=2)),
     # two KV groups of two ranks (subgroup collectives) and a sliding window inside the sequence-split cache
     "mistral-window-tp4-flash": ("mistral-window", ParallelConfig(tp=4, flash_decoding=True)),
 }
@@ -65,7 +69,8 @@ def _state_dict(d, cfg):
     return sd
 
 
-SLOW = {"mqa-tp2-cp"}  # the XLA tier runs context parallelism at tp 2 too (tests/xla/test_device_cp.py)
+# the XLA tier runs context parallelism at tp 2 too (tests/xla/test_device_cp.py)
+SLOW = {"mqa-tp2-cp", "gqa4-tp2-cp-heads"}
 
 
 @pytest.fixture(scope="module", params=[pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c

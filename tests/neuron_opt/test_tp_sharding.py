@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 
 from models.llama import LlamaForCausalLM
 from neuron_opt.commands.parallel_flags import add_parallel_flags, parallel_config_from_args
-from neuron_opt.config import ModelConfig, ParallelConfig
+from neuron_opt.compiler import check_cp_heads
+from neuron_opt.config import ModelConfig, ParallelConfig, QuantConfig
 from neuron_opt.errors import ConfigError
 from neuron_opt.parallel.sharding import head_layout, head_sources, layout_cost, shard_state_dict
 from neuron_opt.parallel.vocab import candidates_needed, scatter_candidates
@@ -57,8 +58,22 @@ def test_cp_degree_is_the_kv_group_size_and_implies_flash_decoding(tiny_dir):
     assert "context-parallel prefill (cp_degree 2)" in layout_cost(gqa4, lay, 8, 16, 2).description
     with pytest.raises(ConfigError, match="cp_degree: .*use --cp-degree 2"):
         head_layout(gqa4, ParallelConfig(tp=4, cp_degree=4))
-    with pytest.raises(ConfigError, match="cp_degree: .*no ranks share a KV head at tp 2 with 2 KV heads"):
-        head_layout(gqa4, ParallelConfig(tp=2, cp_degree=2))
+    # as many KV heads as tp: the shard layout, context parallel over all ranks
+    heads = head_layout(gqa4, ParallelConfig(tp=2, cp_degree=2))
+    assert (heads.strategy, heads.kv_seq_shards, heads.cp, heads.cp_heads) == ("shard", 1, True, True)
+    assert heads.n_kv_local == 1 and heads.n_heads_local == 4
+    assert "context-parallel prefill (cp_degree 2)" in layout_cost(gqa4, heads, 8, 16, 2).description
+    assert not lay.cp_heads
+    check_cp_heads(gqa4, heads, QuantConfig(method="int8", modules_to_not_convert=("self_attn",)), False)
+    with pytest.raises(ConfigError, match="cp_degree: .*gathers the float q and o weights.*no quantized q/o"):
+        check_cp_heads(gqa4, heads, QuantConfig(method="int8"), False)
+    with pytest.raises(ConfigError, match="cp_degree: .*no LoRA adapters"):
+        check_cp_heads(gqa4, heads, QuantConfig(), True)
+    nine = ModelConfig.from_hf(tiny_dir("smollm-like-9-3"))  # 9 q / 3 kv heads
+    with pytest.raises(ConfigError, match=r"cp_degree: with 3 KV heads at tp 2 .*must be tp \(2\) and tp must"):
+        head_layout(nine, ParallelConfig(tp=2, cp_degree=2))
+    with pytest.raises(ConfigError, match="cp_degree: .*whole KV heads per rank .*drop --sequence-parallel"):
+        head_layout(gqa4, ParallelConfig(tp=2, cp_degree=2, sequence_parallel=True))
     with pytest.raises(ConfigError, match="cp_degree: must be an integer >= 1 that divides tp=4"):
         ParallelConfig(tp=4, cp_degree=3)
     olmo = ModelConfig.from_hf(tiny_dir("olmo2"))

@@ -8,6 +8,8 @@ under a LoRA adapter); and the plan's KV figure against the bytes the executor a
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from tiny import load_hf, make_tiny
@@ -48,7 +50,7 @@ def setup(request, tmp_path_factory):
                             do_sample=False, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     eos = hf.generation_config.eos_token_id
     eos = tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ()
-    yield cfg, model, ckpt.tokenizer(), prompts, want, eos  # eos: banned for min_new_tokens, on both sides
+    yield cfg, model, ckpt.tokenizer(), prompts, want, eos, hf  # eos: banned for min_new_tokens, on both sides
     torch.set_num_threads(threads)
 
 
@@ -102,7 +104,7 @@ def test_runtime_allocates_what_the_plan_says(setup, tmp_path):
 
 
 def test_greedy_matches_hf_past_the_window(setup, tmp_path):
-    cfg, model, tok, prompts, want, eos = setup
+    cfg, model, tok, prompts, want, eos, _ = setup
     n = MAX_LEN - 20
     for caching, chunked in [(True, True), (False, True)]:
         engine = Engine(runner_for(cfg, model, tmp_path), tok, eos, max_num_batched_tokens=CHUNK,
@@ -118,7 +120,7 @@ def test_greedy_matches_hf_past_the_window(setup, tmp_path):
 
 
 def test_preemption_and_speculation_stay_exact(setup, tmp_path):
-    cfg, model, tok, prompts, want, eos = setup
+    cfg, model, tok, prompts, want, eos, _ = setup
     n = MAX_LEN - 20
     runner = runner_for(cfg, model, tmp_path, num_kv_blocks=MAX_LEN // BS + 1)  # one sequence's blocks
     engine = Engine(runner, tok, eos, max_num_batched_tokens=CHUNK)
@@ -139,12 +141,64 @@ def test_preemption_and_speculation_stay_exact(setup, tmp_path):
     assert engine.speculation.stats.accepted_tokens >= n - 2 - 10
 
 
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_an_evicted_prefix_comes_back_from_the_kv_tier_in_both_groups(setup, tmp_path, corrupt):
+    """The KV tier under window-sized KV: a first turn, then three other prompts that evict its blocks from both
+    pools (the full pool holds one sequence), then the second turn (the first turn's prompt and reply and 4 more
+    tokens): HF's greedy tokens. Its first turn's 6 full-layer blocks and the 2 window-layer blocks its next query
+    sees come back from the tier's two groups, not prefilled. `corrupt`: a damaged window-layer entry is detected,
+    dropped and never used: the whole prompt is prefilled, with the same tokens."""
+    from neuron_opt.runtime.block_manager import hash_block
+    from neuron_opt.runtime.kv_tier import WINDOW, KVTier, tier_pools
+
+    cfg, model, tok, prompts, _, eos, hf = setup
+    runner = runner_for(cfg, model, tmp_path, num_kv_blocks=MAX_LEN // BS + 1)
+    full, window = tier_pools(runner.executor, cfg, runner.cache)
+    sliding = [i for i in range(cfg.num_hidden_layers) if cfg.layer_window(i) is not None]
+    assert len(window.caches) == 2 * len(sliding) and len(full.caches) == 2 * (cfg.num_hidden_layers - len(sliding))
+    assert all(c.shape[0] == runner.cache.window_num_blocks for c in window.caches)
+    tier = KVTier(full, 64 * full.block_bytes, window_pools=window)
+    engine = Engine(runner, tok, eos, max_num_batched_tokens=CHUNK, kv_tier=tier)
+    first = run(engine, [prompts[0]], 8)[0]
+    g = torch.Generator().manual_seed(9)
+    for _ in range(3):
+        run(engine, [torch.randint(3, cfg.vocab_size, (20,), generator=g).tolist()], 8)
+    turn2 = prompts[0] + first + prompts[1][-4:]
+    kept = (len(prompts[0]) + len(first) - 1) // BS  # 6: the first turn's blocks with K/V
+    keys = [hash_block(None, turn2[:BS])]
+    for i in range(1, kept):
+        keys.append(hash_block(keys[-1], turn2[i * BS:(i + 1) * BS]))
+    seen = engine.scheduler.blocks.first_visible_block(kept * BS)  # the window blocks the next query sees
+    assert kept == 6 and seen < kept and all(tier.holds(k) for k in keys)
+    assert all(tier.holds(k, WINDOW) for k in keys[seen:])
+    if corrupt:
+        entry = tier.entries[b"window:" + keys[-1]]
+        for _ in range(1000):  # the background thread hashes entries off the engine thread
+            if entry.digest is not None:
+                break
+            time.sleep(0.01)
+        entry.data[5] ^= 1
+    tokens, pool_hits, stats = engine.stats.prefill_tokens, engine.prefix_cache_stats.hits, tier.stats
+    restored = 0 if corrupt else kept
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([turn2]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                           pad_token_id=0)[0, len(turn2):].tolist()
+    assert run(engine, [turn2], 8)[0] == want
+    assert engine.prefix_cache_stats.hits == pool_hits  # nothing of it was left in either pool
+    assert engine.stats.prefill_tokens - tokens == len(turn2) - restored * BS
+    assert stats.hits == restored * BS and stats.corrupt == corrupt
+    # copied in: every block of both groups; with the damaged entry, the full group's and the window entry before
+    # it (then given back with the sequence's blocks, unused)
+    assert stats.restored_ram == kept + (kept - seen) - (1 if corrupt else 0)
+    assert tier.num_bytes <= tier.max_bytes
+
+
 def test_tp_ranks_hold_window_sized_kv(setup, tmp_path):
     """Eager tp 2 (rank processes): the window layers' slot mapping and tables reach the ranks, whose pools are
     window-sized; greedy text past the window equals HF's."""
     from neuron_opt.executors.factory import CheckpointSpec, create_executor
 
-    cfg, model, tok, prompts, want, eos = setup
+    cfg, model, tok, prompts, want, eos, _ = setup
     if cfg.is_moe:
         pytest.skip("one family is enough: the ranks' code path does not depend on it")
     one = runner_for(cfg, model, tmp_path)

@@ -1,9 +1,11 @@
 """Run as a script (SPMD mode is per process): context-parallel prefill at tp 2 on the XLA CPU device.
 
-    python device_cp.py CKPT OUT
+    python device_cp.py CKPT OUT [heads]
 
 Compiles CKPT (an MQA checkpoint: one KV head, so tp 2 forms one KV group of two ranks) twice with `--backend
-neuron --tp 2`: flash decoding alone (cp_degree 1) and with context-parallel prefill (cp_degree 2). Each prefills
+neuron --tp 2`: flash decoding alone (cp_degree 1) and with context-parallel prefill (cp_degree 2). With `heads`,
+CKPT has as many KV heads as tp or more (each rank holds whole KV heads): plain tensor parallelism (cp_degree 1)
+against context-parallel prefill over all ranks (cp_degree 2). Each prefills
 the same 700-token prompt in two chunks (301 tokens from position 0, then 399 from position 301: an odd start, in
 an offset bucket) and decodes greedily. Prints one JSON object: each artifact's greedy tokens, the KV pools' largest
 |difference| between the two after the prompt's prefill, and the all-reduce count of each artifact's prefill HLO.
@@ -26,7 +28,7 @@ NEW = 8
 SHAPES = dict(max_model_len=1024, prefill_buckets=(256, 512), decode_buckets=(512, 1024))
 
 
-def run(ckpt: Path, out: Path, cp: int) -> tuple[list[int], list, dict]:
+def run(ckpt: Path, out: Path, cp: int, heads: bool = False) -> tuple[list[int], list, dict]:
     import torch
 
     from neuron_opt.backends.neuron.backend import hlo_summary
@@ -35,7 +37,7 @@ def run(ckpt: Path, out: Path, cp: int) -> tuple[list[int], list, dict]:
     from neuron_opt.executors import load_model
     from neuron_opt.runtime.runner import DecodeRow
 
-    par = ParallelConfig(tp=2, flash_decoding=True, cp_degree=cp)
+    par = ParallelConfig(tp=2, cp_degree=cp) if heads else ParallelConfig(tp=2, flash_decoding=True, cp_degree=cp)
     compile_artifact(CompileRequest(model=str(ckpt), out=out, backend="neuron", dtype="float32", parallel=par,
                                     use_cache=False, **SHAPES), log=lambda s: None, progress=False)
     runner = load_model(out).runner
@@ -57,12 +59,12 @@ def run(ckpt: Path, out: Path, cp: int) -> tuple[list[int], list, dict]:
                            "pool_dtype": str(pools[0].dtype), "torch": torch.__version__}
 
 
-def main(ckpt: Path, out: Path) -> dict:
+def main(ckpt: Path, out: Path, heads: bool = False) -> dict:
     from neuron_opt.backends.neuron.backend import import_xla
 
     import_xla(dump=True, devices=2)
-    plain, plain_pools, plain_info = run(ckpt, out / "fd", 1)
-    cp, cp_pools, cp_info = run(ckpt, out / "cp", 2)
+    plain, plain_pools, plain_info = run(ckpt, out / "fd", 1, heads)
+    cp, cp_pools, cp_info = run(ckpt, out / "cp", 2, heads)
     diff = max(float((a - b).abs().max()) for a, b in zip(plain_pools, cp_pools, strict=True))
     equal = all(bool((a == b).all()) for a, b in zip(plain_pools, cp_pools, strict=True))
     return {"tokens_fd": plain, "tokens_cp": cp, "pool_max_diff": diff, "pools_equal": equal,
@@ -70,4 +72,4 @@ def main(ckpt: Path, out: Path) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(Path(sys.argv[1]), Path(sys.argv[2]))))
+    print(json.dumps(main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:] == ["heads"])))
