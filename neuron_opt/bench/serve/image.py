@@ -4,8 +4,9 @@ transformers `generate` on the same model and the same processor outputs.
 Requests: `--num-prompts` images drawn with PIL (neuron_opt.bench.tiny_vlm.draw), their sizes drawn from `--seed`
 (each side in [IMAGE_MIN_SIDE, IMAGE_MAX_SIDE] pixels, so the processor resizes and tiles them differently), sent
 as base64 PNG data URLs in an `image_url` part before a question (QUESTIONS, in turn); streamed, greedy,
-`ignore_eos`, so every answer has `--output-len` tokens. The prompt is the checkpoint's processor's (chat template,
-image placeholder tokens), on the server and in the baseline alike.
+`ignore_eos`, so every answer has `--output-len` tokens; arrivals at `--request-rate` (default: all at once). The
+prompt is the checkpoint's processor's (chat template, image placeholder tokens), on the server and in the baseline
+alike.
 
 Baseline: the checkpoint's HF model (AutoModelForImageTextToText, fp32, each `--hf-attn`) serving the requests one
 after another in this process: per request the PNG decoded, the processor's outputs made (apply_chat_template on
@@ -154,8 +155,8 @@ def scenario_image(args: argparse.Namespace, hf_model: str) -> dict[str, object]
         asyncio.run(run_load(url, messages[:1], 2, 1, float("inf"), args.seed, {"ignore_eos": True}))  # warm-up
         for rnd in range(1, args.rounds + 1):
             for c in levels:
-                results, dur = asyncio.run(run_load(url, messages, args.output_len, c, float("inf"), args.seed,
-                                                    {"ignore_eos": True}))
+                results, dur = asyncio.run(run_load(url, messages, args.output_len, c, args.request_rate,
+                                                    args.seed, {"ignore_eos": True}))
                 s = summarize(results, dur, mean_len) | {"concurrency": c, "round": rnd}
                 s["errors"] = [r.error for r in results if r.error][:5]
                 s["short"] = sum(r.ok and r.output_tokens != args.output_len for r in results)
