@@ -1,5 +1,6 @@
 """Tiny random vision-language checkpoints built with transformers (model, processor with its chat template, the
-default model's tokenizer with the family's image tokens added), and PIL-drawn test images."""
+default model's tokenizer with the family's image tokens added), and PIL-drawn test images (Idefics3's and `draw`:
+neuron_opt.bench.tiny_vlm, which the image serving benchmark shares)."""
 
 from __future__ import annotations
 
@@ -8,91 +9,18 @@ from typing import Any
 
 import torch
 
+from neuron_opt.bench.tiny_vlm import SMOLVLM_TEMPLATE
+from neuron_opt.bench.tiny_vlm import draw as draw  # re-exported: the tests' images
+from neuron_opt.bench.tiny_vlm import idefics3_sizes as _idefics3_sizes
+from neuron_opt.bench.tiny_vlm import idefics3_tokenizer as _idefics3_tokenizer
+from neuron_opt.bench.tiny_vlm import make_idefics3 as make_idefics3  # re-exported: the tests' Idefics3
+from neuron_opt.bench.tiny_vlm import randomize as _randomize
 from neuron_opt.multimodal.vision import images_only
 from neuron_opt.runtime.engine import Engine
 from neuron_opt.runtime.sampling import SamplingParams
 
 N = 8  # tokens generated per request
 GREEDY = SamplingParams(max_tokens=N, min_tokens=N, temperature=0.0, ignore_eos=True)
-
-# SmolVLM's chat template, as its checkpoints ship it
-SMOLVLM_TEMPLATE = (
-    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
-    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
-    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
-    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
-    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
-
-
-def _randomize(model: torch.nn.Module) -> None:
-    """HF initialises norms to ones and biases to zeros: randomise them so the oracle sees them."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.normal_(1.0, 0.1)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.05)
-
-
-def _idefics3_tokenizer() -> Any:
-    """The default model's tokenizer with Idefics3's image tokens (SmolVLM uses the same)."""
-    from neuron_opt.checkpoint import open_checkpoint
-
-    tok = open_checkpoint("default").tokenizer()
-    tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>", "<global-img>",
-                                                          "<end_of_utterance>"]})
-    return tok
-
-
-def _idefics3_sizes(tok: Any) -> dict[str, Any]:
-    """A tiny Llama decoder and SigLIP-style encoder, Idefics3's and SmolVLM's config fields."""
-    return dict(
-        text_config=dict(model_type="llama", vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                           image_size=32, patch_size=8),
-        scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"))
-
-
-def make_idefics3(out: Path, seed: int = 0) -> Path:
-    """An Idefics3 checkpoint: a 2-layer SigLIP-style encoder over 32-pixel tiles of 8-pixel patches (16 patches,
-    4 tokens per tile after the pixel shuffle), a 2-layer Llama decoder; images resized to a longest edge of 64,
-    so larger ones are split into up to 2 x 2 tiles and a global one."""
-    from transformers import (
-        Idefics3Config,
-        Idefics3ForConditionalGeneration,
-        Idefics3ImageProcessorPil,
-        Idefics3Processor,
-    )
-
-    tok = _idefics3_tokenizer()
-    cfg = Idefics3Config(**_idefics3_sizes(tok))
-    torch.manual_seed(seed)
-    model = Idefics3ForConditionalGeneration(cfg).eval()
-    _randomize(model)
-    with torch.no_grad():  # image rows as large as token rows' logits effect: the greedy text depends on the image
-        model.model.connector.modality_projection.proj.weight.normal_(0.0, 0.5)
-    model.save_pretrained(out)
-    ip = Idefics3ImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
-    Idefics3Processor(image_processor=ip, tokenizer=tok, image_seq_len=4,
-                      chat_template=SMOLVLM_TEMPLATE).save_pretrained(out)
-    return out
-
-
-def draw(w: int, h: int, seed: int) -> Any:
-    """An RGB image of w x h pixels with a few shapes, different per seed."""
-    from PIL import Image, ImageDraw
-
-    g = torch.Generator().manual_seed(seed)
-    colors = [tuple(int(c) for c in torch.randint(0, 256, (3,), generator=g)) for _ in range(4)]
-    img = Image.new("RGB", (w, h), colors[0])
-    d = ImageDraw.Draw(img)
-    d.ellipse((w // 8, h // 8, w // 2, h // 2), fill=colors[1])
-    d.rectangle((w // 2, h // 3, w - 2, h - 2), fill=colors[2])
-    d.line((0, h - 1, w - 1, 0), fill=colors[3], width=max(1, min(w, h) // 10))
-    return img
 
 
 def hf_generate(model: Any, processor: Any, messages: list[dict[str, Any]], n: int) -> list[int]:

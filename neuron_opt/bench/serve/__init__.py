@@ -23,6 +23,11 @@ has the peer's build and configuration).
 the same weights (loaded through /v1/load_lora_adapter, timed): the same prompts on the base model alone and as a mix
 over the adapters and the base, rounds interleaved; the mixed / base throughput and TPOT ratios per level.
 
+`--scenario image` sends one PIL-drawn image (a base64 PNG data URL) and a question per chat request to a
+vision-language --model (or the random checkpoint --make-tiny-vlm writes) at each --concurrency level (default 1 and
+8), against HF transformers `generate` on the same processor outputs, rounds interleaved; in fp32 every served answer
+must be HF's greedy text (image.py).
+
 Every report records the machine (CPU model, ISA flags, cores, a bandwidth probe, torch) and whether it was idle
 before and during the run (neuron_opt.bench.RunRecord); `--require-idle` refuses a busy machine.
 

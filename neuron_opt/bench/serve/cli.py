@@ -28,6 +28,7 @@ from neuron_opt.bench.serve.client import (
     write_report,
 )
 from neuron_opt.bench.serve.fleet import plot_data_parallel, plot_routing, scenario_data_parallel, scenario_routing
+from neuron_opt.bench.serve.image import plot_image, scenario_image
 from neuron_opt.bench.serve.kv import scenario_capacity, scenario_long_prompts, scenario_shared_prefix
 from neuron_opt.bench.serve.lora import check_lora_args, plot_lora, scenario_lora
 from neuron_opt.bench.serve.peer import add_peer_args, check_peer_args, scenario_peer
@@ -48,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--concurrency", default="16", help="comma-separated levels, e.g. 1,4,16")
+    p.add_argument("--concurrency", default=None,
+                   help="comma-separated levels, e.g. 1,4,16 (default: 16; 1,8 for --scenario image)")
     p.add_argument(
         "--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = burst"
     )
@@ -70,13 +72,21 @@ def main(argv: list[str] | None = None) -> int:
                         "on the cores, a high load average) instead of recording a warning in it")
     p.add_argument("--scenario", default="load",
                    choices=["load", "shared-prefix", "long-prompts", "capacity", "speculative", "structured", "peer",
-                            "lora"],
+                            "lora", "image"],
                    help="load: the serving benchmark above; shared-prefix, long-prompts and capacity measure the block "
                         "KV cache (prefix caching, chunked prefill, capacity; docs/serving.md); speculative: plain "
                         "against prompt-lookup serving on chat prompts (docs/speculative.md); structured: TPOT "
                         "under a JSON schema against free decoding (docs/serving.md); peer: ours against llama.cpp's "
                         "llama-server on the same weights (--pair; docs/benchmarks.md); lora: the base model alone "
-                        "against a mix of LoRA adapters on one --enable-lora artifact (docs/lora.md)")
+                        "against a mix of LoRA adapters on one --enable-lora artifact (docs/lora.md); image: one "
+                        "image and a question per chat request on a vision-language --model against HF generate "
+                        "(docs/multimodal.md)")
+    p.add_argument("--make-tiny-vlm", type=Path, default=None, metavar="DIR",
+                   help="--scenario image: write a random Idefics3 checkpoint (SmolVLM's architecture, the default "
+                        "model's tokenizer; neuron_opt/bench/tiny_vlm.py) to DIR and serve it (instead of --model)")
+    p.add_argument("--tiny-vlm-shape", default=None, choices=["tiny", "256m"],
+                   help="--make-tiny-vlm's shapes: tiny (the tests' model, default) or 256m (SmolVLM-256M's "
+                        "encoder and decoder shapes, one 512-pixel tile per image)")
     p.add_argument("--lora-adapters", type=int, default=None, metavar="N",
                    help="--scenario lora: random PEFT adapters made and loaded (default: the artifact's --max-loras)")
     p.add_argument("--lora-rank", type=int, default=None, metavar="R",
@@ -127,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
+    args.concurrency = args.concurrency or ("1,8" if args.scenario == "image" else "16")
+    check_image_args(p, args)
     if args.scenario == "peer":
         check_peer_args(p, args)
     if args.scenario == "lora":
@@ -148,11 +160,29 @@ def main(argv: list[str] | None = None) -> int:
         return 3
 
 
+def check_image_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--scenario image's model: --model (a vision-language checkpoint or artifact; --hf-model the checkpoint for
+    an artifact) or --make-tiny-vlm, not both; --make-tiny-vlm and --tiny-vlm-shape only with it."""
+    if args.scenario != "image":
+        if args.make_tiny_vlm is not None or args.tiny_vlm_shape is not None:
+            p.error("--make-tiny-vlm / --tiny-vlm-shape: only with --scenario image")
+        return
+    if args.make_tiny_vlm is None:
+        if args.tiny_vlm_shape is not None:
+            p.error("--tiny-vlm-shape: only with --make-tiny-vlm")
+        if args.model == "default":
+            p.error("--scenario image: give --model (a vision-language checkpoint or artifact) or --make-tiny-vlm DIR")
+    elif args.model != "default" or args.hf_model is not None:
+        p.error("--make-tiny-vlm: serves the checkpoint it writes; give it or --model / --hf-model, not both")
+
+
 def run(args: argparse.Namespace) -> int:
     from neuron_opt.api import is_artifact
     from neuron_opt.checkpoint import open_checkpoint
 
     record = RunRecord(args.require_idle)  # idle check, machine and bandwidth probe, before the run
+    if args.scenario == "image":
+        return write_report(args, run_image(args) | {"note": args.note}, plot_image, record)
     hf_model = args.hf_model or ("default" if is_artifact(args.model) else args.model)
     vocab = open_checkpoint(hf_model).config.vocab_size
     if args.scenario == "peer":
@@ -184,6 +214,25 @@ def run(args: argparse.Namespace) -> int:
         return write_report(args, ab_versions(args, prompts, int(args.concurrency.split(",")[-1]), budget),
                             record=record)
     return write_report(args, scenario_load(args, vocab, hf_model), plot, record)
+
+
+def run_image(args: argparse.Namespace) -> dict[str, object]:
+    """--scenario image: its model written first with --make-tiny-vlm; the checkpoint that renders the requests and
+    runs the HF baseline checked to be a vision-language one."""
+    from neuron_opt.api import is_artifact
+    from neuron_opt.bench.tiny_vlm import make_idefics3
+    from neuron_opt.errors import ConfigError
+    from neuron_opt.multimodal.vision import is_multimodal
+
+    if args.make_tiny_vlm is not None:
+        shape = args.tiny_vlm_shape or "tiny"
+        args.model = str(make_idefics3(args.make_tiny_vlm, args.seed, shape))
+        print(f"wrote a random Idefics3 checkpoint ({shape}) to {args.model}", file=sys.stderr)
+    hf_model = args.hf_model or args.model
+    if is_artifact(hf_model) or not is_multimodal(hf_model):
+        raise ConfigError(f"--scenario image: {hf_model} is not a vision-language checkpoint directory (the requests "
+                          "are rendered, and the HF baseline run, from one: --hf-model for an artifact's)")
+    return scenario_image(args, hf_model)
 
 
 def _load_round(url: str, args: argparse.Namespace, prompts: list[list[int]], levels: list[int], rnd: int,

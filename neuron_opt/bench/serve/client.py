@@ -122,19 +122,21 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> No
     raise SystemExit("server did not become healthy")
 
 
-async def one_request(client, url: str, index: int, prompt: list[int] | str, output_len: int,
+async def one_request(client, url: str, index: int, prompt: list[int] | str | list[dict], output_len: int,
                       delay: float = 0.0, extra: dict | None = None) -> RequestResult:
     """A streamed greedy request. `prompt`: token ids for /v1/completions with `ignore_eos` (exactly `output_len`
-    tokens come back), or a user message for /v1/chat/completions whose answer ends at EOS (at most
-    `output_len`). `extra`: more request fields (a response_format, say)."""
-    chat = isinstance(prompt, str)
+    tokens come back), or a user message (a string, or the chat messages themselves: content parts with images,
+    say) for /v1/chat/completions whose answer ends at EOS (at most `output_len`). `extra`: more request fields (a
+    response_format, say)."""
+    chat = isinstance(prompt, str) or bool(prompt) and isinstance(prompt[0], dict)
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     body = {
         "model": "bench",
         "max_tokens": output_len,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
-    } | ({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt, "ignore_eos": True})
+    } | ({"messages": messages} if chat else {"prompt": prompt, "ignore_eos": True})
     body |= extra or {}
     r = RequestResult(index)
     if delay:
@@ -181,7 +183,8 @@ async def one_request(client, url: str, index: int, prompt: list[int] | str, out
 
 
 async def run_load(
-    url: str, prompts: list[list[int]] | list[str], output_len: int, concurrency: int, request_rate: float, seed: int,
+    url: str, prompts: list[list[int]] | list[str] | list[list[dict]], output_len: int, concurrency: int,
+    request_rate: float, seed: int,
     extra: dict | None = None, models: list[str] | None = None,
 ) -> tuple[list[RequestResult], float]:
     """`models`: each request's `model` (a LoRA adapter's name, say); default the served name."""
