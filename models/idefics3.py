@@ -14,6 +14,8 @@ Design decisions
 - Variable-resolution tiles (NaViT): a tile's patches take position ids bucketed from their fractional
   coordinates within the tile's real patches, exactly as transformers computes them; padded patches take id 0
   and are masked as keys (bidirectional attention over each tile's real patches).
+- Compiled per bucket of tile counts (neuron_opt.multimodal.compiled): an image's tiles padded with whole zero
+  tiles, whose rows are dropped (`graph_rows`); attention never crosses tiles, so the real rows are exact.
 - The connector's output rows are the image's placeholder tokens in prompt order: tile after tile, each tile's
   (side / scale_factor)^2 rows.
 """

@@ -14,6 +14,9 @@ Design decisions
 - Windowed attention as transformers computes it: the patches are reordered window by window (the window index
   over merged 2 x 2 blocks), the blocks in `fullatt_block_indexes` attend over each frame, the others within
   each window (a block-diagonal mask), and the merger's output is put back in the original order.
+- Compiled per bucket of patch counts (neuron_opt.multimodal.compiled): the window order, rotary tables and masks
+  are computed on the host (`graph_inputs`, data-dependent indexing), the blocks and merger are the graph
+  (`graph_forward`); padding patches attend only to themselves, so a padded image's rows are exact.
 - M-RoPE (`rope_positions`): text tokens advance every axis by one; an image's tokens take (t, h, w) indices of
   its merged grid offset by the position it starts at, and the next token continues at that position plus the
   larger side of the grid. Decode positions continue from the prompt's: position + delta (delta = the largest
