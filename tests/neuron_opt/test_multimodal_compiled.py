@@ -109,10 +109,11 @@ def test_vision_language_compile_refusals(families, tmp_path):
                          log=lambda _: None, progress=False)
 
 
-@pytest.mark.parametrize("family", ["idefics3", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", [pytest.param("idefics3", marks=pytest.mark.slow), "qwen2_5_vl"])
 def test_tp2_decoder_on_ranks_gives_hf_greedy_text(families, family):
     """The decoder sharded over two eager rank processes (the text families' layout), the encoder whole in this
-    process; image rows and M-RoPE positions go to the ranks with each step."""
+    process; image rows and M-RoPE positions go to the ranks with each step. Qwen2.5-VL (image rows and 3-D
+    positions) in the default tier, Idefics3 in the slow one: each starts two rank processes."""
     path, want = families[family]
     llm = LLM(path, max_model_len=256, parallel=ParallelConfig(tp=2))
     try:
