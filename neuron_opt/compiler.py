@@ -44,7 +44,7 @@ from neuron_opt.embeddings import resolve_task
 from neuron_opt.errors import ConfigError
 from neuron_opt.hub import hub_source, resolve_model
 from neuron_opt.lora.config import LoraConfig
-from neuron_opt.multimodal.compiled import compile_encoders
+from neuron_opt.multimodal.compiled import check_compilable, compile_encoders
 from neuron_opt.multimodal.vision import (
     VisionLanguageCheckpoint,
     check_vision_parallel,
@@ -297,6 +297,8 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
     ckpt = open_vision_language(Path(req.model)) if is_multimodal(req.model) else open_checkpoint(req.model)
     vlm = isinstance(ckpt, VisionLanguageCheckpoint)
     check_vision_request(req, vlm)
+    if vlm:
+        check_compilable(ckpt.mm.vision)
     cfg = resolve_task(ckpt.config, req.task, req.pooling, req.normalize, req.matryoshka_dims)
     ckpt = dataclasses.replace(ckpt, config=cfg)  # its weight names follow the task (an embedding model: no head)
     check_embed_request(cfg, req)

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from neuron_opt.backends.base import Backend
 from neuron_opt.buckets import pick_encoder
 from neuron_opt.compile_cache import CacheKey, CompileCache
-from neuron_opt.errors import ArtifactError
+from neuron_opt.errors import ArtifactError, ConfigError
 from neuron_opt.multimodal.vision import open_vision_dir, save_vision
 
 ENCODER_DIR = "vision"  # in an artifact: the encoder's weights, its HF config and processor, its graphs
@@ -70,6 +70,19 @@ class BucketedEncoder:
         self.calls[size] += 1
         out = self.graphs[size](tuple(self.encoder.graph_inputs(size, inputs)))
         return self.encoder.graph_rows(out, inputs)
+
+
+GRAPH_METHODS = ("graph_size", "graph_example", "graph_inputs", "graph_forward", "graph_rows")
+
+
+def check_compilable(vision: Any) -> None:
+    """ConfigError unless the family's encoder declares its compiled buckets (module docstring), before any long
+    work."""
+    missing = [m for m in ("size_step", *GRAPH_METHODS) if not hasattr(vision.encoder, m)]
+    if missing:
+        raise ConfigError(f"model: {vision.architecture}'s vision encoder does not declare its compiled buckets yet "
+                          f"(missing {', '.join(missing)}: neuron_opt/multimodal/compiled.py); run it from its "
+                          "checkpoint directory on the eager backend", param="model")
 
 
 def compile_encoders(vision: Any, source: Path, sizes: tuple[int, ...], backend: Backend, dtype: torch.dtype,

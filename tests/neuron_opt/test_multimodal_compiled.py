@@ -18,7 +18,7 @@ from neuron_opt.buckets import encoder_sizes, pick_encoder
 from neuron_opt.compiler import CompileRequest, compile_artifact
 from neuron_opt.config import ParallelConfig
 from neuron_opt.errors import BucketOverflowError, ConfigError
-from neuron_opt.multimodal.compiled import BucketedEncoder
+from neuron_opt.multimodal.compiled import BucketedEncoder, check_compilable
 from neuron_opt.multimodal.vision import load_processor
 from neuron_opt.planner.vision import checkpoint_vision_plan, vision_lines
 
@@ -61,6 +61,13 @@ def test_encoder_buckets_are_the_unit_times_powers_of_two_up_to_the_largest_imag
         pick_encoder(6, (1, 2, 4, 5))
     with pytest.raises(ConfigError, match="multiples of 4"):
         encoder_sizes(20, 4, (6,))
+
+
+def test_a_family_without_compiled_buckets_is_refused_naming_what_it_lacks():
+    from types import SimpleNamespace
+
+    with pytest.raises(ConfigError, match="missing size_step, graph_size.*run it from its checkpoint"):
+        check_compilable(SimpleNamespace(architecture="SomeVLForConditionalGeneration", encoder=torch.nn.Linear(2, 2)))
 
 
 def test_plan_shows_the_encoder_buckets(families):
