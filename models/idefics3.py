@@ -14,6 +14,8 @@ Design decisions
 - Variable-resolution tiles (NaViT): a tile's patches take position ids bucketed from their fractional
   coordinates within the tile's real patches, exactly as transformers computes them; padded patches take id 0
   and are masked as keys (bidirectional attention over each tile's real patches).
+- Compiled per bucket of tile counts (neuron_opt.multimodal.compiled): an image's tiles padded with whole zero
+  tiles, whose rows are dropped (`graph_rows`); attention never crosses tiles, so the real rows are exact.
 - The connector's output rows are the image's placeholder tokens in prompt order: tile after tile, each tile's
   (side / scale_factor)^2 rows.
 """
@@ -189,7 +191,13 @@ class Connector(nn.Module):
 
 
 class Idefics3Vision(nn.Module):
-    """The image encoder of an Idefics3 / SmolVLM checkpoint: an image's tiles -> its placeholder embeddings."""
+    """The image encoder of an Idefics3 / SmolVLM checkpoint: an image's tiles -> its placeholder embeddings.
+
+    Compiled per bucket of tile counts (models/images.py, "Compiled encoders"): `graph_inputs` pads an image to a
+    bucket's tiles, `graph_forward` is what a backend compiles, `graph_rows` keeps the real tiles' rows; `forward`
+    runs the same three at the image's own size."""
+
+    size_step = 1  # bucket sizes count tiles
 
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
@@ -199,12 +207,40 @@ class Idefics3Vision(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, pixel_attention_mask: torch.Tensor) -> torch.Tensor:
         """pixel_values [tiles, C, h, w], pixel_attention_mask [tiles, h, w] -> [tiles * tokens_per_tile, H_text]."""
-        p = self.cfg.patch_size
-        grid = pixel_attention_mask.unfold(1, p, p).unfold(2, p, p)  # [tiles, h/p, w/p, p, p]
-        patch_mask = grid.sum(dim=(-1, -2)) > 0  # [tiles, h/p, w/p]: a patch with any real pixel is real
+        inputs = {"pixel_values": pixel_values, "pixel_attention_mask": pixel_attention_mask}
+        return self.graph_rows(self.graph_forward(*self.graph_inputs(self.graph_size(inputs), inputs)), inputs)
+
+    def graph_size(self, inputs: dict[str, torch.Tensor]) -> int:
+        """An image's size in bucket units: its tiles."""
+        return int(inputs["pixel_values"].shape[0])
+
+    def graph_example(self, size: int) -> dict[str, torch.Tensor]:
+        """Encoder inputs of an image of `size` tiles (a bucket's example shapes)."""
+        c = self.cfg
+        return {"pixel_values": torch.randn(size, c.num_channels, c.image_size, c.image_size),
+                "pixel_attention_mask": torch.ones(size, c.image_size, c.image_size, dtype=torch.bool)}
+
+    def graph_inputs(self, size: int, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The image's tiles padded to `size`: pixels [size, C, h, w] in the weights' dtype and the patch mask
+        [size, h/p, w/p] (a patch with any real pixel is real). Padding tiles are zero pixels with every patch
+        real, so they compute defined values; tiles never attend across each other, so they change no real row."""
+        pixels, mask = inputs["pixel_values"], inputs["pixel_attention_mask"]
+        p, pad = self.cfg.patch_size, size - pixels.shape[0]
+        grid = mask.unfold(1, p, p).unfold(2, p, p)  # [tiles, h/p, w/p, p, p]
+        patch_mask = grid.sum(dim=(-1, -2)) > 0  # [tiles, h/p, w/p]
         w = self.connector.modality_projection.proj.weight
-        feats = self.connector(self.vision_model(pixel_values.to(w.dtype), patch_mask))  # [tiles, T, H_text]
+        pixels = F.pad(pixels.to(w.dtype), (0, 0, 0, 0, 0, 0, 0, pad))  # [size, C, h, w]
+        patch_mask = torch.cat([patch_mask, patch_mask.new_ones(pad, *patch_mask.shape[1:])])  # [size, h/p, w/p]
+        return pixels, patch_mask
+
+    def graph_forward(self, pixels: torch.Tensor, patch_mask: torch.Tensor) -> torch.Tensor:
+        """[tiles, C, h, w], [tiles, h/p, w/p] -> [tiles * tokens_per_tile, H_text]."""
+        feats = self.connector(self.vision_model(pixels, patch_mask))  # [tiles, T, H_text]
         return feats.reshape(-1, feats.shape[-1])
+
+    def graph_rows(self, out: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The real tiles' rows of `graph_forward`'s output: the image's placeholder embeddings."""
+        return out[: self.graph_size(inputs) * self.cfg.tokens_per_tile]
 
 
 def image_items(processed: dict[str, torch.Tensor], token_ids: list[int], image_token_id: int,

@@ -14,6 +14,9 @@ Design decisions
 - Windowed attention as transformers computes it: the patches are reordered window by window (the window index
   over merged 2 x 2 blocks), the blocks in `fullatt_block_indexes` attend over each frame, the others within
   each window (a block-diagonal mask), and the merger's output is put back in the original order.
+- Compiled per bucket of patch counts (neuron_opt.multimodal.compiled): the window order, rotary tables and masks
+  are computed on the host (`graph_inputs`, data-dependent indexing), the blocks and merger are the graph
+  (`graph_forward`); padding patches attend only to themselves, so a padded image's rows are exact.
 - M-RoPE (`rope_positions`): text tokens advance every axis by one; an image's tokens take (t, h, w) indices of
   its merged grid offset by the position it starts at, and the next token continues at that position plus the
   larger side of the grid. Decode positions continue from the prompt's: position + delta (delta = the largest
@@ -222,25 +225,62 @@ class Qwen25Vision(nn.Module):
         self.register_buffer("inv_freq", rotary_inv_freq(cfg.hidden_size // cfg.num_heads, cfg.rope_theta),
                              persistent=False)
 
+    @property
+    def size_step(self) -> int:
+        """Bucket sizes count patches, in whole merge blocks."""
+        return self.cfg.spatial_merge_size ** 2
+
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         """pixel_values [t * h * w, C * T * p * p], image_grid_thw [1, 3] -> [t * h * w / m^2, H_text]."""
-        grid = tuple(int(v) for v in image_grid_thw.reshape(-1).tolist())
-        unit = self.cfg.spatial_merge_size ** 2
-        x = self.patch_embed(pixel_values)  # [N, D]
-        N = x.shape[0]
+        inputs = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
+        return self.graph_rows(self.graph_forward(*self.graph_inputs(self.graph_size(inputs), inputs)), inputs)
+
+    def graph_size(self, inputs: dict[str, torch.Tensor]) -> int:
+        """An image's size in bucket units: its patches."""
+        return int(inputs["pixel_values"].shape[0])
+
+    def graph_example(self, size: int) -> dict[str, torch.Tensor]:
+        """Encoder inputs of an image of `size` patches (a bucket's example shapes): one frame, one merge block
+        high."""
+        c, m = self.cfg, self.cfg.spatial_merge_size
+        width = c.in_channels * c.temporal_patch_size * c.patch_size ** 2
+        return {"pixel_values": torch.randn(size, width), "image_grid_thw": torch.tensor([[1, m, size // m]])}
+
+    def graph_inputs(self, size: int, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The image's patches in window order, padded to `size` rows: patches [size, C * T * p * p] in the
+        weights' dtype, rotary cos/sin [size, d] (fp32), and the full-attention and windowed masks [size, size]
+        bool. A padding row sees only itself and no real row sees it, so the real rows are exact; the patch
+        embedding is per row, so reordering its input equals reordering its output."""
+        grid = tuple(int(v) for v in inputs["image_grid_thw"].reshape(-1).tolist())
+        unit = self.size_step
+        x = inputs["pixel_values"]
+        N, pad = x.shape[0], size - x.shape[0]
         order, bounds = window_index(grid, self.cfg)  # type: ignore[arg-type]
 
         def by_window(a: torch.Tensor) -> torch.Tensor:
-            return a.reshape(N // unit, unit, -1)[order].reshape(N, -1)
+            return F.pad(a.reshape(N // unit, unit, -1)[order].reshape(N, -1), (0, 0, 0, pad))  # [size, ...]
 
-        x = by_window(x)
+        x = by_window(x.to(self.patch_embed.proj.weight.dtype))
         rope = rotary(grid, self.cfg.spatial_merge_size, self.inv_freq)  # type: ignore[arg-type]
         cos, sin = (by_window(a) for a in rope)
-        frames = segments_mask([i * grid[1] * grid[2] for i in range(grid[0] + 1)], N)
-        windows = segments_mask(bounds, N)
+        ends = [i * grid[1] * grid[2] for i in range(grid[0] + 1)]
+        frames = segments_mask(ends + list(range(N + 1, size + 1)), size)
+        windows = segments_mask(bounds + list(range(N + 1, size + 1)), size)
+        return x, cos, sin, frames, windows
+
+    def graph_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, frames: torch.Tensor,
+                      windows: torch.Tensor) -> torch.Tensor:
+        """`graph_inputs`' tensors -> the merger's rows in window order [size / m^2, H_text]."""
+        x = self.patch_embed(x)  # [size, D]
         for i, blk in enumerate(self.blocks):
             x = blk(x, cos, sin, frames if i in self.cfg.fullatt_block_indexes else windows)
-        return self.merger(x)[torch.argsort(order)]
+        return self.merger(x)
+
+    def graph_rows(self, out: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The real merge blocks' rows of `graph_forward`'s output, back in the processor's order."""
+        grid = tuple(int(v) for v in inputs["image_grid_thw"].reshape(-1).tolist())
+        order, _ = window_index(grid, self.cfg)  # type: ignore[arg-type]
+        return out[: self.graph_size(inputs) // self.size_step][torch.argsort(order)]
 
 
 def image_items(processed: dict[str, torch.Tensor], token_ids: list[int], image_token_id: int,

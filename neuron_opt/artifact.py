@@ -7,6 +7,8 @@
                                 maps each bucket to its files (buckets may share files, e.g. a dynamic-KV graph)
       weights/rank{r}.safetensors  each rank's weight shard, stored once (never once per bucket)
       tokenizer/                tokenizer files (+ chat template)
+      vision/                   a vision-language model's image side: config.json, processor files, the encoder's
+                                weights, and its graphs per image-size bucket (neuron_opt.multimodal.compiled)
 
       manifest.sig              optional: the manifest's signature (neuron_opt.signing; `compile --sign-key`)
 
@@ -95,6 +97,9 @@ class Manifest:
     quant: QuantConfig = QuantConfig()  # weight-only quantization of the decoder linears (none by default)
     draft: str | None = None  # a draft model's artifact compiled alongside (a directory in this one), if any
     lora: LoraConfig | None = None  # the LoRA capacity its graphs take adapters for (compile --enable-lora)
+    # a vision-language model's image side (neuron_opt.multimodal.compiled.compile_encoders): architecture, dir,
+    # unit_step, graphs (bucket size -> files relative to the root); None for a text model
+    vision: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -106,6 +111,7 @@ class Manifest:
             **({"draft": self.draft} if self.draft is not None else {}),
             **({"task": "embed", "pooling": self.model.pooling} if self.model.is_embedding else {}),
             **({"lora": self.lora.to_dict()} if self.lora is not None else {}),
+            **({"vision": self.vision} if self.vision is not None else {}),
         }
 
     @property
@@ -127,7 +133,8 @@ class Manifest:
                    quant=QuantConfig(**{**d.get("quant", {}),
                                         "modules_to_not_convert": tuple(d.get("quant", {}).get(
                                             "modules_to_not_convert", ()))}), draft=d.get("draft"),
-                   lora=LoraConfig.from_dict(d["lora"]) if d.get("lora") is not None else None)
+                   lora=LoraConfig.from_dict(d["lora"]) if d.get("lora") is not None else None,
+                   vision=d.get("vision"))
 
     def bucket_files(self, root: Path) -> dict[Bucket, list[Path]]:
         return {Bucket.from_key(k): [root / f for f in fs] for k, fs in self.graphs.items()}
@@ -341,6 +348,14 @@ def check_paths(root: Path, m: Manifest) -> None:
             if rel not in m.files:
                 raise ArtifactError(f"{root / MANIFEST}: graphs[{key!r}] names {rel!r}, which is not one of the "
                                     "artifact's files")
+    for size, files in (m.vision or {}).get("graphs", {}).items():
+        for rel in files:
+            inside(rel, f"vision.graphs[{size!r}]")
+            if rel not in m.files:
+                raise ArtifactError(f"{root / MANIFEST}: vision.graphs[{size!r}] names {rel!r}, which is not one of "
+                                    "the artifact's files")
+    if m.vision is not None:
+        inside(m.vision.get("dir"), "vision.dir")
     if m.draft is not None:
         inside(m.draft, "draft")
         if f"{PurePosixPath(m.draft)}/{MANIFEST}" not in m.files:

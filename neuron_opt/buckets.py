@@ -258,3 +258,29 @@ def pick_verify(batch: int, max_position: int, cfg: BucketConfig) -> Bucket:
         raise BucketOverflowError("this artifact has no verify graphs; recompile with --num-speculative-tokens K")
     d = pick_decode(batch, max_position, cfg)
     return Bucket(VERIFY, d.batch, d.kv_len, cfg.verify_len)
+
+
+# A vision encoder's buckets (neuron_opt.multimodal.compiled): one graph per image size, in the family's unit (tiles,
+# or patches in whole merge blocks: `step`). An image runs in the smallest size that holds it, padded.
+
+
+def encoder_sizes(largest: int, step: int, explicit: Sequence[int] | None = None) -> tuple[int, ...]:
+    """The encoder's bucket sizes: `explicit` (each a multiple of `step`) or step x powers of two up to the largest
+    image's size, plus that size (a multiple of `step`)."""
+    if step < 1 or largest < step or largest % step:
+        raise ConfigError(f"encoder buckets: the largest image size {largest} must be a positive multiple of {step}")
+    sizes = sorted(set(explicit)) if explicit else [step * p for p in powers_of_two(1, largest // step)]
+    bad = [s for s in sizes if s < step or s % step]
+    if bad:
+        raise ConfigError(f"encoder_buckets: {bad} are not positive multiples of {step} (the encoder's unit)",
+                          param="encoder_buckets")
+    return tuple(sizes)
+
+
+def pick_encoder(size: int, sizes: Sequence[int]) -> int:
+    """The smallest encoder bucket that holds an image of `size` units; BucketOverflowError naming them else."""
+    fit = smallest_fitting(size, sizes)
+    if fit is None:
+        raise BucketOverflowError(f"image of size {size} exceeds the largest compiled encoder bucket "
+                                  f"({max(sizes)}); recompile with larger --encoder-buckets")
+    return fit

@@ -28,7 +28,7 @@ from neuron_opt import envs
 from neuron_opt.artifact import ArtifactWriter, Manifest, check_out_dir, versions
 from neuron_opt.backends import backend_class, get_backend
 from neuron_opt.backends.base import Backend
-from neuron_opt.buckets import Bucket, BucketConfig
+from neuron_opt.buckets import Bucket, BucketConfig, encoder_sizes
 from neuron_opt.checkpoint import native_quant, open_checkpoint, stored_tensors
 from neuron_opt.compile_cache import CacheKey, CompileCache
 from neuron_opt.config import (
@@ -44,10 +44,18 @@ from neuron_opt.embeddings import resolve_task
 from neuron_opt.errors import ConfigError
 from neuron_opt.hub import hub_source, resolve_model
 from neuron_opt.lora.config import LoraConfig
+from neuron_opt.multimodal.compiled import check_compilable, compile_encoders
+from neuron_opt.multimodal.vision import (
+    VisionLanguageCheckpoint,
+    check_vision_parallel,
+    is_multimodal,
+    open_vision_language,
+)
 from neuron_opt.parallel import ParallelContext, head_layout
 from neuron_opt.parallel.sharding import rank_shards
 from neuron_opt.planner import format_plan_table
 from neuron_opt.planner.memory import kv_window, resolve_flash_decoding, window_prompt_len
+from neuron_opt.planner.vision import checkpoint_vision_plan, vision_lines
 from neuron_opt.quant.kv import CALIBRATION_TEXT, calibrate, fold
 from neuron_opt.quant.weights import QuantTensor
 from neuron_opt.runtime.speculative import check_draft_tokenizer
@@ -149,6 +157,9 @@ class CompileRequest:
     normalize: bool | None = None  # embed: L2-normalise the pooled vector; None: the checkpoint's (else on)
     matryoshka_dims: tuple[int, ...] | None = None  # embed: sizes a request may truncate to (`dimensions`)
     lora: LoraConfig | None = None  # compile --enable-lora: graphs that take LoRA adapters (neuron_opt.lora)
+    # a vision-language model's encoder bucket sizes (tiles or patches: neuron_opt.multimodal.compiled); None: the
+    # defaults up to the largest image its processor makes
+    encoder_buckets: tuple[int, ...] | None = None
 
 
 DRAFT_DIR = "draft"  # where a draft model's artifact lies inside its target's
@@ -276,11 +287,18 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
     signing_key = load_signing_key(req.sign_key) if req.sign_key is not None else None
     backend_cls = backend_class(req.backend)
     backend_cls.check_parallel(req.parallel)  # flash decoding is checked once the head layout is known
+    if Path(req.model).is_dir():  # a local vision-language checkpoint is checked before a device runtime starts
+        check_vision_request(req, is_multimodal(req.model))
     backend_cls.prepare(req.parallel.tp, for_compile=True)  # before anything (transformers too) loads a runtime
     hub = resolve_request(req)
     req = dataclasses.replace(req, model=hub.model, speculative_model=hub.speculative_model, revision=None,
                               gguf_file=None)
-    ckpt = open_checkpoint(req.model)
+    # a vision-language checkpoint: its text decoder compiles as any decoder, its encoder per image-size bucket
+    ckpt = open_vision_language(Path(req.model)) if is_multimodal(req.model) else open_checkpoint(req.model)
+    vlm = isinstance(ckpt, VisionLanguageCheckpoint)
+    check_vision_request(req, vlm)
+    if vlm:
+        check_compilable(ckpt.mm.vision)
     cfg = resolve_task(ckpt.config, req.task, req.pooling, req.normalize, req.matryoshka_dims)
     ckpt = dataclasses.replace(ckpt, config=cfg)  # its weight names follow the task (an embedding model: no head)
     check_embed_request(cfg, req)
@@ -302,6 +320,11 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
                                             kv_dtype, lora=req.lora is not None)
     req = dataclasses.replace(req, parallel=par)
     log(format_plan(cfg, par, cache_cfg, buckets, req.backend, plan_dtype, timings_dir))
+    encoder_sizes_: tuple[int, ...] = ()
+    if vlm:
+        vp = checkpoint_vision_plan(ckpt.source, plan_dtype)
+        encoder_sizes_ = encoder_sizes(vp.max_units, vp.unit_step, req.encoder_buckets)
+        log("\n".join(vision_lines(vp, encoder_sizes_)))
     if flash_why:
         log(f"  {flash_why}")
     if cfg.is_embedding:
@@ -375,6 +398,12 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
                                      writer.path(unit.graph_dir), hits, misses, compile_seconds)
                 graphs.setdefault(bucket.key, []).extend(f"{unit.graph_dir}/{f}" for f in files)
             del models, model  # before the next unit builds its models
+        vision = None
+        if vlm:  # replicated: one set of encoder graphs whatever the tp (neuron_opt.multimodal.compiled)
+            key_fields = {"backend": req.backend, "backend_options": req.backend_options, "dtype": dtype_name,
+                          "versions": versions(), "code": code}
+            vision = compile_encoders(ckpt.mm.vision, ckpt.source, encoder_sizes_, backend, dtype, writer.path(""),
+                                      cache, key_fields, hits, misses, progress)
         backend.finish_compile()
         if not hits and misses and backend.compiles_graphs:  # a cold compile: this machine's speed, for the plan
             record_compile_speed(timings_dir, backend_cls.compile_target(),
@@ -390,7 +419,7 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
             backend_options=req.backend_options, graphs=graphs, quant=qc,
             source={"model": str(ckpt.source), "format": ckpt.format, "weights_sha256": fingerprint,
                     **({"hub": hub.source} if hub.source is not None else {})},
-            draft=DRAFT_DIR if req.speculative_model else None, lora=req.lora))
+            draft=DRAFT_DIR if req.speculative_model else None, lora=req.lora, vision=vision))
     except BaseException:
         writer.abort()
         raise
@@ -425,6 +454,23 @@ def check_cp_heads(cfg: Any, lay: Any, qc: QuantConfig, lora: bool) -> None:
                           f"and o weights of every rank in its graphs; it takes "
                           f"{'no LoRA adapters (--enable-lora)' if lora else 'no quantized q/o weights'}: "
                           f"use --cp-degree 1", param="cp_degree")
+
+
+def check_vision_request(req: CompileRequest, vlm: bool) -> None:
+    """A vision-language model compiles for generation on backends that build encoder graphs; `--encoder-buckets`
+    only for one (ConfigError otherwise, before any long work)."""
+    if not vlm:
+        if req.encoder_buckets:
+            raise ConfigError("encoder_buckets: only a vision-language model has an encoder to compile",
+                              param="encoder_buckets")
+        return
+    if not backend_class(req.backend).compiles_encoders:
+        raise ConfigError(f"backend: vision-language models compile for the cpu and eager backends; the "
+                          f"{req.backend} backend does not build vision encoder graphs yet", param="backend")
+    check_vision_parallel(req.parallel)
+    if req.task == "embed":
+        raise ConfigError("task: vision-language models compile for generation; an embedding model's pooling over "
+                          "image embeddings is not built", param="task")
 
 
 def check_lora_request(req: CompileRequest, cfg: Any) -> None:

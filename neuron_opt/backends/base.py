@@ -124,6 +124,8 @@ class Backend:
             pool and tables of their own); otherwise every layer holds the full-length pool.
         gguf_blocks: it runs GGUF K-quant blocks as stored (QuantConfig method gguf, from `--quantize auto`);
             otherwise `auto` converts such a file's linears to int8 per channel.
+        compiles_encoders: it builds a vision-language model's encoder buckets (`compile_encoder`, `load_encoder`;
+            neuron_opt.multimodal.compiled), and its executors take image embeddings.
     """
 
     name: ClassVar[str] = ""
@@ -134,6 +136,7 @@ class Backend:
     supports_lora: ClassVar[bool] = False
     window_kv: ClassVar[bool] = False
     gguf_blocks: ClassVar[bool] = False
+    compiles_encoders: ClassVar[bool] = False
 
     # -- class-level: before the backend is built --------------------------------------------------------------
 
@@ -216,6 +219,21 @@ class Backend:
 
     def save_weights(self, model: torch.nn.Module, path: Path) -> None:
         raise NotImplementedError
+
+    # -- a vision encoder (neuron_opt.multimodal.compiled): one graph per image-size bucket, replicated ----------
+
+    def compile_encoder(self, graph: torch.nn.Module, args: tuple[torch.Tensor, ...], key: str,
+                        out_dir: Path) -> list[Path]:
+        """A vision encoder's graph (`graph`, its weights in) for one bucket, `args` its example inputs, written
+        under `out_dir`; the paths relative to it. ConfigError where the backend compiles no encoders."""
+        raise ConfigError(f"backend: the {self.name} backend does not compile vision encoders yet; vision-language "
+                          "models compile with --backend cpu or eager", param="backend")
+
+    def load_encoder(self, graph: torch.nn.Module, files: list[Path]) -> Callable[[tuple[torch.Tensor, ...]],
+                                                                                  torch.Tensor]:
+        """A compiled encoder bucket as a function of its inputs (`graph`: the module with its weights in)."""
+        raise ConfigError(f"backend: the {self.name} backend does not run compiled vision encoders yet",
+                          param="backend")
 
     def load(self, graph_files: dict[Bucket, list[Path]], weights_path: Path, model_factory: ModelFactory,
              cache: CacheConfig) -> Executor:

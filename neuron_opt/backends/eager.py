@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -80,6 +81,7 @@ class EagerBackend(Backend):
     supports_lora = True
     window_kv = True
     gguf_blocks = True  # gguf's reference dequantization in every product (quant.weights)
+    compiles_encoders = True  # vision encoder buckets (neuron_opt.multimodal.compiled)
 
     def __init__(self, dtype: torch.dtype = torch.float32, options: dict | None = None) -> None:
         self.dtype = dtype
@@ -90,6 +92,14 @@ class EagerBackend(Backend):
 
     def save_weights(self, model: torch.nn.Module, path: Path) -> None:
         save_file(model_state_for_save(model), str(path))
+
+    def compile_encoder(self, graph: torch.nn.Module, args: tuple[torch.Tensor, ...], key: str,
+                        out_dir: Path) -> list[Path]:
+        return []  # the eager encoder bucket is the module itself
+
+    def load_encoder(self, graph: torch.nn.Module, files: list[Path]) -> Callable[[tuple[torch.Tensor, ...]],
+                                                                                  torch.Tensor]:
+        return lambda args: graph(*args)
 
     def load(self, graph_files: dict[Bucket, list[Path]], weights_path: Path, model_factory: ModelFactory,
              cache: CacheConfig) -> EagerExecutor:

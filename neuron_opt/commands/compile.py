@@ -61,6 +61,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-buckets", type=_int_list, default=None, help="e.g. 128,256,512")
     p.add_argument("--decode-buckets", type=_int_list, default=None, help="KV lengths, e.g. 256,1024,2048")
     p.add_argument("--decode-batches", type=_int_list, default=None, help="batch sizes, e.g. 1,4,8")
+    p.add_argument("--encoder-buckets", type=_int_list, default=None, metavar="SIZES",
+                   help="a vision-language model's encoder buckets, in image tiles (Idefics3, SmolVLM) or patches "
+                        "(Qwen2.5-VL), e.g. 1,2,4,5 (default: powers of two up to the largest image its processor "
+                        "makes; docs/multimodal.md)")
     p.add_argument("--speculative-model", default=None, metavar="PATH",
                    help="a draft model (HF directory, GGUF, 'default', or a Hub id at its main revision) with this "
                         "model's tokenizer, compiled alongside into <out>/draft with this compile's backend, dtype, "
@@ -152,7 +156,8 @@ def run(args: argparse.Namespace) -> int:
         quantize_lm_head=args.quantize_lm_head, kv_cache_dtype=KVCacheDtype.parse(args.kv_cache_dtype),
         speculative_model=args.speculative_model, force=args.force, sign_key=args.sign_key, task=args.task,
         pooling=args.pooling, normalize=args.normalize, matryoshka_dims=args.matryoshka_dims,
-        lora=lora_config_from_args(args))
+        lora=lora_config_from_args(args),
+        encoder_buckets=tuple(args.encoder_buckets) if args.encoder_buckets else None)
     report = compile_artifact(req)
     print(f"compile cache: {len(report.hits)} hit(s), {len(report.misses)} miss(es)")
     for label, why in report.misses.items():

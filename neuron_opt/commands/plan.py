@@ -45,7 +45,7 @@ from neuron_opt.planner.speculative import (
     eagle3_like,
     predict,
 )
-from neuron_opt.planner.vision import VisionPlan, vision_lines, vision_plan
+from neuron_opt.planner.vision import VisionPlan, image_processor_settings, vision_lines, vision_plan
 
 # every backend holds window-sized KV for sliding-window layers (Backend.window_kv: eager, cpu, neuron), so the plan
 # sizes their pools as compile allocates them
@@ -214,8 +214,7 @@ def vision_memory(model: str, plans: list[Plan]) -> tuple[list[Plan], VisionPlan
     if model == "default" or not is_multimodal(path):
         return plans, None
     root = path if path.is_dir() else path.parent
-    pre = root / "preprocessor_config.json"
-    pre_cfg = read_json_capped(pre, ConfigError, "preprocessor_config") if pre.is_file() else None
+    pre_cfg = image_processor_settings(root)
     config = read_json_capped(root / "config.json" if path.is_dir() else path, ConfigError, "config")
     out = []
     for p in plans:

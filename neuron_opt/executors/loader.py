@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from neuron_opt.artifact import Manifest, VerifiedManifest, read_verified
+from neuron_opt.backends import get_backend
 from neuron_opt.buckets import BucketConfig
 from neuron_opt.checkpoint import open_checkpoint
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig, torch_dtype
@@ -22,7 +23,8 @@ from neuron_opt.errors import ConfigError
 from neuron_opt.executors.factory import ArtifactSpec, CheckpointSpec, create_executor, prepare
 from neuron_opt.hub import resolve_model
 from neuron_opt.lora.config import LoraConfig
-from neuron_opt.multimodal.vision import is_multimodal, open_multimodal
+from neuron_opt.multimodal.compiled import load_vision
+from neuron_opt.multimodal.vision import check_vision_parallel, is_multimodal, open_multimodal
 from neuron_opt.planner.memory import kv_window, window_prompt_len
 from neuron_opt.runtime.runner import ModelRunner
 
@@ -96,8 +98,12 @@ def _load_artifact(root: Path, verified: VerifiedManifest | None, trusted_keys: 
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
-    runner = ModelRunner(create_executor(spec), m.buckets, m.cache, m.model.vocab_size, m.model)
-    return LoadedModel(m, m.model, tokenizer, runner, m.dtype)
+    vision = None
+    if m.vision is not None:  # the image side: processor and the encoder's compiled buckets, in this process
+        backend = get_backend(m.backend, torch_dtype(m.dtype), m.backend_options)
+        vision = load_vision(root, m.vision, backend, torch_dtype(m.dtype))
+    runner = ModelRunner(create_executor(spec), m.buckets, m.cache, m.model.vocab_size, m.model, vision)
+    return LoadedModel(m, m.model, tokenizer, runner, m.dtype, ("text", "image") if vision is not None else ("text",))
 
 
 def _load_checkpoint(model: str | Path, *, dtype: str | None, max_model_len: int | None, batch_size: int | None,
@@ -105,9 +111,9 @@ def _load_checkpoint(model: str | Path, *, dtype: str | None, max_model_len: int
                      lora: LoraConfig | None = None) -> LoadedModel:
     dtype, batch_size = dtype or "float32", batch_size or 1
     vision = None
-    if is_multimodal(model):  # a vision-language model: its text decoder here, its image side (`vision`) beside it
-        if parallel is not None and parallel.tp > 1:
-            raise ConfigError("parallel: vision-language models run at tp 1", param="parallel")
+    if is_multimodal(model):  # a vision-language model: its text decoder here (tp > 1: on the ranks), its image
+        # side (`vision`) beside it in this process, replicated (docs/multimodal.md)
+        check_vision_parallel(parallel or ParallelConfig())
         mm = open_multimodal(Path(model), torch_dtype(dtype))
         cfg, tokenizer, state_dict, vision = mm.config, mm.tokenizer, mm.state_dict, mm.vision
     else:

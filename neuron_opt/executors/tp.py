@@ -29,7 +29,7 @@ from neuron_opt.buckets import Bucket
 from neuron_opt.config import CacheConfig, ModelConfig, ParallelConfig
 from neuron_opt.errors import RankFailedError
 from neuron_opt.executors.launcher import RankSpec, default_threads, free_port, write_rank_weights
-from neuron_opt.executors.worker import rank_main, step_arrays
+from neuron_opt.executors.worker import image_arrays, rank_main, step_arrays
 from neuron_opt.lora.config import LoraConfig
 from neuron_opt.parallel.collectives import CollectiveCall
 from neuron_opt.parallel.vocab import scatter_candidates
@@ -49,6 +49,9 @@ class TPExecutor:
     # the rank processes run on the host's own cores: async scheduling's host work would take them from the ranks
     # (docs/serving.md, "Async scheduling")
     async_scheduling = False
+    # image embeddings and M-RoPE positions go to every rank with the step (worker.image_arrays): the ranks merge
+    # them after their vocab-parallel embedding (a vision-language model's encoder runs whole in this process)
+    takes_embeddings = True
 
     @property
     def gathers_candidates(self) -> bool:
@@ -84,7 +87,7 @@ class TPExecutor:
                 everywhere else (exact for greedy and top-k <= K sampling; see neuron_opt.parallel.vocab).
         """
         slots = None if inputs.lora_slots is None else inputs.lora_slots.contiguous().numpy()
-        msg = ("run", bucket, step_arrays(inputs), candidates, slots)
+        msg = ("run", bucket, step_arrays(inputs), candidates, slots, image_arrays(inputs))
         out = self._call(msg, f"step {bucket.key}")
         if self.aux_layers:
             out, aux = out

@@ -1,7 +1,10 @@
 """The body of one rank process: join the gloo group, load this rank's weights, serve steps from the driver.
 
 Protocol over the rank's pipe (driver -> rank, then one reply rank -> driver):
-  ("run", bucket, arrays, candidates)  -> ("ok", result)   rank 0's result is the finished logits, others None
+  ("run", bucket, arrays, candidates, lora slots, images)
+                                       -> ("ok", result)   rank 0's result is the finished logits, others None
+                                                        (images: a step's image embeddings and M-RoPE positions,
+                                                        image_arrays, or None)
   ("calls",)                           -> ("ok", [CollectiveCall, ...]) counted since the last reset
   ("reset",)                           -> ("ok", None)
   ("lora", slot, adapter | None)       -> ("ok", None)   this rank's shard of the adapter written into the slot
@@ -109,6 +112,7 @@ def rank_main(rank: int, port: int, spec: RankSpec, conn: Connection) -> None:
                 window = {"window_kv": inputs.window_kv()} if inputs.window_kv() is not None else {}
                 lora = None if stacks is None or slots is None else LoraInputs(stacks, torch.from_numpy(slots))
                 kw: dict[str, Any] = dict(window)
+                kw.update(_image_inputs(msg[5] if len(msg) > 5 else None))
                 if lora is not None:
                     kw["lora"] = lora
                 with torch.inference_mode():
@@ -152,6 +156,30 @@ def rank_main(rank: int, port: int, spec: RankSpec, conn: Connection) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def image_arrays(inputs: StepInputs) -> dict[str, np.ndarray] | None:
+    """A step's image embeddings (mask, rows: fp32, numpy has no bf16) and M-RoPE positions for the pipe; None
+    without either."""
+    out = {}
+    if inputs.multimodal() is not None:
+        mask, rows = inputs.multimodal()  # type: ignore[misc]
+        out.update(mm_mask=mask.contiguous().numpy(), mm_embeds=rows.float().contiguous().numpy())
+    if inputs.rope_positions is not None:
+        out["rope_positions"] = inputs.rope_positions.contiguous().numpy()
+    return out or None
+
+
+def _image_inputs(arrays: dict[str, np.ndarray] | None) -> dict[str, Any]:
+    """`image_arrays` as the model's keyword arguments (mm_embeds: the model merges them in its own dtype)."""
+    if not arrays:
+        return {}
+    kw: dict[str, Any] = {}
+    if "mm_mask" in arrays:
+        kw["mm_embeds"] = (torch.from_numpy(arrays["mm_mask"]), torch.from_numpy(arrays["mm_embeds"]))
+    if "rope_positions" in arrays:
+        kw["rope_positions"] = torch.from_numpy(arrays["rope_positions"])
+    return kw
 
 
 def step_arrays(inputs: StepInputs) -> tuple[np.ndarray, ...]:

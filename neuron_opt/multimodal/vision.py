@@ -12,26 +12,29 @@ Design decisions
   only together with their video processors, which need torchvision; where AutoProcessor fails for that reason
   alone, the loader builds the same processor class from the checkpoint's image processor and tokenizer without
   the video processor (images preprocess exactly as with it; video is not served) and says so at INFO.
-- Vision-language models run at tp 1 on the eager backend (the reference); an artifact compiled from one is not
-  built yet (docs/multimodal.md).
+- Backends: eager from a checkpoint (tp 1, or the decoder on tp rank processes), and artifacts compiled for the
+  eager or cpu backend, the encoder in per-bucket graphs (multimodal.compiled); the encoder is replicated: it runs
+  whole in the process that serves requests (docs/multimodal.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable
+import shutil
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from models import gemma3, idefics3, qwen2_5_vl, qwen3_vl
+from neuron_opt.checkpoint import Checkpoint
 from neuron_opt.checkpoint.hf import weight_files
 from neuron_opt.config import ModelConfig
-from neuron_opt.errors import CheckpointError, UnsupportedModelError
+from neuron_opt.errors import CheckpointError, ConfigError, UnsupportedModelError
 from neuron_opt.headers import read_json_capped
 from neuron_opt.multimodal.inputs import ImageItem
 
@@ -151,7 +154,8 @@ class VisionModel:
 
     architecture: str
     processor: Any
-    encoder: torch.nn.Module
+    # the encoder module (eager), or its compiled buckets called alike (multimodal.compiled.BucketedEncoder)
+    encoder: Any
     split: Split
     rope: Rope | None = None
     bidirectional: bool = False  # Family.bidirectional
@@ -182,6 +186,14 @@ def decoder_config(path: Path) -> ModelConfig:
     return ModelConfig.from_hf(FAMILIES[hf.architectures[0]].text_config(hf))
 
 
+def check_vision_parallel(par: Any) -> None:
+    """ConfigError for a layout a vision-language decoder cannot run: sequence-parallel prefill holds a chunk of
+    each row on a rank, where image rows merge into whole rows."""
+    if par.sequence_parallel:
+        raise ConfigError("sequence_parallel: image embeddings merge into whole prefill rows; run a vision-language "
+                          "model without sequence parallelism", param="sequence_parallel")
+
+
 def is_multimodal(path: str | Path) -> bool:
     """A HF checkpoint directory (or its config.json) whose config has a vision tower (`vision_config`); an
     unsupported one raises."""
@@ -199,6 +211,30 @@ def is_multimodal(path: str | Path) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class VisionLanguageCheckpoint(Checkpoint):
+    """A vision-language checkpoint as `compile` reads a checkpoint: the text decoder's config, weights and
+    tokenizer (the Checkpoint interface, over the decoder's canonical tensors), with its image side in `mm`."""
+
+    mm: Any = None  # MultimodalCheckpoint
+
+    def state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        return {k: v.to(dtype) for k, v in self.mm.state_dict.items()}
+
+    def tensors(self, dtype: torch.dtype = torch.float32,
+                skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+        return ((k, v.to(dtype)) for k, v in self.mm.state_dict.items() if k not in skip)
+
+    def tokenizer(self) -> Any:
+        return self.mm.tokenizer
+
+
+def open_vision_language(root: Path) -> VisionLanguageCheckpoint:
+    """A vision-language checkpoint directory for `compile` (fp32: compile casts to its dtype)."""
+    mm = open_multimodal(root, torch.float32)
+    return VisionLanguageCheckpoint(config=mm.config, source=root, format="hf", mm=mm)
+
+
 @dataclass
 class MultimodalCheckpoint:
     config: ModelConfig  # the text decoder's
@@ -211,8 +247,7 @@ def open_multimodal(root: Path, dtype: torch.dtype) -> MultimodalCheckpoint:
     """A vision-language checkpoint: the decoder's config and weights, the processor and the vision encoder (its
     weights loaded, in `dtype`). CheckpointError naming the tensor for a missing or unexpected vision weight."""
     hf = hf_config(root)
-    arch = hf.architectures[0]
-    fam = FAMILIES[arch]
+    fam = FAMILIES[hf.architectures[0]]
     cfg = decoder_config(root)
     stored: dict[str, torch.Tensor] = {}
     for f in weight_files(root):
@@ -222,17 +257,49 @@ def open_multimodal(root: Path, dtype: torch.dtype) -> MultimodalCheckpoint:
     text = {text_key(k): v for k, v in stored.items() if not k.startswith(fam.vision_prefixes)}
     if fam.text_split is not None:
         text = dict(pair for k, v in text.items() for pair in fam.text_split(cfg, k, v))
-    encoder = fam.build(hf)
     vision_key = fam.vision_key or (lambda k: k[len(fam.vision_strip):])
     vision_sd = {vision_key(k): v for k, v in stored.items() if k.startswith(fam.vision_prefixes)}
-    missing, unexpected = encoder.load_state_dict(vision_sd, strict=False)
+    vision = _vision_model(root, hf, vision_sd, dtype)
+    return MultimodalCheckpoint(cfg, {k: v.to(dtype) for k, v in text.items()}, vision.processor.tokenizer, vision)
+
+
+def _vision_model(root: Path, hf: Any, encoder_sd: dict[str, torch.Tensor], dtype: torch.dtype) -> VisionModel:
+    """The image side of `hf` with its encoder's weights (names as the encoder module's) and the processor in
+    `root`."""
+    arch = hf.architectures[0]
+    fam = FAMILIES[arch]
+    encoder = fam.build(hf)
+    missing, unexpected = encoder.load_state_dict(encoder_sd, strict=False)
     if missing or unexpected:
         raise CheckpointError(f"checkpoint {root}: vision tensors missing {sorted(missing)[:5]}, unexpected "
                               f"{sorted(unexpected)[:5]}")
     processor = load_processor(root, hf)
-    vision = VisionModel(arch, processor, encoder.to(dtype).eval(), fam.split(hf, processor),
-                         fam.rope(hf) if fam.rope is not None else None, fam.bidirectional)
-    return MultimodalCheckpoint(cfg, {k: v.to(dtype) for k, v in text.items()}, processor.tokenizer, vision)
+    return VisionModel(arch, processor, encoder.to(dtype).eval(), fam.split(hf, processor),
+                       fam.rope(hf) if fam.rope is not None else None, fam.bidirectional)
+
+
+ENCODER_WEIGHTS = "encoder.safetensors"
+
+
+def save_vision(vision: VisionModel, source: Path, out: Path, dtype: torch.dtype) -> None:
+    """A vision-language model's image side into an artifact's directory `out`: the checkpoint's own files but its
+    weights (config.json, the processor's and tokenizer's files, as the checkpoint ships them, so the processor
+    loads as it did from the checkpoint) and the encoder's weights in `dtype` (`open_vision_dir` reads them)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for f in sorted(source.iterdir()):
+        if f.is_file() and f.suffix in _PROCESSOR_SUFFIXES and not f.name.endswith(".safetensors.index.json"):
+            shutil.copyfile(f, out / f.name)
+    save_file({k: v.to(dtype).contiguous() for k, v in vision.encoder.state_dict().items()},
+              str(out / ENCODER_WEIGHTS))
+
+
+# what a checkpoint's config, processor and tokenizer are stored in (its weights are not)
+_PROCESSOR_SUFFIXES = frozenset({".json", ".jinja", ".txt", ".model", ".tiktoken"})
+
+
+def open_vision_dir(d: Path, dtype: torch.dtype) -> VisionModel:
+    """The image side `save_vision` wrote into `d`, its encoder in `dtype`."""
+    return _vision_model(d, hf_config(d), load_file(str(d / ENCODER_WEIGHTS)), dtype)
 
 
 def load_processor(root: Path, hf: Any) -> Any:

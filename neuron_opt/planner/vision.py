@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from neuron_opt.buckets import encoder_sizes
 from neuron_opt.errors import ConfigError
+from neuron_opt.headers import read_json_capped
 from neuron_opt.planner.memory import dtype_bytes
 
 
@@ -29,13 +32,26 @@ class VisionPlan:
     max_image_tokens: int  # placeholder tokens of the largest image
     activation_bytes: int  # the encoder's largest live activations for that image (fp32 attention scores + rows)
     shape: str  # what one encoder call of the largest image holds (tiles x patches, or patches)
+    max_units: int = 0  # the largest image in the encoder's bucket unit (tiles, or patches)
+    unit_step: int = 1  # bucket sizes are multiples of it (Qwen2.5-VL: a merge block of patches)
+    unit: str = ""  # "tiles" | "patches"
+
+    @property
+    def encoder_buckets(self) -> tuple[int, ...]:
+        """The encoder's default bucket sizes (buckets.encoder_sizes; `compile --encoder-buckets` overrides)."""
+        return encoder_sizes(self.max_units, self.unit_step)
 
 
 def _linear(i: int, o: int, bias: bool = True) -> int:
     return i * o + (o if bias else 0)
 
 
-def _idefics3(cfg: dict[str, Any], pre: dict[str, Any], act: int) -> tuple[int, int, int, str]:
+# a family's (parameters, largest image's tokens, its activation bytes, its shape, (its size in the bucket unit,
+# the unit's step, the unit's name))
+Sized = tuple[int, int, int, str, tuple[int, int, str]]
+
+
+def _idefics3(cfg: dict[str, Any], pre: dict[str, Any], act: int) -> Sized:
     v, text = cfg["vision_config"], cfg["text_config"]
     D, inner, heads = v["hidden_size"], v["intermediate_size"], v["num_attention_heads"]
     p, side_px, s = v["patch_size"], v["image_size"], cfg.get("scale_factor", 2)
@@ -49,10 +65,10 @@ def _idefics3(cfg: dict[str, Any], pre: dict[str, Any], act: int) -> tuple[int, 
     tiles = per_side * per_side + 1 if pre.get("do_image_splitting", True) and per_side > 1 else 1
     tokens = tiles * P // (s * s)
     acts = tiles * (heads * P * P * 4 + P * (2 * D + inner) * act)
-    return params, tokens, acts, f"{tiles} tiles x {P} patches"
+    return params, tokens, acts, f"{tiles} tiles x {P} patches", (tiles, 1, "tiles")
 
 
-def _qwen2_5_vl(cfg: dict[str, Any], pre: dict[str, Any], act: int) -> tuple[int, int, int, str]:
+def _qwen2_5_vl(cfg: dict[str, Any], pre: dict[str, Any], act: int) -> Sized:
     v = cfg["vision_config"]
     D, inner, heads, p = v["hidden_size"], v["intermediate_size"], v["num_heads"], v["patch_size"]
     m, T, out = v["spatial_merge_size"], v["temporal_patch_size"], v["out_hidden_size"]
@@ -66,10 +82,10 @@ def _qwen2_5_vl(cfg: dict[str, Any], pre: dict[str, Any], act: int) -> tuple[int
                           "size.longest_edge")
     N = int(pixels) // (p * p) // (m * m) * (m * m)
     acts = heads * N * N * 4 + N * N + N * (2 * D + inner) * act  # full-attention scores and the mask
-    return params, N // (m * m), acts, f"{N} patches"
+    return params, N // (m * m), acts, f"{N} patches", (N, m * m, "patches")
 
 
-def _qwen3_vl(cfg: dict[str, Any], pre: dict[str, Any], act: int) -> tuple[int, int, int, str]:
+def _qwen3_vl(cfg: dict[str, Any], pre: dict[str, Any], act: int) -> Sized:
     """Qwen2.5-VL's bound and activations; LayerNorms, MLPs without a gate, a learned position grid, a biased patch
     projection and a merger per deepstack index beside the final one (each normalising the merged width)."""
     v = cfg["vision_config"]
@@ -81,11 +97,11 @@ def _qwen3_vl(cfg: dict[str, Any], pre: dict[str, Any], act: int) -> tuple[int, 
         * (2 * wide + _linear(wide, wide) + _linear(wide, out))
     params = (_linear(v.get("in_channels", 3) * T * p * p, D) + v.get("num_position_embeddings", 2304) * D
               + v["depth"] * block + mergers)
-    _, tokens, acts, shape = _qwen2_5_vl(cfg, pre, act)
-    return params, tokens, acts, shape
+    _, tokens, acts, shape, units = _qwen2_5_vl(cfg, pre, act)
+    return params, tokens, acts, shape, units
 
 
-def _gemma3(cfg: dict[str, Any], pre: dict[str, Any], act: int) -> tuple[int, int, int, str]:
+def _gemma3(cfg: dict[str, Any], pre: dict[str, Any], act: int) -> Sized:
     v, text = cfg["vision_config"], cfg["text_config"]
     D, inner, heads = v["hidden_size"], v["intermediate_size"], v["num_attention_heads"]
     P = (v["image_size"] // v["patch_size"]) ** 2
@@ -95,7 +111,8 @@ def _gemma3(cfg: dict[str, Any], pre: dict[str, Any], act: int) -> tuple[int, in
     runs = 1 + pre.get("pan_and_scan_max_num_crops", 4) if pre.get("do_pan_and_scan") else 1
     tokens = runs * cfg.get("mm_tokens_per_image", 256)
     acts = heads * P * P * 4 + P * (2 * D + inner) * act
-    return params, tokens, acts, f"1 image x {P} patches" + (f" ({runs} with its crops)" if runs > 1 else "")
+    shape = f"1 image x {P} patches" + (f" ({runs} with its crops)" if runs > 1 else "")
+    return params, tokens, acts, shape, (runs, 1, "images")
 
 
 _FAMILIES = {"Idefics3ForConditionalGeneration": _idefics3, "SmolVLMForConditionalGeneration": _idefics3,
@@ -111,12 +128,33 @@ def vision_plan(config: dict[str, Any], preprocessor: dict[str, Any] | None, dty
         raise ConfigError(f"config: {arch!r} has a vision_config, but its image side is not planned (supported: "
                           f"{', '.join(sorted(_FAMILIES))})", param="model")
     act = 4 if dtype == "float32" else 2
-    params, tokens, acts, shape = _FAMILIES[arch](config, preprocessor or {}, act)
-    return VisionPlan(arch, params, params * dtype_bytes(dtype), tokens, acts, shape)
+    params, tokens, acts, shape, (units, step, unit) = _FAMILIES[arch](config, preprocessor or {}, act)
+    return VisionPlan(arch, params, params * dtype_bytes(dtype), tokens, acts, shape, units, step, unit)
 
 
-def vision_lines(vp: VisionPlan) -> list[str]:
-    """The plan's lines for the image side."""
+def vision_lines(vp: VisionPlan, buckets: tuple[int, ...] = ()) -> list[str]:
+    """The plan's lines for the image side (`buckets`: the encoder's bucket sizes; () its defaults)."""
     return [f"  vision encoder ({vp.architecture}, {vp.parameters / 1e6:.1f} M params, on every rank):",
             f"    weights {vp.weight_bytes / 2**30:.3f} GiB; largest image: {vp.shape} in one encoder call, "
-            f"{vp.max_image_tokens} prompt tokens, activations {vp.activation_bytes / 2**30:.3f} GiB"]
+            f"{vp.max_image_tokens} prompt tokens, activations {vp.activation_bytes / 2**30:.3f} GiB",
+            f"    encoder buckets ({vp.unit}; one graph each on compiling backends): "
+            f"{', '.join(map(str, buckets or vp.encoder_buckets))}"]
+
+
+def image_processor_settings(root: Path) -> dict[str, Any] | None:
+    """A checkpoint's image processor settings: preprocessor_config.json, or the "image_processor" entry of
+    processor_config.json (where newer transformers saves them); None when it has neither."""
+    pre = root / "preprocessor_config.json"
+    if pre.is_file():
+        return dict(read_json_capped(pre, ConfigError, "preprocessor_config"))
+    proc = root / "processor_config.json"
+    if proc.is_file():
+        settings = read_json_capped(proc, ConfigError, "processor_config").get("image_processor")
+        return dict(settings) if isinstance(settings, dict) else None
+    return None
+
+
+def checkpoint_vision_plan(root: Path, dtype: str) -> VisionPlan:
+    """`vision_plan` of a checkpoint directory: its config.json and its image processor's settings."""
+    return vision_plan(read_json_capped(root / "config.json", ConfigError, "config"), image_processor_settings(root),
+                       dtype)

@@ -430,7 +430,7 @@ class ModelRunner:
             return inputs
         if not getattr(self.executor, "takes_embeddings", False):
             raise ConfigError("images: this executor's graphs take token ids only (vision-language models run on the "
-                              "eager backend at tp 1)", param="messages")
+                              "eager and cpu backends, tp > 1 on eager ranks)", param="messages")
         B, S = inputs.input_ids.shape
         H = with_embeds[0][1][1].shape[-1]
         mask = torch.zeros(B, S, dtype=torch.bool)

@@ -23,10 +23,11 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from models.llama import layer_rope_inputs, model_rope_tables, window_input
+from models.llama import layer_rope_inputs, merge_embeddings, model_rope_tables, mrope_rows, window_input
 from models.moe import Experts
 from neuron_opt.backends.base import Backend, ModelFactory, StepInputs, allocate_kv
 from neuron_opt.backends.cpu import ops as cpu_ops
+from neuron_opt.backends.cpu.backend import encoder as cpu_encoder
 from neuron_opt.backends.cpu.constants import ConstantRecipe, build_constant
 from neuron_opt.backends.cpu.graphs import (
     PREFILL_SPLIT_STEP,
@@ -195,6 +196,7 @@ class CpuBackend(Backend):
     supports_lora = True
     window_kv = True
     gguf_blocks = True  # on cpu_ops' gguf_linear operators
+    compiles_encoders = True  # vision encoder buckets (neuron_opt.multimodal.compiled)
 
     @classmethod
     def default_dtype(cls) -> str:
@@ -330,6 +332,13 @@ class CpuBackend(Backend):
         save_file({k: v.to(self.dtype) if v.is_floating_point() and ".quant." not in k else v
                    for k, v in model_state_for_save(model).items()}, str(path))
 
+    def compile_encoder(self, graph: torch.nn.Module, args: tuple[torch.Tensor, ...], key: str,
+                        out_dir: Path) -> list[Path]:
+        return cpu_encoder.compile_encoder(graph, args, key, out_dir, self.dtype)
+
+    def load_encoder(self, graph: torch.nn.Module, files: list[Path]) -> Any:
+        return cpu_encoder.load_encoder(graph, files, self.dtype, _runner)
+
     def load(self, graph_files: dict[Bucket, list[Path]], weights_path: Path, model_factory: ModelFactory,
              cache: CacheConfig) -> CpuExecutor:
         """graph_files: absolute paths (or paths relative to the working directory) of each bucket's files."""
@@ -444,6 +453,7 @@ class CpuExecutor:
     a few shapes (oneDNN builds and caches a kernel per shape) at a waste of under 16 tokens a prefill."""
 
     gathers_candidates = False
+    takes_embeddings = True  # image rows merged after the eager embedding lookup; M-RoPE rows gathered there too
     prefill_granularity = 16
     # its graph calls use every core the thread policy gives them, with the GIL held between ops (layers): the
     # host work of async scheduling has nowhere to overlap (docs/serving.md, "Async scheduling")
@@ -611,8 +621,16 @@ class CpuExecutor:
         x = self._embed(ids).to(self.residual_dtype)  # [B, S, H]
         if self.cfg.embedding_multiplier != 1.0:
             x = x * self.cfg.embedding_multiplier
+        mm = inputs.multimodal()
+        if mm is not None:  # image rows at their placeholder positions (a split prefill's padding comes after)
+            n = mm[0].shape[1]
+            x = torch.cat([merge_embeddings(x[:, :n], *mm), x[:, n:]], dim=1)  # [B, S, H]
         ropes = layer_rope_inputs(self.cfg, self.rope, pos, self.rope_dtype,
                                   inputs.last_index)  # per layer, [B, S, 1, R] each
+        if self.cfg.mrope_section and inputs.rope_positions is not None:  # M-RoPE: 3-D positions, padding 1-D
+            rp = inputs.rope_positions
+            rp = torch.cat([rp, pos[:, rp.shape[2]:].expand(3, -1, -1)], dim=2)  # [3, B, S]
+            ropes = [mrope_rows(self.cfg.mrope_section, self.rope["global"], rp, self.rope_dtype)] * len(ropes)
         lora_slots = inputs.lora_slots if inputs.lora_slots is not None else torch.zeros(x.shape[0], dtype=torch.long)
         ks, vs = self.k_caches, self.v_caches
         aux = []
