@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from neuron_opt.errors import ConfigError
-from neuron_opt.runtime.kv_tier import HostBlocks, KVTier, group_blocks
+from neuron_opt.runtime.kv_tier import WINDOW, HostBlocks, KVTier, group_blocks
 from neuron_opt.runtime.scheduler import KVConfig, Scheduler
 
 LAYERS, BLOCKS, SHAPE = 3, 12, (2, 4, 8)  # per block: [n_kv, block positions, D]
@@ -87,9 +87,9 @@ def test_an_executors_own_copier_copies_each_window_kv_group_apart():
     assert window.caches == (ex.k_caches[1], ex.v_caches[1])
     tier = KVTier(full, 1 << 20, window_pools=window)
     before = [c.clone() for c in (*ex.k_caches, *ex.v_caches)]
-    tier.store(b"a", 4, "window")
+    tier.store(b"a", 4, WINDOW)
     ex.k_caches[1][4].fill_(0)
-    assert tier.load([b"a"], [7], "window") == 1 and not tier.holds(b"a")
+    assert tier.load([b"a"], [7], WINDOW) == 1 and not tier.holds(b"a")
     after = [c.clone() for c in (*ex.k_caches, *ex.v_caches)]
     for i, (b, a) in enumerate(zip(before, after, strict=True)):
         if i in (1, 1 + LAYERS):  # the window layer's K and V: block 7 is block 4's bytes
