@@ -26,14 +26,15 @@ Design decisions
   thread and checks its digest as above; the block is then in the pool, and back in RAM when the pool evicts it.
 - Pools it copies: an executor's block pools through `PoolBlocks` (read a block's bytes to host memory, write them
   back): in place through uint8 views for pools of CPU tensors in this process (`HostBlocks`: the eager and cpu
-  backends at tp = 1), and by the executor's own copier where the pool is on a device (`executor.tier_blocks()`:
-  the neuron backend's, one small graph each way over every layer's pool, at any tp). Rank processes hold their
-  pools out of reach and are refused.
+  backends at tp = 1), and by the executor's own copier where the pool is on a device (`executor.tier_blocks(layers)`:
+  the neuron backend's, one small graph each way over the pools of a layer subset, at any tp). Rank processes hold
+  their pools out of reach and are refused.
 - Window-sized KV (sliding-window layers with a pool of their own, block_manager.WindowedBlockManager): entries
   per (group, key). The full layers' pools and the window layers' pools are two `PoolBlocks` (`group_blocks`),
   each group's evictions store that group's layers only (the window group gives its blocks back as the window
   slides, so its copy of a key is evicted long before the full group's), and the scheduler restores the two
-  groups' blocks apart. Entries of both groups share the size limit and the LRU order; each counts its own bytes.
+  groups' blocks apart; a device copier copies each group by a pair of graphs of its own. Entries of both groups
+  share the size limit and the LRU order; each counts its own bytes.
 """
 
 from __future__ import annotations
@@ -146,19 +147,18 @@ def tier_pools(executor: Any, cfg: Any, cache: Any) -> tuple[PoolBlocks, PoolBlo
 
 def group_blocks(executor: Any, window_layers: Sequence[int]) -> tuple[PoolBlocks, PoolBlocks]:
     """Window-sized KV: the pools of `executor`'s full layers and of its sliding-window layers (`window_layers`,
-    whose pools hold the window pool's blocks: CacheConfig.pool_blocks), as the tier's two groups. Host pools only:
-    a device copier gathers every layer's pool in one graph."""
-    if getattr(executor, "tier_blocks", None) is not None:
-        raise ConfigError("kv_offloading_size: the KV tier of a model with window-sized KV copies the full and the "
-                          "window layers' pools apart, which this executor's device copier does not (its graph "
-                          "gathers every layer's block at once); serve it without --kv-offloading-size",
-                          param="kv_offloading_size")
+    whose pools hold the window pool's blocks: CacheConfig.pool_blocks), as the tier's two groups: its own copier
+    over each layer subset (a device pool: `executor.tier_blocks(layers)`), else its host tensors."""
     ks, vs, window = executor.k_caches, executor.v_caches, set(window_layers)
-    if not window or len(window) == len(ks):
-        raise ValueError(f"group_blocks: window layers {sorted(window)} of {len(ks)} leave a group empty")
-    full = [i for i in range(len(ks)) if i not in window]
+    if not window or len(window) == len(ks) or not window <= set(range(len(ks))):
+        raise ValueError(f"group_blocks: window layers {sorted(window)} are not some, and not all, of the model's "
+                         f"{len(ks)} layers")
+    full, sliding = [i for i in range(len(ks)) if i not in window], sorted(window)
+    own = getattr(executor, "tier_blocks", None)
+    if own is not None:
+        return own(full), own(sliding)
     return (HostBlocks([ks[i] for i in full], [vs[i] for i in full]),
-            HostBlocks([ks[i] for i in sorted(window)], [vs[i] for i in sorted(window)]))
+            HostBlocks([ks[i] for i in sliding], [vs[i] for i in sliding]))
 
 
 class _Disk:

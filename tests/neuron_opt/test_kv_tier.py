@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from neuron_opt.errors import ConfigError
-from neuron_opt.runtime.kv_tier import HostBlocks, KVTier, group_blocks
+from neuron_opt.runtime.kv_tier import WINDOW, HostBlocks, KVTier, group_blocks
 from neuron_opt.runtime.scheduler import KVConfig, Scheduler
 
 LAYERS, BLOCKS, SHAPE = 3, 12, (2, 4, 8)  # per block: [n_kv, block positions, D]
@@ -67,6 +67,37 @@ def test_a_damaged_entry_is_dropped_and_ends_the_run():
     assert b"\x02" not in tier and tier.stats.corrupt == 1 and torch.equal(k[0][11], target)  # nothing written
 
 
+class Pools:  # an executor's pools of host tensors (k_caches, v_caches as the eager and cpu backends hold them)
+    def __init__(self) -> None:
+        self.k_caches, self.v_caches = pools(torch.float32)
+
+
+def test_an_executors_own_copier_copies_each_window_kv_group_apart():
+    """Window-sized KV over an executor with a copier of its own (the neuron backend's device pools,
+    `tier_blocks(layers)`): each group is that copier over its layers, and a block of one group comes back without
+    touching the other's pools."""
+
+    class OwnCopier(Pools):
+        def tier_blocks(self, layers):
+            return HostBlocks([self.k_caches[i] for i in layers], [self.v_caches[i] for i in layers])
+
+    ex = OwnCopier()
+    full, window = group_blocks(ex, [1])
+    assert full.caches == (ex.k_caches[0], ex.k_caches[2], ex.v_caches[0], ex.v_caches[2])
+    assert window.caches == (ex.k_caches[1], ex.v_caches[1])
+    tier = KVTier(full, 1 << 20, window_pools=window)
+    before = [c.clone() for c in (*ex.k_caches, *ex.v_caches)]
+    tier.store(b"a", 4, WINDOW)
+    ex.k_caches[1][4].fill_(0)
+    assert tier.load([b"a"], [7], WINDOW) == 1 and not tier.holds(b"a")
+    after = [c.clone() for c in (*ex.k_caches, *ex.v_caches)]
+    for i, (b, a) in enumerate(zip(before, after, strict=True)):
+        if i in (1, 1 + LAYERS):  # the window layer's K and V: block 7 is block 4's bytes
+            assert torch.equal(a[7], b[4]) and torch.equal(a[:4], b[:4])
+        else:
+            assert torch.equal(a, b)
+
+
 def test_layouts_the_tier_cannot_hold_are_refused():
     k, v = pools(torch.float32)
     with pytest.raises(ConfigError, match="hold no block"):
@@ -79,15 +110,10 @@ def test_layouts_the_tier_cannot_hold_are_refused():
     two = KVTier(HostBlocks(k[:1], v[:1]), 1 << 20, window_pools=HostBlocks(k[1:], v[1:]))
     with pytest.raises(ConfigError, match="holds a window group, which this model's pool does not have"):
         Scheduler(2, KVConfig(16, 4, 32, 32), tier=two)
-
-    class DevicePools:  # an executor whose pools only its own copier reaches (the neuron backend)
-        k_caches, v_caches = k, v
-
-        def tier_blocks(self):
-            return HostBlocks(k, v)
-
-    with pytest.raises(ConfigError, match="window-sized KV copies the full and the window layers' pools apart"):
-        group_blocks(DevicePools(), [1])
+    with pytest.raises(ValueError, match="not some, and not all"):
+        group_blocks(Pools(), [0, 1, 2])
+    with pytest.raises(ValueError, match="not some, and not all"):
+        group_blocks(Pools(), [3])
     with pytest.raises(ConfigError, match="turn prefix caching on"):
         Scheduler(2, KVConfig(16, 4, 32, 32, enable_prefix_caching=False), tier=tier)
 

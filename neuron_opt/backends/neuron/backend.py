@@ -59,6 +59,7 @@ import shlex
 import shutil
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -787,15 +788,21 @@ def hlo_files(out_dir: Path, key: str) -> tuple[Path, Path]:
 
 
 class DeviceBlocks:
-    """The second KV tier's view of the device pools (runtime/kv_tier.py `PoolBlocks`): one block of every layer's K
-    and V pool copied to host memory and back. The block index is device data, so every block runs the same two
-    small graphs (an index_select of every pool, and an in-place index_copy into every pool); at tp > 1 a block is
-    every rank's slice of it ([tp, 1, ...], written back sharded like the pool)."""
+    """The second KV tier's view of the device pools (runtime/kv_tier.py `PoolBlocks`): one block of the K and V pools
+    of `layers` (None: every layer) copied to host memory and back. The block index is device data, so every block
+    runs the same two small graphs (an index_select of each of those pools, and an in-place index_copy into each);
+    one layer subset is one pair of graphs, so window-sized KV (kv_tier.group_blocks: the full layers' and the window
+    layers' pools, whose block counts differ) compiles two pairs. At tp > 1 a block is every rank's slice of it
+    ([tp, 1, ...], written back sharded like the pool)."""
 
-    def __init__(self, program: DeviceRank | SpmdRanks) -> None:
+    def __init__(self, program: DeviceRank | SpmdRanks, layers: Sequence[int] | None = None) -> None:
         self.program = program
+        n = len(program.k_caches)
+        self.layers = list(range(n)) if layers is None else list(layers)
+        if not self.layers or len(set(self.layers)) != len(self.layers) or not all(0 <= i < n for i in self.layers):
+            raise ValueError(f"DeviceBlocks: layers {self.layers} are not distinct layers of the model's {n}")
         self.dim = 1 if isinstance(program, SpmdRanks) else 0  # SPMD pools: [tp, num_blocks, ...]
-        caches = [*program.k_caches, *program.v_caches]
+        caches = self._caches()
         if len({c.dtype for c in caches}) != 1:
             raise ConfigError("kv_offloading_size: the KV tier copies pools of one dtype",
                               param="kv_offloading_size")
@@ -804,13 +811,18 @@ class DeviceBlocks:
         self.numels = [math.prod(shape) for shape in self.shapes]
         self.block_bytes = sum(self.numels) * caches[0].element_size()
 
+    def _caches(self) -> list[torch.Tensor]:
+        """The pools copied, in entry order: the layers' K pools, then their V pools (read each time: a step
+        replaces the program's pool tensors by its outputs)."""
+        p = self.program
+        return [p.k_caches[i] for i in self.layers] + [p.v_caches[i] for i in self.layers]
+
     def _index(self, block: int) -> torch.Tensor:
         return torch.tensor([block], dtype=torch.int64).to(self.program.device)
 
     def read(self, block: int) -> torch.Tensor:
-        p = self.program
         idx = self._index(block)
-        flat = torch.cat([c.index_select(self.dim, idx).reshape(-1) for c in [*p.k_caches, *p.v_caches]])
+        flat = torch.cat([c.index_select(self.dim, idx).reshape(-1) for c in self._caches()])
         return flat.cpu().view(torch.uint8)
 
     def write(self, block: int, data: torch.Tensor) -> None:
@@ -818,7 +830,7 @@ class DeviceBlocks:
         idx = self._index(block)
         values = data.view(self.dtype)
         offset = 0
-        for c, shape, n in zip([*p.k_caches, *p.v_caches], self.shapes, self.numels, strict=True):
+        for c, shape, n in zip(self._caches(), self.shapes, self.numels, strict=True):
             new = values[offset:offset + n].reshape(shape).to(p.device)
             if isinstance(p, SpmdRanks):
                 new = p._shard(new)
@@ -867,9 +879,9 @@ class NeuronExecutor:
     def k_caches(self) -> list[torch.Tensor]:
         return self.ranks.k_caches
 
-    def tier_blocks(self) -> DeviceBlocks:
-        """The pools as the second KV tier copies them (runtime/kv_tier.py)."""
-        return DeviceBlocks(self.ranks)
+    def tier_blocks(self, layers: Sequence[int] | None = None) -> DeviceBlocks:
+        """The pools of `layers` (None: every layer) as the second KV tier copies them (runtime/kv_tier.py)."""
+        return DeviceBlocks(self.ranks, layers)
 
     @property
     def v_caches(self) -> list[torch.Tensor]:
