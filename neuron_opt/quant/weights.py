@@ -32,8 +32,9 @@ Kernels, chosen once when a graph is built (never a flag read inside forward):
 - gguf: a GGUF file's blocks as stored (neuron_opt.quant.gguf_blocks: `qweight` uint8 [N, width], `kinds` int8 [N]).
   "dequant" multiplies gguf's reference dequantization of them; "cpu" calls torch.ops.neuron_opt.gguf_linear
   (up to INT8_KERNEL_MAX_ROWS rows, a number fixed when the graph is traced) or gguf_linear_widened (more rows, or a
-  dynamic count) on x as it comes (fp32 or bf16, never rounded): each weight decoded to the reference's fp32
-  value, fp32 sums (csrc/gguf_linear.cpp).
+  dynamic count): the few-row operator rounds x to llama.cpp's 8-bit activation blocks and sums integer products
+  (llama.cpp's arithmetic), the widened one multiplies x as it comes (fp32 or bf16) by each weight decoded to the
+  reference's fp32 value (csrc/gguf_linear.cpp; docs/quantization.md).
 """
 
 from __future__ import annotations
