@@ -93,9 +93,9 @@ def q8_activations(x: torch.Tensor, size: int) -> torch.Tensor:
     xb = x.float().numpy().reshape(x.shape[0], -1, size)
     if size == 256:
         mx = np.take_along_axis(xb, np.abs(xb).argmax(-1)[..., None], -1)  # [M, blocks, 1]
-        with np.errstate(divide="ignore"):
+        with np.errstate(divide="ignore", invalid="ignore"):  # an all-zero block: replaced by zeros below
             iscale = np.float32(-127.0) / mx
-        q = np.minimum(127, np.rint(iscale * xb))
+            q = np.minimum(127, np.rint(iscale * xb))
         d = np.where(mx == 0, np.float32(0), np.float32(1.0) / iscale)
         q = np.where(mx == 0, 0, q)
     else:
@@ -318,12 +318,15 @@ def test_the_blocks_load_as_stored_padded_to_each_linears_width(blocks_model) ->
 
 @pytest.mark.parametrize("cpu", [False, True], ids=["gguf-reference", "operators"])
 def test_greedy_tokens_equal_hf_on_the_dequantized_blocks(blocks_model, cpu: bool) -> None:
-    """Prefill (20 rows: gguf_linear_widened) and decode steps (one row: gguf_linear) on the operators, or gguf's
-    reference dequantization in every product: HF's greedy tokens, logits within fp32 summation error."""
+    """Prefill (20 rows: gguf_linear_widened, exact) and decode steps and the head's row (one row: gguf_linear, x
+    rounded to Q8_K / Q8_0 as llama.cpp rounds it) on the operators, or gguf's reference dequantization in every
+    product: HF's greedy tokens; the prompt's logits within fp32 summation error on the reference, within the
+    head's activation rounding on the operators (measured 0.01)."""
     hf, cfg, tensors, qc = blocks_model
     ours_logits, ours = runner_greedy(runner_for(cfg, tensors, qc, cpu), PROMPT, 8)
     ref_logits, want = hf_greedy(hf, PROMPT, 8)
-    torch.testing.assert_close(ours_logits, ref_logits, atol=1e-4, rtol=1e-4)
+    tol = 3e-2 if cpu else 1e-4
+    torch.testing.assert_close(ours_logits, ref_logits, atol=tol, rtol=tol)
     assert ours == want
 
 
