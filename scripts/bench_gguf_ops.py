@@ -15,8 +15,9 @@ blocks are random bytes with finite fp16 scales (gguf's Python package has no K-
 depend on the values. Variants run in alternating blocks, each block in a rotated order; reported per variant: the
 median and best pass, the weights' read rate, and the ratio of medians against int8.
 
-llama.cpp's own kernels (ggml) are compared where llama-cpp-python's low-level ggml binding imports (`llama_cpp`);
-the JSON says when it does not.
+llama.cpp's own kernels are not timed here (this environment has no ggml binding; `llamacpp` in the JSON says so):
+llama.cpp end to end is scripts/bench_decode.py's. Memory: all variants of a shape at once, about 16 GB at the 3B
+shape with every type (`--types` or `--layers` to take less).
 
     python scripts/bench_gguf_ops.py --shapes 135m,1b,3b --blocks 7 --json > docs/bench/gguf_ops.json
 """
@@ -108,11 +109,11 @@ def nbytes(ws: list[list[tuple[torch.Tensor, torch.Tensor, int]]], gguf: bool) -
     return total
 
 
-def ggml_available() -> str | None:
-    """None when llama-cpp-python's ggml binding imports, else why not."""
-    if importlib.util.find_spec("llama_cpp") is None:
-        return "llama_cpp (llama-cpp-python) is not installed in this environment"
-    return "llama_cpp is installed but this benchmark has no ggml matmul binding for it yet"
+def llamacpp_note() -> str:
+    """Why llama.cpp's kernels are not in this benchmark's rows."""
+    have = importlib.util.find_spec("llama_cpp") is not None
+    return ("not timed: no ggml matmul binding here (llama-cpp-python " + ("installed" if have else "not installed")
+            + "); llama.cpp end to end is scripts/bench_decode.py's")
 
 
 def bench_shape(shape: str, args: argparse.Namespace) -> dict:
@@ -147,12 +148,10 @@ def bench_shape(shape: str, args: argparse.Namespace) -> dict:
         variants[mix] = run_gguf(ws, None, "q8")
         if mix == "Q4_K":
             variants["Q4_K:fp32"] = run_gguf(ws, None, "fp32")
-            sizes["Q4_K:fp32"] = sizes[mix]
         if args.all_paths:
             for activations in ("q8", "fp32"):
                 for path in cpu_ops.gguf_linear_paths(activations)[1:]:
                     variants[f"{mix}:{activations}:{path}"] = run_gguf(ws, path, activations)
-                    sizes[f"{mix}:{activations}:{path}"] = sizes[mix]
 
     def block(fn) -> float:  # noqa: ANN001
         t = time.perf_counter()
@@ -169,7 +168,7 @@ def bench_shape(shape: str, args: argparse.Namespace) -> dict:
             times[n].append(block(variants[n]))
     base = statistics.median(times["int8"])
     rows = [{"variant": n, "median_ms": 1e3 * statistics.median(t), "best_ms": 1e3 * min(t),
-             "weight_bytes": sizes[n.split(":")[0] if n != "Q4_K:fp32" else n],
+             "weight_bytes": sizes[n.split(":")[0]],
              "median_gb_s": sizes[n.split(":")[0]] / statistics.median(t) / 1e9,
              "vs_int8": base / statistics.median(t), "blocks_ms": [1e3 * x for x in t]} for n, t in times.items()]
     return {"shape": shape, "hidden": h, "intermediate": inter, "kv_width": SHAPES[shape][2],
@@ -214,12 +213,12 @@ def main() -> int:
         from neuron_opt.bench import machine
 
         print(json.dumps({"machine": machine(), "rows": args.rows, "threads": torch.get_num_threads(),
-                          "blocks": args.blocks, "passes": args.passes, "llamacpp": ggml_available(),
+                          "blocks": args.blocks, "passes": args.passes, "llamacpp": llamacpp_note(),
                           "q8_paths": cpu_ops.gguf_linear_paths("q8"),
                           "fp32_paths": cpu_ops.gguf_linear_paths("fp32"), "shapes": results}, indent=2))
     else:
         print(f"{args.rows} row(s), {torch.get_num_threads()} threads, {args.blocks} blocks of {args.passes}; "
-              f"llama.cpp: {ggml_available() or 'ggml'}")
+              f"llama.cpp: {llamacpp_note()}")
         for res in results:
             print(f"{res['shape']}: hidden {res['hidden']}, {res['layers']} layers, "
                   f"{res['all_variants_bytes'] / 1e6:.0f} MB of weights over all variants")

@@ -355,7 +355,7 @@ def test_a_q4_k_m_file_compiles_with_auto_and_runs_every_linear_as_stored_on_cpu
     """llama-quantize's Q4_K_M of a tiny Llama (rows of 256 values: Q4_K and Q6_K linears, a Q6_K head):
     `compile --quantize auto` on the cpu backend keeps every linear's blocks (the artifact's kinds are the file's
     types, nothing converted), and the compiled graphs generate HF's greedy tokens on transformers' GGUF loader
-    (gguf's reference dequantization of the same file)."""
+    (gguf's reference dequantization of the same file), logits within the few-row products' Q8_K rounding."""
     import transformers
     from llamacpp_gguf import convert, make_with_sentencepiece, quantize
     from safetensors import safe_open
@@ -389,5 +389,6 @@ def test_a_q4_k_m_file_compiles_with_auto_and_runs_every_linear_as_stored_on_cpu
     prompt = [p % 400 for p in PROMPT]
     ours_logits, ours = runner_greedy(load_model(out).runner, prompt, 12)
     ref_logits, want = hf_greedy(hf, prompt, 12)
-    torch.testing.assert_close(ours_logits, ref_logits, atol=1e-4, rtol=1e-4)
+    # the head's one row takes x rounded to Q8_K, as llama.cpp computes it (test_greedy_tokens_equal_hf_on_...)
+    torch.testing.assert_close(ours_logits, ref_logits, atol=3e-2, rtol=3e-2)
     assert ours == want
