@@ -33,8 +33,9 @@ Kernels, chosen once when a graph is built (never a flag read inside forward):
   "dequant" multiplies gguf's reference dequantization of them; "cpu" calls torch.ops.neuron_opt.gguf_linear
   (up to INT8_KERNEL_MAX_ROWS rows, a number fixed when the graph is traced) or gguf_linear_widened (more rows, or a
   dynamic count): the few-row operator rounds x to llama.cpp's 8-bit activation blocks and sums integer products
-  (llama.cpp's arithmetic), the widened one multiplies x as it comes (fp32 or bf16) by each weight decoded to the
-  reference's fp32 value (csrc/gguf_linear.cpp; docs/quantization.md).
+  (llama.cpp's arithmetic; with `use_cpu_kernels(gguf_exact=True)`, the cpu backend's `gguf_linear` "exact",
+  gguf_linear_exact keeps x fp32 instead), the widened one multiplies x as it comes (fp32 or bf16) by each weight
+  decoded to the reference's fp32 value (csrc/gguf_linear.cpp; docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -197,6 +198,7 @@ class QuantizedWeight(nn.Module):
         self.kernel = DEQUANT
         self.int8_kernel = False  # torch.ops.neuron_opt.int8_linear for few rows (use_cpu_kernels)
         self.int8_widened = False  # torch.ops.neuron_opt.int8_linear_widened for more (use_cpu_kernels)
+        self.gguf_exact = False  # gguf: few rows on gguf_linear_exact, not gguf_linear (use_cpu_kernels)
         self.width = width
         if method == "gguf":
             if width <= 0:
@@ -273,12 +275,15 @@ class QuantizedWeight(nn.Module):
             return torch.nn.functional.linear(x, self.qweight.to(x.dtype)) * self.scale.view(-1).to(x.dtype)
         return torch.nn.functional.linear(x, dequantize(self.stored(), x.dtype))
 
-    def use_cpu_kernels(self, int8_kernel: bool = False, int8_widened: bool = False) -> None:
+    def use_cpu_kernels(self, int8_kernel: bool = False, int8_widened: bool = False, gguf_exact: bool = False) -> None:
         """Replace the stored format with the CPU kernels' layouts (bf16 scales; int4 in the tinygemm layout).
         int8_kernel: int8 products of few rows call torch.ops.neuron_opt.int8_linear; int8_widened: those of more
-        rows call torch.ops.neuron_opt.int8_linear_widened (see the module's doc)."""
+        rows call torch.ops.neuron_opt.int8_linear_widened; gguf_exact: gguf products of few rows call
+        gguf_linear_exact (x fp32, the reference) instead of gguf_linear (llama.cpp's 8-bit x) (see the module's
+        doc)."""
         self.int8_kernel = int8_kernel and self.method == "int8"
         self.int8_widened = int8_widened and self.method == "int8"
+        self.gguf_exact = gguf_exact and self.method == "gguf"
         if self.kernel == CPU:
             return
         if self.method == "gguf":  # the blocks as stored are the operators' layout
@@ -307,7 +312,8 @@ class QuantizedWeight(nn.Module):
         if self.method == "gguf":  # x as it comes (fp32 or bf16): the operators widen it exactly
             rows = x2.shape[0]
             if isinstance(rows, int) and rows <= INT8_KERNEL_MAX_ROWS:  # static and few
-                y = torch.ops.neuron_opt.gguf_linear(x2, self.qweight, self.kinds)  # [M, N] fp32
+                op = torch.ops.neuron_opt.gguf_linear_exact if self.gguf_exact else torch.ops.neuron_opt.gguf_linear
+                y = op(x2, self.qweight, self.kinds)  # [M, N] fp32
             else:
                 y = torch.ops.neuron_opt.gguf_linear_widened(x2, self.qweight, self.kinds)
             return y.to(x.dtype).view(*lead, self.out_features)
@@ -336,9 +342,10 @@ def quantized_modules(model: nn.Module) -> dict[str, QuantizedWeight]:
     return {name.removesuffix(".quant"): m for name, m in model.named_modules() if isinstance(m, QuantizedWeight)}
 
 
-def use_cpu_kernels(model: nn.Module, int8_kernel: bool = False, int8_widened: bool = False) -> None:
+def use_cpu_kernels(model: nn.Module, int8_kernel: bool = False, int8_widened: bool = False,
+                    gguf_exact: bool = False) -> None:
     for m in quantized_modules(model).values():
-        m.use_cpu_kernels(int8_kernel, int8_widened)
+        m.use_cpu_kernels(int8_kernel, int8_widened, gguf_exact)
 
 
 def check_uniform_layers(model: nn.Module) -> None:

@@ -291,12 +291,12 @@ def blocks_model(tmp_path_factory):
     return hf, ck.config, tensors, qc
 
 
-def runner_for(cfg, tensors, qc, cpu: bool) -> ModelRunner:
+def runner_for(cfg, tensors, qc, cpu: bool, gguf_exact: bool = False) -> ModelRunner:
     cache = CacheConfig(max_batch=1, max_model_len=64, block_size=16)
     model = rank_model_factory(cfg, ParallelConfig(), cache, 0, torch.float32, quant=qc)()
     load_weights(model, tensors, "blocks")
-    if cpu:
-        use_cpu_layout(model)  # q/k/v and gate/up fused (rows of several types), every product on the operators
+    if cpu:  # q/k/v and gate/up fused (rows of several types), every product on the operators
+        use_cpu_layout(model, gguf_exact=gguf_exact)  # gguf_exact: the cpu backend's gguf_linear=exact
     buckets = BucketConfig.build(max_prompt_len=64, max_model_len=64, max_batch=1, min_prefill=16, min_decode=16)
     return ModelRunner(EagerExecutor(model.eval(), cache), buckets, cache, cfg.vocab_size)
 
@@ -316,16 +316,18 @@ def test_the_blocks_load_as_stored_padded_to_each_linears_width(blocks_model) ->
         assert torch.equal(m.kinds, t.kinds)
 
 
-@pytest.mark.parametrize("cpu", [False, True], ids=["gguf-reference", "operators"])
-def test_greedy_tokens_equal_hf_on_the_dequantized_blocks(blocks_model, cpu: bool) -> None:
+@pytest.mark.parametrize(("cpu", "exact"), [(False, True), (True, False), (True, True)],
+                         ids=["gguf-reference", "operators", "operators-exact"])
+def test_greedy_tokens_equal_hf_on_the_dequantized_blocks(blocks_model, cpu: bool, exact: bool) -> None:
     """Prefill (20 rows: gguf_linear_widened, exact) and decode steps and the head's row (one row: gguf_linear, x
-    rounded to Q8_K / Q8_0 as llama.cpp rounds it) on the operators, or gguf's reference dequantization in every
-    product: HF's greedy tokens; the prompt's logits within fp32 summation error on the reference, within the
-    head's activation rounding on the operators (measured 0.01)."""
+    rounded to Q8_K / Q8_0 as llama.cpp rounds it, or gguf_linear_exact) on the operators, or gguf's reference
+    dequantization in every product: HF's greedy tokens; the prompt's logits within fp32 summation error on the
+    reference and the exact operators, within the head's activation rounding on the default ones (measured
+    0.01)."""
     hf, cfg, tensors, qc = blocks_model
-    ours_logits, ours = runner_greedy(runner_for(cfg, tensors, qc, cpu), PROMPT, 8)
+    ours_logits, ours = runner_greedy(runner_for(cfg, tensors, qc, cpu, gguf_exact=exact), PROMPT, 8)
     ref_logits, want = hf_greedy(hf, PROMPT, 8)
-    tol = 3e-2 if cpu else 1e-4
+    tol = 1e-4 if exact else 3e-2
     torch.testing.assert_close(ours_logits, ref_logits, atol=tol, rtol=tol)
     assert ours == want
 
@@ -351,11 +353,13 @@ def test_auto_keeps_k_quant_files_as_stored_and_q8_0_files_int8() -> None:
 
 
 @pytest.mark.slow
-def test_a_q4_k_m_file_compiles_with_auto_and_runs_every_linear_as_stored_on_cpu(tmp_path) -> None:
+@pytest.mark.parametrize("gguf_linear", ["q8", "exact"])
+def test_a_q4_k_m_file_compiles_with_auto_and_runs_every_linear_as_stored_on_cpu(tmp_path, gguf_linear: str) -> None:
     """llama-quantize's Q4_K_M of a tiny Llama (rows of 256 values: Q4_K and Q6_K linears, a Q6_K head):
     `compile --quantize auto` on the cpu backend keeps every linear's blocks (the artifact's kinds are the file's
     types, nothing converted), and the compiled graphs generate HF's greedy tokens on transformers' GGUF loader
-    (gguf's reference dequantization of the same file), logits within the few-row products' Q8_K rounding."""
+    (gguf's reference dequantization of the same file), logits within the few-row products' Q8_K rounding
+    (`gguf_linear=q8`, the default) or fp32 summation error (`gguf_linear=exact`)."""
     import transformers
     from llamacpp_gguf import convert, make_with_sentencepiece, quantize
     from safetensors import safe_open
@@ -375,7 +379,8 @@ def test_a_q4_k_m_file_compiles_with_auto_and_runs_every_linear_as_stored_on_cpu
     out = tmp_path / "art"
     compile_artifact(CompileRequest(model=str(path), out=out, backend="cpu", dtype="float32", max_model_len=64,
                                     prefill_buckets=(32,), decode_buckets=(64,), quantize="auto",
-                                    cache_dir=tmp_path / "cache"), log=lambda s: None, progress=False)
+                                    cache_dir=tmp_path / "cache", backend_options={"gguf_linear": gguf_linear}),
+                     log=lambda s: None, progress=False)
     assert read_manifest(out).quant.method == "gguf"
     ids = {v: k for k, v in ((k, v[0]) for k, v in gguf_blocks.KERNEL_TYPES.items())}
     with safe_open(str(out / "weights" / "rank0.safetensors"), framework="pt") as f:
@@ -389,6 +394,7 @@ def test_a_q4_k_m_file_compiles_with_auto_and_runs_every_linear_as_stored_on_cpu
     prompt = [p % 400 for p in PROMPT]
     ours_logits, ours = runner_greedy(load_model(out).runner, prompt, 12)
     ref_logits, want = hf_greedy(hf, prompt, 12)
-    # the head's one row takes x rounded to Q8_K, as llama.cpp computes it (test_greedy_tokens_equal_hf_on_...)
-    torch.testing.assert_close(ours_logits, ref_logits, atol=3e-2, rtol=3e-2)
+    # q8: the head's one row takes x rounded to Q8_K, as llama.cpp computes it (test_greedy_tokens_equal_hf_on_...)
+    tol = 1e-4 if gguf_linear == "exact" else 3e-2
+    torch.testing.assert_close(ours_logits, ref_logits, atol=tol, rtol=tol)
     assert ours == want
