@@ -105,6 +105,14 @@ inline int scales_dot16(const int8_t* sc, const int16_t* s16) {
   return m;
 }
 
+// Each weight row of a tile is its own stream: the vector kernels prefetch each row kPrefetch bytes ahead of the
+// block they read (one prefetcht2 per cache line of a block), as int8_linear prefetches its tile. On weights past
+// the last-level cache, one thread: 1 KiB ahead read 10-20% faster than none (a loaded 2-core AVX-512 machine).
+constexpr int64_t kPrefetch = 1024;
+inline void prefetch_ahead(const uint8_t* bl, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(bl + kPrefetch + o, 0, 1);
+}
+
 // Scalar integer kernels (any CPU): the reference form of the vector paths' integer sums.
 namespace q8_generic {
 
@@ -261,6 +269,7 @@ void q4_k(const uint8_t* const* rows, const Q8Row& x, int64_t nb, bool five, flo
     const float dx = x.dk[b];
     for (int r = 0; r < NR; ++r) {
       const uint8_t* bl = rows[r] + b * bytes;
+      prefetch_ahead(bl, bytes);
       uint32_t packed[4];
       unpack_scale_min(bl + 4, packed);
       const uint8_t* sc = reinterpret_cast<const uint8_t*>(packed);
@@ -298,6 +307,7 @@ void q6_k(const uint8_t* const* rows, const Q8Row& x, int64_t nb, float* out) {
     const float dx = x.dk[b];
     for (int r = 0; r < NR; ++r) {
       const uint8_t* bl = rows[r] + b * 210;
+      prefetch_ahead(bl, 210);
       const int8_t* sc = reinterpret_cast<const int8_t*>(bl + 192);
       __m256i sumi = _mm256_setzero_si256();
       for (int h = 0; h < 2; ++h) {
@@ -344,6 +354,7 @@ void q8_0(const uint8_t* const* rows, const Q8Row& x, int64_t nb, bool five, flo
     const float dx = x.d0[b];
     for (int r = 0; r < NR; ++r) {
       const uint8_t* bl = rows[r] + b * bytes;
+      prefetch_ahead(bl, bytes);
       const float d = h2f(bl) * dx;
       __m256i p;
       if (five) {
@@ -430,6 +441,7 @@ void q4_k(const uint8_t* const* rows, const Q8Row& x, int64_t nb, bool five, flo
     const __m512i xhi[2] = {ld2(qx + 32, qx + 96), ld2(qx + 160, qx + 224)};
     for (int r = 0; r < NR; ++r) {
       const uint8_t* bl = rows[r] + b * bytes;
+      prefetch_ahead(bl, bytes);
       uint32_t packed[4];
       unpack_scale_min(bl + 4, packed);
       const __m512i scv =
@@ -470,6 +482,7 @@ void q6_k(const uint8_t* const* rows, const Q8Row& x, int64_t nb, float* out) {
                            _mm512_loadu_si512(qx + 192)};
     for (int r = 0; r < NR; ++r) {
       const uint8_t* bl = rows[r] + b * 210;
+      prefetch_ahead(bl, 210);
       const int8_t* sc = reinterpret_cast<const int8_t*>(bl + 192);
       __m512i sumi = _mm512_setzero_si512();
       for (int h = 0; h < 2; ++h) {
@@ -521,6 +534,7 @@ void q8_0(const uint8_t* const* rows, const Q8Row& x, int64_t nb, bool five, flo
     const float dx = x.d0[b];
     for (int r = 0; r < NR; ++r) {
       const uint8_t* bl = rows[r] + b * bytes;
+      prefetch_ahead(bl, bytes);
       __m256i u, sx;
       block_u8(bl, five, xv, &u, &sx);
       const float d = h2f(bl) * dx;
