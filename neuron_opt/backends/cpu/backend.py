@@ -101,6 +101,9 @@ def _parse_options(options: dict[str, Any] | None, dtype: torch.dtype) -> dict[s
     head_gemm: the GEMM of heads with fp32 logits below fp32 (`logits` "fp32"): "cpp" (Inductor's C++ template)
     or "kernel" (bf16 only: torch.ops.neuron_opt.bf16_linear on the head weight as held; bf16's default where the
     operators build and `logits` is "fp32").
+    gguf_linear: products of up to quant.INT8_KERNEL_MAX_ROWS rows on GGUF blocks as stored: "q8" (x rounded to
+    llama.cpp's 8-bit activation blocks, integer dot products: torch.ops.neuron_opt.gguf_linear, llama.cpp's
+    arithmetic) or "exact" (x fp32: gguf_linear_exact, the reference; docs/quantization.md).
     prefill_attention: attention of batch-1 prefill layer graphs: "split" (cpu_graphs.PrefillAttention: the queries
     in PREFILL_ATTENTION_PARTS parts, each over the keys its last query sees, so most of the masked causal half is
     not computed) or "whole" (one SDPA over every key, the reference).
@@ -112,13 +115,15 @@ def _parse_options(options: dict[str, Any] | None, dtype: torch.dtype) -> dict[s
     """
     opts = {"gemm": "onednn" if dtype == torch.bfloat16 else "cpp", "attention": "fp32", "residual": "fp32",
             "decode_attention": "fused", "logits": "fp32", "fuse_projections": "on",
-            "one_row_gemm": "same", "head_gemm": "cpp", "exact_verify": "on", "prefill_attention": "split"}
+            "one_row_gemm": "same", "head_gemm": "cpp", "exact_verify": "on", "prefill_attention": "split",
+            "gguf_linear": "q8"}
     choices = {"gemm": GEMM_CHOICES, "attention": PRECISION_CHOICES, "residual": PRECISION_CHOICES,
                "decode_attention": DECODE_ATTENTION_CHOICES, "logits": PRECISION_CHOICES,
                "fuse_projections": ("on", "off"), "one_row_gemm": ("same", "kernel", *GEMM_CHOICES),
                "head_gemm": ("cpp", "kernel"),
                "exact_verify": ("on", "off"), "int8_linear": ("kernel", "inductor"), "int8_gemm": ("widened", "aten"),
-               "moe_gather": ("kernel", "inductor"), "prefill_attention": ("split", "whole")}
+               "moe_gather": ("kernel", "inductor"), "prefill_attention": ("split", "whole"),
+               "gguf_linear": ("q8", "exact")}
     for name, fallback in (("decode_attention", "fused"), ("int8_linear", "inductor"), ("moe_gather", "inductor")):
         if name not in (options or {}):
             opts[name] = "kernel" if cpu_ops.load() is None else fallback
@@ -282,7 +287,8 @@ class CpuBackend(Backend):
         layer = LayerGraph(model.model.layers[0], self.dtype, decode_attention, bucket.generates, exact, kernel,
                            int8_kernel, moe_kernel, window_input=model.cfg.mixed_windows or lora is not None,
                            linear_kernel=linear_kernel, lora_targets=lora.target_modules if lora is not None else (),
-                           int8_widened=int8_widened, prefill_parts=parts)
+                           int8_widened=int8_widened, prefill_parts=parts,
+                           gguf_exact=self.options["gguf_linear"] == "exact")
         # with every expert product on the operator (static token counts) no batched GEMM is left in the graph
         gathered = moe_kernel and static_tokens(bucket)
         recipes = compile_graph(layer, args, dyn, layer_gemm(layer, gemm, gathered), so,
@@ -313,7 +319,8 @@ class CpuBackend(Backend):
         linear_kernel = fp32_logits and self.options["head_gemm"] == "kernel"
         if linear_kernel:
             cpu_ops.ensure(f"cpu head graph for {rows} rows", BackendCompileError)
-        head = HeadGraph(model.model.norm, model.lm_head, self.dtype, int8_kernel, model.cfg, linear_kernel)
+        head = HeadGraph(model.model.norm, model.lm_head, self.dtype, int8_kernel, model.cfg, linear_kernel,
+                         gguf_exact=self.options["gguf_linear"] == "exact")
         args = (torch.randn(rows, model.cfg.hidden_size).to(self.residual_dtype),)
         gemm = "aten" if linear_kernel else "cpp" if fp32_logits else self.options["gemm"]
         recipes = compile_graph(head, args, None, layer_gemm(head, gemm), so, f"cpu head graph for {rows} rows")

@@ -277,15 +277,17 @@ def use_linear_kernel(module: nn.Module) -> int:
     return moved
 
 
-def use_cpu_layout(module: nn.Module, int8_kernel: bool = False, int8_widened: bool = False) -> None:
+def use_cpu_layout(module: nn.Module, int8_kernel: bool = False, int8_widened: bool = False,
+                   gguf_exact: bool = False) -> None:
     """The cpu backend's form of a model or layer, the same at compile and at load (graph constants are named by
     it): quantized q/k/v and gate/up fused into one GEMM each, then every quantized linear on torch's CPU
     weight-only kernels (cpu.weights); with `int8_kernel`, int8 products of few rows on cpu_ops' int8_linear, with
-    `int8_widened` those of more rows on its int8_linear_widened."""
+    `int8_widened` those of more rows on its int8_linear_widened, with `gguf_exact` gguf products of few rows on
+    gguf_linear_exact (fp32 x) rather than gguf_linear."""
     for m in list(module.modules()):
         if isinstance(m, (Attention, MLP)):
             m.fuse_quantized_projections()
-    use_cpu_kernels(module, int8_kernel, int8_widened)
+    use_cpu_kernels(module, int8_kernel, int8_widened, gguf_exact)
 
 
 class LayerGraph(nn.Module):
@@ -300,7 +302,8 @@ class LayerGraph(nn.Module):
     def __init__(self, layer: nn.Module, dtype: torch.dtype, decode_attention: bool, decode: bool,
                  rows_as_decode: bool = False, kernel: bool = False, int8_kernel: bool = False,
                  moe_kernel: bool = False, window_input: bool = False, linear_kernel: bool = False,
-                 lora_targets: tuple[str, ...] = (), int8_widened: bool = False, prefill_parts: int = 0) -> None:
+                 lora_targets: tuple[str, ...] = (), int8_widened: bool = False, prefill_parts: int = 0,
+                 gguf_exact: bool = False) -> None:
         super().__init__()
         # LoRA: after the window (always an input then) the rows' slots [B], then a tuple of the target modules'
         # A and B stacks
@@ -310,7 +313,7 @@ class LayerGraph(nn.Module):
         self.window_input = window_input
         self.decode = decode  # a token-generation graph (decode, verify): models.llama.DecoderLayer's `decode`
         self.layer = copy.deepcopy(layer).to(dtype)
-        use_cpu_layout(self.layer, int8_kernel, int8_widened)
+        use_cpu_layout(self.layer, int8_kernel, int8_widened, gguf_exact)
         for m in self.layer.modules():
             if isinstance(m, Experts):
                 m.kernel = moe_kernel  # gathered experts on cpu_ops' moe_gather
@@ -348,7 +351,7 @@ class HeadGraph(nn.Module):
     """
 
     def __init__(self, norm: nn.Module, lm_head: nn.Module, dtype: torch.dtype, int8_kernel: bool = False,
-                 cfg: Any = None, linear_kernel: bool = False) -> None:
+                 cfg: Any = None, linear_kernel: bool = False, gguf_exact: bool = False) -> None:
         super().__init__()
         # a bf16 float head on cpu_ops' bf16_linear, whose fp32 output is the logits as summed (not rounded): the
         # cpu backend's head_gemm "kernel"
@@ -365,7 +368,7 @@ class HeadGraph(nn.Module):
         if quantized or converts(lm_head):
             lm_head = copy.deepcopy(lm_head)
         if quantized:
-            use_cpu_kernels(lm_head, int8_kernel)
+            use_cpu_kernels(lm_head, int8_kernel, gguf_exact=gguf_exact)
         self.norm, self.lm_head = norm.to(dtype), lm_head.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

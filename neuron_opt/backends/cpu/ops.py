@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / f for f in ("paged_attention.cpp", "int8_linear.cpp", "moe_gather.cpp", "bf16_linear.cpp",
                                     "gguf_linear.cpp")]
-HEADERS = [CSRC / "gemv_tiles.h", CSRC / "gguf_blocks.h"]  # included by the sources: part of the build's digest
+# included by the sources: part of the build's digest
+HEADERS = [CSRC / "gemv_tiles.h", CSRC / "gguf_blocks.h", CSRC / "gguf_q8.h"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -110,6 +111,10 @@ def _register_fake() -> None:
     def _(x: torch.Tensor, w: torch.Tensor, kinds: torch.Tensor) -> torch.Tensor:
         return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
 
+    @torch.library.register_fake("neuron_opt::gguf_linear_exact")
+    def _(x: torch.Tensor, w: torch.Tensor, kinds: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
+
     @torch.library.register_fake("neuron_opt::gguf_linear_widened")
     def _(x: torch.Tensor, w: torch.Tensor, kinds: torch.Tensor) -> torch.Tensor:
         return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
@@ -176,25 +181,35 @@ def moe_gather(t: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: 
 
 def gguf_linear(x: torch.Tensor, w: torch.Tensor, kinds: torch.Tensor) -> torch.Tensor:
     """x [M, K] (float32 or bfloat16) times the GGUF blocks w uint8 [N, width] as stored, row n of GGML type
-    kinds[n] (int8 [N]; neuron_opt.quant.gguf_blocks) (csrc/gguf_linear.cpp): [M, N] float32. Each weight is gguf's
-    reference dequantized value, each sum fp32 in vector steps over k; a row's result does not depend on M. The
-    path is the first of `gguf_linear_paths()`."""
+    kinds[n] (int8 [N]; neuron_opt.quant.gguf_blocks) (csrc/gguf_linear.cpp): [M, N] float32, with x rounded to
+    llama.cpp's 8-bit activation blocks (Q8_K for K-quants, Q8_0 for Q8_0/Q5_0) and integer dot products, as
+    llama.cpp computes it. A row's result does not depend on M. The path is the first of
+    `gguf_linear_paths("q8")`."""
     return torch.ops.neuron_opt.gguf_linear(x, w, kinds)
 
 
+def gguf_linear_exact(x: torch.Tensor, w: torch.Tensor, kinds: torch.Tensor) -> torch.Tensor:
+    """`gguf_linear` with x kept fp32 (the reference path): each weight gguf's reference dequantized value, each sum
+    fp32 in vector steps over k, so the product is dequantize-then-matmul up to the order of the sums. The path is
+    the first of `gguf_linear_paths("fp32")`."""
+    return torch.ops.neuron_opt.gguf_linear_exact(x, w, kinds)
+
+
 def gguf_linear_widened(x: torch.Tensor, w: torch.Tensor, kinds: torch.Tensor) -> torch.Tensor:
-    """`gguf_linear` for many rows (prefills): w decoded to fp32 once per call, then aten's fp32 GEMM."""
+    """`gguf_linear` for many rows (prefills): w decoded to fp32 once per call, then aten's fp32 GEMM (x fp32)."""
     return torch.ops.neuron_opt.gguf_linear_widened(x, w, kinds)
 
 
-def gguf_linear_path(x: torch.Tensor, w: torch.Tensor, kinds: torch.Tensor, path: str) -> torch.Tensor:
-    """`gguf_linear` on a named path: "avx512", "avx2" or "generic" (scalar); one this CPU cannot run raises."""
-    return torch.ops.neuron_opt.gguf_linear_path(x, w, kinds, path)
+def gguf_linear_path(x: torch.Tensor, w: torch.Tensor, kinds: torch.Tensor, path: str,
+                     activations: str) -> torch.Tensor:
+    """`gguf_linear` ("q8" activations: paths "avx512_vnni", "avx2", "generic") or `gguf_linear_exact` ("fp32":
+    "avx512", "avx2", "generic") on a named path; one this CPU cannot run raises."""
+    return torch.ops.neuron_opt.gguf_linear_path(x, w, kinds, path, activations)
 
 
-def gguf_linear_paths() -> list[str]:
-    """The paths of `gguf_linear` this CPU runs, the one it takes first."""
-    return list(torch.ops.neuron_opt.gguf_linear_paths())
+def gguf_linear_paths(activations: str) -> list[str]:
+    """The paths this CPU runs for "q8" or "fp32" activations, the one the operator takes first."""
+    return list(torch.ops.neuron_opt.gguf_linear_paths(activations))
 
 
 def gguf_dequantize(w: torch.Tensor, kinds: torch.Tensor, cols: int, path: str) -> torch.Tensor:

@@ -17,8 +17,10 @@ format) replaced, when the backend builds its graphs, by a CpuQuantizedWeight ho
   widens W for each row.
 - gguf: the blocks as stored are the operators' layout. torch.ops.neuron_opt.gguf_linear (up to
   INT8_KERNEL_MAX_ROWS rows, a number fixed when the graph is traced) or gguf_linear_widened (more rows, or a
-  dynamic count) on x as it comes (fp32 or bf16, never rounded): each weight decoded to gguf's reference fp32
-  value, fp32 sums (csrc/gguf_linear.cpp).
+  dynamic count): the few-row operator rounds x to llama.cpp's 8-bit activation blocks and sums integer products
+  (llama.cpp's arithmetic; with `gguf_exact`, the cpu backend's `gguf_linear` "exact", gguf_linear_exact keeps x
+  fp32 instead), the widened one multiplies x as it comes (fp32 or bf16) by each weight decoded to gguf's
+  reference fp32 value (csrc/gguf_linear.cpp; docs/quantization.md).
 - fp8 has no CPU kernel: compile refuses it on cpu.
 """
 
@@ -40,13 +42,15 @@ class CpuQuantizedWeight(QuantizedWeight):
     """A QuantizedWeight in the CPU kernels' layouts (bf16 scales; int4 in the tinygemm layout; gguf blocks as
     stored); `forward(x)` = x @ W.T in x's dtype. Built from the stored module, whose tensors it takes over."""
 
-    def __init__(self, q: QuantizedWeight, int8_kernel: bool = False, int8_widened: bool = False) -> None:
+    def __init__(self, q: QuantizedWeight, int8_kernel: bool = False, int8_widened: bool = False,
+                 gguf_exact: bool = False) -> None:
         nn.Module.__init__(self)  # the stored module's tensors are taken over, not allocated again
         self.qc, self.method, self.width = q.qc, q.method, q.width
         self.out_features, self.in_features, self.group_size = q.out_features, q.in_features, q.group_size
         self.kernel = "cpu"
         self.int8_kernel = int8_kernel and self.method == "int8"  # int8_linear for few rows
         self.int8_widened = int8_widened and self.method == "int8"  # int8_linear_widened for more
+        self.gguf_exact = gguf_exact and self.method == "gguf"  # few rows on gguf_linear_exact, not gguf_linear
         if self.method == "fp8":
             raise ConfigError("quantize: fp8 weights have no CPU kernel; use --quantize int8 or int4 on the cpu "
                               "backend (fp8 is a device format: --backend neuron, or eager for a reference)")
@@ -69,9 +73,10 @@ class CpuQuantizedWeight(QuantizedWeight):
         x2 = x.reshape(-1, self.in_features)  # [M, K]
         rows = x2.shape[0]
         few = isinstance(rows, int) and rows <= INT8_KERNEL_MAX_ROWS  # static and few
-        if self.method == "gguf":  # x as it comes (fp32 or bf16): the operators widen it exactly
+        if self.method == "gguf":  # x as it comes (fp32 or bf16)
             if few:
-                y = torch.ops.neuron_opt.gguf_linear(x2, self.qweight, self.kinds)  # [M, N] fp32
+                op = torch.ops.neuron_opt.gguf_linear_exact if self.gguf_exact else torch.ops.neuron_opt.gguf_linear
+                y = op(x2, self.qweight, self.kinds)  # [M, N] fp32
             else:
                 y = torch.ops.neuron_opt.gguf_linear_widened(x2, self.qweight, self.kinds)
             return y.to(x.dtype).view(*lead, self.out_features)
@@ -94,17 +99,20 @@ class CpuQuantizedWeight(QuantizedWeight):
         return y.to(x.dtype).view(*lead, self.out_features)
 
 
-def use_cpu_kernels(model: nn.Module, int8_kernel: bool = False, int8_widened: bool = False) -> None:
+def use_cpu_kernels(model: nn.Module, int8_kernel: bool = False, int8_widened: bool = False,
+                    gguf_exact: bool = False) -> None:
     """Replace every stored QuantizedWeight under `model` (not `model` itself) with its CPU layout, in place.
     int8_kernel: int8 products of few rows call torch.ops.neuron_opt.int8_linear; int8_widened: those of more rows
-    call torch.ops.neuron_opt.int8_linear_widened (see the module's doc). Modules already converted stay."""
+    call torch.ops.neuron_opt.int8_linear_widened; gguf_exact: gguf products of few rows call gguf_linear_exact (x
+    fp32, the reference) instead of gguf_linear (llama.cpp's 8-bit x) (see the module's doc). Modules already
+    converted stay."""
     if isinstance(model, QuantizedWeight):
         raise ValueError("use_cpu_kernels: pass the module that holds the quantized weight, not the weight itself")
     for name, m in quantized_modules(model).items():
         if isinstance(m, CpuQuantizedWeight):
             continue
         parent = model.get_submodule(name)
-        parent.quant = CpuQuantizedWeight(m, int8_kernel, int8_widened)
+        parent.quant = CpuQuantizedWeight(m, int8_kernel, int8_widened, gguf_exact)
 
 
 def check_uniform_layers(model: nn.Module) -> None:

@@ -1,24 +1,27 @@
 // Linears on GGUF blocks as stored (registered as torch.ops.neuron_opt.gguf_linear and friends, built with the other
-// operators by neuron_opt/backends/cpu_ops.py; docs/quantization.md, "GGUF blocks as stored").
+// operators by neuron_opt/backends/cpu/ops.py; docs/quantization.md, "GGUF blocks as stored").
 //
 // w uint8 [N, ldw]: output feature n's K input features as the GGUF file stores them, in blocks of kinds[n]'s type
 // (int8 [N], GGML type ids: Q8_0 8, Q5_0 6, Q4_K 12, Q5_K 13, Q6_K 14), the row's blocks from byte 0 and any bytes
 // after them unused (rows of different types padded to one width, so one tensor holds q/k/v fused, or a
 // projection whose type differs between layers). x [M, K] float32 or bfloat16; y [M, N] float32.
 //
-// Activations stay fp32 (a bf16 x is widened exactly): each weight is decoded to the fp32 value gguf-py's
-// reference dequantizer gives (bitwise; gguf_blocks.h) and multiplied in fp32, so a product equals dequantize-then-
-// matmul up to the order of the fp32 sums. (llama.cpp instead rounds x to 8-bit blocks, Q8_K / Q8_0, and sums
-// integer products, which changes the result by that rounding.)
-//
-// - gguf_linear: few rows (decode, verify). Each weight row is decoded once per call into a row of fp32 and
-//   multiplied into every row of x: per (m, n) two chains of FMAs over k in vector steps, then a fixed horizontal
-//   sum, so a row's result does not depend on M or on which rows share the call. Threads split output features.
+// Two arithmetics (docs/quantization.md, "GGUF blocks as stored"):
+// - gguf_linear (the default, up to 16 rows: decode, verify): llama.cpp's. Each row of x rounded once per call to
+//   llama.cpp's 8-bit activation blocks (Q8_K for K-quant rows, Q8_0 for Q8_0 / Q5_0 rows), then integer dot
+//   products of the blocks' integers as stored with x's, block decoding fused into the dot product (gguf_q8.h).
+//   Output features in tiles of 4 rows of one type, tiles split across threads. Paths "avx512_vnni" (AVX-512
+//   BW/VL + VNNI), "avx2", "generic" (scalar integers).
+// - gguf_linear_exact (the reference path): x fp32 (a bf16 x widened exactly), each weight decoded to the fp32
+//   value gguf-py's reference dequantizer gives (bitwise; gguf_blocks.h) and multiplied in fp32, so a product
+//   equals dequantize-then-matmul up to the order of the fp32 sums. Each weight row decoded once per call into a
+//   row of fp32 and multiplied into every row of x: per (m, n) two chains of FMAs over k in vector steps, then a
+//   fixed horizontal sum. Paths "avx512" (AVX-512 F/BW/VL/DQ, 16 lanes), "avx2" (AVX2 + FMA, 8 lanes), "generic".
 // - gguf_linear_widened: many rows (prefills): the whole weight decoded to fp32 once per call (every thread), then
-//   one aten fp32 GEMM.
-// - paths: "avx512" (AVX-512 F/BW/VL/DQ, 16 lanes), "avx2" (AVX2 + FMA, 8 lanes), "generic" (scalar, any CPU),
-//   compiled each with its own target whatever the build's flags, and chosen per call from what the CPU runs
-//   (cpuid), the widest first; gguf_linear_path names one (tests run every path this CPU has).
+//   one aten fp32 GEMM (the exact arithmetic).
+// In both, a row's result does not depend on M or on which rows share the call. Every path is compiled with its own
+// target whatever the build's flags and chosen per call from what the CPU runs (cpuid), the widest first;
+// gguf_linear_path names one (tests run every path this CPU has).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -130,6 +133,7 @@ inline V vint8(const int8_t* p) {
 
 bool cpu_has(const char* what) {
   __builtin_cpu_init();
+  if (std::strcmp(what, "avx512_vnni") == 0) return cpu_has("avx512") && __builtin_cpu_supports("avx512vnni");
   if (std::strcmp(what, "avx512") == 0)
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
@@ -138,16 +142,25 @@ bool cpu_has(const char* what) {
 }
 #endif
 
-// the paths this CPU runs, the widest first
-std::vector<std::string> paths() {
+#include "gguf_q8.h"
+
+// the paths this CPU runs for fp32 activations (exact) or 8-bit ones (q8), the widest first
+std::vector<std::string> paths(bool exact) {
   std::vector<std::string> out;
 #ifdef NEURON_OPT_GGUF_X86
-  static const bool has512 = cpu_has("avx512"), has2 = cpu_has("avx2");
-  if (has512) out.emplace_back("avx512");
+  static const bool has512 = cpu_has("avx512"), has2 = cpu_has("avx2"), vnni = cpu_has("avx512_vnni");
+  if (exact && has512) out.emplace_back("avx512");
+  if (!exact && vnni) out.emplace_back("avx512_vnni");
   if (has2) out.emplace_back("avx2");
 #endif
   out.emplace_back("generic");
   return out;
+}
+
+bool exact_activations(const char* op, c10::string_view activations) {
+  const std::string a(activations.data(), activations.size());
+  TORCH_CHECK(a == "q8" || a == "fp32", op, ": activations must be q8 or fp32, got '", a, "'");
+  return a == "fp32";
 }
 
 // the weight's checks; returns the row width ldw
@@ -175,12 +188,17 @@ void check_x(const char* op, const at::Tensor& x) {
               ": x must be float32 or bfloat16 [M, K], got ", x.scalar_type(), " ", x.sizes());
 }
 
-std::string pick(const char* op, c10::string_view path) {
+std::string pick(const char* op, c10::string_view path, bool exact) {
   const std::string p(path.data(), path.size());
-  const std::vector<std::string> runs = paths();
+  const std::vector<std::string> runs = paths(exact);
   if (p.empty()) return runs.front();
-  TORCH_CHECK(p == "avx512" || p == "avx2" || p == "generic", op, ": path must be avx512, avx2 or generic, got '", p,
-              "'");
+  if (exact) {
+    TORCH_CHECK(p == "avx512" || p == "avx2" || p == "generic", op,
+                ": path must be avx512, avx2 or generic for fp32 activations, got '", p, "'");
+  } else {
+    TORCH_CHECK(p == "avx512_vnni" || p == "avx2" || p == "generic", op,
+                ": path must be avx512_vnni, avx2 or generic for q8 activations, got '", p, "'");
+  }
   TORCH_CHECK(std::find(runs.begin(), runs.end(), p) != runs.end(), op, ": path ", p, " does not run on this CPU");
   return p;
 }
@@ -210,6 +228,70 @@ at::Tensor linear_on(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return y;
 }
 
+using TileFn = void (*)(int, const uint8_t* const*, const Q8Row&, int64_t, float*);
+
+// x's rows quantized into the activation blocks the weight's types take (Q8_K for K-quants, Q8_0 for Q8_0 and
+// Q5_0), once per call; then tiles of 4 output features split across threads, each tile's rows of one type
+// multiplied together into each row of x (a tile of mixed types, or the last short one, row by row)
+at::Tensor linear_q8_on(const at::Tensor& x, const at::Tensor& w, const at::Tensor& kinds, const std::string& path) {
+  check_x("gguf_linear", x);
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t ldw = check_weight("gguf_linear", w, kinds, K);
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return y;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int8_t* kp = kinds.data_ptr<int8_t>();
+  float* yp = y.data_ptr<float>();
+  bool need_k = false, need_0 = false;
+  for (int64_t n = 0; n < N; ++n) (block_size(kp[n]) == 256 ? need_k : need_0) = true;
+  std::vector<int8_t> qk(need_k ? M * K : 0), q0(need_0 ? M * K : 0);
+  std::vector<float> dk(need_k ? M * K / 256 : 0), d0(need_0 ? M * K / 32 : 0);
+  std::vector<int16_t> s16(need_k ? M * K / 16 : 0), s32(need_k ? M * K / 32 : 0);
+  std::vector<int32_t> s0(need_0 ? M * K / 32 : 0);
+  std::vector<Q8Row> xr(static_cast<size_t>(M));
+  for (int64_t m = 0; m < M; ++m) {
+    Q8Row& r = xr[m];
+    r = Q8Row{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+    if (need_k) {
+      r.qk = qk.data() + m * K, r.dk = dk.data() + m * K / 256, r.s16 = s16.data() + m * K / 16;
+      r.s32 = s32.data() + m * K / 32;
+      quantize_q8_k(xp + m * K, K, qk.data() + m * K, dk.data() + m * K / 256, s16.data() + m * K / 16,
+                    s32.data() + m * K / 32);
+    }
+    if (need_0) {
+      r.q0 = q0.data() + m * K, r.d0 = d0.data() + m * K / 32, r.s0 = s0.data() + m * K / 32;
+      quantize_q8_0(xp + m * K, K, q0.data() + m * K, d0.data() + m * K / 32, s0.data() + m * K / 32);
+    }
+  }
+  TileFn one = &q8_generic::tile<1>, four = &q8_generic::tile<4>;
+#ifdef NEURON_OPT_GGUF_X86
+  if (path == "avx512_vnni") one = &q8_vnni::tile<1>, four = &q8_vnni::tile<4>;
+  if (path == "avx2") one = &q8_avx2::tile<1>, four = &q8_avx2::tile<4>;
+#endif
+  const int64_t tiles = (N + 3) / 4;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (4 * std::max<int64_t>(1, ldw)));
+  at::parallel_for(0, tiles, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t n0 = 4 * t, nn = std::min<int64_t>(4, N - n0);
+      const uint8_t* rows[4];
+      for (int64_t j = 0; j < nn; ++j) rows[j] = wp + (n0 + j) * ldw;
+      const bool same = nn == 4 && kp[n0] == kp[n0 + 1] && kp[n0] == kp[n0 + 2] && kp[n0] == kp[n0 + 3];
+      float out[4];
+      for (int64_t m = 0; m < M; ++m) {
+        if (same) {
+          four(kp[n0], rows, xr[m], K, out);
+        } else {
+          for (int64_t j = 0; j < nn; ++j) one(kp[n0 + j], rows + j, xr[m], K, out + j);
+        }
+        for (int64_t j = 0; j < nn; ++j) yp[m * N + n0 + j] = out[j];
+      }
+    }
+  });
+  return y;
+}
+
 at::Tensor dequantize_on(const at::Tensor& w, const at::Tensor& kinds, int64_t K, const std::string& path) {
   TORCH_CHECK(K >= 0, "gguf_dequantize: K must be >= 0, got ", K);
   const int64_t ldw = check_weight("gguf_dequantize", w, kinds, K);
@@ -236,36 +318,46 @@ at::Tensor dequantize_on(const at::Tensor& w, const at::Tensor& kinds, int64_t K
 }  // namespace
 
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& kinds) {
-  return linear_on(x, w, kinds, paths().front());
+  return linear_q8_on(x, w, kinds, paths(false).front());
 }
 
-at::Tensor gguf_linear_path(const at::Tensor& x, const at::Tensor& w, const at::Tensor& kinds,
-                            c10::string_view path) {
-  return linear_on(x, w, kinds, pick("gguf_linear_path", path));
+at::Tensor gguf_linear_exact(const at::Tensor& x, const at::Tensor& w, const at::Tensor& kinds) {
+  return linear_on(x, w, kinds, paths(true).front());
+}
+
+at::Tensor gguf_linear_path(const at::Tensor& x, const at::Tensor& w, const at::Tensor& kinds, c10::string_view path,
+                            c10::string_view activations) {
+  const bool exact = exact_activations("gguf_linear_path", activations);
+  const std::string p = pick("gguf_linear_path", path, exact);
+  return exact ? linear_on(x, w, kinds, p) : linear_q8_on(x, w, kinds, p);
 }
 
 // Many rows (a prefill): the weight decoded to fp32 once per call, then aten's fp32 GEMM (x widened exactly).
 at::Tensor gguf_linear_widened(const at::Tensor& x, const at::Tensor& w, const at::Tensor& kinds) {
   check_x("gguf_linear_widened", x);
-  const at::Tensor wf = dequantize_on(w, kinds, x.size(1), paths().front());
+  const at::Tensor wf = dequantize_on(w, kinds, x.size(1), paths(true).front());
   return at::linear(x.to(at::kFloat).contiguous(), wf);
 }
 
 at::Tensor gguf_dequantize(const at::Tensor& w, const at::Tensor& kinds, int64_t K, c10::string_view path) {
-  return dequantize_on(w, kinds, K, pick("gguf_dequantize", path));
+  return dequantize_on(w, kinds, K, pick("gguf_dequantize", path, true));
 }
 
-std::vector<std::string> gguf_linear_paths() { return paths(); }
+std::vector<std::string> gguf_linear_paths(c10::string_view activations) {
+  return paths(exact_activations("gguf_linear_paths", activations));
+}
 
 TORCH_LIBRARY_FRAGMENT(neuron_opt, m) {
   m.def("gguf_linear(Tensor x, Tensor w, Tensor kinds) -> Tensor");
+  m.def("gguf_linear_exact(Tensor x, Tensor w, Tensor kinds) -> Tensor");
   m.def("gguf_linear_widened(Tensor x, Tensor w, Tensor kinds) -> Tensor");
-  m.def("gguf_linear_path(Tensor x, Tensor w, Tensor kinds, str path) -> Tensor");
+  m.def("gguf_linear_path(Tensor x, Tensor w, Tensor kinds, str path, str activations) -> Tensor");
   m.def("gguf_dequantize(Tensor w, Tensor kinds, int K, str path) -> Tensor");
-  m.def("gguf_linear_paths() -> str[]", &gguf_linear_paths);
+  m.def("gguf_linear_paths(str activations) -> str[]", &gguf_linear_paths);
 }
 TORCH_LIBRARY_IMPL(neuron_opt, CPU, m) {
   m.impl("gguf_linear", &gguf_linear);
+  m.impl("gguf_linear_exact", &gguf_linear_exact);
   m.impl("gguf_linear_widened", &gguf_linear_widened);
   m.impl("gguf_linear_path", &gguf_linear_path);
   m.impl("gguf_dequantize", &gguf_dequantize);
