@@ -18,7 +18,8 @@ Each row may name a LoRA adapter slot (`lora_slot`, neuron_opt.lora; 0: the base
 `lora_slots` for executors of a model with a LoRA capacity; padding rows take slot 0.
 On an executor that samples on the device (`samples_on_device`: the neuron backend), `decode_sampled` and
 `prefill_sampled` hand the step's sampling inputs (neuron_opt.sample_ops.SamplingInputs) to the graph and return the
-rows' token ids, not their logits. `stats` counts the time in graph calls and the bytes they moved device -> host.
+rows' token ids, not their logits; `verify_sampled` returns each scored position's acceptance and token.
+`stats` counts the time in graph calls and the bytes they moved device -> host.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from neuron_opt.backends.base import Executor, StepInputs
 from neuron_opt.buckets import Bucket, BucketConfig, pick_decode, pick_prefill, pick_verify
 from neuron_opt.config import CacheConfig
 from neuron_opt.errors import BucketOverflowError, ConfigError, ContextLengthError
-from neuron_opt.sample_ops import SamplingInputs
+from neuron_opt.sample_ops import SamplingInputs, verify_outputs
 
 Blocks = int | Sequence[int]  # a sequence's block table, or a slot number (slot_blocks)
 
@@ -459,14 +460,15 @@ class ModelRunner:
         bucket, inputs = self._verify_inputs(rows)
         return self._run(bucket, inputs, candidates)[: len(rows), :, : self.vocab_size]
 
-    def verify_argmax(self, rows: list[VerifyRow]) -> torch.Tensor:
-        """`verify` on an executor that samples on the device, for greedy rows that take the logits as they are:
-        each position's argmax [len(rows), q_len] (int32), computed in the graph."""
+    def verify_sampled(self, rows: list[VerifyRow], sampling: SamplingInputs) -> dict[str, torch.Tensor]:
+        """`verify` on an executor that samples on the device, with each row's proposals accepted in the graph
+        (`sampling`: one row per scored position, runtime.sampling.verify_inputs): the outputs by name
+        (neuron_opt.sample_ops.verify_outputs), each [len(rows), q, ...]."""
         bucket, inputs = self._verify_inputs(rows)
-        greedy = SamplingInputs.greedy(bucket.batch * bucket.tokens)
-        ids = self._run(bucket, inputs, None, greedy)[0].reshape(bucket.batch, bucket.tokens)
+        outs = self._run(bucket, inputs, None, sampling)
         self.stats.device_sampled += len(rows)
-        return ids[: len(rows)]
+        return {k: t.reshape(bucket.batch, bucket.tokens, *t.shape[1:])[: len(rows)]
+                for k, t in verify_outputs(outs, sampling.logprobs).items()}
 
     def _verify_inputs(self, rows: list[VerifyRow]) -> tuple[Bucket, StepInputs]:
         q = self.verify_len
