@@ -75,13 +75,6 @@ class SamplingInputs:
         """On `device`, integer tensors as int32 (the step inputs' type: neuron_opt.backends.neuron)."""
         return self.map(lambda x: (x.to(torch.int32) if x.dtype == torch.int64 else x).to(device))
 
-    @classmethod
-    def greedy(cls, rows: int) -> SamplingInputs:
-        """`rows` greedy rows that take their logits as they are."""
-        adjust = (torch.zeros(rows, 1, dtype=torch.long), torch.zeros(rows, 1))
-        return cls(torch.zeros(rows), torch.zeros(rows, dtype=torch.long), torch.ones(rows), torch.zeros(rows),
-                   torch.zeros(rows), *adjust, *adjust, skip=("draw",))
-
     def padded(self, batch: int) -> SamplingInputs:
         """The inputs of a graph batch of `batch` rows: the rows beyond these are greedy and unadjusted (no mask
         bit cleared, no proposal)."""

@@ -939,6 +939,12 @@ class NeuronExecutor:
             self._chain = (head, num_slots, chain)
         return self._chain[2]
 
+    def warm(self, bucket: Bucket, sampling: SamplingInputs) -> None:
+        """Runs `bucket` once on inputs that write and read only the null block, sampling with `sampling`, so its
+        sampling graph (tp=1: the small graph after the replayed step; tp > 1: the traced step that records it) is
+        compiled before a request needs it (`ModelRunner.warm_sampling`)."""
+        self.run(bucket, warm_up_inputs(bucket, self.block_size, window_kv=self.ranks.window_kv), sampling)
+
     def run(self, bucket: Bucket, inputs: StepInputs, sampling: SamplingInputs | None = None) -> Any:
         """The step's fp32 logits on the host; with `sampling`, the rows' tokens sampled on the device instead:
         [ids [B] int32, (logprobs: chosen [B], top values [B, n], top ids [B, n])], a verify step's positions as

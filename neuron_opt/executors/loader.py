@@ -97,6 +97,7 @@ def _load_artifact(root: Path, verified: VerifiedManifest | None, trusted_keys: 
 
     tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
     runner = ModelRunner(create_executor(spec), m.buckets, m.cache, m.model.vocab_size, m.model)
+    runner.warm_sampling()  # every graph ready before the first request
     return LoadedModel(m, m.model, tokenizer, runner, m.dtype)
 
 

@@ -94,11 +94,8 @@ log = logging.getLogger(__name__)
 def async_scheduling_default(runner: ModelRunner) -> bool:
     """Whether async scheduling is on by default over `runner`: where its executor's graph calls leave the host
     enough to overlap (`Executor.async_scheduling`, measured per backend: docs/serving.md, "Async scheduling");
-    executors that do not say are taken to (a device runs the graph while the host thread waits), except one that
-    samples in its graphs (`samples_on_device`)."""
-    # an executor that samples in its graphs (the neuron backend) keeps that by default: the pipelined step samples
-    # on the host from logits (runtime/pipeline.py), which would bring the logits back every step
-    return bool(getattr(runner.executor, "async_scheduling", True)) and not runner.samples_on_device
+    executors that do not say are taken to (a device runs the graph while the host thread waits)."""
+    return bool(getattr(runner.executor, "async_scheduling", True))
 
 
 class EngineDeadError(NeuronOptError):

@@ -476,6 +476,23 @@ def verify_inputs(states: list[SamplerState], drafts: list[list[int]], banned_fo
     return rows.inputs(draft_t, u_accept)
 
 
+def warm_inputs(rows: int, vocab_size: int, top_k: int = 0, q: int = 0) -> list[SamplingInputs]:
+    """The sampling inputs of a graph batch of `rows` rows, all greedy, then all sampled at temperature 1 (with
+    `top_k`: the largest the vocab-parallel path samples), as `device_inputs` builds them (q > 0: `verify_inputs`
+    of rows / q rows each testing q - 1 proposals): the graph shapes warmed at load (`ModelRunner.warm_sampling`).
+    Each set of filters, the mask and logprobs are other shapes, compiled on first use."""
+    out = []
+    for params in (SamplingParams(), SamplingParams(temperature=1.0, top_k=top_k, seed=0)):
+        if not q:
+            states: list[SamplerState | None] = [SamplerState.create(params) for _ in range(rows)]
+            out.append(device_inputs(states, [()] * rows, vocab_size))
+            continue
+        n = rows // q
+        out.append(verify_inputs([SamplerState.create(params) for _ in range(n)], [[0] * (q - 1)] * n,
+                                 [[()] * q] * n, q, vocab_size))
+    return out
+
+
 class _Lookahead:
     """Within it, `ahead(token)` observes a proposal into the state's penalty counts, thinking budget and grammar
     (False once the grammar has ended); on exit the state is as before."""

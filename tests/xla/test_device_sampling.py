@@ -93,6 +93,26 @@ def test_a_sampled_decode_step_moves_ids_not_logits(replay, tiny, tmp_path):
     assert runner.stats.device_sampled == 2 and runner.stats.d2h_bytes - total == 4 * B * V + 4 * B
 
 
+def test_the_first_requests_compile_nothing_after_load(tiny, tmp_path):
+    """Load compiles every bucket's sampling graphs for greedy and sampled rows (`ModelRunner.warm_sampling`):
+    greedy and sampled requests, batched, then speculative verify steps of both kinds, compile nothing more
+    (torch-xla's own compile count)."""
+    from neuron_opt.api import LLM
+    from neuron_opt.runtime.speculative import SpeculativeConfig
+
+    llm = LLM(compile_tiny(tiny, tmp_path / "art", num_speculative_tokens=2))
+    compiles, uncached = met.metric_data("CompileTime")[0], met.counter_value("UncachedCompile") or 0
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
+    params = [SamplingParams(max_tokens=6, ignore_eos=True),
+              SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, seed=1)]
+    llm.generate_batch([prompt, prompt[:7], prompt[:9]], [params[0], params[1], params[1]])
+    for p in params:
+        llm.generate_ids_speculative(prompt, p, SpeculativeConfig(2, adaptive=False))
+    assert llm.runner.stats.device_sampled > 0 and llm.runner.stats.host_fallback == 0
+    assert (met.counter_value("UncachedCompile") or 0) == uncached
+    assert met.metric_data("CompileTime")[0] == compiles
+
+
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
           "required": ["name", "age"], "additionalProperties": False}
