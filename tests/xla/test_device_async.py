@@ -16,8 +16,8 @@ import re
 import pytest
 from tiny import make_tiny
 
+from neuron_opt.api import LLM
 from neuron_opt.compiler import CompileRequest, compile_artifact
-from neuron_opt.executors import load_model
 from neuron_opt.runtime.engine import Engine, RequestOutput
 from neuron_opt.runtime.sampling import SamplingParams
 from neuron_opt.runtime.structured import StructuredOutputs
@@ -29,15 +29,15 @@ BLOCK, MAX_LEN = 16, 64
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
-    """A one-layer tiny model with a tokenizer, compiled for the neuron backend with a pool of 9 blocks (room for
-    two full sequences of four), so a batch of long requests preempts."""
+    """A one-layer tiny model with a tokenizer, compiled for the neuron backend with a pool of 5 blocks of 16 (and
+    the null block), so a batch of long requests preempts."""
     root = tmp_path_factory.mktemp("async")
     ckpt = make_tiny("smollm-tok-1layer", root / "ckpt", tokenizer=True)
     compile_artifact(CompileRequest(model=str(ckpt), out=root / "art", backend="neuron", dtype="float32",
                                     use_cache=False, max_model_len=MAX_LEN, prefill_buckets=(16,),
                                     decode_buckets=(MAX_LEN,), batch_size=4, prefill_batch=2, block_size=BLOCK,
-                                    num_kv_blocks=9), log=lambda s: None, progress=False)
-    return load_model(root / "art")
+                                    num_kv_blocks=6), log=lambda s: None, progress=False)
+    return LLM(root / "art")
 
 
 def run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
@@ -80,14 +80,14 @@ def test_async_with_device_sampling_streams_equal_the_synchronous_loop(loaded):
               SamplingParams(max_tokens=16, stop_token_ids=(first[6].new_token_ids[0],)),
               SamplingParams(max_tokens=30, structured=StructuredOutputs(regex=REGEX), temperature=0.7, seed=2),
               SamplingParams(max_tokens=30, min_tokens=30, temperature=0.8, top_p=0.9, presence_penalty=0.5, seed=7),
-              SamplingParams(max_tokens=28, temperature=1.0, top_k=20, seed=3, ignore_eos=True, logprobs=0),
-              SamplingParams(max_tokens=24, frequency_penalty=0.4, ignore_eos=True)]
+              SamplingParams(max_tokens=40, temperature=1.0, top_k=20, seed=3, ignore_eos=True, logprobs=0),
+              SamplingParams(max_tokens=40, frequency_penalty=0.4, ignore_eos=True)]
     st = runner.stats
     outs, engines = {}, {}
     for on in (False, True):
         engines[on] = Engine(runner, tok, eos, async_scheduling=on, max_num_batched_tokens=24)
         fallback, sampled = st.host_fallback, st.device_sampled
-        outs[on] = run(engines[on], prompts, params, abort=("5", 4))
+        outs[on] = run(engines[on], prompts, params, abort=("5", 20))
         assert st.host_fallback == fallback and st.device_sampled > sampled  # every row sampled in the graphs
         assert st.last_d2h_bytes < runner.vocab_size  # token ids came back, not logits
     want, got = outs[False], outs[True]
@@ -95,7 +95,7 @@ def test_async_with_device_sampling_streams_equal_the_synchronous_loop(loaded):
         assert stream(got[rid]) == stream(want[rid]), rid
     ends = {rid: (w[-1].finish_reason, w[-1].stop_reason) for rid, w in want.items()}
     assert ends["0"] == ("stop", stop) and ends["1"] == ("stop", params[1].stop_token_ids[0])
-    assert ends["5"] == ("abort", None) and sum(len(o.new_token_ids) for o in want["5"]) == 4
+    assert ends["5"] == ("abort", None) and sum(len(o.new_token_ids) for o in want["5"]) == 20
     assert re.fullmatch(REGEX, "".join(o.text_delta for o in want["2"]))
     assert sum(len(o.new_token_ids) for o in want["3"]) == 30
     sync, pipelined = engines[False], engines[True]
