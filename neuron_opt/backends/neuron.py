@@ -860,6 +860,10 @@ class NeuronExecutor:
     """
 
     gathers_candidates = False
+    # async scheduling on by default (the engine's default; --no-async-scheduling turns it off): measured ahead of
+    # the synchronous loop on the XLA tier (docs/serving.md, "Async scheduling"), and a NeuronCore runs the graph
+    # while the host thread waits
+    async_scheduling = True
 
     def __init__(self, ranks: DeviceRank | SpmdRanks, block_size: int, replay: bool) -> None:
         self.ranks, self.block_size, self.replay = ranks, block_size, replay

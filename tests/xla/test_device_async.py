@@ -2,7 +2,7 @@
 hands its graph calls the rows' sampling inputs and takes token ids back (the logits stay on the device), and every
 request gets what the synchronous loop gives it: the same tokens, text deltas, logprobs and finish and stop reasons,
 under stop strings, stop ids, an abort, preemption with chunked prefill, structured outputs, penalties and seeded
-sampling.
+sampling. Async scheduling is the neuron backend's default; `async_scheduling=False` turns it off.
 
 Oracle: the synchronous engine (`async_scheduling=False`) over the same runner, itself checked against the host
 sampler token for token (test_device_sampling.py). What each step moved device -> host is the runner's count
@@ -82,6 +82,7 @@ def test_async_with_device_sampling_streams_equal_the_synchronous_loop(loaded):
               SamplingParams(max_tokens=30, min_tokens=30, temperature=0.8, top_p=0.9, presence_penalty=0.5, seed=7),
               SamplingParams(max_tokens=40, temperature=1.0, top_k=20, seed=3, ignore_eos=True, logprobs=0),
               SamplingParams(max_tokens=40, frequency_penalty=0.4, ignore_eos=True)]
+    assert Engine(runner, tok, eos).async_scheduling  # the neuron backend's default (docs/serving.md)
     st = runner.stats
     outs, engines = {}, {}
     for on in (False, True):
