@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 
@@ -68,10 +69,11 @@ class SamplingInputs:
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> SamplingInputs:
         """These inputs with `fn` applied to each tensor."""
-        return replace(self, **{f.name: fn(t) for f in fields(self) if isinstance(t := getattr(self, f.name),
-                                                                                  torch.Tensor)})
+        changes: dict[str, Any] = {f.name: fn(t) for f in fields(self)
+                                   if isinstance(t := getattr(self, f.name), torch.Tensor)}
+        return replace(self, **changes)
 
-    def to(self, device: object) -> SamplingInputs:
+    def to(self, device: Any) -> SamplingInputs:
         """On `device`, integer tensors as int32 (the step inputs' type: neuron_opt.backends.neuron)."""
         return self.map(lambda x: (x.to(torch.int32) if x.dtype == torch.int64 else x).to(device))
 
@@ -84,9 +86,10 @@ class SamplingInputs:
         if n > batch:
             raise ValueError(f"sampling inputs for {n} rows, the graph's batch holds {batch}")
         fill = {"top_p": 1, "mask": -1, "draft": -1}
-        return replace(self, **{f.name: torch.cat([t, torch.full((batch - n, *t.shape[1:]), fill.get(f.name, 0),
-                                                                 dtype=t.dtype)])
-                                for f in fields(self) if isinstance(t := getattr(self, f.name), torch.Tensor)})
+        changes: dict[str, Any] = {
+            f.name: torch.cat([t, torch.full((batch - n, *t.shape[1:]), fill.get(f.name, 0), dtype=t.dtype)])
+            for f in fields(self) if isinstance(t := getattr(self, f.name), torch.Tensor)}
+        return replace(self, **changes)
 
 
 def unpack_mask(mask: torch.Tensor, vocab: int) -> torch.Tensor:

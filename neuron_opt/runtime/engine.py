@@ -838,8 +838,10 @@ class Engine:
         positions' K/V, from the same tokens), so only the request whose row fails fails; the others go on."""
         ids = [d.request_id for d in decodes]
         verify = step is not None and step.verify
+        logits: Any  # [B, (q,) V] logits, or what a graph that samples returns (runner.decode_sampled, verify_sampled)
         try:
             if verify:
+                assert step is not None
                 rows = [VerifyRow(d.blocks, (d.token, *step.proposals[d.request_id]), d.position, d.lora_slot,
                                   d.window_blocks, self._rope_delta(d.request_id)) for d in decodes]
                 vsampling = self._verify_sampling(ids, step)
@@ -915,7 +917,7 @@ class Engine:
             ks.append(k)
         return max(ks)
 
-    def _device_sampling(self, request_ids: list[str | None]) -> SamplingInputs | None:
+    def _device_sampling(self, request_ids: Sequence[str | None]) -> SamplingInputs | None:
         """The step's sampling inputs for a graph that samples its rows' tokens (a None row samples nothing); None
         when the executor's graphs return logits, or some row needs the host sampler this step (counted in the
         runner's `host_fallback`)."""

@@ -137,7 +137,7 @@ class ModelRunner:
         for bucket in sorted(self.buckets.buckets(), key=lambda b: b.key):
             q = bucket.tokens if bucket.phase == VERIFY else 0
             for sampling in warm_inputs(bucket.batch * max(q, 1), self.vocab_size, self.sample_candidates or 0, q):
-                self.executor.warm(bucket, sampling)
+                self.executor.warm(bucket, sampling)  # type: ignore[attr-defined]
 
     @property
     def sample_candidates(self) -> int | None:
