@@ -12,11 +12,19 @@ bit, so the host may skip a filter no row uses while a device graph always runs 
 
 `u` comes from the request's own seeded generator, drawn on the host (one number a step), so a request's stream
 does not depend on what else is in the batch or on where its token is sampled.
+
+Speculative verification (`verify_rows`): a verify step's position j of a row tests the proposed token d (a point
+mass, runtime/speculative.py). A greedy row accepts d where it is the argmax; a sampled row where its uniform number
+`u_accept` is below p(d), the probability of d in the filtered distribution. The token the row emits there if d is
+not taken is the argmax (greedy), or a draw by inverse CDF with `u` from the filtered logits with d removed (the
+residual max(0, p - delta_d), normalised); a position without a proposal (the bonus) draws from them whole.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 
@@ -30,9 +38,11 @@ class SamplingInputs:
     temperature, top_p, min_p, u: [B] fp32 (temperature 0: greedy); top_k: [B] int (0: off); bias_ids / bias:
     [B, A] the logit_bias entries added, penalty_ids / penalty: [B, A] the presence/frequency penalties subtracted
     (unused slots: id 0, value 0, which adds nothing); mask: [B, ceil(V / 32)] int32, bit v % 32 of word v // 32
-    set where token v is allowed (xgrammar's token bitmask; None: every token); logprobs: how many top logprobs
-    to return per row (None: none; 0: the chosen token's only); skip: the steps no row needs, left out of the graph
-    (each is neutral for the rows that do not use it, so the tokens are the same; each set is its own graph)."""
+    set where token v is allowed (xgrammar's token bitmask; None: every token); draft, u_accept: a verify step's
+    rows (one per scored position), the proposed token each tests ([B] int, -1: none) and the uniform number of its
+    acceptance test ([B] fp32; `verify_rows`), None otherwise; logprobs: how many top logprobs to return per row
+    (None: none; 0: the chosen token's only); skip: the steps no row needs, left out of the graph (each is neutral
+    for the rows that do not use it, so the tokens are the same; each set is its own graph)."""
 
     temperature: torch.Tensor
     top_k: torch.Tensor
@@ -44,40 +54,42 @@ class SamplingInputs:
     penalty_ids: torch.Tensor
     penalty: torch.Tensor
     mask: torch.Tensor | None = None
+    draft: torch.Tensor | None = None
+    u_accept: torch.Tensor | None = None
     logprobs: int | None = None
     skip: tuple[str, ...] = ()  # what no row uses: filters ("min_p", "top_k", "top_p"), or "draw" (every row greedy)
 
+    def __post_init__(self) -> None:
+        if (self.draft is None) != (self.u_accept is None):
+            raise ValueError("a verify step's sampling inputs take both draft and u_accept")
+
     def tensors(self) -> list[torch.Tensor]:
-        """The graph inputs, in a fixed order (the mask last, when there is one)."""
-        out = [self.temperature, self.top_k, self.top_p, self.min_p, self.u, self.bias_ids, self.bias,
-               self.penalty_ids, self.penalty]
-        return out if self.mask is None else [*out, self.mask]
+        """The graph inputs, in a fixed order (then the mask, the drafts and their uniform numbers, where set)."""
+        return [t for f in fields(self) if isinstance(t := getattr(self, f.name), torch.Tensor)]
 
-    def to(self, device: object) -> SamplingInputs:
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> SamplingInputs:
+        """These inputs with `fn` applied to each tensor."""
+        changes: dict[str, Any] = {f.name: fn(t) for f in fields(self)
+                                   if isinstance(t := getattr(self, f.name), torch.Tensor)}
+        return replace(self, **changes)
+
+    def to(self, device: Any) -> SamplingInputs:
         """On `device`, integer tensors as int32 (the step inputs' type: neuron_opt.backends.neuron.backend)."""
-        t = [(x.to(torch.int32) if x.dtype == torch.int64 else x).to(device) for x in self.tensors()]
-        return SamplingInputs(*t[:9], mask=t[9] if self.mask is not None else None, logprobs=self.logprobs,
-                              skip=self.skip)
-
-    @classmethod
-    def greedy(cls, rows: int) -> SamplingInputs:
-        """`rows` greedy rows that take their logits as they are."""
-        adjust = (torch.zeros(rows, 1, dtype=torch.long), torch.zeros(rows, 1))
-        return cls(torch.zeros(rows), torch.zeros(rows, dtype=torch.long), torch.ones(rows), torch.zeros(rows),
-                   torch.zeros(rows), *adjust, *adjust, skip=("draw",))
+        return self.map(lambda x: (x.to(torch.int32) if x.dtype == torch.int64 else x).to(device))
 
     def padded(self, batch: int) -> SamplingInputs:
-        """The inputs of a graph batch of `batch` rows: the rows beyond these are greedy and unadjusted."""
+        """The inputs of a graph batch of `batch` rows: the rows beyond these are greedy and unadjusted (no mask
+        bit cleared, no proposal)."""
         n = self.temperature.shape[0]
         if n == batch:
             return self
         if n > batch:
             raise ValueError(f"sampling inputs for {n} rows, the graph's batch holds {batch}")
-        pad = [torch.cat([t, (torch.ones if i == 2 else torch.zeros)((batch - n, *t.shape[1:]), dtype=t.dtype)])
-               for i, t in enumerate(self.tensors()[:9])]
-        mask = None if self.mask is None else torch.cat([self.mask, torch.full((batch - n, self.mask.shape[1]), -1,
-                                                                               dtype=self.mask.dtype)])
-        return SamplingInputs(*pad, mask=mask, logprobs=self.logprobs, skip=self.skip)
+        fill = {"top_p": 1, "mask": -1, "draft": -1}
+        changes: dict[str, Any] = {
+            f.name: torch.cat([t, torch.full((batch - n, *t.shape[1:]), fill.get(f.name, 0), dtype=t.dtype)])
+            for f in fields(self) if isinstance(t := getattr(self, f.name), torch.Tensor)}
+        return replace(self, **changes)
 
 
 def unpack_mask(mask: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -145,6 +157,45 @@ def sample_rows(logits: torch.Tensor, s: SamplingInputs) -> torch.Tensor:
     t = torch.where(greedy, torch.ones_like(s.temperature), s.temperature)
     z = filter_rows(logits / t[:, None], s.top_k, s.top_p, s.min_p, skip=s.skip)
     return torch.where(greedy, logits.argmax(-1), draw_rows(z, s.u))
+
+
+def accept_probability(z: torch.Tensor, match: torch.Tensor) -> torch.Tensor:
+    """p(d) per row [R] from filtered logits [R, C], `match` [R, C] True at each row's proposed token d (none: 0)."""
+    return z.softmax(-1).masked_fill(~match, 0.0).sum(-1)
+
+
+def residual_rows(z: torch.Tensor, match: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token drawn with `u` from filtered logits [R, C] without each row's proposed token (`match`)."""
+    return draw_rows(z.masked_fill(match, NEG_INF), u)
+
+
+def verify_rows(x: torch.Tensor, s: SamplingInputs, match: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A verify step's processed logits [R, C] (one row per scored position) -> (the token each row emits if its
+    proposal is not taken [R], whether it is accepted [R] bool) (module docstring). `match` [R, C]: True at the
+    row's proposed token (`s.draft`; none where it is -1). Column c stands for token c, or (vocab-parallel) for the
+    candidate the caller maps it to."""
+    best = x.argmax(-1)
+    if "draw" in s.skip:
+        return best, match.gather(1, best[:, None])[:, 0]
+    assert s.u_accept is not None
+    greedy = s.temperature <= 0.0
+    t = torch.where(greedy, torch.ones_like(s.temperature), s.temperature)
+    z = filter_rows(x / t[:, None], s.top_k, s.top_p, s.min_p, skip=s.skip)
+    accept = torch.where(greedy, match.gather(1, best[:, None])[:, 0],
+                         s.u_accept.to(z.dtype) < accept_probability(z, match))
+    return torch.where(greedy, best, residual_rows(z, match, s.u)), accept
+
+
+def verify_outputs(outs: list[torch.Tensor], logprobs: int | None) -> dict[str, torch.Tensor]:
+    """A verify step's sampled outputs, in the order a device graph returns them, by name: ids (each position's
+    token if its proposal is not taken), accept; with logprobs, chosen (the ids' logprobs), draft (the
+    proposals'), and when logprobs > 0 top and top_ids."""
+    named = {"ids": outs[0], "accept": outs[1]}
+    if logprobs is not None:
+        named.update(chosen=outs[2], draft=outs[-1])
+        if logprobs:
+            named.update(top=outs[3], top_ids=outs[4])
+    return named
 
 
 def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:

@@ -73,7 +73,10 @@ class Executor(Protocol):
     prefill buckets of those lengths. An executor whose graphs merge image embeddings at their placeholder
     positions (StepInputs.multimodal) says so with `takes_embeddings = True`. An executor whose graph calls run on
     the host's own cores says `async_scheduling = False`: the engine's default is then the synchronous loop
-    (runtime/engine.py, docs/serving.md "Async scheduling"); a device's executor leaves it unset (on)."""
+    (runtime/engine.py, docs/serving.md "Async scheduling"); a device's executor leaves it unset (on). An executor
+    whose graphs sample says `samples_on_device = True`: its `run` also takes `sampling=` (a
+    neuron_opt.sample_ops.SamplingInputs) and returns token ids, and `warm(bucket, sampling)` compiles a sampling
+    graph before a request needs it (runtime/runner.py)."""
 
     k_caches: list[torch.Tensor]
     v_caches: list[torch.Tensor]

@@ -103,6 +103,7 @@ def _load_artifact(root: Path, verified: VerifiedManifest | None, trusted_keys: 
         backend = get_backend(m.backend, torch_dtype(m.dtype), m.backend_options)
         vision = load_vision(root, m.vision, backend, torch_dtype(m.dtype))
     runner = ModelRunner(create_executor(spec), m.buckets, m.cache, m.model.vocab_size, m.model, vision)
+    runner.warm_sampling()  # every graph ready before the first request
     return LoadedModel(m, m.model, tokenizer, runner, m.dtype, ("text", "image") if vision is not None else ("text",))
 
 

@@ -79,7 +79,8 @@ from neuron_opt.runtime.sampling import (
     device_results,
     host_sampling_reason,
     sample_batch,
-    verifies_on_device,
+    verify_host_reason,
+    verify_inputs,
 )
 from neuron_opt.runtime.scheduler import DecodeWork, KVConfig, PrefillWork, Scheduler, SchedulerOutput
 from neuron_opt.runtime.speculative import Proposer, SpecStats, SpecStep, SpeculativeConfig, SpeculativeDecoding
@@ -95,11 +96,8 @@ log = logging.getLogger(__name__)
 def async_scheduling_default(runner: ModelRunner) -> bool:
     """Whether async scheduling is on by default over `runner`: where its executor's graph calls leave the host
     enough to overlap (`Executor.async_scheduling`, measured per backend: docs/serving.md, "Async scheduling");
-    executors that do not say are taken to (a device runs the graph while the host thread waits), except one that
-    samples in its graphs (`samples_on_device`)."""
-    # an executor that samples in its graphs (the neuron backend) keeps that by default: the pipelined step samples
-    # on the host from logits (runtime/pipeline.py), which would bring the logits back every step
-    return bool(getattr(runner.executor, "async_scheduling", True)) and not runner.samples_on_device
+    executors that do not say are taken to (a device runs the graph while the host thread waits)."""
+    return bool(getattr(runner.executor, "async_scheduling", True))
 
 
 class EngineDeadError(NeuronOptError):
@@ -867,18 +865,15 @@ class Engine:
         positions' K/V, from the same tokens), so only the request whose row fails fails; the others go on."""
         ids = [d.request_id for d in decodes]
         verify = step is not None and step.verify
+        logits: Any  # [B, (q,) V] logits, or what a graph that samples returns (runner.decode_sampled, verify_sampled)
         try:
             if verify:
+                assert step is not None
                 rows = [VerifyRow(d.blocks, (d.token, *step.proposals[d.request_id]), d.position, d.lora_slot,
                                   d.window_blocks, self._rope_delta(d.request_id)) for d in decodes]
-                if self.runner.samples_on_device and all(
-                        verifies_on_device(self._seqs[d.request_id].state, [self.outputs.banned(d.request_id, j)
-                                           for j in range(len(step.proposals.get(d.request_id, [])) + 1)])
-                        for d in decodes):
-                    logits = self.runner.verify_argmax(rows)  # each position's argmax, from the graph
-                else:
-                    logits = self.runner.verify(rows, candidates=self._candidates(ids))
-                    self.runner.stats.host_fallback += len(rows) * self.runner.samples_on_device
+                vsampling = self._verify_sampling(ids, step)
+                logits = (self.runner.verify_sampled(rows, vsampling) if vsampling is not None  # accepted in the graph
+                          else self.runner.verify(rows, candidates=self._candidates(ids)))
             else:
                 drows = [DecodeRow(d.blocks, d.token, d.position, d.lora_slot, d.window_blocks,
                                    self._rope_delta(d.request_id)) for d in decodes]
@@ -901,7 +896,8 @@ class Engine:
         aux = self.runner.aux_hidden if spec.wants_hidden else None
         if step.verify:
             for i, d in enumerate(decodes):
-                self._update_verified(spec, d, logits[i], step.proposals.get(d.request_id, []),
+                row = {k: t[i] for k, t in logits.items()} if isinstance(logits, dict) else logits[i]
+                self._update_verified(spec, d, row, step.proposals.get(d.request_id, []),
                                       None if aux is None else aux[i])
             return
         if aux is not None:
@@ -911,9 +907,10 @@ class Engine:
             if rid in self._seqs:  # the sampled token against the first proposal: acceptance, measured for free
                 spec.observe_decoded(rid, step.proposals.get(rid, []), token)
 
-    def _update_verified(self, spec: SpeculativeDecoding, d: DecodeWork, logits: torch.Tensor,
+    def _update_verified(self, spec: SpeculativeDecoding, d: DecodeWork, logits: torch.Tensor | dict[str, torch.Tensor],
                          draft: list[int], aux: torch.Tensor | None) -> None:
-        """Accept a prefix of `draft` from its verify logits [q, V] and deliver the tokens (up to a stop). `aux`:
+        """Accept a prefix of `draft` from its verify logits [q, V] (or the graph's acceptance of it:
+        `runner.verify_sampled`'s outputs of the row) and deliver the tokens (up to a stop). `aux`:
         the row's auxiliary hidden states [q, A] for a proposer that reads them (those of the scored tokens that
         were accepted are handed over)."""
         request_id = d.request_id
@@ -947,7 +944,7 @@ class Engine:
             ks.append(k)
         return max(ks)
 
-    def _device_sampling(self, request_ids: list[str | None]) -> SamplingInputs | None:
+    def _device_sampling(self, request_ids: Sequence[str | None]) -> SamplingInputs | None:
         """The step's sampling inputs for a graph that samples its rows' tokens (a None row samples nothing); None
         when the executor's graphs return logits, or some row needs the host sampler this step (counted in the
         runner's `host_fallback`)."""
@@ -960,6 +957,22 @@ class Engine:
             return None
         banned = [() if rid is None else self.outputs.banned(rid) for rid in request_ids]
         return device_inputs(states, banned, self.runner.vocab_size)
+
+    def _verify_sampling(self, request_ids: list[str], step: SpecStep) -> SamplingInputs | None:
+        """A verify step's sampling inputs for a graph that accepts the proposals itself (one row per scored
+        position: runtime.sampling.verify_inputs); None when the executor's graphs return logits, or some row needs
+        the host verifier this step (counted in the runner's `host_fallback`)."""
+        if not self.runner.samples_on_device:
+            return None
+        states = [self._seqs[rid].state for rid in request_ids]
+        drafts = [step.proposals.get(rid, []) for rid in request_ids]
+        k = self.runner.sample_candidates
+        if any(verify_host_reason(st, d, k) is not None for st, d in zip(states, drafts, strict=True)):
+            self.runner.stats.host_fallback += len(request_ids)
+            return None
+        banned_for = [[self.outputs.banned(rid, j) for j in range(len(d) + 1)]
+                      for rid, d in zip(request_ids, drafts, strict=True)]
+        return verify_inputs(states, drafts, banned_for, self.runner.verify_len, self.runner.vocab_size)
 
     def _update(self, request_ids: list[str], logits: torch.Tensor | list[torch.Tensor]) -> list[int]:
         """Sample each request's next token from its row of `logits` [len(request_ids), V] in one batch and

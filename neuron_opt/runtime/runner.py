@@ -18,7 +18,8 @@ Each row may name a LoRA adapter slot (`lora_slot`, neuron_opt.lora; 0: the base
 `lora_slots` for executors of a model with a LoRA capacity; padding rows take slot 0.
 On an executor that samples on the device (`samples_on_device`: the neuron backend), `decode_sampled` and
 `prefill_sampled` hand the step's sampling inputs (neuron_opt.sample_ops.SamplingInputs) to the graph and return the
-rows' token ids, not their logits. `stats` counts the time in graph calls and the bytes they moved device -> host.
+rows' token ids, not their logits; `verify_sampled` returns each scored position's acceptance and token.
+`stats` counts the time in graph calls and the bytes they moved device -> host.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ from typing import Any
 import torch
 
 from neuron_opt.backends.base import Executor, StepInputs
-from neuron_opt.buckets import Bucket, BucketConfig, pick_decode, pick_prefill, pick_verify
+from neuron_opt.buckets import VERIFY, Bucket, BucketConfig, pick_decode, pick_prefill, pick_verify
 from neuron_opt.config import CacheConfig
 from neuron_opt.errors import BucketOverflowError, ConfigError, ContextLengthError
-from neuron_opt.sample_ops import SamplingInputs
+from neuron_opt.runtime.sampling import warm_inputs
+from neuron_opt.sample_ops import SamplingInputs, verify_outputs
 
 Blocks = int | Sequence[int]  # a sequence's block table, or a slot number (slot_blocks)
 
@@ -126,6 +128,19 @@ class ModelRunner:
     def samples_on_device(self) -> bool:
         """The executor's graphs take sampling inputs and return token ids (`decode_sampled`, `prefill_sampled`)."""
         return bool(getattr(self.executor, "samples_on_device", False))
+
+    def warm_sampling(self) -> None:
+        """On an executor that samples on the device, compile (on a NeuronCore: load) the sampling graphs the first
+        requests take, for every bucket, so none compiles under a request: each bucket run once on its null-block
+        inputs (`Executor.warm`) with all-greedy and all-sampled rows (`runtime.sampling.warm_inputs`: temperature
+        only, or at tp > 1 a top_k within the candidates, as the vocab-parallel path samples). Other shapes (a mask,
+        logprobs, other filters) compile on first use. Nothing for other executors."""
+        if not self.samples_on_device:
+            return
+        for bucket in sorted(self.buckets.buckets(), key=lambda b: b.key):
+            q = bucket.tokens if bucket.phase == VERIFY else 0
+            for sampling in warm_inputs(bucket.batch * max(q, 1), self.vocab_size, self.sample_candidates or 0, q):
+                self.executor.warm(bucket, sampling)  # type: ignore[attr-defined]
 
     @property
     def sample_candidates(self) -> int | None:
@@ -246,6 +261,7 @@ class ModelRunner:
                               "graphs do not return (the eager, cpu and neuron backends' do)",
                               param="speculative_method")
         capture(tuple(layer_ids))
+        self.warm_sampling()  # traced graphs (tp > 1) record their sampling: the new graphs' too
 
     @property
     def aux_hidden(self) -> torch.Tensor:
@@ -348,7 +364,12 @@ class ModelRunner:
         """`decode` with each row's token sampled in the graph (`sampling`: one row each); the token ids
         [len(rows)] (and the logprobs asked for)."""
         bucket, inputs = self.decode_inputs(rows)
-        return self._sampled(self._run(bucket, inputs, None, sampling), len(rows))
+        return self.run_decode_sampled(bucket, inputs, len(rows), sampling)
+
+    def run_decode_sampled(self, bucket: Bucket, inputs: StepInputs, num_rows: int,
+                           sampling: SamplingInputs) -> list[torch.Tensor]:
+        """`run_decode` with the rows' tokens sampled in the graph (`decode_sampled`)."""
+        return self._sampled(self._run(bucket, inputs, None, sampling), num_rows)
 
     def _sampled(self, outs: list[torch.Tensor], n: int) -> list[torch.Tensor]:
         self.stats.device_sampled += n
@@ -482,14 +503,15 @@ class ModelRunner:
         bucket, inputs = self._verify_inputs(rows)
         return self._run(bucket, inputs, candidates)[: len(rows), :, : self.vocab_size]
 
-    def verify_argmax(self, rows: list[VerifyRow]) -> torch.Tensor:
-        """`verify` on an executor that samples on the device, for greedy rows that take the logits as they are:
-        each position's argmax [len(rows), q_len] (int32), computed in the graph."""
+    def verify_sampled(self, rows: list[VerifyRow], sampling: SamplingInputs) -> dict[str, torch.Tensor]:
+        """`verify` on an executor that samples on the device, with each row's proposals accepted in the graph
+        (`sampling`: one row per scored position, runtime.sampling.verify_inputs): the outputs by name
+        (neuron_opt.sample_ops.verify_outputs), each [len(rows), q, ...]."""
         bucket, inputs = self._verify_inputs(rows)
-        greedy = SamplingInputs.greedy(bucket.batch * bucket.tokens)
-        ids = self._run(bucket, inputs, None, greedy)[0].reshape(bucket.batch, bucket.tokens)
+        outs = self._run(bucket, inputs, None, sampling)
         self.stats.device_sampled += len(rows)
-        return ids[: len(rows)]
+        return {k: t.reshape(bucket.batch, bucket.tokens, *t.shape[1:])[: len(rows)]
+                for k, t in verify_outputs(outs, sampling.logprobs).items()}
 
     def _verify_inputs(self, rows: list[VerifyRow]) -> tuple[Bucket, StepInputs]:
         q = self.verify_len

@@ -25,7 +25,9 @@ token id sequences (the tokenizer's encoding of the marker text). The budget cov
 
 from __future__ import annotations
 
+import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -245,18 +247,6 @@ def _ban(logits: torch.Tensor, banned: tuple[int, ...]) -> torch.Tensor:
     return out if bool(torch.isfinite(out).any()) else logits
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the smallest prefix whose mass reaches top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return logits
-
-
 def _force(logits: torch.Tensor, token: int) -> torch.Tensor:
     """logits [V] that leave only `token` (0; every other -inf)."""
     out = torch.full_like(logits, float("-inf"))
@@ -279,11 +269,6 @@ def processed_logits(logits: torch.Tensor, st: SamplerState, banned: tuple[int, 
     return _ban(logits, banned)
 
 
-def sampling_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Processed logits -> the logits sampling draws from: temperature, then top-k / top-p filtering."""
-    return _filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
-
-
 def result_for(token: int, logits: torch.Tensor, st: SamplerState) -> SampleResult:
     """The chosen `token` with its logprobs (when the request asks for them) from processed `logits`."""
     p = st.params
@@ -303,6 +288,18 @@ def sample_one(logits: torch.Tensor, st: SamplerState, banned: tuple[int, ...] =
 def _uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
     """One uniform number in [0, 1) from each row's generator [R]: the draw of its step."""
     return torch.stack([torch.rand((), generator=g) for g in generators])
+
+
+def filtered_rows(logits: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
+    """Processed logits [R, V] of sampled rows -> the logits each draws from: its temperature, then min-p, top-k
+    and top-p (sample_ops.filter_rows; the filters no row uses are left out)."""
+    z = logits / torch.tensor([p.temperature for p in ps], dtype=logits.dtype)[:, None]  # [R, V]
+    V = z.shape[-1]
+    ks = torch.tensor([p.top_k if 0 < p.top_k < V else 0 for p in ps])
+    skip = tuple(name for name, used in (("min_p", any(p.min_p > 0 for p in ps)), ("top_k", bool(ks.any())),
+                                         ("top_p", any(p.top_p < 1.0 for p in ps))) if not used)
+    return filter_rows(z, ks, torch.tensor([p.top_p for p in ps]), torch.tensor([p.min_p for p in ps]),
+                       k_max=int(ks.max()), skip=skip)
 
 
 def sample_batch(logits: torch.Tensor, states: list[SamplerState],
@@ -330,14 +327,7 @@ def sample_batch(logits: torch.Tensor, states: list[SamplerState],
         tokens[greedy] = logits[greedy].argmax(-1)
     rows = [i for i, st in enumerate(states) if not st.params.greedy]
     if rows:
-        ps = [states[i].params for i in rows]
-        z = logits[rows] / torch.tensor([p.temperature for p in ps], dtype=logits.dtype)[:, None]  # [R, V]
-        V = z.shape[-1]
-        ks = torch.tensor([p.top_k if 0 < p.top_k < V else 0 for p in ps])
-        skip = tuple(name for name, used in (("min_p", any(p.min_p > 0 for p in ps)), ("top_k", bool(ks.any())),
-                                             ("top_p", any(p.top_p < 1.0 for p in ps))) if not used)
-        z = filter_rows(z, ks, torch.tensor([p.top_p for p in ps]), torch.tensor([p.min_p for p in ps]),
-                        k_max=int(ks.max()), skip=skip)
+        z = filtered_rows(logits[rows], [states[i].params for i in rows])
         tokens[rows] = draw_rows(z, _uniforms([states[i].generator for i in rows]))
     out = tokens.tolist()
     return [result_for(out[i], logits[i], st) if st.params.logprobs is not None else SampleResult(out[i])
@@ -374,12 +364,76 @@ def host_sampling_reason(st: SamplerState | None, candidates: int | None) -> str
     return None
 
 
-def verifies_on_device(st: SamplerState, banned_for: list[tuple[int, ...]]) -> bool:
-    """A verify row the graph can score alone (`runner.verify_argmax`): greedy, its logits taken as they are at every
-    position (no bias, penalties, grammar, banned or forced token) and no logprobs."""
+def verify_host_reason(st: SamplerState, draft: list[int], candidates: int | None) -> str | None:
+    """`host_sampling_reason` for a verify row that tests `draft`: also the penalised tokens once the proposals are
+    counted, and a thinking budget's row with logprobs (a token it forces at some position has no top logprobs in a
+    defined order)."""
     p = st.params
-    return (p.greedy and st._bias is None and not (p.presence_penalty or p.frequency_penalty) and st.grammar is None
-            and st._thinking is None and p.logprobs is None and not any(banned_for))
+    if (p.presence_penalty or p.frequency_penalty) and len(set(st.counts) | set(draft)) > ADJUST_SLOTS:
+        return "penalties"
+    if st._thinking is not None and p.logprobs:
+        return "forced_logprobs"
+    return host_sampling_reason(st, candidates)
+
+
+class _Rows:
+    """A graph's sampling inputs (neuron_opt.sample_ops.SamplingInputs), written row by row from sampler states."""
+
+    def __init__(self, n: int, vocab_size: int) -> None:
+        A = ADJUST_SLOTS
+        self.n, self.vocab_size = n, vocab_size
+        self.temperature, self.top_p, self.min_p, self.u = torch.zeros(n), torch.ones(n), torch.zeros(n), torch.zeros(n)
+        self.top_k = torch.zeros(n, dtype=torch.long)
+        self.bias_ids, self.bias = torch.zeros(n, A, dtype=torch.long), torch.zeros(n, A)
+        self.pen_ids, self.pen = torch.zeros(n, A, dtype=torch.long), torch.zeros(n, A)
+        self.mask: torch.Tensor | None = None
+        self.sampled: list[SamplingParams] = []
+        self.asks: list[int] = []
+
+    def write(self, i: int, st: SamplerState, banned: tuple[int, ...], u: float) -> None:
+        """Row i: `st` as it is now (its penalty counts, its grammar's next tokens, a forced token), `banned` ids
+        masked (unless they would leave none: `_ban`), `u` the uniform number its draw takes (a sampled row)."""
+        p = st.params
+        if p.logprobs is not None:
+            self.asks.append(p.logprobs)
+        if not p.greedy:
+            self.temperature[i], self.top_k[i], self.top_p[i], self.min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+            self.u[i] = u
+            self.sampled.append(p)
+        if st._bias is not None:
+            n = len(st._bias[0])
+            self.bias_ids[i, :n], self.bias[i, :n] = st._bias
+        if st.counts and (p.presence_penalty or p.frequency_penalty):
+            ids = torch.tensor(list(st.counts), dtype=torch.long)
+            cnt = torch.tensor(list(st.counts.values()), dtype=torch.float32)
+            self.pen_ids[i, : len(ids)], self.pen[i, : len(ids)] = ids, p.frequency_penalty * cnt + p.presence_penalty
+        forced = st.forced_token
+        if st.grammar is None and not banned and forced is None:
+            return
+        if self.mask is None:
+            self.mask = torch.full((self.n, -(-self.vocab_size // 32)), -1, dtype=torch.int32)
+        mask = self.mask
+        if forced is not None:
+            mask[i] = 0
+            mask[i, forced // 32] = _bit(forced % 32)
+            return
+        if st.grammar is not None:
+            st.grammar.fill(mask, i)
+        grammar_row = mask[i].clone()
+        for t in banned:
+            mask[i, t // 32] &= ~_bit(t % 32)
+        if not bool(_allowed(mask[i], self.vocab_size).any()):  # nothing left: the grammar's end wins
+            mask[i] = grammar_row
+
+    def inputs(self, draft: torch.Tensor | None = None, u_accept: torch.Tensor | None = None) -> SamplingInputs:
+        sampled, asks = self.sampled, self.asks
+        skip = ("draw",) if not sampled else tuple(
+            name for name, used in (("min_p", any(p.min_p > 0 for p in sampled)),
+                                    ("top_k", any(p.top_k for p in sampled)),
+                                    ("top_p", any(p.top_p < 1.0 for p in sampled))) if not used)
+        return SamplingInputs(self.temperature, self.top_k, self.top_p, self.min_p, self.u, self.bias_ids, self.bias,
+                              self.pen_ids, self.pen, self.mask, draft, u_accept,
+                              (DEVICE_TOP_LOGPROBS if any(asks) else 0) if asks else None, skip)
 
 
 def device_inputs(states: list[SamplerState | None], banned: list[tuple[int, ...]], vocab_size: int) -> SamplingInputs:
@@ -389,57 +443,93 @@ def device_inputs(states: list[SamplerState | None], banned: list[tuple[int, ...
     graph has run (a failed call leaves the streams where they were). Check every row with `host_sampling_reason`
     first. The allowed-token mask carries the grammar, the banned tokens (unless they
     would leave none: `_ban`) and a forced token (only itself)."""
-    B, A = len(states), ADJUST_SLOTS
-    temperature, top_p, min_p, u = (torch.zeros(B), torch.ones(B), torch.zeros(B), torch.zeros(B))
-    top_k = torch.zeros(B, dtype=torch.long)
-    bias_ids, bias = torch.zeros(B, A, dtype=torch.long), torch.zeros(B, A)
-    pen_ids, pen = torch.zeros(B, A, dtype=torch.long), torch.zeros(B, A)
-    mask = None
-    asks = [st.params.logprobs for st in states if st is not None and st.params.logprobs is not None]
+    rows = _Rows(len(states), vocab_size)
     for i, st in enumerate(states):
-        if st is None:
-            continue
-        p = st.params
-        if not p.greedy:
-            temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
-            u[i] = _peek(st.generator)
-        if st._bias is not None:
-            n = len(st._bias[0])
-            bias_ids[i, :n], bias[i, :n] = st._bias
-        if st.counts and (p.presence_penalty or p.frequency_penalty):
-            ids = torch.tensor(list(st.counts), dtype=torch.long)
-            cnt = torch.tensor(list(st.counts.values()), dtype=torch.float32)
-            pen_ids[i, : len(ids)], pen[i, : len(ids)] = ids, p.frequency_penalty * cnt + p.presence_penalty
-        forced = st.forced_token
-        if st.grammar is None and not banned[i] and forced is None:
-            continue
-        if mask is None:
-            mask = torch.full((B, -(-vocab_size // 32)), -1, dtype=torch.int32)
-        if forced is not None:
-            mask[i] = 0
-            mask[i, forced // 32] = _bit(forced % 32)
-            continue
-        if st.grammar is not None:
-            st.grammar.fill(mask, i)
-        grammar_row = mask[i].clone()
-        for t in banned[i]:
-            mask[i, t // 32] &= ~_bit(t % 32)
-        if not bool(_allowed(mask[i], vocab_size).any()):  # nothing left: the grammar's end wins
-            mask[i] = grammar_row
-    sampled = [st.params for st in states if st is not None and not st.params.greedy]
-    skip = ("draw",) if not sampled else tuple(
-        name for name, used in (("min_p", any(p.min_p > 0 for p in sampled)), ("top_k", any(p.top_k for p in sampled)),
-                                ("top_p", any(p.top_p < 1.0 for p in sampled))) if not used)
-    return SamplingInputs(temperature, top_k, top_p, min_p, u, bias_ids, bias, pen_ids, pen, mask,
-                          (DEVICE_TOP_LOGPROBS if any(asks) else 0) if asks else None, skip)
+        if st is not None:
+            rows.write(i, st, banned[i], 0.0 if st.params.greedy else _peek(st.generator, 1)[0])
+    return rows.inputs()
 
 
-def _peek(g: torch.Generator | None) -> float:
-    """The next uniform number of `g`, leaving `g` where it is."""
+def verify_inputs(states: list[SamplerState], drafts: list[list[int]], banned_for: list[list[tuple[int, ...]]],
+                  q: int, vocab_size: int) -> SamplingInputs:
+    """A verify step's rows as a device graph's sampling inputs: one row per scored position (row r's position j at
+    r * q + j), for a graph that accepts the proposals itself (neuron_opt.sample_ops.verify_rows). Position j is
+    written as the request's state will be once `drafts[r][:j]` are accepted (their penalty counts, its grammar and
+    thinking budget advanced; `banned_for[r][j]` masked), tests proposal j with the uniform number u_j of its
+    generator and draws its residual token with u_{j+1}; the position after the last proposal draws the bonus
+    token with the same number as the last one's residual (the host verifier's order: `speculative.accept`).
+    Positions past a proposal that ends the grammar, and past the bonus, are greedy padding. Check every row with
+    `verify_host_reason` first; `device_verified` takes the numbers used once the graph has run."""
+    rows = _Rows(len(states) * q, vocab_size)
+    draft_t, u_accept = torch.full((len(states) * q,), -1, dtype=torch.long), torch.zeros(len(states) * q)
+    for r, (st, draft) in enumerate(zip(states, drafts, strict=True)):
+        us = [0.0] * (len(draft) + 1) if st.params.greedy else _peek(st.generator, len(draft) + 1)
+        with _Lookahead(st) as ahead:
+            for j in range(len(draft) + 1):
+                i = r * q + j
+                rows.write(i, st, banned_for[r][j], us[min(j + 1, len(draft))])
+                if j == len(draft):
+                    break
+                draft_t[i], u_accept[i] = draft[j], us[j]
+                if not ahead(draft[j]):
+                    break  # the grammar ends on this proposal: nothing after it is read
+    return rows.inputs(draft_t, u_accept)
+
+
+def warm_inputs(rows: int, vocab_size: int, top_k: int = 0, q: int = 0) -> list[SamplingInputs]:
+    """The sampling inputs of a graph batch of `rows` rows, all greedy, then all sampled at temperature 1 (with
+    `top_k`: the largest the vocab-parallel path samples), as `device_inputs` builds them (q > 0: `verify_inputs`
+    of rows / q rows each testing q - 1 proposals): the graph shapes warmed at load (`ModelRunner.warm_sampling`).
+    Each set of filters, the mask and logprobs are other shapes, compiled on first use."""
+    out = []
+    for params in (SamplingParams(), SamplingParams(temperature=1.0, top_k=top_k, seed=0)):
+        if not q:
+            states: list[SamplerState | None] = [SamplerState.create(params) for _ in range(rows)]
+            out.append(device_inputs(states, [()] * rows, vocab_size))
+            continue
+        n = rows // q
+        out.append(verify_inputs([SamplerState.create(params) for _ in range(n)], [[0] * (q - 1)] * n,
+                                 [[()] * q] * n, q, vocab_size))
+    return out
+
+
+class _Lookahead:
+    """Within it, `ahead(token)` observes a proposal into the state's penalty counts, thinking budget and grammar
+    (False once the grammar has ended); on exit the state is as before."""
+
+    def __init__(self, st: SamplerState) -> None:
+        self.st, self.fed = st, 0
+        self.counts, self.thinking = dict(st.counts), copy.deepcopy(st._thinking)
+
+    def __enter__(self) -> Callable[[int], bool]:
+        return self.ahead
+
+    def ahead(self, token: int) -> bool:
+        st = self.st
+        st.counts[token] = st.counts.get(token, 0) + 1
+        if st._thinking is not None and not st._thinking.over:
+            st._observe_thinking(token)
+        if st.grammar is None:
+            return True
+        st.grammar.accept(token)
+        self.fed += 1
+        return not st.grammar.terminated
+
+    def __exit__(self, *exc: object) -> None:
+        st = self.st
+        st.counts, st._thinking = self.counts, self.thinking
+        if self.fed:
+            assert st.grammar is not None
+            st.grammar.rollback(self.fed)
+
+
+def _peek(g: torch.Generator | None, n: int) -> list[float]:
+    """The next `n` uniform numbers of `g`, one at a time (as the host sampler draws them), leaving `g` where it
+    is."""
     assert g is not None
-    copy = torch.Generator()
-    copy.set_state(g.get_state())
-    return float(torch.rand((), generator=copy))
+    ahead = torch.Generator()
+    ahead.set_state(g.get_state())
+    return [float(torch.rand((), generator=ahead)) for _ in range(n)]
 
 
 def _bit(b: int) -> int:
@@ -450,6 +540,13 @@ def _bit(b: int) -> int:
 def _allowed(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
     v = torch.arange(vocab_size)
     return bit_set(words[v // 32], v)
+
+
+def advance(st: SamplerState, n: int) -> None:
+    """Move a sampled request's generator past the `n` uniform numbers a device graph used (`verify_inputs`)."""
+    if not st.params.greedy:
+        for _ in range(n):
+            _uniforms([st.generator])
 
 
 def device_results(tokens: list[int], logprobs: tuple[torch.Tensor, ...] | None,

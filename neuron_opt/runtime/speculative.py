@@ -14,13 +14,16 @@ the target model agrees with (plus one token of its own).
   target's own hidden states, which the engine hands over after each graph call (`observe_hidden`), chained k
   steps greedily with its own one-layer KV per sequence.
 - Acceptance (`accept`), position by position over the verify logits, with the request's own sampling
-  (penalties, banned tokens, temperature, top-k/top-p) applied to each position's logits exactly as `sample_one`
-  does for a decode step:
+  (penalties, banned tokens, temperature, min-p/top-k/top-p) applied to each position's logits exactly as
+  `sample_one` does for a decode step:
   greedy: the proposed token is accepted while it equals the argmax; the first mismatch emits the argmax.
   sampling: a proposal is a point mass q = delta(d), so rejection sampling (Leviathan et al. 2023) accepts d with
   probability min(1, p(d) / q(d)) = p(d), and on rejection samples from max(0, p - q) normalised = p with d
   removed. Either way the emitted tokens are distributed exactly as non-speculative sampling from p.
   When every proposal is accepted the last position's logits give one more token (the "bonus" token).
+  The uniform numbers come from the request's generator in a fixed order (one per tested proposal, one for the
+  residual or bonus token's inverse-CDF draw), so an executor that accepts in its graphs (the neuron backend:
+  `accept_device`, inputs from runtime.sampling.verify_inputs) emits the host verifier's tokens.
 - Greedy output is identical token for token to non-speculative greedy decoding (tested).
   Its proposal is a deterministic function of the sequence (greedy), so the point-mass acceptance below is
   exact for it too, whatever the request's sampling.
@@ -62,13 +65,15 @@ from neuron_opt.runtime.runner import DecodeRow, ModelRunner, PrefillRow
 from neuron_opt.runtime.sampling import (
     SampleResult,
     SamplerState,
+    advance,
+    filtered_rows,
     processed_logits,
     result_for,
     sample_one,
-    sampling_logits,
 )
 from neuron_opt.runtime.scheduler import DecodeWork
 from neuron_opt.runtime.structured import GrammarState
+from neuron_opt.sample_ops import accept_probability, residual_rows
 
 if TYPE_CHECKING:
     from models.eagle3 import Eagle3Head
@@ -288,22 +293,38 @@ class DraftModelProposer:
         return torch.cat(parts)
 
 
-def accept_argmax(argmax: list[int], draft: list[int], state: SamplerState) -> list[SampleResult]:
-    """`accept` for a greedy row whose logits are taken as they are (runtime.sampling.verifies_on_device), from
-    each scored position's argmax: the proposals up to the first the target disagrees with, then its own token."""
-    out: list[SampleResult] = []
-    for j, token in enumerate(argmax[: len(draft) + 1]):
-        out.append(SampleResult(token))
+def accept_device(out: dict[str, torch.Tensor], draft: list[int], state: SamplerState) -> list[SampleResult]:
+    """`accept` for a verify row whose acceptance ran in the graph (neuron_opt.sample_ops.verify_rows, inputs from
+    runtime.sampling.verify_inputs): the proposals while the graph accepted them, then the token it drew where the
+    run stopped; `out`: the row's named outputs [q] (sample_ops.verify_outputs). The request's generator moves past
+    the uniform numbers the host verifier would have drawn (one per tested proposal, one for the token that ends
+    the run), so its stream goes on as if the host had accepted."""
+    res: list[SampleResult] = []
+    n = state.params.logprobs
+    for j in range(len(draft) + 1):
+        take = j < len(draft) and bool(out["accept"][j])
+        token = draft[j] if take else int(out["ids"][j])
+        advance(state, 1 if take or j == len(draft) else 2)
+        if n is None:
+            res.append(SampleResult(token))
+        else:
+            tops = tuple(zip(out["top_ids"][j, :n].tolist(), out["top"][j, :n].tolist(), strict=True)) if n else ()
+            res.append(SampleResult(token, float(out["draft" if take else "chosen"][j]), tops))
         state.observe(token)
-        if j == len(draft) or token != draft[j]:
-            break
-    return out
+        if not take or state.grammar_done:  # a grammar that ends on an accepted proposal: nothing may follow it
+            return res
+    return res
 
 
 def accept(
     logits: torch.Tensor, draft: list[int], state: SamplerState, banned_for: list[tuple[int, ...]]
 ) -> list[SampleResult]:
     """Tokens to emit from one verify row: the accepted prefix of `draft`, then one token of the target's own.
+
+    A sampled row tests proposal j with one uniform number of its generator (accepted below p(d_j) in the filtered
+    distribution: neuron_opt.sample_ops.accept_probability) and on rejection draws its token with the next one by
+    inverse CDF from that distribution without d_j (`residual_rows`); the bonus token is a plain draw
+    (`sample_one`). A device graph that accepts in the graph runs the same operations (`accept_device`).
 
     Args:
         logits: [len(draft) + 1 or more, V] fp32; row j holds the target's logits for the token after the j-th
@@ -326,18 +347,18 @@ def accept(
             if token != d or state.grammar_done:
                 return out
             continue
-        probs = torch.softmax(sampling_logits(logits_j, p), -1)
-        u = float(torch.rand((), generator=state.generator).item())
-        if u < float(probs[d].item()):
+        z = filtered_rows(logits_j[None], [p])  # [1, V]
+        match = torch.zeros_like(z, dtype=torch.bool)
+        match[0, d] = True
+        u = torch.rand((), generator=state.generator)
+        if bool(u < accept_probability(z, match)[0]):
             res = result_for(d, logits_j, state)
             out.append(res)
             state.observe(d)
             if state.grammar_done:  # the grammar ended on an accepted proposal: nothing may follow it
                 return out
             continue
-        residual = probs.clone()
-        residual[d] = 0.0  # max(0, p - delta_d), renormalised by multinomial
-        token = int(torch.multinomial(residual, 1, generator=state.generator).item())
+        token = int(residual_rows(z, match, torch.rand((), generator=state.generator)[None])[0])
         out.append(result_for(token, logits_j, state))
         state.observe(token)
         return out
@@ -567,12 +588,12 @@ class SpeculativeDecoding:
         elif step.skipped:
             self.stats.skipped_steps += 1
 
-    def accept(self, request_id: str, logits: torch.Tensor, draft: list[int], state: SamplerState,
-               banned_for: list[tuple[int, ...]]) -> list[SampleResult]:
-        """`accept` for one verify row, counted in the stats and the request's acceptance estimate. Integer
-        `logits` are each position's argmax computed in the graph (`accept_argmax`)."""
-        results = (accept(logits, draft, state, banned_for) if logits.is_floating_point()
-                   else accept_argmax(logits.tolist(), draft, state))
+    def accept(self, request_id: str, logits: torch.Tensor | dict[str, torch.Tensor], draft: list[int],
+               state: SamplerState, banned_for: list[tuple[int, ...]]) -> list[SampleResult]:
+        """`accept` for one verify row, counted in the stats and the request's acceptance estimate. A dict is the
+        row's outputs of a graph that accepted in the graph (`accept_device`)."""
+        results = (accept_device(logits, draft, state) if isinstance(logits, dict)
+                   else accept(logits, draft, state, banned_for))
         if draft:
             st = self.stats
             st.drafts, st.draft_tokens, st.accepted_tokens = (st.drafts + 1, st.draft_tokens + len(draft),

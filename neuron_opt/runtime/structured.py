@@ -488,6 +488,11 @@ class GrammarState:
         if not self._matcher.accept_token(token):
             raise RuntimeError(f"token {token} is not allowed by the request's grammar (sampled outside its mask)")
 
+    def rollback(self, n: int) -> None:
+        """Undo the last `n` accepted tokens (a verify step's look-ahead over its proposals)."""
+        self._next = None
+        self._matcher.rollback(n)
+
     def _allows(self, token: int) -> bool:
         return self._allow is None or bool((int(self._allow[token // 32]) >> (token % 32)) & 1)
 

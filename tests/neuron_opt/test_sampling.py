@@ -145,11 +145,24 @@ def test_incremental_detokenization_streams_what_the_full_re_decode_streams(real
     assert fast.text == ref.text
 
 
+def top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """One row's reference filter: -inf below the k-th largest logit, then outside the smallest prefix of the sorted
+    distribution whose mass reaches top_p."""
+    if top_k and top_k < logits.shape[-1]:
+        logits = logits.masked_fill(logits < torch.topk(logits, top_k).values[-1], float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
+
+
 def test_batched_sampling_equals_the_per_row_reference():
     """sample_batch over a mixed batch (greedy, top-k, top-p, both, penalties, banned tokens, logprobs) against
     the per-row reference: each row's own processed logits, its own temperature/top-k/top-p filter
-    (`sampling_logits`), and the inverse CDF of the same uniform draw from a copy of its generator."""
-    from neuron_opt.runtime.sampling import processed_logits, sample_batch, sampling_logits
+    (`top_k_top_p`), and the inverse CDF of the same uniform draw from a copy of its generator."""
+    from neuron_opt.runtime.sampling import processed_logits, sample_batch
 
     V = 300
     logits = torch.randn(7, V, generator=torch.Generator().manual_seed(3)) * 3
@@ -172,7 +185,7 @@ def test_batched_sampling_equals_the_per_row_reference():
             if st.params.greedy:
                 want = int(z.argmax())
             else:
-                cum = sampling_logits(z, st.params).softmax(-1).cumsum(-1)
+                cum = top_k_top_p(z / st.params.temperature, st.params.top_k, st.params.top_p).softmax(-1).cumsum(-1)
                 u = torch.rand((), generator=g)
                 want = int((cum > u * cum[-1]).nonzero()[0])
             assert got[i].token == want, i

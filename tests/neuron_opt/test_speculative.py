@@ -28,7 +28,6 @@ from neuron_opt.runtime.speculative import (
     SpecController,
     SpeculativeConfig,
     accept,
-    accept_argmax,
 )
 
 K = 3
@@ -570,13 +569,91 @@ def test_serve_flags_build_a_draft_engine_and_concurrent_streams_equal_plain_gre
     assert engine.spec_stats.verify_steps > 0 and not engine.proposer.slot
 
 
-@pytest.mark.parametrize("agree", [0, 1, 3])
-def test_accepting_from_the_graphs_argmax_equals_accepting_from_the_logits(agree):
-    """`accept_argmax` (a greedy verify row's per-position argmax, computed in the device graph) against `accept`
-    on the logits: the proposals up to the first disagreement, then the target's token."""
-    logits = torch.randn(K + 1, 50, generator=torch.Generator().manual_seed(agree))
-    best = logits.argmax(-1).tolist()
-    draft = best[:agree] + [(t + 1) % 50 for t in best[agree:K]]
-    want = accept(logits, draft, SamplerState.create(SamplingParams()), [()] * (K + 1))
-    got = accept_argmax(best, draft, SamplerState.create(SamplingParams()))
-    assert [r.token for r in got] == [r.token for r in want] == best[:min(agree, K) + 1]
+VERIFY_PARAMS = [SamplingParams(), SamplingParams(presence_penalty=1.5, logprobs=2),
+                 SamplingParams(temperature=0.9, seed=1), SamplingParams(temperature=1.2, top_k=6, seed=2, logprobs=0),
+                 SamplingParams(temperature=0.7, top_k=8, top_p=0.8, min_p=0.05, seed=3, frequency_penalty=0.8,
+                                logit_bias=((4, 2.0), (9, -1.0)), logprobs=3)]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_acceptance_in_the_graph_equals_the_host_verifier(tp):
+    """The verify step's sampling as a device graph records it (backends.neuron `sample_on_device`; at tp 2 the
+    vocab-parallel `spmd_sample`, its two ranks as two threads whose all-reduce sums their operands), on CPU
+    tensors fed `verify_inputs`, then `accept_device`, against the host verifier `accept` on the same logits with the
+    same seeded generators: the same tokens, logprobs, generator states and penalty counts, for greedy and sampled
+    rows with penalties, bias, min-p/top-k/top-p and a banned token, over drafts the target accepts in part (so
+    acceptances, rejections and bonus tokens all occur)."""
+    from neuron_opt.backends.neuron.backend import sample_on_device
+    from neuron_opt.runtime.sampling import verify_inputs
+    from neuron_opt.runtime.speculative import accept_device
+    from neuron_opt.sample_ops import verify_outputs
+
+    V, q = 40, K + 1
+    gen = torch.Generator().manual_seed(7)
+    seen = set()
+    for trial in range(30):
+        logits = torch.randn(len(VERIFY_PARAMS), q, V, generator=gen) * 2
+        drafts = []
+        for r in range(len(VERIFY_PARAMS)):
+            best = logits[r].argmax(-1).tolist()
+            n = (trial + r) % (K + 1)
+            drafts.append([best[j] if (trial + j + r) % 3 else (best[j] + 1) % V for j in range(n)])
+        banned_for = [[(5,) if j == 0 else () for j in range(len(d) + 1)] for d in drafts]
+        host = [SamplerState.create(p) for p in VERIFY_PARAMS]
+        dev = [SamplerState.create(p) for p in VERIFY_PARAMS]
+        for st in (*host, *dev):
+            for t in (3, 4, 3):
+                st.observe(t)
+        s = verify_inputs(dev, drafts, banned_for, q, V)
+        outs = sample_on_device(logits, s, V) if tp == 1 else _spmd_ranks(logits.reshape(-1, V), s, V)
+        named = {k: t.reshape(len(dev), q, *t.shape[1:]) for k, t in verify_outputs(outs, s.logprobs).items()}
+        for r in range(len(dev)):
+            want = accept(logits[r], drafts[r], host[r], banned_for[r])
+            got = accept_device({k: t[r] for k, t in named.items()}, drafts[r], dev[r])
+            assert [x.token for x in got] == [x.token for x in want], (trial, r)
+            seen.add((r, len(got) - 1 == len(drafts[r])))
+            for g, w in zip(got, want, strict=True):
+                assert (g.logprob is None) == (w.logprob is None)
+                if w.logprob is not None:
+                    assert g.logprob == pytest.approx(w.logprob, abs=1e-5)
+                    assert [t for t, _ in g.top_logprobs] == [t for t, _ in w.top_logprobs]
+            if host[r].generator is not None:
+                assert torch.equal(host[r].generator.get_state(), dev[r].generator.get_state())
+            assert host[r].counts == dev[r].counts
+    assert seen == {(r, every) for r in range(len(VERIFY_PARAMS)) for every in (False, True)}
+
+
+def _spmd_ranks(logits: torch.Tensor, s, vocab: int) -> list[torch.Tensor]:
+    """`spmd_sample` of two ranks, each holding half of the vocabulary, as two threads: an all-reduce returns the
+    sum of both ranks' operands (what the SPMD program's all-reduce does). Rank 0's outputs."""
+    import threading
+
+    from neuron_opt.backends.neuron.backend import spmd_sample
+
+    barrier, slots = threading.Barrier(2), [None, None]
+
+    class Comm:
+        tp = 2
+
+        def __init__(self, rank: int) -> None:
+            self.rank, self.rank_tensor = rank, torch.tensor([rank], dtype=torch.int32)
+
+        def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+            slots[self.rank] = t
+            barrier.wait()
+            total = slots[0] + slots[1]
+            barrier.wait()
+            return total
+
+    half, outs = vocab // 2, [None, None]
+    si = s.map(lambda t: t.to(torch.int32) if t.dtype == torch.int64 else t)
+
+    def rank(r: int) -> None:
+        outs[r] = spmd_sample(logits[:, r * half:(r + 1) * half], si, vocab, Comm(r))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outs[0]

@@ -3,8 +3,8 @@
 top-k with presence/frequency penalties and logprobs; top-p, min-p and a logit bias) through a prefill and decode
 steps twice: the graphs sampling on the device (`decode_sampled`), and the host sampler on the same step's logits
 with a copy of each request's seeded generator. Prints one JSON object: both token streams, the largest logprob
-difference, the bytes each kind of decode step moved device -> host, and a verify step's per-position argmax
-from the graph (`verify_argmax`) beside the argmax of its logits.
+difference, the bytes each kind of decode step moved device -> host, and verify steps of the same rows accepted in
+the graph beside the host verifier's acceptance (`verify_streams`).
 
     python device_sampling.py CKPT OUT TP
 """
@@ -28,7 +28,7 @@ PARAMS = [dict(),  # greedy
 
 
 def streams(runner, steps: int, tp: int) -> dict:
-    from neuron_opt.runtime.runner import DecodeRow, PrefillRow, VerifyRow
+    from neuron_opt.runtime.runner import DecodeRow, PrefillRow
     from neuron_opt.runtime.sampling import (
         SamplerState,
         SamplingParams,
@@ -78,12 +78,46 @@ def streams(runner, steps: int, tp: int) -> dict:
         toks = step(logits, outs)
         pos = [p + 1 for p in pos]
     out["batch"] = runner.last_bucket.batch
-    if runner.verify_len:  # a verify step of each row's token and two proposals: the graph's argmax per position
-        vrows = [VerifyRow(b, (t, (t * 7) % 200 + 3, (t * 11) % 200 + 3), p)
-                 for b, t, p in zip(blocks, toks, pos, strict=True)]
-        want = runner.verify(vrows).argmax(-1)
-        out["verify_argmax"] = (runner.verify_argmax(vrows).tolist(), want.tolist())
+    if runner.verify_len:
+        out["verify"] = verify_streams(runner, host, dev, blocks, toks, pos, steps=3)  # within max_model_len 32
     return out
+
+
+def verify_streams(runner, host: list, dev: list, blocks: list, toks: list[int], pos: list[int], steps: int) -> dict:
+    """`steps` verify steps of every row, each proposing first the target's argmax after its last token, then a
+    token the target rarely takes (rows 1 and 3 propose one token, so some steps take a bonus): accepted in the graph
+    (`verify_sampled` + `accept_device`) and by the host verifier (`accept` on the same step's logits), the host's
+    tokens fed on. Returns both token streams, the accepted proposal counts, the largest logprob difference, and
+    whether the generators ended in the same state."""
+    from neuron_opt.runtime.runner import VerifyRow
+    from neuron_opt.runtime.sampling import verify_host_reason, verify_inputs
+    from neuron_opt.runtime.speculative import accept, accept_device
+
+    q, V = runner.verify_len, runner.vocab_size
+    res = {"host": [[] for _ in host], "device": [[] for _ in host], "accepted": [0, 0], "lp_diff": 0.0}
+    for _ in range(steps):
+        first = runner.verify([VerifyRow(b, (t,), p) for b, t, p in zip(blocks, toks, pos, strict=True)])[:, 0]
+        drafts = [[int(first[r].argmax()), (toks[r] * 7) % 200 + 3][: q - 1 - r % 2] for r in range(len(host))]
+        vrows = [VerifyRow(b, (t, *d), p) for b, t, d, p in zip(blocks, toks, drafts, pos, strict=True)]
+        ban = [[()] * (len(d) + 1) for d in drafts]
+        assert all(verify_host_reason(st, d, runner.sample_candidates) is None for st, d in zip(dev, drafts,
+                                                                                                 strict=True))
+        named = runner.verify_sampled(vrows, verify_inputs(dev, drafts, ban, q, V))
+        logits = runner.verify(vrows)
+        for r in range(len(host)):
+            want = accept(logits[r], drafts[r], host[r], ban[r])
+            got = accept_device({k: t[r] for k, t in named.items()}, drafts[r], dev[r])
+            res["host"][r] += [x.token for x in want]
+            res["device"][r] += [x.token for x in got]
+            res["accepted"][0] += len(want) - 1
+            res["accepted"][1] += len(got) - 1
+            for g, w in zip(got, want, strict=False):
+                if w.logprob is not None and g.token == w.token:
+                    res["lp_diff"] = max(res["lp_diff"], abs(g.logprob - w.logprob))
+            toks[r], pos[r] = want[-1].token, pos[r] + len(want)
+    res["generators"] = all(h.generator is None or bool((h.generator.get_state() == d.generator.get_state()).all())
+                            for h, d in zip(host, dev, strict=True))
+    return res
 
 
 def main(ckpt: Path, out: Path, tp: int) -> dict:

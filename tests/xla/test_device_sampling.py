@@ -50,7 +50,10 @@ def check_streams(res: dict) -> None:
     # out: ids, the chosen logprobs, 20 top logprobs and their ids per row, not the logits
     assert res["d2h"]["sampled_logprobs"] <= res["tp"] * B * 4 * (2 + 2 * 20) < res["d2h"]["logits"]
     assert res["d2h"]["logits"] >= B * V * 4
-    assert res["verify_argmax"][0] == res["verify_argmax"][1]  # [4 rows, 3 positions]
+    v = res["verify"]  # sampled verify steps accepted in the graph: the host verifier's tokens, numbers and logprobs
+    assert v["device"] == v["host"] and v["generators"], v
+    assert 0 < v["accepted"][0] == v["accepted"][1] < 3 * 6, v["accepted"]  # some accepted, some rejected
+    assert v["lp_diff"] < 1e-5, v["lp_diff"]
 
 
 def test_device_sampling_equals_the_host_sampler_token_for_token_tp1(tiny, tmp_path):
@@ -88,6 +91,26 @@ def test_a_sampled_decode_step_moves_ids_not_logits(replay, tiny, tmp_path):
     assert moved["ids"] == (4 * B, 4 * B)  # [B] int32 token ids: torch-xla's count and the runner's agree
     assert moved["logits"][1] == 4 * B * V and moved["logits"][0] >= 4 * B * V
     assert runner.stats.device_sampled == 2 and runner.stats.d2h_bytes - total == 4 * B * V + 4 * B
+
+
+def test_the_first_requests_compile_nothing_after_load(tiny, tmp_path):
+    """Load compiles every bucket's sampling graphs for greedy and sampled rows (`ModelRunner.warm_sampling`):
+    greedy and sampled requests, batched, then speculative verify steps of both kinds, compile nothing more
+    (torch-xla's own compile count)."""
+    from neuron_opt.api import LLM
+    from neuron_opt.runtime.speculative import SpeculativeConfig
+
+    llm = LLM(compile_tiny(tiny, tmp_path / "art", num_speculative_tokens=2))
+    compiles, uncached = met.metric_data("CompileTime")[0], met.counter_value("UncachedCompile") or 0
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
+    params = [SamplingParams(max_tokens=6, ignore_eos=True),
+              SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, seed=1)]
+    llm.generate_batch([prompt, prompt[:7], prompt[:9]], [params[0], params[1], params[1]])
+    for p in params:
+        llm.generate_ids_speculative(prompt, p, SpeculativeConfig(2, adaptive=False))
+    assert llm.runner.stats.device_sampled > 0 and llm.runner.stats.host_fallback == 0
+    assert (met.counter_value("UncachedCompile") or 0) == uncached
+    assert met.metric_data("CompileTime")[0] == compiles
 
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
@@ -136,17 +159,41 @@ def test_structured_outputs_through_the_device_bitmask_validate_and_equal_host_s
     assert stats.host_fallback == 3  # its prefill and two decode steps
 
 
-def test_speculative_greedy_verify_takes_each_positions_argmax_from_the_graph(tiny, tmp_path):
-    """A greedy verify step returns each scored position's argmax [B, q] from the graph; the accepted tokens equal
-    the host's acceptance from the logits."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
+def test_speculative_verification_accepts_in_the_graph_as_the_host_verifier(method, tiny, tmp_path):
+    """Verify steps of greedy and sampled rows (penalties, top-k, top-p, logprobs) in one batch, their proposals
+    from prompt lookup, a draft model (the target's checkpoint, eager) or a random EAGLE-3 head: accepted in the
+    graph, they give the host verifier's tokens, logprobs and acceptance counts (the same requests with the graphs
+    returning logits)."""
+    from eagle3_heads import write_random_head
+
     from neuron_opt.api import LLM
     from neuron_opt.runtime.speculative import SpeculativeConfig
 
     llm = LLM(compile_tiny(tiny, tmp_path / "art", num_speculative_tokens=2))
-    prompt, params = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], SamplingParams(max_tokens=16, ignore_eos=True)
-    out, spec = llm.generate_ids_speculative(prompt, params, SpeculativeConfig(2, adaptive=False))
+    model = {"ngram": None, "draft_model": str(tiny),
+             "eagle3": str(write_random_head(tmp_path / "head", tiny, [0, 1, 2], draft_vocab=64))}[method]
+    spec = SpeculativeConfig(2, method, adaptive=False, model=model)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
+    params = [SamplingParams(max_tokens=14, ignore_eos=True),
+              SamplingParams(max_tokens=14, ignore_eos=True, temperature=0.8, top_k=20, seed=3, logprobs=2),
+              SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.1, top_p=0.9, presence_penalty=0.4,
+                             seed=4),
+              SamplingParams(max_tokens=14, ignore_eos=True, temperature=0.6, seed=5)]
     st = llm.runner.stats
-    assert spec.verify_steps > 0 and st.host_fallback == 0 and st.device_sampled >= spec.verify_steps
-    llm.runner.executor.samples_on_device = False
-    host, host_spec = llm.generate_ids_speculative(prompt, params, SpeculativeConfig(2, adaptive=False))
-    assert out.token_ids == host.token_ids and spec.accepted_tokens == host_spec.accepted_tokens
+    runs = {}
+    for on_device in (True, False):
+        llm.runner.executor.samples_on_device = on_device
+        sampled = st.device_sampled
+        batch = llm.generate_batch([prompt] * len(params), params, speculative=spec)
+        one, stats = llm.generate_ids_speculative(prompt, params[1], spec)
+        runs[on_device] = (batch, one, stats, st.device_sampled - sampled)
+    (dev, dev_one, dev_stats, n_dev), (host, host_one, host_stats, n_host) = runs[True], runs[False]
+    assert st.host_fallback == 0 and n_dev > 0 and n_host == 0
+    assert [o.token_ids for o in dev] == [o.token_ids for o in host]
+    assert dev_one.token_ids == host_one.token_ids and dev_one.token_ids != dev[0].token_ids
+    assert dev_stats.accepted_tokens == host_stats.accepted_tokens
+    if method == "draft_model":  # the target as its own draft: its argmax proposals, accepted and rejected
+        assert 0 < dev_stats.accepted_tokens < dev_stats.draft_tokens
+    assert dev_stats.verify_steps == host_stats.verify_steps > 0
+    assert len(dev[1].logprobs) == 14 and dev[1].logprobs == pytest.approx(host[1].logprobs, abs=1e-5)

@@ -76,7 +76,15 @@ from neuron_opt.config import CacheConfig, KVCacheDtype
 from neuron_opt.errors import ArtifactError, BackendCompileError, BackendUnavailableError, ConfigError
 from neuron_opt.lora.ops import LoraInputs
 from neuron_opt.parallel.collectives import CollectiveCounter
-from neuron_opt.sample_ops import NEG_INF, SamplingInputs, adjust_rows, bit_set, logprob_rows, sample_rows
+from neuron_opt.sample_ops import (
+    NEG_INF,
+    SamplingInputs,
+    adjust_rows,
+    bit_set,
+    logprob_rows,
+    sample_rows,
+    verify_rows,
+)
 from neuron_opt.weights import load_model_weights, model_state_for_save
 
 HLO_TEXT = "{key}.hlo.txt"  # per bucket, in graphs/rank{r}/
@@ -276,14 +284,22 @@ def sample_on_device(logits: torch.Tensor, s: SamplingInputs, vocab: int) -> lis
     """Records a step's sampling on its device logits [B, V_padded] (tp=1; a verify step's [B, q, V_padded] as B * q
     rows): the token ids [B] int32, then with
     `s.logprobs` the chosen tokens' logprobs [B] and (when > 0) the top logprobs and their ids [B, n]
-    (neuron_opt.sample_ops: the host's own definition)."""
+    (neuron_opt.sample_ops: the host's own definition). A verify step with proposals (`s.draft`) is accepted in the
+    graph (`sample_ops.verify_rows`): the ids are each position's token if its proposal is not taken, followed by
+    the acceptances [B] int32, and with logprobs the proposals' logprobs [B] come last (`sample_ops.verify_outputs`)."""
     logits = logits.reshape(-1, logits.shape[-1])  # a verify step's [B, q, V]: one row per position
     x = adjust_rows(logits[:, :vocab].float(), s)
-    ids = sample_rows(x, s)
+    if s.draft is None:
+        ids, head = sample_rows(x, s), []
+    else:
+        draft = s.draft.long()
+        ids, accept = verify_rows(x, s, torch.arange(vocab, device=x.device)[None] == draft[:, None])
+        head = [accept.to(torch.int32)]
     if s.logprobs is None:
-        return [ids.to(torch.int32)]
+        return [ids.to(torch.int32), *head]
     lps = logprob_rows(x, ids, s.logprobs)
-    return [ids.to(torch.int32), *lps[:2], *[t.to(torch.int32) for t in lps[2:]]]
+    tail = [] if s.draft is None else [x.log_softmax(-1).gather(1, draft.clamp(min=0)[:, None])[:, 0]]
+    return [ids.to(torch.int32), *head, *lps[:2], *[t.to(torch.int32) for t in lps[2:]], *tail]
 
 
 def spmd_sample(local: torch.Tensor, s: SamplingInputs, vocab: int, comm: SpmdCollectives) -> list[torch.Tensor]:
@@ -291,7 +307,9 @@ def spmd_sample(local: torch.Tensor, s: SamplingInputs, vocab: int, comm: SpmdCo
     r * V/tp ..; only each rank's top SPMD_CANDIDATES (values and ids) and, with logprobs, its max and sum of
     exponentials cross ranks (all-reduces). Every rank then samples the same token from the candidates in
     vocabulary order, which is the full row's token for greedy rows and for sampled rows with top_k <=
-    SPMD_CANDIDATES (every token outside the global top-k has probability 0). Returns what `sample_on_device` does."""
+    SPMD_CANDIDATES (every token outside the global top-k has probability 0); a verify step's proposals are tested
+    against the same candidates (a proposal outside them has probability 0). Returns what `sample_on_device`
+    does."""
     assert comm.rank_tensor is not None
     B, Vl = local.shape
     tp = comm.tp
@@ -321,16 +339,26 @@ def spmd_sample(local: torch.Tensor, s: SamplingInputs, vocab: int, comm: SpmdCo
 
     cand = gather(vals)
     cid = gather((idx + off[:, None]).to(torch.int32))
-    pick = sample_rows(cand, s)  # [B] index into the candidates
+    head: list[torch.Tensor] = []
+    if s.draft is None:
+        pick = sample_rows(cand, s)  # [B] index into the candidates
+    else:
+        pick, accept = verify_rows(cand, s, cid == s.draft.to(cid.dtype)[:, None])
+        head = [accept.to(torch.int32)]
     ids = cid.gather(1, pick[:, None])[:, 0]
     if s.logprobs is None:
-        return [ids]
+        return [ids, *head]
     m = gather(x.amax(-1, keepdim=True)).amax(-1, keepdim=True)  # [B, 1] the row's max
     lse = m[:, 0] + gather((x - m).exp().sum(-1, keepdim=True)).sum(-1).log()  # [B] the row's log-sum-exp
-    out = [ids, cand.gather(1, pick[:, None])[:, 0] - lse]
+    out = [ids, *head, cand.gather(1, pick[:, None])[:, 0] - lse]
     if s.logprobs:
         top = cand.topk(s.logprobs)
         out += [top.values - lse[:, None], cid.gather(1, top.indices)]
+    if s.draft is not None:  # the proposal's logit from the rank that holds it (zeros from the others: exact)
+        li = s.draft.long()[:, None] - off[:, None]  # [B, 1]
+        ok = (li >= 0) & (li < Vl)
+        mine_d = torch.where(ok, x.gather(1, li.clamp(0, Vl - 1)), torch.zeros_like(li, dtype=x.dtype))
+        out.append(comm.all_reduce(mine_d)[:, 0] - lse)
     return out
 
 
@@ -601,10 +629,7 @@ class SpmdRanks(DeviceProgram):
         ks = [self._enter(c) for c in self.k_caches]  # [1, num_blocks, n_kv, per block, D]: this device's pool
         vs = [self._enter(c) for c in self.v_caches]
         self.comm.rank_tensor = self._enter(self.rank_ids)  # [1] int32: this device's rank
-        local_s = None if sampling is None else SamplingInputs(
-            *[self._enter(t, sharded=False) for t in sampling.tensors()[:9]],
-            mask=None if sampling.mask is None else self._enter(sampling.mask, sharded=False),
-            logprobs=sampling.logprobs, skip=sampling.skip)
+        local_s = None if sampling is None else sampling.map(lambda t: self._enter(t, sharded=False))
         step, kwargs = self.split_step(step)
         if self.lora is not None:  # this device's [N + 1, ...] shard of each stack, with the rows' slots
             kwargs["lora"] = LoraInputs(self.lora.view(lambda t: self._enter(t)[0]),  # type: ignore[arg-type]
@@ -847,6 +872,10 @@ class NeuronExecutor:
     """
 
     gathers_candidates = False
+    # async scheduling on by default (the engine's default; --no-async-scheduling turns it off): measured ahead of
+    # the synchronous loop on the XLA tier (docs/serving.md, "Async scheduling"), and a NeuronCore runs the graph
+    # while the host thread waits
+    async_scheduling = True
 
     def __init__(self, ranks: DeviceRank | SpmdRanks, block_size: int, replay: bool) -> None:
         self.ranks, self.block_size, self.replay = ranks, block_size, replay
@@ -925,6 +954,12 @@ class NeuronExecutor:
             chain = DeviceEagle3Chain(head, num_slots, buckets, self.ranks.xla, self.ranks.device, table)
             self._chain = (head, num_slots, chain)
         return self._chain[2]
+
+    def warm(self, bucket: Bucket, sampling: SamplingInputs) -> None:
+        """Runs `bucket` once on inputs that write and read only the null block, sampling with `sampling`, so its
+        sampling graph (tp=1: the small graph after the replayed step; tp > 1: the traced step that records it) is
+        compiled before a request needs it (`ModelRunner.warm_sampling`)."""
+        self.run(bucket, warm_up_inputs(bucket, self.block_size, window_kv=self.ranks.window_kv), sampling)
 
     def run(self, bucket: Bucket, inputs: StepInputs, sampling: SamplingInputs | None = None) -> Any:
         """The step's fp32 logits on the host; with `sampling`, the rows' tokens sampled on the device instead:
