@@ -125,7 +125,7 @@ def _quantized_linears(method: str, sizes: list[int], k: int, bias: bool, seed: 
 def test_fused_linears_equal_the_separate_linears(method, bias):
     """One GEMM over the concatenated stored weights (q/k/v, gate/up on the cpu backend) gives each projection's
     output: on the reference (dequantize) kernel and on torch's CPU kernels, for one row and for several."""
-    from neuron_opt.backends.cpu.weights import use_cpu_kernels
+    from neuron_opt.backends.cpu.weights import CpuQuantizedWeight, use_cpu_kernels
     from neuron_opt.parallel import FusedLinears
 
     linears = _quantized_linears(method, [96, 32, 32], 64, bias)
@@ -137,6 +137,7 @@ def test_fused_linears_equal_the_separate_linears(method, bias):
             torch.testing.assert_close(got, lin(x), rtol=1e-5, atol=1e-5)
     for m in [fused, *linears]:
         use_cpu_kernels(m)
+        assert isinstance(m.quant, CpuQuantizedWeight)  # a linear's own weight (`quant`, a direct child) converts
     for rows in (1, 3):  # one row: the int8 dot-product form; several: torch's weight-only GEMM
         x = torch.randn(1, rows, 64)
         for got, lin in zip(fused(x), linears, strict=True):

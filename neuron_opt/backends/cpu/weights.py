@@ -108,11 +108,11 @@ def use_cpu_kernels(model: nn.Module, int8_kernel: bool = False, int8_widened: b
     converted stay."""
     if isinstance(model, QuantizedWeight):
         raise ValueError("use_cpu_kernels: pass the module that holds the quantized weight, not the weight itself")
-    for name, m in quantized_modules(model).items():
-        if isinstance(m, CpuQuantizedWeight):
+    for name, m in list(model.named_modules()):
+        if not isinstance(m, QuantizedWeight) or isinstance(m, CpuQuantizedWeight):
             continue
-        parent = model.get_submodule(name)
-        parent.quant = CpuQuantizedWeight(m, int8_kernel, int8_widened, gguf_exact)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, CpuQuantizedWeight(m, int8_kernel, int8_widened, gguf_exact))
 
 
 def check_uniform_layers(model: nn.Module) -> None:
