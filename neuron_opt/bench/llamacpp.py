@@ -109,11 +109,6 @@ def file_storage(path: Path) -> str | None:
     return FILE_TYPES.get(int(field.parts[field.data[0]][0])) if field is not None else None
 
 
-def tensor_bytes(path: Path) -> int:
-    """Bytes of the GGUF's tensor data (what one decode step reads of the weights, the embedding included)."""
-    return sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
-
-
 def load(path: Path, n_ctx: int, threads: int, flash_attn: bool = True) -> Any:
     """A `llama_cpp.Llama` on `path`, CPU, `threads` threads for decode and prompt alike, last-token logits only,
     flash attention on (llama.cpp's default on the CPU) unless `flash_attn` is False."""

@@ -127,3 +127,22 @@ def test_quick_runs_the_synthetic_size_end_to_end(tmp_path: Path, capsys: pytest
     ours = rows[("synthetic", "neuron_opt-cpu-compiled", "q4_k_m")]
     assert ours["tok_s"] > 0 and ours["mbu"] > 0 and ours["fits_llc"] in (True, False, None)
     assert Path(size["model"]).is_file() and "bench decode: sizes synthetic" in capsys.readouterr().out
+
+
+def test_serving_rows_mbu_counts_the_artifacts_weights_and_the_streams_kv(tiny_dir, tmp_path: Path) -> None:
+    """A serving row's step bytes: the artifact's stored weights plus each stream's KV at the mean context (K and V,
+    every layer, the KV dtype); MBU = those bytes x steps/s (1 / TPOT) over the bandwidth."""
+    from neuron_opt.bench.serve.client import serving_mbu, serving_step_bytes
+    from neuron_opt.compiler import CompileRequest, compile_artifact
+    from neuron_opt.config import ModelConfig
+
+    src = tiny_dir("smollm-tok")
+    out = tmp_path / "art"
+    compile_artifact(CompileRequest(model=str(src), out=out, backend="eager", max_model_len=128, dtype="float32"),
+                     log=lambda s: None, progress=False)
+    cfg = ModelConfig.from_hf(src)
+    weights = sum(f.stat().st_size for f in (out / "weights").glob("*.safetensors"))
+    assert weights >= 4 * cfg.num_parameters()  # fp32 (plus the safetensors header)
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
+    assert serving_step_bytes(out, 8, 100) == weights + 8 * 100 * kv
+    assert serving_mbu(2e9, tpot_ms=50.0, bw_gbs=40.0) == pytest.approx(1.0)  # 2 GB x 20 steps/s = 40 GB/s
