@@ -67,6 +67,7 @@ from neuron_opt.bench.sizes import SIZES, Size, parse_sizes, quantizer, size_ggu
 from neuron_opt.checkpoint import CheckpointError, open_checkpoint
 from neuron_opt.compiler import CompileRequest, compile_artifact, default_dtype
 from neuron_opt.config import ParallelConfig
+from neuron_opt.errors import BackendCompileError
 from neuron_opt.hub import resolve_model
 from neuron_opt.parallel import head_layout
 from neuron_opt.planner.memory import weight_bytes, weight_count
@@ -367,11 +368,14 @@ def _in_fresh_process(fn, *args, unset_env: tuple[str, ...] = ()):  # noqa: ANN0
 
 def _survive(fn, *args, unset_env: tuple[str, ...] = ()) -> tuple[dict | None, str | None]:  # noqa: ANN001
     """`_in_fresh_process(fn, *args)`: (its result, None), or (None, why) when that process died (a segfault in a
-    peer's native code must not take the other systems' results with it)."""
+    peer's native code must not take the other systems' results with it) or our compile of the system failed (one
+    width that does not compile must not end a run of hours)."""
     try:
         return _in_fresh_process(fn, *args, unset_env=unset_env), None
     except BrokenProcessPool:
         return None, "its process died (a crash in native code, e.g. a signal)"
+    except BackendCompileError as e:
+        return None, f"its compile failed: {e}"
 
 
 def _llamacpp_systems(ap: argparse.ArgumentParser, systems: list[str]) -> list[str]:
