@@ -13,7 +13,7 @@ ARTIFACT ?= artifacts/smollm2
 DEMO_FLAGS ?= --backend cpu --batch-size 8 --max-model-len 2048
 PORT ?= 8000
 
-.PHONY: demo test test-slow test-xla test-cluster bench bench-serve-llamacpp bench-lora lint setup setup-xla
+.PHONY: demo test test-slow test-xla test-cluster bench bench-sizes bench-serve-llamacpp bench-lora lint setup setup-xla
 
 demo: $(STAMP)
 	$(BIN)/neuron-opt compile --model default --out $(ARTIFACT) $(DEMO_FLAGS)
@@ -63,6 +63,22 @@ bench: $(STAMP) $(LLAMACPP_STAMP)
 	$(BIN)/python scripts/bench_serve.py --model artifacts/bench16 --num-prompts 32 --input-len 128 --output-len 64 \
 		--concurrency 1,16 --max-num-seqs 16 --hf-num-prompts 4 --hf-attn eager,sdpa --check-streams 64 \
 		--rounds $(BENCH_ROUNDS) $(BENCH_FLAGS) --out docs/bench/record_serve.json --plot docs/bench/record_serve.png
+
+# Decode at three model sizes (docs/benchmarks.md, "Decode at three sizes"): the default model and random-weight
+# Llama-3.2-1B and -3B shapes (neuron_opt.bench.sizes: made once under the cache directory, converted to GGUF by
+# llama.cpp's converter), each width ours against llama.cpp's format of it on the same file, the Q4_K_M file as stored
+# on both sides, batch 1 and 8, BENCH_ROUNDS interleaved rounds per size. The script prints its estimated duration
+# first (about 3.6 hours on 2 cores, the first run's model files and compiles included); it needs ~35 GB free under
+# the cache directory and 16 GB of memory. Keep the machine otherwise idle until it ends.
+BENCH_SIZES ?= 135m,1b,3b
+BENCH_SIZES_OURS := cpu-fp32,cpu-bf16,cpu-int8,cpu-int4,cpu-q4_k_m
+BENCH_SIZES_PEER := llamacpp-f32,llamacpp-bf16,llamacpp-q8_0,llamacpp-q4_1,llamacpp-q4_k_m
+
+bench-sizes: $(STAMP) $(LLAMACPP_STAMP)
+	@echo "make bench-sizes: about $$((91 + 26 * $(BENCH_ROUNDS))) minutes on 2 cores for 135m,1b,3b ($(BENCH_ROUNDS) rounds; the first run's model files and compiles ~91); keep the machine otherwise idle until it ends"
+	$(BIN)/python scripts/bench_decode.py --sizes $(BENCH_SIZES) --systems $(BENCH_SIZES_OURS),$(BENCH_SIZES_PEER) --batches 1,8 \
+		--steps 64 --threads $(BENCH_THREADS) --repeats $(BENCH_ROUNDS) $(BENCH_FLAGS) --out docs/bench/record_sizes.json
+	$(BIN)/python scripts/plot_bench.py docs/bench/record_sizes.json --out docs/bench/record_sizes.png
 
 # Serving against llama.cpp's own server (docs/benchmarks.md, "Serving against llama.cpp's server"): our bf16 and
 # int8 artifacts against llama-server on BF16 and Q8_0 files of the same GGUF, 1/4/8/16 streams, ~150- and

@@ -65,10 +65,32 @@ def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
     return x.numel() * 4 / best / 1e9
 
 
+def llc_bytes(cpu_root: Path = Path("/sys/devices/system/cpu")) -> int | None:
+    """Bytes of the last-level cache the usable cores share: the highest cache level sysfs lists for them, each
+    instance (a distinct shared_cpu_list) counted once. None where sysfs lists no caches."""
+    found: dict[tuple[int, str], int] = {}  # (level, shared_cpu_list) -> bytes
+    for cpu in sorted(os.sched_getaffinity(0)):
+        for index in (cpu_root / f"cpu{cpu}" / "cache").glob("index*"):
+            try:
+                kind, level = (index / "type").read_text().strip(), int((index / "level").read_text())
+                size, shared = (index / "size").read_text().strip(), (index / "shared_cpu_list").read_text().strip()
+            except (OSError, ValueError):
+                continue
+            if kind == "Instruction" or not size:
+                continue
+            units = {"K": 2**10, "M": 2**20, "G": 2**30}
+            nbytes = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+            found[(level, shared)] = nbytes
+    if not found:
+        return None
+    top = max(level for level, _ in found)
+    return sum(nbytes for (level, _), nbytes in found.items() if level == top)
+
+
 def machine(bandwidth_gib: float | None = 1.0) -> dict[str, object]:
     """What a benchmark's JSON records of the machine: CPU model, the ISA flags that change our kernels (and
-    llama.cpp's), usable cores, memory, the load average now, torch's version, and the read bandwidth probed over
-    a `bandwidth_gib` buffer (None: no probe)."""
+    llama.cpp's), usable cores, memory, the last-level cache (`llc_bytes`), the load average now, torch's version,
+    and the read bandwidth probed over a `bandwidth_gib` buffer (None: no probe)."""
     flags: set[str] = set()
     try:
         line = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
@@ -78,7 +100,7 @@ def machine(bandwidth_gib: float | None = 1.0) -> dict[str, object]:
     return {"cpu": host(), "cpu_model": cpu_model(), "isa": [f for f in ISA_FLAGS if f in flags],
             "cores": len(os.sched_getaffinity(0)), "logical_cpus": os.cpu_count(),
             "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-            "load_average": os.getloadavg(), "torch": torch.__version__,
+            "llc_bytes": llc_bytes(), "load_average": os.getloadavg(), "torch": torch.__version__,
             "mem_bw_gbs": None if bandwidth_gib is None else round(read_bandwidth_gbs(bandwidth_gib), 2)}
 
 

@@ -33,6 +33,7 @@ import functools
 import json
 import multiprocessing
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -50,12 +51,23 @@ from transformers import DynamicCache, StaticCache
 from neuron_opt import envs
 from neuron_opt.api import LLM, is_artifact
 from neuron_opt.backends.cpu.backend import onednn_bf16_supported
-from neuron_opt.bench import CpuWatch, MachineBusyError, RunRecord, host, llamacpp, read_bandwidth_gbs, rounds_summary
+from neuron_opt.bench import (
+    CpuWatch,
+    MachineBusyError,
+    RunRecord,
+    host,
+    llamacpp,
+    llc_bytes,
+    read_bandwidth_gbs,
+    rounds_summary,
+)
 from neuron_opt.bench.llamacpp import LlamaCppMissingError, build_info, import_llama_cpp
 from neuron_opt.bench.random_moe import random_moe_dir
+from neuron_opt.bench.sizes import SIZES, Size, parse_sizes, quantizer, size_gguf
 from neuron_opt.checkpoint import CheckpointError, open_checkpoint
 from neuron_opt.compiler import CompileRequest, compile_artifact, default_dtype
 from neuron_opt.config import ParallelConfig
+from neuron_opt.errors import BackendCompileError
 from neuron_opt.hub import resolve_model
 from neuron_opt.parallel import head_layout
 from neuron_opt.planner.memory import weight_bytes, weight_count
@@ -63,9 +75,14 @@ from neuron_opt.planner.moe import expert_step
 from neuron_opt.runtime.runner import DecodeRow
 
 PROMPT_LEN = 32
-SYSTEMS = ("hf", "hf-compile", "eager", "cpu-fp32", "cpu-bf16", "cpu-int8", "cpu-int4",
+SYSTEMS = ("hf", "hf-compile", "eager", "cpu-fp32", "cpu-bf16", "cpu-int8", "cpu-int4", "cpu-q4_k_m",
            "llamacpp-f32", "llamacpp-bf16", "llamacpp-f16", "llamacpp-q8_0",
-           "llamacpp-q4_1")  # llamacpp-<GGUF storage format>
+           "llamacpp-q4_1", "llamacpp-q4_k_m")  # llamacpp-<GGUF storage format>
+# our row's dtype -> the llama.cpp storage format it is paired with (ratio_vs_llamacpp)
+LLAMACPP_PAIRS = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0", "int4": "q4_1", "q4_k_m": "q4_k_m"}
+# --quick: the whole pipeline once, in about a minute on the default size (llama.cpp's row where it is installed)
+QUICK = dict(batches="1", steps=8, repeats=1, agreement_tokens=0, max_model_len=128)
+QUICK_SYSTEMS = ("cpu-q4_k_m", "llamacpp-q4_k_m")
 # removed from a llama.cpp process's environment: it runs with libgomp's default wait policy, as its users run it
 LLAMACPP_UNSET_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
@@ -87,6 +104,9 @@ class Result:
     tok_s_max: float | None = None
     mem_bw_gbs: float | None = None  # read bandwidth probed in the same process right after the timed steps
     active_bytes: float | None = None  # MoE: active parameters' bytes per token (+ its KV), the bytes bound
+    size: str | None = None  # --sizes: the size's name (neuron_opt.bench.sizes)
+    fits_llc: bool | None = None  # bytes_per_step fit in the last-level cache: MBU above 1 is possible
+    ratio_vs_llamacpp: float | None = None  # median against llama.cpp's paired storage format (LLAMACPP_PAIRS)
 
 
 def _prompts(batch: int, vocab: int) -> list[list[int]]:
@@ -206,6 +226,30 @@ def quantized_step_bytes(cfg, method: str, compute: torch.dtype, batch: int, kv_
     return linear + head + esz * norms + kv_bytes(cfg, esz, batch, kv_len)
 
 
+def gguf_step_bytes(path: Path, cfg, batch: int) -> float:  # noqa: ANN001
+    """Bytes of a GGUF's tensors a decode step reads, as stored: all of them, except that an untied embedding
+    table (the file has an `output.weight`) is looked up `batch` rows."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    total = sum(tensors.values())
+    if "output.weight" in tensors and "token_embd.weight" in tensors:
+        total -= tensors["token_embd.weight"] * max(cfg.vocab_size - batch, 0) / cfg.vocab_size
+    return total
+
+
+def _storage_file(ckpt, storage: str) -> Path:  # noqa: ANN001
+    """The checkpoint's GGUF in llama.cpp's `storage` format (neuron_opt.bench.llamacpp.storage_gguf): Q4_K_M
+    from llama.cpp's `llama-quantize` (built once: our row needs it without llama-cpp-python), the others from
+    llama-cpp-python's in-process quantizer."""
+    if ckpt.format != "gguf":
+        raise CheckpointError(f"llama.cpp storage {storage}: needs a GGUF checkpoint; {ckpt.source} is a HF "
+                              f"directory")
+    make = quantizer(envs.CACHE_DIR) if storage == "q4_k_m" and llamacpp.file_storage(ckpt.source) != storage \
+        else None
+    return llamacpp.storage_gguf(ckpt.source, ckpt.weights_fingerprint(), storage, envs.CACHE_DIR, make)
+
+
 def compiled_runner(model: str, backend: str, dtype: str, batch: int, out: Path, max_model_len: int,
                     quantize: str | None = None):
     """The runner of the artifact at `out`, compiled there first unless an earlier round of the run did (later
@@ -216,7 +260,8 @@ def compiled_runner(model: str, backend: str, dtype: str, batch: int, out: Path,
         compile_artifact(CompileRequest(model=model, out=out, backend=backend, dtype=dtype, batch_size=batch,
                                         max_model_len=max_model_len, prefill_buckets=(PROMPT_LEN, 128),
                                         decode_batches=(batch,), quantize=quantize,
-                                        quantize_lm_head=True if quantize else None), progress=True)
+                                        quantize_lm_head=True if quantize in ("int8", "int4") else None),
+                          progress=True)
     return LLM(out).runner
 
 
@@ -233,15 +278,13 @@ def _measure_llamacpp(system: str, ckpt, opts: dict,
                       reference: tuple[list[int], list[int]] | None) -> Result:
     """One llama.cpp row (batch 1): the checkpoint's GGUF in the system's storage format, requantized by llama.cpp
     and cached on first use. Weight bytes per step are the file's tensor bytes; its KV cache is f16."""
-    if ckpt.format != "gguf":
-        raise CheckpointError(f"{system}: llama.cpp needs a GGUF checkpoint; {ckpt.source} is a HF directory")
     storage, steps, cfg = system.removeprefix("llamacpp-"), opts["steps"], ckpt.config
-    path = llamacpp.storage_gguf(ckpt.source, ckpt.weights_fingerprint(), storage, envs.CACHE_DIR)
+    path = _storage_file(ckpt, storage)
     n_ctx = max(PROMPT_LEN + steps + 2, sum(map(len, reference)) if reference else 0)
     llm = llamacpp.load(path, n_ctx, opts["threads"] or torch.get_num_threads(), opts["llamacpp_flash_attn"])
     tps = llamacpp.bench_llamacpp(llm, _prompts(1, cfg.vocab_size)[0], steps)
     agree = llamacpp.teacher_forced_agreement(llm, *reference) if reference else None
-    nbytes = llamacpp.tensor_bytes(path) + kv_bytes(cfg, 2, 1, PROMPT_LEN + steps)
+    nbytes = gguf_step_bytes(path, cfg, 1) + kv_bytes(cfg, 2, 1, PROMPT_LEN + steps)
     return Result("llama.cpp", storage, 1, tps, steps, nbytes, agreement_vs_hf_fp32=agree)
 
 
@@ -278,6 +321,16 @@ def _measure_one(system: str, batch: int, opts: dict, reference: tuple[list[int]
                    agreement_vs_hf_fp32=agreement(llm.runner),
                    active_bytes=active_bytes(cfg, torch.float32, batch, kv_len))
         return {"result": asdict(r)}
+    if system == "cpu-q4_k_m":  # the Q4_K_M file's blocks as stored (--quantize auto), compute in the default dtype
+        path = _storage_file(ckpt, "q4_k_m")
+        dtype = default_dtype("cpu")
+        out = Path(opts["artifacts"]) / f"{system}-b{batch}"
+        runner = compiled_runner(str(path), "cpu", dtype, batch, out, opts["max_model_len"], "auto")
+        tps = bench_runner(runner, batch, steps, cfg.vocab_size)
+        nbytes = gguf_step_bytes(path, cfg, batch) + kv_bytes(cfg, torch.finfo(getattr(torch, dtype)).bits // 8,
+                                                               batch, kv_len)
+        return {"result": asdict(Result("neuron_opt-cpu-compiled", "q4_k_m", batch, tps, steps, nbytes,
+                                        agreement_vs_hf_fp32=agreement(runner)))}
     quantize = {"cpu-int8": "int8", "cpu-int4": "int4"}.get(system)
     if quantize:  # compute in the cpu backend's default dtype; int4: group 32 (a Q4_0/Q4_1 GGUF's blocks as stored);
         # the LM head int8 per channel in both, as in llama.cpp's files (their output tensor is Q8_0)
@@ -315,11 +368,14 @@ def _in_fresh_process(fn, *args, unset_env: tuple[str, ...] = ()):  # noqa: ANN0
 
 def _survive(fn, *args, unset_env: tuple[str, ...] = ()) -> tuple[dict | None, str | None]:  # noqa: ANN001
     """`_in_fresh_process(fn, *args)`: (its result, None), or (None, why) when that process died (a segfault in a
-    peer's native code must not take the other systems' results with it)."""
+    peer's native code must not take the other systems' results with it) or our compile of the system failed (one
+    width that does not compile must not end a run of hours)."""
     try:
         return _in_fresh_process(fn, *args, unset_env=unset_env), None
     except BrokenProcessPool:
         return None, "its process died (a crash in native code, e.g. a signal)"
+    except BackendCompileError as e:
+        return None, f"its compile failed: {e}"
 
 
 def _llamacpp_systems(ap: argparse.ArgumentParser, systems: list[str]) -> list[str]:
@@ -339,10 +395,19 @@ def _parser() -> argparse.ArgumentParser:
                     help="a checkpoint (HF directory, .gguf, 'default', a Hub id org/name[:QUANT]), or "
                          "'random-moe': a random 8-expert top-2 Mixtral written once under the cache directory "
                          "(neuron_opt.bench.random_moe)")
+    ap.add_argument("--sizes", default=None,
+                    help="model sizes instead of --model, each run in turn (every system interleaved within a size): "
+                         "a comma list of " + ", ".join(f"{k} ({v.title})" for k, v in SIZES.items()) +
+                         "; the random ones are made once under the cache directory (neuron_opt.bench.sizes)")
+    ap.add_argument("--quick", action="store_true",
+                    help="check the pipeline end to end in about a minute, not a result: --sizes 135m (unless "
+                         "given), --systems " + ",".join(QUICK_SYSTEMS) + " (unless given; llama.cpp's where "
+                         "llama-cpp-python is installed), " + " ".join(f"--{k.replace('_', '-')} {v}"
+                                                                     for k, v in QUICK.items()))
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--systems", default="hf,hf-compile,eager,cpu-fp32,cpu-bf16",
-                    help="comma list of: " + ", ".join(SYSTEMS))
+    ap.add_argument("--systems", default=None,
+                    help="comma list of: " + ", ".join(SYSTEMS) + " (default: hf,hf-compile,eager,cpu-fp32,cpu-bf16)")
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--threads", type=int, default=None,
                     help="threads of every system, llama.cpp's included (default: torch's, the usable cores)")
@@ -362,8 +427,10 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _summarize(runs: dict[str, list[Result]]) -> list[Result]:
-    """One Result per system from its rounds: tok/s the median with min and max, MBU and bandwidth medians."""
+def _summarize(runs: dict[str, list[Result]], llc: int | None = None) -> list[Result]:
+    """One Result per system from its rounds: tok/s the median with min and max, MBU and bandwidth medians, whether
+    a step's bytes fit in the last-level cache of `llc` bytes, and ratios to HF eager and to llama.cpp's paired
+    storage format."""
     out = []
     for rs in runs.values():
         r = rs[0]
@@ -372,12 +439,16 @@ def _summarize(runs: dict[str, list[Result]]) -> list[Result]:
         r.tok_s, r.tok_s_min, r.tok_s_max = s["median"], s["min"], s["max"]
         r.mbu = statistics.median(x.bytes_per_step * (x.tok_s / x.batch) / (x.mem_bw_gbs * 1e9) for x in rs)
         r.mem_bw_gbs = statistics.median(x.mem_bw_gbs for x in rs)
+        r.fits_llc = None if llc is None else r.bytes_per_step <= llc
         out.append(r)
+    peers = {r.dtype: r for r in out if r.system == "llama.cpp"}
     hf = next((r for r in out if r.system == "transformers-eager"), None)
     for r in out:
         r.ratio_vs_hf = r.tok_s / hf.tok_s if hf else None
         if hf and len(hf.runs_tok_s) == len(r.runs_tok_s):  # rounds are interleaved: round i against round i
             r.ratio_vs_hf_runs = [a / b for a, b in zip(r.runs_tok_s, hf.runs_tok_s, strict=True)]
+        peer = peers.get(LLAMACPP_PAIRS.get(r.dtype, "")) if r.system != "llama.cpp" else None
+        r.ratio_vs_llamacpp = r.tok_s / peer.tok_s if peer else None
     return out
 
 
@@ -406,27 +477,59 @@ def _watched(batch: int, rep: int, record: RunRecord, fn) -> None:  # noqa: ANN0
     record.check(rnd, f"during batch {batch}, round {rep + 1}")
 
 
-def _print_table(results: list[Result], failed: dict[str, str], bw: float) -> None:
+def _print_table(results: list[Result], failed: dict[str, str], bw: float, llc: int | None) -> None:
     print(f"\nmemory read bandwidth: up to {bw:.1f} GB/s; MBU is against the probe run beside each result")
+    if llc:
+        print(f"last-level cache: {llc / 2**20:.0f} MiB; * after MBU: the step's bytes fit in it (MBU above 1 "
+              f"possible)")
     moe = any(r.active_bytes for r in results)
-    print(f"{'system':30s} {'dtype':9s} {'batch':>5s} {'tok/s':>8s} {'(min-max)':>15s} {'vs HF':>6s} {'MBU':>6s} "
-          f"{'agree':>6s}" + ("  read/token vs active bound" if moe else ""))
+    print(f"{'size':9s} {'system':24s} {'dtype':8s} {'batch':>5s} {'tok/s':>8s} {'(min-max)':>15s} {'vs HF':>6s} "
+          f"{'vs l.cpp':>8s} {'MB/step':>8s} {'MBU':>7s} {'agree':>6s}"
+          + ("  read/token vs active bound" if moe else ""))
     for r in results:
         ratio = f"{r.ratio_vs_hf:.2f}x" if r.ratio_vs_hf else "-"
+        peer = f"{r.ratio_vs_llamacpp:.2f}x" if r.ratio_vs_llamacpp else "-"
         agree = f"{r.agreement_vs_hf_fp32:.3f}" if r.agreement_vs_hf_fp32 is not None else "-"
         extra = f"  {r.bytes_per_step / r.batch / r.active_bytes:.2f}x" if r.active_bytes else ""
         span = f"({r.tok_s_min:.1f}-{r.tok_s_max:.1f})"
-        print(f"{r.system:30s} {r.dtype:9s} {r.batch:5d} {r.tok_s:8.1f} {span:>15s} {ratio:>6s} {r.mbu:6.1%} "
+        mbu = f"{r.mbu:.1%}" + ("*" if r.fits_llc else " ")
+        print(f"{r.size or '-':9s} {r.system.removeprefix('neuron_opt-'):24s} {r.dtype:8s} {r.batch:5d} "
+              f"{r.tok_s:8.1f} {span:>15s} {ratio:>6s} {peer:>8s} {r.bytes_per_step / 1e6:8.0f} {mbu:>7s} "
               f"{agree:>6s}" + extra)
     for system, why in failed.items():
         print(f"{system:30s} failed: {why}")
 
 
+def estimate_minutes(sizes: list[Size], systems: list[str], batches: list[int], repeats: int) -> float:
+    """Minutes a --sizes run takes on 2 cores, from each size's own figures (Size.minutes_per_round: the record's 15
+    system-batch pairs; Size.setup_minutes: making its files and compiling, the first time), scaled by the pairs
+    asked for (llama.cpp's at batch 1 only)."""
+    pairs = sum(1 for b in batches for s in systems if b == 1 or not s.startswith("llamacpp-"))
+    return sum(z.setup_minutes + repeats * z.minutes_per_round * pairs / 15 for z in sizes)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
+    if args.quick:
+        for k, v in QUICK.items():
+            setattr(args, k, v)
+        args.sizes = args.sizes or "135m"
+        if args.systems is None:
+            try:
+                import_llama_cpp()
+                args.systems = ",".join(QUICK_SYSTEMS)
+            except LlamaCppMissingError:
+                args.systems = ",".join(s for s in QUICK_SYSTEMS if not s.startswith("llamacpp-"))
+    args.systems = args.systems or "hf,hf-compile,eager,cpu-fp32,cpu-bf16"
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
+    if args.sizes and args.model != "default":
+        ap.error("--sizes and --model: give one (--sizes names the models)")
+    try:
+        args.sizes = parse_sizes(args.sizes) if args.sizes else None
+    except ValueError as e:
+        ap.error(str(e))
     if args.model == "random-moe":
         args.model = str(random_moe_dir(envs.CACHE_DIR))
     systems = args.systems.split(",")
@@ -448,38 +551,61 @@ def _run(args: argparse.Namespace, systems: list[str], llamacpp_systems: list[st
 
 def _run_in(args: argparse.Namespace, systems: list[str], llamacpp_systems: list[str], artifacts: str) -> int:
     log = (lambda s: print(s, flush=True)) if not args.json else (lambda s: None)
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.sizes:
+        log(f"bench decode: sizes {', '.join(z.name for z in args.sizes)}, estimated duration about "
+            f"{estimate_minutes(args.sizes, systems, batches, args.repeats):.0f} minutes on 2 cores (the random "
+            f"sizes' files and compiles included the first time); keep the machine otherwise idle until it ends")
     record = RunRecord(args.require_idle)  # idle check, machine and bandwidth probe, before anything of ours runs
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = args.threads or torch.get_num_threads()
-    batches = [int(b) for b in args.batches.split(",")]
     opts = {"model": args.model, "steps": args.steps, "max_model_len": args.max_model_len, "threads": args.threads,
-            "agreement_tokens": args.agreement_tokens, "llamacpp_flash_attn": args.llamacpp_flash_attn == "on",
-            "artifacts": artifacts}
+            "agreement_tokens": args.agreement_tokens, "llamacpp_flash_attn": args.llamacpp_flash_attn == "on"}
     llamacpp_info = None
     if llamacpp_systems:
         llamacpp_info = build_info() | {"threads": threads, "flash_attn": opts["llamacpp_flash_attn"],
                                         "omp_wait_policy": "unset (libgomp's default)"}
-    reference = None
-    if args.agreement_tokens and 1 in batches and set(systems) - {"hf", "hf-compile"}:
-        reference = _in_fresh_process(_measure, "reference", 1, opts, None)["reference"]
     if "cpu-bf16" in systems:
         if not onednn_bf16_supported():  # refused by the cpu backend on this CPU: say so, measure the rest
             log("cpu-bf16: skipped, oneDNN has no bf16 GEMMs on this CPU (no AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
             systems = [s for s in systems if s != "cpu-bf16"]
+    llc = llc_bytes()
     results: list[Result] = []
-    failed: dict[str, str] = {}  # system -> why its process died (a peer that crashes is reported, not fatal)
-    for batch in batches:
-        runs: dict[str, list[Result]] = {}
-        skip = set(llamacpp_systems) if batch > 1 else set()  # llama-cpp-python's Llama drives one sequence
-        if skip:
-            log(f"{','.join(llamacpp_systems)}: b={batch} skipped, llama.cpp is measured at batch 1 only")
-        for rep in range(args.repeats):  # rounds: every system once per round, so all see the same drift
-            _watched(batch, rep, record, functools.partial(_round, batch, rep, systems, skip, failed, opts,
-                                                           reference, runs, log))
-        results += _summarize(runs)
+    failed: dict[str, str] = {}  # [size ]system -> why its process died (a peer that crashes is reported, not fatal)
+    sizes_doc = []
+    for size in args.sizes or [None]:  # one size after another: its systems interleaved in every round
+        size_opts = dict(opts, artifacts=str(Path(artifacts) / (size.name if size else "model")))
+        if size:
+            log(f"size {size.name}: {size.title}")
+            size_opts["model"] = str(size_gguf(size, envs.CACHE_DIR))
+            cfg = open_checkpoint(Path(size_opts["model"])).config
+            sizes_doc.append({"name": size.name, "title": size.title, "model": size_opts["model"],
+                              "parameters": cfg.num_parameters(), "layers": cfg.num_hidden_layers,
+                              "hidden": cfg.hidden_size, "intermediate": cfg.intermediate_size,
+                              "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
+                              "vocab": cfg.vocab_size})
+        real = size is None or size.config is None  # random weights: no greedy agreement with HF to speak of
+        reference = None
+        if real and args.agreement_tokens and 1 in batches and set(systems) - {"hf", "hf-compile"}:
+            reference = _in_fresh_process(_measure, "reference", 1, size_opts, None)["reference"]
+        size_failed: dict[str, str] = {}
+        for batch in batches:
+            runs: dict[str, list[Result]] = {}
+            skip = set(llamacpp_systems) if batch > 1 else set()  # llama-cpp-python's Llama drives one sequence
+            if skip:
+                log(f"{','.join(llamacpp_systems)}: b={batch} skipped, llama.cpp is measured at batch 1 only")
+            for rep in range(args.repeats):  # rounds: every system once per round, so all see the same drift
+                _watched(batch, rep, record, functools.partial(_round, batch, rep, systems, skip, size_failed,
+                                                               size_opts, reference, runs, log))
+            for r in _summarize(runs, llc):
+                r.size = size.name if size else None
+                results.append(r)
+        failed.update({f"{size.name} {k}" if size else k: v for k, v in size_failed.items()})
+        shutil.rmtree(size_opts["artifacts"], ignore_errors=True)  # a size's compiled artifacts: GBs at 3b
     bw = max((r.mem_bw_gbs for r in results), default=0.0)  # the best of the probes run beside each result
-    doc = {"mem_bw_gbs": bw, "model": str(args.model), "threads": threads, "repeats": args.repeats,
+    doc = {"mem_bw_gbs": bw, "model": str(args.model) if not args.sizes else "sizes", "sizes": sizes_doc or None,
+           "threads": threads, "repeats": args.repeats, "llc_bytes": llc,
            "cpu": host(), **record.finish(), "llamacpp": llamacpp_info,
            "env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "NEURON_OPT_NUM_THREADS")},
            "torch": torch.__version__, "prompt_len": PROMPT_LEN, "steps": args.steps,
@@ -490,7 +616,7 @@ def _run_in(args: argparse.Namespace, systems: list[str], llamacpp_systems: list
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
-        _print_table(results, failed, bw)
+        _print_table(results, failed, bw, llc)
         for w in doc["idle"]["warnings"]:
             print(f"warning: {w}")
     return 1 if failed else 0

@@ -2,7 +2,8 @@
 
 Design decisions:
 - Storage formats come from llama.cpp's own quantizer (`llama_model_quantize`), so each file is laid out exactly
-  as llama.cpp would write it, and "q4_1" is the GGUF as shipped, untouched.
+  as llama.cpp would write it, and the source's own format is the GGUF as shipped, untouched ("q4_1" for the
+  default model; "bf16" for the benchmark's random sizes, neuron_opt.bench.sizes).
 - The default model ships as Q4_1 (its token embedding, tied to the output projection, as Q8_0). F32, BF16, F16
   and Q8_0 files made from it are *requantized* (`allow_requantize`): they hold the Q4_1-rounded weights in a
   wider format (F32/BF16/F16: the same values, more bytes; Q8_0: those values rounded once more to 8 bits). They
@@ -37,9 +38,12 @@ from typing import Any
 import numpy as np
 from gguf import GGUFReader
 
-# storage name -> llama.cpp ftype constant in `llama_cpp`; "q4_1" is the shipped file, not requantized
+# storage name -> llama.cpp ftype constant in `llama_cpp`; a source already in that format is used as it is
 REQUANT_FTYPES = {"f32": "LLAMA_FTYPE_ALL_F32", "bf16": "LLAMA_FTYPE_MOSTLY_BF16", "f16": "LLAMA_FTYPE_MOSTLY_F16",
-                  "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
+                  "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1",
+                  "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+# general.file_type (gguf.LlamaFileType) -> storage name, for the file a source already is
+FILE_TYPES = {0: "f32", 1: "f16", 3: "q4_1", 7: "q8_0", 15: "q4_k_m", 32: "bf16"}
 INSTALL_HINT = ("CMAKE_ARGS=\"-DGGML_NATIVE=ON\" pip install --no-binary llama-cpp-python 'neuron-opt[llamacpp]' "
                 "(built from the sdist with native CPU flags)")
 
@@ -86,11 +90,12 @@ def requantize(src_gguf: Path, dst: Path, ftype: str) -> None:
 
 def storage_gguf(src_gguf: Path, fingerprint: str, storage: str, cache_dir: Path,
                  quantize: Callable[[Path, Path, str], None] | None = None) -> Path:
-    """The GGUF holding `src_gguf`'s weights in `storage`: "q4_1" is the file itself; a key of REQUANT_FTYPES is
-    requantized once and cached under `cache_dir/llamacpp`, named by the source's sha256 `fingerprint` and format.
+    """The GGUF holding `src_gguf`'s weights in `storage`: the file itself when it is stored so (`file_storage`:
+    the default model is "q4_1"); else (a key of REQUANT_FTYPES) requantized once and cached under
+    `cache_dir/llamacpp`, named by the source's sha256 `fingerprint` and format.
     `quantize(src, dst, storage)` writes the file (default `requantize`, llama-cpp-python's in-process quantizer;
     the serving benchmark passes the `llama-quantize` binary it built from the same llama.cpp)."""
-    if storage == "q4_1":
+    if storage == file_storage(src_gguf):
         return src_gguf
     dst = cache_dir / "llamacpp" / f"{fingerprint[:40]}-{storage}.gguf"
     if not dst.is_file():
@@ -98,9 +103,10 @@ def storage_gguf(src_gguf: Path, fingerprint: str, storage: str, cache_dir: Path
     return dst
 
 
-def tensor_bytes(path: Path) -> int:
-    """Bytes of the GGUF's tensor data (what one decode step reads of the weights, the embedding included)."""
-    return sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
+def file_storage(path: Path) -> str | None:
+    """The storage name of a GGUF's `general.file_type` (FILE_TYPES), None for another or none."""
+    field = GGUFReader(path).fields.get("general.file_type")
+    return FILE_TYPES.get(int(field.parts[field.data[0]][0])) if field is not None else None
 
 
 def load(path: Path, n_ctx: int, threads: int, flash_attn: bool = True) -> Any:

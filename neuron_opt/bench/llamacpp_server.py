@@ -47,7 +47,7 @@ from neuron_opt.bench import rounds_summary
 # CPU's default, our artifact's quantization method)
 PAIRS = {"bf16": ("bf16", "bfloat16", None), "int8": ("q8_0", None, "int8"), "int4": ("q4_1", None, "int4")}
 # storage -> llama-quantize's type name
-QUANTIZE_TYPES = {"f32": "F32", "bf16": "BF16", "f16": "F16", "q8_0": "Q8_0"}
+QUANTIZE_TYPES = {"f32": "F32", "bf16": "BF16", "f16": "F16", "q8_0": "Q8_0", "q4_1": "Q4_1", "q4_k_m": "Q4_K_M"}
 # llama.cpp's instruction sets without its AMX matmuls (the Makefile's LLAMACPP_NO_AMX)
 NO_AMX_ARGS = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
                "-DGGML_BMI2=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON", "-DGGML_AVX512_VNNI=ON",

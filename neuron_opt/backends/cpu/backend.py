@@ -26,8 +26,8 @@ from safetensors.torch import save_file
 from models.llama import layer_rope_inputs, merge_embeddings, model_rope_tables, mrope_rows, window_input
 from models.moe import Experts
 from neuron_opt.backends.base import Backend, ModelFactory, StepInputs, allocate_kv
+from neuron_opt.backends.cpu import encoder as cpu_encoder
 from neuron_opt.backends.cpu import ops as cpu_ops
-from neuron_opt.backends.cpu.backend import encoder as cpu_encoder
 from neuron_opt.backends.cpu.constants import ConstantRecipe, build_constant
 from neuron_opt.backends.cpu.graphs import (
     PREFILL_SPLIT_STEP,

@@ -9,7 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-from neuron_opt.bench import MachineBusyError, RunRecord
+from neuron_opt.artifact import is_artifact_dir
+from neuron_opt.bench import MachineBusyError, RunRecord, llc_bytes, read_bandwidth_gbs
 from neuron_opt.bench.serve import __doc__ as serve_doc
 from neuron_opt.bench.serve.client import (
     ROOT,
@@ -21,6 +22,8 @@ from neuron_opt.bench.serve.client import (
     over_rounds,
     plot,
     run_load,
+    serving_mbu,
+    serving_step_bytes,
     start_server,
     stop_server,
     summarize,
@@ -285,11 +288,21 @@ def scenario_load(args: argparse.Namespace, vocab: int, hf_model: str) -> dict[s
     finally:
         stop_server(proc)
     report["engine"] = [over_rounds(engine[c]) | {"concurrency": c} for c in levels]
+    report["mem_bw_gbs"] = bw = read_bandwidth_gbs()  # probed after the load, as the decode benchmark does
+    llc = llc_bytes()
     for s in report["engine"]:
         s["errors"] = [e for r in s["rounds"] for e in r["errors"]][:5]
+        # MBU: a step's bytes (weights as stored, KV at the mean context) x steps/s (1 / TPOT p50) over the probe
+        if is_artifact_dir(Path(args.model)):
+            s["step_bytes"] = serving_step_bytes(Path(args.model), s["concurrency"],
+                                                 args.input_len + args.output_len // 2)
+            s["mbu"] = serving_mbu(s["step_bytes"], s["tpot_ms"]["p50"], bw)
+            s["fits_llc"] = None if llc is None else s["step_bytes"] <= llc
         print(f"engine c={s['concurrency']}: {s['output_throughput']:.1f} out tok/s (rounds "
               f"{s['output_throughput_min']:.1f}-{s['output_throughput_max']:.1f}), TPOT p50 "
-              f"{s['tpot_ms']['p50']:.1f} ms, TTFT p50 {s['ttft_ms']['p50']:.0f} ms", file=sys.stderr)
+              f"{s['tpot_ms']['p50']:.1f} ms, TTFT p50 {s['ttft_ms']['p50']:.0f} ms"
+              + (f", MBU {s['mbu']:.0%}" if "mbu" in s else "")
+              + (" (fits the last-level cache)" if s.get("fits_llc") else ""), file=sys.stderr)
     if hf:
         report["hf_runs"] = [over_rounds(hf_runs[a]) | {"num_prompts": len(hf_prompts), "attn": a} for a in hf]
         report["hf"] = max(report["hf_runs"], key=lambda r: r["output_throughput"])  # the fastest baseline

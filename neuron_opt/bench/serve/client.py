@@ -289,6 +289,27 @@ def over_rounds(rounds: list[dict[str, object]]) -> dict[str, object]:
     return out
 
 
+def serving_step_bytes(artifact: Path, streams: int, context: int) -> float:
+    """Bytes one decode step of the server reads: the artifact's weights as stored (its weights/*.safetensors; an
+    untied embedding table counted whole) and the KV of `streams` sequences at a mean context of `context`
+    positions (K and V, every layer, in the artifact's KV dtype)."""
+    import torch
+
+    from neuron_opt.artifact import read_manifest
+
+    m = read_manifest(artifact, verify_hashes=False)
+    weights = sum(f.stat().st_size for f in (Path(artifact) / "weights").glob("*.safetensors"))
+    esz = torch.finfo(getattr(torch, m.cache.dtype)).bits // 8
+    kv = 2 * m.model.num_hidden_layers * m.model.num_key_value_heads * m.model.head_dim * esz
+    return weights + streams * context * kv
+
+
+def serving_mbu(step_bytes: float, tpot_ms: float, bw_gbs: float) -> float:
+    """Model-bandwidth utilisation of a serving row: the bytes a decode step reads x steps/s (one step per TPOT: a
+    step gives every running stream its next token) over the read bandwidth in GB/s."""
+    return step_bytes * (1000.0 / tpot_ms) / (bw_gbs * 1e9)
+
+
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(100, vocab, size=length).tolist() for _ in range(n)]  # ids < 100: special tokens
