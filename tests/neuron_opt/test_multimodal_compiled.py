@@ -163,3 +163,16 @@ def test_cpu_artifact_gives_hf_greedy_text(families, family, buckets, tmp_path):
     llm = LLM(tmp_path / "art")
     check_greedy(llm, want)
     assert sum(llm.runner.vision.encoder.calls.values()) == 3
+
+
+@pytest.mark.slow
+def test_qwen3_vl_moe_eager_artifact_gives_hf_greedy_text(tmp_path):
+    """Qwen3-VL-MoE compiles as Qwen3-VL (the same encoder buckets, planned alike) beside its MoE decoder."""
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    path = make_qwen3_vl(tmp_path / "moe", moe=True)
+    hf = Qwen3VLMoeForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    processor = load_processor(path, hf.config)
+    want = [hf_generate(hf, processor, messages(c), N) for c in CONVS]
+    compile_vlm(path, tmp_path / "art", "eager")
+    check_greedy(LLM(tmp_path / "art"), want)
