@@ -127,7 +127,11 @@ class Projector(nn.Module):
 
 
 class Gemma3Vision(nn.Module):
-    """The image encoder of a Gemma 3 checkpoint: one image (or crop) -> its soft-token embeddings."""
+    """The image encoder of a Gemma 3 checkpoint: one image (or crop) -> its soft-token embeddings. Compiled buckets
+    (neuron_opt.multimodal.compiled) count images: every image is the tower's full square, so a bucket is an image
+    count, padded with zero images (images never attend across each other)."""
+
+    size_step = 1  # bucket sizes count images
 
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
@@ -137,9 +141,32 @@ class Gemma3Vision(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """pixel_values [n, C, s, s] -> [n * tokens_per_image, H_text]."""
+        inputs = {"pixel_values": pixel_values}
+        return self.graph_rows(self.graph_forward(*self.graph_inputs(self.graph_size(inputs), inputs)), inputs)
+
+    def graph_size(self, inputs: dict[str, torch.Tensor]) -> int:
+        """An item's size in bucket units: its images (one per item: `image_items`)."""
+        return int(inputs["pixel_values"].shape[0])
+
+    def graph_example(self, size: int) -> dict[str, torch.Tensor]:
+        """Encoder inputs of `size` images (a bucket's example shapes)."""
+        e = self.cfg.encoder
+        return {"pixel_values": torch.randn(size, e.num_channels, e.image_size, e.image_size)}
+
+    def graph_inputs(self, size: int, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
+        """The images padded to `size` with zero images: pixels [size, C, s, s] in the weights' dtype."""
+        pixels = inputs["pixel_values"]
         w = self.multi_modal_projector.mm_input_projection_weight
-        feats = self.multi_modal_projector(self.vision_tower(pixel_values.to(w.dtype)))
+        return (nn.functional.pad(pixels.to(w.dtype), (0, 0, 0, 0, 0, 0, 0, size - pixels.shape[0])),)
+
+    def graph_forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[size, C, s, s] -> [size * tokens_per_image, H_text]."""
+        feats = self.multi_modal_projector(self.vision_tower(pixels))
         return feats.reshape(-1, feats.shape[-1])
+
+    def graph_rows(self, out: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The real images' rows of `graph_forward`'s output."""
+        return out[: self.graph_size(inputs) * self.cfg.tokens_per_image]
 
 
 def image_items(processed: dict[str, torch.Tensor], token_ids: list[int], image_token_id: int,

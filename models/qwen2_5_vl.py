@@ -213,27 +213,16 @@ def segments_mask(bounds: list[int], n: int) -> torch.Tensor:
     return seg[:, None] == seg[None, :]
 
 
-class Qwen25Vision(nn.Module):
-    """The image encoder of a Qwen2.5-VL checkpoint: one image's patches -> its placeholder embeddings."""
+class PatchBuckets:
+    """The compiled buckets' sizing shared by the dynamic-resolution encoders (Qwen2.5-VL, Qwen3-VL): a bucket is a
+    patch count in whole merge blocks (neuron_opt.multimodal.compiled). Needs `cfg` (a VisionConfig)."""
 
-    def __init__(self, cfg: VisionConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.patch_embed = PatchEmbed(cfg)
-        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
-        self.merger = PatchMerger(cfg)
-        self.register_buffer("inv_freq", rotary_inv_freq(cfg.hidden_size // cfg.num_heads, cfg.rope_theta),
-                             persistent=False)
+    cfg: Any
 
     @property
     def size_step(self) -> int:
         """Bucket sizes count patches, in whole merge blocks."""
         return self.cfg.spatial_merge_size ** 2
-
-    def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
-        """pixel_values [t * h * w, C * T * p * p], image_grid_thw [1, 3] -> [t * h * w / m^2, H_text]."""
-        inputs = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
-        return self.graph_rows(self.graph_forward(*self.graph_inputs(self.graph_size(inputs), inputs)), inputs)
 
     def graph_size(self, inputs: dict[str, torch.Tensor]) -> int:
         """An image's size in bucket units: its patches."""
@@ -245,6 +234,30 @@ class Qwen25Vision(nn.Module):
         c, m = self.cfg, self.cfg.spatial_merge_size
         width = c.in_channels * c.temporal_patch_size * c.patch_size ** 2
         return {"pixel_values": torch.randn(size, width), "image_grid_thw": torch.tensor([[1, m, size // m]])}
+
+
+def padded_segments(bounds: list[int], n: int, size: int) -> torch.Tensor:
+    """`segments_mask` of n real patches padded to `size`: each padding patch a segment of its own (it sees only
+    itself, and no real patch sees it)."""
+    return segments_mask(bounds + list(range(n + 1, size + 1)), size)
+
+
+class Qwen25Vision(PatchBuckets, nn.Module):
+    """The image encoder of a Qwen2.5-VL checkpoint: one image's patches -> its placeholder embeddings."""
+
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.patch_embed = PatchEmbed(cfg)
+        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
+        self.merger = PatchMerger(cfg)
+        self.register_buffer("inv_freq", rotary_inv_freq(cfg.hidden_size // cfg.num_heads, cfg.rope_theta),
+                             persistent=False)
+
+    def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+        """pixel_values [t * h * w, C * T * p * p], image_grid_thw [1, 3] -> [t * h * w / m^2, H_text]."""
+        inputs = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
+        return self.graph_rows(self.graph_forward(*self.graph_inputs(self.graph_size(inputs), inputs)), inputs)
 
     def graph_inputs(self, size: int, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The image's patches in window order, padded to `size` rows: patches [size, C * T * p * p] in the
@@ -264,8 +277,8 @@ class Qwen25Vision(nn.Module):
         rope = rotary(grid, self.cfg.spatial_merge_size, self.inv_freq)  # type: ignore[arg-type]
         cos, sin = (by_window(a) for a in rope)
         ends = [i * grid[1] * grid[2] for i in range(grid[0] + 1)]
-        frames = segments_mask(ends + list(range(N + 1, size + 1)), size)
-        windows = segments_mask(bounds + list(range(N + 1, size + 1)), size)
+        frames = padded_segments(ends, N, size)
+        windows = padded_segments(bounds, N, size)
         return x, cos, sin, frames, windows
 
     def graph_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, frames: torch.Tensor,

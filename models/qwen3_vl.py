@@ -34,7 +34,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.qwen2_5_vl import PatchEmbed, VisionAttention, merge_block_order, rotary, rotary_inv_freq, segments_mask
+from models.qwen2_5_vl import (
+    PatchBuckets,
+    PatchEmbed,
+    VisionAttention,
+    merge_block_order,
+    padded_segments,
+    rotary,
+    rotary_inv_freq,
+)
 from neuron_opt.config import ModelConfig
 from neuron_opt.errors import CheckpointError, ConfigError
 
@@ -139,7 +147,7 @@ def position_grid(table: torch.Tensor, grid: tuple[int, int, int], merge: int) -
     return flat[merge_block_order(h, w, merge)].repeat(t, 1).to(table.dtype)
 
 
-class Qwen3Vision(nn.Module):
+class Qwen3Vision(PatchBuckets, nn.Module):
     """The image encoder of a Qwen3-VL checkpoint: one image's patches -> its placeholder rows, each the merger's
     features and the deepstack features side by side (module docstring)."""
 
@@ -157,18 +165,40 @@ class Qwen3Vision(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         """pixel_values [t * h * w, C * T * p * p], image_grid_thw [1, 3] -> [t * h * w / m^2, H_text * (1 + d)]."""
-        grid = tuple(int(v) for v in image_grid_thw.reshape(-1).tolist())
+        inputs = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
+        return self.graph_rows(self.graph_forward(*self.graph_inputs(self.graph_size(inputs), inputs)), inputs)
+
+    def graph_inputs(self, size: int, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The image's patches in the processor's order, padded to `size` rows: patches [size, C * T * p * p] and
+        the resampled position grid [size, D] in the weights' dtype, rotary cos/sin [size, d] (fp32), the frames'
+        mask [size, size] bool. Padding as Qwen2.5-VL's (`padded_segments`): padding rows are zero and see only
+        themselves, and merge blocks never mix real and padding rows (sizes are whole merge blocks), so the real
+        rows are exact."""
+        grid = tuple(int(v) for v in inputs["image_grid_thw"].reshape(-1).tolist())
         m = self.cfg.spatial_merge_size
-        x = self.patch_embed(pixel_values)  # [N, D]
-        x = x + position_grid(self.pos_embed.weight, grid, m).to(x.dtype)  # type: ignore[arg-type]
-        cos, sin = rotary(grid, m, self.inv_freq)  # type: ignore[arg-type]
-        frames = segments_mask([i * grid[1] * grid[2] for i in range(grid[0] + 1)], x.shape[0])
+        dtype = self.patch_embed.proj.weight.dtype
+        x = inputs["pixel_values"]
+        N, pad = x.shape[0], size - x.shape[0]
+        x = F.pad(x.to(dtype), (0, 0, 0, pad))
+        pos = F.pad(position_grid(self.pos_embed.weight, grid, m).to(dtype), (0, 0, 0, pad))  # type: ignore[arg-type]
+        cos, sin = (F.pad(a, (0, 0, 0, pad)) for a in rotary(grid, m, self.inv_freq))  # type: ignore[arg-type]
+        frames = padded_segments([i * grid[1] * grid[2] for i in range(grid[0] + 1)], N, size)
+        return x, pos, cos, sin, frames
+
+    def graph_forward(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      frames: torch.Tensor) -> torch.Tensor:
+        """`graph_inputs`' tensors -> the rows [size / m^2, H_text * (1 + d)] (module docstring)."""
+        x = self.patch_embed(x) + pos  # [size, D]
         deep = []
         for i, blk in enumerate(self.blocks):
             x = blk(x, cos, sin, frames)
             if i in self.cfg.deepstack_visual_indexes:
                 deep.append(self.deepstack_merger_list[self.cfg.deepstack_visual_indexes.index(i)](x))
         return torch.cat([self.merger(x), *deep], dim=-1)
+
+    def graph_rows(self, out: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The real merge blocks' rows of `graph_forward`'s output (already in the processor's order)."""
+        return out[: self.graph_size(inputs) // self.size_step]
 
 
 # Qwen3-VL-MoE's decoder stores each layer's experts stacked (published checkpoints inputs first, transformers 5's

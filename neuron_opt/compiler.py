@@ -299,6 +299,10 @@ def compile_artifact(req: CompileRequest, log: Callable[[str], None] = print, pr
     check_vision_request(req, vlm)
     if vlm:
         check_compilable(ckpt.mm.vision)
+        if ckpt.mm.vision.bidirectional and not backend_cls.bidirectional_blocks:
+            raise ConfigError(f"backend: {ckpt.mm.vision.architecture}'s decoder attends bidirectionally within each "
+                              f"image, which the {req.backend} backend's graphs do not take yet; compile it with "
+                              "--backend eager", param="backend")
     cfg = resolve_task(ckpt.config, req.task, req.pooling, req.normalize, req.matryoshka_dims)
     ckpt = dataclasses.replace(ckpt, config=cfg)  # its weight names follow the task (an embedding model: no head)
     check_embed_request(cfg, req)

@@ -129,6 +129,8 @@ class Backend:
             otherwise `auto` converts such a file's linears to int8 per channel.
         compiles_encoders: it builds a vision-language model's encoder buckets (`compile_encoder`, `load_encoder`;
             neuron_opt.multimodal.compiled), and its executors take image embeddings.
+        bidirectional_blocks: its executors take the last key each query sees (StepInputs.last_keys: Gemma 3's
+            bidirectional image blocks); otherwise such a model's images are refused at compile.
     """
 
     name: ClassVar[str] = ""
@@ -140,6 +142,7 @@ class Backend:
     window_kv: ClassVar[bool] = False
     gguf_blocks: ClassVar[bool] = False
     compiles_encoders: ClassVar[bool] = False
+    bidirectional_blocks: ClassVar[bool] = False
 
     # -- class-level: before the backend is built --------------------------------------------------------------
 

@@ -82,6 +82,7 @@ class EagerBackend(Backend):
     window_kv = True
     gguf_blocks = True  # gguf's reference dequantization in every product (quant.weights)
     compiles_encoders = True  # vision encoder buckets (neuron_opt.multimodal.compiled)
+    bidirectional_blocks = True  # EagerExecutor.takes_last_keys
 
     def __init__(self, dtype: torch.dtype = torch.float32, options: dict | None = None) -> None:
         self.dtype = dtype

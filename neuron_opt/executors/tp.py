@@ -52,6 +52,7 @@ class TPExecutor:
     # image embeddings and M-RoPE positions go to every rank with the step (worker.image_arrays): the ranks merge
     # them after their vocab-parallel embedding (a vision-language model's encoder runs whole in this process)
     takes_embeddings = True
+    takes_last_keys = True  # so do bidirectional image blocks' last keys (Gemma 3): each rank's mask takes them
 
     @property
     def gathers_candidates(self) -> bool:

@@ -3,8 +3,8 @@
 Protocol over the rank's pipe (driver -> rank, then one reply rank -> driver):
   ("run", bucket, arrays, candidates, lora slots, images)
                                        -> ("ok", result)   rank 0's result is the finished logits, others None
-                                                        (images: a step's image embeddings and M-RoPE positions,
-                                                        image_arrays, or None)
+                                                        (images: a step's image embeddings, M-RoPE positions
+                                                        and last keys, image_arrays, or None)
   ("calls",)                           -> ("ok", [CollectiveCall, ...]) counted since the last reset
   ("reset",)                           -> ("ok", None)
   ("lora", slot, adapter | None)       -> ("ok", None)   this rank's shard of the adapter written into the slot
@@ -159,14 +159,16 @@ def rank_main(rank: int, port: int, spec: RankSpec, conn: Connection) -> None:
 
 
 def image_arrays(inputs: StepInputs) -> dict[str, np.ndarray] | None:
-    """A step's image embeddings (mask, rows: fp32, numpy has no bf16) and M-RoPE positions for the pipe; None
-    without either."""
+    """A step's image embeddings (mask, rows: fp32, numpy has no bf16), M-RoPE positions and bidirectional blocks'
+    last keys (StepInputs.last_keys) for the pipe; None without any."""
     out = {}
     if inputs.multimodal() is not None:
         mask, rows = inputs.multimodal()  # type: ignore[misc]
         out.update(mm_mask=mask.contiguous().numpy(), mm_embeds=rows.float().contiguous().numpy())
     if inputs.rope_positions is not None:
         out["rope_positions"] = inputs.rope_positions.contiguous().numpy()
+    if inputs.last_keys is not None:
+        out["last_keys"] = inputs.last_keys.contiguous().numpy()
     return out or None
 
 
@@ -179,6 +181,8 @@ def _image_inputs(arrays: dict[str, np.ndarray] | None) -> dict[str, Any]:
         kw["mm_embeds"] = (torch.from_numpy(arrays["mm_mask"]), torch.from_numpy(arrays["mm_embeds"]))
     if "rope_positions" in arrays:
         kw["rope_positions"] = torch.from_numpy(arrays["rope_positions"])
+    if "last_keys" in arrays:
+        kw["last_keys"] = torch.from_numpy(arrays["last_keys"])
     return kw
 
 

@@ -2,13 +2,13 @@
 compile time into the artifact (beside the decoder's), and an image runs in the smallest bucket that holds it.
 
 Design decisions
-- A family plugs in by what its encoder module declares (models/idefics3.py, models/qwen2_5_vl.py): `size_step`
-  (the bucket unit: a tile, or a merge block of patches), `graph_size(inputs)` (an image's size in that unit),
-  `graph_example(size)` (inputs of an image of a bucket's size: the example shapes), `graph_inputs(size,
-  inputs)` (the image padded to a bucket: fixed-shape tensors, whatever needs data-dependent indexing done here on
-  the host), `graph_forward(*tensors)` (what a backend compiles) and `graph_rows(out, inputs)` (the image's
-  placeholder rows of the output). The module's own forward runs the same three at the image's size: the eager
-  reference is the compiled path without the padding.
+- A family plugs in by what its encoder module declares (models/idefics3.py, qwen2_5_vl.py, qwen3_vl.py,
+  gemma3.py): `size_step` (the bucket unit: a tile, a merge block of patches, an image), `graph_size(inputs)`
+  (an image's size in that unit), `graph_example(size)` (inputs of an image of a bucket's size: the example
+  shapes), `graph_inputs(size, inputs)` (the image padded to a bucket: fixed-shape tensors, whatever needs
+  data-dependent indexing done here on the host), `graph_forward(*tensors)` (what a backend compiles) and
+  `graph_rows(out, inputs)` (the image's placeholder rows of the output). The module's own forward runs the same
+  three at the image's size: the eager reference is the compiled path without the padding.
 - Padding is exact by construction in each family: padded tiles or patches never attend to or from real ones.
 - Buckets (`buckets.encoder_sizes`): the unit times powers of two up to the largest image the processor makes
   (planner.vision reads it from preprocessor_config.json), plus that size; `compile --encoder-buckets` overrides.

@@ -117,6 +117,7 @@ def _gemma3(cfg: dict[str, Any], pre: dict[str, Any], act: int) -> Sized:
 
 _FAMILIES = {"Idefics3ForConditionalGeneration": _idefics3, "SmolVLMForConditionalGeneration": _idefics3,
              "Qwen2_5_VLForConditionalGeneration": _qwen2_5_vl, "Qwen3VLForConditionalGeneration": _qwen3_vl,
+             "Qwen3VLMoeForConditionalGeneration": _qwen3_vl,  # the same vision side beside a MoE decoder
              "Gemma3ForConditionalGeneration": _gemma3}
 
 

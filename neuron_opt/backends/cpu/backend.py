@@ -23,7 +23,14 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from models.llama import layer_rope_inputs, merge_embeddings, model_rope_tables, mrope_rows, window_input
+from models.llama import (
+    deepstack_rows,
+    layer_rope_inputs,
+    merge_embeddings,
+    model_rope_tables,
+    mrope_rows,
+    window_input,
+)
 from models.moe import Experts
 from neuron_opt.backends.base import Backend, ModelFactory, StepInputs, allocate_kv
 from neuron_opt.backends.cpu import encoder as cpu_encoder
@@ -629,15 +636,19 @@ class CpuExecutor:
         if self.cfg.embedding_multiplier != 1.0:
             x = x * self.cfg.embedding_multiplier
         mm = inputs.multimodal()
+        deepstack: list[torch.Tensor] = []  # Qwen3-VL: added to the output of layer i, for i < d
         if mm is not None:  # image rows at their placeholder positions (a split prefill's padding comes after)
-            n = mm[0].shape[1]
+            n, pad = mm[0].shape[1], x.shape[1] - mm[0].shape[1]
             x = torch.cat([merge_embeddings(x[:, :n], *mm), x[:, n:]], dim=1)  # [B, S, H]
+            deepstack = [torch.nn.functional.pad(d.to(x.dtype), (0, 0, 0, pad))
+                         for d in deepstack_rows(*mm, x.shape[-1])]  # [B, S, H] each
         ropes = layer_rope_inputs(self.cfg, self.rope, pos, self.rope_dtype,
                                   inputs.last_index)  # per layer, [B, S, 1, R] each
         if self.cfg.mrope_section and inputs.rope_positions is not None:  # M-RoPE: 3-D positions, padding 1-D
             rp = inputs.rope_positions
             rp = torch.cat([rp, pos[:, rp.shape[2]:].expand(3, -1, -1)], dim=2)  # [3, B, S]
-            ropes = [mrope_rows(self.cfg.mrope_section, self.rope["global"], rp, self.rope_dtype)] * len(ropes)
+            ropes = [mrope_rows(self.cfg.mrope_section, self.rope["global"], rp, self.rope_dtype,
+                                self.cfg.mrope_interleaved)] * len(ropes)
         lora_slots = inputs.lora_slots if inputs.lora_slots is not None else torch.zeros(x.shape[0], dtype=torch.long)
         ks, vs = self.k_caches, self.v_caches
         aux = []
@@ -650,6 +661,8 @@ class CpuExecutor:
                 window = [*window, lora_slots, *self.lora_stacks.layer_tensors(i)]
             own = window_kv if window_kv is not None and i in (self.window_layers or ()) else (slots, tables)
             x = layer.run([x, cos, sin, pos, *own, ks[i], vs[i], *window])[0]
+            if i < len(deepstack):  # between the layer graphs: no graph changes
+                x = x + deepstack[i]
         if self.aux_layers:  # the streams entering the layers an EAGLE-3 head reads (the last layer's output: L)
             seen = dict([*aux, (len(layers), x)])
             self.aux_hidden = torch.cat([seen[i] for i in self.aux_layers], dim=-1)[:, :inputs.input_ids.shape[1]]
