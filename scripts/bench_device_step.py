@@ -17,7 +17,10 @@ Parts (each backend's step measurement in a fresh process; the XLA one under `--
   logits) and, where the executor samples in its graphs, `graph` (`runner.decode_sampled`, the ids back). Per way:
   the median step ms, the graph calls' ms (`runner.stats.graph_s`), the host's ms (step less graph), the host
   sampler's ms alone, the bytes the step moved device -> host (`runner.stats`; a cpu backend has no device: 0) and
-  the bytes of what the step handed the host (logits or ids).
+  the bytes of what the step handed the host (logits or ids); and the process CPU ms of the step and of its
+  sampling (`*_cpu_ms`: every thread's, so with `--threads 1` they stand on a busy machine where wall times do
+  not). Per batch, `argmax_cpu_ms`: the CPU ms of the argmax of the step's logits, what a graph returning greedy
+  ids would still compute on a cpu backend's cores.
 - serve: `scripts/bench_async.py`'s levels (one fresh process each, as `serve` runs its engine), synchronous and
   async loop alternating who goes first, round by round; TPOT p50 and the host ms per step.
 - planner: `planner.recommend.evaluate` at the decode batch of each stream count: TPOT (the graph samples) and
@@ -64,31 +67,47 @@ def time_step(runner, batch: int, params, steps: int) -> dict[str, dict]:  # noq
     rows = [DecodeRow(i, 7, 4) for i in range(batch)]
     states = [SamplerState.create(replace(params, seed=i)) for i in range(batch)]
     ways = ["host", "graph"] if runner.samples_on_device else ["host"]
-    spent: dict[str, dict[str, list[float]]] = {w: {"step": [], "graph": [], "sample": []} for w in ways}
+    spent: dict[str, dict[str, list[float]]] = {w: {k: [] for k in ("step", "graph", "sample", "step_cpu",
+                                                                    "sample_cpu")} for w in ways}
     out: dict[str, dict] = {}
     for step in range(steps + 2):  # the first two rounds compile and warm (the sampling graphs): not counted
         for way in ways:
-            g0, t0 = runner.stats.graph_s, time.perf_counter()
+            g0, c0, t0 = runner.stats.graph_s, time.process_time(), time.perf_counter()
             if way == "host":
                 logits = runner.decode(rows)
-                s0 = time.perf_counter()
+                s0, sc0 = time.perf_counter(), time.process_time()
                 sample_batch(logits, states, [()] * batch)
                 handed = logits.numel() * logits.element_size()
             else:
                 outs = runner.decode_sampled(rows, device_inputs(states, [()] * batch, V))
-                s0 = time.perf_counter()
+                s0, sc0 = time.perf_counter(), time.process_time()
                 device_results(outs[0].tolist(), None, states)
                 handed = sum(t.numel() * t.element_size() for t in outs)
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             if step >= 2:
-                for k, v in (("step", t1 - t0), ("graph", runner.stats.graph_s - g0), ("sample", t1 - s0)):
+                for k, v in (("step", t1 - t0), ("graph", runner.stats.graph_s - g0), ("sample", t1 - s0),
+                             ("step_cpu", c1 - c0), ("sample_cpu", c1 - sc0)):
                     spent[way][k].append(v)
             out[way] = {"d2h_bytes": runner.stats.last_d2h_bytes, "out_bytes": handed}
     for way in ways:
         s = {k: _median_ms(v) for k, v in spent[way].items()}
         out[way].update(step_ms=s["step"], graph_ms=s["graph"], host_ms=round(s["step"] - s["graph"], 4),
-                        sample_ms=s["sample"])
+                        sample_ms=s["sample"], step_cpu_ms=s["step_cpu"], sample_cpu_ms=s["sample_cpu"])
     return out
+
+
+def argmax_cpu_ms(runner, batch: int, repeats: int = 20) -> float:  # noqa: ANN001
+    """Process CPU ms of the argmax of a decode step's logits [batch, V]: what a graph that returns greedy ids
+    would compute on the same cores (the floor of its cost there)."""
+    from neuron_opt.runtime.runner import DecodeRow
+
+    logits = runner.decode([DecodeRow(i, 7, 4) for i in range(batch)])
+    spent = []
+    for _ in range(repeats + 2):
+        c0 = time.process_time()
+        logits.argmax(-1)
+        spent.append(time.process_time() - c0)
+    return _median_ms(spent[2:])
 
 
 def _bench_async():  # noqa: ANN202
@@ -117,6 +136,7 @@ def measure_steps(llm, batches: list[int], steps: int, threads: int) -> dict:  #
                               "batches": {}}
     for b in batches:
         res["batches"][str(b)] = {kind: time_step(runner, b, params, steps) for kind, params in _kinds().items()}
+        res["batches"][str(b)]["argmax_cpu_ms"] = argmax_cpu_ms(runner, b)
     return res
 
 
@@ -230,6 +250,8 @@ def plot(doc: dict, out: Path) -> None:
     for backend, res in doc["step"].items():
         for batch, kinds in res["batches"].items():
             for kind, ways in kinds.items():
+                if not isinstance(ways, dict):  # argmax_cpu_ms
+                    continue
                 for way, m in ways.items():
                     labels.append(f"{backend} b{batch} {kind}\n{way}")
                     vals.append(m["host_ms"])

@@ -33,6 +33,8 @@ def test_bench_device_step_quick(tiny_dir, tmp_path: Path) -> None:
         assert host["out_bytes"] == 4 * 49152 and host["d2h_bytes"] == 0  # fp32 logits [1, V], all on the host
         assert 0 < host["graph_ms"] < host["step_ms"] and host["sample_ms"] > 0
         assert host["host_ms"] == pytest.approx(host["step_ms"] - host["graph_ms"], abs=1e-3)
+        assert host["step_cpu_ms"] > 0 and host["sample_cpu_ms"] > 0
+    assert cpu["batches"]["1"]["argmax_cpu_ms"] >= 0
     serve = doc["serve"]["1"]
     for mode in ("sync", "async"):
         assert serve[mode]["tpot_p50_ms"]["rounds"] == 1 and serve[mode]["tpot_p50_ms"]["median"] > 0
