@@ -31,19 +31,34 @@ def child(args: argparse.Namespace) -> int:
     """One level in this process: the engine over the model, `--mode`'s loop, printed as one JSON line."""
     import torch
 
-    from neuron_opt import envs
     from neuron_opt.api import LLM
+
+    torch.set_num_threads(threads_for(args))  # before the load, as `serve` does
+    print(json.dumps(level(LLM(args.model), args.mode, args)))
+    return 0
+
+
+def threads_for(args: argparse.Namespace) -> int:
+    """`--threads`, else serve's: NEURON_OPT_NUM_THREADS, else the thread policy's."""
+    from neuron_opt import envs
     from neuron_opt.commands.serve import thread_policy
+
+    return args.threads or envs.NUM_THREADS or thread_policy().threads
+
+
+def level(llm, mode: str, args: argparse.Namespace) -> dict:  # noqa: ANN001
+    """One level of `args.streams` streams on an engine over `llm`'s runner with `mode`'s loop ("sync", "async")."""
+    import torch
+
     from neuron_opt.runtime.engine import Engine
     from neuron_opt.runtime.threads import hand_threads_to_engine
     sys.path.insert(0, str(ROOT / "scripts"))
     from profile_engine import _prompts, run_level
 
-    threads = args.threads or envs.NUM_THREADS or thread_policy().threads
+    threads = threads_for(args)
     torch.set_num_threads(threads)
-    llm = LLM(args.model)
     engine = Engine(llm.runner, llm.tokenizer, llm.eos_token_ids, max_num_batched_tokens=2048,
-                    async_scheduling=args.mode == "async")
+                    async_scheduling=mode == "async")
     hand_threads_to_engine(engine.runners, threads)
     engine.start()
     try:
@@ -51,15 +66,14 @@ def child(args: argparse.Namespace) -> int:
         st = engine.stats
         wait0 = st.wait_s
         n = args.requests or max(2, 2 * args.streams)
-        level = run_level(engine, _prompts(n, args.input_len, llm.runner.vocab_size, args.seed), args.streams,
-                          args.output_len)
-        level["wait_ms"] = 1e3 * (st.wait_s - wait0) / max(level["steps"], 1)
+        out = run_level(engine, _prompts(n, args.input_len, llm.runner.vocab_size, args.seed), args.streams,
+                        args.output_len)
+        out["wait_ms"] = 1e3 * (st.wait_s - wait0) / max(out["steps"], 1)
     finally:
         engine.stop()
-    level["host_ms"] = level["step_ms"] - level["graph_ms"]
-    level.update(mode=args.mode, threads=threads)
-    print(json.dumps(level))
-    return 0
+    out["host_ms"] = out["step_ms"] - out["graph_ms"]
+    out.update(mode=mode, threads=threads)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
