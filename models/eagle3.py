@@ -379,13 +379,16 @@ class ChainGraph(nn.Module):
         super().__init__()
         self.head, self.k, self.table_input = head, k, table_input
 
-    def _embed(self, ids: torch.Tensor, table: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        return F.embedding(ids, table[0]) if self.table_input else self.head.embed(ids)
+    def _embed(self, ids: torch.Tensor, table: torch.Tensor | None) -> torch.Tensor:
+        if self.table_input:
+            assert table is not None, "this chain graph reads the model's embedding table as its last input"
+            return F.embedding(ids, table)
+        return self.head.embed(ids)
 
     def forward(self, tokens: torch.Tensor, aux: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 last: torch.Tensor, chain_positions: torch.Tensor, chain_slots: torch.Tensor,
                 block_tables: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                *table: torch.Tensor) -> torch.Tensor:
+                table: torch.Tensor | None = None) -> torch.Tensor:
         head = self.head
         kv = PagedKV(positions, slot_mapping, block_tables, k_pool, v_pool)
         h = head.run_layer_embeds(self._embed(tokens, table), head.project(aux), positions, kv)
@@ -401,6 +404,34 @@ class ChainGraph(nn.Module):
             token = head.to_target(logits.argmax(-1))
             out.append(token)
         return torch.stack(out, dim=1)
+
+
+def table_blocks(rows: Sequence[ChainRow], k: int, block_size: int) -> int:
+    """Block-table width that reaches every head entry the rows write or read (at least 2, at most the longest
+    table: past a row's own blocks its entries go to the null block)."""
+    reach = max(r.start + len(r.tokens) + k for r in rows)  # past the furthest head position written, + 1
+    return max(2, min(-(-(reach + 1) // block_size), max(len(r.blocks) for r in rows)))
+
+
+def run_chain(head: Eagle3Head, rows: Sequence[ChainRow], k_pool: torch.Tensor, v_pool: torch.Tensor,
+              block_size: int) -> list[list[int]]:
+    """`ChainGraph` in torch over the rows as they are: padded to the longest row and the most proposals."""
+    q, k = max(len(r.tokens) for r in rows), max(r.k for r in rows)
+    x = chain_inputs(rows, len(rows), q, k, block_size, table_blocks(rows, k, block_size), head.max_model_len,
+                     head.cfg.num_aux * head.cfg.aux_hidden_size, head.fc.weight.dtype)
+    out = ChainGraph(head, k)(*x.arrays(), k_pool, v_pool)
+    return [out[r, :row.k].tolist() for r, row in enumerate(rows)]
+
+
+def fill(head: Eagle3Head, rows: Sequence[ChainRow], k_pool: torch.Tensor, v_pool: torch.Tensor,
+         block_size: int) -> None:
+    """The layer over the rows' positions in torch, for their K/V only (no logits): a row further behind than a
+    compiled chain graph takes."""
+    q = max(len(r.tokens) for r in rows)
+    x = chain_inputs(rows, len(rows), q, 1, block_size, table_blocks(rows, 1, block_size), head.max_model_len,
+                     head.cfg.num_aux * head.cfg.aux_hidden_size, head.fc.weight.dtype)
+    head.run_layer(x.tokens, head.project(x.aux), x.positions,
+                   PagedKV(x.positions, x.slot_mapping, x.block_tables, k_pool, v_pool))
 
 
 # ---- the weight names of the two published layouts ---------------------------------------------------------

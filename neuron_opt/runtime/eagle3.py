@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from models.eagle3 import ChainGraph, ChainRow, chain_inputs
+from models.eagle3 import ChainRow, run_chain
 from neuron_opt.config import CacheConfig
 from neuron_opt.runtime.block_manager import hash_block
 
@@ -77,19 +77,6 @@ class EagerChain:
 
     def propose(self, rows: Sequence[ChainRow]) -> list[list[int]]:
         return run_chain(self.head, rows, self.k_pool, self.v_pool, self.block_size)
-
-
-def run_chain(head: Eagle3Head, rows: Sequence[ChainRow], k_pool: torch.Tensor, v_pool: torch.Tensor,
-              block_size: int) -> list[list[int]]:
-    """`ChainGraph` in torch over the rows as they are: padded to the longest row and the most proposals, the block
-    tables to the blocks the furthest position reaches."""
-    q, k = max(len(r.tokens) for r in rows), max(r.k for r in rows)
-    reach = max(r.start + len(r.tokens) + k for r in rows)  # past the furthest head position written, + 1
-    nb = min(-(-(reach + 1) // block_size), max(len(r.blocks) for r in rows))
-    x = chain_inputs(rows, len(rows), q, k, block_size, max(nb, 1), head.max_model_len,
-                     head.cfg.num_aux * head.cfg.aux_hidden_size, head.fc.weight.dtype)
-    out = ChainGraph(head, k)(*x.arrays(), k_pool, v_pool)
-    return [out[r, :row.k].tolist() for r, row in enumerate(rows)]
 
 
 class Eagle3Proposer:

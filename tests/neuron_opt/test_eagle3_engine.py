@@ -218,10 +218,11 @@ def test_cli_generate_and_serve_flags_take_an_eagle3_head(setup, tiny_dir, capsy
     assert built.spec.method == "eagle3"
 
 
-@pytest.mark.slow  # a cpu artifact's compile (prefill, decode and verify layer graphs, two heads)
+@pytest.mark.slow  # a cpu artifact's compile (prefill, decode and verify layer graphs, two heads), the chain graph
 def test_cpu_artifact_runs_an_eagle3_head_exactly(setup, tiny_dir, tmp_path):
-    """The cpu backend hands over the stream between its layer graphs (no other graphs): greedy through a
-    compiled artifact with the head equals eager plain greedy, for four prompts in turn."""
+    """The cpu backend hands over the stream between its layer graphs and runs the head's chain as its compiled
+    graph (backends/cpu_eagle3.py): greedy through a compiled artifact with the head equals eager plain greedy, for
+    four prompts in turn."""
     from neuron_opt.compiler import CompileRequest, compile_artifact
 
     llm, ref, head_dir = setup
@@ -238,6 +239,8 @@ def test_cpu_artifact_runs_an_eagle3_head_exactly(setup, tiny_dir, tmp_path):
         assert out.token_ids == reference_generate(ref, p, sp).token_ids
     _, stats = compiled.generate_ids_speculative(prompts[0], params[0], spec)
     assert stats.verify_steps > 0 and stats.draft_tokens > 0
+    chain = compiled.runner.executor._chain[1]
+    assert type(chain).__name__ == "CpuEagle3Chain" and chain.calls["chain"] > 0
 
 
 def test_tp2_rank_processes_hand_over_their_states_and_stay_exact(setup, tiny_dir):
