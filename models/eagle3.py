@@ -9,9 +9,12 @@ One top-down file: config -> decoder layer -> head -> weight names of the two pu
   `norm_before_residual`). `norm` and `lm_head` give logits over the draft vocabulary; draft token d is target
   token d + d2t[d].
 - A chain: the next position's hidden input is the layer's own output (normed with `norm_output`), its token
-  the proposal just made. The head keeps its own one-layer KV ([slots, max_model_len, n_kv, D] per K and V) and
-  writes position p of a sequence at [slot, p]; attention at position p sees positions <= p of its slot, so
-  entries past a sequence (rejected proposals of an earlier chain) are never read before they are rewritten.
+  the proposal just made. The head keeps its own one-layer KV in the target's block layout (`PagedKV`: head
+  position p at the sequence's logical position p + 1, through the target's block tables); attention at position
+  p sees positions <= p, so entries past a sequence (rejected proposals of an earlier chain) are never read before
+  they are rewritten. `SlotKV` (a contiguous KV per slot) is the layout `forward_layer` recomputes a chain in.
+- `ChainGraph`: one step's chain for a batch of rows as one function of tensors, which the cpu and neuron backends
+  compile per decode bucket and the host runs as is (`run_chain`).
 - Same arithmetic as `speculators`' Eagle3DraftModel (transformers' Llama/Qwen3 decoder layer with the EAGLE-3
   first-layer patch): RMSNorm in fp32, rotate-half rope over the layer config's rope, SwiGLU MLP. Positions are the
   hidden state's (vLLM's convention; speculators' training counts from 1, the same attention under rope).
@@ -392,7 +395,7 @@ class ChainGraph(nn.Module):
         head = self.head
         kv = PagedKV(positions, slot_mapping, block_tables, k_pool, v_pool)
         h = head.run_layer_embeds(self._embed(tokens, table), head.project(aux), positions, kv)
-        rows = torch.arange(tokens.shape[0], device=tokens.device)
+        rows = torch.arange(tokens.shape[0], device=tokens.device, dtype=last.dtype)  # (XLA: one index dtype)
         logits, hidden = head.logits(h[rows, last])  # [B, V_draft], [B, H]
         token = head.to_target(logits.argmax(-1))
         out = [token]
