@@ -23,9 +23,9 @@ from neuron_opt.config import CacheConfig
 from neuron_opt.errors import ConfigError
 from neuron_opt.runtime.eagle3 import Eagle3Proposer
 from neuron_opt.runtime.engine import Engine
-from neuron_opt.runtime.runner import ModelRunner
-from neuron_opt.runtime.sampling import SamplingParams
-from neuron_opt.runtime.speculative import SpeculativeConfig
+from neuron_opt.runtime.runner import ModelRunner, PrefillRow
+from neuron_opt.runtime.sampling import SamplerState, SamplingParams, sample_one
+from neuron_opt.runtime.speculative import SpeculativeConfig, accept
 
 K = 3
 
@@ -169,6 +169,47 @@ def test_head_entries_in_the_targets_blocks_carry_prefix_hits_and_preemption(set
     head = llm.eagle3(head_dir)
     for ids, k, p in seen:
         assert p == _head_from_scratch(ref, head, ids, k), (len(ids), k)
+
+
+def _sampled_reference(ref: LLM, head: Eagle3Head, prompt: list[int], params: SamplingParams) -> list[int]:
+    """The speculating engine's tokens for one sampled request, recomputed on the host with nothing shared: the
+    target's logits over the whole sequence and its proposals (one prefill of every position), the head's chain
+    from scratch, and `speculative.accept` (rejection sampling) with the request's own seeded generator, K (or
+    what max_tokens leaves) proposals at every step."""
+    state = SamplerState.create(params)
+    out: list[int] = []
+    while len(out) < params.max_tokens:
+        seq = prompt + out
+        k = min(K, params.max_tokens - len(out) - 1) if out else 0
+        draft = _head_from_scratch(ref, head, seq, k) if k else []
+        every = ref.runner.prefill_rows([PrefillRow(0, tuple(seq + draft))], all_positions=True)[0]
+        if not out:  # the prefill's token
+            res = sample_one(every[len(seq) - 1], state)
+            state.observe(res.token)
+            out.append(res.token)
+            continue
+        out += [r.token for r in accept(every[len(seq) - 1:], draft, state, [()] * (k + 1))]
+    return out[:params.max_tokens]
+
+
+def test_sampled_rows_are_verified_by_rejection_sampling_as_the_host_reference(setup):
+    """Sampled requests (seeded; temperature, top-p) beside a greedy one, always verifying: each sampled request's
+    tokens equal the host reference's (`_sampled_reference`: the target's own logits, the head's chain from scratch,
+    rejection sampling with the request's generator), so its proposals are verified by rejection sampling on the
+    exact target distribution, position by position."""
+    llm, ref, head_dir = setup
+    prompts = _prompts(llm)[:3]
+    params = [SamplingParams(max_tokens=14, ignore_eos=True, temperature=0.7, seed=11),
+              SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.0, top_p=0.9, seed=12),
+              SamplingParams(max_tokens=12, ignore_eos=True)]
+    spec = SpeculativeConfig(K, "eagle3", adaptive=False, model=str(head_dir))
+    engine = Engine(llm.runner, llm.tokenizer, llm.eos_token_ids, speculative=spec, draft=llm.eagle3(head_dir))
+    outs = run_engine(engine, {str(i): (p, params[i]) for i, p in enumerate(prompts)})
+    assert engine.spec_stats.verify_steps > 0 and engine.spec_stats.draft_tokens > 0
+    head = llm.eagle3(head_dir)
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        got = [t for o in outs[str(i)] for t in o.new_token_ids]
+        assert got == _sampled_reference(ref, head, p, sp), i
 
 
 def test_bad_heads_and_backends_are_refused_naming_the_field(setup, tmp_path, tiny_dir):
