@@ -20,9 +20,11 @@ the sequences of a step, its one-layer KV in the target's block layout.
   `cache_tokens` from its `cache_salt`: the key the block manager uses, adapter and images included); a write into
   a block drops its record first. A sequence whose `fed` is unknown (a new one, or one preempted since:
   `preempted`) starts after the longest run of its leading blocks whose records carry its own keys, so a shared
-  prefix is neither recomputed nor rewritten, and its entries are exactly those the sequence would compute.
+  prefix is neither recomputed nor rewritten, and its entries are exactly those the sequence would compute. The
+  records hold the target's states at each block's last position too: the head's next position reads them, and
+  the target does not recompute them for a hit.
 - The arithmetic (a `HeadChain`): `EagerChain` runs `models.eagle3.ChainGraph` in torch on the host (the eager
-  backend, and the cpu backend's catch-up of long rows): one batched layer pass over the rows' new positions
+  backend and its TP rank processes): one batched layer pass over the rows' new positions
   (rows padded to the longest; pads write the null block), then k - 1 batched chain steps. The cpu backend
   compiles the same graph per decode batch (backends/cpu_eagle3.py), the neuron backend per decode bucket
   (backends/neuron_eagle3.py). Either way the chain's entries (positions >= L - 1) are rewritten from the

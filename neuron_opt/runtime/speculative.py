@@ -12,7 +12,7 @@ the target model agrees with (plus one token of its own).
   since (the bonus token, and the last proposal when all were accepted): no rollback, only a shorter prefix.
   an EAGLE-3 head (`method="eagle3"`, `model=` its directory; runtime/eagle3.py): one decoder layer over the
   target's own hidden states, which the engine hands over after each graph call (`observe_hidden`), chained k
-  steps greedily with its own one-layer KV per sequence.
+  steps greedily with its own one-layer KV in the target's blocks.
 - Acceptance (`accept`), position by position over the verify logits, with the request's own sampling
   (penalties, banned tokens, temperature, top-k/top-p) applied to each position's logits exactly as `sample_one`
   does for a decode step:
