@@ -188,7 +188,8 @@ class Eagle3Proposer:
         aux = torch.zeros(n, head.cfg.num_aux * head.cfg.aux_hidden_size, dtype=head.fc.weight.dtype)
         pend = self.pending.get(rid, {})
         guessed = self.guessed.setdefault(rid, set())
-        guessed -= {b for b in guessed if b >= (s + 1) // bs}  # rewritten now
+        first = (s + 1) // bs + ((s + 1) % bs > 0)  # the first block rewritten from its start
+        guessed -= {b for b in guessed if b >= first}
         for j in range(n):
             if (row := pend.get(s + j)) is not None:
                 aux[j] = row
