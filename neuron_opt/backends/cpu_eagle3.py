@@ -8,7 +8,7 @@ Design decisions
   graphs: one graph serves every KV length of its batch.
 - Weight-free, as the model's graphs: the .so is compiled on a placeholder copy and its constants are bound at
   load to the head's own tensors (cpu_graphs.compile_graph's recipes; GEMMs on aten, so they are the tensors as
-  held and the compile stays short). A head without embed_tokens reads the model's table as the graph's last
+  held, with no packed copy). A head without embed_tokens reads the model's table as the graph's last
   input: a [V, H] copy made once (the model's own may be held packed inside its LM head's layout).
 - Compiled when the chain is built (the engine starts with `--speculative-model`; the head is not part of the
   artifact), into a temporary directory the chain owns; the executor keeps the chain per head, so later engines

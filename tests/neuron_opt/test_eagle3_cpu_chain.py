@@ -29,7 +29,7 @@ def head(tmp_path_factory):
     path = make_tiny("llama-gqa2", tmp_path_factory.mktemp("ckpt"), tokenizer=True)
     head_dir = write_random_head(tmp_path_factory.mktemp("head"), path, [0, 1, 2], draft_vocab=64)
     llm = LLM(path, batch_size=2, max_model_len=64)
-    return llm.eagle3(head_dir), llm
+    return llm.eagle3(head_dir), llm, path, head_dir
 
 
 def _calls(A: int) -> list[list[ChainRow]]:
@@ -51,7 +51,7 @@ def _calls(A: int) -> list[list[ChainRow]]:
 def test_the_chain_graph_at_a_buckets_shape_equals_the_host_chain(head):
     """What the compiled graph computes, in torch: rows padded to batch 4 and K + 1 positions (padding entries to
     the null block) over a cut block table give the host chain's proposals, call after call (cheap: no compile)."""
-    head, _ = head
+    head, *_ = head
     cache = CacheConfig(max_batch=4, max_model_len=64, block_size=BS, num_blocks=17)
     A = head.cfg.num_aux * head.cfg.aux_hidden_size
     host = EagerChain(head, cache)
@@ -78,7 +78,7 @@ def test_compiled_cpu_chain_proposes_as_the_host_chain(head):
     from neuron_opt.backends.cpu import bind_graph
     from neuron_opt.backends.cpu_eagle3 import CpuEagle3Chain
 
-    head, llm = head
+    head, llm, *_ = head
     cache = CacheConfig(max_batch=2, max_model_len=64, block_size=BS, num_blocks=17)
     buckets = BucketConfig.build(max_prompt_len=32, max_model_len=64, max_batch=2, min_prefill=16, min_decode=32,
                                  num_speculative_tokens=K)
@@ -92,3 +92,30 @@ def test_compiled_cpu_chain_proposes_as_the_host_chain(head):
             assert chain.propose(rows) == host.propose(rows)
             assert chain.propose(rows[1:]) == host.propose(rows[1:])  # batch 1's graph
     assert chain.calls == {"chain": 6, "fill": 2}  # the new prompts of the first call, twice
+
+
+@pytest.mark.slow  # compiles a cpu artifact and its chain graph
+def test_a_cpu_artifact_speculates_through_its_compiled_chain_exactly(head, tmp_path):
+    """A cpu artifact of the tiny model with verify graphs: greedy with the head (its chain the compiled graph)
+    equals the eager plain loop's, two prompts at once, and the chain graph made the proposals."""
+    from helpers import reference_generate
+
+    from neuron_opt.compiler import CompileRequest, compile_artifact
+    from neuron_opt.runtime.sampling import SamplingParams
+    from neuron_opt.runtime.speculative import SpeculativeConfig
+
+    _, llm, path, head_dir = head
+    req = CompileRequest(model=str(path), out=tmp_path / "art", backend="cpu", dtype="float32", batch_size=2,
+                         max_model_len=64, prefill_buckets=(32,), decode_buckets=(64,), cache_dir=tmp_path / "cache",
+                         num_speculative_tokens=K)
+    compile_artifact(req, log=lambda s: None, progress=False)
+    compiled = LLM(tmp_path / "art")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (9, 14)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    outs = compiled.generate_batch(prompts, params,
+                                   speculative=SpeculativeConfig(K, "eagle3", adaptive=False, model=str(head_dir)))
+    for p, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == reference_generate(llm, p, params).token_ids
+    chain = compiled.runner.executor._chain[1]
+    assert type(chain).__name__ == "CpuEagle3Chain" and chain.calls["chain"] > 0

@@ -260,6 +260,7 @@ def test_cli_generate_and_serve_flags_take_an_eagle3_head(setup, tiny_dir, capsy
 
 
 @pytest.mark.slow  # a cpu artifact's compile (prefill, decode and verify layer graphs, two heads), the chain graph
+@pytest.mark.timeout(1800)
 def test_cpu_artifact_runs_an_eagle3_head_exactly(setup, tiny_dir, tmp_path):
     """The cpu backend hands over the stream between its layer graphs and runs the head's chain as its compiled
     graph (backends/cpu_eagle3.py): greedy through a compiled artifact with the head equals eager plain greedy, for
