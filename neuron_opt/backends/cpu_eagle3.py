@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.export import Dim
 
 from models.eagle3 import ChainGraph, ChainRow, Eagle3Head, chain_inputs, fill, table_blocks
@@ -48,18 +49,26 @@ class CpuEagle3Chain:
                  embed_table: torch.Tensor | None, bind: BindGraph) -> None:
         if buckets.verify_len < 2:
             raise ValueError("eagle3 on the cpu backend: the model needs verify graphs (num_speculative_tokens >= 1)")
-        self.head, self.block_size, self.max_blocks = head, cache.block_size, cache.blocks_per_sequence + 1
+        self.block_size, self.max_blocks = cache.block_size, cache.blocks_per_sequence + 1
         self.K, self.Q = buckets.verify_len - 1, buckets.verify_len
         self.dtype = head.fc.weight.dtype
         self.A = head.cfg.num_aux * head.cfg.aux_hidden_size
         self.k_pool, self.v_pool = head.kv_pools(cache.num_blocks, cache.block_size, self.dtype)
         self.table = () if embed_table is None else (embed_table.to(self.dtype).contiguous(),)
-        self.graph = ChainGraph(head, self.K, table_input=embed_table is not None).eval()
+        # the graphs' own copy of the head: a head sharing the model's embeddings holds the executor's function,
+        # which the compile's copy of the module cannot take; the table is an input instead
+        self.head = Eagle3Head(head.cfg, head.max_model_len).to(self.dtype)
+        self.head.load_state_dict(head.state_dict())
+        self.head.eval()
+        self.graph = ChainGraph(self.head, self.K, table_input=embed_table is not None).eval()
         self._bind = bind
         self._constants: dict[int, list[torch.Tensor]] = {}  # each graph's bound constants, kept alive
         self._dir = tempfile.TemporaryDirectory(prefix="neuron_opt_eagle3_")
         self.batches = sorted(buckets.decode_batches)
         self.runners = {B: self._compile(B) for B in self.batches}
+        if self.table:  # the torch fill of rows further behind reads the same table
+            table = self.table[0]
+            self.head.share_embedding(lambda ids: F.embedding(ids, table))
         self.calls = {"chain": 0, "fill": 0}  # graph calls and torch fills, for tests and benchmarks
 
     def _example(self, B: int) -> tuple[torch.Tensor, ...]:
