@@ -65,6 +65,7 @@ from neuron_opt.multimodal.inputs import (
     last_keys,
     processor_chat,
 )
+from neuron_opt.runtime.eagle3 import Eagle3Proposer
 from neuron_opt.runtime.kv_tier import KVTier
 from neuron_opt.runtime.output import OutputProcessor, RequestOutput, TokenLogprob, send, token_logprobs
 from neuron_opt.runtime.pipeline import RowOutcome, StepTask, TaskResult, run_task
@@ -303,7 +304,7 @@ class Engine:
         return self.speculation.stats if self.speculation is not None else SpecStats()
 
     @property
-    def proposer(self) -> Proposer | None:
+    def proposer(self) -> Proposer | Eagle3Proposer | None:
         """Speculative decoding's proposer (None without it)."""
         return self.speculation.proposer if self.speculation is not None else None
 
@@ -537,6 +538,9 @@ class Engine:
             self._note_lora_adapters()
             return False
         t0 = time.perf_counter()
+        if self.speculation is not None:  # (speculation runs this synchronous loop only)
+            for rid in out.preempted:
+                self.speculation.preempted(rid)
         if out.decodes:
             self._decode_or_verify(out.decodes)
         per_call = self.runner.buckets.prefill_batch

@@ -272,11 +272,12 @@ class ModelRunner:
             raise ValueError("no auxiliary hidden states: capture_aux_hidden first")
         return aux
 
-    def eagle3_chain(self, head: Any, num_slots: int) -> Any:
-        """The executor's own way of running an EAGLE-3 head's draft chain for `num_slots` sequences (the neuron
-        backend's device graphs, runtime/eagle3.HeadChain), or None where the head runs in torch on the host."""
+    def eagle3_chain(self, head: Any) -> Any:
+        """The executor's own way of running an EAGLE-3 head's draft chain, its K/V in pools of this cache's block
+        layout (the cpu backend's compiled graphs, the neuron backend's device graphs: runtime/eagle3.HeadChain),
+        or None where the head runs in torch on the host."""
         make = getattr(self.executor, "eagle3_chain", None)
-        return None if make is None else make(head, num_slots, self.buckets)
+        return None if make is None else make(head, self.cache, self.buckets)
 
     def embedding_fn(self) -> Any:
         """The model's token embeddings as a function of token ids (unscaled rows [..., H]), which an EAGLE-3 head

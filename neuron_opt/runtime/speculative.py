@@ -12,7 +12,7 @@ the target model agrees with (plus one token of its own).
   since (the bonus token, and the last proposal when all were accepted): no rollback, only a shorter prefix.
   an EAGLE-3 head (`method="eagle3"`, `model=` its directory; runtime/eagle3.py): one decoder layer over the
   target's own hidden states, which the engine hands over after each graph call (`observe_hidden`), chained k
-  steps greedily with its own one-layer KV per sequence.
+  steps greedily with its own one-layer KV in the target's blocks.
 - Acceptance (`accept`), position by position over the verify logits, with the request's own sampling
   (penalties, banned tokens, temperature, min-p/top-k/top-p) applied to each position's logits exactly as
   `sample_one` does for a decode step:
@@ -59,7 +59,7 @@ import torch
 
 from neuron_opt.buckets import pick_decode
 from neuron_opt.errors import ConfigError
-from neuron_opt.runtime.eagle3 import Eagle3Proposer
+from neuron_opt.runtime.eagle3 import Eagle3Proposer, SeqBlocks
 from neuron_opt.runtime.request import Request
 from neuron_opt.runtime.runner import DecodeRow, ModelRunner, PrefillRow
 from neuron_opt.runtime.sampling import (
@@ -486,9 +486,9 @@ class SpeculativeDecoding:
                               + ("takes none" if draft is not None else "needs one"), param="speculative_model")
         self.config, self.runner = config, runner
         self.controller = SpecController(k, config.adaptive)
-        self.proposer: Proposer
+        self.proposer: Proposer | Eagle3Proposer
         if config.method == "eagle3":
-            self.proposer = self._eagle3_proposer(draft, max_num_seqs)
+            self.proposer = self._eagle3_proposer(draft)
         elif config.method == "draft_model":
             if not isinstance(draft, ModelRunner):
                 raise ConfigError("speculative_model: the draft_model method takes a draft model's runner",
@@ -498,7 +498,7 @@ class SpeculativeDecoding:
             self.proposer = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
         self.stats = SpecStats()
 
-    def _eagle3_proposer(self, head: Any, seqs: int) -> Eagle3Proposer:
+    def _eagle3_proposer(self, head: Any) -> Eagle3Proposer:
         """The head (api.load_eagle3 checked it against the model) reads the layers it names, at every position
         the target reaches."""
         from models.eagle3 import Eagle3Head  # here: the CLI's parser imports this module for SpeculativeConfig
@@ -513,7 +513,7 @@ class SpeculativeDecoding:
             raise ConfigError(f"speculative_model: the eagle3 head reaches position {head.max_model_len - 1}, the "
                               f"model {self.runner.max_model_len - 1}", param="speculative_model")
         self.runner.capture_aux_hidden(head.aux_layer_ids)
-        return Eagle3Proposer(head, seqs, self.runner.eagle3_chain(head, seqs))
+        return Eagle3Proposer(head, self.runner.cache, self.runner.eagle3_chain(head))
 
     @property
     def wants_hidden(self) -> bool:
@@ -558,7 +558,12 @@ class SpeculativeDecoding:
                  grammars: Sequence[GrammarState | None], budget: dict[str, int]) -> dict[str, list[int]]:
         items = [(d.request_id, r.prompt_token_ids + r.output_token_ids, budget[d.request_id])
                  for d, r in zip(decodes, reqs, strict=True)]
-        out = {rid: p for (rid, _, _), p in zip(items, self.proposer.propose_batch(items), strict=True)}
+        if isinstance(self.proposer, Eagle3Proposer):  # the head's KV lives in the rows' blocks
+            got = self.proposer.propose_batch(items, [SeqBlocks(d.blocks, r.cache_tokens(), r.cache_salt)
+                                                      for d, r in zip(decodes, reqs, strict=True)])
+        else:
+            got = self.proposer.propose_batch(items)
+        out = {rid: p for (rid, _, _), p in zip(items, got, strict=True)}
         for d, grammar in zip(decodes, grammars, strict=True):  # a grammar's request verifies only what it allows
             p = out[d.request_id]
             if grammar is not None and p:
@@ -605,6 +610,11 @@ class SpeculativeDecoding:
         """A plain step sampled `token` where `draft` was proposed: the first proposal's acceptance, for free."""
         if draft:
             self.controller.observe_acceptance(request_id, int(token == draft[0]), 1)
+
+    def preempted(self, request_id: str) -> None:
+        """The request gave its KV blocks back (it runs again later): an EAGLE-3 head's entries went with them."""
+        if isinstance(self.proposer, Eagle3Proposer):
+            self.proposer.preempted(request_id)
 
     def forget(self, request_id: str) -> None:
         """The request finished: drop its acceptance estimate and the proposer's state (a draft's KV slot)."""

@@ -23,9 +23,9 @@ from neuron_opt.config import CacheConfig
 from neuron_opt.errors import ConfigError
 from neuron_opt.runtime.eagle3 import Eagle3Proposer
 from neuron_opt.runtime.engine import Engine
-from neuron_opt.runtime.runner import ModelRunner
-from neuron_opt.runtime.sampling import SamplingParams
-from neuron_opt.runtime.speculative import SpeculativeConfig
+from neuron_opt.runtime.runner import ModelRunner, PrefillRow
+from neuron_opt.runtime.sampling import SamplerState, SamplingParams, sample_one
+from neuron_opt.runtime.speculative import SpeculativeConfig, accept
 
 K = 3
 
@@ -83,18 +83,11 @@ def test_greedy_with_an_eagle3_head_equals_plain_greedy_in_a_mixed_batch(setup, 
     seen: list[tuple[list[int], int, list[int]]] = []
     prop = engine.proposer
     assert isinstance(prop, Eagle3Proposer)
-    inner = prop.propose_batch
-
-    def recording(items):  # observes what the engine asked and got; proposes exactly as before
-        got = inner(items)
-        seen.extend((list(ids), k, p) for (_, ids, k), p in zip(items, got, strict=True) if k)
-        return got
-
-    prop.propose_batch = recording
+    _recording(prop, seen)
     outs = run_engine(engine, {str(i): (p, params[i]) for i, p in enumerate(prompts)})
     assert_outputs_match_reference(outs, ref, prompts, params)
     assert engine.spec_stats.verify_steps > 0 and engine.spec_stats.draft_tokens > 0
-    assert not prop.slot and not prop.pending  # every finished request gave its slot and states back
+    assert not prop.fed and not prop.pending  # every finished request gave its states back
     assert seen
     head = llm.eagle3(head_dir)
     for ids, k, p in seen[:12]:
@@ -125,6 +118,98 @@ def test_exact_across_preemption_and_prefix_cache_hits(setup):
         assert [t for o in outs[str(i)] for t in o.new_token_ids] == reference_generate(ref, p, params).token_ids, i
     assert engine.spec_stats.verify_steps > 0
     assert engine.stats.preemptions > 0 and engine.prefix_cache_stats.hits > 0
+
+
+def _recording(prop: Eagle3Proposer, seen: list) -> None:
+    """Record every (token ids, k, proposal) the engine gets from the proposer; it proposes exactly as before."""
+    inner = prop.propose_batch
+
+    def recording(items, seqs):
+        got = inner(items, seqs)
+        seen.extend((list(ids), k, p) for (_, ids, k), p in zip(items, got, strict=True) if k)
+        return got
+
+    prop.propose_batch = recording
+
+
+def test_head_entries_in_the_targets_blocks_carry_prefix_hits_and_preemption(setup):
+    """The head's K/V live in the target's blocks: a prompt that shares a finished request's prefix finds the
+    head's entries of the shared blocks (not recomputed: `reused`), and sequences preempted by a small pool find
+    theirs again; every proposal still equals the head's chain recomputed from scratch on the target's states of
+    the whole sequence, and greedy equals the plain loop's."""
+    llm, ref, head_dir = setup
+    base = _prompts(llm)[1] * 3
+    first = [base + [11]]
+    later = [base + [12, 13], base + [14], base + [15, 16, 17]]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    BS = 16
+    blocks = 1 + 128 // BS + 1  # the least the model allows: three sequences of ~80 tokens preempt
+    cache = CacheConfig(max_batch=4, max_model_len=128, block_size=BS, num_blocks=blocks)
+    buckets = BucketConfig.build(max_prompt_len=64, max_model_len=128, max_batch=4, min_prefill=16, min_decode=16,
+                                 num_speculative_tokens=K)
+    sd = dict(ref.runner.executor.model.state_dict())
+    runner = ModelRunner(EagerExecutor(build_model(ref.config, sd, 128, torch.float32), cache), buckets, cache,
+                         ref.config.vocab_size, ref.config)
+    spec = SpeculativeConfig(K, "eagle3", adaptive=False, model=str(head_dir))
+    engine = Engine(runner, llm.tokenizer, llm.eos_token_ids, speculative=spec, draft=llm.eagle3(head_dir),
+                    enable_prefix_caching=True)
+    prop = engine.proposer
+    assert isinstance(prop, Eagle3Proposer)
+    seen: list[tuple[list[int], int, list[int]]] = []
+    _recording(prop, seen)
+    outs = run_engine(engine, {"a": (first[0], params)})
+    reused, alone = prop.reused, len(seen)
+    outs |= run_engine(engine, {str(i): (p, params) for i, p in enumerate(later)})
+    assert outs["a"] and [t for o in outs["a"] for t in o.new_token_ids] == \
+        reference_generate(ref, first[0], params).token_ids
+    for i, p in enumerate(later):
+        assert [t for o in outs[str(i)] for t in o.new_token_ids] == reference_generate(ref, p, params).token_ids, i
+    assert engine.prefix_cache_stats.hits > 0 and engine.stats.preemptions > 0
+    assert prop.reused - reused >= len(later) * (len(base) // BS * BS - 1)  # the shared blocks' entries, found
+    head = llm.eagle3(head_dir)
+    for ids, k, p in seen[alone:]:  # those of the sequences that shared blocks and were preempted
+        assert p == _head_from_scratch(ref, head, ids, k), (len(ids), k)
+
+
+def _sampled_reference(ref: LLM, head: Eagle3Head, prompt: list[int], params: SamplingParams) -> list[int]:
+    """The speculating engine's tokens for one sampled request, recomputed on the host with nothing shared: the
+    target's logits over the whole sequence and its proposals (one prefill of every position), the head's chain
+    from scratch, and `speculative.accept` (rejection sampling) with the request's own seeded generator, K (or
+    what max_tokens leaves) proposals at every step."""
+    state = SamplerState.create(params)
+    out: list[int] = []
+    while len(out) < params.max_tokens:
+        seq = prompt + out
+        k = min(K, params.max_tokens - len(out) - 1) if out else 0
+        draft = _head_from_scratch(ref, head, seq, k) if k else []
+        every = ref.runner.prefill_rows([PrefillRow(0, tuple(seq + draft))], all_positions=True)[0]
+        if not out:  # the prefill's token
+            res = sample_one(every[len(seq) - 1], state)
+            state.observe(res.token)
+            out.append(res.token)
+            continue
+        out += [r.token for r in accept(every[len(seq) - 1:], draft, state, [()] * (k + 1))]
+    return out[:params.max_tokens]
+
+
+def test_sampled_rows_are_verified_by_rejection_sampling_as_the_host_reference(setup):
+    """Sampled requests (seeded; temperature, top-p) beside a greedy one, always verifying: each sampled request's
+    tokens equal the host reference's (`_sampled_reference`: the target's own logits, the head's chain from scratch,
+    rejection sampling with the request's generator), so its proposals are verified by rejection sampling on the
+    exact target distribution, position by position."""
+    llm, ref, head_dir = setup
+    prompts = _prompts(llm)[:3]
+    params = [SamplingParams(max_tokens=14, ignore_eos=True, temperature=0.7, seed=11),
+              SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.0, top_p=0.9, seed=12),
+              SamplingParams(max_tokens=12, ignore_eos=True)]
+    spec = SpeculativeConfig(K, "eagle3", adaptive=False, model=str(head_dir))
+    engine = Engine(llm.runner, llm.tokenizer, llm.eos_token_ids, speculative=spec, draft=llm.eagle3(head_dir))
+    outs = run_engine(engine, {str(i): (p, params[i]) for i, p in enumerate(prompts)})
+    assert engine.spec_stats.verify_steps > 0 and engine.spec_stats.draft_tokens > 0
+    head = llm.eagle3(head_dir)
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        got = [t for o in outs[str(i)] for t in o.new_token_ids]
+        assert got == _sampled_reference(ref, head, p, sp), i
 
 
 def test_bad_heads_and_backends_are_refused_naming_the_field(setup, tmp_path, tiny_dir):
@@ -170,14 +255,16 @@ def test_cli_generate_and_serve_flags_take_an_eagle3_head(setup, tiny_dir, capsy
     args = build_parser().parse_args(["serve", "--model", target, "--max-num-seqs", "3", "--max-model-len", "128",
                                       *flags])
     built = build_engine(args)
-    assert isinstance(built.proposer, Eagle3Proposer) and built.proposer.num_slots == 3
+    assert isinstance(built.proposer, Eagle3Proposer) and built.proposer.block_size == built.runner.cache.block_size
     assert built.spec.method == "eagle3"
 
 
-@pytest.mark.slow  # a cpu artifact's compile (prefill, decode and verify layer graphs, two heads)
+@pytest.mark.slow  # a cpu artifact's compile (prefill, decode and verify layer graphs, two heads), the chain graph
+@pytest.mark.timeout(1800)
 def test_cpu_artifact_runs_an_eagle3_head_exactly(setup, tiny_dir, tmp_path):
-    """The cpu backend hands over the stream between its layer graphs (no other graphs): greedy through a
-    compiled artifact with the head equals eager plain greedy, for four prompts in turn."""
+    """The cpu backend hands over the stream between its layer graphs and runs the head's chain as its compiled
+    graph (backends/cpu/eagle3.py): greedy through a compiled artifact with the head equals eager plain greedy, for
+    four prompts in turn."""
     from neuron_opt.compiler import CompileRequest, compile_artifact
 
     llm, ref, head_dir = setup
@@ -194,6 +281,8 @@ def test_cpu_artifact_runs_an_eagle3_head_exactly(setup, tiny_dir, tmp_path):
         assert out.token_ids == reference_generate(ref, p, sp).token_ids
     _, stats = compiled.generate_ids_speculative(prompts[0], params[0], spec)
     assert stats.verify_steps > 0 and stats.draft_tokens > 0
+    chain = compiled.runner.executor._chain[1]
+    assert type(chain).__name__ == "CpuEagle3Chain" and chain.calls["chain"] > 0
 
 
 def test_tp2_rank_processes_hand_over_their_states_and_stay_exact(setup, tiny_dir):

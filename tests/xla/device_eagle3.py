@@ -1,8 +1,8 @@
 """Run as a script (a fresh process per tp: SPMD mode is per process). Compiles a tiny checkpoint with `--backend
 neuron` and verify graphs at the given tp, runs a mixed batch through the engine without speculation, then with an
 EAGLE-3 head (its chain as device graphs; always verifying), recording every call of the device chain; replays
-those calls through the head in torch on the host (runtime/eagle3.EagerChain, its own KV) and prints one JSON
-object: each request's tokens both ways, the device chain's and the host chain's proposals per call, the graph
+those calls through the head in torch on the host (runtime/eagle3.EagerChain, its own block pools) and prints one
+JSON object: each request's tokens both ways, the device chain's and the host chain's proposals per call, the graph
 calls the device chain made, the verify steps, each bucket's graph outputs, whether a second engine reuses the
 device chain; and how far the auxiliary states of a prefill and of a verify
 step are from the eager model's.
@@ -76,7 +76,7 @@ def main(ckpt: Path, head_dir: Path, out: Path, tp: int) -> dict:
 
     chain.propose = recording
     speculative = run(engine)
-    host = EagerChain(head, engine.proposer.num_slots)  # the same calls, in order, through the head on the host
+    host = EagerChain(head, llm.runner.cache)  # the same calls, in order, through the head on the host
     with torch.inference_mode():
         replayed = [host.propose(rows) for rows, _ in calls]
     # the states themselves, against the eager model's (`forward_with_aux`): a prefill, then a verify after it

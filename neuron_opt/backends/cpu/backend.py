@@ -438,6 +438,15 @@ def _runner(so: Path, constants: dict[str, torch.Tensor]) -> Any:
     return r
 
 
+def bind_graph(so: Path, recipes: dict[str, ConstantRecipe], tensors: dict[str, torch.Tensor]
+               ) -> tuple[Any, list[torch.Tensor]]:
+    """A compiled graph's container with its constants built from `tensors` (named as the compiled module names
+    them) by its recipes, and those constants: the container holds raw pointers, the caller keeps them alive."""
+    store = _WeightStore(tensors)
+    constants = {c: store.get(tuple(r.sources), r) for c, r in recipes.items()}
+    return _runner(so, constants), list(constants.values())
+
+
 class _HeadCall:
     """A head container as a function of the rows' hidden states (a pool graph's: and their last indices)."""
 
@@ -524,6 +533,7 @@ class CpuExecutor:
         self.constants = store.built
         self.aux_layers: tuple[int, ...] = ()  # capture_aux_hidden
         self.aux_hidden: torch.Tensor | None = None
+        self._chain: tuple[Any, Any] | None = None  # eagle3_chain's: (head, its compiled chain)
 
     @staticmethod
     def _read_metas(graph_files: dict[Bucket, list[Path]], cache: CacheConfig, dtype: torch.dtype,
@@ -577,6 +587,18 @@ class CpuExecutor:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The token embedding rows of `ids`, unscaled (from the packed head weight when tied)."""
         return self._embed(ids)
+
+    def eagle3_chain(self, head: Any, cache: CacheConfig, buckets: Any) -> Any:
+        """An EAGLE-3 head's draft chain as compiled graphs, one per decode batch (cpu.eagle3.CpuEagle3Chain), its
+        K/V in the target's block layout. Kept per head, so later engines over this model reuse its graphs; a new
+        proposer trusts no head entry it did not write, so nothing of an earlier engine's KV is read."""
+        from neuron_opt.backends.cpu.eagle3 import CpuEagle3Chain
+
+        if self._chain is None or self._chain[0] is not head:
+            self._chain = None  # one head's graphs at a time
+            table = None if head.embed_tokens is not None else self._embed(torch.arange(self.cfg.vocab_size))
+            self._chain = (head, CpuEagle3Chain(head, cache, buckets, table, bind_graph))
+        return self._chain[1]
 
     def load_lora(self, slot: int, adapter: Any) -> None:
         load_into_slot(self.lora_stacks, slot, adapter, self._lora_model)  # type: ignore[arg-type]

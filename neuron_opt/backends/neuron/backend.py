@@ -887,7 +887,7 @@ class NeuronExecutor:
         self.buckets: dict[Bucket, Replay | None] = {}  # None: run traced
         self.every: dict[Bucket, Replay | None] = {}  # prefill buckets' every-position variants compiled so far
         self._host_embed: torch.Tensor | None = None  # `embed`'s table, read from the device on first use
-        self._chain: tuple[Any, int, Any] | None = None  # eagle3_chain's: (head, slots, its device chain)
+        self._chain: tuple[Any, Any] | None = None  # eagle3_chain's: (head, its device chain)
 
     @property
     def lora_config(self) -> Any:
@@ -941,19 +941,19 @@ class NeuronExecutor:
             self._host_embed = self.ranks.embedding_table()
         return torch.nn.functional.embedding(ids, self._host_embed)
 
-    def eagle3_chain(self, head: Any, num_slots: int, buckets: Any) -> Any:
-        """The EAGLE-3 head as device graphs beside the model (neuron_eagle3.DeviceEagle3Chain): its weights and
-        KV on the device, the whole draft chain one graph call per step. Kept per head and slot count, so the
-        engines of later calls (`LLM.generate_batch`) reuse its device copy and compiled graphs; a new proposer
-        fills its slots from position 0, so nothing of an earlier engine's KV is read."""
+    def eagle3_chain(self, head: Any, cache: Any, buckets: Any) -> Any:
+        """The EAGLE-3 head as device graphs beside the model (neuron.eagle3.DeviceEagle3Chain): its weights and
+        KV (in the target's block layout) on the device, the whole draft chain one graph call per step. Kept per
+        head, so the engines of later calls (`LLM.generate_batch`) reuse its device copy and compiled graphs; a new
+        proposer trusts no head entry it did not write, so nothing of an earlier engine's KV is read."""
         from neuron_opt.backends.neuron.eagle3 import DeviceEagle3Chain
 
-        if self._chain is None or self._chain[0] is not head or self._chain[1] != num_slots:
+        if self._chain is None or self._chain[0] is not head:
             self._chain = None  # one head's copy on the device at a time
             table = None if head.embed_tokens is not None else self.ranks.device_embedding_table()
-            chain = DeviceEagle3Chain(head, num_slots, buckets, self.ranks.xla, self.ranks.device, table)
-            self._chain = (head, num_slots, chain)
-        return self._chain[2]
+            chain = DeviceEagle3Chain(head, cache, buckets, self.ranks.xla, self.ranks.device, table)
+            self._chain = (head, chain)
+        return self._chain[1]
 
     def warm(self, bucket: Bucket, sampling: SamplingInputs) -> None:
         """Runs `bucket` once on inputs that write and read only the null block, sampling with `sampling`, so its
