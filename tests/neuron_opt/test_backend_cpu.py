@@ -224,13 +224,15 @@ def test_offset_and_two_row_prefills_match_eager(executor: CpuExecutor) -> None:
 
 def test_batch1_prefills_attend_in_parts_even_with_a_tail_past_max_model_len(
         compiled: tuple[Path, dict[Bucket, list[Path]], CpuBackend], executor: CpuExecutor) -> None:
-    """Batch-1 prefill graphs attend in parts (cpu_graphs.PrefillAttention), batched ones whole. A prefill of 5
-    tokens ending at the last position, padded to 16 as the runner pads (positions capped at max_model_len - 1):
-    the executor extends its table with a null block so every part sees its keys; logits and K/V against eager."""
+    """Prefill graphs attend in parts (cpu_graphs.PrefillAttention), batched ones too, each row on its own. A
+    prefill of 5 tokens ending at the last position, padded to 16 as the runner pads (positions capped at
+    max_model_len - 1): the executor extends its table with a null block so every part sees its keys. Then two rows
+    of different lengths and starts in one batch-2 prefill (that tail again beside a 14-token prompt from position
+    0): logits and K/V against eager."""
     out, _, _ = compiled
     metas = {m["key"]: m for m in (json.loads(f.read_text()) for f in out.rglob("*.json")) if "key" in m}
     assert metas["layer_prefill_b1_dyn"]["prefill_parts"] == 4
-    assert metas["layer_prefill_b2_dyn"]["prefill_parts"] == 0
+    assert metas["layer_prefill_b2_dyn"]["prefill_parts"] == 4
     reset(executor)
     ref = Eager(make_model(7))
     start, n, bucket = MAX_LEN - 5, 5, Bucket(PREFILL, 1, 1024, 16)
@@ -240,6 +242,16 @@ def test_batch1_prefills_attend_in_parts_even_with_a_tail_past_max_model_len(
     flat[0, :n] = torch.tensor([b * BS + o for b, o in (where(2, p) for p in range(start, start + n))])
     pos = torch.arange(start, start + 16).clamp(max=MAX_LEN - 1)[None]
     inp = StepInputs(ids, pos, flat, tables([2], MAX_LEN), torch.tensor([n - 1]))
+    torch.testing.assert_close(executor.run(bucket, inp), ref.run(bucket, inp), rtol=1e-4, atol=1e-4)
+    assert_kv_equal(executor, ref)
+    bucket, m = Bucket(PREFILL, 2, 1024, 16), 14
+    ids = torch.zeros(2, 16, dtype=torch.int64)
+    ids[0, :n], ids[1, :m] = torch.arange(30, 30 + n), torch.arange(100, 100 + m)
+    flat = torch.zeros(2, 16, dtype=torch.int64)
+    flat[0, :n] = torch.tensor([b * BS + o for b, o in (where(2, p) for p in range(start, start + n))])
+    flat[1, :m] = torch.tensor([b * BS + o for b, o in (where(0, p) for p in range(m))])
+    pos = torch.stack([torch.arange(start, start + 16).clamp(max=MAX_LEN - 1), torch.arange(16)])
+    inp = StepInputs(ids, pos, flat, tables([2, 0], MAX_LEN), torch.tensor([n - 1, m - 1]))
     torch.testing.assert_close(executor.run(bucket, inp), ref.run(bucket, inp), rtol=1e-4, atol=1e-4)
     assert_kv_equal(executor, ref)
 

@@ -108,12 +108,12 @@ def _parse_options(options: dict[str, Any] | None, dtype: torch.dtype) -> dict[s
     head_gemm: the GEMM of heads with fp32 logits below fp32 (`logits` "fp32"): "cpp" (Inductor's C++ template)
     or "kernel" (bf16 only: torch.ops.neuron_opt.bf16_linear on the head weight as held; bf16's default where the
     operators build and `logits` is "fp32").
-    gguf_linear: products of up to quant.INT8_KERNEL_MAX_ROWS rows on GGUF blocks as stored: "q8" (x rounded to
+    gguf_linear: products of up to weights.INT8_KERNEL_MAX_ROWS rows on GGUF blocks as stored: "q8" (x rounded to
     llama.cpp's 8-bit activation blocks, integer dot products: torch.ops.neuron_opt.gguf_linear, llama.cpp's
     arithmetic) or "exact" (x fp32: gguf_linear_exact, the reference; docs/quantization.md).
-    prefill_attention: attention of batch-1 prefill layer graphs: "split" (cpu_graphs.PrefillAttention: the queries
-    in PREFILL_ATTENTION_PARTS parts, each over the keys its last query sees, so most of the masked causal half is
-    not computed) or "whole" (one SDPA over every key, the reference).
+    prefill_attention: attention of prefill layer graphs (any batch): "split" (graphs.PrefillAttention: each
+    row's queries in PREFILL_ATTENTION_PARTS parts, each over the keys its last query sees, so most of the masked
+    causal half is not computed) or "whole" (one SDPA over every key, the reference).
     exact_verify: "on" (verify graphs compute each row as the decode graph of their batch does: its GEMM choice,
     DecodeAttention per query; the fp32-logits head either way; verify logits are then bitwise the decode step's)
     or "off" (SDPA over the queries, `gemm`: cheaper, close but not equal below fp32). With
@@ -266,9 +266,9 @@ class CpuBackend(Backend):
         return list(self._done[memo])
 
     def _compile_layer(self, model: torch.nn.Module, bucket: Bucket, cache: CacheConfig, so: Path) -> dict[str, Any]:
-        # batch-1 prefills attend in parts over the keys each part sees (PrefillAttention); the executor keeps its
-        # contract (CpuExecutor.run)
-        split = (bucket.phase == PREFILL and bucket.batch == 1 and not static_tokens(bucket)
+        # prefills attend in parts over the keys each part sees (PrefillAttention, each row on its own); the
+        # executor keeps its contract (CpuExecutor.run)
+        split = (bucket.phase == PREFILL and not static_tokens(bucket)
                  and cache.max_model_len > PREFILL_SPLIT_STEP and self.options["prefill_attention"] == "split")
         parts = PREFILL_ATTENTION_PARTS if split else 0
         args, dyn = layer_example(model, bucket, cache, self.dtype, self.residual_dtype, self.rope_dtype, split)

@@ -77,7 +77,7 @@ class WrappedOps(TorchOps):
 
 
 class PrefillAttention(WrappedOps):
-    """Model ops for batch-1 prefill graphs: the queries in `parts` equal consecutive parts, each attending only the
+    """Model ops for prefill graphs: each row's queries in `parts` equal consecutive parts, each attending only the
     keys its last query can see, so most of the causal upper triangle is never computed (aten's CPU flash attention
     skips it only under `is_causal`, and the graph's mask also carries prefix offsets and windows). Part j holds
     queries [j*S/parts, (j+1)*S/parts) and reads keys [0, kv_len - S + (j+1)*S/parts); the mask, sliced alike,
@@ -88,6 +88,10 @@ class PrefillAttention(WrappedOps):
     is declared so: parts of 0 or 1 rows would make export specialise). The executor pads the tokens to the step
     and the block table with null blocks to the row's first position plus S; keys beyond max_model_len are masked
     for every query.
+
+    Rows attend one at a time (batch-1 slices): with a batch dimension above 1, Inductor's stride-order check of the
+    sliced mask (torch 2.13, lowering.sdpa_constraint) fails with "Exponent must be non-negative" on the key bound
+    kv_len - S + i1, whose value range it cannot prove non-negative. The rows' keys are the rows' own either way.
 
     Why: at 1,504 tokens (SmolLM2-135M, fp32 attention, 2 threads) one layer's attention took 35.7 ms whole and 24.5
     ms in 4 parts (8 parts: 24.7, 2 parts: 29.1); at 160 tokens the two were even (docs/cpu_backend.md)."""
@@ -110,13 +114,17 @@ class PrefillAttention(WrappedOps):
         if sinks is not None:
             extra["sinks"] = sinks
         n = S // self.parts
-        outs = []
-        for j in range(self.parts):
-            i0, i1 = j * n, (j + 1) * n
-            kb = kv_len - S + i1
-            outs.append(self.inner.attention(q[:, :, i0:i1], keys[:, :, :kb], values[:, :, :kb], positions[:, i0:i1],
-                                             mask[:, i0:i1, :kb], scale, **extra))
-        return torch.cat(outs, dim=2)  # [B, n_heads, S, D]
+        rows = []
+        for b in range(q.shape[0]):  # one row at a time: see the class docstring
+            r = slice(b, b + 1)
+            outs = []
+            for j in range(self.parts):
+                i0, i1 = j * n, (j + 1) * n
+                kb = kv_len - S + i1
+                outs.append(self.inner.attention(q[r, :, i0:i1], keys[r, :, :kb], values[r, :, :kb],
+                                                 positions[r, i0:i1], mask[r, i0:i1, :kb], scale, **extra))
+            rows.append(torch.cat(outs, dim=2))  # [1, n_heads, S, D]
+        return rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)  # [B, n_heads, S, D]
 
 
 class DecodeAttention(WrappedOps):
@@ -295,7 +303,7 @@ class LayerGraph(nn.Module):
 
     The residual stream x and the rope tables come in the dtypes the executor chooses (fp32 for accuracy under
     bf16 weights: models.llama.DecoderLayer and Attention handle the mix). Decode graphs attend with
-    `DecodeAttention`, batch-1 prefill graphs given `prefill_parts` with `PrefillAttention`. Holds a copy of
+    `DecodeAttention`, prefill graphs given `prefill_parts` with `PrefillAttention`. Holds a copy of
     `layer`; the caller's model is left as it is.
     """
 
@@ -320,7 +328,7 @@ class LayerGraph(nn.Module):
         if decode_attention:
             attn = self.layer.self_attn
             attn.ops = DecodeAttention(attn.ops, rows_as_decode, kernel)
-        elif prefill_parts:  # a batch-1 prefill graph: attention in parts (PrefillAttention)
+        elif prefill_parts:  # a prefill graph: each row's attention in parts (PrefillAttention)
             attn = self.layer.self_attn
             attn.ops = PrefillAttention(attn.ops, prefill_parts)
         if linear_kernel:  # bf16 float linears on cpu_ops' bf16_linear (the cpu backend's one_row_gemm "kernel")
