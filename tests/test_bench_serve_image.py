@@ -13,6 +13,7 @@ from neuron_opt.bench.serve.cli import main
 from neuron_opt.bench.serve.image import greedy_check, image_requests
 
 
+@pytest.mark.slow  # a real server, HF generate and rounds (the default suite's budget)
 def test_image_scenario_serves_hf_greedy_answers_at_each_stream_count(tmp_path):
     out, png = tmp_path / "image.json", tmp_path / "image.png"
     rc = main(["--scenario", "image", "--make-tiny-vlm", str(tmp_path / "vlm"), "--num-prompts", "2",

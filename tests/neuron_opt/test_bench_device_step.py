@@ -17,6 +17,7 @@ from neuron_opt.planner.validation import models
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # compiles and runs a cpu artifact end to end (the default suite's budget)
 def test_bench_device_step_quick(tiny_dir, tmp_path: Path) -> None:
     out = tmp_path / "step.json"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_device_step.py"), "--quick", "--cpu-model",

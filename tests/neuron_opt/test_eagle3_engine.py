@@ -285,6 +285,7 @@ def test_cpu_artifact_runs_an_eagle3_head_exactly(setup, tiny_dir, tmp_path):
     assert type(chain).__name__ == "CpuEagle3Chain" and chain.calls["chain"] > 0
 
 
+@pytest.mark.slow  # two rank processes (the default suite's budget)
 def test_tp2_rank_processes_hand_over_their_states_and_stay_exact(setup, tiny_dir):
     """Eager tp 2 (rank processes): rank 0 sends the streams (whole on every rank) with the logits, the ranks
     gather the shared embeddings; greedy with the head equals the one-rank plain loop's."""

@@ -133,7 +133,8 @@ def test_vision_language_compile_refusals(families, tmp_path):
                          log=lambda _: None, progress=False)
 
 
-@pytest.mark.parametrize("family", [pytest.param("idefics3", marks=pytest.mark.slow), "qwen2_5_vl",
+@pytest.mark.parametrize("family", [pytest.param("idefics3", marks=pytest.mark.slow),
+                                    pytest.param("qwen2_5_vl", marks=pytest.mark.slow),
                                     pytest.param("qwen3_vl", marks=pytest.mark.slow),
                                     pytest.param("gemma3", marks=pytest.mark.slow)])
 def test_tp2_decoder_on_ranks_gives_hf_greedy_text(families, family):
