@@ -164,6 +164,7 @@ def _compiled_greedy_matches_hf(variant: str, tmp_path, decode_attention: str) -
         torch.set_num_threads(threads)
 
 
+@pytest.mark.slow  # a cpu artifact's compile, about a minute (the default suite's budget)
 def test_gemma2_cpu_graphs_match_hf(tmp_path):
     """The family with the most options (soft-capping on the C++ paged attention kernel where it builds, mixed
     windows as a graph input, (1 + w) sandwich norms, GeGLU, scaled embeddings, capped logits)."""

@@ -150,6 +150,7 @@ def test_tp_ranks_equal_sentence_transformers(llama_mean, tmp_path, sequence_par
         ranks.close()
 
 
+@pytest.mark.slow  # a cpu artifact's compile (the default suite's budget)
 def test_cpu_graphs_equal_sentence_transformers(llama_mean, tmp_path):
     """The cpu backend: compiled layer graphs, then the pool graph (final norm, masked mean) on every row."""
     d, model = llama_mean

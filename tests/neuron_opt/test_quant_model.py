@@ -80,6 +80,7 @@ def test_eager_quantized_logits_near_fp32(build, name, kw, bound):
     assert rel_err(logits(build(name, **kw)), ref) < bound
 
 
+@pytest.mark.slow  # a cpu artifact's compile (the default suite's budget)
 def test_cpu_int8_kernels_with_fp8_kv_match_the_eager_reference(build):
     kw = dict(quantize="int8", kv_cache_dtype="fp8")
     cpu, eager = build("cpu-int8-kv", "cpu", **kw), build("eager-int8-kv", **kw)
