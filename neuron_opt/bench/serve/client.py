@@ -229,15 +229,11 @@ def load_hf_model(model: str, attn: str = "eager"):  # noqa: ANN201
     return hf.eval()
 
 
-def hf_baseline(model: str, attn: str):  # noqa: ANN201
-    """HF transformers with `attn` attention, loaded and warmed up: a function serving prompts one after another,
-    (prompts, output_len) -> (results, wall seconds)."""
+def token_times_streamer() -> type:
+    """A transformers streamer class recording when each chunk of tokens arrives (`t`: perf_counter seconds), for
+    the HF baselines' TTFT and TPOT."""
     import torch
     from transformers.generation.streamers import BaseStreamer
-
-    hf = load_hf_model(model, attn)
-    hf.generation_config.eos_token_id = None  # like ignore_eos: never stop early, never ban EOS
-    hf.generation_config.pad_token_id = 0
 
     class Times(BaseStreamer):
         def __init__(self) -> None:
@@ -248,6 +244,20 @@ def hf_baseline(model: str, attn: str):  # noqa: ANN201
 
         def end(self) -> None:
             pass
+
+    return Times
+
+
+def hf_baseline(model: str, attn: str):  # noqa: ANN201
+    """HF transformers with `attn` attention, loaded and warmed up: a function serving prompts one after another,
+    (prompts, output_len) -> (results, wall seconds)."""
+    import torch
+
+    hf = load_hf_model(model, attn)
+    hf.generation_config.eos_token_id = None  # like ignore_eos: never stop early, never ban EOS
+    hf.generation_config.pad_token_id = 0
+
+    Times = token_times_streamer()
 
     def gen(ids: list[int], n: int, streamer: Times | None = None) -> torch.Tensor:
         x = torch.tensor([ids])

@@ -34,7 +34,14 @@ from typing import Any
 
 import numpy as np
 
-from neuron_opt.bench.serve.client import RequestResult, over_rounds, run_load, summarize, with_server
+from neuron_opt.bench.serve.client import (
+    RequestResult,
+    over_rounds,
+    run_load,
+    summarize,
+    token_times_streamer,
+    with_server,
+)
 
 IMAGE_MIN_SIDE, IMAGE_MAX_SIDE = 64, 768
 QUESTIONS = ("What is in this picture?", "Describe the shapes and their colors.",
@@ -82,21 +89,12 @@ def hf_image_baseline(model: str, attn: str, processor: Any):  # noqa: ANN201
     serving requests one after another, (pngs, questions, output_len) -> (results, wall seconds, token ids)."""
     import torch
     from transformers import AutoModelForImageTextToText
-    from transformers.generation.streamers import BaseStreamer
 
     hf = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32, attn_implementation=attn).eval()
     hf.generation_config.eos_token_id = None  # like ignore_eos: never stop early, never ban EOS
     hf.generation_config.pad_token_id = 0
 
-    class Times(BaseStreamer):
-        def __init__(self) -> None:
-            self.t: list[float] = []
-
-        def put(self, value: torch.Tensor) -> None:
-            self.t.append(time.perf_counter())
-
-        def end(self) -> None:
-            pass
+    Times = token_times_streamer()
 
     def one(png: bytes, question: str, n: int, streamer: Times | None = None) -> list[int]:
         inputs = processor.apply_chat_template(hf_messages(png, question), add_generation_prompt=True,
